@@ -1,0 +1,1 @@
+"""Triton kernels, installed as `megalite.kernels` (filled by the kernels work)."""

@@ -1,0 +1,318 @@
+"""The one place in megalite that calls torch.distributed.
+
+Every collective and point-to-point transfer goes through a function here. That buys:
+
+- exact byte accounting per (group name, op) in `ledger`, which tests compare with the
+  formulas (e.g. Megatron's 4 all-reduces of b*s*h elements per layer and step) and which
+  the metrics report;
+- a per-rank ring buffer of the most recent ops (`recent_ops()`), so a hang can be reported
+  as "rank 5 waits in all_reduce on group dp (seq 812)";
+- one place to time communication.
+
+Conventions:
+- `group=None` means a group of one process: every op is then a no-op (returns its input).
+  It never means "the world" (use `world_group()` for that).
+- Bytes counted per call are the payload of one rank in nccl-tests terms: all_reduce and
+  broadcast the tensor; all_gather the gathered output; reduce_scatter the full input;
+  send/recv the tensor sent or received; all_to_all the input.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting: bytes per (group, op) and a ring buffer of recent ops
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OpRecord:
+    seq: int
+    op: str
+    group: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    start: float
+    end: float | None = None  # None while the call has not returned (or an async op is pending)
+
+    def describe(self) -> str:
+        state = "in progress" if self.end is None else f"done in {1e3 * (self.end - self.start):.2f} ms"
+        return f"#{self.seq} {self.op} group={self.group} shape={list(self.shape)} {self.dtype} ({state})"
+
+
+class Ledger:
+    """Bytes, call counts and host-side seconds per (group name, op) since the last reset."""
+
+    def __init__(self, ring_size: int = 128):
+        self._lock = threading.Lock()
+        self.bytes: dict[tuple[str, str], int] = collections.defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = collections.defaultdict(int)
+        self.seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
+        self.ring: collections.deque[OpRecord] = collections.deque(maxlen=ring_size)
+        self._seq = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes.clear()
+            self.calls.clear()
+            self.seconds.clear()
+
+    def begin(self, op: str, group_name: str, tensor: torch.Tensor, nbytes: int) -> OpRecord:
+        with self._lock:
+            self._seq += 1
+            record = OpRecord(self._seq, op, group_name, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                              nbytes, time.perf_counter())
+            self.ring.append(record)
+            self.bytes[(group_name, op)] += nbytes
+            self.calls[(group_name, op)] += 1
+            return record
+
+    def end(self, record: OpRecord) -> None:
+        record.end = time.perf_counter()
+        with self._lock:
+            self.seconds[(record.group, record.op)] += record.end - record.start
+
+    def total_bytes(self, group: str | None = None, op: str | None = None) -> int:
+        return sum(n for (g, o), n in self.bytes.items() if (group is None or g == group) and (op is None or o == op))
+
+    def snapshot(self) -> dict[str, int]:
+        """{'group/op': bytes} for metrics files."""
+        return {f"{g}/{o}": n for (g, o), n in sorted(self.bytes.items())}
+
+
+ledger = Ledger()
+
+
+def recent_ops() -> list[OpRecord]:
+    """The most recent communication ops of this process, oldest first."""
+    return list(ledger.ring)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------------------------
+
+_GROUP_NAMES: dict[Any, str] = {}
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta,
+                       device: torch.device | None = None) -> None:
+    kwargs = {"device_id": device} if device is not None else {}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    _GROUP_NAMES[dist.group.WORLD] = "world"
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+    _GROUP_NAMES.clear()
+
+
+def new_group(ranks: list[int], name: str):
+    """Create a process group over `ranks` (every rank must call this for every group)."""
+    group = dist.new_group(ranks)
+    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        _GROUP_NAMES[group] = name
+    return group
+
+
+def world_group():
+    """The group of every process, or None in a single-process run."""
+    return dist.group.WORLD if is_initialized() else None
+
+
+def group_name(group) -> str:
+    return "none" if group is None else _GROUP_NAMES.get(group, "unnamed")
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def _trivial(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def _run(op: str, group, tensor: torch.Tensor, nbytes: int, fn, async_op: bool):
+    record = ledger.begin(op, group_name(group), tensor, nbytes)
+    work = fn()
+    if async_op:
+        return _TrackedWork(work, record)
+    ledger.end(record)
+    return None
+
+
+class _TrackedWork:
+    """An async handle whose `wait()` also closes the ring-buffer record."""
+
+    def __init__(self, work, record: OpRecord | None):
+        self._work, self._record = work, record
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        if self._record is not None and self._record.end is None:
+            ledger.end(self._record)
+
+
+_DONE = _TrackedWork(None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of `tensor` over `group`. Returns the tensor (or a handle if async_op)."""
+    if _trivial(group):
+        return _DONE if async_op else tensor
+    work = _run("all_reduce", group, tensor, tensor.numel() * tensor.element_size(),
+                lambda: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op), async_op)
+    return work if async_op else tensor
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """Gather `input` from every rank into `output` ([n * input.numel()], rank-major)."""
+    if _trivial(group):
+        output.copy_(input.reshape(output.shape))
+        return _DONE if async_op else None
+    return _run("all_gather", group, input, output.numel() * output.element_size(),
+                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+
+
+def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along `dim` (same shape on every rank)."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    # Gather rank-major along a new leading dim, then move it next to `dim`: [n, *shape] -> cat on dim.
+    output = torch.empty((n,) + tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    all_gather_into(output, tensor, group)
+    return torch.cat(output.unbind(0), dim=dim) if dim != 0 else output.reshape((-1,) + tuple(tensor.shape[1:]))
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, op: str = "sum",
+                        async_op: bool = False):
+    """Reduce `input` over `group` and keep this rank's contiguous 1/n piece in `output`."""
+    if _trivial(group):
+        output.copy_(input.reshape(output.shape))
+        return _DONE if async_op else None
+    return _run("reduce_scatter", group, input, input.numel() * input.element_size(),
+                lambda: dist.reduce_scatter_tensor(output, input, op=_REDUCE_OPS[op], group=group,
+                                                   async_op=async_op), async_op)
+
+
+def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum `tensor` over `group` and return this rank's slice along `dim` (size must divide)."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    if tensor.shape[dim] % n != 0:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by {n} ranks")
+    # Make the scattered dim leading so each rank's piece is contiguous: [.., n*k, ..] -> [n, .., k, ..]
+    chunks = torch.stack(torch.chunk(tensor, n, dim=dim)) if dim != 0 else tensor.contiguous()
+    out_shape = list(tensor.shape)
+    out_shape[dim] //= n
+    output = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+    reduce_scatter_into(output, chunks, group)
+    return output
+
+
+def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
+    """Broadcast `tensor` in place from global rank `src` to every rank of `group`."""
+    if _trivial(group):
+        return _DONE if async_op else tensor
+    work = _run("broadcast", group, tensor, tensor.numel() * tensor.element_size(),
+                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+    return work if async_op else tensor
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
+    """Split `input` along dim 0 into n pieces, send piece i to rank i, receive into `output`."""
+    if _trivial(group):
+        output.copy_(input)
+        return output
+    _run("all_to_all", group, input, input.numel() * input.element_size(),
+         lambda: dist.all_to_all_single(output, input, group=group), False)
+    return output
+
+
+def barrier(group) -> None:
+    if _trivial(group):
+        return
+    marker = torch.zeros(1)
+    _run("barrier", group, marker, 0, lambda: dist.barrier(group=group), False)
+
+
+def all_gather_object(obj: Any, group) -> list[Any]:
+    """Gather a picklable object from every rank of `group` (small metadata only)."""
+    if _trivial(group):
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    marker = torch.zeros(0)
+    _run("all_gather_object", group, marker, 0, lambda: dist.all_gather_object(out, obj, group=group), False)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Point to point
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class P2P:
+    """One point-to-point transfer: op is 'send' or 'recv'; peer is a global rank."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+
+
+def batch_isend_irecv(transfers: Iterable[P2P], group) -> list[_TrackedWork]:
+    """Post all sends and receives together (no ordering deadlock between them); return handles."""
+    transfers = list(transfers)
+    if not transfers:
+        return []
+    ops, records = [], []
+    for t in transfers:
+        if t.op not in ("send", "recv"):
+            raise ValueError(f"p2p op must be 'send' or 'recv', got {t.op!r}")
+        fn = dist.isend if t.op == "send" else dist.irecv
+        ops.append(dist.P2POp(fn, t.tensor, t.peer, group))
+        records.append(ledger.begin(t.op, group_name(group), t.tensor, t.tensor.numel() * t.tensor.element_size()))
+    works = dist.batch_isend_irecv(ops)
+    # torch returns one handle per op on gloo and possibly one for the whole batch on NCCL.
+    if len(works) != len(records):
+        return [_TrackedWork(w, None) for w in works] + [_TrackedWork(None, r) for r in records]
+    return [_TrackedWork(w, r) for w, r in zip(works, records)]
+
+
+def wait_all(handles: Iterable[_TrackedWork]) -> None:
+    for handle in handles:
+        handle.wait()

@@ -1,0 +1,219 @@
+"""The device mesh: rank arithmetic (pure functions) and `Mesh`, the frozen object holding groups.
+
+Rank order is Megatron's: tp varies fastest, then dp, then pp,
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ranks of one tensor-parallel group are neighbours (one node, NVLink) and pipeline
+stages are farthest apart (they only exchange activations point to point).
+
+Everything above `Mesh` is pure arithmetic and is tested without any process group.
+`init_mesh` is the only function here that touches `torch.distributed`, and it does so
+through `megalite.comm` (the communication choke point).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megalite import comm
+
+# ---------------------------------------------------------------------------------------------
+# Pure rank arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_layout(world_size: int, tp: int, pp: int, dp: int | None) -> int:
+    """Check the degrees against the world size and return dp (inferred when None).
+
+    Raises ValueError naming what to change; never touches a process group.
+    """
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (tp * pp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                f"launch a multiple of {tp * pp} processes or change --tp/--pp"
+            )
+        return world_size // (tp * pp)
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"--dp must be a positive integer, got {dp!r}")
+    if tp * pp * dp != world_size:
+        raise ValueError(
+            f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
+            f"launch {tp * pp * dp} processes (torchrun --nproc_per_node ...) or change --tp/--pp/--dp"
+        )
+    return dp
+
+
+def rank_to_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """rank -> (tp_rank, dp_rank, pp_rank) in Megatron order (tp fastest, then dp, then pp)."""
+    if not 0 <= rank < tp * pp * dp:
+        raise ValueError(f"rank {rank} outside a world of {tp * pp * dp}")
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def coords_to_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """(tp_rank, dp_rank, pp_rank) -> global rank; inverse of `rank_to_coords`."""
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def tp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every tensor-parallel group: ranks that share (dp_rank, pp_rank)."""
+    return [[coords_to_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+
+
+def dp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every data-parallel group: ranks that share (tp_rank, pp_rank) and hold the same weights."""
+    return [[coords_to_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
+def pp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every pipeline group: ranks that share (tp_rank, dp_rank), ordered by stage."""
+    return [[coords_to_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+
+
+def model_parallel_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every model-parallel group (tp x pp): the ranks that together hold one model replica."""
+    return [sorted(coords_to_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)) for d in range(dp)]
+
+
+def embedding_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """First and last pipeline stage of every pipeline group: they share the tied embedding.
+
+    With pp == 1 the group is the single rank (the embedding is tied locally).
+    """
+    return [[ranks[0]] if pp == 1 else [ranks[0], ranks[-1]] for ranks in pp_group_ranks(tp, pp, dp)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The frozen mesh
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place in the (tp, pp, dp) layout and the process groups it uses.
+
+    Groups are `None` in a single-process run with no process group; every megalite
+    communication function treats `None` as a group of one (a no-op).
+    """
+
+    rank: int
+    world_size: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    backend: str | None
+    tp_group: Any = field(default=None, repr=False)
+    pp_group: Any = field(default=None, repr=False)
+    dp_group: Any = field(default=None, repr=False)
+    model_parallel_group: Any = field(default=None, repr=False)
+    embedding_group: Any = field(default=None, repr=False)
+    pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's pipeline group, by stage
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def describe(self) -> str:
+        """A rank table of the whole layout: one line per global rank."""
+        lines = [
+            f"mesh: world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size} "
+            f"backend={self.backend or 'none'} (rank = tp_rank + tp*(dp_rank + dp*pp_rank))",
+            f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3}",
+        ]
+        for r in range(self.world_size):
+            t, d, p = rank_to_coords(r, self.tp_size, self.pp_size, self.dp_size)
+            lines.append(f"{r:>5} {t:>3} {d:>3} {p:>3}")
+        return "\n".join(lines)
+
+
+_CURRENT_MESH: Mesh | None = None
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh made by the last `init_mesh`, or None. Only layers' `tp_group=None` default reads it."""
+    return _CURRENT_MESH
+
+
+def single_process_mesh(device: torch.device | str | None = None) -> Mesh:
+    """A tp=pp=dp=1 mesh that needs no process group."""
+    device = torch.device(device) if device is not None else default_device()
+    return Mesh(rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
+                device=device, backend=None, pp_ranks=(0,))
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | None = None,
+              timeout_s: float = 600.0) -> Mesh:
+    """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
+
+    Validates world == tp*pp*dp before any process group exists. Backend: nccl when CUDA is
+    available, gloo otherwise. Sets the CUDA device from LOCAL_RANK. Every rank creates every
+    group in the same order (torch.distributed requires it) and keeps its own.
+    """
+    global _CURRENT_MESH
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    dp = validate_layout(world_size, tp, pp, dp)
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size == 1 and not comm.is_initialized():
+        _CURRENT_MESH = single_process_mesh(device)
+        return _CURRENT_MESH
+
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if not comm.is_initialized():
+        comm.init_process_group(backend, rank, world_size, datetime.timedelta(seconds=timeout_s),
+                                device=device if device.type == "cuda" else None)
+    tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp)
+
+    def mine(name: str, all_ranks: list[list[int]]):
+        chosen = None
+        for ranks in all_ranks:  # every rank must create every group, in the same order
+            group = comm.new_group(ranks, name)
+            if rank in ranks:
+                chosen = group
+        return chosen
+
+    pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp) if rank in r)
+    mesh = Mesh(
+        rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
+        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
+        tp_group=mine("tp", tp_group_ranks(tp, pp, dp)),
+        dp_group=mine("dp", dp_group_ranks(tp, pp, dp)),
+        pp_group=mine("pp", pp_group_ranks(tp, pp, dp)),
+        model_parallel_group=mine("mp", model_parallel_group_ranks(tp, pp, dp)),
+        embedding_group=mine("embedding", embedding_group_ranks(tp, pp, dp)),
+        pp_ranks=tuple(pp_ranks),
+    )
+    _CURRENT_MESH = mesh
+    return mesh
+
+
+def destroy_mesh() -> None:
+    """Forget the current mesh and tear down the process group (tests, end of training)."""
+    global _CURRENT_MESH
+    _CURRENT_MESH = None
+    comm.destroy_process_group()

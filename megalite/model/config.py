@@ -1,0 +1,152 @@
+"""GPT model configuration: one dataclass for both flavours, presets, and layout checks.
+
+Flavours:
+- "gpt2":  LayerNorm, tanh-GeLU MLP, learned positions, biases, tied input/output embeddings.
+- "llama": RMSNorm, SwiGLU MLP, rotary positions (rotate-half), grouped-query attention,
+           no biases, untied output layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class GPTConfig:
+    flavour: str = "gpt2"
+    """"gpt2" or "llama"."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    hidden_size: int = 128
+    """Model width h."""
+    num_attention_heads: int = 4
+    """Query heads; must divide by tp."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (None: one per query head, i.e. MHA)."""
+    ffn_hidden_size: int | None = None
+    """MLP inner width (None: 4h for gpt2, the Llama 8h/3 rounded to 256 for llama)."""
+    vocab_size: int = 257
+    """True vocabulary size; the embedding is padded (never refused) to a multiple of
+    make_vocab_size_divisible_by * tp, and padded columns never enter the loss."""
+    seq_length: int = 128
+    """Maximum sequence length (learned position table size for gpt2)."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    """Std of the normal init; output projections use init_std / sqrt(2 * num_layers)."""
+    tie_embeddings: bool | None = None
+    """None: tied for gpt2, untied for llama."""
+    add_bias: bool | None = None
+    """None: biases for gpt2, none for llama."""
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self):
+        if self.flavour not in ("gpt2", "llama"):
+            raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.flavour == "gpt2":
+                self.ffn_hidden_size = 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 256 * ((int(8 * self.hidden_size / 3) + 255) // 256)
+        if self.tie_embeddings is None:
+            self.tie_embeddings = self.flavour == "gpt2"
+        if self.add_bias is None:
+            self.add_bias = self.flavour == "gpt2"
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                             f"num_query_groups={self.num_query_groups}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return ((self.vocab_size + multiple - 1) // multiple) * multiple
+
+    def replace(self, **changes) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    # --- counts ---------------------------------------------------------------------------
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameters of the unpadded model (each tied tensor once)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * d
+        norm = 2 * h if self.flavour == "gpt2" else h
+        per_layer = h * qkv_out + h * h + 2 * norm
+        per_layer += (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
+        if self.add_bias:
+            per_layer += qkv_out + h + f + h
+        total = self.num_layers * per_layer + norm  # + final norm
+        if include_embedding:
+            total += self.vocab_size * h
+            if not self.tie_embeddings:
+                total += self.vocab_size * h
+            if self.flavour == "gpt2":
+                total += self.seq_length * h
+        return total
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        """Training FLOPs per token: 6N (dense matmuls, forward + backward) + 12*L*h*s (attention)."""
+        s = seq_length or self.seq_length
+        n_matmul = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size  # + lm head
+        return 6.0 * n_matmul + 12.0 * self.num_layers * self.hidden_size * s
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ValueError, naming valid choices, when the model cannot be split tp ways."""
+        checks = (("num_attention_heads", self.num_attention_heads),
+                  ("num_query_groups", self.num_query_groups),
+                  ("ffn_hidden_size", self.ffn_hidden_size))
+        for name, value in checks:
+            if value % tp != 0:
+                valid = [d for d in _divisors(self.num_attention_heads)
+                         if self.num_query_groups % d == 0 and self.ffn_hidden_size % d == 0]
+                raise ValueError(f"{name}={value} is not divisible by tp={tp}; choose tp in {valid}")
+
+
+# Presets are keyword sets, so an override (say hidden_size) re-derives what depends on it.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(flavour="gpt2", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=257,
+                 seq_length=128),
+    "tiny-llama": dict(flavour="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=352, vocab_size=257, seq_length=128, norm_eps=1e-6),
+    "gpt2-124m": dict(flavour="gpt2", num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257,
+                      seq_length=1024),
+    "gpt2-350m": dict(flavour="gpt2", num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50257,
+                      seq_length=1024),
+    "gpt2-1.3b": dict(flavour="gpt2", num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=50257,
+                      seq_length=2048),
+    "llama-1b": dict(flavour="llama", num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                     ffn_hidden_size=5632, vocab_size=32000, seq_length=2048),
+    "llama-7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                     ffn_hidden_size=11008, vocab_size=32000, seq_length=4096),
+    "llama-13b": dict(flavour="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,
+                      ffn_hidden_size=13824, vocab_size=32000, seq_length=4096),
+    "llama-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                      ffn_hidden_size=28672, vocab_size=32000, seq_length=4096),
+}
+
+
+def preset(name: str, **overrides) -> GPTConfig:
+    """The named preset with explicit overrides (None values are ignored)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+    kwargs = dict(PRESETS[name])
+    if overrides.get("hidden_size") is not None and overrides.get("ffn_hidden_size") is None \
+            and kwargs.get("flavour") == "gpt2":
+        kwargs.pop("ffn_hidden_size", None)
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    return GPTConfig(**kwargs)
