@@ -1,0 +1,106 @@
+"""Run a function on N real gloo ranks, forked from this process (tests, tools, examples).
+
+`fork` starts 8 ranks in well under a second; `spawn` re-imports torch in every rank and
+costs seconds. Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT), one intra-op thread (so 8 ranks share 2 cores without
+oversubscription), and its return value travels back pickled. An exception on any rank is
+re-raised here with that rank's traceback; a rank that does not finish within `timeout_s`
+is killed and reported, so a broken collective fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, conn, env):
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args, **kwargs)
+        conn.send(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            from megalite import mesh
+
+            mesh.destroy_mesh()
+        except Exception:
+            pass
+        conn.close()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0,
+                    env: dict[str, str] | None = None, **kwargs) -> list[Any]:
+    """Call `fn(*args, **kwargs)` on `world_size` forked ranks; return the results by rank.
+
+    `fn` typically calls `megalite.mesh.init_mesh(...)` first, which reads the environment
+    set up here.
+    """
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, kwargs, child, env or {}),
+                        daemon=True)
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+
+    results: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(world_size))
+    while pending and time.monotonic() < deadline:
+        for rank in list(pending):
+            conn = conns[rank]
+            if conn.poll(0.01):
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    status, payload = "error", "rank exited without reporting (killed or crashed)"
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+                pending.discard(rank)
+            elif not procs[rank].is_alive() and not conn.poll(0):
+                errors[rank] = f"rank exited with code {procs[rank].exitcode} without reporting"
+                pending.discard(rank)
+        if errors and pending:
+            # One rank failed; the others are likely blocked in a collective waiting for it.
+            time.sleep(0.5)
+            break
+    for rank in pending:
+        errors.setdefault(rank, f"did not finish within {timeout_s:.0f} s (hung or too slow)")
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+    if errors:
+        first = min(errors)
+        summary = "; ".join(f"rank {r}: {errors[r].splitlines()[0]}" for r in sorted(errors))
+        raise RankFailed(f"{len(errors)} of {world_size} ranks failed ({summary})\n"
+                         f"--- rank {first} ---\n{errors[first]}")
+    return results

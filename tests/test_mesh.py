@@ -1,0 +1,85 @@
+"""Mesh: pure rank arithmetic over many layouts, then real gloo groups."""
+import itertools
+import re
+
+import pytest
+import torch
+
+from megalite import comm, mesh
+from megalite.testing import run_distributed
+
+LAYOUTS = [(tp, pp, dp) for tp, pp, dp in itertools.product([1, 2, 3, 4, 8], [1, 2, 4], [1, 2, 3, 4])
+           if tp * pp * dp <= 64]
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_rank_arithmetic_partitions_the_world(tp, pp, dp):
+    world = tp * pp * dp
+    for rank in range(world):
+        t, d, p = mesh.rank_to_coords(rank, tp, pp, dp)
+        assert mesh.coords_to_rank(t, d, p, tp, dp) == rank
+        assert rank == t + tp * (d + dp * p)  # Megatron order: tp fastest, then dp, then pp
+    for groups, size in ((mesh.tp_group_ranks(tp, pp, dp), tp), (mesh.dp_group_ranks(tp, pp, dp), dp),
+                         (mesh.pp_group_ranks(tp, pp, dp), pp),
+                         (mesh.model_parallel_group_ranks(tp, pp, dp), tp * pp)):
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(world)), "each kind of group partitions the world"
+        assert all(len(g) == size for g in groups)
+    for g in mesh.tp_group_ranks(tp, pp, dp):
+        assert g == list(range(g[0], g[0] + tp)), "tp groups are consecutive ranks (NVLink neighbours)"
+    for g in mesh.pp_group_ranks(tp, pp, dp):
+        assert [mesh.rank_to_coords(r, tp, pp, dp)[2] for r in g] == list(range(pp))
+    for g in mesh.embedding_group_ranks(tp, pp, dp):
+        stages = [mesh.rank_to_coords(r, tp, pp, dp)[2] for r in g]
+        assert stages == ([0] if pp == 1 else [0, pp - 1])
+
+
+def test_known_layout_matches_megatron_table():
+    # tp=2, pp=2, dp=2 on 8 ranks: the example table from Megatron's initialize docstring.
+    assert mesh.tp_group_ranks(2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.dp_group_ranks(2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.pp_group_ranks(2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("world,tp,pp,dp,needle", [
+    (8, 3, 1, None, "not divisible by tp*pp"),
+    (8, 2, 2, 4, "world size 8 != tp*pp*dp"),
+    (8, 0, 1, None, "--tp must be a positive integer"),
+])
+def test_validate_layout_errors_name_the_fix(world, tp, pp, dp, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        mesh.validate_layout(world, tp, pp, dp)
+
+
+def test_validate_layout_infers_dp():
+    assert mesh.validate_layout(16, 2, 4, None) == 2
+
+
+def _groups_in_world(tp, pp):
+    m = mesh.init_mesh(tp=tp, pp=pp)
+    x = torch.tensor([float(m.rank)])
+    tp_sum = comm.all_reduce(x.clone(), m.tp_group).item()
+    dp_sum = comm.all_reduce(x.clone(), m.dp_group).item()
+    pp_sum = comm.all_reduce(x.clone(), m.pp_group).item()
+    return m.rank, (m.tp_rank, m.dp_rank, m.pp_rank), tp_sum, dp_sum, pp_sum, m.describe()
+
+
+def test_real_groups_match_arithmetic():
+    tp, pp, dp = 2, 2, 2
+    results = run_distributed(_groups_in_world, 8, tp, pp)
+    for rank, coords, tp_sum, dp_sum, pp_sum, table in results:
+        assert coords == mesh.rank_to_coords(rank, tp, pp, dp)
+        assert tp_sum == sum(next(g for g in mesh.tp_group_ranks(tp, pp, dp) if rank in g))
+        assert dp_sum == sum(next(g for g in mesh.dp_group_ranks(tp, pp, dp) if rank in g))
+        assert pp_sum == sum(next(g for g in mesh.pp_group_ranks(tp, pp, dp) if rank in g))
+    assert "rank = tp_rank + tp*(dp_rank + dp*pp_rank)" in results[0][5]
+    assert len(results[0][5].splitlines()) == 2 + 8
+
+
+def _bad_world():
+    mesh.init_mesh(tp=3)
+
+
+def test_bad_world_fails_on_every_rank_without_hanging():
+    with pytest.raises(Exception, match="not divisible by tp\\*pp"):
+        run_distributed(_bad_world, 4, timeout_s=30)
