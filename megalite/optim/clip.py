@@ -1,0 +1,133 @@
+"""Global gradient norm and clipping over the whole (tp, pp, dp) mesh.
+
+The norm must equal `torch.nn.utils.clip_grad_norm_` on the same model run at tp=pp=dp=1.
+Each rank therefore adds the squares of the gradient elements it is *responsible* for and
+one all-reduce sums them:
+
+- a tp-sharded parameter (`shard_spec.is_tp_sharded`): every tp rank counts its own shard;
+  the shards are disjoint, so summing over the tp group counts each element once;
+- a parameter replicated across tp (norm weights, row-parallel biases): identical on every
+  tp rank (sequence-parallel grads are all-reduced over tp before this), so only tp_rank 0
+  counts it;
+- pipeline stages hold disjoint layers: summing over the pp group adds them;
+- the tied embedding exists on the first and the last stage (`shared_embedding=True`, both
+  copies carry the same all-reduced gradient): only the first stage counts it;
+- dp replicas hold the same (reduced) gradients: the sum runs over the model-parallel group
+  (tp x pp) only, never over dp. A ZeRO optimizer whose ranks each hold a disjoint 1/dp
+  shard of the gradients passes `sharded_over_dp=True` to also sum over dp.
+
+An inf/nan anywhere in a rank's gradients makes the global norm inf/nan on every rank
+(the all-reduced sum propagates it), which is how callers skip a step everywhere.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from megalite import comm
+from megalite.mesh import Mesh
+from megalite.tensor_parallel.sharding import get_shard_spec
+
+
+def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh) -> bool:
+    """True when this rank's copy of `param` contributes to the global gradient norm."""
+    if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
+        return False  # the first stage's copy stands for the tied embedding
+    if not get_shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
+        return False  # replicated across tp: tp_rank 0 stands for every copy
+    return True
+
+
+def reduce_square_sum(local_square_sum: torch.Tensor, mesh: Mesh, sharded_over_dp: bool = False) -> torch.Tensor:
+    """All-reduce a rank's float32 sum of squares into the global one (in place; returned).
+
+    Sums over the model-parallel group (tp x pp); also over dp when every dp rank holds a
+    disjoint shard of the gradients (ZeRO).
+    """
+    if sharded_over_dp and mesh.dp_size > 1:
+        # dp x tp x pp is the whole world: one all-reduce instead of two.
+        comm.all_reduce(local_square_sum, comm.world_group())
+    else:
+        comm.all_reduce(local_square_sum, mesh.model_parallel_group)
+    return local_square_sum
+
+
+def local_square_sum(params: Sequence[torch.Tensor], mesh: Mesh,
+                     grads: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """float32 scalar: the sum of squared gradient elements this rank is responsible for.
+
+    Gradients of parameters this rank does not count still poison the result with inf/nan
+    (multiplied by zero), so an overflow anywhere is never hidden by the counting rule.
+    """
+    grads = [p.grad for p in params] if grads is None else list(grads)
+    if len(grads) != len(params):
+        raise ValueError(f"got {len(grads)} gradients for {len(params)} parameters; pass one per parameter")
+    device = next((g.device for g in grads if g is not None), mesh.device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for param, grad in zip(params, grads):
+        if grad is None or grad.numel() == 0:
+            continue
+        square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        total += square if counts_in_grad_norm(param, mesh) else square * 0.0
+    return total
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], mesh: Mesh,
+                     grads: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """The L2 norm of the gradient of the whole model, identical on every rank (float32 scalar).
+
+    `params`: this rank's parameters (its tp shards of this pipeline stage, one dp replica).
+    `grads`: their gradients if not in `param.grad` (e.g. fp32 main grads), None for none.
+    """
+    params = list(params)
+    return reduce_square_sum(local_square_sum(params, mesh, grads), mesh).sqrt()
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)): the factor torch.nn.utils.clip_grad_norm_ applies."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: Mesh,
+                   grads: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Scale the gradients in place so the global norm is at most `max_norm`; return the norm before.
+
+    Same rule as `torch.nn.utils.clip_grad_norm_` (norm_type 2). A non-finite norm leaves
+    the gradients untouched (the caller skips the step).
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}; use clip_grad=0 to disable clipping")
+    params = list(params)
+    grads = [p.grad for p in params] if grads is None else list(grads)
+    total_norm = global_grad_norm(params, mesh, grads)
+    if torch.isfinite(total_norm):
+        coefficient = clip_coefficient(total_norm, max_norm)
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total_norm
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp_group,
+                                      grads: Sequence[torch.Tensor | None] | None = None) -> int:
+    """Sum over tp the partial gradients of params marked `sequence_parallel_grad=True`.
+
+    Under sequence parallelism each tp rank sees only its slice of the sequence, so norm
+    weights and row-parallel biases get partial gradients per tp rank; they must be summed
+    over the tp group before any dp reduction, norm or update. One coalesced all-reduce.
+    Returns how many parameters were reduced. (The data-parallel engine does this itself
+    when given the tp group; this is for code paths without it.)
+    """
+    params = list(params)
+    grads = [p.grad for p in params] if grads is None else list(grads)
+    chosen = [g for p, g in zip(params, grads) if g is not None and getattr(p, "sequence_parallel_grad", False)]
+    if not chosen or comm.group_size(tp_group) == 1:
+        return len(chosen)
+    flat = torch.cat([g.reshape(-1).float() for g in chosen])
+    comm.all_reduce(flat, tp_group)
+    offset = 0
+    for g in chosen:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return len(chosen)
