@@ -1,0 +1,151 @@
+"""Which implementation runs: the Triton kernels or the plain-PyTorch references.
+
+`MEGALITE_KERNEL_BACKEND` (read on every call, so tests and users can switch it at run time):
+
+- `auto` (default): Triton for CUDA tensors when triton imports, the PyTorch reference elsewhere;
+- `triton`: always the Triton kernels. On CPU tensors this needs `TRITON_INTERPRET=1`, and
+  the kernels then run in Triton's interpreter (how the tests check the kernel code itself);
+- `torch`: always the PyTorch reference.
+
+Triton is imported guardedly: where it is missing (macOS, Windows) `import megalite.kernels`
+still works, `triton.jit` below is a no-op decorator and only the references run.
+
+Triton decides interpreter-or-compiler when a function is decorated, i.e. when a kernel module
+is imported. `runnable(kernel, device)` makes that decision at launch time instead (it builds
+an interpreted twin of a compiled kernel when CPU tensors must be interpreted), so the result
+does not depend on which test module happened to import `megalite.kernels` first. Kernels
+therefore call no other `@triton.jit` helper functions: each is self-contained.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is Linux-only; everything here must work without it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # noqa: BLE001 - ImportError, or a broken install on an odd platform
+    HAVE_TRITON = False
+
+    class _TritonMissing:
+        """Stands in for `triton` so kernel modules can still be defined (never launched)."""
+
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return fn if fn is not None else (lambda f: f)
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 << max(0, (int(n) - 1).bit_length())
+
+    class _LanguageMissing:
+        constexpr = object  # only ever used in kernel signatures' annotations
+
+    triton = _TritonMissing()
+    tl = _LanguageMissing()
+
+BACKENDS = ("auto", "triton", "torch")
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_POISON_ENV = "MEGALITE_KERNEL_POISON"
+
+
+def backend_name() -> str:
+    name = os.environ.get("MEGALITE_KERNEL_BACKEND", "auto").strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"MEGALITE_KERNEL_BACKEND={name!r} is not a backend; choose one of {BACKENDS}")
+    return name
+
+
+def interpreting() -> bool:
+    """True when TRITON_INTERPRET asks for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Should an op on `tensor` run its Triton kernels (True) or its PyTorch reference (False)?"""
+    name = backend_name()
+    if name == "torch":
+        return False
+    if name == "auto":
+        return HAVE_TRITON and tensor.device.type == "cuda"
+    if not HAVE_TRITON:
+        raise RuntimeError("MEGALITE_KERNEL_BACKEND=triton but triton cannot be imported here; "
+                           "install triton (Linux) or set MEGALITE_KERNEL_BACKEND=auto or torch")
+    if tensor.device.type != "cuda" and not interpreting():
+        raise ValueError(f"MEGALITE_KERNEL_BACKEND=triton on {tensor.device.type} tensors needs Triton's "
+                         "interpreter: set TRITON_INTERPRET=1, or use MEGALITE_KERNEL_BACKEND=auto")
+    return True
+
+
+_INTERPRETED_TWINS: dict[int, object] = {}
+
+
+def runnable(kernel, device: torch.device):
+    """The kernel to launch for tensors on `device`: compiled on CUDA, interpreted on CPU.
+
+    A kernel decorated while TRITON_INTERPRET was unset is a compiled JITFunction; for CPU
+    tensors we wrap its Python function in the interpreter ourselves.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
+        return kernel
+    twin = _INTERPRETED_TWINS.get(id(kernel))
+    if twin is None:
+        twin = _INTERPRETED_TWINS[id(kernel)] = InterpretedFunction(kernel.fn)
+    return twin
+
+
+def check_float_dtype(op: str, tensor: torch.Tensor, name: str = "input",
+                      supported: tuple[torch.dtype, ...] = SUPPORTED_FLOAT_DTYPES) -> None:
+    if tensor.dtype not in supported:
+        names = ", ".join(str(d).replace("torch.", "") for d in supported)
+        raise TypeError(f"{op}: {name} has dtype {str(tensor.dtype).replace('torch.', '')}; the Triton kernel "
+                        f"supports {names} (or set MEGALITE_KERNEL_BACKEND=torch for the reference)")
+
+
+def check_same_device(op: str, *tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: inputs are on different devices {sorted(map(str, devices))}; move them to one")
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty for kernel outputs; NaN-filled (or -1 for integers) when MEGALITE_KERNEL_POISON=1.
+
+    The tests poison every output this way, so an element a kernel forgets to write fails.
+    """
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get(_POISON_ENV, "0") == "1":
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
+
+
+def num_programs_hint(device: torch.device) -> int:
+    """How many persistent programs to launch for reductions over rows (e.g. weight gradients)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another: keep few
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [rows, n] with unit column stride (a view when possible, else a copy).
+
+    Kernels take the row stride as an argument, so row-strided views (e.g. a slice of a
+    fused qkv output) are not copied.
+    """
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
