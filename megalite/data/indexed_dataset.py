@@ -1,0 +1,198 @@
+"""Memory-mapped indexed dataset: a `.bin` of token ids plus an `.idx` of document offsets.
+
+On-disk format (little endian), written by `IndexedDatasetWriter`, read by `IndexedDataset`:
+
+    prefix.bin   token ids, one flat array of `dtype` (uint16 when the vocab fits, else int32)
+    prefix.idx   header (56 bytes)                 then offsets: int64[num_docs + 1]
+                   magic      8s  b"MLITEIDX"        offsets[0] = 0, offsets[-1] = num_tokens,
+                   version    u32 (1)                document d = tokens[offsets[d]:offsets[d+1]]
+                   dtype code u32 (see DTYPES)       (its last token is the end-of-document id)
+                   vocab_size i64
+                   eod        i64
+                   num_docs   u64
+                   num_tokens u64
+                   crc32      u32 of the offsets bytes
+                   reserved   u32
+
+Opening checks the magic, version, dtype, both file sizes, the offsets' CRC and that offsets
+are non-decreasing, so a corrupt or truncated pair fails at once with an error naming the
+file, never later as garbage samples. Files are written under temporary names and renamed
+into place, so a crashed writer leaves no half pair behind.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+
+import numpy as np
+
+MAGIC = b"MLITEIDX"
+VERSION = 1
+HEADER = struct.Struct("<8sIIqqQQII")  # 56 bytes, keeps the offsets 8-byte aligned
+DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.int32), 4: np.dtype(np.int64)}
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+class CorruptIndexError(ValueError):
+    """The .bin/.idx pair is unreadable, truncated or inconsistent."""
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def token_dtype_for(vocab_size: int) -> np.dtype:
+    """Smallest dtype holding ids 0..vocab_size-1 (halves disk and page cache vs int32)."""
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.int32)
+
+
+def dataset_exists(prefix: str) -> bool:
+    return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
+
+
+class IndexedDatasetWriter:
+    """Appends documents (arrays of token ids) and writes the .bin/.idx pair on `finalize()`.
+
+    Writes go to `prefix.bin.tmp-<pid>` / `prefix.idx.tmp-<pid>`; `finalize` renames them.
+    """
+
+    def __init__(self, prefix: str, vocab_size: int, eod: int, dtype: np.dtype | None = None):
+        self.prefix = prefix
+        self.vocab_size = int(vocab_size)
+        self.eod = int(eod)
+        self.dtype = np.dtype(dtype) if dtype is not None else token_dtype_for(vocab_size)
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"token dtype {self.dtype} unsupported; use one of {sorted(map(str, DTYPE_CODES))}")
+        directory = os.path.dirname(os.path.abspath(prefix))
+        os.makedirs(directory, exist_ok=True)
+        suffix = f".tmp-{os.getpid()}"
+        self._bin_tmp = data_file_path(prefix) + suffix
+        self._idx_tmp = index_file_path(prefix) + suffix
+        self._bin = open(self._bin_tmp, "wb")
+        self._lengths: list[np.ndarray] = []
+        self.num_tokens = 0
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        """Append one document (the caller includes the end-of-document id)."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"a document must be a 1-D array of ids, got shape {tokens.shape}")
+        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._lengths.append(np.array([tokens.size], dtype=np.int64))
+        self.num_tokens += tokens.size
+
+    def add_documents(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        """Append many documents at once: `tokens` is their concatenation, `lengths` their sizes."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but {tokens.size} tokens were given")
+        self._bin.write(np.asarray(tokens).astype(self.dtype, copy=False).tobytes())
+        self._lengths.append(lengths)
+        self.num_tokens += tokens.size
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        write_index(self._idx_tmp, lengths, self.dtype, self.vocab_size, self.eod)
+        os.replace(self._bin_tmp, data_file_path(self.prefix))
+        os.replace(self._idx_tmp, index_file_path(self.prefix))
+
+    def abort(self) -> None:
+        self._bin.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def write_index(path: str, doc_lengths: np.ndarray, dtype: np.dtype, vocab_size: int, eod: int) -> None:
+    """Write an .idx file for documents of `doc_lengths` tokens (used by the writer and tools)."""
+    offsets = np.zeros(len(doc_lengths) + 1, dtype=np.int64)
+    np.cumsum(doc_lengths, out=offsets[1:])
+    offset_bytes = offsets.tobytes()
+    header = HEADER.pack(MAGIC, VERSION, DTYPE_CODES[np.dtype(dtype)], int(vocab_size), int(eod),
+                         len(doc_lengths), int(offsets[-1]), zlib.crc32(offset_bytes), 0)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(offset_bytes)
+
+
+class IndexedDataset:
+    """Read-only view of a .bin/.idx pair; documents are numpy views into a memory map."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} does not exist; create the pair with "
+                                        f"tools/preprocess_data.py --output-prefix {prefix}")
+        idx_size = os.path.getsize(idx_path)
+        if idx_size < HEADER.size:
+            raise CorruptIndexError(f"{idx_path} is truncated: {idx_size} bytes, shorter than the "
+                                    f"{HEADER.size}-byte header; re-run tools/preprocess_data.py")
+        with open(idx_path, "rb") as f:
+            fields = HEADER.unpack(f.read(HEADER.size))
+        magic, version, dtype_code, vocab_size, eod, num_docs, num_tokens, crc, _ = fields
+        if magic != MAGIC:
+            raise CorruptIndexError(f"{idx_path} is not a megalite index (magic {magic!r}, expected "
+                                    f"{MAGIC!r}); re-run tools/preprocess_data.py")
+        if version != VERSION:
+            raise CorruptIndexError(f"{idx_path} has format version {version}, this megalite reads "
+                                    f"version {VERSION}; re-run tools/preprocess_data.py")
+        if dtype_code not in DTYPES:
+            raise CorruptIndexError(f"{idx_path} has unknown dtype code {dtype_code}; the file is corrupt")
+        expected_idx = HEADER.size + 8 * (num_docs + 1)
+        if idx_size != expected_idx:
+            raise CorruptIndexError(f"{idx_path} is {idx_size} bytes but its header promises {num_docs} "
+                                    f"documents ({expected_idx} bytes): truncated or corrupt; re-run "
+                                    f"tools/preprocess_data.py")
+        self.dtype = DTYPES[dtype_code]
+        self.vocab_size, self.eod = int(vocab_size), int(eod)
+        self.offsets = np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER.size, shape=(num_docs + 1,))
+        if zlib.crc32(memoryview(self.offsets)) != crc:
+            raise CorruptIndexError(f"{idx_path}: document offsets fail their CRC check (corrupt file); "
+                                    f"re-run tools/preprocess_data.py")
+        if self.offsets[0] != 0 or self.offsets[-1] != num_tokens or bool(np.any(np.diff(self.offsets) < 0)):
+            raise CorruptIndexError(f"{idx_path}: document offsets are inconsistent with the header")
+        bin_size, expected_bin = os.path.getsize(bin_path), num_tokens * self.dtype.itemsize
+        if bin_size != expected_bin:
+            raise CorruptIndexError(f"{bin_path} is {bin_size} bytes but {idx_path} describes {num_tokens} "
+                                    f"tokens of {self.dtype} ({expected_bin} bytes): truncated or not the "
+                                    f"matching pair; re-run tools/preprocess_data.py")
+        self.num_tokens = int(num_tokens)
+        self.crc = int(crc)
+        if self.num_tokens:
+            self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        else:  # numpy cannot map an empty file
+            self.tokens = np.zeros(0, dtype=self.dtype)
+
+    def __len__(self) -> int:
+        """Number of documents."""
+        return len(self.offsets) - 1
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens of document `doc` from `offset`, at most `length` of them (a memory-map view)."""
+        start, end = int(self.offsets[doc]) + offset, int(self.offsets[doc + 1])
+        if length is not None:
+            end = min(end, start + length)
+        return self.tokens[start:end]
+
+    def __getitem__(self, doc: int) -> np.ndarray:
+        return self.get(doc)
+
+    def fingerprint(self) -> str:
+        """Content identity for cache keys: changes whenever the documents change."""
+        return f"{self.crc:08x}-{len(self)}-{self.num_tokens}-{self.dtype.str}"
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
+                f"dtype={self.dtype}, vocab_size={self.vocab_size})")

@@ -1,0 +1,249 @@
+"""Text -> tokens -> .bin/.idx: the one preprocessing path (CLI and default corpus both use it).
+
+Inputs are plain-text files (one file = one document), directories (walked in sorted order,
+every file one document, or JSON lines for .jsonl/.json files) and JSON-lines files (one
+document per line per `json_keys` entry). Every document gets the tokenizer's end-of-document
+id appended; empty documents and files that are not UTF-8 are skipped and counted.
+
+Tokenisation runs in `workers` forked processes on batches of about 1 MB of text, so the
+parent only reads files and writes arrays; results come back in input order, so the output is
+identical for any number of workers.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megalite.data.indexed_dataset import IndexedDatasetWriter
+from megalite.data.tokenizer import load_tokenizer
+
+JSON_SUFFIXES = (".jsonl", ".json")
+BATCH_BYTES = 1 << 20  # text per worker task: large enough to amortise pickling
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    skipped_empty: int = 0
+    skipped_not_utf8: int = 0
+    text_bytes: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: dict[str, str] = field(default_factory=dict)  # json key -> output prefix
+
+    def summary(self) -> str:
+        mb = self.text_bytes / 1e6
+        rate = self.seconds and mb / self.seconds
+        token_rate = self.seconds and self.tokens / self.seconds
+        return (f"{self.documents} documents, {mb:.1f} MB of text -> {self.tokens} tokens in "
+                f"{self.seconds:.2f} s ({rate:.1f} MB/s, {token_rate:,.0f} tokens/s); skipped "
+                f"{self.skipped_empty} empty, {self.skipped_not_utf8} not UTF-8")
+
+
+def list_input_files(inputs: Iterable[str]) -> list[str]:
+    """Expand directories (recursively, sorted, hidden entries skipped); keep the given order."""
+    files = []
+    for path in inputs:
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+            files += sorted(found)
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"--input {path!r} is neither a file nor a directory")
+    return files
+
+
+def iter_documents(files: list[str], json_keys: tuple[str, ...], stats: PreprocessStats
+                   ) -> Iterator[tuple[str, str, int]]:
+    """Yield (json key, text, bytes read) in input order."""
+    for path in files:
+        if path.endswith(JSON_SUFFIXES):
+            with open(path, "r", encoding="utf-8") as f:
+                for line_number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{path}:{line_number}: not valid JSON ({exc}); JSON-lines "
+                                         f"input needs one object per line") from exc
+                    for key in json_keys:
+                        if key not in record:
+                            raise KeyError(f"{path}:{line_number}: no key {key!r} (keys: "
+                                           f"{sorted(record)}); pick one with --json-keys")
+                        yield key, str(record[key]), len(line)
+        else:
+            if len(json_keys) > 1:
+                raise ValueError(f"{path} is plain text but several --json-keys were given; "
+                                 f"plain-text files only go with a single key")
+            with open(path, "rb") as f:
+                raw = f.read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.skipped_not_utf8 += 1
+                continue
+            yield json_keys[0], text, len(raw)
+
+
+def _batches(documents: Iterator[tuple[str, str, int]], stats: PreprocessStats):
+    """Group documents into ~BATCH_BYTES batches: (keys, texts, bytes)."""
+    keys, texts, size = [], [], 0
+    for key, text, nbytes in documents:
+        if not text:
+            stats.skipped_empty += 1
+            continue
+        keys.append(key)
+        texts.append(text)
+        size += nbytes
+        if size >= BATCH_BYTES:
+            yield keys, texts, size
+            keys, texts, size = [], [], 0
+    if texts:
+        yield keys, texts, size
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer) -> None:
+    global _worker_tokenizer  # one tokenizer per worker process, set once at fork
+    _worker_tokenizer = tokenizer
+
+
+def _encode_batch(batch, tokenizer=None):
+    """(keys, texts, bytes) -> (keys, lengths int64[n], tokens concatenated with eod after each)."""
+    tokenizer = tokenizer or _worker_tokenizer
+    keys, texts, nbytes = batch
+    encode = getattr(tokenizer, "encode_array", None) or (lambda t: np.asarray(tokenizer.encode(t)))
+    pieces, lengths = [], np.empty(len(texts), dtype=np.int64)
+    eod = np.array([tokenizer.eod], dtype=np.int64)
+    for i, text in enumerate(texts):
+        ids = encode(text)
+        pieces += [ids.astype(np.int64, copy=False), eod]
+        lengths[i] = ids.size + 1
+    return keys, lengths, np.concatenate(pieces), nbytes
+
+
+class ProgressBar:
+    """One self-overwriting stderr line: bar (when the total is known), MB, MB/s, documents."""
+
+    def __init__(self, total_bytes: int | None, stream=None, interval_s: float = 0.25):
+        self.total, self.stream, self.interval = total_bytes, stream or sys.stderr, interval_s
+        self.start = self.last = time.perf_counter()
+        self.done_bytes = self.docs = 0
+
+    def update(self, nbytes: int, docs: int, final: bool = False) -> None:
+        self.done_bytes += nbytes
+        self.docs += docs
+        now = time.perf_counter()
+        if not final and now - self.last < self.interval:
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done_bytes / 1e6 / elapsed
+        if self.total:
+            fraction = 1.0 if final else min(self.done_bytes / self.total, 1.0)
+            bar = "#" * int(30 * fraction) + "." * (30 - int(30 * fraction))
+            head = f"[{bar}] {100 * fraction:5.1f}% "
+        else:
+            head = ""
+        line = f"\r{head}{self.done_bytes / 1e6:8.1f} MB {rate:7.1f} MB/s {self.docs:9d} docs"
+        self.stream.write(line + ("\n" if final else ""))
+        self.stream.flush()
+
+
+def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefix: str, tokenizer,
+                         json_keys: tuple[str, ...] = ("text",), workers: int = 1,
+                         progress: ProgressBar | None = None,
+                         stats: PreprocessStats | None = None) -> PreprocessStats:
+    """Tokenize (key, text, bytes) documents into one .bin/.idx pair per key.
+
+    Output prefix: `output_prefix` for a single key, `{output_prefix}_{key}` for several.
+    `tokenizer` is a tokenizer object or a spec for `load_tokenizer`.
+    """
+    if isinstance(tokenizer, str) or tokenizer is None:
+        tokenizer = load_tokenizer(tokenizer)
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    stats = stats or PreprocessStats()
+    start = time.perf_counter()
+    prefixes = {key: output_prefix if len(json_keys) == 1 else f"{output_prefix}_{key}" for key in json_keys}
+    writers = {key: IndexedDatasetWriter(prefix, tokenizer.vocab_size, tokenizer.eod)
+               for key, prefix in prefixes.items()}
+    pool = None
+    try:
+        batches = _batches(iter(documents), stats)
+        if workers == 1:
+            results = (_encode_batch(batch, tokenizer) for batch in batches)
+        else:
+            pool = mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
+            results = _ordered_bounded_map(pool, batches, max_pending=4 * workers)
+        for keys, lengths, tokens, nbytes in results:
+            _write_batch(writers, keys, lengths, tokens)
+            stats.documents += len(keys)
+            stats.tokens += tokens.size
+            stats.text_bytes += nbytes
+            if progress:
+                progress.update(nbytes, len(keys))
+        for writer in writers.values():
+            writer.finalize()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    if progress:
+        progress.update(0, 0, final=True)
+    stats.seconds = time.perf_counter() - start
+    stats.outputs = prefixes
+    return stats
+
+
+def _ordered_bounded_map(pool, batches, max_pending: int):
+    """Like pool.imap, but reads ahead at most `max_pending` batches (imap would pull the whole
+    corpus into memory) and yields results in input order (output independent of workers)."""
+    pending = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_batch, (batch,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _write_batch(writers, keys, lengths, tokens) -> None:
+    if len(writers) == 1:
+        next(iter(writers.values())).add_documents(lengths, tokens)
+        return
+    ends = np.cumsum(lengths)
+    for i, key in enumerate(keys):  # several keys interleave: route document by document
+        writers[key].add_document(tokens[ends[i] - lengths[i]:ends[i]])
+
+
+def preprocess_files(inputs: Iterable[str], output_prefix: str, tokenizer=None,
+                     json_keys: tuple[str, ...] = ("text",), workers: int = 1,
+                     show_progress: bool = False) -> PreprocessStats:
+    """Files/directories/JSON lines -> .bin/.idx (what tools/preprocess_data.py runs)."""
+    files = list_input_files(inputs)
+    if not files:
+        raise ValueError(f"no input files found in {list(inputs)}")
+    stats = PreprocessStats()
+    progress = ProgressBar(sum(os.path.getsize(f) for f in files)) if show_progress else None
+    return preprocess_documents(iter_documents(files, tuple(json_keys), stats), output_prefix, tokenizer,
+                                tuple(json_keys), workers, progress, stats)

@@ -1,0 +1,100 @@
+"""Tokenizers: the built-in byte-level tokenizer and a wrapper for a local HF `tokenizer.json`.
+
+Both expose one small interface used by preprocessing and training:
+
+    vocab_size: int         size of the embedding table the model needs
+    eod: int                end-of-document id, appended after every document
+    encode(text) -> list[int]
+    decode(ids) -> str
+    name: str               stable identity (part of cache keys)
+
+Nothing is ever downloaded: a HF tokenizer is read from a file on disk through the optional
+`tokenizers` package, imported only when such a file is given.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: ids 0..255 are bytes, id 256 is the end-of-document token."""
+
+    vocab_size = 257
+    eod = 256
+    name = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Fast path used by preprocessing: the ids as a uint8 array (no Python list)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids) -> str:
+        data = bytes(int(i) for i in ids if int(i) != self.eod)
+        return data.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=257, eod=256)"
+
+
+class HFTokenizer:
+    """A HuggingFace `tokenizer.json` read from disk (needs the `tokenizers` package).
+
+    The end-of-document id is the first special token found among common EOS names
+    (`<|endoftext|>`, `</s>`, `<eos>`, `<|end_of_text|>`, `[SEP]`); when the file has none,
+    a new id `vocab_size` is reserved for it (so vocab_size grows by one).
+    """
+
+    EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file {path!r} does not exist; pass a path to a "
+                                    f"HuggingFace tokenizer.json, or 'byte' for the byte tokenizer")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:  # optional dependency
+            raise ImportError(f"loading {path!r} needs the HuggingFace `tokenizers` package; "
+                              f"`pip install tokenizers`, or use the built-in byte tokenizer "
+                              f"(--tokenizer byte)") from exc
+        self.path = os.path.abspath(path)
+        self._tokenizer = Tokenizer.from_file(path)
+        base_vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        eod = None
+        for token in self.EOD_NAMES:
+            token_id = self._tokenizer.token_to_id(token)
+            if token_id is not None:
+                eod = token_id
+                break
+        self._eod_is_extra = eod is None  # then no text maps to it; decode drops it
+        self.eod = base_vocab if eod is None else eod
+        self.vocab_size = base_vocab + (1 if eod is None else 0)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        self.name = f"hf-{digest}"
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids if not (self._eod_is_extra and int(i) == self.eod)]
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def load_tokenizer(spec: str | None):
+    """None or "byte" -> ByteTokenizer; a path to a HF tokenizer.json -> HFTokenizer."""
+    if spec is None or spec == "byte":
+        return ByteTokenizer()
+    if not isinstance(spec, str):
+        raise TypeError(f"tokenizer spec must be None, 'byte' or a path, got {type(spec).__name__}")
+    return HFTokenizer(spec)
