@@ -211,10 +211,12 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if n == 1:
         return tensor
     tensor = tensor.contiguous()
-    # Gather rank-major along a new leading dim, then move it next to `dim`: [n, *shape] -> cat on dim.
-    output = torch.empty((n,) + tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    # Backends gather rank-major along dim 0: [n * s0, s1, ...]; other dims are re-cut afterwards.
+    output = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     all_gather_into(output, tensor, group)
-    return torch.cat(output.unbind(0), dim=dim) if dim != 0 else output.reshape((-1,) + tuple(tensor.shape[1:]))
+    if dim % tensor.dim() == 0:
+        return output
+    return torch.cat(output.chunk(n, dim=0), dim=dim)
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, op: str = "sum",
@@ -235,10 +237,12 @@ def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         return tensor
     if tensor.shape[dim] % n != 0:
         raise ValueError(f"reduce_scatter: dim {dim} of size {tensor.shape[dim]} is not divisible by {n} ranks")
-    # Make the scattered dim leading so each rank's piece is contiguous: [.., n*k, ..] -> [n, .., k, ..]
-    chunks = torch.stack(torch.chunk(tensor, n, dim=dim)) if dim != 0 else tensor.contiguous()
     out_shape = list(tensor.shape)
     out_shape[dim] //= n
+    if dim % tensor.dim() == 0:
+        chunks = tensor.contiguous()
+    else:  # make each rank's piece contiguous and rank-major along dim 0: [n * s0, ...]
+        chunks = torch.cat(tensor.chunk(n, dim=dim), dim=0)
     output = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
     reduce_scatter_into(output, chunks, group)
     return output

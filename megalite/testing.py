@@ -92,14 +92,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: f
             # One rank failed; the others are likely blocked in a collective waiting for it.
             time.sleep(0.5)
             break
+    failed_first = sorted(errors)
     for rank in pending:
-        errors.setdefault(rank, f"did not finish within {timeout_s:.0f} s (hung or too slow)")
+        errors.setdefault(rank, f"still running after rank {failed_first[0]} failed (likely blocked in a collective)"
+                          if failed_first else f"did not finish within {timeout_s:.0f} s (hung or too slow)")
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
     if errors:
-        first = min(errors)
+        first = failed_first[0] if failed_first else min(errors)
         summary = "; ".join(f"rank {r}: {errors[r].splitlines()[0]}" for r in sorted(errors))
         raise RankFailed(f"{len(errors)} of {world_size} ranks failed ({summary})\n"
                          f"--- rank {first} ---\n{errors[first]}")

@@ -1,0 +1,241 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Every layer builds its full master weight from the current torch RNG (the same seed gives the
+same tensor on every rank), then keeps only this rank's slice. A layer at tp=4 is therefore
+numerically the same layer as at tp=1, and with the default init a `ColumnParallelLinear(i, o)`
+made after `torch.manual_seed(s)` has exactly the weights of `nn.Linear(i, o)` made after it.
+
+`tp_group=None` means the tp group of the mesh made by `megalite.mesh.init_mesh`, or no
+parallelism when no mesh exists.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import comm
+from megalite.mesh import current_mesh
+from megalite.tensor_parallel import mappings
+from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec, validate_blocks
+from megalite.tensor_parallel.weight_grad import active_store, bypasses_autograd, deliver
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def resolve_tp_group(tp_group):
+    """The explicit group, else the current mesh's tp group, else None (no parallelism)."""
+    if tp_group is not None:
+        return tp_group
+    mesh = current_mesh()
+    return mesh.tp_group if mesh is not None else None
+
+
+def _make_param(full: torch.Tensor, spec: ShardSpec, dtype, device) -> nn.Parameter:
+    param = nn.Parameter(spec.shard(full).to(device=device, dtype=dtype or torch.get_default_dtype()))
+    return set_shard_spec(param, spec)
+
+
+def _linear_default_init(in_features: int):
+    """nn.Linear's init: kaiming_uniform(a=sqrt(5)) weight, U(+-1/sqrt(in)) bias."""
+    bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+    return (lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)),
+            lambda b: nn.init.uniform_(b, -bound, bound))
+
+
+class _LinearFunction(torch.autograd.Function):
+    """y = x @ W^T + b, whose weight gradients go where `weight_grad` routes them.
+
+    x: [..., in]; weight: [out, in]; bias: [out] or None; y: [..., out].
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        out = torch.matmul(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias = ctx.saved_tensors
+        grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+
+        def weight_grads():
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
+            x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+            grad_weight = g2.t().matmul(x2) if wants_weight else None  # [out, in]
+            grad_bias = g2.sum(0) if wants_bias else None
+            return grad_weight, grad_bias
+
+        if bypasses_autograd(weight):
+            def deliver_weight_grads():
+                grad_weight, grad_bias = weight_grads()
+                if grad_weight is not None:
+                    deliver(weight, grad_weight)
+                if grad_bias is not None:
+                    deliver(bias, grad_bias)
+
+            deferred = active_store()
+            if deferred is not None:
+                store, key = deferred
+                store.put(key, deliver_weight_grads)
+            else:
+                deliver_weight_grads()
+            return grad_input, None, None
+        grad_weight, grad_bias = weight_grads()
+        return grad_input, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose weight gradients honour megalite's routing (sink, deferral)."""
+    return _LinearFunction.apply(x, weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer with its output dimension split across tp ranks.
+
+    weight: [out/tp, in] = rows [r*out/tp, (r+1)*out/tp) of the full nn.Linear weight; bias the same.
+    With `fused_blocks=(a, b, ...)` the output is a concatenation of blocks (e.g. [Q; K; V]) each
+    split separately: rank r holds [block0_r; block1_r; ...].
+
+    Input: [..., in], the full activation (every tp rank the same), or with
+    `sequence_parallel=True` the sequence shard [s/tp, b, in] (gathered here along dim 0).
+    Output: [..., out/tp], or [..., out] with `gather_output=True`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 tp_group=None, sequence_parallel: bool = False, *, init_method: InitMethod | None = None,
+                 bias_init_method: InitMethod | None = None, fused_blocks: tuple[int, ...] | None = None,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        blocks = tuple(fused_blocks) if fused_blocks else (out_features,)
+        if sum(blocks) != out_features:
+            raise ValueError(f"fused_blocks {blocks} do not add up to out_features={out_features}")
+        validate_blocks(blocks, tp_size, f"ColumnParallelLinear(out_features={out_features})")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.blocks = blocks
+        default_w, default_b = _linear_default_init(in_features)
+        full_weight = torch.empty(out_features, in_features)
+        (init_method or default_w)(full_weight)
+        self.weight = _make_param(full_weight, ShardSpec((out_features, in_features), 0, tp_rank, tp_size, blocks),
+                                  dtype, device)
+        if bias:
+            full_bias = torch.empty(out_features)
+            (bias_init_method or default_b)(full_bias)
+            self.bias = _make_param(full_bias, ShardSpec((out_features,), 0, tp_rank, tp_size, blocks), dtype, device)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
+        else:
+            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
+        y = linear(x, self.weight, self.bias)  # [..., out/tp]
+        if self.gather_output:
+            y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)  # [..., tp * out/tp], rank-major
+            if len(self.blocks) > 1:  # rank-major [b0_0 b1_0 | b0_1 b1_1] -> block-major [b0_0 b0_1 | b1_0 b1_1]
+                tp = comm.group_size(self.tp_group)
+                pieces = [y_rank.split([b // tp for b in self.blocks], dim=-1) for y_rank in y.chunk(tp, dim=-1)]
+                y = torch.cat([pieces[r][i] for i in range(len(self.blocks)) for r in range(tp)], dim=-1)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={comm.group_size(self.tp_group)}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer with its input dimension split across tp ranks.
+
+    weight: [out, in/tp] = column slice r of the full nn.Linear weight; bias: [out], full, added
+    once after the reduction. Input: [..., in/tp] (`input_is_parallel=True`, the output of a
+    ColumnParallelLinear) or [..., in] (scattered here). Output: [..., out] summed over tp, or
+    with `sequence_parallel=True` the reduce-scattered sequence shard [s/tp, b, out].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 tp_group=None, sequence_parallel: bool = False, *, init_method: InitMethod | None = None,
+                 bias_init_method: InitMethod | None = None, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        validate_blocks((in_features,), tp_size, f"RowParallelLinear(in_features={in_features})")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        default_w, default_b = _linear_default_init(in_features)
+        full_weight = torch.empty(out_features, in_features)
+        (init_method or default_w)(full_weight)
+        self.weight = _make_param(full_weight, ShardSpec((out_features, in_features), 1, tp_rank, tp_size),
+                                  dtype, device)
+        if bias:
+            full_bias = torch.empty(out_features)
+            (bias_init_method or default_b)(full_bias)
+            self.bias = _make_param(full_bias, ShardSpec((out_features,)), dtype, device)
+            # Under SP the bias is added to a sequence shard: its gradient is partial per tp rank.
+            self.bias.sequence_parallel_grad = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)  # [..., in] -> [..., in/tp]
+        y = linear(x, self.weight, None)  # partial sums [..., out]
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [s, b, out] -> [s/tp, b, out]
+        else:
+            y = mappings.reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={comm.group_size(self.tp_group)}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with its rows (the vocabulary) split across tp ranks.
+
+    weight: [V_pad/tp, h] = row slice r of the full table, the vocabulary padded with zero rows
+    to `padded_num_embeddings` (default: the next multiple of tp). Each rank looks up the ids it
+    owns, zeroes the rest, and the partial results are summed over tp.
+    Input ids [...]; output [..., h] (every tp rank the same).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group=None, *,
+                 padded_num_embeddings: int | None = None, init_method: InitMethod | None = None,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        padded = padded_num_embeddings or tp_size * math.ceil(num_embeddings / tp_size)
+        if padded < num_embeddings or padded % tp_size != 0:
+            raise ValueError(f"padded_num_embeddings={padded} must be >= {num_embeddings} and divisible by tp={tp_size}")
+        self.num_embeddings, self.embedding_dim, self.padded_num_embeddings = num_embeddings, embedding_dim, padded
+        self.vocab_start_index = tp_rank * (padded // tp_size)
+        self.vocab_end_index = self.vocab_start_index + padded // tp_size
+        full = torch.empty(num_embeddings, embedding_dim)
+        (init_method or nn.init.normal_)(full)
+        spec = ShardSpec((num_embeddings, embedding_dim), 0, tp_rank, tp_size, padded_size=padded)
+        self.weight = _make_param(full, spec, dtype, device)
+
+    def local_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial embedding [..., h]: rows it owns, zeros elsewhere (not yet summed)."""
+        if comm.group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return mappings.reduce_from_tensor_parallel_region(self.local_lookup(ids), self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}), {self.embedding_dim}, "
+                f"tp={comm.group_size(self.tp_group)}")
