@@ -1,0 +1,675 @@
+"""Know before you launch: per-rank memory, communication, FLOPs and bubble of a layout.
+
+Pure arithmetic on a `GPTConfig` and a `Layout`; no torch, no process group. Used by
+`tools/plan.py`, by `pretrain_gpt --dry-run` and by the pre-flight check that runs before any
+process group exists.
+
+Units: everything is in bytes (and FLOPs). Human-readable output uses GB = 1e9 bytes, the
+convention of the ZeRO paper (Rajbhandari et al. 2020), whose worked example this module
+reproduces: 7.5B parameters, Nd = 64, fp16 params and grads, Adam with K = 12 bytes/param of
+optimizer state -> 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stage 0 / 1 / 2 / 3.
+
+Model states per parameter held by a rank (Megatron's distributed-optimizer table):
+  params  2 (bf16/fp16) or 4 (fp32)          / dp with ZeRO-3
+  grads   bytes of grad_reduce_dtype         / dp with ZeRO-2, 3 (megalite default: fp32 main grads)
+  optim   12 mixed (fp32 master + Adam m, v) or 8 fp32 (m, v)   / dp with ZeRO-1, 2, 3; 0 if offloaded
+
+Activations: saved tensors of megalite's own blocks per microbatch (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", recounted for our blocks,
+see `layer_activation_bytes`), times the microbatches in flight on the stage (1F1B: pp - stage;
+interleaved: Megatron's warmup + 1 chunks; GPipe: all). The estimate is for the worst stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from megalite.model.config import GPTConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+SCHEDULE_CHOICES = ("1f1b", "gpipe")
+GB = 1e9
+
+
+@dataclass
+class Layout:
+    """How one training run is laid out over the GPUs (the flags of pretrain_gpt)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    """Model chunks per pipeline stage (> 1: interleaved 1F1B)."""
+    zero_stage: int = 0
+    """0: replicated optimizer; 1: shard optimizer state; 2: + grads; 3: + params (over dp)."""
+    offload_optimizer: bool = False
+    """Optimizer state (and its step) lives in host memory."""
+    recompute: str = "none"
+    """none | selective (attention core) | full (whole blocks; only block inputs kept)."""
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    seq_length: int | None = None
+    """None: the model's seq_length."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step; None: micro_batch_size * dp * num_microbatches."""
+    num_microbatches: int | None = None
+    """Gradient-accumulation microbatches per step and DP rank; None: from global_batch_size."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16 (the dtype of params and activations; bf16/fp16 keep fp32 master weights)."""
+    grad_reduce_dtype: str | None = None
+    """dtype of the gradient buffer and its DP reduction; None: fp32 (megalite's main grads)."""
+    schedule: str = "1f1b"
+    """1f1b (interleaved when virtual_stages > 1) or gpipe."""
+    flash_attention: bool = True
+    """The attention core stores no s*s matrix (flash / CPU SDPA); False: eager softmax."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def microbatches(self) -> int:
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        if self.global_batch_size is None:
+            return 1
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
+
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.dp * self.microbatches()
+
+
+@dataclass
+class Estimate:
+    """Per-rank estimate for the worst pipeline stage (bytes, FLOPs, seconds-free)."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    params_per_rank: int
+    stage: int
+    layers_on_stage: int
+    inflight_microbatches: int
+    num_microbatches: int
+    bubble_fraction: float
+    """Idle fraction of a step for the pipeline: (pp-1) / (v*m + pp-1)."""
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    """'group/op' -> bytes per step on this rank, in comm.ledger's (nccl-tests) size convention."""
+    flops_per_step: float = 0.0
+    """Model FLOPs of one optimizer step over the whole job (6N + 12*L*h*s per token)."""
+    hardware_flops_per_step: float = 0.0
+    """FLOPs actually executed, recomputation included."""
+    tokens_per_step: int = 0
+    host_bytes: int = 0
+    """Bytes kept in host memory per rank (offloaded optimizer state)."""
+    stage_totals: list[int] = field(default_factory=list)
+    """total_bytes of every pipeline stage (the estimate reports the largest)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+
+    def fits(self, gpu_memory: float, headroom: float = 0.1) -> bool:
+        """True when total_bytes fits in (1 - headroom) of gpu_memory bytes (the rest: CUDA
+        context, NCCL buffers, allocator fragmentation, transient tensors)."""
+        return self.total_bytes <= (1.0 - headroom) * gpu_memory
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["total_bytes"] = self.total_bytes
+        return out
+
+    def describe(self, gpu_memory: float | None = None) -> str:
+        """A readable per-rank table in GB (1e9 bytes)."""
+        rows = [("parameters", self.param_bytes), ("gradients", self.grad_bytes),
+                ("optimizer state", self.optimizer_state_bytes), ("activations", self.activation_bytes),
+                ("total", self.total_bytes)]
+        lines = [f"per rank (pipeline stage {self.stage}, {self.layers_on_stage} layers, "
+                 f"{self.inflight_microbatches} of {self.num_microbatches} microbatches in flight):"]
+        lines += [f"  {name:<16} {n / GB:10.3f} GB" for name, n in rows]
+        if self.host_bytes:
+            lines.append(f"  {'host (offload)':<16} {self.host_bytes / GB:10.3f} GB")
+        if gpu_memory:
+            verdict = "fits" if self.fits(gpu_memory) else "does NOT fit"
+            lines.append(f"  {verdict} in {gpu_memory / GB:.1f} GB (keeping 10% headroom)")
+        lines.append(f"pipeline bubble: {100 * self.bubble_fraction:.1f}% of the step")
+        lines.append(f"FLOPs per step: {self.flops_per_step:.3e} model, {self.hardware_flops_per_step:.3e} executed")
+        for key, n in sorted(self.comm_bytes.items()):
+            lines.append(f"  comm {key:<24} {n / GB:10.4f} GB/step")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters per rank
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_params(model: GPTConfig, tp: int) -> int:
+    """Parameters of one transformer block held by one tensor-parallel rank."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    norm = 2 * h if model.flavour == "gpt2" else h            # LayerNorm weight+bias | RMSNorm weight
+    mlp_in = f if model.flavour == "gpt2" else 2 * f           # fc1 | fused gate+up
+    n = 2 * norm + h * qkv // tp + model.num_attention_heads * d * h // tp
+    n += (h * mlp_in + f * h) // tp
+    if model.add_bias:  # column-parallel biases are sharded, row-parallel biases replicated
+        n += (qkv + mlp_in) // tp + 2 * h
+    return n
+
+
+def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Blocks held by each pipeline stage (all its chunks); the first stages take any remainder."""
+    chunks = pp * virtual_stages
+    base, extra = divmod(num_layers, chunks)
+    per_chunk = [base + (1 if c < extra else 0) for c in range(chunks)]
+    # chunk c lives on stage c % pp (Megatron's interleaved assignment)
+    return [sum(per_chunk[c] for c in range(chunks) if c % pp == s) for s in range(pp)]
+
+
+def stage_params(model: GPTConfig, tp: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (padded vocabulary included)."""
+    h = model.hidden_size
+    n = stage_layers(model.num_layers, pp, virtual_stages)[stage] * layer_params(model, tp)
+    vocab_shard = model.padded_vocab_size(tp) // tp * h
+    final_norm = 2 * h if model.flavour == "gpt2" else h
+    if stage == 0:
+        n += vocab_shard + (model.seq_length * h if model.flavour == "gpt2" else 0)
+    if stage == pp - 1:
+        n += final_norm
+        # untied: an output layer; tied with pp > 1: the last stage keeps its own copy of the
+        # word embedding, kept in sync by an all-reduce of its gradient over the embedding group
+        if not model.tie_embeddings or pp > 1:
+            n += vocab_shard
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations (saved tensors per microbatch)
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | None = None) -> int:
+    """Bytes one block saves for backward, per microbatch, on one tensor-parallel rank.
+
+    [s, b, h] layout; t = tp; tensors outside the TP region are divided by t only under sequence
+    parallelism. Per block (a = activation bytes, masks 1 byte, norm statistics fp32):
+      norm inputs 2 * a*sbh (+ stats), linear inputs after the norms 2 * a*sbh,
+      q, k, v a*sb(nq + 2nkv)d/t, attention output (out-proj input) a*sbh/t,
+      attention core: logsumexp 4*b*nq*s/t (flash) | softmax + mask a*b*nq*s*s/t (eager),
+      gpt2 MLP: fc1 output and GeLU output 2 * a*sbf/t; llama MLP: gate|up, silu(gate) and
+      their product 4 * a*sbf/t; dropout masks (only when dropout > 0).
+    Selective recompute drops the attention core's internals; full keeps only the block input.
+    """
+    recompute = recompute or layout.recompute
+    a = DTYPE_BYTES[layout.precision]
+    t = layout.tp
+    sp = t if layout.sequence_parallel else 1
+    s, b, h = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size
+    f, d, nq = model.ffn_hidden_size, model.head_dim, model.num_attention_heads
+    sbh = s * b * h
+    if recompute == "full":
+        return a * sbh // sp
+    stats = (2 if model.flavour == "gpt2" else 1) * 4 * s * b // sp    # per norm: mean+rstd | rstd
+    total = 2 * (a * sbh // sp + stats)                                 # the two norms' inputs
+    total += 2 * a * sbh // sp                                          # QKV and MLP-in linear inputs
+    total += a * s * b * (nq + 2 * model.num_query_groups) * d // t    # q, k, v
+    total += a * s * b * nq * d // t                                    # attention output
+    total += (2 if model.flavour == "gpt2" else 4) * a * s * b * f // t
+    if model.hidden_dropout > 0:
+        total += 2 * sbh // sp                                          # two residual dropout masks
+    if recompute == "none":
+        if layout.flash_attention:
+            total += 4 * b * nq * s // t                                # logsumexp, fp32
+        else:
+            total += a * b * nq * s * s // t                            # softmax probabilities
+            if model.attention_dropout > 0:
+                total += (1 + a) * b * nq * s * s // t                  # mask and dropped probs
+    return total
+
+
+def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
+    """Saved by the embedding on the first stage, per microbatch (token ids, dropout mask)."""
+    s, b = layout.seq_length or model.seq_length, layout.micro_batch_size
+    sp = layout.tp if layout.sequence_parallel else 1
+    n = 8 * s * b                                                       # int64 token ids
+    if model.hidden_dropout > 0:
+        n += s * b * model.hidden_size // sp
+    return n
+
+
+def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
+    """Saved by final norm, output layer and vocab-parallel cross entropy, per microbatch."""
+    a = DTYPE_BYTES[layout.precision]
+    s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
+    sp = t if layout.sequence_parallel else 1
+    stats = (2 if model.flavour == "gpt2" else 1) * 4 * s * b // sp
+    n = a * s * b * h // sp + stats                                     # final norm input
+    n += a * s * b * h // sp                                            # output-layer input
+    n += 4 * s * b * model.padded_vocab_size(t) // t                    # fp32 softmax of the logits
+    n += 8 * s * b                                                      # int64 targets
+    return n
+
+
+def inflight_microbatches(layout: Layout, stage: int) -> int:
+    """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
+    m, pp, v = layout.microbatches(), layout.pp, layout.virtual_stages
+    if layout.schedule == "gpipe":
+        return m * v
+    if v == 1:
+        return min(pp - stage, m)
+    return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
+
+
+def activation_bytes(model: GPTConfig, layout: Layout, stage: int) -> int:
+    """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
+    v, pp = layout.virtual_stages, layout.pp
+    layers = stage_layers(model.num_layers, pp, v)[stage]
+    inflight = inflight_microbatches(layout, stage)
+    per_layer = layer_activation_bytes(model, layout)
+    # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
+    total = inflight * per_layer * layers // v
+    if layout.recompute == "full" and layers:
+        total += layer_activation_bytes(model, layout, recompute="none")  # the block being recomputed
+    head_inflight = layout.microbatches() if layout.schedule == "gpipe" else 1
+    if stage == 0:
+        total += min(inflight, layout.microbatches()) * embedding_activation_bytes(model, layout)
+    if stage == pp - 1:
+        total += head_inflight * head_activation_bytes(model, layout)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication per step (comm.ledger's convention: all_reduce the tensor, all_gather the
+# gathered output, reduce_scatter the full input, send/recv the tensor)
+# ---------------------------------------------------------------------------------------------
+
+
+def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[str, int]:
+    """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage`."""
+    a, t, m, v = DTYPE_BYTES[layout.precision], layout.tp, layout.microbatches(), layout.virtual_stages
+    s, b, h = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size
+    pp, sp = layout.pp, layout.sequence_parallel
+    u = a * s * b * h                      # one full [s, b, h] activation
+    out: dict[str, int] = {}
+
+    def add(key: str, n: int) -> None:
+        if n:
+            out[key] = out.get(key, 0) + n
+
+    if t > 1:
+        layers = stage_layers(model.num_layers, pp, v)[stage]
+        forwards = 2 if layout.recompute == "full" else 1   # full recompute re-runs the forward
+        if sp:
+            # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
+            # bwd: the transposes, plus re-gathering the sharded inputs for the weight grads
+            add("tp/all_gather", m * layers * (2 * forwards + 2 + 2) * u)
+            add("tp/reduce_scatter", m * layers * (2 * forwards + 2) * u)
+        else:
+            add("tp/all_reduce", m * layers * (2 * forwards + 2) * u)   # Megatron's 4 per layer
+        if stage == 0:
+            add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)  # vocab-parallel embedding
+        if stage == pp - 1:
+            if sp:
+                add("tp/all_gather", 2 * m * u)                         # output-layer input (+bwd)
+                add("tp/reduce_scatter", m * u)
+            else:
+                add("tp/all_reduce", m * u)                             # grad of the copied input
+            add("tp/all_reduce", m * 3 * 4 * s * b)                     # CE: max, sum-exp, target
+
+    params = stage_params(model, t, pp, stage, v)
+    add_dp_bytes(add, params, layout)
+    if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
+        grad_bytes = DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"]
+        add("embedding/all_reduce", model.padded_vocab_size(t) // t * h * grad_bytes)
+    if pp > 1:
+        chunk = u // (t if sp else 1)
+        first, last = stage == 0, stage == pp - 1
+        fwd_send = m * (v - 1 if last else v)
+        fwd_recv = m * (v - 1 if first else v)
+        add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
+        add("pp/recv", chunk * (fwd_recv + fwd_send))
+    return out
+
+
+def add_dp_bytes(add, params: int, layout: Layout) -> None:
+    """Data-parallel traffic for `params` parameters on this rank."""
+    if layout.dp == 1:
+        return
+    p, g, m = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"], layout.microbatches()
+    if layout.zero_stage == 0:
+        add("dp/all_reduce", params * g)
+    elif layout.zero_stage == 1:
+        add("dp/reduce_scatter", params * g)        # full grad buffer kept, reduced once per step
+        add("dp/all_gather", params * p)            # updated params after the sharded step
+    elif layout.zero_stage == 2:
+        add("dp/reduce_scatter", m * params * g)    # grads not kept: reduced every microbatch
+        add("dp/all_gather", params * p)
+    else:
+        add("dp/reduce_scatter", m * params * g)
+        add("dp/all_gather", 2 * m * params * p)    # params gathered for forward and backward
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor: bytes on the busiest link per byte of ledger size."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # send, recv, broadcast
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
+
+
+def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int | None = None) -> float:
+    """FLOPs executed per token including recomputation (HFU's numerator).
+
+    Model FLOPs are 6N + 12*L*h*s; selective recompute re-runs the attention core forward
+    (4*L*h*s); full recompute re-runs every block's forward (2*N_blocks + 4*L*h*s).
+    """
+    s = seq_length or model.seq_length
+    flops = model.flops_per_token(s)
+    attention_forward = 4.0 * model.num_layers * model.hidden_size * s
+    if recompute == "selective":
+        flops += attention_forward
+    elif recompute == "full":
+        flops += 2.0 * model.num_params(include_embedding=False) + attention_forward
+    return flops
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------
+
+
+def model_state_bytes(params: int, layout: Layout) -> tuple[int, int, int, int]:
+    """(param, grad, optimizer-on-GPU, host) bytes for `params` parameters on one rank."""
+    p = DTYPE_BYTES[layout.precision]
+    g = DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"]
+    k = 8 if layout.precision == "fp32" else 12           # Adam m, v (+ fp32 master weights)
+    z, shard = layout.zero_stage, math.ceil(params / layout.dp)
+    optimizer = (shard if z >= 1 else params) * k
+    grads = (shard if z >= 2 else params) * g
+    weights = (shard if z >= 3 else params) * p
+    if layout.offload_optimizer:
+        return weights, grads, 0, optimizer
+    return weights, grads, optimizer, 0
+
+
+def _check_choices(layout: Layout) -> None:
+    for name, value, choices in (("precision", layout.precision, tuple(DTYPE_BYTES)),
+                                 ("grad_reduce_dtype", layout.grad_reduce_dtype or "fp32", tuple(DTYPE_BYTES)),
+                                 ("recompute", layout.recompute, RECOMPUTE_CHOICES),
+                                 ("schedule", layout.schedule, SCHEDULE_CHOICES),
+                                 ("zero_stage", layout.zero_stage, (0, 1, 2, 3))):
+        if value not in choices:
+            raise ValueError(f"{name}={value!r} is not supported; choose from {list(choices)}")
+    for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def estimate(model: GPTConfig, layout: Layout) -> Estimate:
+    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage."""
+    _check_choices(layout)
+    seq = layout.seq_length or model.seq_length
+    per_stage = []
+    for stage in range(layout.pp):
+        weights, grads, optimizer, host = model_state_bytes(
+            stage_params(model, layout.tp, layout.pp, stage, layout.virtual_stages), layout)
+        per_stage.append((weights + grads + optimizer + activation_bytes(model, layout, stage), stage))
+    _, worst = max(per_stage)
+    params = stage_params(model, layout.tp, layout.pp, worst, layout.virtual_stages)
+    weights, grads, optimizer, host = model_state_bytes(params, layout)
+    m = layout.microbatches()
+    tokens = layout.global_batch() * seq
+    return Estimate(
+        param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
+        activation_bytes=activation_bytes(model, layout, worst), params_per_rank=params, stage=worst,
+        layers_on_stage=stage_layers(model.num_layers, layout.pp, layout.virtual_stages)[worst],
+        inflight_microbatches=inflight_microbatches(layout, worst), num_microbatches=m,
+        bubble_fraction=(layout.pp - 1) / (layout.virtual_stages * m + layout.pp - 1),
+        comm_bytes=communication_bytes(model, layout, worst),
+        flops_per_step=model.flops_per_token(seq) * tokens,
+        hardware_flops_per_step=hardware_flops_per_token(model, layout.recompute, seq) * tokens,
+        tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
+
+
+def estimate_model_states(num_params: int, layout: Layout) -> Estimate:
+    """Model-state-only estimate from a raw parameter count (no activations, no model shape).
+
+    Parameters are split evenly over tp * pp. Reproduces the ZeRO paper's Figure 1 example with
+    Layout(dp=64, precision="fp16", grad_reduce_dtype="fp16", zero_stage=0..3) and 7.5e9 params.
+    """
+    _check_choices(layout)
+    params = math.ceil(num_params / (layout.tp * layout.pp))
+    weights, grads, optimizer, host = model_state_bytes(params, layout)
+    comm: dict[str, int] = {}
+    add_dp_bytes(lambda key, n: comm.__setitem__(key, comm.get(key, 0) + n) if n else None, params, layout)
+    tokens = layout.global_batch() * (layout.seq_length or 0)
+    return Estimate(param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer, activation_bytes=0,
+                    params_per_rank=params, stage=0, layers_on_stage=0, inflight_microbatches=0,
+                    num_microbatches=layout.microbatches(), bubble_fraction=0.0, comm_bytes=comm,
+                    flops_per_step=6.0 * num_params * tokens, hardware_flops_per_step=6.0 * num_params * tokens,
+                    tokens_per_step=tokens, host_bytes=host, stage_totals=[weights + grads + optimizer])
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-flight: every configuration error visible before any process group exists
+# ---------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def preflight(model: GPTConfig, layout: Layout, world_size: int, gpu_memory: float | None = None) -> list[str]:
+    """Every problem the planner can see, each naming its fix; [] when the run may start.
+
+    Memory is checked (when gpu_memory bytes are given) only once the layout itself is valid.
+    """
+    from megalite.mesh import validate_layout
+
+    errors: list[str] = []
+    try:
+        _check_choices(layout)
+    except ValueError as exc:
+        return [str(exc)]
+    tp, pp, v, mb = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batch_size
+    try:
+        validate_layout(world_size, tp, pp, layout.dp)
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:
+        model.check_tensor_parallel(tp)
+    except ValueError as exc:
+        errors.append(str(exc))
+    if model.num_layers < pp * v:
+        errors.append(f"num_layers={model.num_layers} < pp*virtual_stages={pp}*{v}: a pipeline chunk would "
+                      f"hold no layers; choose pp*virtual_stages <= {model.num_layers}")
+    elif v > 1 and model.num_layers % (pp * v):
+        choices = [c for c in range(1, model.num_layers + 1) if model.num_layers % (pp * c) == 0]
+        fix = f"choose virtual_stages in {choices}" if choices else \
+            f"choose pp in {_divisors(model.num_layers)} (a divisor of num_layers)"
+        errors.append(f"num_layers={model.num_layers} is not divisible by pp*virtual_stages={pp * v}; {fix}")
+    if v > 1 and pp == 1:
+        errors.append(f"virtual_stages={v} needs pipeline parallelism; set --pp > 1 or --virtual-stages 1")
+    if v > 1 and layout.schedule == "gpipe":
+        errors.append("the gpipe schedule has no interleaved variant; use the 1f1b schedule or --virtual-stages 1")
+    if layout.global_batch_size is not None and layout.global_batch_size % (mb * layout.dp):
+        unit = mb * layout.dp
+        errors.append(f"global_batch_size={layout.global_batch_size} is not divisible by micro_batch_size*dp = "
+                      f"{mb}*{layout.dp} = {unit}; choose a multiple of {unit}")
+    m = layout.microbatches()
+    if layout.global_batch_size is not None and layout.num_microbatches is not None \
+            and layout.global_batch_size != mb * layout.dp * layout.num_microbatches:
+        errors.append(f"global_batch_size={layout.global_batch_size} != micro_batch_size*dp*num_microbatches = "
+                      f"{mb}*{layout.dp}*{layout.num_microbatches}; give only one of them")
+    if pp > 1 and m < pp:
+        errors.append(f"{m} microbatches < pp={pp} stages: the pipeline never fills; set --global-batch-size "
+                      f">= micro_batch_size*dp*pp = {mb * layout.dp * pp} (more microbatches also shrink the bubble)")
+    if v > 1 and m % pp:
+        errors.append(f"the interleaved schedule needs num_microbatches={m} divisible by pp={pp}; set "
+                      f"--global-batch-size to a multiple of micro_batch_size*dp*pp = {mb * layout.dp * pp}")
+    seq = layout.seq_length or model.seq_length
+    if layout.sequence_parallel and tp == 1:
+        errors.append("sequence parallelism shards along the tensor-parallel group; drop --sequence-parallel "
+                      "or set --tp > 1")
+    if layout.sequence_parallel and seq % tp:
+        errors.append(f"seq_length={seq} is not divisible by tp={tp} (sequence parallelism splits it); choose "
+                      f"seq_length a multiple of {tp}")
+    if model.flavour == "gpt2" and seq > model.seq_length:
+        errors.append(f"seq_length={seq} exceeds the learned position table ({model.seq_length}); set the "
+                      f"model's --seq-length to at least {seq}")
+    if errors or not gpu_memory:
+        return errors
+    est = estimate(model, layout)
+    if not est.fits(gpu_memory):
+        errors.append(f"estimated {est.total_bytes / GB:.2f} GB per rank (stage {est.stage}) does not fit "
+                      f"{gpu_memory / GB:.1f} GB with 10% headroom; {_memory_fix(model, layout, gpu_memory)}")
+    return errors
+
+
+def _memory_fix(model: GPTConfig, layout: Layout, gpu_memory: float) -> str:
+    """Name the first single change that makes the layout fit, or point at the planner."""
+    tries = [("--recompute selective", dict(recompute="selective")),
+             ("--zero 1", dict(zero_stage=1)), ("--zero 2", dict(zero_stage=2)),
+             ("--recompute full", dict(recompute="full"))]
+    if layout.tp > 1 and not layout.sequence_parallel:
+        tries.insert(1, ("--sequence-parallel", dict(sequence_parallel=True)))
+    if layout.micro_batch_size > 1:
+        tries.append((f"--micro-batch-size {layout.micro_batch_size // 2}", dict(
+            micro_batch_size=layout.micro_batch_size // 2,
+            num_microbatches=None if layout.num_microbatches is None else 2 * layout.num_microbatches)))
+    tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
+    tries = [(flag, change) for flag, change in tries
+             if not (layout.dp == 1 and "zero_stage" in change)
+             and not all(getattr(layout, k) == val for k, val in change.items() if k != "num_microbatches")]
+    for flag, change in tries:  # one change alone
+        if estimate(model, dataclasses.replace(layout, **change)).fits(gpu_memory):
+            return f"add {flag}"
+    flags, combined = [], layout
+    for flag, change in tries:  # or several, cumulatively, in order of cost
+        flags.append(flag)
+        combined = dataclasses.replace(combined, **change)
+        if estimate(model, combined).fits(gpu_memory):
+            return f"add {' '.join(f for f in flags if f.split()[0] not in {g.split()[0] for g in flags[flags.index(f) + 1:]})}"
+    return "raise --tp/--pp (more GPUs per model replica); `tools/plan.py --suggest` lists layouts that fit"
+
+
+# ---------------------------------------------------------------------------------------------
+# Suggest: layouts that fit, ranked by a simple step-time model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Suggestion:
+    layout: Layout
+    estimate: Estimate
+    step_time_s: float
+    reason: str
+
+
+def step_time(model: GPTConfig, layout: Layout, est: Estimate, gpus_per_node: int, peak_flops: float = 989e12,
+              efficiency: float = 0.5, intra_node_busbw: float = 360e9, inter_node_busbw: float = 40e9) -> dict:
+    """Seconds per step, by part, under stated assumptions (for ranking layouts, not a promise).
+
+    Compute runs at `efficiency` of `peak_flops` and is stretched by the pipeline bubble; TP and
+    PP traffic is exposed; DP gradient reduction hides behind the last microbatch's backward;
+    the post-step parameter all-gather is exposed; each block costs ~30 us of launch overhead per
+    microbatch. A group's bandwidth is NVLink-class when its
+    ranks fit in one node (Megatron order: tp spans tp ranks, dp spans tp*dp, pp the world).
+    """
+    span = {"tp": layout.tp, "dp": layout.tp * layout.dp, "pp": layout.world_size, "embedding": layout.world_size}
+    size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "embedding": 2}
+    compute = est.hardware_flops_per_step / layout.world_size / (peak_flops * efficiency)
+    # kernel-launch and small-GEMM overhead: ~30 us per block and microbatch (favours larger microbatches)
+    compute += 30e-6 * est.layers_on_stage * est.num_microbatches
+    compute /= 1.0 - est.bubble_fraction
+    parts = {"compute": compute, "tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "offload": 0.0}
+    for key, n in est.comm_bytes.items():
+        group, op = key.split("/")
+        bw = intra_node_busbw if span[group] <= gpus_per_node else inter_node_busbw
+        seconds = n * bus_factor(op, size[group]) / bw
+        if group == "pp" and op == "recv":
+            continue  # a transfer is one send and one receive: count it once
+        if group == "dp" and op != "all_gather":
+            seconds = max(0.0, seconds - 2.0 / 3.0 * compute / est.num_microbatches)
+        parts[group] += seconds
+    if layout.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
+        shard = est.params_per_rank / (layout.dp if layout.zero_stage else 1)
+        parts["offload"] = shard * 6 / 25e9 + shard / 1e9
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _reason(layout: Layout, est: Estimate, parts: dict, gpu_memory: float, gpus_per_node: int) -> str:
+    bits = []
+    if layout.tp > 1:
+        where = "NVLink" if layout.tp <= gpus_per_node else "across nodes"
+        bits.append(f"tp={layout.tp} on {where} ({parts['tp'] / parts['total']:.0%} of the step)")
+    if layout.pp > 1:
+        bits.append(f"pp={layout.pp}{f'x{layout.virtual_stages} chunks' if layout.virtual_stages > 1 else ''} "
+                    f"bubble {est.bubble_fraction:.0%}")
+    if layout.tp * layout.pp == 1:
+        bits.append("pure data parallel (model fits one GPU)")
+    if layout.zero_stage:
+        bits.append(f"ZeRO-{layout.zero_stage} shards {('optimizer', 'optimizer+grads', 'all states')[layout.zero_stage - 1]} "
+                    f"over dp={layout.dp}")
+    if layout.recompute != "none":
+        bits.append(f"{layout.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
+    if layout.offload_optimizer:
+        bits.append("optimizer offloaded to host")
+    bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB")
+    return f"~{parts['total']:.3g} s/step: " + "; ".join(bits)
+
+
+def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
+            global_batch_size: int | None = None, seq_length: int | None = None, precision: str = "bf16",
+            top_k: int = 10, peak_flops: float = 989e12, **bandwidths) -> list[Suggestion]:
+    """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
+
+    Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
+    interleaving, ZeRO 0-2, recompute none/selective/full, micro batch 1-8, and the optimizer
+    offload only when nothing else fits. global_batch_size defaults to 8 sequences per GPU.
+    """
+    gpus_per_node = gpus_per_node or max(1, gpus // nodes)
+    global_batch_size = global_batch_size or 8 * gpus
+    found: list[Suggestion] = []
+    for offload in (False, True):
+        for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
+            try:
+                model.check_tensor_parallel(tp)
+            except ValueError:
+                continue
+            for pp in [d for d in _divisors(gpus // tp) if model.num_layers % d == 0]:
+                dp = gpus // (tp * pp)
+                for v in (1, 2) if pp > 1 else (1,):
+                    for zero in (0, 1, 2) if dp > 1 else (0,):
+                        for recompute in RECOMPUTE_CHOICES:
+                            for mb in (1, 2, 4, 8):
+                                layout = Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, zero_stage=zero,
+                                                offload_optimizer=offload, recompute=recompute,
+                                                sequence_parallel=tp > 1, micro_batch_size=mb, seq_length=seq_length,
+                                                global_batch_size=global_batch_size, precision=precision)
+                                if preflight(model, layout, gpus):
+                                    continue
+                                est = estimate(model, layout)
+                                if not est.fits(gpu_memory):
+                                    continue
+                                parts = step_time(model, layout, est, gpus_per_node, peak_flops, **bandwidths)
+                                found.append(Suggestion(layout, est, parts["total"],
+                                                        _reason(layout, est, parts, gpu_memory, gpus_per_node)))
+        if found:
+            break
+    rank = {r: i for i, r in enumerate(RECOMPUTE_CHOICES)}
+    found.sort(key=lambda c: (round(c.step_time_s, 4), c.layout.tp * c.layout.pp, c.layout.zero_stage,
+                              rank[c.layout.recompute], c.layout.virtual_stages))
+    return found[:top_k]
