@@ -193,13 +193,15 @@ def stage_params(model: GPTConfig, tp: int, pp: int, stage: int, virtual_stages:
 def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | None = None) -> int:
     """Bytes one block saves for backward, per microbatch, on one tensor-parallel rank.
 
-    [s, b, h] layout; t = tp; tensors outside the TP region are divided by t only under sequence
-    parallelism. Per block (a = activation bytes, masks 1 byte, norm statistics fp32):
-      norm inputs 2 * a*sbh (+ stats), linear inputs after the norms 2 * a*sbh,
+    [s, b, h] layout; t = tp; norm inputs and dropout masks are divided by t only under
+    sequence parallelism. Per block (a = activation bytes, masks 1 byte, norm statistics fp32):
+      norm inputs 2 * a*sbh/sp (+ stats), column-linear inputs after the norms 2 * a*sbh (full
+      even under SP: megalite's ColumnParallelLinear saves the all-gathered input, so its
+      backward needs no second all-gather; Korthikanti's count divides these by t too),
       q, k, v a*sb(nq + 2nkv)d/t, attention output (out-proj input) a*sbh/t,
       attention core: logsumexp 4*b*nq*s/t (flash) | softmax + mask a*b*nq*s*s/t (eager),
-      gpt2 MLP: fc1 output and GeLU output 2 * a*sbf/t; llama MLP: gate|up, silu(gate) and
-      their product 4 * a*sbf/t; dropout masks (only when dropout > 0).
+      gpt2 MLP: fc1 output and GeLU output 2 * a*sbf/t; llama MLP: gate|up (the SwiGLU kernel
+      saves only its inputs) and the product 3 * a*sbf/t; dropout masks (only when dropout > 0).
     Selective recompute drops the attention core's internals; full keeps only the block input.
     """
     recompute = recompute or layout.recompute
@@ -213,10 +215,10 @@ def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | No
         return a * sbh // sp
     stats = (2 if model.flavour == "gpt2" else 1) * 4 * s * b // sp    # per norm: mean+rstd | rstd
     total = 2 * (a * sbh // sp + stats)                                 # the two norms' inputs
-    total += 2 * a * sbh // sp                                          # QKV and MLP-in linear inputs
+    total += 2 * a * sbh                                                # QKV and MLP-in linear inputs
     total += a * s * b * (nq + 2 * model.num_query_groups) * d // t    # q, k, v
     total += a * s * b * nq * d // t                                    # attention output
-    total += (2 if model.flavour == "gpt2" else 4) * a * s * b * f // t
+    total += (2 if model.flavour == "gpt2" else 3) * a * s * b * f // t
     if model.hidden_dropout > 0:
         total += 2 * sbh // sp                                          # two residual dropout masks
     if recompute == "none":
@@ -246,9 +248,9 @@ def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
     sp = t if layout.sequence_parallel else 1
     stats = (2 if model.flavour == "gpt2" else 1) * 4 * s * b // sp
     n = a * s * b * h // sp + stats                                     # final norm input
-    n += a * s * b * h // sp                                            # output-layer input
+    n += a * s * b * h                                                  # output-layer input (gathered)
     n += 4 * s * b * model.padded_vocab_size(t) // t                    # fp32 softmax of the logits
-    n += 8 * s * b                                                      # int64 targets
+    n += 8 * s * b + 2 * s * b                                          # int64 targets, 2 bool masks
     return n
 
 
@@ -303,8 +305,8 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
         forwards = 2 if layout.recompute == "full" else 1   # full recompute re-runs the forward
         if sp:
             # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
-            # bwd: the transposes, plus re-gathering the sharded inputs for the weight grads
-            add("tp/all_gather", m * layers * (2 * forwards + 2 + 2) * u)
+            # bwd: the transposes (the gathered inputs are saved, so nothing is re-gathered)
+            add("tp/all_gather", m * layers * (2 * forwards + 2) * u)
             add("tp/reduce_scatter", m * layers * (2 * forwards + 2) * u)
         else:
             add("tp/all_reduce", m * layers * (2 * forwards + 2) * u)   # Megatron's 4 per layer
@@ -312,8 +314,8 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
             add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)  # vocab-parallel embedding
         if stage == pp - 1:
             if sp:
-                add("tp/all_gather", 2 * m * u)                         # output-layer input (+bwd)
-                add("tp/reduce_scatter", m * u)
+                add("tp/all_gather", m * u)                             # output-layer input
+                add("tp/reduce_scatter", m * u)                         # and its gradient
             else:
                 add("tp/all_reduce", m * u)                             # grad of the copied input
             add("tp/all_reduce", m * 3 * 4 * s * b)                     # CE: max, sum-exp, target
