@@ -1,0 +1,176 @@
+"""One executor for every schedule: walk this stage's instructions and do them.
+
+Per (chunk, microbatch) the executor keeps, only as long as an instruction still needs it:
+  inputs[c, m]        received activation (leaf, requires grad) or the input ids
+  outputs[c, m]       the chunk's output (graph root for the backward), or the scaled loss
+  output_grads[c, m]  the received gradient w.r.t. outputs[c, m]
+  input_grads[c, m]   inputs[c, m].grad, kept until it is sent
+Everything is popped by its last consumer, so a microbatch's activations are freed by its
+backward (BWD), or by its weight pass (BWD_WEIGHT) under zero-bubble schedules, whose
+deferred weight-gradient work holds the layer inputs until then.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from megalite import comm
+from megalite.mesh import Mesh
+from megalite.pipeline import p2p
+from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
+                                            SEND_GRAD, Instr, split_steps)
+from megalite.pipeline.schedules import build_schedule
+from megalite.pipeline.verifier import verify_schedule
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+
+
+@functools.lru_cache(maxsize=32)
+def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1) -> tuple[tuple[Instr, ...], ...]:
+    """build_schedule + verify_schedule, once per process and configuration."""
+    schedule = build_schedule(name, pp, num_microbatches, v)
+    verify_schedule(schedule, pp, v, num_microbatches)
+    return tuple(tuple(ops) for ops in schedule)
+
+
+def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: Mesh) -> None:
+    """Sum the grads of parameters marked `shared_embedding=True` over `mesh.embedding_group`.
+
+    The first stage's input embedding and the last stage's output weight are one tied
+    weight held twice (GPT-2); summing both grads on both copies keeps them identical after
+    the optimizer step. Uses `param.main_grad` when a data-parallel engine keeps one. Both
+    ends must mark the same number of parameters, in the same order. No-op with pp == 1,
+    where the tie is one local Parameter.
+    """
+    if mesh.pp_size == 1 or mesh.embedding_group is None:
+        return
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if not getattr(param, "shared_embedding", False):
+                continue
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            comm.all_reduce(grad, mesh.embedding_group)
+
+
+def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
+                 mesh: Mesh, num_microbatches: int, activation_shape: tuple[int, ...] | torch.Size,
+                 dtype: torch.dtype, loss_scale: float, virtual_stages: int = 1,
+                 stats: dict[str, Any] | None = None) -> float:
+    """Run forward and backward of every microbatch on this rank under `schedule_name`.
+
+    model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
+      is called as chunk(x) and, on the last model chunk, chunk(x, labels=..., reduction="sum")
+      returning the loss SUM over the microbatch's target tokens.
+    microbatches: the same list on every rank, each {"input_ids": [b, s], "labels": [b, s]};
+      only the first and last model chunk read it.
+    activation_shape, dtype: what every chunk boundary carries (e.g. [s, b, h]); receive
+      buffers are allocated from them, so no shape handshake is needed.
+    loss_scale: the executor backpropagates loss_sum * loss_scale (1 / global target tokens).
+    stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
+      whose activations were alive at once on this rank) and "instructions".
+    Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere. Grads of
+    `shared_embedding` parameters are all-reduced over the embedding group at the end.
+    """
+    pp, stage, v = mesh.pp_size, mesh.pp_rank, virtual_stages
+    if len(model_chunks) != v:
+        raise ValueError(f"got {len(model_chunks)} model chunks but virtual_stages={v}; build one chunk per "
+                         f"virtual stage (partition.stage_layers gives their layers)")
+    if len(microbatches) != num_microbatches:
+        raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={num_microbatches}")
+    ops = verified_schedule(schedule_name, pp, num_microbatches, v)[stage]
+    activation_shape = torch.Size(activation_shape)
+    device = mesh.device
+
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    output_grads: dict[tuple[int, int], torch.Tensor] = {}
+    input_grads: dict[tuple[int, int], torch.Tensor] = {}
+    store = WeightGradStore()
+    live: set[tuple[int, int]] = set()
+    peak_live = 0
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+
+    def transfer(batch: list[Instr]) -> None:
+        transfers, received = [], []
+        for op in batch:
+            key = (op.chunk, op.microbatch)
+            peer_rank = mesh.pp_ranks[p2p.peer(op.kind, pp, v, stage, op.chunk)[0]]
+            if op.kind == SEND_ACT:
+                out = outputs[key]
+                if out.shape != activation_shape or out.dtype != dtype:
+                    raise ValueError(f"chunk {op.chunk} produced {tuple(out.shape)} {out.dtype} but the pipeline "
+                                     f"carries activation_shape={tuple(activation_shape)} {dtype}; pass the shape "
+                                     f"of the hidden states between stages")
+                transfers.append(("send", out.detach().contiguous(), peer_rank))
+            elif op.kind == SEND_GRAD:
+                transfers.append(("send", input_grads.pop(key).contiguous(), peer_rank))
+            else:
+                buffer = torch.empty(activation_shape, dtype=dtype, device=device)
+                (inputs if op.kind == RECV_ACT else output_grads)[key] = buffer
+                transfers.append(("recv", buffer, peer_rank))
+                received.append((op.kind, buffer))
+        p2p.post_and_wait(transfers, mesh.pp_group)
+        for kind, buffer in received:
+            if kind == RECV_ACT:
+                buffer.requires_grad_(True)
+
+    def forward(c: int, mb: int) -> None:
+        nonlocal loss_sum, peak_live
+        key = (c, mb)
+        if p2p.is_first_chunk(pp, stage, c):
+            inputs[key] = microbatches[mb]["input_ids"].to(device)
+        x = inputs[key]
+        if p2p.is_last_chunk(pp, v, stage, c):
+            loss = model_chunks[c](x, labels=microbatches[mb]["labels"].to(device), reduction="sum")
+            loss_sum = loss_sum + loss.detach().float()
+            outputs[key] = loss * loss_scale
+        else:
+            outputs[key] = model_chunks[c](x)
+        live.add(key)
+        peak_live = max(peak_live, len(live))
+
+    def backward(c: int, mb: int, deferred: bool) -> None:
+        key = (c, mb)
+        out = outputs.pop(key)
+        grad = None if p2p.is_last_chunk(pp, v, stage, c) else output_grads.pop(key)
+        if deferred:
+            with defer_weight_grads(store, key):
+                torch.autograd.backward(out, grad)
+        else:
+            torch.autograd.backward(out, grad)
+        x = inputs.pop(key)
+        if not p2p.is_first_chunk(pp, stage, c):
+            if x.grad is None:
+                raise RuntimeError(f"chunk {c} microbatch {mb}: the input activation got no gradient; the chunk's "
+                                   f"output must depend on its input")
+            input_grads[key] = x.grad
+        if not deferred:
+            live.discard(key)
+
+    with torch.enable_grad():
+        for step in split_steps(list(ops)):
+            op = step[0]
+            if op.is_transfer:
+                transfer(step)
+            elif op.kind == FWD:
+                forward(op.chunk, op.microbatch)
+            elif op.kind in (BWD, BWD_INPUT):
+                backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
+            elif op.kind == BWD_WEIGHT:
+                store.run((op.chunk, op.microbatch))
+                live.discard((op.chunk, op.microbatch))
+            else:
+                raise ValueError(f"unknown instruction {op}")
+    if outputs or inputs or output_grads or input_grads or store.pending():
+        raise RuntimeError(f"pipeline ended with state left over on stage {stage}: outputs {sorted(outputs)}, "
+                           f"inputs {sorted(inputs)}, pending weight grads {store.pending()}")
+    allreduce_shared_embedding_grads(model_chunks, mesh)
+    if stats is not None:
+        stats["peak_live_microbatches"] = peak_live
+        stats["instructions"] = len(ops)
+    return float(loss_sum) if p2p.is_last_chunk(pp, v, stage, v - 1) else 0.0
