@@ -68,8 +68,8 @@ def blend_assignment(weights: list[float], size: int) -> tuple[np.ndarray, np.nd
     """Interleave datasets by weight: (dataset id, k-th sample of that dataset) for `size` slots.
 
     Dataset d's k-th sample is placed at time (k + 1/2) / w_d and all placements are merged in
-    time order (ties by dataset id). So after any n slots dataset d has been used about
-    w_d * n times (within one sample), and exactly round(w_d * size) times overall up to ties.
+    time order (ties by dataset id). So after any n slots dataset d has been used w_d * n
+    times to within one sample, and over the whole blend floor or ceil of w_d * size times.
     Vectorised: O(size log size).
     """
     times, ids, ranks = [], [], []

@@ -1,0 +1,55 @@
+"""Tokenizers: byte-level round trip, HF tokenizer.json wrapper, clear errors."""
+import sys
+
+import pytest
+
+from megalite.data import ByteTokenizer, HFTokenizer, load_tokenizer
+
+
+def test_byte_tokenizer_round_trip_and_ids():
+    tokenizer = load_tokenizer(None)
+    assert isinstance(tokenizer, ByteTokenizer) and isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (257, 256)
+    text = "héllo wörld € 😀\n"
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < 256
+    assert tokenizer.decode(ids + [tokenizer.eod]) == text  # eod is not text
+    assert tokenizer.encode_array(text).tolist() == ids
+
+
+def _tiny_tokenizer_json(path, with_eos: bool):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = ["[UNK]"] + (["<|endoftext|>"] if with_eos else [])
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ate the cat food"] * 5, trainer)
+    tok.save(str(path))
+    return tok
+
+
+def test_hf_tokenizer_json_wrapper(tmp_path):
+    raw = _tiny_tokenizer_json(tmp_path / "with_eos.json", with_eos=True)
+    tokenizer = load_tokenizer(str(tmp_path / "with_eos.json"))
+    assert isinstance(tokenizer, HFTokenizer)
+    assert tokenizer.eod == raw.token_to_id("<|endoftext|>")
+    assert tokenizer.vocab_size == raw.get_vocab_size()
+    ids = tokenizer.encode("the cat sat")
+    assert ids == raw.encode("the cat sat").ids and tokenizer.decode(ids) == raw.decode(ids)
+
+    _tiny_tokenizer_json(tmp_path / "no_eos.json", with_eos=False)
+    no_eos = load_tokenizer(str(tmp_path / "no_eos.json"))
+    assert no_eos.eod == no_eos.vocab_size - 1  # a fresh id was reserved for end-of-document
+    assert no_eos.decode(no_eos.encode("the dog") + [no_eos.eod]) == no_eos.decode(no_eos.encode("the dog"))
+    assert no_eos.name != tokenizer.name
+
+
+def test_tokenizer_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+    (tmp_path / "t.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # simulate the package being absent
+    with pytest.raises(ImportError, match="pip install tokenizers"):
+        load_tokenizer(str(tmp_path / "t.json"))
