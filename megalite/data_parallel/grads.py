@@ -1,0 +1,274 @@
+"""Data-parallel gradients: contiguous fp32 main grads, buckets, reduction overlapped with backward.
+
+`DataParallelGrads` owns the gradients of one model replica's parameters (this rank's tp
+shards of this pipeline stage):
+
+- Gradients accumulate in float32 `main_grad` buffers laid out by `layout.build_layout`
+  (reverse order of use), whatever the parameters' dtype (bf16/fp16 training keeps fp32
+  grads). megalite's Column/Row-parallel linears hand their weight gradients straight to
+  `param.grad_sink` (see `tensor_parallel/weight_grad.py`); every other parameter's
+  `.grad` is moved into the buffer by a post-accumulate-grad hook and freed.
+- While the last microbatch runs backward, a bucket's reduction starts asynchronously the
+  moment all of its gradients are final: an all-reduce (zero_stage 0) or a reduce-scatter
+  into this rank's shard (zero_stage 1, 2). During accumulation microbatches (`no_sync()`
+  or `set_last_microbatch(False)`) nothing is communicated.
+- The reduction is a SUM over dp, never a mean: the loss is already divided by the global
+  number of target tokens (all dp ranks, all microbatches), so summing per-rank gradients
+  gives exactly the gradient of the global loss.
+- Parameters marked `sequence_parallel_grad=True` hold partial gradients per tp rank; when
+  a `tp_group` is given, they are summed over tp (one coalesced all-reduce per bucket) just
+  before their bucket's dp reduction.
+- ZeRO-2 (`zero_stage=2`): a bucket's full-size gradient storage exists only from the first
+  gradient it receives in a step until its reduce-scatter has finished; afterwards only the
+  1/dp shard remains.
+
+How "all of its gradients are final" is known: a parameter may receive several deliveries
+per backward (e.g. a tied weight used through a sink and through autograd). The first
+synchronised backward after construction counts the deliveries per parameter and launches
+its reductions only in `finish_reduction()`; later steps launch a bucket as soon as its
+count is reached. A delivery to a bucket whose reduction already started is an error.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from megalite import comm
+from megalite.data_parallel.layout import BufferLayout, build_layout
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements (Megatron's default); buckets this big overlap only large models
+
+
+class DataParallelGrads:
+    """Gradient buffers and bucketed, overlapped dp reduction for one model replica.
+
+    Args:
+        params: this rank's parameters in model (forward) order; laid out reversed.
+        dp_group: the data-parallel group (None: dp=1, reductions are no-ops).
+        bucket_size: target elements per bucket.
+        grad_reduce_dtype: torch.float32, or torch.bfloat16 to halve dp traffic (the
+            reduced result is written back to the fp32 buffers).
+        zero_stage: 0 all-reduce; 1 reduce-scatter, full buffer kept; 2 reduce-scatter,
+            full buffer freed per bucket after its reduction.
+        tp_group: sums `sequence_parallel_grad` params' grads over tp before dp reduction.
+        defer_shared_embedding: params with `shared_embedding=True` get a bucket of their own
+            that launches only in `finish_reduction()`, so the pipeline code can all-reduce
+            `param.main_grad` over the embedding group in between (set it when pp > 1).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], dp_group, *, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                 grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
+                 defer_shared_embedding: bool = False):
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("DataParallelGrads needs at least one parameter with requires_grad=True")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("the same parameter was passed twice; pass each parameter once")
+        self.params = list(reversed(params))  # reverse order of use: backward fills bucket 0 first
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
+        self.zero_stage, self.grad_reduce_dtype = zero_stage, grad_reduce_dtype
+        self.shard_count = self.dp_size if zero_stage > 0 else 1
+        self.shard_rank = self.dp_rank if zero_stage > 0 else 0
+        self.device = self.params[0].device
+        deferred = frozenset(i for i, p in enumerate(self.params)
+                             if defer_shared_embedding and getattr(p, "shared_embedding", False))
+        self.layout: BufferLayout = build_layout([p.numel() for p in self.params], bucket_size,
+                                                 self.shard_count, deferred)
+        self._deferred_buckets = {self.layout.slots[i].bucket for i in deferred}
+        buckets = self.layout.buckets
+
+        # Full-size fp32 storage per bucket; views of one contiguous buffer unless ZeRO-2 frees them.
+        if zero_stage == 2:
+            self._grad_buffer = None
+            self._bucket_grads: list[torch.Tensor | None] = [None] * len(buckets)
+        else:
+            self._grad_buffer = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+            self._bucket_grads = [self._grad_buffer[b.start:b.end] for b in buckets]
+            for p, slot in zip(self.params, self.layout.slots):
+                p.main_grad = self._grad_buffer[slot.start:slot.end].view(p.shape)
+        # This rank's reduced gradients: the whole buffer at zero_stage 0, its 1/dp shard otherwise.
+        if zero_stage == 0:
+            self.grad_shard = self._grad_buffer
+        else:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+
+        self._sp_params = [[i for i in b.params if getattr(self.params[i], "sequence_parallel_grad", False)]
+                           for b in buckets]
+        self._expected: list[int] | None = None  # deliveries per param per backward, after calibration
+        self._arrived = [0] * len(self.params)
+        self._remaining = [0] * len(buckets)
+        self._launched = [False] * len(buckets)
+        self._pending: list[tuple[int, object, torch.Tensor | None, torch.Tensor | None]] = []
+        self._sync = True
+        self._hooks = []
+        for index, p in enumerate(self.params):
+            p.grad_sink = self._make_sink(index)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    # ------------------------------------------------------------------ accumulation
+
+    def _make_sink(self, index: int):
+        def sink(param: torch.Tensor, grad: torch.Tensor) -> None:
+            self._accumulate(index, grad)
+        return sink
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:  # autograd got None back (the gradient went to the sink instead)
+                return
+            grad, param.grad = param.grad, None  # the fp32 buffer is the only copy
+            self._accumulate(index, grad)
+        return hook
+
+    def _bucket_storage(self, bucket: int) -> torch.Tensor:
+        storage = self._bucket_grads[bucket]
+        if storage is None:  # ZeRO-2: allocated at the bucket's first gradient of the step
+            b = self.layout.buckets[bucket]
+            storage = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            self._bucket_grads[bucket] = storage
+            for i in b.params:
+                slot = self.layout.slots[i]
+                self.params[i].main_grad = storage[slot.start - b.start:slot.end - b.start].view(self.params[i].shape)
+        return storage
+
+    def main_grad(self, param_index: int) -> torch.Tensor:
+        """The fp32 gradient buffer of `self.params[param_index]` (allocating it under ZeRO-2)."""
+        slot = self.layout.slots[param_index]
+        b = self.layout.buckets[slot.bucket]
+        storage = self._bucket_storage(slot.bucket)
+        return storage[slot.start - b.start:slot.end - b.start].view(self.params[param_index].shape)
+
+    def _accumulate(self, index: int, grad: torch.Tensor) -> None:
+        bucket = self.layout.slots[index].bucket
+        if self._launched[bucket]:
+            raise RuntimeError(
+                f"parameter {index} (shape {tuple(self.params[index].shape)}) received a gradient after its "
+                f"bucket's dp reduction started; it is used more often in this backward than in the first "
+                f"(calibration) step; keep the graph the same every step or call finish_reduction() per step")
+        self.main_grad(index).add_(grad)
+        if not self._sync:
+            return
+        self._arrived[index] += 1
+        if self._expected is not None:
+            self._remaining[bucket] -= 1
+            if self._remaining[bucket] == 0 and bucket not in self._deferred_buckets:
+                self._launch(bucket)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulation microbatches: gradients accumulate locally, nothing is reduced."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def set_last_microbatch(self, is_last: bool) -> None:
+        """True (default) before the backward that completes the step's gradients."""
+        self._sync = bool(is_last)
+
+    # ------------------------------------------------------------------ reduction
+
+    def _reduce_sequence_parallel(self, bucket: int) -> None:
+        indices = self._sp_params[bucket]
+        if not indices or comm.group_size(self.tp_group) == 1:
+            return
+        views = [self.main_grad(i).view(-1) for i in indices]
+        flat = torch.cat(views)
+        comm.all_reduce(flat, self.tp_group)
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset:offset + view.numel()])
+            offset += view.numel()
+
+    def _launch(self, bucket: int) -> None:
+        """Start bucket `bucket`'s dp reduction (asynchronously)."""
+        self._launched[bucket] = True
+        self._reduce_sequence_parallel(bucket)
+        data = self._bucket_storage(bucket)  # fp32 [bucket numel]
+        send = data if self.grad_reduce_dtype == torch.float32 else data.to(self.grad_reduce_dtype)
+        b = self.layout.buckets[bucket]
+        if self.zero_stage == 0:
+            handle = comm.all_reduce(send, self.dp_group, async_op=True)
+            self._pending.append((bucket, handle, send, None))
+            return
+        shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel]
+        out = shard if self.grad_reduce_dtype == torch.float32 else torch.empty_like(shard, dtype=send.dtype)
+        handle = comm.reduce_scatter_into(out, send, self.dp_group, async_op=True)
+        self._pending.append((bucket, handle, send, out))
+
+    def finish_reduction(self) -> None:
+        """Launch every bucket not yet reduced (in bucket order), wait for all, finalise.
+
+        After it returns, `grad_shard` holds this rank's summed gradients: the whole buffer
+        (zero_stage 0) or this rank's chunks (zero_stage 1, 2). Ends a first (calibration) step.
+        """
+        if not self._sync:
+            raise RuntimeError("finish_reduction() inside no_sync()/set_last_microbatch(False); "
+                               "run the last microbatch's backward with synchronisation on first")
+        for bucket in range(len(self.layout.buckets)):
+            if not self._launched[bucket]:
+                self._launch(bucket)
+        for bucket, handle, send, out in self._pending:
+            handle.wait()
+            b = self.layout.buckets[bucket]
+            if self.zero_stage == 0 and send is not self._bucket_grads[bucket]:
+                self._bucket_grads[bucket].copy_(send)  # bf16 all-reduce result back into fp32
+            elif self.zero_stage > 0 and out.dtype != torch.float32:
+                self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel].copy_(out)
+            if self.zero_stage == 2:
+                self._free_bucket(bucket)
+        self._pending.clear()
+        if self._expected is None:
+            self._expected = list(self._arrived)
+        self._reset_counters()
+
+    def _free_bucket(self, bucket: int) -> None:
+        self._bucket_grads[bucket] = None
+        for i in self.layout.buckets[bucket].params:
+            self.params[i].main_grad = None
+
+    def _reset_counters(self) -> None:
+        self._arrived = [0] * len(self.params)
+        self._launched = [False] * len(self.layout.buckets)
+        expected = self._expected or [0] * len(self.params)
+        self._remaining = [sum(expected[i] for i in b.params) for b in self.layout.buckets]
+
+    def zero_grad(self) -> None:
+        """Clear every gradient before the next step's first microbatch."""
+        if self._pending:
+            raise RuntimeError("zero_grad() while dp reductions are in flight; call finish_reduction() first")
+        if self.zero_stage == 2:
+            for bucket in range(len(self.layout.buckets)):
+                self._free_bucket(bucket)
+        else:
+            self._grad_buffer.zero_()
+        if self.zero_stage > 0:
+            self.grad_shard.zero_()
+        for p in self.params:
+            p.grad = None
+        self._reset_counters()
+
+    # ------------------------------------------------------------------ metrics
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds right now (full buffers + shard)."""
+        total = sum(t.numel() * t.element_size() for t in self._bucket_grads if t is not None)
+        if self.zero_stage > 0:
+            total += self.grad_shard.numel() * self.grad_shard.element_size()
+        return total
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (hooks and sinks); the buffers stay readable."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for p in self.params:
+            p.grad_sink = None
