@@ -38,14 +38,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = targets - start
         owned = valid & (local_target >= 0) & (local_target < local_vocab)
         local_target = local_target.clamp(0, local_vocab - 1)
-        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * owned  # [...]
+        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)  # [...]
+        target_logit = torch.where(owned, target_logit, torch.zeros_like(target_logit))  # not `* owned`: -inf * 0
 
         x.exp_()
         partials = torch.stack([target_logit, x.sum(dim=-1)])  # [2, ...]: one all-reduce for both
         comm.all_reduce(partials, group)
         target_logit, sum_exp = partials[0], partials[1]
 
-        loss = (torch.log(sum_exp) - target_logit) * valid
+        loss = torch.where(valid, torch.log(sum_exp) - target_logit, torch.zeros_like(sum_exp))
         x.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward: [..., V/tp] fp32
         ctx.save_for_backward(x, local_target, owned, valid)
         ctx.logits_dtype = logits.dtype

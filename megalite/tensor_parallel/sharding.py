@@ -16,7 +16,7 @@ at init, dropped from checkpoints, and excluded from the loss.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,6 +79,18 @@ class ShardSpec:
         for local_start, full_start, length in self.pieces():
             local.narrow(self.dim, local_start, length).copy_(full.narrow(self.dim, full_start, length))
         return local
+
+    def assemble(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full logical tensor from every tp rank's shard (rank order); padding dropped."""
+        if self.dim is None:
+            return shards[0].clone()
+        if len(shards) != self.tp_size:
+            raise ValueError(f"assemble needs {self.tp_size} shards, got {len(shards)}")
+        full = torch.empty(self.full_shape, dtype=shards[0].dtype, device=shards[0].device)
+        for rank, local in enumerate(shards):
+            for local_start, full_start, length in replace(self, tp_rank=rank).pieces():
+                full.narrow(self.dim, full_start, length).copy_(local.narrow(self.dim, local_start, length))
+        return full
 
 
 def validate_blocks(blocks: tuple[int, ...], tp_size: int, what: str) -> None:

@@ -1,0 +1,95 @@
+"""The model's elementwise and attention math, in one place.
+
+Each function dispatches to `megalite.kernels` (Triton on CUDA tensors, the PyTorch reference
+elsewhere, per MEGALITE_KERNEL_BACKEND) when that package provides it, and otherwise to the
+plain PyTorch below. Both compute the same function; the model's parity tests run on either.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:  # the Triton kernels package; optional at this layer
+    from megalite import kernels as _kernels
+except ImportError:  # pragma: no cover
+    _kernels = None
+
+
+def _kernel(name: str):
+    return getattr(_kernels, name, None) if _kernels is not None else None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    fn = _kernel("layer_norm")
+    if fn is not None:
+        return fn(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32, result in x.dtype."""
+    fn = _kernel("rms_norm")
+    if fn is not None:
+        return fn(x, weight, eps)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU, tanh approximation (GPT-2's gelu_new)."""
+    fn = _kernel("gelu")
+    return fn(x) if fn is not None else F.gelu(x, approximate="tanh")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    fn = _kernel("swiglu")
+    return fn(gate, up) if fn is not None else F.silu(gate) * up
+
+
+def rope_tables(seq_length: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [s, d] in fp32 for rotate-half RoPE (each frequency's angle repeated in both halves)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [s, d]
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [s, b, heads, d]; cos, sin: [s, d]."""
+    fn = _kernel("rope")
+    if fn is not None:
+        return fn(x, cos, sin)
+    cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """Causal attention. q: [b, h, s, d]; k, v: [b, h_kv, s, d] (grouped-query); out [b, h, s, d].
+
+    With dropout the probabilities are dropped with `generator` (this rank's tensor-parallel
+    stream), so masks differ across tp ranks and are reproducible on recompute.
+    """
+    if dropout_p == 0.0:
+        fn = _kernel("attention")
+        if fn is not None:
+            return fn(q, k, v, causal=True)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    from megalite.tensor_parallel.random import dropout
+
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, h, s, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+    probs = torch.softmax(scores.float().masked_fill(causal, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(dropout(probs, dropout_p, generator), v)

@@ -1,0 +1,219 @@
+"""GPTModel: embedding -> transformer blocks -> final norm -> vocab-parallel head -> loss.
+
+Stage-aware: a pipeline stage builds only its layers (`layer_ids`), the embedding when it is
+the first stage (`pre_process`) and the head when it is the last (`post_process`).
+
+Every component's master weights are drawn from its own seeded stream (the model seed and
+the component's global index), so the model is the same tensor for tensor whatever the
+(tp, pp) layout: a stage that builds layers 8..15 gets exactly layers 8..15 of the pp=1 model.
+
+forward(x, labels=None, reduction="mean"):
+- x: input ids [b, s] on the first stage; else the hidden state [s, b, h] ([s/tp, b, h] with
+  sequence parallelism) received from the previous stage.
+- not the last stage: returns the hidden state for the next stage.
+- last stage without labels: this rank's logits shard [b, s, V_pad/tp].
+- last stage with labels [b, s] (labels[:, i] is the target of x[:, i]; -100 ignored): the loss,
+  the mean over target tokens (equal on every tp rank) or, with reduction="sum", the sum.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.mesh import Mesh, current_mesh
+from megalite.model import functional as MF
+from megalite.model.config import GPTConfig
+from megalite.model.recompute import checkpoint_with_rng
+from megalite.model.transformer import Norm, TransformerBlock, normal_init
+from megalite.tensor_parallel import mappings
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear
+from megalite.tensor_parallel.random import TensorParallelRNG, dropout
+from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec
+
+# Seed-stream offsets of the components (layer i uses _LAYER_STREAM + i).
+_WORD_EMBEDDING_STREAM, _POSITION_STREAM, _OUTPUT_STREAM, _LAYER_STREAM = 0, 1, 2, 1000
+
+
+@contextlib.contextmanager
+def seeded(seed: int, stream: int):
+    """Run a block with the global RNG seeded for (seed, stream); restore the RNG afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + stream)
+        yield
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: GPTConfig, mesh: Mesh | None = None, *, layer_ids: range | None = None,
+                 pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
+                 recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        mesh = mesh or current_mesh()
+        self.tp_group = mesh.tp_group if mesh is not None else None
+        tp_size = comm.group_size(self.tp_group)
+        tp_rank, pp_rank = comm.group_rank(self.tp_group), (mesh.pp_rank if mesh is not None else 0)
+        pp_size = mesh.pp_size if mesh is not None else 1
+        device = device if device is not None else (mesh.device if mesh is not None else None)
+        config.check_tensor_parallel(tp_size)
+        if recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+        if sequence_parallel and config.seq_length % tp_size != 0:
+            raise ValueError(f"sequence parallelism needs seq_length={config.seq_length} divisible by tp={tp_size}")
+        self.config, self.sequence_parallel, self.recompute = config, sequence_parallel, recompute
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
+        self.padded_vocab_size = config.padded_vocab_size(tp_size)
+        self.rng = TensorParallelRNG(seed, tp_rank, pp_rank, device or "cpu")
+        h, init = config.hidden_size, normal_init(config.init_std)
+
+        if pre_process:
+            with seeded(seed, _WORD_EMBEDDING_STREAM):
+                self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, self.tp_group,
+                                                              padded_num_embeddings=self.padded_vocab_size,
+                                                              init_method=init, dtype=dtype, device=device)
+            if config.flavour == "gpt2":
+                with seeded(seed, _POSITION_STREAM):
+                    table = torch.empty(config.seq_length, h)
+                    init(table)
+                self.position_embeddings = nn.Parameter(table.to(device=device, dtype=dtype or table.dtype))
+                set_shard_spec(self.position_embeddings, ShardSpec(tuple(table.shape)))
+                # Under SP each rank adds only its sequence slice of the table: partial gradients.
+                self.position_embeddings.sequence_parallel_grad = sequence_parallel
+
+        self.layers = nn.ModuleList()
+        for i in self.layer_ids:
+            with seeded(seed, _LAYER_STREAM + i):
+                block = TransformerBlock(config, self.tp_group, sequence_parallel, dtype, device)
+            block.recompute_core = recompute == "selective"
+            self.layers.append(block)
+
+        if post_process:
+            self.final_norm = Norm(config, sequence_parallel, dtype, device)
+            if config.tie_embeddings and pre_process:
+                self.output_weight = None  # the head reads word_embeddings.weight
+            else:
+                # Untied head, or the last stage's copy of a tied embedding (same stream: same values).
+                stream = _WORD_EMBEDDING_STREAM if config.tie_embeddings else _OUTPUT_STREAM
+                with seeded(seed, stream):
+                    full = torch.empty(config.vocab_size, h)
+                    init(full)
+                spec = ShardSpec((config.vocab_size, h), 0, tp_rank, tp_size, padded_size=self.padded_vocab_size)
+                self.output_weight = nn.Parameter(spec.shard(full).to(device=device, dtype=dtype or full.dtype))
+                set_shard_spec(self.output_weight, spec)
+        if config.tie_embeddings and pp_size > 1:
+            # The first stage's embedding and the last stage's head copy are one logical tensor:
+            # their gradients are summed over the embedding group, and counted once in norms.
+            if pre_process:
+                self.word_embeddings.weight.shared_embedding = True
+            if post_process and self.output_weight is not None:
+                self.output_weight.shared_embedding = True
+
+        if config.flavour == "llama":
+            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, device)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    # --- pieces -----------------------------------------------------------------------------
+
+    def head_weight(self) -> torch.Tensor:
+        return self.output_weight if self.output_weight is not None else self.word_embeddings.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s] ids -> [s, b, h] (or the sequence shard [s/tp, b, h] under SP)."""
+        s = input_ids.shape[1]
+        partial = self.word_embeddings.local_lookup(input_ids).transpose(0, 1).contiguous()  # [s, b, h] partial
+        if self.sequence_parallel:
+            x = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]
+        else:
+            x = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
+        if self.config.flavour == "gpt2":
+            positions = self.position_embeddings[:s].unsqueeze(1)  # [s, 1, h]
+            if self.sequence_parallel:
+                tp, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+                positions = positions.chunk(tp, dim=0)[r]
+            x = x + positions
+        generator = self.rng.tensor_parallel if self.sequence_parallel else self.rng.replicated
+        return dropout(x, self.config.hidden_dropout, generator, self.training)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] final hidden -> [s, b, V_pad/tp] logits shard."""
+        x = self.final_norm(x)
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
+        else:
+            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
+        return linear(x, self.head_weight())
+
+    def _rope(self, s: int):
+        if self.config.flavour != "llama":
+            return None
+        return self.rope_cos[:s], self.rope_sin[:s]
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
+        if self.pre_process:
+            if x.dim() != 2:
+                raise ValueError(f"the first stage takes input ids [b, s], got shape {tuple(x.shape)}")
+            if x.shape[1] > self.config.seq_length:
+                raise ValueError(f"sequence length {x.shape[1]} exceeds seq_length={self.config.seq_length}")
+            s = x.shape[1]
+            x = self.embed(x)
+        else:
+            s = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
+        rope = self._rope(s)
+        for block in self.layers:
+            if self.recompute == "full" and self.training:
+                x = checkpoint_with_rng(block, self.rng, x, rope, self.rng)
+            else:
+                x = block(x, rope, self.rng)
+        if not self.post_process:
+            return x
+        logits = self.logits(x)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)  # [b, s, V/tp]
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+                                              vocab_size=self.config.vocab_size)  # [s, b]
+        if reduction == "sum":
+            return losses.sum()
+        if reduction == "mean":
+            return losses.sum() / (labels != -100).sum().clamp(min=1)
+        if reduction == "none":
+            return losses.transpose(0, 1)
+        raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+
+    # --- layout-free names and full tensors ---------------------------------------------------
+
+    def logical_name(self, local_name: str) -> str:
+        """This stage's parameter name -> the name in the full (pp=1) model.
+
+        `layers.{i}.` becomes `layers.{global i}.`; the last stage's copy of a tied embedding is
+        `word_embeddings.weight` (one logical tensor).
+        """
+        if local_name.startswith("layers."):
+            _, index, rest = local_name.split(".", 2)
+            return f"layers.{self.layer_ids[int(index)]}.{rest}"
+        if local_name == "output_weight" and self.config.tie_embeddings:
+            return "word_embeddings.weight"
+        return local_name
+
+    def logical_parameters(self):
+        """(logical name, parameter) for every parameter of this stage."""
+        for name, param in self.named_parameters():
+            yield self.logical_name(name), param
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full (unsharded, unpadded) tensors by logical name; each rank keeps its shard."""
+        missing = []
+        for name, param in self.logical_parameters():
+            if name not in full:
+                missing.append(name)
+                continue
+            spec = getattr(param, "shard_spec")
+            param.copy_(spec.shard(full[name].to(torch.float32)).to(param.dtype))
+        if strict and missing:
+            raise KeyError(f"full state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -1,0 +1,149 @@
+"""One transformer block built from megalite's tensor-parallel layers, both flavours.
+
+Activations are [s, b, h] (Megatron's layout: the sequence dim leads, so sequence-parallel
+scatter/gather are contiguous). With sequence parallelism the block's input and output are the
+sequence shard [s/tp, b, h]: norms, dropouts and residual adds run on the shard, the
+column-parallel layers all-gather the sequence, the row-parallel layers reduce-scatter it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.model import functional as MF
+from megalite.model.config import GPTConfig
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.random import TensorParallelRNG, dropout
+from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec
+
+
+def normal_init(std: float):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+def zeros_init(b: torch.Tensor):
+    return nn.init.zeros_(b)
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2) or RMSNorm (llama) over the last dim; weights replicated across tp.
+
+    Under sequence parallelism each tp rank sees a different sequence shard, so these
+    parameters' gradients are partial sums: they carry `sequence_parallel_grad=True` and the
+    training step all-reduces them over tp.
+    """
+
+    def __init__(self, config: GPTConfig, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        h = config.hidden_size
+        self.kind, self.eps = ("layer" if config.flavour == "gpt2" else "rms"), config.norm_eps
+        self.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        set_shard_spec(self.weight, ShardSpec((h,)))
+        self.weight.sequence_parallel_grad = sequence_parallel
+        if self.kind == "layer":
+            self.bias = nn.Parameter(torch.zeros(h, dtype=dtype, device=device))
+            set_shard_spec(self.bias, ShardSpec((h,)))
+            self.bias.sequence_parallel_grad = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return MF.layer_norm(x, self.weight, self.bias, self.eps)
+        return MF.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention: fused QKV column-parallel linear -> (RoPE) -> causal core -> row-parallel out.
+
+    The QKV weight's full layout is [Q; K; V] (as HF stores it) with each block split across tp,
+    so rank r owns query heads [r*nq/tp, (r+1)*nq/tp) and the key/value groups they use.
+    """
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_query_groups
+        self.config = config
+        self.local_heads, self.local_groups, self.head_dim = nq // tp, nkv // tp, d
+        init = normal_init(config.init_std)
+        out_init = normal_init(config.init_std / math.sqrt(2 * config.num_layers))
+        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.add_bias,
+                                        tp_group=tp_group, sequence_parallel=sequence_parallel, init_method=init,
+                                        bias_init_method=zeros_init, fused_blocks=(nq * d, nkv * d, nkv * d),
+                                        dtype=dtype, device=device)
+        self.proj = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, tp_group=tp_group,
+                                      sequence_parallel=sequence_parallel, init_method=out_init,
+                                      bias_init_method=zeros_init, dtype=dtype, device=device)
+
+    def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+             rng: TensorParallelRNG) -> torch.Tensor:
+        """[s, b, (nq + 2 nkv)/tp * d] -> [s, b, nq/tp * d]: the part selective recompute re-runs."""
+        s, b, _ = qkv.shape
+        d, hq, hkv = self.head_dim, self.local_heads, self.local_groups
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(s, b, hq, d), k.view(s, b, hkv, d), v.view(s, b, hkv, d)
+        if rope is not None:
+            q, k = MF.rope(q, *rope), MF.rope(k, *rope)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
+        p = self.config.attention_dropout if self.training else 0.0
+        out = MF.attention(q, k, v, dropout_p=p, generator=rng.tensor_parallel)  # [b, hq, s, d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
+
+
+class MLP(nn.Module):
+    """gpt2: fc1 (h -> f) -> tanh-GeLU -> fc2 (f -> h). llama: gate_up (h -> [gate; up]) -> SwiGLU -> down."""
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        h, f = config.hidden_size, config.ffn_hidden_size
+        self.gated = config.flavour == "llama"
+        init = normal_init(config.init_std)
+        out_init = normal_init(config.init_std / math.sqrt(2 * config.num_layers))
+        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, bias_init_method=zeros_init,
+                      dtype=dtype, device=device)
+        self.fc1 = ColumnParallelLinear(h, 2 * f if self.gated else f, bias=config.add_bias, init_method=init,
+                                        fused_blocks=(f, f) if self.gated else None, **common)
+        self.fc2 = RowParallelLinear(f, h, bias=config.add_bias, init_method=out_init, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)  # [s, b, f/tp] or [s, b, 2f/tp] = [gate_r; up_r]
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = MF.swiglu(gate, up)
+        else:
+            y = MF.gelu(y)
+        return self.fc2(y)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None):
+        super().__init__()
+        self.config, self.sequence_parallel = config, sequence_parallel
+        self.input_norm = Norm(config, sequence_parallel, dtype, device)
+        self.attention = Attention(config, tp_group, sequence_parallel, dtype, device)
+        self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
+        self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
+        self.recompute_core = False  # selective recompute: re-run the attention core in backward
+
+    def _hidden_dropout(self, x: torch.Tensor, rng: TensorParallelRNG) -> torch.Tensor:
+        # Without SP every tp rank holds the same activation: the replicated stream keeps them equal.
+        generator = rng.tensor_parallel if self.sequence_parallel else rng.replicated
+        return dropout(x, self.config.hidden_dropout, generator, self.training)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                rng: TensorParallelRNG) -> torch.Tensor:
+        from megalite.model.recompute import checkpoint_with_rng
+
+        qkv = self.attention.qkv(self.input_norm(x))
+        if self.recompute_core and self.training:
+            core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)
+        else:
+            core = self.attention.core(qkv, rope, rng)
+        x = x + self._hidden_dropout(self.attention.proj(core), rng)
+        return x + self._hidden_dropout(self.mlp(self.post_attention_norm(x)), rng)
