@@ -8,18 +8,32 @@ Typical use in a training script:
                                  mesh.dp_rank, mesh.dp_size, consumed_samples=resumed)
     for step, microbatches in zip(range(train_iters), sampler):
         batches = load_microbatches(train, microbatches)          # [{"input_ids", "labels"}, ...]
-"""
-from megalite.data.default_corpus import build_default_corpus, stdlib_documents
-from megalite.data.gpt_dataset import (BlendedDataset, GPTDataset, blend_assignment, build_gpt_datasets,
-                                       parse_data_path, parse_split, split_documents)
-from megalite.data.indexed_dataset import CorruptIndexError, IndexedDataset, IndexedDatasetWriter
-from megalite.data.preprocess import preprocess_documents, preprocess_files
-from megalite.data.sampler import EvalSampler, GlobalBatchSampler, collate, eval_indices, load_microbatches
-from megalite.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = [
-    "BlendedDataset", "ByteTokenizer", "CorruptIndexError", "EvalSampler", "GPTDataset", "GlobalBatchSampler",
-    "HFTokenizer", "IndexedDataset", "IndexedDatasetWriter", "blend_assignment", "build_default_corpus",
-    "build_gpt_datasets", "collate", "eval_indices", "load_microbatches", "load_tokenizer", "parse_data_path",
-    "parse_split", "preprocess_documents", "preprocess_files", "split_documents", "stdlib_documents",
-]
+Names are imported lazily (PEP 562), so tools/preprocess_data.py starts without importing torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "megalite.data.default_corpus": ["build_default_corpus", "stdlib_documents"],
+    "megalite.data.gpt_dataset": ["BlendedDataset", "GPTDataset", "blend_assignment", "build_gpt_datasets",
+                                  "parse_data_path", "parse_split", "split_documents"],
+    "megalite.data.indexed_dataset": ["CorruptIndexError", "IndexedDataset", "IndexedDatasetWriter"],
+    "megalite.data.preprocess": ["preprocess_documents", "preprocess_files"],
+    "megalite.data.sampler": ["EvalSampler", "GlobalBatchSampler", "collate", "eval_indices",
+                              "load_microbatches"],
+    "megalite.data.tokenizer": ["ByteTokenizer", "HFTokenizer", "load_tokenizer"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'megalite.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return __all__

@@ -83,6 +83,11 @@ class HFTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
 
+    def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Many texts in one call (the Rust side batches them): used by preprocessing."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids if not (self._eod_is_extra and int(i) == self.eod)]
         return self._tokenizer.decode(ids, skip_special_tokens=False)
