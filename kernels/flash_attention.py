@@ -1,0 +1,279 @@
+"""Flash attention (Dao et al. 2022; FlashAttention-2's loop order), causal or not, grouped-query.
+
+    q [b, h, s, d], k and v [b, h_kv, s, d], h % h_kv == 0: query head i reads kv head i // (h / h_kv)
+    out = softmax(scale * q k^T [+ causal mask]) v          (scale defaults to 1/sqrt(d))
+
+Supported by the kernels: head dim in SUPPORTED_HEAD_DIMS, float16 / bfloat16 / float32
+(float32 dots run in full fp32, "ieee", not tf32), the same sequence length for q and k.
+
+Forward: one program per (query block, batch*head) streams key/value blocks with an online
+softmax (running max m and sum l per row, in base 2: exp2 with scale*log2(e) folded in) and
+saves lse2 = m + log2(l) per row, fp32 [b, h, s]. A causal program stops at its diagonal.
+
+Backward (no atomics): delta = rowsum(dout * out) first; then one kernel per (key block,
+batch*kv_head) accumulates dk, dv over every query head of its group and every query block at
+or after it, and a second per (query block, batch*head) accumulates dq:
+
+    p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
+    ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispatch import check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+
+
+def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+
+
+@triton.jit
+def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+                              k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
+                              scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1).to(tl.int64)
+    batch, head = batch_head // n_heads, batch_head % n_heads
+    kv_head = head // group_size
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + batch * q_stride_b + head * q_stride_h + offs_m[:, None] * q_stride_s + offs_d[None, :],
+                mask=offs_m[:, None] < seq_len, other=0.0)
+    k_base = K + batch * k_stride_b + kv_head * k_stride_h
+    v_base = V + batch * v_stride_b + kv_head * v_stride_h
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    end_n = seq_len
+    if CAUSAL:
+        end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None], mask=cols[None, :] < seq_len,
+                      other=0.0)  # [HEAD_DIM, BLOCK_N]
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], base 2
+        valid = cols[None, :] < seq_len
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= cols[None, :])
+        scores = tl.where(valid, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=cols[:, None] < seq_len, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    acc = acc / row_sum[:, None]
+    row_ok = offs_m < seq_len
+    tl.store(O + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + batch_head * seq_len + offs_m, row_max + tl.log2(row_sum), mask=row_ok)
+
+
+@triton.jit
+def _attention_delta_kernel(O, DO, DELTA, seq_len, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[b, h, i] = sum_d dout * out (both contiguous [b, h, s, d])."""
+    batch_head = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    mask = offs_m[:, None] < seq_len
+    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + batch_head * seq_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < seq_len)
+
+
+@triton.jit
+def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
+                           k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
+                           softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    batch_kv_head = tl.program_id(1).to(tl.int64)  # = batch * n_kv_heads + kv_head
+    n_kv_heads = n_heads // group_size
+    batch, kv_head = batch_kv_head // n_kv_heads, batch_kv_head % n_kv_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_mask = offs_n[:, None] < seq_len
+    k = tl.load(K + batch * k_stride_b + kv_head * k_stride_h + offs_n[:, None] * k_stride_s + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    v = tl.load(V + batch * v_stride_b + kv_head * v_stride_h + offs_n[:, None] * v_stride_s + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    start_m_first = 0
+    if CAUSAL:
+        start_m_first = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks cannot see these keys
+    for group_member in range(0, group_size):
+        head = kv_head * group_size + group_member
+        q_base = Q + batch * q_stride_b + head * q_stride_h
+        row_base = (batch * n_heads + head) * seq_len  # into lse, delta [b, h, s] and dout [b, h, s, d]
+        for start_m in range(start_m_first, seq_len, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_mask = offs_m[None, :] < seq_len
+            q_t = tl.load(q_base + offs_m[None, :] * q_stride_s + offs_d[:, None], mask=q_mask, other=0.0)
+            do = tl.load(DO + (row_base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+                         mask=offs_m[:, None] < seq_len, other=0.0)  # [BLOCK_M, HEAD_DIM]
+            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
+            scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(scores_t - lse[None, :])
+            valid = q_mask
+            if CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            p_t = tl.where(valid, p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+    out_ptrs = (batch_kv_head * seq_len + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+                         k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
+                         softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch_head = tl.program_id(1).to(tl.int64)
+    batch, head = batch_head // n_heads, batch_head % n_heads
+    kv_head = head // group_size
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_mask = offs_m[:, None] < seq_len
+    q = tl.load(Q + batch * q_stride_b + head * q_stride_h + offs_m[:, None] * q_stride_s + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(LSE + batch_head * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
+    delta = tl.load(DELTA + batch_head * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
+    k_base = K + batch * k_stride_b + kv_head * k_stride_h
+    v_base = V + batch * v_stride_b + kv_head * v_stride_h
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    end_n = seq_len
+    if CAUSAL:
+        end_n = tl.minimum(start_m + BLOCK_M, seq_len)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_mask = cols[:, None] < seq_len
+        k = tl.load(k_base + cols[:, None] * k_stride_s + offs_d[None, :], mask=col_mask, other=0.0)  # [N, D]
+        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=col_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(scores - lse[:, None])
+        valid = cols[None, :] < seq_len
+        if CAUSAL:
+            valid = valid & (offs_m[:, None] >= cols[None, :])
+        p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    tl.store(DQ + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+             (dq * softmax_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _config(head_dim: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Block sizes: tensor-core-sized on CUDA, small in the interpreter (odd shapes cross many blocks)."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    if device.type != "cuda":
+        return dict(fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), warps=1, stages=1, precision=precision)
+    big = head_dim >= 128 or dtype == torch.float32
+    return dict(fwd=(128, 64) if not big else (64, 64), dkdv=(32, 64), dq=(64, 32), warps=8 if big else 4,
+                stages=3 if not big else 2, precision=precision)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+class _FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale):
+        batch, n_heads, seq_len, head_dim = q.shape
+        group_size = n_heads // k.shape[1]
+        cfg = _config(head_dim, q.device, q.dtype)
+        out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
+        lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
+        block_m, block_n = cfg["fwd"]
+        runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+            q, k, v, out, lse2, *_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len,
+            softmax_scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            DOT_PRECISION=cfg["precision"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+        ctx.save_for_backward(q, k, v, out, lse2)
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse2 = ctx.saved_tensors
+        batch, n_heads, seq_len, head_dim = q.shape
+        n_kv_heads = k.shape[1]
+        group_size = n_heads // n_kv_heads
+        cfg = _config(head_dim, q.device, q.dtype)
+        dout = dout.contiguous()
+        delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
+        block_m = cfg["dq"][0]
+        runnable(_attention_delta_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+            out, dout, delta, seq_len, HEAD_DIM=head_dim, BLOCK_M=block_m)
+        dq = new_output(q.shape, q.dtype, q.device)
+        dk = new_output(k.shape, k.dtype, k.device)
+        dv = new_output(v.shape, v.dtype, v.device)
+        common = (*_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, ctx.softmax_scale,
+                  ctx.softmax_scale * LOG2E)
+        meta = dict(CAUSAL=ctx.causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"], num_warps=cfg["warps"],
+                    num_stages=cfg["stages"])
+        block_m, block_n = cfg["dkdv"]
+        runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(seq_len, block_n), batch * n_kv_heads)](
+            q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, **meta)
+        block_m, block_n = cfg["dq"]
+        runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+            q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, **meta)
+        return dq, dk, dv, None, None
+
+
+def _check_shapes(q, k, v) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("attention: q, k, v must be 4-D: q [b, h, s, d], k and v [b, h_kv, s, d]")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not fit "
+                         "q [b, h, s, d], k = v [b, h_kv, s_kv, d]")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              softmax_scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s, d].
+
+    Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
+    The Triton path needs d in SUPPORTED_HEAD_DIMS, one dtype among float16/bfloat16/float32 and
+    equal q and kv sequence lengths.
+    """
+    _check_shapes(q, k, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.numel() == 0 or not use_triton(q):
+        return attention_reference(q, k, v, causal, softmax_scale)
+    check_same_device("attention", q, k, v)
+    check_float_dtype("attention", q, "q")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"attention: q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} differ; cast them to one")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"attention: head dim {q.shape[-1]} is not supported by the Triton kernel; supported: "
+                         f"{SUPPORTED_HEAD_DIMS} (or set MEGALITE_KERNEL_BACKEND=torch)")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"attention: the Triton kernel needs equal q and kv lengths, got {q.shape[2]} and "
+                         f"{k.shape[2]} (or set MEGALITE_KERNEL_BACKEND=torch)")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale))
