@@ -111,7 +111,7 @@ class _Simulation:
         self.steps = [split_steps(list(ops)) for ops in schedule]
         self.position = [0] * pp
         self.posted: list[list | None] = [None] * pp  # per stage: [(pair, k, is_send)] of its batch
-        self.sent: dict[tuple[int, int], list] = defaultdict(list)  # pair -> [(message, stage, step)]
+        self.sent: dict[tuple[int, int], list] = defaultdict(list)  # pair -> [(message, stage, instr #)]
         self.received: dict[tuple[int, int], list] = defaultdict(list)
 
     def schedule(self) -> Schedule:
@@ -126,7 +126,8 @@ class _Simulation:
         pair = (stage, other) if is_send else (other, stage)
         queue = self.sent[pair] if is_send else self.received[pair]
         self.posted[stage].append((pair, len(queue), is_send))
-        queue.append((_message(op, self.pp, stage), stage, self.position[stage]))
+        step = self.steps[stage][self.position[stage]]
+        queue.append((_message(op, self.pp, stage), stage, self._index(stage, self.position[stage], step.index(op))))
 
     def _waits(self, stage: int) -> list[tuple[int, tuple[int, int], int, bool]]:
         """Unmatched ops of the posted batch as (peer, pair, k, is_send); raises on order mismatch."""
@@ -143,8 +144,8 @@ class _Simulation:
                 a, b = pair
                 raise ScheduleError(
                     f"message order mismatch between stage {a} and stage {b}: stage {a}'s send #{k} "
-                    f"(step {snd[2]}) carries {_describe(snd[0])} but stage {b}'s receive #{k} "
-                    f"(step {rcv[2]}) expects {_describe(rcv[0])}")
+                    f"(instruction #{snd[2]}) carries the {_describe(snd[0])} but stage {b}'s receive #{k} "
+                    f"(instruction #{rcv[2]}) expects the {_describe(rcv[0])}")
         return waits
 
     def run(self, repair: bool = False) -> None:
@@ -210,10 +211,9 @@ class _Simulation:
             waits_on[s] = waits[0][0]
             described = []
             for other, pair, k, is_send in waits:
-                msg, _, step = (self.sent if is_send else self.received)[pair][k]
+                msg, _, index = (self.sent if is_send else self.received)[pair][k]
                 verb = "send to" if is_send else "receive from"
-                described.append(f"{verb} stage {other} the {_describe(msg)} "
-                                 f"(instruction #{self._index(s, step)})")
+                described.append(f"{verb} stage {other} the {_describe(msg)} (instruction #{index})")
             lines.append(f"stage {s} waits to " + "; and to ".join(described))
         cycle, s = [stuck[0]], waits_on[stuck[0]]
         while s in waits_on and s not in cycle:

@@ -1,0 +1,120 @@
+"""A toy model for executor tests: embedding -> residual Linear+tanh blocks -> head + CE.
+
+Its linear layers honour megalite's weight-gradient routing (`defer_weight_grads`), like
+megalite's parallel linears, so ZB-H1's B/W split is exercised for real. `ToyChunk` mirrors
+the GPT model's stage contract: forward(x, labels=None, reduction="mean") takes input ids
+[b, s] on the first chunk, hidden states [s, b, h] elsewhere, and returns hidden states or
+(on the last chunk, given labels) the cross-entropy loss.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from megalite.tensor_parallel.weight_grad import active_store, bypasses_autograd, deliver
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        module = ctx.module
+        grad_in = grad_out @ weight  # [s, b, out] @ [out, in] -> [s, b, in]
+
+        def weight_grads():
+            out_features, in_features = weight.shape
+            return (grad_out.reshape(-1, out_features).t() @ x.reshape(-1, in_features),
+                    grad_out.reshape(-1, out_features).sum(0))
+
+        if not bypasses_autograd(module.weight):
+            return (grad_in, *weight_grads(), None)
+
+        def run():
+            grad_w, grad_b = weight_grads()
+            deliver(module.weight, grad_w)
+            deliver(module.bias, grad_b)
+
+        active = active_store()
+        if active is not None:
+            store, key = active
+            store.put(key, run)
+        else:
+            run()
+        return grad_in, None, None, None
+
+
+class DeferrableLinear(torch.nn.Linear):
+    def forward(self, x):
+        return _LinearFn.apply(x, self.weight, self.bias, self)
+
+
+class ToyModel(torch.nn.Module):
+    """The whole model; pipeline chunks are sliced from it so every layout is the same model."""
+
+    def __init__(self, vocab: int = 32, hidden: int = 16, num_layers: int = 8, tied: bool = True, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embedding = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(DeferrableLinear(hidden, hidden) for _ in range(num_layers))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embedding.weight
+        self.tied = tied
+
+    def forward(self, x, labels=None, reduction="mean"):
+        return run_layers(self, x, labels, reduction, True, True, range(len(self.blocks)))
+
+
+def run_layers(module, x, labels, reduction, pre_process, post_process, blocks):
+    if pre_process:
+        x = module.embedding(x).transpose(0, 1)  # [b, s] -> [s, b, h]
+    for block in blocks:
+        x = x + torch.tanh(module.blocks[block](x) if isinstance(block, int) else block(x))
+    if not post_process:
+        return x
+    logits = module.head(x)  # [s, b, vocab]
+    if labels is None:
+        return logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1), reduction=reduction)
+
+
+class ToyChunk(torch.nn.Module):
+    """Layers `layer_ids` of `full` (copied), plus its embedding / head on the first / last chunk."""
+
+    def __init__(self, full: ToyModel, layer_ids: range, pre_process: bool, post_process: bool):
+        super().__init__()
+        self.layer_ids = list(layer_ids)
+        self.blocks = torch.nn.ModuleList(copy.deepcopy(full.blocks[i]) for i in layer_ids)
+        self.pre_process, self.post_process = pre_process, post_process
+        if pre_process:
+            self.embedding = copy.deepcopy(full.embedding)
+            self.embedding.weight.shared_embedding = full.tied
+        if post_process:
+            self.head = copy.deepcopy(full.head)
+            self.head.weight.shared_embedding = full.tied
+            if pre_process and full.tied:  # one chunk holds both ends: tie locally
+                self.head.weight = self.embedding.weight
+
+    def forward(self, x, labels=None, reduction="mean"):
+        return run_layers(self, x, labels, reduction, self.pre_process, self.post_process, list(self.blocks))
+
+    def oracle_names(self) -> dict[str, str]:
+        """This chunk's parameter names -> the same parameter's name in ToyModel."""
+        names = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("blocks."):
+                _, j, rest = name.split(".", 2)
+                names[name] = f"blocks.{self.layer_ids[int(j)]}.{rest}"
+            elif name.startswith("head.") and getattr(self.head.weight, "shared_embedding", False):
+                names[name] = "embedding.weight"  # tied in the one-process model
+            else:
+                names[name] = name
+        return names
