@@ -1,0 +1,121 @@
+"""Pretrain a GPT with tensor x pipeline x data parallelism.
+
+    python examples/pretrain_gpt.py                                   # tiny GPT, embedded corpus, CPU ok
+    torchrun --nproc_per_node 8 examples/pretrain_gpt.py --tp 2 --pp 2 --dp 2
+    torchrun ... examples/pretrain_gpt.py --model gpt2-124m --data-path my_corpus_text_document --bf16
+
+Reads top to bottom: flags -> configuration checked before any process group exists ->
+mesh -> data -> this rank's model chunks -> optimizer -> the training loop -> evaluation.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from megalite import comm
+from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
+from megalite.mesh import destroy_mesh, init_mesh
+from megalite.optim.lr_schedule import LRSchedule
+from megalite.training.arguments import ConfigError, build_parser, planner_layout, resolve
+from megalite.training.estimate import estimate
+from megalite.training.metrics import (MetricsWriter, ThroughputMeter, gather_step_times, memory_stats,
+                                       peak_tflops, progress_line, straggler_report)
+from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
+
+
+def log(*parts, rank0_only: bool = True) -> None:
+    if not rank0_only or int(os.environ.get("RANK", "0")) == 0:
+        print(*parts, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # 1. Flags and the configuration, validated on every rank before any collective exists.
+    args = build_parser().parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "0")) or (args.tp * args.pp * (args.dp or 1) if args.dry_run else 1)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        model_cfg, cfg = resolve(args, world_size, tokenizer.vocab_size)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"megalite: configuration error (rank {os.environ.get('RANK', '0')}):\n{exc}", file=sys.stderr)
+        return 2
+    plan = estimate(model_cfg, planner_layout(model_cfg, cfg))
+    if cfg.dry_run:
+        print(plan.describe())
+        return 0
+
+    # 2. The mesh: process groups in Megatron order (tp fastest, then dp, then pp).
+    mesh = init_mesh(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    torch.manual_seed(cfg.seed)
+    log(mesh.describe())
+    log(f"model: {model_cfg.flavour} {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, "
+        f"heads={model_cfg.num_attention_heads}/{model_cfg.num_query_groups}, {model_cfg.num_params() / 1e6:.2f}M "
+        f"params, vocab {model_cfg.vocab_size} (padded {model_cfg.padded_vocab_size(cfg.tp)}), seq {model_cfg.seq_length}")
+    log(f"batch: global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {cfg.dp} x accumulation "
+        f"{cfg.num_microbatches}; {cfg.precision}; schedule {cfg.pipeline_schedule if cfg.pp > 1 else 'none'}; "
+        f"zero {cfg.zero}; estimated {plan.total_bytes / 1e9:.2f} GB per rank")
+
+    # 3. Data: fixed-length samples addressed by a global index; each dp rank reads its share.
+    train_set, valid_set, _ = build_gpt_datasets(cfg.data_path, cfg.split, model_cfg.seq_length, cfg.seed, tokenizer)
+    sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, cfg.micro_batch_size, mesh.dp_rank,
+                                 mesh.dp_size, seed=cfg.seed)
+    log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
+        + (f", {len(valid_set)} validation" if valid_set is not None else ""))
+
+    # 4. This rank's model chunks (only its layers) and the sharded optimizer.
+    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    optimizer = build_optimizer(chunks, cfg, mesh)
+    lr_at = LRSchedule(cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters, cfg.lr_decay_style)
+    meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.micro_batch_size, cfg.dp, cfg.num_microbatches,
+                            mesh.world_size, cfg.recompute, cfg.train_iters,
+                            cfg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda"
+                                                           else None, cfg.precision))
+    writer = MetricsWriter(cfg.metrics_file, enabled=mesh.rank == 0)
+
+    def run_eval(step: int) -> None:
+        if valid_set is None or cfg.eval_iters == 0:
+            return
+        batches = EvalSampler(len(valid_set), cfg.eval_iters, cfg.global_batch_size, cfg.micro_batch_size,
+                              mesh.dp_rank, mesh.dp_size)
+        microbatches = [mb for indices in batches for mb in load_microbatches(valid_set, indices)]
+        if not microbatches:
+            return
+        loss = evaluate(chunks, microbatches, mesh, cfg)
+        log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
+        writer.write_eval(step, loss) if hasattr(writer, "write_eval") else None
+
+    # 5. The training loop.
+    for step, indices in zip(range(1, cfg.train_iters + 1), sampler):
+        start = time.perf_counter()
+        microbatches = load_microbatches(train_set, indices)
+        data_time = time.perf_counter() - start
+        lr = lr_at(step - 1)
+        result = train_step(chunks, optimizer, microbatches, mesh, cfg, lr)
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+        if step % cfg.log_interval == 0 or step == 1 or step == cfg.train_iters:
+            record = meter.step(step, step_time, loss=result["loss"], lr=lr, grad_norm=result["grad_norm"],
+                                skipped=result["skipped"], data_time_s=data_time, **memory_stats(mesh.device),
+                                **optimizer.memory_report())
+            if cfg.precision == "fp16":
+                record["loss_scale"] = result["loss_scale"]
+            writer.write(record)
+            log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
+        if cfg.straggler_interval and step % cfg.straggler_interval == 0:
+            times, hosts = gather_step_times(step_time)
+            log(straggler_report(times, hosts).describe())
+        if cfg.eval_interval and step % cfg.eval_interval == 0:
+            run_eval(step)
+
+    run_eval(cfg.train_iters)
+    writer.close()
+    comm.barrier(comm.world_group())
+    destroy_mesh()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Command-line flags (Megatron's names where they exist), the run configuration, and pre-flight.
+
+`resolve(args, world_size)` turns flags into (GPTConfig, TrainConfig) and raises ConfigError
+listing *every* problem it can see — layout divisibility, batch arithmetic, pipeline shape,
+missing data files — each with the fix, before any process group exists. Every rank runs it
+on the same flags, so every rank stops with the same message and nothing hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from megalite.model.config import PRESETS, GPTConfig, preset
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names each problem and its fix."""
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model (explicit flags override the --model preset)")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="preset (default: tiny)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--vocab-size", type=int, help="default: the tokenizer's")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallel layout")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
+    g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved)")
+    g.add_argument("--pipeline-schedule", default=None, choices=["1f1b", "interleaved", "gpipe", "zb-h1"],
+                   help="default: 1f1b, or interleaved when --virtual-stages > 1")
+    g.add_argument("--decoder-first-stage-layers", type=int, default=None)
+    g.add_argument("--decoder-last-stage-layers", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size * dp")
+    g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage of the optimizer")
+    g.add_argument("--offload-optimizer", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
+    g.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "bf16"])
+    p = g.add_mutually_exclusive_group()
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=200)
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--min-lr", type=float, default=2e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-decay-style", default="cosine", choices=["cosine", "linear", "constant"])
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="fp16: steps without overflow to grow")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--data-path", nargs="+", default=None, help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    g.add_argument("--tokenizer", default=None, help="path to a tokenizer.json (default: byte level)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--eval-interval", type=int, default=0, help="0: evaluate only at the end")
+    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", default=None, help="JSON lines, one object per logged step")
+    g.add_argument("--straggler-interval", type=int, default=0)
+    g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: known GPUs)")
+    g.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Train a GPT with tensor x pipeline x data parallelism.")
+    add_model_args(parser)
+    add_layout_args(parser)
+    add_training_args(parser)
+    return parser
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a run except the model's shape (see GPTConfig)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual_stages: int = 1
+    pipeline_schedule: str = "1f1b"
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    zero: int = 0
+    offload_optimizer: bool = False
+    ddp_bucket_size: int = 40_000_000
+    grad_reduce_dtype: str = "fp32"
+    precision: str = "fp32"
+    train_iters: int = 200
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    lr_warmup_iters: int = 20
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    initial_loss_scale: float = 2.0 ** 16
+    loss_scale_window: int = 1000
+    seed: int = 1234
+    data_path: list[str] | None = None
+    tokenizer: str | None = None
+    split: str = "969,30,1"
+    eval_interval: int = 0
+    eval_iters: int = 4
+    log_interval: int = 10
+    metrics_file: str | None = None
+    straggler_interval: int = 0
+    peak_tflops: float | None = None
+    dry_run: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step on each dp rank (gradient accumulation steps)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+def _data_files_missing(data_path: list[str]) -> list[str]:
+    prefixes = data_path if len(data_path) == 1 else data_path[1::2]
+    return [f"{p}.{ext}" for p in prefixes for ext in ("bin", "idx") if not os.path.exists(f"{p}.{ext}")]
+
+
+def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
+    """Flags -> (model config, run config), or ConfigError naming every problem and its fix."""
+    from megalite.pipeline.partition import stage_layers
+    from megalite.training.estimate import preflight
+
+    problems: list[str] = []
+    try:
+        model = preset(args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                       ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+                       vocab_size=args.vocab_size or vocab_size, hidden_dropout=args.hidden_dropout,
+                       attention_dropout=args.attention_dropout)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if model.vocab_size < vocab_size:
+        problems.append(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's {vocab_size}; "
+                        f"drop --vocab-size or set it >= {vocab_size}")
+
+    if args.dp is None and world_size % (args.tp * args.pp) == 0:
+        dp = world_size // (args.tp * args.pp)
+    else:
+        dp = args.dp if args.dp is not None else 1
+    schedule = args.pipeline_schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    cfg = TrainConfig(
+        tp=args.tp, pp=args.pp, dp=dp, virtual_stages=args.virtual_stages, pipeline_schedule=schedule,
+        first_stage_layers=args.decoder_first_stage_layers, last_stage_layers=args.decoder_last_stage_layers,
+        sequence_parallel=args.sequence_parallel, recompute=args.recompute, micro_batch_size=args.micro_batch_size,
+        global_batch_size=global_batch, zero=args.zero, offload_optimizer=args.offload_optimizer,
+        ddp_bucket_size=args.ddp_bucket_size, grad_reduce_dtype=args.grad_reduce_dtype, precision=precision,
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+        adam_betas=(args.adam_beta1, args.adam_beta2), adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        initial_loss_scale=args.initial_loss_scale, loss_scale_window=args.loss_scale_window, seed=args.seed,
+        data_path=args.data_path, tokenizer=args.tokenizer, split=args.split, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, log_interval=args.log_interval, metrics_file=args.metrics_file,
+        straggler_interval=args.straggler_interval, peak_tflops=args.peak_tflops, dry_run=args.dry_run)
+
+    layout = planner_layout(model, cfg)
+    problems += preflight(model, layout, world_size)
+    if schedule == "interleaved" and cfg.virtual_stages == 1 and cfg.pp > 1:
+        problems.append("--pipeline-schedule interleaved needs --virtual-stages >= 2")
+    if cfg.virtual_stages > 1 and schedule != "interleaved":
+        problems.append(f"--pipeline-schedule {schedule} runs one chunk per rank; use --virtual-stages 1 "
+                        f"or --pipeline-schedule interleaved")
+    if cfg.pp > 1 and not problems:
+        for rank in range(cfg.pp):
+            try:
+                stage_layers(model.num_layers, cfg.pp, cfg.virtual_stages, rank, cfg.first_stage_layers,
+                             cfg.last_stage_layers)
+            except ValueError as exc:
+                problems.append(str(exc))
+                break
+    if cfg.pp == 1 and (cfg.first_stage_layers is not None or cfg.last_stage_layers is not None):
+        problems.append("--decoder-first/last-stage-layers need --pp > 1")
+    for name, value in (("--train-iters", cfg.train_iters), ("--micro-batch-size", cfg.micro_batch_size),
+                        ("--log-interval", cfg.log_interval)):
+        if value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    if cfg.data_path is not None:
+        if len(cfg.data_path) > 1 and len(cfg.data_path) % 2:
+            problems.append("--data-path takes one PREFIX, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ...")
+        else:
+            missing = _data_files_missing(cfg.data_path)
+            if missing:
+                problems.append(f"data files not found: {', '.join(missing[:4])}; build them with "
+                                f"tools/preprocess_data.py --input ... --output-prefix PREFIX, or omit "
+                                f"--data-path to use the embedded corpus")
+    if problems:
+        raise ConfigError("\n".join(f"  - {p}" for p in dict.fromkeys(problems)))
+    return model, cfg
+
+
+
+def planner_layout(model: GPTConfig, cfg: TrainConfig):
+    """The planner's view of this run (megalite.training.estimate.Layout)."""
+    from megalite.training.estimate import Layout
+
+    return Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, zero_stage=cfg.zero,
+                  offload_optimizer=cfg.offload_optimizer, recompute=cfg.recompute,
+                  sequence_parallel=cfg.sequence_parallel, micro_batch_size=cfg.micro_batch_size,
+                  seq_length=model.seq_length, global_batch_size=cfg.global_batch_size, precision=cfg.precision,
+                  schedule="gpipe" if cfg.pipeline_schedule == "gpipe" else "1f1b")

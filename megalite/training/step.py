@@ -1,0 +1,143 @@
+"""Build this rank's model chunks and optimizer; run one training step; evaluate.
+
+The loss is normalised once, globally: every microbatch's loss *sum* is scaled by
+1 / (target tokens of the whole step, all microbatches and all dp ranks), so gradient
+accumulation k and data parallelism n give the gradients of one batch k*n times larger, and
+the dp reduction is a plain sum.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megalite import comm
+from megalite.mesh import Mesh
+from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.optim.loss_scaler import DynamicLossScaler
+from megalite.pipeline import run_pipeline, stage_layers
+from megalite.pipeline.p2p import post_and_wait
+from megalite.training.arguments import TrainConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model_chunks(model: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> list[GPTModel]:
+    """This rank's model chunks: local chunk c holds model chunk c*pp + pp_rank (one chunk without interleaving)."""
+    if mesh.pp_size == 1:
+        ranges = [range(model.num_layers)]
+    else:
+        ranges = stage_layers(model.num_layers, mesh.pp_size, cfg.virtual_stages, mesh.pp_rank,
+                              cfg.first_stage_layers, cfg.last_stage_layers)
+    chunks = []
+    for c, layer_ids in enumerate(ranges):
+        first = mesh.pp_rank == 0 and c == 0
+        last = mesh.pp_rank == mesh.pp_size - 1 and c == len(ranges) - 1
+        chunks.append(GPTModel(model, mesh, layer_ids=layer_ids, pre_process=first, post_process=last,
+                               sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, seed=cfg.seed,
+                               dtype=DTYPES[cfg.precision]))
+    return chunks
+
+
+def build_optimizer(chunks: list[GPTModel], cfg: TrainConfig, mesh: Mesh) -> DistributedOptimizer:
+    named = [(chunk.logical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters()]
+    scaler = DynamicLossScaler(initial_scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window) \
+        if cfg.precision == "fp16" else None
+    return DistributedOptimizer(named, mesh, zero_stage=cfg.zero, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                                weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                                bucket_size=cfg.ddp_bucket_size, offload_optimizer=cfg.offload_optimizer,
+                                grad_reduce_dtype=DTYPES[cfg.grad_reduce_dtype], loss_scaler=scaler)
+
+
+def activation_shape(model: GPTConfig, cfg: TrainConfig, seq_length: int) -> tuple[int, int, int]:
+    """What crosses a pipeline boundary: [s, b, h], or the sequence shard [s/tp, b, h] under SP."""
+    s = seq_length // cfg.tp if cfg.sequence_parallel else seq_length
+    return (s, cfg.micro_batch_size, model.hidden_size)
+
+
+def global_target_tokens(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh) -> float:
+    """Target tokens (labels != -100) of the whole step: all microbatches of all dp ranks."""
+    local = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)
+    count = torch.tensor([float(local)], dtype=torch.float64, device=mesh.device)
+    comm.all_reduce(count, mesh.dp_group)
+    return float(count.item())
+
+
+def _global_loss(loss_sum: float, tokens: float, mesh: Mesh) -> float:
+    """The step's mean loss over every target token, the same on every rank (one scalar all-reduce)."""
+    mine = loss_sum if (mesh.is_last_stage and mesh.tp_rank == 0) else 0.0
+    total = torch.tensor([mine], dtype=torch.float64, device=mesh.device)
+    comm.all_reduce(total, comm.world_group())
+    return float(total.item()) / max(tokens, 1.0)
+
+
+def _to_device(microbatches, device):
+    return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
+
+
+def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
+               mesh: Mesh, cfg: TrainConfig, lr: float) -> dict[str, Any]:
+    """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
+
+    Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens'}.
+    """
+    microbatches = _to_device(microbatches, mesh.device)
+    tokens = global_target_tokens(microbatches, mesh)
+    scaler = optimizer.loss_scaler
+    loss_scale = (scaler.scale if scaler is not None else 1.0) / max(tokens, 1.0)
+    optimizer.zero_grad()
+    for chunk in chunks:
+        chunk.train()
+    if mesh.pp_size == 1:
+        model, loss_sum = chunks[0], 0.0
+        for i, mb in enumerate(microbatches):
+            # dp reductions start, bucket by bucket, only during the last microbatch's backward
+            optimizer.grads.set_last_microbatch(i == len(microbatches) - 1)
+            loss = model(mb["input_ids"], mb["labels"], reduction="sum")
+            (loss * loss_scale).backward()
+            loss_sum += float(loss.detach())
+    else:
+        optimizer.grads.set_last_microbatch(False)  # the pipeline interleaves microbatches: reduce after
+        loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches),
+                                activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1]),
+                                DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks))
+        optimizer.grads.set_last_microbatch(True)
+    result = optimizer.step(lr)
+    result["loss"] = _global_loss(loss_sum, tokens, mesh)
+    result["tokens"] = tokens
+    return result
+
+
+@torch.no_grad()
+def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]], mesh: Mesh,
+             cfg: TrainConfig) -> float:
+    """Mean loss over every target token of `microbatches` (all dp ranks), the same on every rank.
+
+    Forward only; with pipeline parallelism each microbatch walks the model chunks in order
+    (chunk c of stage pp-1 feeds chunk c+1 of stage 0), one point-to-point hop at a time.
+    """
+    microbatches = _to_device(microbatches, mesh.device)
+    tokens = global_target_tokens(microbatches, mesh)
+    for chunk in chunks:
+        chunk.eval()
+    loss_sum = 0.0
+    pp, stage = mesh.pp_size, mesh.pp_rank
+    for mb in microbatches:
+        if pp == 1:
+            loss_sum += float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum"))
+            continue
+        shape = activation_shape(chunks[0].config, cfg, mb["input_ids"].shape[1])
+        for c, chunk in enumerate(chunks):
+            if chunk.pre_process:
+                x = mb["input_ids"]
+            else:
+                prev = mesh.pp_ranks[(stage - 1) % pp]
+                x = torch.empty(shape, dtype=DTYPES[cfg.precision], device=mesh.device)
+                post_and_wait([("recv", x, prev)], mesh.pp_group)
+            if chunk.post_process:
+                loss_sum += float(chunk(x, mb["labels"], reduction="sum"))
+            else:
+                post_and_wait([("send", chunk(x).contiguous(), mesh.pp_ranks[(stage + 1) % pp])], mesh.pp_group)
+    return _global_loss(loss_sum, tokens, mesh)
