@@ -10,62 +10,18 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from megalite import comm
 from megalite import mesh as mesh_lib
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
-from megalite.tensor_parallel import mappings
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear
 from megalite.testing import run_distributed
+from optim_helpers import GLOBAL_BATCH, SEQ, ToyGPT, toy_batch, portable
 
-V, H, FFN, SEQ, GLOBAL_BATCH = 16, 8, 16, 8, 8
 LR, WEIGHT_DECAY, CLIP, STEPS = 1e-2, 0.1, 0.5, 3
 
 
-class ToyGPT(nn.Module):
-    """[b, s] ids -> summed next-token loss. Embedding tied to the output layer (two grad deliveries)."""
-
-    def __init__(self, tp_group=None, sequence_parallel=False):
-        super().__init__()
-        self.tp_group, self.sp = tp_group, sequence_parallel
-        self.embedding = VocabParallelEmbedding(V, H, tp_group)
-        self.blocks = nn.ModuleList()
-        for _ in range(2):
-            block = nn.Module()
-            block.norm = nn.LayerNorm(H)
-            block.fc1 = ColumnParallelLinear(H, FFN, tp_group=tp_group, sequence_parallel=sequence_parallel)
-            block.fc2 = RowParallelLinear(FFN, H, tp_group=tp_group, sequence_parallel=sequence_parallel)
-            self.blocks.append(block)
-        self.final_norm = nn.LayerNorm(H)
-        for module in [self.final_norm] + [b.norm for b in self.blocks]:
-            for p in module.parameters():
-                p.sequence_parallel_grad = sequence_parallel
-
-    def forward(self, ids, targets):
-        x = self.embedding(ids.t())  # [s, b, h]
-        if self.sp:
-            x = mappings.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-        for block in self.blocks:
-            x = x + block.fc2(F.gelu(block.fc1(block.norm(x))))
-        x = self.final_norm(x)
-        if self.sp:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s, b, h]
-        else:
-            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        logits = linear(x, self.embedding.weight)  # [s, b, V/tp]
-        return vocab_parallel_cross_entropy(logits.float(), targets.t(), self.tp_group).sum()
-
-
-def _batch(step):
-    tokens = torch.randint(V, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _reference(steps=STEPS, scaler_free=True):
+def _reference(steps=STEPS):
     torch.manual_seed(0)
     model = ToyGPT()
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -75,7 +31,7 @@ def _reference(steps=STEPS, scaler_free=True):
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
-        ids, targets = _batch(step)
+        ids, targets = toy_batch(step)
         loss = model(ids, targets) / targets.numel()  # normalised by the global token count
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
@@ -97,7 +53,7 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
     for step in range(steps):
         opt.zero_grad()
         comm.ledger.reset()
-        ids, targets = _batch(step)
+        ids, targets = toy_batch(step)
         ids, targets = ids[m.dp_rank * rows:(m.dp_rank + 1) * rows], targets[m.dp_rank * rows:(m.dp_rank + 1) * rows]
         total = torch.zeros(())
         for mb_ids, mb_targets, i in zip(ids.chunk(microbatches), targets.chunk(microbatches), range(microbatches)):
@@ -155,29 +111,18 @@ def _check_memory_and_bytes(out, zero_stage, dp, param_bytes_per_elem, what):
             (what, out["dp_bytes"])
 
 
-def _portable(obj):
-    """Tensors -> numpy so results travel back by value (torch pickles tensors as shared fds)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, dict):
-        return {k: _portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_portable(v) for v in obj)
-    return obj
-
-
 def _dp4_world():
     m = mesh_lib.init_mesh(tp=1, pp=1)
     runs = {f"zero{z}": _train(m, z, microbatches=2) for z in (0, 1, 2)}
     runs["zero1_offload"] = _train(m, 1, microbatches=1, offload=True)
     runs["zero2_one_bucket"] = _train(m, 2, microbatches=2, bucket_size=10 ** 9)
     runs["zero1_scaled"] = _train(m, 1, microbatches=2, scaler=DynamicLossScaler(2.0 ** 10, growth_interval=100))
-    return _portable(runs)
+    return portable(runs)
 
 
 def _tp2_dp2_world():
     m = mesh_lib.init_mesh(tp=2, pp=1)
-    return _portable({f"zero{z}": _train(m, z, microbatches=2, sp=True) for z in (0, 1, 2)})
+    return portable({f"zero{z}": _train(m, z, microbatches=2, sp=True) for z in (0, 1, 2)})
 
 
 @pytest.fixture(scope="module")
