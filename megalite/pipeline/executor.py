@@ -72,7 +72,8 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
       buffers are allocated from them, so no shape handshake is needed.
     loss_scale: the executor backpropagates loss_sum * loss_scale (1 / global target tokens).
     stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
-      whose activations were alive at once on this rank) and "instructions".
+      whose activations were alive at once on this rank), "instructions" and
+      "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere. Grads of
     `shared_embedding` parameters are all-reduced over the embedding group at the end.
     """
@@ -93,6 +94,7 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
     store = WeightGradStore()
     live: set[tuple[int, int]] = set()
     peak_live = 0
+    deferred_weight_grads = 0
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
 
     def transfer(batch: list[Instr]) -> None:
@@ -162,7 +164,7 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
             elif op.kind in (BWD, BWD_INPUT):
                 backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
             elif op.kind == BWD_WEIGHT:
-                store.run((op.chunk, op.microbatch))
+                deferred_weight_grads += store.run((op.chunk, op.microbatch))
                 live.discard((op.chunk, op.microbatch))
             else:
                 raise ValueError(f"unknown instruction {op}")
@@ -173,4 +175,5 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
     if stats is not None:
         stats["peak_live_microbatches"] = peak_live
         stats["instructions"] = len(ops)
+        stats["deferred_weight_grads"] = deferred_weight_grads
     return float(loss_sum) if p2p.is_last_chunk(pp, v, stage, v - 1) else 0.0
