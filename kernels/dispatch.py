@@ -10,11 +10,13 @@
 Triton is imported guardedly: where it is missing (macOS, Windows) `import megalite.kernels`
 still works, `triton.jit` below is a no-op decorator and only the references run.
 
-Triton decides interpreter-or-compiler when a function is decorated, i.e. when a kernel module
-is imported. `runnable(kernel, device)` makes that decision at launch time instead (it builds
-an interpreted twin of a compiled kernel when CPU tensors must be interpreted), so the result
-does not depend on which test module happened to import `megalite.kernels` first. Kernels
-therefore call no other `@triton.jit` helper functions: each is self-contained.
+Triton decides interpreter-or-compiler when a function is decorated, i.e. when a module is
+imported. For triton's own language functions (tl.sum, tl.max, tl.sigmoid are @jit functions)
+that is the first `import triton` of the process, so TRITON_INTERPRET=1 must be set before it.
+For our kernels, `runnable(kernel, device)` decides at launch time (it builds an interpreted
+twin of a compiled kernel for CPU tensors), so it does not matter whether `megalite.kernels`
+was imported before TRITON_INTERPRET was set. Kernels therefore call no other `@triton.jit`
+helper of ours: each is self-contained.
 """
 from __future__ import annotations
 
@@ -87,6 +89,15 @@ def use_triton(tensor: torch.Tensor) -> bool:
 _INTERPRETED_TWINS: dict[int, object] = {}
 
 
+def interpreter_ready() -> bool:
+    """Was triton imported with TRITON_INTERPRET=1, so its language functions can be interpreted?"""
+    if not HAVE_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.sum, InterpretedFunction)
+
+
 def runnable(kernel, device: torch.device):
     """The kernel to launch for tensors on `device`: compiled on CUDA, interpreted on CPU.
 
@@ -97,6 +108,10 @@ def runnable(kernel, device: torch.device):
 
     if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
         return kernel
+    if not interpreter_ready():
+        raise RuntimeError("triton was first imported in this process without TRITON_INTERPRET=1, so its "
+                           "language functions are compiled-only; set TRITON_INTERPRET=1 before anything "
+                           "imports triton (or megalite.kernels) to run the kernels on CPU")
     twin = _INTERPRETED_TWINS.get(id(kernel))
     if twin is None:
         twin = _INTERPRETED_TWINS[id(kernel)] = InterpretedFunction(kernel.fn)

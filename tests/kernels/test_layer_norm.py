@@ -1,0 +1,43 @@
+"""LayerNorm kernels vs layer_norm_reference: odd hidden sizes, strided inputs, residual fusion."""
+import pytest
+import torch
+
+from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, requires_triton, tolerance
+from megalite.kernels import layer_norm, layer_norm_reference, layer_norm_residual, layer_norm_residual_reference
+
+pytestmark = requires_triton
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_matches_reference_on_strided_odd_rows(dtype):
+    x = torch.randn(3, 5, 100, device=DEVICE, dtype=dtype).transpose(0, 1) * 2 + 0.5  # mean far from 0
+    weight = torch.randn(100, device=DEVICE, dtype=dtype)
+    bias = torch.randn(100, device=DEVICE, dtype=dtype)
+    compare_with_reference(layer_norm, layer_norm_reference, [x, weight, bias], tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_layer_norm_residual_returns_norm_of_sum_and_sum(dtype):
+    x = torch.randn(2, 7, 72, device=DEVICE, dtype=dtype).transpose(0, 1)
+    residual = torch.randn(7, 2, 72, device=DEVICE, dtype=dtype)
+    weight = torch.randn(72, device=DEVICE, dtype=dtype)
+    bias = torch.randn(72, device=DEVICE, dtype=dtype)
+    _, summed = compare_with_reference(layer_norm_residual, layer_norm_residual_reference,
+                                       [x, residual, weight, bias], tolerance(dtype))
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+
+
+def test_layer_norm_custom_eps_matters():
+    x = torch.randn(6, 40, device=DEVICE) * 1e-3  # variance ~1e-6: eps changes the result
+    weight, bias = torch.randn(40, device=DEVICE), torch.randn(40, device=DEVICE)
+    compare_with_reference(lambda a, w, b: layer_norm(a, w, b, eps=1e-6),
+                           lambda a, w, b: layer_norm_reference(a, w, b, 1e-6), [x, weight, bias],
+                           tolerance(torch.float32))
+
+
+def test_layer_norm_rejects_bad_input():
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="bias has shape"):
+        layer_norm(x, torch.ones(8, device=DEVICE), torch.zeros(7, device=DEVICE))
+    with pytest.raises(TypeError, match="supports float32, float16, bfloat16"):
+        layer_norm(x.double(), torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE))
