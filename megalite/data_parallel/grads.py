@@ -31,6 +31,7 @@ count is reached. A delivery to a bucket whose reduction already started is an e
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Sequence
 
 import torch
@@ -107,6 +108,7 @@ class DataParallelGrads:
         self._launched = [False] * len(buckets)
         self._pending: list[tuple[int, object, torch.Tensor | None, torch.Tensor | None]] = []
         self._sync = True
+        self.exposed_seconds = 0.0  # host time of the last finish_reduction(): communication not hidden by backward
         self._hooks = []
         for index, p in enumerate(self.params):
             p.grad_sink = self._make_sink(index)
@@ -213,6 +215,7 @@ class DataParallelGrads:
         if not self._sync:
             raise RuntimeError("finish_reduction() inside no_sync()/set_last_microbatch(False); "
                                "run the last microbatch's backward with synchronisation on first")
+        started = time.perf_counter()
         for bucket in range(len(self.layout.buckets)):
             if not self._launched[bucket]:
                 self._launch(bucket)
@@ -226,6 +229,7 @@ class DataParallelGrads:
             if self.zero_stage == 2:
                 self._free_bucket(bucket)
         self._pending.clear()
+        self.exposed_seconds = time.perf_counter() - started
         if self._expected is None:
             self._expected = list(self._arrived)
         self._reset_counters()

@@ -34,6 +34,7 @@ checkpoint engineer maps flat local ranges to full-tensor slices with `param.sha
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Iterable
 
 import torch
@@ -148,6 +149,7 @@ class DistributedOptimizer:
             self.master[bucket.shard_offset:bucket.shard_offset + bucket.chunk_numel].copy_(
                 self.param_buffer[start:end].float())
         self.step_count = 0
+        self.gather_seconds = 0.0  # host time of the last parameter all-gather (exposed: nothing overlaps it yet)
 
     # ------------------------------------------------------------------ the step
 
@@ -168,6 +170,7 @@ class DistributedOptimizer:
 
         `grad_norm` is the global norm of the true (unscaled, unclipped) gradients.
         """
+        self.gather_seconds = 0.0
         self.grads.finish_reduction()
         grad = self.grads.grad_shard  # fp32 [shard_numel]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -199,6 +202,7 @@ class DistributedOptimizer:
 
     def publish_params(self) -> None:
         """Write the fp32 master shard into the parameters: cast, then all-gather per bucket over dp."""
+        started = time.perf_counter()
         handles = []
         for bucket in self.grads.layout.buckets:
             chunk = self.master[bucket.shard_offset:bucket.shard_offset + bucket.chunk_numel]
@@ -210,6 +214,7 @@ class DistributedOptimizer:
                 handles.append(comm.all_gather_into(out, chunk, self.grads.dp_group, async_op=True))
         for handle in handles:
             handle.wait()
+        self.gather_seconds = time.perf_counter() - started
 
     # ------------------------------------------------------------------ checkpoint API (layout-free)
 
@@ -264,6 +269,11 @@ class DistributedOptimizer:
         self.publish_params()
 
     # ------------------------------------------------------------------ metrics
+
+    def exposed_comm_seconds(self) -> float:
+        """Host seconds of the last step spent in dp communication not hidden behind backward:
+        the wait in finish_reduction() (plus buckets launched there) and the parameter all-gather."""
+        return self.grads.exposed_seconds + self.gather_seconds
 
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes: parameters, gradient storage held now, optimizer state."""
