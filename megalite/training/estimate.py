@@ -29,7 +29,7 @@ from megalite.model.config import GPTConfig
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE_CHOICES = ("none", "selective", "full")
-SCHEDULE_CHOICES = ("1f1b", "gpipe")
+SCHEDULE_CHOICES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # megalite.pipeline.schedules
 GB = 1e9
 
 
@@ -60,10 +60,23 @@ class Layout:
     """fp32 | bf16 | fp16 (the dtype of params and activations; bf16/fp16 keep fp32 master weights)."""
     grad_reduce_dtype: str | None = None
     """dtype of the gradient buffer and its DP reduction; None: fp32 (megalite's main grads)."""
-    schedule: str = "1f1b"
-    """1f1b (interleaved when virtual_stages > 1) or gpipe."""
-    flash_attention: bool = True
-    """The attention core stores no s*s matrix (flash / CPU SDPA); False: eager softmax."""
+    first_stage_layers: int | None = None
+    """Blocks of the first model chunk (--decoder-first-stage-layers); None: an even split."""
+    last_stage_layers: int | None = None
+    """Blocks of the last model chunk (--decoder-last-stage-layers); None: an even split."""
+    pipeline_layout: str | None = None
+    """Explicit blocks per model chunk, e.g. "3,5,5,3" (--pipeline-layout)."""
+    schedule: str | None = None
+    """Pipeline schedule (megalite.pipeline.schedules); None: 1f1b, or interleaved when
+    virtual_stages > 1."""
+    device: str = "cuda"
+    """Where the run's RNG generators live: recompute checkpoints keep their states (16 bytes
+    each on CUDA, 5056 on CPU). Activations are counted for megalite's kernels (the Triton path,
+    also run on CPU by MEGALITE_KERNEL_BACKEND=triton TRITON_INTERPRET=1); the plain-PyTorch
+    references keep extra fp32 copies."""
+
+    def schedule_name(self) -> str:
+        return self.schedule or ("interleaved" if self.virtual_stages > 1 else "1f1b")
 
     @property
     def world_size(self) -> int:
@@ -159,19 +172,21 @@ def layer_params(model: GPTConfig, tp: int) -> int:
     return n
 
 
-def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Blocks held by each pipeline stage (all its chunks); the first stages take any remainder."""
-    chunks = pp * virtual_stages
-    base, extra = divmod(num_layers, chunks)
-    per_chunk = [base + (1 if c < extra else 0) for c in range(chunks)]
-    # chunk c lives on stage c % pp (Megatron's interleaved assignment)
-    return [sum(per_chunk[c] for c in range(chunks) if c % pp == s) for s in range(pp)]
+def stage_layers(model: GPTConfig, layout: Layout) -> list[int]:
+    """Blocks held by each pipeline stage (all its chunks), from megalite.pipeline.partition:
+    local chunk c of stage r is model chunk c*pp + r (Megatron's interleaved assignment)."""
+    from megalite.pipeline.partition import chunk_layer_counts
+
+    pp = layout.pp
+    counts = chunk_layer_counts(model.num_layers, pp, layout.virtual_stages, layout.first_stage_layers,
+                                layout.last_stage_layers, layout.pipeline_layout)
+    return [sum(counts[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
 
 
-def stage_params(model: GPTConfig, tp: int, pp: int, stage: int, virtual_stages: int = 1) -> int:
+def stage_params(model: GPTConfig, layout: Layout, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` (padded vocabulary included)."""
-    h = model.hidden_size
-    n = stage_layers(model.num_layers, pp, virtual_stages)[stage] * layer_params(model, tp)
+    h, tp, pp = model.hidden_size, layout.tp, layout.pp
+    n = stage_layers(model, layout)[stage] * layer_params(model, tp)
     vocab_shard = model.padded_vocab_size(tp) // tp * h
     final_norm = 2 * h if model.flavour == "gpt2" else h
     if stage == 0:
@@ -190,76 +205,106 @@ def stage_params(model: GPTConfig, tp: int, pp: int, stage: int, virtual_stages:
 # ---------------------------------------------------------------------------------------------
 
 
-def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | None = None) -> int:
-    """Bytes one block saves for backward, per microbatch, on one tensor-parallel rank.
+# Bytes of RNG state a recompute checkpoint keeps: megalite's two dropout generators plus
+# torch.utils.checkpoint's copy of the global CPU generator (mt19937: 5056 B; CUDA Philox: 16 B).
+_CHECKPOINT_RNG_BYTES = {"cpu": 3 * 5056, "cuda": 5056 + 3 * 16}
 
-    [s, b, h] layout; t = tp; norm inputs and dropout masks are divided by t only under
-    sequence parallelism. Per block (a = activation bytes, masks 1 byte, norm statistics fp32):
-      norm inputs 2 * a*sbh/sp (+ stats), column-linear inputs after the norms 2 * a*sbh (full
-      even under SP: megalite's ColumnParallelLinear saves the all-gathered input, so its
-      backward needs no second all-gather; Korthikanti's count divides these by t too),
-      q, k, v a*sb(nq + 2nkv)d/t, attention output (out-proj input) a*sbh/t,
-      attention core: logsumexp 4*b*nq*s/t (flash) | softmax + mask a*b*nq*s*s/t (eager),
-      gpt2 MLP: fc1 output and GeLU output 2 * a*sbf/t; llama MLP: gate|up (the SwiGLU kernel
-      saves only its inputs) and the product 3 * a*sbf/t; dropout masks (only when dropout > 0).
-    Selective recompute drops the attention core's internals; full keeps only the block input.
+
+def _norm_bytes(model: GPTConfig, a: int, rows: int, h: int) -> int:
+    """Kept by one norm kernel over `rows` tokens of width h: its input and fp32 statistics."""
+    return a * rows * h + (2 if model.flavour == "gpt2" else 1) * 4 * rows   # mean+rstd | rstd
+
+
+def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute: str) -> int:
+    """q, k, v as the attention core keeps them (storage-level: views keep the whole QKV output)."""
+    d, nq, nkv = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t
+    qkv_storage = a * sb * (nq + 2 * nkv) * d
+    if recompute == "selective":
+        return qkv_storage                                      # only the checkpoint's input survives
+    if model.attention_dropout > 0:
+        return 3 * a * sb * nq * d                              # eager path: contiguous copies for bmm
+    total = qkv_storage                                         # flash kernel: views of it, no repeat
+    if model.flavour == "llama":
+        total += a * sb * (nq + nkv) * d                        # rotated q and k (new tensors)
+    return total
+
+
+def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | None = None) -> int:
+    """Bytes one block keeps for backward, per microbatch, on one tensor-parallel rank.
+
+    Counted storage by storage from megalite's block (Korthikanti et al.'s method; their
+    34*sbh + 5*a*s^2*b for GPT with Megatron's kernels). [s, b, h], t = tp, a = activation bytes;
+    norm inputs and dropout masks are sharded by t only under sequence parallelism (sp):
+      two norms: input a*sbh/sp + fp32 stats (the CPU RMSNorm reference keeps more);
+      QKV and MLP-in linear inputs 2*a*sbh, full even under SP (megalite's ColumnParallelLinear
+      saves the all-gathered input, so backward needs no second all-gather; Korthikanti's
+      count divides these by t);
+      q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE, k and v repeated per
+      query head under grouped-query attention (functional.attention's repeat_interleave);
+      attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash/SDPA, no dropout), or with
+      attention dropout the eager path: q, k, v copies, fp32 softmax 4*b*nq*s^2/t, its dropout
+      mask and output 2*a*b*nq*s^2/t and the bool causal mask s^2;
+      MLP: gpt2 fc1 and GeLU outputs 2*a*sbf/t; llama gate|up and product 3*a*sbf/t (+silu(gate)
+      a*sbf/t with the PyTorch reference); hidden dropout masks 2*a*sbh/sp (dtype-sized masks).
+    Selective recompute keeps the QKV output, attention output and RNG states; full recompute
+    keeps the block input and RNG states.
     """
     recompute = recompute or layout.recompute
     a = DTYPE_BYTES[layout.precision]
     t = layout.tp
     sp = t if layout.sequence_parallel else 1
     s, b, h = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size
-    f, d, nq = model.ffn_hidden_size, model.head_dim, model.num_attention_heads
-    sbh = s * b * h
+    f, nq = model.ffn_hidden_size, model.num_attention_heads
+    rng_state = _CHECKPOINT_RNG_BYTES[layout.device] if recompute != "none" else 0
     if recompute == "full":
-        return a * sbh // sp
-    stats = (2 if model.flavour == "gpt2" else 1) * 4 * s * b // sp    # per norm: mean+rstd | rstd
-    total = 2 * (a * sbh // sp + stats)                                 # the two norms' inputs
-    total += 2 * a * sbh                                                # QKV and MLP-in linear inputs
-    total += a * s * b * (nq + 2 * model.num_query_groups) * d // t    # q, k, v
-    total += a * s * b * nq * d // t                                    # attention output
-    total += (2 if model.flavour == "gpt2" else 3) * a * s * b * f // t
+        return a * s * b * h // sp + rng_state
+    total = 2 * _norm_bytes(model, a, s * b // sp, h)
+    total += 2 * a * s * b * h                                          # QKV and MLP-in linear inputs
+    total += _attention_inputs_bytes(model, a, s * b, t, recompute)
+    total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
+    if model.attention_dropout > 0 and recompute == "none":
+        total += (4 + 2 * a) * b * nq * s * s // t + s * s
+    elif recompute == "none":                                           # flash: its own [b, nq/t, s, d]
+        total += a * s * b * nq * model.head_dim // t + 4 * b * nq * s // t   # output, fp32 logsumexp
+    if model.flavour == "gpt2":
+        total += 2 * a * s * b * f // t
+    else:
+        total += 3 * a * s * b * f // t
     if model.hidden_dropout > 0:
-        total += 2 * sbh // sp                                          # two residual dropout masks
-    if recompute == "none":
-        if layout.flash_attention:
-            total += 4 * b * nq * s // t                                # logsumexp, fp32
-        else:
-            total += a * b * nq * s * s // t                            # softmax probabilities
-            if model.attention_dropout > 0:
-                total += (1 + a) * b * nq * s * s // t                  # mask and dropped probs
-    return total
+        total += 2 * a * s * b * h // sp
+    return total + rng_state
 
 
 def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
-    """Saved by the embedding on the first stage, per microbatch (token ids, dropout mask)."""
+    """Kept by the first stage's embedding per microbatch: token ids (+ local ids and mask when
+    the vocabulary is split) and the dropout mask."""
     s, b = layout.seq_length or model.seq_length, layout.micro_batch_size
     sp = layout.tp if layout.sequence_parallel else 1
-    n = 8 * s * b                                                       # int64 token ids
+    n = 8 * s * b + (9 * s * b if layout.tp > 1 else 0)
     if model.hidden_dropout > 0:
-        n += s * b * model.hidden_size // sp
+        n += DTYPE_BYTES[layout.precision] * s * b * model.hidden_size // sp
     return n
 
 
 def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
-    """Saved by final norm, output layer and vocab-parallel cross entropy, per microbatch."""
+    """Kept by the last stage per microbatch: final norm (its input is the last block's output),
+    the output layer's gathered input, vocab-parallel cross entropy's fp32 softmax, targets, masks."""
     a = DTYPE_BYTES[layout.precision]
     s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     sp = t if layout.sequence_parallel else 1
-    stats = (2 if model.flavour == "gpt2" else 1) * 4 * s * b // sp
-    n = a * s * b * h // sp + stats                                     # final norm input
+    n = _norm_bytes(model, a, s * b // sp, h)
     n += a * s * b * h                                                  # output-layer input (gathered)
     n += 4 * s * b * model.padded_vocab_size(t) // t                    # fp32 softmax of the logits
-    n += 8 * s * b + 2 * s * b                                          # int64 targets, 2 bool masks
+    n += 8 * s * b + 2 * s * b                                          # int64 local targets, 2 bool masks
     return n
 
 
 def inflight_microbatches(layout: Layout, stage: int) -> int:
     """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
     m, pp, v = layout.microbatches(), layout.pp, layout.virtual_stages
-    if layout.schedule == "gpipe":
+    if layout.schedule_name() == "gpipe":
         return m * v
-    if v == 1:
+    if v == 1:                                                      # 1f1b, zb-h1: warmup + 1
         return min(pp - stage, m)
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
@@ -267,14 +312,14 @@ def inflight_microbatches(layout: Layout, stage: int) -> int:
 def activation_bytes(model: GPTConfig, layout: Layout, stage: int) -> int:
     """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
     v, pp = layout.virtual_stages, layout.pp
-    layers = stage_layers(model.num_layers, pp, v)[stage]
+    layers = stage_layers(model, layout)[stage]
     inflight = inflight_microbatches(layout, stage)
     per_layer = layer_activation_bytes(model, layout)
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
     total = inflight * per_layer * layers // v
     if layout.recompute == "full" and layers:
         total += layer_activation_bytes(model, layout, recompute="none")  # the block being recomputed
-    head_inflight = layout.microbatches() if layout.schedule == "gpipe" else 1
+    head_inflight = layout.microbatches() if layout.schedule_name() == "gpipe" else 1
     if stage == 0:
         total += min(inflight, layout.microbatches()) * embedding_activation_bytes(model, layout)
     if stage == pp - 1:
@@ -301,7 +346,7 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
             out[key] = out.get(key, 0) + n
 
     if t > 1:
-        layers = stage_layers(model.num_layers, pp, v)[stage]
+        layers = stage_layers(model, layout)[stage]
         forwards = 2 if layout.recompute == "full" else 1   # full recompute re-runs the forward
         if sp:
             # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
@@ -319,8 +364,9 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
             else:
                 add("tp/all_reduce", m * u)                             # grad of the copied input
             add("tp/all_reduce", m * 3 * 4 * s * b)                     # CE: max, sum-exp, target
+        add("tp/all_reduce", sequence_parallel_grad_bytes(model, layout, stage))
 
-    params = stage_params(model, t, pp, stage, v)
+    params = stage_params(model, layout, stage)
     add_dp_bytes(add, params, layout)
     if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
         grad_bytes = DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"]
@@ -333,6 +379,21 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
         add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
         add("pp/recv", chunk * (fwd_recv + fwd_send))
     return out
+
+
+def sequence_parallel_grad_bytes(model: GPTConfig, layout: Layout, stage: int) -> int:
+    """Under SP the norms' (and gpt2's position table's) gradients are partial per tp rank; the
+    DP engine all-reduces them over tp once per step (fp32 main grads)."""
+    if not layout.sequence_parallel or layout.tp == 1:
+        return 0
+    h = model.hidden_size
+    norm = 2 * h if model.flavour == "gpt2" else h
+    n = 2 * norm * stage_layers(model, layout)[stage]
+    if stage == layout.pp - 1:
+        n += norm
+    if stage == 0 and model.flavour == "gpt2":
+        n += model.seq_length * h
+    return n * DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"]
 
 
 def add_dp_bytes(add, params: int, layout: Layout) -> None:
@@ -408,8 +469,9 @@ def _check_choices(layout: Layout) -> None:
     for name, value, choices in (("precision", layout.precision, tuple(DTYPE_BYTES)),
                                  ("grad_reduce_dtype", layout.grad_reduce_dtype or "fp32", tuple(DTYPE_BYTES)),
                                  ("recompute", layout.recompute, RECOMPUTE_CHOICES),
-                                 ("schedule", layout.schedule, SCHEDULE_CHOICES),
-                                 ("zero_stage", layout.zero_stage, (0, 1, 2, 3))):
+                                 ("schedule", layout.schedule_name(), SCHEDULE_CHOICES),
+                                 ("zero_stage", layout.zero_stage, (0, 1, 2, 3)),
+                                 ("device", layout.device, ("cuda", "cpu"))):
         if value not in choices:
             raise ValueError(f"{name}={value!r} is not supported; choose from {list(choices)}")
     for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch_size"):
@@ -425,17 +487,17 @@ def estimate(model: GPTConfig, layout: Layout) -> Estimate:
     per_stage = []
     for stage in range(layout.pp):
         weights, grads, optimizer, host = model_state_bytes(
-            stage_params(model, layout.tp, layout.pp, stage, layout.virtual_stages), layout)
+            stage_params(model, layout, stage), layout)
         per_stage.append((weights + grads + optimizer + activation_bytes(model, layout, stage), stage))
     _, worst = max(per_stage)
-    params = stage_params(model, layout.tp, layout.pp, worst, layout.virtual_stages)
+    params = stage_params(model, layout, worst)
     weights, grads, optimizer, host = model_state_bytes(params, layout)
     m = layout.microbatches()
     tokens = layout.global_batch() * seq
     return Estimate(
         param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
         activation_bytes=activation_bytes(model, layout, worst), params_per_rank=params, stage=worst,
-        layers_on_stage=stage_layers(model.num_layers, layout.pp, layout.virtual_stages)[worst],
+        layers_on_stage=stage_layers(model, layout)[worst],
         inflight_microbatches=inflight_microbatches(layout, worst), num_microbatches=m,
         bubble_fraction=(layout.pp - 1) / (layout.virtual_stages * m + layout.pp - 1),
         comm_bytes=communication_bytes(model, layout, worst),
@@ -478,6 +540,7 @@ def preflight(model: GPTConfig, layout: Layout, world_size: int, gpu_memory: flo
     Memory is checked (when gpu_memory bytes are given) only once the layout itself is valid.
     """
     from megalite.mesh import validate_layout
+    from megalite.pipeline.schedules import check_schedule_args
 
     errors: list[str] = []
     try:
@@ -493,18 +556,10 @@ def preflight(model: GPTConfig, layout: Layout, world_size: int, gpu_memory: flo
         model.check_tensor_parallel(tp)
     except ValueError as exc:
         errors.append(str(exc))
-    if model.num_layers < pp * v:
-        errors.append(f"num_layers={model.num_layers} < pp*virtual_stages={pp}*{v}: a pipeline chunk would "
-                      f"hold no layers; choose pp*virtual_stages <= {model.num_layers}")
-    elif v > 1 and model.num_layers % (pp * v):
-        choices = [c for c in range(1, model.num_layers + 1) if model.num_layers % (pp * c) == 0]
-        fix = f"choose virtual_stages in {choices}" if choices else \
-            f"choose pp in {_divisors(model.num_layers)} (a divisor of num_layers)"
-        errors.append(f"num_layers={model.num_layers} is not divisible by pp*virtual_stages={pp * v}; {fix}")
-    if v > 1 and pp == 1:
-        errors.append(f"virtual_stages={v} needs pipeline parallelism; set --pp > 1 or --virtual-stages 1")
-    if v > 1 and layout.schedule == "gpipe":
-        errors.append("the gpipe schedule has no interleaved variant; use the 1f1b schedule or --virtual-stages 1")
+    try:
+        stage_layers(model, layout)
+    except ValueError as exc:
+        errors.append(str(exc))
     if layout.global_batch_size is not None and layout.global_batch_size % (mb * layout.dp):
         unit = mb * layout.dp
         errors.append(f"global_batch_size={layout.global_batch_size} is not divisible by micro_batch_size*dp = "
@@ -517,9 +572,11 @@ def preflight(model: GPTConfig, layout: Layout, world_size: int, gpu_memory: flo
     if pp > 1 and m < pp:
         errors.append(f"{m} microbatches < pp={pp} stages: the pipeline never fills; set --global-batch-size "
                       f">= micro_batch_size*dp*pp = {mb * layout.dp * pp} (more microbatches also shrink the bubble)")
-    if v > 1 and m % pp:
-        errors.append(f"the interleaved schedule needs num_microbatches={m} divisible by pp={pp}; set "
-                      f"--global-batch-size to a multiple of micro_batch_size*dp*pp = {mb * layout.dp * pp}")
+    if pp > 1 or v > 1:
+        try:
+            check_schedule_args(layout.schedule_name(), pp, m, v)
+        except ValueError as exc:
+            errors.append(str(exc))
     seq = layout.seq_length or model.seq_length
     if layout.sequence_parallel and tp == 1:
         errors.append("sequence parallelism shards along the tensor-parallel group; drop --sequence-parallel "
