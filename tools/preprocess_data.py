@@ -27,7 +27,10 @@ def parse_args(argv=None):
     parser.add_argument("--input", nargs="+", required=True, help="text/JSON-lines files or directories")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to read from JSON lines")
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a path to a HuggingFace tokenizer.json")
+    parser.add_argument("--tokenizer", "--tokenizer-model", default="byte",
+                        help="'byte' or a path to a HuggingFace tokenizer.json")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="accepted for Megatron compatibility: the end-of-document id is always appended")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="tokenizer processes (default: cores - 1)")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")

@@ -113,11 +113,14 @@ class BlendedDataset:
         return ds[int(self.dataset_sample[idx]) % len(ds)]
 
 
-def parse_data_path(data_path: list[str] | None) -> list[tuple[float, str]]:
-    """['prefix'] or ['w1', 'p1', 'w2', 'p2', ...] -> [(weight, prefix)] (weights not normalised)."""
+def parse_data_path(data_path: list[str] | str | None) -> list[tuple[float, str]]:
+    """['prefix'] or ['w1', 'p1', 'w2', 'p2', ...] -> [(weight, prefix)] (weights not normalised).
+
+    A single string is split on whitespace ("0.7 a 0.3 b").
+    """
     if not data_path:
         return []
-    items = [str(x) for x in data_path]
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if len(items) == 1:
         return [(1.0, items[0])]
     if len(items) % 2:

@@ -21,6 +21,8 @@ into place, so a crashed writer leaves no half pair behind.
 """
 from __future__ import annotations
 
+import array
+import functools
 import os
 import struct
 import zlib
@@ -74,7 +76,7 @@ class IndexedDatasetWriter:
         self._bin_tmp = data_file_path(prefix) + suffix
         self._idx_tmp = index_file_path(prefix) + suffix
         self._bin = open(self._bin_tmp, "wb")
-        self._lengths: list[np.ndarray] = []
+        self._lengths = array.array("q")  # 8 bytes per document, whatever the corpus size
         self.num_tokens = 0
 
     def add_document(self, tokens: np.ndarray) -> None:
@@ -82,22 +84,23 @@ class IndexedDatasetWriter:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"a document must be a 1-D array of ids, got shape {tokens.shape}")
-        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
-        self._lengths.append(np.array([tokens.size], dtype=np.int64))
-        self.num_tokens += tokens.size
+        self.add_documents(np.array([tokens.size]), tokens)
 
     def add_documents(self, lengths: np.ndarray, tokens: np.ndarray) -> None:
         """Append many documents at once: `tokens` is their concatenation, `lengths` their sizes."""
-        lengths = np.asarray(lengths, dtype=np.int64)
+        lengths, tokens = np.asarray(lengths, dtype=np.int64), np.asarray(tokens)
         if int(lengths.sum()) != tokens.size:
             raise ValueError(f"lengths sum to {int(lengths.sum())} but {tokens.size} tokens were given")
-        self._bin.write(np.asarray(tokens).astype(self.dtype, copy=False).tobytes())
-        self._lengths.append(lengths)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]; is this the right tokenizer?")
+        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._lengths.frombytes(lengths.tobytes())
         self.num_tokens += tokens.size
 
     def finalize(self) -> None:
         self._bin.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.zeros(0, np.int64)
         write_index(self._idx_tmp, lengths, self.dtype, self.vocab_size, self.eod)
         os.replace(self._bin_tmp, data_file_path(self.prefix))
         os.replace(self._idx_tmp, index_file_path(self.prefix))
@@ -175,8 +178,9 @@ class IndexedDataset:
         """Number of documents."""
         return len(self.offsets) - 1
 
-    @property
+    @functools.cached_property
     def doc_lengths(self) -> np.ndarray:
+        """int64[num_docs]: tokens per document (end-of-document token included)."""
         return np.diff(self.offsets)
 
     def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:

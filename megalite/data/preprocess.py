@@ -121,6 +121,8 @@ _worker_tokenizer = None
 def _init_worker(tokenizer) -> None:
     global _worker_tokenizer  # one tokenizer per worker process, set once at fork
     _worker_tokenizer = tokenizer
+    # the processes are the parallelism: stop each HF tokenizer from also starting a thread per core
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _encode_batch(batch, tokenizer=None):
@@ -146,12 +148,18 @@ def _encode_batch(batch, tokenizer=None):
 
 
 class ProgressBar:
-    """One self-overwriting stderr line: bar (when the total is known), MB, MB/s, documents."""
+    """Progress on stderr: bar (when the total is known), MB, MB/s, documents.
 
-    def __init__(self, total_bytes: int | None, stream=None, interval_s: float = 0.25):
-        self.total, self.stream, self.interval = total_bytes, stream or sys.stderr, interval_s
+    On a terminal one self-overwriting line, redrawn 4 times a second; in a log file (not a
+    tty) a plain line every 10 seconds, so logs stay readable.
+    """
+
+    def __init__(self, total_bytes: int | None, stream=None):
+        self.total, self.stream = total_bytes, stream or sys.stderr
         self.start = self.last = time.perf_counter()
         self.done_bytes = self.docs = 0
+        self.live = getattr(self.stream, "isatty", lambda: False)()
+        self.interval = 0.25 if self.live else 10.0
 
     def update(self, nbytes: int, docs: int, final: bool = False) -> None:
         self.done_bytes += nbytes
@@ -169,7 +177,7 @@ class ProgressBar:
         else:
             head = ""
         line = f"\r{head}{self.done_bytes / 1e6:8.1f} MB {rate:7.1f} MB/s {self.docs:9d} docs"
-        self.stream.write(line + ("\n" if final else ""))
+        self.stream.write(line + ("\n" if final else "") if self.live else line[1:] + "\n")
         self.stream.flush()
 
 
