@@ -21,7 +21,9 @@ One step (`step(lr)`):
 4. AdamW on the shard: the same math as `torch.optim.AdamW` (decoupled weight decay, bias
    correction), optionally on CPU (`offload_optimizer=True`).
 5. Updated master weights are cast to the parameter dtype and all-gathered per bucket into
-   the contiguous parameter buffer the model's parameters are views of.
+   the contiguous parameter buffer the model's parameters are views of; bucket b's gather is
+   started as soon as its chunk is updated, overlapping the update of bucket b+1. (It is not
+   yet overlapped with the next forward.)
 
 Weight decay: by default every parameter with fewer than two dimensions (biases, norm
 weights) is excluded; pass `no_weight_decay=lambda name, param: ...` to change the rule.
@@ -44,6 +46,11 @@ from megalite.data_parallel.grads import DEFAULT_BUCKET_SIZE, DataParallelGrads
 from megalite.mesh import Mesh
 from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
+
+try:  # one fused Triton pass on GPUs; the plain torch ops below are the same math
+    from megalite.kernels.adamw import adamw_step as fused_adamw_step
+except ImportError:  # pragma: no cover - kernels are optional at import time
+    fused_adamw_step = None
 
 
 def default_no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -69,7 +76,11 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     """One AdamW update of flat fp32 tensors in place (weight decay applied by the caller).
 
     Same operation order as torch.optim.AdamW's single-tensor path, so float32 results agree.
+    On CUDA it runs megalite.kernels.adamw_step (fused, same math) instead.
     """
+    if fused_adamw_step is not None and master.is_cuda:
+        fused_adamw_step(master, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, 0.0, step)
+        return
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1 ** step
@@ -192,29 +203,42 @@ class DistributedOptimizer:
                 torch.cuda.synchronize()
 
         self.step_count += 1
-        if self.weight_decay != 0.0:
-            for start, end in self._decay_runs:  # decoupled decay, before the Adam update (as torch does)
-                self.master[start:end].mul_(1 - lr * self.weight_decay)
-        adamw_update(self.master, grad, self.exp_avg, self.exp_avg_sq, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                     eps=self.eps, step=self.step_count)
-        self.publish_params()
+        # Bucket by bucket: update the shard's chunk, then start its all-gather at once, so the
+        # gather of bucket b runs while the update of bucket b+1 computes.
+        handles = []
+        for bucket in self.grads.layout.buckets:
+            lo, hi = bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel
+            if self.weight_decay != 0.0:
+                for start, end in self._decay_runs:  # decoupled decay, before the Adam update (as torch does)
+                    start, end = max(start, lo), min(end, hi)
+                    if start < end:
+                        self.master[start:end].mul_(1 - lr * self.weight_decay)
+            adamw_update(self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr,
+                         beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=self.step_count)
+            handles.append(self._publish_bucket(bucket))
+        self._wait_gathers(handles)
         return result
+
+    def _publish_bucket(self, bucket):
+        """Cast this rank's updated chunk of `bucket` to the param dtype and start its all-gather."""
+        chunk = self.master[bucket.shard_offset:bucket.shard_offset + bucket.chunk_numel]
+        chunk = chunk.to(self.device, self.param_dtype, non_blocking=True)
+        out = self.param_buffer[bucket.start:bucket.end]  # [bucket numel] = every rank's chunk, rank-major
+        if self.zero_stage == 0:
+            out.copy_(chunk)
+            return None
+        return comm.all_gather_into(out, chunk, self.grads.dp_group, async_op=True)
+
+    def _wait_gathers(self, handles) -> None:
+        started = time.perf_counter()
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+        self.gather_seconds = time.perf_counter() - started  # only the part not hidden behind the updates
 
     def publish_params(self) -> None:
         """Write the fp32 master shard into the parameters: cast, then all-gather per bucket over dp."""
-        started = time.perf_counter()
-        handles = []
-        for bucket in self.grads.layout.buckets:
-            chunk = self.master[bucket.shard_offset:bucket.shard_offset + bucket.chunk_numel]
-            chunk = chunk.to(self.device, self.param_dtype, non_blocking=True)
-            out = self.param_buffer[bucket.start:bucket.end]
-            if self.zero_stage == 0:
-                out.copy_(chunk)
-            else:
-                handles.append(comm.all_gather_into(out, chunk, self.grads.dp_group, async_op=True))
-        for handle in handles:
-            handle.wait()
-        self.gather_seconds = time.perf_counter() - started
+        self._wait_gathers([self._publish_bucket(bucket) for bucket in self.grads.layout.buckets])
 
     # ------------------------------------------------------------------ checkpoint API (layout-free)
 

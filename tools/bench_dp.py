@@ -1,0 +1,192 @@
+"""Data-parallel step benchmark: megalite's DP engine + ZeRO optimizer vs torch DDP + ZeroRedundancyOptimizer.
+
+Every system trains the same megalite GPT (tp=pp=1) on the same data on `--dp` forked gloo
+ranks (CPU), with gradient accumulation over `--microbatches`. Printed per system:
+
+- step time of the slowest rank (ms): the best and the median of the timed steps, and the ratio
+  of the best to torch's (other processes on a shared machine only ever add time, so the best
+  is the steadiest figure);
+- optimizer state bytes per rank (fp32 master/moments for megalite; AdamW state for torch);
+- exposed communication per step: best step time minus the best of the same step with no
+  communication at all ("local": forward/backward + a plain full AdamW step on each rank, no
+  dp; ZeRO also saves (dp-1)/dp of that AdamW work, so this can go below zero). For megalite
+  also the directly measured wait (median of finish_reduction + parameter all-gather).
+
+Timings are host wall-clock on shared CPUs: compare systems within one run only.
+
+    python tools/bench_dp.py --dp 2 --hidden 256 --layers 4 --seq 128 --micro-batch 4 --microbatches 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite import comm  # noqa: E402
+from megalite import mesh as mesh_lib  # noqa: E402
+from megalite.model import GPTModel, preset  # noqa: E402
+from megalite.optim import DistributedOptimizer  # noqa: E402
+from megalite.testing import run_distributed  # noqa: E402
+
+LR = 1e-4
+
+
+def _batches(args, cfg, dp_rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    shape = (args.microbatches, args.micro_batch, args.seq)
+    return torch.randint(0, cfg.vocab_size, shape, generator=gen), torch.randint(0, cfg.vocab_size, shape, generator=gen)
+
+
+def _adam_state_bytes(opt) -> int:
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def _global_tokens(args, dp):
+    return args.microbatches * args.micro_batch * args.seq * dp
+
+
+def _time_round_robin(m, args, systems):
+    """Step every system in turn, round after round, so load from other processes hits all alike."""
+    times = {name: [] for name in systems}
+    for step in range(args.warmup + args.steps):
+        for name, (run_step, _) in systems.items():
+            comm.barrier(m.dp_group)
+            start = time.perf_counter()
+            run_step(step)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            comm.all_reduce(elapsed, m.dp_group, op="max")  # the slowest rank sets the pace
+            if step >= args.warmup:
+                times[name].append(float(elapsed))
+    return {name: {"step_s": statistics.median(times[name]), "best_s": min(times[name]), **info()}
+            for name, (_, info) in systems.items()}
+
+
+def _local(m, args, cfg):
+    """No communication at all: the floor every data-parallel system is measured against."""
+    model = GPTModel(cfg, m, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    tokens = _global_tokens(args, m.dp_size)
+
+    def run_step(step):
+        ids, labels = _batches(args, cfg, m.dp_rank, step)
+        opt.zero_grad(set_to_none=True)
+        for i in range(args.microbatches):
+            (model(ids[i], labels[i], reduction="sum") / tokens).backward()
+        opt.step()
+
+    def info():  # AdamW creates its state lazily: count it after the steps
+        return {"state_bytes": _adam_state_bytes(opt)}
+
+    return run_step, info
+
+
+def _torch_ddp(m, args, cfg, zero: bool):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = GPTModel(cfg, m, seed=1)
+    ddp = DistributedDataParallel(model, process_group=m.dp_group, bucket_cap_mb=args.bucket_size * 4 / 2 ** 20)
+    if zero:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, process_group=m.dp_group,
+                                      lr=LR)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    tokens = _global_tokens(args, m.dp_size)
+
+    def run_step(step):
+        ids, labels = _batches(args, cfg, m.dp_rank, step)
+        opt.zero_grad(set_to_none=True)
+        for i in range(args.microbatches):
+            if i < args.microbatches - 1:
+                with ddp.no_sync():
+                    (ddp(ids[i], labels[i], reduction="sum") / tokens).backward()
+            else:
+                (ddp(ids[i], labels[i], reduction="sum") / tokens).backward()
+        opt.step()
+
+    def info():
+        return {"state_bytes": _adam_state_bytes(opt.optim if zero else opt)}  # ZeRO: this rank's local optimizer
+
+    return run_step, info
+
+
+def _megalite(m, args, cfg, zero_stage: int):
+    model = GPTModel(cfg, m, seed=1)
+    opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=zero_stage, bucket_size=args.bucket_size)
+    tokens = _global_tokens(args, m.dp_size)
+    exposed = []
+
+    def run_step(step):
+        ids, labels = _batches(args, cfg, m.dp_rank, step)
+        opt.zero_grad()
+        for i in range(args.microbatches):
+            opt.grads.set_last_microbatch(i == args.microbatches - 1)
+            (model(ids[i], labels[i], reduction="sum") / tokens).backward()
+        opt.step(LR)
+        exposed.append(opt.exposed_comm_seconds())
+
+    def info():
+        return {"state_bytes": opt.memory_report()["optimizer_state_bytes"],
+                "measured_exposed_s": statistics.median(exposed[args.warmup:]), "buckets": len(opt.grads.layout.buckets)}
+
+    return run_step, info
+
+
+def _bench_rank(args):
+    m = mesh_lib.init_mesh(tp=1, pp=1)
+    torch.set_num_threads(args.threads)
+    cfg = preset("tiny", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                 seq_length=args.seq)
+    systems = {"local (no dp comm)": _local(m, args, cfg),
+               "torch DDP + AdamW": _torch_ddp(m, args, cfg, zero=False),
+               "torch DDP + ZeroRedundancyOptimizer": _torch_ddp(m, args, cfg, zero=True)}
+    for zero_stage in args.zero:
+        systems[f"megalite zero {zero_stage}"] = _megalite(m, args, cfg, zero_stage)
+    results = _time_round_robin(m, args, systems)
+    params = sum(p.numel() for p in GPTModel(cfg, m, seed=1).parameters())
+    return {"results": results, "params": params}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--bucket-size", type=int, default=500_000, help="elements per bucket (both systems)")
+    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    args = parser.parse_args()
+
+    out = run_distributed(_bench_rank, args.dp, args, timeout_s=3600)[0]
+    results, params = out["results"], out["params"]
+    local = results["local (no dp comm)"]["best_s"]
+    torch_zero = results["torch DDP + ZeroRedundancyOptimizer"]
+    print(f"# bench_dp: dp={args.dp} params={params / 1e6:.2f}M hidden={args.hidden} layers={args.layers} "
+          f"seq={args.seq} micro_batch={args.micro_batch} microbatches={args.microbatches} "
+          f"bucket={args.bucket_size} elements, {args.steps} timed steps; torch {torch.__version__}, "
+          f"{platform.machine()}, {os.cpu_count()} cpus, gloo, {args.threads} thread(s)/rank")
+    print(f"{'system':<36} {'best ms':>8} {'median ms':>10} {'best/torchZeRO':>15} {'opt state MB/rank':>18} "
+          f"{'/torchZeRO':>11} {'exposed comm ms':>16} {'measured wait ms':>17}")
+    for name, r in results.items():
+        exposed = 0.0 if name.startswith("local") else 1e3 * (r["best_s"] - local)
+        measured = f"{1e3 * r['measured_exposed_s']:.1f}" if "measured_exposed_s" in r else "-"
+        print(f"{name:<36} {1e3 * r['best_s']:>8.1f} {1e3 * r['step_s']:>10.1f} "
+              f"{r['best_s'] / torch_zero['best_s']:>15.2f} {r['state_bytes'] / 2 ** 20:>18.2f} "
+              f"{r['state_bytes'] / max(1, torch_zero['state_bytes']):>11.2f} {exposed:>16.1f} {measured:>17}")
+
+
+if __name__ == "__main__":
+    main()
