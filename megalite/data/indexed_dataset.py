@@ -156,7 +156,9 @@ class IndexedDataset:
                                     f"tools/preprocess_data.py")
         self.dtype = DTYPES[dtype_code]
         self.vocab_size, self.eod = int(vocab_size), int(eod)
-        self.offsets = np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER.size, shape=(num_docs + 1,))
+        # np.asarray: plain ndarray views of the maps (np.memmap adds overhead to every index)
+        self.offsets = np.asarray(np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER.size,
+                                            shape=(num_docs + 1,)))
         if zlib.crc32(memoryview(self.offsets)) != crc:
             raise CorruptIndexError(f"{idx_path}: document offsets fail their CRC check (corrupt file); "
                                     f"re-run tools/preprocess_data.py")
@@ -170,7 +172,7 @@ class IndexedDataset:
         self.num_tokens = int(num_tokens)
         self.crc = int(crc)
         if self.num_tokens:
-            self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+            self.tokens = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,)))
         else:  # numpy cannot map an empty file
             self.tokens = np.zeros(0, dtype=self.dtype)
 

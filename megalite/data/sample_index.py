@@ -78,7 +78,8 @@ def cached_sample_index(doc_lengths: np.ndarray, seq_length: int, seed: int, str
 
     build_once(entry, build)
     try:
-        arrays = {name: np.load(os.path.join(entry, name + ".npy"), mmap_mode="r") for name in ARRAYS}
+        # np.asarray: a plain ndarray view of the map, without np.memmap's per-index overhead
+        arrays = {name: np.asarray(np.load(os.path.join(entry, name + ".npy"), mmap_mode="r")) for name in ARRAYS}
     except (OSError, ValueError) as exc:
         raise ValueError(f"cached sample index {entry} is unreadable ({exc}); delete that directory "
                          f"to rebuild it") from exc
