@@ -8,7 +8,8 @@ Supported by the kernels: head dim in SUPPORTED_HEAD_DIMS, float16 / bfloat16 / 
 
 Forward: one program per (query block, batch*head) streams key/value blocks with an online
 softmax (running max m and sum l per row, in base 2: exp2 with scale*log2(e) folded in) and
-saves lse2 = m + log2(l) per row, fp32 [b, h, s]. A causal program stops at its diagonal.
+saves lse2 = m + log2(l) per row, fp32 [b, h, s]. A causal program stops at its diagonal;
+only the blocks crossing the diagonal or the sequence end pay for masking.
 
 Backward (no atomics): delta = rowsum(dout * out) first; then one kernel per (key block,
 batch*kv_head) accumulates dk, dv over every query head of its group and every query block at
@@ -55,14 +56,30 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    end_n = seq_len
+    # Stage 1: key blocks that need no mask (every key < every query of this block, and < seq_len).
+    # Stage 2: the blocks that cross the diagonal or the end of the sequence, masked.
     if CAUSAL:
+        unmasked_end = start_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0, so this is a block boundary
         end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len)
-    for start_n in range(0, end_n, BLOCK_N):
+    else:
+        unmasked_end = (seq_len // BLOCK_N) * BLOCK_N
+        end_n = seq_len
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        cols = start_n + offs_n
+        k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], base 2
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    for start_n in range(unmasked_end, end_n, BLOCK_N):
         cols = start_n + offs_n
         k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None], mask=cols[None, :] < seq_len,
-                      other=0.0)  # [HEAD_DIM, BLOCK_N]
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], base 2
+                      other=0.0)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
         valid = cols[None, :] < seq_len
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= cols[None, :])
@@ -188,6 +205,7 @@ def _config(head_dim: int, device: torch.device, dtype: torch.dtype) -> dict:
     precision = "ieee" if dtype == torch.float32 else "tf32"
     if device.type != "cuda":
         return dict(fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), warps=1, stages=1, precision=precision)
+    # BLOCK_M must be a multiple of BLOCK_N in the forward (its unmasked stage ends on a block boundary).
     big = head_dim >= 128 or dtype == torch.float32
     return dict(fwd=(128, 64) if not big else (64, 64), dkdv=(32, 64), dq=(64, 32), warps=8 if big else 4,
                 stages=3 if not big else 2, precision=precision)

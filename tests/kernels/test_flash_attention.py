@@ -30,10 +30,10 @@ def test_grouped_query_attention_matches_reference(dtype, causal):
                            [q, k, v], tolerance(dtype, fp32=2e-5, **HALF_TOL), ref_dtype=torch.float32)
 
 
-def test_head_dim_64_custom_scale_multi_query():
-    q, k, v = qkv(1, 3, 1, 20, 64, torch.float32)  # one kv head for three query heads
-    compare_with_reference(lambda *t: attention(*t, causal=True, softmax_scale=0.3),
-                           lambda *t: attention_reference(*t, causal=True, softmax_scale=0.3), [q, k, v],
+def test_head_dim_64_custom_scale_multi_query_whole_blocks():
+    q, k, v = qkv(1, 3, 1, 32, 64, torch.float32)  # one kv head for three query heads; seq = 2 whole blocks
+    compare_with_reference(lambda *t: attention(*t, causal=False, softmax_scale=0.3),
+                           lambda *t: attention_reference(*t, causal=False, softmax_scale=0.3), [q, k, v],
                            tolerance(torch.float32, fp32=2e-5))
 
 
