@@ -107,7 +107,8 @@ class DataParallelGrads:
         self._remaining = [0] * len(buckets)
         self._launched = [False] * len(buckets)
         self._pending: list[tuple[int, object, torch.Tensor | None, torch.Tensor | None]] = []
-        self._sync = True
+        self._sync = [True] * len(self.params)  # per parameter: is this backward its last of the step?
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.exposed_seconds = 0.0  # host time of the last finish_reduction(): communication not hidden by backward
         self._hooks = []
         for index, p in enumerate(self.params):
@@ -155,7 +156,7 @@ class DataParallelGrads:
                 f"bucket's dp reduction started; it is used more often in this backward than in the first "
                 f"(calibration) step; keep the graph the same every step or call finish_reduction() per step")
         self.main_grad(index).add_(grad)
-        if not self._sync:
+        if not self._sync[index]:
             return
         self._arrived[index] += 1
         if self._expected is not None:
@@ -166,15 +167,24 @@ class DataParallelGrads:
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulation microbatches: gradients accumulate locally, nothing is reduced."""
-        previous, self._sync = self._sync, False
+        previous, self._sync = self._sync, [False] * len(self.params)
         try:
             yield
         finally:
             self._sync = previous
 
-    def set_last_microbatch(self, is_last: bool) -> None:
-        """True (default) before the backward that completes the step's gradients."""
-        self._sync = bool(is_last)
+    def set_last_microbatch(self, is_last: bool, params: Sequence[torch.Tensor] | None = None) -> None:
+        """True (default) before the backward that completes the step's gradients.
+
+        `params`: only these parameters (e.g. one model chunk of an interleaved pipeline,
+        whose last backward comes before another chunk's); default all.
+        """
+        if params is None:
+            self._sync = [bool(is_last)] * len(self.params)
+            return
+        for p in params:
+            if id(p) in self._index:
+                self._sync[self._index[id(p)]] = bool(is_last)
 
     # ------------------------------------------------------------------ reduction
 
@@ -212,7 +222,7 @@ class DataParallelGrads:
         After it returns, `grad_shard` holds this rank's summed gradients: the whole buffer
         (zero_stage 0) or this rank's chunks (zero_stage 1, 2). Ends a first (calibration) step.
         """
-        if not self._sync:
+        if not all(self._sync):
             raise RuntimeError("finish_reduction() inside no_sync()/set_last_microbatch(False); "
                                "run the last microbatch's backward with synchronisation on first")
         started = time.perf_counter()

@@ -217,6 +217,8 @@ class DistributedOptimizer:
                          beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=self.step_count)
             handles.append(self._publish_bucket(bucket))
         self._wait_gathers(handles)
+        if self.offload and self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # pinned master chunks are read by async H2D copies
         return result
 
     def _publish_bucket(self, bucket):

@@ -1,6 +1,5 @@
 """DataParallelGrads at dp=2: summed gradients, reductions overlapped with the last backward only,
 ZeRO-2 freeing, bf16 reduction, and a parameter delivered twice (sink + autograd, like a tied embedding)."""
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,8 +46,7 @@ def _dp_calls():
     return sum(n for (g, op), n in comm.ledger.calls.items() if g == "dp")
 
 
-def _world(zero_stage, reduce_dtype, check_misuse):
-    m = mesh_lib.init_mesh()
+def _world(m, zero_stage, reduce_dtype, check_misuse):
     torch.manual_seed(0)
     model = Chain()
     names = [n for n, _ in model.named_parameters()]
@@ -91,31 +89,80 @@ def _world(zero_stage, reduce_dtype, check_misuse):
     return out
 
 
-@pytest.mark.parametrize("zero_stage,reduce_dtype", [(0, torch.float32), (1, torch.float32), (2, torch.float32),
-                                                     (0, torch.bfloat16)])
-def test_reduced_grads_are_the_sum_and_overlap_backward(zero_stage, reduce_dtype):
+def _per_chunk_flags(m):
+    """Two model chunks with separate backwards (like an interleaved pipeline): chunk A's buckets
+    launch during A's last backward, before chunk B's last backward even starts."""
+    torch.manual_seed(0)
+    chunk_a = Chain()
+    torch.manual_seed(0)
+    chunk_b = Chain()  # the same weights: both chunks' grads equal the reference
+    engine = DataParallelGrads(list(chunk_a.parameters()) + list(chunk_b.parameters()), m.dp_group, bucket_size=64)
+    x = _data()[m.dp_rank]
+    for step in range(2):  # step 0 calibrates
+        engine.zero_grad()
+        comm.ledger.reset()
+        engine.set_last_microbatch(False)
+        chunk_a(x[0]).backward()
+        chunk_b(x[0]).backward()
+        engine.set_last_microbatch(True, params=list(chunk_a.parameters()))
+        chunk_a(x[1]).backward()
+        calls_after_a = _dp_calls()
+        engine.set_last_microbatch(True, params=list(chunk_b.parameters()))
+        chunk_b(x[1]).backward()
+        engine.finish_reduction()
+    a_buckets = {engine.layout.slots[i].bucket for i, p in enumerate(engine.params)
+                 if any(p is q for q in chunk_a.parameters())}
+    b_buckets = {engine.layout.slots[i].bucket for i, p in enumerate(engine.params)
+                 if any(p is q for q in chunk_b.parameters())}
+    only_a = len(a_buckets - b_buckets)
+    grads = {f"a.{n}": p.main_grad.numpy().copy() for n, p in chunk_a.named_parameters()}
+    grads.update({f"b.{n}": p.main_grad.numpy().copy() for n, p in chunk_b.named_parameters()})
+    return dict(calls_after_a=calls_after_a, only_a=only_a, grads=grads)
+
+
+CONFIGS = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (0, torch.bfloat16), (1, torch.bfloat16)]
+
+
+def _all_configs():
+    m = mesh_lib.init_mesh()
+    out = {config: _world(m, *config, check_misuse=config == (0, torch.float32)) for config in CONFIGS}
+    out["per_chunk"] = _per_chunk_flags(m)
+    return out
+
+
+def test_reduced_grads_are_the_sum_and_overlap_backward():
     ref = _reference_grads()
+    per_rank = run_distributed(_all_configs, DP)
+    for rank, results in enumerate(per_rank):
+        for (zero_stage, reduce_dtype), out in ((c, results[c]) for c in CONFIGS):
+            _check(rank, zero_stage, reduce_dtype, out, ref)
+        chunked = results["per_chunk"]
+        assert chunked["only_a"] >= 3
+        assert chunked["calls_after_a"] >= chunked["only_a"] - 1, chunked["calls_after_a"]
+        for name, grad in chunked["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(grad), ref[name[2:]], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _check(rank, zero_stage, reduce_dtype, out, ref):
     tol = dict(rtol=1e-5, atol=1e-6) if reduce_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    results = run_distributed(_world, DP, zero_stage, reduce_dtype, zero_stage == 0 and reduce_dtype == torch.float32)
-    for rank, out in enumerate(results):
-        assert out["calls_after_accumulation"] == 0, "no dp communication during accumulation microbatches"
-        assert out["buckets"] >= 4
-        assert out["calls_before_backward_end"] >= out["buckets"] - 1, \
-            f"only {out['calls_before_backward_end']} of {out['buckets']} buckets started before backward ended"
-        assert out["calls_total"] == out["buckets"]
-        elem = 4 if reduce_dtype == torch.float32 else 2
-        op = "all_reduce" if zero_stage == 0 else "reduce_scatter"
-        assert out["dp_bytes"] == {op: elem * out["numel"]}
-        if zero_stage == 0:
-            for name, grad in out["grads"].items():
-                torch.testing.assert_close(torch.from_numpy(grad), ref[name], **tol, msg=f"rank {rank} {name}")
-        else:
-            covered = sum(hi - lo for _, lo, hi, _ in out["pieces"])
-            assert covered > 0
-            for name, lo, hi, values in out["pieces"]:
-                torch.testing.assert_close(torch.from_numpy(values), ref[name].reshape(-1)[lo:hi], **tol)
-        if zero_stage == 2:
-            assert out["grad_bytes"] == 4 * out["shard_numel"], "ZeRO-2 keeps only the reduced shard"
-            assert out["main_grads_left"] == 0
-        if "misuse" in out:
-            assert "after its bucket's dp reduction started" in out["misuse"], out["misuse"]
+    what = f"rank {rank} zero {zero_stage} {reduce_dtype}"
+    assert out["calls_after_accumulation"] == 0, "no dp communication during accumulation microbatches"
+    assert out["buckets"] >= 4
+    assert out["calls_before_backward_end"] >= out["buckets"] - 1, \
+        f"{what}: only {out['calls_before_backward_end']} of {out['buckets']} buckets started before backward ended"
+    assert out["calls_total"] == out["buckets"]
+    elem = 4 if reduce_dtype == torch.float32 else 2
+    op = "all_reduce" if zero_stage == 0 else "reduce_scatter"
+    assert out["dp_bytes"] == {op: elem * out["numel"]}, what
+    if zero_stage == 0:
+        for name, grad in out["grads"].items():
+            torch.testing.assert_close(torch.from_numpy(grad), ref[name], **tol, msg=f"{what} {name}")
+    else:
+        assert sum(hi - lo for _, lo, hi, _ in out["pieces"]) > 0
+        for name, lo, hi, values in out["pieces"]:
+            torch.testing.assert_close(torch.from_numpy(values), ref[name].reshape(-1)[lo:hi], **tol, msg=what)
+    if zero_stage == 2:
+        assert out["grad_bytes"] == 4 * out["shard_numel"], "ZeRO-2 keeps only the reduced shard"
+        assert out["main_grads_left"] == 0
+    if "misuse" in out:
+        assert "after its bucket's dp reduction started" in out["misuse"], out["misuse"]
