@@ -1,27 +1,18 @@
 """Pipeline schedules as data: for every stage, the list of instructions it runs in order.
 
-An instruction is (kind, local chunk, microbatch). Compute kinds:
-  FWD          forward of chunk c on microbatch m
-  BWD          full backward (input and weight gradients)
-  BWD_INPUT    zero-bubble "B": input gradient only; weight-gradient work is queued
-  BWD_WEIGHT   zero-bubble "W": run the queued weight-gradient work of (c, m)
-Transfer kinds (peers from p2p.peer): SEND_ACT, RECV_ACT, SEND_GRAD, RECV_GRAD.
-
-Execution semantics (what the executor does and the verifier simulates): a maximal run of
-consecutive transfer instructions is ONE batch, posted together; the stage waits for all
-of them before its next compute instruction. Each pair of stages matches messages in
-posting order, so the verifier checks that the k-th send a->b is the k-th receive at b.
-
-Generators build the compute order per stage, then `_with_transfers` wraps each compute
-instruction with the receives it needs (just before) and the sends it enables (just after),
-so a send and the next receive share one batch: Megatron's send_forward_recv_backward.
+Instructions and their execution semantics are in instructions.py. A generator here gives
+each stage's compute order; placement.py then inserts the transfers where both ends reach
+them at the same time on an ideal clock, and the verifier's repair pass posts a receive
+earlier wherever a send would otherwise wait forever. `_with_transfers` is the naive
+placement (every receive just before its consumer), kept as the reference the tests show
+deadlocking for interleaved 1F1B.
 
 Schedules (p = pp, m = microbatches, v = virtual stages; bubble with equal per-op cost):
-  gpipe        all forwards, then all backwards                   (p-1)/(m+p-1)
+  gpipe        all forwards, then all backwards                   (p-1)/(m+p-1), peak m live
   1f1b         p-r-1 warm-up forwards, then one F one B            (p-1)/(m+p-1), peak p-r live
   interleaved  Megatron's interleaved 1F1B over v chunks per rank  (p-1)/(v*m+p-1)
   zb-h1        1F1B with backward split into B and W (Qi et al. 2023, "Zero Bubble Pipeline
-               Parallelism"); W fills bubbles; 1F1B's peak memory   (p-1)/(3m+p-1) at F=B=W
+               Parallelism"); W fills 1F1B's bubbles                (p-1)/(3m+p-1) at F=B=W, m>=p
 """
 from __future__ import annotations
 
@@ -30,6 +21,7 @@ import functools
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, Instr, Schedule)
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk
+from megalite.pipeline.placement import place_transfers
 from megalite.pipeline.verifier import repair_receive_order
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -89,40 +81,22 @@ def _interleaved(pp: int, m: int, v: int) -> list[list[Instr]]:
 
 
 def _zb_h1(pp: int, m: int) -> list[list[Instr]]:
-    """ZB-H1 order from a unit-cost list schedule (F = B = W = 1 time step, free transfers).
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", the handcrafted schedule).
 
-    At each step a stage runs, by priority: the next B whose gradient has arrived; else the
-    next F if its input has arrived and fewer than pp - r microbatches hold activations
-    (1F1B's peak; activations live until W); else the oldest pending W. Deferring W into the
-    otherwise idle steps is what removes two thirds of 1F1B's bubble.
+    Stage r walks x = 0 .. m+pp-2 and runs the triple (F x, B x-(pp-1-r), W x-(pp-1)),
+    skipping indices outside [0, m). B follows 1F1B's pairing, so at most pp - r microbatches
+    sit between F and B (1F1B's activation peak); W lags F by pp-1 on every stage, filling
+    the idle steps 1F1B leaves in warm-up and cool-down. With F = B = W the bubble is
+    (pp-1) steps instead of 1F1B's 3(pp-1).
     """
-    finished: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> step it finished
-    next_f, next_b = [0] * pp, [0] * pp
-    pending_w: list[list[int]] = [[] for _ in range(pp)]
-    done_w = [0] * pp
-    stages: list[list[Instr]] = [[] for _ in range(pp)]
-    step = 0
-    while any(done_w[r] < m for r in range(pp)):
-        for r in range(pp):
-            def ready(key):
-                return key in finished and finished[key] <= step
-
-            b, f = next_b[r], next_f[r]
-            if b < f and (r == pp - 1 or ready(("B", r + 1, b))) and ready(("F", r, b)):
-                stages[r].append(Instr(BWD_INPUT, 0, b))
-                finished[("B", r, b)] = step + 1
-                next_b[r] += 1
-                pending_w[r].append(b)
-            elif f < m and (r == 0 or ready(("F", r - 1, f))) and f - done_w[r] < pp - r:
-                stages[r].append(Instr(FWD, 0, f))
-                finished[("F", r, f)] = step + 1
-                next_f[r] += 1
-            elif pending_w[r] and ready(("B", r, pending_w[r][0])):
-                stages[r].append(Instr(BWD_WEIGHT, 0, pending_w[r].pop(0)))
-                done_w[r] += 1
-        step += 1
-        if step > 10 * (m + pp) + 10:
-            raise RuntimeError(f"zb-h1 generator made no progress (pp={pp}, m={m}); this is a bug")
+    stages = []
+    for r in range(pp):
+        ops = []
+        for x in range(m + pp - 1):
+            for kind, mb in ((FWD, x), (BWD_INPUT, x - (pp - 1 - r)), (BWD_WEIGHT, x - (pp - 1))):
+                if 0 <= mb < m:
+                    ops.append(Instr(kind, 0, mb))
+        stages.append(ops)
     return stages
 
 
@@ -132,6 +106,7 @@ def _zb_h1(pp: int, m: int) -> list[list[Instr]]:
 
 
 def _with_transfers(compute: list[list[Instr]], pp: int, v: int) -> Schedule:
+    """Naive placement: receives just before their consumer, sends just after their producer."""
     schedule = []
     for r, ops in enumerate(compute):
         out: list[Instr] = []
@@ -182,7 +157,7 @@ def _build(name: str, pp: int, m: int, v: int) -> tuple[tuple[Instr, ...], ...]:
         compute = _interleaved(pp, m, v)
     else:
         compute = _zb_h1(pp, m)
-    return tuple(tuple(ops) for ops in repair_receive_order(_with_transfers(compute, pp, v), pp, v))
+    return tuple(tuple(ops) for ops in repair_receive_order(place_transfers(compute, pp, v), pp, v))
 
 
 def build_schedule(name: str, pp: int, num_microbatches: int, v: int = 1) -> Schedule:

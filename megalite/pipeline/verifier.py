@@ -109,6 +109,7 @@ class _Simulation:
     def __init__(self, schedule: Schedule, pp: int, v: int):
         self.pp, self.v = pp, v
         self.steps = [split_steps(list(ops)) for ops in schedule]
+        self.offsets = [self._offsets(stage) for stage in range(pp)]
         self.position = [0] * pp
         self.posted: list[list | None] = [None] * pp  # per stage: [(pair, k, is_send)] of its batch
         self.sent: dict[tuple[int, int], list] = defaultdict(list)  # pair -> [(message, stage, instr #)]
@@ -117,8 +118,16 @@ class _Simulation:
     def schedule(self) -> Schedule:
         return [[op for step in steps for op in step] for steps in self.steps]
 
+    def _offsets(self, stage: int) -> list[int]:
+        offsets, total = [], 0
+        for step in self.steps[stage]:
+            offsets.append(total)
+            total += len(step)
+        return offsets
+
     def _index(self, stage: int, step: int, j: int = 0) -> int:
-        return sum(len(s) for s in self.steps[stage][:step]) + j
+        """Flat instruction index of op j of step `step` (for messages)."""
+        return self.offsets[stage][step] + j
 
     def _post_op(self, stage: int, op: Instr) -> None:
         other = peer(op.kind, self.pp, self.v, stage, op.chunk)[0]
@@ -200,6 +209,7 @@ class _Simulation:
                             if not step:
                                 del self.steps[b][step_index]
                             self.steps[b][self.position[b]].append(op)
+                            self.offsets[b] = self._offsets(b)
                             self._post_op(b, op)
                             return True
         return False

@@ -51,20 +51,30 @@ def test_every_schedule_verifies_over_the_grid():
 def test_static_peak_live_activations(pp, m):
     for r in range(pp):
         assert peak_live_microbatches(build_schedule("1f1b", pp, m)[r]) == min(pp - r, m)
-        assert peak_live_microbatches(build_schedule("zb-h1", pp, m)[r]) == min(pp - r, m)
+        # ZB-H1: at most pp - r microbatches between F and B (1F1B's), and W lags F by pp - 1
+        # on every stage, so activations (held until W) peak at pp everywhere.
+        assert peak_live_microbatches(build_schedule("zb-h1", pp, m)[r]) == min(pp, m)
         assert peak_live_microbatches(build_schedule("gpipe", pp, m)[r]) == m
 
 
 def test_1f1b_batches_send_with_next_receive():
     # Megatron's send_forward_recv_backward: stage 1 of 4 sends activation 2 and receives grad 0 together.
-    steps = split_steps(build_schedule("1f1b", 4, 6)[1])
-    assert parse(">a0.2 <g0.0") in steps and parse(">g0.0 <a0.3") in steps
+    steps = [set(step) for step in split_steps(build_schedule("1f1b", 4, 6)[1])]
+    assert set(parse(">a0.2 <g0.0")) in steps and set(parse(">g0.0 <a0.3")) in steps
+    # and the pipeline's first receive is posted just before its forward, not earlier
+    assert build_schedule("1f1b", 4, 6)[3][:2] == parse("<a0.0 F0.0")
 
 
-def test_zb_h1_splits_every_backward():
-    for ops in build_schedule("zb-h1", 4, 8):
+def test_zb_h1_splits_every_backward_and_keeps_1f1b_pairing():
+    pp, m = 4, 8
+    for r, ops in enumerate(build_schedule("zb-h1", pp, m)):
         kinds = [op.kind for op in ops]
-        assert "BWD" not in kinds and kinds.count("BWD_INPUT") == 8 and kinds.count("BWD_WEIGHT") == 8
+        assert "BWD" not in kinds and kinds.count("BWD_INPUT") == m and kinds.count("BWD_WEIGHT") == m
+        # steady state: (F x, B x-(pp-1-r), W x-(pp-1)) in this order
+        compute = [(op.kind, op.microbatch) for op in ops if not op.is_transfer]
+        x = pp  # a steady-state index
+        i = compute.index(("FWD", x))
+        assert compute[i:i + 3] == [("FWD", x), ("BWD_INPUT", x - (pp - 1 - r)), ("BWD_WEIGHT", x - (pp - 1))]
 
 
 @pytest.mark.parametrize("name, pp, m, v, match", [
