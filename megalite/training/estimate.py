@@ -299,12 +299,26 @@ def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
     return n
 
 
+def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
+    """ZB-H1 keeps a microbatch's linear inputs until its deferred weight-gradient pass (W)."""
+    from megalite.pipeline.instructions import BWD_WEIGHT, FWD
+    from megalite.pipeline.schedules import build_schedule
+
+    live = peak = 0
+    for op in build_schedule("zb-h1", pp, m)[stage]:
+        live += (op.kind == FWD) - (op.kind == BWD_WEIGHT)
+        peak = max(peak, live)
+    return peak
+
+
 def inflight_microbatches(layout: Layout, stage: int) -> int:
     """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
     m, pp, v = layout.microbatches(), layout.pp, layout.virtual_stages
     if layout.schedule_name() == "gpipe":
         return m * v
-    if v == 1:                                                      # 1f1b, zb-h1: warmup + 1
+    if layout.schedule_name() == "zb-h1":                           # counted on the schedule itself
+        return _zero_bubble_peak(pp, m, stage)
+    if v == 1:                                                      # 1f1b: warmup + 1
         return min(pp - stage, m)
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
@@ -355,8 +369,9 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
             add("tp/reduce_scatter", m * layers * (2 * forwards + 2) * u)
         else:
             add("tp/all_reduce", m * layers * (2 * forwards + 2) * u)   # Megatron's 4 per layer
-        if stage == 0:
-            add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)  # vocab-parallel embedding
+        if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
+            add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
+            add("tp/all_gather", m * u if sp else 0)
         if stage == pp - 1:
             if sp:
                 add("tp/all_gather", m * u)                             # output-layer input
