@@ -115,6 +115,7 @@ def _dp4_world():
     m = mesh_lib.init_mesh(tp=1, pp=1)
     runs = {f"zero{z}": _train(m, z, microbatches=2) for z in (0, 1, 2)}
     runs["zero1_offload"] = _train(m, 1, microbatches=1, offload=True)
+    runs["zero2_offload"] = _train(m, 2, microbatches=2, offload=True)
     runs["zero2_one_bucket"] = _train(m, 2, microbatches=2, bucket_size=10 ** 9)
     runs["zero1_scaled"] = _train(m, 1, microbatches=2, scaler=DynamicLossScaler(2.0 ** 10, growth_interval=100))
     return portable(runs)
