@@ -6,6 +6,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 
 from megalite.data import ByteTokenizer, IndexedDatasetWriter
 
@@ -39,3 +40,17 @@ def write_byte_dataset(prefix: str, texts: list[str]) -> list[np.ndarray]:
 def make_dirs(*paths: str) -> None:
     for path in paths:
         os.makedirs(path, exist_ok=True)
+
+
+def tiny_tokenizer_json(path, with_eos: bool):
+    """Train a tiny BPE tokenizer here and save it as a tokenizer.json (nothing downloaded)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = ["[UNK]"] + (["<|endoftext|>"] if with_eos else [])
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ate the cat food"] * 5, trainer)
+    tok.save(str(path))
+    return tok

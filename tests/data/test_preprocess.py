@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from data_helpers import random_texts, write_jsonl
-from megalite.data import ByteTokenizer, IndexedDataset, preprocess_files
+from data_helpers import random_texts, tiny_tokenizer_json, write_jsonl
+from megalite.data import ByteTokenizer, IndexedDataset, load_tokenizer, preprocess_files
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "preprocess_data.py")
 
@@ -68,3 +68,16 @@ def test_json_keys_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--input"):
         preprocess_files([str(tmp_path / "nowhere")], str(tmp_path / "z"), "byte")
     assert not os.path.exists(tmp_path / "x.bin") and not os.path.exists(tmp_path / "y.idx")
+
+
+def test_hf_tokenizer_preprocessing_with_workers(tmp_path):
+    tiny_tokenizer_json(tmp_path / "tok.json", with_eos=True)
+    tokenizer = load_tokenizer(str(tmp_path / "tok.json"))
+    texts = ["the cat sat on the mat", "a dog", "the food the cat ate"] * 4
+    write_jsonl(str(tmp_path / "d.jsonl"), texts)
+    for workers in (1, 2):
+        preprocess_files([str(tmp_path / "d.jsonl")], str(tmp_path / f"w{workers}"), tokenizer, workers=workers)
+    ds = IndexedDataset(str(tmp_path / "w2"))
+    assert ds.vocab_size == tokenizer.vocab_size and ds.eod == tokenizer.eod
+    assert [ds[i].tolist() for i in range(len(ds))] == [tokenizer.encode(t) + [tokenizer.eod] for t in texts]
+    assert (tmp_path / "w1.bin").read_bytes() == (tmp_path / "w2.bin").read_bytes()

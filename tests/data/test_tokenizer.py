@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from data_helpers import tiny_tokenizer_json
 from megalite.data import ByteTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -17,21 +18,8 @@ def test_byte_tokenizer_round_trip_and_ids():
     assert tokenizer.encode_array(text).tolist() == ids
 
 
-def _tiny_tokenizer_json(path, with_eos: bool):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    special = ["[UNK]"] + (["<|endoftext|>"] if with_eos else [])
-    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=special, show_progress=False)
-    tok.train_from_iterator(["the cat sat on the mat", "a dog ate the cat food"] * 5, trainer)
-    tok.save(str(path))
-    return tok
-
-
 def test_hf_tokenizer_json_wrapper(tmp_path):
-    raw = _tiny_tokenizer_json(tmp_path / "with_eos.json", with_eos=True)
+    raw = tiny_tokenizer_json(tmp_path / "with_eos.json", with_eos=True)
     tokenizer = load_tokenizer(str(tmp_path / "with_eos.json"))
     assert isinstance(tokenizer, HFTokenizer)
     assert tokenizer.eod == raw.token_to_id("<|endoftext|>")
@@ -39,7 +27,7 @@ def test_hf_tokenizer_json_wrapper(tmp_path):
     ids = tokenizer.encode("the cat sat")
     assert ids == raw.encode("the cat sat").ids and tokenizer.decode(ids) == raw.decode(ids)
 
-    _tiny_tokenizer_json(tmp_path / "no_eos.json", with_eos=False)
+    tiny_tokenizer_json(tmp_path / "no_eos.json", with_eos=False)
     no_eos = load_tokenizer(str(tmp_path / "no_eos.json"))
     assert no_eos.eod == no_eos.vocab_size - 1  # a fresh id was reserved for end-of-document
     assert no_eos.decode(no_eos.encode("the dog") + [no_eos.eod]) == no_eos.decode(no_eos.encode("the dog"))
