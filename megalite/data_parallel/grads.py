@@ -23,10 +23,10 @@ shards of this pipeline stage):
   1/dp shard remains.
 
 How "all of its gradients are final" is known: a parameter may receive several deliveries
-per backward (e.g. a tied weight used through a sink and through autograd). The first
-synchronised backward after construction counts the deliveries per parameter and launches
-its reductions only in `finish_reduction()`; later steps launch a bucket as soon as its
-count is reached. A delivery to a bucket whose reduction already started is an error.
+per backward (e.g. a tied weight used through a sink and through autograd). The first step
+with a synchronised backward counts the deliveries per parameter and launches its
+reductions only in `finish_reduction()`; later steps launch a bucket as soon as its count
+is reached. A delivery to a bucket whose reduction already started is an error.
 """
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ class DataParallelGrads:
                 self._free_bucket(bucket)
         self._pending.clear()
         self.exposed_seconds = time.perf_counter() - started
-        if self._expected is None:
+        if self._expected is None and any(self._arrived):  # a step that synchronised no backward teaches nothing
             self._expected = list(self._arrived)
         self._reset_counters()
 
