@@ -107,7 +107,7 @@ class Estimate:
     inflight_microbatches: int
     num_microbatches: int
     bubble_fraction: float
-    """Idle fraction of a step for the pipeline: (pp-1) / (v*m + pp-1)."""
+    """Idle fraction of a step for the pipeline (see `bubble_fraction`)."""
     comm_bytes: dict[str, int] = field(default_factory=dict)
     """'group/op' -> bytes per step on this rank, in comm.ledger's (nccl-tests) size convention."""
     flops_per_step: float = 0.0
@@ -495,6 +495,14 @@ def _check_choices(layout: Layout) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def bubble_fraction(layout: Layout) -> float:
+    """Idle fraction of a step: (p-1)/(v*m + p-1) for 1F1B/interleaved/GPipe, (p-1)/(3m + p-1)
+    for ZB-H1 (its F, B and W passes each fill a third of a 1F1B slot)."""
+    p, m = layout.pp, layout.microbatches()
+    slots = 3 * m if layout.schedule_name() == "zb-h1" else layout.virtual_stages * m
+    return (p - 1) / (slots + p - 1)
+
+
 def estimate(model: GPTConfig, layout: Layout) -> Estimate:
     """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage."""
     _check_choices(layout)
@@ -514,7 +522,7 @@ def estimate(model: GPTConfig, layout: Layout) -> Estimate:
         activation_bytes=activation_bytes(model, layout, worst), params_per_rank=params, stage=worst,
         layers_on_stage=stage_layers(model, layout)[worst],
         inflight_microbatches=inflight_microbatches(layout, worst), num_microbatches=m,
-        bubble_fraction=(layout.pp - 1) / (layout.virtual_stages * m + layout.pp - 1),
+        bubble_fraction=bubble_fraction(layout),
         comm_bytes=communication_bytes(model, layout, worst),
         flops_per_step=model.flops_per_token(seq) * tokens,
         hardware_flops_per_step=hardware_flops_per_token(model, layout.recompute, seq) * tokens,
