@@ -1,0 +1,65 @@
+"""tools/plan.py: the CLI reproduces the ZeRO paper, reports JSON in bytes, names errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "plan.py"
+_spec = importlib.util.spec_from_file_location("plan_tool", _PATH)
+plan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan)
+
+KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes", "total_bytes")
+
+
+def run(capsys, *argv):
+    code = plan.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_num_params_reproduces_the_zero_paper(capsys):
+    for stage, total in ((0, 120e9), (1, 31.40625e9), (2, 16.640625e9), (3, 1.875e9)):
+        code, out = run(capsys, "--num-params", "7.5B", "--dp", "64", "--fp16", "--grad-reduce-dtype", "fp16",
+                        "--zero", str(stage), "--json")
+        result = json.loads(out)
+        assert code == 0 and result["total_bytes"] == total
+        assert all(isinstance(result[k], int) for k in KEYS)
+
+
+def test_model_layout_json_and_text(capsys):
+    argv = ["--model", "llama-7b", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--sequence-parallel",
+            "--global-batch-size", "64", "--gpu-memory", "80GB"]
+    code, out = run(capsys, *argv, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["errors"] == [] and result["fits"] is True
+    assert result["total_bytes"] == sum(result[k] for k in KEYS[:4])
+    assert result["layout"]["sequence_parallel"] and result["num_microbatches"] == 32
+    code, text = run(capsys, *argv)
+    assert "activations" in text and "fits in 80.0 GB" in text and "comm tp/all_gather" in text
+
+
+def test_errors_exit_2_with_the_fix(capsys):
+    code, out = run(capsys, "--model", "llama-7b", "--tp", "3", "--dp", "1")
+    assert code == 2 and "choose tp in" in out
+    code, out = run(capsys, "--model", "llama-7b", "--dp", "8", "--bf16", "--global-batch-size", "8",
+                    "--gpu-memory", "80")
+    assert code == 2 and "add --zero 1" in out
+
+
+def test_suggest_json(capsys):
+    code, out = run(capsys, "--model", "gpt2-350m", "--suggest", "--gpus", "8", "--gpu-memory", "80",
+                    "--bf16", "--top-k", "3", "--json")
+    found = json.loads(out)
+    assert code == 0 and 1 <= len(found) <= 3
+    assert all(s["total_bytes"] <= 0.9 * 80e9 and s["reason"] for s in found)
+
+
+def test_memory_and_count_parsing():
+    assert plan.parse_bytes("80") == 80e9 and plan.parse_bytes("80GB") == 80e9
+    assert plan.parse_bytes("80GiB") == 80 * 2 ** 30 and plan.parse_bytes("85899345920") == 85899345920
+    assert plan.parse_count("7.5B") == 7_500_000_000 and plan.parse_count("350M") == 350_000_000
+    with pytest.raises(Exception, match="memory size"):
+        plan.parse_bytes("lots")
