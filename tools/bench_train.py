@@ -1,0 +1,115 @@
+"""Training throughput of megalite at tp=pp=dp=1 vs a plain PyTorch loop over transformers' GPT-2.
+
+Both train the same architecture (GPT-2 flavour, same config) on the same random tokens with
+AdamW, in the same process, alternating trials so machine noise hits both alike. megalite runs
+its real path (model chunks, DP-grad buffers, sharded-optimizer code, global loss
+normalisation); the baseline is the loop anyone would write:
+
+    loss = hf_model(input_ids, labels=labels).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+    python tools/bench_train.py                      # CPU: a small GPT-2, fp32
+    python tools/bench_train.py --model gpt2-124m --micro-batch-size 8 --bf16    # on a GPU
+
+Prints tokens/s of each (median over trials) and the ratio megalite / baseline (goal >= 1.0).
+Not a test: nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a megalite preset (gpt2 flavour); default: a small CPU model")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per trial")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args(argv)
+
+    import transformers
+
+    from megalite.mesh import single_process_mesh
+    from megalite.model import preset
+    from megalite.training.arguments import TrainConfig
+    from megalite.training.step import build_model_chunks, build_optimizer, train_step
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model:
+        model_cfg = preset(args.model, seq_length=args.seq_length)
+    else:
+        model_cfg = preset("tiny", num_layers=6, hidden_size=256, num_attention_heads=8, vocab_size=8192,
+                           seq_length=args.seq_length)
+    if model_cfg.flavour != "gpt2":
+        raise SystemExit("bench_train compares against transformers' GPT-2: pick a gpt2-flavour preset")
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    b, s = args.micro_batch_size, args.seq_length
+    tokens_per_step = b * s
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, model_cfg.vocab_size, (b, s + 1), generator=gen)
+    batch = [{"input_ids": data[:, :-1], "labels": data[:, 1:]}]
+
+    # megalite, its real training path
+    mesh = single_process_mesh(device)
+    cfg = TrainConfig(micro_batch_size=b, global_batch_size=b, precision="bf16" if args.bf16 else "fp32",
+                      clip_grad=1.0, weight_decay=0.1)
+    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    optimizer = build_optimizer(chunks, cfg, mesh)
+
+    def megalite_step():
+        train_step(chunks, optimizer, batch, mesh, cfg, lr=1e-4)
+
+    # the plain loop over transformers' GPT2LMHeadModel of the same shape
+    hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=s, n_embd=model_cfg.hidden_size,
+                                     n_layer=model_cfg.num_layers, n_head=model_cfg.num_attention_heads,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype).train()
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1)
+    ids, labels = data[:, :-1].to(device), data[:, :-1].to(device)  # HF shifts labels itself
+
+    def baseline_step():
+        loss = hf(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
+
+    def tokens_per_sec(step_fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step_fn()
+        _sync(device)
+        return tokens_per_step * args.steps / (time.perf_counter() - start)
+
+    for fn in (megalite_step, baseline_step):  # warm-up (allocator, kernels, first-step calibration)
+        fn()
+        fn()
+    ours, theirs = [], []
+    for _ in range(args.trials):
+        ours.append(tokens_per_sec(megalite_step))
+        theirs.append(tokens_per_sec(baseline_step))
+    m, t = statistics.median(ours), statistics.median(theirs)
+    params = model_cfg.num_params() / 1e6
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU x{torch.get_num_threads()} threads"
+    print(f"device: {name}; torch {torch.__version__}; transformers {transformers.__version__}")
+    print(f"model: gpt2 flavour, {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, {params:.1f}M params; "
+          f"batch {b}x{s} tokens; {'bf16' if args.bf16 else 'fp32'}; {args.trials} trials x {args.steps} steps")
+    print(f"megalite (tp=pp=dp=1):      {m:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in ours)})")
+    print(f"plain loop, HF GPT2LMHead:  {t:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in theirs)})")
+    print(f"ratio megalite / baseline:  {m / t:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
