@@ -6,7 +6,8 @@
     python tools/plan.py --model llama-70b --suggest --gpus 64 --nodes 8 --gpu-memory 80 --bf16
     ... --json   # one JSON object (a list with --suggest); sizes in bytes
 
-Takes the same model and layout flags as examples/pretrain_gpt.py (Megatron's names).
+Takes the same model and layout flags as examples/pretrain_gpt.py (megalite.training.arguments),
+and models two things training does not run: --zero 3 and --grad-reduce-dtype fp16.
 GB means 1e9 bytes throughout (the ZeRO paper's convention); --gpu-memory accepts 80, 80GB, 80GiB.
 Exit status: 0 when the layout is valid (and fits, when --gpu-memory is given), 2 otherwise.
 """
@@ -18,56 +19,23 @@ import json
 import re
 import sys
 
-from megalite.model.config import PRESETS, GPTConfig, preset
-from megalite.training.estimate import (GB, RECOMPUTE_CHOICES, Layout, estimate, estimate_model_states, preflight,
-                                        suggest)
+from megalite.model.config import GPTConfig, preset
+from megalite.training.arguments import add_layout_args, add_model_args
+from megalite.training.estimate import GB, Layout, estimate, estimate_model_states, preflight, suggest
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Model flags shared with pretrain_gpt (a preset, then explicit overrides)."""
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", choices=sorted(PRESETS), help="a preset; the flags below override it")
-    group.add_argument("--flavour", choices=["gpt2", "llama"], help="block flavour when no --model is given")
-    group.add_argument("--num-layers", type=int)
-    group.add_argument("--hidden-size", type=int)
-    group.add_argument("--num-attention-heads", type=int)
-    group.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
-    group.add_argument("--ffn-hidden-size", type=int)
-    group.add_argument("--vocab-size", type=int)
-    group.add_argument("--seq-length", type=int)
-    group.add_argument("--hidden-dropout", type=float)
-    group.add_argument("--attention-dropout", type=float)
-
-
-def add_layout_args(parser: argparse.ArgumentParser) -> None:
-    """Parallel layout, batch and precision flags shared with pretrain_gpt."""
-    group = parser.add_argument_group("layout")
-    group.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    group.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp*pp))")
-    group.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved 1F1B)")
-    group.add_argument("--micro-batch-size", type=int, default=1)
-    group.add_argument("--global-batch-size", type=int, default=None,
-                       help="sequences per step (default: micro-batch-size * dp)")
-    group.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
-    group.add_argument("--offload-optimizer", action="store_true")
-    group.add_argument("--recompute", default="none", choices=RECOMPUTE_CHOICES)
-    group.add_argument("--sequence-parallel", action="store_true")
-    precision = group.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true")
-    precision.add_argument("--fp16", action="store_true")
-    group.add_argument("--grad-reduce-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                       help="gradient buffer / DP reduction dtype (default fp32 main grads)")
-    group.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+def _widen_choices(parser: argparse.ArgumentParser, dest: str, choices: list) -> None:
+    """The planner also models what training does not run (ZeRO-3, fp16 gradient buffers)."""
+    for action in parser._actions:  # argparse has no public way to edit an option's choices
+        if action.dest == dest:
+            action.choices = choices
 
 
 def model_from_args(args: argparse.Namespace) -> GPTConfig:
-    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "vocab_size", "seq_length", "hidden_dropout", "attention_dropout")
-    overrides = {f: getattr(args, f, None) for f in fields}
-    if args.model:
-        return preset(args.model, **overrides)
-    return GPTConfig(flavour=args.flavour or "gpt2", **{k: v for k, v in overrides.items() if v is not None})
+    return preset(args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                  num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                  ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, vocab_size=args.vocab_size,
+                  hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
 
 
 def layout_from_args(args: argparse.Namespace, world_size: int | None = None) -> Layout:
@@ -77,7 +45,9 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
                   sequence_parallel=args.sequence_parallel, micro_batch_size=args.micro_batch_size,
                   seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                   precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                  grad_reduce_dtype=args.grad_reduce_dtype, schedule=args.schedule)
+                  grad_reduce_dtype=args.grad_reduce_dtype, schedule=args.pipeline_schedule,
+                  first_stage_layers=args.decoder_first_stage_layers,
+                  last_stage_layers=args.decoder_last_stage_layers)
 
 
 def parse_bytes(text: str) -> float:
@@ -105,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
     add_layout_args(parser)
+    _widen_choices(parser, "zero", [0, 1, 2, 3])
+    _widen_choices(parser, "grad_reduce_dtype", ["fp32", "bf16", "fp16"])
     group = parser.add_argument_group("planner")
     group.add_argument("--num-params", type=parse_count, help="model-state-only estimate from a parameter count")
     group.add_argument("--gpu-memory", type=parse_bytes, help="memory of one GPU (80 = 80 GB = 80e9 bytes)")

@@ -67,7 +67,7 @@ class Layout:
     pipeline_layout: str | None = None
     """Explicit blocks per model chunk, e.g. "3,5,5,3" (--pipeline-layout)."""
     schedule: str | None = None
-    """Pipeline schedule (megalite.pipeline.schedules); None: 1f1b, or interleaved when
+    """Pipeline schedule (megalite.pipeline.schedules); None or 1f1b: 1f1b, interleaved when
     virtual_stages > 1."""
     device: str = "cuda"
     """Where the run's RNG generators live: recompute checkpoints keep their states (16 bytes
@@ -76,7 +76,9 @@ class Layout:
     references keep extra fp32 copies."""
 
     def schedule_name(self) -> str:
-        return self.schedule or ("interleaved" if self.virtual_stages > 1 else "1f1b")
+        if self.schedule in (None, "1f1b") and self.virtual_stages > 1:
+            return "interleaved"  # Megatron's name for 1F1B with virtual stages
+        return self.schedule or "1f1b"
 
     @property
     def world_size(self) -> int:

@@ -31,7 +31,7 @@ def test_num_params_reproduces_the_zero_paper(capsys):
 
 def test_model_layout_json_and_text(capsys):
     argv = ["--model", "llama-7b", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--sequence-parallel",
-            "--global-batch-size", "64", "--gpu-memory", "80GB"]
+            "--global-batch-size", "64", "--micro-batch-size", "1", "--gpu-memory", "80GB"]
     code, out = run(capsys, *argv, "--json")
     result = json.loads(out)
     assert code == 0 and result["errors"] == [] and result["fits"] is True
@@ -45,13 +45,13 @@ def test_errors_exit_2_with_the_fix(capsys):
     code, out = run(capsys, "--model", "llama-7b", "--tp", "3", "--dp", "1")
     assert code == 2 and "choose tp in" in out
     code, out = run(capsys, "--model", "llama-7b", "--dp", "8", "--bf16", "--global-batch-size", "8",
-                    "--gpu-memory", "80")
+                    "--micro-batch-size", "1", "--gpu-memory", "80")
     assert code == 2 and "add --zero 1" in out
 
 
 def test_suggest_json(capsys):
     code, out = run(capsys, "--model", "gpt2-350m", "--suggest", "--gpus", "8", "--gpu-memory", "80",
-                    "--bf16", "--top-k", "3", "--json")
+                    "--bf16", "--global-batch-size", "64", "--top-k", "3", "--json")
     found = json.loads(out)
     assert code == 0 and 1 <= len(found) <= 3
     assert all(s["total_bytes"] <= 0.9 * 80e9 and s["reason"] for s in found)
