@@ -92,12 +92,15 @@ def test_ranks_of_any_layout_read_the_same_global_batch(tmp_path):
     train, _, _ = build_gpt_datasets([prefix], "9,1,0", seq_length=8, seed=5, tokenizer="byte",
                                      cache_dir=str(tmp_path / "single"))
     expected = [collate([train[i] for i in range(4 + 8 * s, 12 + 8 * s)])["input_ids"] for s in range(2)]
-    for tp, pp in ((2, 1), (1, 2)):  # 4 ranks: dp=2 with tp=2, or dp=2 with pp=2
-        results = run_distributed(_rank_reads, 4, str(tmp_path / f"cache{tp}{pp}"), prefix, tp, pp)
-        for step in range(2):
-            for tp_rank in range(tp):
-                for pp_rank in range(pp):
-                    rows = [r[3][step] for r in sorted(results, key=lambda r: r[0])
-                            if (r[1], r[2]) == (tp_rank, pp_rank)]
-                    got = [row for rank_mbs in rows for mb in rank_mbs for row in mb]
-                    assert got == expected[step].tolist()
+    # one world of 8 ranks, tp=2 x pp=2 x dp=2: every (tp_rank, pp_rank) pair must read, across its
+    # two dp ranks, exactly the global batch a single process reads
+    results = run_distributed(_rank_reads, 8, str(tmp_path / "cache"), prefix, 2, 2)
+    assert sorted((r[0], r[1], r[2]) for r in results) == [(d, t, p) for d in range(2) for t in range(2)
+                                                            for p in range(2)]
+    for step in range(2):
+        for tp_rank in range(2):
+            for pp_rank in range(2):
+                rows = [r[3][step] for r in sorted(results, key=lambda r: r[0])
+                        if (r[1], r[2]) == (tp_rank, pp_rank)]
+                got = [row for rank_mbs in rows for mb in rank_mbs for row in mb]
+                assert got == expected[step].tolist()
