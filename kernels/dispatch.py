@@ -12,7 +12,9 @@ still works, `triton.jit` below is a no-op decorator and only the references run
 
 Triton decides interpreter-or-compiler when a function is decorated, i.e. when a module is
 imported. For triton's own language functions (tl.sum, tl.max, tl.sigmoid are @jit functions)
-that is the first `import triton` of the process, so TRITON_INTERPRET=1 must be set before it.
+that is the first `import triton` of the process: without a GPU we make that import an
+interpreter-mode one (see `_import_triton`); if something else imported triton first in
+compiled mode on a CPU-only machine, the kernels cannot run on CPU and `runnable` says so.
 For our kernels, `runnable(kernel, device)` decides at launch time (it builds an interpreted
 twin of a compiled kernel for CPU tensors), so it does not matter whether `megalite.kernels`
 was imported before TRITON_INTERPRET was set. Kernels therefore call no other `@triton.jit`
@@ -21,13 +23,40 @@ helper of ours: each is self-contained.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
-try:  # triton is Linux-only; everything here must work without it
-    import triton
-    import triton.language as tl
 
+def _import_triton():
+    """Import triton; on a machine without a GPU, in interpreter mode.
+
+    Triton fixes interpreter-or-compiler for its own language functions at its first import.
+    Without a GPU compiled Triton cannot run anything, so the interpreter loses nothing and
+    makes MEGALITE_KERNEL_BACKEND=triton work on CPU whoever imports megalite.kernels first.
+    TRITON_INTERPRET is restored afterwards: the backend choice still reads it per call.
+    """
+    if "triton" in sys.modules or torch.cuda.is_available():
+        import triton
+        import triton.language
+
+        return triton, triton.language
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+        import triton.language
+
+        return triton, triton.language
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+try:  # triton is Linux-only; everything here must work without it
+    triton, tl = _import_triton()
     HAVE_TRITON = True
 except Exception:  # noqa: BLE001 - ImportError, or a broken install on an odd platform
     HAVE_TRITON = False
