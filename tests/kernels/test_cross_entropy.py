@@ -23,7 +23,9 @@ def test_cross_entropy_matches_reference_across_vocab_chunks(dtype):
     targets = make_targets((5, 3), 1000)
     losses = compare_with_reference(cross_entropy, cross_entropy_reference, [logits, targets],
                                     tolerance(dtype, fp16=1e-3), ref_dtype=torch.float32,
-                                    grad_tol=tolerance(dtype, fp32=1e-6, fp16=1e-3))
+                                    # softmax entries are ~1e-3 here: absolute slack far below them
+                                    grad_tol=dict(atol=1e-6 if dtype == torch.float32 else 1e-5,
+                                                  rtol=tolerance(dtype)["rtol"]))
     assert losses.dtype == torch.float32
     assert losses.view(-1)[0] == 0  # ignored token
 
@@ -59,4 +61,4 @@ def test_cross_entropy_large_vocab_bf16():
     logits = torch.randn(2048, 128256, device=DEVICE, dtype=torch.bfloat16) * 2
     targets = make_targets((2048,), 128256)
     compare_with_reference(cross_entropy, cross_entropy_reference, [logits, targets], tolerance(torch.float32, 1e-4),
-                           ref_dtype=torch.float32, grad_tol=tolerance(torch.bfloat16))
+                           ref_dtype=torch.float32, grad_tol=dict(atol=1e-6, rtol=1.6e-2))
