@@ -18,6 +18,9 @@ Opening checks the magic, version, dtype, both file sizes, the offsets' CRC and 
 are non-decreasing, so a corrupt or truncated pair fails at once with an error naming the
 file, never later as garbage samples. Files are written under temporary names and renamed
 into place, so a crashed writer leaves no half pair behind.
+
+`IndexedDataset` also reads Megatron-LM's `MMIDIDX` pairs (checked the same way, except that
+they carry no CRC and no vocabulary size), so corpora preprocessed for Megatron train as they are.
 """
 from __future__ import annotations
 
@@ -134,43 +137,18 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} does not exist; create the pair with "
                                         f"tools/preprocess_data.py --output-prefix {prefix}")
-        idx_size = os.path.getsize(idx_path)
-        if idx_size < HEADER.size:
-            raise CorruptIndexError(f"{idx_path} is truncated: {idx_size} bytes, shorter than the "
-                                    f"{HEADER.size}-byte header; re-run tools/preprocess_data.py")
         with open(idx_path, "rb") as f:
-            fields = HEADER.unpack(f.read(HEADER.size))
-        magic, version, dtype_code, vocab_size, eod, num_docs, num_tokens, crc, _ = fields
-        if magic != MAGIC:
-            raise CorruptIndexError(f"{idx_path} is not a megalite index (magic {magic!r}, expected "
-                                    f"{MAGIC!r}); re-run tools/preprocess_data.py")
-        if version != VERSION:
-            raise CorruptIndexError(f"{idx_path} has format version {version}, this megalite reads "
-                                    f"version {VERSION}; re-run tools/preprocess_data.py")
-        if dtype_code not in DTYPES:
-            raise CorruptIndexError(f"{idx_path} has unknown dtype code {dtype_code}; the file is corrupt")
-        expected_idx = HEADER.size + 8 * (num_docs + 1)
-        if idx_size != expected_idx:
-            raise CorruptIndexError(f"{idx_path} is {idx_size} bytes but its header promises {num_docs} "
-                                    f"documents ({expected_idx} bytes): truncated or corrupt; re-run "
-                                    f"tools/preprocess_data.py")
-        self.dtype = DTYPES[dtype_code]
-        self.vocab_size, self.eod = int(vocab_size), int(eod)
-        # np.asarray: plain ndarray views of the maps (np.memmap adds overhead to every index)
-        self.offsets = np.asarray(np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER.size,
-                                            shape=(num_docs + 1,)))
-        if zlib.crc32(memoryview(self.offsets)) != crc:
-            raise CorruptIndexError(f"{idx_path}: document offsets fail their CRC check (corrupt file); "
-                                    f"re-run tools/preprocess_data.py")
-        if self.offsets[0] != 0 or self.offsets[-1] != num_tokens or bool(np.any(np.diff(self.offsets) < 0)):
-            raise CorruptIndexError(f"{idx_path}: document offsets are inconsistent with the header")
+            is_megatron = f.read(len(MEGATRON_MAGIC)) == MEGATRON_MAGIC
+        read = _read_megatron_index if is_megatron else _read_megalite_index
+        self.dtype, self.vocab_size, self.eod, self.offsets, self.crc = read(idx_path)
+        self.format = "megatron" if is_megatron else "megalite"
+        num_tokens = int(self.offsets[-1])
         bin_size, expected_bin = os.path.getsize(bin_path), num_tokens * self.dtype.itemsize
         if bin_size != expected_bin:
             raise CorruptIndexError(f"{bin_path} is {bin_size} bytes but {idx_path} describes {num_tokens} "
                                     f"tokens of {self.dtype} ({expected_bin} bytes): truncated or not the "
                                     f"matching pair; re-run tools/preprocess_data.py")
-        self.num_tokens = int(num_tokens)
-        self.crc = int(crc)
+        self.num_tokens = num_tokens
         if self.num_tokens:
             self.tokens = np.asarray(np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,)))
         else:  # numpy cannot map an empty file
@@ -202,3 +180,75 @@ class IndexedDataset:
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
                 f"dtype={self.dtype}, vocab_size={self.vocab_size})")
+
+
+def _read_megalite_index(idx_path: str):
+    """-> (dtype, vocab_size, eod, offsets int64[num_docs + 1], crc) after checking everything."""
+    idx_size = os.path.getsize(idx_path)
+    if idx_size < HEADER.size:
+        raise CorruptIndexError(f"{idx_path} is truncated: {idx_size} bytes, shorter than the "
+                                f"{HEADER.size}-byte header; re-run tools/preprocess_data.py")
+    with open(idx_path, "rb") as f:
+        fields = HEADER.unpack(f.read(HEADER.size))
+    magic, version, dtype_code, vocab_size, eod, num_docs, num_tokens, crc, _ = fields
+    if magic != MAGIC:
+        raise CorruptIndexError(f"{idx_path} is not a megalite index (magic {magic!r}, expected "
+                                f"{MAGIC!r}); re-run tools/preprocess_data.py")
+    if version != VERSION:
+        raise CorruptIndexError(f"{idx_path} has format version {version}, this megalite reads "
+                                f"version {VERSION}; re-run tools/preprocess_data.py")
+    if dtype_code not in DTYPES:
+        raise CorruptIndexError(f"{idx_path} has unknown dtype code {dtype_code}; the file is corrupt")
+    expected_idx = HEADER.size + 8 * (num_docs + 1)
+    if idx_size != expected_idx:
+        raise CorruptIndexError(f"{idx_path} is {idx_size} bytes but its header promises {num_docs} "
+                                f"documents ({expected_idx} bytes): truncated or corrupt; re-run "
+                                f"tools/preprocess_data.py")
+    # np.asarray: a plain ndarray view of the map (np.memmap adds overhead to every index)
+    offsets = np.asarray(np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER.size, shape=(num_docs + 1,)))
+    if zlib.crc32(memoryview(offsets)) != crc:
+        raise CorruptIndexError(f"{idx_path}: document offsets fail their CRC check (corrupt file); "
+                                f"re-run tools/preprocess_data.py")
+    if offsets[0] != 0 or offsets[-1] != num_tokens or bool(np.any(np.diff(offsets) < 0)):
+        raise CorruptIndexError(f"{idx_path}: document offsets are inconsistent with the header")
+    return DTYPES[dtype_code], int(vocab_size), int(eod), offsets, int(crc)
+
+
+# Megatron-LM's "MMIDIDX" index, read so existing Megatron-preprocessed corpora train as they
+# are: magic (9 bytes), version u64 = 1, dtype code u8, sequence count u64, document count u64,
+# then int32 sequence lengths, int64 sequence byte pointers, int64 document start indices (into
+# the sequences, num_docs + 1 of them) and, for multimodal data, int8 sequence modes.
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+
+
+def _read_megatron_index(idx_path: str):
+    """-> (dtype, vocab_size 0 = unknown, eod -1 = unknown, document offsets, crc of the offsets)."""
+    idx_size = os.path.getsize(idx_path)
+    if idx_size < MEGATRON_HEADER.size:
+        raise CorruptIndexError(f"{idx_path} is truncated: {idx_size} bytes, shorter than Megatron's "
+                                f"{MEGATRON_HEADER.size}-byte header")
+    with open(idx_path, "rb") as f:
+        _, version, dtype_code, num_sequences, num_doc_starts = MEGATRON_HEADER.unpack(f.read(MEGATRON_HEADER.size))
+    if version != 1 or dtype_code not in MEGATRON_DTYPES or num_doc_starts < 1:
+        raise CorruptIndexError(f"{idx_path}: unsupported or corrupt Megatron index (version {version}, dtype code "
+                                f"{dtype_code}, {num_doc_starts} document starts)")
+    arrays_size = 12 * num_sequences + 8 * num_doc_starts
+    if idx_size not in (MEGATRON_HEADER.size + arrays_size, MEGATRON_HEADER.size + arrays_size + num_sequences):
+        raise CorruptIndexError(f"{idx_path} is {idx_size} bytes but its header promises {num_sequences} sequences "
+                                f"and {num_doc_starts - 1} documents: truncated or corrupt")
+    dtype = np.dtype(MEGATRON_DTYPES[dtype_code])
+    base = MEGATRON_HEADER.size
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
+    lengths = np.frombuffer(raw, dtype=np.int32, count=num_sequences, offset=base).astype(np.int64)
+    pointers = np.frombuffer(raw, dtype=np.int64, count=num_sequences, offset=base + 4 * num_sequences)
+    doc_starts = np.frombuffer(raw, dtype=np.int64, count=num_doc_starts, offset=base + 12 * num_sequences)
+    sequence_offsets = np.zeros(num_sequences + 1, dtype=np.int64)
+    np.cumsum(lengths, out=sequence_offsets[1:])
+    if (np.any(lengths < 0) or not np.array_equal(pointers, sequence_offsets[:-1] * dtype.itemsize)
+            or doc_starts[0] != 0 or doc_starts[-1] != num_sequences or bool(np.any(np.diff(doc_starts) < 0))):
+        raise CorruptIndexError(f"{idx_path}: Megatron sequence lengths, pointers and document starts disagree "
+                                f"(corrupt, or sequences not stored back to back)")
+    offsets = sequence_offsets[doc_starts]  # a document spans its sentences' tokens
+    return dtype, 0, -1, offsets, zlib.crc32(memoryview(offsets))

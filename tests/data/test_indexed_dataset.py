@@ -1,5 +1,6 @@
 """The .bin/.idx pair: exact round trip, and every kind of damage detected on open."""
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -81,3 +82,35 @@ def test_corrupt_or_truncated_pair_detected(tmp_path):
         IndexedDataset(str(tmp_path / "a"))
     with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
         IndexedDataset(str(tmp_path / "b"))  # its .bin is gone
+
+
+def _write_megatron_pair(prefix, documents, dtype=np.uint16):
+    """A Megatron-LM MMIDIDX pair written from its published layout: documents are lists of sentences."""
+    sentences = [np.asarray(s, dtype=dtype) for doc in documents for s in doc]
+    lengths = np.array([len(s) for s in sentences], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * np.dtype(dtype).itemsize
+    doc_starts = np.concatenate([[0], np.cumsum([len(doc) for doc in documents])]).astype(np.int64)
+    code = {np.uint16: 8, np.int32: 4}[dtype]
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(sentences), len(doc_starts)))
+        f.write(lengths.tobytes() + pointers.tobytes() + doc_starts.tobytes())
+    with open(prefix + ".bin", "wb") as f:
+        f.write(np.concatenate(sentences).tobytes())
+
+
+def test_reads_megatron_pairs(tmp_path):
+    prefix = str(tmp_path / "mega")
+    documents = [[[1, 2, 3], [4, 5]], [[6]], [[7, 8], [9], [10, 11, 12]]]  # a document = its sentences
+    _write_megatron_pair(prefix, documents)
+    ds = IndexedDataset(prefix)
+    assert ds.format == "megatron" and ds.dtype == np.uint16 and ds.num_tokens == 12
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 4, 5], [6], [7, 8, 9, 10, 11, 12]]
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(os.path.getsize(prefix + ".idx") - 8)
+    with pytest.raises(CorruptIndexError, match=r"mega\.idx .*truncated"):
+        IndexedDataset(prefix)
+    _write_megatron_pair(prefix, documents)
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CorruptIndexError, match=r"mega\.bin"):
+        IndexedDataset(prefix)
