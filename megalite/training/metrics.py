@@ -186,6 +186,25 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
     return {"mem_rss_bytes": rss, "mem_peak_bytes": max(peak, rss)}
 
 
+def estimate_vs_measured(estimate, device: torch.device | str) -> str:
+    """One log line after the first step: the planner's per-rank bytes beside the measured peak.
+
+    `estimate` is a megalite.training.estimate.Estimate for this rank's layout. On CUDA the
+    measured figure is torch.cuda.max_memory_allocated (it also holds transient buffers the
+    estimate leaves to its 10% headroom); on CPU, the process's peak RSS (not comparable).
+    """
+    device = torch.device(device)
+    parts = (f"params {estimate.param_bytes / 1e9:.2f} + grads {estimate.grad_bytes / 1e9:.2f} + optimizer "
+             f"{estimate.optimizer_state_bytes / 1e9:.2f} + activations {estimate.activation_bytes / 1e9:.2f}")
+    if device.type == "cuda":
+        measured = torch.cuda.max_memory_allocated(device)
+        ratio = measured / estimate.total_bytes if estimate.total_bytes else float("nan")
+        return (f"memory after step 1: measured peak {measured / 1e9:.2f} GB (max_memory_allocated) vs estimated "
+                f"{estimate.total_bytes / 1e9:.2f} GB ({parts}); measured/estimated {ratio:.2f}")
+    return (f"memory: estimated {estimate.total_bytes / 1e9:.2f} GB per rank on a GPU ({parts}); "
+            f"this CPU process peaks at {memory_stats(device)['mem_peak_bytes'] / 1e9:.2f} GB RSS")
+
+
 # ---------------------------------------------------------------------------------------------
 # Output: JSON lines, TensorBoard, one readable line
 # ---------------------------------------------------------------------------------------------

@@ -115,3 +115,11 @@ def _gather_rank():
 def test_gather_step_times_over_the_world():
     times, hosts = run_distributed(_gather_rank, 2)[1]
     assert times == [1.0, 1.5] and hosts == 2
+
+
+def test_estimate_beside_measured_memory_line():
+    from megalite.training.estimate import Layout, estimate
+
+    est = estimate(preset("gpt2-124m"), Layout(precision="bf16", micro_batch_size=4))
+    line = M.estimate_vs_measured(est, "cpu")
+    assert f"estimated {est.total_bytes / 1e9:.2f} GB" in line and "activations" in line and "RSS" in line
