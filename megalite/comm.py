@@ -29,6 +29,9 @@ import torch
 import torch.distributed as dist
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch >= 2.10 names the tensor collectives *_single (the *_tensor names warn); older torch lacks them.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, async_op: 
         output.copy_(input.reshape(output.shape))
         return _DONE if async_op else None
     return _run("all_gather", group, input, output.numel() * output.element_size(),
-                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+                lambda: _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op), async_op)
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -226,8 +229,8 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group, op: st
         output.copy_(input.reshape(output.shape))
         return _DONE if async_op else None
     return _run("reduce_scatter", group, input, input.numel() * input.element_size(),
-                lambda: dist.reduce_scatter_tensor(output, input, op=_REDUCE_OPS[op], group=group,
-                                                   async_op=async_op), async_op)
+                lambda: _REDUCE_SCATTER_SINGLE(output, input, op=_REDUCE_OPS[op], group=group,
+                                               async_op=async_op), async_op)
 
 
 def reduce_scatter(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

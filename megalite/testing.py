@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -36,7 +37,8 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, conn, env):
     torch.set_num_threads(1)
     try:
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        # Pickled here, by value: tensors sent as shared-memory handles vanish when the rank exits.
+        conn.send(("ok", pickle.dumps(result)))
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -81,7 +83,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: f
                 except EOFError:
                     status, payload = "error", "rank exited without reporting (killed or crashed)"
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = pickle.loads(payload)
                 else:
                     errors[rank] = payload
                 pending.discard(rank)

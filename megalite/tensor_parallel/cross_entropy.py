@@ -17,6 +17,12 @@ import torch
 from megalite import comm
 from megalite.tensor_parallel.layers import resolve_tp_group
 
+try:  # the fused Triton form (one packed all-reduce), used where the kernel backend picks Triton
+    from megalite import kernels as _kernels
+    from megalite.kernels.dispatch import use_triton as _use_triton
+except ImportError:  # pragma: no cover
+    _kernels = None
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -72,4 +78,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     group = resolve_tp_group(tp_group)
     if targets.shape != logits_shard.shape[:-1]:
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits_shard.shape)}")
+    if _kernels is not None and _use_triton(logits_shard):
+        start = comm.group_rank(group) * logits_shard.shape[-1]
+        return _kernels.vocab_parallel_cross_entropy(logits_shard, targets, start, group, ignore_index, vocab_size)
     return _VocabParallelCrossEntropy.apply(logits_shard, targets, group, ignore_index, vocab_size)
