@@ -31,8 +31,9 @@ def parse_args(argv=None):
                         help="'byte' or a path to a HuggingFace tokenizer.json")
     parser.add_argument("--append-eod", action="store_true",
                         help="accepted for Megatron compatibility: the end-of-document id is always appended")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="tokenizer processes (default: cores - 1)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="tokenizer processes (default: 1 for the byte tokenizer, whose cost is reading; "
+                             "cores - 1 otherwise)")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     return parser.parse_args(argv)
 
@@ -40,7 +41,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)
-    stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), args.workers,
+    workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
+    stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,
                              show_progress=not args.no_progress)
     print(stats.summary(), file=sys.stderr)
     for key, prefix in stats.outputs.items():

@@ -5,9 +5,11 @@ every file one document, or JSON lines for .jsonl/.json files) and JSON-lines fi
 document per line per `json_keys` entry). Every document gets the tokenizer's end-of-document
 id appended; empty documents and files that are not UTF-8 are skipped and counted.
 
-Tokenisation runs in `workers` forked processes on batches of about 1 MB of text, so the
-parent only reads files and writes arrays; results come back in input order, so the output is
-identical for any number of workers.
+Tokenisation runs in `workers` forked processes on batches of about 1 MB of text while the
+parent reads and parses the input and writes the arrays; at most 4 batches per worker are in
+flight (bounded memory), and results are written in input order, so the output is
+byte-identical for any number of workers. With the byte tokenizer the parent's reading is the
+bottleneck and one worker is fastest; workers are for real (BPE) tokenizers.
 """
 from __future__ import annotations
 
