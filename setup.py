@@ -4,19 +4,10 @@
 `megalite.kernels`: a top-level module called `kernels` would clash with another package
 that `transformers` imports.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
-PACKAGES = [
-    "megalite",
-    "megalite.tensor_parallel",
-    "megalite.pipeline",
-    "megalite.data_parallel",
-    "megalite.optim",
-    "megalite.model",
-    "megalite.data",
-    "megalite.training",
-    "megalite.kernels",
-]
+# megalite and every subpackage found under it, plus the top-level kernels/ mapped into it.
+PACKAGES = ["megalite"] + [f"megalite.{p}" for p in find_packages("megalite")] + ["megalite.kernels"]
 
 setup(
     name="megalite",
