@@ -8,6 +8,9 @@ each divided by v for a virtual chunk; a full backward BWD costs B + W):
 - "measured": the real executor (`run_pipeline`) on `--pp` forked gloo ranks whose chunks
   sleep `--op-ms` per unit (ZB-H1's W really deferred through the WeightGradStore). Bubble =
   1 - mean(busy per rank) / step time of the slowest rank (min over `--repeats` steps).
+- "sim+lat": the same simulation with the measured latency of one transfer batch (half a
+  ping-pong of the activation between two stages) added to every batch: what the formula
+  leaves out on this machine.
 - "formula": (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved 1F1B,
   (p-1)/(3m+p-1) for ZB-H1 at F = B = W (its bubble is (p-1)(F+B-W); Qi et al. 2023).
 
@@ -30,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,7 @@ from megalite.model import GPTModel, preset  # noqa: E402
 from megalite.pipeline import build_schedule, run_pipeline, stage_layers  # noqa: E402
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, SEND_KINDS,  # noqa: E402
                                             split_steps)
+from megalite.pipeline import p2p  # noqa: E402
 from megalite.pipeline.p2p import peer  # noqa: E402
 from megalite.tensor_parallel.weight_grad import active_store, deliver  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
@@ -62,8 +67,11 @@ def formula(name: str, p: int, m: int, v: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def simulate_bubble(name: str, p: int, m: int, v: int) -> float:
-    """1 - busy / makespan for unit costs F = B = W = 1/v under rendezvous batches."""
+def simulate_bubble(name: str, p: int, m: int, v: int, latency: float = 0.0) -> float:
+    """1 - busy / makespan for unit costs F = B = W = 1/v under rendezvous batches.
+
+    `latency` (in units of F) is added to every transfer batch's completion.
+    """
     cost = {FWD: 1 / v, BWD: 2 / v, BWD_INPUT: 1 / v, BWD_WEIGHT: 1 / v}
     steps = [split_steps(ops) for ops in build_schedule(name, p, m, v)]
     position, clock = [0] * p, [0.0] * p
@@ -93,7 +101,7 @@ def simulate_bubble(name: str, p: int, m: int, v: int) -> float:
                         times.append(other[k] if len(other) > k else None)
                     if None in times:
                         break
-                    clock[s] = max([clock[s]] + times)
+                    clock[s] = max([clock[s]] + times) + latency
                     posted[s] = None
                 position[s] += 1
                 progress = True
@@ -158,7 +166,16 @@ def _bubble_world(args, cases):
     shape = (8, 2, 16)
     microbatches = [{"input_ids": torch.zeros(2, 8, dtype=torch.long),
                      "labels": torch.zeros(2, 8, dtype=torch.long)}] * args.microbatches
-    out = {}
+    # One transfer batch's latency: half a ping-pong of the activation between stages 0 and 1.
+    buffer, rounds = torch.zeros(shape), 50
+    comm.barrier(comm.world_group())
+    start = time.perf_counter()
+    for _ in range(rounds if mesh.pp_rank < 2 else 0):
+        other = mesh.pp_ranks[1 - mesh.pp_rank]
+        order = [("send", buffer, other), ("recv", buffer, other)]
+        for op in (order if mesh.pp_rank == 0 else order[::-1]):
+            p2p.post_and_wait([op], mesh.pp_group)
+    out = {"latency": (time.perf_counter() - start) / (2 * rounds)}
     for name, v in cases:
         chunks = [SleepChunk(args.op_ms / 1e3 / v, mesh.is_first_stage and c == 0,
                              mesh.is_last_stage and c == v - 1, shape) for c in range(v)]
@@ -226,6 +243,9 @@ class _LogitsLoss:
 def _compare_world(args, v_interleaved):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
+    # The first stage's input is token ids: its block hooks see no input gradient (harmless).
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
     mesh = mesh_lib.init_mesh(pp=args.pp)
     cfg = preset("tiny", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  seq_length=args.seq, vocab_size=args.vocab)
@@ -266,9 +286,11 @@ def _compare_world(args, v_interleaved):
             schedule.step(ids, **kwargs) if mesh.is_first_stage else schedule.step(**kwargs)
             return float(sum(l.detach() for l in losses)) / scale if losses else 0.0
 
-        for system, chunks, step_fn in (("megalite", build(), megalite_step), ("torch", torch_chunks, torch_step)):
-            times, peaks, loss = [], [], 0.0
-            for i in range(args.warmup + args.steps):
+        # Alternate the systems step by step so both see the same background load.
+        systems = (("megalite", build(), megalite_step), ("torch", torch_chunks, torch_step))
+        measured = {system: ([], [], 0.0) for system, _, _ in systems}
+        for i in range(args.warmup + args.steps):
+            for system, chunks, step_fn in systems:
                 for chunk in chunks:
                     for p in chunk.parameters():
                         p.grad = None
@@ -280,9 +302,12 @@ def _compare_world(args, v_interleaved):
                 heap.sample()
                 slowest = max(comm.all_gather_object(elapsed, comm.world_group()))
                 peak = max(comm.all_gather_object(heap.peak - heap.base, comm.world_group()))
+                times, peaks, _ = measured[system]
                 if i >= args.warmup:
                     times.append(slowest)
                     peaks.append(peak)
+                measured[system] = (times, peaks, loss)
+        for system, (times, peaks, loss) in measured.items():
             total = sum(comm.all_gather_object(loss, comm.world_group()))
             results[(name, v, system)] = (statistics.median(times), max(peaks), total)
     return results
@@ -314,12 +339,17 @@ def main() -> None:
     if not args.skip_bubble:
         cases = [(name, v if cv is None else cv) for name, cv in BUBBLE_CASES]
         measured = run_distributed(_bubble_world, p, args, cases, timeout_s=600)[0]
-        print(f"\nbubble fraction, pp={p} m={m} v={v}, equal stage cost (F=B=W={args.op_ms} ms / v)")
-        print(f"{'schedule':<14}{'formula':>9}{'simulated':>11}{'measured':>10}{'meas-formula':>14}")
+        latency_ms = 1e3 * measured["latency"]
+        print(f"\nbubble fraction, pp={p} m={m} v={v}, equal stage cost (F=B=W={args.op_ms} ms / v); "
+              f"measured p2p batch latency {latency_ms:.2f} ms")
+        print(f"{'schedule':<16}{'formula':>8}{'sim':>8}{'sim+lat':>9}{'measured':>10}{'meas-formula':>14}"
+              f"{'meas-sim+lat':>14}")
         for name, cv in cases:
             f, sim, meas = formula(name, p, m, cv), simulate_bubble(name, p, m, cv), measured[(name, cv)]
+            sim_latency = simulate_bubble(name, p, m, cv, latency_ms / args.op_ms)
             label = f"{name} v={cv}" if cv > 1 else name
-            print(f"{label:<14}{f:>9.3f}{sim:>11.3f}{meas:>10.3f}{100 * (meas - f):>+13.1f}pt")
+            print(f"{label:<16}{f:>8.3f}{sim:>8.3f}{sim_latency:>9.3f}{meas:>10.3f}{100 * (meas - f):>+12.1f}pt"
+                  f"{100 * (meas - sim_latency):>+12.1f}pt")
 
     if not args.skip_compare:
         results = run_distributed(_compare_world, p, args, v, timeout_s=600)[0]
