@@ -136,3 +136,20 @@ def test_local_dataflow_errors(stage0, match):
     stage1 = parse("<a0.0 F0.0 B0.0 >g0.0 <a0.1 F0.1 B0.1 >g0.1")
     with pytest.raises(ScheduleError, match=match):
         verify_schedule([parse(stage0), stage1], 2, 1, 2)
+
+
+@pytest.mark.parametrize("pp, m, v", [(4, 8, 2), (8, 16, 2), (4, 8, 4), (2, 6, 3), (3, 9, 2)])
+def test_ideal_bubble_matches_the_formulas(pp, m, v):
+    # On the ideal clock (F = 1, B = W = 1, BWD = 2 per chunk, free transfers) each generator's
+    # compute order achieves exactly its textbook bubble.
+    from megalite.pipeline.placement import ideal_timeline
+    from megalite.pipeline.schedules import _gpipe, _one_f_one_b, _zb_h1
+
+    def bubble(compute, chunks):
+        makespan = max(end for stage in ideal_timeline(compute, pp, chunks) for _, end in stage)
+        return 1 - 3 * m * chunks / makespan
+
+    assert bubble(_gpipe(pp, m, 1), 1) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert bubble(_one_f_one_b(pp, m), 1) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert bubble(_interleaved(pp, m, v), v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert bubble(_zb_h1(pp, m), 1) == pytest.approx((pp - 1) / (3 * m + pp - 1))
