@@ -27,7 +27,8 @@ import torch
 
 from megalite import comm
 
-from .dispatch import as_rows, check_float_dtype, new_output, next_power_of_2, runnable, tl, triton, use_triton
+from .dispatch import as_rows, check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, \
+    triton, use_triton
 
 MAX_BLOCK_V = {"cuda": 4096, "cpu": 512}  # small chunks in the interpreter exercise the chunk loop
 NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: exp(NEG_BIG - NEG_BIG) stays finite
@@ -177,6 +178,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     _check_targets("cross_entropy", logits, targets, vocab, ignore_index)
     if logits.numel() == 0 or not use_triton(logits):
         return cross_entropy_reference(logits, targets, ignore_index)
+    check_same_device("cross_entropy", logits, targets)
     check_float_dtype("cross_entropy", logits, "logits")
     return _ShardedCrossEntropyFunction.apply(logits, targets, 0, vocab, None, int(ignore_index), True)
 
@@ -201,6 +203,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     n_valid = max(0, min(shard_cols, total - vocab_start_index))  # columns of this shard inside the vocab
     use_kernels = logits_shard.numel() > 0 and use_triton(logits_shard)
     if use_kernels:
+        check_same_device("vocab_parallel_cross_entropy", logits_shard, targets)
         check_float_dtype("vocab_parallel_cross_entropy", logits_shard, "logits_shard")
     return _ShardedCrossEntropyFunction.apply(logits_shard, targets, int(vocab_start_index), n_valid, tp_group,
                                               int(ignore_index), use_kernels)

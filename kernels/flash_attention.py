@@ -3,8 +3,9 @@
     q [b, h, s, d], k and v [b, h_kv, s, d], h % h_kv == 0: query head i reads kv head i // (h / h_kv)
     out = softmax(scale * q k^T [+ causal mask]) v          (scale defaults to 1/sqrt(d))
 
-Supported by the kernels: head dim in SUPPORTED_HEAD_DIMS, float16 / bfloat16 / float32
-(float32 dots run in full fp32, "ieee", not tf32), the same sequence length for q and k.
+Supported by the kernels: head dims 1..128: natively 16, 32, 64, 128 (SUPPORTED_HEAD_DIMS), any
+other zero-padded to the next of those (exact, at the cost of a copy); float16 / bfloat16 /
+float32 (float32 dots run in full fp32, "ieee", not tf32); the same sequence length for q and k.
 
 Forward: one program per (query block, batch*head) streams key/value blocks with an online
 softmax (running max m and sum l per row, in base 2: exp2 with scale*log2(e) folded in) and
@@ -211,6 +212,11 @@ def _config(head_dim: int, device: torch.device, dtype: torch.dtype) -> dict:
                 stages=3 if not big else 2, precision=precision)
 
 
+def _padded_head_dim(head_dim: int) -> int:
+    """The kernel's head dim: the smallest of SUPPORTED_HEAD_DIMS that holds head_dim."""
+    return next(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -218,6 +224,10 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale):
+        ctx.head_dim = q.shape[-1]
+        padded = _padded_head_dim(ctx.head_dim)
+        if padded != ctx.head_dim:  # zero columns change no dot product; sliced off below
+            q, k, v = (torch.nn.functional.pad(t, (0, padded - ctx.head_dim)) for t in (q, k, v))
         batch, n_heads, seq_len, head_dim = q.shape
         group_size = n_heads // k.shape[1]
         cfg = _config(head_dim, q.device, q.dtype)
@@ -230,7 +240,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
             DOT_PRECISION=cfg["precision"], num_warps=cfg["warps"], num_stages=cfg["stages"])
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
-        return out
+        return out if padded == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
 
     @staticmethod
     def backward(ctx, dout):
@@ -239,6 +249,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
         n_kv_heads = k.shape[1]
         group_size = n_heads // n_kv_heads
         cfg = _config(head_dim, q.device, q.dtype)
+        if head_dim != ctx.head_dim:
+            dout = torch.nn.functional.pad(dout, (0, head_dim - ctx.head_dim))
         dout = dout.contiguous()
         delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
         block_m = cfg["dq"][0]
@@ -257,6 +269,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
         block_m, block_n = cfg["dq"]
         runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
             q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, **meta)
+        if head_dim != ctx.head_dim:
+            dq, dk, dv = (t[..., :ctx.head_dim] for t in (dq, dk, dv))
         return dq, dk, dv, None, None
 
 
@@ -275,8 +289,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s, d].
 
     Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
-    The Triton path needs d in SUPPORTED_HEAD_DIMS, one dtype among float16/bfloat16/float32 and
-    equal q and kv sequence lengths.
+    The Triton path needs d <= 128 (16, 32, 64, 128 natively, others zero-padded), one dtype among
+    float16/bfloat16/float32 and equal q and kv sequence lengths.
     """
     _check_shapes(q, k, v)
     if softmax_scale is None:
@@ -287,9 +301,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     check_float_dtype("attention", q, "q")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"attention: q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} differ; cast them to one")
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if q.shape[-1] > max(SUPPORTED_HEAD_DIMS):
         raise ValueError(f"attention: head dim {q.shape[-1]} is not supported by the Triton kernel; supported: "
-                         f"{SUPPORTED_HEAD_DIMS} (or set MEGALITE_KERNEL_BACKEND=torch)")
+                         f"1 to {max(SUPPORTED_HEAD_DIMS)} (native {SUPPORTED_HEAD_DIMS}, others zero-padded) "
+                         "(or set MEGALITE_KERNEL_BACKEND=torch)")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"attention: the Triton kernel needs equal q and kv lengths, got {q.shape[2]} and "
                          f"{k.shape[2]} (or set MEGALITE_KERNEL_BACKEND=torch)")

@@ -37,9 +37,15 @@ def test_head_dim_64_custom_scale_multi_query_whole_blocks():
                            tolerance(torch.float32, fp32=2e-5))
 
 
+@pytest.mark.parametrize("dim", [8, 40])
+def test_head_dims_between_the_native_ones_are_zero_padded(dim):
+    q, k, v = qkv(1, 2, 1, 19, dim, torch.float32)
+    compare_with_reference(attention, attention_reference, [q, k, v], tolerance(torch.float32, fp32=2e-5))
+
+
 def test_attention_rejects_unsupported_inputs():
-    q, k, v = qkv(1, 2, 2, 8, 48, torch.float32)
-    with pytest.raises(ValueError, match="head dim 48 is not supported.*\\(16, 32, 64, 128\\)"):
+    q, k, v = qkv(1, 2, 2, 8, 160, torch.float32)
+    with pytest.raises(ValueError, match="head dim 160 is not supported.*1 to 128"):
         attention(q, k, v)
     q, k, v = qkv(1, 2, 2, 8, 32, torch.float64)
     with pytest.raises(TypeError, match="supports float32, float16, bfloat16"):
