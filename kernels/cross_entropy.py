@@ -196,7 +196,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     shard_cols = logits_shard.shape[-1]
     tp = comm.group_size(tp_group)
     total = vocab_size if vocab_size is not None else tp * shard_cols
-    if not 0 <= vocab_start_index <= total or total > tp * shard_cols:
+    if vocab_start_index < 0 or total > tp * shard_cols:  # a shard may be all padding (start >= total)
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_start_index={vocab_start_index}, "
                          f"vocab_size={vocab_size} do not fit {tp} shards of {shard_cols} columns")
     _check_targets("vocab_parallel_cross_entropy", logits_shard, targets, total, ignore_index)
