@@ -9,10 +9,11 @@ convention of the ZeRO paper (Rajbhandari et al. 2020), whose worked example thi
 reproduces: 7.5B parameters, Nd = 64, fp16 params and grads, Adam with K = 12 bytes/param of
 optimizer state -> 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stage 0 / 1 / 2 / 3.
 
-Model states per parameter held by a rank (Megatron's distributed-optimizer table):
-  params  2 (bf16/fp16) or 4 (fp32)          / dp with ZeRO-3
-  grads   bytes of grad_reduce_dtype         / dp with ZeRO-2, 3 (megalite default: fp32 main grads)
-  optim   12 mixed (fp32 master + Adam m, v) or 8 fp32 (m, v)   / dp with ZeRO-1, 2, 3; 0 if offloaded
+Model states per parameter held by a rank, as megalite's DP engine and distributed optimizer
+keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accounting instead):
+  params  2 (bf16/fp16) or 4 (fp32)
+  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1)
+  optim   12 (fp32 master + Adam m, v) / dp with ZeRO >= 1; in host memory when offloaded
 
 Activations: saved tensors of megalite's own blocks per microbatch (Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", recounted for our blocks,
@@ -290,14 +291,15 @@ def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
 
 def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
     """Kept by the last stage per microbatch: final norm (its input is the last block's output),
-    the output layer's gathered input, vocab-parallel cross entropy's fp32 softmax, targets, masks."""
+    the output layer's gathered input, and what the online-softmax cross-entropy kernel keeps:
+    the logits shard itself, the targets and one fp32 log-sum-exp per token."""
     a = DTYPE_BYTES[layout.precision]
     s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     sp = t if layout.sequence_parallel else 1
     n = _norm_bytes(model, a, s * b // sp, h)
     n += a * s * b * h                                                  # output-layer input (gathered)
-    n += 4 * s * b * model.padded_vocab_size(t) // t                    # fp32 softmax of the logits
-    n += 8 * s * b + 2 * s * b                                          # int64 local targets, 2 bool masks
+    n += a * s * b * model.padded_vocab_size(t) // t                    # logits shard, kept by the CE kernel
+    n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
     return n
 
 
@@ -380,7 +382,7 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
                 add("tp/reduce_scatter", m * u)                         # and its gradient
             else:
                 add("tp/all_reduce", m * u)                             # grad of the copied input
-            add("tp/all_reduce", m * 3 * 4 * s * b)                     # CE: max, sum-exp, target
+            add("tp/all_reduce", m * (2 * t + 1) * 4 * s * b)           # CE: per-rank max, sum-exp; target
         add("tp/all_reduce", sequence_parallel_grad_bytes(model, layout, stage))
 
     params = stage_params(model, layout, stage)
@@ -421,10 +423,10 @@ def add_dp_bytes(add, params: int, layout: Layout) -> None:
     if layout.zero_stage == 0:
         add("dp/all_reduce", params * g)
     elif layout.zero_stage == 1:
-        add("dp/reduce_scatter", params * g)        # full grad buffer kept, reduced once per step
+        add("dp/reduce_scatter", params * g)        # once per step, in grad_reduce_dtype
         add("dp/all_gather", params * p)            # updated params after the sharded step
     elif layout.zero_stage == 2:
-        add("dp/reduce_scatter", m * params * g)    # grads not kept: reduced every microbatch
+        add("dp/reduce_scatter", params * g)        # also once, during the last microbatch
         add("dp/all_gather", params * p)
     else:
         add("dp/reduce_scatter", m * params * g)
@@ -468,14 +470,28 @@ def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int |
 # ---------------------------------------------------------------------------------------------
 
 
-def model_state_bytes(params: int, layout: Layout) -> tuple[int, int, int, int]:
-    """(param, grad, optimizer-on-GPU, host) bytes for `params` parameters on one rank."""
+def model_state_bytes(params: int, layout: Layout, convention: str = "megalite") -> tuple[int, int, int, int]:
+    """(param, grad, optimizer-on-GPU, host) peak bytes for `params` parameters on one rank.
+
+    "megalite" (megalite.optim.distributed_optimizer's table): fp32 master + Adam moments
+    (12 bytes) in every precision, /dp with ZeRO >= 1; fp32 main grads (4 bytes whatever
+    grad_reduce_dtype, which only sets the reduction's wire dtype) plus, with ZeRO >= 1, the
+    reduced fp32 shard (4/dp). ZeRO-2 frees a bucket's full gradient only once its reduction
+    (started during the last microbatch's backward) completes, so the full buffer still exists
+    at the end of the backward: its peak is ZeRO-1's (it saves memory between steps, e.g. for
+    the next forward, which this per-rank peak does not credit).
+    "zero-paper" (Rajbhandari et al. 2020): grads in grad_reduce_dtype, K = 12 (mixed) or 8
+    (fp32) optimizer bytes, ZeRO-1/2/3 partition optimizer / + grads / + params over dp.
+    """
     p = DTYPE_BYTES[layout.precision]
-    g = DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"]
-    k = 8 if layout.precision == "fp32" else 12           # Adam m, v (+ fp32 master weights)
     z, shard = layout.zero_stage, math.ceil(params / layout.dp)
-    optimizer = (shard if z >= 1 else params) * k
-    grads = (shard if z >= 2 else params) * g
+    if convention == "zero-paper":
+        g = DTYPE_BYTES[layout.grad_reduce_dtype or "fp32"]
+        optimizer = (shard if z >= 1 else params) * (8 if layout.precision == "fp32" else 12)
+        grads = (shard if z >= 2 else params) * g
+    else:
+        optimizer = (shard if z >= 1 else params) * 12
+        grads = 4 * params + (4 * shard if z >= 1 else 0)
     weights = (shard if z >= 3 else params) * p
     if layout.offload_optimizer:
         return weights, grads, 0, optimizer
@@ -531,15 +547,16 @@ def estimate(model: GPTConfig, layout: Layout) -> Estimate:
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
 
 
-def estimate_model_states(num_params: int, layout: Layout) -> Estimate:
+def estimate_model_states(num_params: int, layout: Layout, convention: str = "zero-paper") -> Estimate:
     """Model-state-only estimate from a raw parameter count (no activations, no model shape).
 
-    Parameters are split evenly over tp * pp. Reproduces the ZeRO paper's Figure 1 example with
-    Layout(dp=64, precision="fp16", grad_reduce_dtype="fp16", zero_stage=0..3) and 7.5e9 params.
+    Parameters are split evenly over tp * pp. With the ZeRO paper's accounting (the default;
+    see `model_state_bytes`) it reproduces the paper's Figure 1 example: 7.5e9 params,
+    Layout(dp=64, precision="fp16", grad_reduce_dtype="fp16", zero_stage=0..3).
     """
     _check_choices(layout)
     params = math.ceil(num_params / (layout.tp * layout.pp))
-    weights, grads, optimizer, host = model_state_bytes(params, layout)
+    weights, grads, optimizer, host = model_state_bytes(params, layout, convention)
     comm: dict[str, int] = {}
     add_dp_bytes(lambda key, n: comm.__setitem__(key, comm.get(key, 0) + n) if n else None, params, layout)
     tokens = layout.global_batch() * (layout.seq_length or 0)
@@ -609,6 +626,9 @@ def preflight(model: GPTConfig, layout: Layout, world_size: int, gpu_memory: flo
     if layout.sequence_parallel and seq % tp:
         errors.append(f"seq_length={seq} is not divisible by tp={tp} (sequence parallelism splits it); choose "
                       f"seq_length a multiple of {tp}")
+    if layout.zero_stage == 3:
+        errors.append("megalite's optimizer shards up to ZeRO-2 (ZeRO-3 is modelled by tools/plan.py only); "
+                      "use --zero 2 or more tp/pp")
     if model.flavour == "gpt2" and seq > model.seq_length:
         errors.append(f"seq_length={seq} exceeds the learned position table ({model.seq_length}); set the "
                       f"model's --seq-length to at least {seq}")

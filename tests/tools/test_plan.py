@@ -44,8 +44,8 @@ def test_model_layout_json_and_text(capsys):
 def test_errors_exit_2_with_the_fix(capsys):
     code, out = run(capsys, "--model", "llama-7b", "--tp", "3", "--dp", "1")
     assert code == 2 and "choose tp in" in out
-    code, out = run(capsys, "--model", "llama-7b", "--dp", "8", "--bf16", "--global-batch-size", "8",
-                    "--micro-batch-size", "1", "--gpu-memory", "80")
+    code, out = run(capsys, "--model", "llama-7b", "--seq-length", "2048", "--dp", "8", "--bf16",
+                    "--global-batch-size", "8", "--micro-batch-size", "1", "--gpu-memory", "80")
     assert code == 2 and "add --zero 1" in out
 
 
