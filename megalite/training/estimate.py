@@ -714,7 +714,7 @@ def step_time(model: GPTConfig, layout: Layout, est: Estimate, gpus_per_node: in
     return parts
 
 
-def _reason(layout: Layout, est: Estimate, parts: dict, gpu_memory: float, gpus_per_node: int) -> str:
+def _reason(layout: Layout, est: Estimate, parts: dict, gpu_memory: float | None, gpus_per_node: int) -> str:
     bits = []
     if layout.tp > 1:
         where = "NVLink" if layout.tp <= gpus_per_node else "across nodes"
@@ -731,8 +731,18 @@ def _reason(layout: Layout, est: Estimate, parts: dict, gpu_memory: float, gpus_
         bits.append(f"{layout.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
     if layout.offload_optimizer:
         bits.append("optimizer offloaded to host")
-    bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB")
+    bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
+                else f"{est.total_bytes / GB:.1f} GB per rank")
     return f"~{parts['total']:.3g} s/step: " + "; ".join(bits)
+
+
+def justify(model: GPTConfig, layout: Layout, gpu_memory: float | None = None, gpus_per_node: int | None = None,
+            peak_flops: float = 989e12) -> str:
+    """The planner's one-line account of a chosen layout (as --suggest words it), for the run's
+    start banner and the file saved beside checkpoints."""
+    est = estimate(model, layout)
+    gpus_per_node = gpus_per_node or layout.tp
+    return _reason(layout, est, step_time(model, layout, est, gpus_per_node, peak_flops), gpu_memory, gpus_per_node)
 
 
 def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,

@@ -346,3 +346,12 @@ def test_suggest_ranks_layouts_that_fit():
         assert s.layout.zero_stage > 0 or s.layout.tp * s.layout.pp > 1
         assert "s/step" in s.reason and "/40 GB" in s.reason
     assert E.suggest(preset("llama-70b"), gpus=1, gpu_memory=80e9) == []
+
+
+def test_justify_is_one_line_naming_the_choices():
+    line = E.justify(preset("llama-7b"), Layout(tp=2, pp=2, dp=2, zero_stage=1, recompute="selective",
+                                                 precision="bf16", global_batch_size=16), gpu_memory=80e9,
+                     gpus_per_node=8)
+    assert "\n" not in line and line.startswith("~") and "s/step" in line
+    for part in ("tp=2 on NVLink", "pp=2 bubble", "ZeRO-1", "selective recompute", "/80 GB"):
+        assert part in line, (part, line)
