@@ -15,10 +15,12 @@ each divided by v for a virtual chunk; a full backward BWD costs B + W):
   (p-1)/(3m+p-1) for ZB-H1 at F = B = W (its bubble is (p-1)(F+B-W); Qi et al. 2023).
 
 Part 2, the same GPT stages and data through megalite's executor and through
-torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) on CPU/gloo: step time
-(median over timed steps of the slowest rank) and peak heap growth during the step
-(glibc mallinfo2 sampled at every block's forward and backward hook, max over ranks),
-with the ratios megalite / torch. Both see grads scaled by 1/global tokens (scale_grads off).
+torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) on CPU/gloo, the two
+systems alternating step by step: step time of the slowest rank (best and median over the
+timed steps), CPU time per step summed over ranks (robust to other load on the machine),
+and peak heap growth during the step (glibc mallinfo2 sampled at every block's forward and
+backward hook, max over ranks), with ratios megalite / torch. Both see grads scaled by
+1 / global tokens (scale_grads off); the printed losses must agree.
 Timings are host wall-clock on shared CPUs: compare within one run only.
 
     python tools/bench_pipeline.py --pp 4 --microbatches 8 --virtual-stages 2 --op-ms 20
@@ -287,8 +289,8 @@ def _compare_world(args, v_interleaved):
             return float(sum(l.detach() for l in losses)) / scale if losses else 0.0
 
         # Alternate the systems step by step so both see the same background load.
-        systems = (("megalite", build(), megalite_step), ("torch", torch_chunks, torch_step))
-        measured = {system: ([], [], 0.0) for system, _, _ in systems}
+        systems = (("torch", torch_chunks, torch_step), ("megalite", build(), megalite_step))
+        measured = {system: ([], [], [], 0.0) for system, _, _ in systems}
         for i in range(args.warmup + args.steps):
             for system, chunks, step_fn in systems:
                 for chunk in chunks:
@@ -296,20 +298,22 @@ def _compare_world(args, v_interleaved):
                         p.grad = None
                 comm.barrier(comm.world_group())
                 heap.reset()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 loss = step_fn(chunks)
-                elapsed = time.perf_counter() - start
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 heap.sample()
                 slowest = max(comm.all_gather_object(elapsed, comm.world_group()))
+                cpu_total = sum(comm.all_gather_object(cpu, comm.world_group()))
                 peak = max(comm.all_gather_object(heap.peak - heap.base, comm.world_group()))
-                times, peaks, _ = measured[system]
+                times, cpus, peaks, _ = measured[system]
                 if i >= args.warmup:
                     times.append(slowest)
+                    cpus.append(cpu_total)
                     peaks.append(peak)
-                measured[system] = (times, peaks, loss)
-        for system, (times, peaks, loss) in measured.items():
+                measured[system] = (times, cpus, peaks, loss)
+        for system, (times, cpus, peaks, loss) in measured.items():
             total = sum(comm.all_gather_object(loss, comm.world_group()))
-            results[(name, v, system)] = (statistics.median(times), max(peaks), total)
+            results[(name, v, system)] = (min(times), statistics.median(times), min(cpus), max(peaks), total)
     return results
 
 
@@ -355,16 +359,17 @@ def main() -> None:
         results = run_distributed(_compare_world, p, args, v, timeout_s=600)[0]
         print(f"\nGPT stages, megalite vs torch.distributed.pipelining: pp={p} m={m} layers={args.layers} "
               f"hidden={args.hidden} seq={args.seq} micro_batch={args.micro_batch} vocab={args.vocab}, gloo/CPU")
-        print(f"{'schedule':<16}{'system':<10}{'step ms':>9}{'peak MiB':>10}{'loss/token':>12}{'time ratio':>12}"
-              f"{'mem ratio':>11}")
+        print(f"{'schedule':<16}{'system':<10}{'best ms':>9}{'median ms':>11}{'cpu ms':>9}{'peak MiB':>10}"
+              f"{'loss/token':>12}{'time ratio':>12}{'cpu ratio':>11}{'mem ratio':>11}")
         tokens = m * args.micro_batch * args.seq
         for name, cv in (("1f1b", 1), ("interleaved", v)):
-            ref_time, ref_mem, _ = results[(name, cv, "torch")]
+            ref_time, _, ref_cpu, ref_mem, _ = results[(name, cv, "torch")]
             for system in ("megalite", "torch"):
-                t, mem, loss = results[(name, cv, system)]
+                best, median, cpu, mem, loss = results[(name, cv, system)]
                 label = f"{name} v={cv}" if cv > 1 else name
-                print(f"{label:<16}{system:<10}{1e3 * t:>9.1f}{mem / 2**20:>10.1f}{loss / tokens:>12.6f}"
-                      f"{t / ref_time:>12.3f}{mem / max(ref_mem, 1):>11.3f}")
+                print(f"{label:<16}{system:<10}{1e3 * best:>9.1f}{1e3 * median:>11.1f}{1e3 * cpu:>9.1f}"
+                      f"{mem / 2**20:>10.1f}{loss / tokens:>12.6f}{best / ref_time:>12.3f}{cpu / ref_cpu:>11.3f}"
+                      f"{mem / max(ref_mem, 1):>11.3f}")
 
 
 if __name__ == "__main__":
