@@ -19,8 +19,8 @@ import torch
 from megalite import comm
 from megalite.mesh import Mesh
 from megalite.pipeline import p2p
-from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
-                                            SEND_GRAD, Instr, split_steps)
+from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr,
+                                            split_steps)
 from megalite.pipeline.schedules import build_schedule
 from megalite.pipeline.verifier import verify_schedule
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
