@@ -15,7 +15,8 @@ boundaries; when `timeout_s` passes without a call, every rank, independently:
    deadline. If rank 0 never publishes (dead, or stuck holding the GIL), whichever rank first
    creates `hang_summary.lock` after the deadline writes it instead;
 4. exits with `HANG_EXIT_CODE` via `os._exit` (the main thread is blocked in C++, so nothing
-   softer would end the process).
+   softer would end the process). The report runs in a non-daemon thread, so a main thread
+   whose collective fails when a peer exits first does not end the process before it.
 
 The side channel is the file system, not a collective: the job is hung, so no collective can
 be trusted. The default directory is a temp directory shared by the ranks of one node and
@@ -251,12 +252,18 @@ class HangWatchdog:
             idle = time.monotonic() - self._last_progress
             if idle > self.timeout_s and not self._paused:
                 self.fired = True
-                try:
-                    self._report(idle)
-                finally:
-                    self._emit("")  # flush
-                    self.exit_fn(self.exit_code)
+                # Report from a non-daemon thread: once a peer exits, this rank's blocked collective may
+                # fail and the main thread unwind; the interpreter then waits for non-daemon threads
+                # (threading._shutdown), so the report, the summary and the exit code still happen.
+                threading.Thread(target=self._fire, args=(idle,), name="megalite-hang-report", daemon=False).start()
                 return
+
+    def _fire(self, idle_s: float) -> None:
+        try:
+            self._report(idle_s)
+        finally:
+            self._emit("")  # flush
+            self.exit_fn(self.exit_code)
 
     def _emit(self, text: str) -> None:
         stream = self.stream or sys.stderr
