@@ -1,0 +1,219 @@
+"""Load a checkpoint of any layout into this rank's model chunks and optimizer.
+
+    resumed = load_checkpoint("runs/ckpt", chunks, optimizer, mesh)          # latest, with fallback
+    if resumed is not None:
+        sampler.consumed_samples, start_step = resumed.consumed_samples, resumed.step
+
+Each rank plans what it needs — for every parameter the boxes of its tp shard ("model"),
+for every flat range its optimizer owns the boxes of that range (master, moments) — checks
+that the stored boxes cover them, and verifies the sha256 of exactly the files holding them.
+The ranks then agree (one all_gather_object): if any rank found damage, every rank warns and
+moves to the next older checkpoint; nothing is loaded from a damaged one. A checkpoint of
+another model shape is a user error and raises at once. When `latest` was asked for (no
+`step`) and the directory holds no checkpoint yet, nothing is loaded and None is returned.
+
+RNG states are restored only when the layout (tp, pp, dp, virtual stages) is the one that
+saved them: rank r then gets back exactly its generators. Under another layout the dropout
+streams differ anyway (they are seeded per tp/pp rank), so they keep their fresh seeds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megalite import comm
+from megalite.checkpoint import storage
+from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.reader import CheckpointReader
+from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
+from megalite.checkpoint.storage import CheckpointCorruptError
+from megalite.mesh import Mesh
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    consumed_samples: int
+    path: Path
+    metadata: dict
+    rng_restored: bool
+
+
+def _whole(shape) -> tuple:
+    return tuple((0, n) for n in shape)
+
+
+def _optimizer_targets(optimizer):
+    """[(name, spec, local shape, start, end)] of the flat ranges this rank's optimizer owns."""
+    params = dict(zip(optimizer.names, optimizer.params))
+    return [(name, params[name].shard_spec, tuple(params[name].shape), start, end)
+            for name, (start, end) in optimizer.owned_ranges().items()]
+
+
+def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng_prefix: str | None) -> None:
+    """Check shapes and coverage of everything this rank needs; verify the files holding it."""
+    shapes, files = reader.metadata["tensors"], set()
+    for chunk in chunks:
+        for name, param in chunk.logical_parameters():
+            full_shape = list(param.shard_spec.full_shape)
+            if shapes.get(name) != full_shape:
+                raise ValueError(f"checkpoint {reader.path} holds {name!r} with shape {shapes.get(name)}, the model "
+                                 f"has {full_shape}; load it into the model it was saved from (same --model and "
+                                 f"shape flags)")
+            for _, full_box in local_to_full(param.shard_spec, _whole(param.shape)):
+                reader.check_covered("model", name, full_box)
+                files |= reader.files_for("model", name, full_box)
+    if load_optimizer and optimizer is not None and reader.metadata["has_optimizer"]:
+        for name, spec, shape, start, end in _optimizer_targets(optimizer):
+            for local_box in flat_range_boxes(shape, start, end):
+                for _, full_box in local_to_full(spec, local_box):
+                    for kind in OPTIMIZER_KINDS:
+                        reader.check_covered(kind, name, full_box)
+                        files |= reader.files_for(kind, name, full_box)
+    if rng_prefix is not None:
+        files |= {file for (kind, name), rows in reader.items.items() if kind == "rng" and name.startswith(rng_prefix)
+                  for _, _, file, _ in rows}
+    reader.verify(files)
+
+
+@torch.no_grad()
+def _load_model(reader: CheckpointReader, chunks) -> None:
+    for chunk in chunks:
+        for name, param in chunk.logical_parameters():
+            for local_box, full_box in local_to_full(param.shard_spec, _whole(param.shape)):
+                reader.read_into("model", name, full_box, param.data[box_slices(local_box)])
+
+
+@torch.no_grad()
+def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) -> None:
+    """Owned ranges from the checkpoint's optimizer state, or (none stored, e.g. an HF import)
+    master weights from the just-loaded parameters with zero moments and step 0."""
+    params = dict(zip(optimizer.names, optimizer.params))
+    entries = {}
+    for name, spec, shape, start, end in _optimizer_targets(optimizer):
+        entry = {"start": start, "end": end}
+        if not from_checkpoint:
+            entry["master"] = params[name].detach().reshape(-1)[start:end].float().cpu()
+            entry["exp_avg"], entry["exp_avg_sq"] = torch.zeros(end - start), torch.zeros(end - start)
+            entries[name] = entry
+            continue
+        for kind in OPTIMIZER_KINDS:
+            flat = torch.zeros(end - start, dtype=torch.float32)  # padding rows stay zero, as they train
+            cursor = 0
+            for local_box in flat_range_boxes(shape, start, end):
+                n = box_numel(local_box)
+                run = flat[cursor:cursor + n].view(box_shape(local_box))
+                for local_sub, full_box in local_to_full(spec, local_box):
+                    reader.read_into(kind, name, full_box, run[box_slices(relative(local_sub, local_box))])
+                cursor += n
+            entry[kind] = flat
+        entries[name] = entry
+    meta = reader.metadata
+    optimizer.load_optimizer_state({"step": meta["optimizer_step"] if from_checkpoint else 0,
+                                    "loss_scaler": meta["loss_scaler"] if from_checkpoint else None,
+                                    "params": entries})
+
+
+def _same_layout(meta: dict, mesh: Mesh, chunks) -> bool:
+    saved = meta["layout"]
+    return (saved["tp"], saved["pp"], saved["dp"], saved["virtual_stages"]) == \
+        (mesh.tp_size, mesh.pp_size, mesh.dp_size, len(chunks))
+
+
+def _load_rng(reader: CheckpointReader, chunks, mesh: Mesh) -> None:
+    prefix = f"rank{mesh.rank}/"
+
+    def state(key: str) -> torch.Tensor:
+        (box, dtype, _, _), = reader.items[("rng", prefix + key)]
+        out = torch.empty(box_shape(box), dtype=dtype)
+        reader.read_into("rng", prefix + key, box, out)
+        return out
+
+    torch.set_rng_state(state("torch"))
+    if reader.has("rng", prefix + "cuda") and mesh.device.type == "cuda":
+        torch.cuda.set_rng_state(state("cuda"), mesh.device)
+    for c, chunk in enumerate(chunks):
+        current = chunk.rng.get_state()
+        chunk.rng.set_state({stream: state(f"chunk{c}/{stream}").to(current[stream].device) for stream in current})
+
+
+def _candidates(root: Path, step: int | None, log) -> list[int]:
+    """Steps to try, best first (rank 0 decides; every rank gets its list)."""
+    steps = storage.complete_steps(root)
+    if step is not None:
+        if step not in steps:
+            raise FileNotFoundError(f"--load-step {step}: no complete checkpoint {root / storage.step_dir_name(step)}; "
+                                    f"available steps: {steps or 'none'}")
+        return [step]
+    latest = storage.latest_step(root)
+    if latest is not None and latest not in steps:
+        log(f"megalite: warning: {root / storage.LATEST} names step {latest}, which is not a complete "
+            f"checkpoint; trying older ones")
+    return [s for s in reversed(steps) if latest is None or s <= latest]
+
+
+def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step: int | None = None,
+                    load_optimizer: bool = True, load_rng: bool = True, log=print) -> LoadedCheckpoint | None:
+    """Load the newest good checkpoint (or `step`) of `load_dir` into chunks and optimizer.
+
+    Returns None (after a notice) when `load_dir` has no checkpoint yet and no step was asked
+    for. Raises CheckpointCorruptError when no candidate is intact, ValueError when the
+    checkpoint holds another model shape. Every rank must call it (it communicates).
+    """
+    root = Path(load_dir)
+    say = log if mesh.rank == 0 else (lambda *_: None)
+    world = comm.world_group()
+    decision: tuple[str, object]
+    if mesh.rank == 0:
+        try:
+            decision = ("ok", _candidates(root, step, say))
+        except FileNotFoundError as exc:
+            decision = ("error", str(exc))
+    else:
+        decision = ("ok", None)
+    decision = comm.all_gather_object(decision, world)[0]
+    if decision[0] == "error":
+        raise FileNotFoundError(decision[1])
+    candidates = decision[1]
+    if not candidates:
+        say(f"megalite: no checkpoint in {root} yet; starting from scratch")
+        return None
+
+    problems = []
+    for candidate in candidates:
+        path = root / storage.step_dir_name(candidate)
+        outcome, reader, rng = ("ok", ""), None, False
+        try:
+            reader = CheckpointReader(path)
+            rng = load_rng and _same_layout(reader.metadata, mesh, chunks) and reader.has("rng", f"rank{mesh.rank}/torch")
+            _plan(reader, chunks, optimizer, load_optimizer, f"rank{mesh.rank}/" if rng else None)
+        except CheckpointCorruptError as exc:
+            outcome = ("corrupt", str(exc))
+        except ValueError as exc:
+            outcome = ("incompatible", str(exc))
+        outcomes = comm.all_gather_object(outcome, world)
+        bad = [(r, kind, msg) for r, (kind, msg) in enumerate(outcomes) if kind != "ok"]
+        incompatible = [msg for _, kind, msg in bad if kind == "incompatible"]
+        if incompatible:
+            raise ValueError(incompatible[0])
+        if bad:
+            rank, _, message = bad[0]
+            problems.append(message)
+            say(f"megalite: warning: checkpoint {path} is damaged (rank {rank}: {message}); "
+                + ("falling back to an older checkpoint" if candidate != candidates[-1] else "no older one left"))
+            continue
+        meta = reader.metadata
+        _load_model(reader, chunks)
+        if optimizer is not None and load_optimizer:
+            _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"])
+        if rng:
+            _load_rng(reader, chunks, mesh)
+        reader.close()
+        saved = meta["layout"]
+        say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
+            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} zero={saved['zero_stage']} "
+            f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states kept fresh: the layout differs") + ")")
+        return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)
+    raise CheckpointCorruptError(f"no intact checkpoint in {root}:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,81 @@
+"""Preemption: SIGTERM / SIGUSR1 -> checkpoint at the next step boundary and exit 0.
+
+A signal usually reaches one rank first (or only one: a node being drained). The handler
+only sets a flag; at every step boundary `should_stop()` all-reduces the flag (max of one
+float over the world: 4 bytes, negligible next to a training step), so every rank stops
+after the same step, saves the same checkpoint, and exits cleanly. A second signal while
+stopping is ignored; the scheduler's SIGKILL after its grace period still ends the job.
+
+Fault injection for restart tests: `MEGALITE_FAULT_AT_STEP=k` makes one rank
+(`MEGALITE_FAULT_RANK`, default the last) exit(1) at the start of step k, but only on the
+first attempt under torchrun (TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted
+job runs through.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+from megalite import comm
+from megalite.mesh import Mesh
+
+FAULT_STEP_ENV, FAULT_RANK_ENV = "MEGALITE_FAULT_AT_STEP", "MEGALITE_FAULT_RANK"
+
+
+class PreemptionHandler:
+    """Catch `signals` (default SIGTERM and SIGUSR1) and agree on a stop step across ranks.
+
+    check_interval: all-reduce the flag every K steps (1: every step). Use as a context
+    manager, or call `close()` to restore the previous handlers.
+    """
+
+    def __init__(self, mesh: Mesh, signals=(signal.SIGTERM, signal.SIGUSR1), check_interval: int = 1):
+        if check_interval < 1:
+            raise ValueError(f"check_interval must be >= 1, got {check_interval}")
+        self.mesh, self.check_interval = mesh, check_interval
+        self.requested_by: str | None = None  # name of the first signal received on this rank
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested_by is None:
+            self.requested_by = signal.Signals(signum).name
+            print(f"megalite: rank {self.mesh.rank} received {self.requested_by}; will save and stop after the "
+                  f"current step", file=sys.stderr, flush=True)
+
+    def should_stop(self, step: int) -> bool:
+        """True on every rank once any rank has received a signal (checked every check_interval steps)."""
+        if step % self.check_interval:
+            return False
+        flag = torch.tensor([1.0 if self.requested_by else 0.0], device=self.mesh.device)
+        comm.all_reduce(flag, comm.world_group(), op="max")
+        return bool(flag.item() > 0)
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def maybe_inject_fault(step: int, rank: int) -> None:
+    """Exit(1) on the chosen rank at `step` when MEGALITE_FAULT_AT_STEP asks for it (first attempt only)."""
+    at = os.environ.get(FAULT_STEP_ENV)
+    if not at or int(at) != step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    victim = int(os.environ.get(FAULT_RANK_ENV, str(int(os.environ.get("WORLD_SIZE", "1")) - 1)))
+    if rank == victim:
+        print(f"megalite: fault injection: rank {rank} exits at step {step} ({FAULT_STEP_ENV})", file=sys.stderr,
+              flush=True)
+        os._exit(1)

@@ -1,0 +1,127 @@
+"""What one rank contributes to a checkpoint: boxes of full tensors, copied to CPU memory.
+
+Kinds of stored tensors, each keyed by (kind, logical name, box of the full tensor):
+- "model": the parameter (its dtype), written by dp rank 0 only (the dp replicas are equal),
+  and for a parameter every tp rank holds whole (norms, biases after a row-parallel layer,
+  position embeddings) by tp rank 0 only;
+- "master", "exp_avg", "exp_avg_sq": the optimizer's fp32 state. ZeRO ranks own disjoint
+  flat ranges of the local tp shard; each rank writes the boxes of its own range (zero 0:
+  every dp rank owns everything, so again dp rank 0 only; tp-replicated: tp rank 0 only);
+- "rng": this rank's generator states (torch default, CUDA, each chunk's TensorParallelRNG),
+  named "rank{r}/...", whole-tensor boxes.
+
+The last pipeline stage's copy of a tied embedding is one logical tensor with the first
+stage's embedding; only the first stage's copy is written, so every element of every full
+tensor is stored exactly once and a reader can check coverage by counting elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.checkpoint.boxes import Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.storage import DTYPE_NAMES
+from megalite.mesh import Mesh
+
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Item:
+    kind: str
+    name: str
+    box: Box
+    tensor: torch.Tensor  # contiguous CPU copy, shape box_shape(box)
+
+    def index_entry(self, file: str, offset: int) -> list:
+        """Compact JSON row: [kind, name, box, dtype, file, byte offset]."""
+        return [self.kind, self.name, [list(b) for b in self.box], DTYPE_NAMES[self.tensor.dtype], file, offset]
+
+
+def _cpu_copy(view: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(view.shape, dtype=view.dtype, pin_memory=pin)
+    out.copy_(view, non_blocking=pin)
+    return out
+
+
+def is_tied_copy(chunk, local_name: str) -> bool:
+    """The last stage's copy of a tied embedding (stored once, by the first stage)."""
+    return local_name == "output_weight" and chunk.config.tie_embeddings
+
+
+def writes(chunk, local_name: str, param, mesh: Mesh) -> bool:
+    """Whether this rank stores `param` (one copy of each element among the replicas)."""
+    if is_tied_copy(chunk, local_name):
+        return False
+    return param.shard_spec.is_tp_sharded or mesh.tp_rank == 0
+
+
+def model_items(chunks, mesh: Mesh, pin: bool = False) -> list[Item]:
+    if mesh.dp_rank != 0:
+        return []
+    items = []
+    for chunk in chunks:
+        for local_name, param in chunk.named_parameters():
+            if not writes(chunk, local_name, param, mesh):
+                continue
+            name, spec, data = chunk.logical_name(local_name), param.shard_spec, param.detach()
+            whole = tuple((0, n) for n in data.shape)
+            for local_box, full_box in local_to_full(spec, whole):
+                items.append(Item("model", name, full_box, _cpu_copy(data[box_slices(local_box)], pin)))
+    return items
+
+
+def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
+    """{logical name: ShardSpec} of the parameters whose optimizer state this rank stores."""
+    return {chunk.logical_name(n): p.shard_spec for chunk in chunks for n, p in chunk.named_parameters()
+            if writes(chunk, n, p, mesh)}
+
+
+def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
+    """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata."""
+    state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
+    extras = {"step": state["step"], "loss_scaler": state["loss_scaler"]}
+    if optimizer.zero_stage == 0 and mesh.dp_rank != 0:
+        return [], extras
+    specs = optimizer_param_specs(chunks, mesh)
+    items = []
+    for name, entry in state["params"].items():
+        if name not in specs:
+            continue
+        spec, shape = specs[name], tuple(entry["shape"])
+        cursor = 0  # flat_range_boxes cuts the range in order; each box is a contiguous run of it
+        for local_box in flat_range_boxes(shape, entry["start"], entry["end"]):
+            n = box_numel(local_box)
+            for local_sub, full_box in local_to_full(spec, local_box):
+                for kind in OPTIMIZER_KINDS:
+                    run = entry[kind][cursor:cursor + n].view(box_shape(local_box))
+                    items.append(Item(kind, name, full_box, run[box_slices(relative(local_sub, local_box))].clone()))
+            cursor += n
+    return items, extras
+
+
+def rng_items(chunks, mesh: Mesh) -> list[Item]:
+    """This rank's generator states; restored only when the layout is unchanged."""
+    prefix = f"rank{mesh.rank}/"
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and mesh.device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(mesh.device)
+    for c, chunk in enumerate(chunks):
+        for stream, state in chunk.rng.get_state().items():
+            states[f"chunk{c}/{stream}"] = state.cpu()
+    return [Item("rng", prefix + key, ((0, s.numel()),), s.clone().contiguous()) for key, s in states.items()]
+
+
+def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True) -> tuple[list[Item], dict]:
+    """Everything this rank writes, as CPU copies, and the optimizer's scalar state."""
+    pin = torch.cuda.is_available() and mesh.device.type == "cuda"
+    items = model_items(chunks, mesh, pin)
+    extras = {"step": 0, "loss_scaler": None}
+    if include_optimizer and optimizer is not None:
+        opt_items, extras = optimizer_items(chunks, optimizer, mesh)
+        items += opt_items
+    items += rng_items(chunks, mesh)
+    if pin:
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies above have landed
+    return items, extras

@@ -1,0 +1,205 @@
+"""On-disk layout of a checkpoint directory, crash-safe writes and checksums.
+
+    DIR/
+      latest                    "step_000123": the newest complete checkpoint, replaced last
+      step_000123/
+        metadata.json           configs, step, data position, layout, versions, index of every box
+        shard_r00000.bin ...    raw bytes of the boxes rank r wrote (little-endian, row-major)
+        manifest.json           {file: {sha256, bytes}}: written last, before the rename
+      step_000100/ ...          older checkpoints kept by --keep-last / --keep-every
+
+A checkpoint is written into `step_000123.tmp/`; each rank writes its shard file, fsyncs it
+and drops a `done_rNNNNN.json` marker (its file's sha256 and size). Rank 0 waits for every
+marker, writes manifest.json, fsyncs, renames the directory to `step_000123/` (atomic) and
+only then replaces `latest` (write `latest.tmp`, fsync, os.replace). A crash at any point
+leaves either the old `latest` or a complete new checkpoint; `*.tmp` directories are
+never read and are removed by the next save of the same step.
+
+Nothing here communicates: ranks meet through files (the checkpoint directory is on a file
+system every rank sees, as it must be for a layout-free load anyway).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST, METADATA, LATEST = "manifest.json", "metadata.json", "latest"
+_CHUNK = 8 << 20  # bytes per write/read while hashing
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float64: "float64", torch.uint8: "uint8", torch.int64: "int64"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint on disk is incomplete or damaged (the message names the file)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def shard_file_name(rank: int) -> str:
+    return f"shard_r{rank:05d}.bin"
+
+
+def _done_marker(rank: int) -> str:
+    return f"done_r{rank:05d}.json"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj) -> str:
+    """Write `obj` as JSON to path.tmp, fsync, rename over `path`; return the file's sha256."""
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (any dtype, bfloat16 included), without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_shard(path: Path, tensors: list[torch.Tensor], crash_after_bytes: int | None = None) -> dict:
+    """Write tensors back to back into `path`, fsync; return {'sha256', 'bytes'}.
+
+    `crash_after_bytes` is fault injection for tests: the process dies mid-file (os._exit).
+    """
+    digest, written = hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        for tensor in tensors:
+            data = tensor_bytes(tensor)
+            for start in range(0, len(data), _CHUNK):
+                piece = data[start:start + _CHUNK]
+                if crash_after_bytes is not None and written + len(piece) > crash_after_bytes:
+                    f.write(piece[:max(0, crash_after_bytes - written)])
+                    f.flush()
+                    os._exit(17)
+                f.write(piece)
+                digest.update(piece)
+                written += len(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": digest.hexdigest(), "bytes": written}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_done_marker(tmp_dir: Path, rank: int, record: dict) -> None:
+    write_json_atomic(tmp_dir / _done_marker(rank), record)
+
+
+def collect_done_markers(tmp_dir: Path, world_size: int, timeout_s: float) -> dict[str, dict]:
+    """Wait until every rank's marker exists; return {file name: {'sha256', 'bytes'}}."""
+    deadline = time.monotonic() + timeout_s
+    records: dict[int, dict] = {}
+    while len(records) < world_size:
+        for rank in range(world_size):
+            marker = tmp_dir / _done_marker(rank)
+            if rank not in records and marker.exists():
+                records[rank] = json.loads(marker.read_text())
+        if len(records) < world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(records))
+                raise TimeoutError(f"checkpoint {tmp_dir}: ranks {missing[:8]} did not finish writing within "
+                                   f"{timeout_s:.0f} s")
+            time.sleep(0.005)
+    failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
+    if failed:
+        raise RuntimeError(f"checkpoint {tmp_dir}: ranks failed to write: {failed}")
+    return {rec["file"]: {"sha256": rec["sha256"], "bytes": rec["bytes"]} for rec in records.values()}
+
+
+def publish(tmp_dir: Path, files: dict[str, dict]) -> Path:
+    """Manifest, then atomic rename of the directory, then `latest`: the commit of a checkpoint."""
+    for rank_marker in tmp_dir.glob("done_r*.json"):
+        rank_marker.unlink()
+    write_json_atomic(tmp_dir / MANIFEST, {"files": files})
+    fsync_dir(tmp_dir)
+    final = tmp_dir.with_name(tmp_dir.name.removesuffix(".tmp"))
+    if final.exists():  # the same step saved again (e.g. after a resume): replace it
+        remove_dir(final)
+    os.rename(tmp_dir, final)
+    fsync_dir(final.parent)
+    write_json_atomic(final.parent / LATEST, {"step_dir": final.name})
+    fsync_dir(final.parent)
+    return final
+
+
+def remove_dir(path: Path) -> None:
+    """Rename out of the step_* namespace first, so a crash mid-delete leaves nothing loadable."""
+    doomed = path.with_name(path.name + f".deleting{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prepare_tmp_dir(root: Path, step: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (step_dir_name(step) + ".tmp")
+    if tmp.exists():  # left by a crash: never published, safe to drop
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps of published checkpoint directories (with a manifest), ascending."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and (child / MANIFEST).exists():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_step(root: Path) -> int | None:
+    """The step `latest` names, or None when there is no (readable) pointer."""
+    try:
+        name = json.loads((root / LATEST).read_text())["step_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    match = STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def prune(root: Path, keep_last: int, keep_every: int) -> list[int]:
+    """Delete checkpoints beyond the newest `keep_last` except multiples of `keep_every`
+    and the one `latest` names; return the deleted steps. keep_last=0 keeps everything."""
+    if keep_last <= 0:
+        return []
+    steps = complete_steps(root)
+    keep = set(steps[-keep_last:]) | {latest_step(root)}
+    if keep_every > 0:
+        keep |= {s for s in steps if s % keep_every == 0}
+    doomed = [s for s in steps if s not in keep]
+    for step in doomed:
+        remove_dir(root / step_dir_name(step))
+    return doomed

@@ -1,0 +1,47 @@
+"""Shared pieces of the checkpoint tests: a tiny model, per-step global batches, a train loop."""
+import torch
+
+from megalite.model import preset
+from megalite.training.arguments import TrainConfig
+from megalite.training.step import build_model_chunks, build_optimizer, train_step
+
+MICRO, GLOBAL, SEQ = 2, 8, 16
+
+
+def model_config(flavour="gpt2"):
+    if flavour == "llama":
+        return preset("tiny-llama", num_layers=4, hidden_size=64, ffn_hidden_size=96, seq_length=SEQ)
+    return preset("tiny", num_layers=4, hidden_size=64, seq_length=SEQ)
+
+
+def train_config(tp=1, pp=1, dp=1, **kw):
+    # adam_eps above float32 gradient noise: see tests/training/test_train_step.py
+    return TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
+                       weight_decay=0.1, clip_grad=0.5, seed=3, adam_eps=1e-6, **kw)
+
+
+def step_batches(step, vocab, dp, dp_rank):
+    """This dp rank's microbatches of global batch `step` (different tokens every step)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (GLOBAL, SEQ + 1), generator=gen)
+    inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+    labels[step % GLOBAL, : 3 + step] = -100  # uneven target counts across ranks
+    per_rank = GLOBAL // dp
+    mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    return [{"input_ids": i, "labels": t} for i, t in zip(inputs[mine].split(MICRO), labels[mine].split(MICRO))]
+
+
+def build(model, cfg, mesh):
+    chunks = build_model_chunks(model, cfg, mesh)
+    return chunks, build_optimizer(chunks, cfg, mesh)
+
+
+def train(chunks, optimizer, mesh, cfg, steps):
+    """Train the given (1-based) steps; return their losses."""
+    return [train_step(chunks, optimizer, step_batches(s, chunks[0].config.vocab_size, mesh.dp_size, mesh.dp_rank),
+                       mesh, cfg, lr=1e-3 * (1 + 0.1 * s))["loss"] for s in steps]
+
+
+def full_params(chunks):
+    """{logical name: full tensor} of a (1, 1, 1) model."""
+    return {n: p.shard_spec.assemble([p.detach().clone()]) for n, p in chunks[0].logical_parameters()}
