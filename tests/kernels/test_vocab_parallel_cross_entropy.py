@@ -53,8 +53,10 @@ def _check_rank(tp: int) -> dict:
     return report
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="forked ranks cannot use CUDA once the parent has; the CPU run covers the merging and "
+                           "the single-device CE tests cover the same kernels on the GPU")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_cross_entropy_matches_full_softmax(tp):
-    env = {"TRITON_INTERPRET": "1"} if not torch.cuda.is_available() else {}
-    reports = run_distributed(_check_rank, tp, tp, env=env, timeout_s=240)
+    reports = run_distributed(_check_rank, tp, tp, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
     assert all(r == reports[0] for r in reports)  # every rank computed the same losses
