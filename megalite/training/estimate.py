@@ -15,10 +15,13 @@ keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accountin
   grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1)
   optim   12 (fp32 master + Adam m, v) / dp with ZeRO >= 1; in host memory when offloaded
 
-Activations: saved tensors of megalite's own blocks per microbatch (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", recounted for our blocks,
-see `layer_activation_bytes`), times the microbatches in flight on the stage (1F1B: pp - stage;
-interleaved: Megatron's warmup + 1 chunks; GPipe: all). The estimate is for the worst stage.
+Activations: what megalite's own blocks keep for backward per microbatch, counted storage by
+storage in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"; see `layer_activation_bytes`) and checked against the real model on CPU
+(tests/training/test_estimate.py), times the microbatches in flight on the stage (1F1B:
+pp - stage; interleaved: Megatron's warmup + 1 chunks; GPipe: all; ZB-H1: counted on the
+schedule). The estimate is for the worst stage. Transient buffers (gradients in flight,
+communication buffers, allocator fragmentation) are left to `Estimate.fits`' headroom.
 """
 from __future__ import annotations
 
