@@ -1,0 +1,234 @@
+"""Numerical guards: non-finite losses and gradients, and data-parallel replicas drifting apart.
+
+Non-finite loss or gradients (`--on-nonfinite {skip, stop}`)
+    The gradient half is already done by DistributedOptimizer: it computes the global grad
+    norm over the whole mesh anyway, and skips the update on every rank when that norm is not
+    finite. `NonFiniteGuard` adds what is missing, without a second pass over the gradients:
+
+    - the loss check *before* the update: `loss_is_finite(local_loss_sum)` is one 1-element
+      all-reduce over the world (only the last pipeline stage holds a loss), for train_step to
+      call just before `optimizer.step` and skip on; without that hook, `check` still sees the
+      non-finite loss in train_step's result (global, so the same on every rank) one step late
+      for the update, and says so;
+    - the policy: 'skip' logs and trains on, 'stop' raises `NonFiniteError` on every rank
+      together (every rank reads the same global loss and norm, so none is left in a collective);
+    - the report: the global sample indices of the step, gathered from every dp rank with one
+      `all_gather_object` over the dp group, only when something is wrong.
+
+    Under fp16 a non-finite gradient with a finite loss is the dynamic loss scaler's ordinary
+    overflow (the optimizer skips and backs the scale off): not an event unless asked for.
+
+Replica consistency (`--check-replicas-interval K`)
+    Data-parallel replicas must hold bit-identical parameters (ZeRO all-gathers them from one
+    owner; plain dp applies identical all-reduced gradients). `check_replicas` reduces every
+    parameter to a bit-exact checksum (the sum of its bit patterns as integers and a
+    neighbour-xor sum that also sees swapped elements) and compares them with one all-gather
+    over the dp group, plus a 1-element all-reduce over the world so that every rank stops
+    together when any dp group disagrees. The error names the first mismatching parameter (in
+    model order, by logical name) and which ranks disagree.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from megalite import comm
+from megalite.mesh import Mesh, coords_to_rank
+
+ON_NONFINITE_CHOICES = ("skip", "stop")
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient under --on-nonfinite stop (raised on every rank)."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Data-parallel replicas hold different parameters (raised on every rank)."""
+
+
+def _log_rank0(message: str) -> None:
+    if comm.global_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite loss and gradients
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NonFiniteEvent:
+    """One step whose loss or gradients were not finite."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    bad_loss: bool
+    bad_grads: bool
+    update_applied: bool  # True only when the loss was bad, the gradients finite, and no pre-step hook ran
+    sample_indices: dict[int, Any] = field(default_factory=dict)  # dp rank -> that rank's sample indices
+    action: str = "skip"
+
+    def describe(self) -> str:
+        what = " and ".join(x for x, bad in (("loss", self.bad_loss), ("gradients", self.bad_grads)) if bad)
+        update = "the optimizer update WAS applied (gradients were finite)" if self.update_applied \
+            else "the optimizer update was skipped on every rank"
+        action = "stopping (--on-nonfinite stop)" if self.action == "stop" else "training on (--on-nonfinite skip)"
+        samples = "; ".join(f"dp rank {r}: {idx}" for r, idx in sorted(self.sample_indices.items()))
+        return (f"step {self.step}: non-finite {what} (loss {self.loss}, grad norm {self.grad_norm}); {update}; "
+                f"{action}. Global sample indices of this step: {samples}")
+
+
+class NonFiniteGuard:
+    """--on-nonfinite: catch non-finite losses and gradients, report the step's samples, skip or stop.
+
+    Args:
+        mesh: the Mesh (dp group to gather sample indices; world for the loss agreement).
+        policy: 'skip' (log, leave the update skipped, go on) or 'stop' (raise NonFiniteError).
+        loss_scaling: True under fp16 dynamic loss scaling, where overflowing gradients with a
+            finite loss are routine (the scaler backs off) and are not reported.
+        log: where event descriptions go (default: stderr on global rank 0).
+    """
+
+    def __init__(self, mesh: Mesh, policy: str = "skip", *, loss_scaling: bool = False,
+                 log: Callable[[str], None] | None = None):
+        if policy not in ON_NONFINITE_CHOICES:
+            raise ValueError(f"--on-nonfinite must be one of {ON_NONFINITE_CHOICES}, got {policy!r}")
+        self.mesh, self.policy, self.loss_scaling = mesh, policy, loss_scaling
+        self.log = log or _log_rank0
+        self.events: list[NonFiniteEvent] = []
+
+    def loss_is_finite(self, local_loss_sum: float | torch.Tensor) -> bool:
+        """Before the optimizer step: True on every rank iff every rank's local loss is finite.
+
+        One 1-element all-reduce (max of a 'bad' flag) over the world; ranks that hold no loss
+        (not the last pipeline stage) pass 0.0.
+        """
+        value = float(local_loss_sum)
+        bad = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.mesh.device)
+        comm.all_reduce(bad, comm.world_group(), op="max")
+        return bool(bad.item() == 0.0)
+
+    def check(self, step: int, result: dict[str, Any], sample_indices: Any) -> NonFiniteEvent | None:
+        """After train_step: report a non-finite step and apply the policy.
+
+        `result` is train_step's dict: 'loss' (global mean, the same on every rank), 'grad_norm'
+        (global), 'skipped' (the optimizer skipped the update), optionally 'loss_finite' (the
+        pre-step hook's verdict). `sample_indices` is this rank's share of the step as the
+        sampler gave it (a list of microbatches of global sample indices); it is gathered from
+        every dp rank only when the step is bad. Returns the event (also kept in `events`), or
+        None for a healthy step. Raises NonFiniteError on every rank under 'stop'.
+        """
+        loss, grad_norm = float(result["loss"]), float(result["grad_norm"])
+        bad_loss = not math.isfinite(loss) or result.get("loss_finite") is False
+        bad_grads = not math.isfinite(grad_norm)
+        if not bad_loss and (not bad_grads or self.loss_scaling):
+            return None
+        gathered = comm.all_gather_object(sample_indices, self.mesh.dp_group)  # every rank agrees we are here
+        event = NonFiniteEvent(step=step, loss=loss, grad_norm=grad_norm, bad_loss=bad_loss, bad_grads=bad_grads,
+                               update_applied=not bool(result.get("skipped", False)),
+                               sample_indices=dict(enumerate(gathered)), action=self.policy)
+        self.events.append(event)
+        self.log(f"megalite: {event.describe()}")
+        if self.policy == "stop":
+            raise NonFiniteError(event.describe())
+        return event
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica consistency across data parallelism
+# ---------------------------------------------------------------------------------------------
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements widened to int64 at a time: bounds the temporary to 32 MB
+
+
+def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """Bit-exact checksum of a tensor: int64 [2] = (sum of bit patterns, sum of neighbour xors).
+
+    Equal tensors (same bits) give equal checksums on any device; a change of one bit in
+    one element changes the first sum, and swapping neighbours changes the second.
+    Integer sums wrap around identically everywhere, so the result is deterministic.
+    """
+    flat = tensor.detach().contiguous().reshape(-1)
+    bits = flat.view(_INT_VIEW[flat.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for chunk in bits.split(_CHUNK):
+        wide = chunk.to(torch.int64)
+        total[0] += wide.sum()
+        total[1] += (wide[1:] ^ wide[:-1]).sum()
+    return total
+
+
+def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """(names, int64 [1 + n, 2]): row 0 identifies the name list (crc32, n), row 1 + i parameter i."""
+    names, rows = [], []
+    device = None
+    for name, param in named_params:
+        names.append(name)
+        rows.append(tensor_checksum(param))
+        device = param.device
+    header = torch.tensor([[zlib.crc32("\n".join(names).encode()), len(names)]], dtype=torch.int64, device=device)
+    return names, torch.cat([header] + [r.view(1, 2) for r in rows])
+
+
+def describe_mismatch(name: str, checksums: list[tuple[int, int]], global_ranks: list[int], step: Any) -> str:
+    """Name the parameter and the ranks that disagree: the minority when a majority exists."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for dp_rank, value in enumerate(checksums):
+        groups.setdefault(tuple(value), []).append(dp_rank)
+    ordered = sorted(groups.values(), key=lambda ranks: (-len(ranks), ranks[0]))
+
+    def who(dp_ranks: list[int]) -> str:
+        return f"dp rank{'s' if len(dp_ranks) > 1 else ''} {', '.join(map(str, dp_ranks))} (global " \
+               f"{', '.join(str(global_ranks[d]) for d in dp_ranks)})"
+
+    def verb(dp_ranks: list[int], singular: str, plural: str) -> str:
+        return singular if len(dp_ranks) == 1 else plural
+
+    head = f"parameter {name!r} differs across data-parallel replicas at step {step}: "
+    if len(ordered[0]) > len(ordered[1]):
+        odd = sorted(r for ranks in ordered[1:] for r in ranks)
+        return head + f"{who(odd)} {verb(odd, 'disagrees', 'disagree')} with the majority, {who(ordered[0])}"
+    return head + "; ".join(f"{who(r)} {verb(r, 'holds', 'hold')} one value" for r in ordered) + " (no majority)"
+
+
+def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
+    """--check-replicas-interval: raise ReplicaMismatchError on every rank if dp replicas differ.
+
+    `named_params`: (logical name, parameter) in model order, e.g. from
+    `chunk.logical_parameters()` over this rank's chunks; every dp replica holds the same list.
+    Collectives: one all-gather of int64 [1 + n, 2] over the dp group, one 1-element
+    all-reduce over the world (so ranks of healthy dp groups stop too, instead of hanging).
+    """
+    names, local = parameter_checksums(named_params)
+    message = None
+    if mesh.dp_size > 1:
+        gathered = comm.all_gather(local.unsqueeze(0), mesh.dp_group).cpu()  # [dp, 1 + n, 2]
+        global_ranks = [coords_to_rank(mesh.tp_rank, d, mesh.pp_rank, mesh.tp_size, mesh.dp_size)
+                        for d in range(mesh.dp_size)]
+        if not bool((gathered[:, 0] == gathered[0, 0]).all()):
+            message = (f"replica check at step {step}: dp replicas (global ranks {global_ranks}) hold different "
+                       f"parameter lists (crc32/count {gathered[:, 0].tolist()}); the model was built differently")
+        else:
+            same = (gathered[:, 1:] == gathered[0, 1:]).all(dim=-1).all(dim=0)  # [n]: param agrees on all dp ranks
+            bad = (~same).nonzero().flatten().tolist()
+            if bad:
+                first = bad[0]
+                message = describe_mismatch(names[first], [tuple(gathered[d, 1 + first].tolist())
+                                                           for d in range(mesh.dp_size)], global_ranks, step)
+                if len(bad) > 1:
+                    others = [names[i] for i in bad[1:4]]
+                    message += f"; {len(bad) - 1} more parameter(s) differ: {others}{' ...' if len(bad) > 4 else ''}"
+    # Every rank must learn that some dp group disagreed: the value is world_size - (lowest such rank).
+    flag = torch.tensor([float(mesh.world_size - mesh.rank) if message else 0.0], device=local.device)
+    comm.all_reduce(flag, comm.world_group(), op="max")
+    if flag.item() > 0:
+        reporter = mesh.world_size - int(flag.item())
+        raise ReplicaMismatchError(message or f"replica check at step {step}: data-parallel replicas disagree "
+                                              f"elsewhere in the mesh (see rank {reporter}'s error); stopping")
