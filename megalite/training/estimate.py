@@ -754,7 +754,7 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
-    interleaving, ZeRO 0-2, recompute none/selective/full, micro batch 1-8, and the optimizer
+    interleaving, ZeRO 0-1, recompute none/selective/full, micro batch 1-8, and the optimizer
     offload only when nothing else fits. global_batch_size defaults to 8 sequences per GPU.
     """
     gpus_per_node = gpus_per_node or max(1, gpus // nodes)
@@ -769,7 +769,7 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
             for pp in [d for d in _divisors(gpus // tp) if model.num_layers % d == 0]:
                 dp = gpus // (tp * pp)
                 for v in (1, 2) if pp > 1 else (1,):
-                    for zero in (0, 1, 2) if dp > 1 else (0,):
+                    for zero in (0, 1) if dp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
                         for recompute in RECOMPUTE_CHOICES:
                             for mb in (1, 2, 4, 8):
                                 layout = Layout(tp=tp, pp=pp, dp=dp, virtual_stages=v, zero_stage=zero,
