@@ -54,27 +54,54 @@ def default_report_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"megalite-hang-{safe}")
 
 
-def _op_state(record: comm.OpRecord, now: float) -> dict[str, Any]:
+def _op_state(record: comm.OpRecord, now: float, on_device: bool = False) -> dict[str, Any]:
     return {"op": record.op, "group": record.group, "seq": record.seq, "shape": list(record.shape),
-            "dtype": record.dtype, "nbytes": record.nbytes, "age_s": round(now - record.start, 3)}
+            "dtype": record.dtype, "nbytes": record.nbytes, "age_s": round(now - record.start, 3),
+            "on_device": on_device}
+
+
+def incomplete_on_device(record: comm.OpRecord) -> bool:
+    """True for an op that returned to the host but has not finished on the GPU.
+
+    NCCL collectives return once enqueued, so on GPUs the host blocks later (in a sync or
+    `.item()`) and `end` is set long before the op completes. If comm attaches `done_event`
+    (a CUDA event recorded on the stream right after the op), its query() tells the truth.
+    """
+    event = getattr(record, "done_event", None)
+    if event is None or record.end is None:
+        return False
+    try:
+        return not event.query()
+    except Exception:  # noqa: BLE001 - a broken CUDA context: the op certainly did not complete
+        return True
 
 
 def describe_wait(rank: int, op: dict[str, Any]) -> str:
     """'rank 5 waits in all_reduce on group dp (seq 812, shape [4096], float32, started 63.2 s ago)'."""
+    where = "enqueued on the GPU and not complete, " if op.get("on_device") else ""
     return (f"rank {rank} waits in {op['op']} on group {op['group']} (seq {op['seq']}, shape {op['shape']}, "
-            f"{op['dtype']}, {op['nbytes']} bytes, started {op['age_s']:.1f} s ago)")
+            f"{op['dtype']}, {op['nbytes']} bytes, {where}started {op['age_s']:.1f} s ago)")
 
 
 def rank_state(rank: int, world_size: int, ops: list[comm.OpRecord], *, last_step: Any, idle_s: float,
                coords: str = "", main_frame: str = "") -> dict[str, Any]:
-    """What one rank tells the others: the op it waits in (the newest one not returned), or None."""
+    """What one rank tells the others: the op it waits in, or None.
+
+    That op is the oldest one not complete on the GPU (a stream runs its ops in order, so the
+    later ones queue behind it), else the newest one the host has not returned from (the
+    main thread blocks in the latest call; older pending ones are async handles not waited yet).
+    """
     now = time.perf_counter()
-    pending = [r for r in ops if r.end is None]
-    done = [r for r in ops if r.end is not None]
+    device = [r for r in ops if incomplete_on_device(r)]
+    host = [r for r in ops if r.end is None]
+    waiting = device[0] if device else (host[-1] if host else None)
+    unfinished = {r.seq for r in device} | {r.seq for r in host}
+    others = [r for r in ops if r.seq in unfinished and r is not waiting]
+    done = [r for r in ops if r.seq not in unfinished]
     return {"rank": rank, "world_size": world_size, "coords": coords, "host": socket.gethostname(),
             "pid": os.getpid(), "last_step": last_step, "idle_s": round(idle_s, 3),
-            "waiting": _op_state(pending[-1], now) if pending else None,
-            "other_pending": [_op_state(r, now) for r in pending[:-1]],
+            "waiting": None if waiting is None else _op_state(waiting, now, on_device=bool(device)),
+            "other_pending": [_op_state(r, now, on_device=r.end is not None) for r in others],
             "last_done": _op_state(done[-1], now) if done else None, "main_frame": main_frame}
 
 
@@ -282,12 +309,13 @@ class HangWatchdog:
         else:
             lines.append(f"rank {self.rank} is in no communication op; main thread at {state['main_frame']}")
         for op in state["other_pending"]:
-            lines.append(f"  also not returned yet: {op['op']} on group {op['group']} (seq {op['seq']}, "
-                         f"started {op['age_s']:.1f} s ago)")
+            lines.append(f"  also not complete: {op['op']} on group {op['group']} (seq {op['seq']}, "
+                         f"{'on the GPU, ' if op['on_device'] else ''}started {op['age_s']:.1f} s ago)")
         now = time.perf_counter()
         lines.append(f"recent communication ops, oldest first (last {min(RING_LINES, len(ops))} of the ring buffer):")
         for r in ops[-RING_LINES:]:
-            mark = "   <-- waiting here" if state["waiting"] and r.seq == state["waiting"]["seq"] else ""
+            mark = " [not complete on the GPU]" if incomplete_on_device(r) else ""
+            mark += "   <-- waiting here" if state["waiting"] and r.seq == state["waiting"]["seq"] else ""
             lines.append(f"  {r.describe()}, started {now - r.start:.1f} s ago{mark}")
         lines.append("python stacks:")
         lines.append(thread_stacks())

@@ -14,7 +14,7 @@ import torch
 
 from megalite import comm, mesh
 from megalite.testing import free_port
-from megalite.training.watchdog import HANG_EXIT_CODE, HangWatchdog, summarize_hang
+from megalite.training.watchdog import HANG_EXIT_CODE, HangWatchdog, describe_wait, rank_state, summarize_hang
 
 WORLD, TIMEOUT_S = 4, 1.5
 
@@ -114,7 +114,7 @@ def test_progress_keeps_it_quiet_then_silence_fires_with_the_pending_op(tmp_path
     text = out.getvalue()
     assert "no progress for" in text and "last progress at step 7" in text
     assert "rank 0 waits in all_reduce on group dp (seq 9, shape [4, 8], float32, 128 bytes, started" in text
-    assert "also not returned yet: reduce_scatter on group dp (seq 8" in text
+    assert "also not complete: reduce_scatter on group dp (seq 8" in text
     assert "#7 all_gather group=tp shape=[8] float32 (done in 100.00 ms)" in text
     assert "test_progress_keeps_it_quiet_then_silence_fires_with_the_pending_op" in text  # the main stack
     assert (tmp_path / "hang_rank0.txt").read_text() in text
@@ -143,3 +143,28 @@ def test_bad_timeout_is_refused_with_the_fix():
         assert "--hang-timeout must be > 0" in str(exc)
     else:
         raise AssertionError("a zero timeout was accepted")
+
+
+class _FakeCudaEvent:
+    def __init__(self, complete):
+        self.complete = complete
+
+    def query(self):
+        return self.complete
+
+
+def test_gpu_ops_that_returned_but_did_not_complete_are_where_the_rank_waits():
+    now = time.perf_counter()
+    ops = [comm.OpRecord(1, "all_reduce", "tp", (8,), "bfloat16", 16, now - 9, now - 9),
+           comm.OpRecord(2, "all_reduce", "dp", (64,), "float32", 256, now - 8, now - 8),
+           comm.OpRecord(3, "all_gather", "dp", (128,), "float32", 512, now - 7, now - 7),
+           comm.OpRecord(4, "send", "pp", (2, 4), "float32", 32, now - 6)]  # host-pending async send
+    ops[0].done_event, ops[1].done_event, ops[2].done_event = (_FakeCudaEvent(True), _FakeCudaEvent(False),
+                                                               _FakeCudaEvent(False))
+    state = rank_state(5, 8, ops, last_step=3, idle_s=10.0)
+    assert state["waiting"]["seq"] == 2 and state["waiting"]["on_device"]  # the oldest op the stream has not finished
+    assert [(o["seq"], o["on_device"]) for o in state["other_pending"]] == [(3, True), (4, False)]
+    assert state["last_done"]["seq"] == 1
+    assert describe_wait(5, state["waiting"]).startswith(
+        "rank 5 waits in all_reduce on group dp (seq 2, shape [64], float32, 256 bytes, enqueued on the GPU and "
+        "not complete, started 8.0 s ago")
