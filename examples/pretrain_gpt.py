@@ -5,7 +5,12 @@
     torchrun ... examples/pretrain_gpt.py --model gpt2-124m --data-path my_corpus_text_document --bf16
 
 Reads top to bottom: flags -> configuration checked before any process group exists ->
-mesh -> data -> this rank's model chunks -> optimizer -> the training loop -> evaluation.
+mesh -> data -> this rank's model chunks -> optimizer -> resume from a checkpoint -> the
+training loop (periodic checkpoints; SIGTERM/SIGUSR1 save and stop) -> evaluation.
+
+Preemptible, restartable runs use one command line for the first start and every restart:
+
+    torchrun --max-restarts 3 ... examples/pretrain_gpt.py --save ckpt --load ckpt --save-interval 100
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import time
 import torch
 
 from megalite import comm
+from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
 from megalite.mesh import destroy_mesh, init_mesh
 from megalite.optim.lr_schedule import LRSchedule
@@ -74,6 +80,27 @@ def main(argv: list[str] | None = None) -> int:
                                                            else None, cfg.precision))
     writer = MetricsWriter(cfg.metrics_file, enabled=mesh.rank == 0)
 
+    # 5. Resume: weights, optimizer state, data position (consumed samples), step (hence the LR)
+    #    and RNG states from the newest intact checkpoint, saved under any layout.
+    start_step = 0
+    if cfg.load:
+        resumed = load_checkpoint(cfg.load, chunks, optimizer, mesh, step=cfg.load_step,
+                                  load_optimizer=not cfg.no_load_optim, log=log)
+        if resumed is not None and not cfg.no_load_optim:
+            start_step = resumed.step
+            sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
+    checkpointer = Checkpointer(cfg.save, mesh, keep_last=cfg.keep_last, keep_every=cfg.keep_every,
+                                async_save=cfg.async_save, log=log) if cfg.save else None
+    preemption = PreemptionHandler(mesh)  # SIGTERM/SIGUSR1: every rank stops after the same step
+    last_saved = start_step
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        if checkpointer is not None and last_saved != step:
+            checkpointer.save(step, chunks, optimizer, consumed_samples=sampler.consumed_samples,
+                              model_config=model_cfg, train_config=cfg)
+            last_saved = step
+
     def run_eval(step: int) -> None:
         if valid_set is None or cfg.eval_iters == 0:
             return
@@ -86,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
         writer.write_eval(step, loss) if hasattr(writer, "write_eval") else None
 
-    # 5. The training loop.
-    for step, indices in zip(range(1, cfg.train_iters + 1), sampler):
+    # 6. The training loop.
+    if start_step >= cfg.train_iters:
+        log(f"the checkpoint is at step {start_step} >= --train-iters {cfg.train_iters}: nothing to train")
+    stopped = False
+    for step, indices in zip(range(start_step + 1, cfg.train_iters + 1), sampler):
+        maybe_inject_fault(step, mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
         start = time.perf_counter()
         microbatches = load_microbatches(train_set, indices)
         data_time = time.perf_counter() - start
@@ -109,8 +140,20 @@ def main(argv: list[str] | None = None) -> int:
             log(straggler_report(times, hosts).describe())
         if cfg.eval_interval and step % cfg.eval_interval == 0:
             run_eval(step)
+        if cfg.save_interval and step % cfg.save_interval == 0:
+            save(step)
+        if preemption.should_stop(step):
+            save(step)
+            log(f"stopping after step {step} on a signal" + (f"; resume with --load {cfg.save}" if cfg.save else ""))
+            stopped = True
+            break
 
-    run_eval(cfg.train_iters)
+    if not stopped and start_step < cfg.train_iters:
+        save(cfg.train_iters)
+        run_eval(cfg.train_iters)
+    if checkpointer is not None:
+        checkpointer.finish()  # a background write completes before the process exits
+    preemption.close()
     writer.close()
     comm.barrier(comm.world_group())
     destroy_mesh()

@@ -206,8 +206,8 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
             continue
         meta = reader.metadata
         _load_model(reader, chunks)
-        if optimizer is not None and load_optimizer:
-            _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"])
+        if optimizer is not None:  # without stored (or wanted) state: master weights from the loaded weights
+            _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
         if rng:
             _load_rng(reader, chunks, mesh)
         reader.close()

@@ -82,11 +82,26 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
 
 
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints (layout-free: save at one tp/pp/dp, load at any other)")
+    g.add_argument("--save", default=None, metavar="DIR", help="write checkpoints into DIR")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from DIR's latest checkpoint (from scratch, with a notice, when it holds none); "
+                        "pass the same DIR as --save so one command line serves every restart")
+    g.add_argument("--load-step", type=int, default=None, help="load this step instead of the latest")
+    g.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end/on signal)")
+    g.add_argument("--keep-last", type=int, default=0, help="keep the newest N checkpoints (0: keep all)")
+    g.add_argument("--keep-every", type=int, default=0, help="also keep every step that is a multiple of M")
+    g.add_argument("--async-save", action="store_true", help="copy to CPU memory, write in a background thread")
+    g.add_argument("--no-load-optim", action="store_true", help="load weights only (fresh optimizer, step 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Train a GPT with tensor x pipeline x data parallelism.")
     add_model_args(parser)
     add_layout_args(parser)
     add_training_args(parser)
+    add_checkpoint_args(parser)
     return parser
 
 
@@ -132,6 +147,14 @@ class TrainConfig:
     straggler_interval: int = 0
     peak_tflops: float | None = None
     dry_run: bool = False
+    save: str | None = None
+    load: str | None = None
+    load_step: int | None = None
+    save_interval: int = 0
+    keep_last: int = 0
+    keep_every: int = 0
+    async_save: bool = False
+    no_load_optim: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -186,7 +209,10 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         initial_loss_scale=args.initial_loss_scale, loss_scale_window=args.loss_scale_window, seed=args.seed,
         data_path=args.data_path, tokenizer=args.tokenizer, split=args.split, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, log_interval=args.log_interval, metrics_file=args.metrics_file,
-        straggler_interval=args.straggler_interval, peak_tflops=args.peak_tflops, dry_run=args.dry_run)
+        straggler_interval=args.straggler_interval, peak_tflops=args.peak_tflops, dry_run=args.dry_run,
+        save=args.save, load=args.load, load_step=args.load_step, save_interval=args.save_interval,
+        keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
+        no_load_optim=args.no_load_optim)
 
     layout = planner_layout(model, cfg)
     problems += preflight(model, layout, world_size)
@@ -209,6 +235,14 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
                         ("--log-interval", cfg.log_interval)):
         if value < 1:
             problems.append(f"{name} must be >= 1, got {value}")
+    for name, value in (("--save-interval", cfg.save_interval), ("--keep-last", cfg.keep_last),
+                        ("--keep-every", cfg.keep_every)):
+        if value < 0:
+            problems.append(f"{name} must be >= 0, got {value}")
+    if cfg.save_interval and cfg.save is None:
+        problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
+    if cfg.load_step is not None and cfg.load is None:
+        problems.append("--load-step needs --load DIR")
     if cfg.data_path is not None:
         if len(cfg.data_path) > 1 and len(cfg.data_path) % 2:
             problems.append("--data-path takes one PREFIX, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ...")
@@ -232,4 +266,5 @@ def planner_layout(model: GPTConfig, cfg: TrainConfig):
                   offload_optimizer=cfg.offload_optimizer, recompute=cfg.recompute,
                   sequence_parallel=cfg.sequence_parallel, micro_batch_size=cfg.micro_batch_size,
                   seq_length=model.seq_length, global_batch_size=cfg.global_batch_size, precision=cfg.precision,
-                  schedule="gpipe" if cfg.pipeline_schedule == "gpipe" else "1f1b")
+                  grad_reduce_dtype=cfg.grad_reduce_dtype, schedule=cfg.pipeline_schedule,
+                  first_stage_layers=cfg.first_stage_layers, last_stage_layers=cfg.last_stage_layers)
