@@ -64,8 +64,13 @@ def _pipelined(layouts, references):
                                    post_process=mesh.is_last_stage and c == v - 1)
                           for c, ids in enumerate(stage_layers(cfg.num_layers, pp, v, mesh.pp_rank))]
                 shape = (SEQ // tp if sequence_parallel else SEQ, MICRO, cfg.hidden_size)
+                stats = {}
                 loss = run_pipeline(name, chunks, microbatches, mesh, M, shape, torch.float32, 1.0 / tokens,
-                                    virtual_stages=v)
+                                    virtual_stages=v, stats=stats)
+                # ZB-H1 defers every megalite linear's weight gradient (4 per block, the head) to its W pass.
+                blocks = sum(len(chunk.layers) for chunk in chunks)
+                expected_deferred = (4 * blocks + mesh.is_last_stage) * M  # + the head on the last stage
+                assert stats["deferred_weight_grads"] == (expected_deferred if name == "zb-h1" else 0), stats
                 where = f"{flavour} {name} v={v} tp={tp} pp={pp} dp={dp} sp={sequence_parallel} stage {mesh.pp_rank}"
                 if mesh.is_last_stage:
                     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=lambda s: f"{where}: {s}")
