@@ -21,6 +21,7 @@ from megalite.mesh import Mesh
 from megalite.pipeline import p2p
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr,
                                             split_steps)
+from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.schedules import build_schedule
 from megalite.pipeline.verifier import verify_schedule
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
@@ -32,6 +33,18 @@ def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1) -> 
     schedule = build_schedule(name, pp, num_microbatches, v)
     verify_schedule(schedule, pp, v, num_microbatches)
     return tuple(tuple(ops) for ops in schedule)
+
+
+def check_pipeline_config(schedule_name: str, num_layers: int, pp: int, num_microbatches: int, v: int = 1,
+                          first: int | None = None, last: int | None = None, layout=None) -> None:
+    """Validate a pipeline configuration before any process group exists (for start-up checks).
+
+    Raises ValueError naming the fix: more stages than layers, layers not divisible without a
+    layout, interleaved with microbatches not a multiple of pp, ... Then builds and verifies
+    the schedule once (cached), so a broken schedule fails here rather than hanging later.
+    """
+    chunk_layer_counts(num_layers, pp, v, first, last, layout)
+    verified_schedule(schedule_name, pp, num_microbatches, v)
 
 
 def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: Mesh) -> None:

@@ -52,3 +52,16 @@ def test_bad_partitions_are_rejected(args, match):
     args = dict(dict(v=1, pp_rank=0), **args)
     with pytest.raises(ValueError, match=match):
         stage_layers(args.pop("num_layers"), args.pop("pp"), args.pop("v"), args.pop("pp_rank"), **args)
+
+
+def test_check_pipeline_config_names_the_fix():
+    from megalite.pipeline import check_pipeline_config
+
+    check_pipeline_config("interleaved", 16, 4, 8, v=2)
+    check_pipeline_config("1f1b", 10, 4, 8, first=1, last=3)
+    with pytest.raises(ValueError, match="cannot fill"):
+        check_pipeline_config("1f1b", 3, 4, 8)
+    with pytest.raises(ValueError, match="not divisible by pp\\*v"):
+        check_pipeline_config("1f1b", 10, 4, 8)
+    with pytest.raises(ValueError, match="multiple of pp"):
+        check_pipeline_config("interleaved", 16, 4, 6, v=2)
