@@ -41,6 +41,8 @@ from megalite import comm
 from megalite.mesh import Mesh, coords_to_rank
 
 ON_NONFINITE_CHOICES = ("skip", "stop")
+NONFINITE_EXIT_CODE = 3  # suggested exit status of a run stopped by --on-nonfinite stop
+REPLICA_MISMATCH_EXIT_CODE = 4  # ... and of one stopped by --check-replicas-interval
 
 
 class NonFiniteError(RuntimeError):
