@@ -34,9 +34,10 @@ def _import_triton():
     Triton fixes interpreter-or-compiler for its own language functions at its first import.
     Without a GPU compiled Triton cannot run anything, so the interpreter loses nothing and
     makes MEGALITE_KERNEL_BACKEND=triton work on CPU whoever imports megalite.kernels first.
-    TRITON_INTERPRET is restored afterwards: the backend choice still reads it per call.
+    TRITON_INTERPRET is restored afterwards: the backend choice still reads it per call. An
+    explicit TRITON_INTERPRET (e.g. =0 for `compile_check`) is respected as it is.
     """
-    if "triton" in sys.modules or torch.cuda.is_available():
+    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
         import triton
         import triton.language
 

@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"device {torch.cuda.get_device_name() if on_gpu else 'cpu (no GPU)'}, command: {' '.join(sys.argv)}")
     if not on_gpu and not args.smoke_timing:
-        print("No GPU: running the correctness sweep only (Triton's interpreter vs the references); no timings.")
+        print("No GPU: running the correctness sweep only (Triton's interpreter vs the references); no timings.\n"
+              "(Whether every kernel compiles for a GPU: TRITON_INTERPRET=0 python -m megalite.kernels.compile_check)")
         ok = correctness_sweep("cpu")
         print("correctness sweep:", "all ok" if ok else "FAILURES")
         return 0 if ok else 1
