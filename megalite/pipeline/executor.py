@@ -28,10 +28,11 @@ from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_g
 
 
 @functools.lru_cache(maxsize=32)
-def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1) -> tuple[tuple[Instr, ...], ...]:
+def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1,
+                      forward_only: bool = False) -> tuple[tuple[Instr, ...], ...]:
     """build_schedule + verify_schedule, once per process and configuration."""
-    schedule = build_schedule(name, pp, num_microbatches, v)
-    verify_schedule(schedule, pp, v, num_microbatches)
+    schedule = build_schedule(name, pp, num_microbatches, v, forward_only)
+    verify_schedule(schedule, pp, v, num_microbatches, forward_only)
     return tuple(tuple(ops) for ops in schedule)
 
 
@@ -73,7 +74,7 @@ def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: 
 def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
                  mesh: Mesh, num_microbatches: int, activation_shape: tuple[int, ...] | torch.Size,
                  dtype: torch.dtype, loss_scale: float, virtual_stages: int = 1,
-                 stats: dict[str, Any] | None = None) -> float:
+                 stats: dict[str, Any] | None = None, forward_only: bool = False) -> float:
     """Run forward and backward of every microbatch on this rank under `schedule_name`.
 
     model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
@@ -87,6 +88,8 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
     stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
       whose activations were alive at once on this rank), "instructions" and
       "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
+    forward_only: evaluation. Forwards and activation transfers only, under no_grad; each
+      output is freed once sent; no gradients, no embedding all-reduce.
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere. Grads of
     `shared_embedding` parameters are all-reduced over the embedding group at the end.
     """
@@ -96,7 +99,7 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
                          f"virtual stage (partition.stage_layers gives their layers)")
     if len(microbatches) != num_microbatches:
         raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={num_microbatches}")
-    ops = verified_schedule(schedule_name, pp, num_microbatches, v)[stage]
+    ops = verified_schedule(schedule_name, pp, num_microbatches, v, forward_only)[stage]
     activation_shape = torch.Size(activation_shape)
     device = mesh.device
 
@@ -131,8 +134,13 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
                 received.append((op.kind, buffer))
         p2p.post_and_wait(transfers, mesh.pp_group)
         for kind, buffer in received:
-            if kind == RECV_ACT:
+            if kind == RECV_ACT and not forward_only:
                 buffer.requires_grad_(True)
+        if forward_only:  # nothing runs backward: a sent output is done
+            for op in batch:
+                if op.kind == SEND_ACT:
+                    del outputs[(op.chunk, op.microbatch)]
+                    live.discard((op.chunk, op.microbatch))
 
     def forward(c: int, mb: int) -> None:
         nonlocal loss_sum, peak_live
@@ -143,9 +151,14 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
         if p2p.is_last_chunk(pp, v, stage, c):
             loss = model_chunks[c](x, labels=microbatches[mb]["labels"].to(device), reduction="sum")
             loss_sum = loss_sum + loss.detach().float()
+            if forward_only:
+                inputs.pop(key)
+                return
             outputs[key] = loss * loss_scale
         else:
             outputs[key] = model_chunks[c](x)
+        if forward_only:
+            inputs.pop(key)
         live.add(key)
         peak_live = max(peak_live, len(live))
 
@@ -167,7 +180,7 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
         if not deferred:
             live.discard(key)
 
-    with torch.enable_grad():
+    with torch.no_grad() if forward_only else torch.enable_grad():
         for step in split_steps(list(ops)):
             op = step[0]
             if op.is_transfer:
@@ -184,7 +197,8 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
     if outputs or inputs or output_grads or input_grads or store.pending():
         raise RuntimeError(f"pipeline ended with state left over on stage {stage}: outputs {sorted(outputs)}, "
                            f"inputs {sorted(inputs)}, pending weight grads {store.pending()}")
-    allreduce_shared_embedding_grads(model_chunks, mesh)
+    if not forward_only:
+        allreduce_shared_embedding_grads(model_chunks, mesh)
     if stats is not None:
         stats["peak_live_microbatches"] = peak_live
         stats["instructions"] = len(ops)

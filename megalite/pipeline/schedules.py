@@ -148,8 +148,11 @@ def check_schedule_args(name: str, pp: int, num_microbatches: int, v: int = 1) -
 
 
 @functools.lru_cache(maxsize=64)
-def _build(name: str, pp: int, m: int, v: int) -> tuple[tuple[Instr, ...], ...]:
-    if name == "gpipe":
+def _build(name: str, pp: int, m: int, v: int, forward_only: bool) -> tuple[tuple[Instr, ...], ...]:
+    if forward_only:  # evaluation: every forward in the interleaved order, no backward
+        order = _interleaved_order(pp, m, v, backward=False)
+        compute = [[Instr(FWD, c, mb) for c, mb in order] for _ in range(pp)]
+    elif name == "gpipe":
         compute = _gpipe(pp, m, v)
     elif name == "1f1b":
         compute = _one_f_one_b(pp, m)
@@ -160,7 +163,11 @@ def _build(name: str, pp: int, m: int, v: int) -> tuple[tuple[Instr, ...], ...]:
     return tuple(tuple(ops) for ops in repair_receive_order(place_transfers(compute, pp, v), pp, v))
 
 
-def build_schedule(name: str, pp: int, num_microbatches: int, v: int = 1) -> Schedule:
-    """The instruction list of every stage (index = pp rank) for schedule `name`."""
+def build_schedule(name: str, pp: int, num_microbatches: int, v: int = 1, forward_only: bool = False) -> Schedule:
+    """The instruction list of every stage (index = pp rank) for schedule `name`.
+
+    forward_only=True gives the evaluation schedule (forwards and activation transfers only)
+    for the same (pp, microbatches, v); `name` is still validated.
+    """
     check_schedule_args(name, pp, num_microbatches, v)
-    return [list(ops) for ops in _build(name, pp, num_microbatches, v)]
+    return [list(ops) for ops in _build(name, pp, num_microbatches, v, forward_only)]

@@ -48,7 +48,7 @@ def _describe(msg: tuple[str, int, int]) -> str:
     return f"{'activation' if what == 'act' else 'gradient'} of model chunk {k} mb {mb}"
 
 
-def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int) -> None:
+def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int, forward_only: bool = False) -> None:
     seen: dict[tuple[str, int, int], int] = {}
     for i, op in enumerate(ops):
         where = f"stage {stage} instruction #{i} {op}"
@@ -65,6 +65,8 @@ def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int) -> None:
             if (kind, c, mb) not in seen:
                 raise ScheduleError(f"{where}: needs {Instr(kind, c, mb)} before it")
 
+        if forward_only and op.kind not in (FWD, SEND_ACT, RECV_ACT):
+            raise ScheduleError(f"{where}: a forward-only schedule runs no backward")
         if op.kind in (RECV_ACT, SEND_GRAD) and first:
             raise ScheduleError(f"{where}: the first model chunk has no predecessor to talk to")
         if op.kind in (SEND_ACT, RECV_GRAD) and last:
@@ -92,8 +94,11 @@ def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int) -> None:
     for c in range(v):
         for mb in range(m):
             first, last = is_first_chunk(pp, stage, c), is_last_chunk(pp, v, stage, c)
-            required = [FWD] + ([] if first else [RECV_ACT, SEND_GRAD]) + ([] if last else [SEND_ACT, RECV_GRAD])
-            required += [BWD_INPUT, BWD_WEIGHT] if (BWD_INPUT, c, mb) in seen else [BWD]
+            if forward_only:
+                required = [FWD] + ([] if first else [RECV_ACT]) + ([] if last else [SEND_ACT])
+            else:
+                required = [FWD] + ([] if first else [RECV_ACT, SEND_GRAD]) + ([] if last else [SEND_ACT, RECV_GRAD])
+                required += [BWD_INPUT, BWD_WEIGHT] if (BWD_INPUT, c, mb) in seen else [BWD]
             for kind in required:
                 if (kind, c, mb) not in seen:
                     raise ScheduleError(f"stage {stage} never runs {Instr(kind, c, mb)}")
@@ -233,12 +238,12 @@ class _Simulation:
         raise ScheduleError("deadlock: " + ". ".join(lines) + f" (wait chain: stage {chain})")
 
 
-def verify_schedule(schedule: Schedule, pp: int, v: int, num_microbatches: int) -> None:
+def verify_schedule(schedule: Schedule, pp: int, v: int, num_microbatches: int, forward_only: bool = False) -> None:
     """Raise ScheduleError unless `schedule` is complete, consistent and deadlock-free."""
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} stages, expected pp={pp}")
     for stage, ops in enumerate(schedule):
-        _check_local(list(ops), stage, pp, v, num_microbatches)
+        _check_local(list(ops), stage, pp, v, num_microbatches, forward_only)
     _Simulation(schedule, pp, v).run(repair=False)
 
 

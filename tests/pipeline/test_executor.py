@@ -61,10 +61,17 @@ def _world():
                     for pname, p in chunk.named_parameters():
                         grad_err = max(grad_err, rel_err(p.grad, ref_grads[names[pname]]))
                         checked += 1
+                # Evaluation through the same chunks: the same loss, no gradients touched.
+                for chunk in chunks:
+                    chunk.zero_grad(set_to_none=True)
+                eval_loss = run_pipeline(name, chunks, microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32,
+                                         loss_scale, virtual_stages=v, forward_only=True)
+                untouched = all(p.grad is None for chunk in chunks for p in chunk.parameters())
                 static_peak = peak_live_microbatches(list(verified_schedule(name, pp, m, v)[mesh.pp_rank]))
                 results.append(dict(
                     pp=pp, dp=dp, tied=tied, name=name, v=v, m=m, stage=mesh.pp_rank,
-                    loss=loss, ref_loss=ref_loss, grad_err=grad_err, checked=checked,
+                    loss=loss, eval_loss=eval_loss, untouched=untouched, ref_loss=ref_loss, grad_err=grad_err,
+                    checked=checked,
                     peak=stats["peak_live_microbatches"], static_peak=static_peak,
                     deferred=stats["deferred_weight_grads"]))
     return results
@@ -78,8 +85,10 @@ def test_executor_matches_one_process_model():
         last = r["stage"] == r["pp"] - 1
         if last:
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), where
+            assert abs(r["eval_loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), where
         else:
-            assert r["loss"] == 0.0, where
+            assert r["loss"] == 0.0 and r["eval_loss"] == 0.0, where
+        assert r["untouched"], where  # forward_only computed no gradient
         assert r["checked"] >= 2 and r["grad_err"] < 1e-5, (where, r["grad_err"])
         # Peak live activations: the executor's count equals the schedule's, and the formulas.
         assert r["peak"] == r["static_peak"], where

@@ -38,6 +38,8 @@ def test_every_schedule_verifies_over_the_grid():
                         continue
                     schedule = build_schedule(name, pp, m, v)
                     verify_schedule(schedule, pp, v, m)
+                    if name in ("1f1b", "interleaved"):  # the evaluation schedule depends on (pp, m, v) only
+                        verify_schedule(build_schedule(name, pp, m, v, forward_only=True), pp, v, m, forward_only=True)
                     checked[name] += 1
                     computes = sum(op.kind == FWD for ops in schedule for op in ops)
                     assert computes == pp * v * m
@@ -153,3 +155,12 @@ def test_ideal_bubble_matches_the_formulas(pp, m, v):
     assert bubble(_one_f_one_b(pp, m), 1) == pytest.approx((pp - 1) / (m + pp - 1))
     assert bubble(_interleaved(pp, m, v), v) == pytest.approx((pp - 1) / (v * m + pp - 1))
     assert bubble(_zb_h1(pp, m), 1) == pytest.approx((pp - 1) / (3 * m + pp - 1))
+
+
+def test_forward_only_schedule_has_no_backward():
+    schedule = build_schedule("1f1b", 3, 3, forward_only=True)
+    assert schedule[1] == parse("<a0.0 F0.0 <a0.1 >a0.0 F0.1 <a0.2 >a0.1 F0.2 >a0.2")
+    with pytest.raises(ScheduleError, match="forward-only schedule runs no backward"):
+        verify_schedule(build_schedule("1f1b", 3, 3), 3, 1, 3, forward_only=True)
+    with pytest.raises(ScheduleError, match="never runs RECV_GRAD"):
+        verify_schedule(schedule, 3, 1, 3)
