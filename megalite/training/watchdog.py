@@ -18,11 +18,13 @@ boundaries; when `timeout_s` passes without a call, every rank, independently:
    softer would end the process). The report runs in a non-daemon thread, so a main thread
    whose collective fails when a peer exits first does not end the process before it.
 
-The side channel is the file system, not a collective: the job is hung, so no collective can
-be trusted. The default directory is a temp directory shared by the ranks of one node and
-unique to the job incarnation (torchrun's run id and restart count, or the rendezvous port), so
-the summary covers one node; pass a directory on a shared file system to cover them all.
-Reports of different nodes are also on each node's stderr, which the launcher collects.
+The side channel is never a collective: the job is hung, so no collective can be trusted.
+By default it is the file system (`FileChannel`): a temp directory shared by the ranks of one
+node and unique to the job incarnation (torchrun's run id and restart count, or the rendezvous
+port), so the summary covers one node; a directory on a shared file system covers them all.
+`StoreChannel` uses a key-value store with torch.distributed's Store API instead (the job's
+TCPStore on a connection of its own), which reaches every node. Full reports are also on each
+rank's stderr, which the launcher collects.
 """
 from __future__ import annotations
 
@@ -188,6 +190,90 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)  # readers see the whole file or none
 
 
+class FileChannel:
+    """Side channel through a directory: one state file per rank, a lock file elects the summariser.
+
+    Works while collectives do not; covers the ranks that see the directory (one node for a
+    local temp dir, the whole job on a shared file system).
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def reset(self, rank: int) -> None:
+        """Forget what an earlier incarnation of `rank` left (rank 0 also clears the summary)."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name in [f"hang_rank{rank}.json"] + (["hang_summary.txt", "hang_summary.lock"] if rank == 0 else []):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(name))
+
+    def publish(self, rank: int, state: dict[str, Any]) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        _write_atomic(self._path(f"hang_rank{rank}.json"), json.dumps(state))
+
+    def states(self, world_size: int) -> dict[int, dict[str, Any]]:
+        states = {}
+        for rank in range(world_size):
+            with contextlib.suppress(OSError, ValueError):
+                with open(self._path(f"hang_rank{rank}.json")) as f:
+                    states[rank] = json.load(f)
+        return states
+
+    def claim_summary(self) -> bool:
+        """True for exactly one caller."""
+        try:
+            os.close(os.open(self._path("hang_summary.lock"), os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+
+    def post_summary(self, text: str) -> None:
+        _write_atomic(self._path("hang_summary.txt"), text)
+
+    def has_summary(self) -> bool:
+        return os.path.exists(self._path("hang_summary.txt"))
+
+
+class StoreChannel:
+    """Side channel through a key-value store with torch.distributed's Store API (set, get, check, add).
+
+    Covers every node. Give it a client on its *own* connection (the job's TCPStore, reached
+    anew): the process group's client may itself be blocked in a store wait, and a TCPStore
+    client serialises its calls. Keys live under `prefix`, which should name the incarnation
+    (default: torchrun's restart count) so a restarted job does not read the last one's states.
+    """
+
+    def __init__(self, store, prefix: str | None = None):
+        self.store = store
+        self.prefix = prefix or f"megalite/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+    def reset(self, rank: int) -> None:
+        pass  # keys are per incarnation (prefix); nothing to clear
+
+    def publish(self, rank: int, state: dict[str, Any]) -> None:
+        self.store.set(f"{self.prefix}state/{rank}", json.dumps(state))
+
+    def states(self, world_size: int) -> dict[int, dict[str, Any]]:
+        states = {}
+        for rank in range(world_size):
+            key = f"{self.prefix}state/{rank}"
+            if self.store.check([key]):  # get() would block until the key exists
+                states[rank] = json.loads(self.store.get(key))
+        return states
+
+    def claim_summary(self) -> bool:
+        return self.store.add(f"{self.prefix}summary_claims", 1) == 1
+
+    def post_summary(self, text: str) -> None:
+        self.store.set(f"{self.prefix}summary", text)
+
+    def has_summary(self) -> bool:
+        return self.store.check([f"{self.prefix}summary"])
+
+
 class HangWatchdog:
     """Per-rank watchdog: no `progress()` for `timeout_s` seconds -> report, summary, exit.
 
@@ -195,7 +281,10 @@ class HangWatchdog:
         timeout_s: seconds without progress that count as a hang (--hang-timeout). Must exceed
             the longest legitimate gap between progress calls (a step, an evaluation, a save),
             or wrap such phases in `paused()`.
-        report_dir: where ranks leave their reports (default: `default_report_dir()`).
+        report_dir: where each rank writes hang_rank{R}.txt and the summariser hang_summary.txt
+            (default: `default_report_dir()`).
+        channel: how ranks exchange states and elect the summariser without collectives
+            (default: FileChannel(report_dir); a StoreChannel covers every node).
         rank, world_size: default from torch.distributed (via megalite.comm) or the environment.
         mesh: optional Mesh, to print each rank's (tp, dp, pp) coordinates.
         summary_wait_s: how long ranks wait for each other's states before the summary is
@@ -207,7 +296,7 @@ class HangWatchdog:
     step boundary, `wd.stop()` at the end (or use it as a context manager).
     """
 
-    def __init__(self, timeout_s: float, report_dir: str | None = None, *, rank: int | None = None,
+    def __init__(self, timeout_s: float, report_dir: str | None = None, *, channel=None, rank: int | None = None,
                  world_size: int | None = None, mesh=None, summary_wait_s: float | None = None,
                  exit_code: int = HANG_EXIT_CODE, exit_fn: Callable[[int], Any] = os._exit,
                  stream: TextIO | None = None):
@@ -216,6 +305,7 @@ class HangWatchdog:
                              f"'off': do not create a watchdog to turn it off)")
         self.timeout_s = float(timeout_s)
         self.report_dir = report_dir or default_report_dir()
+        self.channel = channel if channel is not None else FileChannel(self.report_dir)
         self.rank = rank if rank is not None else int(os.environ.get("RANK", comm.global_rank()))
         self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         self.coords = "" if mesh is None else f"tp {mesh.tp_rank}, dp {mesh.dp_rank}, pp {mesh.pp_rank}"
@@ -234,13 +324,10 @@ class HangWatchdog:
 
     def start(self) -> "HangWatchdog":
         os.makedirs(self.report_dir, exist_ok=True)
-        # Files left by an earlier incarnation of this rank would be mistaken for fresh reports.
-        stale = [f"hang_rank{self.rank}.txt", f"hang_rank{self.rank}.json"]
-        if self.rank == 0:
-            stale += ["hang_summary.txt", "hang_summary.lock"]
-        for name in stale:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.report_dir, name))
+        # What an earlier incarnation of this rank left would be mistaken for a fresh report.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.report_dir, f"hang_rank{self.rank}.txt"))
+        self.channel.reset(self.rank)
         self._last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="megalite-hang-watchdog", daemon=True)
         self._thread.start()
@@ -330,42 +417,35 @@ class HangWatchdog:
         try:
             os.makedirs(self.report_dir, exist_ok=True)
             _write_atomic(os.path.join(self.report_dir, f"hang_rank{self.rank}.txt"), text)
-            _write_atomic(os.path.join(self.report_dir, f"hang_rank{self.rank}.json"), json.dumps(state))
         except OSError as exc:  # a full or read-only disk must not stop the stderr report and the exit
             self._emit(f"megalite watchdog: could not write to {self.report_dir}: {exc}")
-            return
-        self._summarize_or_wait()
-
-    def _read_states(self) -> dict[int, dict[str, Any]]:
-        states = {}
-        for rank in range(self.world_size):
-            with contextlib.suppress(OSError, ValueError):
-                with open(os.path.join(self.report_dir, f"hang_rank{rank}.json")) as f:
-                    states[rank] = json.load(f)
-        return states
+        try:
+            self.channel.publish(self.rank, state)
+            self._summarize_or_wait()
+        except Exception as exc:  # noqa: BLE001 - an unreachable side channel must not stop the exit
+            self._emit(f"megalite watchdog: no cross-rank summary ({type(exc).__name__}: {exc})")
 
     def _summarize_or_wait(self) -> None:
         """Rank 0 summarises when all ranks published (or at the deadline); the others wait for that
         summary so the launcher does not kill rank 0 mid-summary; if none comes, one of them writes it."""
-        summary = os.path.join(self.report_dir, "hang_summary.txt")
+        channel = self.channel
         deadline = time.monotonic() + self.summary_wait_s
         while time.monotonic() < deadline:
-            if os.path.exists(summary):
+            if channel.has_summary():
                 return
-            if self.rank == 0 and len(self._read_states()) == self.world_size:
+            if self.rank == 0 and len(channel.states(self.world_size)) == self.world_size:
                 break
             time.sleep(0.05)
-        if self.rank != 0 and os.path.exists(summary):
-            return
         if self.rank != 0:
             time.sleep(0.05 * min(self.rank, 20))  # let rank 0 (or a lower rank) win the race when it can
-        try:  # exactly one rank writes the summary
-            os.close(os.open(os.path.join(self.report_dir, "hang_summary.lock"), os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
+            if channel.has_summary():
+                return
+        if not channel.claim_summary():  # exactly one rank writes the summary
             return
-        text = summarize_hang(self._read_states(), self.world_size)
-        text += f"\n(per-rank reports: {os.path.join(self.report_dir, 'hang_rank<R>.txt')}; written by rank " \
-                f"{self.rank}; exiting with code {self.exit_code})\n"
+        text = summarize_hang(channel.states(self.world_size), self.world_size)
+        text += f"\n(per-rank reports: {os.path.join(self.report_dir, 'hang_rank<R>.txt')} on each rank's host; " \
+                f"written by rank {self.rank}; exiting with code {self.exit_code})\n"
         self._emit(text)
         with contextlib.suppress(OSError):
-            _write_atomic(summary, text)
+            _write_atomic(os.path.join(self.report_dir, "hang_summary.txt"), text)
+        channel.post_summary(text)

@@ -14,7 +14,8 @@ import torch
 
 from megalite import comm, mesh
 from megalite.testing import free_port
-from megalite.training.watchdog import HANG_EXIT_CODE, HangWatchdog, describe_wait, rank_state, summarize_hang
+from megalite.training.watchdog import (HANG_EXIT_CODE, HangWatchdog, StoreChannel, describe_wait, rank_state,
+                                        summarize_hang)
 
 WORLD, TIMEOUT_S = 4, 1.5
 
@@ -168,3 +169,57 @@ def test_gpu_ops_that_returned_but_did_not_complete_are_where_the_rank_waits():
     assert describe_wait(5, state["waiting"]).startswith(
         "rank 5 waits in all_reduce on group dp (seq 2, shape [64], float32, 256 bytes, enqueued on the GPU and "
         "not complete, started 8.0 s ago")
+
+
+class _DictStore:
+    """The part of torch.distributed's Store API the channel uses, in memory (one process, many threads)."""
+
+    def __init__(self):
+        self.data, self.lock = {}, threading.Lock()
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        with self.lock:
+            return self.data[key]
+
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+    def add(self, key, amount):
+        with self.lock:
+            self.data[key] = str(int(self.data.get(key, b"0")) + amount).encode()
+            return int(self.data[key])
+
+
+def test_store_channel_and_a_silent_rank_0_another_rank_summarises(tmp_path, monkeypatch):
+    now = time.perf_counter()
+    monkeypatch.setattr(comm, "recent_ops", lambda: [comm.OpRecord(4, "broadcast", "dp", (2,), "int64", 16, now)])
+    store, done = _DictStore(), threading.Barrier(3)
+    codes = {}
+
+    def exit_fn_for(rank):
+        def record(code):
+            codes[rank] = code
+            done.wait(10)
+        return record
+
+    # Ranks 1 and 2 of a world of 3 hang; rank 0 never reports (dead, or stuck holding the GIL).
+    watchdogs = [HangWatchdog(0.2, str(tmp_path / f"node{r}"), channel=StoreChannel(store, "job/"), rank=r,
+                              world_size=3, summary_wait_s=0.5, exit_fn=exit_fn_for(r), stream=io.StringIO())
+                 for r in (1, 2)]
+    for w in watchdogs:
+        w.start()
+    done.wait(20)
+    assert codes == {1: HANG_EXIT_CODE, 2: HANG_EXIT_CODE}
+    summary = store.get("job/summary").decode()
+    assert "2 of 3 ranks reported" in summary and "ranks 1-2 wait in broadcast on group dp" in summary
+    assert "rank 0 sent no report" in summary and "likely culprit: rank 0" in summary
+    # Exactly one live rank claimed and wrote it (rank 1 usually: higher ranks wait a little longer).
+    writers = [r for r in (1, 2) if (tmp_path / f"node{r}" / "hang_summary.txt").exists()]
+    assert len(writers) == 1 and f"written by rank {writers[0]}" in summary
+    assert (tmp_path / f"node{writers[0]}" / "hang_summary.txt").read_text() == summary
+    assert json.loads(store.get("job/state/2"))["waiting"]["seq"] == 4
