@@ -1,4 +1,7 @@
 """Shared pieces of the checkpoint tests: a tiny model, per-step global batches, a train loop."""
+import importlib.util
+import pathlib
+
 import torch
 
 from megalite.model import preset
@@ -45,3 +48,27 @@ def train(chunks, optimizer, mesh, cfg, steps):
 def full_params(chunks):
     """{logical name: full tensor} of a (1, 1, 1) model."""
     return {n: p.shard_spec.assemble([p.detach().clone()]) for n, p in chunks[0].logical_parameters()}
+
+
+def load_convert_tool():
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def megalite_logits(checkpoint, ids):
+    """Logits of megalite's (1, 1, 1) GPTModel loaded from a checkpoint of any layout."""
+    from megalite.checkpoint import load_checkpoint
+    from megalite.checkpoint.full_state import resolve_checkpoint_dir
+    from megalite.checkpoint.reader import CheckpointReader
+    from megalite.mesh import single_process_mesh
+    from megalite.model.config import GPTConfig
+    from megalite.model.gpt import GPTModel
+
+    config = GPTConfig(**CheckpointReader(resolve_checkpoint_dir(checkpoint)).metadata["model_config"])
+    model = GPTModel(config, single_process_mesh("cpu")).eval()
+    load_checkpoint(checkpoint, [model], None, single_process_mesh("cpu"), log=lambda *_: None)
+    with torch.no_grad():
+        return model(ids)[..., :config.vocab_size]

@@ -17,7 +17,8 @@ from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.mesh import single_process_mesh
 from megalite.testing import assert_tensor_close, run_distributed
 
-from ckpt_helpers import GLOBAL, build, full_params, model_config, train, train_config
+from ckpt_helpers import (GLOBAL, build, full_params, load_convert_tool, megalite_logits, model_config, train,
+                          train_config)
 
 SAVED_STEP = 2
 
@@ -94,6 +95,14 @@ def test_save_at_222_load_anywhere(flavour, tmp_path):
     meta_a, meta_b = (json.loads((d / "metadata.json").read_text()) for d in (a, b))
     meta_a.pop("saved_at_unix"), meta_b.pop("saved_at_unix")
     assert meta_a == meta_b
+
+    # Exported to transformers from the (2, 2, 2) checkpoint: HF's logits are megalite's.
+    transformers = pytest.importorskip("transformers")
+    assert load_convert_tool().main(["export", "--load", str(sync_dir), "--output", str(tmp_path / "hf")]) == 0
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hf_logits = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    torch.testing.assert_close(hf_logits, megalite_logits(sync_dir, ids), rtol=1e-5, atol=1e-5)
 
     # (1, 1, 1) in this process, zero 0, then the other layouts on forked worlds.
     m, cfg = single_process_mesh("cpu"), train_config()

@@ -1,0 +1,146 @@
+"""Convert between megalite checkpoints (any layout) and HuggingFace `transformers` directories.
+
+    # megalite -> HF: config.json + model.safetensors (pytorch_model.bin without safetensors)
+    python tools/convert_checkpoint.py export --load runs/ckpt [--step 1200] --output hf_out [--dtype bf16]
+    # HF -> megalite: a checkpoint holding weights only; train from it with --load DIR (the optimizer
+    # starts from these weights at step 0)
+    python tools/convert_checkpoint.py import --hf hf_dir --output runs/from_hf
+
+GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM) flavours; tensor names and layouts are
+mapped by megalite.model.hf. A checkpoint saved at any (tp, pp, dp, zero) exports the same
+files: the full tensors are assembled from its layout-free boxes, every file read verified.
+Nothing is downloaded: `--hf` is a local directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from megalite.checkpoint import read_full_state, write_full_state
+from megalite.model.config import GPTConfig
+from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hf_config_for(config: GPTConfig, dtype: torch.dtype):
+    """The transformers config of the same model (checked by converting it back)."""
+    import transformers
+
+    if config.flavour == "gpt2":
+        if not config.tie_embeddings or not config.add_bias:
+            raise ValueError("GPT2LMHeadModel needs tied embeddings and biases; this gpt2-flavour model has "
+                             f"tie_embeddings={config.tie_embeddings}, add_bias={config.add_bias}")
+        hf = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_length,
+                                     n_embd=config.hidden_size, n_layer=config.num_layers,
+                                     n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
+                                     activation_function="gelu_new", layer_norm_epsilon=config.norm_eps,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    else:
+        if config.add_bias:
+            raise ValueError("megalite's Llama export covers bias-free models only (add_bias=False)")
+        hf = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                                      intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+                                      num_attention_heads=config.num_attention_heads,
+                                      num_key_value_heads=config.num_query_groups,
+                                      max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
+                                      tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
+                                      rope_theta=config.rope_theta)
+        if getattr(hf, "rope_parameters", None) is not None:  # transformers 5 keeps theta here
+            hf.rope_parameters = {**hf.rope_parameters, "rope_type": "default", "rope_theta": config.rope_theta}
+    hf.architectures = ["GPT2LMHeadModel" if config.flavour == "gpt2" else "LlamaForCausalLM"]
+    hf.torch_dtype = str(dtype).removeprefix("torch.")
+    back = config_from_hf(hf)
+    for field in ("flavour", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "ffn_hidden_size", "vocab_size", "seq_length", "norm_eps", "rope_theta", "tie_embeddings"):
+        if getattr(back, field) != getattr(config, field):
+            raise ValueError(f"the transformers config does not reproduce {field}: {getattr(back, field)} != "
+                             f"{getattr(config, field)}")
+    return hf
+
+
+def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = None, dtype: str | None = None,
+                 safe: bool = True) -> Path:
+    """Write `output`/config.json and the weights of a megalite checkpoint; returns `output`."""
+    config, full, meta = read_full_state(load, step)
+    target = DTYPES[dtype] if dtype else next(iter(full.values())).dtype
+    state = full_state_to_hf(full, config)
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)  # transformers ties it to the input embedding
+    # Own, contiguous storage per tensor: split views (q/k/v, gate/up) must not share memory on disk.
+    state = {name: tensor.to(target).contiguous().clone() for name, tensor in state.items()}
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    hf_config_for(config, target).save_pretrained(output)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        safe = False
+    if safe:
+        save_file(state, str(output / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        torch.save(state, output / "pytorch_model.bin")
+    print(f"exported {meta['model_config']['flavour']} step {meta['step']} (saved at tp={meta['layout']['tp']} "
+          f"pp={meta['layout']['pp']} dp={meta['layout']['dp']}) to {output}")
+    return output
+
+
+def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no *.safetensors or pytorch_model*.bin weights")
+    state = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(file)))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    return state
+
+
+def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> Path:
+    """Publish a megalite checkpoint (weights only) of the HF model in `hf_dir`; returns its path."""
+    import transformers
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").exists():
+        raise FileNotFoundError(f"{hf_dir}/config.json not found; pass a directory written by save_pretrained")
+    config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True))
+    full = hf_to_full_state(_read_hf_weights(hf_dir), config)
+    path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir)})
+    print(f"imported {config.flavour} ({config.num_params() / 1e6:.2f}M params) from {hf_dir} to {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="megalite checkpoint -> transformers directory")
+    ex.add_argument("--load", required=True, help="a --save directory (latest) or one step_* directory")
+    ex.add_argument("--step", type=int, default=None, help="export this step instead of the latest")
+    ex.add_argument("--output", required=True)
+    ex.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the saved parameter dtype")
+    ex.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of model.safetensors")
+    im = sub.add_parser("import", help="transformers directory -> megalite checkpoint")
+    im.add_argument("--hf", required=True, help="local directory with config.json and weights")
+    im.add_argument("--output", required=True, help="checkpoint directory (use it as --load)")
+    im.add_argument("--step", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin)
+        else:
+            import_from_hf(args.hf, args.output, step=args.step)
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"convert_checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
