@@ -49,10 +49,11 @@ RING_LINES = 16  # recent ops shown per rank: enough to see the step's pattern o
 
 def default_report_dir() -> str:
     """A temp directory shared by the ranks of one node, unique to this job incarnation."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or f"{os.environ.get('MASTER_ADDR', 'local')}-" \
-                                                   f"{os.environ.get('MASTER_PORT', '0')}"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{run}-r{restart}")
+    # torchrun's run id defaults to "none": the rendezvous address tells concurrent jobs apart.
+    env = os.environ.get
+    key = f"{env('TORCHELASTIC_RUN_ID', 'job')}-{env('MASTER_ADDR', 'local')}-{env('MASTER_PORT', '0')}-" \
+          f"r{env('TORCHELASTIC_RESTART_COUNT', '0')}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
     return os.path.join(tempfile.gettempdir(), f"megalite-hang-{safe}")
 
 
