@@ -8,20 +8,21 @@ boundaries; when `timeout_s` passes without a call, every rank, independently:
    ops from `megalite.comm`'s ring buffer with the op it still waits in named first
    ("rank 5 waits in all_reduce on group dp (seq 812, shape [4096], started 63.2 s ago)"),
    then the Python stack of every thread;
-2. publishes a one-line machine-readable state, `<report_dir>/hang_rank{R}.json`;
+2. publishes a one-line machine-readable state through the side channel (by default the file
+   `<report_dir>/hang_rank{R}.json`);
 3. waits (at most `summary_wait_s`) for the other ranks' states; rank 0 writes the summary
    ("ranks 0-3, 5-7 wait in all_reduce on group dp; rank 4 is in no communication op") to
    stderr and `<report_dir>/hang_summary.txt` as soon as every rank has published, or at its
    deadline. If rank 0 never publishes (dead, or stuck holding the GIL), whichever rank first
-   creates `hang_summary.lock` after the deadline writes it instead;
+   claims the summary after the deadline (lower ranks try first) writes it instead;
 4. exits with `HANG_EXIT_CODE` via `os._exit` (the main thread is blocked in C++, so nothing
    softer would end the process). The report runs in a non-daemon thread, so a main thread
    whose collective fails when a peer exits first does not end the process before it.
 
 The side channel is never a collective: the job is hung, so no collective can be trusted.
 By default it is the file system (`FileChannel`): a temp directory shared by the ranks of one
-node and unique to the job incarnation (torchrun's run id and restart count, or the rendezvous
-port), so the summary covers one node; a directory on a shared file system covers them all.
+node and unique to the job incarnation (run id, rendezvous address and restart count), so the
+summary covers one node; a directory on a shared file system covers them all.
 `StoreChannel` uses a key-value store with torch.distributed's Store API instead (the job's
 TCPStore on a connection of its own), which reaches every node. Full reports are also on each
 rank's stderr, which the launcher collects.
