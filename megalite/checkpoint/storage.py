@@ -192,11 +192,17 @@ def latest_step(root: Path) -> int | None:
 
 def prune(root: Path, keep_last: int, keep_every: int) -> list[int]:
     """Delete checkpoints beyond the newest `keep_last` except multiples of `keep_every`
-    and the one `latest` names; return the deleted steps. keep_last=0 keeps everything."""
+    and the one `latest` names; return the deleted steps. keep_last=0 keeps everything.
+    Also removes `step_N.tmp` directories older than `latest` (left by a crash)."""
+    latest = latest_step(root)
+    for child in root.iterdir():  # unpublished leftovers of a crashed earlier save: never loadable
+        match = re.match(r"^step_(\d+)\.tmp$", child.name)
+        if match and latest is not None and int(match.group(1)) < latest:
+            shutil.rmtree(child, ignore_errors=True)
     if keep_last <= 0:
         return []
     steps = complete_steps(root)
-    keep = set(steps[-keep_last:]) | {latest_step(root)}
+    keep = set(steps[-keep_last:]) | {latest}
     if keep_every > 0:
         keep |= {s for s in steps if s % keep_every == 0}
     doomed = [s for s in steps if s not in keep]

@@ -124,3 +124,7 @@ def test_crash_during_a_background_write_never_publishes_it(tmp_path):
     assert not (tmp_path / "step_000002").exists()
     assert json.loads((tmp_path / "latest").read_text()) == {"step_dir": "step_000001"}
     assert _load(tmp_path)[0].step == 1
+    m, cfg, model = single_process_mesh("cpu"), train_config(), model_config()
+    chunks, optimizer = build(model, cfg, m)
+    _save(Checkpointer(tmp_path, m, log=lambda *_: None), 3, chunks, optimizer, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001", "step_000003"]  # leftover gone
