@@ -12,7 +12,7 @@ deferred weight-gradient work holds the layer inputs until then.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -74,7 +74,8 @@ def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: 
 def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
                  mesh: Mesh, num_microbatches: int, activation_shape: tuple[int, ...] | torch.Size,
                  dtype: torch.dtype, loss_scale: float, virtual_stages: int = 1,
-                 stats: dict[str, Any] | None = None, forward_only: bool = False) -> float:
+                 stats: dict[str, Any] | None = None, forward_only: bool = False,
+                 before_last_backward: Callable[[int], None] | None = None) -> float:
     """Run forward and backward of every microbatch on this rank under `schedule_name`.
 
     model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
@@ -90,6 +91,9 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
       "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
     forward_only: evaluation. Forwards and activation transfers only, under no_grad; each
       output is freed once sent; no gradients, no embedding all-reduce.
+    before_last_backward: called with a local chunk index right before that chunk's last
+      gradient-producing instruction (its last BWD, or BWD_WEIGHT under zero-bubble), so a
+      data-parallel engine can reduce the chunk's buckets during it instead of after the step.
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere. Grads of
     `shared_embedding` parameters are all-reduced over the embedding group at the end.
     """
@@ -180,9 +184,13 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
         if not deferred:
             live.discard(key)
 
+    # Index of each chunk's last gradient-producing instruction (weight grads come last).
+    last_grad_op = {op.chunk: op for op in ops if op.kind in (BWD, BWD_WEIGHT)}  # each is unique
     with torch.no_grad() if forward_only else torch.enable_grad():
         for step in split_steps(list(ops)):
             op = step[0]
+            if before_last_backward is not None and last_grad_op.get(op.chunk) == op:
+                before_last_backward(op.chunk)
             if op.is_transfer:
                 transfer(step)
             elif op.kind == FWD:

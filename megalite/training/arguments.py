@@ -174,7 +174,7 @@ def _data_files_missing(data_path: list[str]) -> list[str]:
 
 def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
     """Flags -> (model config, run config), or ConfigError naming every problem and its fix."""
-    from megalite.pipeline.partition import stage_layers
+    from megalite.pipeline.executor import check_pipeline_config
     from megalite.training.estimate import preflight
 
     problems: list[str] = []
@@ -216,19 +216,13 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
 
     layout = planner_layout(model, cfg)
     problems += preflight(model, layout, world_size)
-    if schedule == "interleaved" and cfg.virtual_stages == 1 and cfg.pp > 1:
-        problems.append("--pipeline-schedule interleaved needs --virtual-stages >= 2")
-    if cfg.virtual_stages > 1 and schedule != "interleaved":
-        problems.append(f"--pipeline-schedule {schedule} runs one chunk per rank; use --virtual-stages 1 "
-                        f"or --pipeline-schedule interleaved")
     if cfg.pp > 1 and not problems:
-        for rank in range(cfg.pp):
-            try:
-                stage_layers(model.num_layers, cfg.pp, cfg.virtual_stages, rank, cfg.first_stage_layers,
-                             cfg.last_stage_layers)
-            except ValueError as exc:
-                problems.append(str(exc))
-                break
+        # The pipeline's own check: layer split, schedule rules, and the schedule built and verified.
+        try:
+            check_pipeline_config(schedule, model.num_layers, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
+                                  cfg.first_stage_layers, cfg.last_stage_layers)
+        except ValueError as exc:
+            problems.append(str(exc))
     if cfg.pp == 1 and (cfg.first_stage_layers is not None or cfg.last_stage_layers is not None):
         problems.append("--decoder-first/last-stage-layers need --pp > 1")
     for name, value in (("--train-iters", cfg.train_iters), ("--micro-batch-size", cfg.micro_batch_size),

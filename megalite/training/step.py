@@ -18,7 +18,6 @@ from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline import run_pipeline, stage_layers
-from megalite.pipeline.p2p import post_and_wait
 from megalite.training.arguments import TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,10 +98,16 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
             (loss * loss_scale).backward()
             loss_sum += float(loss.detach())
     else:
-        optimizer.grads.set_last_microbatch(False)  # the pipeline interleaves microbatches: reduce after
+        # Each chunk's buckets start reducing during that chunk's last backward instruction.
+        optimizer.grads.set_last_microbatch(False)
+
+        def before_last_backward(chunk: int) -> None:
+            optimizer.grads.set_last_microbatch(True, params=list(chunks[chunk].parameters()))
+
         loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches),
                                 activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1]),
-                                DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks))
+                                DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks),
+                                before_last_backward=before_last_backward)
         optimizer.grads.set_last_microbatch(True)
     result = optimizer.step(lr)
     result["loss"] = _global_loss(loss_sum, tokens, mesh)
@@ -115,29 +120,16 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
              cfg: TrainConfig) -> float:
     """Mean loss over every target token of `microbatches` (all dp ranks), the same on every rank.
 
-    Forward only; with pipeline parallelism each microbatch walks the model chunks in order
-    (chunk c of stage pp-1 feeds chunk c+1 of stage 0), one point-to-point hop at a time.
+    Forward only; with pipeline parallelism the schedule's forward-only variant runs.
     """
     microbatches = _to_device(microbatches, mesh.device)
     tokens = global_target_tokens(microbatches, mesh)
     for chunk in chunks:
         chunk.eval()
-    loss_sum = 0.0
-    pp, stage = mesh.pp_size, mesh.pp_rank
-    for mb in microbatches:
-        if pp == 1:
-            loss_sum += float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum"))
-            continue
-        shape = activation_shape(chunks[0].config, cfg, mb["input_ids"].shape[1])
-        for c, chunk in enumerate(chunks):
-            if chunk.pre_process:
-                x = mb["input_ids"]
-            else:
-                prev = mesh.pp_ranks[(stage - 1) % pp]
-                x = torch.empty(shape, dtype=DTYPES[cfg.precision], device=mesh.device)
-                post_and_wait([("recv", x, prev)], mesh.pp_group)
-            if chunk.post_process:
-                loss_sum += float(chunk(x, mb["labels"], reduction="sum"))
-            else:
-                post_and_wait([("send", chunk(x).contiguous(), mesh.pp_ranks[(stage + 1) % pp])], mesh.pp_group)
+    if mesh.pp_size == 1:
+        loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum")) for mb in microbatches)
+    else:
+        shape = activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1])
+        loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches), shape,
+                                DTYPES[cfg.precision], 1.0, virtual_stages=len(chunks), forward_only=True)
     return _global_loss(loss_sum, tokens, mesh)

@@ -81,15 +81,15 @@ def test_tensor_parallel_bytes_match_megatron_count(sequence_parallel):
     cfg = _config(name)
     bytes_, calls = run_distributed(_count_bytes, tp, name, tp, sequence_parallel)[0]
     L, act = cfg.num_layers, B * S * cfg.hidden_size * 4  # one [s, b, h] fp32 activation, in bytes
-    ce = B * S * 4 + 2 * B * S * 4  # cross entropy: max, then (target logit, sum exp)
+    ce = B * S * (2 * tp + 1) * 4  # cross entropy: one all-reduce of per-rank max/sum-exp slots + target logit
     if not sequence_parallel:
         # Per layer 4 all-reduces of b*s*h (2 forward after the row-parallel layers, 2 backward
         # before the column-parallel ones), plus embedding (forward) and head input (backward).
-        assert calls[("tp", "all_reduce")] == 4 * L + 2 + 2
+        assert calls[("tp", "all_reduce")] == 4 * L + 2 + 1
         assert bytes_[("tp", "all_reduce")] == 4 * L * act + 2 * act + ce
         assert ("tp", "all_gather") not in bytes_ and ("tp", "reduce_scatter") not in bytes_
     else:
         # Each all-reduce becomes a reduce-scatter + all-gather pair of the same full size.
         assert calls[("tp", "all_gather")] == calls[("tp", "reduce_scatter")] == 4 * L + 2
         assert bytes_[("tp", "all_gather")] == bytes_[("tp", "reduce_scatter")] == (4 * L + 2) * act
-        assert calls[("tp", "all_reduce")] == 2 and bytes_[("tp", "all_reduce")] == ce
+        assert calls[("tp", "all_reduce")] == 1 and bytes_[("tp", "all_reduce")] == ce

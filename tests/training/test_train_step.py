@@ -12,7 +12,9 @@ from megalite.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.arguments import TrainConfig
-from megalite.training.step import build_model_chunks, build_optimizer, train_step
+import torch.nn.functional as F
+
+from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
 
 STEPS, MICRO, GLOBAL, SEQ = 3, 2, 8, 16
 
@@ -56,15 +58,28 @@ def _run(name, m, cfg):
 
 
 def _reference(name):
-    losses, chunks = _run(name, single_process_mesh("cpu"), _cfg(1, 1, 1))
+    m, cfg = single_process_mesh("cpu"), _cfg(1, 1, 1)
+    losses, chunks = _run(name, m, cfg)
     params = {n: p.shard_spec.assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
-    return losses, params
+    # Evaluation after training, checked against a hand computation from the logits.
+    mbs = _batches(chunks[0].config.vocab_size, 1, 0)[0]
+    eval_loss = evaluate(chunks, mbs, m, cfg)
+    with torch.no_grad():
+        vocab = chunks[0].config.vocab_size
+        logits = torch.cat([chunks[0](mb["input_ids"])[..., :vocab] for mb in mbs])
+        labels = torch.cat([mb["labels"] for mb in mbs])
+        by_hand = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100).item()
+    assert abs(eval_loss - by_hand) <= 1e-5 * by_hand
+    return losses, params, eval_loss
 
 
-def _parallel(name, tp, pp, dp, extra, ref_losses, ref_params):
+def _parallel(name, tp, pp, dp, extra, ref_losses, ref_params, ref_eval):
     m = mesh.init_mesh(tp=tp, pp=pp, dp=dp)
-    losses, chunks = _run(name, m, _cfg(tp, pp, dp, **extra))
+    cfg = _cfg(tp, pp, dp, **extra)
+    losses, chunks = _run(name, m, cfg)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    eval_loss = evaluate(chunks, _batches(chunks[0].config.vocab_size, dp, m.dp_rank)[0], m, cfg)
+    torch.testing.assert_close(eval_loss, ref_eval, rtol=1e-5, atol=0)
     for chunk in chunks:
         for name_, p in chunk.logical_parameters():
             # Tensor-relative: elementwise is ill-conditioned after Adam (see assert_tensor_close).
@@ -86,7 +101,8 @@ LLAMA_LAYOUTS = [LAYOUTS[2], LAYOUTS[4], LAYOUTS[6]]
 
 @pytest.mark.parametrize("name,layouts", [("tiny", LAYOUTS), ("tiny-llama", LLAMA_LAYOUTS)])
 def test_training_steps_match_single_process(name, layouts):
-    ref_losses, ref_params = _reference(name)
+    ref_losses, ref_params, ref_eval = _reference(name)
     assert ref_losses[-1] < ref_losses[0]
     for tp, pp, dp, extra in layouts:
-        run_distributed(_parallel, tp * pp * dp, name, tp, pp, dp, extra, ref_losses, ref_params, timeout_s=180)
+        run_distributed(_parallel, tp * pp * dp, name, tp, pp, dp, extra, ref_losses, ref_params, ref_eval,
+                        timeout_s=180)
