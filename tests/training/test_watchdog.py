@@ -101,14 +101,14 @@ def test_progress_keeps_it_quiet_then_silence_fires_with_the_pending_op(tmp_path
         codes.append(code)
         fired.set()
 
-    watchdog = HangWatchdog(0.3, str(tmp_path), rank=0, world_size=1, exit_fn=record_exit, stream=out)
+    watchdog = HangWatchdog(0.6, str(tmp_path), rank=0, world_size=1, exit_fn=record_exit, stream=out)
     with watchdog:
         for step in range(8):  # 0.8 s of steady progress: more than the timeout, never a gap that long
             watchdog.progress(step)
             time.sleep(0.1)
         assert not fired.is_set()
         with watchdog.paused():  # a known-long phase does not count
-            time.sleep(0.5)
+            time.sleep(0.8)
         assert not fired.is_set()
         assert fired.wait(10)
     assert codes == [HANG_EXIT_CODE]
@@ -209,7 +209,7 @@ def test_store_channel_and_a_silent_rank_0_another_rank_summarises(tmp_path, mon
 
     # Ranks 1 and 2 of a world of 3 hang; rank 0 never reports (dead, or stuck holding the GIL).
     watchdogs = [HangWatchdog(0.2, str(tmp_path / f"node{r}"), channel=StoreChannel(store, "job/"), rank=r,
-                              world_size=3, summary_wait_s=0.5, exit_fn=exit_fn_for(r), stream=io.StringIO())
+                              world_size=3, summary_wait_s=1.5, exit_fn=exit_fn_for(r), stream=io.StringIO())
                  for r in (1, 2)]
     for w in watchdogs:
         w.start()
