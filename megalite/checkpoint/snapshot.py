@@ -96,7 +96,9 @@ def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
             for local_sub, full_box in local_to_full(spec, local_box):
                 for kind in OPTIMIZER_KINDS:
                     run = entry[kind][cursor:cursor + n].view(box_shape(local_box))
-                    items.append(Item(kind, name, full_box, run[box_slices(relative(local_sub, local_box))].clone()))
+                    # optimizer_state() returned private CPU copies: a contiguous piece is used as is
+                    piece = run[box_slices(relative(local_sub, local_box))].contiguous()
+                    items.append(Item(kind, name, full_box, piece))
             cursor += n
     return items, extras
 
