@@ -106,3 +106,29 @@ def test_training_steps_match_single_process(name, layouts):
     for tp, pp, dp, extra in layouts:
         run_distributed(_parallel, tp * pp * dp, name, tp, pp, dp, extra, ref_losses, ref_params, ref_eval,
                         timeout_s=180)
+
+
+def _overlap_order():
+    m = mesh.init_mesh(tp=1, pp=2, dp=2)
+    cfg = _cfg(1, 2, 2, ddp_bucket_size=20_000)  # small buckets, so several fill during backward
+    model = _model("tiny")
+    chunks = build_model_chunks(model, cfg, m)
+    optimizer = build_optimizer(chunks, cfg, m)
+    from megalite import comm
+
+    for mbs in _batches(model.vocab_size, 2, m.dp_rank)[:2]:  # step 1 calibrates bucket counts
+        comm.ledger.ring.clear()
+        train_step(chunks, optimizer, mbs, m, cfg, lr=1e-3)
+    ops = [(r.group, r.op) for r in comm.recent_ops()]
+    first_pp = min(i for i, (g, o) in enumerate(ops) if g == "pp")
+    last_pp = max(i for i, (g, o) in enumerate(ops) if g == "pp")
+    # (the dp all-reduce of the token count comes before the pipeline; skip it)
+    first_dp = next(i for i, (g, o) in enumerate(ops) if i > first_pp and g == "dp"
+                    and o in ("all_reduce", "reduce_scatter"))
+    return m.pp_rank, first_dp, last_pp
+
+
+def test_dp_reduction_overlaps_the_pipelines_last_backward():
+    for stage, first_dp, last_pp in run_distributed(_overlap_order, 4):
+        if stage == 1:  # the last stage sends its last input gradient after its last backward
+            assert first_dp < last_pp, "dp buckets should start before the last stage's final send"
