@@ -163,6 +163,9 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
     checkpoint holds another model shape. Every rank must call it (it communicates).
     """
     root = Path(load_dir)
+    named = storage.STEP_DIR.match(root.name)
+    if named and (root / storage.MANIFEST).exists():  # a step directory itself: load exactly that one
+        root, step = root.parent, int(named.group(1))
     say = log if mesh.rank == 0 else (lambda *_: None)
     world = comm.world_group()
     decision: tuple[str, object]

@@ -19,6 +19,7 @@ the checkpoint is published for everyone.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import sys
 import threading
@@ -27,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-import megalite
 from megalite import comm
 from megalite.checkpoint import snapshot, storage
 from megalite.mesh import Mesh
@@ -46,6 +46,13 @@ def _jsonable(obj):
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
+
+
+def _megalite_version() -> str:
+    try:
+        return importlib.metadata.version("megalite")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "unknown"
 
 
 def layout_of(mesh: Mesh, chunks, optimizer) -> dict:
@@ -103,7 +110,7 @@ class Checkpointer:
                 "optimizer_step": optimizer_extras["step"], "loss_scaler": optimizer_extras["loss_scaler"],
                 "has_optimizer": optimizer is not None, "model_config": _jsonable(model_config),
                 "train_config": _jsonable(train_config), "layout": layout_of(self.mesh, chunks, optimizer),
-                "versions": {"megalite": getattr(megalite, "__version__", "0.1.0"), "torch": torch.__version__,
+                "versions": {"megalite": _megalite_version(), "torch": torch.__version__,
                              "python": sys.version.split()[0]},
                 "saved_at_unix": time.time(), "extra": _jsonable(extra or {}),
                 "tensors": {name: shape for g in gathered for name, shape in g["shapes"].items()},

@@ -86,6 +86,7 @@ def test_damage_is_named_and_latest_falls_back(two_checkpoints, tmp_path, victim
 def test_no_checkpoint_yet_starts_from_scratch_and_bad_requests_fail(two_checkpoints, tmp_path):
     result, _, log = _load(tmp_path / "empty")
     assert result is None and "starting from scratch" in log
+    assert _load(two_checkpoints[0] / "step_000001")[0].step == 1  # a step directory names its step
     with pytest.raises(FileNotFoundError, match="available steps: \\[1, 2\\]"):
         _load(two_checkpoints[0], step=5)
     m = single_process_mesh("cpu")
