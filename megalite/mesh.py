@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +122,7 @@ class Mesh:
     model_parallel_group: Any = field(default=None, repr=False)
     embedding_group: Any = field(default=None, repr=False)
     pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's pipeline group, by stage
+    placements: tuple[tuple[str, int, str], ...] = ()  # per global rank: (host, local rank, device)
 
     @property
     def is_first_stage(self) -> bool:
@@ -135,11 +137,12 @@ class Mesh:
         lines = [
             f"mesh: world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size} "
             f"backend={self.backend or 'none'} (rank = tp_rank + tp*(dp_rank + dp*pp_rank))",
-            f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3}",
+            f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3}  {'host':<20} {'local':>5}  device",
         ]
         for r in range(self.world_size):
             t, d, p = rank_to_coords(r, self.tp_size, self.pp_size, self.dp_size)
-            lines.append(f"{r:>5} {t:>3} {d:>3} {p:>3}")
+            host, local, device = self.placements[r] if r < len(self.placements) else ("?", -1, "?")
+            lines.append(f"{r:>5} {t:>3} {d:>3} {p:>3}  {host:<20} {local:>5}  {device}")
         return "\n".join(lines)
 
 
@@ -155,7 +158,15 @@ def single_process_mesh(device: torch.device | str | None = None) -> Mesh:
     """A tp=pp=dp=1 mesh that needs no process group."""
     device = torch.device(device) if device is not None else default_device()
     return Mesh(rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                device=device, backend=None, pp_ranks=(0,))
+                device=device, backend=None, pp_ranks=(0,), placements=(_placement(device),))
+
+
+def _placement(device: torch.device) -> tuple[str, int, str]:
+    """(host, local rank, device) of this process, for the rank table."""
+    name = str(device)
+    if device.type == "cuda":
+        name += f" ({torch.cuda.get_device_name(device)})"
+    return socket.gethostname(), int(os.environ.get("LOCAL_RANK", "0")), name
 
 
 def default_device() -> torch.device:
@@ -207,6 +218,8 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | No
         model_parallel_group=mine("mp", model_parallel_group_ranks(tp, pp, dp)),
         embedding_group=mine("embedding", embedding_group_ranks(tp, pp, dp)),
         pp_ranks=tuple(pp_ranks),
+        # One small gather at start-up, so the rank table names every rank's node and device.
+        placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),
     )
     _CURRENT_MESH = mesh
     return mesh
