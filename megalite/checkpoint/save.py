@@ -91,7 +91,7 @@ class Checkpointer:
         """Checkpoint the state after `step` optimizer steps; returns the final directory path."""
         started = time.perf_counter()
         self.wait()  # one write in flight at a time (and surface a failed background write)
-        items, optimizer_extras = snapshot.collect(chunks, optimizer, self.mesh)
+        items, optimizer_extras = snapshot.collect(chunks, optimizer, self.mesh, copy=self.async_save)
         file = storage.shard_file_name(self.mesh.rank)
         index, offset = [], 0
         for item in items:

@@ -57,7 +57,9 @@ def writes(chunk, local_name: str, param, mesh: Mesh) -> bool:
     return param.shard_spec.is_tp_sharded or mesh.tp_rank == 0
 
 
-def model_items(chunks, mesh: Mesh, pin: bool = False) -> list[Item]:
+def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> list[Item]:
+    """The parameter boxes this rank stores; copy=False keeps CPU views (a synchronous save
+    writes them before training touches the parameters again)."""
     if mesh.dp_rank != 0:
         return []
     items = []
@@ -68,7 +70,9 @@ def model_items(chunks, mesh: Mesh, pin: bool = False) -> list[Item]:
             name, spec, data = chunk.logical_name(local_name), param.shard_spec, param.detach()
             whole = tuple((0, n) for n in data.shape)
             for local_box, full_box in local_to_full(spec, whole):
-                items.append(Item("model", name, full_box, _cpu_copy(data[box_slices(local_box)], pin)))
+                view = data[box_slices(local_box)]
+                keep_view = not copy and view.device.type == "cpu"
+                items.append(Item("model", name, full_box, view.contiguous() if keep_view else _cpu_copy(view, pin)))
     return items
 
 
@@ -115,10 +119,12 @@ def rng_items(chunks, mesh: Mesh) -> list[Item]:
     return [Item("rng", prefix + key, ((0, s.numel()),), s.clone().contiguous()) for key, s in states.items()]
 
 
-def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True) -> tuple[list[Item], dict]:
-    """Everything this rank writes, as CPU copies, and the optimizer's scalar state."""
+def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
+            copy: bool = True) -> tuple[list[Item], dict]:
+    """Everything this rank writes, as CPU copies (copy=False: CPU parameters as views), and
+    the optimizer's scalar state."""
     pin = torch.cuda.is_available() and mesh.device.type == "cuda"
-    items = model_items(chunks, mesh, pin)
+    items = model_items(chunks, mesh, pin, copy)
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:
         opt_items, extras = optimizer_items(chunks, optimizer, mesh)
