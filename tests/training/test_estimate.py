@@ -24,6 +24,7 @@ from megalite.pipeline.instructions import BWD, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
 from megalite.testing import run_distributed
 from megalite.training import estimate as E
+from megalite.training import planner as P
 from megalite.training.estimate import Layout
 
 GB = 1e9
@@ -145,7 +146,7 @@ def test_model_states_match_megalites_optimizer():
         assert est.grad_bytes == grad_peak == 4 * n + (2 * n if zero_stage else 0)  # fp32 grads + reduced shard
     offloaded = E.estimate(config, Layout(dp=2, precision="bf16", zero_stage=1, offload_optimizer=True))
     assert (offloaded.optimizer_state_bytes, offloaded.host_bytes) == (0, 6 * n)
-    assert E.preflight(config, Layout(dp=2, zero_stage=3), 2)[0].startswith("megalite's optimizer shards up to")
+    assert P.preflight(config, Layout(dp=2, zero_stage=3), 2)[0].startswith("megalite's optimizer shards up to")
 
 
 def test_parameter_count_matches_the_real_model_per_stage():
@@ -312,46 +313,46 @@ def test_data_parallel_traffic_by_zero_stage():
 
 def test_preflight_names_every_problem_and_its_fix():
     config = preset("llama-7b")
-    assert E.preflight(config, Layout(tp=2, pp=2, dp=2, global_batch_size=16, precision="bf16"), 8) == []
-    errors = E.preflight(config, Layout(tp=3, pp=5, dp=2, global_batch_size=13, sequence_parallel=True), 8)
+    assert P.preflight(config, Layout(tp=2, pp=2, dp=2, global_batch_size=16, precision="bf16"), 8) == []
+    errors = P.preflight(config, Layout(tp=3, pp=5, dp=2, global_batch_size=13, sequence_parallel=True), 8)
     text = "\n".join(errors)
     for needle in ("world size 8 != tp*pp*dp", "choose tp in", "not divisible by pp*v", "choose a multiple of 2",
                    "seq_length=4096 is not divisible by tp=3"):
         assert needle in text, (needle, text)
-    few = E.preflight(config, Layout(pp=4, dp=2, global_batch_size=4), 8)
+    few = P.preflight(config, Layout(pp=4, dp=2, global_batch_size=4), 8)
     assert few and "2 microbatches < pp=4" in few[0] and "--global-batch-size >= " in few[0]
-    sp_alone = E.preflight(config, Layout(sequence_parallel=True), 1)
+    sp_alone = P.preflight(config, Layout(sequence_parallel=True), 1)
     assert sp_alone and "--tp > 1" in sp_alone[0]
-    interleaved = E.preflight(config, Layout(pp=2, dp=1, virtual_stages=2, num_microbatches=3), 2)
+    interleaved = P.preflight(config, Layout(pp=2, dp=1, virtual_stages=2, num_microbatches=3), 2)
     assert any("multiple of pp" in e for e in interleaved)
-    gpt2 = E.preflight(preset("gpt2-124m"), Layout(seq_length=2048), 1)
+    gpt2 = P.preflight(preset("gpt2-124m"), Layout(seq_length=2048), 1)
     assert gpt2 and "position table" in gpt2[0]
 
 
 def test_preflight_memory_error_names_a_fix_that_works():
     config = preset("llama-7b")
     layout = Layout(dp=8, precision="bf16", global_batch_size=8, seq_length=2048)
-    errors = E.preflight(config, layout, 8, gpu_memory=80e9)
+    errors = P.preflight(config, layout, 8, gpu_memory=80e9)
     assert len(errors) == 1 and "does not fit 80.0 GB" in errors[0]
     assert errors[0].endswith("add --zero 1")
-    assert E.preflight(config, dataclasses.replace(layout, zero_stage=1), 8, gpu_memory=80e9) == []
+    assert P.preflight(config, dataclasses.replace(layout, zero_stage=1), 8, gpu_memory=80e9) == []
 
 
 def test_suggest_ranks_layouts_that_fit():
-    small = E.suggest(preset("gpt2-124m"), gpus=8, gpu_memory=80e9, top_k=5)
+    small = P.suggest(preset("gpt2-124m"), gpus=8, gpu_memory=80e9, top_k=5)
     assert small and (small[0].layout.tp, small[0].layout.pp) == (1, 1)      # data parallel first
     assert [s.step_time_s for s in small] == sorted(s.step_time_s for s in small)
-    big = E.suggest(preset("llama-13b"), gpus=8, gpu_memory=40e9, global_batch_size=64, top_k=5)
+    big = P.suggest(preset("llama-13b"), gpus=8, gpu_memory=40e9, global_batch_size=64, top_k=5)
     assert big
     for s in big:
-        assert s.estimate.fits(40e9) and E.preflight(preset("llama-13b"), s.layout, 8) == []
+        assert s.estimate.fits(40e9) and P.preflight(preset("llama-13b"), s.layout, 8) == []
         assert s.layout.zero_stage > 0 or s.layout.tp * s.layout.pp > 1
         assert "s/step" in s.reason and "/40 GB" in s.reason
-    assert E.suggest(preset("llama-70b"), gpus=1, gpu_memory=80e9) == []
+    assert P.suggest(preset("llama-70b"), gpus=1, gpu_memory=80e9) == []
 
 
 def test_justify_is_one_line_naming_the_choices():
-    line = E.justify(preset("llama-7b"), Layout(tp=2, pp=2, dp=2, zero_stage=1, recompute="selective",
+    line = P.justify(preset("llama-7b"), Layout(tp=2, pp=2, dp=2, zero_stage=1, recompute="selective",
                                                  precision="bf16", global_batch_size=16), gpu_memory=80e9,
                      gpus_per_node=8)
     assert "\n" not in line and line.startswith("~") and "s/step" in line
