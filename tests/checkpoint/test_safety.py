@@ -129,3 +129,17 @@ def test_crash_during_a_background_write_never_publishes_it(tmp_path):
     chunks, optimizer = build(model, cfg, m)
     _save(Checkpointer(tmp_path, m, log=lambda *_: None), 3, chunks, optimizer, model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001", "step_000003"]  # leftover gone
+
+
+def test_bf16_weights_and_fp32_state_round_trip_bitwise(tmp_path):
+    m, cfg, model = single_process_mesh("cpu"), train_config(precision="bf16", zero=1), model_config()
+    chunks, optimizer = build(model, cfg, m)
+    train(chunks, optimizer, m, cfg, [1])
+    _save(Checkpointer(tmp_path, m, log=lambda *_: None), 1, chunks, optimizer, model)
+    fresh, fresh_optimizer = build(model, cfg, m)
+    load_checkpoint(tmp_path, fresh, fresh_optimizer, m, log=lambda *_: None)
+    for (name, p), (_, q) in zip(chunks[0].logical_parameters(), fresh[0].logical_parameters()):
+        assert p.dtype == q.dtype == torch.bfloat16 and torch.equal(p, q), name
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(optimizer, kind), getattr(fresh_optimizer, kind)), kind
+    assert fresh_optimizer.step_count == optimizer.step_count == 1
