@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class OpRecord:
     nbytes: int
     start: float
     end: float | None = None  # None while the call has not returned (or an async op is pending)
+    cuda: bool = False  # the op's tensor is on a GPU: the call returns once enqueued, long before completion
+    done_event: Any = None  # CUDA ops: an event recorded after the op; query() tells whether it completed
 
     def describe(self) -> str:
         state = "in progress" if self.end is None else f"done in {1e3 * (self.end - self.start):.2f} ms"
@@ -76,13 +79,16 @@ class Ledger:
         with self._lock:
             self._seq += 1
             record = OpRecord(self._seq, op, group_name, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                              nbytes, time.perf_counter())
+                              nbytes, time.perf_counter(), cuda=tensor.is_cuda)
             self.ring.append(record)
             self.bytes[(group_name, op)] += nbytes
             self.calls[(group_name, op)] += 1
             return record
 
     def end(self, record: OpRecord) -> None:
+        if record.cuda:  # the current stream waits for the op from here: the event fires when it is done
+            record.done_event = torch.cuda.Event()
+            record.done_event.record()
         record.end = time.perf_counter()
         with self._lock:
             self.seconds[(record.group, record.op)] += record.end - record.start
@@ -133,6 +139,18 @@ def new_group(ranks: list[int], name: str):
     if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
         _GROUP_NAMES[group] = name
     return group
+
+
+def side_channel_store(timeout_s: float = 30.0):
+    """A new client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT) on its own connection.
+
+    For out-of-band messages while collectives may be hung (the hang watchdog's StoreChannel):
+    the process group's own store client may be blocked in a wait. None in a single process.
+    """
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not is_initialized() or not addr or not port:
+        return None
+    return dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def world_group():

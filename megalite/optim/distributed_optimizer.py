@@ -176,7 +176,7 @@ class DistributedOptimizer:
             square += grad[start:end].square().sum() * 0.0
         return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
 
-    def step(self, lr: float) -> dict:
+    def step(self, lr: float, skip: bool = False) -> dict:
         """Finish the dp reduction, clip, update, gather. Returns {'grad_norm', 'skipped', 'loss_scale'}.
 
         `grad_norm` is the global norm of the true (unscaled, unclipped) gradients.
@@ -186,7 +186,7 @@ class DistributedOptimizer:
         grad = self.grads.grad_shard  # fp32 [shard_numel]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         grad_norm = float(self._global_norm_of_shard(grad)) / scale
-        found_inf = not math.isfinite(grad_norm)
+        found_inf = skip or not math.isfinite(grad_norm)  # skip: the caller saw a non-finite loss (all ranks agree)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         result = {"grad_norm": grad_norm, "skipped": found_inf, "loss_scale": scale}

@@ -77,10 +77,12 @@ def _to_device(microbatches, device):
 
 
 def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
-               mesh: Mesh, cfg: TrainConfig, lr: float) -> dict[str, Any]:
+               mesh: Mesh, cfg: TrainConfig, lr: float, guard=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
-    Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens'}.
+    guard: a `training.guards.NonFiniteGuard`; a non-finite loss on any rank then skips the
+    update on every rank (non-finite gradients are always skipped by the optimizer).
+    Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite'}.
     """
     microbatches = _to_device(microbatches, mesh.device)
     tokens = global_target_tokens(microbatches, mesh)
@@ -109,7 +111,9 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
                                 DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks),
                                 before_last_backward=before_last_backward)
         optimizer.grads.set_last_microbatch(True)
-    result = optimizer.step(lr)
+    loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
+    result = optimizer.step(lr, skip=not loss_finite)
+    result["loss_finite"] = loss_finite
     result["loss"] = _global_loss(loss_sum, tokens, mesh)
     result["tokens"] = tokens
     return result
