@@ -27,9 +27,14 @@ from megalite.mesh import destroy_mesh, init_mesh
 from megalite.optim.lr_schedule import LRSchedule
 from megalite.training.arguments import ConfigError, build_parser, planner_layout, resolve
 from megalite.training.estimate import estimate
-from megalite.training.metrics import (MetricsWriter, ThroughputMeter, gather_step_times, memory_stats,
+from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
+                                      ReplicaMismatchError, check_replicas)
+from megalite.training.metrics import (MetricsWriter, ThroughputMeter, estimate_vs_measured, gather_step_times,
+                                       memory_stats,
                                        peak_tflops, progress_line, straggler_report)
+from megalite.training.planner import justify
 from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
+from megalite.training.watchdog import HangWatchdog
 
 
 def log(*parts, rank0_only: bool = True) -> None:
@@ -62,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"batch: global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x dp {cfg.dp} x accumulation "
         f"{cfg.num_microbatches}; {cfg.precision}; schedule {cfg.pipeline_schedule if cfg.pp > 1 else 'none'}; "
         f"zero {cfg.zero}; estimated {plan.total_bytes / 1e9:.2f} GB per rank")
+    log("layout: " + justify(model_cfg, planner_layout(model_cfg, cfg),
+                             gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
     # 3. Data: fixed-length samples addressed by a global index; each dp rank reads its share.
     train_set, valid_set, _ = build_gpt_datasets(cfg.data_path, cfg.split, model_cfg.seq_length, cfg.seed, tokenizer)
@@ -79,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                             cfg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda"
                                                            else None, cfg.precision))
     writer = MetricsWriter(cfg.metrics_file, enabled=mesh.rank == 0)
+    # Guards: a non-finite loss or gradient skips the update (or stops); dp replicas must not drift.
+    guard = NonFiniteGuard(mesh, cfg.on_nonfinite, loss_scaling=cfg.precision == "fp16", log=log)
+    named_params = [(name, p) for chunk in chunks for name, p in chunk.logical_parameters()]
+    # Hang watchdog: no finished step for --hang-timeout s -> every rank reports where it waits, exit 86.
+    watchdog = HangWatchdog(cfg.hang_timeout, cfg.hang_report_dir, mesh=mesh).start() if cfg.hang_timeout else None
 
     # 5. Resume: weights, optimizer state, data position (consumed samples), step (hence the LR)
     #    and RNG states from the newest intact checkpoint, saved under any layout.
@@ -111,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         loss = evaluate(chunks, microbatches, mesh, cfg)
         log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
-        writer.write_eval(step, loss) if hasattr(writer, "write_eval") else None
+        writer.write_eval(step, loss)
 
     # 6. The training loop.
     if start_step >= cfg.train_iters:
@@ -123,10 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         microbatches = load_microbatches(train_set, indices)
         data_time = time.perf_counter() - start
         lr = lr_at(step - 1)
-        result = train_step(chunks, optimizer, microbatches, mesh, cfg, lr)
+        result = train_step(chunks, optimizer, microbatches, mesh, cfg, lr, guard=guard)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        try:
+            guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
+            if cfg.check_replicas_interval and step % cfg.check_replicas_interval == 0:
+                check_replicas(named_params, mesh, step)
+        except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
+            print(f"megalite (rank {mesh.rank}): {exc}", file=sys.stderr, flush=True)
+            if watchdog:
+                watchdog.stop()
+            destroy_mesh()
+            return NONFINITE_EXIT_CODE if isinstance(exc, NonFiniteError) else REPLICA_MISMATCH_EXIT_CODE
+        if step == start_step + 1:
+            log(estimate_vs_measured(plan, mesh.device))
         if step % cfg.log_interval == 0 or step == 1 or step == cfg.train_iters:
             record = meter.step(step, step_time, loss=result["loss"], lr=lr, grad_norm=result["grad_norm"],
                                 skipped=result["skipped"], data_time_s=data_time, **memory_stats(mesh.device),
@@ -142,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             run_eval(step)
         if cfg.save_interval and step % cfg.save_interval == 0:
             save(step)
+        if watchdog:
+            watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
         if preemption.should_stop(step):
             save(step)
             log(f"stopping after step {step} on a signal" + (f"; resume with --load {cfg.save}" if cfg.save else ""))
@@ -156,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     preemption.close()
     writer.close()
     comm.barrier(comm.world_group())
+    if watchdog:
+        watchdog.stop()
     destroy_mesh()
     return 0
 

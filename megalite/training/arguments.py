@@ -96,11 +96,28 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true", help="load weights only (fresh optimizer, step 0)")
 
 
+def add_guard_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("hangs and numerical guards")
+    g.add_argument("--hang-timeout", type=float, default=0.0,
+                   help="seconds without a finished step before every rank reports where it waits and the job "
+                        "exits with code 86 (0: off; e.g. 300, far below NCCL's 30-minute default)")
+    g.add_argument("--hang-report-dir", default=None,
+                   help="where ranks leave hang reports (default: a temp dir per node; a shared file system "
+                        "gives one summary across nodes)")
+    g.add_argument("--on-nonfinite", default="skip", choices=["skip", "stop"],
+                   help="a non-finite loss or gradient: skip the update and log the step's samples, or stop "
+                        "(exit code 3)")
+    g.add_argument("--check-replicas-interval", type=int, default=0,
+                   help="every K steps compare parameter checksums across data-parallel replicas and stop "
+                        "(exit code 4) naming the first parameter that differs; 0: off")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Train a GPT with tensor x pipeline x data parallelism.")
     add_model_args(parser)
     add_layout_args(parser)
     add_training_args(parser)
+    add_guard_args(parser)
     add_checkpoint_args(parser)
     return parser
 
@@ -147,6 +164,10 @@ class TrainConfig:
     straggler_interval: int = 0
     peak_tflops: float | None = None
     dry_run: bool = False
+    hang_timeout: float = 0.0
+    hang_report_dir: str | None = None
+    on_nonfinite: str = "skip"
+    check_replicas_interval: int = 0
     save: str | None = None
     load: str | None = None
     load_step: int | None = None
@@ -210,6 +231,8 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         data_path=args.data_path, tokenizer=args.tokenizer, split=args.split, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, log_interval=args.log_interval, metrics_file=args.metrics_file,
         straggler_interval=args.straggler_interval, peak_tflops=args.peak_tflops, dry_run=args.dry_run,
+        hang_timeout=args.hang_timeout, hang_report_dir=args.hang_report_dir, on_nonfinite=args.on_nonfinite,
+        check_replicas_interval=args.check_replicas_interval,
         save=args.save, load=args.load, load_step=args.load_step, save_interval=args.save_interval,
         keep_last=args.keep_last, keep_every=args.keep_every, async_save=args.async_save,
         no_load_optim=args.no_load_optim)
@@ -225,6 +248,10 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
             problems.append(str(exc))
     if cfg.pp == 1 and (cfg.first_stage_layers is not None or cfg.last_stage_layers is not None):
         problems.append("--decoder-first/last-stage-layers need --pp > 1")
+    if cfg.hang_timeout < 0:
+        problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {cfg.hang_timeout}")
+    if cfg.check_replicas_interval < 0:
+        problems.append(f"--check-replicas-interval must be >= 0 steps (0: off), got {cfg.check_replicas_interval}")
     for name, value in (("--train-iters", cfg.train_iters), ("--micro-batch-size", cfg.micro_batch_size),
                         ("--log-interval", cfg.log_interval)):
         if value < 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import socket
@@ -246,6 +247,15 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
                     self._tb.add_scalar(key, value, record["step"])
+
+    def write_eval(self, step: int, loss: float) -> None:
+        """One line for an evaluation: {"step", "eval_loss", "eval_perplexity"}."""
+        if not self.enabled:
+            return
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._tb.add_scalar("eval_loss", loss, step)
 
     def close(self) -> None:
         if self._file is not None:
