@@ -63,3 +63,13 @@ def test_dry_run_prints_the_plan(capsys):
     assert _main(["--dry-run", "--model", "gpt2-124m", "--tp", "2", "--dp", "4", "--global-batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "parameters" in out and "optimizer state" in out
+
+
+def test_nonfinite_stop_exits_on_every_rank():
+    argv = ["--dp", "2", "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
+            "--train-iters", "4", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0",
+            "--on-nonfinite", "stop", "--hang-timeout", "60", "--check-replicas-interval", "1", "--eval-iters", "0"]
+    results = run_distributed(_main_capturing, 2, argv, timeout_s=120)
+    for code, err in results:
+        assert code == 3, err  # NONFINITE_EXIT_CODE, the same on both ranks
+        assert "non-finite" in err.lower() or "nan" in err.lower(), err
