@@ -190,17 +190,21 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         outcome, reader, rng = ("ok", ""), None, False
         try:
             reader = CheckpointReader(path)
-            rng = load_rng and _same_layout(reader.metadata, mesh, chunks) and reader.has("rng", f"rank{mesh.rank}/torch")
+            rng = (load_rng and _same_layout(reader.metadata, mesh, chunks)
+                   and reader.has("rng", f"rank{mesh.rank}/torch"))
             _plan(reader, chunks, optimizer, load_optimizer, f"rank{mesh.rank}/" if rng else None)
         except CheckpointCorruptError as exc:
             outcome = ("corrupt", str(exc))
         except ValueError as exc:
             outcome = ("incompatible", str(exc))
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below, or peers hang
+            outcome = ("failed", f"{path}: {type(exc).__name__}: {exc}")
         outcomes = comm.all_gather_object(outcome, world)
         bad = [(r, kind, msg) for r, (kind, msg) in enumerate(outcomes) if kind != "ok"]
-        incompatible = [msg for _, kind, msg in bad if kind == "incompatible"]
-        if incompatible:
-            raise ValueError(incompatible[0])
+        for kind, error in (("incompatible", ValueError), ("failed", RuntimeError)):
+            messages = [f"rank {r}: {msg}" for r, k, msg in bad if k == kind]
+            if messages:
+                raise error(messages[0])
         if bad:
             rank, _, message = bad[0]
             problems.append(message)
@@ -217,6 +221,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         saved = meta["layout"]
         say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
             f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} zero={saved['zero_stage']} "
-            f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states kept fresh: the layout differs") + ")")
+            f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
+                                                "stored") + ")")
         return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)
     raise CheckpointCorruptError(f"no intact checkpoint in {root}:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -33,11 +33,15 @@ class CheckpointReader:
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointCorruptError(f"{self.path / MANIFEST}: unreadable manifest ({exc})") from None
         self.verify([METADATA])
-        self.metadata = json.loads((self.path / METADATA).read_text())
         # (kind, name) -> [(box, dtype, file, byte offset)]
         self.items: dict[tuple[str, str], list] = defaultdict(list)
-        for kind, name, box, dtype, file, offset in self.metadata["items"]:
-            self.items[(kind, name)].append((tuple(tuple(b) for b in box), DTYPES[dtype], file, offset))
+        try:
+            self.metadata = json.loads((self.path / METADATA).read_text())
+            for kind, name, box, dtype, file, offset in self.metadata["items"]:
+                self.items[(kind, name)].append((tuple(tuple(b) for b in box), DTYPES[dtype], file, offset))
+        except (ValueError, KeyError, TypeError) as exc:  # checksum fine, content not ours
+            raise CheckpointCorruptError(f"{self.path / METADATA}: not a megalite checkpoint index "
+                                         f"({type(exc).__name__}: {exc})") from None
 
     def has(self, kind: str, name: str) -> bool:
         return (kind, name) in self.items
