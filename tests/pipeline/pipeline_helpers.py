@@ -13,47 +13,14 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from megalite.tensor_parallel.weight_grad import active_store, bypasses_autograd, deliver
-
-
-class _LinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, module):
-        ctx.save_for_backward(x, weight)
-        ctx.module = module
-        return x @ weight.t() + bias
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        module = ctx.module
-        grad_in = grad_out @ weight  # [s, b, out] @ [out, in] -> [s, b, in]
-
-        def weight_grads():
-            out_features, in_features = weight.shape
-            return (grad_out.reshape(-1, out_features).t() @ x.reshape(-1, in_features),
-                    grad_out.reshape(-1, out_features).sum(0))
-
-        if not bypasses_autograd(module.weight):
-            return (grad_in, *weight_grads(), None)
-
-        def run():
-            grad_w, grad_b = weight_grads()
-            deliver(module.weight, grad_w)
-            deliver(module.bias, grad_b)
-
-        active = active_store()
-        if active is not None:
-            store, key = active
-            store.put(key, run)
-        else:
-            run()
-        return grad_in, None, None, None
+from megalite.tensor_parallel.layers import linear
 
 
 class DeferrableLinear(torch.nn.Linear):
+    """nn.Linear through megalite's `linear`, whose weight gradients honour the routing."""
+
     def forward(self, x):
-        return _LinearFn.apply(x, self.weight, self.bias, self)
+        return linear(x, self.weight, self.bias)
 
 
 class ToyModel(torch.nn.Module):
