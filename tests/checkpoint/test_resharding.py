@@ -77,8 +77,8 @@ SAVE = {"gpt2": (2, 2, 2, {"zero": 1}),
         "llama": (2, 2, 2, {"zero": 2, "virtual_stages": 2, "pipeline_schedule": "interleaved"})}
 LOADS = {
     "gpt2": [(4, 1, 2, {"zero": 2, "sequence_parallel": True}), (1, 2, 4, {"zero": 1}),
-             (1, 2, 2, {"virtual_stages": 2, "pipeline_schedule": "interleaved"}), (2, 4, 1, {"zero": 0})],
-    "llama": [(2, 1, 4, {"zero": 2}), (1, 2, 1, {"virtual_stages": 2, "pipeline_schedule": "interleaved"})],
+             (1, 2, 2, {"virtual_stages": 2, "pipeline_schedule": "interleaved"})],
+    "llama": [(2, 1, 2, {"zero": 2}), (1, 2, 1, {"virtual_stages": 2, "pipeline_schedule": "interleaved"})],
 }
 
 
