@@ -85,3 +85,13 @@ def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(reference, t
     assert "loaded" in log and "step 4" in log, log[-4000:]  # the restart resumed from step 4
     # Attempt 0 logged steps 1-4, the restarted attempt 5-8: together the uninterrupted run.
     assert _losses(metrics) == reference
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--save-interval", "5"], "--save-interval needs --save DIR"),
+    (["--load-step", "3"], "--load-step needs --load DIR"),
+    (["--save", "x", "--keep-last", "-1"], "--keep-last must be >= 0"),
+])
+def test_bad_checkpoint_flags_name_the_fix(argv, needle, capsys):
+    assert _main(argv) == 2
+    assert needle in capsys.readouterr().err
