@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     # the plain loop over transformers' GPT2LMHeadModel of the same shape
     hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=s, n_embd=model_cfg.hidden_size,
                                      n_layer=model_cfg.num_layers, n_head=model_cfg.num_attention_heads,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     hf = transformers.GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype).train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1)
     ids, labels = data[:, :-1].to(device), data[:, :-1].to(device)  # HF shifts labels itself
