@@ -5,8 +5,8 @@
     python tools/bench_checkpoint.py --hidden-size 1024 --num-layers 12 --trials 3 --dir /fast/disk
 
 A checkpoint holds the weights (param dtype) and the fp32 master weights and both Adam
-moments, so an fp32 model writes 16 bytes per parameter. Per trial (sync and async
-alternate, so drift on a shared machine hits both alike):
+moments, so an fp32 model writes 16 bytes per parameter. Per trial (sync and async,
+in alternating order, so drift on a shared machine hits both alike):
 - sync save: training is blocked for the whole save (copy, write, fsync, hash, publish);
 - async save: blocked = the copy to CPU memory (plus the index gather); total = until published;
 - load: plan + sha256 verification + copy into the model and optimizer (from the page cache
@@ -62,7 +62,7 @@ def _bench_rank(args, directory: str) -> dict:
     root = Path(directory)
     results: dict[str, list[float]] = {k: [] for k in ("sync_blocked_s", "async_blocked_s", "async_total_s", "load_s")}
     for trial in range(args.trials):
-        for mode in ("sync", "async"):
+        for mode in (("sync", "async") if trial % 2 == 0 else ("async", "sync")):  # neither always goes first
             target = root / f"{mode}{trial}"
             checkpointer = Checkpointer(target, mesh, async_save=mode == "async", **quiet)
             started = time.perf_counter()
