@@ -82,7 +82,8 @@ def _bench_rank(args, directory: str) -> dict:
                 shutil.rmtree(root / f"{mode}{trial}")
         mesh_mod.comm.barrier(mesh_mod.comm.world_group())
     sizes = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    return {"params": model.num_params(), "local_params": sizes, "bytes": written, **{k: statistics.median(v) for k, v in results.items()}}
+    medians = {k: statistics.median(v) for k, v in results.items()}
+    return {"params": model.num_params(), "local_params": sizes, "bytes": written, **medians}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""Save at (tp, pp, dp) = (2, 2, 2) (ZeRO-1; ZeRO-2 with 2 virtual stages), load at other layouts, train on: the uninterrupted run's losses.
+"""Save at (tp, pp, dp) = (2, 2, 2) (ZeRO-1; ZeRO-2 with 2 virtual stages), load at other layouts,
+train on: the uninterrupted run's losses.
 
 The reference is the uninterrupted (1, 1, 1) run in this process. Each world checks, right
 after loading, that its shards equal the reference parameters after the saved step (the load
