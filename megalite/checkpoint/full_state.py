@@ -62,6 +62,7 @@ def write_full_state(save_dir: str | Path, config: GPTConfig, full: dict[str, to
         rows.append(item.index_entry(file, offset))
         offset += item.tensor.numel() * item.tensor.element_size()
     files = {file: storage.write_shard(tmp / file, [item.tensor for item in items])}
+    rows, files = storage.attach_crcs(rows, files)
     dtype = storage.DTYPE_NAMES[items[0].tensor.dtype] if items else "float32"
     metadata = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": 0, "optimizer_step": 0,
                 "loss_scaler": None, "has_optimizer": False, "model_config": _jsonable(config), "train_config": None,

@@ -6,7 +6,8 @@
 
 Each rank plans what it needs — for every parameter the boxes of its tp shard ("model"),
 for every flat range its optimizer owns the boxes of that range (master, moments) — checks
-that the stored boxes cover them, and verifies the sha256 of exactly the files holding them.
+that the stored boxes cover them, and verifies the CRC32 of exactly the stored boxes it will
+read (and the size of their files, against the manifest).
 The ranks then agree (one all_gather_object): if any rank found damage, every rank warns and
 moves to the next older checkpoint; nothing is loaded from a damaged one. A checkpoint of
 another model shape is a user error and raises at once. When `latest` was asked for (no
@@ -53,8 +54,8 @@ def _optimizer_targets(optimizer):
 
 
 def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng_prefix: str | None) -> None:
-    """Check shapes and coverage of everything this rank needs; verify the files holding it."""
-    shapes, files = reader.metadata["tensors"], set()
+    """Check shapes and coverage of everything this rank needs; verify the stored boxes holding it."""
+    shapes = reader.metadata["tensors"]
     for chunk in chunks:
         for name, param in chunk.logical_parameters():
             full_shape = list(param.shard_spec.full_shape)
@@ -64,18 +65,18 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
                                  f"shape flags)")
             for _, full_box in local_to_full(param.shard_spec, _whole(param.shape)):
                 reader.check_covered("model", name, full_box)
-                files |= reader.files_for("model", name, full_box)
+                reader.verify_box("model", name, full_box)
     if load_optimizer and optimizer is not None and reader.metadata["has_optimizer"]:
         for name, spec, shape, start, end in _optimizer_targets(optimizer):
             for local_box in flat_range_boxes(shape, start, end):
                 for _, full_box in local_to_full(spec, local_box):
                     for kind in OPTIMIZER_KINDS:
                         reader.check_covered(kind, name, full_box)
-                        files |= reader.files_for(kind, name, full_box)
+                        reader.verify_box(kind, name, full_box)
     if rng_prefix is not None:
-        files |= {file for (kind, name), rows in reader.items.items() if kind == "rng" and name.startswith(rng_prefix)
-                  for _, _, file, _ in rows}
-    reader.verify(files)
+        for (kind, name), rows in reader.items.items():
+            if kind == "rng" and name.startswith(rng_prefix):
+                reader.verify_box(kind, name, rows[0][0])
 
 
 @torch.no_grad()
@@ -126,7 +127,7 @@ def _load_rng(reader: CheckpointReader, chunks, mesh: Mesh) -> None:
     prefix = f"rank{mesh.rank}/"
 
     def state(key: str) -> torch.Tensor:
-        (box, dtype, _, _), = reader.items[("rng", prefix + key)]
+        (box, dtype, *_), = reader.items[("rng", prefix + key)]
         out = torch.empty(box_shape(box), dtype=dtype)
         reader.read_into("rng", prefix + key, box, out)
         return out

@@ -1,18 +1,21 @@
-"""Reading a published checkpoint: the index, checksums, and boxes of full tensors.
+"""Reading a published checkpoint: the index, integrity checks, and boxes of full tensors.
 
 `CheckpointReader(path)` reads the manifest and metadata (metadata checked against its
-sha256 in the manifest). `verify(files)` streams the named shard files through sha256 and
-compares sizes and digests with the manifest: call it on the files a rank is about to read
-(`files_for`), so every byte that gets loaded was checked, and a reader at tp=1 never hashes
-nothing it does not read. `read_into(kind, name, full_box, out)` fills `out` from every stored
-box that overlaps `full_box` and raises CheckpointCorruptError unless the stored boxes cover
-it exactly (each element is stored once, so counting elements proves coverage).
+sha256 in the manifest). Before anything is loaded, `verify_box(kind, name, full_box)`
+checks that the files holding the stored boxes overlapping `full_box` exist with the
+manifest's size, and that the CRC32 of each of those stored boxes matches the index: every
+byte that gets loaded was checked, and a rank reads (and checks) only the boxes it needs.
+`verify_files()` is the whole-file sha256 check, for tools. `read_into(kind, name, full_box,
+out)` fills `out` from every stored box that overlaps `full_box`; `check_covered` proves
+beforehand that the stored boxes cover it exactly (each element is stored once, so counting
+elements is enough).
 
-Shard files are memory-mapped: a reader touches only the pages of the boxes it copies.
+Shard files are memory-mapped: a reader touches only the pages of the boxes it needs.
 """
 from __future__ import annotations
 
 import json
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,19 +29,20 @@ from megalite.checkpoint.storage import DTYPES, MANIFEST, METADATA, CheckpointCo
 class CheckpointReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._verified: set[str] = set()
+        self._sized: set[str] = set()  # files whose existence and size were checked
+        self._verified_items: set[tuple[str, int]] = set()  # (file, byte offset) whose CRC32 matched
         self._maps: dict[str, np.memmap] = {}
         try:
             self.manifest = json.loads((self.path / MANIFEST).read_text())["files"]
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointCorruptError(f"{self.path / MANIFEST}: unreadable manifest ({exc})") from None
-        self.verify([METADATA])
-        # (kind, name) -> [(box, dtype, file, byte offset)]
+        self.verify_files([METADATA])
+        # (kind, name) -> [(box, dtype, file, byte offset, crc32)]
         self.items: dict[tuple[str, str], list] = defaultdict(list)
         try:
             self.metadata = json.loads((self.path / METADATA).read_text())
-            for kind, name, box, dtype, file, offset in self.metadata["items"]:
-                self.items[(kind, name)].append((tuple(tuple(b) for b in box), DTYPES[dtype], file, offset))
+            for kind, name, box, dtype, file, offset, crc in self.metadata["items"]:
+                self.items[(kind, name)].append((tuple(tuple(b) for b in box), DTYPES[dtype], file, offset, crc))
         except (ValueError, KeyError, TypeError) as exc:  # checksum fine, content not ours
             raise CheckpointCorruptError(f"{self.path / METADATA}: not a megalite checkpoint index "
                                          f"({type(exc).__name__}: {exc})") from None
@@ -46,34 +50,45 @@ class CheckpointReader:
     def has(self, kind: str, name: str) -> bool:
         return (kind, name) in self.items
 
-    def files_for(self, kind: str, name: str, full_box: Box) -> set[str]:
-        return {file for box, _, file, _ in self.items.get((kind, name), []) if intersect(box, full_box) is not None}
+    # ------------------------------------------------------------------ integrity
 
-    def verify(self, files) -> None:
-        """Check size and sha256 of each file against the manifest (once per file per reader)."""
-        for file in sorted(set(files) - self._verified):
-            path = self.path / file
-            expected = self.manifest.get(file)
-            if expected is None:
-                raise CheckpointCorruptError(f"{path}: not listed in the manifest")
-            if not path.exists():
-                raise CheckpointCorruptError(f"{path}: file is missing")
-            size = path.stat().st_size
-            if size != expected["bytes"]:
-                raise CheckpointCorruptError(f"{path}: {size} bytes, the manifest says {expected['bytes']} "
-                                             f"(truncated or overwritten)")
-            if file_sha256(path) != expected["sha256"]:
-                raise CheckpointCorruptError(f"{path}: sha256 mismatch (the file is damaged)")
-            self._verified.add(file)
+    def _check_size(self, file: str) -> None:
+        if file in self._sized:
+            return
+        path, expected = self.path / file, self.manifest.get(file)
+        if expected is None:
+            raise CheckpointCorruptError(f"{path}: not listed in the manifest")
+        if not path.exists():
+            raise CheckpointCorruptError(f"{path}: file is missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointCorruptError(f"{path}: {size} bytes, the manifest says {expected['bytes']} "
+                                         f"(truncated or overwritten)")
+        self._sized.add(file)
 
-    def _stored(self, file: str, dtype: torch.dtype, offset: int, box: Box) -> torch.Tensor:
-        if file not in self._verified:
-            raise RuntimeError(f"{self.path / file} was not verified before reading; call verify() first")
+    def verify_files(self, files) -> None:
+        """Whole-file check: size and sha256 of each file against the manifest."""
+        for file in sorted(set(files)):
+            self._check_size(file)
+            if file_sha256(self.path / file) != self.manifest[file]["sha256"]:
+                raise CheckpointCorruptError(f"{self.path / file}: sha256 mismatch (the file is damaged)")
+
+    def _raw(self, file: str, offset: int, nbytes: int) -> np.ndarray:
         if file not in self._maps:
             self._maps[file] = np.memmap(self.path / file, dtype=np.uint8, mode="c")  # copy-on-write: writable
-        nbytes = box_numel(box) * torch.empty((), dtype=dtype).element_size()
-        raw = torch.from_numpy(self._maps[file][offset:offset + nbytes])
-        return raw.view(dtype).view(box_shape(box))
+        return self._maps[file][offset:offset + nbytes]
+
+    def verify_box(self, kind: str, name: str, full_box: Box) -> None:
+        """Check the file sizes and the CRC32 of every stored box overlapping `full_box`."""
+        for box, dtype, file, offset, crc in self.items.get((kind, name), []):
+            if (file, offset) in self._verified_items or intersect(box, full_box) is None:
+                continue
+            self._check_size(file)
+            nbytes = box_numel(box) * torch.empty((), dtype=dtype).element_size()
+            if zlib.crc32(self._raw(file, offset, nbytes)) != crc:
+                raise CheckpointCorruptError(f"{self.path / file}: checksum mismatch in bytes [{offset}, "
+                                             f"{offset + nbytes}) ({kind} of {name!r}); the file is damaged")
+            self._verified_items.add((file, offset))
 
     def check_covered(self, kind: str, name: str, full_box: Box) -> None:
         """Raise CheckpointCorruptError unless stored boxes cover `full_box` exactly (no data read)."""
@@ -83,26 +98,27 @@ class CheckpointReader:
             raise CheckpointCorruptError(f"{self.path}: {kind} of {name!r} covers {covered} of the "
                                          f"{box_numel(full_box)} elements of box {list(full_box)} (incomplete index)")
 
+    # ------------------------------------------------------------------ reading
+
     def read_into(self, kind: str, name: str, full_box: Box, out: torch.Tensor) -> None:
         """Copy the box `full_box` of the full tensor (kind, name) into `out` (shape of the box)."""
-        covered = 0
-        for box, dtype, file, offset in self.items.get((kind, name), []):
+        for box, dtype, file, offset, _ in self.items.get((kind, name), []):
             common = intersect(box, full_box)
             if common is None:
                 continue
-            source = self._stored(file, dtype, offset, box)[box_slices(relative(common, box))]
-            out[box_slices(relative(common, full_box))].copy_(source)
-            covered += box_numel(common)
-        if covered != box_numel(full_box):
-            raise CheckpointCorruptError(f"{self.path}: {kind} of {name!r} covers {covered} of the "
-                                         f"{box_numel(full_box)} elements of box {list(full_box)} (incomplete index)")
+            if (file, offset) not in self._verified_items:
+                raise RuntimeError(f"{self.path / file} [{offset}...] read before verify_box(); verify first")
+            nbytes = box_numel(box) * torch.empty((), dtype=dtype).element_size()
+            stored = torch.from_numpy(self._raw(file, offset, nbytes)).view(dtype).view(box_shape(box))
+            out[box_slices(relative(common, full_box))].copy_(stored[box_slices(relative(common, box))])
 
     def read_full(self, kind: str, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole full tensor (verifies the files it needs)."""
+        """The whole full tensor, verified."""
         whole = tuple((0, n) for n in shape)
-        self.verify(self.files_for(kind, name, whole))
+        self.check_covered(kind, name, whole)
+        self.verify_box(kind, name, whole)
         if dtype is None:
-            dtype = self.items[(kind, name)][0][1] if self.has(kind, name) else torch.float32
+            dtype = self.items[(kind, name)][0][1]
         out = torch.empty(shape, dtype=dtype)
         self.read_into(kind, name, whole, out)
         return out

@@ -145,6 +145,7 @@ class Checkpointer:
             if rank != 0:
                 return
             files = storage.collect_done_markers(tmp_dir, self.mesh.world_size, self.timeout_s)
+            metadata["items"], files = storage.attach_crcs(metadata["items"], files)
             sha = storage.write_json_atomic(tmp_dir / storage.METADATA, metadata)
             files[storage.METADATA] = {"sha256": sha, "bytes": (tmp_dir / storage.METADATA).stat().st_size}
             final = storage.publish(tmp_dir, files)

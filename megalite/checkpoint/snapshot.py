@@ -35,7 +35,8 @@ class Item:
     tensor: torch.Tensor  # contiguous CPU copy, shape box_shape(box)
 
     def index_entry(self, file: str, offset: int) -> list:
-        """Compact JSON row: [kind, name, box, dtype, file, byte offset]."""
+        """Compact JSON row: [kind, name, box, dtype, file, byte offset] (the CRC32 is appended
+        once the file is written, storage.attach_crcs)."""
         return [self.kind, self.name, [list(b) for b in self.box], DTYPE_NAMES[self.tensor.dtype], file, offset]
 
 

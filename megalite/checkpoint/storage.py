@@ -8,8 +8,13 @@
         manifest.json           {file: {sha256, bytes}}: written last, before the rename
       step_000100/ ...          older checkpoints kept by --keep-last / --keep-every
 
+Integrity: the manifest holds every file's sha256 and size (whole-file checks, `sha256sum`
+compatible), and the index in metadata.json holds a CRC32 of every stored box, so a reader
+verifies exactly the bytes it reads: a dp rank that needs the weights from rank 0's file
+does not hash rank 0's share of the optimizer state too.
+
 A checkpoint is written into `step_000123.tmp/`; each rank writes its shard file, fsyncs it
-and drops a `done_rNNNNN.json` marker (its file's sha256 and size). Rank 0 waits for every
+and drops a `done_rNNNNN.json` marker (its file's sha256 and size, each box's CRC32). Rank 0 waits for every
 marker, writes manifest.json, fsyncs, renames the directory to `step_000123/` (atomic) and
 only then replaces `latest` (write `latest.tmp`, fsync, os.replace). A crash at any point
 leaves either the old `latest` or a complete new checkpoint; `*.tmp` directories are
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 import os
 import re
 import shutil
@@ -81,14 +87,15 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_shard(path: Path, tensors: list[torch.Tensor], crash_after_bytes: int | None = None) -> dict:
-    """Write tensors back to back into `path`, fsync; return {'sha256', 'bytes'}.
+    """Write tensors back to back into `path`, fsync; return {'sha256', 'bytes', 'crc32': [per tensor]}.
 
     `crash_after_bytes` is fault injection for tests: the process dies mid-file (os._exit).
     """
-    digest, written = hashlib.sha256(), 0
+    digest, written, crcs = hashlib.sha256(), 0, []
     with open(path, "wb") as f:
         for tensor in tensors:
             data = tensor_bytes(tensor)
+            crc = 0
             for start in range(0, len(data), _CHUNK):
                 piece = data[start:start + _CHUNK]
                 if crash_after_bytes is not None and written + len(piece) > crash_after_bytes:
@@ -97,10 +104,12 @@ def write_shard(path: Path, tensors: list[torch.Tensor], crash_after_bytes: int 
                     os._exit(17)
                 f.write(piece)
                 digest.update(piece)
+                crc = zlib.crc32(piece, crc)
                 written += len(piece)
+            crcs.append(crc)
         f.flush()
         os.fsync(f.fileno())
-    return {"sha256": digest.hexdigest(), "bytes": written}
+    return {"sha256": digest.hexdigest(), "bytes": written, "crc32": crcs}
 
 
 def file_sha256(path: Path) -> str:
@@ -116,7 +125,7 @@ def write_done_marker(tmp_dir: Path, rank: int, record: dict) -> None:
 
 
 def collect_done_markers(tmp_dir: Path, world_size: int, timeout_s: float) -> dict[str, dict]:
-    """Wait until every rank's marker exists; return {file name: {'sha256', 'bytes'}}."""
+    """Wait until every rank's marker exists; return {file name: {'sha256', 'bytes', 'crc32'}}."""
     deadline = time.monotonic() + timeout_s
     records: dict[int, dict] = {}
     while len(records) < world_size:
@@ -133,7 +142,20 @@ def collect_done_markers(tmp_dir: Path, world_size: int, timeout_s: float) -> di
     failed = {r: rec["error"] for r, rec in records.items() if "error" in rec}
     if failed:
         raise RuntimeError(f"checkpoint {tmp_dir}: ranks failed to write: {failed}")
-    return {rec["file"]: {"sha256": rec["sha256"], "bytes": rec["bytes"]} for rec in records.values()}
+    return {rec["file"]: {k: rec[k] for k in ("sha256", "bytes", "crc32")} for rec in records.values()}
+
+
+def attach_crcs(rows: list[list], files: dict[str, dict]) -> tuple[list[list], dict[str, dict]]:
+    """Index rows (in each file's write order) get their box's CRC32 appended; the manifest
+    entries keep sha256 and size only."""
+    position: dict[str, int] = {}
+    out = []
+    for row in rows:
+        file = row[4]
+        i = position.get(file, 0)
+        position[file] = i + 1
+        out.append(row + [files[file]["crc32"][i]])
+    return out, {f: {"sha256": r["sha256"], "bytes": r["bytes"]} for f, r in files.items()}
 
 
 def publish(tmp_dir: Path, files: dict[str, dict]) -> Path:

@@ -8,6 +8,7 @@ import torch
 
 from megalite import mesh
 from megalite.checkpoint import CheckpointCorruptError, Checkpointer, load_checkpoint
+from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.save import CRASH_ENV
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
@@ -63,7 +64,7 @@ def _damage(path, how):
 
 
 @pytest.mark.parametrize("victim,how,needle", [
-    ("shard_r00000.bin", "flip", "sha256 mismatch"),
+    ("shard_r00000.bin", "flip", "checksum mismatch"),
     ("shard_r00000.bin", "truncate", "the manifest says"),
     ("metadata.json", "flip", "sha256 mismatch"),
 ])
@@ -78,6 +79,9 @@ def test_damage_is_named_and_latest_falls_back(two_checkpoints, tmp_path, victim
         assert torch.equal(tensor, params[1][name]), name
     with pytest.raises(CheckpointCorruptError, match=f"step_000002/{victim}.*{needle}"):
         _load(root, step=2)  # an explicitly named step does not fall back
+    if victim != "metadata.json":  # the whole-file check (for tools) agrees
+        with pytest.raises(CheckpointCorruptError, match=f"{victim}: (sha256 mismatch|.*the manifest says)"):
+            CheckpointReader(root / "step_000002").verify_files([victim])
     _damage(root / "step_000001" / "shard_r00000.bin", "flip")
     with pytest.raises(CheckpointCorruptError, match="no intact checkpoint"):
         _load(root)
@@ -143,3 +147,20 @@ def test_bf16_weights_and_fp32_state_round_trip_bitwise(tmp_path):
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         assert torch.equal(getattr(optimizer, kind), getattr(fresh_optimizer, kind)), kind
     assert fresh_optimizer.step_count == optimizer.step_count == 1
+
+
+def test_a_rank_checks_exactly_the_boxes_it_reads(two_checkpoints, tmp_path):
+    """Damage inside exp_avg: a weights-only load does not read it (and loads step 2); a full
+    load reads it, detects it, and falls back to step 1."""
+    root = tmp_path / "ckpt"
+    os.system(f"cp -r {two_checkpoints[0]} {root}")
+    meta = json.loads((root / "step_000002" / "metadata.json").read_text())
+    kind, name, box, dtype, file, offset, crc = next(row for row in meta["items"] if row[0] == "exp_avg")
+    shard = root / "step_000002" / file
+    data = bytearray(shard.read_bytes())
+    data[offset + 5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    result, loaded, log = _load(root, load_optimizer=False)
+    assert result.step == 2 and "damaged" not in log
+    result, loaded, log = _load(root)
+    assert result.step == 1 and f"({kind} of {name!r})" in log
