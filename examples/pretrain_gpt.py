@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         if resumed is not None and not cfg.no_load_optim:
             start_step = resumed.step
             sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
+        if watchdog:
+            watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     checkpointer = Checkpointer(cfg.save, mesh, keep_last=cfg.keep_last, keep_every=cfg.keep_every,
                                 async_save=cfg.async_save, log=log) if cfg.save else None
     preemption = PreemptionHandler(mesh)  # SIGTERM/SIGUSR1: every rank stops after the same step
