@@ -49,8 +49,11 @@ def test_short_run_writes_metrics(tmp_path):
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--log-interval", "1",
             "--eval-iters", "1", "--metrics-file", str(metrics)]
     assert run_distributed(_main, 4, argv, timeout_s=120) == [0, 0, 0, 0]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "eval_loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in evals] == [3] and evals[0]["eval_perplexity"] > 1
     for r in records:
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "param_bytes", "grad_bytes",
                     "optimizer_state_bytes"):
