@@ -57,10 +57,10 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=200)
+    g.add_argument("--train-iters", type=int, default=600)
     g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--min-lr", type=float, default=2e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=20)
+    g.add_argument("--lr-warmup-iters", type=int, default=30)
     g.add_argument("--lr-decay-style", default="cosine", choices=["cosine", "linear", "constant"])
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -75,7 +75,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--eval-interval", type=int, default=0, help="0: evaluate only at the end")
     g.add_argument("--eval-iters", type=int, default=4)
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=50)
     g.add_argument("--metrics-file", default=None, help="JSON lines, one object per logged step")
     g.add_argument("--straggler-interval", type=int, default=0)
     g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: known GPUs)")
@@ -142,10 +142,10 @@ class TrainConfig:
     ddp_bucket_size: int = 40_000_000
     grad_reduce_dtype: str = "fp32"
     precision: str = "fp32"
-    train_iters: int = 200
+    train_iters: int = 600
     lr: float = 2e-3
     min_lr: float = 2e-4
-    lr_warmup_iters: int = 20
+    lr_warmup_iters: int = 30
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.1
     adam_betas: tuple[float, float] = (0.9, 0.95)
@@ -159,7 +159,7 @@ class TrainConfig:
     split: str = "969,30,1"
     eval_interval: int = 0
     eval_iters: int = 4
-    log_interval: int = 10
+    log_interval: int = 50
     metrics_file: str | None = None
     straggler_interval: int = 0
     peak_tflops: float | None = None
