@@ -30,7 +30,7 @@ from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.transformer import Norm, TransformerBlock, normal_init
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear
+from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout
 from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec
 
@@ -141,11 +141,9 @@ class GPTModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] final hidden -> [s, b, V_pad/tp] logits shard."""
         x = self.final_norm(x)
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h] -> [s, b, h]
-        else:
-            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        return linear(x, self.head_weight())
+        if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, V/tp]; backward re-gathers the shard
+            return sequence_parallel_linear(x, self.head_weight(), None, self.tp_group)
+        return linear(mappings.copy_to_tensor_parallel_region(x, self.tp_group), self.head_weight())
 
     def _rope(self, s: int):
         if self.config.flavour != "llama":

@@ -72,19 +72,7 @@ class _LinearFunction(torch.autograd.Function):
             return grad_weight, grad_bias
 
         if bypasses_autograd(weight):
-            def deliver_weight_grads():
-                grad_weight, grad_bias = weight_grads()
-                if grad_weight is not None:
-                    deliver(weight, grad_weight)
-                if grad_bias is not None:
-                    deliver(bias, grad_bias)
-
-            deferred = active_store()
-            if deferred is not None:
-                store, key = deferred
-                store.put(key, deliver_weight_grads)
-            else:
-                deliver_weight_grads()
+            _route_weight_grads(weight, bias, weight_grads)
             return grad_input, None, None
         grad_weight, grad_bias = weight_grads()
         return grad_input, grad_weight, grad_bias
@@ -93,6 +81,67 @@ class _LinearFunction(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose weight gradients honour megalite's routing (sink, deferral)."""
     return _LinearFunction.apply(x, weight, bias)
+
+
+def _route_weight_grads(weight, bias, compute) -> None:
+    """Deliver `compute()`'s (grad_weight, grad_bias) now, or queue it under a deferral store."""
+    def run():
+        grad_weight, grad_bias = compute()
+        if grad_weight is not None:
+            deliver(weight, grad_weight)
+        if grad_bias is not None:
+            deliver(bias, grad_bias)
+
+    deferred = active_store()
+    if deferred is not None:
+        store, key = deferred
+        store.put(key, run)
+    else:
+        run()
+
+
+class _SequenceParallelLinearFunction(torch.autograd.Function):
+    """All-gather the sequence, then y = x @ W^T + b, keeping only the shard for backward.
+
+    x_shard: [s/tp, b, in]; weight: [out/tp, in]; y: [s, b, out/tp]. Backward re-gathers the
+    input for the weight gradient (one more all-gather of [s, b, in]) instead of holding the
+    gathered input from forward to backward (Korthikanti et al. 2022, as Megatron-LM does), and
+    reduce-scatters the input gradient back to the sequence shard.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group = group
+        ctx.save_for_backward(x_shard, weight, bias)
+        x = comm.all_gather(x_shard, group, dim=0)  # [s/tp, b, in] -> [s, b, in]
+        out = torch.matmul(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_shard, weight, bias = ctx.saved_tensors
+        x = comm.all_gather(x_shard, ctx.group, dim=0)  # re-gathered: [s, b, in]
+        grad_input = comm.reduce_scatter(grad_out.matmul(weight), ctx.group, dim=0) \
+            if ctx.needs_input_grad[0] else None  # [s, b, in] partial sums -> [s/tp, b, in]
+        wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+
+        def weight_grads():
+            g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+            return (g2.t().matmul(x2) if wants_weight else None), (g2.sum(0) if wants_bias else None)
+
+        if bypasses_autograd(weight):
+            _route_weight_grads(weight, bias, weight_grads)
+            return grad_input, None, None, None
+        grad_weight, grad_bias = weight_grads()
+        return grad_input, grad_weight, grad_bias, None
+
+
+def sequence_parallel_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             tp_group) -> torch.Tensor:
+    """Column-parallel linear on a sequence shard: [s/tp, b, in] -> [s, b, out/tp] (see above)."""
+    if comm.group_size(tp_group) == 1:
+        return linear(x_shard, weight, bias)
+    return _SequenceParallelLinearFunction.apply(x_shard, weight, bias, tp_group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -134,11 +183,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
+        if self.sequence_parallel:  # [s/tp, b, in] -> [s, b, out/tp], keeping only the shard for backward
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
         else:
-            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        y = linear(x, self.weight, self.bias)  # [..., out/tp]
+            y = linear(mappings.copy_to_tensor_parallel_region(x, self.tp_group), self.weight, self.bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)  # [..., tp * out/tp], rank-major
             if len(self.blocks) > 1:  # rank-major [b0_0 b1_0 | b0_1 b1_1] -> block-major [b0_0 b0_1 | b1_0 b1_1]

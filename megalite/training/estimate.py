@@ -242,9 +242,8 @@ def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | No
     34*sbh + 5*a*s^2*b for GPT with Megatron's kernels). [s, b, h], t = tp, a = activation bytes;
     norm inputs and dropout masks are sharded by t only under sequence parallelism (sp):
       two norms: input a*sbh/sp + fp32 stats (the CPU RMSNorm reference keeps more);
-      QKV and MLP-in linear inputs 2*a*sbh, full even under SP (megalite's ColumnParallelLinear
-      saves the all-gathered input, so backward needs no second all-gather; Korthikanti's
-      count divides these by t);
+      QKV and MLP-in linear inputs 2*a*sbh/sp (under SP the column-parallel linear keeps only
+      its sequence shard and re-gathers it in backward, as Korthikanti et al. count it);
       q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE, k and v repeated per
       query head under grouped-query attention (functional.attention's repeat_interleave);
       attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash/SDPA, no dropout), or with
@@ -265,7 +264,7 @@ def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | No
     if recompute == "full":
         return a * s * b * h // sp + rng_state
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
-    total += 2 * a * s * b * h                                          # QKV and MLP-in linear inputs
+    total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
     total += _attention_inputs_bytes(model, a, s * b, t, recompute)
     total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
     if model.attention_dropout > 0 and recompute == "none":
@@ -294,13 +293,13 @@ def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
 
 def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
     """Kept by the last stage per microbatch: final norm (its input is the last block's output),
-    the output layer's gathered input, and what the online-softmax cross-entropy kernel keeps:
+    the output layer's input (the sequence shard under SP), and what the cross-entropy kernel keeps:
     the logits shard itself, the targets and one fp32 log-sum-exp per token."""
     a = DTYPE_BYTES[layout.precision]
     s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     sp = t if layout.sequence_parallel else 1
     n = _norm_bytes(model, a, s * b // sp, h)
-    n += a * s * b * h                                                  # output-layer input (gathered)
+    n += a * s * b * h // sp                                            # output-layer input
     n += a * s * b * model.padded_vocab_size(t) // t                    # logits shard, kept by the CE kernel
     n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
     return n
@@ -371,8 +370,8 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
         forwards = 2 if layout.recompute == "full" else 1   # full recompute re-runs the forward
         if sp:
             # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
-            # bwd: the transposes (the gathered inputs are saved, so nothing is re-gathered)
-            add("tp/all_gather", m * layers * (2 * forwards + 2) * u)
+            # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
+            add("tp/all_gather", m * layers * (2 * forwards + 4) * u)
             add("tp/reduce_scatter", m * layers * (2 * forwards + 2) * u)
         else:
             add("tp/all_reduce", m * layers * (2 * forwards + 2) * u)   # Megatron's 4 per layer
@@ -381,7 +380,7 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
             add("tp/all_gather", m * u if sp else 0)
         if stage == pp - 1:
             if sp:
-                add("tp/all_gather", m * u)                             # output-layer input
+                add("tp/all_gather", 2 * m * u)                         # output-layer input, fwd + bwd
                 add("tp/reduce_scatter", m * u)                         # and its gradient
             else:
                 add("tp/all_reduce", m * u)                             # grad of the copied input

@@ -201,7 +201,7 @@ def test_activation_bytes_match_what_the_model_keeps():
 def test_activation_formula_scales_like_korthikanti():
     # With 2-byte activations, no dropout and flash attention, megalite's gpt2 block keeps
     # sbh * (10 + 2 (QKV view) ... ): check the tp and sp structure instead of a constant:
-    # the TP-sharded part shrinks by t, the norm inputs only with SP, the linear inputs never.
+    # the TP-sharded part shrinks by t; the norm inputs and the linear inputs only with SP.
     config = preset("gpt2-1.3b")
     base = Layout(precision="bf16", micro_batch_size=1)
     one = E.layer_activation_bytes(config, base)
@@ -212,7 +212,8 @@ def test_activation_formula_scales_like_korthikanti():
         no_sp = E.layer_activation_bytes(config, dataclasses.replace(base, tp=t))
         assert no_sp == one - sharded + sharded // t
         with_sp = E.layer_activation_bytes(config, dataclasses.replace(base, tp=t, sequence_parallel=True))
-        assert with_sp == no_sp - 2 * (2 * s * h + stats) + 2 * (2 * s * h + stats) // t
+        norms, linear_inputs = 2 * (2 * s * h + stats), 2 * 2 * s * h  # both kept as sequence shards under SP
+        assert with_sp == no_sp - norms + norms // t - linear_inputs + linear_inputs // t
     full = E.layer_activation_bytes(config, dataclasses.replace(base, recompute="full"))
     assert full == 2 * s * h + E._CHECKPOINT_RNG_BYTES["cuda"]
 
