@@ -1,7 +1,7 @@
 """HuggingFace interop: GPT2LMHeadModel / LlamaForCausalLM <-> megalite, by full tensors.
 
 Names on the megalite side are the *logical* names of the full pp=1 model (see
-`GPTModel.logical_name`), so the same mapping serves `from_hf`, checkpoint export and import.
+`GPTModel.logical_name`); one name table serves `from_hf`, checkpoint export and import.
 GPT-2's Conv1D stores weights as [in, out]; megalite (like nn.Linear) stores [out, in].
 """
 from __future__ import annotations
@@ -38,70 +38,69 @@ def config_from_hf(hf_config) -> GPTConfig:
     raise ValueError(f"unsupported HF model_type {kind!r}; megalite converts gpt2 and llama")
 
 
-def hf_to_full_state(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """HF state dict -> megalite logical full tensors."""
-    sd = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf_state.items()}
-    out: dict[str, torch.Tensor] = {}
+# One table serves both directions: (HF names, megalite logical name, how). "copy": the same
+# tensor; "transpose": GPT-2's Conv1D [in, out] <-> [out, in]; ("cat", sizes): HF's separate
+# tensors stacked along dim 0 into a fused megalite weight ([Q; K; V], [gate; up]).
+def _name_table(config: GPTConfig) -> list[tuple[tuple[str, ...], str, object]]:
+    rows: list[tuple[tuple[str, ...], str, object]] = []
     if config.flavour == "gpt2":
-        out["word_embeddings.weight"] = sd["wte.weight"]
-        out["position_embeddings"] = sd["wpe.weight"]
-        out["final_norm.weight"], out["final_norm.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+        rows += [(("transformer.wte.weight",), "word_embeddings.weight", "copy"),
+                 (("transformer.wpe.weight",), "position_embeddings", "copy"),
+                 (("transformer.ln_f.weight",), "final_norm.weight", "copy"),
+                 (("transformer.ln_f.bias",), "final_norm.bias", "copy")]
         for i in range(config.num_layers):
-            p, q = f"h.{i}.", f"layers.{i}."
+            p, q = f"transformer.h.{i}.", f"layers.{i}."
             for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
-                out[q + name + ".weight"], out[q + name + ".bias"] = sd[p + hf_name + ".weight"], sd[p + hf_name + ".bias"]
+                rows += [((p + hf_name + ".weight",), q + name + ".weight", "copy"),
+                         ((p + hf_name + ".bias",), q + name + ".bias", "copy")]
             for hf_name, name in (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
                                   ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
-                out[q + name + ".weight"] = sd[p + hf_name + ".weight"].t().contiguous()  # Conv1D [in, out]
-                out[q + name + ".bias"] = sd[p + hf_name + ".bias"]
-        return out
-    out["word_embeddings.weight"] = sd["embed_tokens.weight"]
-    out["final_norm.weight"] = sd["norm.weight"]
+                rows += [((p + hf_name + ".weight",), q + name + ".weight", "transpose"),
+                         ((p + hf_name + ".bias",), q + name + ".bias", "copy")]
+        return rows
+    d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
+    rows += [(("model.embed_tokens.weight",), "word_embeddings.weight", "copy"),
+             (("model.norm.weight",), "final_norm.weight", "copy")]
     if not config.tie_embeddings:
-        out["output_weight"] = sd["lm_head.weight"]
+        rows.append((("lm_head.weight",), "output_weight", "copy"))
     for i in range(config.num_layers):
-        p, q = f"layers.{i}.", f"layers.{i}."
-        out[q + "input_norm.weight"] = sd[p + "input_layernorm.weight"]
-        out[q + "post_attention_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-        out[q + "attention.qkv.weight"] = torch.cat([sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        out[q + "attention.proj.weight"] = sd[p + "self_attn.o_proj.weight"]
-        out[q + "mlp.fc1.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        out[q + "mlp.fc2.weight"] = sd[p + "mlp.down_proj.weight"]
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        rows += [((p + "input_layernorm.weight",), q + "input_norm.weight", "copy"),
+                 ((p + "post_attention_layernorm.weight",), q + "post_attention_norm.weight", "copy"),
+                 (tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), q + "attention.qkv.weight",
+                  ("cat", (nq * d, nkv * d, nkv * d))),
+                 ((p + "self_attn.o_proj.weight",), q + "attention.proj.weight", "copy"),
+                 ((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), q + "mlp.fc1.weight", ("cat", (f, f))),
+                 ((p + "mlp.down_proj.weight",), q + "mlp.fc2.weight", "copy")]
+    return rows
+
+
+def hf_to_full_state(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF state dict -> megalite logical full tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for hf_names, name, how in _name_table(config):
+        tensors = [hf_state[n] for n in hf_names]
+        if how == "transpose":
+            out[name] = tensors[0].t().contiguous()
+        elif how == "copy":
+            out[name] = tensors[0]
+        else:
+            out[name] = torch.cat(tensors)
     return out
 
 
 def full_state_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """megalite logical full tensors -> HF state dict (the inverse of `hf_to_full_state`)."""
     out: dict[str, torch.Tensor] = {}
-    if config.flavour == "gpt2":
-        out["transformer.wte.weight"] = full["word_embeddings.weight"]
+    for hf_names, name, how in _name_table(config):
+        if how == "transpose":
+            out[hf_names[0]] = full[name].t().contiguous()
+        elif how == "copy":
+            out[hf_names[0]] = full[name]
+        else:
+            out.update(zip(hf_names, full[name].split(list(how[1]))))
+    if config.tie_embeddings:  # HF keeps the tied head under its own name
         out["lm_head.weight"] = full["word_embeddings.weight"]
-        out["transformer.wpe.weight"] = full["position_embeddings"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = full["final_norm.weight"], full["final_norm.bias"]
-        for i in range(config.num_layers):
-            p, q = f"transformer.h.{i}.", f"layers.{i}."
-            for hf_name, name in (("ln_1", "input_norm"), ("ln_2", "post_attention_norm")):
-                out[p + hf_name + ".weight"], out[p + hf_name + ".bias"] = full[q + name + ".weight"], full[q + name + ".bias"]
-            for hf_name, name in (("attn.c_attn", "attention.qkv"), ("attn.c_proj", "attention.proj"),
-                                  ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
-                out[p + hf_name + ".weight"] = full[q + name + ".weight"].t().contiguous()
-                out[p + hf_name + ".bias"] = full[q + name + ".bias"]
-        return out
-    d, nq, nkv, f = config.head_dim, config.num_attention_heads, config.num_query_groups, config.ffn_hidden_size
-    out["model.embed_tokens.weight"] = full["word_embeddings.weight"]
-    out["model.norm.weight"] = full["final_norm.weight"]
-    out["lm_head.weight"] = full["word_embeddings.weight" if config.tie_embeddings else "output_weight"]
-    for i in range(config.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        out[p + "input_layernorm.weight"] = full[q + "input_norm.weight"]
-        out[p + "post_attention_layernorm.weight"] = full[q + "post_attention_norm.weight"]
-        wq, wk, wv = full[q + "attention.qkv.weight"].split([nq * d, nkv * d, nkv * d])
-        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = wq, wk
-        out[p + "self_attn.v_proj.weight"] = wv
-        out[p + "self_attn.o_proj.weight"] = full[q + "attention.proj.weight"]
-        gate, up = full[q + "mlp.fc1.weight"].split([f, f])
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = full[q + "mlp.fc2.weight"]
     return out
 
 
