@@ -34,7 +34,7 @@ from megalite.training.estimate import estimate
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, estimate_vs_measured, gather_step_times,
-                                       memory_stats,
+                                       memory_stats, TimeBreakdown,
                                        peak_tflops, progress_line, straggler_report)
 from megalite.training.planner import justify
 from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                             cfg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda"
                                                            else None, cfg.precision))
     writer = MetricsWriter(cfg.metrics_file, enabled=mesh.rank == 0)
+    timer = TimeBreakdown()  # per-step seconds: data, forward, backward (or pipeline), optimizer, comm
     # Guards: a non-finite loss or gradient skips the update (or stops); dp replicas must not drift.
     guard = NonFiniteGuard(mesh, cfg.on_nonfinite, loss_scaling=cfg.precision == "fp16", log=log)
     named_params = [(name, p) for chunk in chunks for name, p in chunk.logical_parameters()]
@@ -138,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     for step, indices in zip(range(start_step + 1, cfg.train_iters + 1), sampler):
         maybe_inject_fault(step, mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
         start = time.perf_counter()
-        microbatches = load_microbatches(train_set, indices)
-        data_time = time.perf_counter() - start
+        timer.reset()
+        with timer.phase("data"):
+            microbatches = load_microbatches(train_set, indices)
         lr = lr_at(step - 1)
-        result = train_step(chunks, optimizer, microbatches, mesh, cfg, lr, guard=guard)
+        result = train_step(chunks, optimizer, microbatches, mesh, cfg, lr, guard=guard, timer=timer)
+        timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             log(estimate_vs_measured(plan, mesh.device))
         if step % cfg.log_interval == 0 or step == 1 or step == cfg.train_iters:
             record = meter.step(step, step_time, loss=result["loss"], lr=lr, grad_norm=result["grad_norm"],
-                                skipped=result["skipped"], data_time_s=data_time, **memory_stats(mesh.device),
+                                skipped=result["skipped"], exposed_dp_comm_s=result["exposed_dp_comm_s"],
+                                **timer.summary(step_time), **memory_stats(mesh.device),
                                 **optimizer.memory_report())
             if cfg.precision == "fp16":
                 record["loss_scale"] = result["loss_scale"]

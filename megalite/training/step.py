@@ -7,6 +7,7 @@ the dp reduction is a plain sum.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -72,17 +73,25 @@ def _global_loss(loss_sum: float, tokens: float, mesh: Mesh) -> float:
     return float(total.item()) / max(tokens, 1.0)
 
 
+@contextlib.contextmanager
+def _no_timer(name: str):
+    yield
+
+
 def _to_device(microbatches, device):
     return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
 
 
 def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
-               mesh: Mesh, cfg: TrainConfig, lr: float, guard=None) -> dict[str, Any]:
+               mesh: Mesh, cfg: TrainConfig, lr: float, guard=None, timer=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
     guard: a `training.guards.NonFiniteGuard`; a non-finite loss on any rank then skips the
     update on every rank (non-finite gradients are always skipped by the optimizer).
-    Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite'}.
+    timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
+    the interleaved "pipeline") / optimizer seconds.
+    Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
+    'exposed_dp_comm_s'}.
     """
     microbatches = _to_device(microbatches, mesh.device)
     tokens = global_target_tokens(microbatches, mesh)
@@ -91,13 +100,16 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
     optimizer.zero_grad()
     for chunk in chunks:
         chunk.train()
+    phase = timer.phase if timer is not None else _no_timer
     if mesh.pp_size == 1:
         model, loss_sum = chunks[0], 0.0
         for i, mb in enumerate(microbatches):
             # dp reductions start, bucket by bucket, only during the last microbatch's backward
             optimizer.grads.set_last_microbatch(i == len(microbatches) - 1)
-            loss = model(mb["input_ids"], mb["labels"], reduction="sum")
-            (loss * loss_scale).backward()
+            with phase("forward"):
+                loss = model(mb["input_ids"], mb["labels"], reduction="sum")
+            with phase("backward"):
+                (loss * loss_scale).backward()
             loss_sum += float(loss.detach())
     else:
         # Each chunk's buckets start reducing during that chunk's last backward instruction.
@@ -106,13 +118,16 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
         def before_last_backward(chunk: int) -> None:
             optimizer.grads.set_last_microbatch(True, params=list(chunks[chunk].parameters()))
 
-        loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches),
-                                activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1]),
-                                DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks),
-                                before_last_backward=before_last_backward)
+        with phase("pipeline"):  # forward and backward interleaved by the schedule
+            loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches),
+                                    activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1]),
+                                    DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks),
+                                    before_last_backward=before_last_backward)
         optimizer.grads.set_last_microbatch(True)
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
-    result = optimizer.step(lr, skip=not loss_finite)
+    with phase("optimizer"):
+        result = optimizer.step(lr, skip=not loss_finite)
+    result["exposed_dp_comm_s"] = optimizer.exposed_comm_seconds()  # inside the optimizer phase
     result["loss_finite"] = loss_finite
     result["loss"] = _global_loss(loss_sum, tokens, mesh)
     result["tokens"] = tokens

@@ -60,6 +60,11 @@ def test_short_run_writes_metrics(tmp_path):
             assert key in r, key
         assert r["effective_batch"] == 8 and r["tokens_per_step"] == 8 * 32
         assert abs(r["tokens_per_sec"] - r["tokens_per_step"] / r["step_time_s"]) < 1e-6 * r["tokens_per_sec"]
+        # The time split: pp=2 runs forward and backward interleaved as one "pipeline" phase.
+        phases = r["time_data_s"] + r["time_pipeline_s"] + r["time_optimizer_s"]
+        assert r["time_pipeline_s"] > 0 and phases <= r["step_time_s"]
+        assert r["time_other_s"] == pytest.approx(r["step_time_s"] - phases, abs=1e-9)
+        assert "time_communication_s" in r and 0 <= r["exposed_dp_comm_s"] <= r["time_optimizer_s"]
 
 
 def test_dry_run_prints_the_plan(capsys):
