@@ -21,7 +21,8 @@ import sys
 
 from megalite.model.config import GPTConfig, preset
 from megalite.training.arguments import add_layout_args, add_model_args
-from megalite.training.estimate import GB, Layout, estimate, estimate_model_states
+from megalite.training.estimate import estimate, estimate_model_states
+from megalite.training.run_layout import GB, Layout
 from megalite.training.planner import preflight, suggest
 
 

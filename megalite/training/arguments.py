@@ -281,7 +281,7 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
 
 def planner_layout(model: GPTConfig, cfg: TrainConfig):
     """The planner's view of this run (megalite.training.estimate.Layout)."""
-    from megalite.training.estimate import Layout
+    from megalite.training.run_layout import Layout
 
     return Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, zero_stage=cfg.zero,
                   offload_optimizer=cfg.offload_optimizer, recompute=cfg.recompute,

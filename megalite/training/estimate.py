@@ -30,73 +30,9 @@ import math
 from dataclasses import dataclass, field
 
 from megalite.model.config import GPTConfig
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-RECOMPUTE_CHOICES = ("none", "selective", "full")
-SCHEDULE_CHOICES = ("1f1b", "interleaved", "gpipe", "zb-h1")  # megalite.pipeline.schedules
-GB = 1e9
-
-
-@dataclass
-class Layout:
-    """How one training run is laid out over the GPUs (the flags of pretrain_gpt)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    virtual_stages: int = 1
-    """Model chunks per pipeline stage (> 1: interleaved 1F1B)."""
-    zero_stage: int = 0
-    """0: replicated optimizer; 1: shard optimizer state; 2: + grads; 3: + params (over dp)."""
-    offload_optimizer: bool = False
-    """Optimizer state (and its step) lives in host memory."""
-    recompute: str = "none"
-    """none | selective (attention core) | full (whole blocks; only block inputs kept)."""
-    sequence_parallel: bool = False
-    micro_batch_size: int = 1
-    seq_length: int | None = None
-    """None: the model's seq_length."""
-    global_batch_size: int | None = None
-    """Sequences per optimizer step; None: micro_batch_size * dp * num_microbatches."""
-    num_microbatches: int | None = None
-    """Gradient-accumulation microbatches per step and DP rank; None: from global_batch_size."""
-    precision: str = "fp32"
-    """fp32 | bf16 | fp16 (the dtype of params and activations; bf16/fp16 keep fp32 master weights)."""
-    grad_reduce_dtype: str | None = None
-    """dtype of the gradient buffer and its DP reduction; None: fp32 (megalite's main grads)."""
-    first_stage_layers: int | None = None
-    """Blocks of the first model chunk (--decoder-first-stage-layers); None: an even split."""
-    last_stage_layers: int | None = None
-    """Blocks of the last model chunk (--decoder-last-stage-layers); None: an even split."""
-    pipeline_layout: str | None = None
-    """Explicit blocks per model chunk, e.g. "3,5,5,3" (--pipeline-layout)."""
-    schedule: str | None = None
-    """Pipeline schedule (megalite.pipeline.schedules); None or 1f1b: 1f1b, interleaved when
-    virtual_stages > 1."""
-    device: str = "cuda"
-    """Where the run's RNG generators live: recompute checkpoints keep their states (16 bytes
-    each on CUDA, 5056 on CPU). Activations are counted for megalite's kernels (the Triton path,
-    also run on CPU by MEGALITE_KERNEL_BACKEND=triton TRITON_INTERPRET=1); the plain-PyTorch
-    references keep extra fp32 copies."""
-
-    def schedule_name(self) -> str:
-        if self.schedule in (None, "1f1b") and self.virtual_stages > 1:
-            return "interleaved"  # Megatron's name for 1F1B with virtual stages
-        return self.schedule or "1f1b"
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def microbatches(self) -> int:
-        if self.num_microbatches is not None:
-            return self.num_microbatches
-        if self.global_batch_size is None:
-            return 1
-        return max(1, self.global_batch_size // (self.micro_batch_size * self.dp))
-
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.dp * self.microbatches()
+from megalite.training.activation_memory import activation_bytes, inflight_microbatches
+from megalite.training.run_layout import (DTYPE_BYTES, GB, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout,
+                                          stage_layers)
 
 
 @dataclass
@@ -178,17 +114,6 @@ def layer_params(model: GPTConfig, tp: int) -> int:
     return n
 
 
-def stage_layers(model: GPTConfig, layout: Layout) -> list[int]:
-    """Blocks held by each pipeline stage (all its chunks), from megalite.pipeline.partition:
-    local chunk c of stage r is model chunk c*pp + r (Megatron's interleaved assignment)."""
-    from megalite.pipeline.partition import chunk_layer_counts
-
-    pp = layout.pp
-    counts = chunk_layer_counts(model.num_layers, pp, layout.virtual_stages, layout.first_stage_layers,
-                                layout.last_stage_layers, layout.pipeline_layout)
-    return [sum(counts[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
-
-
 def stage_params(model: GPTConfig, layout: Layout, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` (padded vocabulary included)."""
     h, tp, pp = model.hidden_size, layout.tp, layout.pp
@@ -204,147 +129,6 @@ def stage_params(model: GPTConfig, layout: Layout, stage: int) -> int:
         if not model.tie_embeddings or pp > 1:
             n += vocab_shard
     return n
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations (saved tensors per microbatch)
-# ---------------------------------------------------------------------------------------------
-
-
-# Bytes of RNG state a recompute checkpoint keeps: megalite's two dropout generators plus
-# torch.utils.checkpoint's copy of the global CPU generator (mt19937: 5056 B; CUDA Philox: 16 B).
-_CHECKPOINT_RNG_BYTES = {"cpu": 3 * 5056, "cuda": 5056 + 3 * 16}
-
-
-def _norm_bytes(model: GPTConfig, a: int, rows: int, h: int) -> int:
-    """Kept by one norm kernel over `rows` tokens of width h: its input and fp32 statistics."""
-    return a * rows * h + (2 if model.flavour == "gpt2" else 1) * 4 * rows   # mean+rstd | rstd
-
-
-def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute: str) -> int:
-    """q, k, v as the attention core keeps them (storage-level: views keep the whole QKV output)."""
-    d, nq, nkv = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t
-    qkv_storage = a * sb * (nq + 2 * nkv) * d
-    if recompute == "selective":
-        return qkv_storage                                      # only the checkpoint's input survives
-    if model.attention_dropout > 0:
-        return 3 * a * sb * nq * d                              # eager path: contiguous copies for bmm
-    total = qkv_storage                                         # flash kernel: views of it, no repeat
-    if model.flavour == "llama":
-        total += a * sb * (nq + nkv) * d                        # rotated q and k (new tensors)
-    return total
-
-
-def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | None = None) -> int:
-    """Bytes one block keeps for backward, per microbatch, on one tensor-parallel rank.
-
-    Counted storage by storage from megalite's block (Korthikanti et al.'s method; their
-    34*sbh + 5*a*s^2*b for GPT with Megatron's kernels). [s, b, h], t = tp, a = activation bytes;
-    norm inputs and dropout masks are sharded by t only under sequence parallelism (sp):
-      two norms: input a*sbh/sp + fp32 stats (the CPU RMSNorm reference keeps more);
-      QKV and MLP-in linear inputs 2*a*sbh/sp (under SP the column-parallel linear keeps only
-      its sequence shard and re-gathers it in backward, as Korthikanti et al. count it);
-      q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE, k and v repeated per
-      query head under grouped-query attention (functional.attention's repeat_interleave);
-      attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash/SDPA, no dropout), or with
-      attention dropout the eager path: q, k, v copies, fp32 softmax 4*b*nq*s^2/t, its dropout
-      mask and output 2*a*b*nq*s^2/t and the bool causal mask s^2;
-      MLP: gpt2 fc1 and GeLU outputs 2*a*sbf/t; llama gate|up and product 3*a*sbf/t (+silu(gate)
-      a*sbf/t with the PyTorch reference); hidden dropout masks 2*a*sbh/sp (dtype-sized masks).
-    Selective recompute keeps the QKV output, attention output and RNG states; full recompute
-    keeps the block input and RNG states.
-    """
-    recompute = recompute or layout.recompute
-    a = DTYPE_BYTES[layout.precision]
-    t = layout.tp
-    sp = t if layout.sequence_parallel else 1
-    s, b, h = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size
-    f, nq = model.ffn_hidden_size, model.num_attention_heads
-    rng_state = _CHECKPOINT_RNG_BYTES[layout.device] if recompute != "none" else 0
-    if recompute == "full":
-        return a * s * b * h // sp + rng_state
-    total = 2 * _norm_bytes(model, a, s * b // sp, h)
-    total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
-    total += _attention_inputs_bytes(model, a, s * b, t, recompute)
-    total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
-    if model.attention_dropout > 0 and recompute == "none":
-        total += (4 + 2 * a) * b * nq * s * s // t + s * s
-    elif recompute == "none":                                           # flash: its own [b, nq/t, s, d]
-        total += a * s * b * nq * model.head_dim // t + 4 * b * nq * s // t   # output, fp32 logsumexp
-    if model.flavour == "gpt2":
-        total += 2 * a * s * b * f // t
-    else:
-        total += 3 * a * s * b * f // t
-    if model.hidden_dropout > 0:
-        total += 2 * a * s * b * h // sp
-    return total + rng_state
-
-
-def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
-    """Kept by the first stage's embedding per microbatch: token ids (+ local ids and mask when
-    the vocabulary is split) and the dropout mask."""
-    s, b = layout.seq_length or model.seq_length, layout.micro_batch_size
-    sp = layout.tp if layout.sequence_parallel else 1
-    n = 8 * s * b + (9 * s * b if layout.tp > 1 else 0)
-    if model.hidden_dropout > 0:
-        n += DTYPE_BYTES[layout.precision] * s * b * model.hidden_size // sp
-    return n
-
-
-def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
-    """Kept by the last stage per microbatch: final norm (its input is the last block's output),
-    the output layer's input (the sequence shard under SP), and what the cross-entropy kernel keeps:
-    the logits shard itself, the targets and one fp32 log-sum-exp per token."""
-    a = DTYPE_BYTES[layout.precision]
-    s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
-    sp = t if layout.sequence_parallel else 1
-    n = _norm_bytes(model, a, s * b // sp, h)
-    n += a * s * b * h // sp                                            # output-layer input
-    n += a * s * b * model.padded_vocab_size(t) // t                    # logits shard, kept by the CE kernel
-    n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
-    return n
-
-
-def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
-    """ZB-H1 keeps a microbatch's linear inputs until its deferred weight-gradient pass (W)."""
-    from megalite.pipeline.instructions import BWD_WEIGHT, FWD
-    from megalite.pipeline.schedules import build_schedule
-
-    live = peak = 0
-    for op in build_schedule("zb-h1", pp, m)[stage]:
-        live += (op.kind == FWD) - (op.kind == BWD_WEIGHT)
-        peak = max(peak, live)
-    return peak
-
-
-def inflight_microbatches(layout: Layout, stage: int) -> int:
-    """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
-    m, pp, v = layout.microbatches(), layout.pp, layout.virtual_stages
-    if layout.schedule_name() == "gpipe":
-        return m * v
-    if layout.schedule_name() == "zb-h1":                           # counted on the schedule itself
-        return _zero_bubble_peak(pp, m, stage)
-    if v == 1:                                                      # 1f1b: warmup + 1
-        return min(pp - stage, m)
-    return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
-
-
-def activation_bytes(model: GPTConfig, layout: Layout, stage: int) -> int:
-    """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
-    v, pp = layout.virtual_stages, layout.pp
-    layers = stage_layers(model, layout)[stage]
-    inflight = inflight_microbatches(layout, stage)
-    per_layer = layer_activation_bytes(model, layout)
-    # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
-    total = inflight * per_layer * layers // v
-    if layout.recompute == "full" and layers:
-        total += layer_activation_bytes(model, layout, recompute="none")  # the block being recomputed
-    head_inflight = layout.microbatches() if layout.schedule_name() == "gpipe" else 1
-    if stage == 0:
-        total += min(inflight, layout.microbatches()) * embedding_activation_bytes(model, layout)
-    if stage == pp - 1:
-        total += head_inflight * head_activation_bytes(model, layout)
-    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,8 +351,3 @@ def estimate_model_states(num_params: int, layout: Layout, convention: str = "ze
                     num_microbatches=layout.microbatches(), bubble_fraction=0.0, comm_bytes=comm,
                     flops_per_step=6.0 * num_params * tokens, hardware_flops_per_step=6.0 * num_params * tokens,
                     tokens_per_step=tokens, host_bytes=host, stage_totals=[weights + grads + optimizer])
-
-
-# ---------------------------------------------------------------------------------------------
-# Pre-flight: every configuration error visible before any process group exists
-# ---------------------------------------------------------------------------------------------

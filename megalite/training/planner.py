@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from megalite.model.config import GPTConfig
-from megalite.training.estimate import (Estimate, GB, Layout, RECOMPUTE_CHOICES, _check_choices, bus_factor, estimate, stage_layers)
+from megalite.training.estimate import Estimate, _check_choices, bus_factor, estimate
+from megalite.training.run_layout import GB, RECOMPUTE_CHOICES, Layout, stage_layers
 
 
 def _divisors(n: int) -> list[int]:

@@ -23,9 +23,10 @@ from megalite.model.gpt import GPTModel
 from megalite.pipeline.instructions import BWD, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
 from megalite.testing import run_distributed
+from megalite.training import activation_memory as A
 from megalite.training import estimate as E
 from megalite.training import planner as P
-from megalite.training.estimate import Layout
+from megalite.training.run_layout import Layout
 
 GB = 1e9
 KERNEL_MODULES = ("cross_entropy", "flash_attention", "gelu", "layer_norm", "rms_norm", "rope", "swiglu")
@@ -190,9 +191,9 @@ def test_activation_bytes_match_what_the_model_keeps():
             measured, _ = measure(model, batch, config.seq_length)
             layout = Layout(micro_batch_size=batch, recompute=recompute, device="cpu",
                             precision="bf16" if dtype == torch.bfloat16 else "fp32")
-            expected = E.activation_bytes(config, layout, stage=0)
+            expected = A.activation_bytes(config, layout, stage=0)
             if recompute == "full":  # the estimate's peak adds the block being recomputed in backward
-                expected -= E.layer_activation_bytes(config, layout, recompute="none")
+                expected -= A.layer_activation_bytes(config, layout, recompute="none")
             case = f"{config.flavour} nkv={config.num_query_groups} dropout={config.hidden_dropout} " \
                    f"{recompute} {dtype}: measured {measured} estimated {expected}"
             assert 0 <= measured - expected <= SCALAR_SLACK, case
@@ -204,18 +205,18 @@ def test_activation_formula_scales_like_korthikanti():
     # the TP-sharded part shrinks by t; the norm inputs and the linear inputs only with SP.
     config = preset("gpt2-1.3b")
     base = Layout(precision="bf16", micro_batch_size=1)
-    one = E.layer_activation_bytes(config, base)
+    one = A.layer_activation_bytes(config, base)
     s, h = config.seq_length, config.hidden_size
     stats = 2 * 4 * s
     sharded = one - 2 * (2 * s * h + stats) - 2 * 2 * s * h          # everything inside the TP region
     for t in (2, 4, 8):
-        no_sp = E.layer_activation_bytes(config, dataclasses.replace(base, tp=t))
+        no_sp = A.layer_activation_bytes(config, dataclasses.replace(base, tp=t))
         assert no_sp == one - sharded + sharded // t
-        with_sp = E.layer_activation_bytes(config, dataclasses.replace(base, tp=t, sequence_parallel=True))
+        with_sp = A.layer_activation_bytes(config, dataclasses.replace(base, tp=t, sequence_parallel=True))
         norms, linear_inputs = 2 * (2 * s * h + stats), 2 * 2 * s * h  # both kept as sequence shards under SP
         assert with_sp == no_sp - norms + norms // t - linear_inputs + linear_inputs // t
-    full = E.layer_activation_bytes(config, dataclasses.replace(base, recompute="full"))
-    assert full == 2 * s * h + E._CHECKPOINT_RNG_BYTES["cuda"]
+    full = A.layer_activation_bytes(config, dataclasses.replace(base, recompute="full"))
+    assert full == 2 * s * h + A._CHECKPOINT_RNG_BYTES["cuda"]
 
 
 def _tp_world(configs, batch):
@@ -246,7 +247,7 @@ def test_tensor_parallel_rank_params_activations_and_traffic():
         for (config, sp), (params, measured, ledger) in zip(configs, rank_results):
             layout = Layout(tp=2, sequence_parallel=sp, micro_batch_size=batch, device="cpu")
             assert params == E.stage_params(config, layout, 0)
-            expected = E.activation_bytes(config, layout, 0)
+            expected = A.activation_bytes(config, layout, 0)
             assert 0 <= measured - expected <= SCALAR_SLACK, (config.flavour, sp, measured, expected)
             # one microbatch's forward + backward; the SP grad all-reduce belongs to the DP engine
             comm_expected = E.communication_bytes(config, layout, 0)
@@ -272,7 +273,7 @@ def test_inflight_microbatches_match_the_schedules():
             for op in ops:
                 live += (op.kind == FWD) - (op.kind == release)
                 peak = max(peak, live)
-            assert E.inflight_microbatches(layout, stage) == peak, (name, pp, m, v, stage)
+            assert A.inflight_microbatches(layout, stage) == peak, (name, pp, m, v, stage)
 
 
 def test_bubble_flops_and_pipeline_traffic_by_hand():

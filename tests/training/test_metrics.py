@@ -118,7 +118,8 @@ def test_gather_step_times_over_the_world():
 
 
 def test_estimate_beside_measured_memory_line():
-    from megalite.training.estimate import Layout, estimate
+    from megalite.training.estimate import estimate
+    from megalite.training.run_layout import Layout
 
     est = estimate(preset("gpt2-124m"), Layout(precision="bf16", micro_batch_size=4))
     line = M.estimate_vs_measured(est, "cpu")
