@@ -102,7 +102,8 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
         chunk.train()
     phase = timer.phase if timer is not None else _no_timer
     if mesh.pp_size == 1:
-        model, loss_sum = chunks[0], 0.0
+        # Summed on the device: a float() per microbatch would stall the host on every one.
+        model, loss_sum = chunks[0], torch.zeros((), dtype=torch.float32, device=mesh.device)
         for i, mb in enumerate(microbatches):
             # dp reductions start, bucket by bucket, only during the last microbatch's backward
             optimizer.grads.set_last_microbatch(i == len(microbatches) - 1)
@@ -110,7 +111,7 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
                 loss = model(mb["input_ids"], mb["labels"], reduction="sum")
             with phase("backward"):
                 (loss * loss_scale).backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().float()
     else:
         # Each chunk's buckets start reducing during that chunk's last backward instruction.
         optimizer.grads.set_last_microbatch(False)
@@ -124,6 +125,7 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
                                     DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks),
                                     before_last_backward=before_last_backward)
         optimizer.grads.set_last_microbatch(True)
+    loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
