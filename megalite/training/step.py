@@ -93,8 +93,8 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s'}.
     """
+    tokens = global_target_tokens(microbatches, mesh)  # counted where the loader put them (CPU): no GPU sync
     microbatches = _to_device(microbatches, mesh.device)
-    tokens = global_target_tokens(microbatches, mesh)
     scaler = optimizer.loss_scaler
     loss_scale = (scaler.scale if scaler is not None else 1.0) / max(tokens, 1.0)
     optimizer.zero_grad()
@@ -143,8 +143,8 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
 
     Forward only; with pipeline parallelism the schedule's forward-only variant runs.
     """
+    tokens = global_target_tokens(microbatches, mesh)  # counted where the loader put them (CPU): no GPU sync
     microbatches = _to_device(microbatches, mesh.device)
-    tokens = global_target_tokens(microbatches, mesh)
     for chunk in chunks:
         chunk.eval()
     if mesh.pp_size == 1:
