@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                             mesh.world_size, cfg.recompute, cfg.train_iters,
                             cfg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda"
                                                            else None, cfg.precision))
-    writer = MetricsWriter(cfg.metrics_file, enabled=mesh.rank == 0)
+    writer = MetricsWriter(cfg.metrics_file, cfg.tensorboard_dir, enabled=mesh.rank == 0)
     timer = TimeBreakdown()  # per-step seconds: data, forward, backward (or pipeline), optimizer, comm
     # Guards: a non-finite loss or gradient skips the update (or stops); dp replicas must not drift.
     guard = NonFiniteGuard(mesh, cfg.on_nonfinite, loss_scaling=cfg.precision == "fp16", log=log)

@@ -69,6 +69,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
     g.add_argument("--loss-scale-window", type=int, default=1000, help="fp16: steps without overflow to grow")
+    g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows tolerated before the scale backs off")
+    g.add_argument("--loss-scale-backoff", type=float, default=0.5, help="fp16: factor applied on backoff")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--data-path", nargs="+", default=None, help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
     g.add_argument("--tokenizer", default=None, help="path to a tokenizer.json (default: byte level)")
@@ -77,6 +79,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=4)
     g.add_argument("--log-interval", type=int, default=50)
     g.add_argument("--metrics-file", default=None, help="JSON lines, one object per logged step")
+    g.add_argument("--tensorboard-dir", default=None, help="also write scalars for TensorBoard (when installed)")
     g.add_argument("--straggler-interval", type=int, default=0)
     g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: known GPUs)")
     g.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
@@ -153,6 +156,8 @@ class TrainConfig:
     clip_grad: float = 1.0
     initial_loss_scale: float = 2.0 ** 16
     loss_scale_window: int = 1000
+    hysteresis: int = 2
+    loss_scale_backoff: float = 0.5
     seed: int = 1234
     data_path: list[str] | None = None
     tokenizer: str | None = None
@@ -161,6 +166,7 @@ class TrainConfig:
     eval_iters: int = 4
     log_interval: int = 50
     metrics_file: str | None = None
+    tensorboard_dir: str | None = None
     straggler_interval: int = 0
     peak_tflops: float | None = None
     dry_run: bool = False
@@ -227,9 +233,11 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
         adam_betas=(args.adam_beta1, args.adam_beta2), adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        initial_loss_scale=args.initial_loss_scale, loss_scale_window=args.loss_scale_window, seed=args.seed,
+        initial_loss_scale=args.initial_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, loss_scale_backoff=args.loss_scale_backoff, seed=args.seed,
         data_path=args.data_path, tokenizer=args.tokenizer, split=args.split, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, log_interval=args.log_interval, metrics_file=args.metrics_file,
+        tensorboard_dir=args.tensorboard_dir,
         straggler_interval=args.straggler_interval, peak_tflops=args.peak_tflops, dry_run=args.dry_run,
         hang_timeout=args.hang_timeout, hang_report_dir=args.hang_report_dir, on_nonfinite=args.on_nonfinite,
         check_replicas_interval=args.check_replicas_interval,

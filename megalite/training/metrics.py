@@ -221,13 +221,14 @@ class MetricsWriter:
     REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_sec")
 
     def __init__(self, path: str | None, tensorboard_dir: str | None = None, enabled: bool = True):
-        self.enabled = enabled and path is not None
+        self.enabled = enabled and (path is not None or tensorboard_dir is not None)
         self._file = None
         self._tb = None
         if not self.enabled:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "a", buffering=1)
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", buffering=1)
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -242,7 +243,8 @@ class MetricsWriter:
             raise ValueError(f"metrics record lacks {missing}; pass them to ThroughputMeter.step(...)")
         if not self.enabled:
             return
-        self._file.write(json.dumps(record, default=float) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=float) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
@@ -253,7 +255,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
-        self._file.write(json.dumps(record) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             self._tb.add_scalar("eval_loss", loss, step)
 

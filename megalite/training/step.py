@@ -43,7 +43,8 @@ def build_model_chunks(model: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> list[G
 
 def build_optimizer(chunks: list[GPTModel], cfg: TrainConfig, mesh: Mesh) -> DistributedOptimizer:
     named = [(chunk.logical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters()]
-    scaler = DynamicLossScaler(initial_scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window) \
+    scaler = DynamicLossScaler(initial_scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window,
+                               hysteresis=cfg.hysteresis, backoff_factor=cfg.loss_scale_backoff) \
         if cfg.precision == "fp16" else None
     return DistributedOptimizer(named, mesh, zero_stage=cfg.zero, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                 weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
