@@ -152,7 +152,8 @@ class ColumnParallelLinear(nn.Module):
     split separately: rank r holds [block0_r; block1_r; ...].
 
     Input: [..., in], the full activation (every tp rank the same), or with
-    `sequence_parallel=True` the sequence shard [s/tp, b, in] (gathered here along dim 0).
+    `sequence_parallel=True` the sequence shard [s/tp, b, in] (gathered here along dim 0; only the
+    shard is kept for backward, which re-gathers it).
     Output: [..., out/tp], or [..., out] with `gather_output=True`.
     """
 
