@@ -14,7 +14,8 @@ import torch
 
 from megalite import comm, mesh
 from megalite.testing import free_port
-from megalite.training.watchdog import (HANG_EXIT_CODE, HangWatchdog, StoreChannel, describe_wait, rank_state,
+from megalite.training.hang_channels import StoreChannel
+from megalite.training.watchdog import (HANG_EXIT_CODE, HangWatchdog, describe_wait, rank_state,
                                         summarize_hang)
 
 WORLD, TIMEOUT_S = 4, 1.5
