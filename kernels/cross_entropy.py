@@ -50,9 +50,17 @@ def _softmax_stats_kernel(LOGITS, TARGETS, STATS, row_stride, stats_row_stride, 
     cols = tl.arange(0, BLOCK_V)
     running_max = -1.0e30
     running_sum = 0.0
-    for start in range(0, n_valid, BLOCK_V):
-        mask = start + cols < n_valid
-        x = tl.load(row_ptr + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    # Whole blocks load unmasked (16-byte vector loads); only the tail block, when n_valid is
+    # not a multiple of BLOCK_V (GPT-2's 50257), pays for a mask. A mask on an odd bound would
+    # make every load in the row scalar.
+    full_end = (n_valid // BLOCK_V) * BLOCK_V
+    for start in range(0, full_end, BLOCK_V):
+        x = tl.load(row_ptr + start + cols).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    for start in range(full_end, n_valid, BLOCK_V):  # at most one iteration
+        x = tl.load(row_ptr + start + cols, mask=start + cols < n_valid, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
         running_max = new_max
@@ -76,12 +84,20 @@ def _softmax_grad_kernel(LOGITS, TARGETS, LSE, DLOSS, DLOGITS, row_stride, n_col
     local = target - vocab_start
     lse = tl.load(LSE + row)
     cols = tl.arange(0, BLOCK_V)
-    for start in range(0, n_cols, BLOCK_V):
+    row_in = LOGITS + row * row_stride
+    row_out = DLOGITS + row * n_cols
+    full_end = (n_valid // BLOCK_V) * BLOCK_V  # unmasked whole blocks, as in the stats kernel
+    for start in range(0, full_end, BLOCK_V):
         idx = start + cols
-        x = tl.load(LOGITS + row * row_stride + idx, mask=idx < n_valid, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_in + idx).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(idx == local, 1.0, 0.0)) * scale
+        tl.store(row_out + idx, grad.to(DLOGITS.dtype.element_ty))
+    for start in range(full_end, n_cols, BLOCK_V):  # the valid tail, then padding columns (gradient 0)
+        idx = start + cols
+        x = tl.load(row_in + idx, mask=idx < n_valid, other=float("-inf")).to(tl.float32)
         grad = (tl.exp(x - lse) - tl.where(idx == local, 1.0, 0.0)) * scale
         grad = tl.where(idx < n_valid, grad, 0.0)
-        tl.store(DLOGITS + row * n_cols + idx, grad.to(DLOGITS.dtype.element_ty), mask=idx < n_cols)
+        tl.store(row_out + idx, grad.to(DLOGITS.dtype.element_ty), mask=idx < n_cols)
 
 
 def _block_v(n_cols: int, device: torch.device) -> int:
