@@ -1,12 +1,24 @@
-"""Compile every kernel ahead of time for a GPU architecture, on a machine without a GPU.
+"""Compile every kernel ahead of time for a GPU architecture, on a machine without a GPU, and
+report what the machine code says about speed.
 
 The interpreter checks what the kernels compute, not whether Triton's compiler accepts them
-(loop-carried types, dot shapes, shared memory per block). `triton.compile` with an explicit
-GPUTarget lowers each kernel to a cubin with the bundled ptxas, no GPU needed, using the same
-block sizes and warps the launchers pick on CUDA. Run it from the command line:
+(loop-carried types, dot shapes, shared memory per block) nor what code it makes of them.
+`triton.compile` with an explicit GPUTarget lowers each kernel to a cubin with the bundled
+ptxas, no GPU needed, using the block sizes and warps the launchers pick on CUDA and the
+argument specialisation Triton's launcher would apply to a training-shaped call (an integer
+divisible by 16 and a 16-byte-aligned pointer are marked so, an integer equal to 1 becomes a
+constant: this decides whether loads are vectorised). Each variant then reports:
+
+    regs   registers per thread (ptxas -v)      spill  bytes spilled to local memory
+    smem   shared memory per program             ld     16-byte vector / scalar global loads
+    mma    wgmma (Hopper tensor-core) instructions
+
+and warns where the code cannot be fast: any spill, or a memory-bound kernel whose global
+loads are mostly scalar (it cannot reach copy bandwidth). Run it from the command line:
 
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_check            # sm_90 (H100)
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_check --arch 80  # A100
+    ... --strict                                                          # warnings fail too
 
 Needs triton imported in compiled mode: without a GPU, `megalite.kernels` imports triton in
 interpreter mode unless TRITON_INTERPRET is set explicitly, hence the =0.
@@ -15,8 +27,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,24 +42,72 @@ FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minu
                  "bias_correction2_sqrt"}
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
+# Integer arguments of a training-shaped call: Llama-style 8B layer, micro batch 2 x 4096 tokens
+# (8192 rows), hidden 4096, 32 query / 8 kv heads of 128, ffn 14336, GPT-2's vocab 50257
+# padded to 50304 (tp=1: a shard whose valid width is odd, as every GPT-2 run has).
+TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 8192, 4096, 32, 8, 128, 14336
+TYPICAL_INTS = {
+    "n_rows": TOKENS, "rows_per_program": TOKENS // 528, "n_elements": TOKENS * FFN,
+    "batch": 2, "n_heads": HEADS, "half": HEAD_DIM // 2, "group_size": HEADS // KV_HEADS, "seq_len": 4096,
+    # rope reads q or k straight out of the fused qkv projection, [s, b, h, d] strided views
+    "x_stride_s": 2 * (HEADS + 2 * KV_HEADS) * HEAD_DIM, "x_stride_b": (HEADS + 2 * KV_HEADS) * HEAD_DIM,
+    "x_stride_h": HEAD_DIM, "x_stride_d": 1, "cos_stride_s": HEAD_DIM, "sin_stride_s": HEAD_DIM,
+    # attention takes [b, h, s, d] views of [s, b, h, d] activations
+    "q_stride_b": HEADS * HEAD_DIM, "q_stride_h": HEAD_DIM, "q_stride_s": 2 * HEADS * HEAD_DIM,
+    "k_stride_b": KV_HEADS * HEAD_DIM, "k_stride_h": HEAD_DIM, "k_stride_s": 2 * KV_HEADS * HEAD_DIM,
+    "v_stride_b": KV_HEADS * HEAD_DIM, "v_stride_h": HEAD_DIM, "v_stride_s": 2 * KV_HEADS * HEAD_DIM,
+    # cross entropy, tp=1: stats [tokens, 3] = (max, sum-exp, target logit)
+    "n_cols": 50304, "n_valid": 50257, "row_stride": 50304, "vocab_start": 0, "ignore_index": -100,
+    "stats_row_stride": 3, "max_slot": 0, "sumexp_slot": 1, "target_slot": 2,
+}
 
-def _signature(kernel, dtype: torch.dtype) -> dict:
-    signature = {}
-    for param in kernel.params:
+
+def _typical_row_ints(hidden: int) -> dict:
+    return {"n_cols": hidden, "x_row_stride": hidden, "r_row_stride": hidden, "dy_row_stride": hidden,
+            "dsum_row_stride": hidden}
+
+
+@dataclass
+class Variant:
+    label: str
+    kernel: object
+    constexprs: dict
+    options: dict
+    ints: dict  # overrides of TYPICAL_INTS for this variant
+    memory_bound: bool = True
+
+
+def _specialize(kernel, dtype: torch.dtype, variant: Variant):
+    """(signature, constexprs, attrs) as Triton's launcher would build them for a typical call."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    signature, constexprs, attrs = {}, dict(variant.constexprs), {}
+    ints = dict(TYPICAL_INTS, **variant.ints)
+    for index, param in enumerate(kernel.params):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
         elif name == "TARGETS":
-            signature[name] = "*i64"
-        elif name.isupper():
+            signature[name], attrs[(index,)] = "*i64", [["tt.divisibility", 16]]
+        elif name.isupper():  # a tensor: fresh allocations are 16-byte aligned
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{TRITON_DTYPES[dtype]}"
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif name in FLOAT_SCALARS:
+            signature[name] = "fp32"
         else:
-            signature[name] = "fp32" if name in FLOAT_SCALARS else "i32"
-    return signature
+            kind, spec = native_specialize_impl(BaseBackend, ints[name], False, True, True)
+            if kind == "constexpr":  # an argument equal to 1
+                signature[name], constexprs[name] = "constexpr", spec
+            else:
+                signature[name] = kind
+                if spec == "D":
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
 
 
 def kernel_variants(dtype: torch.dtype):
-    """(label, kernel, constexprs, options) for every kernel as the CUDA launchers configure it."""
+    """Every kernel as the CUDA launchers configure it, for a training-shaped call."""
     # the package re-exports functions under the modules' names (rms_norm, rope...): import modules
     adamw, cross_entropy, flash_attention, gelu, layer_norm, rms_norm, rope, swiglu = (
         importlib.import_module(f"{__package__}.{name}") for name in
@@ -52,77 +116,141 @@ def kernel_variants(dtype: torch.dtype):
     cuda = torch.device("cuda")
     for hidden in (4096, 8192):
         block, warps = rms_norm._launch_config(hidden)
+        rows = _typical_row_ints(hidden)
         for flag in (False, True):
             opts = {"num_warps": warps}
-            yield f"rms_norm fwd h={hidden} residual={flag}", rms_norm._rms_norm_forward_kernel, \
-                dict(HAS_RESIDUAL=flag, BLOCK=block), opts
-            yield f"rms_norm bwd h={hidden} dsum={flag}", rms_norm._rms_norm_backward_kernel, \
-                dict(HAS_DSUM=flag, BLOCK=block), opts
-            yield f"layer_norm fwd h={hidden} residual={flag}", layer_norm._layer_norm_forward_kernel, \
-                dict(HAS_RESIDUAL=flag, BLOCK=block), opts
-            yield f"layer_norm bwd h={hidden} dsum={flag}", layer_norm._layer_norm_backward_kernel, \
-                dict(HAS_DSUM=flag, BLOCK=block), opts
+            yield Variant(f"rms_norm fwd h={hidden} residual={flag}", rms_norm._rms_norm_forward_kernel,
+                          dict(HAS_RESIDUAL=flag, BLOCK=block), opts, rows)
+            yield Variant(f"rms_norm bwd h={hidden} dsum={flag}", rms_norm._rms_norm_backward_kernel,
+                          dict(HAS_DSUM=flag, BLOCK=block), opts, rows)
+            yield Variant(f"layer_norm fwd h={hidden} residual={flag}", layer_norm._layer_norm_forward_kernel,
+                          dict(HAS_RESIDUAL=flag, BLOCK=block), opts, rows)
+            yield Variant(f"layer_norm bwd h={hidden} dsum={flag}", layer_norm._layer_norm_backward_kernel,
+                          dict(HAS_DSUM=flag, BLOCK=block), opts, rows)
     for flag in (False, True):
-        yield f"gelu fwd bias={flag}", gelu._gelu_forward_kernel, dict(HAS_BIAS=flag, BLOCK=gelu.BLOCK), {"num_warps": 4}
-        yield f"gelu bwd bias={flag}", gelu._gelu_backward_kernel, dict(HAS_BIAS=flag, BLOCK=gelu.BLOCK), \
-            {"num_warps": 4}
-    yield "swiglu fwd", swiglu._swiglu_forward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}
-    yield "swiglu bwd", swiglu._swiglu_backward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}
+        for stage, kernel in (("fwd", gelu._gelu_forward_kernel), ("bwd", gelu._gelu_backward_kernel)):
+            yield Variant(f"gelu {stage} bias={flag}", kernel, dict(HAS_BIAS=flag, BLOCK=gelu.BLOCK),
+                          {"num_warps": 4}, {"n_cols": FFN})
+    yield Variant("swiglu fwd", swiglu._swiglu_forward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}, {})
+    yield Variant("swiglu bwd", swiglu._swiglu_backward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}, {})
     for transposed in (False, True):
-        yield f"rope transposed={transposed}", rope._rope_kernel, \
-            dict(TRANSPOSED=transposed, BLOCK_H=32, BLOCK_HALF=64), {"num_warps": 4}
-    block_v = cross_entropy._block_v(128256, cuda)
-    yield "cross_entropy stats", cross_entropy._softmax_stats_kernel, dict(BLOCK_V=block_v), {"num_warps": 8}
-    yield "cross_entropy grad", cross_entropy._softmax_grad_kernel, dict(BLOCK_V=block_v), {"num_warps": 8}
+        yield Variant(f"rope transposed={transposed}", rope._rope_kernel,
+                      dict(TRANSPOSED=transposed, BLOCK_H=32, BLOCK_HALF=64), {"num_warps": 4}, {})
+    for vocab, n_valid, cols in ((50257, 50257, 50304), (128256, 128256 // 8, 128256 // 8)):
+        block_v = cross_entropy._block_v(n_valid, cuda)
+        shape = dict(n_valid=n_valid, n_cols=cols, row_stride=cols)
+        for stage, kernel in (("stats", cross_entropy._softmax_stats_kernel),
+                              ("grad", cross_entropy._softmax_grad_kernel)):
+            yield Variant(f"cross_entropy {stage} V={vocab}{'/tp8' if cols < vocab else ''}", kernel,
+                          dict(BLOCK_V=block_v), {"num_warps": 8}, shape)
     for head_dim in flash_attention.SUPPORTED_HEAD_DIMS:
         cfg = flash_attention._config(head_dim, cuda, dtype)
-        opts = {"num_warps": cfg["warps"], "num_stages": cfg["stages"]}
+        strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in "qkv" for a in "bhs"
+                   for v in [TYPICAL_INTS[f"{t}_stride_{a}"]]}
         for causal in (True, False):
             common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"])
             for stage, kernel in (("fwd", flash_attention._attention_forward_kernel),
                                   ("dkdv", flash_attention._attention_dkdv_kernel),
                                   ("dq", flash_attention._attention_dq_kernel)):
-                block_m, block_n = cfg[stage]
-                yield f"attention {stage} d={head_dim} causal={causal}", kernel, \
-                    dict(common, BLOCK_M=block_m, BLOCK_N=block_n), opts
-        yield f"attention delta d={head_dim}", flash_attention._attention_delta_kernel, \
-            dict(HEAD_DIM=head_dim, BLOCK_M=cfg["dq"][0]), {}
-    yield "adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}
+                block_m, block_n, warps, stages = cfg[stage]
+                yield Variant(f"attention {stage} d={head_dim} causal={causal}", kernel,
+                              dict(common, BLOCK_M=block_m, BLOCK_N=block_n),
+                              {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
+        yield Variant(f"attention delta d={head_dim}", flash_attention._attention_delta_kernel,
+                      dict(HEAD_DIM=head_dim, BLOCK_M=cfg["dq"][0]), {}, {})
+    yield Variant("adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}, {"n_elements": 1 << 24})
+
+
+@dataclass
+class Report:
+    registers: int | None
+    spill_bytes: int | None
+    shared_bytes: int
+    vector_loads: int
+    scalar_loads: int
+    wgmma: int
+
+    def warnings(self, memory_bound: bool) -> list[str]:
+        found = []
+        if self.spill_bytes:
+            found.append(f"spills {self.spill_bytes} bytes to local memory")
+        # Counted per instruction, not per execution: a masked tail block may load scalar (its
+        # bound is odd) and per-row scalars (a target id, an lse) are scalar by nature, but a
+        # memory-bound kernel with no vector load at all streams its data one element at a time.
+        if memory_bound and self.vector_loads == 0:
+            found.append(f"data loads are scalar ({self.vector_loads} vector, {self.scalar_loads} scalar loads): "
+                         "cannot reach copy bandwidth")
+        return found
+
+
+def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """(registers, spill-store bytes) from `ptxas -v` on the PTX; (None, None) if it cannot run."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+            source.write(ptx)
+            source.flush()
+            gpu_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+            result = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu_name}", source.name, "-o",
+                                     "/dev/null"], capture_output=True, text=True, timeout=120)
+    except Exception:  # noqa: BLE001 - another triton layout: report what the PTX alone says
+        return None, None
+    registers = re.search(r"Used (\d+) registers", result.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", result.stderr)
+    return (int(registers.group(1)) if registers else None, int(spills.group(1)) if spills else None)
+
+
+def analyse(compiled, arch: int) -> Report:
+    ptx = compiled.asm["ptx"]
+    loads = re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)
+    vector = sum(1 for op in loads if ".v2." in op or ".v4." in op or op.endswith((".v2", ".v4")))
+    registers, spills = _ptxas_report(ptx, arch)
+    return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector,
+                  ptx.count("wgmma.mma_async"))
 
 
 def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose: bool = True,
-                only: tuple[str, ...] = ()) -> list[str]:
-    """Compile every variant (or those whose label contains one of `only`); return the failures
-    as 'label: error' lines (empty: all compiled)."""
+                only: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """Compile every variant (or those whose label contains one of `only`); return
+    (failures, warnings) as 'label: detail' lines."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.interpreter import InterpretedFunction
 
-    from .dispatch import tl
+    from .dispatch import interpreter_ready
 
-    if isinstance(tl.standard.sum, InterpretedFunction):
+    if interpreter_ready():
         raise RuntimeError("triton was imported in interpreter mode; run the compile check in a fresh process "
                            "with TRITON_INTERPRET=0")
     target = GPUTarget("cuda", arch, 32)
-    failures = []
+    failures, warnings = [], []
+    if verbose:
+        print(f"  {'variant':52s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'ld vec/scal':>11s} {'mma':>4s}")
     for dtype in dtypes:
-        for label, kernel, constexprs, options in kernel_variants(dtype):
-            label = f"{label} [{TRITON_DTYPES[dtype]}]"
+        for variant in kernel_variants(dtype):
+            label = f"{variant.label} [{TRITON_DTYPES[dtype]}]"
             if only and not any(part in label for part in only):
                 continue
             start = time.perf_counter()
             try:
-                source = ASTSource(fn=kernel, signature=_signature(kernel, dtype), constexprs=constexprs)
-                compiled = triton.compile(source, target=target, options=options)
-                detail = f"ok  shared {compiled.metadata.shared / 1024:6.1f} KiB, " \
-                         f"{time.perf_counter() - start:5.1f} s"
+                signature, constexprs, attrs = _specialize(variant.kernel, dtype, variant)
+                source = ASTSource(fn=variant.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+                report = analyse(triton.compile(source, target=target, options=variant.options), arch)
             except Exception as exc:  # noqa: BLE001 - collect every failure, then report
                 detail = f"FAILED {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
                 failures.append(f"{label}: {detail}")
+                if verbose:
+                    print(f"  {label:52s} {detail}", flush=True)
+                continue
+            problems = report.warnings(variant.memory_bound)
+            warnings.extend(f"{label}: {problem}" for problem in problems)
             if verbose:
-                print(f"  {label:52s} {detail}", flush=True)
-    return failures
+                print(f"  {label:52s} {report.registers or '?':>4} {report.spill_bytes if report.spill_bytes is not None else '?':>5} "
+                      f"{report.shared_bytes / 1024:8.1f} {report.vector_loads:>5d}/{report.scalar_loads:<5d} "
+                      f"{report.wgmma:>4d}  {'ok' if not problems else 'WARN ' + '; '.join(problems)} "
+                      f"({time.perf_counter() - start:.1f} s)", flush=True)
+    return failures, warnings
 
 
 def main(argv=None) -> int:
@@ -131,10 +259,15 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=(), help="compile only variants whose label contains one")
     parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"], choices=["bfloat16", "float16",
                                                                                          "float32"])
+    parser.add_argument("--strict", action="store_true", help="warnings (spills, scalar loads) fail too")
     args = parser.parse_args(argv)
-    failures = compile_all(args.arch, tuple(getattr(torch, d) for d in args.dtypes), only=tuple(args.only))
-    print(f"sm_{args.arch}: {'all kernels compiled' if not failures else f'{len(failures)} failed'}")
-    return 1 if failures else 0
+    failures, warnings = compile_all(args.arch, tuple(getattr(torch, d) for d in args.dtypes),
+                                     only=tuple(args.only))
+    print(f"sm_{args.arch}: {'all kernels compiled' if not failures else f'{len(failures)} failed to compile'}"
+          f", {len(warnings)} warning(s)")
+    for line in warnings:
+        print(f"  warning: {line}")
+    return 1 if failures or (args.strict and warnings) else 0
 
 
 if __name__ == "__main__":
