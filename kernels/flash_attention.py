@@ -202,14 +202,23 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
 
 
 def _config(head_dim: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """Block sizes: tensor-core-sized on CUDA, small in the interpreter (odd shapes cross many blocks)."""
-    precision = "ieee" if dtype == torch.float32 else "tf32"
+    """Per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages), and the dots' input precision.
+
+    Tensor-core tiles for 16-bit inputs on CUDA; for float32 ("ieee" dots run on the FMA units
+    with operands in registers) the largest tiles that compile for sm_90 without register
+    spills (`compile_check` reports spills); small tiles in the interpreter, so that odd shapes
+    cross many blocks. The forward needs BLOCK_M % BLOCK_N == 0 (its unmasked stage ends on a
+    block boundary). Not yet timed on a GPU: tools/bench_kernels.py --attention-configs sweeps.
+    """
+    precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     if device.type != "cuda":
-        return dict(fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), warps=1, stages=1, precision=precision)
-    # BLOCK_M must be a multiple of BLOCK_N in the forward (its unmasked stage ends on a block boundary).
-    big = head_dim >= 128 or dtype == torch.float32
-    return dict(fwd=(128, 64) if not big else (64, 64), dkdv=(32, 64), dq=(64, 32), warps=8 if big else 4,
-                stages=3 if not big else 2, precision=precision)
+        tile = (16, 16, 1, 1)
+        return dict(fwd=tile, dkdv=tile, dq=tile, precision=precision)
+    if dtype == torch.float32:
+        return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 8, 2), precision=precision)
+    if head_dim >= 128:
+        return dict(fwd=(64, 64, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), precision=precision)
+    return dict(fwd=(128, 64, 4, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3), precision=precision)
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -233,11 +242,11 @@ class _FlashAttentionFunction(torch.autograd.Function):
         cfg = _config(head_dim, q.device, q.dtype)
         out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
         lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
-        block_m, block_n = cfg["fwd"]
+        block_m, block_n, warps, stages = cfg["fwd"]
         runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
             q, k, v, out, lse2, *_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len,
             softmax_scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            DOT_PRECISION=cfg["precision"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+            DOT_PRECISION=cfg["precision"], num_warps=warps, num_stages=stages)
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return out if padded == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
@@ -261,14 +270,15 @@ class _FlashAttentionFunction(torch.autograd.Function):
         dv = new_output(v.shape, v.dtype, v.device)
         common = (*_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, ctx.softmax_scale,
                   ctx.softmax_scale * LOG2E)
-        meta = dict(CAUSAL=ctx.causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"], num_warps=cfg["warps"],
-                    num_stages=cfg["stages"])
-        block_m, block_n = cfg["dkdv"]
+        meta = dict(CAUSAL=ctx.causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"])
+        block_m, block_n, warps, stages = cfg["dkdv"]
         runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(seq_len, block_n), batch * n_kv_heads)](
-            q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, **meta)
-        block_m, block_n = cfg["dq"]
+            q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            num_stages=stages, **meta)
+        block_m, block_n, warps, stages = cfg["dq"]
         runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-            q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, **meta)
+            q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            num_stages=stages, **meta)
         if head_dim != ctx.head_dim:
             dq, dk, dv = (t[..., :ctx.head_dim] for t in (dq, dk, dv))
         return dq, dk, dv, None, None
