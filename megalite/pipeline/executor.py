@@ -2,12 +2,14 @@
 
 Per (chunk, microbatch) the executor keeps, only as long as an instruction still needs it:
   inputs[c, m]        received activation (leaf, requires grad) or the input ids
-  outputs[c, m]       the chunk's output (graph root for the backward), or the scaled loss
-  output_grads[c, m]  the received gradient w.r.t. outputs[c, m]
+  outputs[c, m]       the chunk's output until it is sent, or the scaled loss (last chunk)
+  roots[c, m]         a scalar standing for a sent output in autograd (see _OutputRoot)
+  output_grads[c, m]  the received gradient w.r.t. the chunk's output
   input_grads[c, m]   inputs[c, m].grad, kept until it is sent
 Everything is popped by its last consumer, so a microbatch's activations are freed by its
 backward (BWD), or by its weight pass (BWD_WEIGHT) under zero-bubble schedules, whose
-deferred weight-gradient work holds the layer inputs until then.
+deferred weight-gradient work holds the layer inputs until then. A sent output [s, b, h] is
+freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of them.
 """
 from __future__ import annotations
 
@@ -25,6 +27,26 @@ from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.schedules import build_schedule
 from megalite.pipeline.verifier import verify_schedule
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+
+
+class _OutputRoot(torch.autograd.Function):
+    """A scalar that stands for a chunk's output as the root of its backward.
+
+    The backward needs the output's graph, not its values (the last op of a chunk, a residual
+    add, saves nothing). Rooting the backward at this scalar lets the executor drop the output
+    [s, b, h] once it is sent; backward(root) feeds the received gradient, put in `slot`, into
+    the output's graph. (Megatron frees the output's .data and calls the autograd engine
+    directly to skip its shape check; this stays on public API.)
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, slot: list) -> torch.Tensor:
+        ctx.slot = slot
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        return ctx.slot.pop(), None
 
 
 @functools.lru_cache(maxsize=32)
@@ -109,6 +131,7 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
 
     inputs: dict[tuple[int, int], torch.Tensor] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
+    roots: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
     output_grads: dict[tuple[int, int], torch.Tensor] = {}
     input_grads: dict[tuple[int, int], torch.Tensor] = {}
     store = WeightGradStore()
@@ -140,10 +163,10 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
         for kind, buffer in received:
             if kind == RECV_ACT and not forward_only:
                 buffer.requires_grad_(True)
-        if forward_only:  # nothing runs backward: a sent output is done
-            for op in batch:
-                if op.kind == SEND_ACT:
-                    del outputs[(op.chunk, op.microbatch)]
+        for op in batch:  # a sent output is done: the backward starts from its root
+            if op.kind == SEND_ACT:
+                del outputs[(op.chunk, op.microbatch)]
+                if forward_only:
                     live.discard((op.chunk, op.microbatch))
 
     def forward(c: int, mb: int) -> None:
@@ -161,6 +184,9 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
             outputs[key] = loss * loss_scale
         else:
             outputs[key] = model_chunks[c](x)
+            if not forward_only:
+                slot: list = []
+                roots[key] = (_OutputRoot.apply(outputs[key], slot), slot)
         if forward_only:
             inputs.pop(key)
         live.add(key)
@@ -168,13 +194,16 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
 
     def backward(c: int, mb: int, deferred: bool) -> None:
         key = (c, mb)
-        out = outputs.pop(key)
-        grad = None if p2p.is_last_chunk(pp, v, stage, c) else output_grads.pop(key)
+        if p2p.is_last_chunk(pp, v, stage, c):
+            root = outputs.pop(key)  # the scaled loss
+        else:
+            root, slot = roots.pop(key)
+            slot.append(output_grads.pop(key))
         if deferred:
             with defer_weight_grads(store, key):
-                torch.autograd.backward(out, grad)
+                torch.autograd.backward(root)
         else:
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(root)
         x = inputs.pop(key)
         if not p2p.is_first_chunk(pp, stage, c):
             if x.grad is None:
@@ -202,7 +231,7 @@ def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microb
                 live.discard((op.chunk, op.microbatch))
             else:
                 raise ValueError(f"unknown instruction {op}")
-    if outputs or inputs or output_grads or input_grads or store.pending():
+    if outputs or roots or inputs or output_grads or input_grads or store.pending():
         raise RuntimeError(f"pipeline ended with state left over on stage {stage}: outputs {sorted(outputs)}, "
                            f"inputs {sorted(inputs)}, pending weight grads {store.pending()}")
     if not forward_only:

@@ -3,6 +3,8 @@
 One forked world of 4 ranks runs every (pp, dp) mesh and every schedule; each rank also
 computes the one-process oracle itself, so only error summaries travel back.
 """
+import weakref
+
 import torch
 
 from megalite import mesh as mesh_lib
@@ -101,3 +103,39 @@ def test_executor_matches_one_process_model():
         # ZB-H1 really defers: one weight-gradient closure per linear block and microbatch.
         blocks = LAYERS // (r["pp"] * r["v"])
         assert r["deferred"] == (blocks * r["m"] if r["name"] == "zb-h1" else 0), where
+
+
+class _WatchedChunk(torch.nn.Module):
+    """Wraps a chunk; at every forward counts how many of its earlier outputs are still alive."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk = chunk
+        self.outputs, self.alive_at_forward = [], []
+
+    def forward(self, x, **kwargs):
+        self.alive_at_forward.append(sum(ref() is not None for ref in self.outputs))
+        out = self.chunk(x, **kwargs)
+        self.outputs.append(weakref.ref(out))
+        return out
+
+
+def _sent_outputs_world():
+    mesh = mesh_lib.init_mesh(tp=1, pp=2, dp=1)
+    m = 4
+    microbatches = make_microbatches(m)
+    full = ToyModel(VOCAB, HIDDEN, LAYERS)
+    layers = stage_layers(LAYERS, 2, 1, mesh.pp_rank)[0]
+    chunk = _WatchedChunk(ToyChunk(full, layers, pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage))
+    loss = run_pipeline("1f1b", [chunk], microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32, 1.0)
+    ref_loss, _ = oracle(True, microbatches, 1.0)
+    return mesh.pp_rank, chunk.alive_at_forward, loss, ref_loss
+
+
+def test_sent_outputs_are_freed_before_their_backward():
+    # Stage 0 of 1F1B at pp=2 runs F0 F1 B0 F2 B1 F3 B2 B3: microbatch 0's output is sent
+    # before F1 but backpropagated only after it; kept until its backward, it would be alive.
+    results = dict((rank, rest) for rank, *rest in run_distributed(_sent_outputs_world, 2, timeout_s=120))
+    alive, loss, ref_loss = results[0]
+    assert alive == [0, 0, 0, 0], alive
+    assert abs(results[1][1] - results[1][2]) <= 1e-5 * abs(results[1][2])  # and the loss is still right
