@@ -111,7 +111,8 @@ def add_guard_args(parser: argparse.ArgumentParser) -> None:
                    help="a non-finite loss or gradient: skip the update and log the step's samples, or stop "
                         "(exit code 3)")
     g.add_argument("--check-replicas-interval", type=int, default=0,
-                   help="every K steps compare parameter checksums across data-parallel replicas and stop "
+                   help="every K steps compare parameter checksums across data-parallel replicas (and the tp ranks' "
+                        "copies of tp-replicated parameters) and stop "
                         "(exit code 4) naming the first parameter that differs; 0: off")
 
 

@@ -1,4 +1,4 @@
-"""Numerical guards: non-finite losses and gradients, and data-parallel replicas drifting apart.
+"""Numerical guards: non-finite losses and gradients, and replicas (dp, tp) drifting apart.
 
 Non-finite loss or gradients (`--on-nonfinite {skip, stop}`)
     The gradient half is already done by DistributedOptimizer: it computes the global grad
@@ -20,12 +20,15 @@ Non-finite loss or gradients (`--on-nonfinite {skip, stop}`)
 
 Replica consistency (`--check-replicas-interval K`)
     Data-parallel replicas must hold bit-identical parameters (ZeRO all-gathers them from one
-    owner; plain dp applies identical all-reduced gradients). `check_replicas` reduces every
-    parameter to a bit-exact checksum (the sum of its bit patterns as integers and a
-    neighbour-xor sum that also sees swapped elements) and compares them with one all-gather
-    over the dp group, plus a 1-element all-reduce over the world so that every rank stops
-    together when any dp group disagrees. The error names the first mismatching parameter (in
-    model order, by logical name) and which ranks disagree.
+    owner; plain dp applies identical all-reduced gradients), and so must the tp ranks' copies
+    of tp-replicated parameters (norms, row-parallel biases: each tp rank updates its copy
+    from gradients that must agree; a non-deterministic kernel or a missed all-reduce under
+    sequence parallelism makes them drift silently). `check_replicas` reduces every parameter
+    to a bit-exact checksum (the sum of its bit patterns as integers and a neighbour-xor sum
+    that also sees swapped elements) and compares them with one all-gather over the dp group
+    and one over the tp group, plus a 1-element all-reduce over the world so that every rank
+    stops together when any group disagrees. The error names the first mismatching parameter
+    (in model order, by logical name) and which ranks disagree.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ class NonFiniteError(RuntimeError):
 
 
 class ReplicaMismatchError(RuntimeError):
-    """Data-parallel replicas hold different parameters (raised on every rank)."""
+    """Replicas (dp, or tp copies of replicated parameters) differ (raised on every rank)."""
 
 
 def _log_rank0(message: str) -> None:
@@ -167,10 +170,12 @@ def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
-    """(names, int64 [1 + n, 2]): row 0 identifies the name list (crc32, n), row 1 + i parameter i."""
+def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]],
+                        device: torch.device | None = None) -> tuple[list[str], torch.Tensor]:
+    """(names, int64 [1 + n, 2]): row 0 identifies the name list (crc32, n), row 1 + i parameter i.
+
+    On the parameters' device (`device` when the list is empty)."""
     names, rows = [], []
-    device = None
     for name, param in named_params:
         names.append(name)
         rows.append(tensor_checksum(param))
@@ -179,58 +184,90 @@ def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]]) -> tup
     return names, torch.cat([header] + [r.view(1, 2) for r in rows])
 
 
-def describe_mismatch(name: str, checksums: list[tuple[int, int]], global_ranks: list[int], step: Any) -> str:
-    """Name the parameter and the ranks that disagree: the minority when a majority exists."""
+_KINDS = {"dp": ("data-parallel replicas", "dp"), "tp": ("tensor-parallel ranks", "tp")}
+
+
+def describe_mismatch(name: str, checksums: list[tuple[int, int]], global_ranks: list[int], step: Any,
+                      kind: str = "dp") -> str:
+    """Name the parameter and the ranks that disagree: the minority when a majority exists.
+
+    checksums[i], global_ranks[i]: of rank i of the dp group (kind 'dp') or tp group ('tp')."""
+    what, short = _KINDS[kind]
     groups: dict[tuple[int, int], list[int]] = {}
-    for dp_rank, value in enumerate(checksums):
-        groups.setdefault(tuple(value), []).append(dp_rank)
+    for group_rank, value in enumerate(checksums):
+        groups.setdefault(tuple(value), []).append(group_rank)
     ordered = sorted(groups.values(), key=lambda ranks: (-len(ranks), ranks[0]))
 
-    def who(dp_ranks: list[int]) -> str:
-        return f"dp rank{'s' if len(dp_ranks) > 1 else ''} {', '.join(map(str, dp_ranks))} (global " \
-               f"{', '.join(str(global_ranks[d]) for d in dp_ranks)})"
+    def who(ranks: list[int]) -> str:
+        return f"{short} rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (global " \
+               f"{', '.join(str(global_ranks[r]) for r in ranks)})"
 
-    def verb(dp_ranks: list[int], singular: str, plural: str) -> str:
-        return singular if len(dp_ranks) == 1 else plural
+    def verb(ranks: list[int], singular: str, plural: str) -> str:
+        return singular if len(ranks) == 1 else plural
 
-    head = f"parameter {name!r} differs across data-parallel replicas at step {step}: "
+    head = f"parameter {name!r} differs across {what} at step {step}: "
     if len(ordered[0]) > len(ordered[1]):
         odd = sorted(r for ranks in ordered[1:] for r in ranks)
         return head + f"{who(odd)} {verb(odd, 'disagrees', 'disagree')} with the majority, {who(ordered[0])}"
     return head + "; ".join(f"{who(r)} {verb(r, 'holds', 'hold')} one value" for r in ordered) + " (no majority)"
 
 
-def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
-    """--check-replicas-interval: raise ReplicaMismatchError on every rank if dp replicas differ.
+def _first_mismatch(named_params: list[tuple[str, torch.Tensor]], group, global_ranks: list[int], kind: str,
+                    step: Any, device: torch.device) -> str | None:
+    """All-gather the checksums over `group` (every member passes the same list); describe the
+    first parameter, in model order, on which the members disagree."""
+    names, local = parameter_checksums(named_params, device)
+    gathered = comm.all_gather(local.unsqueeze(0), group).cpu()  # [group size, 1 + n, 2]
+    what, _ = _KINDS[kind]
+    if not bool((gathered[:, 0] == gathered[0, 0]).all()):
+        return (f"replica check at step {step}: {what} (global ranks {global_ranks}) hold different parameter "
+                f"lists (crc32/count {gathered[:, 0].tolist()}); the model was built differently")
+    same = (gathered[:, 1:] == gathered[0, 1:]).all(dim=-1).all(dim=0)  # [n]: agrees on every member
+    bad = (~same).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    first = bad[0]
+    message = describe_mismatch(names[first], [tuple(gathered[r, 1 + first].tolist()) for r in range(len(global_ranks))],
+                                global_ranks, step, kind)
+    if len(bad) > 1:
+        others = [names[i] for i in bad[1:4]]
+        message += f"; {len(bad) - 1} more parameter(s) differ: {others}{' ...' if len(bad) > 4 else ''}"
+    return message
 
-    `named_params`: (logical name, parameter) in model order, e.g. from
-    `chunk.logical_parameters()` over this rank's chunks; every dp replica holds the same list.
-    Collectives: one all-gather of int64 [1 + n, 2] over the dp group, one 1-element
-    all-reduce over the world (so ranks of healthy dp groups stop too, instead of hanging).
+
+def _tp_replicated(param: torch.Tensor) -> bool:
+    """Held whole by every tp rank (norms, biases of row-parallel layers, position embeddings)."""
+    spec = getattr(param, "shard_spec", None)
+    return spec is not None and not spec.is_tp_sharded
+
+
+def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
+    """--check-replicas-interval: raise ReplicaMismatchError on every rank if replicas differ.
+
+    Two kinds of replica must hold bit-identical values: the dp replicas of every parameter,
+    and the tp ranks' copies of every tp-replicated parameter (those whose `shard_spec` splits
+    nothing: layer norms, row-parallel biases...), which each tp rank updates on its own from
+    gradients that must agree. `named_params`: (logical name, parameter) in model order, e.g.
+    from `chunk.logical_parameters()` over this rank's chunks.
+    Collectives: an all-gather of int64 [1 + n, 2] over the dp group (dp > 1) and one over the
+    tp group (tp > 1, replicated parameters only), then one 1-element all-reduce over the
+    world, so that ranks of healthy groups stop too instead of hanging.
     """
-    names, local = parameter_checksums(named_params)
-    message = None
+    named_params = list(named_params)
+    device = named_params[0][1].device if named_params else mesh.device
+    messages = []
     if mesh.dp_size > 1:
-        gathered = comm.all_gather(local.unsqueeze(0), mesh.dp_group).cpu()  # [dp, 1 + n, 2]
-        global_ranks = [coords_to_rank(mesh.tp_rank, d, mesh.pp_rank, mesh.tp_size, mesh.dp_size)
-                        for d in range(mesh.dp_size)]
-        if not bool((gathered[:, 0] == gathered[0, 0]).all()):
-            message = (f"replica check at step {step}: dp replicas (global ranks {global_ranks}) hold different "
-                       f"parameter lists (crc32/count {gathered[:, 0].tolist()}); the model was built differently")
-        else:
-            same = (gathered[:, 1:] == gathered[0, 1:]).all(dim=-1).all(dim=0)  # [n]: param agrees on all dp ranks
-            bad = (~same).nonzero().flatten().tolist()
-            if bad:
-                first = bad[0]
-                message = describe_mismatch(names[first], [tuple(gathered[d, 1 + first].tolist())
-                                                           for d in range(mesh.dp_size)], global_ranks, step)
-                if len(bad) > 1:
-                    others = [names[i] for i in bad[1:4]]
-                    message += f"; {len(bad) - 1} more parameter(s) differ: {others}{' ...' if len(bad) > 4 else ''}"
-    # Every rank must learn that some dp group disagreed: the value is world_size - (lowest such rank).
-    flag = torch.tensor([float(mesh.world_size - mesh.rank) if message else 0.0], device=local.device)
+        ranks = [coords_to_rank(mesh.tp_rank, d, mesh.pp_rank, mesh.tp_size, mesh.dp_size) for d in range(mesh.dp_size)]
+        messages.append(_first_mismatch(named_params, mesh.dp_group, ranks, "dp", step, device))
+    if mesh.tp_size > 1:
+        ranks = [coords_to_rank(t, mesh.dp_rank, mesh.pp_rank, mesh.tp_size, mesh.dp_size) for t in range(mesh.tp_size)]
+        replicated = [(name, p) for name, p in named_params if _tp_replicated(p)]
+        messages.append(_first_mismatch(replicated, mesh.tp_group, ranks, "tp", step, device))
+    message = next((m for m in messages if m), None)
+    # Every rank must learn that some group disagreed: the value is world_size - (lowest such rank).
+    flag = torch.tensor([float(mesh.world_size - mesh.rank) if message else 0.0], device=device)
     comm.all_reduce(flag, comm.world_group(), op="max")
     if flag.item() > 0:
         reporter = mesh.world_size - int(flag.item())
-        raise ReplicaMismatchError(message or f"replica check at step {step}: data-parallel replicas disagree "
-                                              f"elsewhere in the mesh (see rank {reporter}'s error); stopping")
+        raise ReplicaMismatchError(message or f"replica check at step {step}: replicas disagree elsewhere in the "
+                                              f"mesh (see rank {reporter}'s error); stopping")

@@ -82,9 +82,11 @@ def _guard_world():
     except NonFiniteError as exc:
         out["stop"] = (str(exc), stop.events[-1].bad_loss, stop.events[-1].bad_grads, math.isnan(result["loss"]))
 
-    # 5. Replicas still agree after the skipped steps; then rank 3 drifts by one ulp in one element.
+    # 5. Replicas still agree after the skipped steps; then rank 3 drifts by one ulp in one
+    #    element of a tp-sharded parameter: only its dp group {1, 3} can see it.
     check_replicas(named, m, step=4)
-    name, victim = named[2]
+    name, victim = next((n, p) for n, p in named if p.shard_spec.is_tp_sharded)
+    saved = victim.detach().clone()
     if m.rank == 3:
         with torch.no_grad():
             flat = victim.view(-1)
@@ -95,6 +97,22 @@ def _guard_world():
     except ReplicaMismatchError as exc:
         out["replicas"] = str(exc)
     out["victim"] = name
+    with torch.no_grad():
+        victim.copy_(saved)
+
+    # 6. tp rank 1 (ranks 1 and 3) drifts in a tp-replicated parameter, the same way on both dp
+    #    replicas: dp groups agree, only the tp groups {0, 1} and {2, 3} can see it.
+    check_replicas(named, m, step=6)
+    name, victim = next((n, p) for n, p in named if not p.shard_spec.is_tp_sharded)
+    if m.tp_rank == 1:
+        with torch.no_grad():
+            victim.view(-1)[0] += 1e-3
+    try:
+        check_replicas(named, m, step=7)
+        out["tp_replicas"] = None
+    except ReplicaMismatchError as exc:
+        out["tp_replicas"] = str(exc)
+    out["tp_victim"] = name
     return out
 
 
@@ -117,6 +135,12 @@ def test_guards_in_a_tp2_dp2_world():
             f"value; dp rank 1 (global 3) holds one value (no majority)")
     for rank in (0, 2):  # the healthy dp group stops too, pointing at the reporter
         assert "disagree elsewhere in the mesh (see rank 1's error)" in results[rank]["replicas"]
+    victim = results[0]["tp_victim"]
+    for rank in range(4):  # every rank is in a disagreeing tp group and names it
+        tp_group = (0, 1) if rank < 2 else (2, 3)
+        assert results[rank]["tp_replicas"] == (
+            f"parameter {victim!r} differs across tensor-parallel ranks at step 7: tp rank 0 (global {tp_group[0]}) "
+            f"holds one value; tp rank 1 (global {tp_group[1]}) holds one value (no majority)"), results[rank]
 
 
 def test_checksum_is_bit_exact_and_order_sensitive():
