@@ -146,6 +146,35 @@ def _grad_torch(rows, targets, lse, dloss, n_valid, vocab_start, ignore_index):
     return (grad * scale[:, None]).to(rows.dtype)
 
 
+def new_stats(tokens: int, tp_group, device: torch.device) -> torch.Tensor:
+    """The zeroed fp32 buffer [tokens, 2*tp + 1]: maxima (tp slots), sum-exps (tp slots), target logit."""
+    return torch.zeros(tokens, 2 * comm.group_size(tp_group) + 1, dtype=torch.float32, device=device)
+
+
+def shard_stats(rows: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor, n_valid: int, vocab_start: int,
+                ignore_index: int, tp_group, use_kernels: bool) -> None:
+    """Write this rank's slots of `stats` for logits rows [tokens, V/tp] (no communication)."""
+    compute = _stats_triton if use_kernels else _stats_torch
+    compute(rows, targets, stats, n_valid, vocab_start, ignore_index, comm.group_rank(tp_group),
+            comm.group_size(tp_group))
+
+
+def merge_stats(stats: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' partials (after the all-reduce) -> (lse [tokens], losses [tokens]), fp32."""
+    tp = (stats.shape[1] - 1) // 2
+    maxima, sumexps, target_logit = stats[:, :tp], stats[:, tp:2 * tp], stats[:, 2 * tp]
+    global_max = maxima.max(dim=1).values
+    lse = global_max + torch.log((sumexps * torch.exp(maxima - global_max[:, None])).sum(dim=1))
+    return lse, torch.where(targets != ignore_index, lse - target_logit, torch.zeros_like(lse))
+
+
+def shard_grad(rows: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, dloss: torch.Tensor, n_valid: int,
+               vocab_start: int, ignore_index: int, use_kernels: bool) -> torch.Tensor:
+    """d loss / d rows [tokens, V/tp] in the rows' dtype: (softmax - onehot) * dloss, 0 on padding."""
+    compute = _grad_triton if use_kernels else _grad_torch
+    return compute(rows, targets, lse, dloss, n_valid, vocab_start, ignore_index)
+
+
 class _ShardedCrossEntropyFunction(torch.autograd.Function):
     """Per-token CE of logits split by columns over tp_group (tp_group=None: one device)."""
 
@@ -153,16 +182,10 @@ class _ShardedCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, n_valid, tp_group, ignore_index, use_kernels):
         rows = as_rows(logits)  # [..., V/tp] -> [tokens, V/tp]
         flat_targets = targets.reshape(-1).contiguous()
-        tp, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
-        # [tokens, 2*tp + 1]: maxima (tp slots), sum-exps (tp slots), target logit (1 slot).
-        stats = torch.zeros(rows.shape[0], 2 * tp + 1, dtype=torch.float32, device=rows.device)
-        compute_stats = _stats_triton if use_kernels else _stats_torch
-        compute_stats(rows, flat_targets, stats, n_valid, vocab_start, ignore_index, tp_rank, tp)
+        stats = new_stats(rows.shape[0], tp_group, rows.device)
+        shard_stats(rows, flat_targets, stats, n_valid, vocab_start, ignore_index, tp_group, use_kernels)
         comm.all_reduce(stats, tp_group)  # the only communication, forward and backward
-        maxima, sumexps, target_logit = stats[:, :tp], stats[:, tp:2 * tp], stats[:, 2 * tp]
-        global_max = maxima.max(dim=1).values
-        lse = global_max + torch.log((sumexps * torch.exp(maxima - global_max[:, None])).sum(dim=1))
-        losses = torch.where(flat_targets != ignore_index, lse - target_logit, torch.zeros_like(lse))
+        lse, losses = merge_stats(stats, flat_targets, ignore_index)
         ctx.save_for_backward(rows, flat_targets, lse)
         ctx.meta = (vocab_start, n_valid, ignore_index, use_kernels, logits.shape)
         return losses.view(targets.shape)
@@ -171,9 +194,8 @@ class _ShardedCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dloss):
         rows, flat_targets, lse = ctx.saved_tensors
         vocab_start, n_valid, ignore_index, use_kernels, shape = ctx.meta
-        compute_grad = _grad_triton if use_kernels else _grad_torch
-        dlogits = compute_grad(rows, flat_targets, lse, dloss.reshape(-1).contiguous(), n_valid, vocab_start,
-                               ignore_index)
+        dlogits = shard_grad(rows, flat_targets, lse, dloss.reshape(-1).contiguous(), n_valid, vocab_start,
+                             ignore_index, use_kernels)
         return dlogits.view(shape), None, None, None, None, None, None
 
 

@@ -45,6 +45,7 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     return Layout(tp=args.tp, pp=args.pp, dp=dp, virtual_stages=args.virtual_stages, zero_stage=args.zero,
                   offload_optimizer=args.offload_optimizer, recompute=args.recompute,
                   sequence_parallel=args.sequence_parallel, micro_batch_size=args.micro_batch_size,
+                  fused_linear_cross_entropy=args.fused_linear_cross_entropy,
                   seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                   precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                   grad_reduce_dtype=args.grad_reduce_dtype, schedule=args.pipeline_schedule,

@@ -30,6 +30,7 @@ from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.transformer import Norm, TransformerBlock, normal_init
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout
 from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec
@@ -49,7 +50,8 @@ def seeded(seed: int, stream: int):
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, mesh: Mesh | None = None, *, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
-                 recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None):
+                 recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None,
+                 fused_linear_cross_entropy: bool = False):
         super().__init__()
         mesh = mesh or current_mesh()
         self.tp_group = mesh.tp_group if mesh is not None else None
@@ -63,6 +65,7 @@ class GPTModel(nn.Module):
         if sequence_parallel and config.seq_length % tp_size != 0:
             raise ValueError(f"sequence parallelism needs seq_length={config.seq_length} divisible by tp={tp_size}")
         self.config, self.sequence_parallel, self.recompute = config, sequence_parallel, recompute
+        self.fused_linear_cross_entropy = fused_linear_cross_entropy  # loss without holding the logits
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
@@ -170,11 +173,16 @@ class GPTModel(nn.Module):
                 x = block(x, rope, self.rng)
         if not self.post_process:
             return x
-        logits = self.logits(x)  # [s, b, V/tp]
-        if labels is None:
-            return logits.transpose(0, 1)  # [b, s, V/tp]
-        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
-                                              vocab_size=self.config.vocab_size)  # [s, b]
+        if labels is not None and self.fused_linear_cross_entropy:
+            losses = vocab_parallel_linear_cross_entropy(
+                self.final_norm(x), self.head_weight(), labels.transpose(0, 1), self.tp_group,
+                sequence_parallel=self.sequence_parallel, vocab_size=self.config.vocab_size)  # [s, b]
+        else:
+            logits = self.logits(x)  # [s, b, V/tp]
+            if labels is None:
+                return logits.transpose(0, 1)  # [b, s, V/tp]
+            losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+                                                  vocab_size=self.config.vocab_size)  # [s, b]
         if reduction == "sum":
             return losses.sum()
         if reduction == "mean":

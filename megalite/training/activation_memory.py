@@ -95,13 +95,15 @@ def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
 def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
     """Kept by the last stage per microbatch: final norm (its input is the last block's output),
     the output layer's input (the sequence shard under SP), and what the cross-entropy kernel keeps:
-    the logits shard itself, the targets and one fp32 log-sum-exp per token."""
+    the logits shard itself (not with --fused-linear-cross-entropy), the targets and one fp32
+    log-sum-exp per token."""
     a = DTYPE_BYTES[layout.precision]
     s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
     sp = t if layout.sequence_parallel else 1
     n = _norm_bytes(model, a, s * b // sp, h)
     n += a * s * b * h // sp                                            # output-layer input
-    n += a * s * b * model.padded_vocab_size(t) // t                    # logits shard, kept by the CE kernel
+    if not layout.fused_linear_cross_entropy:
+        n += a * s * b * model.padded_vocab_size(t) // t                # logits shard, kept by the CE kernel
     n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
     return n
 

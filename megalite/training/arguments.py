@@ -43,6 +43,10 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-first-stage-layers", type=int, default=None)
     g.add_argument("--decoder-last-stage-layers", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--fused-linear-cross-entropy", action="store_true",
+                   help="output layer + cross entropy in token chunks: the logits [tokens, vocab/tp] are never "
+                        "held (saves 2 x tokens x vocab/tp x dtype bytes on the last stage; one more output-layer "
+                        "GEMM in backward)")
     g.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size * dp")
@@ -138,6 +142,7 @@ class TrainConfig:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     sequence_parallel: bool = False
+    fused_linear_cross_entropy: bool = False
     recompute: str = "none"
     micro_batch_size: int = 8
     global_batch_size: int = 8
@@ -228,7 +233,8 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
     cfg = TrainConfig(
         tp=args.tp, pp=args.pp, dp=dp, virtual_stages=args.virtual_stages, pipeline_schedule=schedule,
         first_stage_layers=args.decoder_first_stage_layers, last_stage_layers=args.decoder_last_stage_layers,
-        sequence_parallel=args.sequence_parallel, recompute=args.recompute, micro_batch_size=args.micro_batch_size,
+        sequence_parallel=args.sequence_parallel, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
+        recompute=args.recompute, micro_batch_size=args.micro_batch_size,
         global_batch_size=global_batch, zero=args.zero, offload_optimizer=args.offload_optimizer,
         ddp_bucket_size=args.ddp_bucket_size, grad_reduce_dtype=args.grad_reduce_dtype, precision=precision,
         train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
@@ -295,6 +301,7 @@ def planner_layout(model: GPTConfig, cfg: TrainConfig):
     return Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, zero_stage=cfg.zero,
                   offload_optimizer=cfg.offload_optimizer, recompute=cfg.recompute,
                   sequence_parallel=cfg.sequence_parallel, micro_batch_size=cfg.micro_batch_size,
+                  fused_linear_cross_entropy=cfg.fused_linear_cross_entropy,
                   seq_length=model.seq_length, global_batch_size=cfg.global_batch_size, precision=cfg.precision,
                   grad_reduce_dtype=cfg.grad_reduce_dtype, schedule=cfg.pipeline_schedule,
                   first_stage_layers=cfg.first_stage_layers, last_stage_layers=cfg.last_stage_layers)

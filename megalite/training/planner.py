@@ -86,7 +86,8 @@ def preflight(model: GPTConfig, layout: Layout, world_size: int, gpu_memory: flo
 
 def _memory_fix(model: GPTConfig, layout: Layout, gpu_memory: float) -> str:
     """Name the first single change that makes the layout fit, or point at the planner."""
-    tries = [("--recompute selective", dict(recompute="selective")),
+    tries = [("--fused-linear-cross-entropy", dict(fused_linear_cross_entropy=True)),
+             ("--recompute selective", dict(recompute="selective")),
              ("--zero 1", dict(zero_stage=1)), ("--zero 2", dict(zero_stage=2)),
              ("--recompute full", dict(recompute="full"))]
     if layout.tp > 1 and not layout.sequence_parallel:

@@ -31,6 +31,8 @@ class Layout:
     recompute: str = "none"
     """none | selective (attention core) | full (whole blocks; only block inputs kept)."""
     sequence_parallel: bool = False
+    fused_linear_cross_entropy: bool = False
+    """Output layer + cross entropy in token chunks: the logits shard is never kept."""
     micro_batch_size: int = 1
     seq_length: int | None = None
     """None: the model's seq_length."""

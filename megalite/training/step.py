@@ -37,6 +37,7 @@ def build_model_chunks(model: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> list[G
         last = mesh.pp_rank == mesh.pp_size - 1 and c == len(ranges) - 1
         chunks.append(GPTModel(model, mesh, layer_ids=layer_ids, pre_process=first, post_process=last,
                                sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, seed=cfg.seed,
+                               fused_linear_cross_entropy=cfg.fused_linear_cross_entropy,
                                dtype=DTYPES[cfg.precision]))
     return chunks
 

@@ -1,4 +1,5 @@
-"""GPT at tp = 2, 4 (with and without sequence parallelism) vs the same model at tp = 1.
+"""GPT at tp = 2, 4 (with and without sequence parallelism, and with the fused output layer and
+cross entropy) vs the same model at tp = 1.
 
 The reference runs in the parent process (no mesh); ranks compare their loss and every
 gradient shard with the reference's full gradients sliced by each parameter's ShardSpec.
@@ -38,10 +39,10 @@ def _reference(name):
     return loss.item(), grads
 
 
-def _parallel(name, tp, sequence_parallel, ref_loss, ref_grads):
+def _parallel(name, tp, sequence_parallel, ref_loss, ref_grads, fused=False):
     m = mesh.init_mesh(tp=tp)
     cfg = _config(name)
-    model = GPTModel(cfg, m, seed=7, sequence_parallel=sequence_parallel)
+    model = GPTModel(cfg, m, seed=7, sequence_parallel=sequence_parallel, fused_linear_cross_entropy=fused)
     ids, labels = _batch(cfg.vocab_size)
     loss = model(ids, labels)
     loss.backward()
@@ -60,9 +61,11 @@ def _parallel(name, tp, sequence_parallel, ref_loss, ref_grads):
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
 def test_tensor_parallel_matches_tp1(name):
     ref_loss, ref_grads = _reference(name)
-    for tp, sp in ((2, False), (2, True), (4, False), (4, True)):
-        checked = run_distributed(_parallel, tp, name, tp, sp, ref_loss, ref_grads)
-        assert all(c == len(ref_grads) for c in checked), (tp, sp, checked)
+    # the last two: the output layer and cross entropy fused (no logits kept), vs the unfused tp=1
+    for tp, sp, fused in ((2, False, False), (2, True, False), (4, False, False), (4, True, False),
+                          (2, True, True), (4, False, True)):
+        checked = run_distributed(_parallel, tp, name, tp, sp, ref_loss, ref_grads, fused)
+        assert all(c == len(ref_grads) for c in checked), (tp, sp, fused, checked)
 
 
 def _count_bytes(name, tp, sequence_parallel):

@@ -178,24 +178,28 @@ CASES = [  # (config, recompute, dtype): both flavours, every recompute mode, ea
     (tiny("llama", num_query_groups=2, hidden_dropout=0.1, attention_dropout=0.1), "selective", torch.float32),
     (tiny("llama", num_query_groups=2), "none", torch.bfloat16),
 ]
+FUSED_CASES = [  # the output layer and cross entropy fused: no logits kept
+    (tiny("gpt2"), "none", torch.float32),
+    (tiny("llama", num_query_groups=2), "none", torch.bfloat16),
+]
 
 
 def test_activation_bytes_match_what_the_model_keeps():
     batch = 8
     with kernels_path_without_compute():
-        for config, recompute, dtype in CASES:
+        for (config, recompute, dtype), fused in [(c, False) for c in CASES] + [(c, True) for c in FUSED_CASES]:
             torch.manual_seed(0)
-            model = GPTModel(config, recompute=recompute, dtype=dtype)
+            model = GPTModel(config, recompute=recompute, dtype=dtype, fused_linear_cross_entropy=fused)
             # the profiler sees what recompute checkpoints keep outside autograd's saved tensors
             measure = saved_tensor_bytes if recompute == "none" else measured_forward_bytes
             measured, _ = measure(model, batch, config.seq_length)
             layout = Layout(micro_batch_size=batch, recompute=recompute, device="cpu",
-                            precision="bf16" if dtype == torch.bfloat16 else "fp32")
+                            precision="bf16" if dtype == torch.bfloat16 else "fp32", fused_linear_cross_entropy=fused)
             expected = A.activation_bytes(config, layout, stage=0)
             if recompute == "full":  # the estimate's peak adds the block being recomputed in backward
                 expected -= A.layer_activation_bytes(config, layout, recompute="none")
             case = f"{config.flavour} nkv={config.num_query_groups} dropout={config.hidden_dropout} " \
-                   f"{recompute} {dtype}: measured {measured} estimated {expected}"
+                   f"{recompute} {dtype} fused={fused}: measured {measured} estimated {expected}"
             assert 0 <= measured - expected <= SCALAR_SLACK, case
 
 
