@@ -32,6 +32,15 @@ def _params(chunks):
     return [(n, p) for chunk in chunks for n, p in chunk.logical_parameters()]
 
 
+def _replica_error(named, m, step):
+    """check_replicas' error message, or None when the replicas agree."""
+    try:
+        check_replicas(named, m, step=step)
+    except ReplicaMismatchError as exc:
+        return str(exc)
+    return None
+
+
 def _guard_world():
     m = mesh.init_mesh(tp=2, pp=1, dp=2)
     model = preset("tiny", num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=SEQ)
@@ -91,12 +100,7 @@ def _guard_world():
         with torch.no_grad():
             flat = victim.view(-1)
             flat[1] = torch.nextafter(flat[1], torch.tensor(float("inf")))
-    try:
-        check_replicas(named, m, step=5)
-        out["replicas"] = None
-    except ReplicaMismatchError as exc:
-        out["replicas"] = str(exc)
-    out["victim"] = name
+    out["replicas"], out["victim"] = _replica_error(named, m, 5), name
     with torch.no_grad():
         victim.copy_(saved)
 
@@ -107,12 +111,7 @@ def _guard_world():
     if m.tp_rank == 1:
         with torch.no_grad():
             victim.view(-1)[0] += 1e-3
-    try:
-        check_replicas(named, m, step=7)
-        out["tp_replicas"] = None
-    except ReplicaMismatchError as exc:
-        out["tp_replicas"] = str(exc)
-    out["tp_victim"] = name
+    out["tp_replicas"], out["tp_victim"] = _replica_error(named, m, 7), name
     return out
 
 
