@@ -12,9 +12,11 @@ constant: this decides whether loads are vectorised). Each variant then reports:
     regs   registers per thread (ptxas -v)      spill  bytes spilled to local memory
     smem   shared memory per program             ld     16-byte vector / scalar global loads
     mma    wgmma (Hopper tensor-core) instructions
+    async  asynchronous copies to shared memory (cp.async / TMA): loads software-pipelined
 
-and warns where the code cannot be fast: any spill, or a memory-bound kernel whose global
-loads are mostly scalar (it cannot reach copy bandwidth). Run it from the command line:
+and warns where the code cannot be fast: any spill, a memory-bound kernel without a single
+vector load (it cannot reach copy bandwidth), or a tensor-core kernel whose loads are not
+pipelined (each block's loads would stall its dots). Run it from the command line:
 
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_check            # sm_90 (H100)
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_check --arch 80  # A100
@@ -169,6 +171,7 @@ class Report:
     vector_loads: int
     scalar_loads: int
     wgmma: int
+    async_copies: int
 
     def warnings(self, memory_bound: bool) -> list[str]:
         found = []
@@ -180,6 +183,8 @@ class Report:
         if memory_bound and self.vector_loads == 0:
             found.append(f"data loads are scalar ({self.vector_loads} vector, {self.scalar_loads} scalar loads): "
                          "cannot reach copy bandwidth")
+        if self.wgmma and not self.async_copies:
+            found.append("tensor-core loops without asynchronous copies: loads are not software-pipelined")
         return found
 
 
@@ -207,7 +212,7 @@ def analyse(compiled, arch: int) -> Report:
     vector = sum(1 for op in loads if ".v2." in op or ".v4." in op or op.endswith((".v2", ".v4")))
     registers, spills = _ptxas_report(ptx, arch)
     return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector,
-                  ptx.count("wgmma.mma_async"))
+                  ptx.count("wgmma.mma_async"), len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)))
 
 
 def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose: bool = True,
@@ -226,7 +231,8 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
     target = GPUTarget("cuda", arch, 32)
     failures, warnings = [], []
     if verbose:
-        print(f"  {'variant':52s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'ld vec/scal':>11s} {'mma':>4s}")
+        print(f"  {'variant':52s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'ld vec/scal':>11s} {'mma':>4s} "
+              f"{'async':>5s}")
     for dtype in dtypes:
         for variant in kernel_variants(dtype):
             label = f"{variant.label} [{TRITON_DTYPES[dtype]}]"
@@ -248,7 +254,8 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
             if verbose:
                 print(f"  {label:52s} {report.registers or '?':>4} {report.spill_bytes if report.spill_bytes is not None else '?':>5} "
                       f"{report.shared_bytes / 1024:8.1f} {report.vector_loads:>5d}/{report.scalar_loads:<5d} "
-                      f"{report.wgmma:>4d}  {'ok' if not problems else 'WARN ' + '; '.join(problems)} "
+                      f"{report.wgmma:>4d} {report.async_copies:>5d}  "
+                      f"{'ok' if not problems else 'WARN ' + '; '.join(problems)} "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
     return failures, warnings
 
