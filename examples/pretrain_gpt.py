@@ -37,6 +37,7 @@ from megalite.training.metrics import (MetricsWriter, ThroughputMeter, estimate_
                                        memory_stats, TimeBreakdown,
                                        peak_tflops, progress_line, straggler_report)
 from megalite.training.planner import justify
+from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
 
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            else None, cfg.precision))
     writer = MetricsWriter(cfg.metrics_file, cfg.tensorboard_dir, enabled=mesh.rank == 0)
     timer = TimeBreakdown()  # per-step seconds: data, forward, backward (or pipeline), optimizer, comm
+    profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device, log=log)
     # Guards: a non-finite loss or gradient skips the update (or stops); dp replicas must not drift.
     guard = NonFiniteGuard(mesh, cfg.on_nonfinite, loss_scaling=cfg.precision == "fp16", log=log)
     named_params = [(name, p) for chunk in chunks for name, p in chunk.logical_parameters()]
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped = False
     for step, indices in zip(range(start_step + 1, cfg.train_iters + 1), sampler):
         maybe_inject_fault(step, mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
+        profiler.before_step(step)
         start = time.perf_counter()
         timer.reset()
         with timer.phase("data"):
@@ -148,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        profiler.after_step(step)
         try:
             guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
             if cfg.check_replicas_interval and step % cfg.check_replicas_interval == 0:
                 check_replicas(named_params, mesh, step)
         except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
             print(f"megalite (rank {mesh.rank}): {exc}", file=sys.stderr, flush=True)
+            profiler.close()
             if watchdog:
                 watchdog.stop()
             destroy_mesh()
@@ -187,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if not stopped and start_step < cfg.train_iters:
         save(cfg.train_iters)
         run_eval(cfg.train_iters)
+    profiler.close()  # stopped by a signal inside the profiled window: nothing written
     if checkpointer is not None:
         checkpointer.finish()  # a background write completes before the process exits
     preemption.close()

@@ -87,6 +87,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--straggler-interval", type=int, default=0)
     g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: known GPUs)")
     g.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
+    g.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), default=None,
+                   help="trace steps FIRST..LAST with torch.profiler on every rank (Chrome trace per rank)")
+    g.add_argument("--profile-dir", default="profile", help="where --profile-steps writes its traces")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +179,8 @@ class TrainConfig:
     straggler_interval: int = 0
     peak_tflops: float | None = None
     dry_run: bool = False
+    profile_steps: tuple[int, int] | None = None
+    profile_dir: str = "profile"
     hang_timeout: float = 0.0
     hang_report_dir: str | None = None
     on_nonfinite: str = "skip"
@@ -246,6 +251,7 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         eval_iters=args.eval_iters, log_interval=args.log_interval, metrics_file=args.metrics_file,
         tensorboard_dir=args.tensorboard_dir,
         straggler_interval=args.straggler_interval, peak_tflops=args.peak_tflops, dry_run=args.dry_run,
+        profile_steps=tuple(args.profile_steps) if args.profile_steps else None, profile_dir=args.profile_dir,
         hang_timeout=args.hang_timeout, hang_report_dir=args.hang_report_dir, on_nonfinite=args.on_nonfinite,
         check_replicas_interval=args.check_replicas_interval,
         save=args.save, load=args.load, load_step=args.load_step, save_interval=args.save_interval,
@@ -265,6 +271,11 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         problems.append("--decoder-first/last-stage-layers need --pp > 1")
     if cfg.hang_timeout < 0:
         problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {cfg.hang_timeout}")
+    if cfg.profile_steps is not None:
+        first, last = cfg.profile_steps
+        if not 1 <= first <= last <= cfg.train_iters:
+            problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
+                            f"({cfg.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
     if cfg.check_replicas_interval < 0:
         problems.append(f"--check-replicas-interval must be >= 0 steps (0: off), got {cfg.check_replicas_interval}")
     for name, value in (("--train-iters", cfg.train_iters), ("--micro-batch-size", cfg.micro_batch_size),

@@ -139,7 +139,8 @@ class TimeBreakdown:
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"megalite/{name}"):  # a named range in --profile-steps traces
+                yield
         finally:
             if self.sync_cuda:
                 torch.cuda.synchronize()

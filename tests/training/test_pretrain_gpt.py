@@ -34,6 +34,7 @@ def _main_capturing(argv):
     (2, ["--data-path", "/nonexistent/corpus"], "data files not found: /nonexistent/corpus.bin"),
     (4, ["--pp", "4", "--num-layers", "2"], "num_layers=2 cannot fill pp*v = 4*1 = 4 pipeline chunks"),
     (2, ["--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "8"], "1 microbatches < pp=2"),
+    (2, ["--train-iters", "5", "--profile-steps", "4", "9"], "--profile-steps 4 9 must satisfy 1 <= FIRST <= LAST"),
 ])
 def test_bad_configuration_fails_fast_on_every_rank(world, argv, needle):
     results = run_distributed(_main_capturing, world, argv, timeout_s=60)
@@ -47,8 +48,13 @@ def test_short_run_writes_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = ["--tp", "2", "--pp", "2", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--log-interval", "1",
-            "--eval-iters", "1", "--metrics-file", str(metrics)]
+            "--eval-iters", "1", "--metrics-file", str(metrics), "--profile-steps", "2", "3",
+            "--profile-dir", str(tmp_path / "profile")]
     assert run_distributed(_main, 4, argv, timeout_s=120) == [0, 0, 0, 0]
+    traces = sorted((tmp_path / "profile").glob("*.json"))  # one Chrome trace per rank, phases named
+    assert [t.name for t in traces] == [f"trace_rank{r:05d}_steps2-3.json" for r in range(4)]
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert {"megalite/data", "megalite/optimizer"} <= names, sorted(n for n in names if "megalite" in str(n))
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     records = [r for r in lines if "loss" in r]
     evals = [r for r in lines if "eval_loss" in r]
