@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
             if cfg.check_replicas_interval and step % cfg.check_replicas_interval == 0:
+                optimizer.wait_for_params()  # --overlap-param-gather leaves the gathers in flight
                 check_replicas(named_params, mesh, step)
         except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
             print(f"megalite (rank {mesh.rank}): {exc}", file=sys.stderr, flush=True)

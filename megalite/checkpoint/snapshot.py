@@ -125,6 +125,8 @@ def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
     """Everything this rank writes, as CPU copies (copy=False: CPU parameters as views), and
     the optimizer's scalar state."""
     pin = torch.cuda.is_available() and mesh.device.type == "cuda"
+    if optimizer is not None and hasattr(optimizer, "wait_for_params"):
+        optimizer.wait_for_params()  # --overlap-param-gather: the last step's gathers must have landed
     items = model_items(chunks, mesh, pin, copy)
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:

@@ -22,8 +22,13 @@ One step (`step(lr)`):
    correction), optionally on CPU (`offload_optimizer=True`).
 5. Updated master weights are cast to the parameter dtype and all-gathered per bucket into
    the contiguous parameter buffer the model's parameters are views of; bucket b's gather is
-   started as soon as its chunk is updated, overlapping the update of bucket b+1. (It is not
-   yet overlapped with the next forward.)
+   started as soon as its chunk is updated, overlapping the update of bucket b+1. With
+   `overlap_param_gather=True` (zero >= 1) step() returns without waiting: buckets are
+   updated and gathered in the order the next forward needs them, and a forward pre-hook on
+   each module (`install_param_gather_hooks`) waits only for the buckets holding that
+   module's own parameters, so the gathers run behind the next forward's first layers
+   (Megatron's --overlap-param-gather). Anything else that reads the parameters between
+   step() and the next forward (checkpoint save, replica check) calls `wait_for_params()`.
 
 Weight decay: by default every parameter with fewer than two dimensions (biases, norm
 weights) is excluded; pass `no_weight_decay=lambda name, param: ...` to change the rule.
@@ -101,6 +106,8 @@ class DistributedOptimizer:
         bucket_size, grad_reduce_dtype: see DataParallelGrads.
         offload_optimizer: keep master weights and moments in (pinned, with CUDA) CPU memory
             and run the update there.
+        overlap_param_gather: leave the parameter all-gathers running after step(), waited for
+            by forward pre-hooks (`install_param_gather_hooks`); zero_stage >= 1 only.
         loss_scaler: a DynamicLossScaler for fp16 (the caller scales the loss with it).
         no_weight_decay: (name, param) -> True to exclude a parameter from weight decay.
     """
@@ -110,7 +117,8 @@ class DistributedOptimizer:
                  clip_grad: float = 0.0, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  grad_reduce_dtype: torch.dtype = torch.float32, offload_optimizer: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
-                 no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay):
+                 no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay,
+                 overlap_param_gather: bool = False):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip_grad}")
@@ -118,7 +126,12 @@ class DistributedOptimizer:
         if len(dtypes) != 1:
             raise ValueError(f"parameters have mixed dtypes {sorted(map(str, dtypes))}; cast the model to one "
                              f"dtype (model.to(torch.bfloat16)) before building the optimizer")
-        self.mesh, self.zero_stage = mesh, zero_stage
+        if overlap_param_gather and zero_stage == 0:
+            raise ValueError("overlap_param_gather needs zero_stage >= 1: at zero 0 nothing is gathered")
+        if overlap_param_gather and offload_optimizer:
+            raise ValueError("overlap_param_gather does not combine with offload_optimizer (the host update "
+                             "must finish before the step returns); drop one of them")
+        self.mesh, self.zero_stage, self.overlap_param_gather = mesh, zero_stage, overlap_param_gather
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay, self.clip_grad = eps, weight_decay, clip_grad
         self.loss_scaler, self.offload = loss_scaler, offload_optimizer
@@ -160,7 +173,12 @@ class DistributedOptimizer:
             self.master[bucket.shard_offset:bucket.shard_offset + bucket.chunk_numel].copy_(
                 self.param_buffer[start:end].float())
         self.step_count = 0
-        self.gather_seconds = 0.0  # host time of the last parameter all-gather (exposed: nothing overlaps it yet)
+        self._gather_wait_total = 0.0  # host seconds ever spent waiting for parameter all-gathers
+        self._gather_wait_reported = 0.0  # ... up to the last exposed_comm_seconds()
+        self._pending: dict[int, object] = {}  # bucket index -> all-gather handle still in flight
+        # Buckets in the order a forward first uses them (reverse of the buffer's backward order);
+        # install_param_gather_hooks refines it from the model's structure.
+        self._gather_order = list(reversed(range(len(layout.buckets))))
 
     # ------------------------------------------------------------------ the step
 
@@ -181,7 +199,7 @@ class DistributedOptimizer:
 
         `grad_norm` is the global norm of the true (unscaled, unclipped) gradients.
         """
-        self.gather_seconds = 0.0
+        self.wait_for_params()  # gathers of buckets the last forward never touched (params unused)
         self.grads.finish_reduction()
         grad = self.grads.grad_shard  # fp32 [shard_numel]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -205,8 +223,9 @@ class DistributedOptimizer:
         self.step_count += 1
         # Bucket by bucket: update the shard's chunk, then start its all-gather at once, so the
         # gather of bucket b runs while the update of bucket b+1 computes.
-        handles = []
-        for bucket in self.grads.layout.buckets:
+        handles = {}
+        for index in self._gather_order:
+            bucket = self.grads.layout.buckets[index]
             lo, hi = bucket.shard_offset, bucket.shard_offset + bucket.chunk_numel
             if self.weight_decay != 0.0:
                 for start, end in self._decay_runs:  # decoupled decay, before the Adam update (as torch does)
@@ -215,8 +234,11 @@ class DistributedOptimizer:
                         self.master[start:end].mul_(1 - lr * self.weight_decay)
             adamw_update(self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr,
                          beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=self.step_count)
-            handles.append(self._publish_bucket(bucket))
-        self._wait_gathers(handles)
+            handles[index] = self._publish_bucket(bucket)
+        if self.overlap_param_gather and not self.offload:
+            self._pending = handles  # waited for by the forward pre-hooks, bucket by bucket
+            return result
+        self._wait_gathers(handles.values())
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # pinned master chunks are read by async H2D copies
         return result
@@ -236,10 +258,40 @@ class DistributedOptimizer:
         for handle in handles:
             if handle is not None:
                 handle.wait()
-        self.gather_seconds = time.perf_counter() - started  # only the part not hidden behind the updates
+        self._gather_wait_total += time.perf_counter() - started  # only the part not hidden behind other work
+
+    def wait_for_params(self, buckets: Iterable[int] | None = None) -> None:
+        """Complete the parameter all-gathers still in flight (of `buckets`, default all)."""
+        if not self._pending:
+            return
+        indices = list(self._pending) if buckets is None else [b for b in buckets if b in self._pending]
+        self._wait_gathers([self._pending.pop(b) for b in indices])
+
+    def install_param_gather_hooks(self, chunks: list[torch.nn.Module]) -> list:
+        """With overlap_param_gather: a forward pre-hook on every module that owns parameters
+        waits for the buckets holding them; the gather order becomes the forward's order of
+        first use. `chunks`: this rank's model chunks in execution order. Returns the hook handles.
+        """
+        slot_of = {id(p): slot for p, slot in zip(self.params, self.grads.layout.slots)}
+        first_use: dict[int, int] = {}  # bucket -> position of its first parameter in forward order
+        handles = []
+        position = 0
+        for chunk in chunks:
+            for module in chunk.modules():  # pre-order: a parent's forward starts before its children's
+                buckets = sorted({slot_of[id(p)].bucket for p in module.parameters(recurse=False) if id(p) in slot_of})
+                for bucket in buckets:
+                    first_use.setdefault(bucket, position)
+                position += 1
+                if buckets and self.overlap_param_gather:
+                    handles.append(module.register_forward_pre_hook(
+                        lambda _module, _args, buckets=tuple(buckets): self.wait_for_params(buckets)))
+        unused = [b for b in range(len(self.grads.layout.buckets)) if b not in first_use]
+        self._gather_order = sorted(first_use, key=first_use.get) + unused
+        return handles
 
     def publish_params(self) -> None:
         """Write the fp32 master shard into the parameters: cast, then all-gather per bucket over dp."""
+        self.wait_for_params()
         self._wait_gathers([self._publish_bucket(bucket) for bucket in self.grads.layout.buckets])
 
     # ------------------------------------------------------------------ checkpoint API (layout-free)
@@ -297,9 +349,12 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ metrics
 
     def exposed_comm_seconds(self) -> float:
-        """Host seconds of the last step spent in dp communication not hidden behind backward:
-        the wait in finish_reduction() (plus buckets launched there) and the parameter all-gather."""
-        return self.grads.exposed_seconds + self.gather_seconds
+        """Host seconds of the last step spent in dp communication not hidden behind other work:
+        the wait in finish_reduction() (plus buckets launched there) and the waits for parameter
+        all-gathers since the previous call (with overlap_param_gather, in this step's forward)."""
+        gather = self._gather_wait_total - self._gather_wait_reported
+        self._gather_wait_reported = self._gather_wait_total
+        return self.grads.exposed_seconds + gather
 
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes: parameters, gradient storage held now, optimizer state."""

@@ -52,6 +52,9 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size * dp")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage of the optimizer")
     g.add_argument("--offload-optimizer", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="zero >= 1: leave the parameter all-gathers running after the optimizer step; each "
+                        "module's forward waits only for its own parameters' buckets")
     g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="elements per gradient bucket")
     g.add_argument("--grad-reduce-dtype", default="fp32", choices=["fp32", "bf16"])
     p = g.add_mutually_exclusive_group()
@@ -146,6 +149,7 @@ class TrainConfig:
     last_stage_layers: int | None = None
     sequence_parallel: bool = False
     fused_linear_cross_entropy: bool = False
+    overlap_param_gather: bool = False
     recompute: str = "none"
     micro_batch_size: int = 8
     global_batch_size: int = 8
@@ -241,6 +245,7 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         sequence_parallel=args.sequence_parallel, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
         recompute=args.recompute, micro_batch_size=args.micro_batch_size,
         global_batch_size=global_batch, zero=args.zero, offload_optimizer=args.offload_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
         ddp_bucket_size=args.ddp_bucket_size, grad_reduce_dtype=args.grad_reduce_dtype, precision=precision,
         train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
@@ -276,6 +281,9 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         if not 1 <= first <= last <= cfg.train_iters:
             problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
                             f"({cfg.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
+    if cfg.overlap_param_gather and (cfg.zero == 0 or cfg.offload_optimizer):
+        problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
+                        "gathered; offloaded updates finish inside the step)")
     if cfg.check_replicas_interval < 0:
         problems.append(f"--check-replicas-interval must be >= 0 steps (0: off), got {cfg.check_replicas_interval}")
     for name, value in (("--train-iters", cfg.train_iters), ("--micro-batch-size", cfg.micro_batch_size),

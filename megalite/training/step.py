@@ -47,10 +47,13 @@ def build_optimizer(chunks: list[GPTModel], cfg: TrainConfig, mesh: Mesh) -> Dis
     scaler = DynamicLossScaler(initial_scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window,
                                hysteresis=cfg.hysteresis, backoff_factor=cfg.loss_scale_backoff) \
         if cfg.precision == "fp16" else None
-    return DistributedOptimizer(named, mesh, zero_stage=cfg.zero, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                                bucket_size=cfg.ddp_bucket_size, offload_optimizer=cfg.offload_optimizer,
-                                grad_reduce_dtype=DTYPES[cfg.grad_reduce_dtype], loss_scaler=scaler)
+    optimizer = DistributedOptimizer(named, mesh, zero_stage=cfg.zero, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                                     weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
+                                     bucket_size=cfg.ddp_bucket_size, offload_optimizer=cfg.offload_optimizer,
+                                     grad_reduce_dtype=DTYPES[cfg.grad_reduce_dtype], loss_scaler=scaler,
+                                     overlap_param_gather=cfg.overlap_param_gather)
+    optimizer.install_param_gather_hooks(chunks)  # gather order = forward order; hooks only when overlapping
+    return optimizer
 
 
 def activation_shape(model: GPTConfig, cfg: TrainConfig, seq_length: int) -> tuple[int, int, int]:

@@ -41,13 +41,15 @@ def _reference(steps=STEPS):
 
 
 def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=False, sp=False, scaler=None,
-           dtype=torch.float32, grad_reduce_dtype=torch.float32):
+           dtype=torch.float32, grad_reduce_dtype=torch.float32, overlap=False):
     """Train the toy model on this rank; return what the test compares."""
     torch.manual_seed(0)
     model = ToyGPT(m.tp_group, sp).to(dtype)
     opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=zero_stage, weight_decay=WEIGHT_DECAY,
                                clip_grad=CLIP, bucket_size=bucket_size, offload_optimizer=offload,
-                               loss_scaler=scaler, grad_reduce_dtype=grad_reduce_dtype)
+                               loss_scaler=scaler, grad_reduce_dtype=grad_reduce_dtype, overlap_param_gather=overlap)
+    hooks = opt.install_param_gather_hooks([model])
+    in_flight = []  # buckets whose all-gather is still running when step() returns
     rows = GLOBAL_BATCH // m.dp_size
     losses, norms, results = [], [], []
     for step in range(steps):
@@ -63,12 +65,17 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
             total += loss.detach().float()
         dp_bytes_during_backward = comm.ledger.total_bytes(group="dp")
         result = opt.step(LR)
+        in_flight.append(len(opt._pending))
         dp_bytes = {o: n for (g, o), n in comm.ledger.bytes.items() if g == "dp"}  # one step's dp traffic
         results.append(result)
         losses.append(float(comm.all_reduce(total, m.dp_group)))
         norms.append(result["grad_norm"])
+    opt.wait_for_params()  # the parameters are read below, outside a forward
     layout = opt.grads.layout
-    return dict(losses=losses, norms=norms, results=results,
+    first = next(model.parameters())
+    first_module_bucket = opt.grads.layout.slots[next(i for i, p in enumerate(opt.params) if p is first)].bucket
+    return dict(losses=losses, norms=norms, results=results, in_flight=in_flight, hooks=len(hooks),
+                gathers_first=opt._gather_order[0] == first_module_bucket,
                 params={n: (p.shard_spec if hasattr(p, "shard_spec") else None, p.detach().float().clone())
                         for n, p in model.named_parameters()},
                 masters_match=bool(torch.equal(
@@ -118,6 +125,8 @@ def _dp4_world():
     runs["zero2_offload"] = _train(m, 2, microbatches=2, offload=True)
     runs["zero2_one_bucket"] = _train(m, 2, microbatches=2, bucket_size=10 ** 9)
     runs["zero1_scaled"] = _train(m, 1, microbatches=2, scaler=DynamicLossScaler(2.0 ** 10, growth_interval=100))
+    runs["zero1_overlap"] = _train(m, 1, microbatches=2, overlap=True)
+    runs["zero2_overlap"] = _train(m, 2, microbatches=2, overlap=True)
     return portable(runs)
 
 
@@ -143,6 +152,13 @@ def test_zero_stages_at_dp4_match_adamw(reference):
     assert one_bucket["buckets"] == 1
     assert one_bucket["numel"] == 4 * math.ceil(one_bucket["param_numel"] / 4)
     assert per_rank[0]["zero1_scaled"]["results"][-1]["loss_scale"] == 2.0 ** 10
+    # --overlap-param-gather: the same numbers (checked above), with the gathers really left in
+    # flight by step() for the next forward's hooks, and started in forward order.
+    for rank, runs in enumerate(per_rank):
+        for what, out in runs.items():
+            overlapping = what.endswith("_overlap")
+            assert (min(out["in_flight"]) > 0) == overlapping and (out["hooks"] > 0) == overlapping, (what, out)
+            assert out["gathers_first"], what
     # The layout-free state: over dp, every parameter's owned ranges tile its local tensor exactly once.
     for what in ("zero1", "zero2"):
         for name, (spec, value) in per_rank[0][what]["params"].items():
