@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not stopped and start_step < cfg.train_iters:
         save(cfg.train_iters)
-        run_eval(cfg.train_iters)
+        if not (cfg.eval_interval and cfg.train_iters % cfg.eval_interval == 0):  # else just evaluated
+            run_eval(cfg.train_iters)
     profiler.close()  # stopped by a signal inside the profiled window: nothing written
     if checkpointer is not None:
         checkpointer.finish()  # a background write completes before the process exits

@@ -48,7 +48,7 @@ def test_short_run_writes_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     argv = ["--tp", "2", "--pp", "2", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--log-interval", "1",
-            "--eval-iters", "1", "--metrics-file", str(metrics), "--profile-steps", "2", "3",
+            "--eval-iters", "1", "--eval-interval", "3", "--metrics-file", str(metrics), "--profile-steps", "2", "3",
             "--profile-dir", str(tmp_path / "profile")]
     assert run_distributed(_main, 4, argv, timeout_s=120) == [0, 0, 0, 0]
     traces = sorted((tmp_path / "profile").glob("*.json"))  # one Chrome trace per rank, phases named
@@ -59,7 +59,7 @@ def test_short_run_writes_metrics(tmp_path):
     records = [r for r in lines if "loss" in r]
     evals = [r for r in lines if "eval_loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert [r["step"] for r in evals] == [3] and evals[0]["eval_perplexity"] > 1
+    assert [r["step"] for r in evals] == [3] and evals[0]["eval_perplexity"] > 1  # once, not again at the end
     for r in records:
         for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "param_bytes", "grad_bytes",
                     "optimizer_state_bytes"):
