@@ -208,7 +208,7 @@ def _config(head_dim: int, device: torch.device, dtype: torch.dtype) -> dict:
     with operands in registers) the largest tiles that compile for sm_90 without register
     spills (`compile_check` reports spills); small tiles in the interpreter, so that odd shapes
     cross many blocks. The forward needs BLOCK_M % BLOCK_N == 0 (its unmasked stage ends on a
-    block boundary). Not yet timed on a GPU: tools/bench_kernels.py --attention-configs sweeps.
+    block boundary). Not yet timed on a GPU: tools/tune_attention.py sweeps candidates.
     """
     precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     if device.type != "cuda":

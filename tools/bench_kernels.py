@@ -4,7 +4,6 @@
     python tools/bench_kernels.py --quick         # one training shape per op
     python tools/bench_kernels.py --csv out.csv   # also write every row as CSV
     python tools/bench_kernels.py --ops rms_norm,attention
-    python tools/bench_kernels.py --attention-configs   # time candidate attention tiles
 
 Each (op, shape) is timed forward and forward+backward with `triton.testing.do_bench`
 (median) for every provider: `megalite` (the Triton kernels), `eager` (the plain-PyTorch
@@ -16,11 +15,8 @@ TFLOP/s and its percentage of a bf16 matmul measured in the same run. Ratios `x_
 `x_compile` are eager (compile) time divided by the provider's time: > 1 means faster.
 
 Without a GPU the tool runs only the correctness sweep: every kernel in Triton's interpreter
-against its reference on small odd shapes, and says so. `--attention-configs` times each
-candidate tile (BLOCK_M, BLOCK_N, warps, stages) of each attention kernel at the attention
-shapes, the others kept at their defaults, and prints the fastest: how the defaults in
-`flash_attention._config` are to be chosen on a GPU (every candidate compiles for sm_90 without
-register spills, checked with compile_check). `--smoke-timing` (for testing this
+against its reference on small odd shapes, and says so. Attention tiles are tuned by
+`tools/tune_attention.py`. `--smoke-timing` (for testing this
 script without a GPU) runs the timing harness on CPU with tiny shapes and a wall-clock timer.
 """
 from __future__ import annotations
@@ -264,67 +260,6 @@ def run_case(case: Case, timer, ceilings: dict) -> list[dict]:
     return rows
 
 
-# Candidate tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per attention kernel, 16-bit inputs.
-# The forward needs BLOCK_M % BLOCK_N == 0.
-ATTENTION_CANDIDATES = {
-    "fwd": [(64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4)],
-    "dkdv": [(32, 64, 4, 3), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (16, 64, 4, 4)],
-    "dq": [(64, 32, 4, 3), (64, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 16, 4, 4)],
-}
-
-
-def sweep_attention_configs(cases: list[Case], timer) -> list[dict]:
-    """Time every candidate tile of each attention kernel (the other two at their defaults)."""
-    from megalite.kernels import flash_attention
-
-    default_config = flash_attention._config
-    rows = []
-    for case in (c for c in cases if c.op == "attention"):
-        inputs = case.make_inputs()
-        leaves = [t for t in inputs if t.requires_grad]
-        grad = torch.randn_like(inputs[0])
-        head_dim = inputs[0].shape[-1]
-
-        def outputs():  # what a tile computes: the output and every input gradient, in float32
-            for t in leaves:
-                t.grad = None
-            out = K.attention(*inputs)
-            out.backward(grad)
-            return [out.detach().float()] + [t.grad.float() for t in leaves]
-        expected = outputs()  # the default tiles
-        print(f"attention tiles, {case.shape} (TFLOP/s; * = current default)")
-        for kernel, candidates in ATTENTION_CANDIDATES.items():
-            default = default_config(head_dim, inputs[0].device, inputs[0].dtype)
-            results = []
-            for tile in dict.fromkeys([default[kernel], *candidates]):
-                flash_attention._config = lambda *a, tile=tile, kernel=kernel: dict(default_config(*a),
-                                                                                    **{kernel: tile})
-                try:
-                    if kernel == "fwd":
-                        ms = timer(lambda: K.attention(*inputs))
-                        units = case.fwd_units
-                    else:
-                        ms = timer(lambda: K.attention(*inputs).backward(grad), grad_to_none=leaves)
-                        units = case.fwd_bwd_units
-                    # a fast tile that computes something else is no candidate (bf16: block order moves bits)
-                    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-                                for a, b in zip(outputs(), expected))
-                    results.append((tile, ms, units / ms / 1e9, "" if worst < 2e-2 else f"WRONG (rel err {worst:.1e})"))
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory on this GPU
-                    results.append((tile, math.nan, math.nan, f"ERROR {type(exc).__name__}"))
-                finally:
-                    flash_attention._config = default_config
-            mode = "fwd" if kernel == "fwd" else "fwd+bwd"
-            best = max((r for r in results if not r[3]), key=lambda r: r[2], default=None)
-            for tile, ms, rate, error in results:
-                mark = ("*" if tile == default[kernel] else " ") + ("<- best" if best and tile == best[0] else "")
-                print(f"  {kernel:5s} {str(tile):20s} {mode:8s} " +
-                      f"{ms:9.3f} ms {rate:7.1f} TFLOP/s {error or mark}")
-                rows.append(dict(op=f"attention {kernel} tile {tile}", shape=case.shape, provider="megalite",
-                                 mode=mode, median_ms=ms, rate=rate, error=error))
-    return rows
-
-
 def print_row(row: dict, flops: bool) -> None:
     unit = "TFLOP/s" if flops else "GB/s"
     if row["error"]:
@@ -386,8 +321,6 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--smoke-timing", action="store_true", help="CPU self-test of the timing harness")
-    parser.add_argument("--attention-configs", action="store_true",
-                        help="time the candidate tiles of each attention kernel instead of the provider sweep")
     args = parser.parse_args(argv)
 
     on_gpu = torch.cuda.is_available()
@@ -413,13 +346,8 @@ def main(argv=None) -> int:
     print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s (1 GiB device-to-device), "
           f"bf16 matmul {ceilings['matmul_TFLOPs']:.0f} TFLOP/s (8192^3)")
     ops = set(args.ops.split(","))
-    if args.attention_configs:
-        ops = {"attention"}
     rows = []
     cases = build_cases(ops, args.quick, device, dtype, not args.no_compile, args.smoke_timing)
-    if args.attention_configs:
-        rows = sweep_attention_configs(cases, timer)
-        cases = []
     for case in cases:
         print(f"{case.op} {case.shape} {args.dtype if case.op != 'adamw' else 'float32'}")
         for row in run_case(case, timer, ceilings):

@@ -1,5 +1,6 @@
-"""tools/bench_kernels.py on CPU: the timing harness (wall clock, interpreter) and the attention
-tile sweep, whose correctness check must reject a tile that computes something else."""
+"""tools/bench_kernels.py and tools/tune_attention.py on CPU: the timing harness (wall clock,
+interpreter) and the attention tile sweep, whose correctness check must reject a tile that
+computes something else."""
 import csv
 import importlib.util
 import os
@@ -12,7 +13,8 @@ import pytest
 from megalite.kernels import HAVE_TRITON
 from megalite.kernels.dispatch import interpreter_ready
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_kernels.py"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+TOOL = TOOLS / "bench_kernels.py"
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 
 
@@ -30,19 +32,21 @@ def test_timing_harness_writes_rows_for_every_provider(tmp_path):
 
 @pytest.mark.skipif(not interpreter_ready(), reason="triton was imported in compiled mode")
 def test_attention_sweep_times_candidates_and_rejects_a_wrong_tile(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_kernels", TOOL)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_kernels", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    monkeypatch.syspath_prepend(str(TOOLS))  # as when run from tools/: it imports bench_kernels
+    spec = importlib.util.spec_from_file_location("tune_attention", TOOLS / "tune_attention.py")
+    tune = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tune_attention", tune)
+    spec.loader.exec_module(tune)
+    bench = sys.modules["bench_kernels"]
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # (16, 32): BLOCK_M not a multiple of BLOCK_N, so the forward's unmasked stage runs past the
     # diagonal and lets queries see future keys: the sweep must call it wrong, not fast.
-    monkeypatch.setattr(bench, "ATTENTION_CANDIDATES", {"fwd": [(32, 16, 1, 1), (16, 32, 1, 1)],
+    monkeypatch.setattr(tune, "ATTENTION_CANDIDATES", {"fwd": [(32, 16, 1, 1), (16, 32, 1, 1)],
                                                         "dkdv": [(16, 32, 1, 1)], "dq": [(32, 16, 1, 1)]})
     cases = bench.build_cases({"attention"}, quick=True, device="cpu", dtype=bench.torch.float32,
                               use_compile=False, smoke=True)
-    rows = bench.sweep_attention_configs(cases, bench.make_timer(smoke=True, quick=True))
+    rows = tune.sweep_attention_configs(cases, bench.make_timer(smoke=True, quick=True))
     by_tile = {r["op"]: r for r in rows}
     assert len(rows) == 7  # each kernel: its default tile, then its candidates
     assert by_tile["attention fwd tile (16, 32, 1, 1)"]["error"].startswith("WRONG")
