@@ -194,6 +194,7 @@ class DistributedOptimizer:
             square += grad[start:end].square().sum() * 0.0
         return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
 
+    @torch.no_grad()
     def step(self, lr: float, skip: bool = False) -> dict:
         """Finish the dp reduction, clip, update, gather. Returns {'grad_norm', 'skipped', 'loss_scale'}.
 

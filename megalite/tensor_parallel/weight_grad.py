@@ -35,10 +35,16 @@ class WeightGradStore:
         self._queues[key].append(fn)
 
     def run(self, key: Hashable) -> int:
-        """Compute and deliver every weight gradient queued under `key`; return how many."""
+        """Compute and deliver every weight gradient queued under `key`; return how many.
+
+        Under no_grad: the closures run outside the autograd engine (which computes gradients
+        with grad mode off), on saved activations that require grad; with grad mode on, each
+        weight gradient would carry a graph back to them, the gradient buffers it is added
+        into would too, and through the optimizer's state every step's graph would be kept."""
         fns = self._queues.pop(key, [])
-        for fn in fns:
-            fn()
+        with torch.no_grad():
+            for fn in fns:
+                fn()
         return len(fns)
 
     def pending(self) -> list[Hashable]:
