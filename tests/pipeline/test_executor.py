@@ -121,13 +121,19 @@ class _WatchedChunk(torch.nn.Module):
         return out
 
 
-def _sent_outputs_world():
+def _two_stage_chunk():
+    """(mesh, 4 microbatches, this rank's ToyChunk) of a pp=2 world."""
     mesh = mesh_lib.init_mesh(tp=1, pp=2, dp=1)
-    m = 4
-    microbatches = make_microbatches(m)
     full = ToyModel(VOCAB, HIDDEN, LAYERS)
     layers = stage_layers(LAYERS, 2, 1, mesh.pp_rank)[0]
-    chunk = _WatchedChunk(ToyChunk(full, layers, pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage))
+    return mesh, make_microbatches(4), ToyChunk(full, layers, pre_process=mesh.is_first_stage,
+                                                post_process=mesh.is_last_stage)
+
+
+def _sent_outputs_world():
+    mesh, microbatches, chunk = _two_stage_chunk()
+    m = len(microbatches)
+    chunk = _WatchedChunk(chunk)
     loss = run_pipeline("1f1b", [chunk], microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32, 1.0)
     ref_loss, _ = oracle(True, microbatches, 1.0)
     return mesh.pp_rank, chunk.alive_at_forward, loss, ref_loss
@@ -145,12 +151,8 @@ def test_sent_outputs_are_freed_before_their_backward():
 def _zero_bubble_with_optimizer_world():
     from megalite.optim import DistributedOptimizer
 
-    mesh = mesh_lib.init_mesh(tp=1, pp=2, dp=1)
-    m = 4
-    microbatches = make_microbatches(m)
-    full = ToyModel(VOCAB, HIDDEN, LAYERS)
-    layers = stage_layers(LAYERS, 2, 1, mesh.pp_rank)[0]
-    chunk = ToyChunk(full, layers, pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
+    mesh, microbatches, chunk = _two_stage_chunk()
+    m = len(microbatches)
     opt = DistributedOptimizer(chunk.named_parameters(), mesh, zero_stage=0)  # grad sinks on the linears
     live = []
     for _ in range(4):
