@@ -91,7 +91,8 @@ LAYOUTS = [
     (1, 1, 2, {}), (1, 1, 4, {"zero": 1}), (2, 1, 2, {"sequence_parallel": True, "zero": 2}),
     (1, 2, 2, {}), (2, 2, 2, {"zero": 1}), (1, 4, 1, {"pipeline_schedule": "gpipe"}),
     (1, 2, 1, {"virtual_stages": 2, "pipeline_schedule": "interleaved"}),
-    (1, 2, 2, {"pipeline_schedule": "zb-h1"}),
+    (1, 2, 2, {"pipeline_schedule": "zb-h1", "zero": 1}),
+    (2, 1, 2, {"sequence_parallel": True, "zero": 1, "overlap_param_gather": True, "fused_linear_cross_entropy": True}),
 ]
 
 
