@@ -9,7 +9,8 @@ go through in chunks of `chunk_tokens`:
               slots of the stats buffer [tokens, 2*tp + 1]; logits_c is dropped.
               ONE all-reduce of the stats over tp (as unfused), then lse and losses.
     backward: per chunk  logits_c again, dlogits_c = (softmax - onehot) * dloss,
-              dh_c = dlogits_c @ W,  dW += dlogits_c^T @ h_c   (fp32 accumulator)
+              dh_c = dlogits_c @ W,  dW += dlogits_c^T @ h_c   (into the DP engine's fp32
+              main grad chunk by chunk; else an fp32 accumulator)
               then dh's tp reduction: all-reduce, or reduce-scatter to the sequence shard.
 
 Kept for backward: h (the sequence shard under SP, re-gathered in backward like
@@ -27,7 +28,7 @@ from megalite import comm
 from megalite.kernels.cross_entropy import merge_stats, new_stats, shard_grad, shard_stats
 from megalite.kernels.dispatch import use_triton
 from megalite.tensor_parallel.layers import _route_weight_grads, resolve_tp_group
-from megalite.tensor_parallel.weight_grad import bypasses_autograd
+from megalite.tensor_parallel.weight_grad import active_store, bypasses_autograd, deliver
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # one chunk's logits: bounds the transient, big enough for full-speed GEMMs
 
@@ -70,7 +71,10 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         rows = full.reshape(-1, full.shape[-1])
         dloss = dloss.reshape(-1).contiguous()
         grad_rows = torch.empty_like(rows)  # [tokens, h], this shard's partial contribution
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # With a gradient sink (the DP engine's fp32 main grad) each chunk's dW goes straight in;
+        # otherwise (plain autograd, or a deferred weight pass) an fp32 accumulator [V/tp, h].
+        to_sink = bypasses_autograd(weight) and active_store() is None
+        grad_weight = None if to_sink else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, rows.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, rows.shape[0])
             logits = rows[start:end] @ weight.t()  # recomputed: [c, V/tp]
@@ -78,14 +82,20 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                                  vocab_start, ignore_index, use_kernels)
             del logits
             grad_rows[start:end] = dlogits @ weight
-            grad_weight += (dlogits.t() @ rows[start:end]).float()
+            chunk_grad_weight = dlogits.t() @ rows[start:end]  # [V/tp, h]
+            if to_sink:
+                deliver(weight, chunk_grad_weight)
+            else:
+                grad_weight += chunk_grad_weight.float()
         grad_hidden = grad_rows.view(full.shape)  # the input was replicated (or gathered) across tp:
         if gather:                                 # sum the shards' partials, back to [s/tp, b, h]
             grad_hidden = comm.reduce_scatter(grad_hidden, group, dim=0)
         elif comm.group_size(group) > 1:
             comm.all_reduce(grad_hidden, group)
+        if to_sink:
+            return grad_hidden, None, None, None, None, None, None, None
         grad_weight = grad_weight.to(weight.dtype)
-        if bypasses_autograd(weight):
+        if bypasses_autograd(weight):  # deferred: the weight pass delivers the finished gradient
             _route_weight_grads(weight, None, lambda: (grad_weight, None))
             return grad_hidden, None, None, None, None, None, None, None
         return grad_hidden, grad_weight, None, None, None, None, None, None
