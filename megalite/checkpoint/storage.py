@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,32 @@ def shard_file_name(rank: int) -> str:
 
 def _done_marker(rank: int) -> str:
     return f"done_r{rank:05d}.json"
+
+
+def check_save_dir(path: str, needed_bytes: int) -> list[str]:
+    """What would stop the first checkpoint hours into a run, found before it starts: `path`
+    cannot be created, is not writable from this process, or has less free space than
+    `needed_bytes` (what this node's ranks will write). Creates `path`; leaves nothing else."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return [f"--save {path}: cannot create it ({exc.strerror or exc}); choose a directory every rank can write"]
+    probe = directory / f".write_probe_{socket.gethostname()}_{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return [f"--save {path}: not writable from this rank ({exc.strerror or exc})"]
+    finally:
+        probe.unlink(missing_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < needed_bytes:
+        return [f"--save {path}: {free / 1e9:.2f} GB free, but this node's ranks write {needed_bytes / 1e9:.2f} GB "
+                f"per checkpoint (weights + fp32 optimizer state); free space there or choose another directory"]
+    return []
 
 
 def fsync_dir(path: Path) -> None:

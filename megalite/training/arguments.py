@@ -294,6 +294,14 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
                         ("--keep-every", cfg.keep_every)):
         if value < 0:
             problems.append(f"{name} must be >= 0, got {value}")
+    if cfg.save is not None:  # found now, not at the first checkpoint hours in
+        from megalite.checkpoint.storage import check_save_dir
+        from megalite.training.run_layout import DTYPE_BYTES
+
+        per_param = DTYPE_BYTES[cfg.precision] + 12  # weights + fp32 master, exp_avg, exp_avg_sq
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        node_share = min(1.0, local_ranks / max(1, world_size))  # node-local disk: this node's ranks' part
+        problems += check_save_dir(cfg.save, int(model.num_params() * per_param * node_share))
     if cfg.save_interval and cfg.save is None:
         problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
     if cfg.load_step is not None and cfg.load is None:

@@ -87,3 +87,28 @@ def test_nonfinite_stop_exits_on_every_rank():
     for code, err in results:
         assert code == 3, err  # NONFINITE_EXIT_CODE, the same on both ranks
         assert "non-finite" in err.lower() or "nan" in err.lower(), err
+
+
+def test_unusable_save_directory_fails_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    results = run_distributed(_main_capturing, 2, ["--save", str(blocker / "ckpt")], timeout_s=60)
+    for code, err in results:  # every rank, before any collective: the path and what to do
+        assert code == 2 and "cannot create it" in err and str(blocker / "ckpt") in err, err
+        assert "Traceback" not in err
+
+
+def test_save_directory_without_room_for_one_checkpoint_fails_early(tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    from megalite.training.arguments import ConfigError, build_parser, resolve
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 ** 6))  # 1 MB free
+    args: argparse.Namespace = build_parser().parse_args(["--save", str(tmp_path / "ckpt")])
+    with pytest.raises(ConfigError, match=r"--save .*ckpt: 0\.00 GB free, but this node's ranks write 0\.0\d GB"):
+        resolve(args, 1, 256)
+    assert list((tmp_path / "ckpt").iterdir()) == []  # the write probe left nothing behind
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    resolve(args, 1, 256)  # with the real free space the same flags pass
