@@ -176,6 +176,7 @@ class DistributedOptimizer:
         self._gather_wait_total = 0.0  # host seconds ever spent waiting for parameter all-gathers
         self._gather_wait_reported = 0.0  # ... up to the last exposed_comm_seconds()
         self._pending: dict[int, object] = {}  # bucket index -> all-gather handle still in flight
+        self._hooks_installed = False
         # Buckets in the order a forward first uses them (reverse of the buffer's backward order);
         # install_param_gather_hooks refines it from the model's structure.
         self._gather_order = list(reversed(range(len(layout.buckets))))
@@ -200,6 +201,10 @@ class DistributedOptimizer:
 
         `grad_norm` is the global norm of the true (unscaled, unclipped) gradients.
         """
+        if self.overlap_param_gather and not self._hooks_installed:
+            raise RuntimeError("overlap_param_gather=True leaves the parameter all-gathers running after step(); call "
+                               "optimizer.install_param_gather_hooks(model_chunks) first, or the next forward reads "
+                               "half-gathered weights")
         self.wait_for_params()  # gathers of buckets the last forward never touched (params unused)
         self.grads.finish_reduction()
         grad = self.grads.grad_shard  # fp32 [shard_numel]
@@ -288,6 +293,7 @@ class DistributedOptimizer:
                         lambda _module, _args, buckets=tuple(buckets): self.wait_for_params(buckets)))
         unused = [b for b in range(len(self.grads.layout.buckets)) if b not in first_use]
         self._gather_order = sorted(first_use, key=first_use.get) + unused
+        self._hooks_installed = True
         return handles
 
     def publish_params(self) -> None:

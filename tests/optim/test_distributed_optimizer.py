@@ -173,3 +173,21 @@ def test_zero_stages_with_tp2_sequence_parallel_dp2_match_adamw(reference):
         for what, out in runs.items():
             _check_parity(out, reference, rank, f"tp2 dp2 {what}")
             _check_memory_and_bytes(out, int(what[4]), 2, 4, what)
+
+
+def _overlap_without_hooks_world():
+    m = mesh_lib.init_mesh(tp=1, pp=1)
+    model = ToyGPT()
+    opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=1, overlap_param_gather=True)
+    ids, targets = toy_batch(0)
+    model(ids, targets).backward()
+    try:
+        opt.step(LR)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_overlap_without_hooks_is_refused_not_silently_stale():
+    for message in run_distributed(_overlap_without_hooks_world, 2):
+        assert message is not None and "install_param_gather_hooks(model_chunks)" in message
