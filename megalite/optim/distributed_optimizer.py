@@ -277,6 +277,11 @@ class DistributedOptimizer:
         """With overlap_param_gather: a forward pre-hook on every module that owns parameters
         waits for the buckets holding them; the gather order becomes the forward's order of
         first use. `chunks`: this rank's model chunks in execution order. Returns the hook handles.
+
+        Contract: a parameter is read inside its owning module's forward, or after that module
+        (or an ancestor owning it) has run in this forward, as megalite's layers do; a model
+        that reads a weight from elsewhere (e.g. a functional call on a sibling's parameter
+        before the sibling runs) must call `wait_for_params()` itself.
         """
         slot_of = {id(p): slot for p, slot in zip(self.params, self.grads.layout.slots)}
         first_use: dict[int, int] = {}  # bucket -> position of its first parameter in forward order
