@@ -38,6 +38,7 @@ from megalite.training.metrics import (MetricsWriter, ThroughputMeter, estimate_
                                        peak_tflops, progress_line, straggler_report)
 from megalite.training.planner import justify
 from megalite.training.profiling import StepProfiler
+from megalite.training.run_layout import recompute_fraction
 from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.micro_batch_size, cfg.dp, cfg.num_microbatches,
                             mesh.world_size, cfg.recompute, cfg.train_iters,
                             cfg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda"
-                                                           else None, cfg.precision))
+                                                           else None, cfg.precision),
+                            recompute_fraction=recompute_fraction(model_cfg, planner_layout(model_cfg, cfg)))
     writer = MetricsWriter(cfg.metrics_file, cfg.tensorboard_dir, enabled=mesh.rank == 0)
     timer = TimeBreakdown()  # per-step seconds: data, forward, backward (or pipeline), optimizer, comm
     profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device, log=log)

@@ -44,6 +44,7 @@ def layout_from_args(args: argparse.Namespace, world_size: int | None = None) ->
     dp = args.dp if args.dp is not None else max(1, (world_size or args.tp * args.pp) // (args.tp * args.pp))
     return Layout(tp=args.tp, pp=args.pp, dp=dp, virtual_stages=args.virtual_stages, zero_stage=args.zero,
                   offload_optimizer=args.offload_optimizer, recompute=args.recompute,
+                  recompute_num_layers=args.recompute_num_layers,
                   sequence_parallel=args.sequence_parallel, micro_batch_size=args.micro_batch_size,
                   fused_linear_cross_entropy=args.fused_linear_cross_entropy,
                   seq_length=args.seq_length, global_batch_size=args.global_batch_size,

@@ -51,7 +51,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, mesh: Mesh | None = None, *, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None,
-                 fused_linear_cross_entropy: bool = False):
+                 fused_linear_cross_entropy: bool = False, recompute_num_layers: int | None = None):
         super().__init__()
         mesh = mesh or current_mesh()
         self.tp_group = mesh.tp_group if mesh is not None else None
@@ -66,6 +66,9 @@ class GPTModel(nn.Module):
             raise ValueError(f"sequence parallelism needs seq_length={config.seq_length} divisible by tp={tp_size}")
         self.config, self.sequence_parallel, self.recompute = config, sequence_parallel, recompute
         self.fused_linear_cross_entropy = fused_linear_cross_entropy  # loss without holding the logits
+        if recompute_num_layers is not None and (recompute != "full" or recompute_num_layers < 1):
+            raise ValueError(f"recompute_num_layers={recompute_num_layers} needs recompute='full' and a value >= 1")
+        self.recompute_num_layers = recompute_num_layers  # full recompute of this chunk's first N blocks only
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
@@ -166,8 +169,9 @@ class GPTModel(nn.Module):
         else:
             s = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
         rope = self._rope(s)
-        for block in self.layers:
-            if self.recompute == "full" and self.training:
+        recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
+        for index, block in enumerate(self.layers):
+            if self.recompute == "full" and self.training and index < recomputed:
                 x = checkpoint_with_rng(block, self.rng, x, rope, self.rng)
             else:
                 x = block(x, rope, self.rng)

@@ -9,7 +9,7 @@ ZB-H1: counted on the schedule).
 from __future__ import annotations
 
 from megalite.model.config import GPTConfig
-from megalite.training.run_layout import DTYPE_BYTES, Layout, stage_layers
+from megalite.training.run_layout import DTYPE_BYTES, Layout, recomputed_stage_layers, stage_layers
 
 
 # Bytes of RNG state a recompute checkpoint keeps: megalite's two dropout generators plus
@@ -136,12 +136,17 @@ def activation_bytes(model: GPTConfig, layout: Layout, stage: int) -> int:
     """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
     v, pp = layout.virtual_stages, layout.pp
     layers = stage_layers(model, layout)[stage]
+    recomputed = recomputed_stage_layers(model, layout)[stage]  # full recompute: all, or N per chunk
     inflight = inflight_microbatches(layout, stage)
     per_layer = layer_activation_bytes(model, layout)
+    kept_whole = layer_activation_bytes(model, layout, recompute="none")
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
-    total = inflight * per_layer * layers // v
-    if layout.recompute == "full" and layers:
-        total += layer_activation_bytes(model, layout, recompute="none")  # the block being recomputed
+    if layout.recompute == "full":
+        total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v
+    else:
+        total = inflight * per_layer * layers // v
+    if recomputed:
+        total += kept_whole  # the block being recomputed
     head_inflight = layout.microbatches() if layout.schedule_name() == "gpipe" else 1
     if stage == 0:
         total += min(inflight, layout.microbatches()) * embedding_activation_bytes(model, layout)

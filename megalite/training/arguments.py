@@ -48,6 +48,9 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
                         "held (saves 2 x tokens x vocab/tp x dtype bytes on the last stage; one more output-layer "
                         "GEMM in backward)")
     g.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="with --recompute full: recompute only the first N blocks of each model chunk (Megatron's "
+                        "block method); the others keep their activations. Default: all")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro-batch-size * dp")
     g.add_argument("--zero", type=int, default=0, choices=[0, 1, 2], help="ZeRO stage of the optimizer")
@@ -151,6 +154,7 @@ class TrainConfig:
     fused_linear_cross_entropy: bool = False
     overlap_param_gather: bool = False
     recompute: str = "none"
+    recompute_num_layers: int | None = None
     micro_batch_size: int = 8
     global_batch_size: int = 8
     zero: int = 0
@@ -243,7 +247,8 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         tp=args.tp, pp=args.pp, dp=dp, virtual_stages=args.virtual_stages, pipeline_schedule=schedule,
         first_stage_layers=args.decoder_first_stage_layers, last_stage_layers=args.decoder_last_stage_layers,
         sequence_parallel=args.sequence_parallel, fused_linear_cross_entropy=args.fused_linear_cross_entropy,
-        recompute=args.recompute, micro_batch_size=args.micro_batch_size,
+        recompute=args.recompute, recompute_num_layers=args.recompute_num_layers,
+        micro_batch_size=args.micro_batch_size,
         global_batch_size=global_batch, zero=args.zero, offload_optimizer=args.offload_optimizer,
         overlap_param_gather=args.overlap_param_gather,
         ddp_bucket_size=args.ddp_bucket_size, grad_reduce_dtype=args.grad_reduce_dtype, precision=precision,
@@ -281,6 +286,9 @@ def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple
         if not 1 <= first <= last <= cfg.train_iters:
             problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
                             f"({cfg.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
+    if cfg.recompute_num_layers is not None and (cfg.recompute != "full" or cfg.recompute_num_layers < 1):
+        problems.append(f"--recompute-num-layers {cfg.recompute_num_layers} needs --recompute full and N >= 1 "
+                        f"(it says how many blocks of each model chunk full recompute covers)")
     if cfg.overlap_param_gather and (cfg.zero == 0 or cfg.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
@@ -327,6 +335,7 @@ def planner_layout(model: GPTConfig, cfg: TrainConfig):
 
     return Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, virtual_stages=cfg.virtual_stages, zero_stage=cfg.zero,
                   offload_optimizer=cfg.offload_optimizer, recompute=cfg.recompute,
+                  recompute_num_layers=cfg.recompute_num_layers,
                   sequence_parallel=cfg.sequence_parallel, micro_batch_size=cfg.micro_batch_size,
                   fused_linear_cross_entropy=cfg.fused_linear_cross_entropy,
                   seq_length=model.seq_length, global_batch_size=cfg.global_batch_size, precision=cfg.precision,

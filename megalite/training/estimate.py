@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from megalite.model.config import GPTConfig
 from megalite.training.activation_memory import activation_bytes, inflight_microbatches
 from megalite.training.run_layout import (DTYPE_BYTES, GB, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, Layout,
-                                          stage_layers)
+                                          recompute_fraction, recomputed_stage_layers, stage_layers)
 
 
 @dataclass
@@ -151,14 +151,17 @@ def communication_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict[st
 
     if t > 1:
         layers = stage_layers(model, layout)[stage]
-        forwards = 2 if layout.recompute == "full" else 1   # full recompute re-runs the forward
+        # Full recompute re-runs a block's forward until its last saved tensor is packed (torch's
+        # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
+        # and the attention output's reduction again, not the MLP output's reduction.
+        rerun = recomputed_stage_layers(model, layout)[stage]
         if sp:
             # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
             # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
-            add("tp/all_gather", m * layers * (2 * forwards + 4) * u)
-            add("tp/reduce_scatter", m * layers * (2 * forwards + 2) * u)
+            add("tp/all_gather", m * (6 * layers + 2 * rerun) * u)
+            add("tp/reduce_scatter", m * (4 * layers + rerun) * u)
         else:
-            add("tp/all_reduce", m * layers * (2 * forwards + 2) * u)   # Megatron's 4 per layer
+            add("tp/all_reduce", m * (4 * layers + rerun) * u)   # Megatron's 4 per layer
         if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
             add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
             add("tp/all_gather", m * u if sp else 0)
@@ -235,11 +238,14 @@ def bus_factor(op: str, n: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int | None = None) -> float:
+def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int | None = None,
+                             recompute_fraction: float = 1.0) -> float:
     """FLOPs executed per token including recomputation (HFU's numerator).
 
     Model FLOPs are 6N + 12*L*h*s; selective recompute re-runs the attention core forward
-    (4*L*h*s); full recompute re-runs every block's forward (2*N_blocks + 4*L*h*s).
+    (4*L*h*s); full recompute re-runs every block's forward GEMMs (2*N_blocks + 4*L*h*s; torch's
+    non-reentrant checkpoint stops right after the last one, skipping only the MLP output's tp
+    reduction), or that `recompute_fraction` of the blocks (--recompute-num-layers).
     """
     s = seq_length or model.seq_length
     flops = model.flops_per_token(s)
@@ -247,7 +253,7 @@ def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int |
     if recompute == "selective":
         flops += attention_forward
     elif recompute == "full":
-        flops += 2.0 * model.num_params(include_embedding=False) + attention_forward
+        flops += recompute_fraction * (2.0 * model.num_params(include_embedding=False) + attention_forward)
     return flops
 
 
@@ -329,7 +335,8 @@ def estimate(model: GPTConfig, layout: Layout) -> Estimate:
         bubble_fraction=bubble_fraction(layout),
         comm_bytes=communication_bytes(model, layout, worst),
         flops_per_step=model.flops_per_token(seq) * tokens,
-        hardware_flops_per_step=hardware_flops_per_token(model, layout.recompute, seq) * tokens,
+        hardware_flops_per_step=hardware_flops_per_token(model, layout.recompute, seq,
+                                                         recompute_fraction(model, layout)) * tokens,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
 
 

@@ -74,13 +74,13 @@ class ThroughputMeter:
 
     def __init__(self, model: GPTConfig, seq_length: int, micro_batch_size: int, dp: int, num_microbatches: int,
                  world_size: int, recompute: str = "none", total_steps: int | None = None,
-                 peak_tflops_per_gpu: float | None = None, start_step: int = 0):
+                 peak_tflops_per_gpu: float | None = None, start_step: int = 0, recompute_fraction: float = 1.0):
         self.world_size = world_size
         self.total_steps = total_steps
         self.samples_per_step = effective_batch(micro_batch_size, dp, num_microbatches)
         self.tokens_per_step = self.samples_per_step * seq_length
         self.model_flops_per_token = model.flops_per_token(seq_length)
-        self.hardware_flops_per_token = hardware_flops_per_token(model, recompute, seq_length)
+        self.hardware_flops_per_token = hardware_flops_per_token(model, recompute, seq_length, recompute_fraction)
         self.recompute = recompute
         self.peak_flops = peak_tflops_per_gpu * 1e12 if peak_tflops_per_gpu else None
         self.gpu_seconds = 0.0

@@ -30,6 +30,8 @@ class Layout:
     """Optimizer state (and its step) lives in host memory."""
     recompute: str = "none"
     """none | selective (attention core) | full (whole blocks; only block inputs kept)."""
+    recompute_num_layers: int | None = None
+    """With full recompute: only the first N blocks of each model chunk (None: all)."""
     sequence_parallel: bool = False
     fused_linear_cross_entropy: bool = False
     """Output layer + cross entropy in token chunks: the logits shard is never kept."""
@@ -79,12 +81,30 @@ class Layout:
         return self.micro_batch_size * self.dp * self.microbatches()
 
 
+def _chunk_counts(model: GPTConfig, layout: Layout) -> list[int]:
+    from megalite.pipeline.partition import chunk_layer_counts
+
+    return chunk_layer_counts(model.num_layers, layout.pp, layout.virtual_stages, layout.first_stage_layers,
+                              layout.last_stage_layers, layout.pipeline_layout)
+
+
 def stage_layers(model: GPTConfig, layout: Layout) -> list[int]:
     """Blocks held by each pipeline stage (all its chunks), from megalite.pipeline.partition:
     local chunk c of stage r is model chunk c*pp + r (Megatron's interleaved assignment)."""
-    from megalite.pipeline.partition import chunk_layer_counts
-
-    pp = layout.pp
-    counts = chunk_layer_counts(model.num_layers, pp, layout.virtual_stages, layout.first_stage_layers,
-                                layout.last_stage_layers, layout.pipeline_layout)
+    counts, pp = _chunk_counts(model, layout), layout.pp
     return [sum(counts[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
+
+
+def recomputed_stage_layers(model: GPTConfig, layout: Layout) -> list[int]:
+    """Blocks of each stage that full recompute re-runs: all of them, or the first
+    recompute_num_layers of each of its chunks; none without full recompute."""
+    if layout.recompute != "full":
+        return [0] * layout.pp
+    counts, pp, n = _chunk_counts(model, layout), layout.pp, layout.recompute_num_layers
+    per_chunk = [c if n is None else min(n, c) for c in counts]
+    return [sum(per_chunk[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
+
+
+def recompute_fraction(model: GPTConfig, layout: Layout) -> float:
+    """Share of all blocks whose forward full recompute runs twice (0 without it)."""
+    return sum(recomputed_stage_layers(model, layout)) / model.num_layers

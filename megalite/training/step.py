@@ -38,6 +38,7 @@ def build_model_chunks(model: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> list[G
         chunks.append(GPTModel(model, mesh, layer_ids=layer_ids, pre_process=first, post_process=last,
                                sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, seed=cfg.seed,
                                fused_linear_cross_entropy=cfg.fused_linear_cross_entropy,
+                               recompute_num_layers=cfg.recompute_num_layers,
                                dtype=DTYPES[cfg.precision]))
     return chunks
 

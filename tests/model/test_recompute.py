@@ -8,9 +8,10 @@ from megalite.model import GPTModel, preset
 from megalite.testing import run_distributed
 
 
-def _grads(name, recompute, sequence_parallel=False):
+def _grads(name, recompute, sequence_parallel=False, recompute_num_layers=None):
     cfg = preset(name, num_layers=2, hidden_dropout=0.1, attention_dropout=0.1, seq_length=16)
-    model = GPTModel(cfg, seed=11, recompute=recompute, sequence_parallel=sequence_parallel).train()
+    model = GPTModel(cfg, seed=11, recompute=recompute, sequence_parallel=sequence_parallel,
+                     recompute_num_layers=recompute_num_layers).train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     losses = []
@@ -22,11 +23,11 @@ def _grads(name, recompute, sequence_parallel=False):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recompute_gives_identical_gradients(name, recompute):
+@pytest.mark.parametrize("recompute,num_layers", [("selective", None), ("full", None), ("full", 1)])
+def test_recompute_gives_identical_gradients(name, recompute, num_layers):
     ref_losses, ref_grads = _grads(name, "none")
     assert ref_losses[0] != ref_losses[1], "dropout must differ between microbatches"
-    losses, grads = _grads(name, recompute)
+    losses, grads = _grads(name, recompute, recompute_num_layers=num_layers)
     assert losses == ref_losses
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")

@@ -178,6 +178,10 @@ CASES = [  # (config, recompute, dtype): both flavours, every recompute mode, ea
     (tiny("llama", num_query_groups=2, hidden_dropout=0.1, attention_dropout=0.1), "selective", torch.float32),
     (tiny("llama", num_query_groups=2), "none", torch.bfloat16),
 ]
+PARTIAL_RECOMPUTE_CASES = [  # full recompute of the first block only (of 2, and of 3)
+    (tiny("llama", num_query_groups=2), 1),
+    (tiny("gpt2", num_layers=3), 1),
+]
 FUSED_CASES = [  # the output layer and cross entropy fused: no logits kept
     (tiny("gpt2"), "none", torch.float32),
     (tiny("llama", num_query_groups=2), "none", torch.bfloat16),
@@ -201,6 +205,49 @@ def test_activation_bytes_match_what_the_model_keeps():
             case = f"{config.flavour} nkv={config.num_query_groups} dropout={config.hidden_dropout} " \
                    f"{recompute} {dtype} fused={fused}: measured {measured} estimated {expected}"
             assert 0 <= measured - expected <= SCALAR_SLACK, case
+
+
+def test_partial_full_recompute_bytes_match_what_the_model_keeps():
+    batch = 8
+    with kernels_path_without_compute():
+        for config, n in PARTIAL_RECOMPUTE_CASES:
+            torch.manual_seed(0)
+            model = GPTModel(config, recompute="full", recompute_num_layers=n)
+            measured, _ = measured_forward_bytes(model, batch, config.seq_length)
+            layout = Layout(micro_batch_size=batch, recompute="full", recompute_num_layers=n, device="cpu")
+            # the estimate's peak adds the block being recomputed in backward
+            expected = A.activation_bytes(config, layout, stage=0) - A.layer_activation_bytes(config, layout, "none")
+            assert 0 <= measured - expected <= SCALAR_SLACK, (config.flavour, config.num_layers, n, measured, expected)
+            everything = A.activation_bytes(config, dataclasses.replace(layout, recompute_num_layers=None), 0)
+            nothing = A.activation_bytes(config, dataclasses.replace(layout, recompute="none", recompute_num_layers=None), 0)
+            assert everything < expected + A.layer_activation_bytes(config, layout, "none") < nothing + \
+                A.layer_activation_bytes(config, layout, "none")
+
+
+def _tp_recompute_traffic_world(config, recompute_num_layers, batch):
+    from megalite.mesh import init_mesh
+
+    mesh = init_mesh(tp=2)
+    with kernels_path_without_compute():
+        torch.manual_seed(0)
+        model = GPTModel(config, mesh, sequence_parallel=True, recompute="full",
+                         recompute_num_layers=recompute_num_layers).train()
+        comm.ledger.reset()
+        ids = torch.randint(0, config.vocab_size, (batch, config.seq_length))
+        model(ids, torch.randint(0, config.vocab_size, (batch, config.seq_length))).backward()
+    return dict(comm.ledger.bytes)
+
+
+@pytest.mark.parametrize("recompute_num_layers", [None, 1])
+def test_full_recompute_traffic_counts_the_rerun_forwards(recompute_num_layers):
+    batch, config = 4, tiny("gpt2", vocab_size=200, num_layers=3)
+    layout = Layout(tp=2, sequence_parallel=True, micro_batch_size=batch, device="cpu", recompute="full",
+                    recompute_num_layers=recompute_num_layers)
+    expected = E.communication_bytes(config, layout, 0)
+    expected["tp/all_reduce"] -= E.sequence_parallel_grad_bytes(config, layout, 0)
+    for ledger in run_distributed(_tp_recompute_traffic_world, 2, config, recompute_num_layers, batch):
+        got = {f"{g}/{op}": n for (g, op), n in ledger.items() if g == "tp"}
+        assert got == {k: v for k, v in expected.items() if v}, (recompute_num_layers, got, expected)
 
 
 def test_activation_formula_scales_like_korthikanti():
@@ -364,3 +411,38 @@ def test_justify_is_one_line_naming_the_choices():
     assert "\n" not in line and line.startswith("~") and "s/step" in line
     for part in ("tp=2 on NVLink", "pp=2 bubble", "ZeRO-1", "selective recompute", "/80 GB"):
         assert part in line, (part, line)
+
+
+@pytest.mark.parametrize("recompute_num_layers", [None, 1, 2])
+def test_full_recompute_flops_counted_by_torch(recompute_num_layers):
+    """FlopCounterMode over forward + backward: full recompute adds exactly one more forward of
+    the recomputed blocks' GEMMs (all of them, the MLP output's too: the checkpoint stops only
+    after it); the estimate's extra FLOPs are those plus the blocks' biases and norms (the 6N
+    convention) plus the attention core."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megalite.training.run_layout import recompute_fraction
+
+    config, batch = tiny("gpt2", num_layers=3), 2
+
+    def flops(recompute, n=None):
+        torch.manual_seed(0)
+        model = GPTModel(config, recompute=recompute, recompute_num_layers=n).train()
+        ids = torch.randint(0, config.vocab_size, (batch, config.seq_length))
+        with FlopCounterMode(display=False) as counter:
+            model(ids, ids).backward()
+        return counter.get_total_flops(), model
+
+    base, _ = flops("none")
+    total, model = flops("full", recompute_num_layers)
+    tokens = batch * config.seq_length
+    rerun = len(model.layers) if recompute_num_layers is None else recompute_num_layers
+    gemm_weights = sum(p.numel() for block in list(model.layers)[:rerun] for p in block.parameters() if p.dim() == 2)
+    assert total - base == 2 * gemm_weights * tokens
+    layout = Layout(recompute="full", recompute_num_layers=recompute_num_layers)
+    fraction = recompute_fraction(config, layout)
+    assert fraction == rerun / config.num_layers
+    estimated = (E.hardware_flops_per_token(config, "full", None, fraction) - config.flops_per_token()) * tokens
+    attention = fraction * 4 * config.num_layers * config.hidden_size * config.seq_length * tokens
+    other_params = config.num_params(include_embedding=False) * fraction - gemm_weights  # biases, norms
+    assert estimated == pytest.approx(2 * (gemm_weights + other_params) * tokens + attention)
