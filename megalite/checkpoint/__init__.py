@@ -8,11 +8,12 @@
 Format and protocol: storage.py (files), boxes.py (what a stored slice is), snapshot.py
 (what each rank writes).
 """
-from megalite.checkpoint.full_state import read_full_state, write_full_state
-from megalite.checkpoint.load import LoadedCheckpoint, load_checkpoint
-from megalite.checkpoint.preemption import PreemptionHandler, maybe_inject_fault
-from megalite.checkpoint.save import Checkpointer
-from megalite.checkpoint.storage import CheckpointCorruptError
+from megalite._lazy import lazy_exports
 
-__all__ = ["Checkpointer", "CheckpointCorruptError", "LoadedCheckpoint", "PreemptionHandler", "load_checkpoint",
-           "maybe_inject_fault", "read_full_state", "write_full_state"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "megalite.checkpoint.full_state": ["read_full_state", "write_full_state"],
+    "megalite.checkpoint.load": ["LoadedCheckpoint", "load_checkpoint"],
+    "megalite.checkpoint.preemption": ["PreemptionHandler", "maybe_inject_fault"],
+    "megalite.checkpoint.save": ["Checkpointer"],
+    "megalite.checkpoint.storage": ["CheckpointCorruptError"],
+})

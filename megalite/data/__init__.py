@@ -11,9 +11,9 @@ Typical use in a training script:
 
 Names are imported lazily (PEP 562), so tools/preprocess_data.py starts without importing torch.
 """
-import importlib
+from megalite._lazy import lazy_exports
 
-_EXPORTS = {
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.data.default_corpus": ["build_default_corpus", "stdlib_documents"],
     "megalite.data.gpt_dataset": ["BlendedDataset", "GPTDataset", "blend_assignment", "build_gpt_datasets",
                                   "parse_data_path", "parse_split", "split_documents"],
@@ -22,18 +22,4 @@ _EXPORTS = {
     "megalite.data.sampler": ["EvalSampler", "GlobalBatchSampler", "collate", "eval_indices",
                               "load_microbatches"],
     "megalite.data.tokenizer": ["ByteTokenizer", "HFTokenizer", "load_tokenizer"],
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'megalite.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__():
-    return __all__
+})

@@ -1,6 +1,12 @@
-"""GPT models (GPT-2 and Llama flavours) built only from megalite layers, and HF interop."""
-from megalite.model.config import PRESETS, GPTConfig, preset
-from megalite.model.gpt import GPTModel
-from megalite.model.hf import config_from_hf, from_hf
+"""GPT models (GPT-2 and Llama flavours) built only from megalite layers, and HF interop.
 
-__all__ = ["GPTConfig", "PRESETS", "preset", "GPTModel", "from_hf", "config_from_hf"]
+Names load lazily (PEP 562): `megalite.model.config` (GPTConfig, presets) is pure Python, and
+the planner imports it without loading torch.
+"""
+from megalite._lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "megalite.model.config": ["GPTConfig", "PRESETS", "preset"],
+    "megalite.model.gpt": ["GPTModel"],
+    "megalite.model.hf": ["config_from_hf", "from_hf"],
+})

@@ -1,18 +1,16 @@
-"""Tensor parallelism: region functions, parallel layers, vocab-parallel cross entropy, TP-aware RNG."""
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             linear, resolve_tp_group)
-from megalite.tensor_parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                                               gather_from_tensor_parallel_region,
-                                               reduce_from_tensor_parallel_region,
-                                               reduce_scatter_to_sequence_parallel_region,
-                                               scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
-from megalite.tensor_parallel.random import TensorParallelRNG, dropout
+"""Tensor parallelism: region functions, parallel layers, vocab-parallel cross entropy, TP-aware RNG.
 
-__all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "linear", "resolve_tp_group", "TensorParallelRNG", "dropout",
-    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
-    "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",
-    "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-]
+Names load lazily (PEP 562), so `megalite.tensor_parallel.sharding` (pure) is importable alone.
+"""
+from megalite._lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "megalite.tensor_parallel.cross_entropy": ["vocab_parallel_cross_entropy"],
+    "megalite.tensor_parallel.layers": ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                                        "linear", "resolve_tp_group"],
+    "megalite.tensor_parallel.mappings": [
+        "copy_to_tensor_parallel_region", "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",
+        "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+        "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region"],
+    "megalite.tensor_parallel.random": ["TensorParallelRNG", "dropout"],
+})
