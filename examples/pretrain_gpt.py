@@ -39,7 +39,7 @@ from megalite.training.metrics import (MetricsWriter, ThroughputMeter, estimate_
 from megalite.training.planner import justify
 from megalite.training.profiling import StepProfiler
 from megalite.training.run_layout import recompute_fraction
-from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
 
 
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. This rank's model chunks (only its layers) and the sharded optimizer.
     chunks = build_model_chunks(model_cfg, cfg, mesh)
-    optimizer = build_optimizer(chunks, cfg, mesh)
+    model = build_data_parallel(chunks, cfg, mesh)
+    optimizer = build_optimizer(model, cfg)
     lr_at = LRSchedule(cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters, cfg.lr_decay_style)
     meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.micro_batch_size, cfg.dp, cfg.num_microbatches,
                             mesh.world_size, cfg.recompute, cfg.train_iters,
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         with timer.phase("data"):
             microbatches = load_microbatches(train_set, indices)
         lr = lr_at(step - 1)
-        result = train_step(chunks, optimizer, microbatches, mesh, cfg, lr, guard=guard, timer=timer)
+        result = train_step(model, optimizer, microbatches, mesh, cfg, lr, guard=guard, timer=timer)
         timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
         if mesh.device.type == "cuda":
             torch.cuda.synchronize()

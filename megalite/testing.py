@@ -9,6 +9,7 @@ is killed and reported, so a broken collective fails the test instead of hanging
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -127,3 +128,42 @@ def assert_tensor_close(actual, expected, rtol: float = 1e-5, what: str = "") ->
     if not error <= rtol * scale + 1e-12:
         raise AssertionError(f"{what}: relative error {error / max(scale, 1e-30):.3e} > {rtol:.1e} "
                              f"(|diff| {error:.3e}, |expected| {scale:.3e})")
+
+
+class _LandsAtWait:
+    """An async all-gather handle whose result reaches the output only when wait() is called."""
+
+    def __init__(self, handle, scratch, output):
+        self._handle, self._scratch, self._output = handle, scratch, output
+
+    def wait(self) -> None:
+        self._handle.wait()
+        self._output.copy_(self._scratch)
+
+
+@contextlib.contextmanager
+def gathers_land_at_wait():
+    """Make every asynchronous `comm.all_gather_into` deterministic about the worst case: its
+    output is NaN from the launch until the handle's `wait()`, when the real result lands.
+
+    A network can deliver a gather's bytes at any moment before the wait returns; reading the
+    output earlier is a race that a lucky schedule hides. Under this context every such read
+    reads NaN, so a test of overlapped gathers fails every time instead of sometimes.
+    """
+    from megalite import comm
+
+    real = comm.all_gather_into
+
+    def land_at_wait(output, input, group, async_op=False):
+        if not async_op:
+            return real(output, input, group)
+        scratch = output.new_empty(output.shape)
+        handle = real(scratch, input, group, async_op=True)
+        output.fill_(float("nan"))
+        return _LandsAtWait(handle, scratch, output)
+
+    comm.all_gather_into = land_at_wait
+    try:
+        yield
+    finally:
+        comm.all_gather_into = real

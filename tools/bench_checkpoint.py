@@ -50,7 +50,7 @@ def _bench_rank(args, directory: str) -> dict:
     from megalite.checkpoint import Checkpointer, load_checkpoint
     from megalite.model import preset
     from megalite.training.arguments import TrainConfig
-    from megalite.training.step import build_model_chunks, build_optimizer
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     mesh = mesh_mod.init_mesh(tp=1, pp=1, dp=args.world)
@@ -58,7 +58,7 @@ def _bench_rank(args, directory: str) -> dict:
                    vocab_size=args.vocab_size, seq_length=args.seq_length)
     cfg = TrainConfig(dp=args.world, zero=args.zero, micro_batch_size=1, global_batch_size=args.world)
     chunks = build_model_chunks(model, cfg, mesh)
-    optimizer = build_optimizer(chunks, cfg, mesh)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
     quiet = dict(log=lambda *_: None)
     root = Path(directory)
     results: dict[str, list[float]] = {k: [] for k in ("sync_blocked_s", "async_blocked_s", "async_total_s", "load_s")}

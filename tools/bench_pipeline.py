@@ -45,12 +45,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite import comm  # noqa: E402
 from megalite import mesh as mesh_lib  # noqa: E402
 from megalite.model import GPTModel, preset  # noqa: E402
-from megalite.pipeline import build_schedule, run_pipeline, stage_layers  # noqa: E402
+from megalite import params  # noqa: E402
+from megalite.pipeline import PipelineSpec, build_schedule, post_and_wait, run_pipeline, stage_layers  # noqa: E402
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, SEND_KINDS,  # noqa: E402
                                             split_steps)
-from megalite.pipeline import p2p  # noqa: E402
 from megalite.pipeline.p2p import peer  # noqa: E402
-from megalite.tensor_parallel.weight_grad import active_store, deliver  # noqa: E402
+from megalite.tensor_parallel.weight_grad import deliver  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 
 BUBBLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", None), ("zb-h1", 1)]  # None: --virtual-stages
@@ -140,7 +140,7 @@ class _SleepFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         _sleep(ctx.unit)  # B: the input gradient
         grad_w = (grad * x).sum().reshape(1)
-        deferred = active_store()
+        deferred = params.deferred(ctx.weight)
         if deferred is None:
             _sleep(ctx.unit)  # W now
             return grad * weight, grad_w, None
@@ -176,7 +176,7 @@ def _bubble_world(args, cases):
         other = mesh.pp_ranks[1 - mesh.pp_rank]
         order = [("send", buffer, other), ("recv", buffer, other)]
         for op in (order if mesh.pp_rank == 0 else order[::-1]):
-            p2p.post_and_wait([op], mesh.pp_group)
+            post_and_wait([op], mesh.pp_group)
     out = {"latency": (time.perf_counter() - start) / (2 * rounds)}
     for name, v in cases:
         chunks = [SleepChunk(args.op_ms / 1e3 / v, mesh.is_first_stage and c == 0,
@@ -186,8 +186,7 @@ def _bubble_world(args, cases):
             comm.barrier(comm.world_group())
             _BUSY[0] = 0.0
             start = time.perf_counter()
-            run_pipeline(name, chunks, microbatches, mesh, args.microbatches, shape, torch.float32, 1.0,
-                         virtual_stages=v)
+            run_pipeline(PipelineSpec(name, args.microbatches, shape, torch.float32, v), chunks, microbatches, mesh)
             elapsed = time.perf_counter() - start
             step = max(comm.all_gather_object(elapsed, comm.world_group()))
             busy = statistics.mean(comm.all_gather_object(_BUSY[0], comm.world_group()))
@@ -270,8 +269,8 @@ def _compare_world(args, v_interleaved):
             return chunks
 
         def megalite_step(chunks):
-            return run_pipeline(name, chunks, microbatches, mesh, args.microbatches, shape, torch.float32, scale,
-                                virtual_stages=v)
+            return run_pipeline(PipelineSpec(name, args.microbatches, shape, torch.float32, v), chunks, microbatches,
+                                mesh, scale)
 
         torch_chunks = build()
         stages = [PipelineStage(chunk, c * args.pp + mesh.pp_rank, args.pp * v, mesh.device, group=mesh.pp_group)

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from megalite.mesh import single_process_mesh
     from megalite.model import preset
     from megalite.training.arguments import TrainConfig
-    from megalite.training.step import build_model_chunks, build_optimizer, train_step
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.model:
@@ -64,10 +64,10 @@ def main(argv=None) -> int:
     cfg = TrainConfig(micro_batch_size=b, global_batch_size=b, precision="bf16" if args.bf16 else "fp32",
                       clip_grad=1.0, weight_decay=0.1)
     chunks = build_model_chunks(model_cfg, cfg, mesh)
-    optimizer = build_optimizer(chunks, cfg, mesh)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
 
     def megalite_step():
-        train_step(chunks, optimizer, batch, mesh, cfg, lr=1e-4)
+        train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4)
 
     # the plain loop over transformers' GPT2LMHeadModel of the same shape
     hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=s, n_embd=model_cfg.hidden_size,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megalite import comm
+from megalite import comm, params as P
 from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
 from megalite.checkpoint.reader import CheckpointReader
@@ -48,8 +48,8 @@ def _whole(shape) -> tuple:
 
 def _optimizer_targets(optimizer):
     """[(name, spec, local shape, start, end)] of the flat ranges this rank's optimizer owns."""
-    params = dict(zip(optimizer.names, optimizer.params))
-    return [(name, params[name].shard_spec, tuple(params[name].shape), start, end)
+    by_name = dict(zip(optimizer.names, optimizer.params))
+    return [(name, P.shard_spec(by_name[name]), tuple(by_name[name].shape), start, end)
             for name, (start, end) in optimizer.owned_ranges().items()]
 
 
@@ -58,12 +58,12 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
     shapes = reader.metadata["tensors"]
     for chunk in chunks:
         for name, param in chunk.logical_parameters():
-            full_shape = list(param.shard_spec.full_shape)
+            full_shape = list(P.shard_spec(param).full_shape)
             if shapes.get(name) != full_shape:
                 raise ValueError(f"checkpoint {reader.path} holds {name!r} with shape {shapes.get(name)}, the model "
                                  f"has {full_shape}; load it into the model it was saved from (same --model and "
                                  f"shape flags)")
-            for _, full_box in local_to_full(param.shard_spec, _whole(param.shape)):
+            for _, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
                 reader.check_covered("model", name, full_box)
                 reader.verify_box("model", name, full_box)
     if load_optimizer and optimizer is not None and reader.metadata["has_optimizer"]:
@@ -83,7 +83,7 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
 def _load_model(reader: CheckpointReader, chunks) -> None:
     for chunk in chunks:
         for name, param in chunk.logical_parameters():
-            for local_box, full_box in local_to_full(param.shard_spec, _whole(param.shape)):
+            for local_box, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
                 reader.read_into("model", name, full_box, param.data[box_slices(local_box)])
 
 

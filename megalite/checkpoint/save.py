@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megalite import comm
+from megalite import comm, params
 from megalite.checkpoint import snapshot, storage
 from megalite.mesh import Mesh
 
@@ -101,7 +101,7 @@ class Checkpointer:
         if self.mesh.rank == 0:
             storage.prepare_tmp_dir(self.root, step)
         # Also a barrier: after it, the tmp directory exists for every rank.
-        shapes = {name: list(p.shard_spec.full_shape) for chunk in chunks for name, p in chunk.logical_parameters()}
+        shapes = {name: list(params.shard_spec(p).full_shape) for chunk in chunks for name, p in chunk.logical_parameters()}
         gathered = comm.all_gather_object({"items": index, "shapes": shapes}, comm.world_group())
         metadata = None
         if self.mesh.rank == 0:

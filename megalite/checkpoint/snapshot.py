@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite import params
 from megalite.checkpoint.boxes import Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
 from megalite.checkpoint.storage import DTYPE_NAMES
 from megalite.mesh import Mesh
@@ -55,7 +56,7 @@ def writes(chunk, local_name: str, param, mesh: Mesh) -> bool:
     """Whether this rank stores `param` (one copy of each element among the replicas)."""
     if is_tied_copy(chunk, local_name):
         return False
-    return param.shard_spec.is_tp_sharded or mesh.tp_rank == 0
+    return params.shard_spec(param).is_tp_sharded or mesh.tp_rank == 0
 
 
 def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> list[Item]:
@@ -68,7 +69,7 @@ def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> lis
         for local_name, param in chunk.named_parameters():
             if not writes(chunk, local_name, param, mesh):
                 continue
-            name, spec, data = chunk.logical_name(local_name), param.shard_spec, param.detach()
+            name, spec, data = chunk.logical_name(local_name), params.shard_spec(param), param.detach()
             whole = tuple((0, n) for n in data.shape)
             for local_box, full_box in local_to_full(spec, whole):
                 view = data[box_slices(local_box)]
@@ -79,7 +80,7 @@ def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> lis
 
 def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
     """{logical name: ShardSpec} of the parameters whose optimizer state this rank stores."""
-    return {chunk.logical_name(n): p.shard_spec for chunk in chunks for n, p in chunk.named_parameters()
+    return {chunk.logical_name(n): params.shard_spec(p) for chunk in chunks for n, p in chunk.named_parameters()
             if writes(chunk, n, p, mesh)}
 
 

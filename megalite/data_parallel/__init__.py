@@ -1,6 +1,13 @@
-"""Data parallelism: contiguous fp32 gradient buffers, buckets, dp reduction overlapped with backward."""
-from megalite.data_parallel.grads import DEFAULT_BUCKET_SIZE, DataParallelGrads
-from megalite.data_parallel.layout import BufferLayout, Bucket, OwnedPiece, ParamSlot, build_layout
+"""Data parallelism: the wrapper that owns parameters and gradients (contiguous buffers, buckets,
+reductions overlapped with backward, parameter all-gathers overlapped with the next forward).
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "DataParallelGrads", "BufferLayout", "Bucket", "OwnedPiece", "ParamSlot",
-           "build_layout"]
+Names load lazily (PEP 562); `layout` is pure arithmetic.
+"""
+from megalite._lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "megalite.data_parallel.grad_buffers": ["DEFAULT_BUCKET_SIZE", "GradBuffers"],
+    "megalite.data_parallel.layout": ["BufferLayout", "Bucket", "OwnedPiece", "ParamSlot", "build_layout"],
+    "megalite.data_parallel.param_buffer": ["ParamBuffer", "ReadGuard"],
+    "megalite.data_parallel.wrapper": ["DataParallel", "named_parameters_of"],
+})

@@ -1,13 +1,14 @@
 """Data-parallel gradients: contiguous fp32 main grads, buckets, reduction overlapped with backward.
 
-`DataParallelGrads` owns the gradients of one model replica's parameters (this rank's tp
-shards of this pipeline stage):
+`GradBuffers` owns the gradients of one model replica's parameters (this rank's tp shards of
+this pipeline stage); `DataParallel` (wrapper.py) builds it:
 
-- Gradients accumulate in float32 `main_grad` buffers laid out by `layout.build_layout`
+- Gradients accumulate in float32 main-grad buffers laid out by `layout.build_layout`
   (reverse order of use), whatever the parameters' dtype (bf16/fp16 training keeps fp32
   grads). megalite's Column/Row-parallel linears hand their weight gradients straight to
-  `param.grad_sink` (see `tensor_parallel/weight_grad.py`); every other parameter's
-  `.grad` is moved into the buffer by a post-accumulate-grad hook and freed.
+  the sink attached with `megalite.params.set_grad_destination` (see
+  `tensor_parallel/weight_grad.py`); every other parameter's `.grad` is moved into the
+  buffer by a post-accumulate-grad hook and freed.
 - While the last microbatch runs backward, a bucket's reduction starts asynchronously the
   moment all of its gradients are final: an all-reduce (zero_stage 0) or a reduce-scatter
   into this rank's shard (zero_stage 1, 2). During accumulation microbatches (`no_sync()`
@@ -15,9 +16,12 @@ shards of this pipeline stage):
 - The reduction is a SUM over dp, never a mean: the loss is already divided by the global
   number of target tokens (all dp ranks, all microbatches), so summing per-rank gradients
   gives exactly the gradient of the global loss.
-- Parameters marked `sequence_parallel_grad=True` hold partial gradients per tp rank; when
-  a `tp_group` is given, they are summed over tp (one coalesced all-reduce per bucket) just
+- Parameters declared `sequence_parallel_grad` hold partial gradients per tp rank; when a
+  `tp_group` is given, they are summed over tp (one coalesced all-reduce per bucket) just
   before their bucket's dp reduction.
+- Parameters declared `tied_across_stages` (the tied embedding on the first and the last
+  pipeline stage) sit in a bucket of their own that launches only in `finish_reduction()`,
+  right after their gradients are summed over `embedding_group`.
 - ZeRO-2 (`zero_stage=2`): a bucket's full-size gradient storage exists only from the first
   gradient it receives in a step until its reduce-scatter has finished; afterwards only the
   1/dp shard remains.
@@ -36,13 +40,13 @@ from typing import Sequence
 
 import torch
 
-from megalite import comm
+from megalite import comm, params as P
 from megalite.data_parallel.layout import BufferLayout, build_layout
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements (Megatron's default); buckets this big overlap only large models
 
 
-class DataParallelGrads:
+class GradBuffers:
     """Gradient buffers and bucketed, overlapped dp reduction for one model replica.
 
     Args:
@@ -54,32 +58,31 @@ class DataParallelGrads:
         zero_stage: 0 all-reduce; 1 reduce-scatter, full buffer kept; 2 reduce-scatter,
             full buffer freed per bucket after its reduction.
         tp_group: sums `sequence_parallel_grad` params' grads over tp before dp reduction.
-        defer_shared_embedding: params with `shared_embedding=True` get a bucket of their own
-            that launches only in `finish_reduction()`, so the pipeline code can all-reduce
-            `param.main_grad` over the embedding group in between (set it when pp > 1).
+        embedding_group: with pipeline parallelism, the first and last stage: tied parameters'
+            grads are summed over it in `finish_reduction()`, before their (own) bucket launches.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dp_group, *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
-                 defer_shared_embedding: bool = False):
+                 embedding_group=None):
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
         params = [p for p in params if p.requires_grad]
         if not params:
-            raise ValueError("DataParallelGrads needs at least one parameter with requires_grad=True")
+            raise ValueError("GradBuffers needs at least one parameter with requires_grad=True")
         if len({id(p) for p in params}) != len(params):
             raise ValueError("the same parameter was passed twice; pass each parameter once")
         self.params = list(reversed(params))  # reverse order of use: backward fills bucket 0 first
-        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
         self.zero_stage, self.grad_reduce_dtype = zero_stage, grad_reduce_dtype
         self.shard_count = self.dp_size if zero_stage > 0 else 1
         self.shard_rank = self.dp_rank if zero_stage > 0 else 0
         self.device = self.params[0].device
         deferred = frozenset(i for i, p in enumerate(self.params)
-                             if defer_shared_embedding and getattr(p, "shared_embedding", False))
+                             if embedding_group is not None and P.is_tied_across_stages(p))
         self.layout: BufferLayout = build_layout([p.numel() for p in self.params], bucket_size,
                                                  self.shard_count, deferred)
         self._deferred_buckets = {self.layout.slots[i].bucket for i in deferred}
@@ -93,15 +96,14 @@ class DataParallelGrads:
             self._grad_buffer = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
             self._bucket_grads = [self._grad_buffer[b.start:b.end] for b in buckets]
             for p, slot in zip(self.params, self.layout.slots):
-                p.main_grad = self._grad_buffer[slot.start:slot.end].view(p.shape)
+                P.set_main_grad(p, self._grad_buffer[slot.start:slot.end].view(p.shape))
         # This rank's reduced gradients: the whole buffer at zero_stage 0, its 1/dp shard otherwise.
         if zero_stage == 0:
             self.grad_shard = self._grad_buffer
         else:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
 
-        self._sp_params = [[i for i in b.params if getattr(self.params[i], "sequence_parallel_grad", False)]
-                           for b in buckets]
+        self._sp_params = [[i for i in b.params if P.is_sequence_parallel_grad(self.params[i])] for b in buckets]
         self._expected: list[int] | None = None  # deliveries per param per backward, after calibration
         self._arrived = [0] * len(self.params)
         self._remaining = [0] * len(buckets)
@@ -110,9 +112,10 @@ class DataParallelGrads:
         self._sync = [True] * len(self.params)  # per parameter: is this backward its last of the step?
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.exposed_seconds = 0.0  # host time of the last finish_reduction(): communication not hidden by backward
+        self._finished = False  # finish_reduction() ran and no gradient arrived since
         self._hooks = []
         for index, p in enumerate(self.params):
-            p.grad_sink = self._make_sink(index)
+            P.set_grad_destination(p, self._make_sink(index), P.main_grad(p))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
 
     # ------------------------------------------------------------------ accumulation
@@ -138,7 +141,7 @@ class DataParallelGrads:
             self._bucket_grads[bucket] = storage
             for i in b.params:
                 slot = self.layout.slots[i]
-                self.params[i].main_grad = storage[slot.start - b.start:slot.end - b.start].view(self.params[i].shape)
+                P.set_main_grad(self.params[i], storage[slot.start - b.start:slot.end - b.start].view(self.params[i].shape))
         return storage
 
     def main_grad(self, param_index: int) -> torch.Tensor:
@@ -156,6 +159,7 @@ class DataParallelGrads:
                 f"bucket's dp reduction started; it is used more often in this backward than in the first "
                 f"(calibration) step; keep the graph the same every step or call finish_reduction() per step")
         self.main_grad(index).add_(grad)
+        self._finished = False
         if not self._sync[index]:
             return
         self._arrived[index] += 1
@@ -188,13 +192,13 @@ class DataParallelGrads:
 
     # ------------------------------------------------------------------ reduction
 
-    def _reduce_sequence_parallel(self, bucket: int) -> None:
-        indices = self._sp_params[bucket]
-        if not indices or comm.group_size(self.tp_group) == 1:
+    def _all_reduce_views(self, indices: Sequence[int], group) -> None:
+        """Sum the main grads of params `indices` over `group` (one coalesced all-reduce)."""
+        if not indices or comm.group_size(group) == 1:
             return
         views = [self.main_grad(i).view(-1) for i in indices]
         flat = torch.cat(views)
-        comm.all_reduce(flat, self.tp_group)
+        comm.all_reduce(flat, group)
         offset = 0
         for view in views:
             view.copy_(flat[offset:offset + view.numel()])
@@ -203,7 +207,7 @@ class DataParallelGrads:
     def _launch(self, bucket: int) -> None:
         """Start bucket `bucket`'s dp reduction (asynchronously)."""
         self._launched[bucket] = True
-        self._reduce_sequence_parallel(bucket)
+        self._all_reduce_views(self._sp_params[bucket], self.tp_group)
         data = self._bucket_storage(bucket)  # fp32 [bucket numel]
         send = data if self.grad_reduce_dtype == torch.float32 else data.to(self.grad_reduce_dtype)
         b = self.layout.buckets[bucket]
@@ -226,6 +230,9 @@ class DataParallelGrads:
             raise RuntimeError("finish_reduction() inside no_sync()/set_last_microbatch(False); "
                                "run the last microbatch's backward with synchronisation on first")
         started = time.perf_counter()
+        for bucket in self._deferred_buckets:  # the tied embedding: summed over its two stages first
+            for index in self.layout.buckets[bucket].params:
+                comm.all_reduce(self.main_grad(index), self.embedding_group)
         for bucket in range(len(self.layout.buckets)):
             if not self._launched[bucket]:
                 self._launch(bucket)
@@ -239,15 +246,21 @@ class DataParallelGrads:
             if self.zero_stage == 2:
                 self._free_bucket(bucket)
         self._pending.clear()
+        self._finished = True
         self.exposed_seconds = time.perf_counter() - started
         if self._expected is None and any(self._arrived):  # a step that synchronised no backward teaches nothing
             self._expected = list(self._arrived)
         self._reset_counters()
 
+    def reduction_pending(self) -> bool:
+        """False once finish_reduction() has run and no gradient arrived since (a second call would
+        reduce the same gradients twice)."""
+        return not self._finished
+
     def _free_bucket(self, bucket: int) -> None:
         self._bucket_grads[bucket] = None
         for i in self.layout.buckets[bucket].params:
-            self.params[i].main_grad = None
+            P.set_main_grad(self.params[i], None)
 
     def _reset_counters(self) -> None:
         self._arrived = [0] * len(self.params)
@@ -268,6 +281,7 @@ class DataParallelGrads:
             self.grad_shard.zero_()
         for p in self.params:
             p.grad = None
+        self._finished = False
         self._reset_counters()
 
     # ------------------------------------------------------------------ metrics
@@ -285,4 +299,4 @@ class DataParallelGrads:
             handle.remove()
         self._hooks.clear()
         for p in self.params:
-            p.grad_sink = None
+            P.set_grad_destination(p, None, None)

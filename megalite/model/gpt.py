@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
-from megalite import comm
+from megalite import comm, params
 from megalite.mesh import Mesh, current_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -33,7 +33,7 @@ from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout
-from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec
+from megalite.tensor_parallel.sharding import ShardSpec
 
 # Seed-stream offsets of the components (layer i uses _LAYER_STREAM + i).
 _WORD_EMBEDDING_STREAM, _POSITION_STREAM, _OUTPUT_STREAM, _LAYER_STREAM = 0, 1, 2, 1000
@@ -84,10 +84,10 @@ class GPTModel(nn.Module):
                 with seeded(seed, _POSITION_STREAM):
                     table = torch.empty(config.seq_length, h)
                     init(table)
-                self.position_embeddings = nn.Parameter(table.to(device=device, dtype=dtype or table.dtype))
-                set_shard_spec(self.position_embeddings, ShardSpec(tuple(table.shape)))
                 # Under SP each rank adds only its sequence slice of the table: partial gradients.
-                self.position_embeddings.sequence_parallel_grad = sequence_parallel
+                self.position_embeddings = params.declare(
+                    nn.Parameter(table.to(device=device, dtype=dtype or table.dtype)),
+                    sequence_parallel_grad=sequence_parallel)
 
         self.layers = nn.ModuleList()
         for i in self.layer_ids:
@@ -107,15 +107,15 @@ class GPTModel(nn.Module):
                     full = torch.empty(config.vocab_size, h)
                     init(full)
                 spec = ShardSpec((config.vocab_size, h), 0, tp_rank, tp_size, padded_size=self.padded_vocab_size)
-                self.output_weight = nn.Parameter(spec.shard(full).to(device=device, dtype=dtype or full.dtype))
-                set_shard_spec(self.output_weight, spec)
+                self.output_weight = params.declare(
+                    nn.Parameter(spec.shard(full).to(device=device, dtype=dtype or full.dtype)), shard_spec=spec)
         if config.tie_embeddings and pp_size > 1:
             # The first stage's embedding and the last stage's head copy are one logical tensor:
             # their gradients are summed over the embedding group, and counted once in norms.
             if pre_process:
-                self.word_embeddings.weight.shared_embedding = True
+                params.declare(self.word_embeddings.weight, tied_across_stages=True)
             if post_process and self.output_weight is not None:
-                self.output_weight.shared_embedding = True
+                params.declare(self.output_weight, tied_across_stages=True)
 
         if config.flavour == "llama":
             cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, device)
@@ -223,7 +223,6 @@ class GPTModel(nn.Module):
             if name not in full:
                 missing.append(name)
                 continue
-            spec = getattr(param, "shard_spec")
-            param.copy_(spec.shard(full[name].to(torch.float32)).to(param.dtype))
+            param.copy_(params.shard_spec(param).shard(full[name].to(torch.float32)).to(param.dtype))
         if strict and missing:
             raise KeyError(f"full state dict lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")

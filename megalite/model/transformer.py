@@ -12,12 +12,11 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm
+from megalite import comm, params
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout
-from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec
 
 
 def normal_init(std: float):
@@ -32,21 +31,19 @@ class Norm(nn.Module):
     """LayerNorm (gpt2) or RMSNorm (llama) over the last dim; weights replicated across tp.
 
     Under sequence parallelism each tp rank sees a different sequence shard, so these
-    parameters' gradients are partial sums: they carry `sequence_parallel_grad=True` and the
-    training step all-reduces them over tp.
+    parameters' gradients are partial sums: they are declared `sequence_parallel_grad` and the
+    data-parallel wrapper all-reduces them over tp.
     """
 
     def __init__(self, config: GPTConfig, sequence_parallel: bool, dtype=None, device=None):
         super().__init__()
         h = config.hidden_size
         self.kind, self.eps = ("layer" if config.flavour == "gpt2" else "rms"), config.norm_eps
-        self.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
-        set_shard_spec(self.weight, ShardSpec((h,)))
-        self.weight.sequence_parallel_grad = sequence_parallel
+        self.weight = params.declare(nn.Parameter(torch.ones(h, dtype=dtype, device=device)),
+                                     sequence_parallel_grad=sequence_parallel)
         if self.kind == "layer":
-            self.bias = nn.Parameter(torch.zeros(h, dtype=dtype, device=device))
-            set_shard_spec(self.bias, ShardSpec((h,)))
-            self.bias.sequence_parallel_grad = sequence_parallel
+            self.bias = params.declare(nn.Parameter(torch.zeros(h, dtype=dtype, device=device)),
+                                       sequence_parallel_grad=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 

@@ -4,13 +4,13 @@ The norm must equal `torch.nn.utils.clip_grad_norm_` on the same model run at tp
 Each rank therefore adds the squares of the gradient elements it is *responsible* for and
 one all-reduce sums them:
 
-- a tp-sharded parameter (`shard_spec.is_tp_sharded`): every tp rank counts its own shard;
+- a tp-sharded parameter (its shard spec `is_tp_sharded`): every tp rank counts its own shard;
   the shards are disjoint, so summing over the tp group counts each element once;
 - a parameter replicated across tp (norm weights, row-parallel biases): identical on every
   tp rank (sequence-parallel grads are all-reduced over tp before this), so only tp_rank 0
   counts it;
 - pipeline stages hold disjoint layers: summing over the pp group adds them;
-- the tied embedding exists on the first and the last stage (`shared_embedding=True`, both
+- the tied embedding exists on the first and the last stage (declared `tied_across_stages`, both
   copies carry the same all-reduced gradient): only the first stage counts it;
 - dp replicas hold the same (reduced) gradients: the sum runs over the model-parallel group
   (tp x pp) only, never over dp. A ZeRO optimizer whose ranks each hold a disjoint 1/dp
@@ -25,16 +25,15 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megalite import comm
+from megalite import comm, params as P
 from megalite.mesh import Mesh
-from megalite.tensor_parallel.sharding import get_shard_spec
 
 
 def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh) -> bool:
     """True when this rank's copy of `param` contributes to the global gradient norm."""
-    if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
+    if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False  # the first stage's copy stands for the tied embedding
-    if not get_shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
+    if not P.shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
         return False  # replicated across tp: tp_rank 0 stands for every copy
     return True
 
@@ -111,7 +110,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, mesh: Mesh,
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp_group,
                                       grads: Sequence[torch.Tensor | None] | None = None) -> int:
-    """Sum over tp the partial gradients of params marked `sequence_parallel_grad=True`.
+    """Sum over tp the partial gradients of params declared `sequence_parallel_grad`.
 
     Under sequence parallelism each tp rank sees only its slice of the sequence, so norm
     weights and row-parallel biases get partial gradients per tp rank; they must be summed
@@ -121,7 +120,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp_group,
     """
     params = list(params)
     grads = [p.grad for p in params] if grads is None else list(grads)
-    chosen = [g for p, g in zip(params, grads) if g is not None and getattr(p, "sequence_parallel_grad", False)]
+    chosen = [g for p, g in zip(params, grads) if g is not None and P.is_sequence_parallel_grad(p)]
     if not chosen or comm.group_size(tp_group) == 1:
         return len(chosen)
     flat = torch.cat([g.reshape(-1).float() for g in chosen])

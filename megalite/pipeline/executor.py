@@ -13,19 +13,16 @@ freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of the
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from megalite import comm
+from megalite import comm, params
 from megalite.mesh import Mesh
 from megalite.pipeline import p2p
-from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr,
-                                            split_steps)
-from megalite.pipeline.partition import chunk_layer_counts
-from megalite.pipeline.schedules import build_schedule
-from megalite.pipeline.verifier import verify_schedule
+from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
+from megalite.pipeline.schedules import verified_schedule
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 
 
@@ -49,195 +46,231 @@ class _OutputRoot(torch.autograd.Function):
         return ctx.slot.pop(), None
 
 
-@functools.lru_cache(maxsize=32)
-def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1,
-                      forward_only: bool = False) -> tuple[tuple[Instr, ...], ...]:
-    """build_schedule + verify_schedule, once per process and configuration."""
-    schedule = build_schedule(name, pp, num_microbatches, v, forward_only)
-    verify_schedule(schedule, pp, v, num_microbatches, forward_only)
-    return tuple(tuple(ops) for ops in schedule)
 
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What every rank of a pipeline agrees on before running a step.
 
-def check_pipeline_config(schedule_name: str, num_layers: int, pp: int, num_microbatches: int, v: int = 1,
-                          first: int | None = None, last: int | None = None, layout=None) -> None:
-    """Validate a pipeline configuration before any process group exists (for start-up checks).
-
-    Raises ValueError naming the fix: more stages than layers, layers not divisible without a
-    layout, interleaved with microbatches not a multiple of pp, ... Then builds and verifies
-    the schedule once (cached), so a broken schedule fails here rather than hanging later.
+    schedule: a name from `schedules.SCHEDULES`; num_microbatches per step (and dp rank);
+    virtual_stages: model chunks per rank; activation_shape, dtype: what crosses every chunk
+    boundary (e.g. [s, b, h], or [s/tp, b, h] under sequence parallelism): receive buffers are
+    allocated from them, so no shape handshake is needed.
     """
-    chunk_layer_counts(num_layers, pp, v, first, last, layout)
-    verified_schedule(schedule_name, pp, num_microbatches, v)
+
+    schedule: str
+    num_microbatches: int
+    activation_shape: tuple[int, ...]
+    dtype: torch.dtype
+    virtual_stages: int = 1
+
+
+class GradSync(Protocol):
+    """What a data-parallel wrapper offers the executor (megalite.data_parallel.DataParallel)."""
+
+    def before_last_backward(self, chunk: int) -> None:
+        """Called right before local chunk `chunk`'s last gradient-producing instruction."""
+
+    def reduces_tied_grads(self) -> bool:
+        """True when the wrapper sums the tied embedding's gradient over the embedding group itself."""
+
+
+def post_and_wait(transfers: Iterable[tuple[str, torch.Tensor, int]], group) -> None:
+    """Post ('send'|'recv', tensor, peer global rank) transfers as one batch and wait for all.
+
+    Every op of the batch is in flight at once, so a send and a receive with the same peer
+    (or with both neighbours) cannot deadlock against each other. Waiting only blocks the
+    host on these handles (on CUDA the communication stream), never the whole device.
+    """
+    ops = [comm.P2P(op, tensor, peer_rank) for op, tensor, peer_rank in transfers]
+    if ops:
+        comm.wait_all(comm.batch_isend_irecv(ops, group))
 
 
 def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: Mesh) -> None:
-    """Sum the grads of parameters marked `shared_embedding=True` over `mesh.embedding_group`.
+    """Sum the `.grad` of tied-across-stages parameters over `mesh.embedding_group`.
 
-    The first stage's input embedding and the last stage's output weight are one tied
-    weight held twice (GPT-2); summing both grads on both copies keeps them identical after
-    the optimizer step. Uses `param.main_grad` when a data-parallel engine keeps one. Both
-    ends must mark the same number of parameters, in the same order. No-op with pp == 1,
-    where the tie is one local Parameter.
+    The first stage's input embedding and the last stage's output weight are one tied weight
+    held twice (GPT-2); summing both grads on both copies keeps them identical after the
+    optimizer step. Both ends must declare the same number of tied parameters, in the same
+    order. No-op with pp == 1, where the tie is one local Parameter. (A data-parallel wrapper
+    does this on its own fp32 main grads instead; see GradSync.)
     """
     if mesh.pp_size == 1 or mesh.embedding_group is None:
         return
     for chunk in model_chunks:
         for param in chunk.parameters():
-            if not getattr(param, "shared_embedding", False):
-                continue
-            grad = getattr(param, "main_grad", None)
-            if grad is None:
+            if params.is_tied_across_stages(param):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                grad = param.grad
-            comm.all_reduce(grad, mesh.embedding_group)
+                comm.all_reduce(param.grad, mesh.embedding_group)
 
 
-def run_pipeline(schedule_name: str, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
-                 mesh: Mesh, num_microbatches: int, activation_shape: tuple[int, ...] | torch.Size,
-                 dtype: torch.dtype, loss_scale: float, virtual_stages: int = 1,
-                 stats: dict[str, Any] | None = None, forward_only: bool = False,
-                 before_last_backward: Callable[[int], None] | None = None) -> float:
-    """Run forward and backward of every microbatch on this rank under `schedule_name`.
+def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
+                 mesh: Mesh, loss_scale: float | torch.Tensor | Callable[[], Any] = 1.0, *,
+                 forward_only: bool = False, grad_sync: GradSync | None = None,
+                 stats: dict[str, Any] | None = None) -> float:
+    """Run forward and backward of every microbatch on this rank under `spec.schedule`.
 
     model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
       is called as chunk(x) and, on the last model chunk, chunk(x, labels=..., reduction="sum")
       returning the loss SUM over the microbatch's target tokens.
     microbatches: the same list on every rank, each {"input_ids": [b, s], "labels": [b, s]};
       only the first and last model chunk read it.
-    activation_shape, dtype: what every chunk boundary carries (e.g. [s, b, h]); receive
-      buffers are allocated from them, so no shape handshake is needed.
-    loss_scale: the executor backpropagates loss_sum * loss_scale (1 / global target tokens).
+    loss_scale: the executor backpropagates loss_sum * loss_scale (e.g. 1 / global target
+      tokens); a callable is called once, when the first loss is computed (so a token count
+      still being all-reduced is waited for only then).
+    forward_only: evaluation. Forwards and activation transfers only, under no_grad; each
+      output is freed once sent; no gradients, no embedding all-reduce.
+    grad_sync: a data-parallel wrapper; its before_last_backward(c) runs right before chunk c's
+      last gradient-producing instruction (its last BWD, or BWD_WEIGHT under zero-bubble), so
+      the chunk's buckets reduce during it. Without one, tied-embedding `.grad`s are summed
+      over the embedding group at the end.
     stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
       whose activations were alive at once on this rank), "instructions" and
       "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
-    forward_only: evaluation. Forwards and activation transfers only, under no_grad; each
-      output is freed once sent; no gradients, no embedding all-reduce.
-    before_last_backward: called with a local chunk index right before that chunk's last
-      gradient-producing instruction (its last BWD, or BWD_WEIGHT under zero-bubble), so a
-      data-parallel engine can reduce the chunk's buckets during it instead of after the step.
-    Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere. Grads of
-    `shared_embedding` parameters are all-reduced over the embedding group at the end.
+    Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
     """
-    pp, stage, v = mesh.pp_size, mesh.pp_rank, virtual_stages
-    if len(model_chunks) != v:
-        raise ValueError(f"got {len(model_chunks)} model chunks but virtual_stages={v}; build one chunk per "
-                         f"virtual stage (partition.stage_layers gives their layers)")
-    if len(microbatches) != num_microbatches:
-        raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={num_microbatches}")
-    ops = verified_schedule(schedule_name, pp, num_microbatches, v, forward_only)[stage]
-    activation_shape = torch.Size(activation_shape)
-    device = mesh.device
+    if len(model_chunks) != spec.virtual_stages:
+        raise ValueError(f"got {len(model_chunks)} model chunks but virtual_stages={spec.virtual_stages}; build "
+                         f"one chunk per virtual stage (partition.stage_layers gives their layers)")
+    if len(microbatches) != spec.num_microbatches:
+        raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={spec.num_microbatches}")
+    executor = _Executor(spec, model_chunks, microbatches, mesh, loss_scale, forward_only)
+    executor.run(grad_sync)
+    if not forward_only and (grad_sync is None or not grad_sync.reduces_tied_grads()):
+        allreduce_shared_embedding_grads(model_chunks, mesh)
+    if stats is not None:
+        stats.update(executor.stats())
+    return executor.loss_sum()
 
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    roots: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
-    output_grads: dict[tuple[int, int], torch.Tensor] = {}
-    input_grads: dict[tuple[int, int], torch.Tensor] = {}
-    store = WeightGradStore()
-    live: set[tuple[int, int]] = set()
-    peak_live = 0
-    deferred_weight_grads = 0
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
 
-    def transfer(batch: list[Instr]) -> None:
+class _Executor:
+    """One step of one stage: walks the verified instruction list and keeps per (chunk,
+    microbatch) only what a later instruction still needs (see the module docstring)."""
+
+    def __init__(self, spec: PipelineSpec, chunks, microbatches, mesh: Mesh, loss_scale, forward_only: bool):
+        self.spec, self.chunks, self.microbatches, self.mesh = spec, chunks, microbatches, mesh
+        self.forward_only, self._loss_scale = forward_only, loss_scale
+        self.pp, self.stage, self.v = mesh.pp_size, mesh.pp_rank, spec.virtual_stages
+        self.ops = verified_schedule(spec.schedule, self.pp, spec.num_microbatches, self.v, forward_only)[self.stage]
+        self.shape = torch.Size(spec.activation_shape)
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.roots: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.store = WeightGradStore()
+        self.live: set[tuple[int, int]] = set()
+        self.peak_live = self.deferred_weight_grads = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)
+
+    def run(self, grad_sync: GradSync | None) -> None:
+        # Each chunk's last gradient-producing instruction (weight grads come last); each is unique.
+        last_grad_op = {op.chunk: op for op in self.ops if op.kind in (BWD, BWD_WEIGHT)}
+        with torch.no_grad() if self.forward_only else torch.enable_grad():
+            for step in split_steps(list(self.ops)):
+                op = step[0]
+                if grad_sync is not None and last_grad_op.get(op.chunk) == op:
+                    grad_sync.before_last_backward(op.chunk)
+                if op.is_transfer:
+                    self.transfer(step)
+                elif op.kind == FWD:
+                    self.forward(op.chunk, op.microbatch)
+                elif op.kind in (BWD, BWD_INPUT):
+                    self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
+                elif op.kind == BWD_WEIGHT:
+                    self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
+                    self.live.discard((op.chunk, op.microbatch))
+                else:
+                    raise ValueError(f"unknown instruction {op}")
+        if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():
+            raise RuntimeError(f"pipeline ended with state left over on stage {self.stage}: outputs "
+                               f"{sorted(self.outputs)}, inputs {sorted(self.inputs)}, pending weight grads "
+                               f"{self.store.pending()}")
+
+    def transfer(self, batch: list[Instr]) -> None:
         transfers, received = [], []
         for op in batch:
             key = (op.chunk, op.microbatch)
-            peer_rank = mesh.pp_ranks[p2p.peer(op.kind, pp, v, stage, op.chunk)[0]]
+            peer_rank = self.mesh.pp_ranks[p2p.peer(op.kind, self.pp, self.v, self.stage, op.chunk)[0]]
             if op.kind == SEND_ACT:
-                out = outputs[key]
-                if out.shape != activation_shape or out.dtype != dtype:
-                    raise ValueError(f"chunk {op.chunk} produced {tuple(out.shape)} {out.dtype} but the pipeline "
-                                     f"carries activation_shape={tuple(activation_shape)} {dtype}; pass the shape "
-                                     f"of the hidden states between stages")
-                transfers.append(("send", out.detach().contiguous(), peer_rank))
+                transfers.append(("send", self._checked_output(op.chunk, key).detach().contiguous(), peer_rank))
             elif op.kind == SEND_GRAD:
-                transfers.append(("send", input_grads.pop(key).contiguous(), peer_rank))
+                transfers.append(("send", self.input_grads.pop(key).contiguous(), peer_rank))
             else:
-                buffer = torch.empty(activation_shape, dtype=dtype, device=device)
-                (inputs if op.kind == RECV_ACT else output_grads)[key] = buffer
+                buffer = torch.empty(self.shape, dtype=self.spec.dtype, device=self.mesh.device)
+                (self.inputs if op.kind == RECV_ACT else self.output_grads)[key] = buffer
                 transfers.append(("recv", buffer, peer_rank))
                 received.append((op.kind, buffer))
-        p2p.post_and_wait(transfers, mesh.pp_group)
+        post_and_wait(transfers, self.mesh.pp_group)
         for kind, buffer in received:
-            if kind == RECV_ACT and not forward_only:
+            if kind == RECV_ACT and not self.forward_only:
                 buffer.requires_grad_(True)
         for op in batch:  # a sent output is done: the backward starts from its root
             if op.kind == SEND_ACT:
-                del outputs[(op.chunk, op.microbatch)]
-                if forward_only:
-                    live.discard((op.chunk, op.microbatch))
+                del self.outputs[(op.chunk, op.microbatch)]
+                if self.forward_only:
+                    self.live.discard((op.chunk, op.microbatch))
 
-    def forward(c: int, mb: int) -> None:
-        nonlocal loss_sum, peak_live
+    def _checked_output(self, chunk: int, key: tuple[int, int]) -> torch.Tensor:
+        out = self.outputs[key]
+        if out.shape != self.shape or out.dtype != self.spec.dtype:
+            raise ValueError(f"chunk {chunk} produced {tuple(out.shape)} {out.dtype} but the pipeline carries "
+                             f"activation_shape={tuple(self.shape)} {self.spec.dtype}; pass the shape of the "
+                             f"hidden states between stages")
+        return out
+
+    def _scale(self):
+        if callable(self._loss_scale):
+            self._loss_scale = self._loss_scale()  # resolved once, at the first loss
+        return self._loss_scale
+
+    def forward(self, c: int, mb: int) -> None:
         key = (c, mb)
-        if p2p.is_first_chunk(pp, stage, c):
-            inputs[key] = microbatches[mb]["input_ids"].to(device)
-        x = inputs[key]
-        if p2p.is_last_chunk(pp, v, stage, c):
-            loss = model_chunks[c](x, labels=microbatches[mb]["labels"].to(device), reduction="sum")
-            loss_sum = loss_sum + loss.detach().float()
-            if forward_only:
-                inputs.pop(key)
+        if p2p.is_first_chunk(self.pp, self.stage, c):
+            self.inputs[key] = self.microbatches[mb]["input_ids"].to(self.mesh.device)
+        x = self.inputs[key]
+        if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
+            loss = self.chunks[c](x, labels=self.microbatches[mb]["labels"].to(self.mesh.device), reduction="sum")
+            self._loss_sum = self._loss_sum + loss.detach().float()
+            if self.forward_only:
+                self.inputs.pop(key)
                 return
-            outputs[key] = loss * loss_scale
+            self.outputs[key] = loss * self._scale()
         else:
-            outputs[key] = model_chunks[c](x)
-            if not forward_only:
+            self.outputs[key] = self.chunks[c](x)
+            if not self.forward_only:
                 slot: list = []
-                roots[key] = (_OutputRoot.apply(outputs[key], slot), slot)
-        if forward_only:
-            inputs.pop(key)
-        live.add(key)
-        peak_live = max(peak_live, len(live))
+                self.roots[key] = (_OutputRoot.apply(self.outputs[key], slot), slot)
+        if self.forward_only:
+            self.inputs.pop(key)
+        self.live.add(key)
+        self.peak_live = max(self.peak_live, len(self.live))
 
-    def backward(c: int, mb: int, deferred: bool) -> None:
+    def backward(self, c: int, mb: int, deferred: bool) -> None:
         key = (c, mb)
-        if p2p.is_last_chunk(pp, v, stage, c):
-            root = outputs.pop(key)  # the scaled loss
+        if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
+            root = self.outputs.pop(key)  # the scaled loss
         else:
-            root, slot = roots.pop(key)
-            slot.append(output_grads.pop(key))
-        if deferred:
-            with defer_weight_grads(store, key):
+            root, slot = self.roots.pop(key)
+            slot.append(self.output_grads.pop(key))
+        if deferred:  # ZB-H1's B pass: the chunk's linear layers queue their weight gradients
+            with defer_weight_grads(self.store, key, self.chunks[c].parameters()):
                 torch.autograd.backward(root)
         else:
             torch.autograd.backward(root)
-        x = inputs.pop(key)
-        if not p2p.is_first_chunk(pp, stage, c):
+        x = self.inputs.pop(key)
+        if not p2p.is_first_chunk(self.pp, self.stage, c):
             if x.grad is None:
                 raise RuntimeError(f"chunk {c} microbatch {mb}: the input activation got no gradient; the chunk's "
                                    f"output must depend on its input")
-            input_grads[key] = x.grad
+            self.input_grads[key] = x.grad
         if not deferred:
-            live.discard(key)
+            self.live.discard(key)
 
-    # Index of each chunk's last gradient-producing instruction (weight grads come last).
-    last_grad_op = {op.chunk: op for op in ops if op.kind in (BWD, BWD_WEIGHT)}  # each is unique
-    with torch.no_grad() if forward_only else torch.enable_grad():
-        for step in split_steps(list(ops)):
-            op = step[0]
-            if before_last_backward is not None and last_grad_op.get(op.chunk) == op:
-                before_last_backward(op.chunk)
-            if op.is_transfer:
-                transfer(step)
-            elif op.kind == FWD:
-                forward(op.chunk, op.microbatch)
-            elif op.kind in (BWD, BWD_INPUT):
-                backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
-            elif op.kind == BWD_WEIGHT:
-                deferred_weight_grads += store.run((op.chunk, op.microbatch))
-                live.discard((op.chunk, op.microbatch))
-            else:
-                raise ValueError(f"unknown instruction {op}")
-    if outputs or roots or inputs or output_grads or input_grads or store.pending():
-        raise RuntimeError(f"pipeline ended with state left over on stage {stage}: outputs {sorted(outputs)}, "
-                           f"inputs {sorted(inputs)}, pending weight grads {store.pending()}")
-    if not forward_only:
-        allreduce_shared_embedding_grads(model_chunks, mesh)
-    if stats is not None:
-        stats["peak_live_microbatches"] = peak_live
-        stats["instructions"] = len(ops)
-        stats["deferred_weight_grads"] = deferred_weight_grads
-    return float(loss_sum) if p2p.is_last_chunk(pp, v, stage, v - 1) else 0.0
+    def loss_sum(self) -> float:
+        return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0
+
+    def stats(self) -> dict[str, int]:
+        return {"peak_live_microbatches": self.peak_live, "instructions": len(self.ops),
+                "deferred_weight_grads": self.deferred_weight_grads}

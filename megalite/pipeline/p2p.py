@@ -1,22 +1,14 @@
-"""Pipeline point-to-point: who talks to whom, and posting one batch of transfers.
+"""Pipeline point-to-point routing: who talks to whom (pure arithmetic, no torch).
 
 Routing is pure arithmetic shared by the verifier (which simulates it) and the executor
 (which does it), so both agree by construction. Model chunk k = c*pp + r lives on rank r as
 local chunk c (see partition.py); its successor k+1 is rank (r+1) % pp, local chunk
 c + (r == pp-1); its predecessor k-1 is rank (r-1) % pp, local chunk c - (r == 0).
 
-Transfers go through `megalite.comm.batch_isend_irecv` on the pipeline group: all ops of
-one batch are posted together and the caller waits on all of them before computing again.
-Shapes are known ahead (the caller passes the activation shape), so there is no shape
-handshake, and nothing synchronises the whole device.
+The executor posts the transfers (`executor.post_and_wait`).
 """
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
-
-from megalite import comm
 from megalite.pipeline.instructions import RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, TRANSFER_KINDS
 
 
@@ -45,15 +37,3 @@ def peer(kind: str, pp: int, v: int, stage: int, chunk: int) -> tuple[int, int]:
             raise ValueError(f"{kind} on the first model chunk (stage 0, chunk 0): it has no predecessor")
         return (stage - 1) % pp, chunk - (stage == 0)
     raise ValueError(f"not a transfer kind: {kind!r}; choose from {TRANSFER_KINDS}")
-
-
-def post_and_wait(transfers: Iterable[tuple[str, torch.Tensor, int]], group) -> None:
-    """Post ('send'|'recv', tensor, peer global rank) transfers as one batch and wait for all.
-
-    Every op of the batch is in flight at once, so a send and a receive with the same peer
-    (or with both neighbours) cannot deadlock against each other. Waiting only blocks the
-    host on these handles (on CUDA the communication stream), never the whole device.
-    """
-    ops = [comm.P2P(op, tensor, peer_rank) for op, tensor, peer_rank in transfers]
-    if ops:
-        comm.wait_all(comm.batch_isend_irecv(ops, group))

@@ -21,8 +21,9 @@ import functools
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, Instr, Schedule)
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk
+from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.placement import place_transfers
-from megalite.pipeline.verifier import repair_receive_order
+from megalite.pipeline.verifier import repair_receive_order, verify_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -171,3 +172,24 @@ def build_schedule(name: str, pp: int, num_microbatches: int, v: int = 1, forwar
     """
     check_schedule_args(name, pp, num_microbatches, v)
     return [list(ops) for ops in _build(name, pp, num_microbatches, v, forward_only)]
+
+
+@functools.lru_cache(maxsize=32)
+def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1,
+                      forward_only: bool = False) -> tuple[tuple[Instr, ...], ...]:
+    """build_schedule + verify_schedule, once per process and configuration."""
+    schedule = build_schedule(name, pp, num_microbatches, v, forward_only)
+    verify_schedule(schedule, pp, v, num_microbatches, forward_only)
+    return tuple(tuple(ops) for ops in schedule)
+
+
+def check_pipeline_config(schedule_name: str, num_layers: int, pp: int, num_microbatches: int, v: int = 1,
+                          first: int | None = None, last: int | None = None, layout=None) -> None:
+    """Validate a pipeline configuration before any process group exists (for start-up checks).
+
+    Raises ValueError naming the fix: more stages than layers, layers not divisible without a
+    layout, interleaved with microbatches not a multiple of pp, ... Then builds and verifies
+    the schedule once (cached), so a broken schedule fails here rather than hanging later.
+    """
+    chunk_layer_counts(num_layers, pp, v, first, last, layout)
+    verified_schedule(schedule_name, pp, num_microbatches, v)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite import comm, params
 from megalite.kernels.cross_entropy import merge_stats, new_stats, shard_grad, shard_stats
 from megalite.kernels.dispatch import use_triton
 from megalite.tensor_parallel.layers import _route_weight_grads, resolve_tp_group
-from megalite.tensor_parallel.weight_grad import active_store, bypasses_autograd, deliver
+from megalite.tensor_parallel.weight_grad import bypasses_autograd, deliver
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # one chunk's logits: bounds the transient, big enough for full-speed GEMMs
 
@@ -73,7 +73,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         grad_rows = torch.empty_like(rows)  # [tokens, h], this shard's partial contribution
         # With a gradient sink (the DP engine's fp32 main grad) each chunk's dW goes straight in;
         # otherwise (plain autograd, or a deferred weight pass) an fp32 accumulator [V/tp, h].
-        to_sink = bypasses_autograd(weight) and active_store() is None
+        to_sink = bypasses_autograd(weight) and params.deferred(weight) is None
         grad_weight = None if to_sink else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, rows.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, rows.shape[0])

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import comm
+from megalite import comm, params
 from megalite.mesh import current_mesh
 from megalite.tensor_parallel import mappings
-from megalite.tensor_parallel.sharding import ShardSpec, set_shard_spec, validate_blocks
-from megalite.tensor_parallel.weight_grad import active_store, bypasses_autograd, deliver
+from megalite.tensor_parallel.sharding import ShardSpec, validate_blocks
+from megalite.tensor_parallel.weight_grad import bypasses_autograd, deliver
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -36,7 +36,7 @@ def resolve_tp_group(tp_group):
 
 def _make_param(full: torch.Tensor, spec: ShardSpec, dtype, device) -> nn.Parameter:
     param = nn.Parameter(spec.shard(full).to(device=device, dtype=dtype or torch.get_default_dtype()))
-    return set_shard_spec(param, spec)
+    return params.declare(param, shard_spec=spec)
 
 
 def _linear_default_init(in_features: int):
@@ -92,7 +92,7 @@ def _route_weight_grads(weight, bias, compute) -> None:
         if grad_bias is not None:
             deliver(bias, grad_bias)
 
-    deferred = active_store()
+    deferred = params.deferred(weight)
     if deferred is not None:
         store, key = deferred
         store.put(key, run)
@@ -229,7 +229,7 @@ class RowParallelLinear(nn.Module):
             (bias_init_method or default_b)(full_bias)
             self.bias = _make_param(full_bias, ShardSpec((out_features,)), dtype, device)
             # Under SP the bias is added to a sequence shard: its gradient is partial per tp rank.
-            self.bias.sequence_parallel_grad = sequence_parallel
+            params.declare(self.bias, sequence_parallel_grad=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 

@@ -1,7 +1,7 @@
 """How a parameter's local shard maps onto its full (logical, layout-free) tensor.
 
-Every megalite parameter carries a `ShardSpec` in `param.shard_spec`. It is the single
-source of truth for:
+Every megalite parameter declares a `ShardSpec` (`megalite.params.shard_spec(param)`). It is
+the single source of truth for:
 - slicing a full master weight into this rank's shard at init (`shard`),
 - checkpoints that load under any layout (`pieces`: local slice <-> full slice pairs),
 - counting replicated parameters once in the global gradient norm (`is_tp_sharded`).
@@ -97,13 +97,3 @@ def validate_blocks(blocks: tuple[int, ...], tp_size: int, what: str) -> None:
     for block in blocks:
         if block % tp_size != 0:
             raise ValueError(f"{what}: block of size {block} is not divisible by tp={tp_size}")
-
-
-def set_shard_spec(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    param.shard_spec = spec
-    return param
-
-
-def get_shard_spec(param: torch.Tensor) -> ShardSpec:
-    spec = getattr(param, "shard_spec", None)
-    return spec if spec is not None else ShardSpec(tuple(param.shape))

@@ -4,25 +4,27 @@ Column/Row-parallel linears compute their weight (and bias) gradients in their o
 autograd backward. Three destinations, chosen per parameter and per backward:
 
 1. Plain autograd (default): the gradient is returned and lands in `param.grad`.
-2. A gradient sink: a data-parallel engine sets `param.grad_sink = fn(param, grad)` to
-   accumulate straight into its contiguous fp32 `main_grad` buffer and mark the bucket ready,
+2. A gradient sink: a data-parallel wrapper attaches one (`megalite.params.set_grad_destination`)
+   to accumulate straight into its contiguous fp32 main-grad buffer and mark the bucket ready,
    skipping the `param.grad` round trip (Megatron's gradient-accumulation fusion).
-3. Deferred (zero-bubble pipelines, ZB-H1): inside `defer_weight_grads(store, key)` the
-   backward computes only the input gradient (the "B" pass) and queues a closure per layer;
-   `store.run(key)` later computes and delivers the weight gradients (the "W" pass).
+3. Deferred (zero-bubble pipelines, ZB-H1): inside `defer_weight_grads(store, key, params)`
+   the backward of those parameters' layers computes only the input gradient (the "B" pass)
+   and queues a closure per layer; `store.run(key)` later computes and delivers the weight
+   gradients (the "W" pass). The deferral is recorded on the parameters themselves
+   (`megalite.params`), so there is no module-level stack.
 
 Contract for other parameters (norms, embeddings): autograd accumulates them into
-`param.grad`; a DP engine catches those with `register_post_accumulate_grad_hook`.
+`param.grad`; a DP wrapper catches those with `register_post_accumulate_grad_hook`.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
-_ACTIVE: list[tuple["WeightGradStore", Hashable]] = []  # innermost deferral context last
+from megalite import params as P
 
 
 class WeightGradStore:
@@ -52,22 +54,21 @@ class WeightGradStore:
 
 
 @contextlib.contextmanager
-def defer_weight_grads(store: WeightGradStore, key: Hashable):
-    """Within this block, linear layers' backward queue their weight gradients on `store`."""
-    _ACTIVE.append((store, key))
+def defer_weight_grads(store: WeightGradStore, key: Hashable, parameters: Iterable[torch.Tensor]):
+    """Within this block, the linear layers owning `parameters` queue their weight gradients on `store`."""
+    parameters = list(parameters)
+    for param in parameters:
+        P.set_deferred(param, (store, key))
     try:
         yield store
     finally:
-        _ACTIVE.pop()
-
-
-def active_store() -> tuple[WeightGradStore, Hashable] | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+        for param in parameters:
+            P.set_deferred(param, None)
 
 
 def deliver(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Hand a computed weight gradient to the parameter's sink, or accumulate it in `.grad`."""
-    sink = getattr(param, "grad_sink", None)
+    sink = P.grad_sink(param)
     if sink is not None:
         sink(param, grad)
     elif param.grad is None:
@@ -78,4 +79,4 @@ def deliver(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 def bypasses_autograd(param: torch.Tensor | None) -> bool:
     """True when this parameter's gradient must not be returned to autograd."""
-    return param is not None and (active_store() is not None or getattr(param, "grad_sink", None) is not None)
+    return param is not None and (P.deferred(param) is not None or P.grad_sink(param) is not None)

@@ -220,7 +220,7 @@ def _data_files_missing(data_path: list[str]) -> list[str]:
 
 def resolve(args: argparse.Namespace, world_size: int, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
     """Flags -> (model config, run config), or ConfigError naming every problem and its fix."""
-    from megalite.pipeline.executor import check_pipeline_config
+    from megalite.pipeline.schedules import check_pipeline_config
     from megalite.training.planner import preflight
 
     problems: list[str] = []

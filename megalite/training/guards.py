@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from megalite import comm
+from megalite import comm, params as P
 from megalite.mesh import Mesh, coords_to_rank
 
 ON_NONFINITE_CHOICES = ("skip", "stop")
@@ -237,15 +237,14 @@ def _first_mismatch(named_params: list[tuple[str, torch.Tensor]], group, global_
 
 def _tp_replicated(param: torch.Tensor) -> bool:
     """Held whole by every tp rank (norms, biases of row-parallel layers, position embeddings)."""
-    spec = getattr(param, "shard_spec", None)
-    return spec is not None and not spec.is_tp_sharded
+    return not P.shard_spec(param).is_tp_sharded
 
 
 def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
     """--check-replicas-interval: raise ReplicaMismatchError on every rank if replicas differ.
 
     Two kinds of replica must hold bit-identical values: the dp replicas of every parameter,
-    and the tp ranks' copies of every tp-replicated parameter (those whose `shard_spec` splits
+    and the tp ranks' copies of every tp-replicated parameter (those whose shard spec splits
     nothing: layer norms, row-parallel biases...), which each tp rank updates on its own from
     gradients that must agree. `named_params`: (logical name, parameter) in model order, e.g.
     from `chunk.logical_parameters()` over this rank's chunks.

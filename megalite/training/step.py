@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.data_parallel.wrapper import DataParallel
 from megalite.mesh import Mesh
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
-from megalite.pipeline import run_pipeline, stage_layers
+from megalite.pipeline.executor import PipelineSpec, run_pipeline
+from megalite.pipeline.partition import stage_layers
 from megalite.training.arguments import TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,18 +45,19 @@ def build_model_chunks(model: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> list[G
     return chunks
 
 
-def build_optimizer(chunks: list[GPTModel], cfg: TrainConfig, mesh: Mesh) -> DistributedOptimizer:
-    named = [(chunk.logical_name(n), p) for chunk in chunks for n, p in chunk.named_parameters()]
+def build_data_parallel(chunks: list[GPTModel], cfg: TrainConfig, mesh: Mesh) -> DataParallel:
+    """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap)."""
+    return DataParallel(chunks, mesh, zero_stage=cfg.zero, bucket_size=cfg.ddp_bucket_size,
+                        grad_reduce_dtype=DTYPES[cfg.grad_reduce_dtype], overlap_param_gather=cfg.overlap_param_gather)
+
+
+def build_optimizer(model: DataParallel, cfg: TrainConfig) -> DistributedOptimizer:
+    """AdamW over the shard `model` hands it, with the fp16 loss scaler when training in fp16."""
     scaler = DynamicLossScaler(initial_scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window,
                                hysteresis=cfg.hysteresis, backoff_factor=cfg.loss_scale_backoff) \
         if cfg.precision == "fp16" else None
-    optimizer = DistributedOptimizer(named, mesh, zero_stage=cfg.zero, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                     weight_decay=cfg.weight_decay, clip_grad=cfg.clip_grad,
-                                     bucket_size=cfg.ddp_bucket_size, offload_optimizer=cfg.offload_optimizer,
-                                     grad_reduce_dtype=DTYPES[cfg.grad_reduce_dtype], loss_scaler=scaler,
-                                     overlap_param_gather=cfg.overlap_param_gather)
-    optimizer.install_param_gather_hooks(chunks)  # gather order = forward order; hooks only when overlapping
-    return optimizer
+    return DistributedOptimizer(model, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                clip_grad=cfg.clip_grad, offload_optimizer=cfg.offload_optimizer, loss_scaler=scaler)
 
 
 def activation_shape(model: GPTConfig, cfg: TrainConfig, seq_length: int) -> tuple[int, int, int]:
@@ -63,12 +66,41 @@ def activation_shape(model: GPTConfig, cfg: TrainConfig, seq_length: int) -> tup
     return (s, cfg.micro_batch_size, model.hidden_size)
 
 
+class GlobalTokens:
+    """Target tokens (labels != -100) of the whole step: all microbatches of all dp ranks.
+
+    The all-reduce is started here and waited for only when the loss scale is first needed,
+    just before the first loss is scaled: the first microbatch's forward runs meanwhile. That
+    matters with --overlap-param-gather: the parameter all-gathers of the last step are queued
+    on the same dp group before this all-reduce, so waiting for it at the start of the step
+    would wait for every gather and hide none of them behind the forward.
+    """
+
+    def __init__(self, microbatches: list[dict[str, torch.Tensor]], mesh: Mesh):
+        local = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)  # on the loader's CPU tensors
+        self._count = torch.tensor([float(local)], dtype=torch.float64, device=mesh.device)
+        self._handle = comm.all_reduce(self._count, mesh.dp_group, async_op=True)
+
+    def _wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        return self._count
+
+    def loss_scale(self, scale: float) -> float | torch.Tensor:
+        """scale / tokens: a float32 device tensor on CUDA (no host sync), a float elsewhere."""
+        count = self._wait()
+        if count.is_cuda:
+            return (scale / count.clamp(min=1.0)).float().reshape(())
+        return scale / max(float(count.item()), 1.0)
+
+    def value(self) -> float:
+        return float(self._wait().item())
+
+
 def global_target_tokens(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh) -> float:
     """Target tokens (labels != -100) of the whole step: all microbatches of all dp ranks."""
-    local = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)
-    count = torch.tensor([float(local)], dtype=torch.float64, device=mesh.device)
-    comm.all_reduce(count, mesh.dp_group)
-    return float(count.item())
+    return GlobalTokens(microbatches, mesh).value()
 
 
 def _global_loss(loss_sum: float, tokens: float, mesh: Mesh) -> float:
@@ -88,7 +120,7 @@ def _to_device(microbatches, device):
     return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
 
 
-def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
+def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
                mesh: Mesh, cfg: TrainConfig, lr: float, guard=None, timer=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
@@ -97,49 +129,55 @@ def train_step(chunks: list[GPTModel], optimizer: DistributedOptimizer, microbat
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
     the interleaved "pipeline") / optimizer seconds.
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s'}.
+    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s'}.
     """
-    tokens = global_target_tokens(microbatches, mesh)  # counted where the loader put them (CPU): no GPU sync
+    tokens = GlobalTokens(microbatches, mesh)  # in flight while the first forward runs
     microbatches = _to_device(microbatches, mesh.device)
-    scaler = optimizer.loss_scaler
-    loss_scale = (scaler.scale if scaler is not None else 1.0) / max(tokens, 1.0)
+    scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
-    for chunk in chunks:
-        chunk.train()
+    model.train()
     phase = timer.phase if timer is not None else _no_timer
     if mesh.pp_size == 1:
-        # Summed on the device: a float() per microbatch would stall the host on every one.
-        model, loss_sum = chunks[0], torch.zeros((), dtype=torch.float32, device=mesh.device)
-        for i, mb in enumerate(microbatches):
-            # dp reductions start, bucket by bucket, only during the last microbatch's backward
-            optimizer.grads.set_last_microbatch(i == len(microbatches) - 1)
-            with phase("forward"):
-                loss = model(mb["input_ids"], mb["labels"], reduction="sum")
-            with phase("backward"):
-                (loss * loss_scale).backward()
-            loss_sum += loss.detach().float()
+        loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
     else:
-        # Each chunk's buckets start reducing during that chunk's last backward instruction.
-        optimizer.grads.set_last_microbatch(False)
-
-        def before_last_backward(chunk: int) -> None:
-            optimizer.grads.set_last_microbatch(True, params=list(chunks[chunk].parameters()))
-
+        model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
+        spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), microbatches[0]["input_ids"].shape[1])
         with phase("pipeline"):  # forward and backward interleaved by the schedule
-            loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches),
-                                    activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1]),
-                                    DTYPES[cfg.precision], loss_scale, virtual_stages=len(chunks),
-                                    before_last_backward=before_last_backward)
-        optimizer.grads.set_last_microbatch(True)
+            loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, lambda: tokens.loss_scale(scale),
+                                    grad_sync=model)
+        model.set_last_microbatch(True)
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
-    result["exposed_dp_comm_s"] = optimizer.exposed_comm_seconds()  # inside the optimizer phase
-    result["loss_finite"] = loss_finite
-    result["loss"] = _global_loss(loss_sum, tokens, mesh)
-    result["tokens"] = tokens
+    exposed = model.exposed_comm_seconds()
+    result.update(exposed_dp_comm_s=sum(exposed.values()), exposed_grad_reduce_s=exposed["grad_reduce"],
+                  exposed_param_gather_s=exposed["param_gather"], loss_finite=loss_finite)
+    result["tokens"] = tokens.value()
+    result["loss"] = _global_loss(loss_sum, result["tokens"], mesh)
     return result
+
+
+def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phase) -> torch.Tensor:
+    """pp == 1: forward and backward of each microbatch; the dp reductions start, bucket by bucket,
+    during the last one's backward. Returns the summed loss on the device (a float() per
+    microbatch would stall the host on every one)."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=model.mesh.device)
+    for i, mb in enumerate(microbatches):
+        model.set_last_microbatch(i == len(microbatches) - 1)
+        with phase("forward"):
+            loss = model(mb["input_ids"], mb["labels"], reduction="sum")
+        if i == 0:
+            loss_scale = loss_scale()  # the token count's all-reduce, overlapped with this forward
+        with phase("backward"):
+            (loss * loss_scale).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum
+
+
+def pipeline_spec(model: GPTConfig, cfg: TrainConfig, num_microbatches: int, seq_length: int) -> PipelineSpec:
+    return PipelineSpec(cfg.pipeline_schedule, num_microbatches, activation_shape(model, cfg, seq_length),
+                        DTYPES[cfg.precision], cfg.virtual_stages)
 
 
 @torch.no_grad()
@@ -156,7 +194,6 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
     if mesh.pp_size == 1:
         loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum")) for mb in microbatches)
     else:
-        shape = activation_shape(chunks[0].config, cfg, microbatches[0]["input_ids"].shape[1])
-        loss_sum = run_pipeline(cfg.pipeline_schedule, chunks, microbatches, mesh, len(microbatches), shape,
-                                DTYPES[cfg.precision], 1.0, virtual_stages=len(chunks), forward_only=True)
+        spec = pipeline_spec(chunks[0].config, cfg, len(microbatches), microbatches[0]["input_ids"].shape[1])
+        loss_sum = run_pipeline(spec, chunks, microbatches, mesh, forward_only=True)
     return _global_loss(loss_sum, tokens, mesh)

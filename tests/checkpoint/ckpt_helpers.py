@@ -4,9 +4,10 @@ import pathlib
 
 import torch
 
+from megalite import params as P
 from megalite.model import preset
 from megalite.training.arguments import TrainConfig
-from megalite.training.step import build_model_chunks, build_optimizer, train_step
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 MICRO, GLOBAL, SEQ = 2, 8, 16
 
@@ -36,18 +37,18 @@ def step_batches(step, vocab, dp, dp_rank):
 
 def build(model, cfg, mesh):
     chunks = build_model_chunks(model, cfg, mesh)
-    return chunks, build_optimizer(chunks, cfg, mesh)
+    return chunks, build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
 
 
 def train(chunks, optimizer, mesh, cfg, steps):
     """Train the given (1-based) steps; return their losses."""
-    return [train_step(chunks, optimizer, step_batches(s, chunks[0].config.vocab_size, mesh.dp_size, mesh.dp_rank),
+    return [train_step(optimizer.model, optimizer, step_batches(s, chunks[0].config.vocab_size, mesh.dp_size, mesh.dp_rank),
                        mesh, cfg, lr=1e-3 * (1 + 0.1 * s))["loss"] for s in steps]
 
 
 def full_params(chunks):
     """{logical name: full tensor} of a (1, 1, 1) model."""
-    return {n: p.shard_spec.assemble([p.detach().clone()]) for n, p in chunks[0].logical_parameters()}
+    return {n: P.shard_spec(p).assemble([p.detach().clone()]) for n, p in chunks[0].logical_parameters()}
 
 
 def load_convert_tool():

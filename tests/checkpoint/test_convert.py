@@ -60,18 +60,18 @@ def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     from megalite.checkpoint import load_checkpoint
     from megalite.mesh import single_process_mesh
     from megalite.training.arguments import TrainConfig
-    from megalite.training.step import build_model_chunks, build_optimizer, train_step
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
     _hf_model("llama").save_pretrained(tmp_path / "hf")
     assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
     config = config_from_hf(transformers.AutoConfig.from_pretrained(tmp_path / "hf"))
     m, cfg = single_process_mesh("cpu"), TrainConfig(micro_batch_size=2, global_batch_size=2, zero=1)
     chunks = build_model_chunks(config, cfg, m)
-    optimizer = build_optimizer(chunks, cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     resumed = load_checkpoint(tmp_path / "ckpt", chunks, optimizer, m, log=lambda *_: None)
     assert (resumed.step, resumed.consumed_samples, optimizer.step_count) == (0, 0, 0)
-    assert torch.equal(optimizer.master, optimizer.param_buffer)  # fp32 master = the imported weights
+    assert torch.equal(optimizer.master, optimizer.model.param_buffer.buffer)  # fp32 master = the imported weights
     assert not optimizer.exp_avg.any() and not optimizer.exp_avg_sq.any()
     ids = torch.randint(0, 300, (2, 17))
-    result = train_step(chunks, optimizer, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], m, cfg, lr=1e-3)
+    result = train_step(optimizer.model, optimizer, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], m, cfg, lr=1e-3)
     assert torch.isfinite(torch.tensor(result["loss"])) and optimizer.step_count == 1

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from megalite import params as P
 from megalite import mesh
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.mesh import single_process_mesh
@@ -27,7 +28,7 @@ SAVED_STEP = 2
 def _check_params(chunks, reference, what):
     for chunk in chunks:
         for name, p in chunk.logical_parameters():
-            assert_tensor_close(p, p.shard_spec.shard(reference[name]), rtol=1e-5, what=f"{what}: {name}")
+            assert_tensor_close(p, P.shard_spec(p).shard(reference[name]), rtol=1e-5, what=f"{what}: {name}")
 
 
 def _save_world(flavour, layout, sync_dir, async_dir, ref_losses):

@@ -1,12 +1,13 @@
-"""DataParallelGrads at dp=2: summed gradients, reductions overlapped with the last backward only,
+"""GradBuffers at dp=2: summed gradients, reductions overlapped with the last backward only,
 ZeRO-2 freeing, bf16 reduction, and a parameter delivered twice (sink + autograd, like a tied embedding)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import params as P
 from megalite import comm
 from megalite import mesh as mesh_lib
-from megalite.data_parallel.grads import DataParallelGrads
+from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.tensor_parallel.layers import linear
 from megalite.testing import run_distributed
 
@@ -22,7 +23,7 @@ class Chain(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
 
     def forward(self, x, extra_sink_use=False):
-        x = linear(x, self.shared)  # weight grad -> param.grad_sink when the engine is attached
+        x = linear(x, self.shared)  # weight grad -> the engine's grad sink when attached
         if extra_sink_use:
             x = linear(x, self.shared)
         for layer in self.layers:
@@ -50,7 +51,7 @@ def _world(m, zero_stage, reduce_dtype, check_misuse):
     torch.manual_seed(0)
     model = Chain()
     names = [n for n, _ in model.named_parameters()]
-    engine = DataParallelGrads(list(model.parameters()), m.dp_group, bucket_size=64, zero_stage=zero_stage,
+    engine = GradBuffers(list(model.parameters()), m.dp_group, bucket_size=64, zero_stage=zero_stage,
                                grad_reduce_dtype=reduce_dtype)
     x = _data()[m.dp_rank]
     engine.zero_grad()  # step 0 calibrates delivery counts (2 for `shared`)
@@ -71,7 +72,7 @@ def _world(m, zero_stage, reduce_dtype, check_misuse):
                calls_total=_dp_calls(), buckets=len(engine.layout.buckets), numel=engine.layout.numel,
                dp_bytes={op: n for (g, op), n in comm.ledger.bytes.items() if g == "dp"},
                grad_bytes=engine.grad_bytes(), shard_numel=engine.layout.shard_numel,
-               main_grads_left=sum(getattr(p, "main_grad", None) is not None for p in engine.params))
+               main_grads_left=sum(P.main_grad(p) is not None for p in engine.params))
     model_names = list(reversed(names))  # engine.params is the reverse of model order
     if zero_stage == 0:
         out["grads"] = {model_names[i]: engine.main_grad(i).numpy().copy() for i in range(len(engine.params))}
@@ -96,7 +97,7 @@ def _per_chunk_flags(m):
     chunk_a = Chain()
     torch.manual_seed(0)
     chunk_b = Chain()  # the same weights: both chunks' grads equal the reference
-    engine = DataParallelGrads(list(chunk_a.parameters()) + list(chunk_b.parameters()), m.dp_group, bucket_size=64)
+    engine = GradBuffers(list(chunk_a.parameters()) + list(chunk_b.parameters()), m.dp_group, bucket_size=64)
     x = _data()[m.dp_rank]
     for step in range(2):  # step 0 calibrates
         engine.zero_grad()
@@ -115,8 +116,8 @@ def _per_chunk_flags(m):
     b_buckets = {engine.layout.slots[i].bucket for i, p in enumerate(engine.params)
                  if any(p is q for q in chunk_b.parameters())}
     only_a = len(a_buckets - b_buckets)
-    grads = {f"a.{n}": p.main_grad.numpy().copy() for n, p in chunk_a.named_parameters()}
-    grads.update({f"b.{n}": p.main_grad.numpy().copy() for n, p in chunk_b.named_parameters()})
+    grads = {f"a.{n}": P.main_grad(p).numpy().copy() for n, p in chunk_a.named_parameters()}
+    grads.update({f"b.{n}": P.main_grad(p).numpy().copy() for n, p in chunk_b.named_parameters()})
     return dict(calls_after_a=calls_after_a, only_a=only_a, grads=grads)
 
 

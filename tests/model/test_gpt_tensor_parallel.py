@@ -7,6 +7,7 @@ gradient shard with the reference's full gradients sliced by each parameter's Sh
 import pytest
 import torch
 
+from megalite import params as P
 from megalite import comm, mesh
 from megalite.model import GPTModel, preset
 from megalite.testing import run_distributed
@@ -35,7 +36,7 @@ def _reference(name):
     ids, labels = _batch(cfg.vocab_size)
     loss = model(ids, labels)
     loss.backward()
-    grads = {n: p.shard_spec.assemble([p.grad]) for n, p in model.logical_parameters()}  # unpadded
+    grads = {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}  # unpadded
     return loss.item(), grads
 
 
@@ -50,9 +51,9 @@ def _parallel(name, tp, sequence_parallel, ref_loss, ref_grads, fused=False):
     checked = 0
     for name_, p in model.logical_parameters():
         grad = p.grad
-        if getattr(p, "sequence_parallel_grad", False):
+        if P.is_sequence_parallel_grad(p):
             grad = comm.all_reduce(grad.clone(), m.tp_group)  # partial per sequence shard
-        expected = p.shard_spec.shard(ref_grads[name_])
+        expected = P.shard_spec(p).shard(ref_grads[name_])
         torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6, msg=lambda s: f"{name_}: {s}")
         checked += 1
     return checked

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import params as P
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear
@@ -27,7 +28,7 @@ class ToyGPT(nn.Module):
         self.final_norm = nn.LayerNorm(H)
         for module in [self.final_norm] + [b.norm for b in self.blocks]:
             for p in module.parameters():
-                p.sequence_parallel_grad = sequence_parallel
+                P.declare(p, sequence_parallel_grad=sequence_parallel)
 
     def forward(self, ids, targets):
         x = self.embedding(ids.t())  # [s, b, h]
@@ -58,3 +59,12 @@ def portable(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(portable(v) for v in obj)
     return obj
+
+
+def sharded_adamw(model, m, *, zero_stage, bucket_size=64, **optimizer_kwargs):
+    """A DataParallel wrapper over `model` and megalite's AdamW over the shard it hands out."""
+    from megalite.data_parallel import DataParallel
+    from megalite.optim.distributed_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer(DataParallel(model, m, zero_stage=zero_stage, bucket_size=bucket_size),
+                                **optimizer_kwargs)

@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from megalite import params as P
 from megalite import mesh as mesh_lib
 from megalite.optim.clip import (allreduce_sequence_parallel_grads, clip_grad_norm, global_grad_norm)
 from megalite.tensor_parallel.sharding import ShardSpec
@@ -18,7 +19,7 @@ def _full_model():
     def rnd(*shape):
         return torch.randn(*shape, generator=g)
 
-    entries = {"embedding": ((V, H), 0, 0, {"shared_embedding": True})}
+    entries = {"embedding": ((V, H), 0, 0, {"tied_across_stages": True})}
     for stage in (0, 1):
         entries.update({
             f"s{stage}.qkv.weight": ((3 * F, H), stage, 0, {}),     # column-parallel, fused [q; k; v]
@@ -55,9 +56,7 @@ def _local_params(m):
         spec = ShardSpec(tuple(value.shape), dim, m.tp_rank, m.tp_size, blocks=blocks) if dim is not None \
             else ShardSpec(tuple(value.shape))
         p = torch.nn.Parameter(spec.shard(value))
-        p.shard_spec = spec
-        for key, flag in attrs.items():
-            setattr(p, key, flag)
+        P.declare(p, shard_spec=spec, **attrs)
         local_grad = spec.shard(grad)
         if attrs.get("sequence_parallel_grad"):
             # Partial per tp rank; the sum over tp is the full gradient.
@@ -75,7 +74,7 @@ def _clip_in_world(max_norm):
     assert allreduce_sequence_parallel_grads(params, m.tp_group) == 2
     norm_before = float(global_grad_norm(params, m))
     returned = float(clip_grad_norm(params, max_norm, m))
-    clipped = {name: (p.shard_spec, p.grad.numpy().copy()) for name, p in zip(names, params)}  # by value
+    clipped = {name: (P.shard_spec(p), p.grad.numpy().copy()) for name, p in zip(names, params)}  # by value
 
     # An inf in a copy this rank does not count (tp_rank 1's replica of a norm weight) is still seen everywhere.
     names, params = _local_params(m)

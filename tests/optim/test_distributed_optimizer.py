@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
+from megalite import params as P
 from megalite import comm
 from megalite import mesh as mesh_lib
+from megalite.data_parallel import DataParallel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.testing import run_distributed
@@ -45,11 +47,12 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
     """Train the toy model on this rank; return what the test compares."""
     torch.manual_seed(0)
     model = ToyGPT(m.tp_group, sp).to(dtype)
-    opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=zero_stage, weight_decay=WEIGHT_DECAY,
-                               clip_grad=CLIP, bucket_size=bucket_size, offload_optimizer=offload,
-                               loss_scaler=scaler, grad_reduce_dtype=grad_reduce_dtype, overlap_param_gather=overlap)
-    hooks = opt.install_param_gather_hooks([model])
+    dp = DataParallel(model, m, zero_stage=zero_stage, bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype,
+                      overlap_param_gather=overlap)
+    opt = DistributedOptimizer(dp, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, offload_optimizer=offload,
+                               loss_scaler=scaler)
     in_flight = []  # buckets whose all-gather is still running when step() returns
+    left_after_forward = []  # ... and still running after the next forward (its reads wait for them)
     rows = GLOBAL_BATCH // m.dp_size
     losses, norms, results = [], [], []
     for step in range(steps):
@@ -59,24 +62,26 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
         ids, targets = ids[m.dp_rank * rows:(m.dp_rank + 1) * rows], targets[m.dp_rank * rows:(m.dp_rank + 1) * rows]
         total = torch.zeros(())
         for mb_ids, mb_targets, i in zip(ids.chunk(microbatches), targets.chunk(microbatches), range(microbatches)):
-            opt.grads.set_last_microbatch(i == microbatches - 1)
-            loss = model(mb_ids, mb_targets) / (GLOBAL_BATCH * SEQ)  # global token count: a dp SUM is right
+            dp.set_last_microbatch(i == microbatches - 1)
+            loss = dp(mb_ids, mb_targets) / (GLOBAL_BATCH * SEQ)  # global token count: a dp SUM is right
+            if i == 0 and step > 0:
+                left_after_forward.append(len(dp.param_buffer.pending))
             (scaler.scale_loss(loss) if scaler else loss).backward()
             total += loss.detach().float()
         dp_bytes_during_backward = comm.ledger.total_bytes(group="dp")
         result = opt.step(LR)
-        in_flight.append(len(opt._pending))
+        in_flight.append(len(dp.param_buffer.pending))
         dp_bytes = {o: n for (g, o), n in comm.ledger.bytes.items() if g == "dp"}  # one step's dp traffic
         results.append(result)
         losses.append(float(comm.all_reduce(total, m.dp_group)))
         norms.append(result["grad_norm"])
     opt.wait_for_params()  # the parameters are read below, outside a forward
-    layout = opt.grads.layout
+    layout = dp.layout
     first = next(model.parameters())
-    first_module_bucket = opt.grads.layout.slots[next(i for i, p in enumerate(opt.params) if p is first)].bucket
-    return dict(losses=losses, norms=norms, results=results, in_flight=in_flight, hooks=len(hooks),
-                gathers_first=opt._gather_order[0] == first_module_bucket,
-                params={n: (p.shard_spec if hasattr(p, "shard_spec") else None, p.detach().float().clone())
+    first_module_bucket = layout.slots[next(i for i, p in enumerate(opt.params) if p is first)].bucket
+    return dict(losses=losses, norms=norms, results=results, in_flight=in_flight, left_after_forward=left_after_forward,
+                gathers_first=dp.gather_order[0] == first_module_bucket,
+                params={n: (P.shard_spec(p), p.detach().float().clone())
                         for n, p in model.named_parameters()},
                 masters_match=bool(torch.equal(
                     torch.cat([opt.master[a.shard_start:a.shard_end].to(dtype) for a in opt.pieces]),
@@ -153,11 +158,13 @@ def test_zero_stages_at_dp4_match_adamw(reference):
     assert one_bucket["numel"] == 4 * math.ceil(one_bucket["param_numel"] / 4)
     assert per_rank[0]["zero1_scaled"]["results"][-1]["loss_scale"] == 2.0 ** 10
     # --overlap-param-gather: the same numbers (checked above), with the gathers really left in
-    # flight by step() for the next forward's hooks, and started in forward order.
+    # flight by step() for the next forward, started in forward order, and all waited for by the
+    # forward's reads (the toy model reads every parameter).
     for rank, runs in enumerate(per_rank):
         for what, out in runs.items():
             overlapping = what.endswith("_overlap")
-            assert (min(out["in_flight"]) > 0) == overlapping and (out["hooks"] > 0) == overlapping, (what, out)
+            assert (min(out["in_flight"]) > 0) == overlapping, (what, out["in_flight"])
+            assert out["left_after_forward"] == [0] * (STEPS - 1), (what, out["left_after_forward"])
             assert out["gathers_first"], what
     # The layout-free state: over dp, every parameter's owned ranges tile its local tensor exactly once.
     for what in ("zero1", "zero2"):
@@ -173,21 +180,3 @@ def test_zero_stages_with_tp2_sequence_parallel_dp2_match_adamw(reference):
         for what, out in runs.items():
             _check_parity(out, reference, rank, f"tp2 dp2 {what}")
             _check_memory_and_bytes(out, int(what[4]), 2, 4, what)
-
-
-def _overlap_without_hooks_world():
-    m = mesh_lib.init_mesh(tp=1, pp=1)
-    model = ToyGPT()
-    opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=1, overlap_param_gather=True)
-    ids, targets = toy_batch(0)
-    model(ids, targets).backward()
-    try:
-        opt.step(LR)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-def test_overlap_without_hooks_is_refused_not_silently_stale():
-    for message in run_distributed(_overlap_without_hooks_world, 2):
-        assert message is not None and "install_param_gather_hooks(model_chunks)" in message

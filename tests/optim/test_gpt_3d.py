@@ -2,7 +2,7 @@
 
 The pipeline is driven by hand (one microbatch at a time through both stages, p2p through
 megalite.comm) so this test depends only on the model, the DP engine and the optimizer:
-the tied embedding lives on both stages (`shared_embedding=True`), its gradient is summed
+the tied embedding lives on both stages (declared `tied_across_stages`), its gradient is summed
 over the embedding group before the deferred bucket is reduced, and the global grad norm
 counts it once.
 """
@@ -10,9 +10,11 @@ import math
 
 import torch
 
+from megalite import params as P
 from megalite import comm
 from megalite import mesh as mesh_lib
 from megalite.model import GPTModel, preset
+from megalite.data_parallel import DataParallel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.testing import run_distributed
 
@@ -53,7 +55,7 @@ def _reference():
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         losses.append(float(loss.detach()))
-    full = {n: p.shard_spec.assemble([p.detach()]) for n, p in model.logical_parameters()}  # unpadded
+    full = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in model.logical_parameters()}  # unpadded
     return losses, norms, full
 
 
@@ -62,7 +64,7 @@ def _pipeline_step(m, model, opt, ids, labels, tokens):
     first, last = m.pp_ranks[0], m.pp_ranks[-1]
     total = torch.zeros(())
     for i, (mb_ids, mb_labels) in enumerate(zip(ids.chunk(MICROBATCHES), labels.chunk(MICROBATCHES))):
-        opt.grads.set_last_microbatch(i == MICROBATCHES - 1)
+        opt.model.set_last_microbatch(i == MICROBATCHES - 1)
         shape = (SEQ // m.tp_size, mb_ids.shape[0], model.config.hidden_size)  # [s/tp, b, h]
         if m.is_first_stage:
             hidden = model(mb_ids)
@@ -78,10 +80,7 @@ def _pipeline_step(m, model, opt, ids, labels, tokens):
             loss.backward()
             total += loss.detach()
             comm.wait_all(comm.batch_isend_irecv([comm.P2P("send", hidden.grad.contiguous(), first)], m.pp_group))
-    for p in model.parameters():  # the two copies of the tied embedding carry the sum of both gradients
-        if getattr(p, "shared_embedding", False):
-            comm.all_reduce(p.main_grad, m.embedding_group)
-    result = opt.step(LR)
+    result = opt.step(LR)  # the wrapper sums the tied embedding's two copies over the embedding group
     comm.all_reduce(total, m.dp_group)
     comm.all_reduce(total, m.pp_group)  # only the last stage had a loss
     return float(total), result
@@ -95,8 +94,8 @@ def _world(zero_stages):
         layer_ids = range(m.pp_rank, m.pp_rank + 1)
         model = GPTModel(cfg, m, seed=7, layer_ids=layer_ids, pre_process=m.is_first_stage,
                          post_process=m.is_last_stage, sequence_parallel=True)
-        opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=zero_stage, weight_decay=WEIGHT_DECAY, eps=EPS,
-                                   clip_grad=CLIP, bucket_size=2000)
+        dp = DataParallel(model, m, zero_stage=zero_stage, bucket_size=2000)
+        opt = DistributedOptimizer(dp, weight_decay=WEIGHT_DECAY, eps=EPS, clip_grad=CLIP)
         rows = GLOBAL_BATCH // m.dp_size
         losses, norms = [], []
         for step in range(STEPS):
@@ -107,8 +106,8 @@ def _world(zero_stages):
             losses.append(loss)
             norms.append(result["grad_norm"])
         out[zero_stage] = dict(losses=losses, norms=norms, memory=opt.memory_report(),
-                               numel=opt.grads.layout.numel,
-                               params={n: (p.shard_spec, p.detach().numpy().copy()) for n, p in model.logical_parameters()})
+                               numel=opt.model.layout.numel,
+                               params={n: (P.shard_spec(p), p.detach().numpy().copy()) for n, p in model.logical_parameters()})
     return out
 
 

@@ -7,10 +7,9 @@ import torch
 
 from megalite import comm
 from megalite import mesh as mesh_lib
-from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.testing import run_distributed
-from optim_helpers import GLOBAL_BATCH, SEQ, ToyGPT, portable, toy_batch
+from optim_helpers import GLOBAL_BATCH, SEQ, ToyGPT, portable, sharded_adamw, toy_batch
 
 LR = 1e-2
 
@@ -38,8 +37,7 @@ def _fp16_overflow(m):
     torch.manual_seed(0)
     model = ToyGPT().half()
     scaler = DynamicLossScaler(initial_scale=2.0 ** 8, growth_interval=2)
-    opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=1, clip_grad=1.0, loss_scaler=scaler,
-                               bucket_size=64)
+    opt = sharded_adamw(model, m, zero_stage=1, clip_grad=1.0, loss_scaler=scaler)
     out = {"loss0": _step(m, model, opt, 0, scaler=scaler)[0], "scales": [scaler.scale]}
     before = _snapshot(model)
     _, result = _step(m, model, opt, 1, poison=m.dp_rank == 1, scaler=scaler)  # overflow on rank 1 only
@@ -57,11 +55,11 @@ def _fp16_overflow(m):
 def _bf16(m):
     torch.manual_seed(0)
     model = ToyGPT().to(torch.bfloat16)
-    opt = DistributedOptimizer(model.named_parameters(), m, zero_stage=2, bucket_size=64)
+    opt = sharded_adamw(model, m, zero_stage=2)
     comm.ledger.reset()
     loss0, result = _step(m, model, opt, 0)
     gathered = result["dp_bytes"]
-    numel = opt.grads.layout.numel
+    numel = opt.model.layout.numel
     pieces_match = all(torch.equal(opt.master[x.shard_start:x.shard_end].to(torch.bfloat16),
                                    opt.params[x.param].detach().reshape(-1)[x.local_start:x.local_end])
                        for x in opt.pieces)
@@ -86,14 +84,14 @@ def _merge_states(states):
 def _state_round_trip(m):
     torch.manual_seed(0)
     model_a = ToyGPT()
-    opt_a = DistributedOptimizer(model_a.named_parameters(), m, zero_stage=1, weight_decay=0.1, bucket_size=64)
+    opt_a = sharded_adamw(model_a, m, zero_stage=1, weight_decay=0.1)
     for step in range(2):
         _step(m, model_a, opt_a, step)
     states = comm.all_gather_object(opt_a.optimizer_state(), m.dp_group)
 
     torch.manual_seed(1)  # different init: everything must come from the loaded state
     model_b = ToyGPT()
-    opt_b = DistributedOptimizer(model_b.named_parameters(), m, zero_stage=2, weight_decay=0.1, bucket_size=10 ** 9)
+    opt_b = sharded_adamw(model_b, m, zero_stage=2, weight_decay=0.1, bucket_size=10 ** 9)
     opt_b.load_optimizer_state(_merge_states(states))
     loaded_equal = all(torch.equal(a, _snapshot(model_b)[n]) for n, a in _snapshot(model_a).items())
     loaded_step = opt_b.step_count

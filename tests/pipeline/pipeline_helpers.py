@@ -13,6 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from megalite import params as P
 from megalite.tensor_parallel.layers import linear
 
 
@@ -63,10 +64,10 @@ class ToyChunk(torch.nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         if pre_process:
             self.embedding = copy.deepcopy(full.embedding)
-            self.embedding.weight.shared_embedding = full.tied
+            P.declare(self.embedding.weight, tied_across_stages=full.tied)
         if post_process:
             self.head = copy.deepcopy(full.head)
-            self.head.weight.shared_embedding = full.tied
+            P.declare(self.head.weight, tied_across_stages=full.tied)
             if pre_process and full.tied:  # one chunk holds both ends: tie locally
                 self.head.weight = self.embedding.weight
 
@@ -80,7 +81,7 @@ class ToyChunk(torch.nn.Module):
             if name.startswith("blocks."):
                 _, j, rest = name.split(".", 2)
                 names[name] = f"blocks.{self.layer_ids[int(j)]}.{rest}"
-            elif name.startswith("head.") and getattr(self.head.weight, "shared_embedding", False):
+            elif name.startswith("head.") and P.is_tied_across_stages(self.head.weight):
                 names[name] = "embedding.weight"  # tied in the one-process model
             else:
                 names[name] = name

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from megalite import mesh as mesh_lib
-from megalite.pipeline import run_pipeline, stage_layers, verified_schedule
+from megalite.pipeline import PipelineSpec, run_pipeline, stage_layers, verified_schedule
 from megalite.pipeline.verifier import peak_live_microbatches
 from megalite.testing import run_distributed
 from pipeline_helpers import ToyChunk, ToyModel
@@ -56,8 +56,8 @@ def _world():
                 chunks = [ToyChunk(full, ids, pre_process=mesh.is_first_stage and c == 0,
                                    post_process=mesh.is_last_stage and c == v - 1) for c, ids in enumerate(layers)]
                 stats = {}
-                loss = run_pipeline(name, chunks, microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32,
-                                    loss_scale, virtual_stages=v, stats=stats)
+                spec = PipelineSpec(name, m, (SEQ, MICRO, HIDDEN), torch.float32, v)
+                loss = run_pipeline(spec, chunks, microbatches, mesh, loss_scale, stats=stats)
                 grad_err, checked = 0.0, 0
                 for chunk in chunks:
                     names = chunk.oracle_names()
@@ -67,8 +67,7 @@ def _world():
                 # Evaluation through the same chunks: the same loss, no gradients touched.
                 for chunk in chunks:
                     chunk.zero_grad(set_to_none=True)
-                eval_loss = run_pipeline(name, chunks, microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32,
-                                         loss_scale, virtual_stages=v, forward_only=True)
+                eval_loss = run_pipeline(spec, chunks, microbatches, mesh, loss_scale, forward_only=True)
                 untouched = all(p.grad is None for chunk in chunks for p in chunk.parameters())
                 static_peak = peak_live_microbatches(list(verified_schedule(name, pp, m, v)[mesh.pp_rank]))
                 results.append(dict(
@@ -134,7 +133,7 @@ def _sent_outputs_world():
     mesh, microbatches, chunk = _two_stage_chunk()
     m = len(microbatches)
     chunk = _WatchedChunk(chunk)
-    loss = run_pipeline("1f1b", [chunk], microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32, 1.0)
+    loss = run_pipeline(PipelineSpec("1f1b", m, (SEQ, MICRO, HIDDEN), torch.float32), [chunk], microbatches, mesh)
     ref_loss, _ = oracle(True, microbatches, 1.0)
     return mesh.pp_rank, chunk.alive_at_forward, loss, ref_loss
 
@@ -149,20 +148,23 @@ def test_sent_outputs_are_freed_before_their_backward():
 
 
 def _zero_bubble_with_optimizer_world():
+    from megalite.data_parallel import DataParallel
     from megalite.optim import DistributedOptimizer
 
     mesh, microbatches, chunk = _two_stage_chunk()
     m = len(microbatches)
-    opt = DistributedOptimizer(chunk.named_parameters(), mesh, zero_stage=0)  # grad sinks on the linears
+    model = DataParallel([chunk], mesh, zero_stage=0)  # grad sinks on the linears
+    opt = DistributedOptimizer(model)
     live = []
     for _ in range(4):
         opt.zero_grad()
-        run_pipeline("zb-h1", [chunk], microbatches, mesh, m, (SEQ, MICRO, HIDDEN), torch.float32, 1.0,
-                     before_last_backward=lambda c: opt.grads.set_last_microbatch(True))
+        model.set_last_microbatch(False)
+        run_pipeline(PipelineSpec("zb-h1", m, (SEQ, MICRO, HIDDEN), torch.float32), [chunk], microbatches, mesh,
+                     grad_sync=model)
         opt.step(1e-3)
         gc.collect()
         live.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
-    return live, opt.master.requires_grad, opt.grads.grad_shard.requires_grad
+    return live, opt.master.requires_grad, model.grad_shard.requires_grad
 
 
 def test_zero_bubble_weight_passes_build_no_graph():

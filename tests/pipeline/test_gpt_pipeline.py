@@ -7,10 +7,11 @@ the forked ranks compare their loss and every gradient shard with it.
 import pytest
 import torch
 
+from megalite import params as P
 from megalite import comm
 from megalite import mesh as mesh_lib
 from megalite.model import GPTModel, preset
-from megalite.pipeline import run_pipeline, stage_layers
+from megalite.pipeline import PipelineSpec, run_pipeline, stage_layers
 from megalite.testing import run_distributed
 
 MICRO, SEQ, M = 2, 8, 4
@@ -44,7 +45,7 @@ def _reference(flavour):
         loss = model(mb["input_ids"], mb["labels"], reduction="sum")
         (loss / tokens).backward()
         total += loss.item()
-    grads = {n: p.shard_spec.assemble([p.grad]) for n, p in model.logical_parameters()}
+    grads = {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
     return total, grads
 
 
@@ -65,8 +66,8 @@ def _pipelined(layouts, references):
                           for c, ids in enumerate(stage_layers(cfg.num_layers, pp, v, mesh.pp_rank))]
                 shape = (SEQ // tp if sequence_parallel else SEQ, MICRO, cfg.hidden_size)
                 stats = {}
-                loss = run_pipeline(name, chunks, microbatches, mesh, M, shape, torch.float32, 1.0 / tokens,
-                                    virtual_stages=v, stats=stats)
+                loss = run_pipeline(PipelineSpec(name, M, shape, torch.float32, v), chunks, microbatches, mesh,
+                                    1.0 / tokens, stats=stats)
                 # ZB-H1 defers every megalite linear's weight gradient (4 per block, the head) to its W pass.
                 blocks = sum(len(chunk.layers) for chunk in chunks)
                 expected_deferred = (4 * blocks + mesh.is_last_stage) * M  # + the head on the last stage
@@ -78,9 +79,9 @@ def _pipelined(layouts, references):
                 for chunk in chunks:
                     for pname, p in chunk.logical_parameters():
                         grad = p.grad
-                        if getattr(p, "sequence_parallel_grad", False):
+                        if P.is_sequence_parallel_grad(p):
                             grad = comm.all_reduce(grad.clone(), mesh.tp_group)  # partial per sequence shard
-                        torch.testing.assert_close(grad, p.shard_spec.shard(ref_grads[pname]), rtol=1e-5, atol=1e-6,
+                        torch.testing.assert_close(grad, P.shard_spec(p).shard(ref_grads[pname]), rtol=1e-5, atol=1e-6,
                                                    msg=lambda s: f"{where} {pname}: {s}")
                         checked += 1
                 report.append((where, checked))

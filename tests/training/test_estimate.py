@@ -123,12 +123,13 @@ def test_zero_paper_worked_example():
 
 def _optimizer_world(zero_stage):
     """One dp rank of 2: megalite's optimizer's own byte report at rest and after a backward."""
+    from megalite.data_parallel import DataParallel
     from megalite.mesh import init_mesh
     from megalite.optim.distributed_optimizer import DistributedOptimizer
 
     mesh = init_mesh()
     model = GPTModel(tiny("llama", num_query_groups=2), mesh, dtype=torch.bfloat16)
-    optimizer = DistributedOptimizer(list(model.named_parameters()), mesh, zero_stage=zero_stage, bucket_size=4000)
+    optimizer = DistributedOptimizer(DataParallel(model, mesh, zero_stage=zero_stage, bucket_size=4000))
     at_rest = optimizer.memory_report()
     ids = torch.randint(0, 60, (2, 16))
     model(ids, ids).backward()

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
+from megalite import params as P
 from megalite import mesh
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.training.arguments import TrainConfig
 from megalite.training.guards import (NonFiniteError, NonFiniteGuard, ReplicaMismatchError, check_replicas,
                                       describe_mismatch, parameter_checksums, tensor_checksum)
-from megalite.training.step import build_model_chunks, build_optimizer, train_step
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 MICRO, GLOBAL, SEQ = 2, 8, 8
 
@@ -46,7 +47,7 @@ def _guard_world():
     model = preset("tiny", num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=SEQ)
     cfg = TrainConfig(tp=2, pp=1, dp=2, micro_batch_size=MICRO, global_batch_size=GLOBAL, zero=1, clip_grad=1.0)
     chunks = build_model_chunks(model, cfg, m)
-    optimizer = build_optimizer(chunks, cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     logged = []
     skip = NonFiniteGuard(m, "skip", log=logged.append)
     stop = NonFiniteGuard(m, "stop", log=logged.append)
@@ -55,7 +56,7 @@ def _guard_world():
 
     # 1. A healthy step: no event, no extra collective; replicas agree.
     mbs, indices = _batch(model.vocab_size, m.dp_rank, 1)
-    result = train_step(chunks, optimizer, mbs, m, cfg, lr=1e-3)
+    result = train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)
     assert skip.check(1, result, indices) is None and not logged
     check_replicas(named, m, step=1)
 
@@ -63,7 +64,7 @@ def _guard_world():
     before = [p.detach().clone() for _, p in named]
     handle = named[-1][1].register_hook(lambda g: g * float("nan")) if m.rank == 3 else None
     mbs, indices = _batch(model.vocab_size, m.dp_rank, 2)
-    result = train_step(chunks, optimizer, mbs, m, cfg, lr=1e-3)
+    result = train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)
     if handle is not None:
         handle.remove()
     event = skip.check(2, result, indices)
@@ -82,7 +83,7 @@ def _guard_world():
             word[5].fill_(float("nan"))
     mbs, indices = _batch(model.vocab_size, m.dp_rank, 3)
     mbs[0]["input_ids"][0, 0] = 5  # every rank's batch reads the poisoned row (tp rank 0 holds it)
-    result = train_step(chunks, optimizer, mbs, m, cfg, lr=1e-3)
+    result = train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)
     with torch.no_grad():
         word.copy_(saved)
     try:
@@ -94,7 +95,7 @@ def _guard_world():
     # 5. Replicas still agree after the skipped steps; then rank 3 drifts by one ulp in one
     #    element of a tp-sharded parameter: only its dp group {1, 3} can see it.
     check_replicas(named, m, step=4)
-    name, victim = next((n, p) for n, p in named if p.shard_spec.is_tp_sharded)
+    name, victim = next((n, p) for n, p in named if P.shard_spec(p).is_tp_sharded)
     saved = victim.detach().clone()
     if m.rank == 3:
         with torch.no_grad():
@@ -107,7 +108,7 @@ def _guard_world():
     # 6. tp rank 1 (ranks 1 and 3) drifts in a tp-replicated parameter, the same way on both dp
     #    replicas: dp groups agree, only the tp groups {0, 1} and {2, 3} can see it.
     check_replicas(named, m, step=6)
-    name, victim = next((n, p) for n, p in named if not p.shard_spec.is_tp_sharded)
+    name, victim = next((n, p) for n, p in named if not P.shard_spec(p).is_tp_sharded)
     if m.tp_rank == 1:
         with torch.no_grad():
             victim.view(-1)[0] += 1e-3

@@ -11,7 +11,7 @@ from megalite import mesh as mesh_lib
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.training.arguments import TrainConfig
-from megalite.training.step import build_model_chunks, build_optimizer, train_step
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 STEPS = 5
 
@@ -21,7 +21,7 @@ def _live_tensor_counts(train_kwargs, mesh_kwargs):
     model = preset("tiny-llama", num_layers=4)
     cfg = TrainConfig(micro_batch_size=2, global_batch_size=8, **train_kwargs)
     chunks = build_model_chunks(model, cfg, m)
-    optimizer = build_optimizer(chunks, cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     gen = torch.Generator().manual_seed(0)
     counts = []
     for _ in range(STEPS):
@@ -29,7 +29,7 @@ def _live_tensor_counts(train_kwargs, mesh_kwargs):
         rows = 8 // m.dp_size
         ids = ids[m.dp_rank * rows:(m.dp_rank + 1) * rows]
         microbatches = [{"input_ids": i[:, :-1], "labels": i[:, 1:]} for i in ids.split(2)]
-        train_step(chunks, optimizer, microbatches, m, cfg, lr=1e-4)
+        train_step(optimizer.model, optimizer, microbatches, m, cfg, lr=1e-4)
         gc.collect()
         counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
     return counts

@@ -7,6 +7,7 @@ parent process; ranks compare their shards against it.
 import pytest
 import torch
 
+from megalite import params as P
 from megalite import mesh
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
@@ -14,7 +15,7 @@ from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.arguments import TrainConfig
 import torch.nn.functional as F
 
-from megalite.training.step import build_model_chunks, build_optimizer, evaluate, train_step
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 
 STEPS, MICRO, GLOBAL, SEQ = 3, 2, 8, 16
 
@@ -51,8 +52,8 @@ def _cfg(tp, pp, dp, **kw):
 def _run(name, m, cfg):
     model = _model(name)
     chunks = build_model_chunks(model, cfg, m)
-    optimizer = build_optimizer(chunks, cfg, m)
-    losses = [train_step(chunks, optimizer, mbs, m, cfg, lr=1e-3)["loss"]
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
+    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)["loss"]
               for mbs in _batches(model.vocab_size, m.dp_size, m.dp_rank)]
     return losses, chunks
 
@@ -60,7 +61,7 @@ def _run(name, m, cfg):
 def _reference(name):
     m, cfg = single_process_mesh("cpu"), _cfg(1, 1, 1)
     losses, chunks = _run(name, m, cfg)
-    params = {n: p.shard_spec.assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
+    params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
     # Evaluation after training, checked against a hand computation from the logits.
     mbs = _batches(chunks[0].config.vocab_size, 1, 0)[0]
     eval_loss = evaluate(chunks, mbs, m, cfg)
@@ -83,7 +84,7 @@ def _parallel(name, tp, pp, dp, extra, ref_losses, ref_params, ref_eval):
     for chunk in chunks:
         for name_, p in chunk.logical_parameters():
             # Tensor-relative: elementwise is ill-conditioned after Adam (see assert_tensor_close).
-            assert_tensor_close(p, p.shard_spec.shard(ref_params[name_]), rtol=1e-5, what=name_)
+            assert_tensor_close(p, P.shard_spec(p).shard(ref_params[name_]), rtol=1e-5, what=name_)
     return losses
 
 
@@ -114,12 +115,12 @@ def _overlap_order():
     cfg = _cfg(1, 2, 2, ddp_bucket_size=20_000)  # small buckets, so several fill during backward
     model = _model("tiny")
     chunks = build_model_chunks(model, cfg, m)
-    optimizer = build_optimizer(chunks, cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     from megalite import comm
 
     for mbs in _batches(model.vocab_size, 2, m.dp_rank)[:2]:  # step 1 calibrates bucket counts
         comm.ledger.ring.clear()
-        train_step(chunks, optimizer, mbs, m, cfg, lr=1e-3)
+        train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)
     ops = [(r.group, r.op) for r in comm.recent_ops()]
     first_pp = min(i for i, (g, o) in enumerate(ops) if g == "pp")
     last_pp = max(i for i, (g, o) in enumerate(ops) if g == "pp")

@@ -1,0 +1,198 @@
+"""DataParallel: the wrapper that owns a model replica's parameters and gradients.
+
+    model = DataParallel(chunks, mesh, zero_stage=1, bucket_size=..., overlap_param_gather=True)
+    optimizer = DistributedOptimizer(model, lr=...)        # updates the shard the wrapper hands it
+    # or, at zero_stage 0, any torch optimizer: torch.optim.AdamW(model.parameters())
+
+It decides where bytes live and when they move (ARCHITECTURE.md, decision 7):
+- gradients (`GradBuffers`): fp32 main-grad buffers in buckets, each reduced over dp as soon
+  as its gradients are final in the last microbatch's backward (all-reduce at ZeRO 0,
+  reduce-scatter into this rank's shard at ZeRO 1/2; ZeRO-2 frees a bucket's full storage
+  after its reduction); sequence-parallel grads summed over tp first; the tied embedding's
+  grad summed over the embedding group first (pipeline parallelism);
+- parameters (`ParamBuffer`): views of one contiguous buffer with the same layout, refilled
+  bucket by bucket by all-gathers after a sharded update; with `overlap_param_gather` the
+  gathers finish behind the next forward and `ReadGuard` guarantees that nothing reads a
+  parameter before its gather completes.
+
+It takes any modules: megalite's layers (whose linears hand weight gradients straight to the
+main-grad buffer) or plain torch modules (caught by post-accumulate-grad hooks). `chunks`
+are one model replica's pieces on this rank, in execution order (pipeline model chunks, or
+just the model).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
+from megalite.data_parallel.layout import OwnedPiece
+from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
+from megalite.mesh import Mesh
+
+
+def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(name, param) in model order: megalite models' layout-free logical names; plain modules'
+    own names (prefixed `chunk{c}.` when there are several chunks)."""
+    named = []
+    for c, chunk in enumerate(chunks):
+        if hasattr(chunk, "logical_parameters"):
+            named += list(chunk.logical_parameters())
+        else:
+            prefix = f"chunk{c}." if len(chunks) > 1 else ""
+            named += [(prefix + n, p) for n, p in chunk.named_parameters()]
+    return named
+
+
+class DataParallel(nn.Module):
+    """One model replica's parameters and gradients over `mesh.dp_group` (see the module docstring).
+
+    zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
+        rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket).
+    bucket_size: elements per bucket; grad_reduce_dtype: float32, or bfloat16 on the wire.
+    overlap_param_gather (zero >= 1): leave the parameter all-gathers running after the step.
+    """
+
+    def __init__(self, chunks: nn.Module | Sequence[nn.Module], mesh: Mesh, *, zero_stage: int = 0,
+                 bucket_size: int = DEFAULT_BUCKET_SIZE, grad_reduce_dtype: torch.dtype = torch.float32,
+                 overlap_param_gather: bool = False):
+        super().__init__()
+        if overlap_param_gather and zero_stage == 0:
+            raise ValueError("overlap_param_gather needs zero_stage >= 1 (at zero 0 nothing is gathered)")
+        self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
+        self.mesh, self.zero_stage = mesh, zero_stage
+        named = [(n, p) for n, p in named_parameters_of(self.chunks) if p.requires_grad]
+        self.grads = GradBuffers([p for _, p in named], mesh.dp_group, bucket_size=bucket_size,
+                                 grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
+                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+        name_of = {id(p): n for n, p in named}
+        self.params = self.grads.params  # buffer order (reverse of model order)
+        self.names = [name_of[id(p)] for p in self.params]
+        self.layout = self.grads.layout
+        self.param_buffer = ParamBuffer(self.params, self.layout, mesh.dp_group, self.grads.shard_rank,
+                                        overlap=overlap_param_gather)
+        self.gather_order = self._forward_bucket_order()
+        self._guard = ReadGuard(self.param_buffer)
+        self._guard_depth = 0
+        for chunk in self.chunks:
+            chunk.register_forward_pre_hook(self._enter_guard)
+            chunk.register_forward_hook(self._exit_guard, always_call=True)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        """Call the model (single-chunk replicas; pipeline executors call the chunks themselves)."""
+        if len(self.chunks) != 1:
+            raise RuntimeError(f"this replica has {len(self.chunks)} pipeline chunks; run them through "
+                               f"megalite.pipeline.run_pipeline (or call model.chunks[c])")
+        return self.chunks[0](*args, **kwargs)
+
+    def _enter_guard(self, _module, _args) -> None:
+        if self._guard_depth or self.param_buffer.pending:
+            if self._guard_depth == 0:
+                self._guard.__enter__()
+            self._guard_depth += 1
+
+    def _exit_guard(self, _module, _args, _output) -> None:
+        if self._guard_depth:
+            self._guard_depth -= 1
+            if self._guard_depth == 0:
+                self._guard.__exit__(None, None, None)
+
+    def _forward_bucket_order(self) -> list[int]:
+        """Buckets in the order a forward first touches them (modules in pre-order: a parent's
+        forward starts before its children's), then any bucket no module owns directly."""
+        slot_of = {id(p): slot for p, slot in zip(self.params, self.layout.slots)}
+        order: list[int] = []
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                for p in module.parameters(recurse=False):
+                    if id(p) in slot_of and slot_of[id(p)].bucket not in order:
+                        order.append(slot_of[id(p)].bucket)
+        return order + [b for b in range(len(self.layout.buckets)) if b not in order]
+
+    # ------------------------------------------------------------------ gradients (the train step)
+
+    def zero_grad(self) -> None:
+        """Clear every gradient before the next step's first microbatch."""
+        self.grads.zero_grad()
+
+    def set_last_microbatch(self, is_last: bool, chunk: int | None = None) -> None:
+        """True before the backward that completes the step's gradients (of local `chunk`, default
+        all): buckets then reduce as soon as they are final; False accumulates locally."""
+        params = None if chunk is None else list(self.chunks[chunk].parameters())
+        self.grads.set_last_microbatch(is_last, params)
+
+    def no_sync(self):
+        """Context manager: accumulation microbatches reduce nothing."""
+        return self.grads.no_sync()
+
+    def before_last_backward(self, chunk: int) -> None:
+        """The pipeline executor's hook: chunk `chunk`'s next backward is its last of the step."""
+        self.set_last_microbatch(True, chunk)
+
+    def reduces_tied_grads(self) -> bool:
+        return True  # GradBuffers sums them over the embedding group in finish_reduction()
+
+    def finish_grad_sync(self, fill_param_grads: bool = True) -> None:
+        """Complete every bucket's reduction (idempotent within a step).
+
+        At zero_stage 0 with fill_param_grads, each `param.grad` is then its reduced gradient (a
+        view of the fp32 main grad when the dtypes match, a cast copy otherwise), so any torch
+        optimizer can step; megalite's DistributedOptimizer reads `grad_shard` instead.
+        """
+        if self.grads.reduction_pending():
+            self.grads.finish_reduction()
+        if fill_param_grads and self.zero_stage == 0:
+            for i, p in enumerate(self.params):
+                grad = self.grads.main_grad(i)
+                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """fp32 [shard numel]: the reduced gradients of the elements this rank updates."""
+        return self.grads.grad_shard
+
+    # ------------------------------------------------------------------ parameters (the optimizer)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.grads.shard_rank
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """The pieces of parameters (`self.params[piece.param]`) this rank's shard holds, in shard order."""
+        return self.layout.owned_pieces(self.shard_rank)
+
+    def owned_params(self, bucket: int) -> torch.Tensor:
+        """This rank's chunk of `bucket` as the parameters hold it now (param dtype)."""
+        return self.param_buffer.owned_chunk(bucket)
+
+    def publish(self, bucket: int, chunk: torch.Tensor) -> None:
+        """Hand back this rank's updated chunk of `bucket`; its all-gather over dp starts at once."""
+        self.param_buffer.publish(bucket, chunk)
+
+    def published(self) -> None:
+        """Every bucket is handed back: wait for the gathers, unless they overlap the next forward."""
+        self.param_buffer.published()
+
+    def wait_for_params(self) -> None:
+        """Complete every parameter all-gather in flight: before reading parameters outside a
+        forward (checkpoint snapshot, replica check, export)."""
+        self.param_buffer.wait()
+
+    # ------------------------------------------------------------------ metrics
+
+    def exposed_comm_seconds(self) -> dict[str, float]:
+        """Host seconds of the last step blocked in dp communication (not hidden behind compute):
+        the gradient reduction's wait in finish_grad_sync(), and the parameter gathers' waits
+        since the previous call."""
+        gather = self.param_buffer.wait_seconds
+        self.param_buffer.wait_seconds = 0.0
+        return {"grad_reduce": self.grads.exposed_seconds, "param_gather": gather}
+
+    def memory_report(self) -> dict[str, int]:
+        """Per-rank bytes of the parameters and of the gradient storage held now."""
+        buffer = self.param_buffer.buffer
+        return {"param_bytes": buffer.numel() * buffer.element_size(), "grad_bytes": self.grads.grad_bytes()}

@@ -1,0 +1,118 @@
+"""Per-parameter metadata: the one declared place for everything megalite knows about a parameter.
+
+Four packages need to know things about a parameter that its tensor does not say:
+
+| field                  | set by                              | read by                                      |
+|------------------------|-------------------------------------|----------------------------------------------|
+| shard_spec             | tensor-parallel layers, GPTModel    | init, checkpoints, grad norm, replica check  |
+| sequence_parallel_grad | layers built with sequence_parallel | the DP wrapper (sums it over tp first)       |
+| tied_across_stages     | GPTModel (tied embedding, pp > 1)   | the DP wrapper, grad norm, pipeline executor |
+| grad_sink, main_grad   | the DP wrapper                      | linear layers' backward, executor, tests     |
+| deferred               | the pipeline executor (ZB-H1's B)   | linear layers' backward                      |
+
+They live in one typed object, `ParamInfo`, stored on the parameter as a single attribute
+that only this module reads or writes. Undeclared parameters (a plain `nn.Linear` in a
+user's model) get the defaults: replicated (`ShardSpec(shape)`), no sequence-parallel
+reduction, not tied, gradients through autograd.
+
+Where a weight gradient goes (see `tensor_parallel/layers.py: _LinearFunction`):
+1. `deferred = (store, key)`: queued on a `WeightGradStore` for a later W pass;
+2. else `grad_sink`: handed to the DP wrapper's accumulation (fp32 main grad, bucket readiness);
+3. else returned to autograd, landing in `param.grad`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import torch
+
+from megalite.tensor_parallel.sharding import ShardSpec
+
+_ATTRIBUTE = "_megalite_info"
+
+GradSink = Callable[[torch.Tensor, torch.Tensor], None]  # (param, grad) -> None
+
+
+@dataclass
+class ParamInfo:
+    shard_spec: ShardSpec
+    """Where this rank's tensor sits in the full logical tensor (tp sharding, fused blocks, padding)."""
+    sequence_parallel_grad: bool = False
+    """Under sequence parallelism each tp rank holds a partial gradient (norms, row biases, the
+    GPT-2 position table): summed over tp before the dp reduction."""
+    tied_across_stages: bool = False
+    """One half of the tied embedding held by the first and the last pipeline stage: its gradient
+    is summed over the embedding group, and it counts once in the global norm (first stage)."""
+    grad_sink: GradSink | None = None
+    """Set by a data-parallel wrapper: weight gradients are handed here instead of autograd."""
+    main_grad: torch.Tensor | None = None
+    """Set by a data-parallel wrapper: the fp32 buffer view this parameter's gradient accumulates in
+    (None under ZeRO-2 between a bucket's reduction and the next step's first gradient)."""
+    deferred: tuple[Any, Hashable] | None = None
+    """Set by the pipeline executor during a zero-bubble B pass: (WeightGradStore, key)."""
+
+
+def info(param: torch.Tensor) -> ParamInfo:
+    """The parameter's metadata, created with the defaults on first use (its spec from its shape)."""
+    found = getattr(param, _ATTRIBUTE, None)
+    if found is None:
+        found = ParamInfo(ShardSpec(tuple(param.shape)))
+        setattr(param, _ATTRIBUTE, found)
+    return found
+
+
+def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequence_parallel_grad: bool | None = None,
+            tied_across_stages: bool | None = None) -> torch.Tensor:
+    """Declare what a model knows about `param` (fields left None keep their value); returns it."""
+    meta = info(param)
+    if shard_spec is not None:
+        if tuple(shard_spec.local_shape()) != tuple(param.shape):
+            raise ValueError(f"shard spec {shard_spec} gives a local shape {shard_spec.local_shape()} but the "
+                             f"parameter has shape {tuple(param.shape)}")
+        meta.shard_spec = shard_spec
+    if sequence_parallel_grad is not None:
+        meta.sequence_parallel_grad = bool(sequence_parallel_grad)
+    if tied_across_stages is not None:
+        meta.tied_across_stages = bool(tied_across_stages)
+    return param
+
+
+def shard_spec(param: torch.Tensor) -> ShardSpec:
+    return info(param).shard_spec
+
+
+def is_sequence_parallel_grad(param: torch.Tensor) -> bool:
+    return info(param).sequence_parallel_grad
+
+
+def is_tied_across_stages(param: torch.Tensor) -> bool:
+    return info(param).tied_across_stages
+
+
+def main_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The DP wrapper's fp32 gradient view of `param`, or None when no wrapper holds one."""
+    return info(param).main_grad
+
+
+def set_grad_destination(param: torch.Tensor, sink: GradSink | None, main_grad: torch.Tensor | None) -> None:
+    """A data-parallel wrapper attaches (or, with None, detaches) its accumulation."""
+    meta = info(param)
+    meta.grad_sink, meta.main_grad = sink, main_grad
+
+
+def set_main_grad(param: torch.Tensor, main_grad: torch.Tensor | None) -> None:
+    """Re-point the main-grad view (ZeRO-2 allocates and frees bucket storage per step)."""
+    info(param).main_grad = main_grad
+
+
+def grad_sink(param: torch.Tensor) -> GradSink | None:
+    return info(param).grad_sink
+
+
+def set_deferred(param: torch.Tensor, deferred: tuple[Any, Hashable] | None) -> None:
+    info(param).deferred = deferred
+
+
+def deferred(param: torch.Tensor) -> tuple[Any, Hashable] | None:
+    return info(param).deferred

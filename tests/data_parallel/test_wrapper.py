@@ -1,0 +1,79 @@
+"""DataParallel over plain torch modules: at ZeRO 0 any torch optimizer steps on the reduced grads;
+at ZeRO 1/2 megalite's optimizer updates the shard the wrapper hands it. Both equal one process
+training the whole batch with torch.optim.AdamW."""
+import torch
+from torch import nn
+
+from megalite import mesh as mesh_lib
+from megalite.data_parallel import DataParallel
+from megalite.optim.distributed_optimizer import DistributedOptimizer
+from megalite.testing import assert_tensor_close, run_distributed
+
+VOCAB, WIDTH, ROWS, SEQ, STEPS, LR = 50, 24, 8, 6, 3, 1e-2
+
+
+class PlainLM(nn.Module):
+    """Nothing from megalite: its gradients reach the wrapper through post-accumulate hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.mlp = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.embed(ids) + self.mlp(self.embed(ids)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _batch(step):
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _reference():
+    torch.manual_seed(0)
+    model = PlainLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ids, labels = _batch(step)
+        (model(ids, labels) / ids.numel()).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(m, zero_stage, torch_optimizer):
+    torch.manual_seed(0)
+    model = DataParallel(PlainLM(), m, zero_stage=zero_stage, bucket_size=500)
+    if torch_optimizer:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    else:
+        opt = DistributedOptimizer(model, weight_decay=0.0)
+    rows = ROWS // m.dp_size
+    for step in range(STEPS):
+        model.zero_grad()
+        ids, labels = _batch(step)
+        ids, labels = ids[m.dp_rank * rows:(m.dp_rank + 1) * rows], labels[m.dp_rank * rows:(m.dp_rank + 1) * rows]
+        for i, (mb_ids, mb_labels) in enumerate(zip(ids.chunk(2), labels.chunk(2))):  # accumulation 2
+            model.set_last_microbatch(i == 1)
+            (model(mb_ids, mb_labels) / (ROWS * SEQ)).backward()
+        if torch_optimizer:
+            model.finish_grad_sync()  # every param.grad is now the dp-summed gradient
+            opt.step()
+        else:
+            opt.step(LR)
+    return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}
+
+
+def _world():
+    m = mesh_lib.init_mesh()
+    return {"zero0 + torch AdamW": _train(m, 0, True), "zero1": _train(m, 1, False), "zero2": _train(m, 2, False)}
+
+
+def test_plain_torch_model_under_the_wrapper_matches_one_process():
+    reference = _reference()
+    for rank, runs in enumerate(run_distributed(_world, 2)):
+        for what, params in runs.items():
+            for name, value in params.items():
+                assert_tensor_close(value, reference[name], rtol=1e-5, what=f"rank {rank} {what} {name}")
