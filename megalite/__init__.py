@@ -1,3 +1,28 @@
-"""megalite: Megatron-style tensor x pipeline x data parallel training in PyTorch and Triton."""
+"""megalite: Megatron-style tensor x pipeline x data parallel training in PyTorch and Triton.
+
+The public names load on first use (PEP 562), so `import megalite` is cheap and
+`import megalite.plan` (pure arithmetic) never loads torch:
+
+    import megalite
+    mesh = megalite.init_mesh(tp=2)
+    up = megalite.ColumnParallelLinear(1024, 4096)
+    model = megalite.DataParallel(my_model, mesh, zero_stage=1)
+    optimizer = megalite.DistributedOptimizer(model, weight_decay=0.1)   # optimizer.step(lr) per step
+"""
+from megalite._lazy import lazy_exports
 
 __version__ = "0.1.0"
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "megalite.config": ["RunConfig"],
+    "megalite.data_parallel.wrapper": ["DataParallel"],
+    "megalite.errors": ["ConfigError", "UsageError"],
+    "megalite.mesh": ["Mesh", "destroy_mesh", "init_mesh"],
+    "megalite.model.config": ["GPTConfig"],
+    "megalite.model.gpt": ["GPTModel"],
+    "megalite.optim.distributed_optimizer": ["DistributedOptimizer"],
+    "megalite.optim.loss_scaler": ["DynamicLossScaler"],
+    "megalite.tensor_parallel.cross_entropy": ["vocab_parallel_cross_entropy"],
+    "megalite.tensor_parallel.layers": ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"],
+    "megalite.training.loop": ["train"],
+})

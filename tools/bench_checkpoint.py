@@ -49,14 +49,14 @@ def _bench_rank(args, directory: str) -> dict:
     from megalite import mesh as mesh_mod
     from megalite.checkpoint import Checkpointer, load_checkpoint
     from megalite.model import preset
-    from megalite.training.arguments import TrainConfig
+    from megalite.config import RunConfig
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     mesh = mesh_mod.init_mesh(tp=1, pp=1, dp=args.world)
     model = preset("tiny", num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=12,
                    vocab_size=args.vocab_size, seq_length=args.seq_length)
-    cfg = TrainConfig(dp=args.world, zero=args.zero, micro_batch_size=1, global_batch_size=args.world)
+    cfg = RunConfig.build(dp=args.world, zero=args.zero, micro_batch_size=1, global_batch_size=args.world)
     chunks = build_model_chunks(model, cfg, mesh)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
     quiet = dict(log=lambda *_: None)

@@ -29,7 +29,7 @@ import warnings
 import torch
 
 from megalite import comm, mesh as mesh_lib
-from megalite.training.estimate import bus_factor
+from megalite.plan import bus_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     from megalite.mesh import single_process_mesh
     from megalite.model import preset
-    from megalite.training.arguments import TrainConfig
+    from megalite.config import RunConfig
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     # megalite, its real training path
     mesh = single_process_mesh(device)
-    cfg = TrainConfig(micro_batch_size=b, global_batch_size=b, precision="bf16" if args.bf16 else "fp32",
+    cfg = RunConfig.build(micro_batch_size=b, global_batch_size=b, precision="bf16" if args.bf16 else "fp32",
                       clip_grad=1.0, weight_decay=0.1)
     chunks = build_model_chunks(model_cfg, cfg, mesh)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)

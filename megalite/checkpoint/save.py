@@ -180,3 +180,13 @@ class Checkpointer:
         self.wait()
         comm.barrier(comm.world_group())
 
+    def abandon(self, timeout_s: float = 120.0) -> None:
+        """The job failed: give a background write `timeout_s` to land (its ranks meet through files,
+        not collectives, so it can finish without the others), then let it go. Never communicates."""
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                self.log(f"checkpoint: a background write is still running after {timeout_s:.0f} s; leaving it "
+                         f"(the previous checkpoint stays `latest`)")
+            self._thread = None
+

@@ -1,7 +1,7 @@
 """DataParallel: the wrapper that owns a model replica's parameters and gradients.
 
     model = DataParallel(chunks, mesh, zero_stage=1, bucket_size=..., overlap_param_gather=True)
-    optimizer = DistributedOptimizer(model, lr=...)        # updates the shard the wrapper hands it
+    optimizer = DistributedOptimizer(model, weight_decay=0.1)   # updates the shard the wrapper hands it
     # or, at zero_stage 0, any torch optimizer: torch.optim.AdamW(model.parameters())
 
 It decides where bytes live and when they move (ARCHITECTURE.md, decision 7):

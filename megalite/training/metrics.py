@@ -30,7 +30,7 @@ import torch
 
 from megalite import comm
 from megalite.model.config import GPTConfig
-from megalite.training.estimate import hardware_flops_per_token
+from megalite.plan.params import hardware_flops_per_token
 
 # Dense (no sparsity) peak TFLOP/s per GPU by precision; fp32 means TF32 tensor cores.
 # Matched in order on torch.cuda.get_device_name(): more specific names first.

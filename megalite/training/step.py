@@ -21,49 +21,54 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
-from megalite.training.arguments import TrainConfig
+from megalite.config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_model_chunks(model: GPTConfig, cfg: TrainConfig, mesh: Mesh) -> list[GPTModel]:
+def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPTModel]:
     """This rank's model chunks: local chunk c holds model chunk c*pp + pp_rank (one chunk without interleaving)."""
     if mesh.pp_size == 1:
         ranges = [range(model.num_layers)]
     else:
-        ranges = stage_layers(model.num_layers, mesh.pp_size, cfg.virtual_stages, mesh.pp_rank,
-                              cfg.first_stage_layers, cfg.last_stage_layers)
+        p = cfg.parallel
+        ranges = stage_layers(model.num_layers, mesh.pp_size, p.virtual_stages, mesh.pp_rank,
+                              p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
     chunks = []
     for c, layer_ids in enumerate(ranges):
         first = mesh.pp_rank == 0 and c == 0
         last = mesh.pp_rank == mesh.pp_size - 1 and c == len(ranges) - 1
         chunks.append(GPTModel(model, mesh, layer_ids=layer_ids, pre_process=first, post_process=last,
-                               sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, seed=cfg.seed,
-                               fused_linear_cross_entropy=cfg.fused_linear_cross_entropy,
-                               recompute_num_layers=cfg.recompute_num_layers,
-                               dtype=DTYPES[cfg.precision]))
+                               sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
+                               seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
+                               recompute_num_layers=cfg.parallel.recompute_num_layers,
+                               dtype=DTYPES[cfg.precision.precision]))
     return chunks
 
 
-def build_data_parallel(chunks: list[GPTModel], cfg: TrainConfig, mesh: Mesh) -> DataParallel:
+def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> DataParallel:
     """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap)."""
-    return DataParallel(chunks, mesh, zero_stage=cfg.zero, bucket_size=cfg.ddp_bucket_size,
-                        grad_reduce_dtype=DTYPES[cfg.grad_reduce_dtype], overlap_param_gather=cfg.overlap_param_gather)
+    p = cfg.parallel
+    return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
+                        grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
+                        overlap_param_gather=p.overlap_param_gather)
 
 
-def build_optimizer(model: DataParallel, cfg: TrainConfig) -> DistributedOptimizer:
+def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
     """AdamW over the shard `model` hands it, with the fp16 loss scaler when training in fp16."""
-    scaler = DynamicLossScaler(initial_scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window,
-                               hysteresis=cfg.hysteresis, backoff_factor=cfg.loss_scale_backoff) \
-        if cfg.precision == "fp16" else None
-    return DistributedOptimizer(model, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                                clip_grad=cfg.clip_grad, offload_optimizer=cfg.offload_optimizer, loss_scaler=scaler)
+    prec, opt = cfg.precision, cfg.optimizer
+    scaler = DynamicLossScaler(initial_scale=prec.initial_loss_scale, growth_interval=prec.loss_scale_window,
+                               hysteresis=prec.hysteresis, backoff_factor=prec.loss_scale_backoff) \
+        if prec.precision == "fp16" else None
+    return DistributedOptimizer(model, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
+                                offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler)
 
 
-def activation_shape(model: GPTConfig, cfg: TrainConfig, seq_length: int) -> tuple[int, int, int]:
+def activation_shape(model: GPTConfig, cfg: RunConfig, seq_length: int) -> tuple[int, int, int]:
     """What crosses a pipeline boundary: [s, b, h], or the sequence shard [s/tp, b, h] under SP."""
-    s = seq_length // cfg.tp if cfg.sequence_parallel else seq_length
-    return (s, cfg.micro_batch_size, model.hidden_size)
+    s = seq_length // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq_length
+    return (s, cfg.training.micro_batch_size, model.hidden_size)
 
 
 class GlobalTokens:
@@ -121,7 +126,7 @@ def _to_device(microbatches, device):
 
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
-               mesh: Mesh, cfg: TrainConfig, lr: float, guard=None, timer=None) -> dict[str, Any]:
+               mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
     guard: a `training.guards.NonFiniteGuard`; a non-finite loss on any rank then skips the
@@ -175,14 +180,14 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
     return loss_sum
 
 
-def pipeline_spec(model: GPTConfig, cfg: TrainConfig, num_microbatches: int, seq_length: int) -> PipelineSpec:
-    return PipelineSpec(cfg.pipeline_schedule, num_microbatches, activation_shape(model, cfg, seq_length),
-                        DTYPES[cfg.precision], cfg.virtual_stages)
+def pipeline_spec(model: GPTConfig, cfg: RunConfig, num_microbatches: int, seq_length: int) -> PipelineSpec:
+    return PipelineSpec(cfg.schedule, num_microbatches, activation_shape(model, cfg, seq_length),
+                        DTYPES[cfg.precision.precision], cfg.parallel.virtual_stages)
 
 
 @torch.no_grad()
 def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]], mesh: Mesh,
-             cfg: TrainConfig) -> float:
+             cfg: RunConfig) -> float:
     """Mean loss over every target token of `microbatches` (all dp ranks), the same on every rank.
 
     Forward only; with pipeline parallelism the schedule's forward-only variant runs.

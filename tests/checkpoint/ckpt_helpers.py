@@ -6,7 +6,7 @@ import torch
 
 from megalite import params as P
 from megalite.model import preset
-from megalite.training.arguments import TrainConfig
+from megalite.config import RunConfig
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 MICRO, GLOBAL, SEQ = 2, 8, 16
@@ -20,7 +20,7 @@ def model_config(flavour="gpt2"):
 
 def train_config(tp=1, pp=1, dp=1, **kw):
     # adam_eps above float32 gradient noise: see tests/training/test_train_step.py
-    return TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
+    return RunConfig.build(tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
                        weight_decay=0.1, clip_grad=0.5, seed=3, adam_eps=1e-6, **kw)
 
 

@@ -59,13 +59,13 @@ def test_bad_input_names_the_fix(tmp_path, capsys):
 def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     from megalite.checkpoint import load_checkpoint
     from megalite.mesh import single_process_mesh
-    from megalite.training.arguments import TrainConfig
+    from megalite.config import RunConfig
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
     _hf_model("llama").save_pretrained(tmp_path / "hf")
     assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
     config = config_from_hf(transformers.AutoConfig.from_pretrained(tmp_path / "hf"))
-    m, cfg = single_process_mesh("cpu"), TrainConfig(micro_batch_size=2, global_batch_size=2, zero=1)
+    m, cfg = single_process_mesh("cpu"), RunConfig.build(micro_batch_size=2, global_batch_size=2, zero=1)
     chunks = build_model_chunks(config, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     resumed = load_checkpoint(tmp_path / "ckpt", chunks, optimizer, m, log=lambda *_: None)

@@ -4,7 +4,6 @@ with a checkpoint and exit code 0; the same command line then resumes, and a ran
 way the loss of every step equals the uninterrupted run's exactly (float32 on CPU, dropout on:
 data position, LR step, optimizer state and RNG states all restored).
 """
-import importlib.util
 import json
 import os
 import pathlib
@@ -24,22 +23,19 @@ ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
 
 
 def _main(argv, signal_at_step=None, signal_rank=None):
-    """Run the script's main(); optionally deliver a real SIGTERM to one rank during a step."""
-    import megalite.checkpoint
+    """Run the training loop's main(); optionally deliver a real SIGTERM to one rank during a step."""
+    from megalite.training import loop
 
     if signal_at_step is not None:
-        inject = megalite.checkpoint.maybe_inject_fault
+        inject = loop.maybe_inject_fault
 
-        def signal_during(step, rank):  # the script calls this at the start of every step
+        def signal_during(step, rank):  # the loop calls this at the start of every step
             if step == signal_at_step and rank == signal_rank:
                 os.kill(os.getpid(), signal.SIGTERM)
             inject(step, rank)
 
-        megalite.checkpoint.maybe_inject_fault = signal_during
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+        loop.maybe_inject_fault = signal_during
+    return loop.main(argv)
 
 
 def _losses(path):

@@ -36,7 +36,7 @@ def test_model_layout_json_and_text(capsys):
     result = json.loads(out)
     assert code == 0 and result["errors"] == [] and result["fits"] is True
     assert result["total_bytes"] == sum(result[k] for k in KEYS[:4])
-    assert result["layout"]["sequence_parallel"] and result["num_microbatches"] == 32
+    assert result["config"]["parallel"]["sequence_parallel"] and result["num_microbatches"] == 32
     code, text = run(capsys, *argv)
     assert "activations" in text and "fits in 80.0 GB" in text and "comm tp/all_gather" in text
 

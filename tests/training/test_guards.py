@@ -12,7 +12,7 @@ from megalite import params as P
 from megalite import mesh
 from megalite.model import preset
 from megalite.testing import run_distributed
-from megalite.training.arguments import TrainConfig
+from megalite.config import RunConfig
 from megalite.training.guards import (NonFiniteError, NonFiniteGuard, ReplicaMismatchError, check_replicas,
                                       describe_mismatch, parameter_checksums, tensor_checksum)
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
@@ -45,7 +45,7 @@ def _replica_error(named, m, step):
 def _guard_world():
     m = mesh.init_mesh(tp=2, pp=1, dp=2)
     model = preset("tiny", num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=SEQ)
-    cfg = TrainConfig(tp=2, pp=1, dp=2, micro_batch_size=MICRO, global_batch_size=GLOBAL, zero=1, clip_grad=1.0)
+    cfg = RunConfig.build(tp=2, pp=1, dp=2, micro_batch_size=MICRO, global_batch_size=GLOBAL, zero=1, clip_grad=1.0)
     chunks = build_model_chunks(model, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     logged = []

@@ -118,9 +118,9 @@ def test_gather_step_times_over_the_world():
 
 
 def test_estimate_beside_measured_memory_line():
-    from megalite.training.estimate import estimate
-    from megalite.training.run_layout import Layout
+    from megalite.config import RunConfig
+    from megalite.plan import estimate
 
-    est = estimate(preset("gpt2-124m"), Layout(precision="bf16", micro_batch_size=4))
+    est = estimate(preset("gpt2-124m"), RunConfig.build(precision="bf16", micro_batch_size=4))
     line = M.estimate_vs_measured(est, "cpu")
     assert f"estimated {est.total_bytes / 1e9:.2f} GB" in line and "activations" in line and "RSS" in line

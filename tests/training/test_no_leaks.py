@@ -10,7 +10,7 @@ import torch
 from megalite import mesh as mesh_lib
 from megalite.model import preset
 from megalite.testing import run_distributed
-from megalite.training.arguments import TrainConfig
+from megalite.config import RunConfig
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 STEPS = 5
@@ -19,7 +19,7 @@ STEPS = 5
 def _live_tensor_counts(train_kwargs, mesh_kwargs):
     m = mesh_lib.init_mesh(**mesh_kwargs)
     model = preset("tiny-llama", num_layers=4)
-    cfg = TrainConfig(micro_batch_size=2, global_batch_size=8, **train_kwargs)
+    cfg = RunConfig.build(micro_batch_size=2, global_batch_size=8, **train_kwargs)
     chunks = build_model_chunks(model, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     gen = torch.Generator().manual_seed(0)

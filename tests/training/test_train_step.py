@@ -12,7 +12,7 @@ from megalite import mesh
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import assert_tensor_close, run_distributed
-from megalite.training.arguments import TrainConfig
+from megalite.config import RunConfig
 import torch.nn.functional as F
 
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
@@ -45,7 +45,7 @@ def _cfg(tp, pp, dp, **kw):
     # adam_eps=1e-6, above float32 gradient noise (~1e-10 here): the attention key bias has an
     # exactly zero true gradient (softmax ignores a per-query constant), so with eps=1e-8 Adam
     # would turn each layout's rounding noise into lr-sized, layout-dependent updates.
-    return TrainConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
+    return RunConfig.build(tp=tp, pp=pp, dp=dp, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
                        weight_decay=0.1, clip_grad=0.5, seed=3, adam_eps=1e-6, **kw)
 
 

@@ -8,8 +8,15 @@ ZB-H1: counted on the schedule).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megalite.model.config import GPTConfig
-from megalite.training.run_layout import DTYPE_BYTES, Layout, recomputed_stage_layers, stage_layers
+from megalite.pipeline.instructions import BWD_WEIGHT, FWD
+from megalite.pipeline.schedules import build_schedule
+from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
 
 
 # Bytes of RNG state a recompute checkpoint keeps: megalite's two dropout generators plus
@@ -36,7 +43,8 @@ def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute
     return total
 
 
-def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | None = None) -> int:
+def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None,
+                           device: str = "cuda") -> int:
     """Bytes one block keeps for backward, per microbatch, on one tensor-parallel rank.
 
     Counted storage by storage from megalite's block (Korthikanti et al.'s method; their
@@ -53,15 +61,15 @@ def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | No
       MLP: gpt2 fc1 and GeLU outputs 2*a*sbf/t; llama gate|up and product 3*a*sbf/t (+silu(gate)
       a*sbf/t with the PyTorch reference); hidden dropout masks 2*a*sbh/sp (dtype-sized masks).
     Selective recompute keeps the QKV output, attention output and RNG states; full recompute
-    keeps the block input and RNG states.
+    keeps the block input and RNG states (their size depends on `device`, where the generators live).
     """
-    recompute = recompute or layout.recompute
-    a = DTYPE_BYTES[layout.precision]
-    t = layout.tp
-    sp = t if layout.sequence_parallel else 1
-    s, b, h = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size
+    recompute = recompute or cfg.parallel.recompute
+    a = DTYPE_BYTES[cfg.precision.precision]
+    t = cfg.parallel.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
+    s, b, h = model.seq_length, cfg.training.micro_batch_size, model.hidden_size
     f, nq = model.ffn_hidden_size, model.num_attention_heads
-    rng_state = _CHECKPOINT_RNG_BYTES[layout.device] if recompute != "none" else 0
+    rng_state = _CHECKPOINT_RNG_BYTES[device] if recompute != "none" else 0
     if recompute == "full":
         return a * s * b * h // sp + rng_state
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
@@ -81,28 +89,28 @@ def layer_activation_bytes(model: GPTConfig, layout: Layout, recompute: str | No
     return total + rng_state
 
 
-def embedding_activation_bytes(model: GPTConfig, layout: Layout) -> int:
+def embedding_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Kept by the first stage's embedding per microbatch: token ids (+ local ids and mask when
     the vocabulary is split) and the dropout mask."""
-    s, b = layout.seq_length or model.seq_length, layout.micro_batch_size
-    sp = layout.tp if layout.sequence_parallel else 1
-    n = 8 * s * b + (9 * s * b if layout.tp > 1 else 0)
+    s, b = model.seq_length, cfg.training.micro_batch_size
+    sp = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    n = 8 * s * b + (9 * s * b if cfg.parallel.tp > 1 else 0)
     if model.hidden_dropout > 0:
-        n += DTYPE_BYTES[layout.precision] * s * b * model.hidden_size // sp
+        n += DTYPE_BYTES[cfg.precision.precision] * s * b * model.hidden_size // sp
     return n
 
 
-def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
+def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Kept by the last stage per microbatch: final norm (its input is the last block's output),
     the output layer's input (the sequence shard under SP), and what the cross-entropy kernel keeps:
     the logits shard itself (not with --fused-linear-cross-entropy), the targets and one fp32
     log-sum-exp per token."""
-    a = DTYPE_BYTES[layout.precision]
-    s, b, h, t = layout.seq_length or model.seq_length, layout.micro_batch_size, model.hidden_size, layout.tp
-    sp = t if layout.sequence_parallel else 1
+    a = DTYPE_BYTES[cfg.precision.precision]
+    s, b, h, t = model.seq_length, cfg.training.micro_batch_size, model.hidden_size, cfg.parallel.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
     n = _norm_bytes(model, a, s * b // sp, h)
     n += a * s * b * h // sp                                            # output-layer input
-    if not layout.fused_linear_cross_entropy:
+    if not cfg.parallel.fused_linear_cross_entropy:
         n += a * s * b * model.padded_vocab_size(t) // t                # logits shard, kept by the CE kernel
     n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
     return n
@@ -110,9 +118,6 @@ def head_activation_bytes(model: GPTConfig, layout: Layout) -> int:
 
 def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
     """ZB-H1 keeps a microbatch's linear inputs until its deferred weight-gradient pass (W)."""
-    from megalite.pipeline.instructions import BWD_WEIGHT, FWD
-    from megalite.pipeline.schedules import build_schedule
-
     live = peak = 0
     for op in build_schedule("zb-h1", pp, m)[stage]:
         live += (op.kind == FWD) - (op.kind == BWD_WEIGHT)
@@ -120,36 +125,37 @@ def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
     return peak
 
 
-def inflight_microbatches(layout: Layout, stage: int) -> int:
+def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
-    m, pp, v = layout.microbatches(), layout.pp, layout.virtual_stages
-    if layout.schedule_name() == "gpipe":
+    m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
+    if cfg.schedule == "gpipe":
         return m * v
-    if layout.schedule_name() == "zb-h1":                           # counted on the schedule itself
+    if cfg.schedule == "zb-h1":                           # counted on the schedule itself
         return _zero_bubble_peak(pp, m, stage)
     if v == 1:                                                      # 1f1b: warmup + 1
         return min(pp - stage, m)
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
 
-def activation_bytes(model: GPTConfig, layout: Layout, stage: int) -> int:
-    """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
-    v, pp = layout.virtual_stages, layout.pp
-    layers = stage_layers(model, layout)[stage]
-    recomputed = recomputed_stage_layers(model, layout)[stage]  # full recompute: all, or N per chunk
-    inflight = inflight_microbatches(layout, stage)
-    per_layer = layer_activation_bytes(model, layout)
-    kept_whole = layer_activation_bytes(model, layout, recompute="none")
+def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, device: str = "cuda") -> int:
+    """Peak saved-activation bytes of one rank of pipeline stage `stage` (`device`: where the RNG
+    generators a recompute checkpoint keeps live)."""
+    v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
+    layers = stage_layers(model, cfg)[stage]
+    recomputed = recomputed_stage_layers(model, cfg)[stage]  # full recompute: all, or N per chunk
+    inflight = inflight_microbatches(cfg, stage)
+    per_layer = layer_activation_bytes(model, cfg, device=device)
+    kept_whole = layer_activation_bytes(model, cfg, recompute="none", device=device)
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
-    if layout.recompute == "full":
+    if cfg.parallel.recompute == "full":
         total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v
     else:
         total = inflight * per_layer * layers // v
     if recomputed:
         total += kept_whole  # the block being recomputed
-    head_inflight = layout.microbatches() if layout.schedule_name() == "gpipe" else 1
+    head_inflight = cfg.num_microbatches if cfg.schedule == "gpipe" else 1
     if stage == 0:
-        total += min(inflight, layout.microbatches()) * embedding_activation_bytes(model, layout)
+        total += min(inflight, cfg.num_microbatches) * embedding_activation_bytes(model, cfg)
     if stage == pp - 1:
-        total += head_inflight * head_activation_bytes(model, layout)
+        total += head_inflight * head_activation_bytes(model, cfg)
     return total

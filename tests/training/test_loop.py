@@ -1,20 +1,13 @@
-"""examples/pretrain_gpt.py end to end on forked gloo ranks: bad input and a short real run."""
-import importlib.util
+"""The training loop (megalite.training.loop, what examples/pretrain_gpt.py runs) end to end on
+forked gloo ranks: bad input, a short real run, and resources released when a step raises."""
 import json
-import pathlib
+import signal
+import threading
 
 import pytest
 
 from megalite.testing import run_distributed
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
-
-
-def _main(argv):
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+from megalite.training.loop import main as _main
 
 
 def _main_capturing(argv):
@@ -99,16 +92,58 @@ def test_unusable_save_directory_fails_before_training(tmp_path):
 
 
 def test_save_directory_without_room_for_one_checkpoint_fails_early(tmp_path, monkeypatch):
-    import argparse
     import shutil
 
-    from megalite.training.arguments import ConfigError, build_parser, resolve
+    from megalite.cli import parse_args
+    from megalite.errors import ConfigError
+    from megalite.training.loop import configure
 
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 ** 6))  # 1 MB free
-    args: argparse.Namespace = build_parser().parse_args(["--save", str(tmp_path / "ckpt")])
+    cfg, _ = parse_args(["--save", str(tmp_path / "ckpt")])
     with pytest.raises(ConfigError, match=r"--save .*ckpt: 0\.00 GB free, but this node's ranks write 0\.0\d GB"):
-        resolve(args, 1, 256)
+        configure(cfg, 1, 256)
     assert list((tmp_path / "ckpt").iterdir()) == []  # the write probe left nothing behind
     monkeypatch.setattr(shutil, "disk_usage", real)
-    resolve(args, 1, 256)  # with the real free space the same flags pass
+    configure(cfg, 1, 256)  # with the real free space the same flags pass
+
+
+def _failing_run(tmp_path, exception):
+    """Run the loop with every service on; step 3 raises `exception`. Returns what is left behind."""
+    from megalite import comm
+    from megalite.training import loop
+
+    real_step, calls = loop.train_step, []
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise exception
+        return real_step(*args, **kwargs)
+
+    loop.train_step = failing_step
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    argv = ["--dp", "2", "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
+            "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0", "--save", str(tmp_path / "ckpt"),
+            "--save-interval", "1", "--async-save", "--hang-timeout", "60", "--metrics-file",
+            str(tmp_path / "metrics.jsonl"), "--profile-steps", "3", "4", "--profile-dir", str(tmp_path / "prof")]
+    try:
+        loop.main(argv)
+        raised = None
+    except BaseException as exc:  # noqa: BLE001 - the test inspects what escaped
+        raised = type(exc).__name__
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("megalite") and t.is_alive())
+    return dict(raised=raised, process_group=comm.is_initialized(), threads=threads,
+                sigterm_restored=signal.getsignal(signal.SIGTERM) == sigterm_before)
+
+
+@pytest.mark.parametrize("exception", [RuntimeError("a step failed"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_loop_releases_its_resources_when_a_step_raises(tmp_path, exception):
+    for rank, left in enumerate(run_distributed(_failing_run, 2, tmp_path, exception, timeout_s=120)):
+        assert left["raised"] == type(exception).__name__, left  # the error propagates, unchanged
+        assert not left["process_group"], f"rank {rank}: the process group was not destroyed"
+        assert left["threads"] == [], f"rank {rank}: threads still running: {left['threads']}"
+        assert left["sigterm_restored"], f"rank {rank}: the SIGTERM handler was not restored"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]  # flushed and closed
+    assert (tmp_path / "metrics.config.toml").read_text().startswith("# megalite run configuration")

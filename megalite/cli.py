@@ -1,0 +1,154 @@
+"""The command line and config files of a run, generated from RunConfig's declarations.
+
+    cfg, actions = parse_args(argv)          # flags (Megatron-LM's names) over an optional --config file
+    print(to_toml(cfg))                      # what --print-config prints; loadable with --config
+
+Precedence: each setting's declared default, then `--config FILE`, then the flags given on the
+command line. A config file is TOML (or JSON when it ends in .json); its keys are the flag
+names without the dashes (`hidden-size = 64` or `hidden_size = 64`), flat or grouped in tables
+named after the parts (`[parallel]`, `[optimizer]`, ...). An unknown key, a key in the wrong
+table or a value of the wrong type is an error that names it. Besides the settings, three
+actions exist only on the command line: --config, --print-config, --dry-run.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import enum
+import json
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from megalite.config import PARTS, RunConfig, Setting, coerce, settings
+
+ACTIONS = ("config", "print_config", "dry_run")  # flags that are not settings
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read or holds a key/value no setting takes."""
+
+
+def _add_setting(group, spec: Setting) -> None:
+    kind, kwargs = spec.type, {"dest": spec.name, "help": spec.help, "default": argparse.SUPPRESS}
+    if spec.metavar is not None:
+        kwargs["metavar"] = spec.metavar
+    if kind is bool:
+        group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        return
+    if typing.get_origin(kind) is tuple:
+        args = typing.get_args(kind)
+        kwargs["nargs"] = "+" if args[-1] is Ellipsis else len(args)
+        kind = args[0]
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        kwargs["choices"] = [c.value for c in kind]
+        kind = str
+    elif spec.choices is not None:
+        kwargs["choices"] = list(spec.choices)
+    kwargs["help"] += f" (default: {_shown(spec.default)})" if spec.default is not None else ""
+    if spec.aliases:
+        exclusive = group.add_mutually_exclusive_group()
+        exclusive.add_argument(spec.flag, type=kind, **kwargs)
+        for flag, value in spec.aliases.items():
+            exclusive.add_argument(flag, dest=spec.name, action="store_const", const=_shown(value),
+                                   default=argparse.SUPPRESS, help=f"same as {spec.flag} {_shown(value)}")
+        return
+    group.add_argument(spec.flag, type=kind, **kwargs)
+
+
+def _shown(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def build_parser(description: str = "Train a GPT with tensor x pipeline x data parallelism.") -> argparse.ArgumentParser:
+    """The parser of every declared setting (one argument group per part) and the three actions."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="TOML (or .json) file of settings; flags on the command line override it")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration (and what is derived from it) as TOML, and exit")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
+    groups = {part: parser.add_argument_group(cls.__doc__.strip().splitlines()[0]) for part, cls in PARTS.items()}
+    for spec in settings().values():
+        _add_setting(groups[spec.part], spec)
+    return parser
+
+
+def _canonical(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _alias_setting(key: str) -> tuple[str, Any] | None:
+    """A config key that is a flag alias (`bf16 = true`) -> (setting, value)."""
+    for spec in settings().values():
+        for flag, value in spec.aliases.items():
+            if _canonical(flag.lstrip("-")) == key:
+                return spec.name, value
+    return None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """{setting name: value} from a TOML or JSON file; ConfigFileError naming any bad key or value."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except OSError as exc:
+        raise ConfigFileError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigFileError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} ({exc})") \
+            from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if _canonical(key) in PARTS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                _take(values, path, inner, inner_value, part=_canonical(key))
+        else:
+            _take(values, path, key, value, part=None)
+    return values
+
+
+def _take(values: dict[str, Any], path: Path, key: str, value: Any, part: str | None) -> None:
+    name, specs = _canonical(key), settings()
+    alias = _alias_setting(name)
+    if alias is not None and value is True:
+        name, value = alias
+    if name not in specs:
+        close = difflib.get_close_matches(name, list(specs), n=1)
+        hint = f"; did you mean {close[0].replace('_', '-')!r}?" if close else ""
+        raise ConfigFileError(f"--config {path}: unknown key {key!r}{hint} (keys are the flag names without the "
+                              f"dashes; `--help` lists them)")
+    if part is not None and specs[name].part != part:
+        raise ConfigFileError(f"--config {path}: {key!r} is a [{specs[name].part}] setting, not [{part}]")
+    try:
+        values[name] = coerce(specs[name], value)
+    except ValueError as exc:
+        raise ConfigFileError(f"--config {path}: {exc}") from None
+
+
+def parse_args(argv: list[str] | None = None,
+               parser: argparse.ArgumentParser | None = None) -> tuple[RunConfig, dict[str, Any]]:
+    """(the configuration, {every other flag: value}) from the command line; argparse exits on a
+    bad flag, ConfigFileError on a bad config file. `parser`: build_parser() with a tool's own
+    flags added (tools/plan.py)."""
+    args = vars((parser or build_parser()).parse_args(argv))
+    others = {name: args.pop(name) for name in list(args) if name not in settings()}
+    values = read_config_file(others["config"]) if others.get("config") else {}
+    values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
+    return RunConfig.build(**values), others
+
+
+def to_toml(cfg: RunConfig, derived: dict[str, Any] | None = None) -> str:
+    """The configuration as a TOML file `--config` reads back; unset optional settings appear as
+    comments, and `derived` (what the run computes from the settings) as a commented table."""
+    lines = ["# megalite run configuration (read back with --config FILE)"]
+    for part, values in cfg.to_dict().items():
+        lines.append(f"\n[{part.replace('_', '-')}]")
+        for name, value in values.items():
+            key = name.replace("_", "-")
+            lines.append(f"# {key} = (unset)" if value is None else f"{key} = {json.dumps(_shown(value))}")
+    if derived:
+        lines.append("\n# derived from the settings above (not settings themselves):")
+        lines += [f"#   {key} = {json.dumps(value)}" for key, value in derived.items()]
+    return "\n".join(lines) + "\n"

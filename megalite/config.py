@@ -1,0 +1,486 @@
+"""RunConfig: every setting of a training run, declared once.
+
+A setting is a field of one part (model, parallel, training, optimizer, precision, data,
+checkpoint, logging, fault_tolerance) declared with `setting(default, help, ...)`: its name
+(the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
+its default, its choices (an enum declared once below) and its help. Everything else is
+generated from these declarations: the argparse parser and the TOML/JSON config files
+(`megalite/cli.py`), the planner's view of the run (the planner reads a RunConfig), the
+configuration saved in checkpoints and beside the metrics.
+
+Derived quantities are computed here and only here: `resolved()` fills what depends on the
+world (dp, global batch, schedule, vocabulary) and the properties give the number of
+microbatches, the model architecture (GPTConfig), the padded vocabulary and the layers of each
+pipeline stage. `validate()` returns every problem at once, each naming its fix.
+
+Pure Python: no torch, so the planner and `tools/plan.py` start instantly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from megalite.model.config import PRESETS, GPTConfig, preset
+from megalite.pipeline.partition import chunk_layer_counts
+from megalite.pipeline.schedules import check_pipeline_config
+from megalite.plan.validity import preflight
+
+
+class Precision(enum.StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class ReduceDtype(enum.StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"  # the planner models it (the ZeRO paper's accounting); training refuses it
+
+
+class Recompute(enum.StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Schedule(enum.StrEnum):
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    GPIPE = "gpipe"
+    ZB_H1 = "zb-h1"
+
+
+class LRDecay(enum.StrEnum):
+    COSINE = "cosine"
+    LINEAR = "linear"
+    CONSTANT = "constant"
+
+
+class OnNonFinite(enum.StrEnum):
+    SKIP = "skip"
+    STOP = "stop"
+
+
+def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
+            aliases: dict[str, Any] | None = None) -> Any:
+    """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
+    extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
+                                            "aliases": aliases or {}})
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """model (explicit settings override the --model preset)"""
+
+    model: str = setting("tiny", "preset", choices=tuple(sorted(PRESETS)))
+    num_layers: int | None = setting(None, "transformer blocks")
+    hidden_size: int | None = setting(None, "model width h")
+    num_attention_heads: int | None = setting(None, "query heads")
+    num_query_groups: int | None = setting(None, "key/value heads (grouped-query attention)")
+    ffn_hidden_size: int | None = setting(None, "MLP inner width")
+    seq_length: int | None = setting(None, "sequence length (tokens per sample)")
+    vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)")
+    hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding")
+    attention_dropout: float = setting(0.0, "dropout on the attention probabilities")
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """parallel layout and memory techniques"""
+
+    tp: int = setting(1, "tensor-parallel size")
+    pp: int = setting(1, "pipeline-parallel size")
+    dp: int | None = setting(None, "data-parallel size (default: world / (tp*pp))")
+    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)")
+    pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
+    decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)")
+    decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)")
+    pipeline_layout: str | None = setting(None, "explicit blocks per model chunk, e.g. 3,5,5,3 (pp*v numbers)")
+    sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
+    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients (3: planner "
+                           "only)", choices=(0, 1, 2, 3))
+    offload_optimizer: bool = setting(False, "keep the optimizer state in host memory and update there")
+    overlap_param_gather: bool = setting(False, "zero >= 1: the parameter all-gathers finish behind the next "
+                                                "forward; every read waits for its own bucket")
+    ddp_bucket_size: int = setting(40_000_000, "elements per gradient bucket")
+    recompute: Recompute = setting(Recompute.NONE, "activation recompute")
+    recompute_num_layers: int | None = setting(None, "with --recompute full: only the first N blocks of each model "
+                                                     "chunk (Megatron's block method); default all", metavar="N")
+    fused_linear_cross_entropy: bool = setting(False, "output layer + cross entropy in token chunks: the logits "
+                                                      "[tokens, vocab/tp] are never held (one more output GEMM)")
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """training"""
+
+    train_iters: int = setting(600, "optimizer steps")
+    micro_batch_size: int = setting(8, "sequences per microbatch and dp rank")
+    global_batch_size: int | None = setting(None, "sequences per optimizer step (default: micro-batch-size * dp)")
+    seed: int = setting(1234, "seed of the weights, the data order and dropout")
+    eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)")
+    eval_iters: int = setting(4, "global batches per evaluation")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """optimizer (AdamW) and learning-rate schedule"""
+
+    lr: float = setting(2e-3, "peak learning rate")
+    min_lr: float = setting(2e-4, "learning rate at the end of the decay")
+    lr_warmup_iters: int = setting(30, "linear warm-up steps")
+    lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
+    weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)")
+    adam_beta1: float = setting(0.9, "AdamW beta1")
+    adam_beta2: float = setting(0.95, "AdamW beta2")
+    adam_eps: float = setting(1e-8, "AdamW epsilon")
+    clip_grad: float = setting(1.0, "global grad-norm clip; 0 disables")
+
+
+@dataclass(frozen=True)
+class PrecisionSettings:
+    """precision"""
+
+    precision: Precision = setting(Precision.FP32, "parameter and activation dtype (bf16/fp16 keep fp32 master "
+                                                   "weights and gradients)",
+                                   aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
+    grad_reduce_dtype: ReduceDtype = setting(ReduceDtype.FP32, "dtype of the data-parallel gradient reduction")
+    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale")
+    loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow")
+    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off")
+    loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """data"""
+
+    data_path: tuple[str, ...] | None = setting(None, "PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend (default: "
+                                                      "the embedded corpus)")
+    tokenizer: str | None = setting(None, "path to a tokenizer.json (default: byte level)")
+    split: str = setting("969,30,1", "train,valid,test weights of the documents")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """checkpoints (layout-free: save at one tp/pp/dp, load at any other)"""
+
+    save: str | None = setting(None, "write checkpoints into DIR", metavar="DIR")
+    load: str | None = setting(None, "resume from DIR's latest checkpoint (from scratch, with a notice, when it "
+                                     "holds none); pass the same DIR as --save so one command line serves every "
+                                     "restart", metavar="DIR")
+    load_step: int | None = setting(None, "load this step instead of the latest")
+    save_interval: int = setting(0, "save every N steps (0: only at the end/on signal)")
+    keep_last: int = setting(0, "keep the newest N checkpoints (0: keep all)")
+    keep_every: int = setting(0, "also keep every step that is a multiple of M")
+    async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
+    no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """logging, metrics and profiling"""
+
+    log_interval: int = setting(50, "print and record every N steps")
+    metrics_file: str | None = setting(None, "JSON lines, one object per logged step (the resolved configuration "
+                                             "is written beside it)")
+    tensorboard_dir: str | None = setting(None, "also write scalars for TensorBoard (when installed)")
+    straggler_interval: int = setting(0, "every N steps name the slowest ranks (0: off)")
+    peak_tflops: float | None = setting(None, "per-GPU peak for MFU (default: known GPUs)")
+    profile_steps: tuple[int, int] | None = setting(None, "trace steps FIRST..LAST with torch.profiler on every rank "
+                                                          "(Chrome trace per rank)", metavar=("FIRST", "LAST"))
+    profile_dir: str = setting("profile", "where --profile-steps writes its traces")
+
+
+@dataclass(frozen=True)
+class FaultToleranceSettings:
+    """hangs and numerical guards"""
+
+    hang_timeout: float = setting(0.0, "seconds without a finished step before every rank reports where it waits "
+                                       "and the job exits with code 86 (0: off; e.g. 300)")
+    hang_report_dir: str | None = setting(None, "where ranks leave hang reports (default: a temp dir per node; a "
+                                                "shared file system gives one summary across nodes)")
+    on_nonfinite: OnNonFinite = setting(OnNonFinite.SKIP, "a non-finite loss or gradient: skip the update and log "
+                                                          "the step's samples, or stop (exit code 3)")
+    check_replicas_interval: int = setting(0, "every K steps compare parameter checksums across replicas and stop "
+                                              "(exit code 4) naming the first that differs; 0: off")
+
+
+PARTS: dict[str, type] = {
+    "model": ModelSettings, "parallel": ParallelSettings, "training": TrainingSettings,
+    "optimizer": OptimizerSettings, "precision": PrecisionSettings, "data": DataSettings,
+    "checkpoint": CheckpointSettings, "logging": LoggingSettings, "fault_tolerance": FaultToleranceSettings,
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting, as the parser, the config files and validation see it."""
+
+    name: str
+    part: str
+    type: Any  # the annotation with None removed: int, float, str, bool, an enum, tuple[...]
+    optional: bool
+    default: Any
+    help: str
+    choices: tuple | None
+    metavar: Any
+    aliases: dict[str, Any]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@functools.cache
+def settings() -> dict[str, Setting]:
+    """Every declared setting by name, in declaration order (names are unique across parts)."""
+    out: dict[str, Setting] = {}
+    for part, cls in PARTS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind, args = hints[f.name], typing.get_args(hints[f.name])
+            optional = type(None) in args
+            if optional:
+                kind = next(a for a in args if a is not type(None))
+            choices = tuple(kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else f.metadata["choices"]
+            if f.name in out:
+                raise TypeError(f"setting {f.name!r} is declared twice ({out[f.name].part} and {part})")
+            out[f.name] = Setting(f.name, part, kind, optional, f.default, f.metadata["help"], choices,
+                                  f.metadata["metavar"], f.metadata["aliases"])
+    return out
+
+
+def coerce(spec: Setting, value: Any) -> Any:
+    """A value from a flag or a config file as the setting's type; ValueError naming the setting."""
+    if value is None:
+        if spec.optional:
+            return None
+        raise ValueError(f"{spec.flag.lstrip('-')} cannot be empty (default: {spec.default})")
+    kind = spec.type
+    if typing.get_origin(kind) is tuple:
+        items = [value] if isinstance(value, (str, int, float)) else list(value)
+        inner = typing.get_args(kind)[0]
+        if typing.get_args(kind)[-1] is not Ellipsis and len(items) != len(typing.get_args(kind)):
+            raise ValueError(f"{spec.flag.lstrip('-')} takes {len(typing.get_args(kind))} values, got {items!r}")
+        return tuple(_scalar(spec, inner, item) for item in items)
+    return _scalar(spec, kind, value)
+
+
+def _scalar(spec: Setting, kind: Any, value: Any) -> Any:
+    name = spec.flag.lstrip("-")
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{name} = {value!r} is not one of {[c.value for c in kind]}") from None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} takes true or false, got {value!r}")
+        return value
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name} takes an integer, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{name} takes a number, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{name} takes a string, got {value!r}")
+    value = kind(value)
+    if spec.choices is not None and value not in spec.choices:
+        raise ValueError(f"{name} = {value!r} is not one of {list(spec.choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run's configuration: one frozen object of parts (see the module docstring)."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    precision: PrecisionSettings = field(default_factory=PrecisionSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
+    fault_tolerance: FaultToleranceSettings = field(default_factory=FaultToleranceSettings)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def build(cls, **values: Any) -> "RunConfig":
+        """A RunConfig from flat setting names (`RunConfig.build(tp=2, zero=1)`); the rest default."""
+        return cls().replace(**values)
+
+    def replace(self, **values: Any) -> "RunConfig":
+        """A copy with the named settings changed (flat names; each is placed in its part)."""
+        specs, changes = settings(), {}
+        for name, value in values.items():
+            if name not in specs:
+                raise TypeError(f"unknown setting {name!r}")
+            changes.setdefault(specs[name].part, {})[name] = coerce(specs[name], value)
+        parts = {part: dataclasses.replace(getattr(self, part), **fields) for part, fields in changes.items()}
+        return dataclasses.replace(self, **parts)
+
+    def flat(self) -> dict[str, Any]:
+        """{setting name: value} over every part."""
+        return {name: getattr(getattr(self, spec.part), name) for name, spec in settings().items()}
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """{part: {setting: value}}, JSON-ready (enums as their values, tuples as lists)."""
+        out: dict[str, dict[str, Any]] = {part: {} for part in PARTS}
+        for name, value in self.flat().items():
+            out[settings()[name].part][name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, grouped: dict[str, dict[str, Any]]) -> "RunConfig":
+        """Inverse of to_dict (e.g. the configuration saved in a checkpoint)."""
+        return cls.build(**{name: value for part in grouped.values() for name, value in part.items()})
+
+    # ------------------------------------------------------------------ derived (computed here only)
+
+    def resolved(self, world_size: int, tokenizer_vocab_size: int | None = None) -> "RunConfig":
+        """What depends on the launch filled in: dp (world / (tp*pp)), the global batch
+        (micro * dp when unset), the schedule's name, and the vocabulary (the tokenizer's)."""
+        p = self.parallel
+        dp = p.dp if p.dp is not None else (world_size // (p.tp * p.pp) if world_size % (p.tp * p.pp) == 0 else 1)
+        schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
+        if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
+            schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
+        return self.replace(dp=dp, pipeline_schedule=schedule,
+                            global_batch_size=self.training.global_batch_size or self.training.micro_batch_size * dp,
+                            vocab_size=self.model.vocab_size or tokenizer_vocab_size)
+
+    @property
+    def dp(self) -> int:
+        return self.parallel.dp or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.tp * self.parallel.pp * self.dp
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.parallel.pipeline_schedule or self.resolved(self.world_size).parallel.pipeline_schedule
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.training.global_batch_size or self.training.micro_batch_size * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step on each dp rank (gradient accumulation steps)."""
+        return max(1, self.global_batch_size // (self.training.micro_batch_size * self.dp))
+
+    @property
+    def training_dtype(self) -> str:
+        return self.precision.precision.value
+
+    def gpt_config(self) -> GPTConfig:
+        """The model architecture: the preset with the explicit model settings (ValueError if invalid)."""
+        m = self.model
+        return preset(m.model, num_layers=m.num_layers, hidden_size=m.hidden_size,
+                      num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                      ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length, vocab_size=m.vocab_size,
+                      hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout)
+
+    def chunk_layer_counts(self, num_layers: int) -> list[int]:
+        """Blocks of each model chunk (pp * virtual_stages of them; ValueError if impossible)."""
+        p = self.parallel
+        return chunk_layer_counts(num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
+                                  p.decoder_last_stage_layers, p.pipeline_layout)
+
+    def derived(self, tokenizer_vocab_size: int | None = None) -> dict[str, Any]:
+        """The values computed from the settings, for --print-config and the run's banner."""
+        model = self.gpt_config()
+        return {"world_size": self.world_size, "dp": self.dp, "pipeline_schedule": str(self.schedule),
+                "global_batch_size": self.global_batch_size, "num_microbatches": self.num_microbatches,
+                "num_layers": model.num_layers, "hidden_size": model.hidden_size, "seq_length": model.seq_length,
+                "vocab_size": model.vocab_size, "padded_vocab_size": model.padded_vocab_size(self.parallel.tp),
+                "params": model.num_params(), "chunk_layers": self.chunk_layer_counts(model.num_layers)}
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, world_size: int, tokenizer_vocab_size: int | None = None) -> list[str]:
+        """Every problem with this resolved configuration for a world of `world_size` ranks, each
+        naming its fix ([] when the run may start). Pure: reads only the settings and, for
+        --data-path, whether the files exist. Runs on every rank before any process group exists."""
+        try:
+            model = self.gpt_config()
+        except ValueError as exc:
+            return [str(exc)]
+        problems = preflight(model, self, world_size)
+        if tokenizer_vocab_size is not None and model.vocab_size < tokenizer_vocab_size:
+            problems.append(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}; "
+                            f"drop --vocab-size or set it >= {tokenizer_vocab_size}")
+        if self.parallel.pp > 1 and not problems:
+            try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
+                p = self.parallel
+                check_pipeline_config(self.schedule, model.num_layers, p.pp, self.num_microbatches, p.virtual_stages,
+                                      p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+            except ValueError as exc:
+                problems.append(str(exc))
+        problems += _setting_problems(self) + _data_problems(self.data)
+        return list(dict.fromkeys(problems))
+
+
+def _setting_problems(cfg: RunConfig) -> list[str]:
+    """Ranges and combinations of settings that training cannot run."""
+    p, t, log, ck, ft = cfg.parallel, cfg.training, cfg.logging, cfg.checkpoint, cfg.fault_tolerance
+    problems = []
+    if p.pp == 1 and (p.decoder_first_stage_layers is not None or p.decoder_last_stage_layers is not None
+                      or p.pipeline_layout is not None):
+        problems.append("--decoder-first/last-stage-layers and --pipeline-layout need --pp > 1")
+    if p.zero == 3:
+        problems.append("megalite's optimizer shards up to ZeRO-2 (ZeRO-3 is modelled by tools/plan.py only); "
+                        "use --zero 2 or more tp/pp")
+    if cfg.precision.grad_reduce_dtype == ReduceDtype.FP16:
+        problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
+                        "bf16")
+    if p.recompute_num_layers is not None and (p.recompute != Recompute.FULL or p.recompute_num_layers < 1):
+        problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full and N >= 1 "
+                        f"(it says how many blocks of each model chunk full recompute covers)")
+    if p.overlap_param_gather and (p.zero == 0 or p.offload_optimizer):
+        problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
+                        "gathered; offloaded updates finish inside the step)")
+    if ft.hang_timeout < 0:
+        problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {ft.hang_timeout}")
+    if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
+        first, last = log.profile_steps
+        problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
+                        f"({t.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
+    for name, value in (("--train-iters", t.train_iters), ("--micro-batch-size", t.micro_batch_size),
+                        ("--log-interval", log.log_interval)):
+        if value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    for name, value in (("--save-interval", ck.save_interval), ("--keep-last", ck.keep_last),
+                        ("--keep-every", ck.keep_every), ("--check-replicas-interval", ft.check_replicas_interval)):
+        if value < 0:
+            problems.append(f"{name} must be >= 0, got {value}")
+    if ck.save_interval and ck.save is None:
+        problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
+    if ck.load_step is not None and ck.load is None:
+        problems.append("--load-step needs --load DIR")
+    return problems
+
+
+def _data_problems(data: DataSettings) -> list[str]:
+    if data.data_path is None:
+        return []
+    if len(data.data_path) > 1 and len(data.data_path) % 2:
+        return ["--data-path takes one PREFIX, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ..."]
+    prefixes = data.data_path if len(data.data_path) == 1 else data.data_path[1::2]
+    missing = [f"{p}.{ext}" for p in prefixes for ext in ("bin", "idx") if not os.path.exists(f"{p}.{ext}")]
+    if missing:
+        return [f"data files not found: {', '.join(missing[:4])}; build them with tools/preprocess_data.py "
+                f"--input ... --output-prefix PREFIX, or omit --data-path to use the embedded corpus"]
+    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
+        return [f"--tokenizer {data.tokenizer}: no such file; give a tokenizer.json or omit it for byte level"]
+    return []

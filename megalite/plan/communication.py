@@ -1,0 +1,110 @@
+"""Communication per step, per rank and group, in comm.ledger's convention (nccl-tests sizes):
+all_reduce counts the tensor, all_gather the gathered output, reduce_scatter the full input,
+send/recv the tensor. Tests compare these formulas with the ledger of real runs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megalite.model.config import GPTConfig
+from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.params import stage_params
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
+    """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage`."""
+    a, t, m, v = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.num_microbatches, cfg.parallel.virtual_stages
+    s, b, h = model.seq_length, cfg.training.micro_batch_size, model.hidden_size
+    pp, sp = cfg.parallel.pp, cfg.parallel.sequence_parallel
+    u = a * s * b * h                      # one full [s, b, h] activation
+    out: dict[str, int] = {}
+
+    def add(key: str, n: int) -> None:
+        if n:
+            out[key] = out.get(key, 0) + n
+
+    if t > 1:
+        layers = stage_layers(model, cfg)[stage]
+        # Full recompute re-runs a block's forward until its last saved tensor is packed (torch's
+        # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
+        # and the attention output's reduction again, not the MLP output's reduction.
+        rerun = recomputed_stage_layers(model, cfg)[stage]
+        if sp:
+            # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
+            # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
+            add("tp/all_gather", m * (6 * layers + 2 * rerun) * u)
+            add("tp/reduce_scatter", m * (4 * layers + rerun) * u)
+        else:
+            add("tp/all_reduce", m * (4 * layers + rerun) * u)   # Megatron's 4 per layer
+        if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
+            add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
+            add("tp/all_gather", m * u if sp else 0)
+        if stage == pp - 1:
+            if sp:
+                add("tp/all_gather", 2 * m * u)                         # output-layer input, fwd + bwd
+                add("tp/reduce_scatter", m * u)                         # and its gradient
+            else:
+                add("tp/all_reduce", m * u)                             # grad of the copied input
+            add("tp/all_reduce", m * (2 * t + 1) * 4 * s * b)           # CE: per-rank max, sum-exp; target
+        add("tp/all_reduce", sequence_parallel_grad_bytes(model, cfg, stage))
+
+    params = stage_params(model, cfg, stage)
+    add_dp_bytes(add, params, cfg)
+    if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
+        grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+        add("embedding/all_reduce", model.padded_vocab_size(t) // t * h * grad_bytes)
+    if pp > 1:
+        chunk = u // (t if sp else 1)
+        first, last = stage == 0, stage == pp - 1
+        fwd_send = m * (v - 1 if last else v)
+        fwd_recv = m * (v - 1 if first else v)
+        add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
+        add("pp/recv", chunk * (fwd_recv + fwd_send))
+    return out
+
+
+def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """Under SP the norms' (and gpt2's position table's) gradients are partial per tp rank; the
+    DP engine all-reduces them over tp once per step (fp32 main grads)."""
+    if not cfg.parallel.sequence_parallel or cfg.parallel.tp == 1:
+        return 0
+    h = model.hidden_size
+    norm = 2 * h if model.flavour == "gpt2" else h
+    n = 2 * norm * stage_layers(model, cfg)[stage]
+    if stage == cfg.parallel.pp - 1:
+        n += norm
+    if stage == 0 and model.flavour == "gpt2":
+        n += model.seq_length * h
+    return n * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+
+
+def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:
+    """Data-parallel traffic for `params` parameters on this rank."""
+    if cfg.dp == 1:
+        return
+    p, g, m = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype], cfg.num_microbatches
+    if cfg.parallel.zero == 0:
+        add("dp/all_reduce", params * g)
+    elif cfg.parallel.zero == 1:
+        add("dp/reduce_scatter", params * g)        # once per step, in grad_reduce_dtype
+        add("dp/all_gather", params * p)            # updated params after the sharded step
+    elif cfg.parallel.zero == 2:
+        add("dp/reduce_scatter", params * g)        # also once, during the last microbatch
+        add("dp/all_gather", params * p)
+    else:
+        add("dp/reduce_scatter", m * params * g)
+        add("dp/all_gather", 2 * m * params * p)    # params gathered for forward and backward
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests bus-bandwidth factor: bytes on the busiest link per byte of ledger size."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # send, recv, broadcast

@@ -1,0 +1,59 @@
+"""Parameters held per rank and FLOPs per token: pure arithmetic on the model and the layout."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megalite.model.config import GPTConfig
+from megalite.plan.layout import stage_layers
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+def layer_params(model: GPTConfig, tp: int) -> int:
+    """Parameters of one transformer block held by one tensor-parallel rank."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    norm = 2 * h if model.flavour == "gpt2" else h            # LayerNorm weight+bias | RMSNorm weight
+    mlp_in = f if model.flavour == "gpt2" else 2 * f           # fc1 | fused gate+up
+    n = 2 * norm + h * qkv // tp + model.num_attention_heads * d * h // tp
+    n += (h * mlp_in + f * h) // tp
+    if model.add_bias:  # column-parallel biases are sharded, row-parallel biases replicated
+        n += (qkv + mlp_in) // tp + 2 * h
+    return n
+
+
+def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """Parameters held by one rank of pipeline stage `stage` (padded vocabulary included)."""
+    h, tp, pp = model.hidden_size, cfg.parallel.tp, cfg.parallel.pp
+    n = stage_layers(model, cfg)[stage] * layer_params(model, tp)
+    vocab_shard = model.padded_vocab_size(tp) // tp * h
+    final_norm = 2 * h if model.flavour == "gpt2" else h
+    if stage == 0:
+        n += vocab_shard + (model.seq_length * h if model.flavour == "gpt2" else 0)
+    if stage == pp - 1:
+        n += final_norm
+        # untied: an output layer; tied with pp > 1: the last stage keeps its own copy of the
+        # word embedding, kept in sync by an all-reduce of its gradient over the embedding group
+        if not model.tie_embeddings or pp > 1:
+            n += vocab_shard
+    return n
+
+
+def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int | None = None,
+                             recompute_fraction: float = 1.0) -> float:
+    """FLOPs executed per token including recomputation (HFU's numerator).
+
+    Model FLOPs are 6N + 12*L*h*s; selective recompute re-runs the attention core forward
+    (4*L*h*s); full recompute re-runs every block's forward GEMMs (2*N_blocks + 4*L*h*s; torch's
+    non-reentrant checkpoint stops right after the last one, skipping only the MLP output's tp
+    reduction), or that `recompute_fraction` of the blocks (--recompute-num-layers).
+    """
+    s = seq_length or model.seq_length
+    flops = model.flops_per_token(s)
+    attention_forward = 4.0 * model.num_layers * model.hidden_size * s
+    if recompute == "selective":
+        flops += attention_forward
+    elif recompute == "full":
+        flops += recompute_fraction * (2.0 * model.num_params(include_embedding=False) + attention_forward)
+    return flops

@@ -1,0 +1,195 @@
+"""Know before you launch: per-rank memory, communication, FLOPs and bubble of a layout.
+
+Pure arithmetic on a `GPTConfig` and a `RunConfig`; no torch, no process group. Used by
+`tools/plan.py`, by `pretrain_gpt --dry-run`, by `validity.py` (configuration errors before
+any process group exists) and `ranking.py` (the step-time model, layout suggestions).
+
+Units: everything is in bytes (and FLOPs). Human-readable output uses GB = 1e9 bytes, the
+convention of the ZeRO paper (Rajbhandari et al. 2020), whose worked example this module
+reproduces: 7.5B parameters, Nd = 64, fp16 params and grads, Adam with K = 12 bytes/param of
+optimizer state -> 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stage 0 / 1 / 2 / 3.
+
+Model states per parameter held by a rank, as megalite's DP engine and distributed optimizer
+keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accounting instead):
+  params  2 (bf16/fp16) or 4 (fp32)
+  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1)
+  optim   12 (fp32 master + Adam m, v) / dp with ZeRO >= 1; in host memory when offloaded
+
+Activations: what megalite's own blocks keep for backward per microbatch, counted storage by
+storage in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"; see `layer_activation_bytes`) and checked against the real model on CPU
+(tests/training/test_estimate.py), times the microbatches in flight on the stage (1F1B:
+pp - stage; interleaved: Megatron's warmup + 1 chunks; GPipe: all; ZB-H1: counted on the
+schedule). The estimate is for the worst stage. Transient buffers (gradients in flight,
+communication buffers, allocator fragmentation) are left to `Estimate.fits`' headroom.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
+
+from megalite.model.config import GPTConfig
+from megalite.plan.activations import activation_bytes, inflight_microbatches
+from megalite.plan.communication import add_dp_bytes, communication_bytes
+from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
+from megalite.plan.params import hardware_flops_per_token, stage_params
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+@dataclass
+class Estimate:
+    """Per-rank estimate for the worst pipeline stage (bytes, FLOPs, seconds-free)."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    params_per_rank: int
+    stage: int
+    layers_on_stage: int
+    inflight_microbatches: int
+    num_microbatches: int
+    bubble_fraction: float
+    """Idle fraction of a step for the pipeline (see `bubble_fraction`)."""
+    comm_bytes: dict[str, int] = field(default_factory=dict)
+    """'group/op' -> bytes per step on this rank, in comm.ledger's (nccl-tests) size convention."""
+    flops_per_step: float = 0.0
+    """Model FLOPs of one optimizer step over the whole job (6N + 12*L*h*s per token)."""
+    hardware_flops_per_step: float = 0.0
+    """FLOPs actually executed, recomputation included."""
+    tokens_per_step: int = 0
+    host_bytes: int = 0
+    """Bytes kept in host memory per rank (offloaded optimizer state)."""
+    stage_totals: list[int] = field(default_factory=list)
+    """total_bytes of every pipeline stage (the estimate reports the largest)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+
+    def fits(self, gpu_memory: float, headroom: float = 0.1) -> bool:
+        """True when total_bytes fits in (1 - headroom) of gpu_memory bytes (the rest: CUDA
+        context, NCCL buffers, allocator fragmentation, transient tensors)."""
+        return self.total_bytes <= (1.0 - headroom) * gpu_memory
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["total_bytes"] = self.total_bytes
+        return out
+
+    def describe(self, gpu_memory: float | None = None) -> str:
+        """A readable per-rank table in GB (1e9 bytes)."""
+        rows = [("parameters", self.param_bytes), ("gradients", self.grad_bytes),
+                ("optimizer state", self.optimizer_state_bytes), ("activations", self.activation_bytes),
+                ("total", self.total_bytes)]
+        lines = [f"per rank (pipeline stage {self.stage}, {self.layers_on_stage} layers, "
+                 f"{self.inflight_microbatches} of {self.num_microbatches} microbatches in flight):"]
+        lines += [f"  {name:<16} {n / GB:10.3f} GB" for name, n in rows]
+        if self.host_bytes:
+            lines.append(f"  {'host (offload)':<16} {self.host_bytes / GB:10.3f} GB")
+        if gpu_memory:
+            verdict = "fits" if self.fits(gpu_memory) else "does NOT fit"
+            lines.append(f"  {verdict} in {gpu_memory / GB:.1f} GB (keeping 10% headroom)")
+        lines.append(f"pipeline bubble: {100 * self.bubble_fraction:.1f}% of the step")
+        lines.append(f"FLOPs per step: {self.flops_per_step:.3e} model, {self.hardware_flops_per_step:.3e} executed")
+        for key, n in sorted(self.comm_bytes.items()):
+            lines.append(f"  comm {key:<24} {n / GB:10.4f} GB/step")
+        return "\n".join(lines)
+
+
+def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite") -> tuple[int, int, int, int]:
+    """(param, grad, optimizer-on-GPU, host) peak bytes for `params` parameters on one rank.
+
+    "megalite" (megalite.optim.distributed_optimizer's table): fp32 master + Adam moments
+    (12 bytes) in every precision, /dp with ZeRO >= 1; fp32 main grads (4 bytes whatever
+    grad_reduce_dtype, which only sets the reduction's wire dtype) plus, with ZeRO >= 1, the
+    reduced fp32 shard (4/dp). ZeRO-2 frees a bucket's full gradient only once its reduction
+    (started during the last microbatch's backward) completes, so the full buffer still exists
+    at the end of the backward: its peak is ZeRO-1's (it saves memory between steps, e.g. for
+    the next forward, which this per-rank peak does not credit).
+    "zero-paper" (Rajbhandari et al. 2020): grads in grad_reduce_dtype, K = 12 (mixed) or 8
+    (fp32) optimizer bytes, ZeRO-1/2/3 partition optimizer / + grads / + params over dp.
+    """
+    p = DTYPE_BYTES[cfg.precision.precision]
+    z, shard = cfg.parallel.zero, math.ceil(params / cfg.dp)
+    if convention == "zero-paper":
+        g = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+        optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == "fp32" else 12)
+        grads = (shard if z >= 2 else params) * g
+    else:
+        optimizer = (shard if z >= 1 else params) * 12
+        grads = 4 * params + (4 * shard if z >= 1 else 0)
+    weights = (shard if z >= 3 else params) * p
+    if cfg.parallel.offload_optimizer:
+        return weights, grads, 0, optimizer
+    return weights, grads, optimizer, 0
+
+
+def check_degrees(cfg: RunConfig) -> None:
+    """Raise ValueError when a degree or the micro batch is not a positive integer (choices are
+    checked where the RunConfig is built)."""
+    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp),
+                        ("virtual_stages", cfg.parallel.virtual_stages),
+                        ("micro_batch_size", cfg.training.micro_batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def bubble_fraction(cfg: RunConfig) -> float:
+    """Idle fraction of a step: (p-1)/(v*m + p-1) for 1F1B/interleaved/GPipe, (p-1)/(3m + p-1)
+    for ZB-H1 (its F, B and W passes each fill a third of a 1F1B slot)."""
+    p, m = cfg.parallel.pp, cfg.num_microbatches
+    slots = 3 * m if cfg.schedule == "zb-h1" else cfg.parallel.virtual_stages * m
+    return (p - 1) / (slots + p - 1)
+
+
+def estimate(model: GPTConfig, cfg: RunConfig, device: str = "cuda") -> Estimate:
+    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage (`device`:
+    where the run's RNG generators live, which sets the bytes a recompute checkpoint keeps)."""
+    check_degrees(cfg)
+    seq = model.seq_length
+    per_stage = []
+    for stage in range(cfg.parallel.pp):
+        weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
+        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage, device), stage))
+    _, worst = max(per_stage)
+    params = stage_params(model, cfg, worst)
+    weights, grads, optimizer, host = model_state_bytes(params, cfg)
+    m = cfg.num_microbatches
+    tokens = cfg.global_batch_size * seq
+    return Estimate(
+        param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
+        activation_bytes=activation_bytes(model, cfg, worst, device), params_per_rank=params, stage=worst,
+        layers_on_stage=stage_layers(model, cfg)[worst],
+        inflight_microbatches=inflight_microbatches(cfg, worst), num_microbatches=m,
+        bubble_fraction=bubble_fraction(cfg),
+        comm_bytes=communication_bytes(model, cfg, worst),
+        flops_per_step=model.flops_per_token(seq) * tokens,
+        hardware_flops_per_step=hardware_flops_per_token(model, cfg.parallel.recompute, seq,
+                                                         recompute_fraction(model, cfg)) * tokens,
+        tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
+
+
+def estimate_model_states(num_params: int, cfg: RunConfig, convention: str = "zero-paper") -> Estimate:
+    """Model-state-only estimate from a raw parameter count (no activations, no model shape).
+
+    Parameters are split evenly over tp * pp. With the ZeRO paper's accounting (the default;
+    see `model_state_bytes`) it reproduces the paper's Figure 1 example: 7.5e9 params,
+    RunConfig.build(dp=64, precision="fp16", grad_reduce_dtype="fp16", zero=0..3).
+    """
+    check_degrees(cfg)
+    params = math.ceil(num_params / (cfg.parallel.tp * cfg.parallel.pp))
+    weights, grads, optimizer, host = model_state_bytes(params, cfg, convention)
+    comm: dict[str, int] = {}
+    add_dp_bytes(lambda key, n: comm.__setitem__(key, comm.get(key, 0) + n) if n else None, params, cfg)
+    tokens = cfg.global_batch_size * (cfg.model.seq_length or 0)
+    return Estimate(param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer, activation_bytes=0,
+                    params_per_rank=params, stage=0, layers_on_stage=0, inflight_microbatches=0,
+                    num_microbatches=cfg.num_microbatches, bubble_fraction=0.0, comm_bytes=comm,
+                    flops_per_step=6.0 * num_params * tokens, hardware_flops_per_step=6.0 * num_params * tokens,
+                    tokens_per_step=tokens, host_bytes=host, stage_totals=[weights + grads + optimizer])

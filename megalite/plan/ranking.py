@@ -1,0 +1,138 @@
+"""Which layout to run: a step-time model, layout suggestions, and the one-line reason for a choice.
+
+`suggest()` ranks the layouts of N GPUs that fit by `step_time()`; `justify()` is the reason
+printed at start-up. Built on `estimate.py` (the accounting) and `validity.py` (validity).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megalite.config import Recompute, RunConfig
+from megalite.model.config import GPTConfig
+from megalite.plan.communication import bus_factor
+from megalite.plan.per_rank import Estimate, estimate
+from megalite.plan.layout import GB
+from megalite.plan.validity import preflight
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Suggestion:
+    cfg: RunConfig
+    estimate: Estimate
+    step_time_s: float
+    reason: str
+
+
+def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate, gpus_per_node: int, peak_flops: float = 989e12,
+              efficiency: float = 0.5, intra_node_busbw: float = 360e9, inter_node_busbw: float = 40e9) -> dict:
+    """Seconds per step, by part, under stated assumptions (for ranking layouts, not a promise).
+
+    Compute runs at `efficiency` of `peak_flops` and is stretched by the pipeline bubble; TP and
+    PP traffic is exposed; DP gradient reduction hides behind the last microbatch's backward;
+    the post-step parameter all-gather is exposed; each block costs ~30 us of launch overhead per
+    microbatch. A group's bandwidth is NVLink-class when its
+    ranks fit in one node (Megatron order: tp spans tp ranks, dp spans tp*dp, pp the world).
+    """
+    span = {"tp": cfg.parallel.tp, "dp": cfg.parallel.tp * cfg.dp, "pp": cfg.world_size, "embedding": cfg.world_size}
+    size = {"tp": cfg.parallel.tp, "dp": cfg.dp, "pp": cfg.parallel.pp, "embedding": 2}
+    compute = est.hardware_flops_per_step / cfg.world_size / (peak_flops * efficiency)
+    # kernel-launch and small-GEMM overhead: ~30 us per block and microbatch (favours larger microbatches)
+    compute += 30e-6 * est.layers_on_stage * est.num_microbatches
+    compute /= 1.0 - est.bubble_fraction
+    parts = {"compute": compute, "tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "offload": 0.0}
+    for key, n in est.comm_bytes.items():
+        group, op = key.split("/")
+        bw = intra_node_busbw if span[group] <= gpus_per_node else inter_node_busbw
+        seconds = n * bus_factor(op, size[group]) / bw
+        if group == "pp" and op == "recv":
+            continue  # a transfer is one send and one receive: count it once
+        if group == "dp" and op != "all_gather":
+            seconds = max(0.0, seconds - 2.0 / 3.0 * compute / est.num_microbatches)
+        parts[group] += seconds
+    if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
+        shard = est.params_per_rank / (cfg.dp if cfg.parallel.zero else 1)
+        parts["offload"] = shard * 6 / 25e9 + shard / 1e9
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _reason(cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None, gpus_per_node: int) -> str:
+    par, bits = cfg.parallel, []
+    if par.tp > 1:
+        where = "NVLink" if par.tp <= gpus_per_node else "across nodes"
+        bits.append(f"tp={par.tp} on {where} ({parts['tp'] / parts['total']:.0%} of the step)")
+    if par.pp > 1:
+        chunks = f"x{par.virtual_stages} chunks" if par.virtual_stages > 1 else ""
+        bits.append(f"pp={par.pp}{chunks} bubble {est.bubble_fraction:.0%}")
+    if par.tp * par.pp == 1:
+        bits.append("pure data parallel (model fits one GPU)")
+    if par.zero:
+        sharded = ("optimizer", "optimizer+grads", "all states")[par.zero - 1]
+        bits.append(f"ZeRO-{par.zero} shards {sharded} over dp={cfg.dp}")
+    if par.recompute != "none":
+        bits.append(f"{par.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
+    if par.offload_optimizer:
+        bits.append("optimizer offloaded to host")
+    bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
+                else f"{est.total_bytes / GB:.1f} GB per rank")
+    return f"~{parts['total']:.3g} s/step: " + "; ".join(bits)
+
+
+def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, gpus_per_node: int | None = None,
+            peak_flops: float = 989e12) -> str:
+    """The planner's one-line account of a chosen layout (as --suggest words it), for the run's
+    start banner and the file saved beside checkpoints."""
+    est = estimate(model, cfg)
+    gpus_per_node = gpus_per_node or cfg.parallel.tp
+    return _reason(cfg, est, step_time(model, cfg, est, gpus_per_node, peak_flops), gpu_memory, gpus_per_node)
+
+
+def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int, offload: bool):
+    """Every layout suggest() tries: tp within a node, pp dividing the layers, v, ZeRO, recompute, micro batch."""
+    for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
+        try:
+            model.check_tensor_parallel(tp)
+        except ValueError:
+            continue
+        for pp in [d for d in _divisors(gpus // tp) if model.num_layers % d == 0]:
+            dp = gpus // (tp * pp)
+            for v in (1, 2) if pp > 1 else (1,):
+                for zero in (0, 1) if dp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
+                    for recompute in Recompute:
+                        for mb in (1, 2, 4, 8):
+                            yield base.replace(tp=tp, pp=pp, dp=dp, virtual_stages=v, zero=zero,
+                                               offload_optimizer=offload, recompute=recompute,
+                                               sequence_parallel=tp > 1, micro_batch_size=mb, pipeline_schedule=None)
+
+
+def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
+            global_batch_size: int | None = None, precision: str = "bf16", top_k: int = 10,
+            peak_flops: float = 989e12, **bandwidths) -> list[Suggestion]:
+    """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
+
+    Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
+    interleaving, ZeRO 0-1, recompute none/selective/full, micro batch 1-8, and the optimizer
+    offload only when nothing else fits. global_batch_size defaults to 8 sequences per GPU.
+    """
+    gpus_per_node = gpus_per_node or max(1, gpus // nodes)
+    base = RunConfig.build(global_batch_size=global_batch_size or 8 * gpus, precision=precision)
+    found: list[Suggestion] = []
+    for offload in (False, True):
+        for cfg in _candidates(model, base, gpus, gpus_per_node, offload):
+            if preflight(model, cfg, gpus):
+                continue
+            est = estimate(model, cfg)
+            if not est.fits(gpu_memory):
+                continue
+            parts = step_time(model, cfg, est, gpus_per_node, peak_flops, **bandwidths)
+            found.append(Suggestion(cfg, est, parts["total"], _reason(cfg, est, parts, gpu_memory, gpus_per_node)))
+        if found:
+            break
+    rank = {r: i for i, r in enumerate(Recompute)}
+    found.sort(key=lambda c: (round(c.step_time_s, 4), c.cfg.parallel.tp * c.cfg.parallel.pp, c.cfg.parallel.zero,
+                              rank[c.cfg.parallel.recompute], c.cfg.parallel.virtual_stages))
+    return found[:top_k]

@@ -1,0 +1,104 @@
+"""Pre-flight: every configuration problem the planner can see, each naming its fix.
+
+`preflight()` runs before any process group exists (on every rank, on the same settings, so
+every rank stops with the same message and nothing hangs) and by `tools/plan.py`. When a GPU's
+memory is given, a layout that does not fit gets the first change that makes it fit.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megalite.model.config import GPTConfig
+from megalite.pipeline.schedules import check_schedule_args
+from megalite.plan.per_rank import check_degrees, estimate
+from megalite.plan.layout import GB, stage_layers
+from megalite.topology import validate_layout
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: float | None = None) -> list[str]:
+    """Every problem with this layout, each naming its fix; [] when the run may start.
+
+    Memory is checked (when gpu_memory bytes are given) only once the layout itself is valid.
+    """
+    try:
+        check_degrees(cfg)
+    except ValueError as exc:
+        return [str(exc)]
+    errors = _layout_errors(model, cfg, world_size) + _batch_errors(cfg)
+    tp, seq = cfg.parallel.tp, model.seq_length
+    if cfg.parallel.sequence_parallel and tp == 1:
+        errors.append("sequence parallelism shards along the tensor-parallel group; drop --sequence-parallel "
+                      "or set --tp > 1")
+    if cfg.parallel.sequence_parallel and seq % tp:
+        errors.append(f"seq_length={seq} is not divisible by tp={tp} (sequence parallelism splits it); choose "
+                      f"seq_length a multiple of {tp}")
+    if errors or not gpu_memory:
+        return errors
+    est = estimate(model, cfg)
+    if not est.fits(gpu_memory):
+        errors.append(f"estimated {est.total_bytes / GB:.2f} GB per rank (stage {est.stage}) does not fit "
+                      f"{gpu_memory / GB:.1f} GB with 10% headroom; {_memory_fix(model, cfg, gpu_memory)}")
+    return errors
+
+
+def _layout_errors(model: GPTConfig, cfg: RunConfig, world_size: int) -> list[str]:
+    """World size, tp divisibility of the model, and the pipeline split."""
+    errors = []
+    for check in (lambda: validate_layout(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.dp),
+                  lambda: model.check_tensor_parallel(cfg.parallel.tp),
+                  lambda: stage_layers(model, cfg)):
+        try:
+            check()
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def _batch_errors(cfg: RunConfig) -> list[str]:
+    """Batch arithmetic and the pipeline schedule's rules."""
+    errors = []
+    mb, dp, pp, v = cfg.training.micro_batch_size, cfg.dp, cfg.parallel.pp, cfg.parallel.virtual_stages
+    if cfg.global_batch_size % (mb * dp):
+        errors.append(f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size*dp = "
+                      f"{mb}*{dp} = {mb * dp}; choose a multiple of {mb * dp}")
+    m = cfg.num_microbatches
+    if pp > 1 and m < pp:
+        errors.append(f"{m} microbatches < pp={pp} stages: the pipeline never fills; set --global-batch-size "
+                      f">= micro_batch_size*dp*pp = {mb * dp * pp} (more microbatches also shrink the bubble)")
+    if pp > 1 or v > 1:
+        try:
+            check_schedule_args(cfg.schedule, pp, m, v)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def _memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
+    """Name the first single change that makes the layout fit, or point at the planner."""
+    tries = [("--fused-linear-cross-entropy", dict(fused_linear_cross_entropy=True)),
+             ("--recompute selective", dict(recompute="selective")),
+             ("--zero 1", dict(zero=1)), ("--zero 2", dict(zero=2)),
+             ("--recompute full", dict(recompute="full"))]
+    if cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
+        tries.insert(1, ("--sequence-parallel", dict(sequence_parallel=True)))
+    if cfg.training.micro_batch_size > 1:  # the global batch stays: twice the microbatches
+        tries.append((f"--micro-batch-size {cfg.training.micro_batch_size // 2}",
+                      dict(micro_batch_size=cfg.training.micro_batch_size // 2)))
+    tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
+    current = cfg.flat()
+    tries = [(flag, change) for flag, change in tries
+             if not (cfg.dp == 1 and "zero" in change) and not all(current[k] == val for k, val in change.items())]
+    for flag, change in tries:  # one change alone
+        if estimate(model, cfg.replace(**change)).fits(gpu_memory):
+            return f"add {flag}"
+    flags, combined = [], cfg
+    for flag, change in tries:  # or several, cumulatively, in order of cost
+        flags.append(flag)
+        combined = combined.replace(**change)
+        if estimate(model, combined).fits(gpu_memory):
+            kept = [f for i, f in enumerate(flags) if f.split()[0] not in {g.split()[0] for g in flags[i + 1:]}]
+            return f"add {' '.join(kept)}"
+    return "raise --tp/--pp (more GPUs per model replica); `tools/plan.py --suggest` lists layouts that fit"

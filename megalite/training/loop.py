@@ -1,0 +1,332 @@
+"""The whole training job, in the library: `main(argv)` is examples/pretrain_gpt.py.
+
+    configure: flags (+ --config file) -> RunConfig, resolved for this world and validated on
+               every rank before any process group exists (a mistake: one message, exit code 2)
+    build:     mesh -> data -> this rank's model chunks -> DataParallel -> optimizer -> metrics,
+               guards, hang watchdog, profiler, checkpointer, preemption handler
+    resume:    weights, optimizer, data position, step and RNG from the newest intact checkpoint
+    train:     steps; periodic evaluation and checkpoints; SIGTERM/SIGUSR1 save and stop
+    finish:    the last checkpoint and evaluation
+
+Every resource (process group, background checkpoint write, watchdog thread, profiler,
+metrics files, signal handlers) is registered on an ExitStack as it is acquired and released
+in reverse order when the job ends, whether it returns, raises or is interrupted (Ctrl-C).
+A clean end waits for the last checkpoint write and meets the other ranks at a barrier; an
+exception releases everything without communicating (the other ranks may be gone).
+
+Exit codes: 0 done (or stopped by a signal after saving), 2 configuration error, 3 stopped on a
+non-finite loss or gradient (--on-nonfinite stop), 4 replicas differ, 86 hang (the watchdog).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from megalite import comm
+from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
+from megalite.checkpoint.storage import check_save_dir
+from megalite.cli import ConfigFileError, parse_args, to_toml
+from megalite.config import RunConfig
+from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
+from megalite.errors import ConfigError, UsageError
+from megalite.mesh import Mesh, destroy_mesh, init_mesh
+from megalite.model.config import GPTConfig
+from megalite.optim.lr_schedule import LRSchedule
+from megalite.plan import estimate, justify, recompute_fraction
+from megalite.plan.layout import DTYPE_BYTES
+from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
+                                      ReplicaMismatchError, check_replicas)
+from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
+                                       gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+from megalite.training.profiling import StepProfiler
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
+from megalite.training.watchdog import HangWatchdog
+
+
+def log(*parts, rank0_only: bool = True) -> None:
+    if not rank0_only or int(os.environ.get("RANK", "0")) == 0:
+        print(*parts, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configure
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
+    try:
+        cfg, actions = parse_args(argv)
+        world_size = int(os.environ.get("WORLD_SIZE", "0")) or (cfg.world_size if actions["dry_run"] else 1)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        cfg = configure(cfg, world_size, tokenizer.vocab_size)
+    except (UsageError, ConfigFileError, FileNotFoundError) as exc:
+        print(f"megalite: configuration error (rank {os.environ.get('RANK', '0')}):\n{exc}", file=sys.stderr)
+        return 2
+    if actions["print_config"]:
+        print(to_toml(cfg, cfg.derived()), end="")
+        return 0
+    if actions["dry_run"]:
+        print(estimate(cfg.gpt_config(), cfg).describe())
+        return 0
+    return train(cfg, tokenizer)
+
+
+def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
+    """The configuration resolved for this world, or ConfigError listing every problem and its fix."""
+    cfg = cfg.resolved(world_size, tokenizer_vocab_size)
+    problems = cfg.validate(world_size, tokenizer_vocab_size)
+    if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
+        problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
+    if problems:
+        raise ConfigError("\n".join(f"  - {p}" for p in problems))
+    return cfg
+
+
+def _checkpoint_bytes_per_node(cfg: RunConfig, world_size: int) -> int:
+    """Weights + fp32 master, exp_avg, exp_avg_sq, for this node's ranks' share (node-local disks)."""
+    per_param = DTYPE_BYTES[cfg.precision.precision] + 12
+    node_share = min(1.0, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / max(1, world_size))
+    return int(cfg.gpt_config().num_params() * per_param * node_share)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """Everything one rank's training job holds (built by `build_job`)."""
+
+    cfg: RunConfig
+    model_cfg: GPTConfig
+    mesh: Mesh
+    train_set: Any
+    valid_set: Any
+    sampler: GlobalBatchSampler
+    chunks: list
+    model: Any  # DataParallel
+    optimizer: Any  # DistributedOptimizer
+    lr_at: LRSchedule
+    meter: ThroughputMeter
+    writer: MetricsWriter
+    timer: TimeBreakdown
+    profiler: StepProfiler
+    guard: NonFiniteGuard
+    watchdog: HangWatchdog | None
+    checkpointer: Checkpointer | None
+    preemption: PreemptionHandler
+    last_saved: int = 0
+
+
+def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
+    """Register `release(clean)`: clean is True when the job ends without an exception."""
+    resources.push(lambda exc_type, exc, tb: release(exc_type is None))
+
+
+def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
+    """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
+    p = cfg.parallel
+    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp)
+    _on_exit(resources, lambda clean: destroy_mesh())
+    torch.manual_seed(cfg.training.seed)
+    model_cfg = cfg.gpt_config()
+    _announce(cfg, model_cfg, mesh)
+    t = cfg.training
+    train_set, valid_set, _ = build_gpt_datasets(list(cfg.data.data_path) if cfg.data.data_path else None,
+                                                 cfg.data.split, model_cfg.seq_length, t.seed, tokenizer)
+    sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
+                                 mesh.dp_size, seed=t.seed)
+    log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
+        + (f", {len(valid_set)} validation" if valid_set is not None else ""))
+    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    model = build_data_parallel(chunks, cfg, mesh)
+    optimizer = build_optimizer(model, cfg)
+    o = cfg.optimizer
+    lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
+    return Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
+               *_services(cfg, model_cfg, mesh, resources))
+
+
+def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
+    plan = estimate(model_cfg, cfg)
+    log(mesh.describe())
+    log(f"model: {model_cfg.flavour} {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, "
+        f"heads={model_cfg.num_attention_heads}/{model_cfg.num_query_groups}, {model_cfg.num_params() / 1e6:.2f}M "
+        f"params, vocab {model_cfg.vocab_size} (padded {model_cfg.padded_vocab_size(cfg.parallel.tp)}), "
+        f"seq {model_cfg.seq_length}")
+    log(f"batch: global {cfg.global_batch_size} = micro {cfg.training.micro_batch_size} x dp {cfg.dp} x "
+        f"accumulation {cfg.num_microbatches}; {cfg.precision.precision}; schedule "
+        f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
+        f"{plan.total_bytes / 1e9:.2f} GB per rank")
+    log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> tuple:
+    """(meter, writer, timer, profiler, guard, watchdog, checkpointer, preemption), each released on exit."""
+    lg, ft, ck = cfg.logging, cfg.fault_tolerance, cfg.checkpoint
+    precision = cfg.precision.precision
+    peak = lg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda" else None,
+                                         precision)
+    meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.training.micro_batch_size, cfg.dp,
+                            cfg.num_microbatches, mesh.world_size, cfg.parallel.recompute, cfg.training.train_iters,
+                            peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
+    writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=mesh.rank == 0)
+    _on_exit(resources, lambda clean: writer.close())
+    if mesh.rank == 0 and lg.metrics_file:  # the resolved configuration beside the metrics
+        Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
+    profiler = StepProfiler(lg.profile_steps, lg.profile_dir, mesh.rank, mesh.device, log=log)
+    _on_exit(resources, lambda clean: profiler.close())  # stopped inside the profiled window: nothing written
+    guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == "fp16", log=log)
+    watchdog = HangWatchdog(ft.hang_timeout, ft.hang_report_dir, mesh=mesh).start() if ft.hang_timeout else None
+    if watchdog is not None:
+        _on_exit(resources, lambda clean: watchdog.stop())
+    checkpointer = Checkpointer(ck.save, mesh, keep_last=ck.keep_last, keep_every=ck.keep_every,
+                                async_save=ck.async_save, log=log) if ck.save else None
+    if checkpointer is not None:  # the last background write lands before the process ends
+        _on_exit(resources, lambda clean: checkpointer.finish() if clean else checkpointer.abandon())
+    preemption = PreemptionHandler(mesh)  # SIGTERM/SIGUSR1: every rank stops after the same step
+    _on_exit(resources, lambda clean: preemption.close())
+    _on_exit(resources, lambda clean: comm.barrier(comm.world_group()) if clean else None)
+    return meter, writer, TimeBreakdown(), profiler, guard, watchdog, checkpointer, preemption
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume, train, finish
+# ---------------------------------------------------------------------------------------------
+
+
+def train(cfg: RunConfig, tokenizer=None) -> int:
+    """Run the job of a validated, resolved configuration; returns the process exit code."""
+    with contextlib.ExitStack() as resources:
+        job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources)
+        start_step = resume(job)
+        try:
+            stopped = train_steps(job, start_step)
+        except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
+            print(f"megalite (rank {job.mesh.rank}): {exc}", file=sys.stderr, flush=True)
+            return NONFINITE_EXIT_CODE if isinstance(exc, NonFiniteError) else REPLICA_MISMATCH_EXIT_CODE
+        if not stopped and start_step < cfg.training.train_iters:
+            save(job, cfg.training.train_iters)
+            every = cfg.training.eval_interval
+            if not (every and cfg.training.train_iters % every == 0):  # else just evaluated
+                run_evaluation(job, cfg.training.train_iters)
+        return 0
+
+
+def resume(job: Job) -> int:
+    """Load the newest intact checkpoint of --load (any layout); returns the step to continue after."""
+    ck = job.cfg.checkpoint
+    if not ck.load:
+        return 0
+    resumed = load_checkpoint(ck.load, job.chunks, job.optimizer, job.mesh, step=ck.load_step,
+                              load_optimizer=not ck.no_load_optim, log=log)
+    start_step = 0
+    if resumed is not None and not ck.no_load_optim:
+        start_step = resumed.step
+        job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
+    job.last_saved = start_step
+    if job.watchdog:
+        job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
+    if start_step >= job.cfg.training.train_iters:
+        log(f"the checkpoint is at step {start_step} >= --train-iters {job.cfg.training.train_iters}: nothing to "
+            f"train")
+    return start_step
+
+
+def train_steps(job: Job, start_step: int) -> bool:
+    """Steps start_step+1 .. train_iters; True when a signal stopped the run early (after saving)."""
+    cfg = job.cfg
+    for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
+        maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
+        result, step_time = _timed_step(job, step, indices)
+        job.guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
+        interval = cfg.fault_tolerance.check_replicas_interval
+        if interval and step % interval == 0:
+            job.model.wait_for_params()  # --overlap-param-gather leaves the gathers in flight
+            check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
+        if step == start_step + 1:
+            log(estimate_vs_measured(estimate(job.model_cfg, cfg), job.mesh.device))
+        _record(job, step, step_time, result)
+        if cfg.logging.straggler_interval and step % cfg.logging.straggler_interval == 0:
+            times, hosts = gather_step_times(step_time)
+            log(straggler_report(times, hosts).describe())
+        if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
+            run_evaluation(job, step)
+        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+            save(job, step)
+        if job.watchdog:
+            job.watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
+        if job.preemption.should_stop(step):
+            save(job, step)
+            log(f"stopping after step {step} on a signal"
+                + (f"; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
+            return True
+    return False
+
+
+def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
+    job.profiler.before_step(step)
+    start = time.perf_counter()
+    job.timer.reset()
+    with job.timer.phase("data"):
+        microbatches = load_microbatches(job.train_set, indices)
+    lr = job.lr_at(step - 1)
+    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
+                        timer=job.timer)
+    result["lr"] = lr
+    job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
+    if job.mesh.device.type == "cuda":
+        torch.cuda.synchronize()
+    step_time = time.perf_counter() - start
+    job.profiler.after_step(step)
+    return result, step_time
+
+
+def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> None:
+    """The metrics record and progress line of a logged step."""
+    cfg = job.cfg
+    if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
+        return
+    record = job.meter.step(step, step_time, loss=result["loss"], lr=result["lr"], grad_norm=result["grad_norm"],
+                            skipped=result["skipped"], exposed_dp_comm_s=result["exposed_dp_comm_s"],
+                            exposed_grad_reduce_s=result["exposed_grad_reduce_s"],
+                            exposed_param_gather_s=result["exposed_param_gather_s"],
+                            **job.timer.summary(step_time), **memory_stats(job.mesh.device),
+                            **job.optimizer.memory_report())
+    if cfg.precision.precision == "fp16":
+        record["loss_scale"] = result["loss_scale"]
+    job.writer.write(record)
+    log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
+
+
+def save(job: Job, step: int) -> None:
+    """Checkpoint the state after `step` (once per step), with the resolved configuration inside."""
+    if job.checkpointer is None or job.last_saved == step:
+        return
+    job.model.wait_for_params()
+    job.checkpointer.save(step, job.chunks, job.optimizer, consumed_samples=job.sampler.consumed_samples,
+                          model_config=job.model_cfg, train_config=job.cfg.to_dict())
+    job.last_saved = step
+
+
+def run_evaluation(job: Job, step: int) -> None:
+    t = job.cfg.training
+    if job.valid_set is None or t.eval_iters == 0:
+        return
+    batches = EvalSampler(len(job.valid_set), t.eval_iters, job.cfg.global_batch_size, t.micro_batch_size,
+                          job.mesh.dp_rank, job.mesh.dp_size)
+    microbatches = [mb for indices in batches for mb in load_microbatches(job.valid_set, indices)]
+    if not microbatches:
+        return
+    loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
+    log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
+    job.writer.write_eval(step, loss)
