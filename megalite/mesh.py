@@ -1,11 +1,17 @@
 """The device mesh: rank arithmetic (pure functions) and `Mesh`, the frozen object holding groups.
 
-Rank order is Megatron's: tp varies fastest, then dp, then pp,
+Rank order is Megatron's, with context parallelism between tp and dp: tp varies fastest,
+then cp, then dp, then pp,
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so the ranks of one tensor-parallel group are neighbours (one node, NVLink) and pipeline
-stages are farthest apart (they only exchange activations point to point).
+so the ranks of one tensor-parallel group are neighbours (one node, NVLink), a context-parallel
+ring is next closest (it moves K/V blocks every layer), and pipeline stages are farthest apart
+(they only exchange activations point to point). At cp = 1 this is `tp_rank + tp * (dp_rank +
+dp * pp_rank)`: every layout without context parallelism keeps its ranks.
+
+Parameters are replicated across cp (each cp rank holds different tokens of the same
+sequences), so gradients are reduced over the combined data x context group, `dp_cp`.
 
 Everything above `Mesh` is pure arithmetic and is tested without any process group.
 `init_mesh` is the only function here that touches `torch.distributed`, and it does so
@@ -28,69 +34,134 @@ from megalite import comm
 # ---------------------------------------------------------------------------------------------
 
 
-def validate_layout(world_size: int, tp: int, pp: int, dp: int | None) -> int:
+def validate_layout(world_size: int, tp: int, pp: int, dp: int | None, cp: int = 1) -> int:
     """Check the degrees against the world size and return dp (inferred when None).
 
     Raises ValueError naming what to change; never touches a process group.
     """
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    model_ranks = tp * cp * pp
     if dp is None:
-        if world_size % (tp * pp) != 0:
+        if world_size % model_ranks != 0:
+            what, flags = ("tp*pp", "--tp/--pp") if cp == 1 else ("tp*cp*pp", "--tp/--cp/--pp")
+            degrees = f"{tp}*{pp}" if cp == 1 else f"{tp}*{cp}*{pp}"
             raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                f"launch a multiple of {tp * pp} processes or change --tp/--pp"
+                f"world size {world_size} is not divisible by {what} = {degrees} = {model_ranks}; "
+                f"launch a multiple of {model_ranks} processes or change {flags}"
             )
-        return world_size // (tp * pp)
+        return world_size // model_ranks
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"--dp must be a positive integer, got {dp!r}")
-    if tp * pp * dp != world_size:
+    if model_ranks * dp != world_size:
+        if cp == 1:
+            what, degrees, flags = "tp*pp*dp", f"{tp}*{pp}*{dp}", "--tp/--pp/--dp"
+        else:
+            what, degrees, flags = "tp*cp*pp*dp", f"{tp}*{cp}*{pp}*{dp}", "--tp/--cp/--pp/--dp"
         raise ValueError(
-            f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
-            f"launch {tp * pp * dp} processes (torchrun --nproc_per_node ...) or change --tp/--pp/--dp"
+            f"world size {world_size} != {what} = {degrees} = {model_ranks * dp}; "
+            f"launch {model_ranks * dp} processes (torchrun --nproc_per_node ...) or change {flags}"
         )
     return dp
 
 
-def rank_to_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """rank -> (tp_rank, dp_rank, pp_rank) in Megatron order (tp fastest, then dp, then pp)."""
-    if not 0 <= rank < tp * pp * dp:
-        raise ValueError(f"rank {rank} outside a world of {tp * pp * dp}")
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def rank_to_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
+    """rank -> (tp_rank, dp_rank, pp_rank) in Megatron order (tp fastest, then cp, dp, pp).
+
+    The cp coordinate is `rank_to_cp_rank` (kept apart so the 3-tuple stays what every
+    caller without context parallelism unpacks).
+    """
+    if not 0 <= rank < tp * cp * pp * dp:
+        raise ValueError(f"rank {rank} outside a world of {tp * cp * pp * dp}")
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
 
-def coords_to_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    """(tp_rank, dp_rank, pp_rank) -> global rank; inverse of `rank_to_coords`."""
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
+def rank_to_cp_rank(rank: int, tp: int, cp: int) -> int:
+    """rank -> cp_rank: the position of `rank` in its context-parallel ring."""
+    return (rank // tp) % cp
 
 
-def tp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every tensor-parallel group: ranks that share (dp_rank, pp_rank)."""
-    return [[coords_to_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+def coords_to_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0,
+                   cp: int = 1) -> int:
+    """(tp_rank, dp_rank, pp_rank[, cp_rank]) -> global rank; inverse of `rank_to_coords`."""
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
-def dp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every data-parallel group: ranks that share (tp_rank, pp_rank) and hold the same weights."""
-    return [[coords_to_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+def _ranks(tp: int, pp: int, dp: int, cp: int, vary: str) -> list[list[int]]:
+    """Every group whose members share all coordinates but those named in `vary` (of "tcdp").
+
+    Members are listed with the varied coordinates nested in mesh order (the slowest named
+    first), groups in mesh order of the fixed coordinates: ascending ranks for contiguous
+    coordinates, stage order for pp.
+    """
+    sizes = {"t": tp, "c": cp, "d": dp, "p": pp}
+    fixed = [a for a in "pdct" if a not in vary]  # slowest first
+    varied = [a for a in "pdct" if a in vary]
+    groups = []
+    for fixed_values in _product([sizes[a] for a in fixed]):
+        members = []
+        for varied_values in _product([sizes[a] for a in varied]):
+            at = dict(zip(fixed, fixed_values), **dict(zip(varied, varied_values)))
+            members.append(coords_to_rank(at["t"], at["d"], at["p"], tp, dp, at["c"], cp))
+        groups.append(members)
+    return groups
 
 
-def pp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every pipeline group: ranks that share (tp_rank, dp_rank), ordered by stage."""
-    return [[coords_to_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+def _product(sizes: list[int]) -> list[tuple[int, ...]]:
+    """All index tuples over `sizes`, the last varying fastest."""
+    out: list[tuple[int, ...]] = [()]
+    for size in sizes:
+        out = [prefix + (i,) for prefix in out for i in range(size)]
+    return out
 
 
-def model_parallel_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every model-parallel group (tp x pp): the ranks that together hold one model replica."""
-    return [sorted(coords_to_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)) for d in range(dp)]
+def tp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every tensor-parallel group: ranks that share (cp_rank, dp_rank, pp_rank)."""
+    return _ranks(tp, pp, dp, cp, "t")
 
 
-def embedding_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+def cp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every context-parallel ring: ranks that share (tp_rank, dp_rank, pp_rank), by cp_rank.
+
+    Its members hold different pieces of the same sequences and the same weights.
+    """
+    return _ranks(tp, pp, dp, cp, "c")
+
+
+def dp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every data-parallel group: ranks that share (tp_rank, cp_rank, pp_rank) and hold the same weights."""
+    return _ranks(tp, pp, dp, cp, "d")
+
+
+def dp_cp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every data x context group: ranks that share (tp_rank, pp_rank), in ascending rank order.
+
+    Parameters are replicated over it, so gradients are reduced (and ZeRO shards laid out)
+    over it. At cp = 1 it is the data-parallel group.
+    """
+    return _ranks(tp, pp, dp, cp, "dc")
+
+
+def pp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every pipeline group: ranks that share (tp_rank, cp_rank, dp_rank), ordered by stage."""
+    return _ranks(tp, pp, dp, cp, "p")
+
+
+def model_parallel_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every model-parallel group (tp x pp): the ranks that together hold one model replica.
+
+    One per (cp_rank, dp_rank): cp ranks hold replicas too (of the weights, not of the tokens).
+    """
+    return [sorted(g) for g in _ranks(tp, pp, dp, cp, "pt")]
+
+
+def embedding_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
     """First and last pipeline stage of every pipeline group: they share the tied embedding.
 
     With pp == 1 the group is the single rank (the embedding is tied locally).
     """
-    return [[ranks[0]] if pp == 1 else [ranks[0], ranks[-1]] for ranks in pp_group_ranks(tp, pp, dp)]
+    return [[ranks[0]] if pp == 1 else [ranks[0], ranks[-1]] for ranks in pp_group_ranks(tp, pp, dp, cp)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,10 +171,11 @@ def embedding_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Mesh:
-    """This process's place in the (tp, pp, dp) layout and the process groups it uses.
+    """This process's place in the (tp, cp, dp, pp) layout and the process groups it uses.
 
     Groups are `None` in a single-process run with no process group; every megalite
-    communication function treats `None` as a group of one (a no-op).
+    communication function treats `None` as a group of one (a no-op). At cp = 1, `cp_group`
+    is None and `dp_cp_group` is `dp_group` itself (same ranks, same ledger name "dp").
     """
 
     rank: int
@@ -116,9 +188,13 @@ class Mesh:
     dp_rank: int
     device: torch.device
     backend: str | None
+    cp_size: int = 1
+    cp_rank: int = 0
     tp_group: Any = field(default=None, repr=False)
     pp_group: Any = field(default=None, repr=False)
     dp_group: Any = field(default=None, repr=False)
+    cp_group: Any = field(default=None, repr=False)  # the context-parallel ring (K/V blocks, all-to-alls)
+    dp_cp_group: Any = field(default=None, repr=False)  # dp x cp: where replicated gradients are reduced
     model_parallel_group: Any = field(default=None, repr=False)
     embedding_group: Any = field(default=None, repr=False)
     pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's pipeline group, by stage
@@ -134,15 +210,22 @@ class Mesh:
 
     def describe(self) -> str:
         """A rank table of the whole layout: one line per global rank."""
+        tp, cp, pp, dp = self.tp_size, self.cp_size, self.pp_size, self.dp_size
+        with_cp = cp > 1  # without context parallelism the table keeps its familiar columns
+        order = "tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" if with_cp else \
+            "tp_rank + tp*(dp_rank + dp*pp_rank)"
+        cp_degree = f" cp={cp}" if with_cp else ""
+        cp_column = f" {'cp':>3}" if with_cp else ""
         lines = [
-            f"mesh: world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size} "
-            f"backend={self.backend or 'none'} (rank = tp_rank + tp*(dp_rank + dp*pp_rank))",
-            f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3}  {'host':<20} {'local':>5}  device",
+            f"mesh: world={self.world_size} tp={tp}{cp_degree} pp={pp} dp={dp} "
+            f"backend={self.backend or 'none'} (rank = {order})",
+            f"{'rank':>5} {'tp':>3}{cp_column} {'dp':>3} {'pp':>3}  {'host':<20} {'local':>5}  device",
         ]
         for r in range(self.world_size):
-            t, d, p = rank_to_coords(r, self.tp_size, self.pp_size, self.dp_size)
+            t, d, p = rank_to_coords(r, tp, pp, dp, cp)
+            c = f" {rank_to_cp_rank(r, tp, cp):>3}" if with_cp else ""
             host, local, device = self.placements[r] if r < len(self.placements) else ("?", -1, "?")
-            lines.append(f"{r:>5} {t:>3} {d:>3} {p:>3}  {host:<20} {local:>5}  {device}")
+            lines.append(f"{r:>5} {t:>3}{c} {d:>3} {p:>3}  {host:<20} {local:>5}  {device}")
         return "\n".join(lines)
 
 
@@ -175,18 +258,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | None = None,
+def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
               timeout_s: float = 600.0) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
-    Validates world == tp*pp*dp before any process group exists. Backend: nccl when CUDA is
+    Validates world == tp*cp*pp*dp before any process group exists. Backend: nccl when CUDA is
     available, gloo otherwise. Sets the CUDA device from LOCAL_RANK. Every rank creates every
     group in the same order (torch.distributed requires it) and keeps its own.
     """
     global _CURRENT_MESH
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp = validate_layout(world_size, tp, pp, dp)
+    dp = validate_layout(world_size, tp, pp, dp, cp)
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -198,7 +281,7 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | No
     if not comm.is_initialized():
         comm.init_process_group(backend, rank, world_size, datetime.timedelta(seconds=timeout_s),
                                 device=device if device.type == "cuda" else None)
-    tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp)
+    tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
 
     def mine(name: str, all_ranks: list[list[int]]):
         chosen = None
@@ -208,15 +291,21 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | No
                 chosen = group
         return chosen
 
-    pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp) if rank in r)
+    pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)
+    groups = {  # created in this order on every rank
+        "tp_group": mine("tp", tp_group_ranks(tp, pp, dp, cp)),
+        "dp_group": mine("dp", dp_group_ranks(tp, pp, dp, cp)),
+        "pp_group": mine("pp", pp_group_ranks(tp, pp, dp, cp)),
+        "model_parallel_group": mine("mp", model_parallel_group_ranks(tp, pp, dp, cp)),
+        "embedding_group": mine("embedding", embedding_group_ranks(tp, pp, dp, cp)),
+    }
+    # At cp = 1 no ring exists and dp x cp is the dp group: no extra groups, layouts unchanged.
+    groups["cp_group"] = mine("cp", cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else None
+    groups["dp_cp_group"] = mine("dp_cp", dp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else groups["dp_group"]
     mesh = Mesh(
         rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
-        tp_group=mine("tp", tp_group_ranks(tp, pp, dp)),
-        dp_group=mine("dp", dp_group_ranks(tp, pp, dp)),
-        pp_group=mine("pp", pp_group_ranks(tp, pp, dp)),
-        model_parallel_group=mine("mp", model_parallel_group_ranks(tp, pp, dp)),
-        embedding_group=mine("embedding", embedding_group_ranks(tp, pp, dp)),
+        cp_size=cp, cp_rank=rank_to_cp_rank(rank, tp, cp), **groups,
         pp_ranks=tuple(pp_ranks),
         # One small gather at start-up, so the rank table names every rank's node and device.
         placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),
