@@ -10,25 +10,16 @@
 
 Names load lazily (PEP 562), so `megalite.context_parallel.checks` imports without torch.
 """
-from __future__ import annotations
+from megalite._lazy import lazy_exports
 
-import importlib
-
-_EXPORTS = {
-    "CP_COMM_TYPES": "checks", "attention_problems": "checks", "check_attention": "checks",
-    "context_parallel_problems": "checks", "sequence_problems": "checks", "ulysses_head_problem": "checks",
-    "LAYOUTS": "zigzag", "chunk_ids": "zigzag", "check_sequence_length": "zigzag", "gather_sequence": "zigzag",
-    "position_ids": "zigzag", "split_sequence": "zigzag",
-    "block_kind": "blocks", "causal_work": "blocks", "rank_block_counts": "blocks", "ring_plan": "blocks",
-    "block_backward": "block_attention", "block_forward": "block_attention", "merge_block": "block_attention",
-    "ring_attention": "ring", "ulysses_attention": "ulysses",
-    "context_parallel_attention": "attention",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "megalite.context_parallel.checks": ["CP_COMM_TYPES", "attention_problems", "check_attention",
+                                         "context_parallel_problems", "sequence_problems", "ulysses_head_problem"],
+    "megalite.context_parallel.zigzag": ["LAYOUTS", "check_sequence_length", "chunk_ids", "gather_sequence",
+                                         "position_ids", "split_sequence"],
+    "megalite.context_parallel.blocks": ["block_kind", "causal_work", "rank_block_counts", "ring_plan"],
+    "megalite.context_parallel.block_attention": ["block_backward", "block_forward", "merge_block"],
+    "megalite.context_parallel.ring": ["ring_attention"],
+    "megalite.context_parallel.ulysses": ["ulysses_attention"],
+    "megalite.context_parallel.attention": ["context_parallel_attention"],
+})

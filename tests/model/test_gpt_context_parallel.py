@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megalite import comm, mesh
+from megalite import params as P
 from megalite.context_parallel import split_sequence
 from megalite.model import GPTModel, preset
 from megalite.testing import assert_tensor_close, run_distributed
@@ -38,7 +39,7 @@ def _reference(name):
     model = GPTModel(_config(name), seed=7)
     loss = model(*_batch(model.config.vocab_size), reduction="sum")
     loss.backward()
-    return loss.item(), {n: p.shard_spec.assemble([p.grad]) for n, p in model.logical_parameters()}
+    return loss.item(), {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,10 @@ def _check_model(m, name, comm_type, reference, sequence_parallel, recompute="no
     torch.testing.assert_close(total, ref_loss, rtol=1e-5, atol=0)
     for logical, p in model.logical_parameters():
         grad = p.grad.clone()
-        if getattr(p, "sequence_parallel_grad", False):
+        if P.is_sequence_parallel_grad(p):
             grad = comm.all_reduce(grad, m.tp_group)
         grad = comm.all_reduce(grad, m.cp_group)  # replicated over cp: summed like over dp
-        assert_tensor_close(grad, p.shard_spec.shard(ref_grads[logical]), rtol=1e-5,
+        assert_tensor_close(grad, P.shard_spec(p).shard(ref_grads[logical]), rtol=1e-5,
                             what=f"{name} {comm_type} {recompute} {logical}")
     with pytest.raises(ValueError, match="reduction='mean' under context parallelism"):
         model(ids, labels)
