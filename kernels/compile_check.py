@@ -51,6 +51,7 @@ TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 8192, 4096, 32, 8, 128, 14336
 TYPICAL_INTS = {
     "n_rows": TOKENS, "rows_per_program": TOKENS // 528, "n_elements": TOKENS * FFN,
     "batch": 2, "n_heads": HEADS, "half": HEAD_DIM // 2, "group_size": HEADS // KV_HEADS, "seq_len": 4096,
+    "kv_len": 4096,
     # rope reads q or k straight out of the fused qkv projection, [s, b, h, d] strided views
     "x_stride_s": 2 * (HEADS + 2 * KV_HEADS) * HEAD_DIM, "x_stride_b": (HEADS + 2 * KV_HEADS) * HEAD_DIM,
     "x_stride_h": HEAD_DIM, "x_stride_d": 1, "cos_stride_s": HEAD_DIM, "sin_stride_s": HEAD_DIM,

@@ -5,7 +5,8 @@
 
 Supported by the kernels: head dims 1..128: natively 16, 32, 64, 128 (SUPPORTED_HEAD_DIMS), any
 other zero-padded to the next of those (exact, at the cost of a copy); float16 / bfloat16 /
-float32 (float32 dots run in full fp32, "ieee", not tf32); the same sequence length for q and k.
+float32 (float32 dots run in full fp32, "ieee", not tf32); the same sequence length for q and k
+when causal (the diagonal), any kv length otherwise.
 
 Forward: one program per (query block, batch*head) streams key/value blocks with an online
 softmax (running max m and sum l per row, in base 2: exp2 with scale*log2(e) folded in) and
@@ -18,6 +19,11 @@ or after it, and a second per (query block, batch*head) accumulates dq:
 
     p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
     ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
+
+Ring attention (megalite.context_parallel) computes one row's softmax over key blocks held by
+different ranks: `attention_forward_with_lse` returns a block's output with its natural-log
+lse (blocks merge by log-sum-exp), and `attention_backward_with_lse` differentiates one block
+given the row's final output and lse (the same three backward kernels, handed them).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | Non
 @triton.jit
 def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                               k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
-                              scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              kv_len, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
@@ -57,14 +63,14 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Stage 1: key blocks that need no mask (every key < every query of this block, and < seq_len).
+    # Stage 1: key blocks that need no mask (every key < every query of this block, and < kv_len).
     # Stage 2: the blocks that cross the diagonal or the end of the sequence, masked.
-    if CAUSAL:
+    if CAUSAL:  # kv_len == seq_len
         unmasked_end = start_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0, so this is a block boundary
         end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len)
     else:
-        unmasked_end = (seq_len // BLOCK_N) * BLOCK_N
-        end_n = seq_len
+        unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
+        end_n = kv_len
     for start_n in range(0, unmasked_end, BLOCK_N):
         cols = start_n + offs_n
         k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
@@ -78,10 +84,10 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
         row_max = new_max
     for start_n in range(unmasked_end, end_n, BLOCK_N):
         cols = start_n + offs_n
-        k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None], mask=cols[None, :] < seq_len,
+        k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None], mask=cols[None, :] < kv_len,
                       other=0.0)
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-        valid = cols[None, :] < seq_len
+        valid = cols[None, :] < kv_len
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= cols[None, :])
         scores = tl.where(valid, scores, float("-inf"))
@@ -89,7 +95,7 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=cols[:, None] < seq_len, other=0.0)
+        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=cols[:, None] < kv_len, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     acc = acc / row_sum[:, None]
@@ -115,7 +121,7 @@ def _attention_delta_kernel(O, DO, DELTA, seq_len, HEAD_DIM: tl.constexpr, BLOCK
 @triton.jit
 def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
                            k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
-                           softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           kv_len, softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     batch_kv_head = tl.program_id(1).to(tl.int64)  # = batch * n_kv_heads + kv_head
@@ -123,7 +129,7 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
     batch, kv_head = batch_kv_head // n_kv_heads, batch_kv_head % n_kv_heads
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_mask = offs_n[:, None] < seq_len
+    kv_mask = offs_n[:, None] < kv_len
     k = tl.load(K + batch * k_stride_b + kv_head * k_stride_h + offs_n[:, None] * k_stride_s + offs_d[None, :],
                 mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM]
     v = tl.load(V + batch * v_stride_b + kv_head * v_stride_h + offs_n[:, None] * v_stride_s + offs_d[None, :],
@@ -155,14 +161,14 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    out_ptrs = (batch_kv_head * seq_len + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    out_ptrs = (batch_kv_head * kv_len + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
-                         k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
+                         k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len, kv_len,
                          softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -180,17 +186,17 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
     k_base = K + batch * k_stride_b + kv_head * k_stride_h
     v_base = V + batch * v_stride_b + kv_head * v_stride_h
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    end_n = seq_len
-    if CAUSAL:
+    end_n = kv_len
+    if CAUSAL:  # kv_len == seq_len
         end_n = tl.minimum(start_m + BLOCK_M, seq_len)
     for start_n in range(0, end_n, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_mask = cols[:, None] < seq_len
+        col_mask = cols[:, None] < kv_len
         k = tl.load(k_base + cols[:, None] * k_stride_s + offs_d[None, :], mask=col_mask, other=0.0)  # [N, D]
         v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=col_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         p = tl.exp2(scores - lse[:, None])
-        valid = cols[None, :] < seq_len
+        valid = cols[None, :] < kv_len
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= cols[None, :])
         p = tl.where(valid, p, 0.0)
@@ -230,56 +236,76 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _pad_head_dim(head_dim: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Zero-pad the last dim to the kernel's head dim: zero columns change no dot product."""
+    padded = _padded_head_dim(head_dim)
+    if padded == head_dim:
+        return list(tensors)
+    return [torch.nn.functional.pad(t, (0, padded - head_dim)) for t in tensors]
+
+
+def _launch_forward(q, k, v, causal: bool, softmax_scale: float):
+    """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] -> (out [b, h, sq, D], lse2 fp32 [b, h, sq], base 2)."""
+    batch, n_heads, seq_len, head_dim = q.shape
+    group_size = n_heads // k.shape[1]
+    cfg = _config(head_dim, q.device, q.dtype)
+    out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
+    lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
+    block_m, block_n, warps, stages = cfg["fwd"]
+    runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+        q, k, v, out, lse2, *_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, k.shape[2],
+        softmax_scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=cfg["precision"], num_warps=warps, num_stages=stages)
+    return out, lse2
+
+
+def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float):
+    """Padded inputs, out and dout contiguous [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv.
+
+    `out` and `lse2` are those of the softmax the block belongs to: over these keys only for
+    plain attention, over every key of the row for one block of a longer row (ring attention).
+    """
+    batch, n_heads, seq_len, head_dim = q.shape
+    n_kv_heads, kv_len = k.shape[1], k.shape[2]
+    group_size = n_heads // n_kv_heads
+    cfg = _config(head_dim, q.device, q.dtype)
+    delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
+    block_m = cfg["dq"][0]
+    runnable(_attention_delta_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+        out, dout, delta, seq_len, HEAD_DIM=head_dim, BLOCK_M=block_m)
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    common = (*_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, kv_len, softmax_scale,
+              softmax_scale * LOG2E)
+    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"])
+    block_m, block_n, warps, stages = cfg["dkdv"]
+    runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(kv_len, block_n), batch * n_kv_heads)](
+        q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        num_stages=stages, **meta)
+    block_m, block_n, warps, stages = cfg["dq"]
+    runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+        q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        num_stages=stages, **meta)
+    return dq, dk, dv
+
+
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale):
         ctx.head_dim = q.shape[-1]
-        padded = _padded_head_dim(ctx.head_dim)
-        if padded != ctx.head_dim:  # zero columns change no dot product; sliced off below
-            q, k, v = (torch.nn.functional.pad(t, (0, padded - ctx.head_dim)) for t in (q, k, v))
-        batch, n_heads, seq_len, head_dim = q.shape
-        group_size = n_heads // k.shape[1]
-        cfg = _config(head_dim, q.device, q.dtype)
-        out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
-        lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
-        block_m, block_n, warps, stages = cfg["fwd"]
-        runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-            q, k, v, out, lse2, *_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len,
-            softmax_scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            DOT_PRECISION=cfg["precision"], num_warps=warps, num_stages=stages)
+        q, k, v = _pad_head_dim(ctx.head_dim, q, k, v)
+        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
-        return out if padded == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
+        return out if out.shape[-1] == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse2 = ctx.saved_tensors
-        batch, n_heads, seq_len, head_dim = q.shape
-        n_kv_heads = k.shape[1]
-        group_size = n_heads // n_kv_heads
-        cfg = _config(head_dim, q.device, q.dtype)
-        if head_dim != ctx.head_dim:
-            dout = torch.nn.functional.pad(dout, (0, head_dim - ctx.head_dim))
-        dout = dout.contiguous()
-        delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
-        block_m = cfg["dq"][0]
-        runnable(_attention_delta_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-            out, dout, delta, seq_len, HEAD_DIM=head_dim, BLOCK_M=block_m)
-        dq = new_output(q.shape, q.dtype, q.device)
-        dk = new_output(k.shape, k.dtype, k.device)
-        dv = new_output(v.shape, v.dtype, v.device)
-        common = (*_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, ctx.softmax_scale,
-                  ctx.softmax_scale * LOG2E)
-        meta = dict(CAUSAL=ctx.causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"])
-        block_m, block_n, warps, stages = cfg["dkdv"]
-        runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(seq_len, block_n), batch * n_kv_heads)](
-            q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, **meta)
-        block_m, block_n, warps, stages = cfg["dq"]
-        runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-            q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, **meta)
-        if head_dim != ctx.head_dim:
+        (dout,) = _pad_head_dim(ctx.head_dim, dout)
+        dq, dk, dv = _launch_backward(q, k, v, out, dout.contiguous(), lse2, ctx.causal, ctx.softmax_scale)
+        if q.shape[-1] != ctx.head_dim:
             dq, dk, dv = (t[..., :ctx.head_dim] for t in (dq, dk, dv))
         return dq, dk, dv, None, None
 
@@ -294,19 +320,8 @@ def _check_shapes(q, k, v) -> None:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              softmax_scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s, d].
-
-    Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
-    The Triton path needs d <= 128 (16, 32, 64, 128 natively, others zero-padded), one dtype among
-    float16/bfloat16/float32 and equal q and kv sequence lengths.
-    """
-    _check_shapes(q, k, v)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.numel() == 0 or not use_triton(q):
-        return attention_reference(q, k, v, causal, softmax_scale)
+def _check_kernel_inputs(q, k, v, causal: bool) -> None:
+    """What the Triton path needs beyond the shapes (the reference takes anything SDPA takes)."""
     check_same_device("attention", q, k, v)
     check_float_dtype("attention", q, "q")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -315,8 +330,69 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         raise ValueError(f"attention: head dim {q.shape[-1]} is not supported by the Triton kernel; supported: "
                          f"1 to {max(SUPPORTED_HEAD_DIMS)} (native {SUPPORTED_HEAD_DIMS}, others zero-padded) "
                          "(or set MEGALITE_KERNEL_BACKEND=torch)")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"attention: the Triton kernel needs equal q and kv lengths, got {q.shape[2]} and "
+    if causal and k.shape[2] != q.shape[2]:
+        raise ValueError(f"attention: the causal Triton kernel needs equal q and kv lengths, got {q.shape[2]} and "
                          f"{k.shape[2]} (or set MEGALITE_KERNEL_BACKEND=torch)")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+
+def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              softmax_scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s_kv, d].
+
+    Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
+    The Triton path needs d <= 128 (16, 32, 64, 128 natively, others zero-padded), one dtype among
+    float16/bfloat16/float32 and, when causal, equal q and kv sequence lengths.
+    """
+    _check_shapes(q, k, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.numel() == 0 or not use_triton(q):
+        return attention_reference(q, k, v, causal, softmax_scale)
+    _check_kernel_inputs(q, k, v, causal)
+    q, k, v = _unit_stride(q, k, v)
     return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# One block of a longer softmax row (ring attention): forward with its log-sum-exp, and a
+# backward that takes the row's final output and log-sum-exp. Not differentiable themselves.
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_forward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                               softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward of one block: (out [b, h, sq, d] in q.dtype, lse fp32 [b, h, sq]).
+
+    lse[i] = log(sum_j exp(softmax_scale * q_i . k_j)) over this block's keys j (natural log),
+    so blocks of one row merge exactly by log-sum-exp. Causal needs sq == sk (the diagonal).
+    """
+    _check_shapes(q, k, v)
+    _check_kernel_inputs(q, k, v, causal)
+    head_dim = q.shape[-1]
+    q, k, v = _pad_head_dim(head_dim, *_unit_stride(q, k, v))
+    out, lse2 = _launch_forward(q, k, v, bool(causal), float(softmax_scale))
+    return out[..., :head_dim], lse2 * (1.0 / LOG2E)  # log2 -> natural log
+
+
+def attention_backward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                dout: torch.Tensor, lse: torch.Tensor, causal: bool,
+                                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward of one block: (dq, dk, dv) in the inputs' dtypes.
+
+    out [b, h, sq, d], dout and lse fp32 [b, h, sq] belong to the whole softmax row the block is
+    part of (every key block merged): p = exp(scale q k^T - lse) is then this block's slice of
+    the row's probabilities and delta = rowsum(dout * out) the row's, which makes the
+    gradients exact whatever the other blocks are.
+    """
+    _check_shapes(q, k, v)
+    _check_kernel_inputs(q, k, v, causal)
+    head_dim = q.shape[-1]
+    q, k, v = _pad_head_dim(head_dim, *_unit_stride(q, k, v))
+    out, dout = (t.contiguous() for t in _pad_head_dim(head_dim, out.to(q.dtype), dout.to(q.dtype)))
+    lse2 = (lse.float() * LOG2E).contiguous()
+    dq, dk, dv = _launch_backward(q, k, v, out, dout, lse2, bool(causal), float(softmax_scale))
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]

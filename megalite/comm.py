@@ -170,6 +170,13 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def group_ranks(group) -> list[int]:
+    """Global ranks of `group`'s members, by group rank (a lookup, no communication)."""
+    if group is None:
+        return [global_rank()]
+    return list(dist.get_process_group_ranks(group))
+
+
 def global_rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 

@@ -1,8 +1,9 @@
 """The device mesh: `Mesh`, the frozen object holding this process's place and process groups.
 
-The rank arithmetic (Megatron order, tp fastest, then dp, then pp) is pure and lives in
-`megalite.topology`, re-exported here. `init_mesh` is the only function here that touches
-`torch.distributed`, and it does so through `megalite.comm` (the communication choke point).
+The rank arithmetic (Megatron order with context parallelism: tp fastest, then cp, dp, pp) is
+pure and lives in `megalite.topology`, re-exported here. `init_mesh` is the only function here
+that touches `torch.distributed`, and it does so through `megalite.comm` (the communication
+choke point).
 """
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Any
 import torch
 
 from megalite import comm
-from megalite.topology import (coords_to_rank, dp_group_ranks, embedding_group_ranks,  # noqa: F401 - re-exported
-                               model_parallel_group_ranks, pp_group_ranks, rank_to_coords, tp_group_ranks,
-                               validate_layout)
+from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
+                               embedding_group_ranks, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
+                               rank_to_cp_rank, tp_group_ranks, validate_layout)
 
 # ---------------------------------------------------------------------------------------------
 # The frozen mesh
@@ -26,10 +27,11 @@ from megalite.topology import (coords_to_rank, dp_group_ranks, embedding_group_r
 
 @dataclass(frozen=True)
 class Mesh:
-    """This process's place in the (tp, pp, dp) layout and the process groups it uses.
+    """This process's place in the (tp, cp, dp, pp) layout and the process groups it uses.
 
     Groups are `None` in a single-process run with no process group; every megalite
-    communication function treats `None` as a group of one (a no-op).
+    communication function treats `None` as a group of one (a no-op). At cp = 1, `cp_group`
+    is None and `dp_cp_group` is `dp_group` itself (same ranks, same ledger name "dp").
     """
 
     rank: int
@@ -42,9 +44,13 @@ class Mesh:
     dp_rank: int
     device: torch.device
     backend: str | None
+    cp_size: int = 1
+    cp_rank: int = 0
     tp_group: Any = field(default=None, repr=False)
     pp_group: Any = field(default=None, repr=False)
     dp_group: Any = field(default=None, repr=False)
+    cp_group: Any = field(default=None, repr=False)  # the context-parallel ring (K/V blocks, all-to-alls)
+    dp_cp_group: Any = field(default=None, repr=False)  # dp x cp: where replicated gradients are reduced
     model_parallel_group: Any = field(default=None, repr=False)
     embedding_group: Any = field(default=None, repr=False)
     pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's pipeline group, by stage
@@ -60,15 +66,22 @@ class Mesh:
 
     def describe(self) -> str:
         """A rank table of the whole layout: one line per global rank."""
+        tp, cp, pp, dp = self.tp_size, self.cp_size, self.pp_size, self.dp_size
+        with_cp = cp > 1  # without context parallelism the table keeps its familiar columns
+        order = "tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" if with_cp else \
+            "tp_rank + tp*(dp_rank + dp*pp_rank)"
+        cp_degree = f" cp={cp}" if with_cp else ""
+        cp_column = f" {'cp':>3}" if with_cp else ""
         lines = [
-            f"mesh: world={self.world_size} tp={self.tp_size} pp={self.pp_size} dp={self.dp_size} "
-            f"backend={self.backend or 'none'} (rank = tp_rank + tp*(dp_rank + dp*pp_rank))",
-            f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3}  {'host':<20} {'local':>5}  device",
+            f"mesh: world={self.world_size} tp={tp}{cp_degree} pp={pp} dp={dp} "
+            f"backend={self.backend or 'none'} (rank = {order})",
+            f"{'rank':>5} {'tp':>3}{cp_column} {'dp':>3} {'pp':>3}  {'host':<20} {'local':>5}  device",
         ]
         for r in range(self.world_size):
-            t, d, p = rank_to_coords(r, self.tp_size, self.pp_size, self.dp_size)
+            t, d, p = rank_to_coords(r, tp, pp, dp, cp)
+            c = f" {rank_to_cp_rank(r, tp, cp):>3}" if with_cp else ""
             host, local, device = self.placements[r] if r < len(self.placements) else ("?", -1, "?")
-            lines.append(f"{r:>5} {t:>3} {d:>3} {p:>3}  {host:<20} {local:>5}  {device}")
+            lines.append(f"{r:>5} {t:>3}{c} {d:>3} {p:>3}  {host:<20} {local:>5}  {device}")
         return "\n".join(lines)
 
 
@@ -101,18 +114,18 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | None = None,
+def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
               timeout_s: float = 600.0) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
-    Validates world == tp*pp*dp before any process group exists. Backend: nccl when CUDA is
+    Validates world == tp*cp*pp*dp before any process group exists. Backend: nccl when CUDA is
     available, gloo otherwise. Sets the CUDA device from LOCAL_RANK. Every rank creates every
     group in the same order (torch.distributed requires it) and keeps its own.
     """
     global _CURRENT_MESH
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp = validate_layout(world_size, tp, pp, dp)
+    dp = validate_layout(world_size, tp, pp, dp, cp)
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -124,7 +137,7 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | No
     if not comm.is_initialized():
         comm.init_process_group(backend, rank, world_size, datetime.timedelta(seconds=timeout_s),
                                 device=device if device.type == "cuda" else None)
-    tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp)
+    tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
 
     def mine(name: str, all_ranks: list[list[int]]):
         chosen = None
@@ -134,15 +147,21 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | No
                 chosen = group
         return chosen
 
-    pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp) if rank in r)
+    pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)
+    groups = {  # created in this order on every rank
+        "tp_group": mine("tp", tp_group_ranks(tp, pp, dp, cp)),
+        "dp_group": mine("dp", dp_group_ranks(tp, pp, dp, cp)),
+        "pp_group": mine("pp", pp_group_ranks(tp, pp, dp, cp)),
+        "model_parallel_group": mine("mp", model_parallel_group_ranks(tp, pp, dp, cp)),
+        "embedding_group": mine("embedding", embedding_group_ranks(tp, pp, dp, cp)),
+    }
+    # At cp = 1 no ring exists and dp x cp is the dp group: no extra groups, layouts unchanged.
+    groups["cp_group"] = mine("cp", cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else None
+    groups["dp_cp_group"] = mine("dp_cp", dp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else groups["dp_group"]
     mesh = Mesh(
         rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
-        tp_group=mine("tp", tp_group_ranks(tp, pp, dp)),
-        dp_group=mine("dp", dp_group_ranks(tp, pp, dp)),
-        pp_group=mine("pp", pp_group_ranks(tp, pp, dp)),
-        model_parallel_group=mine("mp", model_parallel_group_ranks(tp, pp, dp)),
-        embedding_group=mine("embedding", embedding_group_ranks(tp, pp, dp)),
+        cp_size=cp, cp_rank=rank_to_cp_rank(rank, tp, cp), **groups,
         pp_ranks=tuple(pp_ranks),
         # One small gather at start-up, so the rank table names every rank's node and device.
         placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),

@@ -1,76 +1,148 @@
-"""Rank arithmetic of the (tp, dp, pp) layout: pure functions, no torch, no process group.
+"""Rank arithmetic of the (tp, cp, dp, pp) layout: pure functions, no torch, no process group.
 
-Rank order is Megatron's: tp varies fastest, then dp, then pp,
+Rank order is Megatron's, with context parallelism between tp and dp: tp varies fastest,
+then cp, then dp, then pp,
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so the ranks of one tensor-parallel group are neighbours (one node, NVLink) and pipeline
-stages are farthest apart (they only exchange activations point to point). `megalite.mesh`
-builds the process groups from these lists; the planner validates layouts with them.
+so the ranks of one tensor-parallel group are neighbours (one node, NVLink), a context-parallel
+ring is next closest (it moves K/V blocks every layer), and pipeline stages are farthest apart
+(they only exchange activations point to point). At cp = 1 this is `tp_rank + tp * (dp_rank +
+dp * pp_rank)`: every layout without context parallelism keeps its ranks.
+
+Parameters are replicated across cp (each cp rank holds different tokens of the same
+sequences), so gradients are reduced over the combined data x context group, `dp_cp`.
+`megalite.mesh` builds the process groups from these lists; the planner validates layouts
+with them.
 """
 from __future__ import annotations
 
 
-def validate_layout(world_size: int, tp: int, pp: int, dp: int | None) -> int:
+def validate_layout(world_size: int, tp: int, pp: int, dp: int | None, cp: int = 1) -> int:
     """Check the degrees against the world size and return dp (inferred when None).
 
     Raises ValueError naming what to change; never touches a process group.
     """
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+    model_ranks = tp * cp * pp
     if dp is None:
-        if world_size % (tp * pp) != 0:
+        if world_size % model_ranks != 0:
+            what, flags = ("tp*pp", "--tp/--pp") if cp == 1 else ("tp*cp*pp", "--tp/--cp/--pp")
+            degrees = f"{tp}*{pp}" if cp == 1 else f"{tp}*{cp}*{pp}"
             raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                f"launch a multiple of {tp * pp} processes or change --tp/--pp"
+                f"world size {world_size} is not divisible by {what} = {degrees} = {model_ranks}; "
+                f"launch a multiple of {model_ranks} processes or change {flags}"
             )
-        return world_size // (tp * pp)
+        return world_size // model_ranks
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"--dp must be a positive integer, got {dp!r}")
-    if tp * pp * dp != world_size:
+    if model_ranks * dp != world_size:
+        if cp == 1:
+            what, degrees, flags = "tp*pp*dp", f"{tp}*{pp}*{dp}", "--tp/--pp/--dp"
+        else:
+            what, degrees, flags = "tp*cp*pp*dp", f"{tp}*{cp}*{pp}*{dp}", "--tp/--cp/--pp/--dp"
         raise ValueError(
-            f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}; "
-            f"launch {tp * pp * dp} processes (torchrun --nproc_per_node ...) or change --tp/--pp/--dp"
+            f"world size {world_size} != {what} = {degrees} = {model_ranks * dp}; "
+            f"launch {model_ranks * dp} processes (torchrun --nproc_per_node ...) or change {flags}"
         )
     return dp
 
 
-def rank_to_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """rank -> (tp_rank, dp_rank, pp_rank) in Megatron order (tp fastest, then dp, then pp)."""
-    if not 0 <= rank < tp * pp * dp:
-        raise ValueError(f"rank {rank} outside a world of {tp * pp * dp}")
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def rank_to_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
+    """rank -> (tp_rank, dp_rank, pp_rank) in Megatron order (tp fastest, then cp, dp, pp).
+
+    The cp coordinate is `rank_to_cp_rank` (kept apart so the 3-tuple stays what every
+    caller without context parallelism unpacks).
+    """
+    if not 0 <= rank < tp * cp * pp * dp:
+        raise ValueError(f"rank {rank} outside a world of {tp * cp * pp * dp}")
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
 
-def coords_to_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    """(tp_rank, dp_rank, pp_rank) -> global rank; inverse of `rank_to_coords`."""
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
+def rank_to_cp_rank(rank: int, tp: int, cp: int) -> int:
+    """rank -> cp_rank: the position of `rank` in its context-parallel ring."""
+    return (rank // tp) % cp
 
 
-def tp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every tensor-parallel group: ranks that share (dp_rank, pp_rank)."""
-    return [[coords_to_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+def coords_to_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0,
+                   cp: int = 1) -> int:
+    """(tp_rank, dp_rank, pp_rank[, cp_rank]) -> global rank; inverse of `rank_to_coords`."""
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
-def dp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every data-parallel group: ranks that share (tp_rank, pp_rank) and hold the same weights."""
-    return [[coords_to_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+def _ranks(tp: int, pp: int, dp: int, cp: int, vary: str) -> list[list[int]]:
+    """Every group whose members share all coordinates but those named in `vary` (of "tcdp").
+
+    Members are listed with the varied coordinates nested in mesh order (the slowest named
+    first), groups in mesh order of the fixed coordinates: ascending ranks for contiguous
+    coordinates, stage order for pp.
+    """
+    sizes = {"t": tp, "c": cp, "d": dp, "p": pp}
+    fixed = [a for a in "pdct" if a not in vary]  # slowest first
+    varied = [a for a in "pdct" if a in vary]
+    groups = []
+    for fixed_values in _product([sizes[a] for a in fixed]):
+        members = []
+        for varied_values in _product([sizes[a] for a in varied]):
+            at = dict(zip(fixed, fixed_values), **dict(zip(varied, varied_values)))
+            members.append(coords_to_rank(at["t"], at["d"], at["p"], tp, dp, at["c"], cp))
+        groups.append(members)
+    return groups
 
 
-def pp_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every pipeline group: ranks that share (tp_rank, dp_rank), ordered by stage."""
-    return [[coords_to_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+def _product(sizes: list[int]) -> list[tuple[int, ...]]:
+    """All index tuples over `sizes`, the last varying fastest."""
+    out: list[tuple[int, ...]] = [()]
+    for size in sizes:
+        out = [prefix + (i,) for prefix in out for i in range(size)]
+    return out
 
 
-def model_parallel_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every model-parallel group (tp x pp): the ranks that together hold one model replica."""
-    return [sorted(coords_to_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)) for d in range(dp)]
+def tp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every tensor-parallel group: ranks that share (cp_rank, dp_rank, pp_rank)."""
+    return _ranks(tp, pp, dp, cp, "t")
 
 
-def embedding_group_ranks(tp: int, pp: int, dp: int) -> list[list[int]]:
+def cp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every context-parallel ring: ranks that share (tp_rank, dp_rank, pp_rank), by cp_rank.
+
+    Its members hold different pieces of the same sequences and the same weights.
+    """
+    return _ranks(tp, pp, dp, cp, "c")
+
+
+def dp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every data-parallel group: ranks that share (tp_rank, cp_rank, pp_rank) and hold the same weights."""
+    return _ranks(tp, pp, dp, cp, "d")
+
+
+def dp_cp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every data x context group: ranks that share (tp_rank, pp_rank), in ascending rank order.
+
+    Parameters are replicated over it, so gradients are reduced (and ZeRO shards laid out)
+    over it. At cp = 1 it is the data-parallel group.
+    """
+    return _ranks(tp, pp, dp, cp, "dc")
+
+
+def pp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every pipeline group: ranks that share (tp_rank, cp_rank, dp_rank), ordered by stage."""
+    return _ranks(tp, pp, dp, cp, "p")
+
+
+def model_parallel_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every model-parallel group (tp x pp): the ranks that together hold one model replica.
+
+    One per (cp_rank, dp_rank): cp ranks hold replicas too (of the weights, not of the tokens).
+    """
+    return [sorted(g) for g in _ranks(tp, pp, dp, cp, "pt")]
+
+
+def embedding_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
     """First and last pipeline stage of every pipeline group: they share the tied embedding.
 
     With pp == 1 the group is the single rank (the embedding is tied locally).
     """
-    return [[ranks[0]] if pp == 1 else [ranks[0], ranks[-1]] for ranks in pp_group_ranks(tp, pp, dp)]
+    return [[ranks[0]] if pp == 1 else [ranks[0], ranks[-1]] for ranks in pp_group_ranks(tp, pp, dp, cp)]

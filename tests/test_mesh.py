@@ -83,3 +83,97 @@ def _bad_world():
 def test_bad_world_fails_on_every_rank_without_hanging():
     with pytest.raises(Exception, match="not divisible by tp\\*pp"):
         run_distributed(_bad_world, 4, timeout_s=30)
+
+
+# --- context parallelism: a cp dimension between tp and dp ------------------------------------
+
+CP_LAYOUTS = [(tp, cp, pp, dp) for tp, cp, pp, dp in itertools.product([1, 2, 4], [1, 2, 3, 4], [1, 2], [1, 2, 3])
+              if tp * cp * pp * dp <= 64]
+
+
+def _group_of(groups, rank):
+    return next(g for g in groups if rank in g)
+
+
+@pytest.mark.parametrize("tp,cp,pp,dp", CP_LAYOUTS)
+def test_context_parallel_rank_arithmetic(tp, cp, pp, dp):
+    world = tp * cp * pp * dp
+    for rank in range(world):
+        t, d, p = mesh.rank_to_coords(rank, tp, pp, dp, cp)
+        c = mesh.rank_to_cp_rank(rank, tp, cp)
+        assert rank == t + tp * (c + cp * (d + dp * p))  # tp fastest, then cp, dp, pp
+        assert mesh.coords_to_rank(t, d, p, tp, dp, c, cp) == rank
+    kinds = {"tp": (mesh.tp_group_ranks, tp), "cp": (mesh.cp_group_ranks, cp), "dp": (mesh.dp_group_ranks, dp),
+             "pp": (mesh.pp_group_ranks, pp), "dp_cp": (mesh.dp_cp_group_ranks, dp * cp),
+             "mp": (mesh.model_parallel_group_ranks, tp * pp)}
+    for name, (fn, size) in kinds.items():
+        groups = fn(tp, pp, dp, cp)
+        assert sorted(r for g in groups for r in g) == list(range(world)), f"{name} groups partition the world"
+        assert all(len(g) == size for g in groups), name
+    for rank in range(world):
+        t, d, p = mesh.rank_to_coords(rank, tp, pp, dp, cp)
+        c = mesh.rank_to_cp_rank(rank, tp, cp)
+        ring = _group_of(mesh.cp_group_ranks(tp, pp, dp, cp), rank)
+        assert ring == [mesh.coords_to_rank(t, d, p, tp, dp, i, cp) for i in range(cp)], "a ring is ordered by cp_rank"
+        replicas = _group_of(mesh.dp_cp_group_ranks(tp, pp, dp, cp), rank)
+        assert replicas == sorted(mesh.coords_to_rank(t, i, p, tp, dp, j, cp) for i in range(dp) for j in range(cp))
+        # every dp group and every cp ring of a rank lies inside its dp x cp group
+        assert set(_group_of(mesh.dp_group_ranks(tp, pp, dp, cp), rank)) <= set(replicas)
+        assert set(ring) <= set(replicas)
+        stages = _group_of(mesh.pp_group_ranks(tp, pp, dp, cp), rank)
+        assert [mesh.rank_to_coords(r, tp, pp, dp, cp)[2] for r in stages] == list(range(pp))
+        assert {mesh.rank_to_cp_rank(r, tp, cp) for r in stages} == {c}
+    for g in mesh.tp_group_ranks(tp, pp, dp, cp):
+        assert g == list(range(g[0], g[0] + tp)), "tp groups stay consecutive ranks"
+
+
+def test_cp_one_keeps_every_layout():
+    for tp, pp, dp in LAYOUTS:
+        for fn in (mesh.tp_group_ranks, mesh.dp_group_ranks, mesh.pp_group_ranks, mesh.model_parallel_group_ranks,
+                   mesh.embedding_group_ranks):
+            assert fn(tp, pp, dp, 1) == fn(tp, pp, dp)
+        assert mesh.dp_cp_group_ranks(tp, pp, dp, 1) == mesh.dp_group_ranks(tp, pp, dp)
+        assert mesh.cp_group_ranks(tp, pp, dp, 1) == [[r] for r in range(tp * pp * dp)]
+
+
+def test_known_context_parallel_layout():
+    # tp=2, cp=2, dp=2 on 8 ranks: the ring joins tp-neighbour pairs, dp the next level out.
+    assert mesh.tp_group_ranks(2, 1, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.cp_group_ranks(2, 1, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.dp_group_ranks(2, 1, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.dp_cp_group_ranks(2, 1, 2, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+@pytest.mark.parametrize("world,tp,pp,dp,cp,needle", [
+    (8, 2, 1, None, 3, "not divisible by tp*cp*pp = 2*3*1 = 6"),
+    (8, 2, 1, 4, 2, "world size 8 != tp*cp*pp*dp = 2*2*1*4 = 16"),
+    (8, 1, 1, None, 0, "--cp must be a positive integer"),
+])
+def test_validate_layout_with_cp_names_the_fix(world, tp, pp, dp, cp, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        mesh.validate_layout(world, tp, pp, dp, cp)
+
+
+def _context_parallel_groups_in_world(tp, cp):
+    m = mesh.init_mesh(tp=tp, cp=cp)
+    x = torch.tensor([float(m.rank)])
+    sums = {name: comm.all_reduce(x.clone(), getattr(m, f"{name}_group")).item()
+            for name in ("tp", "cp", "dp", "dp_cp", "pp")}
+    return m.rank, (m.tp_rank, m.cp_rank, m.dp_rank, m.pp_rank), sums, comm.group_name(m.dp_cp_group), m.describe()
+
+
+def test_real_context_parallel_groups_match_arithmetic():
+    tp, cp, pp, dp = 2, 2, 1, 2
+    results = run_distributed(_context_parallel_groups_in_world, 8, tp, cp)
+    functions = {"tp": mesh.tp_group_ranks, "cp": mesh.cp_group_ranks, "dp": mesh.dp_group_ranks,
+                 "dp_cp": mesh.dp_cp_group_ranks, "pp": mesh.pp_group_ranks}
+    for rank, coords, sums, dp_cp_name, _ in results:
+        t, d, p = mesh.rank_to_coords(rank, tp, pp, dp, cp)
+        assert coords == (t, mesh.rank_to_cp_rank(rank, tp, cp), d, p)
+        for name, fn in functions.items():
+            assert sums[name] == sum(_group_of(fn(tp, pp, dp, cp), rank)), name
+        assert dp_cp_name == "dp_cp"
+    table = results[0][4]
+    assert "rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" in table
+    assert table.splitlines()[1].split()[:5] == ["rank", "tp", "cp", "dp", "pp"]
+    assert table.splitlines()[2 + 6].split()[:5] == ["6", "0", "1", "1", "0"]  # rank 6 = 0 + 2*(1 + 2*1)

@@ -14,6 +14,13 @@ forward(x, labels=None, reduction="mean"):
 - last stage without labels: this rank's logits shard [b, s, V_pad/tp].
 - last stage with labels [b, s] (labels[:, i] is the target of x[:, i]; -100 ignored): the loss,
   the mean over target tokens (equal on every tp rank) or, with reduction="sum", the sum.
+
+Context parallelism (the mesh's cp group, cp > 1): each cp rank is handed its zigzag chunks
+of the ids and labels (`context_parallel.split_sequence`, [b, s] -> [b, s/cp]) and s above is
+s/cp. Positions (learned table or RoPE) are the tokens' global ones; attention is ring
+(cp_comm_type "p2p") or Ulysses ("a2a") over the cp group. reduction="sum" is this rank's
+tokens' sum: the caller divides the sum over cp ranks by their total target tokens (a local
+"mean" would weigh ranks wrongly and is refused).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import torch
 from torch import nn
 
 from megalite import comm, params
+from megalite.context_parallel.zigzag import position_ids
 from megalite.mesh import Mesh, current_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -51,10 +59,13 @@ class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, mesh: Mesh | None = None, *, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None,
-                 fused_linear_cross_entropy: bool = False, recompute_num_layers: int | None = None):
+                 fused_linear_cross_entropy: bool = False, recompute_num_layers: int | None = None,
+                 cp_comm_type: str = "p2p"):
         super().__init__()
         mesh = mesh or current_mesh()
         self.tp_group = mesh.tp_group if mesh is not None else None
+        self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
+        self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
         tp_size = comm.group_size(self.tp_group)
         tp_rank, pp_rank = comm.group_rank(self.tp_group), (mesh.pp_rank if mesh is not None else 0)
         pp_size = mesh.pp_size if mesh is not None else 1
@@ -72,7 +83,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
-        self.rng = TensorParallelRNG(seed, tp_rank, pp_rank, device or "cpu")
+        self.rng = TensorParallelRNG(seed, tp_rank, pp_rank, device or "cpu", cp_rank=self.cp_rank)
         h, init = config.hidden_size, normal_init(config.init_std)
 
         if pre_process:
@@ -92,7 +103,8 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList()
         for i in self.layer_ids:
             with seeded(seed, _LAYER_STREAM + i):
-                block = TransformerBlock(config, self.tp_group, sequence_parallel, dtype, device)
+                block = TransformerBlock(config, self.tp_group, sequence_parallel, dtype, device, self.cp_group,
+                                         cp_comm_type)
             block.recompute_core = recompute == "selective"
             self.layers.append(block)
 
@@ -136,7 +148,9 @@ class GPTModel(nn.Module):
         else:
             x = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
         if self.config.flavour == "gpt2":
-            positions = self.position_embeddings[:s].unsqueeze(1)  # [s, 1, h]
+            table = self.position_embeddings
+            table = table[:s] if self.cp_size == 1 else table[self._global_positions(s, table.device)]
+            positions = table.unsqueeze(1)  # [s, 1, h]
             if self.sequence_parallel:
                 tp, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
                 positions = positions.chunk(tp, dim=0)[r]
@@ -151,9 +165,16 @@ class GPTModel(nn.Module):
             return sequence_parallel_linear(x, self.head_weight(), None, self.tp_group)
         return linear(mappings.copy_to_tensor_parallel_region(x, self.tp_group), self.head_weight())
 
+    def _global_positions(self, s: int, device) -> torch.Tensor:
+        """Positions in the whole sequence of this cp rank's s local tokens (its zigzag chunks)."""
+        return position_ids(s * self.cp_size, self.cp_rank, self.cp_size, device=device)
+
     def _rope(self, s: int):
         if self.config.flavour != "llama":
             return None
+        if self.cp_size > 1:
+            positions = self._global_positions(s, self.rope_cos.device)
+            return self.rope_cos[positions], self.rope_sin[positions]
         return self.rope_cos[:s], self.rope_sin[:s]
 
     # --- forward ----------------------------------------------------------------------------
@@ -162,8 +183,9 @@ class GPTModel(nn.Module):
         if self.pre_process:
             if x.dim() != 2:
                 raise ValueError(f"the first stage takes input ids [b, s], got shape {tuple(x.shape)}")
-            if x.shape[1] > self.config.seq_length:
-                raise ValueError(f"sequence length {x.shape[1]} exceeds seq_length={self.config.seq_length}")
+            if x.shape[1] * self.cp_size > self.config.seq_length:
+                raise ValueError(f"sequence length {x.shape[1] * self.cp_size} exceeds "
+                                 f"seq_length={self.config.seq_length}")
             s = x.shape[1]
             x = self.embed(x)
         else:
@@ -190,6 +212,9 @@ class GPTModel(nn.Module):
         if reduction == "sum":
             return losses.sum()
         if reduction == "mean":
+            if self.cp_size > 1:
+                raise ValueError("reduction='mean' under context parallelism would average this rank's tokens "
+                                 "only; use reduction='sum' and divide by the target tokens of all cp ranks")
             return losses.sum() / (labels != -100).sum().clamp(min=1)
         if reduction == "none":
             return losses.transpose(0, 1)

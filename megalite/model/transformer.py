@@ -4,6 +4,8 @@ Activations are [s, b, h] (Megatron's layout: the sequence dim leads, so sequenc
 scatter/gather are contiguous). With sequence parallelism the block's input and output are the
 sequence shard [s/tp, b, h]: norms, dropouts and residual adds run on the shard, the
 column-parallel layers all-gather the sequence, the row-parallel layers reduce-scatter it.
+With context parallelism (a cp group of more than one rank) s is this cp rank's s/cp tokens
+(its zigzag chunks) and only the attention core talks to the other cp ranks.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 from torch import nn
 
 from megalite import comm, params
+from megalite.context_parallel.attention import context_parallel_attention
+from megalite.context_parallel.checks import check_attention
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -58,11 +62,17 @@ class Attention(nn.Module):
 
     The QKV weight's full layout is [Q; K; V] (as HF stores it) with each block split across tp,
     so rank r owns query heads [r*nq/tp, (r+1)*nq/tp) and the key/value groups they use.
+    With a cp group of more than one rank the core is ring attention (cp_comm_type "p2p") or
+    Ulysses ("a2a") over the cp ranks' chunks of the sequence.
     """
 
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
+                 cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         tp = comm.group_size(tp_group)
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
+        check_attention(comm.group_size(cp_group), cp_comm_type, config.num_attention_heads, config.num_query_groups,
+                        tp, config.attention_dropout)
         d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_query_groups
         self.config = config
         self.local_heads, self.local_groups, self.head_dim = nq // tp, nkv // tp, d
@@ -87,7 +97,10 @@ class Attention(nn.Module):
             q, k = MF.rope(q, *rope), MF.rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
         p = self.config.attention_dropout if self.training else 0.0
-        out = MF.attention(q, k, v, dropout_p=p, generator=rng.tensor_parallel)  # [b, hq, s, d]
+        if comm.group_size(self.cp_group) > 1:  # the other cp ranks hold the rest of the sequence
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, rng.tensor_parallel)
+        else:
+            out = MF.attention(q, k, v, dropout_p=p, generator=rng.tensor_parallel)  # [b, hq, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 
@@ -119,11 +132,12 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
+                 cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.config, self.sequence_parallel = config, sequence_parallel
         self.input_norm = Norm(config, sequence_parallel, dtype, device)
-        self.attention = Attention(config, tp_group, sequence_parallel, dtype, device)
+        self.attention = Attention(config, tp_group, sequence_parallel, dtype, device, cp_group, cp_comm_type)
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward

@@ -8,7 +8,8 @@ Two explicit generators per rank instead of reseeding the global one:
   dropout on this rank's heads; anything on a sequence-parallel shard), where each rank holds
   different data and identical masks would correlate them.
 
-Both are seeded from the run's seed and the pipeline stage, so a run is reproducible. Their
+Both are seeded from the run's seed, the pipeline stage and the context-parallel rank (each
+cp rank holds other tokens), so a run is reproducible. Their
 states are part of checkpoints and are restored around activation recompute, so a recomputed
 dropout mask equals the original one.
 """
@@ -17,15 +18,18 @@ from __future__ import annotations
 import torch
 
 _TP_OFFSET = 2718  # keeps the tp streams away from the replicated one (any constant works)
+_CP_OFFSET = 7919  # cp ranks hold different tokens: their masks must differ (0 at cp rank 0: unchanged)
 
 
 class TensorParallelRNG:
-    def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | str = "cpu",
+                 cp_rank: int = 0):
         device = torch.device(device)
+        offset = 100 * pp_rank + _CP_OFFSET * cp_rank
         self.replicated = torch.Generator(device=device)
-        self.replicated.manual_seed(seed + 1 + 100 * pp_rank)
+        self.replicated.manual_seed(seed + 1 + offset)
         self.tensor_parallel = torch.Generator(device=device)
-        self.tensor_parallel.manual_seed(seed + _TP_OFFSET + tp_rank + 100 * pp_rank)
+        self.tensor_parallel.manual_seed(seed + _TP_OFFSET + tp_rank + offset)
 
     def get_state(self) -> dict[str, torch.Tensor]:
         return {"replicated": self.replicated.get_state(), "tensor_parallel": self.tensor_parallel.get_state()}

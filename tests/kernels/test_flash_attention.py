@@ -61,3 +61,43 @@ def test_long_sequence_bf16(dim):
     q, k, v = qkv(1, 8, 2, 2049, dim, torch.bfloat16)
     compare_with_reference(attention, attention_reference, [q, k, v], tolerance(torch.bfloat16, bf16=4e-2),
                            ref_dtype=torch.float32)
+
+
+def test_non_causal_kv_length_differs_from_q_length():
+    q, _, _ = qkv(2, 4, 2, 13, 16, torch.float32)
+    _, k, v = qkv(2, 4, 2, 21, 16, torch.float32)
+    compare_with_reference(lambda *t: attention(*t, causal=False), lambda *t: attention_reference(*t, causal=False),
+                           [q, k, v], tolerance(torch.float32, fp32=2e-5))
+
+
+def test_blocks_with_lse_merge_and_differentiate_like_the_whole_row():
+    """The ring-attention contract: queries of chunk 1 over a full block (chunk 0) and the diagonal
+    (chunk 1), each computed apart; merged by log-sum-exp; backward per block from the row's out/lse."""
+    from megalite.kernels import attention_backward_with_lse, attention_forward_with_lse
+
+    chunk, dim = 19, 8  # odd rows crossing 16-row tiles; head dim zero-padded to 16
+    q_all, k, v = qkv(2, 4, 2, 2 * chunk, dim, torch.float32)
+    leaves = [t.detach().requires_grad_(True) for t in (q_all, k, v)]
+    expected = attention_reference(*leaves, causal=True)[:, :, chunk:]  # the reference: whole rows
+    grad_out = torch.randn_like(expected)
+    expected.backward(grad_out)
+    q, scale = q_all[:, :, chunk:], dim ** -0.5
+
+    blocks = [(slice(0, chunk), False), (slice(chunk, 2 * chunk), True)]
+    parts = [attention_forward_with_lse(q, k[:, :, keys], v[:, :, keys], causal, scale) for keys, causal in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in parts)
+    torch.testing.assert_close(out, expected.detach(), atol=2e-5, rtol=2e-5)
+    scores = q @ k.repeat_interleave(2, dim=1)[:, :, :chunk].transpose(-1, -2) * scale
+    torch.testing.assert_close(parts[0][1], torch.logsumexp(scores, -1), atol=2e-5, rtol=2e-5)
+
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for keys, causal in blocks:
+        dq_b, dk_b, dv_b = attention_backward_with_lse(q, k[:, :, keys], v[:, :, keys], out, grad_out, lse, causal,
+                                                       scale)
+        dq += dq_b
+        dk[:, :, keys] += dk_b
+        dv[:, :, keys] += dv_b
+    for name, got, want in (("dq", dq, leaves[0].grad[:, :, chunk:]), ("dk", dk, leaves[1].grad),
+                            ("dv", dv, leaves[2].grad)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)

@@ -1,0 +1,92 @@
+"""Attention over one block of keys, with its log-sum-exp, and the merge of blocks (online softmax).
+
+A query row's softmax over keys split into blocks B1, B2, ... is recovered exactly from each
+block's normalised output o_k and log-sum-exp lse_k = log sum_{j in Bk} exp(scale q.k_j):
+
+    lse = log(sum_k exp(lse_k))         out = sum_k exp(lse_k - lse) * o_k
+
+(Milakov & Gimelshein 2018, "online softmax"; the merge FlashAttention does inside a kernel,
+done here across ranks.) The backward of one block needs only the row's final `out` and `lse`:
+p = exp(scale q k^T - lse) is the block's slice of the row's probabilities and
+delta = rowsum(dout * out) the row's, so every block's gradients are exact on their own.
+
+Shapes: q [b, h, sq, d], k and v [b, h_kv, sk, d] (h % h_kv == 0: query head i reads kv head
+i // (h / h_kv)), out [b, h, sq, d], lse fp32 [b, h, sq]. Causal blocks are square diagonals.
+
+On CUDA (per MEGALITE_KERNEL_BACKEND) the Triton flash-attention kernels run
+(`megalite.kernels.attention_forward_with_lse` / `attention_backward_with_lse`); elsewhere the
+PyTorch code below, which holds one block's fp32 scores at a time and never a [s, s] matrix.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.kernels import attention_backward_with_lse, attention_forward_with_lse
+from megalite.kernels.dispatch import use_triton
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[b, h, s, d] -> [b, h_kv, h/h_kv, s, d] fp32: query heads grouped under the kv head they read."""
+    b, h, s, d = x.shape
+    return x.float().reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float) -> torch.Tensor:
+    """fp32 scale * q k^T of one block: [b, h_kv, group, sq, sk], future keys -inf when causal."""
+    keys = k.float().unsqueeze(2)  # [b, h_kv, 1, sk, d]: broadcast over the group, no repeat
+    scores = torch.matmul(_grouped(q, k.shape[1]), keys.transpose(-1, -2)) * softmax_scale
+    if causal:
+        future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _torch_forward(q, k, v, causal: bool, softmax_scale: float):
+    b, h, sq, d = q.shape
+    scores = _scores(q, k, causal, softmax_scale)
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h_kv, group, sq]
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.matmul(probs, v.float().unsqueeze(2))  # [b, h_kv, group, sq, d]
+    return out.reshape(b, h, sq, d).to(q.dtype), lse.reshape(b, h, sq)
+
+
+def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float):
+    b, h, sq, d = q.shape
+    kv_heads = k.shape[1]
+    scores = _scores(q, k, causal, softmax_scale)
+    probs = torch.exp(scores - lse.float().reshape(b, kv_heads, h // kv_heads, sq, 1))  # the row's probabilities
+    dout_g = _grouped(dout, kv_heads)
+    delta = (dout_g * _grouped(out, kv_heads)).sum(-1, keepdim=True)  # [b, h_kv, group, sq, 1]
+    dv = torch.matmul(probs.transpose(-1, -2), dout_g).sum(2)  # summed over the group: [b, h_kv, sk, d]
+    dprobs = torch.matmul(dout_g, v.float().unsqueeze(2).transpose(-1, -2))
+    dscores = probs * (dprobs - delta) * softmax_scale
+    dq = torch.matmul(dscores, k.float().unsqueeze(2)).reshape(b, h, sq, d)
+    dk = torch.matmul(dscores.transpose(-1, -2), _grouped(q, kv_heads)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over this block of keys: (out in q.dtype, lse fp32 [b, h, sq], natural log)."""
+    if use_triton(q):
+        return attention_forward_with_lse(q, k, v, causal, softmax_scale)
+    return _torch_forward(q, k, v, causal, softmax_scale)
+
+
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, softmax_scale: float):
+    """(dq, dk, dv) of this block, given the row's final out, dout and lse (inputs' dtypes)."""
+    if use_triton(q):
+        return attention_backward_with_lse(q, k, v, out, dout, lse, causal, softmax_scale)
+    return _torch_backward(q, k, v, out, dout, lse, causal, softmax_scale)
+
+
+def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block into the running (out, lse) of the same rows, in place (fp32 views).
+
+    out [b, h, r, d] and lse [b, h, r] start at 0 and -inf: exp(-inf - lse') = 0 drops them.
+    """
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)

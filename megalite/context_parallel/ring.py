@@ -1,0 +1,130 @@
+"""Ring attention: causal self-attention over a sequence split across the context-parallel ring.
+
+Liu et al. 2023, "Ring attention with blockwise transformers"; load-balanced by the zigzag
+split (zigzag.py). Each cp rank keeps its queries and passes its keys/values round the ring:
+
+    forward, step t = 0 .. cp-1 (rank i holds the K/V of rank i - t):
+        post: send the held K/V to rank i+1, receive the next from rank i-1   (in flight ...)
+        compute this step's blocks (blocks.py: full, diagonal or skipped) -> (o_t, lse_t)
+        merge into the running (out, lse) by log-sum-exp                     (... meanwhile)
+        wait for the next K/V
+    backward, same ring: each step computes the blocks' dq (kept) and dK/dV for the held K/V;
+        dK/dV accumulators travel with their K/V (one hop behind it) and a last hop brings
+        every rank its own.
+
+Only K/V travel, with their kv heads (grouped-query attention sends h_kv, not h, heads),
+packed as one [2, b, h_kv, s/cp, d] message per step. Every transfer goes through
+`megalite.comm.batch_isend_irecv` on the cp group, so the ledger counts, per call,
+
+    forward   send = recv = (cp - 1) * 2 * b * h_kv * (s/cp) * d * itemsize
+    backward  send = recv = (cp - 1) * 2 * b * h_kv * (s/cp) * d * itemsize    (K/V again)
+                          +  cp      * 2 * b * h_kv * (s/cp) * d * 4           (fp32 dK/dV)
+
+(b, h_kv: this rank's batch and kv heads; s/cp its local tokens). The per-block attention is
+block_attention.py's: Triton flash attention on CUDA, PyTorch elsewhere.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megalite import comm
+from megalite.context_parallel.block_attention import block_backward, block_forward, merge_block
+from megalite.context_parallel.blocks import BlockCall, ring_plan
+
+
+def _shift_forward(tensor: torch.Tensor, group, ranks: list[int], me: int):
+    """Post: send `tensor` to the next rank of the ring, receive the previous rank's. -> (buffer, handles)."""
+    cp = len(ranks)
+    received = torch.empty_like(tensor)
+    handles = comm.batch_isend_irecv([comm.P2P("send", tensor, ranks[(me + 1) % cp]),
+                                      comm.P2P("recv", received, ranks[(me - 1) % cp])], group)
+    return received, handles
+
+
+def _arrived(pending) -> torch.Tensor:
+    received, handles = pending
+    comm.wait_all(handles)
+    return received
+
+
+def _rows(call: BlockCall, chunk: int) -> tuple[slice, slice]:
+    """(query rows, key rows) of a call, as slices of the local sequence dim."""
+    return slice(call.q_start * chunk, call.q_stop * chunk), slice(call.kv_start * chunk, call.kv_stop * chunk)
+
+
+class RingAttention(torch.autograd.Function):
+    """q [b, h, s/cp, d], k, v [b, h_kv, s/cp, d] (this rank's zigzag chunks) -> out [b, h, s/cp, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group, layout: str, softmax_scale: float):
+        cp, me, ranks = comm.group_size(cp_group), comm.group_rank(cp_group), comm.group_ranks(cp_group)
+        plan, chunk = ring_plan(me, cp, layout), q.shape[2] // 2
+        kv = torch.stack([k, v])  # [2, b, h_kv, s/cp, d]: one message per step
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for step, calls in enumerate(plan):
+            pending = _shift_forward(kv, cp_group, ranks, me) if step < cp - 1 else None
+            for call in calls:  # overlaps the transfer just posted
+                rows, cols = _rows(call, chunk)
+                block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                     call.causal, softmax_scale)
+                merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if pending is not None:
+                kv = _arrived(pending)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp_group, ctx.layout, ctx.softmax_scale = cp_group, layout, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.cp_group, ctx.softmax_scale
+        cp, me, ranks = comm.group_size(group), comm.group_rank(group), comm.group_ranks(group)
+        plan, chunk = ring_plan(me, cp, ctx.layout), q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_pending = None  # the dK/dV accumulator of the K/V held next, coming from the previous rank
+        for step, calls in enumerate(plan):
+            kv_pending = _shift_forward(kv, group, ranks, me) if step < cp - 1 else None
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the held K/V
+            for call in calls:
+                rows, cols = _rows(call, chunk)
+                dq_block, dk_block, dv_block = block_backward(
+                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], dout[:, :, rows],
+                    lse[:, :, rows], call.causal, scale)
+                dq[:, :, rows] += dq_block
+                dkv[0][:, :, cols] += dk_block
+                dkv[1][:, :, cols] += dv_block
+            if dkv_pending is not None:
+                dkv += _arrived(dkv_pending)  # what earlier ranks added to the same K/V
+            if cp > 1:  # on to the rank that holds this K/V next; after the last step, to its owner
+                dkv_pending = _shift_forward(dkv, group, ranks, me)
+            if kv_pending is not None:
+                kv = _arrived(kv_pending)
+        if dkv_pending is not None:
+            dkv = _arrived(dkv_pending)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
+                   softmax_scale: float | None = None, layout: str = "zigzag") -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence split across `cp_group`.
+
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks of the sequence
+    (zigzag.split_sequence order), h % h_kv == 0. Returns this rank's rows of softmax(q k^T
+    * scale + causal mask) v over all s keys, [b, h, s/cp, d] in q's dtype; differentiable.
+    With `cp_group` None (one rank) it is plain causal attention.
+    """
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[2] != q.shape[2]:
+        raise ValueError(f"ring_attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not "
+                         "fit q [b, h, s/cp, d], k = v [b, h_kv, s/cp, d]")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if q.shape[2] % 2:
+        raise ValueError(f"ring_attention: the local sequence ({q.shape[2]} tokens) must be two equal chunks "
+                         "(zigzag.split_sequence); make the sequence length a multiple of 2*cp")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return RingAttention.apply(q, k, v, cp_group, layout, float(scale))

@@ -1,0 +1,98 @@
+"""Ulysses context parallelism: trade the sequence split for a head split around attention.
+
+Jacobs et al. 2023, "DeepSpeed Ulysses". Each cp rank holds s/cp tokens of every (local) head.
+One all-to-all regroups the attention inputs so that each rank holds every token of h/cp heads,
+ordinary causal attention runs on whole sequences, and one all-to-all puts the output back:
+
+    q, k, v [b, h(_kv), s/cp, d]  --all-to-all-->  [b, h(_kv)/cp, s, d]  --attention-->
+    out [b, h/cp, s, d]           --all-to-all-->  [b, h, s/cp, d]
+
+q, k and v travel in one all-to-all (their head groups packed side by side). The tokens arrive
+rank by rank, each rank's two zigzag chunks; they are put in sequence order before attention
+and back after. Heads (and kv heads) per rank must divide by cp (checks.py says what to change).
+
+Bytes in the ledger per call (comm's convention for all_to_all: the input, own piece included),
+with b, h, h_kv this rank's batch and heads and s/cp its tokens:
+
+    forward   (h + 2 h_kv) * b * (s/cp) * d * itemsize  +  h * b * (s/cp) * d * itemsize
+    backward  the same two, in the other order (an all-to-all's gradient is an all-to-all)
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite import comm
+from megalite.context_parallel.zigzag import chunk_ids
+
+
+class _AllToAll(torch.autograd.Function):
+    """[cp, ...] -> [cp, ...]: piece r goes to cp rank r; piece r received comes from rank r.
+
+    With equal pieces the exchange is its own adjoint, so backward is the same all-to-all.
+    """
+
+    @staticmethod
+    def forward(ctx, pieces: torch.Tensor, group):
+        ctx.group = group
+        pieces = pieces.contiguous()
+        return comm.all_to_all(torch.empty_like(pieces), pieces, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        return comm.all_to_all(torch.empty_like(grad), grad, ctx.group), None
+
+
+def _chunk_order(cp: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(to_sequence, to_ranks): index maps between rank-major chunks (rank r's two, in order) and
+    sequence order, so that sequence_chunks = rank_chunks[to_sequence], rank_chunks = sequence_chunks[to_ranks]."""
+    to_ranks = torch.tensor([c for r in range(cp) for c in chunk_ids(r, cp, layout)])
+    return torch.argsort(to_ranks), to_ranks
+
+
+def _heads_to_sequence_order(received: torch.Tensor, to_sequence: torch.Tensor) -> torch.Tensor:
+    """[cp, b, H, 2, c, d] (source rank, its two chunks) -> [b, H, 2 cp c, d] in sequence order."""
+    cp, b, heads, _, c, d = received.shape
+    chunks = received.permute(0, 3, 1, 2, 4, 5).reshape(2 * cp, b, heads, c, d)  # rank-major chunks
+    chunks = chunks.index_select(0, to_sequence.to(received.device))
+    return chunks.permute(1, 2, 0, 3, 4).reshape(b, heads, 2 * cp * c, d)
+
+
+def _sequence_to_rank_order(x: torch.Tensor, cp: int, to_ranks: torch.Tensor) -> torch.Tensor:
+    """[b, H, s, d] in sequence order -> [cp, b, H, s/cp, d]: piece r holds rank r's two chunks."""
+    b, heads, s, d = x.shape
+    c = s // (2 * cp)
+    chunks = x.reshape(b, heads, 2 * cp, c, d).index_select(2, to_ranks.to(x.device))  # rank-major chunks
+    return chunks.reshape(b, heads, cp, 2 * c, d).permute(2, 0, 1, 3, 4)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, dropout_p: float = 0.0,
+                      generator: torch.Generator | None = None, layout: str = "zigzag") -> torch.Tensor:
+    """Causal attention over the whole sequence split across `cp_group`, by head-sharding all-to-alls.
+
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks (zigzag.split_sequence
+    order). Returns this rank's rows [b, h, s/cp, d]; differentiable. The attention itself is
+    `megalite.model.functional.attention` (Triton flash attention on CUDA), dropout included.
+    """
+    from megalite.model import functional as MF  # here: the model package imports this module
+
+    cp = comm.group_size(cp_group)
+    b, h, s_local, d = q.shape
+    h_kv = k.shape[1]
+    if h % cp or h_kv % cp:
+        raise ValueError(f"ulysses_attention: this rank's {h} query heads and {h_kv} kv heads must both divide by "
+                         f"cp={cp}; choose a cp that divides both, or use ring attention (--cp-comm-type p2p)")
+    if s_local % 2:
+        raise ValueError(f"ulysses_attention: the local sequence ({s_local} tokens) must be two equal chunks "
+                         "(zigzag.split_sequence); make the sequence length a multiple of 2*cp")
+    to_sequence, to_ranks = _chunk_order(cp, layout)
+    c = s_local // 2
+    # [b, heads, s/cp, d] -> [cp, b, heads/cp, 2, c, d]: piece r carries head group r to rank r
+    by_head_group = [t.reshape(b, cp, t.shape[1] // cp, 2, c, d).transpose(0, 1) for t in (q, k, v)]
+    received = _AllToAll.apply(torch.cat(by_head_group, dim=2), cp_group)  # [cp, b, (h + 2 h_kv)/cp, 2, c, d]
+    full = _heads_to_sequence_order(received, to_sequence)  # [b, (h + 2 h_kv)/cp, s, d]
+    q_full, k_full, v_full = full.split([h // cp, h_kv // cp, h_kv // cp], dim=1)
+    out = MF.attention(q_full, k_full, v_full, dropout_p=dropout_p, generator=generator)  # [b, h/cp, s, d]
+    pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d]
+    returned = _AllToAll.apply(pieces, cp_group)  # piece r: head group r, my tokens
+    return returned.transpose(0, 1).reshape(b, h, s_local, d)
