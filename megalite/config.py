@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,19 +27,17 @@ from typing import Any
 from megalite.model.config import PRESETS, GPTConfig, preset
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.schedules import check_pipeline_config
+from megalite.config_checks import data_problems, setting_problems
 from megalite.plan.validity import preflight
 
 
 class Precision(enum.StrEnum):
+    """A floating-point format: of the parameters and activations, or of the gradient reduction
+    (whose fp16 only the planner models, for the ZeRO paper's accounting; training refuses it)."""
+
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
-
-
-class ReduceDtype(enum.StrEnum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"  # the planner models it (the ZeRO paper's accounting); training refuses it
 
 
 class Recompute(enum.StrEnum):
@@ -151,7 +148,7 @@ class PrecisionSettings:
     precision: Precision = setting(Precision.FP32, "parameter and activation dtype (bf16/fp16 keep fp32 master "
                                                    "weights and gradients)",
                                    aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
-    grad_reduce_dtype: ReduceDtype = setting(ReduceDtype.FP32, "dtype of the data-parallel gradient reduction")
+    grad_reduce_dtype: Precision = setting(Precision.FP32, "dtype of the data-parallel gradient reduction")
     initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale")
     loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow")
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off")
@@ -427,60 +424,5 @@ class RunConfig:
                                       p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
             except ValueError as exc:
                 problems.append(str(exc))
-        problems += _setting_problems(self) + _data_problems(self.data)
+        problems += setting_problems(self) + data_problems(self.data)
         return list(dict.fromkeys(problems))
-
-
-def _setting_problems(cfg: RunConfig) -> list[str]:
-    """Ranges and combinations of settings that training cannot run."""
-    p, t, log, ck, ft = cfg.parallel, cfg.training, cfg.logging, cfg.checkpoint, cfg.fault_tolerance
-    problems = []
-    if p.pp == 1 and (p.decoder_first_stage_layers is not None or p.decoder_last_stage_layers is not None
-                      or p.pipeline_layout is not None):
-        problems.append("--decoder-first/last-stage-layers and --pipeline-layout need --pp > 1")
-    if p.zero == 3:
-        problems.append("megalite's optimizer shards up to ZeRO-2 (ZeRO-3 is modelled by tools/plan.py only); "
-                        "use --zero 2 or more tp/pp")
-    if cfg.precision.grad_reduce_dtype == ReduceDtype.FP16:
-        problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
-                        "bf16")
-    if p.recompute_num_layers is not None and (p.recompute != Recompute.FULL or p.recompute_num_layers < 1):
-        problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full and N >= 1 "
-                        f"(it says how many blocks of each model chunk full recompute covers)")
-    if p.overlap_param_gather and (p.zero == 0 or p.offload_optimizer):
-        problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
-                        "gathered; offloaded updates finish inside the step)")
-    if ft.hang_timeout < 0:
-        problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {ft.hang_timeout}")
-    if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
-        first, last = log.profile_steps
-        problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
-                        f"({t.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
-    for name, value in (("--train-iters", t.train_iters), ("--micro-batch-size", t.micro_batch_size),
-                        ("--log-interval", log.log_interval)):
-        if value < 1:
-            problems.append(f"{name} must be >= 1, got {value}")
-    for name, value in (("--save-interval", ck.save_interval), ("--keep-last", ck.keep_last),
-                        ("--keep-every", ck.keep_every), ("--check-replicas-interval", ft.check_replicas_interval)):
-        if value < 0:
-            problems.append(f"{name} must be >= 0, got {value}")
-    if ck.save_interval and ck.save is None:
-        problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
-    if ck.load_step is not None and ck.load is None:
-        problems.append("--load-step needs --load DIR")
-    return problems
-
-
-def _data_problems(data: DataSettings) -> list[str]:
-    if data.data_path is None:
-        return []
-    if len(data.data_path) > 1 and len(data.data_path) % 2:
-        return ["--data-path takes one PREFIX, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ..."]
-    prefixes = data.data_path if len(data.data_path) == 1 else data.data_path[1::2]
-    missing = [f"{p}.{ext}" for p in prefixes for ext in ("bin", "idx") if not os.path.exists(f"{p}.{ext}")]
-    if missing:
-        return [f"data files not found: {', '.join(missing[:4])}; build them with tools/preprocess_data.py "
-                f"--input ... --output-prefix PREFIX, or omit --data-path to use the embedded corpus"]
-    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
-        return [f"--tokenizer {data.tokenizer}: no such file; give a tokenizer.json or omit it for byte level"]
-    return []

@@ -300,6 +300,7 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                             skipped=result["skipped"], exposed_dp_comm_s=result["exposed_dp_comm_s"],
                             exposed_grad_reduce_s=result["exposed_grad_reduce_s"],
                             exposed_param_gather_s=result["exposed_param_gather_s"],
+                            exposed_token_count_s=result["exposed_token_count_s"],
                             **job.timer.summary(step_time), **memory_stats(job.mesh.device),
                             **job.optimizer.memory_report())
     if cfg.precision.precision == "fp16":

@@ -8,6 +8,7 @@ the dp reduction is a plain sum.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -85,10 +86,13 @@ class GlobalTokens:
         local = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)  # on the loader's CPU tensors
         self._count = torch.tensor([float(local)], dtype=torch.float64, device=mesh.device)
         self._handle = comm.all_reduce(self._count, mesh.dp_group, async_op=True)
+        self.wait_seconds = 0.0  # host time blocked in the wait: mostly gathers queued before it
 
     def _wait(self) -> torch.Tensor:
         if self._handle is not None:
+            started = time.perf_counter()
             self._handle.wait()
+            self.wait_seconds = time.perf_counter() - started
             self._handle = None
         return self._count
 
@@ -134,7 +138,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
     the interleaved "pipeline") / optimizer seconds.
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s'}.
+    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
+    seconds blocked on dp communication, in total and by cause (the token count's wait is, with
+    --overlap-param-gather, a wait for the gathers queued before it on the dp group).
     """
     tokens = GlobalTokens(microbatches, mesh)  # in flight while the first forward runs
     microbatches = _to_device(microbatches, mesh.device)
@@ -155,10 +161,11 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
-    exposed = model.exposed_comm_seconds()
-    result.update(exposed_dp_comm_s=sum(exposed.values()), exposed_grad_reduce_s=exposed["grad_reduce"],
-                  exposed_param_gather_s=exposed["param_gather"], loss_finite=loss_finite)
     result["tokens"] = tokens.value()
+    exposed = model.exposed_comm_seconds()
+    result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
+                  exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
+                  exposed_token_count_s=tokens.wait_seconds, loss_finite=loss_finite)
     result["loss"] = _global_loss(loss_sum, result["tokens"], mesh)
     return result
 
