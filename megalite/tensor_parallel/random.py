@@ -68,6 +68,10 @@ class PhiloxStream:
         return torch.tensor([v for pair in sorted(self.draws.items()) for v in pair], dtype=torch.int64)
 
     def set_state(self, state: torch.Tensor) -> None:
+        if state.dtype != torch.int64 or state.dim() != 1 or state.numel() % 2:
+            raise ValueError(f"the {self.name} dropout stream's state must be int64 (site, draws) pairs, got "
+                             f"{state.dtype} {list(state.shape)}: a checkpoint from before megalite's Philox "
+                             "streams; load it without its RNG states (load_checkpoint(..., load_rng=False))")
         values = state.tolist()
         self.draws = dict(zip(values[0::2], values[1::2]))
 

@@ -1,5 +1,6 @@
 """Philox dropout streams: reproducible keys, and masks by Megatron's tp rules that are also
 layout-free (a rank's mask is its part of the tp=1 mask)."""
+import pytest
 import torch
 
 from megalite import comm, mesh
@@ -22,6 +23,8 @@ def test_keys_are_reproducible_per_site_and_draw_and_the_state_round_trips():
     assert [rng.replicated.draw(1), rng.tensor_parallel.draw(2)] == keys
     rng.set_state(state)
     assert [rng.replicated.draw(1), rng.tensor_parallel.draw(2)] == keys
+    with pytest.raises(ValueError, match="load_rng=False"):  # a torch.Generator state of an old checkpoint
+        rng.set_state({"replicated": torch.Generator().get_state(), "tensor_parallel": state["tensor_parallel"]})
     assert dropout_site(None, 0) == 0 and {dropout_site(layer, w) for layer in range(3) for w in range(3)} \
         == set(range(1, 10))
 
