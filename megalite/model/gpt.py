@@ -40,7 +40,7 @@ from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
-from megalite.tensor_parallel.random import TensorParallelRNG, dropout
+from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 from megalite.tensor_parallel.sharding import ShardSpec
 
 # Seed-stream offsets of the components (layer i uses _LAYER_STREAM + i).
@@ -67,7 +67,7 @@ class GPTModel(nn.Module):
         self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
         self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
         tp_size = comm.group_size(self.tp_group)
-        tp_rank, pp_rank = comm.group_rank(self.tp_group), (mesh.pp_rank if mesh is not None else 0)
+        tp_rank = comm.group_rank(self.tp_group)
         pp_size = mesh.pp_size if mesh is not None else 1
         device = device if device is not None else (mesh.device if mesh is not None else None)
         config.check_tensor_parallel(tp_size)
@@ -83,7 +83,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
-        self.rng = TensorParallelRNG(seed, tp_rank, pp_rank, device or "cpu", cp_rank=self.cp_rank)
+        self.rng = TensorParallelRNG(seed)  # the same on every rank: masks are layout-free
         h, init = config.hidden_size, normal_init(config.init_std)
 
         if pre_process:
@@ -104,7 +104,7 @@ class GPTModel(nn.Module):
         for i in self.layer_ids:
             with seeded(seed, _LAYER_STREAM + i):
                 block = TransformerBlock(config, self.tp_group, sequence_parallel, dtype, device, self.cp_group,
-                                         cp_comm_type)
+                                         cp_comm_type, layer_number=i)
             block.recompute_core = recompute == "selective"
             self.layers.append(block)
 
@@ -155,8 +155,10 @@ class GPTModel(nn.Module):
                 tp, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
                 positions = positions.chunk(tp, dim=0)[r]
             x = x + positions
-        generator = self.rng.tensor_parallel if self.sequence_parallel else self.rng.replicated
-        return dropout(x, self.config.hidden_dropout, generator, self.training)
+        # the [s, b, h] embedding output's mask; under SP this rank's rows of it
+        offset = comm.group_rank(self.tp_group) * x.numel() if self.sequence_parallel else 0
+        return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
+                       offset)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] final hidden -> [s, b, V_pad/tp] logits shard."""

@@ -19,11 +19,6 @@ if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
-# Bytes of RNG state a recompute checkpoint keeps: megalite's two dropout generators plus
-# torch.utils.checkpoint's copy of the global CPU generator (mt19937: 5056 B; CUDA Philox: 16 B).
-_CHECKPOINT_RNG_BYTES = {"cpu": 3 * 5056, "cuda": 5056 + 3 * 16}
-
-
 def _norm_bytes(model: GPTConfig, a: int, rows: int, h: int) -> int:
     """Kept by one norm kernel over `rows` tokens of width h: its input and fp32 statistics."""
     return a * rows * h + (2 if model.flavour == "gpt2" else 1) * 4 * rows   # mean+rstd | rstd
@@ -35,16 +30,13 @@ def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute
     qkv_storage = a * sb * (nq + 2 * nkv) * d
     if recompute == "selective":
         return qkv_storage                                      # only the checkpoint's input survives
-    if model.attention_dropout > 0:
-        return 3 * a * sb * nq * d                              # eager path: contiguous copies for bmm
     total = qkv_storage                                         # flash kernel: views of it, no repeat
     if model.flavour == "llama":
         total += a * sb * (nq + nkv) * d                        # rotated q and k (new tensors)
     return total
 
 
-def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None,
-                           device: str = "cuda") -> int:
+def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None) -> int:
     """Bytes one block keeps for backward, per microbatch, on one tensor-parallel rank.
 
     Counted storage by storage from megalite's block (Korthikanti et al.'s method; their
@@ -55,13 +47,13 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
       its sequence shard and re-gathers it in backward, as Korthikanti et al. count it);
       q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE, k and v repeated per
       query head under grouped-query attention (functional.attention's repeat_interleave);
-      attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash/SDPA, no dropout), or with
-      attention dropout the eager path: q, k, v copies, fp32 softmax 4*b*nq*s^2/t, its dropout
-      mask and output 2*a*b*nq*s^2/t and the bool causal mask s^2;
+      attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash attention, with or without
+      dropout: the mask is regenerated from its Philox key in backward, nothing per score kept);
       MLP: gpt2 fc1 and GeLU outputs 2*a*sbf/t; llama gate|up and product 3*a*sbf/t (+silu(gate)
-      a*sbf/t with the PyTorch reference); hidden dropout masks 2*a*sbh/sp (dtype-sized masks).
-    Selective recompute keeps the QKV output, attention output and RNG states; full recompute
-    keeps the block input and RNG states (their size depends on `device`, where the generators live).
+      a*sbf/t with the PyTorch reference). Hidden dropout keeps no mask (bias-dropout-add
+      regenerates it), so dropout adds no bytes anywhere.
+    Selective recompute keeps the QKV output and the attention output; full recompute keeps the
+    block input (and a few Python integers of dropout-stream state, no tensor).
     """
     recompute = recompute or cfg.parallel.recompute
     a = DTYPE_BYTES[cfg.precision.precision]
@@ -69,35 +61,26 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     sp = t if cfg.parallel.sequence_parallel else 1
     s, b, h = model.seq_length, cfg.training.micro_batch_size, model.hidden_size
     f, nq = model.ffn_hidden_size, model.num_attention_heads
-    rng_state = _CHECKPOINT_RNG_BYTES[device] if recompute != "none" else 0
     if recompute == "full":
-        return a * s * b * h // sp + rng_state
+        return a * s * b * h // sp
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
     total += _attention_inputs_bytes(model, a, s * b, t, recompute)
     total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
-    if model.attention_dropout > 0 and recompute == "none":
-        total += (4 + 2 * a) * b * nq * s * s // t + s * s
-    elif recompute == "none":                                           # flash: its own [b, nq/t, s, d]
+    if recompute == "none":                                             # flash: its own [b, nq/t, s, d]
         total += a * s * b * nq * model.head_dim // t + 4 * b * nq * s // t   # output, fp32 logsumexp
     if model.flavour == "gpt2":
         total += 2 * a * s * b * f // t
     else:
         total += 3 * a * s * b * f // t
-    if model.hidden_dropout > 0:
-        total += 2 * a * s * b * h // sp
-    return total + rng_state
+    return total
 
 
 def embedding_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Kept by the first stage's embedding per microbatch: token ids (+ local ids and mask when
-    the vocabulary is split) and the dropout mask."""
+    the vocabulary is split); its dropout keeps no mask."""
     s, b = model.seq_length, cfg.training.micro_batch_size
-    sp = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    n = 8 * s * b + (9 * s * b if cfg.parallel.tp > 1 else 0)
-    if model.hidden_dropout > 0:
-        n += DTYPE_BYTES[cfg.precision.precision] * s * b * model.hidden_size // sp
-    return n
+    return 8 * s * b + (9 * s * b if cfg.parallel.tp > 1 else 0)
 
 
 def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
@@ -137,15 +120,14 @@ def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
 
-def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, device: str = "cuda") -> int:
-    """Peak saved-activation bytes of one rank of pipeline stage `stage` (`device`: where the RNG
-    generators a recompute checkpoint keeps live)."""
+def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
     v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
     layers = stage_layers(model, cfg)[stage]
     recomputed = recomputed_stage_layers(model, cfg)[stage]  # full recompute: all, or N per chunk
     inflight = inflight_microbatches(cfg, stage)
-    per_layer = layer_activation_bytes(model, cfg, device=device)
-    kept_whole = layer_activation_bytes(model, cfg, recompute="none", device=device)
+    per_layer = layer_activation_bytes(model, cfg)
+    kept_whole = layer_activation_bytes(model, cfg, recompute="none")
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
     if cfg.parallel.recompute == "full":
         total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v

@@ -148,15 +148,14 @@ def bubble_fraction(cfg: RunConfig) -> float:
     return (p - 1) / (slots + p - 1)
 
 
-def estimate(model: GPTConfig, cfg: RunConfig, device: str = "cuda") -> Estimate:
-    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage (`device`:
-    where the run's RNG generators live, which sets the bytes a recompute checkpoint keeps)."""
+def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
+    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage."""
     check_degrees(cfg)
     seq = model.seq_length
     per_stage = []
     for stage in range(cfg.parallel.pp):
         weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
-        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage, device), stage))
+        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage), stage))
     _, worst = max(per_stage)
     params = stage_params(model, cfg, worst)
     weights, grads, optimizer, host = model_state_bytes(params, cfg)
@@ -164,7 +163,7 @@ def estimate(model: GPTConfig, cfg: RunConfig, device: str = "cuda") -> Estimate
     tokens = cfg.global_batch_size * seq
     return Estimate(
         param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
-        activation_bytes=activation_bytes(model, cfg, worst, device), params_per_rank=params, stage=worst,
+        activation_bytes=activation_bytes(model, cfg, worst), params_per_rank=params, stage=worst,
         layers_on_stage=stage_layers(model, cfg)[worst],
         inflight_microbatches=inflight_microbatches(cfg, worst), num_microbatches=m,
         bubble_fraction=bubble_fraction(cfg),
