@@ -10,11 +10,7 @@ training loop (periodic checkpoints; SIGTERM/SIGUSR1 save and stop) -> evaluatio
 
 Preemptible, restartable runs use one command line for the first start and every restart:
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts 3 ... examples/pretrain_gpt.py \
-        --save ckpt --load ckpt --save-interval 100
-
-(The variable gives each restart attempt its own rendezvous store: with the shared default,
-a restarted gloo/NCCL group can read the dead attempt's addresses, pytorch/pytorch#135712.)
+    torchrun --max-restarts 3 ... examples/pretrain_gpt.py --save ckpt --load ckpt --save-interval 100
 """
 from __future__ import annotations
 
