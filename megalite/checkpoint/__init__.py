@@ -1,6 +1,7 @@
 """Layout-free checkpoints: save at one (tp, pp, dp, zero, virtual stages), load at any other.
 
-- `Checkpointer` (save.py): sync or background saves, atomic publish, retention.
+- `Checkpointer` (save.py): sync or background saves, atomic publish, retention; a save that
+  cannot be written raises `CheckpointWriteError` on every rank (write_failure.py).
 - `load_checkpoint` (load.py): newest intact checkpoint, verified, with fallback.
 - `PreemptionHandler` (preemption.py): SIGTERM/SIGUSR1 -> save at the next step boundary.
 - `read_full_state` / `write_full_state` (full_state.py): whole tensors, for conversion tools.
@@ -13,6 +14,7 @@ from megalite.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from megalite.checkpoint.preemption import PreemptionHandler, maybe_inject_fault
 from megalite.checkpoint.save import Checkpointer
 from megalite.checkpoint.storage import CheckpointCorruptError
+from megalite.checkpoint.write_failure import CheckpointWriteError
 
-__all__ = ["Checkpointer", "CheckpointCorruptError", "LoadedCheckpoint", "PreemptionHandler", "load_checkpoint",
-           "maybe_inject_fault", "read_full_state", "write_full_state"]
+__all__ = ["Checkpointer", "CheckpointCorruptError", "CheckpointWriteError", "LoadedCheckpoint", "PreemptionHandler",
+           "load_checkpoint", "maybe_inject_fault", "read_full_state", "write_full_state"]
