@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from megalite import rendezvous
+from megalite import errors, rendezvous
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch >= 2.10 names the tensor collectives *_single (the *_tensor names warn); older torch lacks them.
@@ -337,6 +337,29 @@ def all_gather_object(obj: Any, group) -> list[Any]:
     marker = torch.zeros(0)
     _run("all_gather_object", group, marker, 0, lambda: dist.all_gather_object(out, obj, group=group), False)
     return out
+
+
+def agreed(fn, group):
+    """`fn()` on every rank of `group`, with one verdict: if it raises on any rank, every rank raises.
+
+    For checks whose outcome could differ between ranks (files on a node-local disk, a rank
+    that cannot read a directory): no rank goes on into a collective that a failed rank will
+    never join. One all_gather_object. A failing rank re-raises its own exception; the others
+    raise the same UsageError subclass with its message, or a RuntimeError naming the rank.
+    """
+    try:
+        result, outcome = fn(), None
+    except Exception as exc:  # noqa: BLE001 - the peers must learn of any failure, or they hang
+        result, outcome, own = None, (type(exc), errors.one_line(exc)), exc
+    failed = [(rank, o) for rank, o in enumerate(all_gather_object(outcome, group)) if o is not None]
+    if not failed:
+        return result
+    if outcome is not None:
+        raise own
+    rank, (cls, message) = failed[0]
+    if issubclass(cls, errors.UsageError):
+        raise cls(message if len({m for _, (_, m) in failed}) == 1 else f"rank {rank}: {message}")
+    raise RuntimeError(f"rank {rank} failed: {cls.__name__}: {message}")
 
 
 # ---------------------------------------------------------------------------------------------

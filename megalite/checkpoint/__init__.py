@@ -13,8 +13,9 @@ from megalite.checkpoint.full_state import read_full_state, write_full_state
 from megalite.checkpoint.load import LoadedCheckpoint, load_checkpoint
 from megalite.checkpoint.preemption import PreemptionHandler, maybe_inject_fault
 from megalite.checkpoint.save import Checkpointer
-from megalite.checkpoint.storage import CheckpointCorruptError
+from megalite.checkpoint.storage import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from megalite.checkpoint.write_failure import CheckpointWriteError
 
-__all__ = ["Checkpointer", "CheckpointCorruptError", "CheckpointWriteError", "LoadedCheckpoint", "PreemptionHandler",
-           "load_checkpoint", "maybe_inject_fault", "read_full_state", "write_full_state"]
+__all__ = ["Checkpointer", "CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError",
+           "CheckpointWriteError", "LoadedCheckpoint", "PreemptionHandler", "load_checkpoint", "maybe_inject_fault",
+           "read_full_state", "write_full_state"]

@@ -41,7 +41,7 @@ from megalite.checkpoint import snapshot, storage
 from megalite.checkpoint.write_failure import failure_error, write_status
 from megalite.mesh import Mesh
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = storage.FORMAT_VERSION  # re-exported: tools import it from here
 CRASH_ENV = "MEGALITE_CHECKPOINT_CRASH_AFTER_BYTES"  # fault injection: rank 0 dies mid-write
 
 

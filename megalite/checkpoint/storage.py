@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from megalite.errors import UsageError
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST, METADATA, LATEST = "manifest.json", "metadata.json", "latest"
 _CHUNK = 8 << 20  # bytes per write/read while hashing
@@ -48,8 +50,21 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
+FORMAT_VERSION = 1  # of metadata.json and the shard files; a reader refuses newer ones
+
+
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint on disk is incomplete or damaged (the message names the file)."""
+
+
+class CheckpointMismatchError(UsageError, ValueError):
+    """A checkpoint this model or this megalite cannot load: saved from another model (a
+    parameter's shape, or the architecture, differs) or in a newer format. Not damage: no
+    fallback to an older checkpoint, the person running the job must choose."""
+
+
+class CheckpointNotFoundError(UsageError, FileNotFoundError):
+    """The checkpoint asked for (--load-step N, a step directory) does not exist."""
 
 
 def step_dir_name(step: int) -> str:
