@@ -43,6 +43,9 @@ from megalite.mesh import Mesh
 
 FORMAT_VERSION = storage.FORMAT_VERSION  # re-exported: tools import it from here
 CRASH_ENV = "MEGALITE_CHECKPOINT_CRASH_AFTER_BYTES"  # fault injection: rank 0 dies mid-write
+# A slow file system, simulated (tools/fault_drill.py): each rank's shard stays unpublished this
+# many seconds longer, so a drill can reliably kill a worker while a background write is in flight.
+WRITE_DELAY_ENV = "MEGALITE_CHECKPOINT_WRITE_DELAY_S"
 
 
 def _jsonable(obj):
@@ -185,6 +188,7 @@ class Checkpointer:
             crash = os.environ.get(CRASH_ENV)
             crash_after = int(crash) if crash is not None and rank == 0 else None
             record = storage.write_shard(write.tmp_dir / write.file, write.tensors, crash_after_bytes=crash_after)
+            time.sleep(float(os.environ.get(WRITE_DELAY_ENV) or 0))
             storage.write_done_marker(write.tmp_dir, rank, {"file": write.file, **record})
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement in settle()
             write.shard_error = exc
