@@ -71,13 +71,15 @@ def test_sigterm_saves_and_the_same_command_resumes(reference, tmp_path):
     assert _losses(metrics) == reference
 
 
-# Restarts under real torchrun, with no environment variable: (layout, launch, faults). A worker
-# gets a real SIGKILL at the start of a step; the standalone case is killed twice (attempts 0 and
-# 1, repeated failures), the --master-port case once (torchrun's static rendezvous, whose store
-# the agent holds for its whole life).
+# Restarts under real torchrun, with no environment variable: (layout, launch, fault step, rank).
+# A worker gets a real SIGKILL at the start of a step, under the default c10d rendezvous
+# (--standalone: the agent shares its store) and under --master-port (the static rendezvous,
+# whose store the agent holds for its whole life). Repeated restarts within one launch:
+# tests/tools/test_fault_drill.py.
+TORCHRUN_ITERS = 6
 RESTART_CASES = {
-    "tp2-dp2-standalone": (["--tp", "2", "--dp", "2"], ["--standalone"], "3,6", "3,1"),
-    "pp2-dp2-master-port": (["--pp", "2", "--dp", "2"], ["--master-port", "PORT"], "5", "2"),
+    "tp2-dp2-standalone": (["--tp", "2", "--dp", "2"], ["--standalone"], "5", "3"),
+    "pp2-dp2-master-port": (["--pp", "2", "--dp", "2"], ["--master-port", "PORT"], "3", "2"),
 }
 
 
@@ -87,9 +89,10 @@ def references(tmp_path_factory):
     out = {}
     for name, (layout, *_) in RESTART_CASES.items():
         metrics = tmp_path_factory.mktemp(name) / "metrics.jsonl"
-        assert run_distributed(_main, 4, ARGV + layout + ["--metrics-file", str(metrics)], timeout_s=120) == [0] * 4
+        argv = ARGV + layout + ["--train-iters", str(TORCHRUN_ITERS), "--metrics-file", str(metrics)]
+        assert run_distributed(_main, 4, argv, timeout_s=120) == [0] * 4
         out[name] = dict(_losses(metrics))
-        assert sorted(out[name]) == list(range(1, ITERS + 1))
+        assert sorted(out[name]) == list(range(1, TORCHRUN_ITERS + 1))
     return out
 
 
@@ -98,10 +101,10 @@ def test_torchrun_restarts_killed_workers_without_any_environment_variable(case,
     layout, launch, fault_steps, fault_ranks = RESTART_CASES[case]
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     launch = [str(free_port()) if arg == "PORT" else arg for arg in launch]
-    restarts = len(fault_steps.split(","))
-    command = [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc_per_node", "4", "--max-restarts",
-               str(restarts), "--monitor-interval", "0.1", str(SCRIPT)] + ARGV + layout + [
-        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--metrics-file", str(metrics)]
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc_per_node", "4", "--max-restarts", "1",
+               "--monitor-interval", "0.1", str(SCRIPT)] + ARGV + layout + [
+        "--train-iters", str(TORCHRUN_ITERS), "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+        "--metrics-file", str(metrics)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "TORCHELASTIC_"))}
     env.update(MEGALITE_FAULT_AT_STEP=fault_steps, MEGALITE_FAULT_RANK=fault_ranks, MEGALITE_FAULT_SIGNAL="SIGKILL",
                OMP_NUM_THREADS="1")
@@ -115,7 +118,7 @@ def test_torchrun_restarts_killed_workers_without_any_environment_variable(case,
     # Every logged step, including the ones a killed attempt logged and the next one redid,
     # equals the uninterrupted run exactly.
     logged = _losses(metrics)
-    assert sorted({s for s, _ in logged}) == list(range(1, ITERS + 1))
+    assert sorted({s for s, _ in logged}) == list(range(1, TORCHRUN_ITERS + 1))
     assert [(s, loss) for s, loss in logged if loss != references[case][s]] == []
 
 
