@@ -143,8 +143,8 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: dateti
 def _master_address() -> tuple[str, int]:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
-        raise RuntimeError("MASTER_ADDR and MASTER_PORT are not set: launch with torchrun (or set RANK, WORLD_SIZE, "
-                           "MASTER_ADDR, MASTER_PORT yourself)")
+        raise errors.UsageError("MASTER_ADDR and MASTER_PORT are not set: launch with torchrun (or set RANK, "
+                                "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself)")
     return addr, int(port)
 
 

@@ -31,13 +31,16 @@ earlier attempt left:
 
 A stale hello (left by a dead attempt) is answered too, harmlessly: nobody waits for that
 welcome. Only live ranks can join under a token drawn a moment ago. Every key of the attempt
-then lives under `megalite/<token>/`.
+then lives under `megalite/<token>/`. Cost: ranks > 0 block in the store's own wait (no
+polling); rank 0 reads all hellos in one multi_get per round, with a growing pause between
+rounds, so a large job does not flood the store.
 
-Works on any object with the Store API's set/get/check/add (torch's TCPStore, or a dict-backed
-fake in tests); nothing here imports torch.
+Works on any object with the Store API's set/get/check/add/wait (torch's TCPStore, or a
+dict-backed fake in tests); nothing here imports torch.
 """
 from __future__ import annotations
 
+import datetime
 import time
 import uuid
 
@@ -52,7 +55,7 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
-def attempt_namespace(store, rank: int, world_size: int, timeout_s: float, poll_s: float = 0.005) -> str:
+def attempt_namespace(store, rank: int, world_size: int, timeout_s: float) -> str:
     """The key prefix every rank of this start of the job uses ('megalite/<token>/').
 
     Every rank must call it once, right after connecting to the job's store, before any other
@@ -62,41 +65,47 @@ def attempt_namespace(store, rank: int, world_size: int, timeout_s: float, poll_
         return f"megalite/{uuid.uuid4().hex}/"
     if rank == 0:
         token = uuid.uuid4().hex
-        _welcome_everyone(store, token, world_size, timeout_s, poll_s)
-    else:
-        nonce = uuid.uuid4().hex
-        store.set(f"{ROOT}hello/{rank}", nonce)
-        token = _wait_for(store, f"{ROOT}welcome/{nonce}", timeout_s, poll_s,
-                          f"rank {rank}: rank 0 did not answer within {timeout_s:.0f} s; is rank 0 running and "
-                          f"MASTER_ADDR/MASTER_PORT the same for every rank?")
-        store.set(f"{ROOT}{token}/joined/{rank}", "1")
-        store.add(f"{ROOT}{token}/joined", 1)
+        _welcome_everyone(store, token, world_size, timeout_s)
+        return f"megalite/{token}/"
+    nonce = uuid.uuid4().hex
+    store.set(f"{ROOT}hello/{rank}", nonce)
+    welcome = f"{ROOT}welcome/{nonce}"
+    try:
+        store.wait([welcome], datetime.timedelta(seconds=timeout_s))  # blocks in the store, no polling
+    except (RuntimeError, TimeoutError):
+        raise RendezvousTimeout(f"rank {rank}: rank 0 did not answer within {timeout_s:g} s; is rank 0 running, "
+                                f"with the same MASTER_ADDR/MASTER_PORT as this rank?") from None
+    token = _text(store.get(welcome))
+    store.set(f"{ROOT}{token}/joined/{rank}", "1")
+    store.add(f"{ROOT}{token}/joined", 1)
     return f"megalite/{token}/"
 
 
-def _wait_for(store, key: str, timeout_s: float, poll_s: float, message: str) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):  # check() never blocks; get() would, with the store's own timeout
-        if time.monotonic() > deadline:
-            raise RendezvousTimeout(message)
-        time.sleep(poll_s)
-    return _text(store.get(key))
+def _get_all(store, keys: list[str]) -> list[str]:
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    return [_text(v) for v in values]
 
 
-def _welcome_everyone(store, token: str, world_size: int, timeout_s: float, poll_s: float) -> None:
+def _welcome_everyone(store, token: str, world_size: int, timeout_s: float) -> None:
     """Rank 0: answer hellos until world_size - 1 ranks have joined under `token`."""
-    answered: dict[int, str] = {}  # rank -> the last nonce answered (maybe a dead attempt's)
+    hellos = [f"{ROOT}hello/{r}" for r in range(1, world_size)]
     deadline = time.monotonic() + timeout_s
+    try:  # every rank has said hello at least once (maybe only a dead attempt's hello so far)
+        store.wait(hellos, datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError):
+        missing = [r for r, key in enumerate(hellos, 1) if not store.check([key])]
+        raise RendezvousTimeout(f"rank 0: ranks {missing[:16]} did not reach the store within {timeout_s:g} s "
+                                f"(launched? same MASTER_ADDR/MASTER_PORT?)") from None
+    answered: list[str | None] = [None] * len(hellos)  # per rank, the last nonce answered
+    pause = 0.001
     while store.add(f"{ROOT}{token}/joined", 0) < world_size - 1:
-        for rank in range(1, world_size):
-            key = f"{ROOT}hello/{rank}"
-            if store.check([key]):
-                nonce = _text(store.get(key))
-                if answered.get(rank) != nonce:
-                    store.set(f"{ROOT}welcome/{nonce}", token)
-                    answered[rank] = nonce
+        for i, nonce in enumerate(_get_all(store, hellos)):
+            if nonce != answered[i]:
+                store.set(f"{ROOT}welcome/{nonce}", token)
+                answered[i] = nonce
         if time.monotonic() > deadline:
             missing = [r for r in range(1, world_size) if not store.check([f"{ROOT}{token}/joined/{r}"])]
-            raise RendezvousTimeout(f"rank 0: ranks {missing[:16]} did not join within {timeout_s:.0f} s (launched? "
+            raise RendezvousTimeout(f"rank 0: ranks {missing[:16]} did not join within {timeout_s:g} s (launched? "
                                     f"same MASTER_ADDR/MASTER_PORT?)")
-        time.sleep(poll_s)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)

@@ -4,6 +4,7 @@ TCPStore server that outlives them, as torchrun's agent holds it."""
 import datetime
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from megalite.testing import free_port, run_distributed
 
 
 class _DictStore:
-    """set/get/check/add over a dict, thread-safe (a TCPStore stand-in)."""
+    """set/get/check/add/wait over a dict, thread-safe (a TCPStore stand-in)."""
 
     def __init__(self):
         self.data, self._lock = {}, threading.Lock()
@@ -37,6 +38,13 @@ class _DictStore:
             self.data[key] = str(int(self.data.get(key, b"0")) + amount).encode()
             return int(self.data[key])
 
+    def wait(self, keys, timeout):
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{keys} not set")
+            time.sleep(0.001)
+
 
 def _attempt(store, world_size, ranks=None, timeout_s=10.0):
     """Run the handshake on threads (one per rank); return {rank: namespace or the exception}."""
@@ -44,7 +52,7 @@ def _attempt(store, world_size, ranks=None, timeout_s=10.0):
 
     def run(rank):
         try:
-            out[rank] = attempt_namespace(store, rank, world_size, timeout_s, poll_s=0.001)
+            out[rank] = attempt_namespace(store, rank, world_size, timeout_s)
         except RendezvousTimeout as exc:
             out[rank] = exc
 
@@ -70,10 +78,13 @@ def test_every_attempt_agrees_on_a_namespace_no_earlier_attempt_used():
 
 def test_a_rank_that_never_comes_is_named():
     out = _attempt(_DictStore(), 3, ranks=[0, 1], timeout_s=0.5)
+    assert isinstance(out[0], RendezvousTimeout) and "ranks [2] did not reach the store within 0.5 s" in str(out[0])
+    assert isinstance(out[1], RendezvousTimeout) and "rank 1: rank 0 did not answer" in str(out[1])
+    store = _DictStore()
+    store.set(f"{ROOT}hello/2", "nonce-of-a-dead-process")  # rank 2 came in an earlier attempt only
+    out = _attempt(store, 3, ranks=[0, 1], timeout_s=0.5)
     assert isinstance(out[0], RendezvousTimeout) and "ranks [2] did not join" in str(out[0])
     assert isinstance(out[1], str)  # rank 1 was welcomed; rank 0 waits for rank 2 only
-    out = _attempt(_DictStore(), 2, ranks=[1], timeout_s=0.3)
-    assert isinstance(out[1], RendezvousTimeout) and "rank 0 did not answer" in str(out[1])
 
 
 def _gloo_world(port):
