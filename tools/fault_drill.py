@@ -149,9 +149,9 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MEGALITE_FAULT"))}
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                    MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay))
-        log = open(self.dir / f"launch{self.launches}.log", "w")
-        self.process = subprocess.Popen(self.command(world_size), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        with open(self.dir / f"launch{self.launches}.log", "w") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.command(world_size), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         self.launches += 1
 
     def finished(self) -> bool:
@@ -273,7 +273,7 @@ class Drill:
 
     def run(self, faults: list[Fault]) -> tuple[float, int]:
         """Run the job to the end with `faults`; return (wall seconds, faults injected)."""
-        self.faults, started, injected = faults, time.monotonic(), 0
+        started, injected = time.monotonic(), 0
         self.job.launch(self.next_launch_world_size())
         try:
             for fault in faults:
