@@ -107,5 +107,5 @@ def test_gloo_worlds_restart_against_a_store_that_outlives_them():
     agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
                                 timeout=datetime.timedelta(seconds=30))
     for _ in range(3):
-        assert run_distributed(_gloo_world, 3, port, timeout_s=60) == [([6.0, 6.0], False, True)] * 3
+        assert run_distributed(_gloo_world, 3, port, timeout_s=120) == [([6.0, 6.0], False, True)] * 3
     assert agent_store.num_keys() > 0  # the earlier worlds' keys are all still there
