@@ -14,8 +14,10 @@ in reverse order when the job ends, whether it returns, raises or is interrupted
 A clean end waits for the last checkpoint write and meets the other ranks at a barrier; an
 exception releases everything without communicating (the other ranks may be gone).
 
-Exit codes: 0 done (or stopped by a signal after saving), 2 configuration error, 3 stopped on a
-non-finite loss or gradient (--on-nonfinite stop), 4 replicas differ, 86 hang (the watchdog).
+Exit codes: 0 done (or stopped by a signal after saving), 2 a user's mistake (`UsageError`: the
+configuration, a config file, the data, a checkpoint of another model, a checkpoint directory
+that cannot be written; printed once per node without a traceback), 3 stopped on a non-finite
+loss or gradient (--on-nonfinite stop), 4 replicas differ, 86 hang (the watchdog).
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ import torch
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.storage import check_save_dir
-from megalite.cli import ConfigFileError, parse_args, to_toml
+from megalite.cli import parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
-from megalite.errors import ConfigError, UsageError
+from megalite.errors import ConfigError, UsageError, report_usage_error
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model.config import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule
@@ -62,21 +64,21 @@ def log(*parts, rank0_only: bool = True) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, actions = parse_args(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or (cfg.world_size if actions["dry_run"] else 1)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         cfg = configure(cfg, world_size, tokenizer.vocab_size)
-    except (UsageError, ConfigFileError, FileNotFoundError) as exc:
-        print(f"megalite: configuration error (rank {os.environ.get('RANK', '0')}):\n{exc}", file=sys.stderr)
-        return 2
-    if actions["print_config"]:
-        print(to_toml(cfg, cfg.derived()), end="")
-        return 0
-    if actions["dry_run"]:
-        print(estimate(cfg.gpt_config(), cfg).describe())
-        return 0
-    return train(cfg, tokenizer)
+        if actions["print_config"]:
+            print(to_toml(cfg, cfg.derived()), end="")
+            return 0
+        if actions["dry_run"]:
+            print(estimate(cfg.gpt_config(), cfg).describe())
+            return 0
+        return train(cfg, tokenizer)
+    except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
+        return report_usage_error(exc, rank)
 
 
 def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
@@ -141,8 +143,10 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     model_cfg = cfg.gpt_config()
     _announce(cfg, model_cfg, mesh)
     t = cfg.training
-    train_set, valid_set, _ = build_gpt_datasets(list(cfg.data.data_path) if cfg.data.data_path else None,
-                                                 cfg.data.split, model_cfg.seq_length, t.seed, tokenizer)
+    # data may sit on node-local disks: every rank learns if any rank cannot read it
+    train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
+        list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
+        tokenizer), comm.world_group())
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
