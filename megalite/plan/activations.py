@@ -120,6 +120,20 @@ def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
 
+def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
+    """Microbatches whose embedding activations the stage holds at its peak. The embedding belongs to
+    model chunk 0 only: with v > 1 chunks that is chunk 0's share of the chunk-microbatches in flight,
+    not all of them. Interleaved 1F1B runs its warm-up forwards in groups of pp microbatches per
+    chunk, chunk 0 first (forward k is chunk (k // pp) % v), and peaks before its first backward."""
+    m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
+    inflight = inflight_microbatches(cfg, stage)
+    if v == 1:
+        return min(inflight, m)
+    if cfg.schedule == "gpipe":
+        return m
+    return sum(1 for k in range(inflight) if (k // pp) % v == 0)
+
+
 def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
     v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
@@ -137,7 +151,7 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
         total += kept_whole  # the block being recomputed
     head_inflight = cfg.num_microbatches if cfg.schedule == "gpipe" else 1
     if stage == 0:
-        total += min(inflight, cfg.num_microbatches) * embedding_activation_bytes(model, cfg)
+        total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
     if stage == pp - 1:
         total += head_inflight * head_activation_bytes(model, cfg)
     return total
