@@ -1,7 +1,8 @@
-"""Which layout to run: a step-time model, layout suggestions, and the one-line reason for a choice.
+"""Which layout to run: step time by part, layout suggestions, and the one-line reason for a choice.
 
-`suggest()` ranks the layouts of N GPUs that fit by `step_time()`; `justify()` is the reason
-printed at start-up. Built on `estimate.py` (the accounting) and `validity.py` (validity).
+`suggest()` ranks the layouts of N GPUs that fit by `step_time()` (the model of `timing.py` on a
+hardware profile of `hardware.py`); `justify()` is the reason printed at start-up. Built on
+`per_rank.py` (the accounting) and `validity.py` (validity).
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 
 from megalite.config import Recompute, RunConfig
 from megalite.model.config import GPTConfig
-from megalite.plan.communication import bus_factor
 from megalite.plan.per_rank import Estimate, estimate
+from megalite.plan.hardware import HardwareProfile
 from megalite.plan.layout import GB
+from megalite.plan.timing import predict_step_time
 from megalite.plan.validity import preflight
 
 
@@ -27,37 +29,12 @@ class Suggestion:
     reason: str
 
 
-def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate, gpus_per_node: int, peak_flops: float = 989e12,
-              efficiency: float = 0.5, intra_node_busbw: float = 360e9, inter_node_busbw: float = 40e9) -> dict:
-    """Seconds per step, by part, under stated assumptions (for ranking layouts, not a promise).
-
-    Compute runs at `efficiency` of `peak_flops` and is stretched by the pipeline bubble; TP and
-    PP traffic is exposed; DP gradient reduction hides behind the last microbatch's backward;
-    the post-step parameter all-gather is exposed; each block costs ~30 us of launch overhead per
-    microbatch. A group's bandwidth is NVLink-class when its
-    ranks fit in one node (Megatron order: tp spans tp ranks, dp spans tp*dp, pp the world).
-    """
-    span = {"tp": cfg.parallel.tp, "dp": cfg.parallel.tp * cfg.dp, "pp": cfg.world_size, "embedding": cfg.world_size}
-    size = {"tp": cfg.parallel.tp, "dp": cfg.dp, "pp": cfg.parallel.pp, "embedding": 2}
-    compute = est.hardware_flops_per_step / cfg.world_size / (peak_flops * efficiency)
-    # kernel-launch and small-GEMM overhead: ~30 us per block and microbatch (favours larger microbatches)
-    compute += 30e-6 * est.layers_on_stage * est.num_microbatches
-    compute /= 1.0 - est.bubble_fraction
-    parts = {"compute": compute, "tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "offload": 0.0}
-    for key, n in est.comm_bytes.items():
-        group, op = key.split("/")
-        bw = intra_node_busbw if span[group] <= gpus_per_node else inter_node_busbw
-        seconds = n * bus_factor(op, size[group]) / bw
-        if group == "pp" and op == "recv":
-            continue  # a transfer is one send and one receive: count it once
-        if group == "dp" and op != "all_gather":
-            seconds = max(0.0, seconds - 2.0 / 3.0 * compute / est.num_microbatches)
-        parts[group] += seconds
-    if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
-        shard = est.params_per_rank / (cfg.dp if cfg.parallel.zero else 1)
-        parts["offload"] = shard * 6 / 25e9 + shard / 1e9
-    parts["total"] = sum(parts.values())
-    return parts
+def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate | None = None, gpus_per_node: int | None = None,
+              hardware: str | HardwareProfile | None = None) -> dict:
+    """Seconds per step, by part, on `hardware` (a built-in profile name, a profile file or a
+    HardwareProfile; default H100-SXM): see `megalite.plan.timing` for the model. Keys: compute,
+    tp, cp, pp, dp, bubble, optimizer, offload, total. `est` is accepted for callers that have one."""
+    return predict_step_time(model, cfg, hardware, ranks_per_node=gpus_per_node).breakdown()
 
 
 def _reason(cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None, gpus_per_node: int) -> str:
@@ -83,12 +60,12 @@ def _reason(cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None
 
 
 def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, gpus_per_node: int | None = None,
-            peak_flops: float = 989e12) -> str:
+            hardware: str | HardwareProfile | None = None) -> str:
     """The planner's one-line account of a chosen layout (as --suggest words it), for the run's
     start banner and the file saved beside checkpoints."""
     est = estimate(model, cfg)
     gpus_per_node = gpus_per_node or cfg.parallel.tp
-    return _reason(cfg, est, step_time(model, cfg, est, gpus_per_node, peak_flops), gpu_memory, gpus_per_node)
+    return _reason(cfg, est, step_time(model, cfg, est, gpus_per_node, hardware), gpu_memory, gpus_per_node)
 
 
 def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int, offload: bool):
@@ -111,12 +88,13 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
 
 def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
             global_batch_size: int | None = None, precision: str = "bf16", top_k: int = 10,
-            peak_flops: float = 989e12, **bandwidths) -> list[Suggestion]:
+            hardware: str | HardwareProfile | None = None) -> list[Suggestion]:
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
     interleaving, ZeRO 0-1, recompute none/selective/full, micro batch 1-8, and the optimizer
     offload only when nothing else fits. global_batch_size defaults to 8 sequences per GPU.
+    Step times are on `hardware` (default H100-SXM).
     """
     gpus_per_node = gpus_per_node or max(1, gpus // nodes)
     base = RunConfig.build(global_batch_size=global_batch_size or 8 * gpus, precision=precision)
@@ -128,7 +106,7 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
             est = estimate(model, cfg)
             if not est.fits(gpu_memory):
                 continue
-            parts = step_time(model, cfg, est, gpus_per_node, peak_flops, **bandwidths)
+            parts = step_time(model, cfg, est, gpus_per_node, hardware)
             found.append(Suggestion(cfg, est, parts["total"], _reason(cfg, est, parts, gpu_memory, gpus_per_node)))
         if found:
             break

@@ -1,0 +1,228 @@
+"""Hardware profiles: what one device (and the links between devices) can do, for the step-time model.
+
+A profile states, per device: the dense matmul peak per precision and the fraction of it a GEMM
+reaches as a function of its size (an efficiency curve), the achievable memory (copy) bandwidth,
+the all-reduce bus bandwidth inside a node and per rank across nodes (nccl-tests conventions),
+the latency of one collective, and what the host costs per transformer block, per microbatch
+and per step (launches, dispatch, Python). Pure data and arithmetic, no torch.
+
+Built-in profiles (`BUILTIN`) describe A100-80GB, H100-SXM and H200 from datasheets and public
+microbenchmarks (each names its sources in `source`); `tools/plan.py --calibrate OUT.json`
+measures the machine it runs on (megalite/calibration.py) and writes the same fields.
+
+Units in the profile (and its JSON): TFLOP/s, GB/s (1e9 bytes), microseconds. The methods answer
+in seconds.
+
+    hw = load_profile("A100-80GB")            # or a path to a profile.json
+    hw.matmul_seconds(4096, 4096, 4096, "bf16")
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megalite.errors import UsageError
+
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class HardwareProfileError(UsageError, ValueError):
+    """A --hardware name that is not built in and not a readable profile file, or a bad field."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device kind and its interconnect. See the module docstring for units."""
+
+    name: str
+    peak_tflops: dict[str, float]
+    """Dense matmul peak per precision ("bf16", "fp16", "fp32")."""
+    matmul_efficiency: tuple[tuple[float, float], ...]
+    """(n, fraction of peak) for an n x n x n GEMM, n increasing; a GEMM (m, n, k) reads the curve at
+    the cube root of m*n*k (its work), log-linearly between points and flat beyond the ends."""
+    memory_bandwidth_gbs: float
+    """Achievable copy bandwidth (bytes read + bytes written per second), for memory-bound ops."""
+    intra_node_busbw_gbs: float
+    """All-reduce bus bandwidth of a group inside one node (also the p2p bandwidth there)."""
+    inter_node_busbw_gbs: float
+    """Bus bandwidth per rank across nodes (one NIC's worth); a group with r ranks per node gets r of it."""
+    devices_per_node: int | None = 8
+    """Ranks one node holds; None: every rank of the job shares one node (a CPU machine)."""
+    collective_latency_us: float = 10.0
+    """Fixed cost of one collective or p2p transfer (small-message time)."""
+    block_overhead_us: float = 0.0
+    """Host time of one transformer block's forward + backward at negligible size (launches, dispatch)."""
+    microbatch_overhead_us: float = 0.0
+    """Host time per microbatch outside the blocks (embedding, head, loss, schedule)."""
+    step_overhead_us: float = 0.0
+    """Host time per optimizer step besides the update's memory traffic (bookkeeping, launches)."""
+    host_synchronous: bool = False
+    """True on a CPU: the host runs the ops, so overheads add to compute; on a GPU they overlap it."""
+    cores: int | None = None
+    """CPU: cores the node's ranks share (ranks x threads beyond it slow compute down); None on GPUs."""
+    threads_per_rank: int = 1
+    """CPU: threads one rank computes with (what the GEMM curve was measured with)."""
+    source: str = ""
+    """Where the numbers come from (datasheets, benchmarks, or the calibration's command and date)."""
+    measurements: dict = field(default_factory=dict, compare=False)
+    """Calibration only: the raw measurements behind the fields (sizes, times), for the record."""
+
+    def __post_init__(self):
+        curve = tuple((float(n), float(e)) for n, e in self.matmul_efficiency)
+        if not curve or any(n <= 0 or not 0 < e <= 1.5 for n, e in curve) or \
+                [n for n, _ in curve] != sorted(n for n, _ in curve):
+            raise HardwareProfileError(f"profile {self.name!r}: matmul_efficiency must be (n, fraction) pairs with "
+                                       f"n > 0 increasing and 0 < fraction, got {self.matmul_efficiency!r}")
+        object.__setattr__(self, "matmul_efficiency", curve)
+        for name in ("memory_bandwidth_gbs", "intra_node_busbw_gbs", "inter_node_busbw_gbs"):
+            if not getattr(self, name) > 0:
+                raise HardwareProfileError(f"profile {self.name!r}: {name} must be positive")
+        if not self.peak_tflops:
+            raise HardwareProfileError(f"profile {self.name!r}: peak_tflops needs at least one precision")
+
+    # -- arithmetic ------------------------------------------------------------------------------
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense matmul FLOP/s at `precision` (bf16 and fp16 stand in for each other)."""
+        peaks = self.peak_tflops
+        value = peaks.get(precision) or peaks.get({"bf16": "fp16", "fp16": "bf16"}.get(precision, ""))
+        if value is None:
+            raise HardwareProfileError(f"profile {self.name!r} has no peak for {precision}; add peak_tflops."
+                                       f"{precision} (has {sorted(peaks)})")
+        return value * 1e12
+
+    def matmul_efficiency_at(self, n: float) -> float:
+        """Fraction of peak an n x n x n GEMM reaches (log-linear in n between the curve's points)."""
+        sizes = [size for size, _ in self.matmul_efficiency]
+        i = bisect.bisect_left(sizes, n)
+        if i == 0:
+            return self.matmul_efficiency[0][1]
+        if i == len(sizes):
+            return self.matmul_efficiency[-1][1]
+        (n0, e0), (n1, e1) = self.matmul_efficiency[i - 1], self.matmul_efficiency[i]
+        w = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+        return e0 + w * (e1 - e0)
+
+    def matmul_seconds(self, m: float, n: float, k: float, precision: str, batch: float = 1) -> float:
+        """Seconds of `batch` GEMMs [m, k] x [k, n] in one launch: their FLOPs at the curve's efficiency
+        for their total work, and never less than moving both operands and the result once (a
+        roofline: attention's products over a small head dimension are bound by memory)."""
+        if min(m, n, k, batch) <= 0:
+            return 0.0
+        size = (batch * m * n * k) ** (1.0 / 3.0)
+        compute = 2.0 * batch * m * n * k / (self.peak_flops(precision) * self.matmul_efficiency_at(size))
+        moved = ELEMENT_BYTES.get(precision, 2) * batch * (m * k + k * n + m * n)
+        return max(compute, self.memory_seconds(moved))
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds to move `nbytes` (read + written) through memory at the copy bandwidth."""
+        return nbytes / (self.memory_bandwidth_gbs * 1e9)
+
+    def busbw(self, group_size: int, stride: int, ranks_per_node: int | None) -> float:
+        """Bus bandwidth (bytes/s) of a group of `group_size` ranks `stride` ranks apart.
+
+        Inside a node (the group's span fits): the intra-node bandwidth. Across nodes each node's
+        r = ranks of the group on it drive r NICs in parallel: r x inter-node, at most intra-node.
+        """
+        per_node = ranks_per_node if ranks_per_node is not None else self.devices_per_node
+        if per_node is None or group_size * stride <= per_node:
+            return self.intra_node_busbw_gbs * 1e9
+        on_one_node = max(1, min(group_size, per_node // stride))
+        return min(self.intra_node_busbw_gbs, on_one_node * self.inter_node_busbw_gbs) * 1e9
+
+    def compute_slowdown(self, ranks_on_node: int) -> float:
+        """CPU: how much slower each rank computes when ranks x threads exceed the node's cores."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, ranks_on_node * self.threads_per_rank / self.cores)
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["matmul_efficiency"] = [list(point) for point in self.matmul_efficiency]
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "profile") -> HardwareProfile:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise HardwareProfileError(f"{where}: unknown field(s) {unknown}; a profile has {sorted(names)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in data and
+                         f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise HardwareProfileError(f"{where}: missing field(s) {missing}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise HardwareProfileError(f"{where}: {exc}") from None
+
+
+def latency_bound_curve(plateau: float, peak_tflops: float, fixed_us: float) -> tuple[tuple[float, float], ...]:
+    """An efficiency curve from two numbers: a GEMM of work W = 2n^3 takes W / (plateau * peak) plus a
+    fixed `fixed_us` (launch, tile ramp-up, tail), i.e. efficiency(n) = plateau * W / (W + plateau *
+    peak * fixed). Evaluated at n = 128 ... 32768."""
+    flops_in_fixed = plateau * peak_tflops * 1e12 * fixed_us * 1e-6
+    return tuple((float(n), plateau * 2 * n ** 3 / (2 * n ** 3 + flops_in_fixed)) for n in (2 ** i for i in range(7, 16)))
+
+
+# GPU GEMM curves: `latency_bound_curve` with a 6 us fixed cost (fits XLA's measured sm_90 bf16 table,
+# openxla matmul_interpolator_data.h: 512^3 at 4% of peak, 2x1024^3 at 38%, 2048^3 at 64%, 4096^3 at
+# 79%) and the plateau each GPU's best GEMM shape reaches in Bekman's mamf-finder sweeps (A100 SXM
+# 271 TFLOP/s = 87%, H100 SXM 794 TFLOP/s = 80%). Copy bandwidth: 88% of the datasheet HBM figure.
+# Bus bandwidths: nccl-tests all-reduce on 8 NVLink GPUs (A100 ~230 GB/s, H100 ~360 GB/s); across
+# nodes one NIC per GPU (A100: HDR 200 Gb/s, H100/H200: NDR 400 Gb/s) at ~95%. Host overheads: ~40
+# kernel launches per block (forward + backward) at ~5 us; they overlap the GPU's work.
+A100_80GB = HardwareProfile(
+    name="A100-80GB", peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    matmul_efficiency=latency_bound_curve(0.805, 312.0, 6.0),
+    memory_bandwidth_gbs=0.88 * 2039, intra_node_busbw_gbs=230.0, inter_node_busbw_gbs=23.75, devices_per_node=8,
+    collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
+    source="A100 SXM4 80GB datasheet (312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 2039 GB/s HBM2e, NVLink 3, "
+           "HDR 200 Gb/s per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")
+
+H100_SXM = HardwareProfile(
+    name="H100-SXM", peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    matmul_efficiency=latency_bound_curve(0.80, 989.0, 6.0),
+    memory_bandwidth_gbs=0.88 * 3350, intra_node_busbw_gbs=360.0, inter_node_busbw_gbs=47.5, devices_per_node=8,
+    collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
+    source="H100 SXM5 80GB datasheet (989 TFLOP/s bf16 dense, 67 fp32, 3350 GB/s HBM3, NVLink 4, NDR 400 Gb/s "
+           "per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")
+
+# H200 SXM 141GB: the H100's chip and interconnect with HBM3e at 4800 GB/s.
+H200 = dataclasses.replace(
+    H100_SXM, name="H200", memory_bandwidth_gbs=0.88 * 4800,
+    source="H200 SXM datasheet (the H100's compute and NVLink 4, 4800 GB/s HBM3e); see megalite/plan/hardware.py")
+
+BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (A100_80GB, H100_SXM, H200)}
+DEFAULT = "H100-SXM"
+
+
+def load_profile(name_or_path: str | HardwareProfile | None = None) -> HardwareProfile:
+    """A built-in profile by name (case-insensitive), or one read from a JSON file; None: the default."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    name = name_or_path or DEFAULT
+    for key, profile in BUILTIN.items():
+        if key.lower() == name.lower():
+            return profile
+    path = Path(name)
+    if not path.is_file():
+        raise HardwareProfileError(f"--hardware {name}: not a built-in profile ({', '.join(BUILTIN)}) and no such "
+                                   f"file; write one with `python tools/plan.py --calibrate {name}`")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HardwareProfileError(f"--hardware {name}: cannot read a profile ({exc})") from None
+    if not isinstance(data, dict):
+        raise HardwareProfileError(f"--hardware {name}: a profile is a JSON object")
+    return HardwareProfile.from_dict(data, where=f"--hardware {name}")

@@ -1,0 +1,287 @@
+"""Predicted seconds per optimizer step, by part, on a hardware profile (pure arithmetic, no torch).
+
+One microbatch through one transformer block on one tensor-parallel rank costs
+  GEMMs            each at the profile's efficiency for its size (megalite/plan/hardware.py):
+                   QKV, output projection, MLP in and out, and attention's two batched products;
+                   backward runs two GEMMs of the same size per forward GEMM (input and weight
+                   gradients); flash attention's backward five products (it recomputes the scores);
+  memory-bound ops the bytes the norms, activation, bias-dropout-add, rotary embedding (and, for
+                   attention that writes its scores, softmax and dropout) read and write, at the
+                   copy bandwidth; backward moves 1.5x the forward's bytes (it reads the saved input
+                   and the output gradient and writes the input gradient); each linear's weight
+                   gradient is added into an fp32 main-gradient buffer;
+  host time        the profile's block overhead (launches, dispatch): added to the above on a CPU,
+                   overlapped with it on a GPU;
+  recompute        selective: attention's forward again; full: the block's forward again.
+The first stage adds the embedding, the last the final norm, output layer and cross entropy, each
+microbatch. Tensor-parallel and pipeline transfers are exposed (megalite overlaps neither), from
+the planner's per-stage byte counts (communication.py) at the bus bandwidth of the link the group
+spans. A stage is busy m x its per-microbatch time plus its transfers; the slowest stage sets the
+pace, and the schedule's bubble (`bubble_fraction`) idles every stage for the average stage's
+share. The data-parallel reduction overlaps the last microbatch's backward (what exceeds it is
+exposed); the ZeRO parameter all-gather is exposed unless --overlap-param-gather hides it behind
+the next forward; ZeRO-3 gathers and reductions overlap the whole step's compute. The optimizer
+streams its shard's fp32 state through memory once. On a CPU, ranks x threads beyond the node's
+cores slow every rank's compute in proportion.
+
+`Kernels` says what the modelled software runs where that changes time: megalite (flash attention,
+plain p2p) or, to check the model against Narayanan et al. 2021's measured iterations, Megatron-LM
+of that paper (`MEGATRON_2021`: attention that writes its [b, heads, s, s] scores, and the
+scatter/gather pipeline transfer).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from megalite.model.config import GPTConfig
+from megalite.plan.communication import bus_factor, communication_bytes
+from megalite.plan.hardware import HardwareProfile, load_profile
+from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.params import layer_params, stage_params
+from megalite.plan.per_rank import bubble_fraction
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the modelled software does where it changes the time."""
+
+    attention: str = "flash"
+    """"flash": scores never leave the kernel, causal blocks above the diagonal skipped;
+    "materialized": scores [b, heads, s, s] written, then read and written by softmax and dropout."""
+    p2p_scatter_gather: bool = False
+    """Each tp rank sends 1/tp of a pipeline activation, the receiver all-gathers it over tp."""
+    grad_reduce_overlap: bool = True
+    """The data-parallel gradient reduction starts during the last microbatch's backward (megalite's
+    buckets) rather than after the whole backward (Megatron-LM 2021's "local" DDP)."""
+
+
+MEGALITE = Kernels()
+MEGATRON_2021 = Kernels(attention="materialized", p2p_scatter_gather=True, grad_reduce_overlap=False)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step by part; `total` is their sum."""
+
+    compute: float
+    """The slowest pipeline stage's busy time without communication (GEMMs, memory-bound ops, host)."""
+    tp: float
+    cp: float
+    pp: float
+    dp: float
+    """Exposed communication of each group (dp includes the tied embedding's all-reduce)."""
+    bubble: float
+    """Pipeline idle time of the schedule (the average stage's share of fill and drain)."""
+    optimizer: float
+    """The update (memory traffic of the fp32 state) and per-step host overhead."""
+    offload: float = 0.0
+    """With --offload-optimizer: PCIe transfers and the CPU update."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def breakdown(self) -> dict[str, float]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Device seconds of forward and backward of one microbatch through something, and its attention part."""
+
+    forward: float
+    backward: float
+    attention_forward: float = 0.0
+
+
+def _tokens(model: GPTConfig, cfg: RunConfig) -> tuple[int, int]:
+    """(tokens of one microbatch on this rank, local sequence length): s / cp per sequence."""
+    cp = getattr(cfg.parallel, "cp", 1)
+    local = model.seq_length // cp
+    return local * cfg.training.micro_batch_size, local
+
+
+def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Kernels = MEGALITE) -> _Pass:
+    """Device seconds of one block, one microbatch, one tp rank: forward and backward (no recompute)."""
+    precision, a = cfg.precision.precision, DTYPE_BYTES[cfg.precision.precision]
+    t, b = cfg.parallel.tp, cfg.training.micro_batch_size
+    sp = t if cfg.parallel.sequence_parallel else 1
+    tokens, local = _tokens(model, cfg)
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    nq, nkv = model.num_attention_heads // t, model.num_query_groups // t
+    llama = model.flavour == "llama"
+    linears = [(tokens, (nq + 2 * nkv) * d, h), (tokens, h, nq * d), (tokens, (2 if llama else 1) * f // t, h),
+               (tokens, h, f // t)]
+    gemm = sum(hw.matmul_seconds(m, n, k, precision) for m, n, k in linears)
+    # attention: b * nq products of [s_local, d] x [d, s] and [s_local, s] x [s, d]
+    causal = 0.5 if kernels.attention == "flash" else 1.0
+    scores = hw.matmul_seconds(local, model.seq_length * causal, d, precision, batch=b * nq)
+    values = hw.matmul_seconds(local, d, model.seq_length * causal, precision, batch=b * nq)
+    attention = scores + values
+    moved = 2 * (2 * a * tokens * h // sp)                           # two norms: read x, write y
+    moved += 2 * (3 * a * tokens * h // sp)                          # two bias-dropout-adds: x, residual -> out
+    moved += (3 if llama else 2) * a * tokens * f // t               # swiglu (gate, up -> out) | gelu
+    if llama:
+        moved += 2 * a * tokens * (nq + nkv) * d                     # rotary embedding of q and k
+    if kernels.attention == "materialized":                          # softmax (read, write); dropout + 1-byte mask
+        per_score = 2 * a + (2 * a + 1 if model.attention_dropout > 0 else 0)
+        attention += hw.memory_seconds(per_score * b * nq * local * model.seq_length)
+    forward = gemm + attention + hw.memory_seconds(moved)
+    bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
+    main_grads = 8 * layer_params(model, t)                          # read-add-write into fp32 main grads
+    products = scores + values
+    backward = 2 * gemm + (2.5 if kernels.attention == "flash" else 2.0) * products
+    backward += hw.memory_seconds(1.5 * moved + bias_grads + main_grads) + 1.5 * (attention - products)
+    return _Pass(forward, backward, attention)
+
+
+def embedding_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
+    """The first stage's embedding: rows gathered (+ positions, dropout); backward adds into fp32 grads."""
+    a = DTYPE_BYTES[cfg.precision.precision]
+    tokens, _ = _tokens(model, cfg)
+    h = model.hidden_size
+    return _Pass(hw.memory_seconds(4 * a * tokens * h), hw.memory_seconds((a + 8) * tokens * h))
+
+
+def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
+    """The last stage's final norm, output layer [tokens, h] x [h, V/tp] and cross entropy over the logits."""
+    precision, a = cfg.precision.precision, DTYPE_BYTES[cfg.precision.precision]
+    t = cfg.parallel.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
+    tokens, _ = _tokens(model, cfg)
+    h, vocab = model.hidden_size, model.padded_vocab_size(t) // t
+    gemm = hw.matmul_seconds(tokens, vocab, h, precision)
+    logits = a * tokens * vocab
+    fused = 1 if cfg.parallel.fused_linear_cross_entropy else 0     # recomputes the logits in backward
+    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp + 2 * logits)
+    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp + 2 * logits)
+    return _Pass(forward, backward)
+
+
+def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, float, float, float]:
+    """(device seconds, host seconds, backward seconds of one microbatch, attention forward seconds)
+    of one stage over all its chunks, per microbatch."""
+    layers = stage_layers(model, cfg)[stage]
+    rerun = recomputed_stage_layers(model, cfg)[stage]
+    block = block_pass(model, cfg, hw, kernels)
+    device = layers * (block.forward + block.backward)
+    backward = layers * block.backward
+    if cfg.parallel.recompute == "selective":
+        device += layers * block.attention_forward
+        backward += layers * block.attention_forward
+    device += rerun * block.forward
+    backward += rerun * block.forward
+    host = (layers + 0.5 * rerun) * hw.block_overhead_us * 1e-6    # a forward is about half a block's launches
+    for present, part in ((stage == 0, embedding_pass), (stage == cfg.parallel.pp - 1, head_pass)):
+        if present:
+            p = part(model, cfg, hw)
+            device, backward = device + p.forward + p.backward, backward + p.backward
+    host += hw.microbatch_overhead_us * 1e-6 * (1.0 if cfg.parallel.pp == 1 else 0.5)  # ends split over stages
+    return device, host, backward, layers * block.attention_forward
+
+
+def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
+    """(size, stride in ranks) of a process group in megalite's order tp -> cp -> dp -> pp."""
+    tp, cp, dp, pp = cfg.parallel.tp, getattr(cfg.parallel, "cp", 1), cfg.dp, cfg.parallel.pp
+    return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp), "pp": (pp, tp * cp * dp),
+            "embedding": (2, tp * cp * dp * max(1, pp - 1))}[group]
+
+
+def _transfer_seconds(cfg, hw, ranks_per_node, group: str, op: str, nbytes: int, unit: int) -> float:
+    """Seconds of `nbytes` (ledger convention) of `op` on `group`, in transfers of `unit` bytes each."""
+    size, stride = _group_shape(cfg, group)
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 1.0 if op in ("send", "recv") else bus_factor(op, size)
+    link = hw.busbw(2 if op in ("send", "recv") else size, stride, ranks_per_node)
+    count = max(1, math.ceil(nbytes / max(unit, 1)))
+    return nbytes * factor / link + count * hw.collective_latency_us * 1e-6
+
+
+def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, attention: float) -> dict[str, float]:
+    """Exposed tp, cp and pp seconds of one stage per step, and its dp/embedding transfer seconds."""
+    a, t, m = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.num_microbatches
+    tokens, _ = _tokens(model, cfg)
+    unit = a * tokens * model.hidden_size                                # one [s, b, h] activation
+    sp = cfg.parallel.sequence_parallel
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_reduce": 0.0, "dp_gather": 0.0, "embedding": 0.0}
+    buckets = max(1, math.ceil(stage_params(model, cfg, stage) / cfg.parallel.ddp_bucket_size))
+    for key, nbytes in communication_bytes(model, cfg, stage).items():
+        group, op = key.split("/")
+        if op == "recv":
+            continue                                                     # a transfer is one send and one receive
+        if group == "pp":
+            if kernels.p2p_scatter_gather and not sp and t > 1:          # 1/tp on the link, all-gather over tp
+                out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "pp", op, nbytes // t, unit // t)
+                out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "tp", "all_gather", nbytes, unit)
+            else:
+                out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "pp", op, nbytes, unit // (t if sp else 1))
+        elif group in ("dp", "dp_cp"):
+            part = "dp_gather" if op == "all_gather" else "dp_reduce"
+            per_op = nbytes // buckets if cfg.parallel.zero < 3 else nbytes // (buckets * m)
+            out[part] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, per_op)
+        elif group == "cp":
+            seconds = _transfer_seconds(cfg, hw, ranks_per_node, "cp", op, nbytes, unit)
+            if op == "send":                                             # ring: the next K/V travels during a block
+                seconds = max(0.0, seconds - m * attention)
+            out["cp"] += seconds
+        elif group in ("tp", "embedding"):
+            out[group] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, unit)
+    return out
+
+
+def _optimizer_seconds(model, cfg, hw, params: int) -> tuple[float, float]:
+    """(update seconds, offload seconds): AdamW streams the fp32 master, moments and gradient of its
+    shard (read 16, write 12 bytes), the norm reads the gradient, the update is published in the
+    parameter dtype, and the full fp32 gradient buffer is zeroed."""
+    a = DTYPE_BYTES[cfg.precision.precision]
+    shard = params / (cfg.dp * getattr(cfg.parallel, "cp", 1)) if cfg.parallel.zero else params
+    offload = 0.0
+    if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
+        offload, update = shard * 6 / 25e9 + shard / 1e9, 0.0
+    else:
+        update = hw.memory_seconds(shard * (28 + 4 + a))
+    return update + hw.memory_seconds(4 * params) + hw.step_overhead_us * 1e-6, offload
+
+
+def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | HardwareProfile | None = None,
+                      ranks_per_node: int | None = None, kernels: Kernels = MEGALITE) -> StepTime:
+    """Seconds per optimizer step of `cfg` on `hardware` (a profile, a built-in name or a profile file).
+
+    ranks_per_node: ranks one node holds (default the profile's devices_per_node; a CPU profile
+    puts every rank on one node). See the module docstring for the model.
+    """
+    hw = load_profile(hardware)
+    world, m, pp = cfg.world_size, cfg.num_microbatches, cfg.parallel.pp
+    per_node = min(world, ranks_per_node or hw.devices_per_node or world)
+    slowdown = hw.compute_slowdown(per_node)
+    stages = []
+    for stage in range(pp):
+        device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage)
+        busy = (device + host if hw.host_synchronous else max(device, host)) * slowdown
+        comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
+        stages.append((m * busy, comm, backward * slowdown, (device - backward) * slowdown))
+    exposed = [busy + c["tp"] + c["cp"] + c["pp"] for busy, c, _, _ in stages]
+    slowest = max(range(pp), key=lambda s: exposed[s])
+    busy, comm, backward, forward = stages[slowest]
+    fraction = bubble_fraction(cfg)
+    bubble = sum(exposed) / pp * fraction / (1.0 - fraction)
+    window = 1.0 if kernels.grad_reduce_overlap else 0.0
+    dp = max(c["dp_reduce"] - window * w for _, c, w, _ in stages)   # behind the last microbatch's backward
+    if cfg.parallel.zero >= 3:                                          # prefetched behind the whole step
+        dp = max(0.0, max(c["dp_reduce"] + c["dp_gather"] - b for b, c, _, _ in stages))
+    elif getattr(cfg.parallel, "overlap_param_gather", False):
+        dp = max(0.0, dp) + max(max(0.0, c["dp_gather"] - f) for _, c, _, f in stages)
+    else:
+        dp = max(0.0, dp) + max(c["dp_gather"] for _, c, _, _ in stages)
+    dp += max(c["embedding"] for _, c, _, _ in stages)
+    update, offload = _optimizer_seconds(model, cfg, hw, max(stage_params(model, cfg, s) for s in range(pp)))
+    return StepTime(compute=busy, tp=comm["tp"], cp=comm["cp"], pp=comm["pp"], dp=dp, bubble=bubble,
+                    optimizer=update * slowdown, offload=offload)

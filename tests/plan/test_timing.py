@@ -1,0 +1,149 @@
+"""Hardware profiles and the step-time model: the arithmetic by hand on synthetic profiles."""
+import dataclasses
+import json
+
+import pytest
+
+from megalite import plan as P
+from megalite.config import RunConfig
+from megalite.model.config import GPTConfig, preset
+from megalite.plan import communication as C
+from megalite.plan.hardware import BUILTIN, HardwareProfile, HardwareProfileError, latency_bound_curve, load_profile
+from megalite.plan.timing import MEGALITE, Kernels, predict_step_time
+
+# a device doing exactly 1e12 FLOP/s in every GEMM, with free memory traffic and no host cost
+IDEAL = HardwareProfile(name="ideal", peak_tflops={"fp32": 1.0}, matmul_efficiency=((1, 1.0),),
+                        memory_bandwidth_gbs=1e12, intra_node_busbw_gbs=10.0, inter_node_busbw_gbs=1.0,
+                        devices_per_node=8, collective_latency_us=0.0)
+
+
+def tiny(**overrides) -> GPTConfig:
+    kwargs = dict(flavour="gpt2", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=60, seq_length=16)
+    return GPTConfig(**{**kwargs, **overrides})
+
+
+def run(**settings) -> RunConfig:
+    settings.setdefault("micro_batch_size", 2)
+    world = settings.get("tp", 1) * settings.get("pp", 1) * settings.get("dp", 1)
+    return RunConfig.build(**settings).resolved(world, 60)
+
+
+def test_builtin_profiles_and_profile_files(tmp_path):
+    assert set(BUILTIN) == {"A100-80GB", "H100-SXM", "H200"}
+    assert load_profile("a100-80gb") is BUILTIN["A100-80GB"] and load_profile(None).name == "H100-SXM"
+    h100, h200 = BUILTIN["H100-SXM"], BUILTIN["H200"]
+    assert h200.memory_bandwidth_gbs > h100.memory_bandwidth_gbs and h200.peak_tflops == h100.peak_tflops
+    path = tmp_path / "profile.json"
+    BUILTIN["A100-80GB"].save(path)
+    assert load_profile(str(path)) == BUILTIN["A100-80GB"]
+    data = json.loads(path.read_text())
+    for change, message in (({"bogus": 1}, "unknown field"), ({"matmul_efficiency": [[512, 0.5], [256, 0.4]]}, "increasing"),
+                            ({"memory_bandwidth_gbs": 0}, "positive")):
+        path.write_text(json.dumps({**data, **change}))
+        with pytest.raises(HardwareProfileError, match=message):
+            load_profile(str(path))
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "peak_tflops"}))
+    with pytest.raises(HardwareProfileError, match="missing field.*peak_tflops"):
+        load_profile(str(path))
+    with pytest.raises(HardwareProfileError, match="--calibrate"):
+        load_profile("B200")
+
+
+def test_gemm_efficiency_curve_and_roofline():
+    hw = HardwareProfile(name="t", peak_tflops={"fp32": 1.0}, matmul_efficiency=((10, 0.1), (1000, 0.5)),
+                         memory_bandwidth_gbs=1000.0, intra_node_busbw_gbs=1.0, inter_node_busbw_gbs=1.0)
+    assert hw.matmul_efficiency_at(10) == 0.1 and hw.matmul_efficiency_at(1) == 0.1
+    assert hw.matmul_efficiency_at(1000) == 0.5 and hw.matmul_efficiency_at(1e6) == 0.5
+    assert hw.matmul_efficiency_at(100) == pytest.approx(0.3)                 # log-linear between points
+    assert hw.matmul_seconds(100, 100, 100, "fp32") == pytest.approx(2e6 / (1e12 * 0.3))
+    assert hw.matmul_seconds(25, 40, 1000, "fp32") == pytest.approx(2e6 / (1e12 * 0.3))   # read at (m n k)^(1/3)
+    slow_memory = dataclasses.replace(hw, memory_bandwidth_gbs=0.001)
+    assert slow_memory.matmul_seconds(100, 100, 100, "fp32") == pytest.approx(4 * 3e4 / 1e6)  # bound by traffic
+    with pytest.raises(HardwareProfileError, match="no peak for bf16"):
+        hw.peak_flops("bf16")
+    # the GPU curves' two-number form reproduces XLA's measured H100 bf16 GEMMs (2048^3: 64%, 4096^3: 79%)
+    curve = dict(latency_bound_curve(0.80, 989.0, 6.0))
+    assert curve[2048] == pytest.approx(0.64, abs=0.02) and curve[4096] == pytest.approx(0.79, abs=0.02)
+
+
+def test_bus_bandwidth_by_where_the_group_sits():
+    a100 = BUILTIN["A100-80GB"]
+    assert a100.busbw(8, 1, None) == 230e9                                   # tp=8: one node, NVLink
+    assert a100.busbw(4, 8, None) == pytest.approx(23.75e9)                  # one rank per node: one NIC
+    assert a100.busbw(32, 1, None) == pytest.approx(8 * 23.75e9)             # 8 ranks per node drive 8 NICs
+    cpu = dataclasses.replace(IDEAL, devices_per_node=None)
+    assert cpu.busbw(64, 8, None) == 10e9                                    # every rank on one machine
+    assert dataclasses.replace(IDEAL, cores=2).compute_slowdown(4) == 2.0 and IDEAL.compute_slowdown(4) == 1.0
+
+
+def test_compute_by_hand_on_an_ideal_device():
+    """GEMM FLOPs only: each block's four linears forward once and backward twice, flash attention's
+    two causal (half) products forward once and backward 2.5 times, the output layer 3 times."""
+    model, cfg = tiny(), run()
+    tokens, h, s, b, d = 32, 64, 16, 2, 16
+    linears = 2 * tokens * (3 * h * h + h * h + 4 * h * h + 4 * h * h)
+    attention = 2 * (2 * b * 4 * s * (s / 2) * d)
+    head = 2 * tokens * model.padded_vocab_size(1) * h
+    expected = (4 * (3 * linears + 3.5 * attention) + 3 * head) / 1e12
+    parts = predict_step_time(model, cfg, IDEAL)
+    assert parts.compute == pytest.approx(expected, rel=1e-6)
+    assert parts.tp == parts.pp == parts.dp == parts.bubble == 0.0 and parts.total == pytest.approx(expected, rel=1e-6)
+    selective = predict_step_time(model, cfg.replace(recompute="selective"), IDEAL).compute
+    assert selective == pytest.approx(expected + 4 * attention / 1e12, rel=1e-6)       # attention forward again
+    full = predict_step_time(model, cfg.replace(recompute="full"), IDEAL).compute
+    assert full == pytest.approx(expected + 4 * (linears + attention) / 1e12, rel=1e-6)  # every block forward again
+    overheads = dataclasses.replace(IDEAL, block_overhead_us=100.0, microbatch_overhead_us=50.0, host_synchronous=True)
+    two = run(global_batch_size=4)
+    assert predict_step_time(model, two, overheads).compute == pytest.approx(
+        predict_step_time(model, two, IDEAL).compute + 2 * (4 * 100e-6 + 50e-6), rel=1e-6)
+    assert predict_step_time(model, two, dataclasses.replace(overheads, host_synchronous=False)).compute == \
+        pytest.approx(2 * (4 * 100e-6 + 50e-6), rel=1e-6)                            # a GPU: launches overlap
+
+
+def test_pipeline_bubble_and_a_shared_cpu():
+    """pp = 2, m = 4: the last stage (two blocks and the output layer) sets the pace; the bubble is
+    (p - 1) / m of the average stage's busy time (the first stage has no output layer)."""
+    model, cfg = tiny(), run(pp=2, global_batch_size=8)
+    tokens, h, s, b, d = 32, 64, 16, 2, 16
+    block = 3 * 2 * tokens * 12 * h * h + 3.5 * 2 * (2 * b * 4 * s * (s / 2) * d)
+    head = 3 * 2 * tokens * model.padded_vocab_size(1) * h
+    fast_links = dataclasses.replace(IDEAL, intra_node_busbw_gbs=1e12)
+    parts = predict_step_time(model, cfg, fast_links)
+    assert parts.compute == pytest.approx(4 * (2 * block + head) / 1e12, rel=1e-6)
+    assert parts.bubble == pytest.approx(4 * (2 * block + head / 2) / 1e12 / 4, rel=1e-6)
+    one = predict_step_time(model, run(), IDEAL)
+    two_cores = dataclasses.replace(IDEAL, cores=2, devices_per_node=None)
+    assert predict_step_time(model, run(dp=4), two_cores).compute == pytest.approx(2 * one.compute)
+    assert predict_step_time(model, run(dp=2), two_cores).compute == pytest.approx(one.compute)
+    assert predict_step_time(model, run(dp=4), IDEAL).compute == pytest.approx(one.compute)
+
+
+def test_exposed_communication_by_hand():
+    model = tiny()
+    tp = run(tp=2)
+    nbytes = C.communication_bytes(model, tp, 0)["tp/all_reduce"]
+    assert predict_step_time(model, tp, IDEAL).tp == pytest.approx(nbytes * 1.0 / 10e9)   # bus factor 1 at n = 2
+    dp = run(dp=4)
+    reduce = C.communication_bytes(model, dp, 0)["dp/all_reduce"] * 1.5 / 10e9
+    hidden = predict_step_time(model, dp, IDEAL).dp
+    exposed = predict_step_time(model, dp, IDEAL, kernels=Kernels(grad_reduce_overlap=False)).dp
+    assert exposed == pytest.approx(reduce) and 0.0 <= hidden < exposed
+    zero = run(dp=4, zero=1)
+    gather = C.communication_bytes(model, zero, 0)["dp/all_gather"] * 0.75 / 10e9
+    assert predict_step_time(model, zero, IDEAL).dp >= gather
+    overlapped = predict_step_time(model, zero.replace(overlap_param_gather=True), IDEAL)
+    forward = 4 * (2 * 32 * 12 * 64 * 64 + 2 * (2 * 2 * 4 * 16 * 8 * 16)) + 2 * 32 * 128 * 64   # blocks + output layer
+    assert predict_step_time(model, zero, IDEAL).dp - overlapped.dp == pytest.approx(forward / 1e12, rel=1e-6)
+    across = dataclasses.replace(IDEAL, devices_per_node=2)                 # dp neighbours on other nodes
+    assert predict_step_time(model, dp, across, kernels=Kernels(grad_reduce_overlap=False)).dp == pytest.approx(
+        C.communication_bytes(model, dp, 0)["dp/all_reduce"] * 1.5 / (2 * 1e9))
+
+
+def test_ranking_step_time_delegates_to_the_model():
+    model = preset("gpt2-350m")
+    cfg = RunConfig.build(tp=2, dp=4, precision="bf16", global_batch_size=32, micro_batch_size=2).resolved(8, 50257)
+    parts = P.step_time(model, cfg, None, 8, "A100-80GB")
+    assert parts == predict_step_time(model, cfg, "A100-80GB", ranks_per_node=8).breakdown()
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    assert P.step_time(model, cfg, None, 8, "H200")["total"] < parts["total"]
+    assert MEGALITE == Kernels()
