@@ -5,11 +5,17 @@
     python tools/plan.py --num-params 7.5e9 --dp 64 --fp16 --grad-reduce-dtype fp16 --zero 1   # ZeRO paper
     python tools/plan.py --model llama-70b --suggest --gpus 64 --nodes 8 --gpu-memory 80 --bf16
     python tools/plan.py --config run.toml --gpu-memory 80        # the same file the run reads
-    ... --json   # one JSON object (a list with --suggest); sizes in bytes
+    python tools/plan.py --model llama-7b --tp 8 --bf16 --hardware A100-80GB   # step time on a built-in profile
+    python tools/plan.py --calibrate this-machine.json            # measure this machine (imports torch)
+    python tools/plan.py --hardware this-machine.json --tp 2 --pp 2 --global-batch-size 32
+    ... --json   # one JSON object (a list with --suggest); sizes in bytes, times in seconds
 
 Takes every setting of examples/pretrain_gpt.py (the parser is generated from megalite.config's
 declarations, so the two cannot drift) and models two things training does not run: --zero 3
-and --grad-reduce-dtype fp16. Pure arithmetic: it never imports torch.
+and --grad-reduce-dtype fp16. Pure arithmetic: it never imports torch (--calibrate aside).
+--hardware is the planner's own flag, not a run setting: it describes the machine, not the run,
+and a RunConfig travels in checkpoints and config files to other machines (training measures its
+step time; it does not predict it).
 GB means 1e9 bytes throughout (the ZeRO paper's convention); --gpu-memory accepts 80, 80GB, 80GiB.
 Exit status: 0 when the layout is valid (and fits, when --gpu-memory is given), 2 otherwise.
 """
@@ -22,7 +28,8 @@ import sys
 
 from megalite.cli import ConfigFileError, build_parser, parse_args
 from megalite.config import RunConfig
-from megalite.plan import GB, estimate, estimate_model_states, preflight, suggest
+from megalite.plan import GB, estimate, estimate_model_states, predict_step_time, preflight, suggest
+from megalite.plan.hardware import BUILTIN, DEFAULT, HardwareProfileError, load_profile
 
 
 def parse_bytes(text: str) -> float:
@@ -55,7 +62,13 @@ def planner_parser() -> argparse.ArgumentParser:
     group.add_argument("--nodes", type=int, default=1)
     group.add_argument("--gpus-per-node", type=int, default=None)
     group.add_argument("--top-k", type=int, default=10)
-    group.add_argument("--json", action="store_true", help="print JSON (sizes in bytes)")
+    group.add_argument("--json", action="store_true", help="print JSON (sizes in bytes, times in seconds)")
+    group.add_argument("--hardware", metavar="NAME|FILE", default=None,
+                       help=f"hardware profile for the step time: {', '.join(BUILTIN)} (default {DEFAULT}) or a "
+                            f"profile.json written by --calibrate")
+    group.add_argument("--calibrate", metavar="OUT.json", default=None,
+                       help="measure this machine (GEMMs, copy, all-reduce, megalite's host overhead; imports "
+                            "torch), write a hardware profile to OUT.json and exit")
     return parser
 
 
@@ -64,8 +77,7 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
         raise SystemExit("--suggest needs --gpus N and --gpu-memory G")
     found = suggest(cfg.gpt_config(), args["gpus"], args["gpu_memory"], nodes=args["nodes"],
                     gpus_per_node=args["gpus_per_node"], global_batch_size=cfg.training.global_batch_size,
-                    precision=cfg.precision.precision, top_k=args["top_k"],
-                    peak_flops=(cfg.logging.peak_tflops or 989.0) * 1e12)
+                    precision=cfg.precision.precision, top_k=args["top_k"], hardware=args["hardware"])
     if args["json"]:
         print(json.dumps([{"config": s.cfg.to_dict(), "step_time_s": s.step_time_s, "reason": s.reason,
                            **s.estimate.to_dict()} for s in found], indent=1))
@@ -82,15 +94,36 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
     return 0 if found else 2
 
 
+def run_calibrate(path: str) -> int:
+    from megalite.calibration import calibrate  # torch: only here
+
+    profile = calibrate(log=lambda line: print(line, file=sys.stderr))
+    profile.save(path)
+    print(f"wrote {path}: use it with --hardware {path}")
+    return 0
+
+
+def step_time_fields(model, cfg: RunConfig, args: dict) -> dict:
+    """--json's step-time fields: the predicted seconds per step and its parts (timing.py)."""
+    parts = predict_step_time(model, cfg, args["hardware"], ranks_per_node=args["gpus_per_node"])
+    return {"step_time_s": parts.total, "step_time_breakdown": parts.breakdown(), "hardware": load_profile(
+        args["hardware"]).name}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_args(argv, planner_parser())
-    except ConfigFileError as exc:
+        if args["hardware"] is not None:
+            load_profile(args["hardware"])  # a bad name or file fails here, before any output
+    except (ConfigFileError, HardwareProfileError) as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
+    if args["calibrate"]:
+        return run_calibrate(args["calibrate"])
     if args["suggest"]:
         return run_suggest(cfg, args)
     cfg = cfg.resolved(args["gpus"] or cfg.world_size, cfg.model.vocab_size)
+    model, timing = None, {}
     if args["num_params"] is not None:
         est, errors = estimate_model_states(args["num_params"], cfg), []
         if args["gpu_memory"] and not est.fits(args["gpu_memory"]):
@@ -99,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         model = cfg.gpt_config()
         errors = preflight(model, cfg, cfg.world_size, args["gpu_memory"])
         est = estimate(model, cfg) if not errors or all("does not fit" in e for e in errors) else None
+        timing = step_time_fields(model, cfg, args) if est is not None else {}
     if args["json"]:
-        out = {"config": cfg.to_dict(), "errors": errors}
+        out = {"config": cfg.to_dict(), "errors": errors,
+               "total_params": model.num_params() if model is not None else args["num_params"]}
         if est is not None:
             out.update(est.to_dict())
+            out.update(timing)  # a model-states-only estimate (--num-params) has no step time
             if args["gpu_memory"]:
                 out["fits"] = est.fits(args["gpu_memory"])
         print(json.dumps(out, indent=1))
@@ -113,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
               f"precision={cfg.precision.precision}")
         if est is not None:
             print(est.describe(args["gpu_memory"]))
+        if timing:
+            parts = ", ".join(f"{k} {v:.3g}" for k, v in timing["step_time_breakdown"].items() if k != "total" and v)
+            print(f"step time on {timing['hardware']}: {timing['step_time_s']:.3g} s ({parts})")
         for error in errors:
             print(f"error: {error}")
     return 2 if errors else 0

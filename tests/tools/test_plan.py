@@ -63,3 +63,38 @@ def test_memory_and_count_parsing():
     assert plan.parse_count("7.5B") == 7_500_000_000 and plan.parse_count("350M") == 350_000_000
     with pytest.raises(Exception, match="memory size"):
         plan.parse_bytes("lots")
+
+
+def test_json_has_parameter_counts_and_the_step_time(capsys, tmp_path):
+    from megalite.model.config import preset
+    from megalite.plan.hardware import BUILTIN
+
+    argv = ["--model", "gpt2-350m", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--global-batch-size", "32",
+            "--micro-batch-size", "2", "--json"]
+    code, out = run(capsys, *argv, "--hardware", "A100-80GB")
+    result = json.loads(out)
+    assert code == 0 and result["total_params"] == preset("gpt2-350m").num_params()
+    assert 0 < result["params_per_rank"] < result["total_params"] / 2
+    parts = result["step_time_breakdown"]
+    assert set(parts) == {"compute", "tp", "cp", "pp", "dp", "bubble", "optimizer", "offload", "total"}
+    assert result["step_time_s"] == parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
+    assert parts["tp"] > 0 and parts["pp"] > 0 and parts["bubble"] > 0 and result["hardware"] == "A100-80GB"
+    profile = tmp_path / "fast.json"
+    fast = BUILTIN["A100-80GB"].to_dict()
+    fast.update(name="twice the A100", peak_tflops={k: 2 * v for k, v in fast["peak_tflops"].items()})
+    profile.write_text(json.dumps(fast))
+    code, out = run(capsys, *argv, "--hardware", str(profile))
+    faster = json.loads(out)
+    assert code == 0 and faster["hardware"] == "twice the A100"
+    assert faster["step_time_breakdown"]["compute"] < parts["compute"]
+    code, out = run(capsys, "--num-params", "7.5B", "--dp", "64", "--json")
+    assert code == 0 and json.loads(out)["total_params"] == 7_500_000_000 and "step_time_s" not in json.loads(out)
+
+
+def test_a_bad_hardware_profile_exits_2(capsys, tmp_path):
+    assert plan.main(["--hardware", "B300"]) == 2
+    assert "not a built-in profile" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{\"name\": \"x\"}")
+    assert plan.main(["--hardware", str(broken)]) == 2
+    assert "missing field" in capsys.readouterr().err
