@@ -1,0 +1,212 @@
+"""Measure this machine and write a hardware profile the planner reads (`tools/plan.py --calibrate OUT.json`).
+
+What is measured (each a median over repeats, so a brief burst of another process's load moves it less):
+  GEMMs          n x n x n products for n = 16 ... 2048 (CPU) or 256 ... 8192 (GPU) in each precision:
+                 TFLOP/s; the profile's peak is the best of them (a CPU's datasheet peak is not known
+                 here; on a known GPU the datasheet peak), its curve each size's fraction of it;
+  copy           an out-of-place copy (x.clone(): allocation included, as eager ops allocate their
+                 outputs) of 4 MiB, in bytes read + written per second;
+  collectives    all-reduce over forked gloo (or NCCL) ranks of 2 and of every rank count up to the
+                 cores, 4 KiB ... 16 MiB: bus bandwidth (nccl-tests convention) and the fixed cost
+                 per call, fitted to time = latency + bytes * bus factor / busbw;
+  host overhead  megalite's own pieces at negligible size (hidden 16, 8 tokens): one block's forward
+                 + backward, the rest of a microbatch (embedding, head, loss), the rest of a step
+                 (optimizer, bookkeeping) — what a step costs besides arithmetic on this host.
+The planner itself never imports torch; this module does.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from megalite.plan.hardware import HardwareProfile
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# datasheet dense peaks of known GPUs (TFLOP/s): a calibrated GPU profile reports efficiency against them
+KNOWN_PEAKS = {"A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+               "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, device: torch.device, min_seconds: float = 0.05, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean time of fn() over a loop lasting at least `min_seconds`."""
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - start, 1e-7)
+    loops = max(1, int(min_seconds / once))
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / loops)
+    return statistics.median(samples)
+
+
+def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...]) -> dict[int, float]:
+    """n -> TFLOP/s of an n x n x n GEMM at `precision`."""
+    dtype = DTYPES[precision]
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds = _median_seconds(lambda: torch.mm(a, b), device)
+        out[n] = 2 * n ** 3 / seconds / 1e12
+    return out
+
+
+def measure_copy_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
+    """GB/s (read + written) of an out-of-place copy of `nbytes` (x.clone())."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    seconds = _median_seconds(lambda: x.clone(), device)
+    return 2 * nbytes / seconds / 1e9
+
+
+def _allreduce_world(sizes: tuple[int, ...], device_type: str, repeats: int) -> dict[int, float]:
+    from megalite import comm
+    from megalite.mesh import init_mesh
+
+    mesh = init_mesh()
+    device = mesh.device if device_type == "cuda" else torch.device("cpu")
+    group = mesh.dp_group
+    out = {}
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        loops = max(2, min(50, (8 << 20) // nbytes))  # the same count on every rank: collectives must match
+        samples = []
+        for _ in range(repeats):
+            comm.barrier(group)
+            start = time.perf_counter()
+            for _ in range(loops):
+                comm.all_reduce(x, group)
+            _sync(device)
+            samples.append((time.perf_counter() - start) / loops)
+        out[nbytes] = statistics.median(samples)
+    comm.barrier(group)
+    return out
+
+
+def measure_allreduce(world_size: int, device: torch.device, sizes: tuple[int, ...], repeats: int = 5) -> dict[int, float]:
+    """bytes -> seconds of one all-reduce over `world_size` forked ranks (the slowest rank's median)."""
+    from megalite.testing import run_distributed
+
+    env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    per_rank = run_distributed(_allreduce_world, world_size, sizes, device.type, repeats, timeout_s=600.0, env=env)
+    return {n: max(r[n] for r in per_rank) for n in sizes}
+
+
+def fit_latency_and_busbw(times: dict[int, float], world_size: int) -> tuple[float, float]:
+    """Least squares of time = latency + bytes * 2(n-1)/n / busbw; returns (latency seconds, busbw bytes/s)."""
+    factor = 2.0 * (world_size - 1) / world_size
+    xs = [n * factor for n in times]
+    ys = list(times.values())
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    latency = max(0.0, mean_y - slope * mean_x)
+    return latency, 1.0 / slope
+
+
+def _overhead_world(min_seconds: float, repeats: int) -> dict[str, float]:
+    """Median seconds, on one rank, of megalite's pieces at negligible size (hidden 16, 8 tokens): one
+    block's forward + backward, the whole model's (embedding, 1 block, head, loss), the optimizer
+    step, and a whole training step."""
+    from megalite.config import RunConfig
+    from megalite.mesh import init_mesh
+    from megalite.tensor_parallel.random import TensorParallelRNG
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+
+    mesh = init_mesh()
+    cfg = RunConfig.build(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, micro_batch_size=1,
+                          global_batch_size=1).resolved(1, 64)
+    chunks = build_model_chunks(cfg.gpt_config(), cfg, mesh)
+    model = build_data_parallel(chunks, cfg, mesh)
+    optimizer = build_optimizer(model, cfg)
+    ids = torch.randint(0, 64, (1, 8))
+    block, rng = chunks[0].layers[0], TensorParallelRNG(seed=1)
+    x = torch.randn(8, 1, 16, requires_grad=True)  # [s, b, h]
+
+    def block_pass():
+        block(x, None, rng).sum().backward()
+
+    def model_pass():
+        model(ids, ids, reduction="sum").backward()
+
+    model_pass()
+    seconds = {name: _median_seconds(fn, mesh.device, min_seconds, repeats)
+               for name, fn in (("block", block_pass), ("model", model_pass),
+                                ("optimizer", lambda: optimizer.step(1e-4)))}
+    seconds["train_step"] = _median_seconds(
+        lambda: train_step(model, optimizer, [{"input_ids": ids, "labels": ids}], mesh, cfg, 1e-4), mesh.device,
+        min_seconds, repeats)
+    return seconds
+
+
+def measure_host_overheads(min_seconds: float = 0.2, repeats: int = 9) -> dict[str, float]:
+    """Seconds megalite's step costs on this host besides arithmetic: per block (forward + backward),
+    per microbatch outside the blocks, per step outside the microbatches."""
+    from megalite.testing import run_distributed
+
+    env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    raw = run_distributed(_overhead_world, 1, min_seconds, repeats, env=env, timeout_s=600.0)[0]
+    return {"block": raw["block"], "microbatch": max(0.0, raw["model"] - raw["block"]),
+            "step": max(raw["optimizer"], raw["train_step"] - raw["model"]), **{f"raw_{k}": v for k, v in raw.items()}}
+
+
+def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "bf16"), quick: bool = False,
+              log=print) -> HardwareProfile:
+    """Measure this machine (its first GPU when CUDA is available, else its CPU) and return a profile."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    sizes = (256, 512, 1024, 2048, 4096, 8192) if cuda else (16, 32, 64, 128, 256, 512, 1024, 2048)
+    if quick:
+        sizes = sizes[:-2]
+    device_name = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine())
+    log(f"calibrating {device_name}: {torch.get_num_threads()} threads, {cores} cores")
+    gemms = {}
+    for precision in precisions:
+        gemms[precision] = measure_gemms(device, precision, sizes)
+        log(f"  GEMM {precision}: " + ", ".join(f"{n}: {v * 1e3:.1f}" for n, v in gemms[precision].items())
+            + " GFLOP/s")
+    known = next((peaks for key, peaks in KNOWN_PEAKS.items() if cuda and key in device_name), None)
+    peaks = {p: (known or {}).get(p) or max(gemms[p].values()) for p in precisions}
+    main = precisions[0]
+    curve = tuple((float(n), min(1.0, v / peaks[main])) for n, v in gemms[main].items())
+    copy_gbs = measure_copy_gbs(device)
+    log(f"  copy: {copy_gbs:.2f} GB/s")
+    message_sizes = (4 << 10, 64 << 10, 1 << 20, 4 << 20) if quick else (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+    ranks = 2 if not cuda else min(2, torch.cuda.device_count())
+    allreduce = measure_allreduce(ranks, device, message_sizes) if ranks > 1 else {}
+    latency, busbw = fit_latency_and_busbw(allreduce, ranks) if allreduce else (10e-6, 100e9)
+    log(f"  all-reduce over {ranks} ranks: bus bandwidth {busbw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    host = measure_host_overheads()
+    log(f"  host overhead: block {host['block'] * 1e3:.2f} ms, microbatch {host['microbatch'] * 1e3:.2f} ms, "
+        f"step {host['step'] * 1e3:.2f} ms")
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return HardwareProfile(
+        name=name or f"calibrated {device_name}", peak_tflops=peaks, matmul_efficiency=curve,
+        memory_bandwidth_gbs=copy_gbs, intra_node_busbw_gbs=busbw / 1e9, inter_node_busbw_gbs=busbw / 1e9,
+        devices_per_node=torch.cuda.device_count() if cuda else None, collective_latency_us=latency * 1e6,
+        block_overhead_us=host["block"] * 1e6, microbatch_overhead_us=host["microbatch"] * 1e6,
+        step_overhead_us=host["step"] * 1e6, host_synchronous=not cuda, cores=None if cuda else cores,
+        threads_per_rank=1 if cuda else torch.get_num_threads(),
+        source=f"tools/plan.py --calibrate on {device_name}, {stamp}, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} threads, load average {load:.2f}",
+        measurements={"gemm_tflops": {p: {str(n): v for n, v in g.items()} for p, g in gemms.items()},
+                      "copy_gbs": copy_gbs, "allreduce_seconds": {str(n): s for n, s in allreduce.items()},
+                      "allreduce_ranks": ranks, "host_seconds": host, "load_average": load})
