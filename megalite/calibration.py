@@ -4,6 +4,8 @@ What is measured (each a median over repeats, so a brief burst of another proces
   GEMMs          n x n x n products for n = 16 ... 2048 (CPU) or 256 ... 8192 (GPU) in each precision:
                  TFLOP/s; the profile's peak is the best of them (a CPU's datasheet peak is not known
                  here; on a known GPU the datasheet peak), its curve each size's fraction of it;
+  contention     (CPU) the same GEMM loop in 1, 2, 4, 8 processes at once: how much each slows down,
+                 on this machine as loaded as it is (cores, SMT, other users);
   copy           an out-of-place copy (x.clone(): allocation included, as eager ops allocate their
                  outputs) of 4 MiB, in bytes read + written per second;
   collectives    all-reduce over forked gloo (or NCCL) ranks of 2 and of every rank count up to the
@@ -57,16 +59,48 @@ def _median_seconds(fn, device: torch.device, min_seconds: float = 0.05, repeats
     return statistics.median(samples)
 
 
-def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...]) -> dict[int, float]:
-    """n -> TFLOP/s of an n x n x n GEMM at `precision`."""
+def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...], rounds: int = 5) -> dict[int, float]:
+    """n -> TFLOP/s of an n x n x n GEMM at `precision`: the median of `rounds` passes over all sizes
+    (round-robin, so a burst of another process's load hits every size alike, not one)."""
     dtype = DTYPES[precision]
-    out = {}
-    for n in sizes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        seconds = _median_seconds(lambda: torch.mm(a, b), device)
-        out[n] = 2 * n ** 3 / seconds / 1e12
-    return out
+    operands = {n: (torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype))
+                for n in sizes}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(rounds):
+        for n, (a, b) in operands.items():
+            samples[n].append(_median_seconds(lambda: torch.mm(a, b), device, min_seconds=0.03, repeats=1))
+    return {n: 2 * n ** 3 / statistics.median(times) / 1e12 for n, times in samples.items()}
+
+
+def _gemm_loop(n: int, loops: int, conn) -> None:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    conn.recv()  # start together
+    start = time.perf_counter()
+    for _ in range(loops):
+        torch.mm(a, b)
+    conn.send(time.perf_counter() - start)
+
+
+def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float = 0.5) -> dict[int, float]:
+    """k -> how much slower each of k forked processes running the same GEMM loop at once is than one
+    alone (the median process); what k ranks on this machine, as loaded as it is now, cost each other."""
+    import multiprocessing as mp
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    once = _median_seconds(lambda: torch.mm(a, b), torch.device("cpu"), min_seconds=0.05, repeats=3)
+    loops = max(1, int(seconds / once))
+    ctx, times = mp.get_context("fork"), {}
+    for k in counts:
+        pipes = [ctx.Pipe() for _ in range(k)]
+        procs = [ctx.Process(target=_gemm_loop, args=(n, loops, child), daemon=True) for _, child in pipes]
+        for p in procs:
+            p.start()
+        for parent, _ in pipes:
+            parent.send("go")
+        times[k] = statistics.median(parent.recv() for parent, _ in pipes)
+        for p in procs:
+            p.join()
+    return {k: times[k] / times[counts[0]] for k in counts}
 
 
 def measure_copy_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
@@ -193,6 +227,9 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
     allreduce = measure_allreduce(ranks, device, message_sizes) if ranks > 1 else {}
     latency, busbw = fit_latency_and_busbw(allreduce, ranks) if allreduce else (10e-6, 100e9)
     log(f"  all-reduce over {ranks} ranks: bus bandwidth {busbw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    slowdown = {} if cuda else measure_rank_slowdown((1, 2, 4) if quick else (1, 2, 4, 8))
+    if slowdown:
+        log("  ranks computing at once, slowdown of each: " + ", ".join(f"{k}: {x:.2f}" for k, x in slowdown.items()))
     host = measure_host_overheads()
     log(f"  host overhead: block {host['block'] * 1e3:.2f} ms, microbatch {host['microbatch'] * 1e3:.2f} ms, "
         f"step {host['step'] * 1e3:.2f} ms")
@@ -204,9 +241,10 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
         devices_per_node=torch.cuda.device_count() if cuda else None, collective_latency_us=latency * 1e6,
         block_overhead_us=host["block"] * 1e6, microbatch_overhead_us=host["microbatch"] * 1e6,
         step_overhead_us=host["step"] * 1e6, host_synchronous=not cuda, cores=None if cuda else cores,
-        threads_per_rank=1 if cuda else torch.get_num_threads(),
+        threads_per_rank=1 if cuda else torch.get_num_threads(), rank_slowdown=tuple(slowdown.items()),
         source=f"tools/plan.py --calibrate on {device_name}, {stamp}, torch {torch.__version__}, "
                f"{torch.get_num_threads()} threads, load average {load:.2f}",
         measurements={"gemm_tflops": {p: {str(n): v for n, v in g.items()} for p, g in gemms.items()},
                       "copy_gbs": copy_gbs, "allreduce_seconds": {str(n): s for n, s in allreduce.items()},
-                      "allreduce_ranks": ranks, "host_seconds": host, "load_average": load})
+                      "allreduce_ranks": ranks, "host_seconds": host, "rank_slowdown": slowdown,
+                      "load_average": load})

@@ -22,6 +22,8 @@ def test_measurements_at_tiny_sizes():
     # every rank must run the same number of all-reduces (a count chosen per rank would deadlock)
     times = CAL.measure_allreduce(2, CPU, (4096, 65536), repeats=1)
     assert set(times) == {4096, 65536} and all(t > 0 for t in times.values())
+    slowdown = CAL.measure_rank_slowdown((1, 2), n=32, seconds=0.01)
+    assert slowdown[1] == 1.0 and slowdown[2] > 0
     host = CAL.measure_host_overheads(min_seconds=0.001, repeats=1)
     assert host["block"] > 0 and host["microbatch"] >= 0 and host["step"] > 0
 
@@ -32,11 +34,14 @@ def test_a_profile_from_measurements_reads_back(tmp_path, monkeypatch):
     monkeypatch.setattr(CAL, "measure_copy_gbs", lambda device: 12.5)
     monkeypatch.setattr(CAL, "measure_allreduce", lambda ranks, device, sizes: {n: 1e-4 + n / 1e9 for n in sizes})
     monkeypatch.setattr(CAL, "measure_host_overheads", lambda: {"block": 1e-3, "microbatch": 2e-3, "step": 3e-3})
+    monkeypatch.setattr(CAL, "measure_rank_slowdown", lambda counts: {1: 1.0, 2: 1.1, 4: 2.3})
     profile = CAL.calibrate(name="fake", precisions=("fp32",), quick=True, log=lambda line: None)
     assert profile.peak_tflops == {"fp32": 0.06} and profile.matmul_efficiency[-1] == (512.0, 1.0)
     assert profile.memory_bandwidth_gbs == 12.5 and profile.block_overhead_us == pytest.approx(1000.0)
     assert profile.collective_latency_us == pytest.approx(100.0) and profile.host_synchronous
     assert profile.intra_node_busbw_gbs == pytest.approx(1.0) and profile.devices_per_node is None
+    assert profile.compute_slowdown(4) == 2.3 and profile.compute_slowdown(3) == pytest.approx(1.7)
+    assert profile.compute_slowdown(8) == pytest.approx(4.6)               # proportional beyond the last point
     path = tmp_path / "p.json"
     profile.save(path)
     assert HardwareProfile.from_dict(__import__("json").loads(path.read_text())) == profile

@@ -67,6 +67,9 @@ class HardwareProfile:
     """CPU: cores the node's ranks share (ranks x threads beyond it slow compute down); None on GPUs."""
     threads_per_rank: int = 1
     """CPU: threads one rank computes with (what the GEMM curve was measured with)."""
+    rank_slowdown: tuple[tuple[int, float], ...] = ()
+    """CPU, measured: (n, how much slower each of n processes computing at once is than one alone);
+    it includes whatever else loads the machine. Empty: the `cores` rule."""
     source: str = ""
     """Where the numbers come from (datasheets, benchmarks, or the calibration's command and date)."""
     measurements: dict = field(default_factory=dict, compare=False)
@@ -79,6 +82,7 @@ class HardwareProfile:
             raise HardwareProfileError(f"profile {self.name!r}: matmul_efficiency must be (n, fraction) pairs with "
                                        f"n > 0 increasing and 0 < fraction, got {self.matmul_efficiency!r}")
         object.__setattr__(self, "matmul_efficiency", curve)
+        object.__setattr__(self, "rank_slowdown", tuple((int(n), float(x)) for n, x in self.rank_slowdown))
         for name in ("memory_bandwidth_gbs", "intra_node_busbw_gbs", "inter_node_busbw_gbs"):
             if not getattr(self, name) > 0:
                 raise HardwareProfileError(f"profile {self.name!r}: {name} must be positive")
@@ -136,7 +140,16 @@ class HardwareProfile:
         return min(self.intra_node_busbw_gbs, on_one_node * self.inter_node_busbw_gbs) * 1e9
 
     def compute_slowdown(self, ranks_on_node: int) -> float:
-        """CPU: how much slower each rank computes when ranks x threads exceed the node's cores."""
+        """CPU: how much slower each rank computes with `ranks_on_node` ranks on the machine: the
+        measured `rank_slowdown` (linear between its points, proportional beyond the last), else
+        ranks x threads over the cores. 1 on a GPU."""
+        if self.rank_slowdown:
+            points = sorted(self.rank_slowdown)
+            for (n0, x0), (n1, x1) in zip(points, points[1:]):
+                if n0 <= ranks_on_node <= n1:
+                    return x0 + (x1 - x0) * (ranks_on_node - n0) / (n1 - n0)
+            last_n, last_x = points[-1]
+            return last_x * ranks_on_node / last_n if ranks_on_node > last_n else points[0][1]
         if self.cores is None:
             return 1.0
         return max(1.0, ranks_on_node * self.threads_per_rank / self.cores)

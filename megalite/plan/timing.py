@@ -18,11 +18,12 @@ microbatch. Tensor-parallel and pipeline transfers are exposed (megalite overlap
 the planner's per-stage byte counts (communication.py) at the bus bandwidth of the link the group
 spans. A stage is busy m x its per-microbatch time plus its transfers; the slowest stage sets the
 pace, and the schedule's bubble (`bubble_fraction`) idles every stage for the average stage's
-share. The data-parallel reduction overlaps the last microbatch's backward (what exceeds it is
-exposed); the ZeRO parameter all-gather is exposed unless --overlap-param-gather hides it behind
+share (on a CPU at the contention of half the ranks: idle ranks free their cores). The
+data-parallel reduction overlaps the last microbatch's backward (what exceeds it is exposed); the ZeRO parameter all-gather is exposed unless --overlap-param-gather hides it behind
 the next forward; ZeRO-3 gathers and reductions overlap the whole step's compute. The optimizer
-streams its shard's fp32 state through memory once. On a CPU, ranks x threads beyond the node's
-cores slow every rank's compute in proportion.
+streams its shard's fp32 state through memory once. On a CPU, ranks computing at once slow each
+other down (the profile's measured `rank_slowdown`, or ranks x threads over the cores), and its
+transfers, being the cores' work too, slow down with them.
 
 `Kernels` says what the modelled software runs where that changes time: megalite (flash attention,
 plain p2p) or, to check the model against Narayanan et al. 2021's measured iterations, Megatron-LM
@@ -267,12 +268,16 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
         device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage)
         busy = (device + host if hw.host_synchronous else max(device, host)) * slowdown
         comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
+        if hw.host_synchronous:  # a CPU's collectives are work of its cores too
+            comm = {key: seconds * slowdown for key, seconds in comm.items()}
         stages.append((m * busy, comm, backward * slowdown, (device - backward) * slowdown))
     exposed = [busy + c["tp"] + c["cp"] + c["pp"] for busy, c, _, _ in stages]
     slowest = max(range(pp), key=lambda s: exposed[s])
     busy, comm, backward, forward = stages[slowest]
     fraction = bubble_fraction(cfg)
-    bubble = sum(exposed) / pp * fraction / (1.0 - fraction)
+    # while the pipeline fills and drains about half the stages compute: a CPU's idle ranks free cores
+    filling = hw.compute_slowdown(max(1, per_node // 2)) / slowdown if pp > 1 else 1.0
+    bubble = sum(exposed) / pp * fraction / (1.0 - fraction) * filling
     window = 1.0 if kernels.grad_reduce_overlap else 0.0
     dp = max(c["dp_reduce"] - window * w for _, c, w, _ in stages)   # behind the last microbatch's backward
     if cfg.parallel.zero >= 3:                                          # prefetched behind the whole step
