@@ -8,6 +8,9 @@ What is measured (each a median over repeats, so a brief burst of another proces
                  on this machine as loaded as it is (cores, SMT, other users);
   copy           an out-of-place copy (x.clone(): allocation included, as eager ops allocate their
                  outputs) of 4 MiB, in bytes read + written per second;
+  elementwise    a tanh-GeLU forward + backward over 4 MiB: the rate of kernels that also compute
+                 (a CPU's vector math is slower than its memory; a GPU's is not);
+  attention      causal scaled_dot_product_attention forward + backward: its fraction of peak;
   collectives    all-reduce over forked gloo (or NCCL) ranks of 2 and of every rank count up to the
                  cores, 4 KiB ... 16 MiB: bus bandwidth (nccl-tests convention) and the fixed cost
                  per call, fitted to time = latency + bytes * bus factor / busbw;
@@ -81,7 +84,8 @@ def _gemm_loop(n: int, loops: int, conn) -> None:
     conn.send(time.perf_counter() - start)
 
 
-def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float = 0.5) -> dict[int, float]:
+def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float = 0.3,
+                          rounds: int = 3) -> dict[int, float]:
     """k -> how much slower each of k forked processes running the same GEMM loop at once is than one
     alone (the median process); what k ranks on this machine, as loaded as it is now, cost each other."""
     import multiprocessing as mp
@@ -89,18 +93,20 @@ def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float 
     a, b = torch.randn(n, n), torch.randn(n, n)
     once = _median_seconds(lambda: torch.mm(a, b), torch.device("cpu"), min_seconds=0.05, repeats=3)
     loops = max(1, int(seconds / once))
-    ctx, times = mp.get_context("fork"), {}
-    for k in counts:
-        pipes = [ctx.Pipe() for _ in range(k)]
-        procs = [ctx.Process(target=_gemm_loop, args=(n, loops, child), daemon=True) for _, child in pipes]
-        for p in procs:
-            p.start()
-        for parent, _ in pipes:
-            parent.send("go")
-        times[k] = statistics.median(parent.recv() for parent, _ in pipes)
-        for p in procs:
-            p.join()
-    return {k: times[k] / times[counts[0]] for k in counts}
+    ctx, times = mp.get_context("fork"), {k: [] for k in counts}
+    for _ in range(rounds):  # round-robin over the counts, so a burst of others' load hits them alike
+        for k in counts:
+            pipes = [ctx.Pipe() for _ in range(k)]
+            procs = [ctx.Process(target=_gemm_loop, args=(n, loops, child), daemon=True) for _, child in pipes]
+            for p in procs:
+                p.start()
+            for parent, _ in pipes:
+                parent.send("go")
+            times[k].append(statistics.median(parent.recv() for parent, _ in pipes))
+            for p in procs:
+                p.join()
+    alone = statistics.median(times[counts[0]])
+    return {k: max(1.0, statistics.median(times[k]) / alone) for k in counts}  # never faster than alone
 
 
 def measure_copy_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
@@ -108,6 +114,34 @@ def measure_copy_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
     x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     seconds = _median_seconds(lambda: x.clone(), device)
     return 2 * nbytes / seconds / 1e9
+
+
+def measure_elementwise_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
+    """GB/s of a tanh-GeLU forward + backward over `nbytes` of fp32 (reads x; writes y; reads x, dy;
+    writes dx: 5 x nbytes), the kind of elementwise kernel a block runs between its GEMMs."""
+    x = torch.randn(nbytes // 4, device=device, requires_grad=True)
+    dy = torch.randn(nbytes // 4, device=device)
+
+    def step():
+        torch.nn.functional.gelu(x, approximate="tanh").backward(dy)
+        x.grad = None
+
+    return 5 * nbytes / _median_seconds(step, device) / 1e9
+
+
+def measure_attention_efficiency(device: torch.device, precision: str, peak_tflops: float) -> float:
+    """Fraction of `peak_tflops` that causal scaled_dot_product_attention forward + backward reaches,
+    its FLOPs counted as 3.5 x 4 b h s (s/2) d (the planner's convention)."""
+    b, h, s, d = (4, 16, 2048, 128) if device.type == "cuda" else (4, 4, 256, 32)
+    q, k, v = (torch.randn(b, h, s, d, device=device).to(DTYPES[precision]).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, s, d, device=device).to(DTYPES[precision])
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    flops = 3.5 * 4 * b * h * s * (s / 2) * d
+    return flops / _median_seconds(step, device) / (peak_tflops * 1e12)
 
 
 def _allreduce_world(sizes: tuple[int, ...], device_type: str, repeats: int) -> dict[int, float]:
@@ -220,8 +254,10 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
     peaks = {p: (known or {}).get(p) or max(gemms[p].values()) for p in precisions}
     main = precisions[0]
     curve = tuple((float(n), min(1.0, v / peaks[main])) for n, v in gemms[main].items())
-    copy_gbs = measure_copy_gbs(device)
-    log(f"  copy: {copy_gbs:.2f} GB/s")
+    copy_gbs, elementwise_gbs = measure_copy_gbs(device), measure_elementwise_gbs(device)
+    attention = measure_attention_efficiency(device, main, peaks[main])
+    log(f"  copy: {copy_gbs:.2f} GB/s, elementwise (GeLU fwd+bwd): {elementwise_gbs:.2f} GB/s, causal attention "
+        f"fwd+bwd: {attention:.1%} of peak")
     message_sizes = (4 << 10, 64 << 10, 1 << 20, 4 << 20) if quick else (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
     ranks = 2 if not cuda else min(2, torch.cuda.device_count())
     allreduce = measure_allreduce(ranks, device, message_sizes) if ranks > 1 else {}
@@ -237,7 +273,8 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return HardwareProfile(
         name=name or f"calibrated {device_name}", peak_tflops=peaks, matmul_efficiency=curve,
-        memory_bandwidth_gbs=copy_gbs, intra_node_busbw_gbs=busbw / 1e9, inter_node_busbw_gbs=busbw / 1e9,
+        memory_bandwidth_gbs=copy_gbs, elementwise_gbs=elementwise_gbs, attention_efficiency=attention,
+        intra_node_busbw_gbs=busbw / 1e9, inter_node_busbw_gbs=busbw / 1e9,
         devices_per_node=torch.cuda.device_count() if cuda else None, collective_latency_us=latency * 1e6,
         block_overhead_us=host["block"] * 1e6, microbatch_overhead_us=host["microbatch"] * 1e6,
         step_overhead_us=host["step"] * 1e6, host_synchronous=not cuda, cores=None if cuda else cores,
@@ -245,6 +282,7 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
         source=f"tools/plan.py --calibrate on {device_name}, {stamp}, torch {torch.__version__}, "
                f"{torch.get_num_threads()} threads, load average {load:.2f}",
         measurements={"gemm_tflops": {p: {str(n): v for n, v in g.items()} for p, g in gemms.items()},
-                      "copy_gbs": copy_gbs, "allreduce_seconds": {str(n): s for n, s in allreduce.items()},
+                      "copy_gbs": copy_gbs, "elementwise_gbs": elementwise_gbs, "attention_efficiency": attention,
+                      "allreduce_seconds": {str(n): s for n, s in allreduce.items()},
                       "allreduce_ranks": ranks, "host_seconds": host, "rank_slowdown": slowdown,
                       "load_average": load})

@@ -3,8 +3,8 @@
 Counted storage by storage in the manner of Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models") for megalite's blocks and kernels, and checked
 against the real model on CPU (tests/training/test_estimate.py), times the microbatches in
-flight on the stage (1F1B: pp - stage; interleaved: Megatron's warmup + 1 chunks; GPipe: all;
-ZB-H1: counted on the schedule).
+flight on the stage (1F1B: pp - stage; interleaved: Megatron's warmup + 1 chunks, of which only
+chunk 0's hold the first stage's embedding; GPipe: all; ZB-H1: counted on the schedule).
 """
 from __future__ import annotations
 

@@ -51,6 +51,13 @@ class HardwareProfile:
     """All-reduce bus bandwidth of a group inside one node (also the p2p bandwidth there)."""
     inter_node_busbw_gbs: float
     """Bus bandwidth per rank across nodes (one NIC's worth); a group with r ranks per node gets r of it."""
+    elementwise_gbs: float | None = None
+    """Bytes read + written per second by elementwise kernels with transcendental math (GeLU/SiLU,
+    softmax, cross entropy's exp, AdamW's sqrt): a GPU streams them at about the copy bandwidth
+    (None: use it); a CPU's vector math is slower than its memory."""
+    attention_efficiency: float | None = None
+    """Fraction of peak a fused (flash) attention forward + backward reaches, its FLOPs counted as
+    3.5 x 4 b h s (s/2) d for causal attention; None: its products run on the GEMM curve."""
     devices_per_node: int | None = 8
     """Ranks one node holds; None: every rank of the job shares one node (a CPU machine)."""
     collective_latency_us: float = 10.0
@@ -127,6 +134,10 @@ class HardwareProfile:
         """Seconds to move `nbytes` (read + written) through memory at the copy bandwidth."""
         return nbytes / (self.memory_bandwidth_gbs * 1e9)
 
+    def elementwise_seconds(self, nbytes: float) -> float:
+        """Seconds of elementwise kernels that read + write `nbytes` in all."""
+        return nbytes / ((self.elementwise_gbs or self.memory_bandwidth_gbs) * 1e9)
+
     def busbw(self, group_size: int, stride: int, ranks_per_node: int | None) -> float:
         """Bus bandwidth (bytes/s) of a group of `group_size` ranks `stride` ranks apart.
 
@@ -194,11 +205,14 @@ def latency_bound_curve(plateau: float, peak_tflops: float, fixed_us: float) -> 
 # 271 TFLOP/s = 87%, H100 SXM 794 TFLOP/s = 80%). Copy bandwidth: 88% of the datasheet HBM figure.
 # Bus bandwidths: nccl-tests all-reduce on 8 NVLink GPUs (A100 ~230 GB/s, H100 ~360 GB/s); across
 # nodes one NIC per GPU (A100: HDR 200 Gb/s, H100/H200: NDR 400 Gb/s) at ~95%. Host overheads: ~40
-# kernel launches per block (forward + backward) at ~5 us; they overlap the GPU's work.
+# kernel launches per block (forward + backward) at ~5 us; they overlap the GPU's work. Flash
+# attention forward + backward at FlashAttention-2's published causal rates (Dao 2023: 50-73% of the
+# A100's peak; ~35% of the H100's): megalite's Triton kernels are not yet timed on a GPU.
 A100_80GB = HardwareProfile(
     name="A100-80GB", peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     matmul_efficiency=latency_bound_curve(0.805, 312.0, 6.0),
     memory_bandwidth_gbs=0.88 * 2039, intra_node_busbw_gbs=230.0, inter_node_busbw_gbs=23.75, devices_per_node=8,
+    attention_efficiency=0.55,
     collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
     source="A100 SXM4 80GB datasheet (312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 2039 GB/s HBM2e, NVLink 3, "
            "HDR 200 Gb/s per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")
@@ -207,6 +221,7 @@ H100_SXM = HardwareProfile(
     name="H100-SXM", peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
     matmul_efficiency=latency_bound_curve(0.80, 989.0, 6.0),
     memory_bandwidth_gbs=0.88 * 3350, intra_node_busbw_gbs=360.0, inter_node_busbw_gbs=47.5, devices_per_node=8,
+    attention_efficiency=0.35,
     collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
     source="H100 SXM5 80GB datasheet (989 TFLOP/s bf16 dense, 67 fp32, 3350 GB/s HBM3, NVLink 4, NDR 400 Gb/s "
            "per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")

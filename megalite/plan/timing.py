@@ -2,12 +2,15 @@
 
 One microbatch through one transformer block on one tensor-parallel rank costs
   GEMMs            each at the profile's efficiency for its size (megalite/plan/hardware.py):
-                   QKV, output projection, MLP in and out, and attention's two batched products;
+                   QKV, output projection, MLP in and out, and attention's two batched products
+                   (a fused flash kernel at the profile's attention efficiency when it has one);
                    backward runs two GEMMs of the same size per forward GEMM (input and weight
                    gradients); flash attention's backward five products (it recomputes the scores);
-  memory-bound ops the bytes the norms, activation, bias-dropout-add, rotary embedding (and, for
-                   attention that writes its scores, softmax and dropout) read and write, at the
-                   copy bandwidth; backward moves 1.5x the forward's bytes (it reads the saved input
+  memory-bound ops the bytes the norms, bias-dropout-adds and rotary embedding read and write, at
+                   the copy bandwidth, and those of the ops with transcendental math (the MLP's
+                   activation; softmax and dropout of attention that writes its scores; cross
+                   entropy's exp; AdamW) at the profile's elementwise rate (a CPU's vector math is
+                   slower than its memory); backward moves 1.5x the forward's bytes (it reads the saved input
                    and the output gradient and writes the input gradient); each linear's weight
                    gradient is added into an fp32 main-gradient buffer;
   host time        the profile's block overhead (launches, dispatch): added to the above on a CPU,
@@ -125,21 +128,24 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     causal = 0.5 if kernels.attention == "flash" else 1.0
     scores = hw.matmul_seconds(local, model.seq_length * causal, d, precision, batch=b * nq)
     values = hw.matmul_seconds(local, d, model.seq_length * causal, precision, batch=b * nq)
+    if kernels.attention == "flash" and hw.attention_efficiency:   # a fused kernel at its measured rate
+        scores = values = 2 * b * nq * local * model.seq_length * causal * d / (
+            hw.peak_flops(precision) * hw.attention_efficiency)
     attention = scores + values
-    moved = 2 * (2 * a * tokens * h // sp)                           # two norms: read x, write y
-    moved += 2 * (3 * a * tokens * h // sp)                          # two bias-dropout-adds: x, residual -> out
-    moved += (3 if llama else 2) * a * tokens * f // t               # swiglu (gate, up -> out) | gelu
+    streamed = 2 * (2 * a * tokens * h // sp)                        # two norms: read x, write y
+    streamed += 2 * (3 * a * tokens * h // sp)                       # two bias-dropout-adds: x, residual -> out
     if llama:
-        moved += 2 * a * tokens * (nq + nkv) * d                     # rotary embedding of q and k
+        streamed += 2 * a * tokens * (nq + nkv) * d                  # rotary embedding of q and k
+    activation = (3 if llama else 2) * a * tokens * f // t           # swiglu (gate, up -> out) | tanh gelu
     if kernels.attention == "materialized":                          # softmax (read, write); dropout + 1-byte mask
         per_score = 2 * a + (2 * a + 1 if model.attention_dropout > 0 else 0)
-        attention += hw.memory_seconds(per_score * b * nq * local * model.seq_length)
-    forward = gemm + attention + hw.memory_seconds(moved)
+        attention += hw.elementwise_seconds(per_score * b * nq * local * model.seq_length)
+    forward = gemm + attention + hw.memory_seconds(streamed) + hw.elementwise_seconds(activation)
     bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
     main_grads = 8 * layer_params(model, t)                          # read-add-write into fp32 main grads
     products = scores + values
-    backward = 2 * gemm + (2.5 if kernels.attention == "flash" else 2.0) * products
-    backward += hw.memory_seconds(1.5 * moved + bias_grads + main_grads) + 1.5 * (attention - products)
+    backward = 2 * gemm + (2.5 if kernels.attention == "flash" else 2.0) * products + 1.5 * (attention - products)
+    backward += hw.memory_seconds(1.5 * streamed + bias_grads + main_grads) + hw.elementwise_seconds(1.5 * activation)
     return _Pass(forward, backward, attention)
 
 
@@ -161,8 +167,8 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
     gemm = hw.matmul_seconds(tokens, vocab, h, precision)
     logits = a * tokens * vocab
     fused = 1 if cfg.parallel.fused_linear_cross_entropy else 0     # recomputes the logits in backward
-    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp + 2 * logits)
-    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp + 2 * logits)
+    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp) + hw.elementwise_seconds(2 * logits)  # norm; exp
+    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp) + hw.elementwise_seconds(2 * logits)
     return _Pass(forward, backward)
 
 
@@ -248,7 +254,7 @@ def _optimizer_seconds(model, cfg, hw, params: int) -> tuple[float, float]:
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
         offload, update = shard * 6 / 25e9 + shard / 1e9, 0.0
     else:
-        update = hw.memory_seconds(shard * (28 + 4 + a))
+        update = hw.elementwise_seconds(shard * (28 + 4 + a))
     return update + hw.memory_seconds(4 * params) + hw.step_overhead_us * 1e-6, offload
 
 
