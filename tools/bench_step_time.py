@@ -9,11 +9,11 @@
         all-reduce after the backward).
 
     python tools/bench_step_time.py --cycles 3 --iters 40
-        On this machine, back to back per cycle: calibrate (megalite/calibration.py), then run
-        examples/pretrain_gpt.py for the default run, (tp, pp, dp) = (2, 2, 1) and (1, 1, 4) with
-        OMP_NUM_THREADS=1, take each run's median step time (steps after the 5th) and compare it
-        with the prediction from that cycle's profile. Prints the load average around every run and
-        the median ratio over the cycles. Profiles and metrics go to --out.
+        On this machine, for the default run, (tp, pp, dp) = (2, 2, 1) and (1, 1, 4) in turn, back to
+        back: a quick calibration (megalite/calibration.py, fp32, GEMMs up to 512), then
+        examples/pretrain_gpt.py with OMP_NUM_THREADS=1; each run's median step time (steps after the
+        5th) against the prediction from the profile measured just before it. Prints the load
+        average around every run and the median ratio over the cycles. Profiles and metrics go to --out.
 """
 from __future__ import annotations
 
@@ -110,20 +110,21 @@ def cycles(count: int, iters: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = {name: [] for name in LAYOUTS}
     for cycle in range(count):
-        start_load = _loadavg()
-        profile = calibrate(name=f"this machine, cycle {cycle}", log=lambda line: None)
-        profile.save(out / f"profile_{cycle}.json")
-        print(f"cycle {cycle}: calibrated (load {start_load} -> {_loadavg()}): GEMM best "
-              f"{profile.peak_tflops['fp32'] * 1e3:.0f} GFLOP/s, copy {profile.memory_bandwidth_gbs:.0f} GB/s, "
-              f"all-reduce {profile.intra_node_busbw_gbs:.2f} GB/s + {profile.collective_latency_us:.0f} us, "
-              f"4 ranks x{profile.compute_slowdown(4):.2f}, block {profile.block_overhead_us / 1e3:.1f} ms")
-        for name, extra in LAYOUTS.items():
+        print(f"cycle {cycle}")
+        for name, extra in LAYOUTS.items():  # calibrate right before each run: the load drifts in minutes
             before = _loadavg()
+            profile = calibrate(name=f"this machine, {name}, cycle {cycle}", precisions=("fp32",), quick=True,
+                                log=lambda line: None)
+            profile.save(out / f"profile_{name}_{cycle}.json")
             seconds = measure_run(f"{name}_{cycle}", extra, iters, out)
             guess = predicted(name, extra, profile)
             results[name].append(guess / seconds)
             print(f"  {name:12s} measured {seconds * 1e3:7.1f} ms  predicted {guess * 1e3:7.1f} ms  "
-                  f"ratio {guess / seconds:5.2f}  (load {before} -> {_loadavg()})")
+                  f"ratio {guess / seconds:5.2f}  (load {before} -> {_loadavg()}; profile: GEMM best "
+                  f"{profile.peak_tflops['fp32'] * 1e3:.0f} GFLOP/s, GeLU {profile.elementwise_gbs:.1f} GB/s, "
+                  f"attention {profile.attention_efficiency:.0%}, all-reduce {profile.intra_node_busbw_gbs:.2f} GB/s + "
+                  f"{profile.collective_latency_us:.0f} us, 4 ranks x{profile.compute_slowdown(4):.2f}, block "
+                  f"{profile.block_overhead_us / 1e3:.1f} ms)")
             time.sleep(1)
     for name, ratios in results.items():
         print(f"{name:12s} predicted / measured: median {statistics.median(ratios):.2f} over {count} cycles "
