@@ -21,6 +21,7 @@ The planner itself never imports torch; this module does.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -75,36 +76,51 @@ def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...], 
     return {n: 2 * n ** 3 / statistics.median(times) / 1e12 for n, times in samples.items()}
 
 
-def _gemm_loop(n: int, loops: int, conn) -> None:
+def _gemm_worker(n: int, threads: int, conn) -> None:
+    """One contention process: on each `loops` received, time that many n x n GEMMs and send the seconds."""
+    torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    conn.recv()  # start together
-    start = time.perf_counter()
-    for _ in range(loops):
-        torch.mm(a, b)
-    conn.send(time.perf_counter() - start)
+    while (loops := conn.recv()) is not None:
+        start = time.perf_counter()
+        for _ in range(loops):
+            torch.mm(a, b)
+        conn.send(time.perf_counter() - start)
 
 
 def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float = 0.3,
                           rounds: int = 3) -> dict[int, float]:
-    """k -> how much slower each of k forked processes running the same GEMM loop at once is than one
-    alone (the median process); what k ranks on this machine, as loaded as it is now, cost each other."""
+    """k -> how much slower each of k processes running the same GEMM loop at once is than one alone
+    (the median process); what k ranks on this machine, as loaded as it is now, cost each other.
+
+    The processes compute with this process's thread count. They are started once and reused. With
+    more than one thread they are spawned, not forked: a child forked after the parent has used
+    OpenMP's thread pool hangs in its first multi-threaded GEMM (libgomp is not fork-safe)."""
     import multiprocessing as mp
 
+    threads = torch.get_num_threads()
     a, b = torch.randn(n, n), torch.randn(n, n)
     once = _median_seconds(lambda: torch.mm(a, b), torch.device("cpu"), min_seconds=0.05, repeats=3)
     loops = max(1, int(seconds / once))
-    ctx, times = mp.get_context("fork"), {k: [] for k in counts}
-    for _ in range(rounds):  # round-robin over the counts, so a burst of others' load hits them alike
-        for k in counts:
-            pipes = [ctx.Pipe() for _ in range(k)]
-            procs = [ctx.Process(target=_gemm_loop, args=(n, loops, child), daemon=True) for _, child in pipes]
-            for p in procs:
-                p.start()
-            for parent, _ in pipes:
-                parent.send("go")
-            times[k].append(statistics.median(parent.recv() for parent, _ in pipes))
-            for p in procs:
-                p.join()
+    ctx = mp.get_context("fork" if threads == 1 else "spawn")
+    pipes = [ctx.Pipe() for _ in range(max(counts))]
+    procs = [ctx.Process(target=_gemm_worker, args=(n, threads, child), daemon=True) for _, child in pipes]
+    for p, (_, child) in zip(procs, pipes):
+        p.start()
+        child.close()  # a worker that dies then reads as EOF here instead of a hang
+    times: dict[int, list[float]] = {k: [] for k in counts}
+    try:
+        for _ in range(rounds):  # round-robin over the counts, so a burst of others' load hits them alike
+            for k in counts:
+                for parent, _ in pipes[:k]:
+                    parent.send(loops)
+                times[k].append(statistics.median(parent.recv() for parent, _ in pipes[:k]))
+    finally:
+        for (parent, _), p in zip(pipes, procs):
+            with contextlib.suppress(OSError):
+                parent.send(None)
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
     alone = statistics.median(times[counts[0]])
     return {k: max(1.0, statistics.median(times[k]) / alone) for k in counts}  # never faster than alone
 
