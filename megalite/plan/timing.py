@@ -22,8 +22,10 @@ the planner's per-stage byte counts (communication.py) at the bus bandwidth of t
 spans. A stage is busy m x its per-microbatch time plus its transfers; the slowest stage sets the
 pace, and the schedule's bubble (`bubble_fraction`) idles every stage for the average stage's
 share (on a CPU at the contention of half the ranks: idle ranks free their cores). The
-data-parallel reduction overlaps the last microbatch's backward (what exceeds it is exposed); the ZeRO parameter all-gather is exposed unless --overlap-param-gather hides it behind
-the next forward; ZeRO-3 gathers and reductions overlap the whole step's compute. The optimizer
+data-parallel reduction overlaps the last microbatch's backward (what exceeds it is exposed; on
+a CPU it adds: gloo's reduction runs on the cores that compute); the ZeRO parameter all-gather is
+exposed unless --overlap-param-gather hides it behind the next forward; ZeRO-3 gathers and
+reductions overlap the whole step's compute. The optimizer
 streams its shard's fp32 state through memory once. On a CPU, ranks computing at once slow each
 other down (the profile's measured `rank_slowdown`, or ranks x threads over the cores), and its
 transfers, being the cores' work too, slow down with them.
@@ -284,7 +286,8 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     # while the pipeline fills and drains about half the stages compute: a CPU's idle ranks free cores
     filling = hw.compute_slowdown(max(1, per_node // 2)) / slowdown if pp > 1 else 1.0
     bubble = sum(exposed) / pp * fraction / (1.0 - fraction) * filling
-    window = 1.0 if kernels.grad_reduce_overlap else 0.0
+    # a GPU reduces while it computes; a CPU's reduction is its cores' work, so nothing hides it
+    window = 1.0 if kernels.grad_reduce_overlap and not hw.host_synchronous else 0.0
     dp = max(c["dp_reduce"] - window * w for _, c, w, _ in stages)   # behind the last microbatch's backward
     if cfg.parallel.zero >= 3:                                          # prefetched behind the whole step
         dp = max(0.0, max(c["dp_reduce"] + c["dp_gather"] - b for b, c, _, _ in stages))

@@ -134,6 +134,8 @@ def test_exposed_communication_by_hand():
     overlapped = predict_step_time(model, zero.replace(overlap_param_gather=True), IDEAL)
     forward = 4 * (2 * 32 * 12 * 64 * 64 + 2 * (2 * 2 * 4 * 16 * 8 * 16)) + 2 * 32 * 128 * 64   # blocks + output layer
     assert predict_step_time(model, zero, IDEAL).dp - overlapped.dp == pytest.approx(forward / 1e12, rel=1e-6)
+    cpu = dataclasses.replace(IDEAL, host_synchronous=True, devices_per_node=None)   # gloo's reduction uses the cores
+    assert predict_step_time(model, dp, cpu).dp == pytest.approx(reduce)
     across = dataclasses.replace(IDEAL, devices_per_node=2)                 # dp neighbours on other nodes
     assert predict_step_time(model, dp, across, kernels=Kernels(grad_reduce_overlap=False)).dp == pytest.approx(
         C.communication_bytes(model, dp, 0)["dp/all_reduce"] * 1.5 / (2 * 1e9))
