@@ -32,8 +32,9 @@ transfers, being the cores' work too, slow down with them.
 
 `Kernels` says what the modelled software runs where that changes time: megalite (flash attention,
 plain p2p) or, to check the model against Narayanan et al. 2021's measured iterations, Megatron-LM
-of that paper (`MEGATRON_2021`: attention that writes its [b, heads, s, s] scores, and the
-scatter/gather pipeline transfer).
+of that paper (`MEGATRON_2021`: attention that writes its [b, heads, s, s] scores, the
+scatter/gather pipeline transfer, the QKV bias and context layout passes, cross entropy over fp32
+logits, and the "local" DDP's all-reduce after the backward).
 """
 from __future__ import annotations
 
@@ -63,11 +64,18 @@ class Kernels:
     """Each tp rank sends 1/tp of a pipeline activation, the receiver all-gathers it over tp."""
     grad_reduce_overlap: bool = True
     """The data-parallel gradient reduction starts during the last microbatch's backward (megalite's
-    buckets) rather than after the whole backward (Megatron-LM 2021's "local" DDP)."""
+    buckets; torch DDP) rather than after the whole backward (Megatron-LM 2021's "local" DDP)."""
+    layout_copies: bool = False
+    """Two extra passes per block: the QKV bias added by its own kernel (torch's F.linear on a 3-D
+    input: matmul, then add) and attention's context made contiguous, [b, heads, s, d] -> [s, b, h]."""
+    fp32_cross_entropy: bool = False
+    """Cross entropy over fp32 logits in unfused passes (upcast, max, subtract, exp, sum, divide;
+    backward: scale, downcast) rather than one fused pass over the logits in the parameter dtype."""
 
 
 MEGALITE = Kernels()
-MEGATRON_2021 = Kernels(attention="materialized", p2p_scatter_gather=True, grad_reduce_overlap=False)
+MEGATRON_2021 = Kernels(attention="materialized", p2p_scatter_gather=True, grad_reduce_overlap=False,
+                        layout_copies=True, fp32_cross_entropy=True)
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,8 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     if llama:
         streamed += 2 * a * tokens * (nq + nkv) * d                  # rotary embedding of q and k
     activation = (3 if llama else 2) * a * tokens * f // t           # swiglu (gate, up -> out) | tanh gelu
+    if kernels.layout_copies:                                        # QKV bias: read, write; context copy
+        streamed += 2 * a * tokens * (nq + 2 * nkv) * d + 2 * a * tokens * nq * d
     if kernels.attention == "materialized":                          # softmax (read, write); dropout + 1-byte mask
         per_score = 2 * a + (2 * a + 1 if model.attention_dropout > 0 else 0)
         attention += hw.elementwise_seconds(per_score * b * nq * local * model.seq_length)
@@ -159,7 +169,7 @@ def embedding_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pa
     return _Pass(hw.memory_seconds(4 * a * tokens * h), hw.memory_seconds((a + 8) * tokens * h))
 
 
-def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
+def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Kernels = MEGALITE) -> _Pass:
     """The last stage's final norm, output layer [tokens, h] x [h, V/tp] and cross entropy over the logits."""
     precision, a = cfg.precision.precision, DTYPE_BYTES[cfg.precision.precision]
     t = cfg.parallel.tp
@@ -169,8 +179,11 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
     gemm = hw.matmul_seconds(tokens, vocab, h, precision)
     logits = a * tokens * vocab
     fused = 1 if cfg.parallel.fused_linear_cross_entropy else 0     # recomputes the logits in backward
-    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp) + hw.elementwise_seconds(2 * logits)  # norm; exp
-    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp) + hw.elementwise_seconds(2 * logits)
+    forward_passes, backward_passes = 2 * logits, 2 * logits         # read the logits, write the gradient
+    if kernels.fp32_cross_entropy:  # bytes per logit: upcast 2+4, max 4, sub 8, exp 8, sum 4, div 8 | scale 8, downcast 6
+        forward_passes, backward_passes = (6 + 4 + 8 + 8 + 4 + 8) * logits // a, (8 + 6) * logits // a
+    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp) + hw.elementwise_seconds(forward_passes)  # norm; exp
+    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp) + hw.elementwise_seconds(backward_passes)
     return _Pass(forward, backward)
 
 
@@ -190,7 +203,7 @@ def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, float, f
     host = (layers + 0.5 * rerun) * hw.block_overhead_us * 1e-6    # a forward is about half a block's launches
     for present, part in ((stage == 0, embedding_pass), (stage == cfg.parallel.pp - 1, head_pass)):
         if present:
-            p = part(model, cfg, hw)
+            p = part(model, cfg, hw, kernels) if part is head_pass else part(model, cfg, hw)
             device, backward = device + p.forward + p.backward, backward + p.backward
     host += hw.microbatch_overhead_us * 1e-6 * (1.0 if cfg.parallel.pp == 1 else 0.5)  # ends split over stages
     return device, host, backward, layers * block.attention_forward

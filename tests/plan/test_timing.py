@@ -149,3 +149,20 @@ def test_ranking_step_time_delegates_to_the_model():
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
     assert P.step_time(model, cfg, None, 8, "H200")["total"] < parts["total"]
     assert MEGALITE == Kernels()
+
+
+def test_megatron_2021_layout_passes_and_fp32_cross_entropy_by_hand():
+    """Megatron-LM 2021's extra memory passes: the QKV bias add and the context copy per block
+    (backward 1.5x), and cross entropy over fp32 logits (38 bytes per logit forward, 14 backward)."""
+    from megalite.plan.timing import block_pass, head_pass
+    model, cfg = tiny(), run(precision="bf16")
+    slow_memory = dataclasses.replace(IDEAL, peak_tflops={"bf16": 1.0}, memory_bandwidth_gbs=1.0)   # 1e9 B/s
+    tokens, h = 32, 64
+    plain, copies = (block_pass(model, cfg, slow_memory, Kernels(layout_copies=c)) for c in (False, True))
+    extra = (2 * 2 * tokens * 3 * h + 2 * 2 * tokens * h) / 1e9
+    assert copies.forward - plain.forward == pytest.approx(extra)
+    assert copies.backward - plain.backward == pytest.approx(1.5 * extra)
+    head16, head32 = (head_pass(model, cfg, slow_memory, Kernels(fp32_cross_entropy=c)) for c in (False, True))
+    logits = tokens * model.padded_vocab_size(1)
+    assert head32.forward - head16.forward == pytest.approx((38 - 4) * logits / 1e9)
+    assert head32.backward - head16.backward == pytest.approx((14 - 4) * logits / 1e9)
