@@ -140,6 +140,16 @@ def parse_args(argv: list[str] | None = None,
     return RunConfig.build(**values), others
 
 
+def given_settings(argv: list[str] | None = None) -> frozenset[str]:
+    """The settings `argv` sets, on the command line or in its --config file (the rest are defaults):
+    what an elastic resume may take from the checkpoint instead (megalite.checkpoint.elastic)."""
+    args = vars(build_parser().parse_args(argv))
+    names = {name for name in args if name in settings()}
+    if args.get("config"):
+        names |= set(read_config_file(args["config"]))
+    return frozenset(names)
+
+
 def to_toml(cfg: RunConfig, derived: dict[str, Any] | None = None) -> str:
     """The configuration as a TOML file `--config` reads back; unset optional settings appear as
     comments, and `derived` (what the run computes from the settings) as a commented table."""
