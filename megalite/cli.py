@@ -36,6 +36,11 @@ def _add_setting(group, spec: Setting) -> None:
     if spec.metavar is not None:
         kwargs["metavar"] = spec.metavar
     if kind is bool:
+        if spec.flag.startswith("--no-"):  # BooleanOptionalAction would read --no-load-optim as False
+            group.add_argument(spec.flag, action="store_const", const=True, **kwargs)
+            group.add_argument("--" + spec.flag[len("--no-"):], dest=spec.name, action="store_const", const=False,
+                               default=argparse.SUPPRESS, help=f"undo {spec.flag} (e.g. from a config file)")
+            return
         group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
         return
     if typing.get_origin(kind) is tuple:
