@@ -296,9 +296,10 @@ def _batch_problem(step: int, rule: str, batch: int, micro: int, dp: int, per_re
     micros = [m for m in range(1, batch // dp + 1) if batch % (m * dp) == 0]
     fixes = []
     if micros:
-        fixes.append(f"--micro-batch-size {' or '.join(map(str, micros[-3:]))}")
+        fixes.append(f"--micro-batch-size {_either(micros[-3:])}")
     if dps:
-        fixes.append(f"a world of {', '.join(str(d * per_replica) for d in dps[:6])} ranks")
+        worlds = [d * per_replica for d in dps[:6]]
+        fixes.append(f"a world of {_either(worlds)} rank{'s' if worlds[-1] > 1 else ''}")
     if rule == "keep":
         fixes.append("--elastic-batch scale (the batch follows dp)")
     else:
@@ -308,3 +309,9 @@ def _batch_problem(step: int, rule: str, batch: int, micro: int, dp: int, per_re
             "flags": f"the global batch {batch}"}[rule]
     return (f"  - {what}, which is not divisible by micro {micro} x dp {dp} = {micro * dp}; use "
             + ", or ".join(fixes))
+
+
+def _either(values: list[int]) -> str:
+    """'1', '1 or 2', '1, 2 or 4'."""
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
