@@ -394,7 +394,7 @@ def report(faults, injected, reference_s, drill_s, logged, mismatch, job: Job, a
         difference, step = largest_difference(reference, logged)
         verdict = "MATCH: every logged step equals the uninterrupted run exactly" if difference == 0 else \
             (f"MATCH: every logged step within {args.shrink_rtol:.2g} relative of the uninterrupted run (largest "
-             f"difference {difference:.2g} at step {step}: float32 summation order on another world)")
+             f"difference {difference:.2g} at step {step})")
     else:
         verdict = f"FAIL: {mismatch or f'only {injected} of {len(faults)} faults injected'}"
     rows += ["",
