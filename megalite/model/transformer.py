@@ -19,6 +19,7 @@ from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
+from megalite.model.recompute import checkpoint_with_rng
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 
@@ -164,8 +165,6 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 rng: TensorParallelRNG) -> torch.Tensor:
-        from megalite.model.recompute import checkpoint_with_rng
-
         qkv = self.attention.qkv(self.input_norm(x))
         if self.recompute_core and self.training:
             core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.kernels.bias_dropout_add import bias_dropout_add
+
 _MASK64 = (1 << 64) - 1
 _STREAM_IDS = {"replicated": 1, "tensor_parallel": 2}
 
@@ -111,8 +113,6 @@ def dropout(x: torch.Tensor, p: float, stream: PhiloxStream, site: int, training
     this rank holds all of it; rank * x.numel() for a sequence-parallel shard [s/tp, b, h]).
     Not training or p == 0: no key is drawn and no element dropped.
     """
-    from megalite.kernels.bias_dropout_add import bias_dropout_add
-
     if not training or p == 0.0:
         return bias_dropout_add(x, bias, residual)
     return bias_dropout_add(x, bias, residual, p, stream.draw(site), offset)
