@@ -133,7 +133,7 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
 def check_degrees(cfg: RunConfig) -> None:
     """Raise ValueError when a degree or the micro batch is not a positive integer (choices are
     checked where the RunConfig is built)."""
-    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp),
+    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp), ("cp", cfg.parallel.cp),
                         ("virtual_stages", cfg.parallel.virtual_stages),
                         ("micro_batch_size", cfg.training.micro_batch_size)):
         if not isinstance(value, int) or value < 1:
