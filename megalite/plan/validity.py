@@ -95,10 +95,13 @@ def _memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
     if cfg.training.micro_batch_size > 1:  # the global batch stays: twice the microbatches
         tries.append((f"--micro-batch-size {cfg.training.micro_batch_size // 2}",
                       dict(micro_batch_size=cfg.training.micro_batch_size // 2)))
+    doubled = cfg.replace(cp=2 * cfg.parallel.cp, dp=cfg.dp // 2)  # same ranks: each sequence split 2x more
+    if cfg.dp % 2 == 0 and not _context_parallel_errors(model, doubled):
+        tries.append((f"--cp {doubled.parallel.cp} --dp {doubled.dp}", dict(cp=doubled.parallel.cp, dp=doubled.dp)))
     tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
     current = cfg.flat()
     tries = [(flag, change) for flag, change in tries
-             if not (cfg.dp == 1 and "zero" in change) and not all(current[k] == val for k, val in change.items())]
+             if not (cfg.dp * cfg.parallel.cp == 1 and "zero" in change) and not all(current[k] == val for k, val in change.items())]
     for flag, change in tries:  # one change alone
         if estimate(model, cfg.replace(**change)).fits(gpu_memory):
             return f"add {flag}"
