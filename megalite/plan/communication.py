@@ -74,13 +74,15 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[st
 
 
 def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """Under SP the norms' (and gpt2's position table's) gradients are partial per tp rank; the
-    DP engine all-reduces them over tp once per step (fp32 main grads)."""
+    """Under SP the gradients of the norms, the row-parallel biases (added to the sequence shard)
+    and gpt2's position table are partial per tp rank; the DP engine all-reduces them over tp
+    once per step (fp32 main grads)."""
     if not cfg.parallel.sequence_parallel or cfg.parallel.tp == 1:
         return 0
     h = model.hidden_size
     norm = 2 * h if model.flavour == "gpt2" else h
-    n = 2 * norm * stage_layers(model, cfg)[stage]
+    row_biases = 2 * h if model.add_bias else 0  # attention output and MLP output projections
+    n = (2 * norm + row_biases) * stage_layers(model, cfg)[stage]
     if stage == cfg.parallel.pp - 1:
         n += norm
     if stage == 0 and model.flavour == "gpt2":
