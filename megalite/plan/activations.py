@@ -82,6 +82,8 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
         total += 2 * a * s * b * f // t
     else:
         total += 3 * a * s * b * f // t
+    if ulysses and recompute == "none":
+        total += 2 * 8 * 2 * cfg.parallel.cp                            # int64 chunk orders of its two reorderings
     return total
 
 
