@@ -97,7 +97,7 @@ def _bench_rank(args, cp: int, comm_type: str) -> list[dict]:
                 result = train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4)
             times.append(_largest(time.perf_counter() - start))
             losses.append(result["loss"])
-        planned = activations.activation_bytes(model_cfg, cfg, 0, device="cpu") \
+        planned = activations.activation_bytes(model_cfg, cfg, 0) \
             - activations.context_parallel_buffer_bytes(model_cfg, cfg)
         rows.append(dict(seq=seq, cp=cp, comm=comm_type if cp > 1 else "-", saved=_largest(saved.total),
                          planned=planned, step_s=min(times), loss=losses[0]))
