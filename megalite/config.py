@@ -78,6 +78,13 @@ class OnNonFinite(enum.StrEnum):
     STOP = "stop"
 
 
+class CPCommType(enum.StrEnum):
+    """How context-parallel attention talks (megalite.context_parallel.checks.CP_COMM_TYPES)."""
+
+    P2P = "p2p"  # ring attention: K/V blocks travel round the cp ring
+    A2A = "a2a"  # Ulysses: all-to-all from a sequence split to a head split and back
+
+
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
             aliases: dict[str, Any] | None = None) -> Any:
     """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
@@ -108,7 +115,12 @@ class ParallelSettings:
 
     tp: int = setting(1, "tensor-parallel size")
     pp: int = setting(1, "pipeline-parallel size")
-    dp: int | None = setting(None, "data-parallel size (default: world / (tp*pp))")
+    dp: int | None = setting(None, "data-parallel size (default: world / (tp*cp*pp))")
+    cp: int = setting(1, "context-parallel size: each rank holds seq_length/cp tokens of every sequence (2*cp "
+                         "load-balanced chunks); only attention crosses ranks")
+    cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
+                                                       "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
+                                                       "must divide by cp)")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)")
     pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
     decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)")
@@ -364,10 +376,11 @@ class RunConfig:
     # ------------------------------------------------------------------ derived (computed here only)
 
     def resolved(self, world_size: int, tokenizer_vocab_size: int | None = None) -> "RunConfig":
-        """What depends on the launch filled in: dp (world / (tp*pp)), the global batch
+        """What depends on the launch filled in: dp (world / (tp*cp*pp)), the global batch
         (micro * dp when unset), the schedule's name, and the vocabulary (the tokenizer's)."""
         p = self.parallel
-        dp = p.dp if p.dp is not None else (world_size // (p.tp * p.pp) if world_size % (p.tp * p.pp) == 0 else 1)
+        model_ranks = p.tp * p.cp * p.pp
+        dp = p.dp if p.dp is not None else (world_size // model_ranks if world_size % model_ranks == 0 else 1)
         schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
         if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
             schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
@@ -381,7 +394,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.parallel.pp * self.dp
+        return self.parallel.tp * self.parallel.cp * self.parallel.pp * self.dp
 
     @property
     def schedule(self) -> Schedule:

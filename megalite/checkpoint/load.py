@@ -152,9 +152,10 @@ def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) 
 
 
 def _same_layout(meta: dict, mesh: Mesh, chunks) -> bool:
+    """RNG streams are per rank and depend on its coordinates (dropout streams on the cp rank too)."""
     saved = meta["layout"]
-    return (saved["tp"], saved["pp"], saved["dp"], saved["virtual_stages"]) == \
-        (mesh.tp_size, mesh.pp_size, mesh.dp_size, len(chunks))
+    return (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved["virtual_stages"]) == \
+        (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size, len(chunks))
 
 
 def _load_rng(reader: CheckpointReader, chunks, mesh: Mesh) -> None:
@@ -259,7 +260,8 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         reader.close()
         saved = meta["layout"]
         say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
-            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} zero={saved['zero_stage']} "
+            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+            + (f"cp={saved['cp']} " if saved.get("cp", 1) > 1 else "") + f"zero={saved['zero_stage']} "
             f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
                                                 "stored") + ")")
         return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)

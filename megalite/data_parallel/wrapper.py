@@ -47,7 +47,11 @@ def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Param
 
 
 class DataParallel(nn.Module):
-    """One model replica's parameters and gradients over `mesh.dp_group` (see the module docstring).
+    """One model replica's parameters and gradients over `mesh.dp_cp_group` (see the module docstring).
+
+    Parameters are replicated over data and context parallelism alike (cp ranks hold other
+    tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
+    that group is `mesh.dp_group` itself. "dp" below means that group.
 
     zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
         rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket).
@@ -64,14 +68,15 @@ class DataParallel(nn.Module):
         self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
         self.mesh, self.zero_stage = mesh, zero_stage
         named = [(n, p) for n, p in named_parameters_of(self.chunks) if p.requires_grad]
-        self.grads = GradBuffers([p for _, p in named], mesh.dp_group, bucket_size=bucket_size,
+        replica_group = mesh.dp_cp_group  # every rank holding these same parameters (dp x cp)
+        self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
         self.layout = self.grads.layout
-        self.param_buffer = ParamBuffer(self.params, self.layout, mesh.dp_group, self.grads.shard_rank,
+        self.param_buffer = ParamBuffer(self.params, self.layout, replica_group, self.grads.shard_rank,
                                         overlap=overlap_param_gather)
         self.gather_order = self._forward_bucket_order()
         self._guard = ReadGuard(self.param_buffer)

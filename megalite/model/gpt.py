@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from megalite import comm, params
-from megalite.context_parallel.zigzag import position_ids
+from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.mesh import Mesh, current_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -156,7 +156,9 @@ class GPTModel(nn.Module):
                 positions = positions.chunk(tp, dim=0)[r]
             x = x + positions
         # the [s, b, h] embedding output's mask; under SP this rank's rows of it
-        offset = comm.group_rank(self.tp_group) * x.numel() if self.sequence_parallel else 0
+        shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
+        offset = logical_row_offsets(x.shape[0], x[0].numel(), comm.group_rank(self.tp_group) if shards > 1 else 0,
+                                     shards, self.cp_rank, self.cp_size)
         return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
                        offset)
 

@@ -147,7 +147,7 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
-    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp)
+    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp)
     _on_exit(resources, lambda clean: destroy_mesh())
     torch.manual_seed(cfg.training.seed)
     model_cfg = cfg.gpt_config()
@@ -178,7 +178,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"params, vocab {model_cfg.vocab_size} (padded {model_cfg.padded_vocab_size(cfg.parallel.tp)}), "
         f"seq {model_cfg.seq_length}")
     log(f"batch: global {cfg.global_batch_size} = micro {cfg.training.micro_batch_size} x dp {cfg.dp} x "
-        f"accumulation {cfg.num_microbatches}; {cfg.precision.precision}; schedule "
+        f"accumulation {cfg.num_microbatches}; "
+        + (f"cp {cfg.parallel.cp} ({cfg.parallel.cp_comm_type}): {model_cfg.seq_length // cfg.parallel.cp} tokens "
+           f"of each sequence per rank; " if cfg.parallel.cp > 1 else "")
+        + f"{cfg.precision.precision}; schedule "
         f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -306,12 +309,14 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
     job.profiler.before_step(step)
     start = time.perf_counter()
     job.timer.reset()
+    cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
     lr = job.lr_at(step - 1)
     result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
                         timer=job.timer)
     result["lr"] = lr
+    result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
     if job.mesh.device.type == "cuda":
         torch.cuda.synchronize()
@@ -334,6 +339,9 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                             **job.optimizer.memory_report())
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result["loss_scale"]
+    record["cp"] = cfg.parallel.cp
+    if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
+        record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
 
