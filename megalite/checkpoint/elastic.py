@@ -8,7 +8,7 @@ and this module's `ElasticState` (metadata["extra"]["elastic"]). When a run resu
 another size (a new launch with fewer or more ranks, or `torchrun --nnodes MIN:MAX` restarting with
 the nodes it has):
 
-- the layout: tp and pp (and cp, where declared) are the checkpoint's unless given on the command
+- the layout: tp, pp and cp are the checkpoint's unless given on the command
   line; dp is re-derived from the new world (a `--dp` equal to the checkpoint's, i.e. the same
   command line launched again, is dropped; another `--dp` is the person's choice and is validated);
 - the global batch, by `--elastic-batch`:
@@ -46,7 +46,7 @@ from megalite.config import ElasticBatch, ElasticLRRule, RunConfig, settings
 from megalite.errors import ConfigError
 
 STATE_KEY = "elastic"  # metadata["extra"][STATE_KEY]
-KEPT_LAYOUT = ("tp", "pp", "cp")  # kept from the checkpoint on a resize unless given (cp: where declared)
+KEPT_LAYOUT = ("tp", "pp", "cp")  # kept from the checkpoint on a resize unless given
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ class Resize:
     new_lr: float
     tp: int
     pp: int
+    cp: int = 1
 
     def record(self) -> dict[str, Any]:
         """The metrics line: {"event": "resize", "step", old/new world, dp, global batch, LR factor, ...}."""
@@ -111,8 +112,9 @@ class Resize:
 
     def describe(self) -> str:
         """The one loud line rank 0 prints."""
+        cp = f", cp {self.cp}" if self.cp > 1 else ""
         head = (f"megalite: ELASTIC RESIZE after step {self.step}: world {self.old_world_size} -> "
-                f"{self.new_world_size} ranks (tp {self.tp}, pp {self.pp}; dp {self.old_dp} -> {self.new_dp})")
+                f"{self.new_world_size} ranks (tp {self.tp}, pp {self.pp}{cp}; dp {self.old_dp} -> {self.new_dp})")
         if self.batch_rule == "flags":
             batch = f"global batch {self.old_global_batch_size} -> {self.new_global_batch_size} set by the batch flags"
         elif self.new_global_batch_size == self.old_global_batch_size:
@@ -238,7 +240,7 @@ def plan_resume(cfg: RunConfig, world_size: int, given: frozenset[str] = frozens
         resize = Resize(step, int(metadata["consumed_samples"]), old_world, world_size, old_dp, new_dp, old_batch,
                         new_batch, max(1, old_batch // (saved["micro_batch_size"] * old_dp)),
                         new_batch // (micro * new_dp), rule, lr_rule, factor, total, saved["lr"],
-                        cfg.optimizer.lr, cfg.parallel.tp, cfg.parallel.pp)
+                        cfg.optimizer.lr, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
     return ResumePlan(cfg, state, step, metadata, resize, tuple(notes))
 
 
@@ -258,7 +260,7 @@ def _legacy_state(saved: dict, old_dp: int) -> ElasticState:
 
 
 def _keep_layout(cfg: RunConfig, saved: dict, old_dp: int, given: frozenset[str], notes: list[str]) -> RunConfig:
-    """tp/pp (/cp) from the checkpoint where the command line does not set them; a --dp that is the
+    """tp, pp and cp from the checkpoint where the command line does not set them; a --dp that is the
     checkpoint's (the same command line launched on another world) is re-derived."""
     declared = settings()
     kept = {name: saved[name] for name in KEPT_LAYOUT
@@ -283,12 +285,14 @@ def _scaled_batch(step: int, old_batch: int, old_dp: int, new_dp: int) -> int:
 
 
 def _world_problem(step: int, metadata: dict, world_size: int, per_replica: int, cfg: RunConfig) -> str:
-    layout = metadata["layout"]
+    layout, p = metadata["layout"], cfg.parallel
     multiples = ", ".join(str(per_replica * k) for k in range(1, 5))
+    saved_cp = f" x cp {layout['cp']}" if layout.get("cp", 1) > 1 else ""
+    cp = f" x cp {p.cp}" if p.cp > 1 else ""
     return (f"  - resuming checkpoint step {step} (saved on {layout['world_size']} ranks: tp {layout['tp']} x pp "
-            f"{layout['pp']} x dp {layout['dp']}) on {world_size} ranks: {world_size} is not a multiple of the "
-            f"{per_replica} ranks of one model replica (tp {cfg.parallel.tp} x pp {cfg.parallel.pp}); launch "
-            f"{multiples}, ... ranks, or give --tp/--pp that divide {world_size}")
+            f"{layout['pp']}{saved_cp} x dp {layout['dp']}) on {world_size} ranks: {world_size} is not a multiple of "
+            f"the {per_replica} ranks of one model replica (tp {p.tp} x pp {p.pp}{cp}); launch {multiples}, ... ranks, "
+            f"or give --tp/--pp{'/--cp' if cp else ''} that divide {world_size}")
 
 
 def _batch_problem(step: int, rule: str, batch: int, micro: int, dp: int, per_replica: int, old_batch: int) -> str:

@@ -14,15 +14,15 @@ from megalite.config import RunConfig
 from megalite.errors import ConfigError
 
 
-def fake_checkpoint(root, step=6, *, world=4, tp=2, pp=1, global_batch=8, micro=2, lr=2e-3, min_lr=2e-4,
+def fake_checkpoint(root, step=6, *, world=4, tp=2, pp=1, cp=1, global_batch=8, micro=2, lr=2e-3, min_lr=2e-4,
                     state=None, consumed=None):
     """A published checkpoint directory holding only what a resume plan reads (metadata + manifest)."""
-    dp = world // (tp * pp)
-    train = RunConfig.build(tp=tp, pp=pp, dp=dp, global_batch_size=global_batch, micro_batch_size=micro, lr=lr,
-                            min_lr=min_lr).to_dict()
+    dp = world // (tp * pp * cp)
+    train = RunConfig.build(tp=tp, pp=pp, cp=cp, dp=dp, global_batch_size=global_batch, micro_batch_size=micro,
+                            lr=lr, min_lr=min_lr).to_dict()
     metadata = {"format_version": storage.FORMAT_VERSION, "step": step, "items": [], "train_config": train,
                 "consumed_samples": global_batch * step if consumed is None else consumed,
-                "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": world, "virtual_stages": 1},
+                "layout": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world, "virtual_stages": 1},
                 "extra": {} if state is None else {"elastic": state.to_dict()}}
     directory = root / storage.step_dir_name(step)
     directory.mkdir(parents=True)
@@ -57,6 +57,16 @@ def test_keep_holds_the_global_batch_rederives_dp_and_keeps_tp(tmp_path):
         "batch_rule": "keep", "lr_factor": 1.0, "lr_factor_total": 1.0, "consumed_samples": 48}
     line = p.resize.describe()
     assert "world 4 -> 2 ranks" in line and "global batch 8 kept" in line and "learning rate unchanged" in line
+
+
+def test_context_parallel_is_kept_like_tp_and_pp(tmp_path):
+    root = fake_checkpoint(tmp_path / "ckpt", world=8, tp=2, cp=2, global_batch=8, state=ElasticState(8, 2))
+    p = plan(["--load", str(root), "--global-batch-size", "8", "--micro-batch-size", "2"], world=4)
+    cfg = p.cfg.resolved(4)
+    assert (cfg.parallel.tp, cfg.parallel.cp, cfg.dp, cfg.num_microbatches) == (2, 2, 1, 4)
+    assert "(tp 2, pp 1, cp 2; dp 2 -> 1)" in p.resize.describe()
+    with pytest.raises(ConfigError, match=r"not a multiple of the 4 ranks of one model replica \(tp 2 x pp 1 x cp 2\)"):
+        plan(["--load", str(root), "--global-batch-size", "8", "--micro-batch-size", "2"], world=6)
 
 
 def test_keep_holds_a_defaulted_global_batch_too_and_the_same_dp_flag_is_rederived(tmp_path):
