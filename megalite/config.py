@@ -59,6 +59,20 @@ class LRDecay(enum.StrEnum):
     CONSTANT = "constant"
 
 
+class ElasticBatch(enum.StrEnum):
+    """The global batch when a run resumes on another world (megalite.checkpoint.elastic)."""
+
+    KEEP = "keep"  # the checkpoint's global batch, more or fewer accumulation steps
+    SCALE = "scale"  # the global batch in proportion to dp, the learning rate by --elastic-lr-rule
+
+
+class ElasticLRRule(enum.StrEnum):
+    """How --elastic-batch scale rescales the learning rate with the global batch ratio r."""
+
+    LINEAR = "linear"  # lr * r (Goyal et al., 2017)
+    SQRT = "sqrt"  # lr * sqrt(r) (Krizhevsky, 2014; Adam-style optimisers)
+
+
 class OnNonFinite(enum.StrEnum):
     SKIP = "skip"
     STOP = "stop"
@@ -191,6 +205,12 @@ class CheckpointSettings:
     keep_every: int = setting(0, "also keep every step that is a multiple of M")
     async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
     no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
+    elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
+                                                             "kept): keep the checkpoint's global batch (more or "
+                                                             "fewer accumulation steps; the loss curve continues), "
+                                                             "or scale it with dp and rescale the learning rate")
+    elastic_lr_rule: ElasticLRRule = setting(ElasticLRRule.LINEAR, "with --elastic-batch scale: the learning rate "
+                                                                   "times the batch ratio r (linear) or sqrt(r)")
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,18 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
                     self._tb.add_scalar(key, value, record["step"])
 
+    def write_event(self, record: dict[str, Any]) -> None:
+        """One line for an event of the run, e.g. {"event": "resize", "step", ...} (no loss: readers
+        of the step records skip it); its numbers go to TensorBoard under "event/<name>"."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps(record, default=float) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{record['event']}/{key}", value, record["step"])
+
     def write_eval(self, step: int, loss: float) -> None:
         """One line for an evaluation: {"step", "eval_loss", "eval_perplexity"}."""
         if not self.enabled:
