@@ -162,7 +162,7 @@ class _Executor:
         self.store = WeightGradStore()
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=mesh.device)  # see train_step
 
     def run(self, grad_sync: GradSync | None) -> None:
         # Each chunk's last gradient-producing instruction (weight grads come last); each is unique.
@@ -232,7 +232,7 @@ class _Executor:
         x = self.inputs[key]
         if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
             loss = self.chunks[c](x, labels=self.microbatches[mb]["labels"].to(self.mesh.device), reduction="sum")
-            self._loss_sum = self._loss_sum + loss.detach().float()
+            self._loss_sum = self._loss_sum + loss.detach().double()
             if self.forward_only:
                 self.inputs.pop(key)
                 return

@@ -204,7 +204,9 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
     """pp == 1: forward and backward of each microbatch; the dp reductions start, bucket by bucket,
     during the last one's backward. Returns the summed loss on the device (a float() per
     microbatch would stall the host on every one)."""
-    loss_sum = torch.zeros((), dtype=torch.float32, device=model.mesh.device)
+    # float64: the sum of microbatch losses must not depend on how many microbatches a rank runs
+    # (an elastic resize from dp 2 to 1 moves a microbatch's loss from the all-reduce into this sum)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=model.mesh.device)
     for i, mb in enumerate(microbatches):
         model.set_last_microbatch(i == len(microbatches) - 1)
         with phase("forward"):
@@ -213,7 +215,7 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
             loss_scale = loss_scale()  # the token count's all-reduce, overlapped with this forward
         with phase("backward"):
             (loss * loss_scale).backward()
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach().double()
     return loss_sum
 
 
