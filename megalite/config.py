@@ -104,8 +104,15 @@ class ParallelSettings:
     decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)")
     pipeline_layout: str | None = setting(None, "explicit blocks per model chunk, e.g. 3,5,5,3 (pp*v numbers)")
     sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
-    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients (3: planner "
-                           "only)", choices=(0, 1, 2, 3))
+    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients, 3 also the "
+                           "parameters (gathered unit by unit: embedding, each block, head)", choices=(0, 1, 2, 3))
+    zero3_prefetch: int = setting(1, "zero 3: units whose all-gather is started ahead of the running one",
+                                  metavar="N")
+    zero3_reshard_after_forward: bool = setting(True, "zero 3: free a unit's parameters after its forward and gather "
+                                                      "them again for its backward (off: keep them, one gather less "
+                                                      "per microbatch, more memory)")
+    zero3_keep_gathered_in_step: bool = setting(False, "zero 3: gather each unit once per step and keep it until the "
+                                                       "optimizer (pipelines: no re-gather per microbatch)")
     offload_optimizer: bool = setting(False, "keep the optimizer state in host memory and update there")
     overlap_param_gather: bool = setting(False, "zero >= 1: the parameter all-gathers finish behind the next "
                                                 "forward; every read waits for its own bucket")
@@ -438,16 +445,18 @@ def _setting_problems(cfg: RunConfig) -> list[str]:
     if p.pp == 1 and (p.decoder_first_stage_layers is not None or p.decoder_last_stage_layers is not None
                       or p.pipeline_layout is not None):
         problems.append("--decoder-first/last-stage-layers and --pipeline-layout need --pp > 1")
-    if p.zero == 3:
-        problems.append("megalite's optimizer shards up to ZeRO-2 (ZeRO-3 is modelled by tools/plan.py only); "
-                        "use --zero 2 or more tp/pp")
+    if p.zero3_prefetch < 0:
+        problems.append(f"--zero3-prefetch must be >= 0 units, got {p.zero3_prefetch}")
+    if p.zero == 3 and p.overlap_param_gather:
+        problems.append("--overlap-param-gather is for --zero 1/2 (their all-gather after the step); ZeRO-3 gathers "
+                        "each unit right before it runs, overlapped by --zero3-prefetch: drop --overlap-param-gather")
     if cfg.precision.grad_reduce_dtype == ReduceDtype.FP16:
         problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
                         "bf16")
     if p.recompute_num_layers is not None and (p.recompute != Recompute.FULL or p.recompute_num_layers < 1):
         problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full and N >= 1 "
                         f"(it says how many blocks of each model chunk full recompute covers)")
-    if p.overlap_param_gather and (p.zero == 0 or p.offload_optimizer):
+    if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     if ft.hang_timeout < 0:
