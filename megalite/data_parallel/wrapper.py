@@ -84,6 +84,7 @@ class DataParallel(nn.Module):
         self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
         self.mesh, self.zero_stage = mesh, zero_stage
         self.schedule: Zero3Schedule | None = None
+        self.units: list[Unit] = []  # ZeRO-3's units (one bucket each)
         if zero_stage == 3:
             self._init_zero3(units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step)
             return

@@ -124,7 +124,8 @@ class Zero3Schedule:
         if p is not None and p.prefetched.get(unit):  # the prefetch's hold turns into this one
             p.prefetched[unit] -= 1
             self.params.release(unit)
-        if self.keep and unit not in self._step_held and torch.is_grad_enabled():
+        if self.keep and p is not None and p.grad and unit not in self._step_held:  # (not grad mode: off
+            # inside an autograd Function's forward, where a layer may read a weight)
             self._step_held.add(unit)
             self.params.acquire(unit)
 
@@ -244,12 +245,20 @@ class Zero3Schedule:
                 self._finish_entry(entry, reduce=False)
 
     def _mark_boundary(self, p: _Pass, index: int, inputs: list[torch.Tensor]) -> None:
-        """Entry `index`'s inputs: their gradient completes its backward and starts the one before."""
+        """Entry `index`'s inputs: their gradient completes its backward and starts the one before.
+
+        An input that is a leaf (a pipeline stage's received activation) gets its gradient in an
+        accumulation node, which the engine may run before the accumulations of the unit's own
+        parameters (same priority): such an entry's backward is finished by the end callback."""
+        leaf = any(t.grad_fn is None for t in inputs)
+
         def boundary(_grads):
-            self._post_backward(p, index)
+            if not leaf:
+                self._post_backward(p, index)
             if index > 0:
                 self._pre_backward(p, index - 1)
-        torch.autograd.graph.register_multi_grad_hook(inputs, boundary)
+        if index > 0 or not leaf:
+            torch.autograd.graph.register_multi_grad_hook(inputs, boundary)
 
     # ------------------------------------------------------------------ backward
 
