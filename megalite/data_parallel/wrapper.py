@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from megalite import params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
 from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
 from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
@@ -245,6 +246,13 @@ class DataParallel(nn.Module):
                 self.param_buffer.wait(unit)
             return
         self.param_buffer.wait()
+
+    def tp_replicated_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """ZeRO-3: (name, this rank's shard piece) of every parameter each tp rank holds whole; the tp
+        ranks of one dp rank hold the same pieces (the replica check compares them)."""
+        shard = self.param_buffer.shard
+        return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()
+                if not P.shard_spec(self.params[x.param]).is_tp_sharded]
 
     @contextlib.contextmanager
     def gathered(self, units: Sequence[int] | None = None):

@@ -240,7 +240,8 @@ def _tp_replicated(param: torch.Tensor) -> bool:
     return not P.shard_spec(param).is_tp_sharded
 
 
-def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
+def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None,
+                   shards: bool = False) -> None:
     """--check-replicas-interval: raise ReplicaMismatchError on every rank if replicas differ.
 
     Two kinds of replica must hold bit-identical values: the dp replicas of every parameter,
@@ -248,6 +249,9 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     nothing: layer norms, row-parallel biases...), which each tp rank updates on its own from
     gradients that must agree. `named_params`: (logical name, parameter) in model order, e.g.
     from `chunk.logical_parameters()` over this rank's chunks.
+    `shards=True` (ZeRO-3): `named_params` are this rank's shard pieces of the tp-replicated
+    parameters (`DataParallel.tp_replicated_pieces()`); dp ranks hold different pieces, so only
+    the tp ranks (same pieces) are compared.
     Collectives: an all-gather of int64 [1 + n, 2] over the dp group (dp > 1) and one over the
     tp group (tp > 1, replicated parameters only), then one 1-element all-reduce over the
     world, so that ranks of healthy groups stop too instead of hanging.
@@ -255,12 +259,12 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     named_params = list(named_params)
     device = named_params[0][1].device if named_params else mesh.device
     messages = []
-    if mesh.dp_size > 1:
+    if mesh.dp_size > 1 and not shards:
         ranks = [coords_to_rank(mesh.tp_rank, d, mesh.pp_rank, mesh.tp_size, mesh.dp_size) for d in range(mesh.dp_size)]
         messages.append(_first_mismatch(named_params, mesh.dp_group, ranks, "dp", step, device))
     if mesh.tp_size > 1:
         ranks = [coords_to_rank(t, mesh.dp_rank, mesh.pp_rank, mesh.tp_size, mesh.dp_size) for t in range(mesh.tp_size)]
-        replicated = [(name, p) for name, p in named_params if _tp_replicated(p)]
+        replicated = named_params if shards else [(name, p) for name, p in named_params if _tp_replicated(p)]
         messages.append(_first_mismatch(replicated, mesh.tp_group, ranks, "tp", step, device))
     message = next((m for m in messages if m), None)
     # Every rank must learn that some group disagreed: the value is world_size - (lowest such rank).

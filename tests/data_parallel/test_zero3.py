@@ -19,6 +19,7 @@ from megalite import comm, mesh as mesh_lib, params as P
 from megalite.config import RunConfig
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
+from megalite.plan import communication_bytes, estimate
 from megalite.testing import assert_tensor_close, gathers_land_at_wait, run_distributed
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
@@ -67,7 +68,12 @@ def _train(flavour, m, cfg, ref_params=None, poisoned=False):
     if ref_params is not None:
         for name, (spec, value) in params.items():
             assert_tensor_close(value, spec.shard(ref_params[name]), rtol=1e-5, what=f"{cfg.parallel} {name}")
-    return dict(losses=[r["loss"] for r in results], skipped=[r["skipped"] for r in results],
+    plan = {}
+    if cfg.parallel.zero == 3:  # the planner's view of the same run
+        est = estimate(model, cfg)
+        plan = dict(param_bytes=est.param_bytes, optimizer=est.optimizer_state_bytes,
+                    comm=communication_bytes(model, cfg, m.pp_rank))
+    return dict(losses=[r["loss"] for r in results], skipped=[r["skipped"] for r in results], plan=plan,
                 scales=[r["loss_scale"] for r in results], params=params, ledger=ledger,
                 memory=memory, shard=dp.layout.shard_numel,
                 units=[b.numel for b in dp.layout.buckets], names=[u.name for u in dp.units])
@@ -197,6 +203,12 @@ def _check_accounting(runs, flavour, dp, m):
         borrowed = 0
     reduce = {"all_reduce": 8, "reduce_scatter": 4 * m * psi}  # (all_reduce: the step's token count)
     assert base["ledger"] == {"all_gather": 4 * m * (2 * psi + borrowed), **reduce}, (base["ledger"], psi)
+    # The planner (plan/zero3.py) says the same: shard + gathered peak, moments, ledger bytes (no padding here).
+    plan = base["plan"]
+    assert plan["param_bytes"] == memory["param_bytes"] + memory["peak_gathered_bytes"], (plan, memory)
+    assert plan["optimizer"] == memory["optimizer_state_bytes"]
+    assert (plan["comm"]["dp/all_gather"], plan["comm"]["dp/reduce_scatter"]) == \
+        (base["ledger"]["all_gather"], base["ledger"]["reduce_scatter"]), (plan["comm"], base["ledger"])
     if "reshard off" in runs:
         assert runs["reshard off"]["ledger"] == {"all_gather": 4 * m * psi, **reduce}
     if "keep, prefetch 2" in runs:
