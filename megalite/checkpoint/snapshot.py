@@ -107,7 +107,8 @@ def sharded_model_items(chunks, model, mesh: Mesh, pin: bool = False) -> list[It
     for piece in model.owned_pieces():
         name = model.names[piece.param]
         if name in specs:
-            flat = _cpu_copy(model.param_buffer.shard[piece.shard_start:piece.shard_end], pin)
+            values = model.param_buffer.shard[piece.shard_start:piece.shard_end]  # fp32 (the master)
+            flat = _cpu_copy(values.to(model.params[piece.param].dtype), pin)  # stored in the parameter dtype
             items += _range_items({"model": flat}, name, specs[name], tuple(model.params[piece.param].shape),
                                   piece.local_start, piece.local_end)
     return items

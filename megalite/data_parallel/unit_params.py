@@ -3,9 +3,11 @@
 Storage on each rank (p = bytes per element of the training dtype, Ψ = parameters of this
 rank's replica, i.e. its tp shards of its pipeline stage):
 
-- `shard` [layout.shard_numel]: chunk `shard_rank` of every unit, unit after unit
-  (`layout.build_unit_layout`): p·Ψ/dp bytes plus padding (< dp elements per unit). The
-  optimizer updates it in place (in fp32 training it is the master copy itself).
+- `shard` [layout.shard_numel], float32 whatever the training dtype: chunk `shard_rank` of
+  every unit, unit after unit (`layout.build_unit_layout`): 4·Ψ/dp bytes plus padding (< dp
+  elements per unit). It IS the optimizer's fp32 master, updated in place; with bf16/fp16
+  training each gather casts this rank's chunk to the training dtype first (as FSDP2 does),
+  so there is no second copy of the parameters at all.
 - `full[u]` [unit u's padded numel]: the unit's full parameters, every parameter a view of it.
   While the unit is not gathered its storage is resized to 0 bytes; gathering resizes it back
   and all-gathers the shards into it. Everything holding a view (the parameters themselves,
@@ -45,8 +47,9 @@ class UnitParams:
             raise ValueError(f"ZeRO-3 needs every parameter in one dtype, got {sorted(map(str, dtypes))}; cast the "
                              f"model (e.g. model.to(torch.bfloat16)) before wrapping it")
         self.layout, self.dp_group, self.shard_rank = layout, dp_group, shard_rank
-        self.dtype, self.device = params[0].dtype, torch.device(device)
-        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.dtype, self.device = params[0].dtype, torch.device(device)  # the training dtype (full params)
+        shard_dtype = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
+        self.shard = torch.zeros(layout.shard_numel, dtype=shard_dtype, device=self.device)
         self.full: list[torch.Tensor] = []
         self.replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> the real parameter standing for it
         for bucket, unit in zip(layout.buckets, units):
@@ -112,14 +115,15 @@ class UnitParams:
         self.gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         self.gathers += 1
-        self.pending[unit] = comm.all_gather_into(full, self.owned_chunk(unit), self.dp_group, async_op=True)
+        send = self.owned_chunk(unit).to(self.dtype)  # the training dtype on the wire; kept until the wait
+        self.pending[unit] = (comm.all_gather_into(full, send, self.dp_group, async_op=True), send)
 
     def wait(self, unit: int) -> None:
         """Complete unit `unit`'s all-gather if it is still in flight."""
-        handle = self.pending.pop(unit, None)
-        if handle is not None:
+        pending = self.pending.pop(unit, None)
+        if pending is not None:
             started = time.perf_counter()
-            handle.wait()
+            pending[0].wait()
             self.wait_seconds += time.perf_counter() - started
 
     def release(self, unit: int) -> None:
@@ -140,7 +144,7 @@ class UnitParams:
     # ------------------------------------------------------------------ the optimizer's side
 
     def owned_chunk(self, unit: int) -> torch.Tensor:
-        """This rank's chunk of unit `unit` in the shard (training dtype, [chunk_numel])."""
+        """This rank's chunk of unit `unit` in the shard (fp32 for bf16/fp16 training, [chunk_numel])."""
         b = self.layout.buckets[unit]
         return self.shard[b.shard_offset:b.shard_offset + b.chunk_numel]
 
@@ -152,7 +156,7 @@ class UnitParams:
             owned.copy_(chunk, non_blocking=True)
         if self._gathered[unit]:  # held across the step (e.g. a user's summon): refresh it
             self.wait(unit)
-            comm.all_gather_into(self.full[unit], owned, self.dp_group)
+            comm.all_gather_into(self.full[unit], owned.to(self.dtype), self.dp_group)
 
     def published(self) -> None:
         pass

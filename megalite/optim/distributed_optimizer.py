@@ -139,9 +139,10 @@ class DistributedOptimizer:
             return t.pin_memory() if pin else t
 
         buckets = model.layout.buckets
-        # No redundant master copy: when the parameters are fp32 and the state stays on their device,
-        # this rank's chunk of the parameters (its slot of the buffer; at ZeRO-3 its shard) IS the master.
-        self.shares_master = not offload_optimizer and model.param_buffer.dtype == torch.float32
+        # No redundant master copy: when this rank's chunk of the parameters is fp32 (fp32 training: its
+        # slot of the buffer; ZeRO-3 in any precision: its shard) and the state stays on its device,
+        # that chunk IS the master.
+        self.shares_master = not offload_optimizer and model.owned_params(0).dtype == torch.float32
         self.master = None if self.shares_master else state_tensor()
         self._masters = [model.owned_params(b.index) if self.shares_master else self._chunk(self.master, b.index)
                          for b in buckets]  # per bucket: this rank's fp32 master chunk

@@ -11,10 +11,13 @@ optimizer state -> 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stage 0 / 1 / 2 /
 
 Model states per parameter held by a rank, as megalite's DP engine and distributed optimizer
 keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accounting instead):
-  params  2 (bf16/fp16) or 4 (fp32); ZeRO-3: /dp, plus the units gathered at the peak (zero3.py)
+  params  2 (bf16/fp16) or 4 (fp32); ZeRO-3: 4/dp (an fp32 shard in every precision, cast to
+          the training dtype as it is gathered), plus the units gathered at the peak (zero3.py)
   grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1); ZeRO-3: 4/dp + two units
-  optim   8 (Adam m, v: fp32 parameters are the master) or 12 (+ fp32 master for bf16/fp16 or
-          when offloaded), /dp with ZeRO >= 1; in host memory when offloaded
+  optim   8 (Adam m, v: fp32 parameters, and ZeRO-3's shard, are the master) or 12 (+ fp32
+          master for bf16/fp16 below ZeRO-3, or when offloaded), /dp with ZeRO >= 1; in host
+          memory when offloaded
+  So ZeRO-3 holds 16 bytes per parameter per dp rank (4 + 4 + 8) in fp32 and in bf16.
 
 Activations: what megalite's own blocks keep for backward per microbatch, counted storage by
 storage in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -126,9 +129,12 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
         optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == "fp32" else 12)
         grads = (shard if z >= 2 else params) * g
     else:
-        master = 0 if cfg.precision.precision == "fp32" and not cfg.parallel.offload_optimizer else 4
-        optimizer = (shard if z >= 1 else params) * (8 + master)
+        # fp32 parameters (ZeRO-3: the fp32 shard, in every precision) are the master, unless offloaded
+        own_master = (cfg.precision.precision == "fp32" or z == 3) and not cfg.parallel.offload_optimizer
+        optimizer = (shard if z >= 1 else params) * (8 if own_master else 12)
         grads = 4 * shard if z == 3 else 4 * params + (4 * shard if z >= 1 else 0)
+        if z == 3:
+            return 4 * shard, grads, *((0, optimizer) if cfg.parallel.offload_optimizer else (optimizer, 0))
     weights = (shard if z >= 3 else params) * p
     if cfg.parallel.offload_optimizer:
         return weights, grads, 0, optimizer

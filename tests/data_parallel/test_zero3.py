@@ -107,6 +107,8 @@ def _dp2_world(refs):
     fp16 = dict(dp=2, precision="fp16", initial_loss_scale=2.0 ** 30, hysteresis=1)
     for zero in (0, 3):
         runs["gpt2", f"fp16 zero {zero}"] = _train("gpt2", m, _cfg(**fp16, zero=zero))
+    for zero in (0, 3):  # bf16: ZeRO-3's shard is the fp32 master, cast to bf16 as it is gathered
+        runs["gpt2", f"bf16 zero {zero}"] = _train("gpt2", m, _cfg(dp=2, precision="bf16", zero=zero))
     same = all(torch.equal(a, b) for (_, a), (_, b) in zip(runs["gpt2", "fp16 zero 0"]["params"].values(),
                                                            runs["gpt2", "fp16 zero 3"]["params"].values()))
     for run in runs.values():
@@ -117,7 +119,7 @@ def _dp2_world(refs):
 def test_zero3_at_dp2_matches_one_process(reference):
     for rank, (runs, fp16_same_params) in enumerate(run_distributed(_dp2_world, 2, reference, timeout_s=240)):
         for (flavour, what), run in runs.items():
-            if what.startswith("fp16"):
+            if what.startswith(("fp16", "bf16")):
                 continue
             torch.testing.assert_close(run["losses"], reference[flavour][0], rtol=1e-5, atol=0,
                                        msg=lambda s: f"{flavour} {what}: {s}")
@@ -132,6 +134,12 @@ def test_zero3_at_dp2_matches_one_process(reference):
         assert fp16[0]["skipped"] == fp16[1]["skipped"] == [True] * STEPS, fp16
         assert fp16[0]["scales"] == fp16[1]["scales"] == [2.0 ** (30 - k) for k in range(STEPS)]
         assert fp16[0]["losses"] == fp16[1]["losses"] and fp16_same_params
+        bf16 = runs["gpt2", "bf16 zero 0"], runs["gpt2", "bf16 zero 3"]
+        assert bf16[0]["losses"][0] == bf16[1]["losses"][0]  # the same bf16 weights (RNE of the same master)
+        torch.testing.assert_close(bf16[1]["losses"], bf16[0]["losses"], rtol=1e-3, atol=0)
+        shard = bf16[1]["shard"]  # 16 bytes per parameter per dp rank in bf16 too: fp32 shard + grads + moments
+        assert [bf16[1]["memory"][k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")] == \
+            [4 * shard, 4 * shard, 8 * shard], bf16[1]["memory"]
 
 
 def _dp4_world(refs):

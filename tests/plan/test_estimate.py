@@ -153,16 +153,16 @@ def test_zero3_model_states_and_traffic_per_stage():
     assert sum(units) == psi and len(units) == config.num_layers + 2
     est = E.estimate(config, layout)
     shard = -(-psi // 4)
-    assert est.optimizer_state_bytes == 12 * shard  # bf16: fp32 master + two moments
-    assert est.param_bytes == 2 * shard + 2 * max(a + b for a, b in zip(units, units[1:]))  # prefetch 1
+    assert est.optimizer_state_bytes == 8 * shard  # bf16 too: the fp32 parameter shard is the master
+    assert est.param_bytes == 4 * shard + 2 * max(a + b for a, b in zip(units, units[1:]))  # bf16 units, prefetch 1
     assert est.grad_bytes == 4 * shard + 4 * 2 * max(units)
-    fp32 = E.estimate(config, layout.replace(precision="fp32"))
-    assert fp32.optimizer_state_bytes == 8 * shard  # the fp32 parameter shard is the master
+    offloaded = E.estimate(config, layout.replace(offload_optimizer=True))
+    assert (offloaded.optimizer_state_bytes, offloaded.host_bytes) == (0, 12 * shard)
     comm = C.communication_bytes(config, layout, 0)
     assert (comm["dp/all_gather"], comm["dp/reduce_scatter"]) == (2 * 2 * 2 * psi, 2 * 4 * psi)
     kept = C.communication_bytes(config, layout.replace(zero3_keep_gathered_in_step=True), 0)
     assert kept["dp/all_gather"] == 2 * psi
-    assert E.estimate(config, layout.replace(zero3_keep_gathered_in_step=True)).param_bytes == 2 * shard + 2 * psi
+    assert E.estimate(config, layout.replace(zero3_keep_gathered_in_step=True)).param_bytes == 4 * shard + 2 * psi
 
 
 def _optimizer_world(zero_stage):
