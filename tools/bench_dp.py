@@ -1,7 +1,10 @@
-"""Data-parallel step benchmark: megalite's DP engine + ZeRO optimizer vs torch DDP + ZeroRedundancyOptimizer.
+"""Data-parallel step benchmark: megalite's DP engine + ZeRO optimizer vs torch DDP + ZeroRedundancyOptimizer
+and vs torch's FSDP2 (`fully_shard` per transformer block, then the root) for ZeRO-3.
 
 Every system trains the same megalite GPT (tp=pp=1) on the same data on `--dp` forked gloo
-ranks (CPU), with gradient accumulation over `--microbatches`. Printed per system:
+ranks (CPU), with gradient accumulation over `--microbatches`, in `--precision` (bf16: megalite
+trains in bf16 with fp32 master and gradients; FSDP2 gets the same policy,
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). Printed per system:
 
 - step time of the slowest rank (ms): the best and the median of the timed steps, and the ratio
   of the best to torch's (other processes on a shared machine only ever add time, so the best
@@ -10,7 +13,11 @@ ranks (CPU), with gradient accumulation over `--microbatches`. Printed per syste
 - exposed communication per step: best step time minus the best of the same step with no
   communication at all ("local": forward/backward + a plain full AdamW step on each rank, no
   dp; ZeRO also saves (dp-1)/dp of that AdamW work, so this can go below zero). For megalite
-  also the directly measured wait (median of finish_reduction + parameter all-gather).
+  also the directly measured wait (median of finish_reduction + parameter all-gather);
+- model-state bytes per rank at rest (every parameter, gradient and optimizer-state storage the
+  system holds after a step, summed) and the peak of gathered (unsharded) parameter bytes,
+  sampled for every system at the same points (each block's and the root's forward and backward
+  boundaries; ZeRO 0-2 hold every parameter, so it is all of them).
 
 Timings are host wall-clock on shared CPUs: compare systems within one run only.
 
@@ -49,6 +56,36 @@ def _adam_state_bytes(opt) -> int:
     return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
 
 
+def _local_bytes(tensors) -> int:
+    """Bytes of distinct storages (a DTensor counts its local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class GatheredPeak:
+    """Peak bytes of full (unsharded) parameters, sampled at every block's and the model's forward and
+    backward boundaries. A parameter counts when it is not a sharded DTensor and its storage has memory."""
+
+    def __init__(self, model):
+        self.model, self.peak = model, 0
+        for module in [model, *model.layers]:
+            module.register_forward_pre_hook(lambda *_: self.sample())
+            module.register_forward_hook(lambda *_: self.sample())
+            module.register_full_backward_pre_hook(lambda *_: self.sample())
+
+    def sample(self) -> None:
+        full = [p for p in self.model.parameters() if not hasattr(p, "to_local")]
+        self.peak = max(self.peak, _local_bytes(full))
+
+
 def _global_tokens(args, dp):
     return args.microbatches * args.micro_batch * args.seq * dp
 
@@ -71,7 +108,7 @@ def _time_round_robin(m, args, systems):
 
 def _local(m, args, cfg):
     """No communication at all: the floor every data-parallel system is measured against."""
-    model = GPTModel(cfg, m, seed=1)
+    model = GPTModel(cfg, m, seed=1, dtype=_dtype(args))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens = _global_tokens(args, m.dp_size)
 
@@ -83,16 +120,25 @@ def _local(m, args, cfg):
         opt.step()
 
     def info():  # AdamW creates its state lazily: count it after the steps
-        return {"state_bytes": _adam_state_bytes(opt)}
+        return {"state_bytes": _adam_state_bytes(opt), "model_state_bytes": _torch_model_states(model, opt),
+                "gathered_peak": _local_bytes(model.parameters())}
 
     return run_step, info
+
+
+def _dtype(args):
+    return torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+
+def _torch_model_states(model, opt) -> int:
+    return _local_bytes([*model.parameters(), *(p.grad for p in model.parameters())]) + _adam_state_bytes(opt)
 
 
 def _torch_ddp(m, args, cfg, zero: bool):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    model = GPTModel(cfg, m, seed=1)
+    model = GPTModel(cfg, m, seed=1, dtype=_dtype(args))
     ddp = DistributedDataParallel(model, process_group=m.dp_group, bucket_cap_mb=args.bucket_size * 4 / 2 ** 20)
     if zero:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, process_group=m.dp_group,
@@ -113,13 +159,48 @@ def _torch_ddp(m, args, cfg, zero: bool):
         opt.step()
 
     def info():
-        return {"state_bytes": _adam_state_bytes(opt.optim if zero else opt)}  # ZeRO: this rank's local optimizer
+        state = _adam_state_bytes(opt.optim if zero else opt)  # ZeRO: this rank's local optimizer
+        states = _local_bytes([*model.parameters(), *(p.grad for p in model.parameters())]) + state
+        return {"state_bytes": state, "model_state_bytes": states, "gathered_peak": _local_bytes(model.parameters())}
+
+    return run_step, info
+
+
+def _fsdp2(m, args, cfg):
+    """torch FSDP2: fully_shard on every transformer block, then on the root (embedding, final norm,
+    tied head), with megalite's ZeRO-3 defaults: reshard after forward, fp32 reduction."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = GPTModel(cfg, m, seed=1)  # fp32 shards; the policy casts for compute, as megalite's gathers do
+    mesh = DeviceMesh.from_group(m.dp_group, "cpu")
+    policy = MixedPrecisionPolicy(param_dtype=_dtype(args), reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    peak = GatheredPeak(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    tokens = _global_tokens(args, m.dp_size)
+
+    def run_step(step):
+        ids, labels = _batches(args, cfg, m.dp_rank, step)
+        opt.zero_grad(set_to_none=True)
+        for i in range(args.microbatches):
+            model.set_requires_gradient_sync(i == args.microbatches - 1)
+            (model(ids[i], labels[i], reduction="sum") / tokens).backward()
+        opt.step()
+
+    def info():
+        return {"state_bytes": _adam_state_bytes(opt), "model_state_bytes": _torch_model_states(model, opt),
+                "gathered_peak": peak.peak}
 
     return run_step, info
 
 
 def _megalite(m, args, cfg, zero_stage: int):
-    model = DataParallel(GPTModel(cfg, m, seed=1), m, zero_stage=zero_stage, bucket_size=args.bucket_size)
+    gpt = GPTModel(cfg, m, seed=1, dtype=_dtype(args))
+    model = DataParallel(gpt, m, zero_stage=zero_stage, bucket_size=args.bucket_size)
+    peak = GatheredPeak(gpt)
     opt = DistributedOptimizer(model)
     tokens = _global_tokens(args, m.dp_size)
     exposed = []
@@ -134,7 +215,9 @@ def _megalite(m, args, cfg, zero_stage: int):
         exposed.append(sum(model.exposed_comm_seconds().values()))
 
     def info():
-        return {"state_bytes": opt.memory_report()["optimizer_state_bytes"],
+        report = opt.memory_report()
+        return {"state_bytes": report["optimizer_state_bytes"], "gathered_peak": peak.peak,
+                "model_state_bytes": report["param_bytes"] + report["grad_bytes"] + report["optimizer_state_bytes"],
                 "measured_exposed_s": statistics.median(exposed[args.warmup:]), "buckets": len(model.layout.buckets)}
 
     return run_step, info
@@ -145,9 +228,12 @@ def _bench_rank(args):
     torch.set_num_threads(args.threads)
     cfg = preset("tiny", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  seq_length=args.seq)
-    systems = {"local (no dp comm)": _local(m, args, cfg),
-               "torch DDP + AdamW": _torch_ddp(m, args, cfg, zero=False),
-               "torch DDP + ZeroRedundancyOptimizer": _torch_ddp(m, args, cfg, zero=True)}
+    systems = {"local (no dp comm)": _local(m, args, cfg)}
+    if "ddp" in args.torch:
+        systems["torch DDP + AdamW"] = _torch_ddp(m, args, cfg, zero=False)
+        systems["torch DDP + ZeroRedundancyOptimizer"] = _torch_ddp(m, args, cfg, zero=True)
+    if "fsdp2" in args.torch:
+        systems["torch FSDP2 (fully_shard per block)"] = _fsdp2(m, args, cfg)
     for zero_stage in args.zero:
         systems[f"megalite zero {zero_stage}"] = _megalite(m, args, cfg, zero_stage)
     results = _time_round_robin(m, args, systems)
@@ -165,7 +251,10 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--bucket-size", type=int, default=500_000, help="elements per bucket (both systems)")
-    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--torch", nargs="*", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"],
+                        help="torch systems to compare with")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
@@ -174,19 +263,25 @@ def main() -> None:
     out = run_distributed(_bench_rank, args.dp, args, timeout_s=3600)[0]
     results, params = out["results"], out["params"]
     local = results["local (no dp comm)"]["best_s"]
-    torch_zero = results["torch DDP + ZeroRedundancyOptimizer"]
+    peer_name = next((n for n in ("torch FSDP2 (fully_shard per block)", "torch DDP + ZeroRedundancyOptimizer")
+                      if n in results), "local (no dp comm)")
+    peer = results[peer_name]
     print(f"# bench_dp: dp={args.dp} params={params / 1e6:.2f}M hidden={args.hidden} layers={args.layers} "
-          f"seq={args.seq} micro_batch={args.micro_batch} microbatches={args.microbatches} "
+          f"seq={args.seq} micro_batch={args.micro_batch} microbatches={args.microbatches} {args.precision} "
           f"bucket={args.bucket_size} elements, {args.steps} timed steps; torch {torch.__version__}, "
-          f"{platform.machine()}, {os.cpu_count()} cpus, gloo, {args.threads} thread(s)/rank")
-    print(f"{'system':<36} {'best ms':>8} {'median ms':>10} {'best/torchZeRO':>15} {'opt state MB/rank':>18} "
-          f"{'/torchZeRO':>11} {'exposed comm ms':>16} {'measured wait ms':>17}")
+          f"{platform.machine()}, {os.cpu_count()} cpus, gloo, {args.threads} thread(s)/rank; ratios vs {peer_name}")
+    print(f"{'system':<36} {'best ms':>8} {'median ms':>10} {'best/peer':>10} {'opt state MB':>13} "
+          f"{'states MB':>10} {'gathered MB':>12} {'states+gathered /peer':>22} {'exposed comm ms':>16} "
+          f"{'measured wait ms':>17}")
     for name, r in results.items():
         exposed = 0.0 if name.startswith("local") else 1e3 * (r["best_s"] - local)
         measured = f"{1e3 * r['measured_exposed_s']:.1f}" if "measured_exposed_s" in r else "-"
-        print(f"{name:<36} {1e3 * r['best_s']:>8.1f} {1e3 * r['step_s']:>10.1f} "
-              f"{r['best_s'] / torch_zero['best_s']:>15.2f} {r['state_bytes'] / 2 ** 20:>18.2f} "
-              f"{r['state_bytes'] / max(1, torch_zero['state_bytes']):>11.2f} {exposed:>16.1f} {measured:>17}")
+        total = r["model_state_bytes"] + r["gathered_peak"]
+        print(f"{name:<36} {1e3 * r['best_s']:>8.1f} {1e3 * r['step_s']:>10.1f} {r['best_s'] / peer['best_s']:>10.2f} "
+              f"{r['state_bytes'] / 2 ** 20:>13.2f} {r['model_state_bytes'] / 2 ** 20:>10.2f} "
+              f"{r['gathered_peak'] / 2 ** 20:>12.2f} "
+              f"{total / max(1, peer['model_state_bytes'] + peer['gathered_peak']):>22.2f} {exposed:>16.1f} "
+              f"{measured:>17}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,22 @@
-"""AdamW over the shard a `DataParallel` wrapper hands it (ZeRO 0/1/2), fp32 master weights.
+"""AdamW over the shard a `DataParallel` wrapper hands it (ZeRO 0/1/2/3), fp32 master weights.
 
 The wrapper (megalite/data_parallel/wrapper.py) owns the parameters and gradients: it lays
-them out in buckets, reduces the gradients over dp and all-gathers the parameters. This
-optimizer owns only the state of the elements this rank updates (all of them at ZeRO 0, a
-1/dp shard at ZeRO 1/2): fp32 master weights and Adam moments. It never re-points a
+them out in buckets (ZeRO-3: one per unit), reduces the gradients over dp and gathers the
+parameters. This optimizer owns only the state of the elements this rank updates (all of
+them at ZeRO 0, a 1/dp shard at ZeRO 1/2/3): Adam moments, and an fp32 master only where this
+rank's chunk of the parameters is not itself fp32 (no redundant copy: fp32 training, and
+ZeRO-3's fp32 shard in every precision, are updated in place). It never re-points a
 parameter. Memory per parameter element on each rank (Ψ = this rank's parameter count, i.e.
 its tp shard of its pipeline stage; padding: each bucket rounded up to a multiple of dp):
 
-    | zero_stage | params (bf16) | main grads (fp32)          | master + exp_avg + exp_avg_sq (fp32) |
-    | 0          | 2Ψ            | 4Ψ                          | 12Ψ                                 |
-    | 1          | 2Ψ            | 4Ψ + 4Ψ/dp (reduced shard)  | 12Ψ/dp                              |
-    | 2          | 2Ψ            | 4Ψ/dp after each bucket's   | 12Ψ/dp                              |
-    |            |               | reduction (full bucket only |                                     |
-    |            |               | while it fills in backward) |                                     |
+    | zero_stage | params (bf16; fp32: x2) | main grads (fp32)          | [master] + exp_avg + exp_avg_sq  |
+    | 0          | 2Ψ                      | 4Ψ                          | 12Ψ (fp32: 8Ψ)                  |
+    | 1          | 2Ψ                      | 4Ψ + 4Ψ/dp (reduced shard)  | 12Ψ/dp (fp32: 8Ψ/dp)            |
+    | 2          | 2Ψ                      | 4Ψ/dp after each bucket's   | 12Ψ/dp (fp32: 8Ψ/dp)            |
+    |            |                         | reduction (full bucket only |                                 |
+    |            |                         | while it fills in backward) |                                 |
+    | 3          | 4Ψ/dp (fp32 shard) +    | 4Ψ/dp + a unit or two while | 8Ψ/dp                           |
+    |            | the units gathered      | they are reduce-scattered   |                                 |
 
 One step (`step(lr)`):
 1. `DataParallel.finish_grad_sync()`: the bucketed dp reductions (most already started
@@ -24,7 +28,8 @@ One step (`step(lr)`):
 3. Gradients are divided by the loss scale and multiplied by the clip coefficient (one mul).
 4. AdamW on the shard: the same math as `torch.optim.AdamW` (decoupled weight decay, bias
    correction), optionally on CPU (`offload_optimizer=True`).
-5. Each bucket's updated chunk goes back to the wrapper (`DataParallel.publish`), which casts
+5. Each bucket's updated chunk goes back to the wrapper (`DataParallel.publish`; ZeRO-3: it is
+   the shard itself and nothing is gathered), which casts
    it to the parameter dtype and all-gathers the bucket over dp, bucket b's gather running
    while bucket b+1 is updated; buckets go in the order the next forward first reads them.
    With the wrapper's overlap_param_gather the gathers are still running when step() returns
