@@ -53,7 +53,10 @@ def _batches(args, cfg, dp_rank, step):
 
 
 def _adam_state_bytes(opt) -> int:
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    """Bytes of the optimizer's state tensors held by this rank (a DTensor: its local shard)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for s in opt.state.values() for t in s.values()
+               if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _local_bytes(tensors) -> int:
@@ -79,11 +82,13 @@ class GatheredPeak:
         for module in [model, *model.layers]:
             module.register_forward_pre_hook(lambda *_: self.sample())
             module.register_forward_hook(lambda *_: self.sample())
-            module.register_full_backward_pre_hook(lambda *_: self.sample())
+            if module is not model:  # (the root's inputs are token ids: no gradient to hook)
+                module.register_full_backward_pre_hook(lambda *_: self.sample())
 
     def sample(self) -> None:
-        full = [p for p in self.model.parameters() if not hasattr(p, "to_local")]
-        self.peak = max(self.peak, _local_bytes(full))
+        with torch._C.DisableTorchFunction():  # an observer: megalite's read guard must not gather for it
+            full = [p for p in self.model.parameters() if not hasattr(p, "to_local")]
+            self.peak = max(self.peak, _local_bytes(full))
 
 
 def _global_tokens(args, dp):
@@ -223,22 +228,60 @@ def _megalite(m, args, cfg, zero_stage: int):
     return run_step, info
 
 
+def _builders(args) -> dict:
+    """System name -> builder(m, args, cfg) returning (run_step, info)."""
+    builders = {"local (no dp comm)": _local}
+    if "ddp" in args.torch:
+        builders["torch DDP + AdamW"] = lambda m, a, c: _torch_ddp(m, a, c, zero=False)
+        builders["torch DDP + ZeroRedundancyOptimizer"] = lambda m, a, c: _torch_ddp(m, a, c, zero=True)
+    if "fsdp2" in args.torch:
+        builders["torch FSDP2 (fully_shard per block)"] = _fsdp2
+    for zero_stage in args.zero:
+        builders[f"megalite zero {zero_stage}"] = lambda m, a, c, z=zero_stage: _megalite(m, a, c, z)
+    return builders
+
+
+def _model_config(args):
+    return preset("tiny", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                  seq_length=args.seq)
+
+
 def _bench_rank(args):
     m = mesh_lib.init_mesh(tp=1, pp=1)
     torch.set_num_threads(args.threads)
-    cfg = preset("tiny", num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                 seq_length=args.seq)
-    systems = {"local (no dp comm)": _local(m, args, cfg)}
-    if "ddp" in args.torch:
-        systems["torch DDP + AdamW"] = _torch_ddp(m, args, cfg, zero=False)
-        systems["torch DDP + ZeroRedundancyOptimizer"] = _torch_ddp(m, args, cfg, zero=True)
-    if "fsdp2" in args.torch:
-        systems["torch FSDP2 (fully_shard per block)"] = _fsdp2(m, args, cfg)
-    for zero_stage in args.zero:
-        systems[f"megalite zero {zero_stage}"] = _megalite(m, args, cfg, zero_stage)
+    cfg = _model_config(args)
+    systems = {name: build(m, args, cfg) for name, build in _builders(args).items()}
     results = _time_round_robin(m, args, systems)
     params = sum(p.numel() for p in GPTModel(cfg, m, seed=1).parameters())
     return {"results": results, "params": params}
+
+
+def _step_peak_bytes(run_step, step) -> int:
+    """Most bytes allocated through torch's CPU allocator above the level at the step's start, during
+    one step (the profiler's memory events in time order: gathered parameters, full gradients,
+    communication buffers, activations; storage resizes included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step(step)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+def _memory_rank(args, name):
+    """--memory: one system alone in a fresh world: its model states at rest (every parameter, gradient
+    and optimizer-state storage, summed) and the peak of one step above them (profiled)."""
+    m = mesh_lib.init_mesh(tp=1, pp=1)
+    torch.set_num_threads(args.threads)
+    run_step, info = _builders(args)[name](m, args, _model_config(args))
+    for step in range(args.warmup + 1):  # optimizer state exists after the first step
+        run_step(step)
+    peak = _step_peak_bytes(run_step, args.warmup + 1)
+    return info()["model_state_bytes"], peak
 
 
 def main() -> None:
@@ -255,11 +298,23 @@ def main() -> None:
     parser.add_argument("--torch", nargs="*", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"],
                         help="torch systems to compare with")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--memory", action="store_true", help="instead of timing: model states at rest and one "
+                                                               "step's profiled peak, each system alone")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = parser.parse_args()
 
+    if args.memory:
+        print(f"# bench_dp --memory: per rank (max over ranks), each system alone; dp={args.dp} hidden={args.hidden} "
+              f"layers={args.layers} seq={args.seq} micro_batch={args.micro_batch} microbatches={args.microbatches} "
+              f"{args.precision}")
+        print(f"{'system':<36} {'states at rest MiB':>19} {'step peak above MiB':>20} {'peak MiB':>9}")
+        for name in _builders(args):
+            per_rank = run_distributed(_memory_rank, args.dp, args, name, timeout_s=3600)
+            rest, above = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
+            print(f"{name:<36} {rest / 2 ** 20:>19.2f} {above / 2 ** 20:>20.2f} {(rest + above) / 2 ** 20:>9.2f}")
+        return
     out = run_distributed(_bench_rank, args.dp, args, timeout_s=3600)[0]
     results, params = out["results"], out["params"]
     local = results["local (no dp comm)"]["best_s"]
