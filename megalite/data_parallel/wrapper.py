@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite import params as P
+from megalite import comm, params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
 from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
 from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
@@ -109,10 +109,11 @@ class DataParallel(nn.Module):
     def _init_zero3(self, units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step) -> None:
         """Units, their flat layout (one bucket each), sharded storage, gradients and the schedule."""
         mesh = self.mesh
+        group = mesh.dp_group  # the group the shards span (the same one ZeRO 0-2 reduce over)
         tied_split = mesh.pp_size > 1  # the tied embedding: one unit per stage, same layout on both
         self.units = split_tied(resolve_units(self.chunks, units), tied_split)
-        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], mesh.dp_size)
-        self.param_buffer = UnitParams(self.units, self.layout, mesh.dp_group, mesh.dp_rank, mesh.device)
+        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group))
+        self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device)
         if self.param_buffer.replaced:  # parameters built on the meta device: swap in the real ones
             for chunk in self.chunks:
                 for module in chunk.modules():
@@ -122,7 +123,7 @@ class DataParallel(nn.Module):
         self.params = self.param_buffer.params  # unit order (forward order)
         name_of = {id(p): n for n, p in named_parameters_of(self.chunks)}
         self.names = [name_of[id(p)] for p in self.params]
-        self.grads = UnitGrads(self.params, self.layout, mesh.dp_group, grad_reduce_dtype=grad_reduce_dtype,
+        self.grads = UnitGrads(self.params, self.layout, group, grad_reduce_dtype=grad_reduce_dtype,
                                tp_group=mesh.tp_group,
                                embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
         self.gather_order = list(range(len(self.layout.buckets)))
