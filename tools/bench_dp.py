@@ -6,9 +6,10 @@ ranks (CPU), with gradient accumulation over `--microbatches`, in `--precision` 
 trains in bf16 with fp32 master and gradients; FSDP2 gets the same policy,
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)). Printed per system:
 
-- step time of the slowest rank (ms): the best and the median of the timed steps, and the ratio
-  of the best to torch's (other processes on a shared machine only ever add time, so the best
-  is the steadiest figure);
+- step time of the slowest rank (ms): the best and the median of the timed steps, the ratio
+  of the best to the peer's (FSDP2, else torch's ZeRO; other processes on a shared machine only
+  ever add time, so the best is the steadiest figure), and the median over rounds of the ratio
+  of the two systems' steps in the same round (paired: both saw the same load);
 - optimizer state bytes per rank (fp32 master/moments for megalite; AdamW state for torch);
 - exposed communication per step: best step time minus the best of the same step with no
   communication at all ("local": forward/backward + a plain full AdamW step on each rank, no
@@ -107,8 +108,8 @@ def _time_round_robin(m, args, systems):
             comm.all_reduce(elapsed, m.dp_group, op="max")  # the slowest rank sets the pace
             if step >= args.warmup:
                 times[name].append(float(elapsed))
-    return {name: {"step_s": statistics.median(times[name]), "best_s": min(times[name]), **info()}
-            for name, (_, info) in systems.items()}
+    return {name: {"step_s": statistics.median(times[name]), "best_s": min(times[name]), "times": times[name],
+                   **info()} for name, (_, info) in systems.items()}
 
 
 def _local(m, args, cfg):
@@ -173,7 +174,8 @@ def _torch_ddp(m, args, cfg, zero: bool):
 
 def _fsdp2(m, args, cfg):
     """torch FSDP2: fully_shard on every transformer block, then on the root (embedding, final norm,
-    tied head), with megalite's ZeRO-3 defaults: reshard after forward, fp32 reduction."""
+    tied head), with megalite's ZeRO-3 defaults: reshard after forward (FSDP2 keeps its root
+    gathered from forward to backward, its own heuristic), fp32 reduction, every microbatch."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -187,11 +189,10 @@ def _fsdp2(m, args, cfg):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens = _global_tokens(args, m.dp_size)
 
-    def run_step(step):
+    def run_step(step):  # reduce-scatters every microbatch, as megalite's ZeRO-3 does (same gradient memory)
         ids, labels = _batches(args, cfg, m.dp_rank, step)
         opt.zero_grad(set_to_none=True)
         for i in range(args.microbatches):
-            model.set_requires_gradient_sync(i == args.microbatches - 1)
             (model(ids[i], labels[i], reduction="sum") / tokens).backward()
         opt.step()
 
@@ -325,14 +326,16 @@ def main() -> None:
           f"seq={args.seq} micro_batch={args.micro_batch} microbatches={args.microbatches} {args.precision} "
           f"bucket={args.bucket_size} elements, {args.steps} timed steps; torch {torch.__version__}, "
           f"{platform.machine()}, {os.cpu_count()} cpus, gloo, {args.threads} thread(s)/rank; ratios vs {peer_name}")
-    print(f"{'system':<36} {'best ms':>8} {'median ms':>10} {'best/peer':>10} {'opt state MB':>13} "
+    print(f"{'system':<36} {'best ms':>8} {'median ms':>10} {'best/peer':>10} {'paired/peer':>12} {'opt state MB':>13} "
           f"{'states MB':>10} {'gathered MB':>12} {'states+gathered /peer':>22} {'exposed comm ms':>16} "
           f"{'measured wait ms':>17}")
     for name, r in results.items():
         exposed = 0.0 if name.startswith("local") else 1e3 * (r["best_s"] - local)
         measured = f"{1e3 * r['measured_exposed_s']:.1f}" if "measured_exposed_s" in r else "-"
         total = r["model_state_bytes"] + r["gathered_peak"]
+        paired = statistics.median(a / b for a, b in zip(r["times"], peer["times"]))  # same round: same load
         print(f"{name:<36} {1e3 * r['best_s']:>8.1f} {1e3 * r['step_s']:>10.1f} {r['best_s'] / peer['best_s']:>10.2f} "
+              f"{paired:>12.2f} "
               f"{r['state_bytes'] / 2 ** 20:>13.2f} {r['model_state_bytes'] / 2 ** 20:>10.2f} "
               f"{r['gathered_peak'] / 2 ** 20:>12.2f} "
               f"{total / max(1, peer['model_state_bytes'] + peer['gathered_peak']):>22.2f} {exposed:>16.1f} "
