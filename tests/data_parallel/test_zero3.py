@@ -142,13 +142,34 @@ def test_zero3_at_dp2_matches_one_process(reference):
             [4 * shard, 4 * shard, 8 * shard], bf16[1]["memory"]
 
 
+def _build_peak_bytes(flavour, m, cfg):
+    """Most bytes allocated at once while building a ZeRO-3 model (profiled), and the model's bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = build_data_parallel(build_model_chunks(_model(flavour), cfg, m), cfg, m)
+    level = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        level += nbytes
+        peak = max(peak, level)
+    return peak, model.layout.shard_numel, max(b.numel for b in model.layout.buckets), model.layout.numel
+
+
 def _dp4_world(refs):
     m = mesh_lib.init_mesh()
-    return {f: _train(f, m, _cfg(dp=4, zero=3), refs[f][1]) for f in ("gpt2", "llama")}
+    runs = {f: _train(f, m, _cfg(dp=4, zero=3), refs[f][1]) for f in ("gpt2", "llama")}
+    runs["build"] = _build_peak_bytes("llama", m, _cfg(dp=4, zero=3))
+    return runs
 
 
 def test_zero3_at_dp4_one_microbatch_moves_3_psi(reference):
     for runs in run_distributed(_dp4_world, 4, reference, timeout_s=240):
+        # Built on the meta device and materialised one unit at a time: besides its fp32 parameter and
+        # gradient shards a rank holds at most ~3 units' worth at once (a unit's full-weight init, its
+        # tp shard, its gathered buffer before it is freed), never the whole model.
+        peak, shard, largest_unit, numel = runs.pop("build")
+        assert 0 < peak - 8 * shard <= 3 * 4 * largest_unit < 4 * numel, (peak, shard, largest_unit, numel)
         for flavour, run in runs.items():
             torch.testing.assert_close(run["losses"], reference[flavour][0], rtol=1e-5, atol=0)
             _check_accounting({"zero3": run}, flavour, dp=4, m=1)
