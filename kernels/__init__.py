@@ -18,7 +18,11 @@ Differentiable ops (forward and backward kernels):
     cross_entropy(logits, targets, ignore_index=-100)     -> per-token float32 losses
     vocab_parallel_cross_entropy(logits_shard, targets, vocab_start_index, tp_group,
                                  ignore_index=-100, vocab_size=None) -> per-token float32 losses
-    attention(q, k, v, causal=True, softmax_scale=None)   -> q [b, h, s, d], k, v [b, h_kv, s, d]
+    attention(q, k, v, causal=True, softmax_scale=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0)
+                                                          -> q [b, h, s, d], k, v [b, h_kv, s, d]
+    bias_dropout_add(x, bias=None, residual=None, p=0.0, seed=0, offset=0) -> residual + dropout(x + bias)
+Dropout masks are Philox words of (seed, offset + element index), regenerated in backward
+(`philox.keep_mask`, `attention_torch.attention_keep_mask` give them in PyTorch).
 One block of a longer softmax row (ring attention; Triton only, not differentiable):
     attention_forward_with_lse(q, k, v, causal, softmax_scale)      -> (out, lse fp32 [b, h, s])
     attention_backward_with_lse(q, k, v, out, dout, lse, causal, softmax_scale) -> (dq, dk, dv)
@@ -26,10 +30,11 @@ In-place optimizer step:
     adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step)
 """
 from .adamw import adamw_step, adamw_step_reference
+from .attention_block import attention_backward_with_lse, attention_forward_with_lse
+from .bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from .cross_entropy import cross_entropy, cross_entropy_reference, vocab_parallel_cross_entropy
 from .dispatch import BACKENDS, HAVE_TRITON, backend_name
-from .flash_attention import (SUPPORTED_HEAD_DIMS, attention, attention_backward_with_lse, attention_forward_with_lse,
-                              attention_reference)
+from .flash_attention import SUPPORTED_HEAD_DIMS, attention, attention_reference
 from .gelu import bias_gelu, bias_gelu_reference, gelu, gelu_reference
 from .layer_norm import layer_norm, layer_norm_reference, layer_norm_residual, layer_norm_residual_reference
 from .rms_norm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
@@ -38,7 +43,8 @@ from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "BACKENDS", "HAVE_TRITON", "SUPPORTED_HEAD_DIMS", "adamw_step", "adamw_step_reference", "attention",
-    "attention_backward_with_lse", "attention_forward_with_lse", "attention_reference", "backend_name", "bias_gelu", "bias_gelu_reference", "cross_entropy",
+    "attention_backward_with_lse", "attention_forward_with_lse", "attention_reference", "backend_name",
+    "bias_dropout_add", "bias_dropout_add_reference", "bias_gelu", "bias_gelu_reference", "cross_entropy",
     "cross_entropy_reference", "gelu", "gelu_reference", "layer_norm", "layer_norm_reference",
     "layer_norm_residual", "layer_norm_residual_reference", "rms_norm", "rms_norm_reference", "rms_norm_residual",
     "rms_norm_residual_reference", "rope", "rope_reference", "swiglu", "swiglu_reference",

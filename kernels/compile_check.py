@@ -41,7 +41,7 @@ import torch
 FP32_POINTERS = {"RSTD", "MEAN", "DW_PARTIAL", "DB_PARTIAL", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
                  "EXP_AVG_SQ"}
 FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minus_beta1", "beta2", "step_size",
-                 "bias_correction2_sqrt"}
+                 "bias_correction2_sqrt", "dropout_scale"}
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 # Integer arguments of a training-shaped call: Llama-style 8B layer, micro batch 2 x 4096 tokens
@@ -62,6 +62,9 @@ TYPICAL_INTS = {
     # cross entropy, tp=1: stats [tokens, 3] = (max, sum-exp, target logit)
     "n_cols": 50304, "n_valid": 50257, "row_stride": 50304, "vocab_start": 0, "ignore_index": -100,
     "stats_row_stride": 3, "max_slot": 0, "sumexp_slot": 1, "target_slot": 2,
+    # dropout (Philox): a 63-bit key, the counter offset of tp rank 1's heads, p = 0.1
+    "n_batch": 2, "seed": 0x5DEECE66D1234567, "dropout_seed": 0x5DEECE66D1234567, "offset": 2 ** 33 + 7,
+    "dropout_offset": 2 ** 33 + 7, "threshold": 429496730, "drop_threshold": 429496730,
 }
 
 
@@ -112,9 +115,10 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
 def kernel_variants(dtype: torch.dtype):
     """Every kernel as the CUDA launchers configure it, for a training-shaped call."""
     # the package re-exports functions under the modules' names (rms_norm, rope...): import modules
-    adamw, cross_entropy, flash_attention, gelu, layer_norm, rms_norm, rope, swiglu = (
+    adamw, bias_dropout_add, cross_entropy, flash_attention, gelu, layer_norm, rms_norm, rope, swiglu = (
         importlib.import_module(f"{__package__}.{name}") for name in
-        ("adamw", "cross_entropy", "flash_attention", "gelu", "layer_norm", "rms_norm", "rope", "swiglu"))
+        ("adamw", "bias_dropout_add", "cross_entropy", "flash_attention", "gelu", "layer_norm", "rms_norm", "rope",
+         "swiglu"))
 
     cuda = torch.device("cuda")
     for hidden in (4096, 8192):
@@ -134,6 +138,12 @@ def kernel_variants(dtype: torch.dtype):
         for stage, kernel in (("fwd", gelu._gelu_forward_kernel), ("bwd", gelu._gelu_backward_kernel)):
             yield Variant(f"gelu {stage} bias={flag}", kernel, dict(HAS_BIAS=flag, BLOCK=gelu.BLOCK),
                           {"num_warps": 4}, {"n_cols": FFN})
+    for dropout in (False, True):
+        yield Variant(f"bias_dropout_add fwd dropout={dropout}", bias_dropout_add._bias_dropout_add_forward_kernel,
+                      dict(HAS_BIAS=True, HAS_RESIDUAL=True, HAS_DROPOUT=dropout, BLOCK=bias_dropout_add.BLOCK),
+                      {"num_warps": 4}, {"n_cols": HIDDEN, "n_elements": TOKENS * HIDDEN})
+    yield Variant("bias_dropout_add bwd", bias_dropout_add._dropout_backward_kernel, dict(BLOCK=bias_dropout_add.BLOCK),
+                  {"num_warps": 4}, {"n_elements": TOKENS * HIDDEN})
     yield Variant("swiglu fwd", swiglu._swiglu_forward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}, {})
     yield Variant("swiglu bwd", swiglu._swiglu_backward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}, {})
     for transposed in (False, True):
@@ -147,20 +157,20 @@ def kernel_variants(dtype: torch.dtype):
             yield Variant(f"cross_entropy {stage} V={vocab}{'/tp8' if cols < vocab else ''}", kernel,
                           dict(BLOCK_V=block_v), {"num_warps": 8}, shape)
     for head_dim in flash_attention.SUPPORTED_HEAD_DIMS:
-        cfg = flash_attention._config(head_dim, cuda, dtype)
         strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in "qkv" for a in "bhs"
                    for v in [TYPICAL_INTS[f"{t}_stride_{a}"]]}
-        for causal in (True, False):
-            common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"])
+        for causal, dropout in ((True, False), (False, False), (True, True)):
+            cfg = flash_attention._config(head_dim, cuda, dtype, dropout)
+            common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"], DROPOUT=dropout)
             for stage, kernel in (("fwd", flash_attention._attention_forward_kernel),
                                   ("dkdv", flash_attention._attention_dkdv_kernel),
                                   ("dq", flash_attention._attention_dq_kernel)):
                 block_m, block_n, warps, stages = cfg[stage]
-                yield Variant(f"attention {stage} d={head_dim} causal={causal}", kernel,
-                              dict(common, BLOCK_M=block_m, BLOCK_N=block_n),
+                yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}",
+                              kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
         yield Variant(f"attention delta d={head_dim}", flash_attention._attention_delta_kernel,
-                      dict(HEAD_DIM=head_dim, BLOCK_M=cfg["dq"][0]), {}, {})
+                      dict(HEAD_DIM=head_dim, BLOCK_M=flash_attention._config(head_dim, cuda, dtype)["dq"][0]), {}, {})
     yield Variant("adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}, {"n_elements": 1 << 24})
 
 

@@ -20,10 +20,16 @@ or after it, and a second per (query block, batch*head) accumulates dq:
     p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
     ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
 
-Ring attention (megalite.context_parallel) computes one row's softmax over key blocks held by
-different ranks: `attention_forward_with_lse` returns a block's output with its natural-log
-lse (blocks merge by log-sum-exp), and `attention_backward_with_lse` differentiates one block
-given the row's final output and lse (the same three backward kernels, handed them).
+Ring attention (megalite.context_parallel) runs these kernels on one block of a longer softmax
+row at a time (`attention_block.py`: forward with its log-sum-exp, backward from the row's
+final output and log-sum-exp).
+
+Dropout (DROPOUT): the forward drops probabilities after the normaliser has summed them, with
+the Philox mask of kernels/attention_torch.py (a pure function of the batch, head, row and
+column of a score, so any tiling regenerates it); both backward kernels regenerate it: dv from
+the kept, rescaled p, dp masked and rescaled the same way; delta = rowsum(dout * out) is
+unchanged (it equals rowsum(dp_dropped * p_dropped)). Nothing per score is kept. Dropout needs
+kv_len == seq_len (whole attention, not one block of a ring).
 """
 from __future__ import annotations
 
@@ -31,24 +37,31 @@ import math
 
 import torch
 
+from .attention_torch import attention_dropout_reference, attention_dropout_torch
 from .dispatch import check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
+from .philox import drop_threshold
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
 
 
-def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None) -> torch.Tensor:
+def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                        dropout_seed: int = 0, dropout_offset: int = 0) -> torch.Tensor:
+    if dropout_p > 0.0:
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return attention_dropout_reference(q, k, v, causal, scale, dropout_p, dropout_seed, dropout_offset)
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                               k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
-                              kv_len, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              kv_len, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
+                              dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     start_m = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
     batch, head = batch_head // n_heads, batch_head % n_heads
@@ -60,6 +73,11 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
                 mask=offs_m[:, None] < seq_len, other=0.0)
     k_base = K + batch * k_stride_b + kv_head * k_stride_h
     v_base = V + batch * v_stride_b + kv_head * v_stride_h
+    # Philox counter of score (row, col) = dropout_offset + ((head * b + batch) * s + row) * s + col,
+    # handled as 32-bit halves (lo, hi) so that no [BLOCK_M, BLOCK_N] tile is 64-bit
+    row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len  # [BLOCK_M] int64
+    row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
+    threshold = drop_threshold.to(tl.uint32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -79,6 +97,11 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        if DROPOUT:  # the normaliser sums every p; only the kept ones reach v
+            lo = row_lo[:, None] + cols[None, :].to(tl.uint32)
+            hi = row_hi[:, None] + (lo < row_lo[:, None]).to(tl.uint32)  # carry
+            word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)  # = tl.randint(seed, counter)
+            p = tl.where(word >= threshold, p, 0.0)
         v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
@@ -95,10 +118,17 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        if DROPOUT:
+            lo = row_lo[:, None] + cols[None, :].to(tl.uint32)
+            hi = row_hi[:, None] + (lo < row_lo[:, None]).to(tl.uint32)
+            word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)
+            p = tl.where(word >= threshold, p, 0.0)
         v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=cols[:, None] < kv_len, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
     acc = acc / row_sum[:, None]
+    if DROPOUT:
+        acc = acc * dropout_scale
     row_ok = offs_m < seq_len
     tl.store(O + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc.to(O.dtype.element_ty),
              mask=row_ok[:, None])
@@ -118,11 +148,12 @@ def _attention_delta_kernel(O, DO, DELTA, seq_len, HEAD_DIM: tl.constexpr, BLOCK
     tl.store(DELTA + batch_head * seq_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < seq_len)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
                            k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
-                           kv_len, softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
+                           dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     batch_kv_head = tl.program_id(1).to(tl.int64)  # = batch * n_kv_heads + kv_head
     n_kv_heads = n_heads // group_size
@@ -157,8 +188,19 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
             if CAUSAL:
                 valid = valid & (offs_m[None, :] >= offs_n[:, None])
             p_t = tl.where(valid, p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:  # the forward's mask, regenerated (counters as in the forward, transposed)
+                row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len
+                row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
+                lo = row_lo[None, :] + offs_n[:, None].to(tl.uint32)
+                hi = row_hi[None, :] + (lo < row_lo[None, :]).to(tl.uint32)
+                word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)
+                keep_t = word >= drop_threshold.to(tl.uint32)  # dv from the kept p, dp through the mask
+                dv += tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do,
+                             input_precision=DOT_PRECISION)
+                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+            else:
+                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
     out_ptrs = (batch_kv_head * kv_len + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
@@ -166,11 +208,12 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
     tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                          k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len, kv_len,
-                         softmax_scale, scale_log2, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
+                         dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1).to(tl.int64)
     batch, head = batch_head // n_heads, batch_head % n_heads
@@ -186,6 +229,9 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
     k_base = K + batch * k_stride_b + kv_head * k_stride_h
     v_base = V + batch * v_stride_b + kv_head * v_stride_h
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len  # as in the forward
+    row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
+    threshold = drop_threshold.to(tl.uint32)
     end_n = kv_len
     if CAUSAL:  # kv_len == seq_len
         end_n = tl.minimum(start_m + BLOCK_M, seq_len)
@@ -201,30 +247,39 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
             valid = valid & (offs_m[:, None] >= cols[None, :])
         p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            lo = row_lo[:, None] + cols[None, :].to(tl.uint32)
+            hi = row_hi[:, None] + (lo < row_lo[:, None]).to(tl.uint32)
+            word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)
+            dp = tl.where(word >= threshold, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     tl.store(DQ + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
              (dq * softmax_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def _config(head_dim: int, device: torch.device, dtype: torch.dtype) -> dict:
+def _config(head_dim: int, device: torch.device, dtype: torch.dtype, dropout: bool = False) -> dict:
     """Per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages), and the dots' input precision.
 
     Tensor-core tiles for 16-bit inputs on CUDA; for float32 ("ieee" dots run on the FMA units
     with operands in registers) the largest tiles that compile for sm_90 without register
     spills (`compile_check` reports spills); small tiles in the interpreter, so that odd shapes
     cross many blocks. The forward needs BLOCK_M % BLOCK_N == 0 (its unmasked stage ends on a
-    block boundary). Not yet timed on a GPU: tools/tune_attention.py sweeps candidates.
+    block boundary). With dropout the forward's Philox state (4 words per score) needs twice
+    the threads for a 128 x 64 tile to stay in registers. Not yet timed on a GPU:
+    tools/tune_attention.py sweeps candidates.
     """
     precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     if device.type != "cuda":
         tile = (16, 16, 1, 1)
         return dict(fwd=tile, dkdv=tile, dq=tile, precision=precision)
     if dtype == torch.float32:
+        if dropout:
+            return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 8, 2), dq=(16, 16, 4, 2), precision=precision)
         return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 8, 2), precision=precision)
     if head_dim >= 128:
         return dict(fwd=(64, 64, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), precision=precision)
-    return dict(fwd=(128, 64, 4, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3), precision=precision)
+    return dict(fwd=(128, 64, 8 if dropout else 4, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3), precision=precision)
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -244,22 +299,35 @@ def _pad_head_dim(head_dim: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [torch.nn.functional.pad(t, (0, padded - head_dim)) for t in tensors]
 
 
-def _launch_forward(q, k, v, causal: bool, softmax_scale: float):
-    """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] -> (out [b, h, sq, D], lse2 fp32 [b, h, sq], base 2)."""
+NO_DROPOUT = (0.0, 0, 0)
+
+
+def _dropout_args(batch: int, dropout: tuple[float, int, int]) -> tuple:
+    """The kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)) arguments."""
+    p, seed, offset = dropout
+    return batch, seed, offset, drop_threshold(p), 1.0 / (1.0 - p)
+
+
+def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[float, int, int] = NO_DROPOUT):
+    """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] -> (out [b, h, sq, D], lse2 fp32 [b, h, sq], base 2).
+
+    dropout: (p, seed, offset) of the Philox mask (p = 0: none; needs sk == sq)."""
     batch, n_heads, seq_len, head_dim = q.shape
     group_size = n_heads // k.shape[1]
-    cfg = _config(head_dim, q.device, q.dtype)
+    cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0)
     out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
     lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m, block_n, warps, stages = cfg["fwd"]
     runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
         q, k, v, out, lse2, *_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, k.shape[2],
-        softmax_scale * LOG2E, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=cfg["precision"], num_warps=warps, num_stages=stages)
+        softmax_scale * LOG2E, *_dropout_args(batch, dropout), CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0, num_warps=warps,
+        num_stages=stages)
     return out, lse2
 
 
-def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float):
+def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float,
+                     dropout: tuple[float, int, int] = NO_DROPOUT):
     """Padded inputs, out and dout contiguous [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv.
 
     `out` and `lse2` are those of the softmax the block belongs to: over these keys only for
@@ -268,7 +336,7 @@ def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: floa
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     group_size = n_heads // n_kv_heads
-    cfg = _config(head_dim, q.device, q.dtype)
+    cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0)
     delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m = cfg["dq"][0]
     runnable(_attention_delta_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
@@ -277,8 +345,8 @@ def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: floa
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     common = (*_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, kv_len, softmax_scale,
-              softmax_scale * LOG2E)
-    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"])
+              softmax_scale * LOG2E, *_dropout_args(batch, dropout))
+    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0)
     block_m, block_n, warps, stages = cfg["dkdv"]
     runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(kv_len, block_n), batch * n_kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
@@ -292,22 +360,23 @@ def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: floa
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
+    def forward(ctx, q, k, v, causal, softmax_scale, dropout):
         ctx.head_dim = q.shape[-1]
         q, k, v = _pad_head_dim(ctx.head_dim, q, k, v)
-        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale, dropout)
+        ctx.save_for_backward(q, k, v, out, lse2)  # the dropout mask is regenerated from (seed, offset)
+        ctx.causal, ctx.softmax_scale, ctx.dropout = causal, softmax_scale, dropout
         return out if out.shape[-1] == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse2 = ctx.saved_tensors
         (dout,) = _pad_head_dim(ctx.head_dim, dout)
-        dq, dk, dv = _launch_backward(q, k, v, out, dout.contiguous(), lse2, ctx.causal, ctx.softmax_scale)
+        dq, dk, dv = _launch_backward(q, k, v, out, dout.contiguous(), lse2, ctx.causal, ctx.softmax_scale,
+                                      ctx.dropout)
         if q.shape[-1] != ctx.head_dim:
             dq, dk, dv = (t[..., :ctx.head_dim] for t in (dq, dk, dv))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _check_shapes(q, k, v) -> None:
@@ -340,59 +409,31 @@ def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              softmax_scale: float | None = None) -> torch.Tensor:
+              softmax_scale: float | None = None, dropout_p: float = 0.0, dropout_seed: int = 0,
+              dropout_offset: int = 0) -> torch.Tensor:
     """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s_kv, d].
 
     Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
-    The Triton path needs d <= 128 (16, 32, 64, 128 natively, others zero-padded), one dtype among
-    float16/bfloat16/float32 and, when causal, equal q and kv sequence lengths.
+    With dropout_p > 0 the probabilities are dropped with the Philox mask of (dropout_seed,
+    dropout_offset) described in kernels/attention_torch.py, regenerated in backward (nothing per
+    score is kept); the PyTorch path computes the same mask. The Triton path needs d <= 128 (16,
+    32, 64, 128 natively, others zero-padded), one dtype among float16/bfloat16/float32 and, when
+    causal or with dropout, equal q and kv sequence lengths.
     """
     _check_shapes(q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    dropout = (float(dropout_p), int(dropout_seed), int(dropout_offset))
+    drop_threshold(dropout_p)  # raises on p outside [0, 1)
+    if not 0 <= dropout_seed < 2 ** 63 or dropout_offset < 0:
+        raise ValueError(f"attention: dropout_seed must be in [0, 2^63) and dropout_offset >= 0, got "
+                         f"{dropout_seed}, {dropout_offset}")
+    if dropout_p > 0.0 and k.shape[2] != q.shape[2]:
+        raise ValueError(f"attention: dropout needs equal q and kv lengths, got {q.shape[2]} and {k.shape[2]}")
     if q.numel() == 0 or not use_triton(q):
+        if dropout_p > 0.0:
+            return attention_dropout_torch(q, k, v, causal, softmax_scale, *dropout)
         return attention_reference(q, k, v, causal, softmax_scale)
     _check_kernel_inputs(q, k, v, causal)
     q, k, v = _unit_stride(q, k, v)
-    return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale))
-
-
-# ---------------------------------------------------------------------------------------------
-# One block of a longer softmax row (ring attention): forward with its log-sum-exp, and a
-# backward that takes the row's final output and log-sum-exp. Not differentiable themselves.
-# ---------------------------------------------------------------------------------------------
-
-
-def attention_forward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                               softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward of one block: (out [b, h, sq, d] in q.dtype, lse fp32 [b, h, sq]).
-
-    lse[i] = log(sum_j exp(softmax_scale * q_i . k_j)) over this block's keys j (natural log),
-    so blocks of one row merge exactly by log-sum-exp. Causal needs sq == sk (the diagonal).
-    """
-    _check_shapes(q, k, v)
-    _check_kernel_inputs(q, k, v, causal)
-    head_dim = q.shape[-1]
-    q, k, v = _pad_head_dim(head_dim, *_unit_stride(q, k, v))
-    out, lse2 = _launch_forward(q, k, v, bool(causal), float(softmax_scale))
-    return out[..., :head_dim], lse2 * (1.0 / LOG2E)  # log2 -> natural log
-
-
-def attention_backward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                                dout: torch.Tensor, lse: torch.Tensor, causal: bool,
-                                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward of one block: (dq, dk, dv) in the inputs' dtypes.
-
-    out [b, h, sq, d], dout and lse fp32 [b, h, sq] belong to the whole softmax row the block is
-    part of (every key block merged): p = exp(scale q k^T - lse) is then this block's slice of
-    the row's probabilities and delta = rowsum(dout * out) the row's, which makes the
-    gradients exact whatever the other blocks are.
-    """
-    _check_shapes(q, k, v)
-    _check_kernel_inputs(q, k, v, causal)
-    head_dim = q.shape[-1]
-    q, k, v = _pad_head_dim(head_dim, *_unit_stride(q, k, v))
-    out, dout = (t.contiguous() for t in _pad_head_dim(head_dim, out.to(q.dtype), dout.to(q.dtype)))
-    lse2 = (lse.float() * LOG2E).contiguous()
-    dq, dk, dv = _launch_backward(q, k, v, out, dout, lse2, bool(causal), float(softmax_scale))
-    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
+    return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale), dropout)

@@ -155,6 +155,27 @@ class _LayerNormResidualFunction(torch.autograd.Function):
         return dx, dx, dw, db, None
 
 
+class _LayerNormTorchFunction(torch.autograd.Function):
+    """The PyTorch path for 16-bit x, keeping what the kernels keep: x in its own dtype and fp32
+    mean and rstd per row (the reference's autograd would keep an fp32 copy of x, 2x the bytes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        var, mean = torch.var_mean(x.float(), dim=-1, correction=0, keepdim=True)  # [..., 1] fp32
+        rstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return layer_norm_reference(x, weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x_hat, dy = (x.float() - mean) * rstd, dy.float()
+        w_dy = dy * weight.float()
+        dx = (w_dy - w_dy.mean(-1, keepdim=True) - x_hat * (x_hat * w_dy).mean(-1, keepdim=True)) * rstd
+        rows = tuple(range(dy.dim() - 1))
+        return dx.to(x.dtype), (dy * x_hat).sum(rows).to(weight.dtype), dy.sum(rows).to(bias.dtype), None
+
+
 def _check_bias(op: str, x, bias) -> None:
     if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"{op}: bias has shape {list(bias.shape)} but x's last dim is {x.shape[-1]}; "
@@ -166,6 +187,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     _check("layer_norm", x, weight)
     _check_bias("layer_norm", x, bias)
     if x.numel() == 0 or not use_triton(x):
+        if x.dtype in (torch.float16, torch.bfloat16) and x.numel() > 0:
+            return _LayerNormTorchFunction.apply(x, weight, bias, float(eps))
         return layer_norm_reference(x, weight, bias, eps)
     _check_triton("layer_norm", x, weight, bias)
     return _LayerNormFunction.apply(x, weight, bias, float(eps))

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
+from megalite.errors import UsageError
 
 ACTIONS = ("config", "print_config", "dry_run")  # flags that are not settings
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(UsageError, ValueError):
     """A config file that cannot be read or holds a key/value no setting takes."""
 
 

@@ -29,6 +29,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from megalite import errors, rendezvous
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch >= 2.10 names the tensor collectives *_single (the *_tensor names warn); older torch lacks them.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -114,6 +116,7 @@ def recent_ops() -> list[OpRecord]:
 # ---------------------------------------------------------------------------------------------
 
 _GROUP_NAMES: dict[Any, str] = {}
+_NAMESPACE: str | None = None  # this start of the job's key prefix in the job's store (megalite.rendezvous)
 
 
 def is_initialized() -> bool:
@@ -122,15 +125,44 @@ def is_initialized() -> bool:
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta,
                        device: torch.device | None = None) -> None:
+    """Create the world process group over a key namespace of this start of the job only.
+
+    The store at MASTER_ADDR:MASTER_PORT can outlive a failed attempt (torchrun's agent holds
+    it), so the group is built under a prefix the ranks agree on afresh every time
+    (`megalite.rendezvous`): a restarted attempt never reads the dead one's addresses.
+    """
+    global _NAMESPACE
+    store = _job_store(rank, world_size, timeout)
+    _NAMESPACE = rendezvous.attempt_namespace(store, rank, world_size, timeout.total_seconds())
     kwargs = {"device_id": device} if device is not None else {}
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    dist.init_process_group(backend, store=dist.PrefixStore(_NAMESPACE + "pg/", store), rank=rank,
+                            world_size=world_size, timeout=timeout, **kwargs)
     _GROUP_NAMES[dist.group.WORLD] = "world"
 
 
+def _master_address() -> tuple[str, int]:
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise errors.UsageError("MASTER_ADDR and MASTER_PORT are not set: launch with torchrun (or set RANK, "
+                                "WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself)")
+    return addr, int(port)
+
+
+def _job_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The job's TCPStore, hosted where torch's env:// init would host it: by torchrun's agent
+    when it says so (TORCHELASTIC_USE_AGENT_STORE=True), else by rank 0."""
+    addr, port = _master_address()
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0 and not agent_hosts, timeout=timeout,
+                         multi_tenant=True)
+
+
 def destroy_process_group() -> None:
+    global _NAMESPACE
     if is_initialized():
         dist.destroy_process_group()
     _GROUP_NAMES.clear()
+    _NAMESPACE = None
 
 
 def new_group(ranks: list[int], name: str):
@@ -142,15 +174,17 @@ def new_group(ranks: list[int], name: str):
 
 
 def side_channel_store(timeout_s: float = 30.0):
-    """A new client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT) on its own connection.
+    """A new client of the job's store on its own connection, under this attempt's namespace.
 
     For out-of-band messages while collectives may be hung (the hang watchdog's StoreChannel):
-    the process group's own store client may be blocked in a wait. None in a single process.
+    the process group's own store client may be blocked in a wait. Keys are private to this
+    start of the job (see `init_process_group`). None in a single process.
     """
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not is_initialized() or not addr or not port:
+    if not is_initialized() or _NAMESPACE is None:
         return None
-    return dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    addr, port = _master_address()
+    client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(_NAMESPACE + "side/", client)
 
 
 def world_group():
@@ -310,6 +344,29 @@ def all_gather_object(obj: Any, group) -> list[Any]:
     marker = torch.zeros(0)
     _run("all_gather_object", group, marker, 0, lambda: dist.all_gather_object(out, obj, group=group), False)
     return out
+
+
+def agreed(fn, group):
+    """`fn()` on every rank of `group`, with one verdict: if it raises on any rank, every rank raises.
+
+    For checks whose outcome could differ between ranks (files on a node-local disk, a rank
+    that cannot read a directory): no rank goes on into a collective that a failed rank will
+    never join. One all_gather_object. A failing rank re-raises its own exception; the others
+    raise the same UsageError subclass with its message, or a RuntimeError naming the rank.
+    """
+    try:
+        result, outcome = fn(), None
+    except Exception as exc:  # noqa: BLE001 - the peers must learn of any failure, or they hang
+        result, outcome, own = None, (type(exc), errors.one_line(exc)), exc
+    failed = [(rank, o) for rank, o in enumerate(all_gather_object(outcome, group)) if o is not None]
+    if not failed:
+        return result
+    if outcome is not None:
+        raise own
+    rank, (cls, message) = failed[0]
+    if issubclass(cls, errors.UsageError):
+        raise cls(message if len({m for _, (_, m) in failed}) == 1 else f"rank {rank}: {message}")
+    raise RuntimeError(f"rank {rank} failed: {cls.__name__}: {message}")
 
 
 # ---------------------------------------------------------------------------------------------

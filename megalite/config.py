@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,19 +27,17 @@ from typing import Any
 from megalite.model.config import PRESETS, GPTConfig, preset
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.schedules import check_pipeline_config
+from megalite.config_checks import data_problems, setting_problems
 from megalite.plan.validity import preflight
 
 
 class Precision(enum.StrEnum):
+    """A floating-point format: of the parameters and activations, or of the gradient reduction
+    (whose fp16 only the planner models, for the ZeRO paper's accounting; training refuses it)."""
+
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
-
-
-class ReduceDtype(enum.StrEnum):
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"  # the planner models it (the ZeRO paper's accounting); training refuses it
 
 
 class Recompute(enum.StrEnum):
@@ -65,6 +62,13 @@ class LRDecay(enum.StrEnum):
 class OnNonFinite(enum.StrEnum):
     SKIP = "skip"
     STOP = "stop"
+
+
+class CPCommType(enum.StrEnum):
+    """How context-parallel attention talks (megalite.context_parallel.checks.CP_COMM_TYPES)."""
+
+    P2P = "p2p"  # ring attention: K/V blocks travel round the cp ring
+    A2A = "a2a"  # Ulysses: all-to-all from a sequence split to a head split and back
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -97,7 +101,12 @@ class ParallelSettings:
 
     tp: int = setting(1, "tensor-parallel size")
     pp: int = setting(1, "pipeline-parallel size")
-    dp: int | None = setting(None, "data-parallel size (default: world / (tp*pp))")
+    dp: int | None = setting(None, "data-parallel size (default: world / (tp*cp*pp))")
+    cp: int = setting(1, "context-parallel size: each rank holds seq_length/cp tokens of every sequence (2*cp "
+                         "load-balanced chunks); only attention crosses ranks")
+    cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
+                                                       "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
+                                                       "must divide by cp)")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)")
     pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
     decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)")
@@ -158,7 +167,7 @@ class PrecisionSettings:
     precision: Precision = setting(Precision.FP32, "parameter and activation dtype (bf16/fp16 keep fp32 master "
                                                    "weights and gradients)",
                                    aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
-    grad_reduce_dtype: ReduceDtype = setting(ReduceDtype.FP32, "dtype of the data-parallel gradient reduction")
+    grad_reduce_dtype: Precision = setting(Precision.FP32, "dtype of the data-parallel gradient reduction")
     initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale")
     loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow")
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off")
@@ -354,10 +363,11 @@ class RunConfig:
     # ------------------------------------------------------------------ derived (computed here only)
 
     def resolved(self, world_size: int, tokenizer_vocab_size: int | None = None) -> "RunConfig":
-        """What depends on the launch filled in: dp (world / (tp*pp)), the global batch
+        """What depends on the launch filled in: dp (world / (tp*cp*pp)), the global batch
         (micro * dp when unset), the schedule's name, and the vocabulary (the tokenizer's)."""
         p = self.parallel
-        dp = p.dp if p.dp is not None else (world_size // (p.tp * p.pp) if world_size % (p.tp * p.pp) == 0 else 1)
+        model_ranks = p.tp * p.cp * p.pp
+        dp = p.dp if p.dp is not None else (world_size // model_ranks if world_size % model_ranks == 0 else 1)
         schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
         if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
             schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
@@ -371,7 +381,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.parallel.pp * self.dp
+        return self.parallel.tp * self.parallel.cp * self.parallel.pp * self.dp
 
     @property
     def schedule(self) -> Schedule:
@@ -434,62 +444,5 @@ class RunConfig:
                                       p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
             except ValueError as exc:
                 problems.append(str(exc))
-        problems += _setting_problems(self) + _data_problems(self.data)
+        problems += setting_problems(self) + data_problems(self.data)
         return list(dict.fromkeys(problems))
-
-
-def _setting_problems(cfg: RunConfig) -> list[str]:
-    """Ranges and combinations of settings that training cannot run."""
-    p, t, log, ck, ft = cfg.parallel, cfg.training, cfg.logging, cfg.checkpoint, cfg.fault_tolerance
-    problems = []
-    if p.pp == 1 and (p.decoder_first_stage_layers is not None or p.decoder_last_stage_layers is not None
-                      or p.pipeline_layout is not None):
-        problems.append("--decoder-first/last-stage-layers and --pipeline-layout need --pp > 1")
-    if p.zero3_prefetch < 0:
-        problems.append(f"--zero3-prefetch must be >= 0 units, got {p.zero3_prefetch}")
-    if p.zero == 3 and p.overlap_param_gather:
-        problems.append("--overlap-param-gather is for --zero 1/2 (their all-gather after the step); ZeRO-3 gathers "
-                        "each unit right before it runs, overlapped by --zero3-prefetch: drop --overlap-param-gather")
-    if cfg.precision.grad_reduce_dtype == ReduceDtype.FP16:
-        problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
-                        "bf16")
-    if p.recompute_num_layers is not None and (p.recompute != Recompute.FULL or p.recompute_num_layers < 1):
-        problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full and N >= 1 "
-                        f"(it says how many blocks of each model chunk full recompute covers)")
-    if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
-        problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
-                        "gathered; offloaded updates finish inside the step)")
-    if ft.hang_timeout < 0:
-        problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {ft.hang_timeout}")
-    if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
-        first, last = log.profile_steps
-        problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
-                        f"({t.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
-    for name, value in (("--train-iters", t.train_iters), ("--micro-batch-size", t.micro_batch_size),
-                        ("--log-interval", log.log_interval)):
-        if value < 1:
-            problems.append(f"{name} must be >= 1, got {value}")
-    for name, value in (("--save-interval", ck.save_interval), ("--keep-last", ck.keep_last),
-                        ("--keep-every", ck.keep_every), ("--check-replicas-interval", ft.check_replicas_interval)):
-        if value < 0:
-            problems.append(f"{name} must be >= 0, got {value}")
-    if ck.save_interval and ck.save is None:
-        problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
-    if ck.load_step is not None and ck.load is None:
-        problems.append("--load-step needs --load DIR")
-    return problems
-
-
-def _data_problems(data: DataSettings) -> list[str]:
-    if data.data_path is None:
-        return []
-    if len(data.data_path) > 1 and len(data.data_path) % 2:
-        return ["--data-path takes one PREFIX, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ..."]
-    prefixes = data.data_path if len(data.data_path) == 1 else data.data_path[1::2]
-    missing = [f"{p}.{ext}" for p in prefixes for ext in ("bin", "idx") if not os.path.exists(f"{p}.{ext}")]
-    if missing:
-        return [f"data files not found: {', '.join(missing[:4])}; build them with tools/preprocess_data.py "
-                f"--input ... --output-prefix PREFIX, or omit --data-path to use the embedded corpus"]
-    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
-        return [f"--tokenizer {data.tokenizer}: no such file; give a tokenizer.json or omit it for byte level"]
-    return []

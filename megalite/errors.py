@@ -1,15 +1,52 @@
-"""The one exception for a user's mistake.
+"""The one exception base class for a user's mistake.
 
-`UsageError`: the configuration, a flag, a config file, the data or a checkpoint is not what
-the run needs. Its message names each problem and what to change. Entry points print it
-without a traceback and exit with code 2 (`megalite.training.loop.main`); every rank reaches
-the same verdict before any collective, so nothing hangs.
+    raise UsageError("--data-path corpus: corpus.idx is missing; build the pair with tools/preprocess_data.py")
+
+A `UsageError` is something the person running the job must fix (a flag, a config file, a
+file, a directory, a checkpoint), not a bug in megalite. Its message names what is wrong (the
+file, the flag, the parameter) and the fix: one line, or one line per problem when a
+configuration has several (`ConfigError`). Entry points catch it, print it once per node
+(global rank 0 and each node's local rank 0) without a traceback, and exit with
+`USAGE_EXIT_CODE`.
+
+The library raises it on every rank with the same message, before training starts wherever it
+can (the configuration before any process group exists, data at dataset build time,
+checkpoints at load-plan time), so no rank waits in a collective for a rank that gave up.
+Subclasses keep a built-in base where callers used to catch that one (e.g.
+`CorruptIndexError(UsageError, ValueError)`).
 """
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE_EXIT_CODE = 2
 
 
-class UsageError(ValueError):
-    """A user's mistake; the message says what to change (one line per problem)."""
+class UsageError(Exception):
+    """A mistake in the job's input (flags, files, directories): one line naming the fix."""
 
 
-class ConfigError(UsageError):
-    """A configuration that cannot run: settings, layout, batch arithmetic, files it names."""
+class ConfigError(UsageError, ValueError):
+    """A configuration that cannot run: every problem, one per line, each with its fix."""
+
+
+def one_line(text: str) -> str:
+    """`text` folded onto one line (messages built from several parts, e.g. per-rank reports)."""
+    return " ".join(str(text).split())
+
+
+def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: int | None = None) -> int:
+    """What an entry point does with a UsageError: print it once per node, return the exit code.
+
+    Printed by global rank 0 and by each node's local rank 0 (`local_rank`, default LOCAL_RANK or
+    `rank`), since a problem with a node-local file shows on that node. A ConfigError keeps its
+    one line per problem; any other is folded onto one line."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if rank == 0 or local_rank == 0:
+        if isinstance(error, ConfigError):
+            print(f"megalite: configuration error:\n{error}", file=stream or sys.stderr, flush=True)
+        else:
+            print(f"megalite: {one_line(error)}", file=stream or sys.stderr, flush=True)
+    return USAGE_EXIT_CODE

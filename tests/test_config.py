@@ -111,3 +111,20 @@ def test_the_planner_loads_without_torch():
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_context_parallel_settings():
+    from megalite.config import CPCommType
+    from megalite.context_parallel.checks import CP_COMM_TYPES
+
+    assert tuple(c.value for c in CPCommType) == CP_COMM_TYPES  # one list of methods, the model's and the flag's
+    cfg, _ = parse_args(["--cp", "2", "--cp-comm-type", "a2a", "--tp", "2", "--global-batch-size", "16",
+                         "--micro-batch-size", "2"])
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm_type) == (2, CPCommType.A2A)
+    cfg = cfg.resolved(16, 257)  # dp = world / (tp*cp*pp)
+    assert (cfg.dp, cfg.world_size, cfg.num_microbatches) == (4, 16, 2)
+    assert cfg.validate(16, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
+    text = "\n".join(cfg.replace(cp=4, seq_length=100).validate(16, 257))
+    for needle in ("world size 16 != tp*cp*pp*dp = 2*4*1*4 = 32", "seq_length=100 is not divisible by 2*cp = 8",
+                   "num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4"):
+        assert needle in text, (needle, text)

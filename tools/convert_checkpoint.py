@@ -38,7 +38,8 @@ def hf_config_for(config: GPTConfig, dtype: torch.dtype):
                                      n_embd=config.hidden_size, n_layer=config.num_layers,
                                      n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
                                      activation_function="gelu_new", layer_norm_epsilon=config.norm_eps,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+                                     resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
+                                     attn_pdrop=config.attention_dropout, tie_word_embeddings=True)
     else:
         if config.add_bias:
             raise ValueError("megalite's Llama export covers bias-free models only (add_bias=False)")
@@ -48,7 +49,7 @@ def hf_config_for(config: GPTConfig, dtype: torch.dtype):
                                       num_key_value_heads=config.num_query_groups,
                                       max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
                                       tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
-                                      rope_theta=config.rope_theta)
+                                      rope_theta=config.rope_theta, attention_dropout=config.attention_dropout)
         if getattr(hf, "rope_parameters", None) is not None:  # transformers 5 keeps theta here
             hf.rope_parameters = {**hf.rope_parameters, "rope_type": "default", "rope_theta": config.rope_theta}
     hf.architectures = ["GPT2LMHeadModel" if config.flavour == "gpt2" else "LlamaForCausalLM"]

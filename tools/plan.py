@@ -77,7 +77,8 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
               f"the model / sequence")
     for i, s in enumerate(found):
         p = s.cfg.parallel
-        print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp} --virtual-stages {p.virtual_stages} "
+        context = f" --cp {p.cp} --cp-comm-type {p.cp_comm_type}" if p.cp > 1 else ""
+        print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp}{context} --virtual-stages {p.virtual_stages} "
               f"--zero {p.zero} --recompute {p.recompute} --micro-batch-size {s.cfg.training.micro_batch_size}"
               f"{' --sequence-parallel' if p.sequence_parallel else ''}"
               f"{' --offload-optimizer' if p.offload_optimizer else ''}\n    {s.reason}")
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         p = cfg.parallel
-        print(f"layout: tp={p.tp} pp={p.pp} dp={cfg.dp} virtual_stages={p.virtual_stages} zero={p.zero} "
+        context = f" cp={p.cp} cp_comm_type={p.cp_comm_type}" if p.cp > 1 else ""
+        print(f"layout: tp={p.tp} pp={p.pp} dp={cfg.dp}{context} virtual_stages={p.virtual_stages} zero={p.zero} "
               f"recompute={p.recompute} sp={p.sequence_parallel} micro_batch={cfg.training.micro_batch_size} "
               f"precision={cfg.precision.precision}")
         if est is not None:

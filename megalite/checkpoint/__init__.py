@@ -1,6 +1,7 @@
 """Layout-free checkpoints: save at one (tp, pp, dp, zero, virtual stages), load at any other.
 
-- `Checkpointer` (save.py): sync or background saves, atomic publish, retention.
+- `Checkpointer` (save.py): sync or background saves, atomic publish, retention; a save that
+  cannot be written raises `CheckpointWriteError` on every rank (write_failure.py).
 - `load_checkpoint` (load.py): newest intact checkpoint, verified, with fallback.
 - `PreemptionHandler` (preemption.py): SIGTERM/SIGUSR1 -> save at the next step boundary.
 - `read_full_state` / `write_full_state` (full_state.py): whole tensors, for conversion tools.
@@ -15,5 +16,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.checkpoint.load": ["LoadedCheckpoint", "load_checkpoint"],
     "megalite.checkpoint.preemption": ["PreemptionHandler", "maybe_inject_fault"],
     "megalite.checkpoint.save": ["Checkpointer"],
-    "megalite.checkpoint.storage": ["CheckpointCorruptError"],
+    "megalite.checkpoint.storage": ["CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError"],
+    "megalite.checkpoint.write_failure": ["CheckpointWriteError"],
 })

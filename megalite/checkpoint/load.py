@@ -10,7 +10,9 @@ that the stored boxes cover them, and verifies the CRC32 of exactly the stored b
 read (and the size of their files, against the manifest).
 The ranks then agree (one all_gather_object): if any rank found damage, every rank warns and
 moves to the next older checkpoint; nothing is loaded from a damaged one. A checkpoint of
-another model shape is a user error and raises at once. When `latest` was asked for (no
+another model (a parameter's shape, or an architecture field, differs) or in a newer format
+is a user error: every rank raises the same CheckpointMismatchError at once, before anything
+is read. When `latest` was asked for (no
 `step`) and the directory holds no checkpoint yet, nothing is loaded and None is returned.
 
 RNG states are restored only when the layout (tp, pp, dp, virtual stages) is the one that
@@ -19,6 +21,7 @@ streams differ anyway (they are seeded per tp/pp rank), so they keep their fresh
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +32,15 @@ from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
-from megalite.checkpoint.storage import CheckpointCorruptError
+from megalite.checkpoint.storage import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from megalite.errors import UsageError
 from megalite.mesh import Mesh
+
+# GPTConfig fields that decide which parameters exist (and their shapes). seq_length is left out:
+# RoPE models have no position table (a longer context is a legitimate change), and GPT-2's
+# position table is caught by its shape.
+ARCHITECTURE_FIELDS = ("flavour", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                       "ffn_hidden_size", "vocab_size", "tie_embeddings", "add_bias")
 
 
 @dataclass
@@ -87,25 +97,48 @@ def _read_range(reader: CheckpointReader, kind: str, name: str, spec, shape, sta
     return flat
 
 
-def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng_prefix: str | None) -> None:
-    """Check shapes and coverage of everything this rank needs; verify the stored boxes holding it."""
+def _architecture_differences(saved: dict | None, config) -> list[str]:
+    """'num_layers 4 (checkpoint) vs 2 (model)' for each field that decides the parameter set."""
+    if not isinstance(saved, dict):
+        return []
+    current = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+    return [f"{field} {saved[field]} (checkpoint) vs {current[field]} (model)" for field in ARCHITECTURE_FIELDS
+            if field in saved and field in current and saved[field] != current[field]]
+
+
+def _check_same_model(reader: CheckpointReader, chunks) -> None:
+    """Raise CheckpointMismatchError naming the first parameter whose shape differs (or that the
+    checkpoint lacks), or the architecture fields that differ, before anything is read."""
     shapes = reader.metadata["tensors"]
-    sharded = _sharded_model(optimizer)
+    differences = _architecture_differences(reader.metadata.get("model_config"), chunks[0].config)
+    saved_from = f" (saved from another model: {', '.join(differences)})" if differences else ""
+    fix = "load it into the model it was saved from (same --model and shape flags)"
     for chunk in chunks:
         for name, param in chunk.logical_parameters():
             full_shape = list(P.shard_spec(param).full_shape)
-            if shapes.get(name) != full_shape:
-                raise ValueError(f"checkpoint {reader.path} holds {name!r} with shape {shapes.get(name)}, the model "
-                                 f"has {full_shape}; load it into the model it was saved from (same --model and "
-                                 f"shape flags)")
-            if sharded is not None:
-                continue
-            for _, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
-                reader.check_covered("model", name, full_box)
-                reader.verify_box("model", name, full_box)
-    if sharded is not None:
+            if name not in shapes:
+                raise CheckpointMismatchError(f"checkpoint {reader.path} has no parameter {name!r}{saved_from}; {fix}")
+            if shapes[name] != full_shape:
+                raise CheckpointMismatchError(f"checkpoint {reader.path} holds {name!r} with shape {shapes[name]}, "
+                                              f"the model has {full_shape}{saved_from}; {fix}")
+    if differences:  # every parameter of this rank fits, but the model is another one (e.g. more layers)
+        raise CheckpointMismatchError(f"checkpoint {reader.path} was saved from another model: "
+                                      f"{', '.join(differences)}; {fix}")
+
+
+def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng_prefix: str | None) -> None:
+    """Check shapes and coverage of everything this rank needs; verify the stored boxes holding it."""
+    _check_same_model(reader, chunks)
+    sharded = _sharded_model(optimizer)
+    if sharded is not None:  # ZeRO-3: only the parameter pieces this rank's shard holds
         for name, spec, shape, start, end, _ in _shard_targets(sharded):
             _check_range(reader, "model", name, spec, shape, start, end)
+    else:
+        for chunk in chunks:
+            for name, param in chunk.logical_parameters():
+                for _, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
+                    reader.check_covered("model", name, full_box)
+                    reader.verify_box("model", name, full_box)
     if load_optimizer and optimizer is not None and reader.metadata["has_optimizer"]:
         for name, spec, shape, start, end in _optimizer_targets(optimizer):
             for kind in OPTIMIZER_KINDS:
@@ -155,9 +188,10 @@ def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) 
 
 
 def _same_layout(meta: dict, mesh: Mesh, chunks) -> bool:
+    """RNG streams are per rank and depend on its coordinates (dropout streams on the cp rank too)."""
     saved = meta["layout"]
-    return (saved["tp"], saved["pp"], saved["dp"], saved["virtual_stages"]) == \
-        (mesh.tp_size, mesh.pp_size, mesh.dp_size, len(chunks))
+    return (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved["virtual_stages"]) == \
+        (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size, len(chunks))
 
 
 def _load_rng(reader: CheckpointReader, chunks, mesh: Mesh) -> None:
@@ -197,8 +231,9 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
     """Load the newest good checkpoint (or `step`) of `load_dir` into chunks and optimizer.
 
     Returns None (after a notice) when `load_dir` has no checkpoint yet and no step was asked
-    for. Raises CheckpointCorruptError when no candidate is intact, ValueError when the
-    checkpoint holds another model shape. Every rank must call it (it communicates).
+    for. Raises CheckpointCorruptError when no candidate is intact, CheckpointMismatchError (a
+    UsageError) when the checkpoint holds another model or a newer format, CheckpointNotFoundError
+    when `step` does not exist. Every rank must call it (it communicates); every rank raises the same.
     """
     root = Path(load_dir)
     named = storage.STEP_DIR.match(root.name)
@@ -216,7 +251,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         decision = ("ok", None)
     decision = comm.all_gather_object(decision, world)[0]
     if decision[0] == "error":
-        raise FileNotFoundError(decision[1])
+        raise CheckpointNotFoundError(decision[1])
     candidates = decision[1]
     if not candidates:
         say(f"megalite: no checkpoint in {root} yet; starting from scratch")
@@ -233,16 +268,19 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
             _plan(reader, chunks, optimizer, load_optimizer, f"rank{mesh.rank}/" if rng else None)
         except CheckpointCorruptError as exc:
             outcome = ("corrupt", str(exc))
-        except ValueError as exc:
-            outcome = ("incompatible", str(exc))
+        except UsageError as exc:  # another model, a newer format: the same error on every rank, no fallback
+            outcome = ("usage", str(exc), type(exc))
         except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below, or peers hang
             outcome = ("failed", f"{path}: {type(exc).__name__}: {exc}")
         outcomes = comm.all_gather_object(outcome, world)
-        bad = [(r, kind, msg) for r, (kind, msg) in enumerate(outcomes) if kind != "ok"]
-        for kind, error in (("incompatible", ValueError), ("failed", RuntimeError)):
-            messages = [f"rank {r}: {msg}" for r, k, msg in bad if k == kind]
-            if messages:
-                raise error(messages[0])
+        bad = [(r, o[0], o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
+        usage = [(r, o[1], o[2]) for r, o in enumerate(outcomes) if o[0] == "usage"]
+        if usage:
+            rank, message, error = usage[0]
+            raise error(message if len({m for _, m, _ in usage}) == 1 else f"rank {rank}: {message}")
+        failed = [f"rank {r}: {msg}" for r, kind, msg in bad if kind == "failed"]
+        if failed:
+            raise RuntimeError(failed[0])
         if bad:
             rank, _, message = bad[0]
             problems.append(message)
@@ -258,7 +296,8 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         reader.close()
         saved = meta["layout"]
         say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
-            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} zero={saved['zero_stage']} "
+            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+            + (f"cp={saved['cp']} " if saved.get("cp", 1) > 1 else "") + f"zero={saved['zero_stage']} "
             f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
                                                 "stored") + ")")
         return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)

@@ -7,9 +7,10 @@ after the same step, saves the same checkpoint, and exits cleanly. A second sign
 stopping is ignored; the scheduler's SIGKILL after its grace period still ends the job.
 
 Fault injection for restart tests: `MEGALITE_FAULT_AT_STEP=k` makes one rank
-(`MEGALITE_FAULT_RANK`, default the last) exit(1) at the start of step k, but only on the
-first attempt under torchrun (TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted
-job runs through.
+(`MEGALITE_FAULT_RANK`, default the last) exit(1) (or, with `MEGALITE_FAULT_SIGNAL`, get a
+real SIGKILL/SIGTERM) at the start of step k, but only on the first attempt under torchrun
+(TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted job runs through; `k1,k2,...`
+faults attempt i at step k_i (repeated failures).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from megalite import comm
 from megalite.mesh import Mesh
 
-FAULT_STEP_ENV, FAULT_RANK_ENV = "MEGALITE_FAULT_AT_STEP", "MEGALITE_FAULT_RANK"
+FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_SIGNAL_ENV = "MEGALITE_FAULT_AT_STEP", "MEGALITE_FAULT_RANK", "MEGALITE_FAULT_SIGNAL"
 
 
 class PreemptionHandler:
@@ -69,13 +70,32 @@ class PreemptionHandler:
         self.close()
 
 
+def _per_attempt(name: str) -> list[str]:
+    """The comma-separated entries of env var `name`; entry i is for TORCHELASTIC_RESTART_COUNT == i."""
+    return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
+
+
 def maybe_inject_fault(step: int, rank: int) -> None:
-    """Exit(1) on the chosen rank at `step` when MEGALITE_FAULT_AT_STEP asks for it (first attempt only)."""
-    at = os.environ.get(FAULT_STEP_ENV)
-    if not at or int(at) != step or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    """Kill the chosen rank at the start of `step` when MEGALITE_FAULT_AT_STEP asks for it.
+
+    MEGALITE_FAULT_AT_STEP=5 faults the first attempt at step 5; "5,7" also the first restart
+    at step 7 (entry i is for TORCHELASTIC_RESTART_COUNT == i, and later attempts run through).
+    MEGALITE_FAULT_RANK (default: the last rank) takes a value or such a list too.
+    MEGALITE_FAULT_SIGNAL: "exit" (default: exit code 1), "SIGKILL" or "SIGTERM" (a real
+    signal to this process; SIGTERM is then a preemption: save and stop).
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    steps = _per_attempt(FAULT_STEP_ENV)
+    if attempt >= len(steps) or int(steps[attempt]) != step:
         return
-    victim = int(os.environ.get(FAULT_RANK_ENV, str(int(os.environ.get("WORLD_SIZE", "1")) - 1)))
-    if rank == victim:
-        print(f"megalite: fault injection: rank {rank} exits at step {step} ({FAULT_STEP_ENV})", file=sys.stderr,
-              flush=True)
+    ranks = _per_attempt(FAULT_RANK_ENV) or [str(int(os.environ.get("WORLD_SIZE", "1")) - 1)]
+    if rank != int(ranks[min(attempt, len(ranks) - 1)]):
+        return
+    how = os.environ.get(FAULT_SIGNAL_ENV, "exit")
+    if how not in ("exit", "SIGKILL", "SIGTERM"):
+        raise ValueError(f"{FAULT_SIGNAL_ENV}={how!r}: use exit, SIGKILL or SIGTERM")
+    print(f"megalite: fault injection: rank {rank} {'exits' if how == 'exit' else 'gets ' + how} at step {step} "
+          f"({FAULT_STEP_ENV})", file=sys.stderr, flush=True)
+    if how == "exit":
         os._exit(1)
+    os.kill(os.getpid(), getattr(signal, how))

@@ -1,7 +1,7 @@
 """Reading a published checkpoint: the index, integrity checks, and boxes of full tensors.
 
 `CheckpointReader(path)` reads the manifest and metadata (metadata checked against its
-sha256 in the manifest). Before anything is loaded, `verify_box(kind, name, full_box)`
+sha256 in the manifest, its format version against the one this code reads). Before anything is loaded, `verify_box(kind, name, full_box)`
 checks that the files holding the stored boxes overlapping `full_box` exist with the
 manifest's size, and that the CRC32 of each of those stored boxes matches the index: every
 byte that gets loaded was checked, and a rank reads (and checks) only the boxes it needs.
@@ -23,7 +23,20 @@ import numpy as np
 import torch
 
 from megalite.checkpoint.boxes import Box, box_numel, box_shape, box_slices, intersect, relative
-from megalite.checkpoint.storage import DTYPES, MANIFEST, METADATA, CheckpointCorruptError, file_sha256
+from megalite.checkpoint.storage import (DTYPES, FORMAT_VERSION, MANIFEST, METADATA, CheckpointCorruptError,
+                                         CheckpointMismatchError, file_sha256)
+
+
+def _check_format_version(path: Path, metadata: dict) -> None:
+    """Refuse a checkpoint written in a newer format than this code reads (before parsing it)."""
+    version = metadata.get("format_version") if isinstance(metadata, dict) else None
+    if not isinstance(version, int):
+        raise CheckpointCorruptError(f"{path / METADATA}: no format_version (not a megalite checkpoint index)")
+    if version > FORMAT_VERSION:
+        writer = (metadata.get("versions") or {}).get("megalite", "a newer megalite")
+        raise CheckpointMismatchError(f"checkpoint {path} has format version {version}, newer than the {FORMAT_VERSION} "
+                                      f"this megalite reads; upgrade megalite (it was written by {writer}) or "
+                                      f"load an older checkpoint (--load-step)")
 
 
 class CheckpointReader:
@@ -41,6 +54,10 @@ class CheckpointReader:
         self.items: dict[tuple[str, str], list] = defaultdict(list)
         try:
             self.metadata = json.loads((self.path / METADATA).read_text())
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{self.path / METADATA}: not JSON ({exc})") from None
+        _check_format_version(self.path, self.metadata)  # a newer format is refused before it is parsed
+        try:
             for kind, name, box, dtype, file, offset, crc in self.metadata["items"]:
                 self.items[(kind, name)].append((tuple(tuple(b) for b in box), DTYPES[dtype], file, offset, crc))
         except (ValueError, KeyError, TypeError) as exc:  # checksum fine, content not ours

@@ -62,8 +62,9 @@ def writes(chunk, local_name: str, param, mesh: Mesh) -> bool:
 
 def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> list[Item]:
     """The parameter boxes this rank stores; copy=False keeps CPU views (a synchronous save
-    writes them before training touches the parameters again)."""
-    if mesh.dp_rank != 0:
+    writes them before training touches the parameters again). Weights are replicated over dp
+    and cp: only the replica at dp rank 0, cp rank 0 writes them."""
+    if mesh.dp_rank != 0 or mesh.cp_rank != 0:
         return []
     items = []
     for chunk in chunks:
@@ -118,7 +119,7 @@ def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
     """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata."""
     state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
     extras = {"step": state["step"], "loss_scaler": state["loss_scaler"]}
-    if optimizer.zero_stage == 0 and mesh.dp_rank != 0:
+    if optimizer.zero_stage == 0 and (mesh.dp_rank != 0 or mesh.cp_rank != 0):  # replicas (ZeRO: disjoint shards)
         return [], extras
     specs = optimizer_param_specs(chunks, mesh)
     items = []

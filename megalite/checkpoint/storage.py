@@ -18,7 +18,8 @@ and drops a `done_rNNNNN.json` marker (its file's sha256 and size, each box's CR
 marker, writes manifest.json, fsyncs, renames the directory to `step_000123/` (atomic) and
 only then replaces `latest` (write `latest.tmp`, fsync, os.replace). A crash at any point
 leaves either the old `latest` or a complete new checkpoint; `*.tmp` directories are
-never read and are removed by the next save of the same step.
+never read, and the next run's Checkpointer removes them (`remove_unpublished`). A save that
+fails (full disk, unwritable directory) removes its own (`discard_unpublished`).
 
 Nothing here communicates: ranks meet through files (the checkpoint directory is on a file
 system every rank sees, as it must be for a layout-free load anyway).
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from megalite.errors import UsageError
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST, METADATA, LATEST = "manifest.json", "metadata.json", "latest"
 _CHUNK = 8 << 20  # bytes per write/read while hashing
@@ -47,8 +50,21 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
+FORMAT_VERSION = 1  # of metadata.json and the shard files; a reader refuses newer ones
+
+
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint on disk is incomplete or damaged (the message names the file)."""
+
+
+class CheckpointMismatchError(UsageError, ValueError):
+    """A checkpoint this model or this megalite cannot load: saved from another model (a
+    parameter's shape, or the architecture, differs) or in a newer format. Not damage: no
+    fallback to an older checkpoint, the person running the job must choose."""
+
+
+class CheckpointNotFoundError(UsageError, FileNotFoundError):
+    """The checkpoint asked for (--load-step N, a step directory) does not exist."""
 
 
 def step_dir_name(step: int) -> str:
@@ -157,11 +173,15 @@ def write_done_marker(tmp_dir: Path, rank: int, record: dict) -> None:
     write_json_atomic(tmp_dir / _done_marker(rank), record)
 
 
-def collect_done_markers(tmp_dir: Path, world_size: int, timeout_s: float) -> dict[str, dict]:
-    """Wait until every rank's marker exists; return {file name: {'sha256', 'bytes', 'crc32'}}."""
+def collect_done_markers(tmp_dir: Path, world_size: int, timeout_s: float, abort=None) -> dict[str, dict]:
+    """Wait until every rank's marker exists; return {file name: {'sha256', 'bytes', 'crc32'}}.
+
+    `abort` (a threading.Event): stop waiting when it is set (another rank's write failed)."""
     deadline = time.monotonic() + timeout_s
     records: dict[int, dict] = {}
     while len(records) < world_size:
+        if abort is not None and abort.is_set():
+            raise RuntimeError(f"checkpoint {tmp_dir}: abandoned (another rank's write failed)")
         for rank in range(world_size):
             marker = tmp_dir / _done_marker(rank)
             if rank not in records and marker.exists():
@@ -205,6 +225,39 @@ def publish(tmp_dir: Path, files: dict[str, dict]) -> Path:
     write_json_atomic(final.parent / LATEST, {"step_dir": final.name})
     fsync_dir(final.parent)
     return final
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def discard_unpublished(root: Path, step: int) -> None:
+    """After a failed save of `step`: remove its partial directory, and its renamed directory
+    too when `latest` does not name it (the rename happened, replacing `latest` failed)."""
+    shutil.rmtree(root / (step_dir_name(step) + ".tmp"), ignore_errors=True)
+    final = root / step_dir_name(step)
+    if final.is_dir() and latest_step(root) != step:
+        try:
+            remove_dir(final)
+        except OSError:
+            pass
+
+
+def remove_unpublished(root: Path) -> list[str]:
+    """Remove what interrupted saves left in `root`: `step_N.tmp` directories (never loadable)
+    and directories renamed for deletion. Only while no save is in flight (a new run, rank 0)."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for child in sorted(root.iterdir()):
+        if child.is_dir() and re.match(r"^step_\d+(\.tmp|\.deleting\d+)$", child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child.name)
+    return removed
 
 
 def remove_dir(path: Path) -> None:

@@ -9,11 +9,13 @@ from megalite.context_parallel.ulysses import ulysses_attention
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, comm_type: str = "p2p",
-                               dropout_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
+                               dropout_p: float = 0.0, dropout_seed: int = 0, head_start: int = 0) -> torch.Tensor:
     """Causal attention of this rank's zigzag chunks over the sequence split across `cp_group`.
 
     q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. comm_type "p2p": ring
     attention (K/V blocks round the ring); "a2a": Ulysses (all-to-all to a head split and back).
+    Dropout (Ulysses only): the Philox mask of `dropout_seed` over the logical [heads, b, s, s]
+    probabilities, of which q's heads start at global head `head_start`.
     """
     if comm_type == "p2p":
         if dropout_p > 0.0:
@@ -21,5 +23,6 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                              "attention_dropout=0 or use --cp-comm-type a2a")
         return ring_attention(q, k, v, cp_group)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, cp_group, dropout_p=dropout_p, generator=generator)
+        return ulysses_attention(q, k, v, cp_group, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                 head_start=head_start)
     raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {CP_COMM_TYPES}")

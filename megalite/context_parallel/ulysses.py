@@ -23,6 +23,7 @@ import torch
 
 from megalite import comm
 from megalite.context_parallel.zigzag import chunk_ids
+from megalite.model import functional as MF
 
 
 class _AllToAll(torch.autograd.Function):
@@ -67,15 +68,16 @@ def _sequence_to_rank_order(x: torch.Tensor, cp: int, to_ranks: torch.Tensor) ->
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, dropout_p: float = 0.0,
-                      generator: torch.Generator | None = None, layout: str = "zigzag") -> torch.Tensor:
+                      dropout_seed: int = 0, head_start: int = 0, layout: str = "zigzag") -> torch.Tensor:
     """Causal attention over the whole sequence split across `cp_group`, by head-sharding all-to-alls.
 
     q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks (zigzag.split_sequence
     order). Returns this rank's rows [b, h, s/cp, d]; differentiable. The attention itself is
-    `megalite.model.functional.attention` (Triton flash attention on CUDA), dropout included.
+    `megalite.model.functional.attention` (Triton flash attention on CUDA), dropout included:
+    after the all-to-all this rank holds heads [cp_rank*h/cp, (cp_rank+1)*h/cp) of q's heads over
+    the whole sequence in order, so its part of the logical Philox mask (q's heads start at
+    global head `head_start`) is at those heads' counters, the same as without cp.
     """
-    from megalite.model import functional as MF  # here: the model package imports this module
-
     cp = comm.group_size(cp_group)
     b, h, s_local, d = q.shape
     h_kv = k.shape[1]
@@ -92,7 +94,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     received = _AllToAll.apply(torch.cat(by_head_group, dim=2), cp_group)  # [cp, b, (h + 2 h_kv)/cp, 2, c, d]
     full = _heads_to_sequence_order(received, to_sequence)  # [b, (h + 2 h_kv)/cp, s, d]
     q_full, k_full, v_full = full.split([h // cp, h_kv // cp, h_kv // cp], dim=1)
-    out = MF.attention(q_full, k_full, v_full, dropout_p=dropout_p, generator=generator)  # [b, h/cp, s, d]
+    s_full = q_full.shape[2]
+    first_head = head_start + comm.group_rank(cp_group) * (h // cp)
+    out = MF.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                       dropout_offset=first_head * b * s_full * s_full)  # [b, h/cp, s, d]
     pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d]
     returned = _AllToAll.apply(pieces, cp_group)  # piece r: head group r, my tokens
     return returned.transpose(0, 1).reshape(b, h, s_local, d)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megalite.data.default_corpus import build_default_corpus
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.indexed_dataset import DataError, IndexedDataset
 from megalite.data.sample_index import cached_sample_index
 from megalite.data.tokenizer import load_tokenizer
 
@@ -96,7 +96,7 @@ class BlendedDataset:
             raise ValueError("BlendedDataset needs one weight per dataset")
         for d, (ds, w) in enumerate(zip(datasets, weights)):
             if len(ds) == 0:
-                raise ValueError(f"blended dataset {d} ({ds!r}) has no samples but weight {w}; "
+                raise DataError(f"blended dataset {d} ({ds!r}) has no samples but weight {w}; "
                                  f"drop it from --data-path or give it more data")
         total = float(sum(weights))
         self.datasets, self.weights = datasets, [w / total for w in weights]
@@ -124,17 +124,17 @@ def parse_data_path(data_path: list[str] | str | None) -> list[tuple[float, str]
     if len(items) == 1:
         return [(1.0, items[0])]
     if len(items) % 2:
-        raise ValueError(f"--data-path {' '.join(items)}: give one prefix, or weight/prefix pairs like "
+        raise DataError(f"--data-path {' '.join(items)}: give one prefix, or weight/prefix pairs like "
                          f"'--data-path 0.7 a 0.3 b'")
     pairs = []
     for weight, prefix in zip(items[0::2], items[1::2]):
         try:
             value = float(weight)
         except ValueError:
-            raise ValueError(f"--data-path: {weight!r} should be a weight (a number) before prefix "
+            raise DataError(f"--data-path: {weight!r} should be a weight (a number) before prefix "
                              f"{prefix!r}; use '--data-path 0.7 a 0.3 b'") from None
         if not value > 0:
-            raise ValueError(f"--data-path: weight {weight} of {prefix!r} must be positive")
+            raise DataError(f"--data-path: weight {weight} of {prefix!r} must be positive")
         pairs.append((value, prefix))
     return pairs
 
@@ -144,9 +144,9 @@ def parse_split(split: str) -> list[float]:
     try:
         parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to three numbers like '969,30,1'") from None
+        raise DataError(f"--split {split!r}: expected up to three numbers like '969,30,1'") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive "
+        raise DataError(f"--split {split!r}: expected up to three non-negative numbers with a positive "
                          f"sum, like '969,30,1'")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
@@ -197,7 +197,7 @@ def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq
     for _, prefix in pairs:
         indexed = IndexedDataset(prefix)
         if indexed.vocab_size > tokenizer.vocab_size:
-            raise ValueError(f"{prefix} was preprocessed with a vocabulary of {indexed.vocab_size} tokens but "
+            raise DataError(f"{prefix} was preprocessed with a vocabulary of {indexed.vocab_size} tokens but "
                              f"the tokenizer has {tokenizer.vocab_size}; pass the tokenizer used by "
                              f"tools/preprocess_data.py (--tokenizer)")
         ranges = split_documents(indexed.doc_lengths, fractions)
@@ -216,7 +216,7 @@ def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq
                        f"than seq_length+1 = {seq_length + 1}, so it holds no sample; change --split "
                        f"{split!r} or use more data")
             if name == "train":
-                raise ValueError(message)
+                raise DataError(message)
             warnings.warn(message)
             parts = [ds for ds in parts if len(ds) > 0]
             weights = [w for (w, _), ds in zip(pairs, per_split[s]) if len(ds) > 0]

@@ -32,6 +32,8 @@ import zlib
 
 import numpy as np
 
+from megalite.errors import UsageError
+
 MAGIC = b"MLITEIDX"
 VERSION = 1
 HEADER = struct.Struct("<8sIIqqQQII")  # 56 bytes, keeps the offsets 8-byte aligned
@@ -39,8 +41,16 @@ DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.int32), 
 DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
-class CorruptIndexError(ValueError):
-    """The .bin/.idx pair is unreadable, truncated or inconsistent."""
+class DataError(UsageError, ValueError):
+    """A data input the user must fix (a path, its files, the tokenizer or split that goes with them)."""
+
+
+class CorruptIndexError(DataError):
+    """The .bin/.idx pair is unreadable, truncated, of another format, or not a matching pair."""
+
+
+class DataFileNotFoundError(UsageError, FileNotFoundError):
+    """A data path whose .bin or .idx does not exist (the message says what the path looks like instead)."""
 
 
 def data_file_path(prefix: str) -> str:
@@ -135,8 +145,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} does not exist; create the pair with "
-                                        f"tools/preprocess_data.py --output-prefix {prefix}")
+                raise DataFileNotFoundError(_missing_pair_message(prefix, path))
         with open(idx_path, "rb") as f:
             is_megatron = f.read(len(MEGATRON_MAGIC)) == MEGATRON_MAGIC
         read = _read_megatron_index if is_megatron else _read_megalite_index
@@ -180,6 +189,20 @@ class IndexedDataset:
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}, docs={len(self)}, tokens={self.num_tokens}, "
                 f"dtype={self.dtype}, vocab_size={self.vocab_size})")
+
+
+def _missing_pair_message(prefix: str, missing: str) -> str:
+    """Why `prefix` names no .bin/.idx pair, and the fix (the common mistakes first)."""
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx") and dataset_exists(stem):
+        return f"data path {prefix}: give the prefix of the pair, without {ext}: {stem}"
+    if os.path.isdir(prefix):
+        return (f"data path {prefix} is a directory, not the prefix of a .bin/.idx pair; preprocess it with "
+                f"tools/preprocess_data.py --input {prefix} --output-prefix PREFIX and pass PREFIX")
+    if os.path.isfile(prefix):
+        return (f"data path {prefix} is a raw file, not the prefix of a .bin/.idx pair; preprocess it with "
+                f"tools/preprocess_data.py --input {prefix} --output-prefix {stem} and pass {stem}")
+    return f"{missing} does not exist; create the pair with tools/preprocess_data.py --output-prefix {prefix}"
 
 
 def _read_megalite_index(idx_path: str):

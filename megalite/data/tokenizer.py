@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 
+from megalite.data.indexed_dataset import DataFileNotFoundError
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: ids 0..255 are bytes, id 256 is the end-of-document token."""
@@ -53,8 +55,8 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path!r} does not exist; pass a path to a "
-                                    f"HuggingFace tokenizer.json, or 'byte' for the byte tokenizer")
+            raise DataFileNotFoundError(f"tokenizer file {path!r} does not exist; pass a path to a "
+                                        f"HuggingFace tokenizer.json, or 'byte' for the byte tokenizer")
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:  # optional dependency

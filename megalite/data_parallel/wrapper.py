@@ -60,7 +60,11 @@ def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Param
 
 
 class DataParallel(nn.Module):
-    """One model replica's parameters and gradients over `mesh.dp_group` (see the module docstring).
+    """One model replica's parameters and gradients over `mesh.dp_cp_group` (see the module docstring).
+
+    Parameters are replicated over data and context parallelism alike (cp ranks hold other
+    tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
+    that group is `mesh.dp_group` itself. "dp" below means that group.
 
     zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
         rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket),
@@ -90,14 +94,15 @@ class DataParallel(nn.Module):
             self._init_zero3(units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step)
             return
         named = [(n, p) for n, p in named_parameters_of(self.chunks) if p.requires_grad]
-        self.grads = GradBuffers([p for _, p in named], mesh.dp_group, bucket_size=bucket_size,
+        replica_group = mesh.dp_cp_group  # every rank holding these same parameters (dp x cp)
+        self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
         self.layout = self.grads.layout
-        self.param_buffer = ParamBuffer(self.params, self.layout, mesh.dp_group, self.grads.shard_rank,
+        self.param_buffer = ParamBuffer(self.params, self.layout, replica_group, self.grads.shard_rank,
                                         overlap=overlap_param_gather)
         self.gather_order = self._forward_bucket_order()
         self._guard = ReadGuard(self.param_buffer)
@@ -109,7 +114,7 @@ class DataParallel(nn.Module):
     def _init_zero3(self, units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step) -> None:
         """Units, their flat layout (one bucket each), sharded storage, gradients and the schedule."""
         mesh = self.mesh
-        group = mesh.dp_group  # the group the shards span (the same one ZeRO 0-2 reduce over)
+        group = mesh.dp_cp_group  # the shards span every rank holding these parameters (dp x cp), as ZeRO 1/2
         tied_split = mesh.pp_size > 1  # the tied embedding: one unit per stage, same layout on both
         self.units = split_tied(resolve_units(self.chunks, units), tied_split)
         self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group))

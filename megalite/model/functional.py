@@ -6,8 +6,6 @@ plain PyTorch below. Both compute the same function; the model's parity tests ru
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -68,28 +66,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-              generator: torch.Generator | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_seed: int = 0,
+              dropout_offset: int = 0) -> torch.Tensor:
     """Causal attention. q: [b, h, s, d]; k, v: [b, h_kv, s, d] (grouped-query); out [b, h, s, d].
 
-    With dropout the probabilities are dropped with `generator` (this rank's tensor-parallel
-    stream), so masks differ across tp ranks and are reproducible on recompute.
+    With dropout the probabilities are dropped with the Philox mask of (dropout_seed,
+    dropout_offset) (kernels/attention_torch.py: counters over [h, b, s, s], head-major), inside
+    the flash kernel on CUDA and in the PyTorch path elsewhere; neither keeps anything per score.
     """
-    if dropout_p == 0.0:
-        fn = _kernel("attention")
-        if fn is not None:
-            return fn(q, k, v, causal=True)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    from megalite.tensor_parallel.random import dropout
-
+    fn = _kernel("attention")
+    if fn is not None:
+        return fn(q, k, v, causal=True, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                  dropout_offset=dropout_offset)
+    if dropout_p > 0.0:  # pragma: no cover - the kernels package ships with megalite
+        raise RuntimeError("attention dropout needs megalite.kernels (Philox masks); reinstall megalite")
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    s = q.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # [b, h, s, s]
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-    probs = torch.softmax(scores.float().masked_fill(causal, float("-inf")), dim=-1).to(q.dtype)
-    return torch.matmul(dropout(probs, dropout_p, generator), v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from megalite import comm, params
-from megalite.context_parallel.zigzag import position_ids
+from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.mesh import Mesh, current_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -40,7 +40,7 @@ from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
-from megalite.tensor_parallel.random import TensorParallelRNG, dropout
+from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 from megalite.tensor_parallel.sharding import ShardSpec
 
 # Seed-stream offsets of the components (layer i uses _LAYER_STREAM + i).
@@ -67,7 +67,7 @@ class GPTModel(nn.Module):
         self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
         self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
         tp_size = comm.group_size(self.tp_group)
-        tp_rank, pp_rank = comm.group_rank(self.tp_group), (mesh.pp_rank if mesh is not None else 0)
+        tp_rank = comm.group_rank(self.tp_group)
         pp_size = mesh.pp_size if mesh is not None else 1
         device = device if device is not None else (mesh.device if mesh is not None else None)
         # device="meta": parameters without memory (ZeRO-3 materialises them one unit at a time,
@@ -87,7 +87,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
-        self.rng = TensorParallelRNG(seed, tp_rank, pp_rank, self._real_device or "cpu", cp_rank=self.cp_rank)
+        self.rng = TensorParallelRNG(seed)  # the same on every rank: masks are layout-free
         self._seed, self._dtype, self._cp_comm_type, self._tp = seed, dtype, cp_comm_type, (tp_rank, tp_size)
 
         with torch.device("meta") if on_meta else contextlib.nullcontext():  # meta: no init work either
@@ -140,7 +140,7 @@ class GPTModel(nn.Module):
     def _build_block(self, layer_id: int, device) -> TransformerBlock:
         with seeded(self._seed, _LAYER_STREAM + layer_id):
             return TransformerBlock(self.config, self.tp_group, self.sequence_parallel, self._dtype, device,
-                                    self.cp_group, self._cp_comm_type)
+                                    self.cp_group, self._cp_comm_type, layer_number=layer_id)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
@@ -197,8 +197,12 @@ class GPTModel(nn.Module):
                 tp, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
                 positions = positions.chunk(tp, dim=0)[r]
             x = x + positions
-        generator = self.rng.tensor_parallel if self.sequence_parallel else self.rng.replicated
-        return dropout(x, self.config.hidden_dropout, generator, self.training)
+        # the [s, b, h] embedding output's mask; under SP this rank's rows of it
+        shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
+        offset = logical_row_offsets(x.shape[0], x[0].numel(), comm.group_rank(self.tp_group) if shards > 1 else 0,
+                                     shards, self.cp_rank, self.cp_size)
+        return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
+                       offset)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] final hidden -> [s, b, V_pad/tp] logits shard."""

@@ -9,17 +9,33 @@ from __future__ import annotations
 import torch
 
 from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
+
+
+def _gpt2_dropout(hf_config) -> tuple[float, float]:
+    """(hidden_dropout, attention_dropout) from GPT-2's resid/embd/attn_pdrop.
+
+    megalite drops the embedding output and both residual branches with one probability,
+    hidden_dropout (as Megatron does), so embd_pdrop must equal resid_pdrop."""
+    resid, embd, attn = (float(getattr(hf_config, name, 0.0)) for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+    if embd != resid:
+        raise ValueError(f"GPT-2 embd_pdrop={embd} differs from resid_pdrop={resid}; megalite uses one hidden_dropout "
+                         "for the embedding and the residual branches: set both to the same value")
+    return resid, attn
 
 
 def config_from_hf(hf_config) -> GPTConfig:
+    """The GPTConfig of a transformers GPT2Config / LlamaConfig, dropout probabilities included."""
     kind = getattr(hf_config, "model_type", "")
     if kind == "gpt2":
         if getattr(hf_config, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"GPT-2 activation {hf_config.activation_function!r} unsupported; megalite uses tanh-GeLU")
+        hidden_dropout, attention_dropout = _gpt2_dropout(hf_config)
         return GPTConfig("gpt2", num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
                          num_attention_heads=hf_config.n_head, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
                          vocab_size=hf_config.vocab_size, seq_length=hf_config.n_positions,
-                         norm_eps=hf_config.layer_norm_epsilon, tie_embeddings=True, add_bias=True)
+                         norm_eps=hf_config.layer_norm_epsilon, tie_embeddings=True, add_bias=True,
+                         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
     if kind == "llama":
         if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
             raise ValueError("Llama with attention_bias/mlp_bias is not supported")
@@ -34,7 +50,8 @@ def config_from_hf(hf_config) -> GPTConfig:
                          num_query_groups=hf_config.num_key_value_heads, ffn_hidden_size=hf_config.intermediate_size,
                          vocab_size=hf_config.vocab_size, seq_length=hf_config.max_position_embeddings,
                          norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta),
-                         tie_embeddings=bool(hf_config.tie_word_embeddings), add_bias=False)
+                         tie_embeddings=bool(hf_config.tie_word_embeddings), add_bias=False,
+                         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)))  # no hidden dropout
     raise ValueError(f"unsupported HF model_type {kind!r}; megalite converts gpt2 and llama")
 
 
@@ -106,8 +123,6 @@ def full_state_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
 
 def from_hf(hf_model, mesh=None, **model_kwargs):
     """The megalite GPTModel equal to `hf_model`, with this rank's slices of its weights."""
-    from megalite.model.gpt import GPTModel
-
     config = config_from_hf(hf_model.config)
     model = GPTModel(config, mesh, **model_kwargs)
     hf_state = {k: v.detach().to(torch.float32) for k, v in hf_model.state_dict().items()}

@@ -17,10 +17,12 @@ from torch import nn
 from megalite import comm, params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
+from megalite.context_parallel.zigzag import logical_row_offsets
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
+from megalite.model.recompute import checkpoint_with_rng
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megalite.tensor_parallel.random import TensorParallelRNG, dropout
+from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 
 
 def normal_init(std: float):
@@ -67,14 +69,14 @@ class Attention(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
-                 cp_group=None, cp_comm_type: str = "p2p"):
+                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0):
         super().__init__()
         tp = comm.group_size(tp_group)
         self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
         check_attention(comm.group_size(cp_group), cp_comm_type, config.num_attention_heads, config.num_query_groups,
                         tp, config.attention_dropout)
         d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_query_groups
-        self.config = config
+        self.config, self.layer_number, self.tp_rank = config, layer_number, comm.group_rank(tp_group)
         self.local_heads, self.local_groups, self.head_dim = nq // tp, nkv // tp, d
         init = normal_init(config.init_std)
         out_init = normal_init(config.init_std / math.sqrt(2 * config.num_layers))
@@ -97,10 +99,13 @@ class Attention(nn.Module):
             q, k = MF.rope(q, *rope), MF.rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
         p = self.config.attention_dropout if self.training else 0.0
+        seed = rng.tensor_parallel.draw(dropout_site(self.layer_number, 0)) if p > 0.0 else 0
+        head_start = self.tp_rank * hq  # this rank's heads of the logical [nq, b, s, s] probabilities
         if comm.group_size(self.cp_group) > 1:  # the other cp ranks hold the rest of the sequence
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, rng.tensor_parallel)
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, seed, head_start)
         else:
-            out = MF.attention(q, k, v, dropout_p=p, generator=rng.tensor_parallel)  # [b, hq, s, d]
+            out = MF.attention(q, k, v, dropout_p=p, dropout_seed=seed,
+                               dropout_offset=head_start * b * s * s)  # [b, hq, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 
@@ -119,42 +124,56 @@ class MLP(nn.Module):
                                         fused_blocks=(f, f) if self.gated else None, **common)
         self.fc2 = RowParallelLinear(f, h, bias=config.add_bias, init_method=out_init, **common)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """add_bias=False leaves fc2's bias to the caller (the block's fused bias-dropout-add)."""
         y = self.fc1(x)  # [s, b, f/tp] or [s, b, 2f/tp] = [gate_r; up_r]
         if self.gated:
             gate, up = y.chunk(2, dim=-1)
             y = MF.swiglu(gate, up)
         else:
             y = MF.gelu(y)
-        return self.fc2(y)
+        return self.fc2(y, add_bias=add_bias)
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+    `layer_number` is the block's global index in the model: it names the block's dropout sites,
+    so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
+    """
 
     def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
-                 cp_group=None, cp_comm_type: str = "p2p"):
+                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0):
         super().__init__()
-        self.config, self.sequence_parallel = config, sequence_parallel
+        self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
+        self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
+        self.cp_size, self.cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)  # this rank's tokens
         self.input_norm = Norm(config, sequence_parallel, dtype, device)
-        self.attention = Attention(config, tp_group, sequence_parallel, dtype, device, cp_group, cp_comm_type)
+        self.attention = Attention(config, tp_group, sequence_parallel, dtype, device, cp_group, cp_comm_type,
+                                   layer_number)
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward
 
-    def _hidden_dropout(self, x: torch.Tensor, rng: TensorParallelRNG) -> torch.Tensor:
-        # Without SP every tp rank holds the same activation: the replicated stream keeps them equal.
-        generator = rng.tensor_parallel if self.sequence_parallel else rng.replicated
-        return dropout(x, self.config.hidden_dropout, generator, self.training)
+    def _bias_dropout_add(self, projection: RowParallelLinear, y: torch.Tensor, residual: torch.Tensor,
+                          rng: TensorParallelRNG, which: int) -> torch.Tensor:
+        """residual + dropout(y + projection.bias) in one kernel, keeping nothing for backward.
+
+        The logical mask is the [s, b, h] activation's (replicated stream): without SP every tp
+        rank builds all of it, under SP rank r builds its rows [r*s/tp, (r+1)*s/tp)."""
+        shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
+        offset = logical_row_offsets(residual.shape[0], residual[0].numel(), self.tp_rank if shards > 1 else 0,
+                                     shards, self.cp_rank, self.cp_size)
+        return dropout(y, self.config.hidden_dropout, rng.replicated, dropout_site(self.layer_number, which),
+                       self.training, offset, bias=projection.bias, residual=residual)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 rng: TensorParallelRNG) -> torch.Tensor:
-        from megalite.model.recompute import checkpoint_with_rng
-
         qkv = self.attention.qkv(self.input_norm(x))
         if self.recompute_core and self.training:
             core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)
         else:
             core = self.attention.core(qkv, rope, rng)
-        x = x + self._hidden_dropout(self.attention.proj(core), rng)
-        return x + self._hidden_dropout(self.mlp(self.post_attention_norm(x)), rng)
+        proj, fc2 = self.attention.proj, self.mlp.fc2
+        x = self._bias_dropout_add(proj, proj(core, add_bias=False), x, rng, 1)
+        return self._bias_dropout_add(fc2, self.mlp(self.post_attention_norm(x), add_bias=False), x, rng, 2)

@@ -5,6 +5,10 @@ Recomputation in Large Transformer Models") for megalite's blocks and kernels, a
 against the real model on CPU (tests/training/test_estimate.py), times the microbatches in
 flight on the stage (1F1B: pp - stage; interleaved: Megatron's warmup + 1 chunks; GPipe: all;
 ZB-H1: counted on the schedule).
+
+Context parallelism (cp > 1) gives each rank s/cp tokens of every sequence, so every
+per-token term uses s/cp. What only exists at cp > 1 is added by name: the positions gathered at the zigzag chunks' global positions, and the ring's
+or all-to-all's transient buffers (`context_parallel_buffer_bytes`, one layer's worth).
 """
 from __future__ import annotations
 
@@ -13,15 +17,10 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.pipeline.instructions import BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
-from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
-
-
-# Bytes of RNG state a recompute checkpoint keeps: megalite's two dropout generators plus
-# torch.utils.checkpoint's copy of the global CPU generator (mt19937: 5056 B; CUDA Philox: 16 B).
-_CHECKPOINT_RNG_BYTES = {"cpu": 3 * 5056, "cuda": 5056 + 3 * 16}
 
 
 def _norm_bytes(model: GPTConfig, a: int, rows: int, h: int) -> int:
@@ -29,22 +28,22 @@ def _norm_bytes(model: GPTConfig, a: int, rows: int, h: int) -> int:
     return a * rows * h + (2 if model.flavour == "gpt2" else 1) * 4 * rows   # mean+rstd | rstd
 
 
-def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute: str) -> int:
-    """q, k, v as the attention core keeps them (storage-level: views keep the whole QKV output)."""
+def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute: str, ulysses: bool = False) -> int:
+    """q, k, v as the attention core keeps them (storage-level: views keep the whole QKV output).
+
+    Under Ulysses (`ulysses`) the kernel keeps views of the all-to-all's head-split copy, the
+    same bytes as the QKV output, and the rotated q and k are consumed by that copy."""
     d, nq, nkv = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t
     qkv_storage = a * sb * (nq + 2 * nkv) * d
     if recompute == "selective":
         return qkv_storage                                      # only the checkpoint's input survives
-    if model.attention_dropout > 0:
-        return 3 * a * sb * nq * d                              # eager path: contiguous copies for bmm
     total = qkv_storage                                         # flash kernel: views of it, no repeat
-    if model.flavour == "llama":
+    if model.flavour == "llama" and not ulysses:
         total += a * sb * (nq + nkv) * d                        # rotated q and k (new tensors)
     return total
 
 
-def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None,
-                           device: str = "cuda") -> int:
+def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None) -> int:
     """Bytes one block keeps for backward, per microbatch, on one tensor-parallel rank.
 
     Counted storage by storage from megalite's block (Korthikanti et al.'s method; their
@@ -55,48 +54,47 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
       its sequence shard and re-gathers it in backward, as Korthikanti et al. count it);
       q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE, k and v repeated per
       query head under grouped-query attention (functional.attention's repeat_interleave);
-      attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash/SDPA, no dropout), or with
-      attention dropout the eager path: q, k, v copies, fp32 softmax 4*b*nq*s^2/t, its dropout
-      mask and output 2*a*b*nq*s^2/t and the bool causal mask s^2;
+      attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash attention, with or without
+      dropout: the mask is regenerated from its Philox key in backward, nothing per score kept);
       MLP: gpt2 fc1 and GeLU outputs 2*a*sbf/t; llama gate|up and product 3*a*sbf/t (+silu(gate)
-      a*sbf/t with the PyTorch reference); hidden dropout masks 2*a*sbh/sp (dtype-sized masks).
-    Selective recompute keeps the QKV output, attention output and RNG states; full recompute
-    keeps the block input and RNG states (their size depends on `device`, where the generators live).
+      a*sbf/t with the PyTorch reference). Hidden dropout keeps no mask (bias-dropout-add
+      regenerates it), so dropout adds no bytes anywhere.
+    Selective recompute keeps the QKV output and the attention output; full recompute keeps the
+    block input (and a few Python integers of dropout-stream state, no tensor).
+    Under context parallelism s is this rank's s/cp tokens.
     """
     recompute = recompute or cfg.parallel.recompute
     a = DTYPE_BYTES[cfg.precision.precision]
     t = cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
-    s, b, h = model.seq_length, cfg.training.micro_batch_size, model.hidden_size
+    s, b, h = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size
+    ulysses = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "a2a"
     f, nq = model.ffn_hidden_size, model.num_attention_heads
-    rng_state = _CHECKPOINT_RNG_BYTES[device] if recompute != "none" else 0
     if recompute == "full":
-        return a * s * b * h // sp + rng_state
+        return a * s * b * h // sp
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
-    total += _attention_inputs_bytes(model, a, s * b, t, recompute)
+    total += _attention_inputs_bytes(model, a, s * b, t, recompute, ulysses)
     total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
-    if model.attention_dropout > 0 and recompute == "none":
-        total += (4 + 2 * a) * b * nq * s * s // t + s * s
-    elif recompute == "none":                                           # flash: its own [b, nq/t, s, d]
+    if recompute == "none":                                             # flash: its own [b, nq/t, s, d]
         total += a * s * b * nq * model.head_dim // t + 4 * b * nq * s // t   # output, fp32 logsumexp
     if model.flavour == "gpt2":
         total += 2 * a * s * b * f // t
     else:
         total += 3 * a * s * b * f // t
-    if model.hidden_dropout > 0:
-        total += 2 * a * s * b * h // sp
-    return total + rng_state
+    if ulysses and recompute == "none":
+        total += 2 * 8 * 2 * cfg.parallel.cp                            # int64 chunk orders of its two reorderings
+    return total
 
 
 def embedding_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Kept by the first stage's embedding per microbatch: token ids (+ local ids and mask when
-    the vocabulary is split) and the dropout mask."""
-    s, b = model.seq_length, cfg.training.micro_batch_size
-    sp = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    the vocabulary is split; its dropout keeps no mask), and under context parallelism gpt2's
+    int64 global positions (the index of the position-table gather)."""
+    s, b = local_seq_length(model, cfg), cfg.training.micro_batch_size
     n = 8 * s * b + (9 * s * b if cfg.parallel.tp > 1 else 0)
-    if model.hidden_dropout > 0:
-        n += DTYPE_BYTES[cfg.precision.precision] * s * b * model.hidden_size // sp
+    if cfg.parallel.cp > 1 and model.flavour == "gpt2":
+        n += 8 * s
     return n
 
 
@@ -106,7 +104,7 @@ def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     the logits shard itself (not with --fused-linear-cross-entropy), the targets and one fp32
     log-sum-exp per token."""
     a = DTYPE_BYTES[cfg.precision.precision]
-    s, b, h, t = model.seq_length, cfg.training.micro_batch_size, model.hidden_size, cfg.parallel.tp
+    s, b, h, t = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size, cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
     n = _norm_bytes(model, a, s * b // sp, h)
     n += a * s * b * h // sp                                            # output-layer input
@@ -114,6 +112,41 @@ def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
         n += a * s * b * model.padded_vocab_size(t) // t                # logits shard, kept by the CE kernel
     n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
     return n
+
+
+def rope_table_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """Llama under context parallelism: the fp32 cos and sin rows [s/cp, d] gathered at this
+    rank's global positions, kept by the RoPE of every block of a chunk (views of the tables,
+    nothing, at cp = 1)."""
+    if cfg.parallel.cp == 1 or model.flavour != "llama":
+        return 0
+    return 2 * 4 * local_seq_length(model, cfg) * model.head_dim
+
+
+def context_parallel_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """Transient bytes of one layer's context-parallel attention at its peak (backward), per rank.
+
+    Ring (p2p), with U = 2*b*h_kv*(s/cp)*d*a one packed K/V block (h, h_kv per tp rank):
+      forward: the held and the arriving K/V (2U), one block's output and lse, and the fp32
+      running output (when activations are not fp32; at fp32 it is the kept output itself);
+      backward: fp32 dq 4*b*h*(s/cp)*d, the held and arriving K/V (2U), fp32 dK/dV accumulators
+      held, sent and arriving (3 * 2*b*h_kv*(s/cp)*d*4) and one block's dq/dk/dv.
+    Ulysses (a2a), with X = b*(s/cp)*d*a: forward the packed q/k/v pieces and their arrival
+    (2 (h + 2h_kv) X) and the output's pieces and arrival (2 h X); backward the same.
+    """
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0
+    a, t = DTYPE_BYTES[cfg.precision.precision], p.tp
+    s, b, d = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.head_dim
+    h, h_kv = model.num_attention_heads // t, model.num_query_groups // t
+    if p.cp_comm_type == "a2a":
+        return 2 * (h + 2 * h_kv) * b * s * d * a + 2 * h * b * s * d * a
+    unit = 2 * b * h_kv * s * d
+    block = a * b * h * s * d + 4 * b * h * s                           # one block's output and lse
+    forward = 2 * unit * a + block + (4 * b * h * s * d if a != 4 else 0)
+    backward = 4 * b * h * s * d + 2 * unit * a + 3 * unit * 4 + a * b * (h + 2 * h_kv) * s * d
+    return max(forward, backward)
 
 
 def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
@@ -137,15 +170,14 @@ def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
 
-def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, device: str = "cuda") -> int:
-    """Peak saved-activation bytes of one rank of pipeline stage `stage` (`device`: where the RNG
-    generators a recompute checkpoint keeps live)."""
+def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
     v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
     layers = stage_layers(model, cfg)[stage]
     recomputed = recomputed_stage_layers(model, cfg)[stage]  # full recompute: all, or N per chunk
     inflight = inflight_microbatches(cfg, stage)
-    per_layer = layer_activation_bytes(model, cfg, device=device)
-    kept_whole = layer_activation_bytes(model, cfg, recompute="none", device=device)
+    per_layer = layer_activation_bytes(model, cfg)
+    kept_whole = layer_activation_bytes(model, cfg, recompute="none")
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
     if cfg.parallel.recompute == "full":
         total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v
@@ -153,6 +185,7 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, device: str =
         total = inflight * per_layer * layers // v
     if recomputed:
         total += kept_whole  # the block being recomputed
+    total += inflight * rope_table_bytes(model, cfg) + context_parallel_buffer_bytes(model, cfg)
     head_inflight = cfg.num_microbatches if cfg.schedule == "gpipe" else 1
     if stage == 0:
         total += min(inflight, cfg.num_microbatches) * embedding_activation_bytes(model, cfg)

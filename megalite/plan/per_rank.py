@@ -18,6 +18,8 @@ keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accountin
           master for bf16/fp16 below ZeRO-3, or when offloaded), /dp with ZeRO >= 1; in host
           memory when offloaded
   So ZeRO-3 holds 16 bytes per parameter per dp rank (4 + 4 + 8) in fp32 and in bf16.
+Under context parallelism parameters are replicated over dp x cp and ZeRO shards over it:
+"dp" above is then dp*cp.
 
 Activations: what megalite's own blocks keep for backward per microbatch, counted storage by
 storage in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -68,6 +70,8 @@ class Estimate:
     hardware_flops_per_step: float = 0.0
     """FLOPs actually executed, recomputation included."""
     tokens_per_step: int = 0
+    hardware_flops_per_rank: float = 0.0
+    """Executed FLOPs of one rank per step: the job's / (tp*cp*pp*dp) (cp ranks split every sequence)."""
     host_bytes: int = 0
     """Bytes kept in host memory per rank (offloaded optimizer state)."""
     stage_totals: list[int] = field(default_factory=list)
@@ -101,7 +105,8 @@ class Estimate:
             verdict = "fits" if self.fits(gpu_memory) else "does NOT fit"
             lines.append(f"  {verdict} in {gpu_memory / GB:.1f} GB (keeping 10% headroom)")
         lines.append(f"pipeline bubble: {100 * self.bubble_fraction:.1f}% of the step")
-        lines.append(f"FLOPs per step: {self.flops_per_step:.3e} model, {self.hardware_flops_per_step:.3e} executed")
+        lines.append(f"FLOPs per step: {self.flops_per_step:.3e} model, {self.hardware_flops_per_step:.3e} executed"
+                     f" ({self.hardware_flops_per_rank:.3e} per rank)")
         for key, n in sorted(self.comm_bytes.items()):
             lines.append(f"  comm {key:<24} {n / GB:10.4f} GB/step")
         return "\n".join(lines)
@@ -123,7 +128,7 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
     (fp32) optimizer bytes, ZeRO-1/2/3 partition optimizer / + grads / + params over dp.
     """
     p = DTYPE_BYTES[cfg.precision.precision]
-    z, shard = cfg.parallel.zero, math.ceil(params / cfg.dp)
+    z, shard = cfg.parallel.zero, math.ceil(params / (cfg.dp * cfg.parallel.cp))  # ZeRO shards over dp x cp
     if convention == "zero-paper":
         g = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
         optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == "fp32" else 12)
@@ -144,7 +149,7 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
 def check_degrees(cfg: RunConfig) -> None:
     """Raise ValueError when a degree or the micro batch is not a positive integer (choices are
     checked where the RunConfig is built)."""
-    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp),
+    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp), ("cp", cfg.parallel.cp),
                         ("virtual_stages", cfg.parallel.virtual_stages),
                         ("micro_batch_size", cfg.training.micro_batch_size)):
         if not isinstance(value, int) or value < 1:
@@ -159,30 +164,29 @@ def bubble_fraction(cfg: RunConfig) -> float:
     return (p - 1) / (slots + p - 1)
 
 
-def estimate(model: GPTConfig, cfg: RunConfig, device: str = "cuda") -> Estimate:
-    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage (`device`:
-    where the run's RNG generators live, which sets the bytes a recompute checkpoint keeps)."""
+def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
+    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage."""
     check_degrees(cfg)
     seq = model.seq_length
     per_stage = []
     for stage in range(cfg.parallel.pp):
         weights, grads, optimizer, host = stage_model_states(model, cfg, stage)
-        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage, device), stage))
+        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage), stage))
     _, worst = max(per_stage)
     params = stage_params(model, cfg, worst)
     weights, grads, optimizer, host = stage_model_states(model, cfg, worst)
     m = cfg.num_microbatches
     tokens = cfg.global_batch_size * seq
+    hardware_flops = hardware_flops_per_token(model, cfg.parallel.recompute, seq, recompute_fraction(model, cfg)) * tokens
     return Estimate(
         param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
-        activation_bytes=activation_bytes(model, cfg, worst, device), params_per_rank=params, stage=worst,
+        activation_bytes=activation_bytes(model, cfg, worst), params_per_rank=params, stage=worst,
         layers_on_stage=stage_layers(model, cfg)[worst],
         inflight_microbatches=inflight_microbatches(cfg, worst), num_microbatches=m,
         bubble_fraction=bubble_fraction(cfg),
         comm_bytes=communication_bytes(model, cfg, worst),
         flops_per_step=model.flops_per_token(seq) * tokens,
-        hardware_flops_per_step=hardware_flops_per_token(model, cfg.parallel.recompute, seq,
-                                                         recompute_fraction(model, cfg)) * tokens,
+        hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
 
 

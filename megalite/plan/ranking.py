@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config import Recompute, RunConfig
+from megalite.config import CPCommType, Recompute, RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.communication import bus_factor
 from megalite.plan.per_rank import Estimate, estimate
-from megalite.plan.layout import GB
-from megalite.plan.layout import DTYPE_BYTES
+from megalite.plan.layout import DTYPE_BYTES, GB
 from megalite.plan.validity import preflight
 from megalite.plan.zero3 import stage_units
 
@@ -36,36 +35,44 @@ def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate, gpus_per_node: in
     Compute runs at `efficiency` of `peak_flops` and is stretched by the pipeline bubble; TP and
     PP traffic is exposed; DP gradient reduction hides behind the last microbatch's backward;
     the post-step parameter all-gather is exposed; each block costs ~30 us of launch overhead per
-    microbatch. A group's bandwidth is NVLink-class when its
-    ranks fit in one node (Megatron order: tp spans tp ranks, dp spans tp*dp, pp the world).
+    microbatch. Ring attention's transfers hide behind the attention compute they overlap (what
+    exceeds it is exposed); Ulysses' all-to-alls are exposed. A group's bandwidth is NVLink-class
+    when its ranks fit in one node (order tp -> cp -> dp -> pp: tp spans tp ranks, cp tp*cp, dp
+    tp*cp*dp, pp the world).
     """
-    span = {"tp": cfg.parallel.tp, "dp": cfg.parallel.tp * cfg.dp, "pp": cfg.world_size, "embedding": cfg.world_size}
-    size = {"tp": cfg.parallel.tp, "dp": cfg.dp, "pp": cfg.parallel.pp, "embedding": 2}
+    tp, cp, dp = cfg.parallel.tp, cfg.parallel.cp, cfg.dp
+    span = {"tp": tp, "cp": tp * cp, "dp": tp * dp, "dp_cp": tp * cp * dp, "pp": cfg.world_size,
+            "embedding": cfg.world_size}
+    size = {"tp": tp, "cp": cp, "dp": dp, "dp_cp": dp * cp, "pp": cfg.parallel.pp, "embedding": 2}
     compute = est.hardware_flops_per_step / cfg.world_size / (peak_flops * efficiency)
     # kernel-launch and small-GEMM overhead: ~30 us per block and microbatch (favours larger microbatches)
     compute += 30e-6 * est.layers_on_stage * est.num_microbatches
     compute /= 1.0 - est.bubble_fraction
-    parts = {"compute": compute, "tp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "offload": 0.0}
+    parts = {"compute": compute, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "offload": 0.0}
+    attention = _attention_share(model, cfg) * compute
     zero3 = cfg.parallel.zero == 3
     for key, n in est.comm_bytes.items():
         group, op = key.split("/")
         bw = intra_node_busbw if span[group] <= gpus_per_node else inter_node_busbw
         seconds = n * bus_factor(op, size[group]) / bw
-        if group == "pp" and op == "recv":
+        if group in ("pp", "cp") and op == "recv":
             continue  # a transfer is one send and one receive: count it once
-        if group == "dp" and op != "all_gather" and not zero3:
+        if group in ("dp", "dp_cp") and op != "all_gather" and not zero3:
             seconds = max(0.0, seconds - 2.0 / 3.0 * compute / est.num_microbatches)
-        parts[group] += seconds
+        if group == "cp" and op == "send":
+            seconds = max(0.0, seconds - attention)  # the next K/V block travels while this one is computed
+        parts["dp" if group == "dp_cp" else group] += seconds
     if zero3 and parts["dp"]:
         # Gathers run ahead (--zero3-prefetch) behind forward and backward, reduce-scatters behind
         # the backward: hidden up to the compute time, except the first unit of every forward and
         # backward pass, which nothing precedes.
         bw = intra_node_busbw if span["dp"] <= gpus_per_node else inter_node_busbw
         unit = max(stage_units(model, cfg, est.stage)) * DTYPE_BYTES[cfg.precision.precision]
-        first = 2 * est.num_microbatches * cfg.parallel.virtual_stages * unit * bus_factor("all_gather", cfg.dp) / bw
+        shards = cfg.dp * cfg.parallel.cp
+        first = 2 * est.num_microbatches * cfg.parallel.virtual_stages * unit * bus_factor("all_gather", shards) / bw
         parts["dp"] = max(0.0, parts["dp"] - compute) + first
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
-        shard = est.params_per_rank / (cfg.dp if cfg.parallel.zero else 1)
+        shard = est.params_per_rank / (cfg.dp * cfg.parallel.cp if cfg.parallel.zero else 1)
         parts["offload"] = shard * 6 / 25e9 + shard / 1e9
     parts["total"] = sum(parts.values())
     return parts
@@ -88,21 +95,31 @@ def _why_not_earlier(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None,
     return f" ({name} would need {needed / GB:.1f} GB)"
 
 
+def _attention_share(model: GPTConfig, cfg: RunConfig) -> float:
+    """Share of the model FLOPs in attention's score and value products (12*L*h*s of 6N + 12*L*h*s per token)."""
+    s = model.seq_length
+    return 12.0 * model.num_layers * model.hidden_size * s / model.flops_per_token(s)
+
+
 def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None,
             gpus_per_node: int) -> str:
     par, bits = cfg.parallel, []
     if par.tp > 1:
         where = "NVLink" if par.tp <= gpus_per_node else "across nodes"
         bits.append(f"tp={par.tp} on {where} ({parts['tp'] / parts['total']:.0%} of the step)")
+    if par.cp > 1:
+        method = "ring attention" if par.cp_comm_type == "p2p" else "Ulysses all-to-all"
+        bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
+                    f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
     if par.pp > 1:
         chunks = f"x{par.virtual_stages} chunks" if par.virtual_stages > 1 else ""
         bits.append(f"pp={par.pp}{chunks} bubble {est.bubble_fraction:.0%}")
-    if par.tp * par.pp == 1:
+    if par.tp * par.pp * par.cp == 1:
         bits.append("pure data parallel (model fits one GPU)")
     if par.zero:
         sharded = ("optimizer", "optimizer+grads", "all states")[par.zero - 1]
-        bits.append(f"ZeRO-{par.zero} shards {sharded} over dp={cfg.dp}"
-                    + _why_not_earlier(model, cfg, gpu_memory, "zero3"))
+        over = f"dp={cfg.dp}" if par.cp == 1 else f"dp x cp = {cfg.dp * par.cp}"
+        bits.append(f"ZeRO-{par.zero} shards {sharded} over {over}" + _why_not_earlier(model, cfg, gpu_memory, "zero3"))
     if par.recompute != "none":
         bits.append(f"{par.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
     if par.offload_optimizer:
@@ -121,22 +138,42 @@ def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, g
     return _reason(model, cfg, est, step_time(model, cfg, est, gpus_per_node, peak_flops), gpu_memory, gpus_per_node)
 
 
+def _context_parallel_choices(model: GPTConfig, cfg: RunConfig) -> list[tuple[int, CPCommType]]:
+    """(cp, comm type) to try with this (tp, pp): cp = 1, and when the sequence makes activations
+    dominate (more than the model states at micro batch 1 without recompute), every cp splitting
+    the ranks left for dp and the sequence, with ring attention and with Ulysses."""
+    choices = [(1, CPCommType.P2P)]
+    if preflight(model, cfg, cfg.world_size):
+        return choices
+    est = estimate(model, cfg)
+    if est.activation_bytes <= est.param_bytes + est.grad_bytes + est.optimizer_state_bytes:
+        return choices
+    return choices + [(cp, kind) for cp in _divisors(cfg.dp) if cp > 1 and model.seq_length % (2 * cp) == 0
+                      for kind in CPCommType]
+
+
 def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int, offload: bool):
-    """Every layout suggest() tries: tp within a node, pp dividing the layers, v, ZeRO, recompute, micro batch."""
+    """Every layout suggest() tries: tp within a node, pp dividing the layers, cp when activations
+    dominate, v, ZeRO, recompute, micro batch."""
     for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
         try:
             model.check_tensor_parallel(tp)
         except ValueError:
             continue
         for pp in [d for d in _divisors(gpus // tp) if model.num_layers % d == 0]:
-            dp = gpus // (tp * pp)
-            for v in (1, 2) if pp > 1 else (1,):
-                for zero in (0, 1, 3) if dp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
-                    for recompute in Recompute:
-                        for mb in (1, 2, 4, 8):
-                            yield base.replace(tp=tp, pp=pp, dp=dp, virtual_stages=v, zero=zero,
-                                               offload_optimizer=offload, recompute=recompute,
-                                               sequence_parallel=tp > 1, micro_batch_size=mb, pipeline_schedule=None)
+            ranks = gpus // (tp * pp)  # dp x cp
+            plain = base.replace(tp=tp, pp=pp, dp=ranks, micro_batch_size=1, sequence_parallel=tp > 1,
+                                 pipeline_schedule=None)
+            for cp, cp_comm_type in _context_parallel_choices(model, plain):
+                dp = ranks // cp
+                for v in (1, 2) if pp > 1 else (1,):
+                    for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
+                        for recompute in Recompute:
+                            for mb in (1, 2, 4, 8):
+                                yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
+                                                   virtual_stages=v, zero=zero, offload_optimizer=offload,
+                                                   recompute=recompute, sequence_parallel=tp > 1,
+                                                   micro_batch_size=mb, pipeline_schedule=None)
 
 
 def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
@@ -145,6 +182,7 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
+    context parallelism (ring and Ulysses) when long sequences make activations dominate,
     interleaving, ZeRO 0, 1 (= 2's peak here) and 3, recompute none/selective/full, micro batch
     1-8, and the optimizer offload only when nothing else fits (the practitioners' order: stage 2,
     then 3, then offload; the reason line says why a later step was needed). At equal step time
@@ -166,6 +204,6 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
         if found:
             break
     rank = {r: i for i, r in enumerate(Recompute)}
-    found.sort(key=lambda c: (round(c.step_time_s, 4), c.cfg.parallel.tp * c.cfg.parallel.pp, c.cfg.parallel.zero,
-                              rank[c.cfg.parallel.recompute], c.cfg.parallel.virtual_stages))
+    found.sort(key=lambda c: (round(c.step_time_s, 4), c.cfg.parallel.tp * c.cfg.parallel.pp, c.cfg.parallel.cp,
+                              c.cfg.parallel.zero, rank[c.cfg.parallel.recompute], c.cfg.parallel.virtual_stages))
     return found[:top_k]

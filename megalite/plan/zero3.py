@@ -11,7 +11,8 @@ weight tied across pipeline stages is a unit of its own). Per rank of a pipeline
     gradients    4·Ψ/dp (fp32 shard) + 4·2·largest unit (one filling, one being reduce-scattered)
     optimizer    8·Ψ/dp in fp32 (the parameter shard is the master), 12·Ψ/dp otherwise
 
-    dp traffic per step (comm.ledger sizes; unit sizes padded to a multiple of dp at run time):
+    dp traffic per step (comm.ledger sizes, group "dp", or "dp_cp" with context parallelism, over
+    which the shards are spread; unit sizes padded to a multiple of dp at run time):
       all_gather      2·m·Ψ·p  reshard after forward (forward and backward of every microbatch)
                         m·Ψ·p  --no-zero3-reshard-after-forward (at most: microbatches in flight
                                in a pipeline share a gather)
@@ -77,13 +78,15 @@ def transient_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 
 def add_zero3_dp_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, params: int) -> None:
     """ZeRO-3's dp traffic of one step (see the module docstring), into `add(key, bytes)`."""
+    from megalite.plan.communication import dp_group_name  # (communication.py imports this module)
+
     p, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-    m, par = cfg.num_microbatches, cfg.parallel
-    add("dp/reduce_scatter", m * params * g)
+    m, par, group = cfg.num_microbatches, cfg.parallel, dp_group_name(cfg)
+    add(f"{group}/reduce_scatter", m * params * g)
     if par.zero3_keep_gathered_in_step:
-        add("dp/all_gather", params * p)
+        add(f"{group}/all_gather", params * p)
         return
     gathers = 2 * m if par.zero3_reshard_after_forward else m
     borrowed = 2 * m * embedding_unit(model, cfg) if borrows_embedding(model, cfg) and stage == 0 and \
         par.zero3_reshard_after_forward else 0
-    add("dp/all_gather", (gathers * params + borrowed) * p)
+    add(f"{group}/all_gather", (gathers * params + borrowed) * p)

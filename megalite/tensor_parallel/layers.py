@@ -233,7 +233,8 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """add_bias=False leaves the bias to the caller (a fused bias-dropout-add reads `self.bias`)."""
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)  # [..., in] -> [..., in/tp]
         y = linear(x, self.weight, None)  # partial sums [..., out]
@@ -241,7 +242,7 @@ class RowParallelLinear(nn.Module):
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [s, b, out] -> [s/tp, b, out]
         else:
             y = mappings.reduce_from_tensor_parallel_region(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        return y + self.bias if self.bias is not None and add_bias else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -73,13 +73,14 @@ class StoreChannel:
 
     Covers every node. Give it a client on its *own* connection (the job's TCPStore, reached
     anew): the process group's client may itself be blocked in a store wait, and a TCPStore
-    client serialises its calls. Keys live under `prefix`, which should name the incarnation
-    (default: torchrun's restart count) so a restarted job does not read the last one's states.
+    client serialises its calls. Keys live under `prefix`; the store must be private to this
+    start of the job so a restarted job does not read the last one's states, as
+    `megalite.comm.side_channel_store()` is (a namespace agreed afresh by every attempt).
     """
 
-    def __init__(self, store, prefix: str | None = None):
+    def __init__(self, store, prefix: str = "megalite/hang/"):
         self.store = store
-        self.prefix = prefix or f"megalite/hang/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.prefix = prefix
 
     def reset(self, rank: int) -> None:
         pass  # keys are per incarnation (prefix); nothing to clear

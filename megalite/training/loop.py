@@ -14,8 +14,10 @@ in reverse order when the job ends, whether it returns, raises or is interrupted
 A clean end waits for the last checkpoint write and meets the other ranks at a barrier; an
 exception releases everything without communicating (the other ranks may be gone).
 
-Exit codes: 0 done (or stopped by a signal after saving), 2 configuration error, 3 stopped on a
-non-finite loss or gradient (--on-nonfinite stop), 4 replicas differ, 86 hang (the watchdog).
+Exit codes: 0 done (or stopped by a signal after saving), 2 a user's mistake (`UsageError`: the
+configuration, a config file, the data, a checkpoint of another model, a checkpoint directory
+that cannot be written; printed once per node without a traceback), 3 stopped on a non-finite
+loss or gradient (--on-nonfinite stop), 4 replicas differ, 86 hang (the watchdog).
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ import torch
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.storage import check_save_dir
-from megalite.cli import ConfigFileError, parse_args, to_toml
+from megalite.cli import parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
-from megalite.errors import ConfigError, UsageError
+from megalite.errors import ConfigError, UsageError, report_usage_error
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model.config import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule
@@ -62,21 +64,21 @@ def log(*parts, rank0_only: bool = True) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, actions = parse_args(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or (cfg.world_size if actions["dry_run"] else 1)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         cfg = configure(cfg, world_size, tokenizer.vocab_size)
-    except (UsageError, ConfigFileError, FileNotFoundError) as exc:
-        print(f"megalite: configuration error (rank {os.environ.get('RANK', '0')}):\n{exc}", file=sys.stderr)
-        return 2
-    if actions["print_config"]:
-        print(to_toml(cfg, cfg.derived()), end="")
-        return 0
-    if actions["dry_run"]:
-        print(estimate(cfg.gpt_config(), cfg).describe())
-        return 0
-    return train(cfg, tokenizer)
+        if actions["print_config"]:
+            print(to_toml(cfg, cfg.derived()), end="")
+            return 0
+        if actions["dry_run"]:
+            print(estimate(cfg.gpt_config(), cfg).describe())
+            return 0
+        return train(cfg, tokenizer)
+    except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
+        return report_usage_error(exc, rank)
 
 
 def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
@@ -135,14 +137,16 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
-    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp)
+    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp)
     _on_exit(resources, lambda clean: destroy_mesh())
     torch.manual_seed(cfg.training.seed)
     model_cfg = cfg.gpt_config()
     _announce(cfg, model_cfg, mesh)
     t = cfg.training
-    train_set, valid_set, _ = build_gpt_datasets(list(cfg.data.data_path) if cfg.data.data_path else None,
-                                                 cfg.data.split, model_cfg.seq_length, t.seed, tokenizer)
+    # data may sit on node-local disks: every rank learns if any rank cannot read it
+    train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
+        list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
+        tokenizer), comm.world_group())
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
@@ -164,7 +168,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"params, vocab {model_cfg.vocab_size} (padded {model_cfg.padded_vocab_size(cfg.parallel.tp)}), "
         f"seq {model_cfg.seq_length}")
     log(f"batch: global {cfg.global_batch_size} = micro {cfg.training.micro_batch_size} x dp {cfg.dp} x "
-        f"accumulation {cfg.num_microbatches}; {cfg.precision.precision}; schedule "
+        f"accumulation {cfg.num_microbatches}; "
+        + (f"cp {cfg.parallel.cp} ({cfg.parallel.cp_comm_type}): {model_cfg.seq_length // cfg.parallel.cp} tokens "
+           f"of each sequence per rank; " if cfg.parallel.cp > 1 else "")
+        + f"{cfg.precision.precision}; schedule "
         f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -280,12 +287,14 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
     job.profiler.before_step(step)
     start = time.perf_counter()
     job.timer.reset()
+    cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
     lr = job.lr_at(step - 1)
     result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
                         timer=job.timer)
     result["lr"] = lr
+    result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
     if job.mesh.device.type == "cuda":
         torch.cuda.synchronize()
@@ -303,10 +312,14 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                             skipped=result["skipped"], exposed_dp_comm_s=result["exposed_dp_comm_s"],
                             exposed_grad_reduce_s=result["exposed_grad_reduce_s"],
                             exposed_param_gather_s=result["exposed_param_gather_s"],
+                            exposed_token_count_s=result["exposed_token_count_s"],
                             **job.timer.summary(step_time), **memory_stats(job.mesh.device),
                             **job.optimizer.memory_report())
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result["loss_scale"]
+    record["cp"] = cfg.parallel.cp
+    if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
+        record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
 

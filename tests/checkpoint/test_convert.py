@@ -75,3 +75,13 @@ def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     ids = torch.randint(0, 300, (2, 17))
     result = train_step(optimizer.model, optimizer, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], m, cfg, lr=1e-3)
     assert torch.isfinite(torch.tensor(result["loss"])) and optimizer.step_count == 1
+
+
+def test_export_config_carries_the_dropout_probabilities():
+    from megalite.model.config import GPTConfig
+
+    for flavour in ("gpt2", "llama"):
+        config = GPTConfig(flavour, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300,
+                           seq_length=16, hidden_dropout=0.1 if flavour == "gpt2" else 0.0, attention_dropout=0.2)
+        back = config_from_hf(convert.hf_config_for(config, torch.float32))
+        assert (back.hidden_dropout, back.attention_dropout) == (config.hidden_dropout, 0.2)

@@ -1,19 +1,21 @@
 """examples/pretrain_gpt.py with --save/--load: a SIGTERM stops every rank after the same step
-with a checkpoint and exit code 0; the same command line then resumes, and a rank killed under
-`torchrun --max-restarts 1` is restarted from the latest checkpoint by torchrun itself. Either
-way the loss of every step equals the uninterrupted run's exactly (float32 on CPU, dropout on:
-data position, LR step, optimizer state and RNG states all restored).
+with a checkpoint and exit code 0; the same command line then resumes, and workers SIGKILLed
+under `torchrun --max-restarts N` (plain command, no environment variable, with and without
+--master-port) are restarted from the latest checkpoint by torchrun itself. Either way the loss
+of every step equals the uninterrupted run's exactly (float32 on CPU, dropout on: data
+position, LR step, optimizer state and RNG states all restored).
 """
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from megalite.testing import run_distributed
+from megalite.testing import free_port, run_distributed
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
 ITERS = 8
@@ -65,22 +67,54 @@ def test_sigterm_saves_and_the_same_command_resumes(reference, tmp_path):
     assert _losses(metrics) == reference
 
 
-def test_torchrun_restarts_a_killed_rank_from_the_latest_checkpoint(reference, tmp_path):
+# Restarts under real torchrun, with no environment variable: (layout, launch, fault step, rank).
+# A worker gets a real SIGKILL at the start of a step, under the default c10d rendezvous
+# (--standalone: the agent shares its store) and under --master-port (the static rendezvous,
+# whose store the agent holds for its whole life). Repeated restarts within one launch:
+# tests/tools/test_fault_drill.py.
+TORCHRUN_ITERS = 6
+RESTART_CASES = {
+    "tp2-dp2-standalone": (["--tp", "2", "--dp", "2"], ["--standalone"], "5", "3"),
+    "pp2-dp2-master-port": (["--pp", "2", "--dp", "2"], ["--master-port", "PORT"], "3", "2"),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted losses of each 4-rank layout (forked ranks: no torchrun needed)."""
+    out = {}
+    for name, (layout, *_) in RESTART_CASES.items():
+        metrics = tmp_path_factory.mktemp(name) / "metrics.jsonl"
+        argv = ARGV + layout + ["--train-iters", str(TORCHRUN_ITERS), "--metrics-file", str(metrics)]
+        assert run_distributed(_main, 4, argv, timeout_s=120) == [0] * 4
+        out[name] = dict(_losses(metrics))
+        assert sorted(out[name]) == list(range(1, TORCHRUN_ITERS + 1))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(RESTART_CASES))
+def test_torchrun_restarts_killed_workers_without_any_environment_variable(case, references, tmp_path):
+    layout, launch, fault_step, fault_rank = RESTART_CASES[case]
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "1", str(SCRIPT)] + ARGV + [
-        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2", "--metrics-file", str(metrics)]
-    # torchrun shares its rendezvous store with the workers by default; gloo then sometimes reads the
-    # dead attempt's addresses on restart (pytorch/pytorch#135712): give each attempt its own store.
-    env = dict(os.environ, MEGALITE_FAULT_AT_STEP="5", MEGALITE_FAULT_RANK="1", OMP_NUM_THREADS="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    launch = [str(free_port()) if arg == "PORT" else arg for arg in launch]
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc_per_node", "4", "--max-restarts", "1",
+               "--monitor-interval", "0.1", str(SCRIPT)] + ARGV + layout + [
+        "--train-iters", str(TORCHRUN_ITERS), "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+        "--metrics-file", str(metrics)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "TORCHELASTIC_"))}
+    env.update(MEGALITE_FAULT_AT_STEP=fault_step, MEGALITE_FAULT_RANK=fault_rank, MEGALITE_FAULT_SIGNAL="SIGKILL",
+               OMP_NUM_THREADS="1")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-15000:]
-    assert "rank 1 exits at step 5" in log, log[-4000:]  # the fault happened (first attempt only)
-    assert "loaded" in log and "step 4" in log, log[-4000:]  # the restart resumed from step 4
-    # Attempt 0 logged steps 1-4, the restarted attempt 5-8: together the uninterrupted run.
-    assert _losses(metrics) == reference
+    assert f"rank {fault_rank} gets SIGKILL at step {fault_step}" in log, log[-4000:]
+    resumed = [int(n) for n in re.findall(r"loaded \S+ \(step (\d+),", log)]
+    assert resumed == [(int(fault_step) - 1) // 2 * 2], log[-4000:]  # from the last save before the fault
+    # Every logged step, including the ones a killed attempt logged and the next one redid,
+    # equals the uninterrupted run exactly.
+    logged = _losses(metrics)
+    assert sorted({s for s, _ in logged}) == list(range(1, TORCHRUN_ITERS + 1))
+    assert [(s, loss) for s, loss in logged if loss != references[case][s]] == []
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -109,3 +109,45 @@ def test_build_gpt_datasets_blended_and_validated(tmp_path):
 
     with pytest.raises(ValueError, match="--tokenizer"):
         build_gpt_datasets([str(tmp_path / "a")], **{**kwargs, "tokenizer": SmallVocab()})
+
+
+def test_bad_data_paths_are_usage_errors_named_with_their_fix(tmp_path):
+    """At dataset build time (before training): one line naming the file and the fix."""
+    from megalite.data import DataFileNotFoundError
+    from megalite.data.indexed_dataset import CorruptIndexError
+    from megalite.errors import UsageError
+
+    write_byte_dataset(str(tmp_path / "good"), random_texts(30, seed=1))
+    write_byte_dataset(str(tmp_path / "small"), random_texts(3, seed=2))
+    (tmp_path / "corpus.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "swapped.bin").write_bytes((tmp_path / "small.bin").read_bytes())  # another pair's .bin
+    (tmp_path / "swapped.idx").write_bytes((tmp_path / "good.idx").read_bytes())
+    (tmp_path / "truncated.idx").write_bytes((tmp_path / "good.idx").read_bytes())
+    (tmp_path / "truncated.bin").write_bytes((tmp_path / "good.bin").read_bytes()[:-6])
+    (tmp_path / "text.idx").write_bytes(b"this is not an index file at all, just text " * 4)
+    (tmp_path / "text.bin").write_bytes(b"abc")
+
+    class SmallVocab(ByteTokenizer):
+        vocab_size = 100
+
+    cases = [
+        ("missing", DataFileNotFoundError, ["missing.idx does not exist", "tools/preprocess_data.py"]),
+        ("good.bin", DataFileNotFoundError, ["give the prefix of the pair, without .bin", str(tmp_path / "good")]),
+        ("corpus.jsonl", DataFileNotFoundError, ["is a raw file", "--input", str(tmp_path / "corpus.jsonl")]),
+        (".", DataFileNotFoundError, ["is a directory", "preprocess it"]),
+        ("truncated", CorruptIndexError, ["truncated.bin", "truncated or not the matching pair"]),
+        ("swapped", CorruptIndexError, ["swapped.bin", "not the matching pair", "re-run tools/preprocess_data.py"]),
+        ("text", CorruptIndexError, ["text.idx is not a megalite index", "re-run tools/preprocess_data.py"]),
+    ]
+    for path, error, needles in cases:
+        with pytest.raises(error) as caught:
+            build_gpt_datasets([str(tmp_path / path)], "1,0,0", seq_length=SEQ, tokenizer="byte",
+                               cache_dir=str(tmp_path / "cache"))
+        message = str(caught.value)
+        assert isinstance(caught.value, UsageError) and "\n" not in message, (path, message)
+        assert all(needle in message for needle in needles), (path, message)
+    with pytest.raises(UsageError, match=r"preprocessed with a vocabulary of 257 tokens .* \(--tokenizer\)"):
+        build_gpt_datasets([str(tmp_path / "good")], "1,0,0", seq_length=SEQ, tokenizer=SmallVocab(),
+                           cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(UsageError, match="weight/prefix pairs"):
+        build_gpt_datasets(["0.5", str(tmp_path / "good"), "0.5"], seq_length=SEQ, tokenizer="byte")

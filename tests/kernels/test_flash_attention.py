@@ -4,6 +4,7 @@ import torch
 
 from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, gpu_only, requires_triton, tolerance
 from megalite.kernels import attention, attention_reference
+from megalite.kernels.attention_torch import attention_keep_mask
 
 pytestmark = requires_triton
 
@@ -101,3 +102,47 @@ def test_blocks_with_lse_merge_and_differentiate_like_the_whole_row():
     for name, got, want in (("dq", dq, leaves[0].grad[:, :, chunk:]), ("dk", dk, leaves[1].grad),
                             ("dv", dv, leaves[2].grad)):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=name)
+
+
+# --- dropout: Philox masks regenerated in backward ---------------------------------------------
+SEED, OFFSET = 2 ** 60 + 99, 2 ** 32 - 300  # mask counters cross the 2^32 boundary
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_dropout_matches_reference(dtype, causal):
+    # seq 20 across two 16-row blocks; 2 query heads share 1 kv head
+    q, k, v = qkv(1, 2, 1, 20, 16, dtype)
+    compare_with_reference(lambda *t: attention(*t, causal=causal, dropout_p=0.2, dropout_seed=SEED,
+                                                dropout_offset=OFFSET),
+                           lambda *t: attention_reference(*t, causal=causal, dropout_p=0.2, dropout_seed=SEED,
+                                                          dropout_offset=OFFSET),
+                           [q, k, v], tolerance(dtype, fp32=2e-5, **HALF_TOL), ref_dtype=torch.float32)
+
+
+def test_dropout_mask_is_the_philox_mask_of_each_head_slice():
+    # q = k = 0: uniform probabilities 1/s; v = identity: out[b, h, i, j] = keep[b, h, i, j] / ((1 - p) s)
+    b, h, s, p = 2, 3, 16, 0.5
+    q = torch.zeros(b, h, s, 16, device=DEVICE)
+    v = torch.eye(16, device=DEVICE).expand(b, h, s, 16).contiguous()
+    out = attention(q, q, v, causal=False, dropout_p=p, dropout_seed=SEED, dropout_offset=OFFSET)
+    keep = attention_keep_mask(SEED, OFFSET, b, h, s, p, DEVICE)
+    assert torch.equal(out != 0, keep)
+    torch.testing.assert_close(out[keep], torch.full_like(out[keep], 1 / ((1 - p) * s)))
+    # a tensor-parallel rank holding heads [1, 3) passes offset + 1*b*s*s and gets those heads' mask
+    rank_part = attention_keep_mask(SEED, OFFSET + 1 * b * s * s, b, 2, s, p, DEVICE)
+    assert torch.equal(rank_part, keep[:, 1:])
+
+
+def test_dropout_pytorch_path_matches_reference_and_keeps_nothing_per_score(monkeypatch):
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "torch")
+    q, k, v = (t.requires_grad_() for t in qkv(2, 4, 2, 24, 8, torch.float32))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = attention(q, k, v, dropout_p=0.3, dropout_seed=SEED, dropout_offset=OFFSET)
+    # q, k, v, the output and a float32 log-sum-exp per row; nothing of size s x s
+    assert sorted(t.numel() for t in saved) == sorted([q.numel(), k.numel(), v.numel(), q.numel(), 2 * 4 * 24])
+    compare_with_reference(lambda *t: attention(*t, dropout_p=0.3, dropout_seed=SEED, dropout_offset=OFFSET),
+                           lambda *t: attention_reference(*t, dropout_p=0.3, dropout_seed=SEED,
+                                                          dropout_offset=OFFSET),
+                           [q.detach(), k.detach(), v.detach()], tolerance(torch.float32, fp32=2e-5))

@@ -15,7 +15,8 @@ from megalite.kernels import HAVE_TRITON
 SUBSET = ["attention fwd d=128 causal=True [bf16]", "attention dkdv d=64 causal=True [bf16]",
           "attention dq d=128 causal=False [bf16]", "cross_entropy stats V=50257 [bf16]",
           "cross_entropy grad V=50257 [bf16]", "rms_norm bwd h=4096 dsum=True [bf16]",
-          "layer_norm fwd h=4096 residual=True [bf16]", "rope transposed=True [bf16]"]
+          "layer_norm fwd h=4096 residual=True [bf16]", "rope transposed=True [bf16]",
+          "attention dkdv d=128 causal=True dropout [bf16]", "bias_dropout_add fwd dropout=True [bf16]"]
 
 
 def _has_cuda_backend() -> bool:

@@ -41,3 +41,21 @@ def test_layer_norm_rejects_bad_input():
         layer_norm(x, torch.ones(8, device=DEVICE), torch.zeros(7, device=DEVICE))
     with pytest.raises(TypeError, match="supports float32, float16, bfloat16"):
         layer_norm(x.double(), torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pytorch_path_keeps_the_input_in_its_dtype_and_fp32_statistics(dtype, monkeypatch):
+    # what the kernels keep (2 bytes per element + 8 per row), not the reference's fp32 copy of x
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "torch")
+    x = torch.randn(6, 5, 48, dtype=dtype)
+    weight, bias = torch.randn(48, dtype=dtype), torch.randn(48, dtype=dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer_norm(x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+            if t.untyped_storage().data_ptr() not in (weight.untyped_storage().data_ptr(),
+                                                      bias.untyped_storage().data_ptr())}
+    assert sum(kept.values()) == x.numel() * 2 + 30 * 8
+    compare_with_reference(layer_norm, layer_norm_reference, [x.detach(), weight.detach(), bias.detach()],
+                           tolerance(dtype, fp16=0.0, bf16=0.0), ref_dtype=None,
+                           grad_tol=tolerance(dtype, fp16=2e-3, bf16=1.6e-2))

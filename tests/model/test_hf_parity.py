@@ -76,3 +76,20 @@ def test_state_dict_round_trip(kind):
         if name.endswith(".attn.bias") or name.endswith("masked_bias"):  # GPT-2's causal-mask buffers
             continue
         assert torch.equal(back[name], tensor), name
+
+
+def test_config_from_hf_carries_the_dropout_probabilities():
+    gpt2 = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.15, embd_pdrop=0.15, attn_pdrop=0.05)
+    config = config_from_hf(gpt2)
+    assert (config.hidden_dropout, config.attention_dropout) == (0.15, 0.05)
+    assert config_from_hf(transformers.GPT2Config()).hidden_dropout == 0.1  # GPT-2's defaults: 0.1 everywhere
+    with pytest.raises(ValueError, match="embd_pdrop=0.2 differs from resid_pdrop=0.1.*set both"):
+        config_from_hf(transformers.GPT2Config(embd_pdrop=0.2))
+    llama = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=4, attention_dropout=0.25)
+    config = config_from_hf(llama)
+    assert (config.hidden_dropout, config.attention_dropout) == (0.0, 0.25)
+    hf = _hf_model("gpt2")
+    hf.config.attn_pdrop = 0.3
+    model = from_hf(hf)
+    assert model.config.attention_dropout == 0.3 and model.config.hidden_dropout == 0.0

@@ -1,0 +1,360 @@
+"""Fault drill: kill workers of a real torchrun job N times and check that nothing was lost.
+
+    python tools/fault_drill.py                                  # 3 faults, 2 ranks, a tiny GPT, seed 0
+    python tools/fault_drill.py --faults 6 --nproc 4 --seed 7 -- --tp 2 --zero 1
+    python tools/fault_drill.py --master-port 29700              # torchrun's static rendezvous instead
+
+What it does:
+1. runs the job uninterrupted (examples/pretrain_gpt.py under torchrun, --save/--load,
+   --async-save, --log-interval 1, --metrics-file): the reference loss curve;
+2. runs the same job under `torchrun --max-restarts K` and, N times, signals one worker: SIGKILL
+   (torchrun restarts the group) or SIGTERM (every rank saves after the current step and exits
+   0, as under a scheduler's preemption; the drill then relaunches the same command, as the
+   scheduler would). Moments: `random` (a seeded delay into the running attempt),
+   `during-async-write` (while a `step_N.tmp/` directory exists; the job writes through a
+   simulated slow file system, --write-delay, so the window is wide enough to hit) and
+   `after-save` (as soon as `latest` changes). Kinds, moments, victims and delays come from
+   --seed; with N >= 2 both kinds and, with N >= 3, all three moments occur;
+3. compares every logged step of the drill (a step redone after a restart is logged again,
+   and must agree too) with the reference, exactly, and prints one row per fault (kind, moment,
+   rank, last step logged before the fault, step resumed from, steps lost, recovery seconds)
+   and the totals: faults injected, restarts (by torchrun / relaunches), steps lost, time lost
+   (drill wall time minus the reference's), verdict. Exit code 0 only when the curves match and
+   every fault was injected.
+
+Linux only (workers are found through /proc). Everything runs under --workdir (default: a new
+temporary directory), one log per launch. A `--shrink` mode (relaunch with fewer ranks, the
+elastic path) would plug into `Drill.next_launch_world_size`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
+TINY_JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0", "--hidden-dropout", "0.1",
+            "--lr-warmup-iters", "2", "--zero", "1"]
+MOMENTS = ("during-async-write", "after-save", "random")
+KINDS = ("SIGKILL", "SIGTERM")
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str  # SIGKILL or SIGTERM
+    moment: str  # one of MOMENTS
+    rank: int  # the victim's global rank
+    delay_fraction: float  # random moment: where in the window (0..1)
+    # filled in while the drill runs
+    moment_seen: str = ""
+    at_s: float = 0.0
+    last_logged_step: int = 0
+    resumed_from: int | None = None
+    recovery_s: float | None = None
+
+
+def plan_faults(count: int, world_size: int, seed: int) -> list[Fault]:
+    """`count` faults from `seed`: kinds alternate, the special moments come first, then shuffled."""
+    rng = random.Random(seed)
+    kinds = [KINDS[i % 2] for i in range(count)]
+    moments = [MOMENTS[i] if i < 2 else "random" for i in range(count)]
+    rng.shuffle(kinds)
+    rng.shuffle(moments)
+    return [Fault(kind, moment, rng.randrange(world_size), rng.random()) for kind, moment in zip(kinds, moments)]
+
+
+def read_losses(path: Path) -> list[tuple[int, float]]:
+    if not path.exists():
+        return []
+    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def compare_curves(reference: dict[int, float], logged: list[tuple[int, float]], train_iters: int) -> str | None:
+    """None when every step 1..train_iters was logged and every record equals the reference
+    exactly; else what differs."""
+    missing = sorted(set(range(1, train_iters + 1)) - {step for step, _ in logged})
+    if missing:
+        return f"steps {missing[:8]} were never logged"
+    for step, loss in logged:
+        if loss != reference.get(step):
+            return f"step {step}: loss {loss!r}, the uninterrupted run's {reference.get(step)!r}"
+    return None
+
+
+def steps_lost(logged: list[tuple[int, float]]) -> int:
+    """Steps logged, then redone after a restart (each restart resumes at its last checkpoint)."""
+    lost, last = 0, 0
+    for step, _ in logged:
+        if step <= last:
+            lost += last - step + 1
+        last = step
+    return lost
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: torchrun launches and their workers
+# ---------------------------------------------------------------------------------------------
+
+
+def _workers(agent_pid: int) -> dict[int, int]:
+    """{global rank: pid} of the live worker processes torchrun (pid `agent_pid`) started."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != agent_pid or fields[0] == "Z":
+                continue
+            env = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(entry)
+    return found
+
+
+class Job:
+    """examples/pretrain_gpt.py under torchrun, relaunched with the same command until it finishes."""
+
+    def __init__(self, args, name: str):
+        self.args, self.name = args, name
+        self.dir = Path(args.workdir) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt, self.metrics = self.dir / "ckpt", self.dir / "metrics.jsonl"
+        self.process: subprocess.Popen | None = None
+        self.launches = 0
+
+    def command(self, world_size: int) -> list[str]:
+        a = self.args
+        rendezvous = ["--master-port", str(a.master_port)] if a.master_port else ["--standalone"]
+        return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(world_size),
+                "--max-restarts", str(a.faults), "--monitor-interval", "0.1", str(SCRIPT), *TINY_JOB,
+                "--train-iters", str(a.train_iters), "--save", str(self.ckpt), "--load", str(self.ckpt),
+                "--save-interval", str(a.save_interval), "--async-save", "--log-interval", "1",
+                "--metrics-file", str(self.metrics), *a.job_args]
+
+    def launch(self, world_size: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MEGALITE_FAULT"))}
+        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+                   MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay))
+        with open(self.dir / f"launch{self.launches}.log", "w") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.command(world_size), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self.launches += 1
+
+    def finished(self) -> bool:
+        logged = read_losses(self.metrics)
+        return bool(logged) and logged[-1][0] == self.args.train_iters
+
+    def workers(self) -> dict[int, int]:
+        return _workers(self.process.pid) if self.process and self.process.poll() is None else {}
+
+    def attempts(self) -> int:
+        """Starts of the training script over all launches (rank 0 says 'loaded' or 'from scratch' once each)."""
+        text = "".join(log.read_text(errors="replace") for log in sorted(self.dir.glob("launch*.log")))
+        return text.count("megalite: loaded ") + text.count("yet; starting from scratch")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the session this drill started
+            self.process.wait()
+
+
+def _wait(condition, timeout_s: float, what: str, poll_s: float = 0.005):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"fault drill: {what} did not happen within {timeout_s:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# The drill
+# ---------------------------------------------------------------------------------------------
+
+
+class Drill:
+    def __init__(self, args, step_time_s: float):
+        self.args, self.step_time_s = args, step_time_s
+        self.job = Job(args, "drill")
+
+    def next_launch_world_size(self) -> int:
+        """World size of the next launch (a --shrink mode would return fewer ranks here)."""
+        return self.args.nproc
+
+    def ensure_running(self) -> None:
+        """Relaunch the same command when the job stopped early (a SIGTERM saved and exited 0)."""
+        code = self.job.process.poll() if self.job.process else 0
+        if code not in (None, 0):
+            raise RuntimeError(f"fault drill: torchrun exited with {code}; see {self.job.dir}/launch*.log")
+        if code == 0 and not self.job.finished():
+            self.job.launch(self.next_launch_world_size())
+
+    def training(self) -> bool:
+        """True once the running attempt's workers exist and a step has been logged."""
+        self.ensure_running()
+        return bool(read_losses(self.job.metrics)) and bool(self.job.workers())
+
+    def wait_for_moment(self, fault: Fault) -> str:
+        latest = self.job.ckpt / "latest"
+        if fault.moment == "during-async-write":  # a shard file being written into a step_N.tmp/ directory
+            if self._poll(lambda: any(self.job.ckpt.glob("step_*.tmp/shard_r*.bin"))):
+                return fault.moment
+        elif fault.moment == "after-save":
+            current = latest.read_text() if latest.exists() else ""
+            if self._poll(lambda: latest.exists() and latest.read_text() != current):
+                return fault.moment
+        else:
+            time.sleep(fault.delay_fraction * 2 * self.args.save_interval * self.step_time_s)
+            return fault.moment
+        return "random (the moment did not come)"
+
+    def _poll(self, condition) -> bool:
+        deadline = time.monotonic() + self.args.moment_timeout
+        while time.monotonic() < deadline and not self.job.finished():
+            if condition():
+                return True
+            time.sleep(0.002)
+        return False
+
+    def inject(self, fault: Fault, started: float) -> bool:
+        """Wait for the moment, signal the victim, wait until training resumes. False if the job ended first."""
+        _wait(lambda: self.training() or self.job.finished(), self.args.timeout, "training", poll_s=0.02)
+        fault.moment_seen = self.wait_for_moment(fault)
+        victims = self._signal(fault)
+        if not victims:
+            return False
+        killed_at = time.monotonic()
+        fault.at_s = killed_at - started
+        # Recovered: new worker processes (a torchrun restart, or a relaunch) have logged a step.
+        old = set(victims.values())
+        _wait(lambda: self._new_workers(old) or self.job.finished(), self.args.timeout,
+              f"a restart after {fault.kind}", poll_s=0.02)
+        logged = read_losses(self.job.metrics)  # the old attempt is gone: later records are the new one's
+        fault.last_logged_step = logged[-1][0] if logged else 0
+        _wait(lambda: len(read_losses(self.job.metrics)) > len(logged) or self.job.finished(), self.args.timeout,
+              "training after the restart", poll_s=0.02)
+        fault.recovery_s = time.monotonic() - killed_at
+        now = read_losses(self.job.metrics)
+        fault.resumed_from = now[len(logged)][0] - 1 if len(now) > len(logged) else fault.last_logged_step
+        return True
+
+    def _signal(self, fault: Fault) -> dict[int, int]:
+        """Send the fault's signal to its rank (or the lowest live one); return the workers then alive."""
+        for _ in range(100):
+            victims = self.job.workers()
+            if self.job.finished() or not victims:
+                return {}
+            try:
+                os.kill(victims.get(fault.rank) or victims[min(victims)], getattr(signal, fault.kind))
+                return victims
+            except ProcessLookupError:  # exited between the look-up and the signal
+                time.sleep(0.01)
+        return {}
+
+    def _new_workers(self, old: set[int]) -> bool:
+        self.ensure_running()
+        workers = set(self.job.workers().values())
+        return bool(workers) and not workers & old
+
+    def run(self, faults: list[Fault]) -> tuple[float, int]:
+        """Run the job to the end with `faults`; return (wall seconds, faults injected)."""
+        started, injected = time.monotonic(), 0
+        self.job.launch(self.next_launch_world_size())
+        try:
+            for fault in faults:
+                if not self.inject(fault, started):
+                    break
+                injected += 1
+            _wait(lambda: (self.ensure_running() or True) and self.job.finished() and self.job.process.poll() == 0,
+                  self.args.timeout, "the end of the job")
+        finally:
+            self.job.stop()
+        return time.monotonic() - started, injected
+
+
+def run_reference(args) -> tuple[float, dict[int, float], float]:
+    """(wall seconds, {step: loss}, median step seconds) of the uninterrupted job."""
+    job = Job(args, "reference")
+    started = time.monotonic()
+    job.launch(args.nproc)
+    try:
+        code = job.process.wait(timeout=args.timeout)
+    finally:
+        job.stop()
+    if code != 0 or not job.finished():
+        raise RuntimeError(f"fault drill: the reference run failed ({code}); see {job.dir}/launch0.log")
+    steps = [json.loads(line)["step_time_s"] for line in job.metrics.read_text().splitlines()]
+    return time.monotonic() - started, dict(read_losses(job.metrics)), statistics.median(steps)
+
+
+def report(faults, injected, reference_s, drill_s, logged, mismatch, job: Job, train_iters) -> str:
+    rows = [f"{'#':>2} {'kind':<8} {'moment':<34} {'rank':>4} {'at s':>6} {'last step':>9} {'resumed':>7} "
+            f"{'lost':>4} {'recovery s':>10}"]
+    for i, f in enumerate(faults[:injected], 1):
+        lost = f.last_logged_step - f.resumed_from if f.resumed_from is not None else 0
+        rows.append(f"{i:>2} {f.kind:<8} {f.moment_seen:<34} {f.rank:>4} {f.at_s:>6.1f} {f.last_logged_step:>9} "
+                    f"{f.resumed_from:>7} {max(0, lost):>4} {f.recovery_s:>10.1f}")
+    relaunches = job.launches - 1
+    restarts = job.attempts() - 1
+    verdict = "MATCH: every logged step equals the uninterrupted run exactly" if mismatch is None and \
+        injected == len(faults) else f"FAIL: {mismatch or f'only {injected} of {len(faults)} faults injected'}"
+    rows += ["",
+             f"faults injected: {injected} of {len(faults)}",
+             f"restarts: {restarts} ({restarts - relaunches} by torchrun, {relaunches} relaunches after SIGTERM)",
+             f"steps lost: {steps_lost(logged)} (redone after restarts, of {train_iters})",
+             f"time lost: {drill_s - reference_s:.1f} s (drill {drill_s:.1f} s, uninterrupted {reference_s:.1f} s)",
+             f"verdict: {verdict}"]
+    return "\n".join(rows)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--faults", type=int, default=3, help="how many workers to signal (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="picks kinds, moments, victims and delays")
+    p.add_argument("--nproc", type=int, default=2, help="workers per launch (torchrun --nproc_per_node)")
+    p.add_argument("--train-iters", type=int, default=48)
+    p.add_argument("--save-interval", type=int, default=4)
+    p.add_argument("--write-delay", type=float, default=0.3,
+                   help="seconds each shard write is held back (a slow file system): the during-write window")
+    p.add_argument("--master-port", type=int, default=None, help="launch with --master-port (default --standalone)")
+    p.add_argument("--workdir", default=None, help="where checkpoints, metrics and logs go (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
+    p.add_argument("--moment-timeout", type=float, default=20.0, help="seconds to wait for a save or write moment")
+    p.add_argument("job_args", nargs="*", help="after --: more examples/pretrain_gpt.py flags (e.g. -- --tp 2)")
+    args = p.parse_args(argv)
+    if args.faults < 0 or args.nproc < 1:
+        p.error("--faults must be >= 0 and --nproc >= 1")
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="megalite-fault-drill-")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"fault drill: {args.faults} faults, {args.nproc} workers, seed {args.seed}, in {args.workdir}", flush=True)
+    reference_s, reference, step_time_s = run_reference(args)
+    faults = plan_faults(args.faults, args.nproc, args.seed)
+    drill = Drill(args, step_time_s)
+    drill_s, injected = drill.run(faults)
+    logged = read_losses(drill.job.metrics)
+    mismatch = compare_curves(reference, logged, args.train_iters)
+    print(report(faults, injected, reference_s, drill_s, logged, mismatch, drill.job, args.train_iters))
+    return 0 if mismatch is None and injected == len(faults) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
