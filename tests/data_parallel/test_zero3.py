@@ -175,13 +175,16 @@ def test_zero3_at_dp4_one_microbatch_moves_3_psi(reference):
             _check_accounting({"zero3": run}, flavour, dp=4, m=1)
 
 
-def _model_parallel_world(refs, tp, pp):
-    """(tp 2, dp 2) with sequence parallelism, or (pp 2, dp 2): 1F1B, interleaved (re-gathered per
-    microbatch, and kept through the step), ZB-H1 (reduced after each W pass)."""
+def _model_parallel_world(refs, tp, pp, cp=1):
+    """(tp 2, dp 2) with sequence parallelism, (cp 2, dp 2) (shards over dp x cp), or (pp 2, dp 2):
+    1F1B, interleaved (re-gathered per microbatch, and kept through the step), ZB-H1 (reduced
+    after each W pass)."""
     ref = refs["gpt2"][1]
-    m = mesh_lib.init_mesh(tp=tp, pp=pp)
+    m = mesh_lib.init_mesh(tp=tp, pp=pp, cp=cp)
     if tp > 1:
         return {"tp2 sp": _train("gpt2", m, _cfg(tp=2, dp=2, zero=3, sequence_parallel=True), ref)}
+    if cp > 1:
+        return {"cp2": _train("gpt2", m, _cfg(dp=2, cp=2, zero=3), ref)}
     interleaved = dict(pp=2, dp=2, zero=3, virtual_stages=2, pipeline_schedule="interleaved")
     runs = {"pp2 1f1b": _train("gpt2", m, _cfg(pp=2, dp=2, zero=3), ref),
             "pp2 interleaved": _train("gpt2", m, _cfg(**interleaved), ref),
@@ -192,8 +195,9 @@ def _model_parallel_world(refs, tp, pp):
     return runs
 
 
-def test_zero3_composes_with_tensor_and_pipeline_parallelism(reference):
+def test_zero3_composes_with_tensor_context_and_pipeline_parallelism(reference):
     per_rank = run_distributed(_model_parallel_world, 4, reference, 2, 1, timeout_s=240)
+    per_rank += run_distributed(_model_parallel_world, 4, reference, 1, 1, 2, timeout_s=240)
     per_rank += run_distributed(_model_parallel_world, 4, reference, 1, 2, timeout_s=240)
     for runs in per_rank:
         for what, run in runs.items():
