@@ -127,8 +127,15 @@ class ParallelSettings:
     decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)")
     pipeline_layout: str | None = setting(None, "explicit blocks per model chunk, e.g. 3,5,5,3 (pp*v numbers)")
     sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
-    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients (3: planner "
-                           "only)", choices=(0, 1, 2, 3))
+    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients, 3 also the "
+                           "parameters (gathered unit by unit: embedding, each block, head)", choices=(0, 1, 2, 3))
+    zero3_prefetch: int = setting(1, "zero 3: units whose all-gather is started ahead of the running one",
+                                  metavar="N")
+    zero3_reshard_after_forward: bool = setting(True, "zero 3: free a unit's parameters after its forward and gather "
+                                                      "them again for its backward (off: keep them, one gather less "
+                                                      "per microbatch, more memory)")
+    zero3_keep_gathered_in_step: bool = setting(False, "zero 3: gather each unit once per step and keep it until the "
+                                                       "optimizer (pipelines: no re-gather per microbatch)")
     offload_optimizer: bool = setting(False, "keep the optimizer state in host memory and update there")
     overlap_param_gather: bool = setting(False, "zero >= 1: the parameter all-gathers finish behind the next "
                                                 "forward; every read waits for its own bucket")

@@ -17,16 +17,18 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.pp == 1 and (p.decoder_first_stage_layers is not None or p.decoder_last_stage_layers is not None
                       or p.pipeline_layout is not None):
         problems.append("--decoder-first/last-stage-layers and --pipeline-layout need --pp > 1")
-    if p.zero == 3:
-        problems.append("megalite's optimizer shards up to ZeRO-2 (ZeRO-3 is modelled by tools/plan.py only); "
-                        "use --zero 2 or more tp/pp")
+    if p.zero3_prefetch < 0:
+        problems.append(f"--zero3-prefetch must be >= 0 units, got {p.zero3_prefetch}")
+    if p.zero == 3 and p.overlap_param_gather:
+        problems.append("--overlap-param-gather is for --zero 1/2 (their all-gather after the step); ZeRO-3 gathers "
+                        "each unit right before it runs, overlapped by --zero3-prefetch: drop --overlap-param-gather")
     if cfg.precision.grad_reduce_dtype == "fp16":
         problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
                         "bf16")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
         problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full and N >= 1 "
                         f"(it says how many blocks of each model chunk full recompute covers)")
-    if p.overlap_param_gather and (p.zero == 0 or p.offload_optimizer):
+    if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     if ft.hang_timeout < 0:

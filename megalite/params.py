@@ -116,3 +116,11 @@ def set_deferred(param: torch.Tensor, deferred: tuple[Any, Hashable] | None) -> 
 
 def deferred(param: torch.Tensor) -> tuple[Any, Hashable] | None:
     return info(param).deferred
+
+
+def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Give `target` the declarations of `source` (a ZeRO-3 wrapper replacing a parameter built on
+    the meta device by a real one); the wrapper attaches its own grad destination afterwards."""
+    meta = info(source)
+    setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad, meta.tied_across_stages))
+    return target

@@ -95,9 +95,11 @@ def test_derived_values_are_computed_in_one_place():
 
 def test_validate_lists_every_problem_with_its_fix():
     cfg = RunConfig.build(tp=3, micro_batch_size=3, global_batch_size=8, zero=3, save_interval=5,
-                          grad_reduce_dtype="fp16", recompute_num_layers=2).resolved(4, 257)
+                          grad_reduce_dtype="fp16", recompute_num_layers=2, overlap_param_gather=True,
+                          zero3_prefetch=-1).resolved(4, 257)
     text = "\n".join(cfg.validate(4, 257))
-    for needle in ("world size 4 != tp*pp*dp", "choose tp in", "choose a multiple of 3", "ZeRO-3 is modelled by",
+    for needle in ("world size 4 != tp*pp*dp", "choose tp in", "choose a multiple of 3",
+                   "ZeRO-3 gathers each unit right before it runs", "--zero3-prefetch must be >= 0",
                    "--grad-reduce-dtype fp16 is modelled", "--recompute-num-layers 2 needs --recompute full",
                    "--save-interval needs --save DIR"):
         assert needle in text, (needle, text)

@@ -8,8 +8,10 @@
     ... --json   # one JSON object (a list with --suggest); sizes in bytes
 
 Takes every setting of examples/pretrain_gpt.py (the parser is generated from megalite.config's
-declarations, so the two cannot drift) and models two things training does not run: --zero 3
-and --grad-reduce-dtype fp16. Pure arithmetic: it never imports torch.
+declarations, so the two cannot drift) and models one thing training does not run:
+--grad-reduce-dtype fp16. `--num-params N --zero 3` gives the ZeRO paper's model states (its
+Figure 1 and Table 1); with a model, --zero 3 adds megalite's gathered units (plan/zero3.py).
+Pure arithmetic: it never imports torch.
 GB means 1e9 bytes throughout (the ZeRO paper's convention); --gpu-memory accepts 80, 80GB, 80GiB.
 Exit status: 0 when the layout is valid (and fits, when --gpu-memory is given), 2 otherwise.
 """

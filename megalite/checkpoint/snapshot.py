@@ -3,7 +3,8 @@
 Kinds of stored tensors, each keyed by (kind, logical name, box of the full tensor):
 - "model": the parameter (its dtype), written by dp rank 0 only (the dp replicas are equal),
   and for a parameter every tp rank holds whole (norms, biases after a row-parallel layer,
-  position embeddings) by tp rank 0 only;
+  position embeddings) by tp rank 0 only; at ZeRO-3 every dp rank writes the flat pieces of
+  the parameters its shard holds, cut into boxes like the optimizer state;
 - "master", "exp_avg", "exp_avg_sq": the optimizer's fp32 state. ZeRO ranks own disjoint
   flat ranges of the local tp shard; each rank writes the boxes of its own range (zero 0:
   every dp rank owns everything, so again dp rank 0 only; tp-replicated: tp rank 0 only);
@@ -85,6 +86,35 @@ def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
             if writes(chunk, n, p, mesh)}
 
 
+def _range_items(flats: dict[str, torch.Tensor], name: str, spec, shape: tuple[int, ...], start: int,
+                 end: int) -> list[Item]:
+    """Boxes of the flat range [start, end) of a local tensor of `shape`, for each kind in `flats`
+    (kind -> private CPU copy of that range)."""
+    items, cursor = [], 0  # flat_range_boxes cuts the range in order; each box is a contiguous run of it
+    for local_box in flat_range_boxes(shape, start, end):
+        n = box_numel(local_box)
+        for local_sub, full_box in local_to_full(spec, local_box):
+            for kind, flat in flats.items():
+                run = flat[cursor:cursor + n].view(box_shape(local_box))
+                items.append(Item(kind, name, full_box, run[box_slices(relative(local_sub, local_box))].contiguous()))
+        cursor += n
+    return items
+
+
+def sharded_model_items(chunks, model, mesh: Mesh, pin: bool = False) -> list[Item]:
+    """ZeRO-3: every dp rank stores the parameter pieces its shard holds (each element once over dp)."""
+    specs = optimizer_param_specs(chunks, mesh)
+    items = []
+    for piece in model.owned_pieces():
+        name = model.names[piece.param]
+        if name in specs:
+            values = model.param_buffer.shard[piece.shard_start:piece.shard_end]  # fp32 (the master)
+            flat = _cpu_copy(values.to(model.params[piece.param].dtype), pin)  # stored in the parameter dtype
+            items += _range_items({"model": flat}, name, specs[name], tuple(model.params[piece.param].shape),
+                                  piece.local_start, piece.local_end)
+    return items
+
+
 def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
     """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata."""
     state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
@@ -94,19 +124,9 @@ def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
     specs = optimizer_param_specs(chunks, mesh)
     items = []
     for name, entry in state["params"].items():
-        if name not in specs:
-            continue
-        spec, shape = specs[name], tuple(entry["shape"])
-        cursor = 0  # flat_range_boxes cuts the range in order; each box is a contiguous run of it
-        for local_box in flat_range_boxes(shape, entry["start"], entry["end"]):
-            n = box_numel(local_box)
-            for local_sub, full_box in local_to_full(spec, local_box):
-                for kind in OPTIMIZER_KINDS:
-                    run = entry[kind][cursor:cursor + n].view(box_shape(local_box))
-                    # optimizer_state() returned private CPU copies: a contiguous piece is used as is
-                    piece = run[box_slices(relative(local_sub, local_box))].contiguous()
-                    items.append(Item(kind, name, full_box, piece))
-            cursor += n
+        if name in specs:
+            items += _range_items({kind: entry[kind] for kind in OPTIMIZER_KINDS}, name, specs[name],
+                                  tuple(entry["shape"]), entry["start"], entry["end"])
     return items, extras
 
 
@@ -129,7 +149,11 @@ def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
     pin = torch.cuda.is_available() and mesh.device.type == "cuda"
     if optimizer is not None and hasattr(optimizer, "wait_for_params"):
         optimizer.wait_for_params()  # --overlap-param-gather: the last step's gathers must have landed
-    items = model_items(chunks, mesh, pin, copy)
+    wrapper = getattr(optimizer, "model", None)
+    if getattr(wrapper, "zero_stage", 0) == 3:  # the parameters exist only as shards
+        items = sharded_model_items(chunks, wrapper, mesh, pin)
+    else:
+        items = model_items(chunks, mesh, pin, copy)
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:
         opt_items, extras = optimizer_items(chunks, optimizer, mesh)

@@ -73,6 +73,8 @@ class GradSync(Protocol):
     def reduces_tied_grads(self) -> bool:
         """True when the wrapper sums the tied embedding's gradient over the embedding group itself."""
 
+    # optional: after_weight_grads(chunk) runs after each zero-bubble W pass of local chunk `chunk`
+
 
 def post_and_wait(transfers: Iterable[tuple[str, torch.Tensor, int]], group) -> None:
     """Post ('send'|'recv', tensor, peer global rank) transfers as one batch and wait for all.
@@ -181,6 +183,8 @@ class _Executor:
                 elif op.kind == BWD_WEIGHT:
                     self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
                     self.live.discard((op.chunk, op.microbatch))
+                    if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
+                        grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
                 else:
                     raise ValueError(f"unknown instruction {op}")
         if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():

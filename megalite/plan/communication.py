@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.params import stage_params
+from megalite.plan.zero3 import add_zero3_dp_bytes
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -59,10 +60,17 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[st
     for key, n in context_parallel_bytes(model, cfg, stage).items():
         add(key, n)
     params = stage_params(model, cfg, stage)
-    add_dp_bytes(add, params, cfg)
+    if cfg.parallel.zero == 3 and cfg.dp * cfg.parallel.cp > 1:
+        add_zero3_dp_bytes(add, model, cfg, stage, params)
+    else:
+        add_dp_bytes(add, params, cfg)
     if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
         grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-        add("embedding/all_reduce", model.padded_vocab_size(t) // t * h * grad_bytes)
+        table = model.padded_vocab_size(t) // t * h
+        if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit
+            add("embedding/all_reduce", -(-table // (cfg.dp * cfg.parallel.cp)) * 4)
+        else:
+            add("embedding/all_reduce", table * grad_bytes)
     if pp > 1:
         chunk = u // (t if sp else 1)
         first, last = stage == 0, stage == pp - 1
@@ -87,7 +95,8 @@ def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -
         n += norm
     if stage == 0 and model.flavour == "gpt2":
         n += model.seq_length * h
-    return n * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+    per_step = cfg.num_microbatches if cfg.parallel.zero == 3 else 1  # ZeRO-3 reduces every microbatch
+    return per_step * n * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
 
 
 def context_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
@@ -135,7 +144,7 @@ def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:
     elif cfg.parallel.zero == 2:
         add(f"{group}/reduce_scatter", params * g)        # also once, during the last microbatch
         add(f"{group}/all_gather", params * p)
-    else:
+    else:  # ZeRO-3 from a parameter count alone: plan/zero3.py has the full accounting
         add(f"{group}/reduce_scatter", m * params * g)
         add(f"{group}/all_gather", 2 * m * params * p)    # params gathered for forward and backward
 

@@ -11,8 +11,9 @@ from megalite.config import CPCommType, Recompute, RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.communication import bus_factor
 from megalite.plan.per_rank import Estimate, estimate
-from megalite.plan.layout import GB
+from megalite.plan.layout import DTYPE_BYTES, GB
 from megalite.plan.validity import preflight
+from megalite.plan.zero3 import stage_units
 
 
 def _divisors(n: int) -> list[int]:
@@ -49,22 +50,49 @@ def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate, gpus_per_node: in
     compute /= 1.0 - est.bubble_fraction
     parts = {"compute": compute, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "embedding": 0.0, "offload": 0.0}
     attention = _attention_share(model, cfg) * compute
+    zero3 = cfg.parallel.zero == 3
     for key, n in est.comm_bytes.items():
         group, op = key.split("/")
         bw = intra_node_busbw if span[group] <= gpus_per_node else inter_node_busbw
         seconds = n * bus_factor(op, size[group]) / bw
         if group in ("pp", "cp") and op == "recv":
             continue  # a transfer is one send and one receive: count it once
-        if group in ("dp", "dp_cp") and op != "all_gather":
+        if group in ("dp", "dp_cp") and op != "all_gather" and not zero3:
             seconds = max(0.0, seconds - 2.0 / 3.0 * compute / est.num_microbatches)
         if group == "cp" and op == "send":
             seconds = max(0.0, seconds - attention)  # the next K/V block travels while this one is computed
         parts["dp" if group == "dp_cp" else group] += seconds
+    if zero3 and parts["dp"]:
+        # Gathers run ahead (--zero3-prefetch) behind forward and backward, reduce-scatters behind
+        # the backward: hidden up to the compute time, except the first unit of every forward and
+        # backward pass, which nothing precedes.
+        bw = intra_node_busbw if span["dp"] <= gpus_per_node else inter_node_busbw
+        unit = max(stage_units(model, cfg, est.stage)) * DTYPE_BYTES[cfg.precision.precision]
+        shards = cfg.dp * cfg.parallel.cp
+        first = 2 * est.num_microbatches * cfg.parallel.virtual_stages * unit * bus_factor("all_gather", shards) / bw
+        parts["dp"] = max(0.0, parts["dp"] - compute) + first
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
         shard = est.params_per_rank / (cfg.dp * cfg.parallel.cp if cfg.parallel.zero else 1)
         parts["offload"] = shard * 6 / 25e9 + shard / 1e9
     parts["total"] = sum(parts.values())
     return parts
+
+
+# The practitioners' order when a model does not fit: ZeRO-2 first, ZeRO-3 when stage 2 does not
+# fit, the optimizer offload last. Each later step is justified by the size of the one before.
+_EARLIER = {"zero3": ("ZeRO-2", dict(zero=2)), "offload": ("ZeRO-3 on the GPU", dict(offload_optimizer=False))}
+
+
+def _why_not_earlier(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None, step: str) -> str:
+    """' (ZeRO-2 would need X GB)' for a ZeRO-3 (step 'zero3') or offloaded ('offload') layout,
+    when a GPU size is known."""
+    if not gpu_memory or (step == "zero3" and cfg.parallel.zero != 3):
+        return ""
+    name, change = _EARLIER[step]
+    if step == "offload" and cfg.parallel.zero != 3:
+        name = f"ZeRO-{cfg.parallel.zero} without offload"
+    needed = estimate(model, cfg.replace(**change)).total_bytes
+    return f" ({name} would need {needed / GB:.1f} GB)"
 
 
 def _attention_share(model: GPTConfig, cfg: RunConfig) -> float:
@@ -73,7 +101,8 @@ def _attention_share(model: GPTConfig, cfg: RunConfig) -> float:
     return 12.0 * model.num_layers * model.hidden_size * s / model.flops_per_token(s)
 
 
-def _reason(cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None, gpus_per_node: int) -> str:
+def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None,
+            gpus_per_node: int) -> str:
     par, bits = cfg.parallel, []
     if par.tp > 1:
         where = "NVLink" if par.tp <= gpus_per_node else "across nodes"
@@ -90,11 +119,11 @@ def _reason(cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None
     if par.zero:
         sharded = ("optimizer", "optimizer+grads", "all states")[par.zero - 1]
         over = f"dp={cfg.dp}" if par.cp == 1 else f"dp x cp = {cfg.dp * par.cp}"
-        bits.append(f"ZeRO-{par.zero} shards {sharded} over {over}")
+        bits.append(f"ZeRO-{par.zero} shards {sharded} over {over}" + _why_not_earlier(model, cfg, gpu_memory, "zero3"))
     if par.recompute != "none":
         bits.append(f"{par.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
     if par.offload_optimizer:
-        bits.append("optimizer offloaded to host")
+        bits.append("optimizer offloaded to host" + _why_not_earlier(model, cfg, gpu_memory, "offload"))
     bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
                 else f"{est.total_bytes / GB:.1f} GB per rank")
     return f"~{parts['total']:.3g} s/step: " + "; ".join(bits)
@@ -106,7 +135,7 @@ def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, g
     start banner and the file saved beside checkpoints."""
     est = estimate(model, cfg)
     gpus_per_node = gpus_per_node or cfg.parallel.tp
-    return _reason(cfg, est, step_time(model, cfg, est, gpus_per_node, peak_flops), gpu_memory, gpus_per_node)
+    return _reason(model, cfg, est, step_time(model, cfg, est, gpus_per_node, peak_flops), gpu_memory, gpus_per_node)
 
 
 def _context_parallel_choices(model: GPTConfig, cfg: RunConfig) -> list[tuple[int, CPCommType]]:
@@ -138,7 +167,7 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
             for cp, cp_comm_type in _context_parallel_choices(model, plain):
                 dp = ranks // cp
                 for v in (1, 2) if pp > 1 else (1,):
-                    for zero in (0, 1) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
+                    for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
                         for recompute in Recompute:
                             for mb in (1, 2, 4, 8):
                                 yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
@@ -154,8 +183,10 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
     context parallelism (ring and Ulysses) when long sequences make activations dominate,
-    interleaving, ZeRO 0-1, recompute none/selective/full, micro batch 1-8, and the optimizer
-    offload only when nothing else fits. global_batch_size defaults to 8 sequences per GPU.
+    interleaving, ZeRO 0, 1 (= 2's peak here) and 3, recompute none/selective/full, micro batch
+    1-8, and the optimizer offload only when nothing else fits (the practitioners' order: stage 2,
+    then 3, then offload; the reason line says why a later step was needed). At equal step time
+    the lower ZeRO stage wins. global_batch_size defaults to 8 sequences per GPU.
     """
     gpus_per_node = gpus_per_node or max(1, gpus // nodes)
     base = RunConfig.build(global_batch_size=global_batch_size or 8 * gpus, precision=precision)
@@ -168,7 +199,8 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
             if not est.fits(gpu_memory):
                 continue
             parts = step_time(model, cfg, est, gpus_per_node, peak_flops, **bandwidths)
-            found.append(Suggestion(cfg, est, parts["total"], _reason(cfg, est, parts, gpu_memory, gpus_per_node)))
+            found.append(Suggestion(cfg, est, parts["total"],
+                                    _reason(model, cfg, est, parts, gpu_memory, gpus_per_node)))
         if found:
             break
     rank = {r: i for i, r in enumerate(Recompute)}

@@ -84,11 +84,20 @@ def _batch_errors(cfg: RunConfig) -> list[str]:
     return errors
 
 
+def _why_this_step(model: GPTConfig, cfg: RunConfig, flag: str) -> str:
+    """Practitioners' order (ZeRO-2, then ZeRO-3, then offload): the size of the step before."""
+    before = {"--zero 3": ("--zero 2", dict(zero=2)), "--offload-optimizer": ("--zero 3", dict(zero=3))}.get(flag)
+    if before is None or cfg.dp == 1:
+        return ""
+    needed = estimate(model, cfg.replace(**before[1])).total_bytes
+    return f" ({before[0]} would still need {needed / GB:.2f} GB)"
+
+
 def _memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
     """Name the first single change that makes the layout fit, or point at the planner."""
     tries = [("--fused-linear-cross-entropy", dict(fused_linear_cross_entropy=True)),
              ("--recompute selective", dict(recompute="selective")),
-             ("--zero 1", dict(zero=1)), ("--zero 2", dict(zero=2)),
+             ("--zero 1", dict(zero=1)), ("--zero 2", dict(zero=2)), ("--zero 3", dict(zero=3)),
              ("--recompute full", dict(recompute="full"))]
     if cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
         tries.insert(1, ("--sequence-parallel", dict(sequence_parallel=True)))
@@ -104,12 +113,16 @@ def _memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
              if not (cfg.dp * cfg.parallel.cp == 1 and "zero" in change) and not all(current[k] == val for k, val in change.items())]
     for flag, change in tries:  # one change alone
         if estimate(model, cfg.replace(**change)).fits(gpu_memory):
-            return f"add {flag}"
+            return f"add {flag}" + _why_this_step(model, cfg, flag)
     flags, combined = [], cfg
     for flag, change in tries:  # or several, cumulatively, in order of cost
         flags.append(flag)
         combined = combined.replace(**change)
         if estimate(model, combined).fits(gpu_memory):
             kept = [f for i, f in enumerate(flags) if f.split()[0] not in {g.split()[0] for g in flags[i + 1:]}]
+            if flag in ("--zero 3", "--offload-optimizer"):  # why this last step was needed
+                without = estimate(model, combined.replace(**{"zero": 2} if flag == "--zero 3" else
+                                                           {"offload_optimizer": False})).total_bytes
+                return f"add {' '.join(kept)} (without {flag}: {without / GB:.2f} GB)"
             return f"add {' '.join(kept)}"
     return "raise --tp/--pp (more GPUs per model replica); `tools/plan.py --suggest` lists layouts that fit"

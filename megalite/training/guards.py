@@ -245,7 +245,8 @@ def _tp_replicated(param: torch.Tensor) -> bool:
     return not P.shard_spec(param).is_tp_sharded
 
 
-def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
+def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None,
+                   shards: bool = False) -> None:
     """--check-replicas-interval: raise ReplicaMismatchError on every rank if replicas differ.
 
     Two kinds of replica must hold bit-identical values: the dp replicas of every parameter,
@@ -253,6 +254,9 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     nothing: layer norms, row-parallel biases...), which each tp rank updates on its own from
     gradients that must agree. `named_params`: (logical name, parameter) in model order, e.g.
     from `chunk.logical_parameters()` over this rank's chunks.
+    `shards=True` (ZeRO-3): `named_params` are this rank's shard pieces of the tp-replicated
+    parameters (`DataParallel.tp_replicated_pieces()`); dp ranks hold different pieces, so only
+    the tp ranks (same pieces) are compared.
     Collectives: an all-gather of int64 [1 + n, 2] over the dp x cp group (dp*cp > 1) and one over the
     tp group (tp > 1, replicated parameters only), then one 1-element all-reduce over the
     world, so that ranks of healthy groups stop too instead of hanging.
@@ -260,13 +264,13 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     named_params = list(named_params)
     device = named_params[0][1].device if named_params else mesh.device
     messages = []
-    if mesh.dp_size * mesh.cp_size > 1:  # the ranks that hold these same parameters
+    if mesh.dp_size * mesh.cp_size > 1 and not shards:  # the ranks that hold these same parameters
         kind = "dp" if mesh.cp_size == 1 else "dp_cp"
         ranks = comm.group_ranks(mesh.dp_cp_group)
         messages.append(_first_mismatch(named_params, mesh.dp_cp_group, ranks, kind, step, device))
     if mesh.tp_size > 1:
         ranks = comm.group_ranks(mesh.tp_group)
-        replicated = [(name, p) for name, p in named_params if _tp_replicated(p)]
+        replicated = named_params if shards else [(name, p) for name, p in named_params if _tp_replicated(p)]
         messages.append(_first_mismatch(replicated, mesh.tp_group, ranks, "tp", step, device))
     message = next((m for m in messages if m), None)
     # Every rank must learn that some group disagreed: the value is world_size - (lowest such rank).

@@ -284,7 +284,10 @@ def train_steps(job: Job, start_step: int) -> bool:
         interval = cfg.fault_tolerance.check_replicas_interval
         if interval and step % interval == 0:
             job.model.wait_for_params()  # --overlap-param-gather leaves the gathers in flight
-            check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
+            if cfg.parallel.zero == 3:  # no dp replicas: compare the tp ranks' shard pieces
+                check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True)
+            else:
+                check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
         if step == start_step + 1:
             log(estimate_vs_measured(estimate(job.model_cfg, cfg), job.mesh.device))
         _record(job, step, step_time, result)

@@ -49,16 +49,20 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
-                               dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type)))
+                               dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
     return chunks
 
 
 def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> DataParallel:
-    """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap)."""
+    """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap). At ZeRO-3
+    it materialises the meta-built chunks one unit at a time."""
     p = cfg.parallel
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
                         grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
-                        overlap_param_gather=p.overlap_param_gather)
+                        overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
+                        reshard_after_forward=p.zero3_reshard_after_forward,
+                        keep_gathered_in_step=p.zero3_keep_gathered_in_step)
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
