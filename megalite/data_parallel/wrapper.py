@@ -27,7 +27,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from megalite import comm
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
+from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 from megalite.data_parallel.layout import OwnedPiece
 from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
 from megalite.mesh import Mesh
@@ -57,12 +59,17 @@ class DataParallel(nn.Module):
         rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket).
     bucket_size: elements per bucket; grad_reduce_dtype: float32, or bfloat16 on the wire.
     overlap_param_gather (zero >= 1): leave the parameter all-gathers running after the step.
+    grad_compression: a PowerSGDConfig: the dp reduction sends low-rank factors (zero 0-2; see
+        powersgd.py); the compressor's state is `self.compression`.
     """
 
     def __init__(self, chunks: nn.Module | Sequence[nn.Module], mesh: Mesh, *, zero_stage: int = 0,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_reduce_dtype: torch.dtype = torch.float32,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, grad_compression: PowerSGDConfig | None = None):
         super().__init__()
+        if grad_compression is not None and zero_stage not in (0, 1, 2):
+            raise ValueError(f"gradient compression composes with zero_stage 0, 1 or 2, not {zero_stage}: ZeRO-3 "
+                             f"never holds a whole accumulated gradient to factor; use zero_stage=2")
         if overlap_param_gather and zero_stage == 0:
             raise ValueError("overlap_param_gather needs zero_stage >= 1 (at zero 0 nothing is gathered)")
         self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
@@ -71,7 +78,8 @@ class DataParallel(nn.Module):
         replica_group = mesh.dp_cp_group  # every rank holding these same parameters (dp x cp)
         self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
-                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
+                                 compression=grad_compression, skip_group=comm.world_group())
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
@@ -141,19 +149,34 @@ class DataParallel(nn.Module):
     def reduces_tied_grads(self) -> bool:
         return True  # GradBuffers sums them over the embedding group in finish_reduction()
 
-    def finish_grad_sync(self, fill_param_grads: bool = True) -> None:
+    def finish_grad_sync(self, fill_param_grads: bool = True, *, grad_scale: float = 1.0, skip: bool = False) -> None:
         """Complete every bucket's reduction (idempotent within a step).
 
         At zero_stage 0 with fill_param_grads, each `param.grad` is then its reduced gradient (a
         view of the fp32 main grad when the dtypes match, a cast copy otherwise), so any torch
         optimizer can step; megalite's DistributedOptimizer reads `grad_shard` instead.
+        Gradient compression only: `grad_scale` is the fp16 loss scale in the gradients; `skip`
+        (every rank drops this step) leaves the compressor's state untouched.
         """
         if self.grads.reduction_pending():
-            self.grads.finish_reduction()
+            self.grads.finish_reduction(grad_scale, skip)
         if fill_param_grads and self.zero_stage == 0:
             for i, p in enumerate(self.params):
                 grad = self.grads.main_grad(i)
                 p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    @property
+    def compression(self) -> PowerSGD | None:
+        """The PowerSGD compressor (error buffers, Q), or None (no compression, or one replica)."""
+        return self.grads.compressor
+
+    def compression_stats(self) -> dict[str, float | int | None]:
+        """The last step's gradient reduction on the dp group (compression only): bytes sent, and
+        the bytes the uncompressed reduction sends over them (None when nothing was sent)."""
+        if self.grads.compressor is None:
+            return {}
+        sent, uncompressed = self.grads.last_reduction_bytes
+        return {"grad_reduce_bytes": sent, "grad_compression_ratio": uncompressed / sent if sent else None}
 
     @property
     def grad_shard(self) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from megalite import comm
 from megalite.context_parallel.zigzag import split_sequence
+from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.mesh import Mesh
 from megalite.model.config import GPTConfig
@@ -56,9 +57,11 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
 def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> DataParallel:
     """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap)."""
     p = cfg.parallel
+    compression = PowerSGDConfig(p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression,
+                                 seed=cfg.training.seed) if p.grad_compression == "powersgd" else None
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
                         grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
-                        overlap_param_gather=p.overlap_param_gather)
+                        overlap_param_gather=p.overlap_param_gather, grad_compression=compression)
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
@@ -165,7 +168,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
     the interleaved "pipeline") / optimizer seconds.
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
+    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'} (with
+    gradient compression also 'grad_reduce_bytes', 'grad_compression_ratio'): host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group).
     """
@@ -192,6 +196,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
     result["tokens"] = tokens.value()
+    result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
     result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                   exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
