@@ -233,7 +233,7 @@ class PowerSGD:
             torch.addmm(m_w, p_hat, q_w.t(), alpha=-1.0, out=error)       # M_w - P^ Q_w^T
             if scale != 1.0:
                 error.div_(scale)                                         # kept unscaled: s may change
-            self.q_of(x.index).copy_(q)                                   # warm start
+            torch.div(q, scale, out=self.q_of(x.index))                  # warm start (unscaled, as E)
             _write_low_rank(p_hat, q, x.m, outputs[x.index])              # M^ = P^ Q^T, pieces only
             q_offset += x.m * x.r
         offset = sum(x.n * x.r for x in batch.matrices)
