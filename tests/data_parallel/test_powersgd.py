@@ -181,3 +181,15 @@ def _check(zero_stage, per_rank, compressed, reference):
         held = sum(per_rank[w][-1]["errors"][i] for w in range(DP)).reshape(SHAPES[i])
         _close(applied[i] + held, given[i], f"conservation of {i}")
         assert held.abs().max() > 1e-3 * given[i].abs().max()  # rank 2 of these matrices misses something
+
+
+def test_compression_refuses_zero3_and_is_off_for_one_replica():
+    import pytest
+
+    from megalite.data_parallel import DataParallel
+    from megalite.mesh import single_process_mesh
+
+    with pytest.raises(ValueError, match="zero_stage 0, 1 or 2, not 3"):
+        DataParallel(Params(), single_process_mesh("cpu"), zero_stage=3, grad_compression=CONFIG)
+    model = DataParallel(Params(), single_process_mesh("cpu"), grad_compression=CONFIG)
+    assert model.compression is None and model.compression_stats() == {}  # dp = 1: nothing is reduced
