@@ -342,11 +342,12 @@ class GradBuffers:
     # ------------------------------------------------------------------ metrics
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank holds right now (full buffers + shard)."""
+        """Bytes of gradient storage this rank holds right now (full buffers + shard + PowerSGD's
+        residual share and Q)."""
         total = sum(t.numel() * t.element_size() for t in self._bucket_grads if t is not None)
         if self.zero_stage > 0:
             total += self.grad_shard.numel() * self.grad_shard.element_size()
-        return total
+        return total + (self.compressor.state_bytes() if self.compressor is not None else 0)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (hooks and sinks); the buffers stay readable."""

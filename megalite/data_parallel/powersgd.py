@@ -119,12 +119,11 @@ class PowerSGD:
     def __init__(self, shapes: Sequence[tuple[int, ...]], config: PowerSGDConfig, group, skip_group,
                  device: torch.device, separate: frozenset[int] = frozenset()):
         self.config, self.group, self.skip_group, self.device = config, group, skip_group, device
-        self.shapes = [tuple(s) for s in shapes]
         self.steps_done = 0  # finished reductions, compressed or not (the warm-up counts them)
         self.matrices: dict[int, _Matrix] = {}
         self.batches = [_Batch([], []), _Batch([], [])]  # regular, separate
         error_numel = q_numel = 0
-        for index, shape in enumerate(self.shapes):
+        for index, shape in enumerate(tuple(s) for s in shapes):
             batch = self.batches[index in separate]
             if not compresses(shape, config.rank, config.min_compression):
                 batch.uncompressed.append(index)
@@ -163,11 +162,8 @@ class PowerSGD:
         x = self.matrices[index]
         return self.q[x.q_offset:x.q_offset + x.m * x.r].view(x.m, x.r)
 
-    def sent_numel(self) -> int:
-        """Elements one compressed step all-reduces over the replica group (P's + uncompressed, Q's)."""
-        return sum(b.p_numel + b.q_numel for b in self.batches)
-
     def state_bytes(self) -> int:
+        """This rank's bytes of compressor state: its residual shares and the Q's (fp32)."""
         return (self.error.numel() + self.q.numel()) * 4
 
     # ------------------------------------------------------------------ one step

@@ -13,7 +13,9 @@ It decides where bytes live and when they move (ARCHITECTURE.md, decision 7):
 - parameters (`ParamBuffer`): views of one contiguous buffer with the same layout, refilled
   bucket by bucket by all-gathers after a sharded update; with `overlap_param_gather` the
   gathers finish behind the next forward and `ReadGuard` guarantees that nothing reads a
-  parameter before its gather completes.
+  parameter before its gather completes;
+- gradient compression (`grad_compression`, zero 0-2): PowerSGD (powersgd.py) replaces the
+  gradients' all-reduce / reduce-scatter with two all-reduces of low-rank factors per step.
 
 It takes any modules: megalite's layers (whose linears hand weight gradients straight to the
 main-grad buffer) or plain torch modules (caught by post-accumulate-grad hooks). `chunks`

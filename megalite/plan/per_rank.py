@@ -12,7 +12,8 @@ optimizer state -> 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stage 0 / 1 / 2 /
 Model states per parameter held by a rank, as megalite's DP engine and distributed optimizer
 keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accounting instead):
   params  2 (bf16/fp16) or 4 (fp32)
-  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1)
+  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1); with --grad-compression
+          powersgd also 4 per compressed element (the residual share) and Q (compression.py)
   optim   12 (fp32 master + Adam m, v) / dp with ZeRO >= 1; in host memory when offloaded
 Under context parallelism parameters are replicated over dp x cp and ZeRO shards over it:
 "dp" above is then dp*cp.
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.communication import add_dp_bytes, communication_bytes
+from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
 from megalite.plan.params import hardware_flops_per_token, stage_params
 
@@ -160,10 +162,12 @@ def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
     per_stage = []
     for stage in range(cfg.parallel.pp):
         weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
+        grads += compression_state_bytes(model, cfg, stage)
         per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage), stage))
     _, worst = max(per_stage)
     params = stage_params(model, cfg, worst)
     weights, grads, optimizer, host = model_state_bytes(params, cfg)
+    grads += compression_state_bytes(model, cfg, worst)
     m = cfg.num_microbatches
     tokens = cfg.global_batch_size * seq
     hardware_flops = hardware_flops_per_token(model, cfg.parallel.recompute, seq, recompute_fraction(model, cfg)) * tokens

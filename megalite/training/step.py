@@ -168,10 +168,10 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
     the interleaved "pipeline") / optimizer seconds.
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'} (with
-    gradient compression also 'grad_reduce_bytes', 'grad_compression_ratio'): host
+    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
-    --overlap-param-gather, a wait for the gathers queued before it on the dp group).
+    --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
+    compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
     """
     _check_same_cp(mesh, cfg)
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it

@@ -3,17 +3,20 @@
 - At rank >= min(n, m) (every matrix compressed, nothing lost) the steps equal the uncompressed
   single-process run, at (1, 1, 2) ZeRO 1 with accumulation and at (2, 1, 2) with SP.
 - At rank 4 the compressed run depends on the replicas' gradients only through their sum (see
-  powersgd.py), so it is the same run at dp 2 ZeRO 1 with accumulation, dp 4 ZeRO 0, and
-  (pp 2, dp 4) ZeRO 1, whose two copies of the tied embedding must stay identical.
+  powersgd.py), so it is the same run at dp 2 ZeRO 1 with accumulation, dp 4 ZeRO 0,
+  (pp 2, dp 4) ZeRO 1, whose two copies of the tied embedding must stay identical, and
+  (cp 2, dp 2), whose replicas are the dp x cp group.
 - The dp group's bytes of a compressed step equal the planner's estimate; the step reports the
   compression ratio.
 - A checkpoint resumes at the same layout with bit-identical losses; at dp 4 the stored residual
-  shares arrive summed on replica 0 and the run continues with the uninterrupted losses.
+  shares arrive summed on replica 0 and the run continues with the uninterrupted losses; at tp 2
+  each replica's share arrives sliced like the weights, and tp-sharded matrices restart their Q.
 - fp16: an overflowing step (skipped by the loss scaler) leaves the residuals and Q untouched.
 """
 import torch
 
 from megalite import comm
+from megalite import params as P
 from megalite import mesh as mesh_lib
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.config import RunConfig
@@ -21,6 +24,7 @@ from megalite.data_parallel.powersgd import first_q
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.plan.communication import communication_bytes
+from megalite.plan.compression import compression_state_bytes
 from megalite.testing import run_distributed
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
@@ -77,13 +81,15 @@ def _state(optimizer):
 def _check_ledger(m, cfg, ledgers, results, model):
     """Every compressed step: the dp group's all-reduce bytes are the planner's (+ the 8-byte token
     count); the ratio is the plain reduction's bytes (the padded buffer in fp32) over them."""
+    group = "dp" if m.cp_size == 1 else "dp_cp"
     planned = communication_bytes(_model(), cfg, m.pp_rank)
-    assert "dp/reduce_scatter" not in planned
+    assert f"{group}/reduce_scatter" not in planned
+    assert model.compression.state_bytes() == compression_state_bytes(_model(), cfg, m.pp_rank)  # planner's memory
     for ledger, result in zip(ledgers[1:], results[1:]):  # step 1 is the warm-up
-        assert ledger[("dp", "all_reduce")] == planned["dp/all_reduce"] + 8
-        assert ("dp", "reduce_scatter") not in ledger
-        assert result["grad_reduce_bytes"] == planned["dp/all_reduce"]
-        assert result["grad_compression_ratio"] == 4 * model.layout.numel / planned["dp/all_reduce"]
+        assert ledger[(group, "all_reduce")] == planned[f"{group}/all_reduce"] + 8
+        assert (group, "reduce_scatter") not in ledger
+        assert result["grad_reduce_bytes"] == planned[f"{group}/all_reduce"]
+        assert result["grad_compression_ratio"] == 4 * model.layout.numel / planned[f"{group}/all_reduce"]
 
 
 def _dp2_world(ckpt_dir):
@@ -136,17 +142,39 @@ def _pp2_dp4_world():
     return _losses(results)
 
 
-def _tp2_world():
-    """tp 2 + SP, dp 2, ZeRO 2: full rank equals plain; rank 4's bytes are the planner's."""
+def _cp2_world():
+    """cp 2, dp 2: the replicas are dp x cp (each cp rank's gradient covers its tokens): the same run as dp 4."""
+    m = mesh_lib.init_mesh(cp=2, dp=2)
+    cfg = _cfg(cp=2, dp=2, zero=1, **RANK4)
+    chunks, optimizer = _build(m, cfg)
+    ledgers = []
+    results = _train(chunks, optimizer, m, cfg, range(1, STEPS + 1), ledgers)
+    _check_ledger(m, cfg, ledgers, results, optimizer.model)
+    return _losses(results)
+
+
+def _tp2_world(ckpt_dir, saved_shares):
+    """tp 2 + SP, dp 2, ZeRO 2: full rank equals plain; rank 4's bytes are the planner's; the tp 1
+    checkpoint loads its replicas' shares sliced like the weights, Q only where the shape is unchanged."""
     m = mesh_lib.init_mesh(tp=2, dp=2)
     cfg = _cfg(tp=2, dp=2, zero=2, sequence_parallel=True, **FULL_RANK)
-    full = _losses(_train(*_build(m, cfg), m, cfg, range(1, 4)))
+    full_losses = _losses(_train(*_build(m, cfg), m, cfg, range(1, 4)))
     cfg = _cfg(tp=2, dp=2, zero=2, sequence_parallel=True, **RANK4)
     chunks, optimizer = _build(m, cfg)
     ledgers = []
     results = _train(chunks, optimizer, m, cfg, range(1, 4), ledgers)
     _check_ledger(m, cfg, ledgers, results, optimizer.model)
-    return full
+    chunks, optimizer = _build(m, cfg)
+    load_checkpoint(ckpt_dir, chunks, optimizer, m, **QUIET)
+    model, compressor = optimizer.model, optimizer.model.compression
+    for index, matrix in compressor.matrices.items():
+        name, param = model.names[index], model.params[index]
+        spec, (saved_error, saved_q) = P.shard_spec(param), saved_shares[m.dp_rank][name]
+        full = saved_error[tuple(slice(0, n) for n in spec.full_shape)]  # the tp 1 share, padding rows dropped
+        assert torch.equal(compressor.error_of(index).view(param.shape), spec.shard(full)), name
+        fresh = first_q(matrix.m, matrix.r, cfg.training.seed)
+        assert torch.equal(compressor.q_of(index), fresh if spec.is_tp_sharded else saved_q), name
+    return full_losses
 
 
 def _fp16_world():
@@ -182,7 +210,9 @@ def test_compressed_training_full_rank_layouts_and_resume(tmp_path):
     torch.testing.assert_close(dp4[0]["resumed"], rank4[2:], rtol=1e-5, atol=0)
     pp2 = run_distributed(_pp2_dp4_world, 8, timeout_s=180)
     torch.testing.assert_close(pp2[0], rank4, rtol=1e-5, atol=0)
-    tp2 = run_distributed(_tp2_world, 4, timeout_s=180)
+    cp2 = run_distributed(_cp2_world, 4, timeout_s=180)
+    torch.testing.assert_close(cp2[0], rank4, rtol=1e-5, atol=0)
+    tp2 = run_distributed(_tp2_world, 4, str(tmp_path / "ckpt"), [r["saved"] for r in dp2], timeout_s=180)
     torch.testing.assert_close(tp2[0], reference, rtol=1e-5, atol=0)
     fp16 = run_distributed(_fp16_world, 2, timeout_s=180)[0]
     assert fp16["skipped"] == [True, False, False] and fp16["untouched"] and fp16["moved"]
