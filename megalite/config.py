@@ -85,6 +85,13 @@ class CPCommType(enum.StrEnum):
     A2A = "a2a"  # Ulysses: all-to-all from a sequence split to a head split and back
 
 
+class GradCompression(enum.StrEnum):
+    """How the data-parallel gradient reduction travels (megalite.data_parallel.powersgd)."""
+
+    NONE = "none"
+    POWERSGD = "powersgd"  # low-rank factors P, Q with error feedback (Vogels et al. 2019)
+
+
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
             aliases: dict[str, Any] | None = None) -> Any:
     """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
@@ -145,6 +152,15 @@ class ParallelSettings:
                                                      "chunk (Megatron's block method); default all", metavar="N")
     fused_linear_cross_entropy: bool = setting(False, "output layer + cross entropy in token chunks: the logits "
                                                       "[tokens, vocab/tp] are never held (one more output GEMM)")
+    grad_compression: GradCompression = setting(GradCompression.NONE, "compress the dp gradient reduction: powersgd "
+                                                                      "sends rank-R factors of each matrix (error "
+                                                                      "feedback keeps what they miss for the next "
+                                                                      "step); zero 0-2")
+    powersgd_rank: int = setting(4, "PowerSGD: rank R of the factors (R*(n+m) elements per n x m matrix instead of "
+                                    "n*m)", metavar="R")
+    powersgd_warmup_steps: int = setting(0, "PowerSGD: the first N steps reduce uncompressed", metavar="N")
+    powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
+                                                   "factor (and every 1-D parameter) are reduced uncompressed")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
+    problems += _compression_problems(cfg)
     if ft.hang_timeout < 0:
         problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {ft.hang_timeout}")
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
@@ -49,6 +50,30 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
     if ck.load_step is not None and ck.load is None:
         problems.append("--load-step needs --load DIR")
+    return problems
+
+
+def _compression_problems(cfg: RunConfig) -> list[str]:
+    """--grad-compression powersgd: its ranges, and what it does not combine with."""
+    p = cfg.parallel
+    if p.grad_compression != "powersgd":
+        return []
+    problems = []
+    if p.powersgd_rank < 1:
+        problems.append(f"--powersgd-rank must be >= 1, got {p.powersgd_rank} (4 is a good start)")
+    if p.powersgd_warmup_steps < 0:
+        problems.append(f"--powersgd-warmup-steps must be >= 0, got {p.powersgd_warmup_steps}")
+    if p.powersgd_min_compression < 0:
+        problems.append(f"--powersgd-min-compression must be >= 0, got {p.powersgd_min_compression} (0 compresses "
+                        f"every matrix)")
+    if p.zero == 3:
+        problems.append("--grad-compression powersgd composes with --zero 0, 1 or 2 only: ZeRO-3 reduce-scatters "
+                        "each unit's gradient every microbatch, so no rank ever holds a whole accumulated gradient "
+                        "to factor; use --zero 2 (or --grad-compression none)")
+    if cfg.precision.grad_reduce_dtype != "fp32":
+        problems.append(f"--grad-compression powersgd sends its factors in fp32; drop --grad-reduce-dtype "
+                        f"{cfg.precision.grad_reduce_dtype} (the factors are already {p.powersgd_rank}*(n+m) "
+                        f"elements per n x m matrix)")
     return problems
 
 

@@ -128,3 +128,23 @@ def test_context_parallel_settings():
     for needle in ("world size 16 != tp*cp*pp*dp = 2*4*1*4 = 32", "seq_length=100 is not divisible by 2*cp = 8",
                    "num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4"):
         assert needle in text, (needle, text)
+
+
+def test_grad_compression_settings():
+    from megalite.config import GradCompression
+
+    cfg, _ = parse_args(["--grad-compression", "powersgd", "--powersgd-rank", "8", "--powersgd-warmup-steps", "10",
+                         "--powersgd-min-compression", "4", "--zero", "1"])
+    p = cfg.parallel
+    assert (p.grad_compression, p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression) == \
+        (GradCompression.POWERSGD, 8, 10, 4.0)
+    assert RunConfig().parallel.powersgd_rank == 4 and RunConfig().parallel.grad_compression == "none"
+    cfg = cfg.resolved(4, 257)
+    assert cfg.validate(4, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
+    text = "\n".join(cfg.replace(powersgd_rank=0, powersgd_warmup_steps=-1, powersgd_min_compression=-1.0, zero=3,
+                                 grad_reduce_dtype="bf16").validate(4, 257))
+    for needle in ("--powersgd-rank must be >= 1", "--powersgd-warmup-steps must be >= 0",
+                   "--powersgd-min-compression must be >= 0", "composes with --zero 0, 1 or 2 only",
+                   "drop --grad-reduce-dtype bf16"):
+        assert needle in text, (needle, text)
+    assert cfg.replace(grad_compression="none", powersgd_rank=0).validate(4, 257) == []  # unused: not checked

@@ -30,6 +30,7 @@ import torch
 from megalite import comm, params as P
 from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.compression_state import load_compression, plan_compression
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
 from megalite.checkpoint.storage import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
@@ -143,6 +144,7 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
         for name, spec, shape, start, end in _optimizer_targets(optimizer):
             for kind in OPTIMIZER_KINDS:
                 _check_range(reader, kind, name, spec, shape, start, end)
+        plan_compression(reader, optimizer)
     if rng_prefix is not None:
         for (kind, name), rows in reader.items.items():
             if kind == "rng" and name.startswith(rng_prefix):
@@ -291,6 +293,8 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         _load_model(reader, chunks, optimizer)
         if optimizer is not None:  # without stored (or wanted) state: master weights from the loaded weights
             _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
+            if meta["has_optimizer"] and load_optimizer:  # gradient compression's residuals and Q
+                load_compression(reader, optimizer, meta["step"])
         if rng:
             _load_rng(reader, chunks, mesh)
         reader.close()

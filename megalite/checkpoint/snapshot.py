@@ -9,7 +9,9 @@ Kinds of stored tensors, each keyed by (kind, logical name, box of the full tens
   flat ranges of the local tp shard; each rank writes the boxes of its own range (zero 0:
   every dp rank owns everything, so again dp rank 0 only; tp-replicated: tp rank 0 only);
 - "rng": this rank's generator states (torch default, CUDA, each chunk's TensorParallelRNG),
-  named "rank{r}/...", whole-tensor boxes.
+  named "rank{r}/...", whole-tensor boxes;
+- "powersgd_error", "powersgd_q": gradient compression's residual shares and Q, with the
+  optimizer state (compression_state.py).
 
 The last pipeline stage's copy of a tied embedding is one logical tensor with the first
 stage's embedding; only the first stage's copy is written, so every element of every full
@@ -23,6 +25,7 @@ import torch
 
 from megalite import params
 from megalite.checkpoint.boxes import Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.compression_state import compression_items
 from megalite.checkpoint.storage import DTYPE_NAMES
 from megalite.mesh import Mesh
 
@@ -157,7 +160,7 @@ def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:
         opt_items, extras = optimizer_items(chunks, optimizer, mesh)
-        items += opt_items
+        items += opt_items + [Item(*item) for item in compression_items(optimizer, mesh)]
     items += rng_items(chunks, mesh)
     if pin:
         torch.cuda.synchronize()  # the non-blocking device-to-host copies above have landed

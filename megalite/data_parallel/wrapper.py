@@ -13,7 +13,9 @@ It decides where bytes live and when they move (ARCHITECTURE.md, decision 7):
 - parameters (`ParamBuffer`): views of one contiguous buffer with the same layout, refilled
   bucket by bucket by all-gathers after a sharded update; with `overlap_param_gather` the
   gathers finish behind the next forward and `ReadGuard` guarantees that nothing reads a
-  parameter before its gather completes.
+  parameter before its gather completes;
+- gradient compression (`grad_compression`, zero 0-2): PowerSGD (powersgd.py) replaces the
+  gradients' all-reduce / reduce-scatter with two all-reduces of low-rank factors per step.
 
 It takes any modules: megalite's layers (whose linears hand weight gradients straight to the
 main-grad buffer) or plain torch modules (caught by post-accumulate-grad hooks). `chunks`
@@ -38,6 +40,7 @@ from torch import nn
 from megalite import comm, params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
 from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
+from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
 from megalite.data_parallel.unit_grads import UnitGrads
 from megalite.data_parallel.unit_params import UnitParams
@@ -71,6 +74,8 @@ class DataParallel(nn.Module):
         3 (also shards the parameters, unit by unit; see the module docstring).
     bucket_size: elements per bucket; grad_reduce_dtype: float32, or bfloat16 on the wire.
     overlap_param_gather (zero 1/2): leave the parameter all-gathers running after the step.
+    grad_compression: a PowerSGDConfig: the dp reduction sends low-rank factors (zero 0-2; see
+        powersgd.py); the compressor's state is `self.compression`.
     ZeRO-3 only: units (default: the model's `zero3_units()`, else `units.default_units`; or a
         list of submodules / `Unit`s), prefetch (units gathered ahead), reshard_after_forward,
         keep_gathered_in_step (gather each unit once per step, hold it until the optimizer).
@@ -79,10 +84,14 @@ class DataParallel(nn.Module):
     def __init__(self, chunks: nn.Module | Sequence[nn.Module], mesh: Mesh, *, zero_stage: int = 0,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_reduce_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
-                 prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False):
+                 prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
+                 grad_compression: PowerSGDConfig | None = None):
         super().__init__()
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if grad_compression is not None and zero_stage not in (0, 1, 2):
+            raise ValueError(f"gradient compression composes with zero_stage 0, 1 or 2, not {zero_stage}: ZeRO-3 "
+                             f"never holds a whole accumulated gradient to factor; use zero_stage=2")
         if overlap_param_gather and zero_stage in (0, 3):
             raise ValueError("overlap_param_gather needs zero_stage 1 or 2 (at zero 0 nothing is gathered; ZeRO-3 "
                              "gathers each unit right before its forward, never after the step)")
@@ -97,7 +106,8 @@ class DataParallel(nn.Module):
         replica_group = mesh.dp_cp_group  # every rank holding these same parameters (dp x cp)
         self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
-                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
+                                 compression=grad_compression, skip_group=comm.world_group())
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
@@ -200,21 +210,39 @@ class DataParallel(nn.Module):
         if self.schedule is not None:
             self.schedule.after_weight_grads(chunk)
 
-    def finish_grad_sync(self, fill_param_grads: bool = True) -> None:
+    def finish_grad_sync(self, fill_param_grads: bool = True, *, grad_scale: float = 1.0, skip: bool = False) -> None:
         """Complete every bucket's reduction (idempotent within a step).
 
         At zero_stage 0 with fill_param_grads, each `param.grad` is then its reduced gradient (a
         view of the fp32 main grad when the dtypes match, a cast copy otherwise), so any torch
         optimizer can step; megalite's DistributedOptimizer reads `grad_shard` instead.
+        Gradient compression only: `grad_scale` is the fp16 loss scale in the gradients; `skip`
+        (every rank drops this step) leaves the compressor's state untouched.
         """
         if self.grads.reduction_pending():
-            self.grads.finish_reduction()
+            if self.schedule is not None:  # ZeRO-3 (never compressed)
+                self.grads.finish_reduction()
+            else:
+                self.grads.finish_reduction(grad_scale, skip)
         if self.schedule is not None:
             self.schedule.end_step()  # before the optimizer: no unit stays gathered
         if fill_param_grads and self.zero_stage == 0:
             for i, p in enumerate(self.params):
                 grad = self.grads.main_grad(i)
                 p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    @property
+    def compression(self) -> PowerSGD | None:
+        """The PowerSGD compressor (error buffers, Q), or None (no compression, one replica, or ZeRO-3)."""
+        return None if self.schedule is not None else self.grads.compressor
+
+    def compression_stats(self) -> dict[str, float | int | None]:
+        """The last step's gradient reduction on the dp group (compression only): bytes sent, and
+        the bytes the uncompressed reduction sends over them (None when nothing was sent)."""
+        if self.compression is None:
+            return {}
+        sent, uncompressed = self.grads.last_reduction_bytes
+        return {"grad_reduce_bytes": sent, "grad_compression_ratio": uncompressed / sent if sent else None}
 
     @property
     def grad_shard(self) -> torch.Tensor:

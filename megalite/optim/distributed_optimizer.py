@@ -191,9 +191,9 @@ class DistributedOptimizer:
         caller saw a non-finite loss (all ranks agree): no update.
         """
         self.model.wait_for_params()  # gathers of buckets the last forward never touched (params unused)
-        self.model.finish_grad_sync(fill_param_grads=False)
-        grad = self.model.grad_shard  # fp32 [shard_numel]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.model.finish_grad_sync(fill_param_grads=False, grad_scale=scale, skip=skip)
+        grad = self.model.grad_shard  # fp32 [shard_numel]
         grad_norm = float(self._global_norm_of_shard(grad)) / scale
         found_inf = skip or not math.isfinite(grad_norm)
         if self.loss_scaler is not None:

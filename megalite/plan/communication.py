@@ -6,12 +6,17 @@ Context parallelism (cp > 1): activations hold s/cp tokens, so tp and pp traffic
 attention adds the cp group's own traffic ('cp/send' + 'cp/recv' for ring attention,
 'cp/all_to_all' for Ulysses); parameters are replicated over dp x cp, whose group the ledger
 names 'dp_cp' (at cp = 1 it is the dp group, 'dp').
+
+Gradient compression (--grad-compression powersgd): the dp gradient reduction (all-reduce at
+ZeRO 0, reduce-scatter at ZeRO 1/2) becomes all-reduces of 4 * (R*(n+m) per compressed n x m
+matrix + numel per other gradient) bytes (plan/compression.py); the warm-up steps are not modelled.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
+from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.params import stage_params
 from megalite.plan.zero3 import add_zero3_dp_bytes
@@ -64,6 +69,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[st
         add_zero3_dp_bytes(add, model, cfg, stage, params)
     else:
         add_dp_bytes(add, params, cfg)
+        replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
     if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
         grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
         table = model.padded_vocab_size(t) // t * h

@@ -13,7 +13,9 @@ Model states per parameter held by a rank, as megalite's DP engine and distribut
 keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accounting instead):
   params  2 (bf16/fp16) or 4 (fp32); ZeRO-3: 4/dp (an fp32 shard in every precision, cast to
           the training dtype as it is gathered), plus the units gathered at the peak (zero3.py)
-  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1); ZeRO-3: 4/dp + two units
+  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1); ZeRO-3: 4/dp + two units;
+          with --grad-compression powersgd also 4 per compressed element (the residual share)
+          and Q (compression.py)
   optim   8 (Adam m, v: fp32 parameters, and ZeRO-3's shard, are the master) or 12 (+ fp32
           master for bf16/fp16 below ZeRO-3, or when offloaded), /dp with ZeRO >= 1; in host
           memory when offloaded
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.communication import add_dp_bytes, communication_bytes
+from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
 from megalite.plan.params import hardware_flops_per_token, stage_params
 from megalite.plan.zero3 import gathered_peak_elements, transient_grad_bytes
@@ -192,11 +195,13 @@ def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
 
 def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[int, int, int, int]:
     """`model_state_bytes` of a stage's parameters, with ZeRO-3's gathered units and transient
-    unit gradients (and only then: dp = 1 shards nothing, but the units are still gathered)."""
+    unit gradients (and only then: dp = 1 shards nothing, but the units are still gathered), and
+    gradient compression's state."""
     weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
     if cfg.parallel.zero == 3:
         weights += gathered_peak_elements(model, cfg, stage) * DTYPE_BYTES[cfg.precision.precision]
         grads += transient_grad_bytes(model, cfg, stage)
+    grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
     return weights, grads, optimizer, host
 
 

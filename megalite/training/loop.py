@@ -343,6 +343,9 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result["loss_scale"]
     record["cp"] = cfg.parallel.cp
+    if "grad_compression_ratio" in result:  # dp gradient bytes: uncompressed / sent (this step)
+        record.update(grad_reduce_bytes=result["grad_reduce_bytes"],
+                      grad_compression_ratio=result["grad_compression_ratio"])
     if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
     job.writer.write(record)

@@ -20,6 +20,7 @@ import torch
 
 from megalite import comm
 from megalite.context_parallel.zigzag import split_sequence
+from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.mesh import Mesh
 from megalite.model.config import GPTConfig
@@ -58,11 +59,14 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
     """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap). At ZeRO-3
     it materialises the meta-built chunks one unit at a time."""
     p = cfg.parallel
+    compression = PowerSGDConfig(p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression,
+                                 seed=cfg.training.seed) if p.grad_compression == "powersgd" else None
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
                         grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
                         overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
                         reshard_after_forward=p.zero3_reshard_after_forward,
-                        keep_gathered_in_step=p.zero3_keep_gathered_in_step)
+                        keep_gathered_in_step=p.zero3_keep_gathered_in_step,
+                        grad_compression=compression)
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
@@ -171,7 +175,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
-    --overlap-param-gather, a wait for the gathers queued before it on the dp group).
+    --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
+    compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
     """
     _check_same_cp(mesh, cfg)
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
@@ -196,6 +201,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
     result["tokens"] = tokens.value()
+    result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
     result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                   exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
