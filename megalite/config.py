@@ -3,8 +3,8 @@
 A setting is a field of one part (model, parallel, training, optimizer, precision, data,
 checkpoint, logging, fault_tolerance) declared with `setting(default, help, ...)`: its name
 (the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
-its default, its choices (an enum declared once below) and its help. Everything else is
-generated from these declarations: the argparse parser and the TOML/JSON config files
+its default, its choices (an enum declared once in config_choices.py) and its help. Everything
+else is generated from these declarations: the argparse parser and the TOML/JSON config files
 (`megalite/cli.py`), the planner's view of the run (the planner reads a RunConfig), the
 configuration saved in checkpoints and beside the metrics.
 
@@ -28,68 +28,9 @@ from megalite.model.config import PRESETS, GPTConfig, preset
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.schedules import check_pipeline_config
 from megalite.config_checks import data_problems, setting_problems
+from megalite.config_choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
+    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression)
 from megalite.plan.validity import preflight
-
-
-class Precision(enum.StrEnum):
-    """A floating-point format: of the parameters and activations, or of the gradient reduction
-    (whose fp16 only the planner models, for the ZeRO paper's accounting; training refuses it)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-
-class Recompute(enum.StrEnum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
-
-class Schedule(enum.StrEnum):
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    GPIPE = "gpipe"
-    ZB_H1 = "zb-h1"
-
-
-class LRDecay(enum.StrEnum):
-    COSINE = "cosine"
-    LINEAR = "linear"
-    CONSTANT = "constant"
-
-
-class ElasticBatch(enum.StrEnum):
-    """The global batch when a run resumes on another world (megalite.checkpoint.elastic)."""
-
-    KEEP = "keep"  # the checkpoint's global batch, more or fewer accumulation steps
-    SCALE = "scale"  # the global batch in proportion to dp, the learning rate by --elastic-lr-rule
-
-
-class ElasticLRRule(enum.StrEnum):
-    """How --elastic-batch scale rescales the learning rate with the global batch ratio r."""
-
-    LINEAR = "linear"  # lr * r (Goyal et al., 2017)
-    SQRT = "sqrt"  # lr * sqrt(r) (Krizhevsky, 2014; Adam-style optimisers)
-
-
-class OnNonFinite(enum.StrEnum):
-    SKIP = "skip"
-    STOP = "stop"
-
-
-class CPCommType(enum.StrEnum):
-    """How context-parallel attention talks (megalite.context_parallel.checks.CP_COMM_TYPES)."""
-
-    P2P = "p2p"  # ring attention: K/V blocks travel round the cp ring
-    A2A = "a2a"  # Ulysses: all-to-all from a sequence split to a head split and back
-
-
-class GradCompression(enum.StrEnum):
-    """How the data-parallel gradient reduction travels (megalite.data_parallel.powersgd)."""
-
-    NONE = "none"
-    POWERSGD = "powersgd"  # low-rank factors P, Q with error feedback (Vogels et al. 2019)
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
