@@ -228,6 +228,35 @@ def _candidates(root: Path, step: int | None, log) -> list[int]:
     return [s for s in reversed(steps) if latest is None or s <= latest]
 
 
+def _agreed_candidates(root: Path, step: int | None, mesh: Mesh, say) -> list[int]:
+    """Rank 0 lists the step directories to try, newest first; every rank gets its list (or its error)."""
+    decision: tuple[str, object] = ("ok", None)
+    if mesh.rank == 0:
+        try:
+            decision = ("ok", _candidates(root, step, say))
+        except FileNotFoundError as exc:
+            decision = ("error", str(exc))
+    decision = comm.all_gather_object(decision, comm.world_group())[0]
+    if decision[0] == "error":
+        raise CheckpointNotFoundError(decision[1])
+    return decision[1]
+
+
+def _load_everything(reader: CheckpointReader, chunks, optimizer, mesh: Mesh, load_optimizer: bool,
+                     rng: bool) -> None:
+    """Read a planned and verified checkpoint into the model, the optimizer (without stored or wanted
+    state: master weights from the loaded weights), gradient compression's state and the RNGs."""
+    meta = reader.metadata
+    _load_model(reader, chunks, optimizer)
+    if optimizer is not None:
+        _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
+        if meta["has_optimizer"] and load_optimizer:  # gradient compression's residuals and Q
+            load_compression(reader, optimizer, meta["step"])
+    if rng:
+        _load_rng(reader, chunks, mesh)
+    reader.close()
+
+
 def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step: int | None = None,
                     load_optimizer: bool = True, load_rng: bool = True, log=print) -> LoadedCheckpoint | None:
     """Load the newest good checkpoint (or `step`) of `load_dir` into chunks and optimizer.
@@ -243,18 +272,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         root, step = root.parent, int(named.group(1))
     say = log if mesh.rank == 0 else (lambda *_: None)
     world = comm.world_group()
-    decision: tuple[str, object]
-    if mesh.rank == 0:
-        try:
-            decision = ("ok", _candidates(root, step, say))
-        except FileNotFoundError as exc:
-            decision = ("error", str(exc))
-    else:
-        decision = ("ok", None)
-    decision = comm.all_gather_object(decision, world)[0]
-    if decision[0] == "error":
-        raise CheckpointNotFoundError(decision[1])
-    candidates = decision[1]
+    candidates = _agreed_candidates(root, step, mesh, say)
     if not candidates:
         say(f"megalite: no checkpoint in {root} yet; starting from scratch")
         return None
@@ -290,14 +308,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
                 + ("falling back to an older checkpoint" if candidate != candidates[-1] else "no older one left"))
             continue
         meta = reader.metadata
-        _load_model(reader, chunks, optimizer)
-        if optimizer is not None:  # without stored (or wanted) state: master weights from the loaded weights
-            _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
-            if meta["has_optimizer"] and load_optimizer:  # gradient compression's residuals and Q
-                load_compression(reader, optimizer, meta["step"])
-        if rng:
-            _load_rng(reader, chunks, mesh)
-        reader.close()
+        _load_everything(reader, chunks, optimizer, mesh, load_optimizer, rng)
         saved = meta["layout"]
         say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
             f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "

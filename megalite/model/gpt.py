@@ -90,39 +90,43 @@ class GPTModel(nn.Module):
         self.rng = TensorParallelRNG(seed)  # the same on every rank: masks are layout-free
         self._seed, self._dtype, self._cp_comm_type, self._tp = seed, dtype, cp_comm_type, (tp_rank, tp_size)
 
-        with torch.device("meta") if on_meta else contextlib.nullcontext():  # meta: no init work either
-            if pre_process:
-                self.word_embeddings = self._build_word_embeddings(device)
-                if config.flavour == "gpt2":
-                    # Under SP each rank adds only its sequence slice of the table: partial gradients.
-                    self.position_embeddings = params.declare(nn.Parameter(self._build_position_table(device)),
-                                                              sequence_parallel_grad=sequence_parallel)
-            self.layers = nn.ModuleList()
-            for i in self.layer_ids:
-                block = self._build_block(i, device)
-                block.recompute_core = recompute == "selective"
-                self.layers.append(block)
-            if post_process:
-                self.final_norm = Norm(config, sequence_parallel, dtype, device)
-                if config.tie_embeddings and pre_process:
-                    self.output_weight = None  # the head reads word_embeddings.weight
-                else:
-                    weight, spec = self._build_output_weight(device)
-                    self.output_weight = params.declare(nn.Parameter(weight), shard_spec=spec)
-        if config.tie_embeddings and pp_size > 1:
-            # The first stage's embedding and the last stage's head copy are one logical tensor:
-            # their gradients are summed over the embedding group, and counted once in norms.
-            if pre_process:
-                params.declare(self.word_embeddings.weight, tied_across_stages=True)
-            if post_process and self.output_weight is not None:
-                params.declare(self.output_weight, tied_across_stages=True)
-
+        self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
             cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
     # --- construction: each component from its own seeded stream -------------------------------
+
+    def _build_parameters(self, device, on_meta: bool, pp_size: int) -> None:
+        """Embeddings, blocks, final norm and head of this chunk, each from its own seeded stream
+        (on the meta device: shapes only; ZeRO-3 materialises them unit by unit)."""
+        with torch.device("meta") if on_meta else contextlib.nullcontext():  # meta: no init work either
+            if self.pre_process:
+                self.word_embeddings = self._build_word_embeddings(device)
+                if self.config.flavour == "gpt2":
+                    # Under SP each rank adds only its sequence slice of the table: partial gradients.
+                    self.position_embeddings = params.declare(nn.Parameter(self._build_position_table(device)),
+                                                              sequence_parallel_grad=self.sequence_parallel)
+            self.layers = nn.ModuleList()
+            for i in self.layer_ids:
+                block = self._build_block(i, device)
+                block.recompute_core = self.recompute == "selective"
+                self.layers.append(block)
+            if self.post_process:
+                self.final_norm = Norm(self.config, self.sequence_parallel, self._dtype, device)
+                if self.config.tie_embeddings and self.pre_process:
+                    self.output_weight = None  # the head reads word_embeddings.weight
+                else:
+                    weight, spec = self._build_output_weight(device)
+                    self.output_weight = params.declare(nn.Parameter(weight), shard_spec=spec)
+        if self.config.tie_embeddings and pp_size > 1:
+            # The first stage's embedding and the last stage's head copy are one logical tensor:
+            # their gradients are summed over the embedding group, and counted once in norms.
+            if self.pre_process:
+                params.declare(self.word_embeddings.weight, tied_across_stages=True)
+            if self.post_process and self.output_weight is not None:
+                params.declare(self.output_weight, tied_across_stages=True)
 
     def _build_word_embeddings(self, device) -> VocabParallelEmbedding:
         with seeded(self._seed, _WORD_EMBEDDING_STREAM):
