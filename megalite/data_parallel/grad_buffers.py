@@ -351,8 +351,4 @@ class GradBuffers:
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (hooks and sinks); the buffers stay readable."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for p in self.params:
-            P.set_grad_destination(p, None, None)
+        P.detach_grad_destinations(self.params, self._hooks)

@@ -164,8 +164,4 @@ class UnitGrads:
         return total + sum(send.numel() * send.element_size() for _, _, send, _ in self._pending)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for p in self.params:
-            P.set_grad_destination(p, None, None)
+        P.detach_grad_destinations(self.params, self._hooks)
