@@ -3,6 +3,7 @@
     python examples/custom_transformer.py                                         # one process, CPU ok
     torchrun --nproc_per_node 4 examples/custom_transformer.py --tp 2 --dp 2 --zero 1
     torchrun --nproc_per_node 2 examples/custom_transformer.py --dp 2 --zero 0     # any torch optimizer
+    torchrun --nproc_per_node 4 examples/custom_transformer.py --tp 2 --dp 2 --zero 3  # parameters sharded too
 
 A hand-written pre-norm block (Megatron's pattern: column-parallel in, row-parallel out, so each
 half of the block needs one all-reduce) on a vocab-parallel embedding and a vocab-parallel cross
@@ -10,7 +11,9 @@ entropy that never gathers the logits. The rest is plain torch (LayerNorm, SDPA,
 
 `DataParallel` owns the parameters and gradients: it buckets the gradients and reduces them over
 dp during the backward. At --zero 0 a plain `torch.optim.AdamW` steps on the reduced gradients;
-at --zero 1/2 megalite's `DistributedOptimizer` keeps fp32 state for a 1/dp shard only. The global
+at --zero 1/2 megalite's `DistributedOptimizer` keeps fp32 state for a 1/dp shard only; at --zero 3
+the parameters are sharded too, unit by unit (here the default units: the embedding, each block,
+the final norm; the tied head's read of the embedding weight gathers it on demand). The global
 batch is fixed and split over dp, and the loss is divided by its token count once, so every
 (tp, dp, zero) prints the same losses (float32, to ~1e-6).
 """
@@ -83,8 +86,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (splits the fixed global batch)")
-    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2],
-                        help="0: torch.optim.AdamW on the reduced grads; 1/2: megalite's sharded AdamW")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                        help="0: torch.optim.AdamW on the reduced grads; 1/2/3: megalite's sharded AdamW "
+                             "(3: parameters sharded too)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--metrics-file", default=None, help="JSON lines with step and loss (rank 0)")
     return parser.parse_args(argv)

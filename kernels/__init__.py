@@ -30,11 +30,11 @@ In-place optimizer step:
     adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step)
 """
 from .adamw import adamw_step, adamw_step_reference
+from .attention_block import attention_backward_with_lse, attention_forward_with_lse
 from .bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from .cross_entropy import cross_entropy, cross_entropy_reference, vocab_parallel_cross_entropy
 from .dispatch import BACKENDS, HAVE_TRITON, backend_name
-from .flash_attention import (SUPPORTED_HEAD_DIMS, attention, attention_backward_with_lse, attention_forward_with_lse,
-                              attention_reference)
+from .flash_attention import SUPPORTED_HEAD_DIMS, attention, attention_reference
 from .gelu import bias_gelu, bias_gelu_reference, gelu, gelu_reference
 from .layer_norm import layer_norm, layer_norm_reference, layer_norm_residual, layer_norm_residual_reference
 from .rms_norm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference

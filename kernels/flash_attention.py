@@ -20,10 +20,9 @@ or after it, and a second per (query block, batch*head) accumulates dq:
     p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
     ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
 
-Ring attention (megalite.context_parallel) computes one row's softmax over key blocks held by
-different ranks: `attention_forward_with_lse` returns a block's output with its natural-log
-lse (blocks merge by log-sum-exp), and `attention_backward_with_lse` differentiates one block
-given the row's final output and lse (the same three backward kernels, handed them).
+Ring attention (megalite.context_parallel) runs these kernels on one block of a longer softmax
+row at a time (`attention_block.py`: forward with its log-sum-exp, backward from the row's
+final output and log-sum-exp).
 
 Dropout (DROPOUT): the forward drops probabilities after the normaliser has summed them, with
 the Philox mask of kernels/attention_torch.py (a pure function of the batch, head, row and
@@ -438,44 +437,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     _check_kernel_inputs(q, k, v, causal)
     q, k, v = _unit_stride(q, k, v)
     return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale), dropout)
-
-
-# ---------------------------------------------------------------------------------------------
-# One block of a longer softmax row (ring attention): forward with its log-sum-exp, and a
-# backward that takes the row's final output and log-sum-exp. Not differentiable themselves.
-# ---------------------------------------------------------------------------------------------
-
-
-def attention_forward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                               softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward of one block: (out [b, h, sq, d] in q.dtype, lse fp32 [b, h, sq]).
-
-    lse[i] = log(sum_j exp(softmax_scale * q_i . k_j)) over this block's keys j (natural log),
-    so blocks of one row merge exactly by log-sum-exp. Causal needs sq == sk (the diagonal).
-    """
-    _check_shapes(q, k, v)
-    _check_kernel_inputs(q, k, v, causal)
-    head_dim = q.shape[-1]
-    q, k, v = _pad_head_dim(head_dim, *_unit_stride(q, k, v))
-    out, lse2 = _launch_forward(q, k, v, bool(causal), float(softmax_scale))
-    return out[..., :head_dim], lse2 * (1.0 / LOG2E)  # log2 -> natural log
-
-
-def attention_backward_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                                dout: torch.Tensor, lse: torch.Tensor, causal: bool,
-                                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward of one block: (dq, dk, dv) in the inputs' dtypes.
-
-    out [b, h, sq, d], dout and lse fp32 [b, h, sq] belong to the whole softmax row the block is
-    part of (every key block merged): p = exp(scale q k^T - lse) is then this block's slice of
-    the row's probabilities and delta = rowsum(dout * out) the row's, which makes the
-    gradients exact whatever the other blocks are.
-    """
-    _check_shapes(q, k, v)
-    _check_kernel_inputs(q, k, v, causal)
-    head_dim = q.shape[-1]
-    q, k, v = _pad_head_dim(head_dim, *_unit_stride(q, k, v))
-    out, dout = (t.contiguous() for t in _pad_head_dim(head_dim, out.to(q.dtype), dout.to(q.dtype)))
-    lse2 = (lse.float() * LOG2E).contiguous()
-    dq, dk, dv = _launch_backward(q, k, v, out, dout, lse2, bool(causal), float(softmax_scale))
-    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]

@@ -36,6 +36,11 @@ def _add_setting(group, spec: Setting) -> None:
     if spec.metavar is not None:
         kwargs["metavar"] = spec.metavar
     if kind is bool:
+        if spec.flag.startswith("--no-"):  # BooleanOptionalAction would read --no-load-optim as False
+            group.add_argument(spec.flag, action="store_const", const=True, **kwargs)
+            group.add_argument("--" + spec.flag[len("--no-"):], dest=spec.name, action="store_const", const=False,
+                               default=argparse.SUPPRESS, help=f"undo {spec.flag} (e.g. from a config file)")
+            return
         group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
         return
     if typing.get_origin(kind) is tuple:
@@ -138,6 +143,16 @@ def parse_args(argv: list[str] | None = None,
     values = read_config_file(others["config"]) if others.get("config") else {}
     values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
     return RunConfig.build(**values), others
+
+
+def given_settings(argv: list[str] | None = None) -> frozenset[str]:
+    """The settings `argv` sets, on the command line or in its --config file (the rest are defaults):
+    what an elastic resume may take from the checkpoint instead (megalite.checkpoint.elastic)."""
+    args = vars(build_parser().parse_args(argv))
+    names = {name for name in args if name in settings()}
+    if args.get("config"):
+        names |= set(read_config_file(args["config"]))
+    return frozenset(names)
 
 
 def to_toml(cfg: RunConfig, derived: dict[str, Any] | None = None) -> str:

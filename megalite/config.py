@@ -3,8 +3,8 @@
 A setting is a field of one part (model, parallel, training, optimizer, precision, data,
 checkpoint, logging, fault_tolerance) declared with `setting(default, help, ...)`: its name
 (the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
-its default, its choices (an enum declared once below) and its help. Everything else is
-generated from these declarations: the argparse parser and the TOML/JSON config files
+its default, its choices (an enum declared once in config_choices.py) and its help. Everything
+else is generated from these declarations: the argparse parser and the TOML/JSON config files
 (`megalite/cli.py`), the planner's view of the run (the planner reads a RunConfig), the
 configuration saved in checkpoints and beside the metrics.
 
@@ -28,40 +28,9 @@ from megalite.model.config import PRESETS, GPTConfig, preset
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.schedules import check_pipeline_config
 from megalite.config_checks import data_problems, setting_problems
+from megalite.config_choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
+    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression)
 from megalite.plan.validity import preflight
-
-
-class Precision(enum.StrEnum):
-    """A floating-point format: of the parameters and activations, or of the gradient reduction
-    (whose fp16 only the planner models, for the ZeRO paper's accounting; training refuses it)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-
-class Recompute(enum.StrEnum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
-
-class Schedule(enum.StrEnum):
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    GPIPE = "gpipe"
-    ZB_H1 = "zb-h1"
-
-
-class LRDecay(enum.StrEnum):
-    COSINE = "cosine"
-    LINEAR = "linear"
-    CONSTANT = "constant"
-
-
-class OnNonFinite(enum.StrEnum):
-    SKIP = "skip"
-    STOP = "stop"
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -94,15 +63,27 @@ class ParallelSettings:
 
     tp: int = setting(1, "tensor-parallel size")
     pp: int = setting(1, "pipeline-parallel size")
-    dp: int | None = setting(None, "data-parallel size (default: world / (tp*pp))")
+    dp: int | None = setting(None, "data-parallel size (default: world / (tp*cp*pp))")
+    cp: int = setting(1, "context-parallel size: each rank holds seq_length/cp tokens of every sequence (2*cp "
+                         "load-balanced chunks); only attention crosses ranks")
+    cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
+                                                       "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
+                                                       "must divide by cp)")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)")
     pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
     decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)")
     decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)")
     pipeline_layout: str | None = setting(None, "explicit blocks per model chunk, e.g. 3,5,5,3 (pp*v numbers)")
     sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
-    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients (3: planner "
-                           "only)", choices=(0, 1, 2, 3))
+    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients, 3 also the "
+                           "parameters (gathered unit by unit: embedding, each block, head)", choices=(0, 1, 2, 3))
+    zero3_prefetch: int = setting(1, "zero 3: units whose all-gather is started ahead of the running one",
+                                  metavar="N")
+    zero3_reshard_after_forward: bool = setting(True, "zero 3: free a unit's parameters after its forward and gather "
+                                                      "them again for its backward (off: keep them, one gather less "
+                                                      "per microbatch, more memory)")
+    zero3_keep_gathered_in_step: bool = setting(False, "zero 3: gather each unit once per step and keep it until the "
+                                                       "optimizer (pipelines: no re-gather per microbatch)")
     offload_optimizer: bool = setting(False, "keep the optimizer state in host memory and update there")
     overlap_param_gather: bool = setting(False, "zero >= 1: the parameter all-gathers finish behind the next "
                                                 "forward; every read waits for its own bucket")
@@ -112,6 +93,15 @@ class ParallelSettings:
                                                      "chunk (Megatron's block method); default all", metavar="N")
     fused_linear_cross_entropy: bool = setting(False, "output layer + cross entropy in token chunks: the logits "
                                                       "[tokens, vocab/tp] are never held (one more output GEMM)")
+    grad_compression: GradCompression = setting(GradCompression.NONE, "compress the dp gradient reduction: powersgd "
+                                                                      "sends rank-R factors of each matrix (error "
+                                                                      "feedback keeps what they miss for the next "
+                                                                      "step); zero 0-2")
+    powersgd_rank: int = setting(4, "PowerSGD: rank R of the factors (R*(n+m) elements per n x m matrix instead of "
+                                    "n*m)", metavar="R")
+    powersgd_warmup_steps: int = setting(0, "PowerSGD: the first N steps reduce uncompressed", metavar="N")
+    powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
+                                                   "factor (and every 1-D parameter) are reduced uncompressed")
 
 
 @dataclass(frozen=True)
@@ -179,6 +169,12 @@ class CheckpointSettings:
     keep_every: int = setting(0, "also keep every step that is a multiple of M")
     async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
     no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
+    elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
+                                                             "kept): keep the checkpoint's global batch (more or "
+                                                             "fewer accumulation steps; the loss curve continues), "
+                                                             "or scale it with dp and rescale the learning rate")
+    elastic_lr_rule: ElasticLRRule = setting(ElasticLRRule.LINEAR, "with --elastic-batch scale: the learning rate "
+                                                                   "times the batch ratio r (linear) or sqrt(r)")
 
 
 @dataclass(frozen=True)
@@ -344,10 +340,11 @@ class RunConfig:
     # ------------------------------------------------------------------ derived (computed here only)
 
     def resolved(self, world_size: int, tokenizer_vocab_size: int | None = None) -> "RunConfig":
-        """What depends on the launch filled in: dp (world / (tp*pp)), the global batch
+        """What depends on the launch filled in: dp (world / (tp*cp*pp)), the global batch
         (micro * dp when unset), the schedule's name, and the vocabulary (the tokenizer's)."""
         p = self.parallel
-        dp = p.dp if p.dp is not None else (world_size // (p.tp * p.pp) if world_size % (p.tp * p.pp) == 0 else 1)
+        model_ranks = p.tp * p.cp * p.pp
+        dp = p.dp if p.dp is not None else (world_size // model_ranks if world_size % model_ranks == 0 else 1)
         schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
         if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
             schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
@@ -361,7 +358,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.parallel.pp * self.dp
+        return self.parallel.tp * self.parallel.cp * self.parallel.pp * self.dp
 
     @property
     def schedule(self) -> Schedule:

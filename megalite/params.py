@@ -101,6 +101,16 @@ def set_grad_destination(param: torch.Tensor, sink: GradSink | None, main_grad: 
     meta.grad_sink, meta.main_grad = sink, main_grad
 
 
+def detach_grad_destinations(params, hooks: list) -> None:
+    """A wrapper lets go of its parameters: removes its gradient hooks (emptying `hooks`) and detaches
+    every accumulation it attached; what it accumulated stays readable."""
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+    for p in params:
+        set_grad_destination(p, None, None)
+
+
 def set_main_grad(param: torch.Tensor, main_grad: torch.Tensor | None) -> None:
     """Re-point the main-grad view (ZeRO-2 allocates and frees bucket storage per step)."""
     info(param).main_grad = main_grad
@@ -116,3 +126,11 @@ def set_deferred(param: torch.Tensor, deferred: tuple[Any, Hashable] | None) -> 
 
 def deferred(param: torch.Tensor) -> tuple[Any, Hashable] | None:
     return info(param).deferred
+
+
+def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Give `target` the declarations of `source` (a ZeRO-3 wrapper replacing a parameter built on
+    the meta device by a real one); the wrapper attaches its own grad destination afterwards."""
+    meta = info(source)
+    setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad, meta.tied_across_stages))
+    return target

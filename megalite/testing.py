@@ -141,6 +141,13 @@ class _LandsAtWait:
         self._output.copy_(self._scratch)
 
 
+def _aliases(inner, outer) -> bool:
+    """True when tensor `inner` lies inside the memory of `outer`."""
+    start, size = outer.data_ptr(), outer.numel() * outer.element_size()
+    return outer.untyped_storage().data_ptr() == inner.untyped_storage().data_ptr() and \
+        start <= inner.data_ptr() < start + size
+
+
 @contextlib.contextmanager
 def gathers_land_at_wait():
     """Make every asynchronous `comm.all_gather_into` deterministic about the worst case: its
@@ -158,8 +165,11 @@ def gathers_land_at_wait():
         if not async_op:
             return real(output, input, group)
         scratch = output.new_empty(output.shape)
-        handle = real(scratch, input, group, async_op=True)
+        mine = input.clone()  # an in-place gather's input is a slot of `output`, poisoned below
+        handle = real(scratch, mine, group, async_op=True)
         output.fill_(float("nan"))
+        if _aliases(input, output):  # this rank's own slot is in place from the start
+            input.copy_(mine)
         return _LandsAtWait(handle, scratch, output)
 
     comm.all_gather_into = land_at_wait

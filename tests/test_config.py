@@ -95,9 +95,11 @@ def test_derived_values_are_computed_in_one_place():
 
 def test_validate_lists_every_problem_with_its_fix():
     cfg = RunConfig.build(tp=3, micro_batch_size=3, global_batch_size=8, zero=3, save_interval=5,
-                          grad_reduce_dtype="fp16", recompute_num_layers=2).resolved(4, 257)
+                          grad_reduce_dtype="fp16", recompute_num_layers=2, overlap_param_gather=True,
+                          zero3_prefetch=-1).resolved(4, 257)
     text = "\n".join(cfg.validate(4, 257))
-    for needle in ("world size 4 != tp*pp*dp", "choose tp in", "choose a multiple of 3", "ZeRO-3 is modelled by",
+    for needle in ("world size 4 != tp*pp*dp", "choose tp in", "choose a multiple of 3",
+                   "ZeRO-3 gathers each unit right before it runs", "--zero3-prefetch must be >= 0",
                    "--grad-reduce-dtype fp16 is modelled", "--recompute-num-layers 2 needs --recompute full",
                    "--save-interval needs --save DIR"):
         assert needle in text, (needle, text)
@@ -109,3 +111,40 @@ def test_the_planner_loads_without_torch():
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_context_parallel_settings():
+    from megalite.config import CPCommType
+    from megalite.context_parallel.checks import CP_COMM_TYPES
+
+    assert tuple(c.value for c in CPCommType) == CP_COMM_TYPES  # one list of methods, the model's and the flag's
+    cfg, _ = parse_args(["--cp", "2", "--cp-comm-type", "a2a", "--tp", "2", "--global-batch-size", "16",
+                         "--micro-batch-size", "2"])
+    assert (cfg.parallel.cp, cfg.parallel.cp_comm_type) == (2, CPCommType.A2A)
+    cfg = cfg.resolved(16, 257)  # dp = world / (tp*cp*pp)
+    assert (cfg.dp, cfg.world_size, cfg.num_microbatches) == (4, 16, 2)
+    assert cfg.validate(16, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
+    text = "\n".join(cfg.replace(cp=4, seq_length=100).validate(16, 257))
+    for needle in ("world size 16 != tp*cp*pp*dp = 2*4*1*4 = 32", "seq_length=100 is not divisible by 2*cp = 8",
+                   "num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4"):
+        assert needle in text, (needle, text)
+
+
+def test_grad_compression_settings():
+    from megalite.config import GradCompression
+
+    cfg, _ = parse_args(["--grad-compression", "powersgd", "--powersgd-rank", "8", "--powersgd-warmup-steps", "10",
+                         "--powersgd-min-compression", "4", "--zero", "1"])
+    p = cfg.parallel
+    assert (p.grad_compression, p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression) == \
+        (GradCompression.POWERSGD, 8, 10, 4.0)
+    assert RunConfig().parallel.powersgd_rank == 4 and RunConfig().parallel.grad_compression == "none"
+    cfg = cfg.resolved(4, 257)
+    assert cfg.validate(4, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
+    text = "\n".join(cfg.replace(powersgd_rank=0, powersgd_warmup_steps=-1, powersgd_min_compression=-1.0, zero=3,
+                                 grad_reduce_dtype="bf16").validate(4, 257))
+    for needle in ("--powersgd-rank must be >= 1", "--powersgd-warmup-steps must be >= 0",
+                   "--powersgd-min-compression must be >= 0", "composes with --zero 0, 1 or 2 only",
+                   "drop --grad-reduce-dtype bf16"):
+        assert needle in text, (needle, text)
+    assert cfg.replace(grad_compression="none", powersgd_rank=0).validate(4, 257) == []  # unused: not checked

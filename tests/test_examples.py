@@ -27,6 +27,7 @@ def test_custom_transformer_same_losses_at_every_tp_dp_zero(tmp_path):
     runs = {"tp2 dp2 zero1": run_distributed(_example_main, 4, ["--tp", "2", "--dp", "2", "--zero", "1",
                                                                 "--metrics-file", str(metrics)] + steps),
             "dp2 zero2": run_distributed(_example_main, 2, ["--dp", "2", "--zero", "2"] + steps),
+            "tp2 dp2 zero3": run_distributed(_example_main, 4, ["--tp", "2", "--dp", "2", "--zero", "3"] + steps),
             "tp2 zero0": run_distributed(_example_main, 2, ["--tp", "2"] + steps)}
     assert reference[-1] < reference[0]  # it trains
     for what, per_rank in runs.items():

@@ -3,6 +3,7 @@
     python tools/fault_drill.py                                  # 3 faults, 2 ranks, a tiny GPT, seed 0
     python tools/fault_drill.py --faults 6 --nproc 4 --seed 7 -- --tp 2 --zero 1
     python tools/fault_drill.py --master-port 29700              # torchrun's static rendezvous instead
+    python tools/fault_drill.py --shrink --faults 1              # every fault loses ranks for good (2 -> 1)
 
 What it does:
 1. runs the job uninterrupted (examples/pretrain_gpt.py under torchrun, --save/--load,
@@ -22,9 +23,21 @@ What it does:
    (drill wall time minus the reference's), verdict. Exit code 0 only when the curves match and
    every fault was injected.
 
+`--shrink` is the elastic path: a fault loses its ranks for good. torchrun runs with
+--max-restarts 0, so a SIGKILL ends the launch, and the drill relaunches the same command on the
+next smaller world the job can run on (as a scheduler would on the nodes left), where the run
+resumes from its checkpoint with dp re-derived and `--elastic-batch keep`. The table shows each
+fault's world before and after, and the world-size changes the job recorded in its metrics file.
+The job is one whose resize is bit-identical where the reduction order allows
+(docs/architecture.md, "Elastic resize"): a Llama-flavoured model (untied embeddings), no dropout
+(dp replicas share dropout masks, so another dp changes which mask meets which sample), ZeRO 0,
+and one microbatch per rank on the first world (global batch micro * dp), so that after one
+halving every gradient is still a sum of two terms.
+Every step's loss must then equal the reference's within --shrink-rtol (default 2^-22: a few
+float32 roundings of a rank's summed microbatch losses); the verdict says whether it was exact.
+
 Linux only (workers are found through /proc). Everything runs under --workdir (default: a new
-temporary directory), one log per launch. A `--shrink` mode (relaunch with fewer ranks, the
-elastic path) would plug into `Drill.next_launch_world_size`.
+temporary directory), one log per launch.
 """
 from __future__ import annotations
 
@@ -45,6 +58,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
 TINY_JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0", "--hidden-dropout", "0.1",
             "--lr-warmup-iters", "2", "--zero", "1"]
+# --shrink: see the module docstring (TINY_JOB's --global-batch-size becomes micro * dp of --nproc)
+SHRINK_JOB = ["--model", "tiny-llama", "--num-query-groups", "2", "--ffn-hidden-size", "64", "--hidden-dropout", "0",
+              "--zero", "0"]
 MOMENTS = ("during-async-write", "after-save", "random")
 KINDS = ("SIGKILL", "SIGTERM")
 
@@ -61,6 +77,8 @@ class Fault:
     last_logged_step: int = 0
     resumed_from: int | None = None
     recovery_s: float | None = None
+    world_before: int = 0  # ranks of the attempt the fault hit, and of the one that resumed
+    world_after: int = 0
 
 
 def plan_faults(count: int, world_size: int, seed: int) -> list[Fault]:
@@ -79,16 +97,59 @@ def read_losses(path: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
-def compare_curves(reference: dict[int, float], logged: list[tuple[int, float]], train_iters: int) -> str | None:
+def compare_curves(reference: dict[int, float], logged: list[tuple[int, float]], train_iters: int,
+                   rtol: float = 0.0) -> str | None:
     """None when every step 1..train_iters was logged and every record equals the reference
-    exactly; else what differs."""
+    (exactly, or within `rtol` relative); else what differs."""
     missing = sorted(set(range(1, train_iters + 1)) - {step for step, _ in logged})
     if missing:
         return f"steps {missing[:8]} were never logged"
     for step, loss in logged:
-        if loss != reference.get(step):
-            return f"step {step}: loss {loss!r}, the uninterrupted run's {reference.get(step)!r}"
+        expected = reference.get(step)
+        if expected is None or abs(loss - expected) > rtol * abs(expected):
+            return f"step {step}: loss {loss!r}, the uninterrupted run's {expected!r}" + (f" (rtol {rtol:g})" if rtol
+                                                                                            else "")
     return None
+
+
+def largest_difference(reference: dict[int, float], logged: list[tuple[int, float]]) -> tuple[float, int]:
+    """(largest relative loss difference from the reference, its step); (0.0, 0) when all are equal."""
+    return max(((abs(loss - reference[step]) / abs(reference[step]), step) for step, loss in logged
+                if step in reference and reference[step]), default=(0.0, 0))
+
+
+def read_resizes(path: Path) -> list[dict]:
+    """The job's world-size change records (megalite.checkpoint.elastic.Resize.record)."""
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "resize"]
+
+
+def job_flags(args) -> list[str]:
+    """examples/pretrain_gpt.py's flags of the drilled job (the reference's and the drill's)."""
+    if not args.shrink:
+        return [*TINY_JOB, *args.job_args]
+    from megalite.cli import parse_args  # pure Python: no torch in the drill's own process
+
+    at = TINY_JOB.index("--global-batch-size")
+    flags = [*TINY_JOB[:at], *TINY_JOB[at + 2:], *SHRINK_JOB]
+    cfg, _ = parse_args(flags + args.job_args)
+    dp = max(1, args.nproc // cfg.replace(dp=1).world_size)  # one microbatch per rank on the first world
+    return [*flags, "--global-batch-size", str(cfg.training.micro_batch_size * dp), *args.job_args]
+
+
+def shrink_worlds(args) -> list[int]:
+    """The worlds the job can run on under --elastic-batch keep, from --nproc down: a multiple of
+    one replica's ranks (tp*pp) whose dp divides the first world's global batch into microbatches."""
+    from megalite.cli import parse_args
+
+    cfg, _ = parse_args(job_flags(args))
+    if cfg.checkpoint.elastic_batch != "keep":
+        raise SystemExit("fault drill: --shrink compares with the uninterrupted run, so it needs --elastic-batch keep")
+    per_replica = cfg.replace(dp=1).world_size
+    first = cfg.resolved(args.nproc)
+    batch, micro = first.global_batch_size, first.training.micro_batch_size
+    return [w for w in range(args.nproc, 0, -1) if w % per_replica == 0 and batch % (micro * (w // per_replica)) == 0]
 
 
 def steps_lost(logged: list[tuple[int, float]]) -> int:
@@ -139,11 +200,12 @@ class Job:
     def command(self, world_size: int) -> list[str]:
         a = self.args
         rendezvous = ["--master-port", str(a.master_port)] if a.master_port else ["--standalone"]
+        restarts = 0 if a.shrink else a.faults  # --shrink: a lost rank ends the launch; the drill relaunches smaller
         return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node", str(world_size),
-                "--max-restarts", str(a.faults), "--monitor-interval", "0.1", str(SCRIPT), *TINY_JOB,
+                "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(SCRIPT), *job_flags(a),
                 "--train-iters", str(a.train_iters), "--save", str(self.ckpt), "--load", str(self.ckpt),
                 "--save-interval", str(a.save_interval), "--async-save", "--log-interval", "1",
-                "--metrics-file", str(self.metrics), *a.job_args]
+                "--metrics-file", str(self.metrics)]
 
     def launch(self, world_size: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MEGALITE_FAULT"))}
@@ -191,17 +253,27 @@ class Drill:
     def __init__(self, args, step_time_s: float):
         self.args, self.step_time_s = args, step_time_s
         self.job = Job(args, "drill")
+        self.worlds = shrink_worlds(args) if args.shrink else [args.nproc]
+        self.world = self.worlds[0]  # ranks of the running (or last) launch
+        self.lost_ranks = False  # --shrink: a fault hit the running launch; the next one has fewer ranks
 
     def next_launch_world_size(self) -> int:
-        """World size of the next launch (a --shrink mode would return fewer ranks here)."""
-        return self.args.nproc
+        """World size of the next launch: the same, or under --shrink after a fault the next smaller
+        world the job can run on (the smallest stays once reached)."""
+        if self.lost_ranks:
+            self.world = next((w for w in self.worlds if w < self.world), self.world)
+            self.lost_ranks = False
+        return self.world
 
     def ensure_running(self) -> None:
-        """Relaunch the same command when the job stopped early (a SIGTERM saved and exited 0)."""
+        """Relaunch the same command when the job stopped early: a SIGTERM saved and exited 0, or
+        (--shrink) a SIGKILL ended the launch."""
         code = self.job.process.poll() if self.job.process else 0
-        if code not in (None, 0):
+        if code is None:
+            return
+        if code != 0 and not self.lost_ranks:
             raise RuntimeError(f"fault drill: torchrun exited with {code}; see {self.job.dir}/launch*.log")
-        if code == 0 and not self.job.finished():
+        if not self.job.finished():
             self.job.launch(self.next_launch_world_size())
 
     def training(self) -> bool:
@@ -235,9 +307,11 @@ class Drill:
         """Wait for the moment, signal the victim, wait until training resumes. False if the job ended first."""
         _wait(lambda: self.training() or self.job.finished(), self.args.timeout, "training", poll_s=0.02)
         fault.moment_seen = self.wait_for_moment(fault)
+        fault.world_before = self.world
         victims = self._signal(fault)
         if not victims:
             return False
+        self.lost_ranks = self.args.shrink
         killed_at = time.monotonic()
         fault.at_s = killed_at - started
         # Recovered: new worker processes (a torchrun restart, or a relaunch) have logged a step.
@@ -251,6 +325,7 @@ class Drill:
         fault.recovery_s = time.monotonic() - killed_at
         now = read_losses(self.job.metrics)
         fault.resumed_from = now[len(logged)][0] - 1 if len(now) > len(logged) else fault.last_logged_step
+        fault.world_after = self.world
         return True
 
     def _signal(self, fault: Fault) -> dict[int, int]:
@@ -298,25 +373,36 @@ def run_reference(args) -> tuple[float, dict[int, float], float]:
         job.stop()
     if code != 0 or not job.finished():
         raise RuntimeError(f"fault drill: the reference run failed ({code}); see {job.dir}/launch0.log")
-    steps = [json.loads(line)["step_time_s"] for line in job.metrics.read_text().splitlines()]
+    steps = [r["step_time_s"] for r in map(json.loads, job.metrics.read_text().splitlines()) if "step_time_s" in r]
     return time.monotonic() - started, dict(read_losses(job.metrics)), statistics.median(steps)
 
 
-def report(faults, injected, reference_s, drill_s, logged, mismatch, job: Job, train_iters) -> str:
+def report(faults, injected, reference_s, drill_s, logged, mismatch, job: Job, args, reference) -> str:
     rows = [f"{'#':>2} {'kind':<8} {'moment':<34} {'rank':>4} {'at s':>6} {'last step':>9} {'resumed':>7} "
-            f"{'lost':>4} {'recovery s':>10}"]
+            f"{'lost':>4} {'recovery s':>10} {'world':>6}"]
     for i, f in enumerate(faults[:injected], 1):
         lost = f.last_logged_step - f.resumed_from if f.resumed_from is not None else 0
+        world = str(f.world_before) if f.world_before == f.world_after else f"{f.world_before}->{f.world_after}"
         rows.append(f"{i:>2} {f.kind:<8} {f.moment_seen:<34} {f.rank:>4} {f.at_s:>6.1f} {f.last_logged_step:>9} "
-                    f"{f.resumed_from:>7} {max(0, lost):>4} {f.recovery_s:>10.1f}")
+                    f"{f.resumed_from:>7} {max(0, lost):>4} {f.recovery_s:>10.1f} {world:>6}")
     relaunches = job.launches - 1
     restarts = job.attempts() - 1
-    verdict = "MATCH: every logged step equals the uninterrupted run exactly" if mismatch is None and \
-        injected == len(faults) else f"FAIL: {mismatch or f'only {injected} of {len(faults)} faults injected'}"
+    resizes = [f"{r['old_world_size']} -> {r['new_world_size']} after step {r['step']} (dp {r['old_dp']} -> "
+               f"{r['new_dp']}, global batch {r['new_global_batch_size']} {r['batch_rule']}, accumulation "
+               f"{r['old_num_microbatches']} -> {r['new_num_microbatches']})" for r in read_resizes(job.metrics)]
+    if mismatch is None and injected == len(faults):
+        difference, step = largest_difference(reference, logged)
+        verdict = "MATCH: every logged step equals the uninterrupted run exactly" if difference == 0 else \
+            (f"MATCH: every logged step within {args.shrink_rtol:.2g} relative of the uninterrupted run (largest "
+             f"difference {difference:.2g} at step {step})")
+    else:
+        verdict = f"FAIL: {mismatch or f'only {injected} of {len(faults)} faults injected'}"
     rows += ["",
              f"faults injected: {injected} of {len(faults)}",
-             f"restarts: {restarts} ({restarts - relaunches} by torchrun, {relaunches} relaunches after SIGTERM)",
-             f"steps lost: {steps_lost(logged)} (redone after restarts, of {train_iters})",
+             f"restarts: {restarts} ({restarts - relaunches} by torchrun, {relaunches} relaunches after SIGTERM"
+             + (" or lost ranks" if args.shrink else "") + ")",
+             f"world-size changes: {', '.join(resizes) or 'none'}",
+             f"steps lost: {steps_lost(logged)} (redone after restarts, of {args.train_iters})",
              f"time lost: {drill_s - reference_s:.1f} s (drill {drill_s:.1f} s, uninterrupted {reference_s:.1f} s)",
              f"verdict: {verdict}"]
     return "\n".join(rows)
@@ -335,6 +421,11 @@ def parse_args(argv):
     p.add_argument("--workdir", default=None, help="where checkpoints, metrics and logs go (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
     p.add_argument("--moment-timeout", type=float, default=20.0, help="seconds to wait for a save or write moment")
+    p.add_argument("--shrink", action="store_true",
+                   help="every fault loses its ranks for good: relaunch on the next smaller world (elastic resize)")
+    p.add_argument("--shrink-rtol", type=float, default=2.0 ** -22,
+                   help="--shrink: largest relative loss difference from the uninterrupted run (default 2^-22: a few "
+                        "float32 roundings of a rank's summed microbatch losses)")
     p.add_argument("job_args", nargs="*", help="after --: more examples/pretrain_gpt.py flags (e.g. -- --tp 2)")
     args = p.parse_args(argv)
     if args.faults < 0 or args.nproc < 1:
@@ -346,13 +437,17 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"fault drill: {args.faults} faults, {args.nproc} workers, seed {args.seed}, in {args.workdir}", flush=True)
-    reference_s, reference, step_time_s = run_reference(args)
+    drill = Drill(args, 0.0)
+    if args.shrink:
+        if len(drill.worlds) < 2:
+            raise SystemExit(f"fault drill: --shrink: the job runs on no world smaller than {args.nproc} ranks")
+        print(f"fault drill: --shrink: worlds {' -> '.join(map(str, drill.worlds))}", flush=True)
+    reference_s, reference, drill.step_time_s = run_reference(args)
     faults = plan_faults(args.faults, args.nproc, args.seed)
-    drill = Drill(args, step_time_s)
     drill_s, injected = drill.run(faults)
     logged = read_losses(drill.job.metrics)
-    mismatch = compare_curves(reference, logged, args.train_iters)
-    print(report(faults, injected, reference_s, drill_s, logged, mismatch, drill.job, args.train_iters))
+    mismatch = compare_curves(reference, logged, args.train_iters, args.shrink_rtol if args.shrink else 0.0)
+    print(report(faults, injected, reference_s, drill_s, logged, mismatch, drill.job, args, reference))
     return 0 if mismatch is None and injected == len(faults) else 1
 
 

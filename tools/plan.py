@@ -11,11 +11,13 @@
     ... --json   # one JSON object (a list with --suggest); sizes in bytes, times in seconds
 
 Takes every setting of examples/pretrain_gpt.py (the parser is generated from megalite.config's
-declarations, so the two cannot drift) and models two things training does not run: --zero 3
-and --grad-reduce-dtype fp16. Pure arithmetic: it never imports torch (--calibrate aside).
---hardware is the planner's own flag, not a run setting: it describes the machine, not the run,
-and a RunConfig travels in checkpoints and config files to other machines (training measures its
-step time; it does not predict it).
+declarations, so the two cannot drift) and models one thing training does not run:
+--grad-reduce-dtype fp16. `--num-params N --zero 3` gives the ZeRO paper's model states (its
+Figure 1 and Table 1); with a model, --zero 3 adds megalite's gathered units (plan/zero3.py).
+Pure arithmetic: it never imports torch (--calibrate aside). --hardware is the planner's own
+flag, not a run setting: it describes the machine, not the run, and a RunConfig travels in
+checkpoints and config files to other machines (training measures its step time; it does not
+predict it).
 GB means 1e9 bytes throughout (the ZeRO paper's convention); --gpu-memory accepts 80, 80GB, 80GiB.
 Exit status: 0 when the layout is valid (and fits, when --gpu-memory is given), 2 otherwise.
 """
@@ -87,7 +89,8 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
               f"the model / sequence")
     for i, s in enumerate(found):
         p = s.cfg.parallel
-        print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp} --virtual-stages {p.virtual_stages} "
+        context = f" --cp {p.cp} --cp-comm-type {p.cp_comm_type}" if p.cp > 1 else ""
+        print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp}{context} --virtual-stages {p.virtual_stages} "
               f"--zero {p.zero} --recompute {p.recompute} --micro-batch-size {s.cfg.training.micro_batch_size}"
               f"{' --sequence-parallel' if p.sequence_parallel else ''}"
               f"{' --offload-optimizer' if p.offload_optimizer else ''}\n    {s.reason}")
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         p = cfg.parallel
-        print(f"layout: tp={p.tp} pp={p.pp} dp={cfg.dp} virtual_stages={p.virtual_stages} zero={p.zero} "
+        context = f" cp={p.cp} cp_comm_type={p.cp_comm_type}" if p.cp > 1 else ""
+        print(f"layout: tp={p.tp} pp={p.pp} dp={cfg.dp}{context} virtual_stages={p.virtual_stages} zero={p.zero} "
               f"recompute={p.recompute} sp={p.sequence_parallel} micro_batch={cfg.training.micro_batch_size} "
               f"precision={cfg.precision.precision}")
         if est is not None:

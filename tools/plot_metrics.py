@@ -3,6 +3,7 @@
 
     python tools/plot_metrics.py runs/a/metrics.jsonl runs/b/metrics.jsonl --out compare.png
     python tools/plot_metrics.py runs/a/metrics.jsonl --labels "tp2 pp2" --out a.png
+    python tools/plot_metrics.py runs/*.jsonl --smooth 20 --out loss.png     # trailing mean of 20 points
 
 Each file is one curve per panel (labelled by --labels or the file's parent directory), so two
 layouts of the same model can be compared. Needs matplotlib, a dependency of this tool only
@@ -48,7 +49,12 @@ def series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int]
     return steps, [by_step[s] for s in steps]
 
 
-def plot(paths: list[str], labels: list[str], out: str) -> list[str]:
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` points (fewer at the start); window 1: unchanged."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+
+
+def plot(paths: list[str], labels: list[str], out: str, smooth: int = 1) -> list[str]:
     """Draw every panel some file has data for into `out`; returns the panels drawn."""
     try:
         import matplotlib
@@ -67,8 +73,8 @@ def plot(paths: list[str], labels: list[str], out: str) -> list[str]:
         for label, records in runs:
             steps, values = series(records, key, scale)
             if steps:
-                ax.plot(steps, values, label=label, linewidth=1.2)
-        ax.set_title(title, fontsize=10)
+                ax.plot(steps, smoothed(values, smooth), label=label, linewidth=1.2)
+        ax.set_title(title + (f" (trailing mean of {smooth})" if smooth > 1 else ""), fontsize=10)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
@@ -85,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", help="metrics files written by --metrics-file")
     parser.add_argument("--labels", default=None, help="comma-separated, one per file (default: parent dir)")
     parser.add_argument("--out", default="metrics.png", help="PNG to write")
+    parser.add_argument("--smooth", type=int, default=1, help="plot the trailing mean of N points (noisy losses)")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else \
         [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.files]
     if len(labels) != len(args.files):
         parser.error(f"--labels has {len(labels)} names for {len(args.files)} files")
-    drawn = plot(args.files, labels, args.out)
+    if args.smooth < 1:
+        parser.error(f"--smooth must be >= 1, got {args.smooth}")
+    drawn = plot(args.files, labels, args.out, args.smooth)
     print(f"wrote {args.out}: {', '.join(drawn)} for {len(args.files)} run(s)")
     return 0
 

@@ -30,6 +30,7 @@ import torch
 from megalite import comm, params as P
 from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.compression_state import load_compression, plan_compression
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
 from megalite.checkpoint.storage import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
@@ -61,6 +62,40 @@ def _optimizer_targets(optimizer):
     by_name = dict(zip(optimizer.names, optimizer.params))
     return [(name, P.shard_spec(by_name[name]), tuple(by_name[name].shape), start, end)
             for name, (start, end) in optimizer.owned_ranges().items()]
+
+
+def _sharded_model(optimizer):
+    """The ZeRO-3 wrapper whose shards hold the parameters, or None (the parameters hold themselves)."""
+    model = getattr(optimizer, "model", None)
+    return model if getattr(model, "zero_stage", 0) == 3 else None
+
+
+def _shard_targets(model):
+    """ZeRO-3: [(name, spec, local shape, start, end, shard view)] of the parameter pieces this rank holds."""
+    return [(model.names[x.param], P.shard_spec(model.params[x.param]), tuple(model.params[x.param].shape),
+             x.local_start, x.local_end, model.param_buffer.shard[x.shard_start:x.shard_end])
+            for x in model.owned_pieces()]
+
+
+def _check_range(reader: CheckpointReader, kind: str, name: str, spec, shape, start: int, end: int) -> None:
+    for local_box in flat_range_boxes(shape, start, end):
+        for _, full_box in local_to_full(spec, local_box):
+            reader.check_covered(kind, name, full_box)
+            reader.verify_box(kind, name, full_box)
+
+
+def _read_range(reader: CheckpointReader, kind: str, name: str, spec, shape, start: int, end: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The flat range [start, end) of a local tensor of `shape`, read from its boxes."""
+    flat = torch.zeros(end - start, dtype=dtype)  # padding rows stay zero, as they train
+    cursor = 0
+    for local_box in flat_range_boxes(shape, start, end):
+        n = box_numel(local_box)
+        run = flat[cursor:cursor + n].view(box_shape(local_box))
+        for local_sub, full_box in local_to_full(spec, local_box):
+            reader.read_into(kind, name, full_box, run[box_slices(relative(local_sub, local_box))])
+        cursor += n
+    return flat
 
 
 def _architecture_differences(saved: dict | None, config) -> list[str]:
@@ -95,18 +130,21 @@ def _check_same_model(reader: CheckpointReader, chunks) -> None:
 def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng_prefix: str | None) -> None:
     """Check shapes and coverage of everything this rank needs; verify the stored boxes holding it."""
     _check_same_model(reader, chunks)
-    for chunk in chunks:
-        for name, param in chunk.logical_parameters():
-            for _, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
-                reader.check_covered("model", name, full_box)
-                reader.verify_box("model", name, full_box)
+    sharded = _sharded_model(optimizer)
+    if sharded is not None:  # ZeRO-3: only the parameter pieces this rank's shard holds
+        for name, spec, shape, start, end, _ in _shard_targets(sharded):
+            _check_range(reader, "model", name, spec, shape, start, end)
+    else:
+        for chunk in chunks:
+            for name, param in chunk.logical_parameters():
+                for _, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
+                    reader.check_covered("model", name, full_box)
+                    reader.verify_box("model", name, full_box)
     if load_optimizer and optimizer is not None and reader.metadata["has_optimizer"]:
         for name, spec, shape, start, end in _optimizer_targets(optimizer):
-            for local_box in flat_range_boxes(shape, start, end):
-                for _, full_box in local_to_full(spec, local_box):
-                    for kind in OPTIMIZER_KINDS:
-                        reader.check_covered(kind, name, full_box)
-                        reader.verify_box(kind, name, full_box)
+            for kind in OPTIMIZER_KINDS:
+                _check_range(reader, kind, name, spec, shape, start, end)
+        plan_compression(reader, optimizer)
     if rng_prefix is not None:
         for (kind, name), rows in reader.items.items():
             if kind == "rng" and name.startswith(rng_prefix):
@@ -114,7 +152,12 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
 
 
 @torch.no_grad()
-def _load_model(reader: CheckpointReader, chunks) -> None:
+def _load_model(reader: CheckpointReader, chunks, optimizer) -> None:
+    sharded = _sharded_model(optimizer)
+    if sharded is not None:  # ZeRO-3: this rank's pieces, straight into its shard
+        for name, spec, shape, start, end, target in _shard_targets(sharded):
+            target.copy_(_read_range(reader, "model", name, spec, shape, start, end, target.dtype))
+        return
     for chunk in chunks:
         for name, param in chunk.logical_parameters():
             for local_box, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
@@ -126,24 +169,19 @@ def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) 
     """Owned ranges from the checkpoint's optimizer state, or (none stored, e.g. an HF import)
     master weights from the just-loaded parameters with zero moments and step 0."""
     params = dict(zip(optimizer.names, optimizer.params))
+    sharded = _sharded_model(optimizer)
+    held = {name: target for name, *_, target in _shard_targets(sharded)} if sharded is not None else {}
     entries = {}
     for name, spec, shape, start, end in _optimizer_targets(optimizer):
         entry = {"start": start, "end": end}
         if not from_checkpoint:
-            entry["master"] = params[name].detach().reshape(-1)[start:end].float().cpu()
+            weights = held[name] if name in held else params[name].detach().reshape(-1)[start:end]
+            entry["master"] = weights.float().cpu()
             entry["exp_avg"], entry["exp_avg_sq"] = torch.zeros(end - start), torch.zeros(end - start)
             entries[name] = entry
             continue
         for kind in OPTIMIZER_KINDS:
-            flat = torch.zeros(end - start, dtype=torch.float32)  # padding rows stay zero, as they train
-            cursor = 0
-            for local_box in flat_range_boxes(shape, start, end):
-                n = box_numel(local_box)
-                run = flat[cursor:cursor + n].view(box_shape(local_box))
-                for local_sub, full_box in local_to_full(spec, local_box):
-                    reader.read_into(kind, name, full_box, run[box_slices(relative(local_sub, local_box))])
-                cursor += n
-            entry[kind] = flat
+            entry[kind] = _read_range(reader, kind, name, spec, shape, start, end, torch.float32)
         entries[name] = entry
     meta = reader.metadata
     optimizer.load_optimizer_state({"step": meta["optimizer_step"] if from_checkpoint else 0,
@@ -152,9 +190,10 @@ def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) 
 
 
 def _same_layout(meta: dict, mesh: Mesh, chunks) -> bool:
+    """RNG streams are per rank and depend on its coordinates (dropout streams on the cp rank too)."""
     saved = meta["layout"]
-    return (saved["tp"], saved["pp"], saved["dp"], saved["virtual_stages"]) == \
-        (mesh.tp_size, mesh.pp_size, mesh.dp_size, len(chunks))
+    return (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved["virtual_stages"]) == \
+        (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size, len(chunks))
 
 
 def _load_rng(reader: CheckpointReader, chunks, mesh: Mesh) -> None:
@@ -189,6 +228,35 @@ def _candidates(root: Path, step: int | None, log) -> list[int]:
     return [s for s in reversed(steps) if latest is None or s <= latest]
 
 
+def _agreed_candidates(root: Path, step: int | None, mesh: Mesh, say) -> list[int]:
+    """Rank 0 lists the step directories to try, newest first; every rank gets its list (or its error)."""
+    decision: tuple[str, object] = ("ok", None)
+    if mesh.rank == 0:
+        try:
+            decision = ("ok", _candidates(root, step, say))
+        except FileNotFoundError as exc:
+            decision = ("error", str(exc))
+    decision = comm.all_gather_object(decision, comm.world_group())[0]
+    if decision[0] == "error":
+        raise CheckpointNotFoundError(decision[1])
+    return decision[1]
+
+
+def _load_everything(reader: CheckpointReader, chunks, optimizer, mesh: Mesh, load_optimizer: bool,
+                     rng: bool) -> None:
+    """Read a planned and verified checkpoint into the model, the optimizer (without stored or wanted
+    state: master weights from the loaded weights), gradient compression's state and the RNGs."""
+    meta = reader.metadata
+    _load_model(reader, chunks, optimizer)
+    if optimizer is not None:
+        _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
+        if meta["has_optimizer"] and load_optimizer:  # gradient compression's residuals and Q
+            load_compression(reader, optimizer, meta["step"])
+    if rng:
+        _load_rng(reader, chunks, mesh)
+    reader.close()
+
+
 def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step: int | None = None,
                     load_optimizer: bool = True, load_rng: bool = True, log=print) -> LoadedCheckpoint | None:
     """Load the newest good checkpoint (or `step`) of `load_dir` into chunks and optimizer.
@@ -204,18 +272,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
         root, step = root.parent, int(named.group(1))
     say = log if mesh.rank == 0 else (lambda *_: None)
     world = comm.world_group()
-    decision: tuple[str, object]
-    if mesh.rank == 0:
-        try:
-            decision = ("ok", _candidates(root, step, say))
-        except FileNotFoundError as exc:
-            decision = ("error", str(exc))
-    else:
-        decision = ("ok", None)
-    decision = comm.all_gather_object(decision, world)[0]
-    if decision[0] == "error":
-        raise CheckpointNotFoundError(decision[1])
-    candidates = decision[1]
+    candidates = _agreed_candidates(root, step, mesh, say)
     if not candidates:
         say(f"megalite: no checkpoint in {root} yet; starting from scratch")
         return None
@@ -251,15 +308,11 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
                 + ("falling back to an older checkpoint" if candidate != candidates[-1] else "no older one left"))
             continue
         meta = reader.metadata
-        _load_model(reader, chunks)
-        if optimizer is not None:  # without stored (or wanted) state: master weights from the loaded weights
-            _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
-        if rng:
-            _load_rng(reader, chunks, mesh)
-        reader.close()
+        _load_everything(reader, chunks, optimizer, mesh, load_optimizer, rng)
         saved = meta["layout"]
         say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
-            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} zero={saved['zero_stage']} "
+            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+            + (f"cp={saved['cp']} " if saved.get("cp", 1) > 1 else "") + f"zero={saved['zero_stage']} "
             f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
                                                 "stored") + ")")
         return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)

@@ -3,12 +3,15 @@
 Kinds of stored tensors, each keyed by (kind, logical name, box of the full tensor):
 - "model": the parameter (its dtype), written by dp rank 0 only (the dp replicas are equal),
   and for a parameter every tp rank holds whole (norms, biases after a row-parallel layer,
-  position embeddings) by tp rank 0 only;
+  position embeddings) by tp rank 0 only; at ZeRO-3 every dp rank writes the flat pieces of
+  the parameters its shard holds, cut into boxes like the optimizer state;
 - "master", "exp_avg", "exp_avg_sq": the optimizer's fp32 state. ZeRO ranks own disjoint
   flat ranges of the local tp shard; each rank writes the boxes of its own range (zero 0:
   every dp rank owns everything, so again dp rank 0 only; tp-replicated: tp rank 0 only);
 - "rng": this rank's generator states (torch default, CUDA, each chunk's TensorParallelRNG),
-  named "rank{r}/...", whole-tensor boxes.
+  named "rank{r}/...", whole-tensor boxes;
+- "powersgd_error", "powersgd_q": gradient compression's residual shares and Q, with the
+  optimizer state (compression_state.py).
 
 The last pipeline stage's copy of a tied embedding is one logical tensor with the first
 stage's embedding; only the first stage's copy is written, so every element of every full
@@ -22,6 +25,7 @@ import torch
 
 from megalite import params
 from megalite.checkpoint.boxes import Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.compression_state import compression_items
 from megalite.checkpoint.storage import DTYPE_NAMES
 from megalite.mesh import Mesh
 
@@ -61,8 +65,9 @@ def writes(chunk, local_name: str, param, mesh: Mesh) -> bool:
 
 def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> list[Item]:
     """The parameter boxes this rank stores; copy=False keeps CPU views (a synchronous save
-    writes them before training touches the parameters again)."""
-    if mesh.dp_rank != 0:
+    writes them before training touches the parameters again). Weights are replicated over dp
+    and cp: only the replica at dp rank 0, cp rank 0 writes them."""
+    if mesh.dp_rank != 0 or mesh.cp_rank != 0:
         return []
     items = []
     for chunk in chunks:
@@ -84,28 +89,47 @@ def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
             if writes(chunk, n, p, mesh)}
 
 
+def _range_items(flats: dict[str, torch.Tensor], name: str, spec, shape: tuple[int, ...], start: int,
+                 end: int) -> list[Item]:
+    """Boxes of the flat range [start, end) of a local tensor of `shape`, for each kind in `flats`
+    (kind -> private CPU copy of that range)."""
+    items, cursor = [], 0  # flat_range_boxes cuts the range in order; each box is a contiguous run of it
+    for local_box in flat_range_boxes(shape, start, end):
+        n = box_numel(local_box)
+        for local_sub, full_box in local_to_full(spec, local_box):
+            for kind, flat in flats.items():
+                run = flat[cursor:cursor + n].view(box_shape(local_box))
+                items.append(Item(kind, name, full_box, run[box_slices(relative(local_sub, local_box))].contiguous()))
+        cursor += n
+    return items
+
+
+def sharded_model_items(chunks, model, mesh: Mesh, pin: bool = False) -> list[Item]:
+    """ZeRO-3: every dp rank stores the parameter pieces its shard holds (each element once over dp)."""
+    specs = optimizer_param_specs(chunks, mesh)
+    items = []
+    for piece in model.owned_pieces():
+        name = model.names[piece.param]
+        if name in specs:
+            values = model.param_buffer.shard[piece.shard_start:piece.shard_end]  # fp32 (the master)
+            flat = _cpu_copy(values.to(model.params[piece.param].dtype), pin)  # stored in the parameter dtype
+            items += _range_items({"model": flat}, name, specs[name], tuple(model.params[piece.param].shape),
+                                  piece.local_start, piece.local_end)
+    return items
+
+
 def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
     """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata."""
     state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
     extras = {"step": state["step"], "loss_scaler": state["loss_scaler"]}
-    if optimizer.zero_stage == 0 and mesh.dp_rank != 0:
+    if optimizer.zero_stage == 0 and (mesh.dp_rank != 0 or mesh.cp_rank != 0):  # replicas (ZeRO: disjoint shards)
         return [], extras
     specs = optimizer_param_specs(chunks, mesh)
     items = []
     for name, entry in state["params"].items():
-        if name not in specs:
-            continue
-        spec, shape = specs[name], tuple(entry["shape"])
-        cursor = 0  # flat_range_boxes cuts the range in order; each box is a contiguous run of it
-        for local_box in flat_range_boxes(shape, entry["start"], entry["end"]):
-            n = box_numel(local_box)
-            for local_sub, full_box in local_to_full(spec, local_box):
-                for kind in OPTIMIZER_KINDS:
-                    run = entry[kind][cursor:cursor + n].view(box_shape(local_box))
-                    # optimizer_state() returned private CPU copies: a contiguous piece is used as is
-                    piece = run[box_slices(relative(local_sub, local_box))].contiguous()
-                    items.append(Item(kind, name, full_box, piece))
-            cursor += n
+        if name in specs:
+            items += _range_items({kind: entry[kind] for kind in OPTIMIZER_KINDS}, name, specs[name],
+                                  tuple(entry["shape"]), entry["start"], entry["end"])
     return items, extras
 
 
@@ -128,11 +152,15 @@ def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
     pin = torch.cuda.is_available() and mesh.device.type == "cuda"
     if optimizer is not None and hasattr(optimizer, "wait_for_params"):
         optimizer.wait_for_params()  # --overlap-param-gather: the last step's gathers must have landed
-    items = model_items(chunks, mesh, pin, copy)
+    wrapper = getattr(optimizer, "model", None)
+    if getattr(wrapper, "zero_stage", 0) == 3:  # the parameters exist only as shards
+        items = sharded_model_items(chunks, wrapper, mesh, pin)
+    else:
+        items = model_items(chunks, mesh, pin, copy)
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:
         opt_items, extras = optimizer_items(chunks, optimizer, mesh)
-        items += opt_items
+        items += opt_items + [Item(*item) for item in compression_items(optimizer, mesh)]
     items += rng_items(chunks, mesh)
     if pin:
         torch.cuda.synchronize()  # the non-blocking device-to-host copies above have landed

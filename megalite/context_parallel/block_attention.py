@@ -15,7 +15,8 @@ i // (h / h_kv)), out [b, h, sq, d], lse fp32 [b, h, sq]. Causal blocks are squa
 
 On CUDA (per MEGALITE_KERNEL_BACKEND) the Triton flash-attention kernels run
 (`megalite.kernels.attention_forward_with_lse` / `attention_backward_with_lse`); elsewhere the
-PyTorch code below, which holds one block's fp32 scores at a time and never a [s, s] matrix.
+PyTorch code below, which holds the fp32 scores of one tile of at most 1024 query rows of one
+block at a time (a block of a long sequence is itself [s/cp, s/cp]).
 """
 from __future__ import annotations
 
@@ -31,37 +32,60 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.float().reshape(b, kv_heads, h // kv_heads, s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float) -> torch.Tensor:
-    """fp32 scale * q k^T of one block: [b, h_kv, group, sq, sk], future keys -inf when causal."""
+_ROWS = 1024  # query rows per tile of the PyTorch path: its fp32 scores are [b, h, rows, sk], never [sq, sk]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float, first_row: int = 0) -> torch.Tensor:
+    """fp32 scale * q k^T of query rows first_row.. of one block: [b, h_kv, group, rows, sk]; when
+    causal, keys after a row's own position (row index in the block = key index) are -inf."""
     keys = k.float().unsqueeze(2)  # [b, h_kv, 1, sk, d]: broadcast over the group, no repeat
     scores = torch.matmul(_grouped(q, k.shape[1]), keys.transpose(-1, -2)) * softmax_scale
     if causal:
-        future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu_(1)
+        future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu_(first_row + 1)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
 
 
+def _row_tiles(sq: int, sk: int, causal: bool):
+    """(rows, keys) slices: query rows in tiles of _ROWS; under causal masking a tile's rows see
+    only the keys up to its last row (the rest are all masked)."""
+    for start in range(0, sq, _ROWS):
+        stop = min(sq, start + _ROWS)
+        yield slice(start, stop), slice(0, stop if causal else sk)
+
+
 def _torch_forward(q, k, v, causal: bool, softmax_scale: float):
     b, h, sq, d = q.shape
-    scores = _scores(q, k, causal, softmax_scale)
-    lse = torch.logsumexp(scores, dim=-1)  # [b, h_kv, group, sq]
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    out = torch.matmul(probs, v.float().unsqueeze(2))  # [b, h_kv, group, sq, d]
-    return out.reshape(b, h, sq, d).to(q.dtype), lse.reshape(b, h, sq)
+    out = torch.empty(b, h, sq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    for rows, keys in _row_tiles(sq, k.shape[2], causal):
+        scores = _scores(q[:, :, rows], k[:, :, keys], causal, softmax_scale, rows.start)
+        tile_lse = torch.logsumexp(scores, dim=-1)  # [b, h_kv, group, rows]
+        probs = torch.exp(scores - tile_lse.unsqueeze(-1))
+        tile_out = torch.matmul(probs, v[:, :, keys].float().unsqueeze(2))  # [b, h_kv, group, rows, d]
+        out[:, :, rows] = tile_out.reshape(b, h, -1, d).to(q.dtype)
+        lse[:, :, rows] = tile_lse.reshape(b, h, -1)
+    return out, lse
 
 
 def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float):
     b, h, sq, d = q.shape
     kv_heads = k.shape[1]
-    scores = _scores(q, k, causal, softmax_scale)
-    probs = torch.exp(scores - lse.float().reshape(b, kv_heads, h // kv_heads, sq, 1))  # the row's probabilities
-    dout_g = _grouped(dout, kv_heads)
-    delta = (dout_g * _grouped(out, kv_heads)).sum(-1, keepdim=True)  # [b, h_kv, group, sq, 1]
-    dv = torch.matmul(probs.transpose(-1, -2), dout_g).sum(2)  # summed over the group: [b, h_kv, sk, d]
-    dprobs = torch.matmul(dout_g, v.float().unsqueeze(2).transpose(-1, -2))
-    dscores = probs * (dprobs - delta) * softmax_scale
-    dq = torch.matmul(dscores, k.float().unsqueeze(2)).reshape(b, h, sq, d)
-    dk = torch.matmul(dscores.transpose(-1, -2), _grouped(q, kv_heads)).sum(2)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for rows, keys in _row_tiles(sq, k.shape[2], causal):
+        q_rows, k_keys, v_keys = q[:, :, rows], k[:, :, keys], v[:, :, keys]
+        scores = _scores(q_rows, k_keys, causal, softmax_scale, rows.start)
+        n = q_rows.shape[2]
+        probs = torch.exp(scores - lse[:, :, rows].float().reshape(b, kv_heads, h // kv_heads, n, 1))  # the row's
+        dout_g = _grouped(dout[:, :, rows], kv_heads)
+        delta = (dout_g * _grouped(out[:, :, rows], kv_heads)).sum(-1, keepdim=True)  # [b, h_kv, group, rows, 1]
+        dv[:, :, keys] += torch.matmul(probs.transpose(-1, -2), dout_g).sum(2)  # summed over the group
+        dprobs = torch.matmul(dout_g, v_keys.float().unsqueeze(2).transpose(-1, -2))
+        dscores = probs * (dprobs - delta) * softmax_scale
+        dq[:, :, rows] = torch.matmul(dscores, k_keys.float().unsqueeze(2)).reshape(b, h, n, d)
+        dk[:, :, keys] += torch.matmul(dscores.transpose(-1, -2), _grouped(q_rows, kv_heads)).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from megalite import comm
 from megalite.context_parallel.zigzag import chunk_ids
+from megalite.model import functional as MF
 
 
 class _AllToAll(torch.autograd.Function):
@@ -77,8 +78,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     the whole sequence in order, so its part of the logical Philox mask (q's heads start at
     global head `head_start`) is at those heads' counters, the same as without cp.
     """
-    from megalite.model import functional as MF  # here: the model package imports this module
-
     cp = comm.group_size(cp_group)
     b, h, s_local, d = q.shape
     h_kv = k.shape[1]

@@ -74,3 +74,25 @@ def gather_sequence(shards: list[torch.Tensor], dim: int = 1, layout: str = "zig
         first, second = chunk_ids(rank, cp, layout)
         chunks[first], chunks[second] = first_half, second_half
     return torch.cat(chunks, dim=dim)
+
+
+def logical_row_offsets(local_rows: int, row_numel: int, shard: int, shards: int, cp_rank: int,
+                        cp: int) -> int | list[tuple[int, int, int]]:
+    """Where this rank's rows sit in the logical (whole-sequence) tensor [s, ...], as element offsets.
+
+    The rank holds `local_rows` rows: sequence-parallel shard `shard` of `shards` of its cp-local
+    sequence (its two zigzag chunks concatenated). Returns the element offset of its first row
+    when they are one contiguous run of the logical tensor (always at cp = 1), else
+    [(first local row, element offset, rows)] for each contiguous run (at most two). Dropout
+    masks are drawn over the logical tensor, so every layout drops the same elements.
+    """
+    first = shard * local_rows
+    if cp == 1:
+        return first * row_numel
+    chunk = local_rows * shards // 2  # rows per zigzag chunk
+    runs: list[tuple[int, int, int]] = []
+    for which, chunk_id in enumerate(chunk_ids(cp_rank, cp)):
+        lo, hi = max(first, which * chunk), min(first + local_rows, (which + 1) * chunk)
+        if lo < hi:
+            runs.append((lo - first, (chunk_id * chunk + lo - which * chunk) * row_numel, hi - lo))
+    return runs[0][1] if len(runs) == 1 else runs

@@ -25,6 +25,11 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
 - ZeRO-2 (`zero_stage=2`): a bucket's full-size gradient storage exists only from the first
   gradient it receives in a step until its reduce-scatter has finished; afterwards only the
   1/dp shard remains.
+- Gradient compression (`compression=PowerSGDConfig(...)`, dp > 1): after the warm-up steps no
+  bucket is reduced during backward; `finish_reduction()` hands the whole accumulated step to
+  the PowerSGD compressor (powersgd.py), which replaces the all-reduce / reduce-scatter above
+  with two all-reduces of low-rank factors and writes the decompressed sums where the plain
+  reduction would have (the main grads at zero_stage 0, this rank's shard at 1/2).
 
 How "all of its gradients are final" is known: a parameter may receive several deliveries
 per backward (e.g. a tied weight used through a sink and through autograd). The first step
@@ -42,6 +47,7 @@ import torch
 
 from megalite import comm, params as P
 from megalite.data_parallel.layout import BufferLayout, build_layout
+from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements (Megatron's default); buckets this big overlap only large models
 
@@ -60,11 +66,13 @@ class GradBuffers:
         tp_group: sums `sequence_parallel_grad` params' grads over tp before dp reduction.
         embedding_group: with pipeline parallelism, the first and last stage: tied parameters'
             grads are summed over it in `finish_reduction()`, before their (own) bucket launches.
+        compression: a PowerSGDConfig to reduce compressed (zero_stage 0-2, fp32 reduction);
+            skip_group: the group a non-finite gradient skips the step over (the world).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dp_group, *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
-                 embedding_group=None):
+                 embedding_group=None, compression: PowerSGDConfig | None = None, skip_group=None):
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
@@ -104,6 +112,10 @@ class GradBuffers:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
 
         self._sp_params = [[i for i in b.params if P.is_sequence_parallel_grad(self.params[i])] for b in buckets]
+        self.compressor = self._make_compressor(compression, skip_group, deferred)
+        self._owned = self.layout.owned_pieces(self.shard_rank)
+        self._sent_bytes = 0  # on the dp group, this step
+        self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
         self._expected: list[int] | None = None  # deliveries per param per backward, after calibration
         self._arrived = [0] * len(self.params)
         self._remaining = [0] * len(buckets)
@@ -117,6 +129,19 @@ class GradBuffers:
         for index, p in enumerate(self.params):
             P.set_grad_destination(p, self._make_sink(index), P.main_grad(p))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    def _make_compressor(self, config: PowerSGDConfig | None, skip_group, tied: frozenset[int]) -> PowerSGD | None:
+        if config is None or self.dp_size == 1:  # one replica: nothing is reduced, nothing to compress
+            return None
+        if self.grad_reduce_dtype != torch.float32:
+            raise ValueError("PowerSGD reduces its factors in fp32; pass grad_reduce_dtype=torch.float32")
+        return PowerSGD([tuple(p.shape) for p in self.params], config, self.dp_group, skip_group, self.device,
+                        separate=tied)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether this step's dp reduction is PowerSGD's (compression on, warm-up over)."""
+        return self.compressor is not None and self.compressor.active
 
     # ------------------------------------------------------------------ accumulation
 
@@ -208,8 +233,11 @@ class GradBuffers:
         """Start bucket `bucket`'s dp reduction (asynchronously)."""
         self._launched[bucket] = True
         self._all_reduce_views(self._sp_params[bucket], self.tp_group)
+        if self.compressing:  # the compressor reduces the whole step in finish_reduction()
+            return
         data = self._bucket_storage(bucket)  # fp32 [bucket numel]
         send = data if self.grad_reduce_dtype == torch.float32 else data.to(self.grad_reduce_dtype)
+        self._sent_bytes += send.numel() * send.element_size() if self.dp_size > 1 else 0
         b = self.layout.buckets[bucket]
         if self.zero_stage == 0:
             handle = comm.all_reduce(send, self.dp_group, async_op=True)
@@ -220,11 +248,14 @@ class GradBuffers:
         handle = comm.reduce_scatter_into(out, send, self.dp_group, async_op=True)
         self._pending.append((bucket, handle, send, out))
 
-    def finish_reduction(self) -> None:
+    def finish_reduction(self, grad_scale: float = 1.0, skip: bool = False) -> None:
         """Launch every bucket not yet reduced (in bucket order), wait for all, finalise.
 
         After it returns, `grad_shard` holds this rank's summed gradients: the whole buffer
         (zero_stage 0) or this rank's chunks (zero_stage 1, 2). Ends a first (calibration) step.
+        With compression: `grad_scale` is the loss scale the gradients carry (fp16), and `skip`
+        (the caller drops this step, on every rank) leaves them unreduced and the compressor's
+        state untouched.
         """
         if not all(self._sync):
             raise RuntimeError("finish_reduction() inside no_sync()/set_last_microbatch(False); "
@@ -233,9 +264,12 @@ class GradBuffers:
         for bucket in self._deferred_buckets:  # the tied embedding: summed over its two stages first
             for index in self.layout.buckets[bucket].params:
                 comm.all_reduce(self.main_grad(index), self.embedding_group)
+        compressing = self.compressing
         for bucket in range(len(self.layout.buckets)):
             if not self._launched[bucket]:
                 self._launch(bucket)
+        if compressing:
+            self._reduce_compressed(grad_scale, skip)
         for bucket, handle, send, out in self._pending:
             handle.wait()
             b = self.layout.buckets[bucket]
@@ -248,9 +282,30 @@ class GradBuffers:
         self._pending.clear()
         self._finished = True
         self.exposed_seconds = time.perf_counter() - started
+        uncompressed = self.layout.numel * 4 if compressing and self._sent_bytes else self._sent_bytes
+        self.last_reduction_bytes, self._sent_bytes = (self._sent_bytes, uncompressed), 0
+        if self.compressor is not None:
+            self.compressor.end_step()
         if self._expected is None and any(self._arrived):  # a step that synchronised no backward teaches nothing
             self._expected = list(self._arrived)
         self._reset_counters()
+
+    def _reduce_compressed(self, grad_scale: float, skip: bool) -> None:
+        """The step's dp reduction through the compressor: decompressed sums into the main grads
+        (zero_stage 0) or into this rank's shard pieces (1, 2); ZeRO-2 then frees the buckets."""
+        if not skip:
+            grads = [self.main_grad(i) for i in range(len(self.params))]
+            if self.zero_stage == 0:
+                outputs = [[(0, g.numel(), g.view(-1))] for g in grads]
+            else:
+                outputs = [[] for _ in self.params]
+                for x in self._owned:
+                    outputs[x.param].append((x.local_start, x.local_end, self.grad_shard[x.shard_start:x.shard_end]))
+            self.compressor.reduce(grads, outputs, grad_scale)
+            self._sent_bytes += self.compressor.last_sent_bytes
+        if self.zero_stage == 2:
+            for bucket in range(len(self.layout.buckets)):
+                self._free_bucket(bucket)
 
     def reduction_pending(self) -> bool:
         """False once finish_reduction() has run and no gradient arrived since (a second call would
@@ -287,16 +342,13 @@ class GradBuffers:
     # ------------------------------------------------------------------ metrics
 
     def grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank holds right now (full buffers + shard)."""
+        """Bytes of gradient storage this rank holds right now (full buffers + shard + PowerSGD's
+        residual share and Q)."""
         total = sum(t.numel() * t.element_size() for t in self._bucket_grads if t is not None)
         if self.zero_stage > 0:
             total += self.grad_shard.numel() * self.grad_shard.element_size()
-        return total
+        return total + (self.compressor.state_bytes() if self.compressor is not None else 0)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (hooks and sinks); the buffers stay readable."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for p in self.params:
-            P.set_grad_destination(p, None, None)
+        P.detach_grad_destinations(self.params, self._hooks)

@@ -144,7 +144,27 @@ def build_layout(numels: list[int], bucket_size: int, shard_count: int,
             current, current_numel = [], 0
     if current:
         groups.append(current)
+    return _place(numels, groups, shard_count)
 
+
+def build_unit_layout(unit_numels: list[list[int]], shard_count: int) -> BufferLayout:
+    """ZeRO-3: one bucket per unit (`unit_numels[u]`: its parameters' sizes, in order).
+
+    Parameters are numbered across units in order; unit u is bucket u, padded to a multiple of
+    `shard_count`, so rank r's shard holds chunk r of every unit.
+    """
+    if shard_count < 1:
+        raise ValueError(f"shard_count must be >= 1, got {shard_count}")
+    numels = [n for unit in unit_numels for n in unit]
+    groups, start = [], 0
+    for unit in unit_numels:
+        groups.append(list(range(start, start + len(unit))))
+        start += len(unit)
+    return _place(numels, groups, shard_count)
+
+
+def _place(numels: list[int], groups: list[list[int]], shard_count: int) -> BufferLayout:
+    """Parameters `groups[b]` back to back in bucket b, each bucket padded to a multiple of shard_count."""
     slots: list[ParamSlot | None] = [None] * len(numels)
     buckets = []
     offset = shard_offset = 0

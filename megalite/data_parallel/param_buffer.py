@@ -57,19 +57,26 @@ class ParamBuffer:
         return self.buffer[start:end]
 
     def publish(self, bucket: int, chunk: torch.Tensor) -> None:
-        """Write this rank's updated chunk of `bucket` (any dtype/device) and start its all-gather."""
+        """Write this rank's updated chunk of `bucket` (any dtype/device) into its slot and start the
+        bucket's all-gather, in place (the slot is the gather's input). A chunk that IS the slot
+        (fp32 training: the optimizer's master is the buffer itself) is not copied."""
         b = self.layout.buckets[bucket]
         out = self.buffer[b.start:b.end]  # [bucket numel] = every rank's chunk, rank-major
-        chunk = chunk.to(self.device, self.dtype, non_blocking=True)
+        owned = self.owned_chunk(bucket)
+        if chunk.data_ptr() != owned.data_ptr() or chunk.device != owned.device:
+            owned.copy_(chunk, non_blocking=True)
         if b.shard_count == 1:
-            out.copy_(chunk)
             return
-        self.pending[bucket] = comm.all_gather_into(out, chunk, self.dp_group, async_op=True)
+        self.pending[bucket] = comm.all_gather_into(out, owned, self.dp_group, async_op=True)
 
     def published(self) -> None:
         """The step has handed over every bucket: wait now, unless the gathers overlap the next forward."""
         if not self.overlap:
             self.wait()
+
+    def nbytes(self) -> int:
+        """Parameter bytes held: the whole buffer (every rank keeps every parameter below ZeRO-3)."""
+        return self.buffer.numel() * self.buffer.element_size()
 
     def wait(self, buckets: Iterable[int] | None = None) -> None:
         """Complete the all-gathers still in flight (of `buckets`, default all)."""

@@ -13,23 +13,39 @@ It decides where bytes live and when they move (ARCHITECTURE.md, decision 7):
 - parameters (`ParamBuffer`): views of one contiguous buffer with the same layout, refilled
   bucket by bucket by all-gathers after a sharded update; with `overlap_param_gather` the
   gathers finish behind the next forward and `ReadGuard` guarantees that nothing reads a
-  parameter before its gather completes.
+  parameter before its gather completes;
+- gradient compression (`grad_compression`, zero 0-2): PowerSGD (powersgd.py) replaces the
+  gradients' all-reduce / reduce-scatter with two all-reduces of low-rank factors per step.
 
 It takes any modules: megalite's layers (whose linears hand weight gradients straight to the
 main-grad buffer) or plain torch modules (caught by post-accumulate-grad hooks). `chunks`
 are one model replica's pieces on this rank, in execution order (pipeline model chunks, or
 just the model).
+
+ZeRO-3 (`zero_stage=3`) is a mode of this wrapper, not another optimizer: parameters live as
+flat per-unit shards (`unit_params.py`), each unit is gathered before its forward and freed
+after it, gathered again for its backward, and its gradient reduce-scattered into an fp32
+shard when its backward is done (`zero3.py`, `unit_grads.py`). The optimizer's side of the
+contract (owned pieces, `owned_params`, `publish`, `grad_shard`) is the same as at ZeRO 1/2,
+with one bucket per unit and nothing gathered after the step.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from megalite import comm, params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
-from megalite.data_parallel.layout import OwnedPiece
+from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
+from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
+from megalite.data_parallel.unit_grads import UnitGrads
+from megalite.data_parallel.unit_params import UnitParams
+from megalite.data_parallel.units import Unit, resolve_units, split_tied
+from megalite.data_parallel.zero3 import Zero3Schedule
 from megalite.mesh import Mesh
 
 
@@ -47,31 +63,56 @@ def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Param
 
 
 class DataParallel(nn.Module):
-    """One model replica's parameters and gradients over `mesh.dp_group` (see the module docstring).
+    """One model replica's parameters and gradients over `mesh.dp_cp_group` (see the module docstring).
+
+    Parameters are replicated over data and context parallelism alike (cp ranks hold other
+    tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
+    that group is `mesh.dp_group` itself. "dp" below means that group.
 
     zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
-        rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket).
+        rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket),
+        3 (also shards the parameters, unit by unit; see the module docstring).
     bucket_size: elements per bucket; grad_reduce_dtype: float32, or bfloat16 on the wire.
-    overlap_param_gather (zero >= 1): leave the parameter all-gathers running after the step.
+    overlap_param_gather (zero 1/2): leave the parameter all-gathers running after the step.
+    grad_compression: a PowerSGDConfig: the dp reduction sends low-rank factors (zero 0-2; see
+        powersgd.py); the compressor's state is `self.compression`.
+    ZeRO-3 only: units (default: the model's `zero3_units()`, else `units.default_units`; or a
+        list of submodules / `Unit`s), prefetch (units gathered ahead), reshard_after_forward,
+        keep_gathered_in_step (gather each unit once per step, hold it until the optimizer).
     """
 
     def __init__(self, chunks: nn.Module | Sequence[nn.Module], mesh: Mesh, *, zero_stage: int = 0,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_reduce_dtype: torch.dtype = torch.float32,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
+                 prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
+                 grad_compression: PowerSGDConfig | None = None):
         super().__init__()
-        if overlap_param_gather and zero_stage == 0:
-            raise ValueError("overlap_param_gather needs zero_stage >= 1 (at zero 0 nothing is gathered)")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+        if grad_compression is not None and zero_stage not in (0, 1, 2):
+            raise ValueError(f"gradient compression composes with zero_stage 0, 1 or 2, not {zero_stage}: ZeRO-3 "
+                             f"never holds a whole accumulated gradient to factor; use zero_stage=2")
+        if overlap_param_gather and zero_stage in (0, 3):
+            raise ValueError("overlap_param_gather needs zero_stage 1 or 2 (at zero 0 nothing is gathered; ZeRO-3 "
+                             "gathers each unit right before its forward, never after the step)")
         self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
         self.mesh, self.zero_stage = mesh, zero_stage
+        self.schedule: Zero3Schedule | None = None
+        self.units: list[Unit] = []  # ZeRO-3's units (one bucket each)
+        if zero_stage == 3:
+            self._init_zero3(units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step)
+            return
         named = [(n, p) for n, p in named_parameters_of(self.chunks) if p.requires_grad]
-        self.grads = GradBuffers([p for _, p in named], mesh.dp_group, bucket_size=bucket_size,
+        replica_group = mesh.dp_cp_group  # every rank holding these same parameters (dp x cp)
+        self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
-                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+                                 embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
+                                 compression=grad_compression, skip_group=comm.world_group())
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
         self.layout = self.grads.layout
-        self.param_buffer = ParamBuffer(self.params, self.layout, mesh.dp_group, self.grads.shard_rank,
+        self.param_buffer = ParamBuffer(self.params, self.layout, replica_group, self.grads.shard_rank,
                                         overlap=overlap_param_gather)
         self.gather_order = self._forward_bucket_order()
         self._guard = ReadGuard(self.param_buffer)
@@ -79,6 +120,31 @@ class DataParallel(nn.Module):
         for chunk in self.chunks:
             chunk.register_forward_pre_hook(self._enter_guard)
             chunk.register_forward_hook(self._exit_guard, always_call=True)
+
+    def _init_zero3(self, units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step) -> None:
+        """Units, their flat layout (one bucket each), sharded storage, gradients and the schedule."""
+        mesh = self.mesh
+        group = mesh.dp_cp_group  # the shards span every rank holding these parameters (dp x cp), as ZeRO 1/2
+        tied_split = mesh.pp_size > 1  # the tied embedding: one unit per stage, same layout on both
+        self.units = split_tied(resolve_units(self.chunks, units), tied_split)
+        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group))
+        self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device)
+        if self.param_buffer.replaced:  # parameters built on the meta device: swap in the real ones
+            for chunk in self.chunks:
+                for module in chunk.modules():
+                    for key, p in list(module._parameters.items()):
+                        if p is not None and id(p) in self.param_buffer.replaced:
+                            module._parameters[key] = self.param_buffer.replaced[id(p)]
+        self.params = self.param_buffer.params  # unit order (forward order)
+        name_of = {id(p): n for n, p in named_parameters_of(self.chunks)}
+        self.names = [name_of[id(p)] for p in self.params]
+        self.grads = UnitGrads(self.params, self.layout, group, grad_reduce_dtype=grad_reduce_dtype,
+                               tp_group=mesh.tp_group,
+                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+        self.gather_order = list(range(len(self.layout.buckets)))
+        self.schedule = Zero3Schedule(self.units, self.chunks, self.param_buffer, self.grads, prefetch=prefetch,
+                                      reshard_after_forward=reshard_after_forward,
+                                      keep_gathered_in_step=keep_gathered_in_step)
 
     # ------------------------------------------------------------------ forward
 
@@ -121,34 +187,62 @@ class DataParallel(nn.Module):
 
     def set_last_microbatch(self, is_last: bool, chunk: int | None = None) -> None:
         """True before the backward that completes the step's gradients (of local `chunk`, default
-        all): buckets then reduce as soon as they are final; False accumulates locally."""
+        all): buckets then reduce as soon as they are final; False accumulates locally.
+        ZeRO-3 reduce-scatters every microbatch's gradients (see unit_grads.py): no effect."""
+        if self.zero_stage == 3:
+            return
         params = None if chunk is None else list(self.chunks[chunk].parameters())
         self.grads.set_last_microbatch(is_last, params)
 
     def no_sync(self):
-        """Context manager: accumulation microbatches reduce nothing."""
-        return self.grads.no_sync()
+        """Context manager: accumulation microbatches reduce nothing (ZeRO-3: no effect)."""
+        return contextlib.nullcontext() if self.zero_stage == 3 else self.grads.no_sync()
 
     def before_last_backward(self, chunk: int) -> None:
         """The pipeline executor's hook: chunk `chunk`'s next backward is its last of the step."""
         self.set_last_microbatch(True, chunk)
 
     def reduces_tied_grads(self) -> bool:
-        return True  # GradBuffers sums them over the embedding group in finish_reduction()
+        return True  # GradBuffers / UnitGrads sum them over the embedding group in finish_reduction()
 
-    def finish_grad_sync(self, fill_param_grads: bool = True) -> None:
+    def after_weight_grads(self, chunk: int) -> None:
+        """The pipeline executor's hook after a zero-bubble W pass of `chunk` (ZeRO-3 reduces then)."""
+        if self.schedule is not None:
+            self.schedule.after_weight_grads(chunk)
+
+    def finish_grad_sync(self, fill_param_grads: bool = True, *, grad_scale: float = 1.0, skip: bool = False) -> None:
         """Complete every bucket's reduction (idempotent within a step).
 
         At zero_stage 0 with fill_param_grads, each `param.grad` is then its reduced gradient (a
         view of the fp32 main grad when the dtypes match, a cast copy otherwise), so any torch
         optimizer can step; megalite's DistributedOptimizer reads `grad_shard` instead.
+        Gradient compression only: `grad_scale` is the fp16 loss scale in the gradients; `skip`
+        (every rank drops this step) leaves the compressor's state untouched.
         """
         if self.grads.reduction_pending():
-            self.grads.finish_reduction()
+            if self.schedule is not None:  # ZeRO-3 (never compressed)
+                self.grads.finish_reduction()
+            else:
+                self.grads.finish_reduction(grad_scale, skip)
+        if self.schedule is not None:
+            self.schedule.end_step()  # before the optimizer: no unit stays gathered
         if fill_param_grads and self.zero_stage == 0:
             for i, p in enumerate(self.params):
                 grad = self.grads.main_grad(i)
                 p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+
+    @property
+    def compression(self) -> PowerSGD | None:
+        """The PowerSGD compressor (error buffers, Q), or None (no compression, one replica, or ZeRO-3)."""
+        return None if self.schedule is not None else self.grads.compressor
+
+    def compression_stats(self) -> dict[str, float | int | None]:
+        """The last step's gradient reduction on the dp group (compression only): bytes sent, and
+        the bytes the uncompressed reduction sends over them (None when nothing was sent)."""
+        if self.compression is None:
+            return {}
+        sent, uncompressed = self.grads.last_reduction_bytes
+        return {"grad_reduce_bytes": sent, "grad_compression_ratio": uncompressed / sent if sent else None}
 
     @property
     def grad_shard(self) -> torch.Tensor:
@@ -179,8 +273,40 @@ class DataParallel(nn.Module):
 
     def wait_for_params(self) -> None:
         """Complete every parameter all-gather in flight: before reading parameters outside a
-        forward (checkpoint snapshot, replica check, export)."""
+        forward (checkpoint snapshot, replica check, export). At ZeRO-3 the parameters are
+        the shards (`param_buffer.shard`); a unit's full values exist only while it is gathered."""
+        if self.schedule is not None:
+            for unit in list(self.param_buffer.pending):
+                self.param_buffer.wait(unit)
+            return
         self.param_buffer.wait()
+
+    def tp_replicated_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """ZeRO-3: (name, this rank's shard piece) of every parameter each tp rank holds whole; the tp
+        ranks of one dp rank hold the same pieces (the replica check compares them)."""
+        shard = self.param_buffer.shard
+        return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()
+                if not P.shard_spec(self.params[x.param]).is_tp_sharded]
+
+    @contextlib.contextmanager
+    def gathered(self, units: Sequence[int] | None = None):
+        """ZeRO-3: hold units (default all) gathered for reads outside a forward, e.g.
+        `with model.gathered(): print(model.chunks[0].head.weight)`; a no-op below ZeRO-3.
+        Writes inside are not kept: the shard is the parameters' only home."""
+        if self.schedule is None:
+            self.wait_for_params()
+            yield
+            return
+        chosen = range(len(self.units)) if units is None else list(units)
+        for unit in chosen:
+            self.param_buffer.acquire(unit)
+        try:
+            for unit in chosen:
+                self.param_buffer.wait(unit)
+            yield
+        finally:
+            for unit in chosen:
+                self.param_buffer.release(unit)
 
     # ------------------------------------------------------------------ metrics
 
@@ -193,6 +319,9 @@ class DataParallel(nn.Module):
         return {"grad_reduce": self.grads.exposed_seconds, "param_gather": gather}
 
     def memory_report(self) -> dict[str, int]:
-        """Per-rank bytes of the parameters and of the gradient storage held now."""
-        buffer = self.param_buffer.buffer
-        return {"param_bytes": buffer.numel() * buffer.element_size(), "grad_bytes": self.grads.grad_bytes()}
+        """Per-rank bytes of the parameters and of the gradient storage held now; at ZeRO-3 also the
+        peak bytes of gathered units since construction (`peak_gathered_bytes`)."""
+        report = {"param_bytes": self.param_buffer.nbytes(), "grad_bytes": self.grads.grad_bytes()}
+        if self.schedule is not None:
+            report["peak_gathered_bytes"] = self.param_buffer.peak_gathered_bytes
+        return report

@@ -25,10 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+import megalite.kernels as kernels_package
+from megalite import comm
+from megalite.mesh import current_mesh, init_mesh
 from megalite.model.config import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.transformer import TransformerBlock
 from megalite.tensor_parallel.random import TensorParallelRNG
+from megalite.testing import run_distributed
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,6 @@ def korthikanti_layer_bytes(technique: Technique, s: int, b: int, h: int, heads:
 @contextlib.contextmanager
 def kernels_without_launch():
     """megalite's Triton autograd functions on CPU with every kernel launch skipped."""
-    import megalite.kernels as kernels_package
-
     class _NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
@@ -138,9 +140,6 @@ def measure_layer_bytes(config: GPTConfig, technique: Technique, tp_group=None, 
     tp_group: the tensor-parallel group for TP techniques; None (and no current mesh) for the
     others. The block is layer 0 of a model with `config`; rope is not applied (gpt2 flavour).
     """
-    from megalite import comm
-    from megalite.mesh import current_mesh
-
     tp = comm.group_size(tp_group) if technique.tensor_parallel else 1
     if technique.tensor_parallel == (tp_group is None):
         raise ValueError(f"{technique.name}: pass a tp group exactly for tensor-parallel techniques")
@@ -183,8 +182,6 @@ class Row:
 
 
 def _tensor_parallel_rows(config, seq, batch, tp, dtype, backend) -> list[int]:
-    from megalite.mesh import init_mesh
-
     mesh = init_mesh(tp=tp)
     return [measure_layer_bytes(config, t, mesh.tp_group, seq, batch, dtype, backend)
             for t in TECHNIQUES if t.tensor_parallel]
@@ -193,9 +190,6 @@ def _tensor_parallel_rows(config, seq, batch, tp, dtype, backend) -> list[int]:
 def measure_table(config: GPTConfig, seq: int = 128, batch: int = 2, tp: int = 2, dtype=torch.bfloat16,
                   backend: str = "triton") -> list[Row]:
     """Every technique of Table 2: tp=1 ones in this process, TP ones in a forked gloo world of tp ranks."""
-    from megalite.mesh import current_mesh
-    from megalite.testing import run_distributed
-
     if current_mesh() is not None:
         raise RuntimeError("measure_table forks its own tp world; call it where no mesh exists")
     local = {t.name: measure_layer_bytes(config, t, None, seq, batch, dtype, backend)

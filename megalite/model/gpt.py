@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from megalite import comm, params
-from megalite.context_parallel.zigzag import position_ids
+from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.mesh import Mesh, current_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -70,6 +70,10 @@ class GPTModel(nn.Module):
         tp_rank = comm.group_rank(self.tp_group)
         pp_size = mesh.pp_size if mesh is not None else 1
         device = device if device is not None else (mesh.device if mesh is not None else None)
+        # device="meta": parameters without memory (ZeRO-3 materialises them one unit at a time,
+        # `zero3_units`); the RNG streams and RoPE tables live on the mesh's device.
+        on_meta = device is not None and torch.device(device).type == "meta"
+        self._real_device = (mesh.device if mesh is not None else None) if on_meta else device
         config.check_tensor_parallel(tp_size)
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
@@ -84,55 +88,97 @@ class GPTModel(nn.Module):
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
         self.rng = TensorParallelRNG(seed)  # the same on every rank: masks are layout-free
-        h, init = config.hidden_size, normal_init(config.init_std)
+        self._seed, self._dtype, self._cp_comm_type, self._tp = seed, dtype, cp_comm_type, (tp_rank, tp_size)
 
-        if pre_process:
-            with seeded(seed, _WORD_EMBEDDING_STREAM):
-                self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, self.tp_group,
-                                                              padded_num_embeddings=self.padded_vocab_size,
-                                                              init_method=init, dtype=dtype, device=device)
-            if config.flavour == "gpt2":
-                with seeded(seed, _POSITION_STREAM):
-                    table = torch.empty(config.seq_length, h)
-                    init(table)
-                # Under SP each rank adds only its sequence slice of the table: partial gradients.
-                self.position_embeddings = params.declare(
-                    nn.Parameter(table.to(device=device, dtype=dtype or table.dtype)),
-                    sequence_parallel_grad=sequence_parallel)
-
-        self.layers = nn.ModuleList()
-        for i in self.layer_ids:
-            with seeded(seed, _LAYER_STREAM + i):
-                block = TransformerBlock(config, self.tp_group, sequence_parallel, dtype, device, self.cp_group,
-                                         cp_comm_type, layer_number=i)
-            block.recompute_core = recompute == "selective"
-            self.layers.append(block)
-
-        if post_process:
-            self.final_norm = Norm(config, sequence_parallel, dtype, device)
-            if config.tie_embeddings and pre_process:
-                self.output_weight = None  # the head reads word_embeddings.weight
-            else:
-                # Untied head, or the last stage's copy of a tied embedding (same stream: same values).
-                stream = _WORD_EMBEDDING_STREAM if config.tie_embeddings else _OUTPUT_STREAM
-                with seeded(seed, stream):
-                    full = torch.empty(config.vocab_size, h)
-                    init(full)
-                spec = ShardSpec((config.vocab_size, h), 0, tp_rank, tp_size, padded_size=self.padded_vocab_size)
-                self.output_weight = params.declare(
-                    nn.Parameter(spec.shard(full).to(device=device, dtype=dtype or full.dtype)), shard_spec=spec)
-        if config.tie_embeddings and pp_size > 1:
-            # The first stage's embedding and the last stage's head copy are one logical tensor:
-            # their gradients are summed over the embedding group, and counted once in norms.
-            if pre_process:
-                params.declare(self.word_embeddings.weight, tied_across_stages=True)
-            if post_process and self.output_weight is not None:
-                params.declare(self.output_weight, tied_across_stages=True)
-
+        self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
-            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, device)
+            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+
+    # --- construction: each component from its own seeded stream -------------------------------
+
+    def _build_parameters(self, device, on_meta: bool, pp_size: int) -> None:
+        """Embeddings, blocks, final norm and head of this chunk, each from its own seeded stream
+        (on the meta device: shapes only; ZeRO-3 materialises them unit by unit)."""
+        with torch.device("meta") if on_meta else contextlib.nullcontext():  # meta: no init work either
+            if self.pre_process:
+                self.word_embeddings = self._build_word_embeddings(device)
+                if self.config.flavour == "gpt2":
+                    # Under SP each rank adds only its sequence slice of the table: partial gradients.
+                    self.position_embeddings = params.declare(nn.Parameter(self._build_position_table(device)),
+                                                              sequence_parallel_grad=self.sequence_parallel)
+            self.layers = nn.ModuleList()
+            for i in self.layer_ids:
+                block = self._build_block(i, device)
+                block.recompute_core = self.recompute == "selective"
+                self.layers.append(block)
+            if self.post_process:
+                self.final_norm = Norm(self.config, self.sequence_parallel, self._dtype, device)
+                if self.config.tie_embeddings and self.pre_process:
+                    self.output_weight = None  # the head reads word_embeddings.weight
+                else:
+                    weight, spec = self._build_output_weight(device)
+                    self.output_weight = params.declare(nn.Parameter(weight), shard_spec=spec)
+        if self.config.tie_embeddings and pp_size > 1:
+            # The first stage's embedding and the last stage's head copy are one logical tensor:
+            # their gradients are summed over the embedding group, and counted once in norms.
+            if self.pre_process:
+                params.declare(self.word_embeddings.weight, tied_across_stages=True)
+            if self.post_process and self.output_weight is not None:
+                params.declare(self.output_weight, tied_across_stages=True)
+
+    def _build_word_embeddings(self, device) -> VocabParallelEmbedding:
+        with seeded(self._seed, _WORD_EMBEDDING_STREAM):
+            return VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size, self.tp_group,
+                                          padded_num_embeddings=self.padded_vocab_size,
+                                          init_method=normal_init(self.config.init_std), dtype=self._dtype,
+                                          device=device)
+
+    def _build_position_table(self, device) -> torch.Tensor:
+        with seeded(self._seed, _POSITION_STREAM):
+            table = torch.empty(self.config.seq_length, self.config.hidden_size)
+            normal_init(self.config.init_std)(table)
+        return table.to(device=device, dtype=self._dtype or table.dtype)
+
+    def _build_block(self, layer_id: int, device) -> TransformerBlock:
+        with seeded(self._seed, _LAYER_STREAM + layer_id):
+            return TransformerBlock(self.config, self.tp_group, self.sequence_parallel, self._dtype, device,
+                                    self.cp_group, self._cp_comm_type, layer_number=layer_id)
+
+    def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
+        """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
+        config = self.config
+        stream = _WORD_EMBEDDING_STREAM if config.tie_embeddings else _OUTPUT_STREAM
+        with seeded(self._seed, stream):
+            full = torch.empty(config.vocab_size, config.hidden_size)
+            normal_init(config.init_std)(full)
+        spec = ShardSpec((config.vocab_size, config.hidden_size), 0, *self._tp, padded_size=self.padded_vocab_size)
+        return spec.shard(full).to(device=device, dtype=self._dtype or full.dtype), spec
+
+    def zero3_units(self) -> list:
+        """ZeRO-3's units in forward order: the embedding (word and position tables; started by its
+        first read), each block (started by its forward), the final norm with the output layer.
+        Each can materialise its tensors from its seeded stream on the real device, so a model
+        built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
+        from megalite.data_parallel.units import Unit
+
+        device, units = self._real_device, []
+        if self.pre_process:
+            tables = [self.word_embeddings.weight] + ([self.position_embeddings] if self.config.flavour == "gpt2" else [])
+            units.append(Unit("embedding", tables, (), lambda: [self._build_word_embeddings(device).weight.detach()]
+                              + ([self._build_position_table(device)] if self.config.flavour == "gpt2" else [])))
+        for index, block in enumerate(self.layers):
+            layer_id = self.layer_ids[index]
+            units.append(Unit(f"layers.{layer_id}", list(block.parameters()), (block,),
+                              lambda layer_id=layer_id: [p.detach() for p in self._build_block(layer_id,
+                                                                                                device).parameters()]))
+        if self.post_process:
+            head = list(self.final_norm.parameters()) + ([self.output_weight] if self.output_weight is not None else [])
+            units.append(Unit("head", head, (self.final_norm,), lambda: [
+                p.detach() for p in Norm(self.config, self.sequence_parallel, self._dtype, device).parameters()]
+                + ([self._build_output_weight(device)[0]] if self.output_weight is not None else [])))
+        return units
 
     # --- pieces -----------------------------------------------------------------------------
 
@@ -156,7 +202,9 @@ class GPTModel(nn.Module):
                 positions = positions.chunk(tp, dim=0)[r]
             x = x + positions
         # the [s, b, h] embedding output's mask; under SP this rank's rows of it
-        offset = comm.group_rank(self.tp_group) * x.numel() if self.sequence_parallel else 0
+        shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
+        offset = logical_row_offsets(x.shape[0], x[0].numel(), comm.group_rank(self.tp_group) if shards > 1 else 0,
+                                     shards, self.cp_rank, self.cp_size)
         return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
                        offset)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from megalite.model.config import GPTConfig
+from megalite.model.gpt import GPTModel
 
 
 def _gpt2_dropout(hf_config) -> tuple[float, float]:
@@ -122,8 +123,6 @@ def full_state_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
 
 def from_hf(hf_model, mesh=None, **model_kwargs):
     """The megalite GPTModel equal to `hf_model`, with this rank's slices of its weights."""
-    from megalite.model.gpt import GPTModel
-
     config = config_from_hf(hf_model.config)
     model = GPTModel(config, mesh, **model_kwargs)
     hf_state = {k: v.detach().to(torch.float32) for k, v in hf_model.state_dict().items()}

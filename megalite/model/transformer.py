@@ -17,8 +17,10 @@ from torch import nn
 from megalite import comm, params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
+from megalite.context_parallel.zigzag import logical_row_offsets
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
+from megalite.model.recompute import checkpoint_with_rng
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 
@@ -144,7 +146,8 @@ class TransformerBlock(nn.Module):
                  cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0):
         super().__init__()
         self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
-        self.tp_rank = comm.group_rank(tp_group)
+        self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
+        self.cp_size, self.cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)  # this rank's tokens
         self.input_norm = Norm(config, sequence_parallel, dtype, device)
         self.attention = Attention(config, tp_group, sequence_parallel, dtype, device, cp_group, cp_comm_type,
                                    layer_number)
@@ -158,14 +161,14 @@ class TransformerBlock(nn.Module):
 
         The logical mask is the [s, b, h] activation's (replicated stream): without SP every tp
         rank builds all of it, under SP rank r builds its rows [r*s/tp, (r+1)*s/tp)."""
-        offset = self.tp_rank * residual.numel() if self.sequence_parallel else 0
+        shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
+        offset = logical_row_offsets(residual.shape[0], residual[0].numel(), self.tp_rank if shards > 1 else 0,
+                                     shards, self.cp_rank, self.cp_size)
         return dropout(y, self.config.hidden_dropout, rng.replicated, dropout_site(self.layer_number, which),
                        self.training, offset, bias=projection.bias, residual=residual)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 rng: TensorParallelRNG) -> torch.Tensor:
-        from megalite.model.recompute import checkpoint_with_rng
-
         qkv = self.attention.qkv(self.input_norm(x))
         if self.recompute_core and self.training:
             core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)

@@ -14,7 +14,8 @@ one all-reduce sums them:
   copies carry the same all-reduced gradient): only the first stage counts it;
 - dp replicas hold the same (reduced) gradients: the sum runs over the model-parallel group
   (tp x pp) only, never over dp. A ZeRO optimizer whose ranks each hold a disjoint 1/dp
-  shard of the gradients passes `sharded_over_dp=True` to also sum over dp.
+  shard of the gradients passes `sharded_over_dp=True` to also sum over dp. Context-parallel
+  ranks are replicas like dp ranks (ZeRO shards over dp x cp): "dp" here means dp x cp.
 
 An inf/nan anywhere in a rank's gradients makes the global norm inf/nan on every rank
 (the all-reduced sum propagates it), which is how callers skip a step everywhere.
@@ -41,11 +42,11 @@ def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh) -> bool:
 def reduce_square_sum(local_square_sum: torch.Tensor, mesh: Mesh, sharded_over_dp: bool = False) -> torch.Tensor:
     """All-reduce a rank's float32 sum of squares into the global one (in place; returned).
 
-    Sums over the model-parallel group (tp x pp); also over dp when every dp rank holds a
-    disjoint shard of the gradients (ZeRO).
+    Sums over the model-parallel group (tp x pp); also over dp x cp when every rank of it holds
+    a disjoint shard of the gradients (ZeRO).
     """
-    if sharded_over_dp and mesh.dp_size > 1:
-        # dp x tp x pp is the whole world: one all-reduce instead of two.
+    if sharded_over_dp and mesh.dp_size * mesh.cp_size > 1:
+        # dp x cp x tp x pp is the whole world: one all-reduce instead of two.
         comm.all_reduce(local_square_sum, comm.world_group())
     else:
         comm.all_reduce(local_square_sum, mesh.model_parallel_group)

@@ -1,18 +1,22 @@
-"""AdamW over the shard a `DataParallel` wrapper hands it (ZeRO 0/1/2), fp32 master weights.
+"""AdamW over the shard a `DataParallel` wrapper hands it (ZeRO 0/1/2/3), fp32 master weights.
 
 The wrapper (megalite/data_parallel/wrapper.py) owns the parameters and gradients: it lays
-them out in buckets, reduces the gradients over dp and all-gathers the parameters. This
-optimizer owns only the state of the elements this rank updates (all of them at ZeRO 0, a
-1/dp shard at ZeRO 1/2): fp32 master weights and Adam moments. It never re-points a
+them out in buckets (ZeRO-3: one per unit), reduces the gradients over dp and gathers the
+parameters. This optimizer owns only the state of the elements this rank updates (all of
+them at ZeRO 0, a 1/dp shard at ZeRO 1/2/3): Adam moments, and an fp32 master only where this
+rank's chunk of the parameters is not itself fp32 (no redundant copy: fp32 training, and
+ZeRO-3's fp32 shard in every precision, are updated in place). It never re-points a
 parameter. Memory per parameter element on each rank (Ψ = this rank's parameter count, i.e.
 its tp shard of its pipeline stage; padding: each bucket rounded up to a multiple of dp):
 
-    | zero_stage | params (bf16) | main grads (fp32)          | master + exp_avg + exp_avg_sq (fp32) |
-    | 0          | 2Ψ            | 4Ψ                          | 12Ψ                                 |
-    | 1          | 2Ψ            | 4Ψ + 4Ψ/dp (reduced shard)  | 12Ψ/dp                              |
-    | 2          | 2Ψ            | 4Ψ/dp after each bucket's   | 12Ψ/dp                              |
-    |            |               | reduction (full bucket only |                                     |
-    |            |               | while it fills in backward) |                                     |
+    | zero_stage | params (bf16; fp32: x2) | main grads (fp32)          | [master] + exp_avg + exp_avg_sq  |
+    | 0          | 2Ψ                      | 4Ψ                          | 12Ψ (fp32: 8Ψ)                  |
+    | 1          | 2Ψ                      | 4Ψ + 4Ψ/dp (reduced shard)  | 12Ψ/dp (fp32: 8Ψ/dp)            |
+    | 2          | 2Ψ                      | 4Ψ/dp after each bucket's   | 12Ψ/dp (fp32: 8Ψ/dp)            |
+    |            |                         | reduction (full bucket only |                                 |
+    |            |                         | while it fills in backward) |                                 |
+    | 3          | 4Ψ/dp (fp32 shard) +    | 4Ψ/dp + a unit or two while | 8Ψ/dp                           |
+    |            | the units gathered      | they are reduce-scattered   |                                 |
 
 One step (`step(lr)`):
 1. `DataParallel.finish_grad_sync()`: the bucketed dp reductions (most already started
@@ -24,7 +28,8 @@ One step (`step(lr)`):
 3. Gradients are divided by the loss scale and multiplied by the clip coefficient (one mul).
 4. AdamW on the shard: the same math as `torch.optim.AdamW` (decoupled weight decay, bias
    correction), optionally on CPU (`offload_optimizer=True`).
-5. Each bucket's updated chunk goes back to the wrapper (`DataParallel.publish`), which casts
+5. Each bucket's updated chunk goes back to the wrapper (`DataParallel.publish`; ZeRO-3: it is
+   the shard itself and nothing is gathered), which casts
    it to the parameter dtype and all-gathers the bucket over dp, bucket b's gather running
    while bucket b+1 is updated; buckets go in the order the next forward first reads them.
    With the wrapper's overlap_param_gather the gathers are still running when step() returns
@@ -43,6 +48,7 @@ checkpoint engineer maps flat local ranges to full-tensor slices with the parame
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Callable
 
@@ -137,15 +143,31 @@ class DistributedOptimizer:
             t = torch.zeros(shard_numel, dtype=torch.float32, device=state_device)
             return t.pin_memory() if pin else t
 
-        self.master, self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor(), state_tensor()
-        for bucket in model.layout.buckets:  # master := fp32 copy of the parameters this rank owns
-            self._chunk(self.master, bucket.index).copy_(model.owned_params(bucket.index).float())
+        buckets = model.layout.buckets
+        # No redundant master copy: when this rank's chunk of the parameters is fp32 (fp32 training: its
+        # slot of the buffer; ZeRO-3 in any precision: its shard) and the state stays on its device,
+        # that chunk IS the master.
+        self.shares_master = not offload_optimizer and model.owned_params(0).dtype == torch.float32
+        self.master = None if self.shares_master else state_tensor()
+        self._masters = [model.owned_params(b.index) if self.shares_master else self._chunk(self.master, b.index)
+                         for b in buckets]  # per bucket: this rank's fp32 master chunk
+        if not self.shares_master:
+            for bucket in buckets:  # master := fp32 copy of the parameters this rank owns
+                self._masters[bucket.index].copy_(model.owned_params(bucket.index).float())
+        self._shard_offsets = [b.shard_offset for b in buckets]
+        self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()
         self.step_count = 0
 
     def _chunk(self, state: torch.Tensor, bucket: int) -> torch.Tensor:
         """This rank's chunk of `bucket` within a shard-sized tensor."""
         b = self.model.layout.buckets[bucket]
         return state[b.shard_offset:b.shard_offset + b.chunk_numel]
+
+    def master_range(self, start: int, end: int) -> torch.Tensor:
+        """The fp32 master of shard elements [start, end) (within one bucket's chunk)."""
+        bucket = bisect.bisect_right(self._shard_offsets, start) - 1
+        offset = self._shard_offsets[bucket]
+        return self._masters[bucket][start - offset:end - offset]
 
     # ------------------------------------------------------------------ the step
 
@@ -169,9 +191,9 @@ class DistributedOptimizer:
         caller saw a non-finite loss (all ranks agree): no update.
         """
         self.model.wait_for_params()  # gathers of buckets the last forward never touched (params unused)
-        self.model.finish_grad_sync(fill_param_grads=False)
-        grad = self.model.grad_shard  # fp32 [shard_numel]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        self.model.finish_grad_sync(fill_param_grads=False, grad_scale=scale, skip=skip)
+        grad = self.model.grad_shard  # fp32 [shard_numel]
         grad_norm = float(self._global_norm_of_shard(grad)) / scale
         found_inf = skip or not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
@@ -191,7 +213,7 @@ class DistributedOptimizer:
         self.step_count += 1
         for bucket in self.model.gather_order:  # the next forward's order: its first gathers land first
             self._update_bucket(bucket, grad, lr)
-            self.model.publish(bucket, self._chunk(self.master, bucket))
+            self.model.publish(bucket, self._masters[bucket])
         self.model.published()
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # pinned master chunks are read by async H2D copies
@@ -201,12 +223,13 @@ class DistributedOptimizer:
         """Decoupled weight decay (before the Adam update, as torch does), then AdamW, on one bucket's chunk."""
         b = self.model.layout.buckets[bucket]
         lo, hi = b.shard_offset, b.shard_offset + b.chunk_numel
+        master = self._masters[bucket]
         if self.weight_decay != 0.0:
             for start, end in self._decay_runs:
                 start, end = max(start, lo), min(end, hi)
                 if start < end:
-                    self.master[start:end].mul_(1 - lr * self.weight_decay)
-        adamw_update(self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr,
+                    master[start - lo:end - lo].mul_(1 - lr * self.weight_decay)
+        adamw_update(master, grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr,
                      beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=self.step_count)
 
     def wait_for_params(self) -> None:
@@ -217,7 +240,7 @@ class DistributedOptimizer:
         """Write the fp32 master shard into the parameters: cast, then all-gather per bucket over dp."""
         self.model.wait_for_params()
         for bucket in self.model.gather_order:
-            self.model.publish(bucket, self._chunk(self.master, bucket))
+            self.model.publish(bucket, self._masters[bucket])
         self.model.wait_for_params()
 
     # ------------------------------------------------------------------ checkpoint API (layout-free)
@@ -238,7 +261,8 @@ class DistributedOptimizer:
             sl = slice(piece.shard_start, piece.shard_end)
             params[self.names[piece.param]] = {
                 "start": piece.local_start, "end": piece.local_end, "numel": p.numel(), "shape": tuple(p.shape),
-                "master": self.master[sl].detach().cpu().clone(), "exp_avg": self.exp_avg[sl].detach().cpu().clone(),
+                "master": self.master_range(sl.start, sl.stop).detach().cpu().clone(),
+                "exp_avg": self.exp_avg[sl].detach().cpu().clone(),
                 "exp_avg_sq": self.exp_avg_sq[sl].detach().cpu().clone(),
             }
         return {"step": self.step_count, "params": params,
@@ -265,7 +289,8 @@ class DistributedOptimizer:
                                  f"rank owns [{piece.local_start}, {piece.local_end}); provide the whole local tensor")
             src = slice(piece.local_start - entry["start"], piece.local_end - entry["start"])
             dst = slice(piece.shard_start, piece.shard_end)
-            for key, tensor in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            self.master_range(dst.start, dst.stop).copy_(entry["master"][src])
+            for key, tensor in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                 tensor[dst].copy_(entry[key][src])
         self.step_count = int(state["step"])
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
@@ -276,5 +301,5 @@ class DistributedOptimizer:
 
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes: parameters and gradient storage held now (the wrapper's), optimizer state."""
-        state = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+        state = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq) if t is not None)
         return {**self.model.memory_report(), "optimizer_state_bytes": state}

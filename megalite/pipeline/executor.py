@@ -73,6 +73,8 @@ class GradSync(Protocol):
     def reduces_tied_grads(self) -> bool:
         """True when the wrapper sums the tied embedding's gradient over the embedding group itself."""
 
+    # optional: after_weight_grads(chunk) runs after each zero-bubble W pass of local chunk `chunk`
+
 
 def post_and_wait(transfers: Iterable[tuple[str, torch.Tensor, int]], group) -> None:
     """Post ('send'|'recv', tensor, peer global rank) transfers as one batch and wait for all.
@@ -162,7 +164,7 @@ class _Executor:
         self.store = WeightGradStore()
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float32, device=mesh.device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=mesh.device)  # see train_step
 
     def run(self, grad_sync: GradSync | None) -> None:
         # Each chunk's last gradient-producing instruction (weight grads come last); each is unique.
@@ -181,6 +183,8 @@ class _Executor:
                 elif op.kind == BWD_WEIGHT:
                     self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
                     self.live.discard((op.chunk, op.microbatch))
+                    if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
+                        grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
                 else:
                     raise ValueError(f"unknown instruction {op}")
         if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():
@@ -232,7 +236,7 @@ class _Executor:
         x = self.inputs[key]
         if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
             loss = self.chunks[c](x, labels=self.microbatches[mb]["labels"].to(self.mesh.device), reduction="sum")
-            self._loss_sum = self._loss_sum + loss.detach().float()
+            self._loss_sum = self._loss_sum + loss.detach().double()
             if self.forward_only:
                 self.inputs.pop(key)
                 return

@@ -5,6 +5,10 @@ Recomputation in Large Transformer Models") for megalite's blocks and kernels, a
 against the real model on CPU (tests/training/test_estimate.py), times the microbatches in
 flight on the stage (1F1B: pp - stage; interleaved: Megatron's warmup + 1 chunks, of which only
 chunk 0's hold the first stage's embedding; GPipe: all; ZB-H1: counted on the schedule).
+
+Context parallelism (cp > 1) gives each rank s/cp tokens of every sequence, so every
+per-token term uses s/cp. What only exists at cp > 1 is added by name: the positions gathered at the zigzag chunks' global positions, and the ring's
+or all-to-all's transient buffers (`context_parallel_buffer_bytes`, one layer's worth).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.pipeline.instructions import BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
-from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -24,14 +28,17 @@ def _norm_bytes(model: GPTConfig, a: int, rows: int, h: int) -> int:
     return a * rows * h + (2 if model.flavour == "gpt2" else 1) * 4 * rows   # mean+rstd | rstd
 
 
-def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute: str) -> int:
-    """q, k, v as the attention core keeps them (storage-level: views keep the whole QKV output)."""
+def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute: str, ulysses: bool = False) -> int:
+    """q, k, v as the attention core keeps them (storage-level: views keep the whole QKV output).
+
+    Under Ulysses (`ulysses`) the kernel keeps views of the all-to-all's head-split copy, the
+    same bytes as the QKV output, and the rotated q and k are consumed by that copy."""
     d, nq, nkv = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t
     qkv_storage = a * sb * (nq + 2 * nkv) * d
     if recompute == "selective":
         return qkv_storage                                      # only the checkpoint's input survives
     total = qkv_storage                                         # flash kernel: views of it, no repeat
-    if model.flavour == "llama":
+    if model.flavour == "llama" and not ulysses:
         total += a * sb * (nq + nkv) * d                        # rotated q and k (new tensors)
     return total
 
@@ -54,18 +61,20 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
       regenerates it), so dropout adds no bytes anywhere.
     Selective recompute keeps the QKV output and the attention output; full recompute keeps the
     block input (and a few Python integers of dropout-stream state, no tensor).
+    Under context parallelism s is this rank's s/cp tokens.
     """
     recompute = recompute or cfg.parallel.recompute
     a = DTYPE_BYTES[cfg.precision.precision]
     t = cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
-    s, b, h = model.seq_length, cfg.training.micro_batch_size, model.hidden_size
+    s, b, h = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size
+    ulysses = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "a2a"
     f, nq = model.ffn_hidden_size, model.num_attention_heads
     if recompute == "full":
         return a * s * b * h // sp
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
-    total += _attention_inputs_bytes(model, a, s * b, t, recompute)
+    total += _attention_inputs_bytes(model, a, s * b, t, recompute, ulysses)
     total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
     if recompute == "none":                                             # flash: its own [b, nq/t, s, d]
         total += a * s * b * nq * model.head_dim // t + 4 * b * nq * s // t   # output, fp32 logsumexp
@@ -73,14 +82,20 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
         total += 2 * a * s * b * f // t
     else:
         total += 3 * a * s * b * f // t
+    if ulysses and recompute == "none":
+        total += 2 * 8 * 2 * cfg.parallel.cp                            # int64 chunk orders of its two reorderings
     return total
 
 
 def embedding_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Kept by the first stage's embedding per microbatch: token ids (+ local ids and mask when
-    the vocabulary is split); its dropout keeps no mask."""
-    s, b = model.seq_length, cfg.training.micro_batch_size
-    return 8 * s * b + (9 * s * b if cfg.parallel.tp > 1 else 0)
+    the vocabulary is split; its dropout keeps no mask), and under context parallelism gpt2's
+    int64 global positions (the index of the position-table gather)."""
+    s, b = local_seq_length(model, cfg), cfg.training.micro_batch_size
+    n = 8 * s * b + (9 * s * b if cfg.parallel.tp > 1 else 0)
+    if cfg.parallel.cp > 1 and model.flavour == "gpt2":
+        n += 8 * s
+    return n
 
 
 def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
@@ -89,7 +104,7 @@ def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     the logits shard itself (not with --fused-linear-cross-entropy), the targets and one fp32
     log-sum-exp per token."""
     a = DTYPE_BYTES[cfg.precision.precision]
-    s, b, h, t = model.seq_length, cfg.training.micro_batch_size, model.hidden_size, cfg.parallel.tp
+    s, b, h, t = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size, cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
     n = _norm_bytes(model, a, s * b // sp, h)
     n += a * s * b * h // sp                                            # output-layer input
@@ -97,6 +112,41 @@ def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
         n += a * s * b * model.padded_vocab_size(t) // t                # logits shard, kept by the CE kernel
     n += 8 * s * b + 4 * s * b                                          # int64 targets, fp32 log-sum-exp
     return n
+
+
+def rope_table_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """Llama under context parallelism: the fp32 cos and sin rows [s/cp, d] gathered at this
+    rank's global positions, kept by the RoPE of every block of a chunk (views of the tables,
+    nothing, at cp = 1)."""
+    if cfg.parallel.cp == 1 or model.flavour != "llama":
+        return 0
+    return 2 * 4 * local_seq_length(model, cfg) * model.head_dim
+
+
+def context_parallel_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """Transient bytes of one layer's context-parallel attention at its peak (backward), per rank.
+
+    Ring (p2p), with U = 2*b*h_kv*(s/cp)*d*a one packed K/V block (h, h_kv per tp rank):
+      forward: the held and the arriving K/V (2U), one block's output and lse, and the fp32
+      running output (when activations are not fp32; at fp32 it is the kept output itself);
+      backward: fp32 dq 4*b*h*(s/cp)*d, the held and arriving K/V (2U), fp32 dK/dV accumulators
+      held, sent and arriving (3 * 2*b*h_kv*(s/cp)*d*4) and one block's dq/dk/dv.
+    Ulysses (a2a), with X = b*(s/cp)*d*a: forward the packed q/k/v pieces and their arrival
+    (2 (h + 2h_kv) X) and the output's pieces and arrival (2 h X); backward the same.
+    """
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0
+    a, t = DTYPE_BYTES[cfg.precision.precision], p.tp
+    s, b, d = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.head_dim
+    h, h_kv = model.num_attention_heads // t, model.num_query_groups // t
+    if p.cp_comm_type == "a2a":
+        return 2 * (h + 2 * h_kv) * b * s * d * a + 2 * h * b * s * d * a
+    unit = 2 * b * h_kv * s * d
+    block = a * b * h * s * d + 4 * b * h * s                           # one block's output and lse
+    forward = 2 * unit * a + block + (4 * b * h * s * d if a != 4 else 0)
+    backward = 4 * b * h * s * d + 2 * unit * a + 3 * unit * 4 + a * b * (h + 2 * h_kv) * s * d
+    return max(forward, backward)
 
 
 def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
@@ -149,6 +199,7 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
         total = inflight * per_layer * layers // v
     if recomputed:
         total += kept_whole  # the block being recomputed
+    total += inflight * rope_table_bytes(model, cfg) + context_parallel_buffer_bytes(model, cfg)
     head_inflight = cfg.num_microbatches if cfg.schedule == "gpipe" else 1
     if stage == 0:
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)

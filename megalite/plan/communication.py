@@ -1,14 +1,25 @@
 """Communication per step, per rank and group, in comm.ledger's convention (nccl-tests sizes):
 all_reduce counts the tensor, all_gather the gathered output, reduce_scatter the full input,
-send/recv the tensor. Tests compare these formulas with the ledger of real runs.
+send/recv the tensor, all_to_all the input. Tests compare these formulas with the ledger of real runs.
+
+Context parallelism (cp > 1): activations hold s/cp tokens, so tp and pp traffic shrink by cp;
+attention adds the cp group's own traffic ('cp/send' + 'cp/recv' for ring attention,
+'cp/all_to_all' for Ulysses); parameters are replicated over dp x cp, whose group the ledger
+names 'dp_cp' (at cp = 1 it is the dp group, 'dp').
+
+Gradient compression (--grad-compression powersgd): the dp gradient reduction (all-reduce at
+ZeRO 0, reduce-scatter at ZeRO 1/2) becomes all-reduces of 4 * (R*(n+m) per compressed n x m
+matrix + numel per other gradient) bytes (plan/compression.py); the warm-up steps are not modelled.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.compression import replace_dp_grad_bytes
+from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.params import stage_params
+from megalite.plan.zero3 import add_zero3_dp_bytes
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -17,9 +28,9 @@ if TYPE_CHECKING:
 def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
     """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage`."""
     a, t, m, v = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.num_microbatches, cfg.parallel.virtual_stages
-    s, b, h = model.seq_length, cfg.training.micro_batch_size, model.hidden_size
+    s, b, h = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size
     pp, sp = cfg.parallel.pp, cfg.parallel.sequence_parallel
-    u = a * s * b * h                      # one full [s, b, h] activation
+    u = a * s * b * h                      # one full [s, b, h] activation ([s/cp, b, h] per cp rank)
     out: dict[str, int] = {}
 
     def add(key: str, n: int) -> None:
@@ -51,11 +62,21 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[st
             add("tp/all_reduce", m * (2 * t + 1) * 4 * s * b)           # CE: per-rank max, sum-exp; target
         add("tp/all_reduce", sequence_parallel_grad_bytes(model, cfg, stage))
 
+    for key, n in context_parallel_bytes(model, cfg, stage).items():
+        add(key, n)
     params = stage_params(model, cfg, stage)
-    add_dp_bytes(add, params, cfg)
+    if cfg.parallel.zero == 3 and cfg.dp * cfg.parallel.cp > 1:
+        add_zero3_dp_bytes(add, model, cfg, stage, params)
+    else:
+        add_dp_bytes(add, params, cfg)
+        replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
     if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
         grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-        add("embedding/all_reduce", model.padded_vocab_size(t) // t * h * grad_bytes)
+        table = model.padded_vocab_size(t) // t * h
+        if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit
+            add("embedding/all_reduce", -(-table // (cfg.dp * cfg.parallel.cp)) * 4)
+        else:
+            add("embedding/all_reduce", table * grad_bytes)
     if pp > 1:
         chunk = u // (t if sp else 1)
         first, last = stage == 0, stage == pp - 1
@@ -67,36 +88,71 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[st
 
 
 def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """Under SP the norms' (and gpt2's position table's) gradients are partial per tp rank; the
-    DP engine all-reduces them over tp once per step (fp32 main grads)."""
+    """Under SP the gradients of the norms, the row-parallel biases (added to the sequence shard)
+    and gpt2's position table are partial per tp rank; the DP engine all-reduces them over tp
+    once per step (fp32 main grads)."""
     if not cfg.parallel.sequence_parallel or cfg.parallel.tp == 1:
         return 0
     h = model.hidden_size
     norm = 2 * h if model.flavour == "gpt2" else h
-    n = 2 * norm * stage_layers(model, cfg)[stage]
+    row_biases = 2 * h if model.add_bias else 0  # attention output and MLP output projections
+    n = (2 * norm + row_biases) * stage_layers(model, cfg)[stage]
     if stage == cfg.parallel.pp - 1:
         n += norm
     if stage == 0 and model.flavour == "gpt2":
         n += model.seq_length * h
-    return n * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+    per_step = cfg.num_microbatches if cfg.parallel.zero == 3 else 1  # ZeRO-3 reduces every microbatch
+    return per_step * n * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+
+
+def context_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
+    """The cp group's traffic per step on one rank of `stage`: attention's, per layer and microbatch.
+
+    With b, d, h, h_kv this tp rank's batch, head dim and heads, s/cp its tokens, a the activation
+    bytes, and F forward passes of a layer's attention (1, 2 under selective recompute, 2 for the
+    blocks full recompute re-runs), B = 1 backward:
+      ring (p2p), U = 2*b*h_kv*(s/cp)*d: send = recv = F*(cp-1)*U*a + B*((cp-1)*U*a + cp*U*4)
+        (K/V go cp-1 hops; in backward K/V again and the fp32 dK/dV cp hops, home included);
+      Ulysses (a2a): all_to_all = (F + B) * ((h + 2h_kv) + h) * b*(s/cp)*d*a (inputs there, output back).
+    """
+    p = cfg.parallel
+    if p.cp == 1:
+        return {}
+    a, t, m, cp = DTYPE_BYTES[cfg.precision.precision], p.tp, cfg.num_microbatches, p.cp
+    s, b, d = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.head_dim
+    h, h_kv = model.num_attention_heads // t, model.num_query_groups // t
+    layers = stage_layers(model, cfg)[stage]
+    rerun = layers if p.recompute == "selective" else recomputed_stage_layers(model, cfg)[stage]
+    forwards, backwards = m * (layers + rerun), m * layers
+    if p.cp_comm_type == "a2a":
+        return {"cp/all_to_all": (forwards + backwards) * (2 * h + 2 * h_kv) * b * s * d * a}
+    unit = 2 * b * h_kv * s * d
+    hops = forwards * (cp - 1) * unit * a + backwards * ((cp - 1) * unit * a + cp * unit * 4)
+    return {"cp/send": hops, "cp/recv": hops}
+
+
+def dp_group_name(cfg: RunConfig) -> str:
+    """The ledger's name of the group parameters are replicated over: 'dp', or 'dp_cp' (dp x cp)."""
+    return "dp" if cfg.parallel.cp == 1 else "dp_cp"
 
 
 def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:
-    """Data-parallel traffic for `params` parameters on this rank."""
-    if cfg.dp == 1:
+    """Data-parallel traffic for `params` parameters on this rank (over dp x cp: its replicas)."""
+    if cfg.dp * cfg.parallel.cp == 1:
         return
     p, g, m = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype], cfg.num_microbatches
+    group = dp_group_name(cfg)
     if cfg.parallel.zero == 0:
-        add("dp/all_reduce", params * g)
+        add(f"{group}/all_reduce", params * g)
     elif cfg.parallel.zero == 1:
-        add("dp/reduce_scatter", params * g)        # once per step, in grad_reduce_dtype
-        add("dp/all_gather", params * p)            # updated params after the sharded step
+        add(f"{group}/reduce_scatter", params * g)        # once per step, in grad_reduce_dtype
+        add(f"{group}/all_gather", params * p)            # updated params after the sharded step
     elif cfg.parallel.zero == 2:
-        add("dp/reduce_scatter", params * g)        # also once, during the last microbatch
-        add("dp/all_gather", params * p)
-    else:
-        add("dp/reduce_scatter", m * params * g)
-        add("dp/all_gather", 2 * m * params * p)    # params gathered for forward and backward
+        add(f"{group}/reduce_scatter", params * g)        # also once, during the last microbatch
+        add(f"{group}/all_gather", params * p)
+    else:  # ZeRO-3 from a parameter count alone: plan/zero3.py has the full accounting
+        add(f"{group}/reduce_scatter", m * params * g)
+        add(f"{group}/all_gather", 2 * m * params * p)    # params gathered for forward and backward
 
 
 def bus_factor(op: str, n: int) -> float:

@@ -33,6 +33,11 @@ def recomputed_stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
     return [sum(per_chunk[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
 
 
+def local_seq_length(model: GPTConfig, cfg: RunConfig) -> int:
+    """Tokens of each sequence one rank holds: s/cp (its two zigzag chunks; s at cp = 1)."""
+    return model.seq_length // cfg.parallel.cp
+
+
 def recompute_fraction(model: GPTConfig, cfg: RunConfig) -> float:
     """Share of all blocks whose forward full recompute runs twice (0 without it)."""
     return sum(recomputed_stage_layers(model, cfg)) / model.num_layers

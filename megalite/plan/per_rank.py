@@ -11,9 +11,17 @@ optimizer state -> 120 / 31.4 / 16.6 / 1.9 GB per GPU for ZeRO stage 0 / 1 / 2 /
 
 Model states per parameter held by a rank, as megalite's DP engine and distributed optimizer
 keep them (see `model_state_bytes`; --num-params uses the ZeRO paper's accounting instead):
-  params  2 (bf16/fp16) or 4 (fp32)
-  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1)
-  optim   12 (fp32 master + Adam m, v) / dp with ZeRO >= 1; in host memory when offloaded
+  params  2 (bf16/fp16) or 4 (fp32); ZeRO-3: 4/dp (an fp32 shard in every precision, cast to
+          the training dtype as it is gathered), plus the units gathered at the peak (zero3.py)
+  grads   4 (fp32 main grads) + 4/dp (the reduced shard, ZeRO >= 1); ZeRO-3: 4/dp + two units;
+          with --grad-compression powersgd also 4 per compressed element (the residual share)
+          and Q (compression.py)
+  optim   8 (Adam m, v: fp32 parameters, and ZeRO-3's shard, are the master) or 12 (+ fp32
+          master for bf16/fp16 below ZeRO-3, or when offloaded), /dp with ZeRO >= 1; in host
+          memory when offloaded
+  So ZeRO-3 holds 16 bytes per parameter per dp rank (4 + 4 + 8) in fp32 and in bf16.
+Under context parallelism parameters are replicated over dp x cp and ZeRO shards over it:
+"dp" above is then dp*cp.
 
 Activations: what megalite's own blocks keep for backward per microbatch, counted storage by
 storage in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -34,8 +42,10 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.communication import add_dp_bytes, communication_bytes
+from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
 from megalite.plan.params import hardware_flops_per_token, stage_params
+from megalite.plan.zero3 import gathered_peak_elements, transient_grad_bytes
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -63,6 +73,8 @@ class Estimate:
     hardware_flops_per_step: float = 0.0
     """FLOPs actually executed, recomputation included."""
     tokens_per_step: int = 0
+    hardware_flops_per_rank: float = 0.0
+    """Executed FLOPs of one rank per step: the job's / (tp*cp*pp*dp) (cp ranks split every sequence)."""
     host_bytes: int = 0
     """Bytes kept in host memory per rank (offloaded optimizer state)."""
     stage_totals: list[int] = field(default_factory=list)
@@ -96,7 +108,8 @@ class Estimate:
             verdict = "fits" if self.fits(gpu_memory) else "does NOT fit"
             lines.append(f"  {verdict} in {gpu_memory / GB:.1f} GB (keeping 10% headroom)")
         lines.append(f"pipeline bubble: {100 * self.bubble_fraction:.1f}% of the step")
-        lines.append(f"FLOPs per step: {self.flops_per_step:.3e} model, {self.hardware_flops_per_step:.3e} executed")
+        lines.append(f"FLOPs per step: {self.flops_per_step:.3e} model, {self.hardware_flops_per_step:.3e} executed"
+                     f" ({self.hardware_flops_per_rank:.3e} per rank)")
         for key, n in sorted(self.comm_bytes.items()):
             lines.append(f"  comm {key:<24} {n / GB:10.4f} GB/step")
         return "\n".join(lines)
@@ -105,25 +118,31 @@ class Estimate:
 def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite") -> tuple[int, int, int, int]:
     """(param, grad, optimizer-on-GPU, host) peak bytes for `params` parameters on one rank.
 
-    "megalite" (megalite.optim.distributed_optimizer's table): fp32 master + Adam moments
-    (12 bytes) in every precision, /dp with ZeRO >= 1; fp32 main grads (4 bytes whatever
-    grad_reduce_dtype, which only sets the reduction's wire dtype) plus, with ZeRO >= 1, the
-    reduced fp32 shard (4/dp). ZeRO-2 frees a bucket's full gradient only once its reduction
-    (started during the last microbatch's backward) completes, so the full buffer still exists
-    at the end of the backward: its peak is ZeRO-1's (it saves memory between steps, e.g. for
-    the next forward, which this per-rank peak does not credit).
+    "megalite" (megalite.optim.distributed_optimizer's table): Adam moments (8 bytes) plus an
+    fp32 master (4) unless the parameters themselves are fp32 on the device, /dp with ZeRO >= 1;
+    fp32 main grads (4 bytes whatever grad_reduce_dtype, which only sets the reduction's wire
+    dtype) plus, with ZeRO >= 1, the reduced fp32 shard (4/dp). ZeRO-2 frees a bucket's full
+    gradient only once its reduction (started during the last microbatch's backward) completes,
+    so the full buffer still exists at the end of the backward: its peak is ZeRO-1's (it saves
+    memory between steps, e.g. for the next forward, which this per-rank peak does not credit).
+    ZeRO-3: shard-sized parameters and gradients; the gathered units and transient unit
+    gradients are added by `estimate` (they need the model's shape, plan/zero3.py).
     "zero-paper" (Rajbhandari et al. 2020): grads in grad_reduce_dtype, K = 12 (mixed) or 8
     (fp32) optimizer bytes, ZeRO-1/2/3 partition optimizer / + grads / + params over dp.
     """
     p = DTYPE_BYTES[cfg.precision.precision]
-    z, shard = cfg.parallel.zero, math.ceil(params / cfg.dp)
+    z, shard = cfg.parallel.zero, math.ceil(params / (cfg.dp * cfg.parallel.cp))  # ZeRO shards over dp x cp
     if convention == "zero-paper":
         g = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
         optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == "fp32" else 12)
         grads = (shard if z >= 2 else params) * g
     else:
-        optimizer = (shard if z >= 1 else params) * 12
-        grads = 4 * params + (4 * shard if z >= 1 else 0)
+        # fp32 parameters (ZeRO-3: the fp32 shard, in every precision) are the master, unless offloaded
+        own_master = (cfg.precision.precision == "fp32" or z == 3) and not cfg.parallel.offload_optimizer
+        optimizer = (shard if z >= 1 else params) * (8 if own_master else 12)
+        grads = 4 * shard if z == 3 else 4 * params + (4 * shard if z >= 1 else 0)
+        if z == 3:
+            return 4 * shard, grads, *((0, optimizer) if cfg.parallel.offload_optimizer else (optimizer, 0))
     weights = (shard if z >= 3 else params) * p
     if cfg.parallel.offload_optimizer:
         return weights, grads, 0, optimizer
@@ -133,7 +152,7 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
 def check_degrees(cfg: RunConfig) -> None:
     """Raise ValueError when a degree or the micro batch is not a positive integer (choices are
     checked where the RunConfig is built)."""
-    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp),
+    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp), ("cp", cfg.parallel.cp),
                         ("virtual_stages", cfg.parallel.virtual_stages),
                         ("micro_batch_size", cfg.training.micro_batch_size)):
         if not isinstance(value, int) or value < 1:
@@ -154,13 +173,14 @@ def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
     seq = model.seq_length
     per_stage = []
     for stage in range(cfg.parallel.pp):
-        weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
+        weights, grads, optimizer, host = stage_model_states(model, cfg, stage)
         per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage), stage))
     _, worst = max(per_stage)
     params = stage_params(model, cfg, worst)
-    weights, grads, optimizer, host = model_state_bytes(params, cfg)
+    weights, grads, optimizer, host = stage_model_states(model, cfg, worst)
     m = cfg.num_microbatches
     tokens = cfg.global_batch_size * seq
+    hardware_flops = hardware_flops_per_token(model, cfg.parallel.recompute, seq, recompute_fraction(model, cfg)) * tokens
     return Estimate(
         param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
         activation_bytes=activation_bytes(model, cfg, worst), params_per_rank=params, stage=worst,
@@ -169,9 +189,20 @@ def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
         bubble_fraction=bubble_fraction(cfg),
         comm_bytes=communication_bytes(model, cfg, worst),
         flops_per_step=model.flops_per_token(seq) * tokens,
-        hardware_flops_per_step=hardware_flops_per_token(model, cfg.parallel.recompute, seq,
-                                                         recompute_fraction(model, cfg)) * tokens,
+        hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
+
+
+def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[int, int, int, int]:
+    """`model_state_bytes` of a stage's parameters, with ZeRO-3's gathered units and transient
+    unit gradients (and only then: dp = 1 shards nothing, but the units are still gathered), and
+    gradient compression's state."""
+    weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
+    if cfg.parallel.zero == 3:
+        weights += gathered_peak_elements(model, cfg, stage) * DTYPE_BYTES[cfg.precision.precision]
+        grads += transient_grad_bytes(model, cfg, stage)
+    grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
+    return weights, grads, optimizer, host
 
 
 def estimate_model_states(num_params: int, cfg: RunConfig, convention: str = "zero-paper") -> Estimate:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.config import Recompute, RunConfig
+from megalite.config import CPCommType, Recompute, RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.per_rank import Estimate, estimate
 from megalite.plan.hardware import HardwareProfile
@@ -37,23 +37,46 @@ def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate | None = None, gpu
     return predict_step_time(model, cfg, hardware, ranks_per_node=gpus_per_node).breakdown()
 
 
-def _reason(cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None, gpus_per_node: int) -> str:
+# The practitioners' order when a model does not fit: ZeRO-2 first, ZeRO-3 when stage 2 does not
+# fit, the optimizer offload last. Each later step is justified by the size of the one before.
+_EARLIER = {"zero3": ("ZeRO-2", dict(zero=2)), "offload": ("ZeRO-3 on the GPU", dict(offload_optimizer=False))}
+
+
+def _why_not_earlier(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None, step: str) -> str:
+    """' (ZeRO-2 would need X GB)' for a ZeRO-3 (step 'zero3') or offloaded ('offload') layout,
+    when a GPU size is known."""
+    if not gpu_memory or (step == "zero3" and cfg.parallel.zero != 3):
+        return ""
+    name, change = _EARLIER[step]
+    if step == "offload" and cfg.parallel.zero != 3:
+        name = f"ZeRO-{cfg.parallel.zero} without offload"
+    needed = estimate(model, cfg.replace(**change)).total_bytes
+    return f" ({name} would need {needed / GB:.1f} GB)"
+
+
+def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None,
+            gpus_per_node: int) -> str:
     par, bits = cfg.parallel, []
     if par.tp > 1:
         where = "NVLink" if par.tp <= gpus_per_node else "across nodes"
         bits.append(f"tp={par.tp} on {where} ({parts['tp'] / parts['total']:.0%} of the step)")
+    if par.cp > 1:
+        method = "ring attention" if par.cp_comm_type == "p2p" else "Ulysses all-to-all"
+        bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
+                    f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
     if par.pp > 1:
         chunks = f"x{par.virtual_stages} chunks" if par.virtual_stages > 1 else ""
         bits.append(f"pp={par.pp}{chunks} bubble {est.bubble_fraction:.0%}")
-    if par.tp * par.pp == 1:
+    if par.tp * par.pp * par.cp == 1:
         bits.append("pure data parallel (model fits one GPU)")
     if par.zero:
         sharded = ("optimizer", "optimizer+grads", "all states")[par.zero - 1]
-        bits.append(f"ZeRO-{par.zero} shards {sharded} over dp={cfg.dp}")
+        over = f"dp={cfg.dp}" if par.cp == 1 else f"dp x cp = {cfg.dp * par.cp}"
+        bits.append(f"ZeRO-{par.zero} shards {sharded} over {over}" + _why_not_earlier(model, cfg, gpu_memory, "zero3"))
     if par.recompute != "none":
         bits.append(f"{par.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
     if par.offload_optimizer:
-        bits.append("optimizer offloaded to host")
+        bits.append("optimizer offloaded to host" + _why_not_earlier(model, cfg, gpu_memory, "offload"))
     bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
                 else f"{est.total_bytes / GB:.1f} GB per rank")
     return f"~{parts['total']:.3g} s/step: " + "; ".join(bits)
@@ -65,25 +88,45 @@ def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, g
     start banner and the file saved beside checkpoints."""
     est = estimate(model, cfg)
     gpus_per_node = gpus_per_node or cfg.parallel.tp
-    return _reason(cfg, est, step_time(model, cfg, est, gpus_per_node, hardware), gpu_memory, gpus_per_node)
+    return _reason(model, cfg, est, step_time(model, cfg, est, gpus_per_node, hardware), gpu_memory, gpus_per_node)
+
+
+def _context_parallel_choices(model: GPTConfig, cfg: RunConfig) -> list[tuple[int, CPCommType]]:
+    """(cp, comm type) to try with this (tp, pp): cp = 1, and when the sequence makes activations
+    dominate (more than the model states at micro batch 1 without recompute), every cp splitting
+    the ranks left for dp and the sequence, with ring attention and with Ulysses."""
+    choices = [(1, CPCommType.P2P)]
+    if preflight(model, cfg, cfg.world_size):
+        return choices
+    est = estimate(model, cfg)
+    if est.activation_bytes <= est.param_bytes + est.grad_bytes + est.optimizer_state_bytes:
+        return choices
+    return choices + [(cp, kind) for cp in _divisors(cfg.dp) if cp > 1 and model.seq_length % (2 * cp) == 0
+                      for kind in CPCommType]
 
 
 def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int, offload: bool):
-    """Every layout suggest() tries: tp within a node, pp dividing the layers, v, ZeRO, recompute, micro batch."""
+    """Every layout suggest() tries: tp within a node, pp dividing the layers, cp when activations
+    dominate, v, ZeRO, recompute, micro batch."""
     for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
         try:
             model.check_tensor_parallel(tp)
         except ValueError:
             continue
         for pp in [d for d in _divisors(gpus // tp) if model.num_layers % d == 0]:
-            dp = gpus // (tp * pp)
-            for v in (1, 2) if pp > 1 else (1,):
-                for zero in (0, 1) if dp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
-                    for recompute in Recompute:
-                        for mb in (1, 2, 4, 8):
-                            yield base.replace(tp=tp, pp=pp, dp=dp, virtual_stages=v, zero=zero,
-                                               offload_optimizer=offload, recompute=recompute,
-                                               sequence_parallel=tp > 1, micro_batch_size=mb, pipeline_schedule=None)
+            ranks = gpus // (tp * pp)  # dp x cp
+            plain = base.replace(tp=tp, pp=pp, dp=ranks, micro_batch_size=1, sequence_parallel=tp > 1,
+                                 pipeline_schedule=None)
+            for cp, cp_comm_type in _context_parallel_choices(model, plain):
+                dp = ranks // cp
+                for v in (1, 2) if pp > 1 else (1,):
+                    for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
+                        for recompute in Recompute:
+                            for mb in (1, 2, 4, 8):
+                                yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
+                                                   virtual_stages=v, zero=zero, offload_optimizer=offload,
+                                                   recompute=recompute, sequence_parallel=tp > 1,
+                                                   micro_batch_size=mb, pipeline_schedule=None)
 
 
 def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
@@ -92,8 +135,11 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
-    interleaving, ZeRO 0-1, recompute none/selective/full, micro batch 1-8, and the optimizer
-    offload only when nothing else fits. global_batch_size defaults to 8 sequences per GPU.
+    context parallelism (ring and Ulysses) when long sequences make activations dominate,
+    interleaving, ZeRO 0, 1 (= 2's peak here) and 3, recompute none/selective/full, micro batch
+    1-8, and the optimizer offload only when nothing else fits (the practitioners' order: stage 2,
+    then 3, then offload; the reason line says why a later step was needed). At equal step time
+    the lower ZeRO stage wins. global_batch_size defaults to 8 sequences per GPU.
     Step times are on `hardware` (default H100-SXM).
     """
     gpus_per_node = gpus_per_node or max(1, gpus // nodes)
@@ -107,10 +153,11 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
             if not est.fits(gpu_memory):
                 continue
             parts = step_time(model, cfg, est, gpus_per_node, hardware)
-            found.append(Suggestion(cfg, est, parts["total"], _reason(cfg, est, parts, gpu_memory, gpus_per_node)))
+            found.append(Suggestion(cfg, est, parts["total"],
+                                    _reason(model, cfg, est, parts, gpu_memory, gpus_per_node)))
         if found:
             break
     rank = {r: i for i, r in enumerate(Recompute)}
-    found.sort(key=lambda c: (round(c.step_time_s, 4), c.cfg.parallel.tp * c.cfg.parallel.pp, c.cfg.parallel.zero,
-                              rank[c.cfg.parallel.recompute], c.cfg.parallel.virtual_stages))
+    found.sort(key=lambda c: (round(c.step_time_s, 4), c.cfg.parallel.tp * c.cfg.parallel.pp, c.cfg.parallel.cp,
+                              c.cfg.parallel.zero, rank[c.cfg.parallel.recompute], c.cfg.parallel.virtual_stages))
     return found[:top_k]

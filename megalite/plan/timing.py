@@ -25,7 +25,10 @@ share (on a CPU at the contention of half the ranks: idle ranks free their cores
 data-parallel reduction overlaps the last microbatch's backward (what exceeds it is exposed; on
 a CPU it adds: gloo's reduction runs on the cores that compute); the ZeRO parameter all-gather is
 exposed unless --overlap-param-gather hides it behind the next forward; ZeRO-3 gathers and
-reductions overlap the whole step's compute. The optimizer
+reductions overlap the whole step's compute, except the gather of the first unit of every forward
+and backward pass (nothing precedes it); with PowerSGD the reduction (the compressed bytes of
+communication.py, two all-reduces) and its arithmetic (three thin GEMMs and fp32 passes per
+compressed gradient) follow the whole backward. The optimizer
 streams its shard's fp32 state through memory once. On a CPU, ranks computing at once slow each
 other down (the profile's measured `rank_slowdown`, or ranks x threads over the cores), and its
 transfers, being the cores' work too, slow down with them.
@@ -43,11 +46,13 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.plan.communication import bus_factor, communication_bytes
+from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name
+from megalite.plan.compression import compresses, compression_enabled, effective_rank, matrix_view, stage_param_shapes
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
+from megalite.plan.zero3 import stage_units
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -233,7 +238,8 @@ def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, at
     tokens, _ = _tokens(model, cfg)
     unit = a * tokens * model.hidden_size                                # one [s, b, h] activation
     sp = cfg.parallel.sequence_parallel
-    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_reduce": 0.0, "dp_gather": 0.0, "embedding": 0.0}
+    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_reduce": _compression_seconds(model, cfg, hw, stage), "dp_gather": 0.0,
+           "dp_first_unit": 0.0, "embedding": 0.0}
     buckets = max(1, math.ceil(stage_params(model, cfg, stage) / cfg.parallel.ddp_bucket_size))
     for key, nbytes in communication_bytes(model, cfg, stage).items():
         group, op = key.split("/")
@@ -247,7 +253,7 @@ def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, at
                 out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "pp", op, nbytes, unit // (t if sp else 1))
         elif group in ("dp", "dp_cp"):
             part = "dp_gather" if op == "all_gather" else "dp_reduce"
-            per_op = nbytes // buckets if cfg.parallel.zero < 3 else nbytes // (buckets * m)
+            per_op = _dp_transfer_bytes(model, cfg, stage, op, nbytes, buckets)
             out[part] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, per_op)
         elif group == "cp":
             seconds = _transfer_seconds(cfg, hw, ranks_per_node, "cp", op, nbytes, unit)
@@ -256,7 +262,41 @@ def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, at
             out["cp"] += seconds
         elif group in ("tp", "embedding"):
             out[group] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, unit)
+    if cfg.parallel.zero == 3 and cfg.dp * getattr(cfg.parallel, "cp", 1) > 1:  # nothing precedes a pass's first unit
+        first = max(stage_units(model, cfg, stage)) * a
+        passes = 2 * m * cfg.parallel.virtual_stages                     # every forward and backward
+        out["dp_first_unit"] = passes * _transfer_seconds(cfg, hw, ranks_per_node, dp_group_name(cfg), "all_gather",
+                                                          first, first)
     return out
+
+
+def _dp_transfer_bytes(model, cfg, stage: int, op: str, nbytes: int, buckets: int) -> int:
+    """Bytes of one dp collective: a bucket; ZeRO-3: one unit (the stage's mean), gathered in the
+    parameter dtype, reduce-scattered in the gradient's; PowerSGD: half of a step's (P, then Q)."""
+    if cfg.parallel.zero == 3:
+        units = stage_units(model, cfg, stage)
+        dtype = cfg.precision.precision if op == "all_gather" else cfg.precision.grad_reduce_dtype
+        return DTYPE_BYTES[dtype] * sum(units) // len(units)
+    if compression_enabled(cfg) and op == "all_reduce":
+        return nbytes // 2
+    return nbytes // buckets
+
+
+def _compression_seconds(model, cfg, hw, stage: int) -> float:
+    """PowerSGD's arithmetic on a rank of `stage` per step: per compressed n x m gradient (rank r),
+    P = M Q, Q = M^T P^ and the decompression P^ Q^T (fp32 GEMMs), and 28 bytes per element of
+    fp32 passes (M = G + residual: read 8, write 4; the new residual: read M and P^ Q^T, write 4;
+    the decompressed sum written: 4). The orthogonalisation of the thin P is left out."""
+    if not compression_enabled(cfg):
+        return 0.0
+    p, seconds = cfg.parallel, 0.0
+    for shape in stage_param_shapes(model, cfg, stage):
+        if compresses(shape, p.powersgd_rank, p.powersgd_min_compression):
+            n, m = matrix_view(shape)
+            r = effective_rank(n, m, p.powersgd_rank)
+            seconds += hw.matmul_seconds(n, r, m, "fp32") + hw.matmul_seconds(m, r, n, "fp32")
+            seconds += hw.matmul_seconds(n, m, r, "fp32") + hw.memory_seconds(28 * n * m)
+    return seconds
 
 
 def _optimizer_seconds(model, cfg, hw, params: int) -> tuple[float, float]:
@@ -299,11 +339,14 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     # while the pipeline fills and drains about half the stages compute: a CPU's idle ranks free cores
     filling = hw.compute_slowdown(max(1, per_node // 2)) / slowdown if pp > 1 else 1.0
     bubble = sum(exposed) / pp * fraction / (1.0 - fraction) * filling
-    # a GPU reduces while it computes; a CPU's reduction is its cores' work, so nothing hides it
-    window = 1.0 if kernels.grad_reduce_overlap and not hw.host_synchronous else 0.0
+    # a GPU reduces while it computes; a CPU's reduction is its cores' work, so nothing hides it;
+    # PowerSGD compresses and reduces after the whole backward
+    hidden = 0.0 if hw.host_synchronous else 1.0
+    window = hidden if kernels.grad_reduce_overlap and not compression_enabled(cfg) else 0.0
     dp = max(c["dp_reduce"] - window * w for _, c, w, _ in stages)   # behind the last microbatch's backward
-    if cfg.parallel.zero >= 3:                                          # prefetched behind the whole step
-        dp = max(0.0, max(c["dp_reduce"] + c["dp_gather"] - b for b, c, _, _ in stages))
+    if cfg.parallel.zero >= 3:  # prefetched behind forward and backward, but for each pass's first unit
+        dp = max(max(0.0, c["dp_reduce"] + c["dp_gather"] - hidden * b) + hidden * c["dp_first_unit"]
+                 for b, c, _, _ in stages)
     elif getattr(cfg.parallel, "overlap_param_gather", False):
         dp = max(0.0, dp) + max(max(0.0, c["dp_gather"] - f) for _, c, _, f in stages)
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.context_parallel.checks import context_parallel_problems
 from megalite.model.config import GPTConfig
 from megalite.pipeline.schedules import check_schedule_args
 from megalite.plan.per_rank import check_degrees, estimate
@@ -27,7 +28,7 @@ def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: flo
         check_degrees(cfg)
     except ValueError as exc:
         return [str(exc)]
-    errors = _layout_errors(model, cfg, world_size) + _batch_errors(cfg)
+    errors = _layout_errors(model, cfg, world_size) + _batch_errors(cfg) + _context_parallel_errors(model, cfg)
     tp, seq = cfg.parallel.tp, model.seq_length
     if cfg.parallel.sequence_parallel and tp == 1:
         errors.append("sequence parallelism shards along the tensor-parallel group; drop --sequence-parallel "
@@ -47,7 +48,7 @@ def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: flo
 def _layout_errors(model: GPTConfig, cfg: RunConfig, world_size: int) -> list[str]:
     """World size, tp divisibility of the model, and the pipeline split."""
     errors = []
-    for check in (lambda: validate_layout(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.dp),
+    for check in (lambda: validate_layout(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.dp, cfg.parallel.cp),
                   lambda: model.check_tensor_parallel(cfg.parallel.tp),
                   lambda: stage_layers(model, cfg)):
         try:
@@ -55,6 +56,13 @@ def _layout_errors(model: GPTConfig, cfg: RunConfig, world_size: int) -> list[st
         except ValueError as exc:
             errors.append(str(exc))
     return errors
+
+
+def _context_parallel_errors(model: GPTConfig, cfg: RunConfig) -> list[str]:
+    """The sequence split over cp (2*cp chunks; /tp under SP) and what the attention method needs."""
+    p = cfg.parallel
+    return context_parallel_problems(model.seq_length, p.cp, str(p.cp_comm_type), model.num_attention_heads,
+                                     model.num_query_groups, p.tp, p.sequence_parallel, model.attention_dropout)
 
 
 def _batch_errors(cfg: RunConfig) -> list[str]:
@@ -76,29 +84,45 @@ def _batch_errors(cfg: RunConfig) -> list[str]:
     return errors
 
 
+def _why_this_step(model: GPTConfig, cfg: RunConfig, flag: str) -> str:
+    """Practitioners' order (ZeRO-2, then ZeRO-3, then offload): the size of the step before."""
+    before = {"--zero 3": ("--zero 2", dict(zero=2)), "--offload-optimizer": ("--zero 3", dict(zero=3))}.get(flag)
+    if before is None or cfg.dp == 1:
+        return ""
+    needed = estimate(model, cfg.replace(**before[1])).total_bytes
+    return f" ({before[0]} would still need {needed / GB:.2f} GB)"
+
+
 def _memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
     """Name the first single change that makes the layout fit, or point at the planner."""
     tries = [("--fused-linear-cross-entropy", dict(fused_linear_cross_entropy=True)),
              ("--recompute selective", dict(recompute="selective")),
-             ("--zero 1", dict(zero=1)), ("--zero 2", dict(zero=2)),
+             ("--zero 1", dict(zero=1)), ("--zero 2", dict(zero=2)), ("--zero 3", dict(zero=3)),
              ("--recompute full", dict(recompute="full"))]
     if cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
         tries.insert(1, ("--sequence-parallel", dict(sequence_parallel=True)))
     if cfg.training.micro_batch_size > 1:  # the global batch stays: twice the microbatches
         tries.append((f"--micro-batch-size {cfg.training.micro_batch_size // 2}",
                       dict(micro_batch_size=cfg.training.micro_batch_size // 2)))
+    doubled = cfg.replace(cp=2 * cfg.parallel.cp, dp=cfg.dp // 2)  # same ranks: each sequence split 2x more
+    if cfg.dp % 2 == 0 and not _context_parallel_errors(model, doubled):
+        tries.append((f"--cp {doubled.parallel.cp} --dp {doubled.dp}", dict(cp=doubled.parallel.cp, dp=doubled.dp)))
     tries.append(("--offload-optimizer", dict(offload_optimizer=True)))
     current = cfg.flat()
     tries = [(flag, change) for flag, change in tries
-             if not (cfg.dp == 1 and "zero" in change) and not all(current[k] == val for k, val in change.items())]
+             if not (cfg.dp * cfg.parallel.cp == 1 and "zero" in change) and not all(current[k] == val for k, val in change.items())]
     for flag, change in tries:  # one change alone
         if estimate(model, cfg.replace(**change)).fits(gpu_memory):
-            return f"add {flag}"
+            return f"add {flag}" + _why_this_step(model, cfg, flag)
     flags, combined = [], cfg
     for flag, change in tries:  # or several, cumulatively, in order of cost
         flags.append(flag)
         combined = combined.replace(**change)
         if estimate(model, combined).fits(gpu_memory):
             kept = [f for i, f in enumerate(flags) if f.split()[0] not in {g.split()[0] for g in flags[i + 1:]}]
+            if flag in ("--zero 3", "--offload-optimizer"):  # why this last step was needed
+                without = estimate(model, combined.replace(**{"zero": 2} if flag == "--zero 3" else
+                                                           {"offload_optimizer": False})).total_bytes
+                return f"add {' '.join(kept)} (without {flag}: {without / GB:.2f} GB)"
             return f"add {' '.join(kept)}"
     return "raise --tp/--pp (more GPUs per model replica); `tools/plan.py --suggest` lists layouts that fit"

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.kernels.bias_dropout_add import bias_dropout_add
+
 _MASK64 = (1 << 64) - 1
 _STREAM_IDS = {"replicated": 1, "tensor_parallel": 2}
 
@@ -104,15 +106,20 @@ def dropout_site(layer_number: int | None, which: int) -> int:
 
 
 def dropout(x: torch.Tensor, p: float, stream: PhiloxStream, site: int, training: bool = True,
-            offset: int = 0, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+            offset: int | list[tuple[int, int, int]] = 0, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + dropout(x + bias) with the mask of `stream`'s next key at `site` (bias and residual optional).
 
-    x is the contiguous part of the site's logical tensor starting at element `offset` (0 when
-    this rank holds all of it; rank * x.numel() for a sequence-parallel shard [s/tp, b, h]).
+    x [rows, ...] is this rank's part of the site's logical tensor: one contiguous run starting at
+    element `offset` (0 when this rank holds all of it; rank * x.numel() for a sequence-parallel
+    shard [s/tp, b, h]), or several runs [(first row of x, element offset, rows)] (context
+    parallelism's two zigzag chunks; `zigzag.logical_row_offsets` gives either form).
     Not training or p == 0: no key is drawn and no element dropped.
     """
-    from megalite.kernels.bias_dropout_add import bias_dropout_add
-
     if not training or p == 0.0:
         return bias_dropout_add(x, bias, residual)
-    return bias_dropout_add(x, bias, residual, p, stream.draw(site), offset)
+    key = stream.draw(site)
+    if isinstance(offset, int):
+        return bias_dropout_add(x, bias, residual, p, key, offset)
+    return torch.cat([bias_dropout_add(x[row:row + rows], bias, None if residual is None else residual[row:row + rows],
+                                       p, key, start) for row, start, rows in offset], dim=0)

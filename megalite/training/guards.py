@@ -13,7 +13,8 @@ Non-finite loss or gradients (`--on-nonfinite {skip, stop}`)
     - the policy: 'skip' logs and trains on, 'stop' raises `NonFiniteError` on every rank
       together (every rank reads the same global loss and norm, so none is left in a collective);
     - the report: the global sample indices of the step, gathered from every dp rank with one
-      `all_gather_object` over the dp group, only when something is wrong.
+      `all_gather_object` over the dp group, only when something is wrong (the cp ranks of a
+      dp rank read the same samples, so the dp group alone names them all).
 
     Under fp16 a non-finite gradient with a finite loss is the dynamic loss scaler's ordinary
     overflow (the optimizer skips and backs the scale off): not an event unless asked for.
@@ -23,9 +24,11 @@ Replica consistency (`--check-replicas-interval K`)
     owner; plain dp applies identical all-reduced gradients), and so must the tp ranks' copies
     of tp-replicated parameters (norms, row-parallel biases: each tp rank updates its copy
     from gradients that must agree; a non-deterministic kernel or a missed all-reduce under
-    sequence parallelism makes them drift silently). `check_replicas` reduces every parameter
+    sequence parallelism makes them drift silently). Context-parallel ranks hold replicas too
+    (the same weights, other tokens): the replicas are those of the dp x cp group.
+    `check_replicas` reduces every parameter
     to a bit-exact checksum (the sum of its bit patterns as integers and a neighbour-xor sum
-    that also sees swapped elements) and compares them with one all-gather over the dp group
+    that also sees swapped elements) and compares them with one all-gather over the dp (x cp) group
     and one over the tp group, plus a 1-element all-reduce over the world so that every rank
     stops together when any group disagrees. The error names the first mismatching parameter
     (in model order, by logical name) and which ranks disagree.
@@ -41,7 +44,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from megalite import comm, params as P
-from megalite.mesh import Mesh, coords_to_rank
+from megalite.mesh import Mesh
 
 ON_NONFINITE_CHOICES = ("skip", "stop")
 NONFINITE_EXIT_CODE = 3  # suggested exit status of a run stopped by --on-nonfinite stop
@@ -184,14 +187,16 @@ def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]],
     return names, torch.cat([header] + [r.view(1, 2) for r in rows])
 
 
-_KINDS = {"dp": ("data-parallel replicas", "dp"), "tp": ("tensor-parallel ranks", "tp")}
+_KINDS = {"dp": ("data-parallel replicas", "dp"), "tp": ("tensor-parallel ranks", "tp"),
+          "dp_cp": ("data- and context-parallel replicas", "dp x cp")}
 
 
 def describe_mismatch(name: str, checksums: list[tuple[int, int]], global_ranks: list[int], step: Any,
                       kind: str = "dp") -> str:
     """Name the parameter and the ranks that disagree: the minority when a majority exists.
 
-    checksums[i], global_ranks[i]: of rank i of the dp group (kind 'dp') or tp group ('tp')."""
+    checksums[i], global_ranks[i]: of rank i of the dp group (kind 'dp'), the dp x cp group
+    ('dp_cp') or the tp group ('tp')."""
     what, short = _KINDS[kind]
     groups: dict[tuple[int, int], list[int]] = {}
     for group_rank, value in enumerate(checksums):
@@ -240,7 +245,8 @@ def _tp_replicated(param: torch.Tensor) -> bool:
     return not P.shard_spec(param).is_tp_sharded
 
 
-def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None) -> None:
+def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None,
+                   shards: bool = False) -> None:
     """--check-replicas-interval: raise ReplicaMismatchError on every rank if replicas differ.
 
     Two kinds of replica must hold bit-identical values: the dp replicas of every parameter,
@@ -248,19 +254,23 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     nothing: layer norms, row-parallel biases...), which each tp rank updates on its own from
     gradients that must agree. `named_params`: (logical name, parameter) in model order, e.g.
     from `chunk.logical_parameters()` over this rank's chunks.
-    Collectives: an all-gather of int64 [1 + n, 2] over the dp group (dp > 1) and one over the
+    `shards=True` (ZeRO-3): `named_params` are this rank's shard pieces of the tp-replicated
+    parameters (`DataParallel.tp_replicated_pieces()`); dp ranks hold different pieces, so only
+    the tp ranks (same pieces) are compared.
+    Collectives: an all-gather of int64 [1 + n, 2] over the dp x cp group (dp*cp > 1) and one over the
     tp group (tp > 1, replicated parameters only), then one 1-element all-reduce over the
     world, so that ranks of healthy groups stop too instead of hanging.
     """
     named_params = list(named_params)
     device = named_params[0][1].device if named_params else mesh.device
     messages = []
-    if mesh.dp_size > 1:
-        ranks = [coords_to_rank(mesh.tp_rank, d, mesh.pp_rank, mesh.tp_size, mesh.dp_size) for d in range(mesh.dp_size)]
-        messages.append(_first_mismatch(named_params, mesh.dp_group, ranks, "dp", step, device))
+    if mesh.dp_size * mesh.cp_size > 1 and not shards:  # the ranks that hold these same parameters
+        kind = "dp" if mesh.cp_size == 1 else "dp_cp"
+        ranks = comm.group_ranks(mesh.dp_cp_group)
+        messages.append(_first_mismatch(named_params, mesh.dp_cp_group, ranks, kind, step, device))
     if mesh.tp_size > 1:
-        ranks = [coords_to_rank(t, mesh.dp_rank, mesh.pp_rank, mesh.tp_size, mesh.dp_size) for t in range(mesh.tp_size)]
-        replicated = [(name, p) for name, p in named_params if _tp_replicated(p)]
+        ranks = comm.group_ranks(mesh.tp_group)
+        replicated = named_params if shards else [(name, p) for name, p in named_params if _tp_replicated(p)]
         messages.append(_first_mismatch(replicated, mesh.tp_group, ranks, "tp", step, device))
     message = next((m for m in messages if m), None)
     # Every rank must learn that some group disagreed: the value is world_size - (lowest such rank).

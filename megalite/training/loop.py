@@ -4,7 +4,9 @@
                every rank before any process group exists (a mistake: one message, exit code 2)
     build:     mesh -> data -> this rank's model chunks -> DataParallel -> optimizer -> metrics,
                guards, hang watchdog, profiler, checkpointer, preemption handler
-    resume:    weights, optimizer, data position, step and RNG from the newest intact checkpoint
+    resume:    weights, optimizer, data position, step and RNG from the newest intact checkpoint; on a
+               world of another size, dp re-derived and the batch kept or scaled (--elastic-batch),
+               planned from the checkpoint's metadata before any process group exists
     train:     steps; periodic evaluation and checkpoints; SIGTERM/SIGUSR1 save and stop
     finish:    the last checkpoint and evaluation
 
@@ -22,6 +24,7 @@ loss or gradient (--on-nonfinite stop), 4 replicas differ, 86 hang (the watchdog
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -34,7 +37,8 @@ import torch
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.storage import check_save_dir
-from megalite.cli import parse_args, to_toml
+from megalite.checkpoint.elastic import STATE_KEY as ELASTIC_STATE_KEY, ResumePlan, elastic_fields, plan_resume
+from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
 from megalite.errors import ConfigError, UsageError, report_usage_error
@@ -68,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, actions = parse_args(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or (cfg.world_size if actions["dry_run"] else 1)
+        # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
+        plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
+        cfg = plan.cfg
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         cfg = configure(cfg, world_size, tokenizer.vocab_size)
         if actions["print_config"]:
@@ -76,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if actions["dry_run"]:
             print(estimate(cfg.gpt_config(), cfg).describe())
             return 0
-        return train(cfg, tokenizer)
+        for line in plan.messages():
+            log(line)
+        return train(cfg, tokenizer, plan)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
 
@@ -127,6 +136,7 @@ class Job:
     checkpointer: Checkpointer | None
     preemption: PreemptionHandler
     last_saved: int = 0
+    resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -137,7 +147,7 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
-    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp)
+    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp)
     _on_exit(resources, lambda clean: destroy_mesh())
     torch.manual_seed(cfg.training.seed)
     model_cfg = cfg.gpt_config()
@@ -168,7 +178,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"params, vocab {model_cfg.vocab_size} (padded {model_cfg.padded_vocab_size(cfg.parallel.tp)}), "
         f"seq {model_cfg.seq_length}")
     log(f"batch: global {cfg.global_batch_size} = micro {cfg.training.micro_batch_size} x dp {cfg.dp} x "
-        f"accumulation {cfg.num_microbatches}; {cfg.precision.precision}; schedule "
+        f"accumulation {cfg.num_microbatches}; "
+        + (f"cp {cfg.parallel.cp} ({cfg.parallel.cp_comm_type}): {model_cfg.seq_length // cfg.parallel.cp} tokens "
+           f"of each sequence per rank; " if cfg.parallel.cp > 1 else "")
+        + f"{cfg.precision.precision}; schedule "
         f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -208,10 +221,12 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
 # ---------------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, tokenizer=None) -> int:
-    """Run the job of a validated, resolved configuration; returns the process exit code."""
+def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None) -> int:
+    """Run the job of a validated, resolved configuration; returns the process exit code.
+    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is)."""
     with contextlib.ExitStack() as resources:
         job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources)
+        job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
         start_step = resume(job)
         try:
             stopped = train_steps(job, start_step)
@@ -237,6 +252,7 @@ def resume(job: Job) -> int:
     if resumed is not None and not ck.no_load_optim:
         start_step = resumed.step
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
+        _record_resize(job, resumed)
     job.last_saved = start_step
     if job.watchdog:
         job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
@@ -244,6 +260,18 @@ def resume(job: Job) -> int:
         log(f"the checkpoint is at step {start_step} >= --train-iters {job.cfg.training.train_iters}: nothing to "
             f"train")
     return start_step
+
+
+def _record_resize(job: Job, resumed) -> None:
+    """The metrics line of a world-size change; refuses a fallback checkpoint the plan was not made from."""
+    plan = job.resume_plan
+    if plan.metadata is not None and resumed.step != plan.step \
+            and elastic_fields(resumed.metadata) != elastic_fields(plan.metadata):
+        raise UsageError(f"checkpoint step {plan.step} is damaged and the intact step {resumed.step} it fell back "
+                         f"to was saved on another world or batch, which this run was not planned for; relaunch "
+                         f"with --load-step {resumed.step}")
+    if plan.resize is not None:
+        job.writer.write_event(dataclasses.replace(plan.resize, step=resumed.step).record())
 
 
 def train_steps(job: Job, start_step: int) -> bool:
@@ -256,7 +284,10 @@ def train_steps(job: Job, start_step: int) -> bool:
         interval = cfg.fault_tolerance.check_replicas_interval
         if interval and step % interval == 0:
             job.model.wait_for_params()  # --overlap-param-gather leaves the gathers in flight
-            check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
+            if cfg.parallel.zero == 3:  # no dp replicas: compare the tp ranks' shard pieces
+                check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True)
+            else:
+                check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
         if step == start_step + 1:
             log(estimate_vs_measured(estimate(job.model_cfg, cfg), job.mesh.device))
         _record(job, step, step_time, result)
@@ -281,12 +312,14 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
     job.profiler.before_step(step)
     start = time.perf_counter()
     job.timer.reset()
+    cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
     lr = job.lr_at(step - 1)
     result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
                         timer=job.timer)
     result["lr"] = lr
+    result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
     if job.mesh.device.type == "cuda":
         torch.cuda.synchronize()
@@ -309,6 +342,12 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                             **job.optimizer.memory_report())
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result["loss_scale"]
+    record["cp"] = cfg.parallel.cp
+    if "grad_compression_ratio" in result:  # dp gradient bytes: uncompressed / sent (this step)
+        record.update(grad_reduce_bytes=result["grad_reduce_bytes"],
+                      grad_compression_ratio=result["grad_compression_ratio"])
+    if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
+        record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
 
@@ -319,7 +358,8 @@ def save(job: Job, step: int) -> None:
         return
     job.model.wait_for_params()
     job.checkpointer.save(step, job.chunks, job.optimizer, consumed_samples=job.sampler.consumed_samples,
-                          model_config=job.model_cfg, train_config=job.cfg.to_dict())
+                          model_config=job.model_cfg, train_config=job.cfg.to_dict(),
+                          extra={ELASTIC_STATE_KEY: (job.resume_plan or ResumePlan.fresh(job.cfg)).state.to_dict()})
     job.last_saved = step
 
 

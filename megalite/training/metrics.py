@@ -242,14 +242,24 @@ class MetricsWriter:
         missing = [k for k in self.REQUIRED if k not in record]
         if missing:
             raise ValueError(f"metrics record lacks {missing}; pass them to ThroughputMeter.step(...)")
+        self._emit(record, tb_prefix="", flags_too=True)  # e.g. "skipped" as 0/1
+
+    def write_event(self, record: dict[str, Any]) -> None:
+        """One line for an event of the run, e.g. {"event": "resize", "step", ...} (no loss: readers
+        of the step records skip it); its numbers go to TensorBoard under "event/<name>"."""
+        self._emit(record, tb_prefix=f"{record['event']}/", flags_too=False)
+
+    def _emit(self, record: dict[str, Any], tb_prefix: str, flags_too: bool) -> None:
+        """One JSON line, and every number (booleans only if `flags_too`) as a TensorBoard scalar at
+        the record's step."""
         if not self.enabled:
             return
         if self._file is not None:
             self._file.write(json.dumps(record, default=float) + "\n")
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(key, value, record["step"])
+                if key != "step" and isinstance(value, (int, float)) and (flags_too or not isinstance(value, bool)):
+                    self._tb.add_scalar(tb_prefix + key, value, record["step"])
 
     def write_eval(self, step: int, loss: float) -> None:
         """One line for an evaluation: {"step", "eval_loss", "eval_perplexity"}."""

@@ -4,6 +4,11 @@ The loss is normalised once, globally: every microbatch's loss *sum* is scaled b
 1 / (target tokens of the whole step, all microbatches and all dp ranks), so gradient
 accumulation k and data parallelism n give the gradients of one batch k*n times larger, and
 the dp reduction is a plain sum.
+
+Context parallelism (cp > 1): train_step and evaluate take this dp rank's whole sequences and
+hand the model this cp rank's zigzag chunks of them ([b, s] -> [b, s/cp]). Each cp rank counts
+its own target tokens, so the global count is a sum over dp x cp, and the gradients of the
+parameters (replicated across cp) are summed over dp x cp by the DataParallel wrapper.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.context_parallel.zigzag import split_sequence
+from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.mesh import Mesh
 from megalite.model.config import GPTConfig
@@ -43,16 +50,23 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
-                               dtype=DTYPES[cfg.precision.precision]))
+                               dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
     return chunks
 
 
 def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> DataParallel:
-    """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap)."""
+    """The wrapper that owns this replica's parameters and gradients (buckets, ZeRO, overlap). At ZeRO-3
+    it materialises the meta-built chunks one unit at a time."""
     p = cfg.parallel
+    compression = PowerSGDConfig(p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression,
+                                 seed=cfg.training.seed) if p.grad_compression == "powersgd" else None
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
                         grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
-                        overlap_param_gather=p.overlap_param_gather)
+                        overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
+                        reshard_after_forward=p.zero3_reshard_after_forward,
+                        keep_gathered_in_step=p.zero3_keep_gathered_in_step,
+                        grad_compression=compression)
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
@@ -67,13 +81,31 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
 
 
 def activation_shape(model: GPTConfig, cfg: RunConfig, seq_length: int) -> tuple[int, int, int]:
-    """What crosses a pipeline boundary: [s, b, h], or the sequence shard [s/tp, b, h] under SP."""
-    s = seq_length // cfg.parallel.tp if cfg.parallel.sequence_parallel else seq_length
+    """What crosses a pipeline boundary for sequences of `seq_length` tokens: this cp rank's
+    [s/cp, b, h], or its sequence shard [s/(cp*tp), b, h] under SP."""
+    s = seq_length // cfg.parallel.cp
+    s = s // cfg.parallel.tp if cfg.parallel.sequence_parallel else s
     return (s, cfg.training.micro_batch_size, model.hidden_size)
 
 
+def context_parallel_chunks(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh) -> list[dict[str, torch.Tensor]]:
+    """This cp rank's part of every microbatch: its two zigzag chunks of the ids and labels,
+    [b, s] -> [b, s/cp] (context_parallel.zigzag). The microbatches themselves at cp = 1."""
+    if mesh.cp_size == 1:
+        return microbatches
+    return [{key: split_sequence(value, mesh.cp_rank, mesh.cp_size, dim=1) if key in ("input_ids", "labels")
+             else value for key, value in mb.items()} for mb in microbatches]
+
+
+def _check_same_cp(mesh: Mesh, cfg: RunConfig) -> None:
+    if mesh.cp_size != cfg.parallel.cp:
+        raise ValueError(f"the mesh has cp={mesh.cp_size} but the configuration cp={cfg.parallel.cp}; build the mesh "
+                         f"from the configuration: init_mesh(..., cp=cfg.parallel.cp)")
+
+
 class GlobalTokens:
-    """Target tokens (labels != -100) of the whole step: all microbatches of all dp ranks.
+    """Target tokens (labels != -100) of the whole step: all microbatches of all dp ranks (and
+    cp ranks: each counts the labels of its own chunks; one all-reduce over dp x cp).
 
     The all-reduce is started here and waited for only when the loss scale is first needed,
     just before the first loss is scaled: the first microbatch's forward runs meanwhile. That
@@ -85,7 +117,7 @@ class GlobalTokens:
     def __init__(self, microbatches: list[dict[str, torch.Tensor]], mesh: Mesh):
         local = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)  # on the loader's CPU tensors
         self._count = torch.tensor([float(local)], dtype=torch.float64, device=mesh.device)
-        self._handle = comm.all_reduce(self._count, mesh.dp_group, async_op=True)
+        self._handle = comm.all_reduce(self._count, mesh.dp_cp_group, async_op=True)
         self.wait_seconds = 0.0  # host time blocked in the wait: mostly gathers queued before it
 
     def _wait(self) -> torch.Tensor:
@@ -108,7 +140,7 @@ class GlobalTokens:
 
 
 def global_target_tokens(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh) -> float:
-    """Target tokens (labels != -100) of the whole step: all microbatches of all dp ranks."""
+    """Target tokens (labels != -100) of the whole step: all microbatches of all dp (x cp) ranks."""
     return GlobalTokens(microbatches, mesh).value()
 
 
@@ -133,6 +165,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
                mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
+    microbatches: this dp rank's, whole sequences {"input_ids", "labels"} [b, s]; under context
+    parallelism each cp rank keeps its zigzag chunks of them (`context_parallel_chunks`).
+
     guard: a `training.guards.NonFiniteGuard`; a non-finite loss on any rank then skips the
     update on every rank (non-finite gradients are always skipped by the optimizer).
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
@@ -140,8 +175,12 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
-    --overlap-param-gather, a wait for the gathers queued before it on the dp group).
+    --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
+    compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
     """
+    _check_same_cp(mesh, cfg)
+    seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
+    microbatches = context_parallel_chunks(microbatches, mesh)
     tokens = GlobalTokens(microbatches, mesh)  # in flight while the first forward runs
     microbatches = _to_device(microbatches, mesh.device)
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
@@ -152,7 +191,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
         loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
     else:
         model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
-        spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), microbatches[0]["input_ids"].shape[1])
+        spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), seq_length)
         with phase("pipeline"):  # forward and backward interleaved by the schedule
             loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, lambda: tokens.loss_scale(scale),
                                     grad_sync=model)
@@ -162,6 +201,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
     result["tokens"] = tokens.value()
+    result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
     result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                   exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
@@ -174,7 +214,9 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
     """pp == 1: forward and backward of each microbatch; the dp reductions start, bucket by bucket,
     during the last one's backward. Returns the summed loss on the device (a float() per
     microbatch would stall the host on every one)."""
-    loss_sum = torch.zeros((), dtype=torch.float32, device=model.mesh.device)
+    # float64: the sum of microbatch losses must not depend on how many microbatches a rank runs
+    # (an elastic resize from dp 2 to 1 moves a microbatch's loss from the all-reduce into this sum)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=model.mesh.device)
     for i, mb in enumerate(microbatches):
         model.set_last_microbatch(i == len(microbatches) - 1)
         with phase("forward"):
@@ -183,11 +225,13 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
             loss_scale = loss_scale()  # the token count's all-reduce, overlapped with this forward
         with phase("backward"):
             (loss * loss_scale).backward()
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach().double()
     return loss_sum
 
 
 def pipeline_spec(model: GPTConfig, cfg: RunConfig, num_microbatches: int, seq_length: int) -> PipelineSpec:
+    """The pipeline of one step over sequences of `seq_length` tokens (the whole sequence: under
+    context parallelism the stages exchange each cp rank's [s/cp, b, h])."""
     return PipelineSpec(cfg.schedule, num_microbatches, activation_shape(model, cfg, seq_length),
                         DTYPES[cfg.precision.precision], cfg.parallel.virtual_stages)
 
@@ -197,8 +241,12 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
              cfg: RunConfig) -> float:
     """Mean loss over every target token of `microbatches` (all dp ranks), the same on every rank.
 
-    Forward only; with pipeline parallelism the schedule's forward-only variant runs.
+    Forward only; with pipeline parallelism the schedule's forward-only variant runs. Like
+    train_step, it takes whole sequences and keeps this cp rank's chunks.
     """
+    _check_same_cp(mesh, cfg)
+    seq_length = microbatches[0]["input_ids"].shape[1]
+    microbatches = context_parallel_chunks(microbatches, mesh)
     tokens = global_target_tokens(microbatches, mesh)  # counted where the loader put them (CPU): no GPU sync
     microbatches = _to_device(microbatches, mesh.device)
     for chunk in chunks:
@@ -206,6 +254,6 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
     if mesh.pp_size == 1:
         loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum")) for mb in microbatches)
     else:
-        spec = pipeline_spec(chunks[0].config, cfg, len(microbatches), microbatches[0]["input_ids"].shape[1])
+        spec = pipeline_spec(chunks[0].config, cfg, len(microbatches), seq_length)
         loss_sum = run_pipeline(spec, chunks, microbatches, mesh, forward_only=True)
     return _global_loss(loss_sum, tokens, mesh)

@@ -219,7 +219,8 @@ class HangWatchdog:
         self.channel = channel if channel is not None else FileChannel(self.report_dir)
         self.rank = rank if rank is not None else int(os.environ.get("RANK", comm.global_rank()))
         self.world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        self.coords = "" if mesh is None else f"tp {mesh.tp_rank}, dp {mesh.dp_rank}, pp {mesh.pp_rank}"
+        self.coords = "" if mesh is None else f"tp {mesh.tp_rank}, dp {mesh.dp_rank}, pp {mesh.pp_rank}" + (
+            f", cp {mesh.cp_rank}" if mesh.cp_size > 1 else "")
         self.summary_wait_s = summary_wait_s if summary_wait_s is not None else min(30.0, max(2.0, self.timeout_s))
         self.exit_code, self.exit_fn = exit_code, exit_fn
         self.stream = stream

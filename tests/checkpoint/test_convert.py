@@ -70,7 +70,7 @@ def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     resumed = load_checkpoint(tmp_path / "ckpt", chunks, optimizer, m, log=lambda *_: None)
     assert (resumed.step, resumed.consumed_samples, optimizer.step_count) == (0, 0, 0)
-    assert torch.equal(optimizer.master, optimizer.model.param_buffer.buffer)  # fp32 master = the imported weights
+    assert optimizer.shares_master and optimizer.master is None  # fp32: the imported weights ARE the master
     assert not optimizer.exp_avg.any() and not optimizer.exp_avg_sq.any()
     ids = torch.randint(0, 300, (2, 17))
     result = train_step(optimizer.model, optimizer, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], m, cfg, lr=1e-3)

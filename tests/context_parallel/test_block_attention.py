@@ -54,3 +54,26 @@ def test_two_blocks_merged_and_differentiated_apart_equal_the_whole_row():
     torch.testing.assert_close(dq, q_all.grad[:, :, chunk:], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dk, k_ref.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dv, v_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_row_tiles_give_the_whole_blocks_result(monkeypatch):
+    """The PyTorch path's query-row tiles (bounded fp32 scores) change nothing: tiles of 3 rows
+    (a partial one at the end) against one tile, causal diagonal and full block, forward and
+    backward; the tiled causal output is causal attention itself."""
+    from megalite.context_parallel import block_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, heads, 11, 8, generator=gen) for heads in (4, 2, 2))
+    dout = torch.randn(q.shape, generator=gen)
+    for causal in (True, False):
+        whole = block_forward(q, k, v, causal, 0.3)
+        whole_grads = block_backward(q, k, v, whole[0], dout, whole[1], causal, 0.3)
+        monkeypatch.setattr(block_attention, "_ROWS", 3)
+        tiled = block_forward(q, k, v, causal, 0.3)
+        tiled_grads = block_backward(q, k, v, tiled[0], dout, tiled[1], causal, 0.3)
+        if causal:
+            torch.testing.assert_close(block_forward(q, k, v, True, 8 ** -0.5)[0],
+                                       attention_reference(q, k, v, causal=True), rtol=1e-5, atol=1e-6)
+        monkeypatch.undo()
+        for got, want in zip(tiled + tiled_grads, whole + whole_grads):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

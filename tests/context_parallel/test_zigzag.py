@@ -61,3 +61,18 @@ def test_preflight_problems_name_the_fix():
     assert context_parallel_problems(64, 2, "a2a", attention_dropout=0.1, **ok) == []
     [msg] = context_parallel_problems(64, 2, "ring", **ok)
     assert "--cp-comm-type 'ring' is not one of ('p2p', 'a2a')" in msg
+
+
+def test_logical_row_offsets_map_local_rows_to_the_whole_sequence():
+    from megalite.context_parallel.zigzag import logical_row_offsets
+
+    s, cp, row = 16, 2, 10  # chunks of 4 rows; rank 1 holds chunks 1 and 2 = rows 4..11
+    assert logical_row_offsets(8, row, 0, 1, 0, 1) == 0                             # cp = 1, no SP
+    assert logical_row_offsets(4, row, 1, 2, 0, 1) == 4 * row                       # cp = 1, SP shard 1
+    assert logical_row_offsets(8, row, 0, 1, 1, cp) == [(0, 4 * row, 4), (4, 8 * row, 4)]  # both chunks
+    assert logical_row_offsets(4, row, 0, 2, 0, cp) == 0                            # SP shard 0: chunk 0
+    assert logical_row_offsets(4, row, 1, 2, 0, cp) == 12 * row                     # SP shard 1: chunk 3
+    assert logical_row_offsets(2, row, 1, 4, 0, cp) == 2 * row                      # shard inside chunk 0
+    rows = [[r for start, off, n in (offs if isinstance(offs, list) else [(0, offs, 8)]) for r in
+             range(off // row, off // row + n)] for offs in (logical_row_offsets(8, row, 0, 1, k, cp) for k in range(cp))]
+    assert sorted(rows[0] + rows[1]) == list(range(s))  # together the ranks cover every row once

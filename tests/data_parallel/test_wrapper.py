@@ -1,5 +1,6 @@
 """DataParallel over plain torch modules: at ZeRO 0 any torch optimizer steps on the reduced grads;
-at ZeRO 1/2 megalite's optimizer updates the shard the wrapper hands it. Both equal one process
+at ZeRO 1/2/3 megalite's optimizer updates the shard the wrapper hands it (ZeRO-3: the default
+units of a plain module, or units given as a list of submodules). All equal one process
 training the whole batch with torch.optim.AdamW."""
 import torch
 from torch import nn
@@ -43,9 +44,10 @@ def _reference():
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(m, zero_stage, torch_optimizer):
+def _train(m, zero_stage, torch_optimizer, units=None):
     torch.manual_seed(0)
-    model = DataParallel(PlainLM(), m, zero_stage=zero_stage, bucket_size=500)
+    module = PlainLM()
+    model = DataParallel(module, m, zero_stage=zero_stage, bucket_size=500, units=units and units(module))
     if torch_optimizer:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     else:
@@ -63,12 +65,16 @@ def _train(m, zero_stage, torch_optimizer):
             opt.step()
         else:
             opt.step(LR)
-    return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}
+    with model.gathered():  # ZeRO-3: the full values exist only while gathered
+        return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}
 
 
 def _world():
     m = mesh_lib.init_mesh()
-    return {"zero0 + torch AdamW": _train(m, 0, True), "zero1": _train(m, 1, False), "zero2": _train(m, 2, False)}
+    runs = {"zero0 + torch AdamW": _train(m, 0, True), "zero1": _train(m, 1, False), "zero2": _train(m, 2, False),
+            "zero3 default units": _train(m, 3, False),
+            "zero3 given units": _train(m, 3, False, units=lambda lm: [lm.embed, lm.mlp[1], lm.mlp[3]])}
+    return runs
 
 
 def test_plain_torch_model_under_the_wrapper_matches_one_process():

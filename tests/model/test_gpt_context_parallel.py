@@ -5,7 +5,9 @@ chunks of the ids and labels; the loss sums of the cp ranks add up to the refere
 every gradient summed over cp (parameters are replicated across cp; under sequence
 parallelism also over tp for the partial ones) equals the reference's shard. GPT-2 checks the
 learned position table at global positions, Llama RoPE at global positions and grouped-query
-attention (8 query heads over 4 kv heads).
+attention (8 query heads over 4 kv heads). With dropout on, the masks are drawn over the
+logical (whole-sequence) tensors, so each cp rank drops exactly the reference's elements of its
+two zigzag chunks: hidden dropout under both comm types, attention dropout under Ulysses.
 """
 import pytest
 import torch
@@ -18,12 +20,15 @@ from megalite.testing import assert_tensor_close, run_distributed
 
 B, S = 2, 16
 FLAVOURS = ("tiny", "tiny-llama")
+DROPOUT = {"tiny+dropout": dict(hidden_dropout=0.2, attention_dropout=0.2),  # Ulysses: both dropouts
+           "tiny-llama+dropout": dict(hidden_dropout=0.2)}                   # ring: hidden dropout only
 
 
 def _config(name):
-    if name == "tiny-llama":
-        return preset(name, num_layers=2, num_attention_heads=8, num_query_groups=4, seq_length=32)
-    return preset(name, num_layers=2, seq_length=32)
+    preset_name, dropout = name.split("+")[0], DROPOUT.get(name, {})
+    if preset_name == "tiny-llama":
+        return preset(preset_name, num_layers=2, num_attention_heads=8, num_query_groups=4, seq_length=32, **dropout)
+    return preset(preset_name, num_layers=2, seq_length=32, **dropout)
 
 
 def _batch(vocab):
@@ -44,7 +49,7 @@ def _reference(name):
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: _reference(name) for name in FLAVOURS}
+    return {name: _reference(name) for name in FLAVOURS + tuple(DROPOUT)}
 
 
 def _check_model(m, name, comm_type, reference, sequence_parallel, recompute="none"):
@@ -72,6 +77,10 @@ def _world(tp, cp, sequence_parallel, references):
     m = mesh.init_mesh(tp=tp, cp=cp)
     checked = [_check_model(m, name, comm_type, references[name], sequence_parallel)
                for name in FLAVOURS for comm_type in ("p2p", "a2a")]
+    if cp == 2:  # the same dropout masks as the whole sequence's (zigzag rows, Ulysses heads)
+        checked.append(_check_model(m, "tiny+dropout", "a2a", references["tiny+dropout"], sequence_parallel))
+        checked.append(_check_model(m, "tiny-llama+dropout", "p2p", references["tiny-llama+dropout"],
+                                    sequence_parallel))
     if tp == 1 and cp == 2:  # recompute re-runs the ring in backward
         checked.append(_check_model(m, "tiny-llama", "p2p", references["tiny-llama"], False, "selective"))
         checked.append(_check_model(m, "tiny", "a2a", references["tiny"], False, "full"))
@@ -88,7 +97,7 @@ def _world(tp, cp, sequence_parallel, references):
 def test_context_parallel_gpt_matches_cp1(tp, cp, sequence_parallel, references):
     results = run_distributed(_world, tp * cp, tp, cp, sequence_parallel, references)
     for checked, refusal in results:
-        assert len(checked) == (6 if (tp, cp) == (1, 2) else 4)
+        assert len(checked) == {(1, 2): 8, (2, 2): 6, (1, 4): 4}[(tp, cp)]
         assert all(count == len(references[name][1]) for name, count in checked), "every gradient compared"
         if tp == 2:
             assert refusal is not None and "num_query_groups/tp = 2/2 = 1 is not divisible by cp=2" in refusal

@@ -84,7 +84,7 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
                 params={n: (P.shard_spec(p), p.detach().float().clone())
                         for n, p in model.named_parameters()},
                 masters_match=bool(torch.equal(
-                    torch.cat([opt.master[a.shard_start:a.shard_end].to(dtype) for a in opt.pieces]),
+                    torch.cat([opt.master_range(a.shard_start, a.shard_end).to(dtype) for a in opt.pieces]),
                     torch.cat([opt.params[a.param].detach().reshape(-1)[a.local_start:a.local_end] for a in opt.pieces]))),
                 memory=opt.memory_report(), numel=layout.numel, shard_numel=layout.shard_numel,
                 param_numel=layout.param_numel, buckets=len(layout.buckets),
@@ -111,7 +111,9 @@ def _check_memory_and_bytes(out, zero_stage, dp, param_bytes_per_elem, what):
     shards = dp if zero_stage else 1
     assert shard_numel * shards == numel and numel >= psi
     assert numel - psi < out["buckets"] * shards, f"{what}: padding is at most dp-1 per bucket"
-    assert out["memory"]["optimizer_state_bytes"] == 12 * numel // shards, what
+    # fp32 on the device: the parameters are the master (two moments, 8 bytes); offloaded: fp32 master + moments
+    state_bytes = 12 if ("offload" in what or param_bytes_per_elem != 4) else 8
+    assert out["memory"]["optimizer_state_bytes"] == state_bytes * numel // shards, what
     assert out["memory"]["param_bytes"] == param_bytes_per_elem * numel
     expected_grad = {0: 4 * numel, 1: 4 * numel + 4 * numel // dp, 2: 4 * numel // dp}[zero_stage]
     assert out["memory"]["grad_bytes"] == expected_grad, (what, out["memory"], expected_grad)

@@ -122,6 +122,40 @@ def test_zero_paper_worked_example():
         assert est.activation_bytes == 0
 
 
+def test_zero_paper_table_1_stage_3_column():
+    # Rajbhandari et al. 2020, Table 1, P_os+g+p: 16 Psi / Nd GB per device (fp16, K = 12), as printed.
+    printed = {7.5e9: [120, 30, 7.5, 1.88, 0.47, 0.12], 128e9: [2048, 512, 128, 32, 8, 2],
+               1e12: [16000, 4000, 1000, 250, 62.5, 15.6]}
+    for psi, column in printed.items():
+        for nd, value in zip((1, 4, 16, 64, 256, 1024), column):
+            est = E.estimate_model_states(int(psi), run(dp=nd, precision="fp16", grad_reduce_dtype="fp16", zero=3))
+            assert est.total_bytes == 16 * -(-int(psi) // nd)  # each rank holds ceil(Psi / Nd)
+            digits = len(str(value).split(".")[1]) if "." in str(value) else 0
+            assert round(est.total_bytes / GB, digits) == value, (psi, nd, est.total_bytes / GB, value)
+
+
+def test_zero3_model_states_and_traffic_per_stage():
+    """megalite's ZeRO-3 (plan/zero3.py): shard-sized states, the gathered units on top, 3 Psi per microbatch."""
+    from megalite.plan import zero3 as Z
+
+    config = tiny("llama")
+    layout = run(dp=4, precision="bf16", zero=3, num_microbatches=2)
+    psi, units = PARAMS.stage_params(config, layout, 0), Z.stage_units(config, layout, 0)
+    assert sum(units) == psi and len(units) == config.num_layers + 2
+    est = E.estimate(config, layout)
+    shard = -(-psi // 4)
+    assert est.optimizer_state_bytes == 8 * shard  # bf16 too: the fp32 parameter shard is the master
+    assert est.param_bytes == 4 * shard + 2 * max(a + b for a, b in zip(units, units[1:]))  # bf16 units, prefetch 1
+    assert est.grad_bytes == 4 * shard + 4 * 2 * max(units)
+    offloaded = E.estimate(config, layout.replace(offload_optimizer=True))
+    assert (offloaded.optimizer_state_bytes, offloaded.host_bytes) == (0, 12 * shard)
+    comm = C.communication_bytes(config, layout, 0)
+    assert (comm["dp/all_gather"], comm["dp/reduce_scatter"]) == (2 * 2 * 2 * psi, 2 * 4 * psi)
+    kept = C.communication_bytes(config, layout.replace(zero3_keep_gathered_in_step=True), 0)
+    assert kept["dp/all_gather"] == 2 * psi
+    assert E.estimate(config, layout.replace(zero3_keep_gathered_in_step=True)).param_bytes == 4 * shard + 2 * psi
+
+
 def _optimizer_world(zero_stage):
     """One dp rank of 2: megalite's optimizer's own byte report at rest and after a backward."""
     from megalite.data_parallel import DataParallel

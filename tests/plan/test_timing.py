@@ -166,3 +166,30 @@ def test_megatron_2021_layout_passes_and_fp32_cross_entropy_by_hand():
     logits = tokens * model.padded_vocab_size(1)
     assert head32.forward - head16.forward == pytest.approx((38 - 4) * logits / 1e9)
     assert head32.backward - head16.backward == pytest.approx((14 - 4) * logits / 1e9)
+
+
+def test_zero3_and_powersgd_dp_time_by_hand():
+    """ZeRO-3: the step's gathers and reduce-scatters hide behind compute, except the gather of each
+    forward's and backward's first unit. PowerSGD: its compressed all-reduces (P, then Q) and its
+    arithmetic follow the whole backward, so nothing hides them."""
+    from megalite.plan import compression as Z
+    from megalite.plan.zero3 import stage_units
+    model = tiny()
+    zero3 = run(dp=4, zero=3, global_batch_size=16)                  # m = 2 microbatches
+    sent = C.communication_bytes(model, zero3, 0)
+    moved = (sent["dp/all_gather"] + sent["dp/reduce_scatter"]) * 0.75 / 10e9
+    first = 2 * 2 * max(stage_units(model, zero3, 0)) * 4 * 0.75 / 10e9
+    fast = dataclasses.replace(IDEAL, peak_tflops={"fp32": 1e9})       # nothing to hide behind
+    assert predict_step_time(model, zero3, fast).dp == pytest.approx(moved + first, rel=1e-3)
+    slow = dataclasses.replace(IDEAL, peak_tflops={"fp32": 1e-3})      # compute hides all but the first units
+    assert predict_step_time(model, zero3, slow).dp == pytest.approx(first)
+    compressed = run(dp=4, grad_compression="powersgd", powersgd_rank=2)
+    reduce = C.communication_bytes(model, compressed, 0)["dp/all_reduce"] * 1.5 / 10e9
+    assert reduce < C.communication_bytes(model, run(dp=4), 0)["dp/all_reduce"] * 1.5 / 10e9
+    flops = 0
+    for shape in Z.stage_param_shapes(model, compressed, 0):
+        if Z.compresses(shape, 2, compressed.parallel.powersgd_min_compression):
+            n, m = Z.matrix_view(shape)
+            flops += 3 * 2 * n * m * Z.effective_rank(n, m, 2)             # M Q, M^T P, P Q^T
+    assert flops > 0
+    assert predict_step_time(model, compressed, slow).dp == pytest.approx(reduce + flops / 1e9)

@@ -57,3 +57,27 @@ def test_justify_is_one_line_naming_the_choices():
     assert "\n" not in line and line.startswith("~") and "s/step" in line
     for part in ("tp=2 on NVLink", "pp=2 bubble", "ZeRO-1", "selective recompute", "/80 GB"):
         assert part in line, (part, line)
+
+
+def test_out_of_memory_follows_zero_2_then_3_then_offload_with_the_reason():
+    config = preset("llama-7b").replace(seq_length=2048)
+    layout = run(dp=8, precision="bf16", global_batch_size=8)
+    zero3 = P.preflight(config, layout, 8, gpu_memory=40e9)
+    assert len(zero3) == 1 and zero3[0].endswith(" GB)") and "add --zero 3 (--zero 2 would still need" in zero3[0]
+    assert P.preflight(config, layout.replace(zero=3), 8, gpu_memory=40e9) == []
+    offload = P.preflight(config, layout, 8, gpu_memory=16e9)[0]
+    assert "--zero 3" in offload and "--offload-optimizer (without --offload-optimizer: " in offload, offload
+    line = P.justify(config, layout.replace(zero=3), gpu_memory=40e9, gpus_per_node=8)
+    assert "ZeRO-3 shards all states over dp=8 (ZeRO-2 would need" in line, line
+    line = P.justify(config, layout.replace(zero=3, offload_optimizer=True), gpu_memory=16e9, gpus_per_node=8)
+    assert "optimizer offloaded to host (ZeRO-3 on the GPU would need" in line, line
+
+
+def test_suggest_takes_zero_3_where_stage_2_does_not_fit():
+    found = P.suggest(preset("llama-7b"), gpus=8, gpu_memory=24e9, gpus_per_node=1, top_k=50)
+    zero3 = [s for s in found if s.cfg.parallel.zero == 3]
+    assert zero3, [s.reason for s in found]
+    for s in zero3:
+        assert s.estimate.fits(24e9) and "(ZeRO-2 would need" in s.reason
+        assert not s.cfg.replace(zero=2).parallel.offload_optimizer
+        assert not P.estimate(preset("llama-7b"), s.cfg.replace(zero=2)).fits(24e9)

@@ -40,3 +40,29 @@ def test_drill_with_three_faults_matches_the_uninterrupted_run(tmp_path, capsys)
     restarts = re.search(r"restarts: (\d+) \((\d+) by torchrun, (\d+) relaunches", out)
     assert restarts and int(restarts.group(1)) == 3 and int(restarts.group(3)) == 1, out  # one SIGTERM: a relaunch
     assert "faults injected: 3 of 3" in out and "verdict: MATCH" in out
+
+
+def test_shrink_worlds_are_the_ones_the_kept_batch_fits():
+    args = fault_drill.parse_args(["--shrink", "--nproc", "8"])
+    flags = fault_drill.job_flags(args)
+    assert flags[flags.index("--global-batch-size") + 1] == "16"  # micro 2 x dp 8: one microbatch per rank
+    assert fault_drill.shrink_worlds(args) == [8, 4, 2, 1]
+    args = fault_drill.parse_args(["--shrink", "--nproc", "4", "--", "--tp", "2", "--global-batch-size", "12"])
+    assert fault_drill.shrink_worlds(args) == [4, 2]  # multiples of tp 2 whose dp divides 12 / micro 2
+    assert fault_drill.compare_curves({1: 2.0}, [(1, 2.0 + 2e-7)], 1, rtol=2e-7) is None
+    assert "rtol" in fault_drill.compare_curves({1: 2.0}, [(1, 2.0 + 5e-7)], 1, rtol=2e-7)
+
+
+def test_shrink_drill_loses_ranks_for_good_and_the_curve_continues(tmp_path, capsys):
+    # Seed 7: a SIGKILL right after the first save (2 -> 1 rank, resumed from that checkpoint), then a
+    # SIGTERM during a background write on the one rank left (the smallest world: relaunched as it is).
+    code = fault_drill.main(["--shrink", "--faults", "2", "--seed", "7", "--train-iters", "12",
+                             "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^ +\d+ SIG", line)]
+    assert [(r[1], r[2], r[-1]) for r in rows] == [("SIGKILL", "after-save", "2->1"),
+                                                   ("SIGTERM", "during-async-write", "1")], out
+    assert re.search(r"world-size changes: 2 -> 1 after step \d+ \(dp 2 -> 1, global batch 4 keep, "
+                     r"accumulation 1 -> 2\)\n", out), out
+    assert "restarts: 2 (0 by torchrun, 2 relaunches" in out and "verdict: MATCH" in out, out

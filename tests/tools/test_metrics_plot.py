@@ -31,6 +31,8 @@ def test_load_and_series(tmp_path):
     assert plot_metrics.series(records, "loss") == ([1, 2, 3], [5.0, 9.0, 5.0 / 3])  # a resumed step: last wins
     assert plot_metrics.series(records, "tokens_per_sec", 1e-3) == ([1, 2, 3], [1.0, 2.0, 3.0])
     assert plot_metrics.series(records, "mfu") == ([], [])
+    assert plot_metrics.smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert plot_metrics.smoothed([1.0, 3.0], 1) == [1.0, 3.0]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n{}\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):

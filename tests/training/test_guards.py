@@ -176,3 +176,23 @@ def test_single_process_and_bad_policy():
     assert guard.check(3, {"loss": 2.0, "grad_norm": 1.0, "skipped": False, "loss_finite": False}, [[9]]).bad_loss
     with pytest.raises(ValueError, match="--on-nonfinite must be one of"):
         NonFiniteGuard(m, "ignore")
+
+
+def _cp_replica_world():
+    """tp 2 x cp 2 x dp 1: the replicas of a parameter are the cp ranks (same weights, other tokens)."""
+    m = mesh.init_mesh(tp=2, cp=2)
+    named = [("a", torch.ones(4)), ("b", torch.arange(3.0))]
+    healthy = _replica_error(named, m, step=1)
+    if m.rank == 3:  # tp rank 1, cp rank 1
+        named[1][1][0] += 1.0
+    return healthy, _replica_error(named, m, step=2)
+
+
+def test_replica_check_covers_context_parallel_ranks():
+    results = run_distributed(_cp_replica_world, 4)
+    assert all(healthy is None for healthy, _ in results)
+    for _, message in results:
+        assert message is not None
+    # rank 3's group is dp x cp {1, 3}: it names the parameter, the kind of replica and the global ranks
+    assert "'b' differs across data- and context-parallel replicas at step 2" in results[3][1], results[3][1]
+    assert "dp x cp rank 0 (global 1) holds one value; dp x cp rank 1 (global 3)" in results[3][1], results[3][1]

@@ -28,6 +28,7 @@ def _main_capturing(argv):
     (4, ["--pp", "4", "--num-layers", "2"], "num_layers=2 cannot fill pp*v = 4*1 = 4 pipeline chunks"),
     (2, ["--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "8"], "1 microbatches < pp=2"),
     (2, ["--train-iters", "5", "--profile-steps", "4", "9"], "--profile-steps 4 9 must satisfy 1 <= FIRST <= LAST"),
+    (2, ["--grad-compression", "powersgd", "--grad-reduce-dtype", "bf16"], "drop --grad-reduce-dtype bf16"),
 ])
 def test_bad_configuration_fails_fast_on_every_rank(world, argv, needle):
     results = run_distributed(_main_capturing, world, argv, timeout_s=60)
@@ -65,6 +66,23 @@ def test_short_run_writes_metrics(tmp_path):
         assert r["time_pipeline_s"] > 0 and phases <= r["step_time_s"]
         assert r["time_other_s"] == pytest.approx(r["step_time_s"] - phases, abs=1e-9)
         assert "time_communication_s" in r and 0 <= r["exposed_dp_comm_s"] <= r["time_optimizer_s"]
+
+
+def test_compressed_run_reports_its_ratio(tmp_path):
+    from megalite.cli import parse_args
+    from megalite.plan.communication import communication_bytes
+
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--dp", "2", "--num-layers", "1", "--hidden-size", "64", "--seq-length", "16", "--micro-batch-size", "2",
+            "--train-iters", "3", "--log-interval", "1", "--eval-iters", "0", "--metrics-file", str(metrics),
+            "--grad-compression", "powersgd", "--powersgd-warmup-steps", "1", "--zero", "1"]
+    assert run_distributed(_main, 2, argv, timeout_s=120) == [0, 0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    cfg = parse_args(argv)[0].resolved(2, 257)
+    sent = communication_bytes(cfg.gpt_config(), cfg, 0)["dp/all_reduce"]
+    assert [r["grad_compression_ratio"] for r in records[:1]] == [1.0]  # the warm-up step is plain
+    assert [r["grad_reduce_bytes"] for r in records[1:]] == [sent, sent]
+    assert all(r["grad_compression_ratio"] == records[0]["grad_reduce_bytes"] / sent for r in records[1:])
 
 
 def test_dry_run_prints_the_plan(capsys):

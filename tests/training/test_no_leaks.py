@@ -39,9 +39,9 @@ def _live_tensor_counts(train_kwargs, mesh_kwargs):
     (dict(tp=2, dp=2, zero=2, sequence_parallel=True, recompute="full", overlap_param_gather=True,
           fused_linear_cross_entropy=True), dict(tp=2, pp=1)),
     (dict(pp=2, dp=2, zero=1, pipeline_schedule="zb-h1"), dict(tp=1, pp=2)),
-    (dict(pp=2, dp=2, zero=1, virtual_stages=2, pipeline_schedule="interleaved", recompute="selective"),
+    (dict(pp=2, dp=2, zero=3, virtual_stages=2, pipeline_schedule="interleaved", recompute="selective"),
      dict(tp=1, pp=2)),
-], ids=["tp2-sp-zero2-full-recompute-overlap-fused", "pp2-zb-h1-zero1", "pp2-interleaved-zero1"])
+], ids=["tp2-sp-zero2-full-recompute-overlap-fused", "pp2-zb-h1-zero1", "pp2-interleaved-zero3"])
 def test_live_tensors_stay_constant_over_steps(train_kwargs, mesh_kwargs):
     for rank, counts in enumerate(run_distributed(_live_tensor_counts, 4, train_kwargs, mesh_kwargs, timeout_s=180)):
         assert len(set(counts[1:])) == 1, f"rank {rank}: live tensors per step {counts}"

@@ -1,0 +1,124 @@
+"""PowerSGD's state in a checkpoint (megalite/data_parallel/powersgd.py): every replica's share
+of the residual, and the warm-start Q.
+
+Stored kinds (beside the weights and the optimizer state, in the same boxes of full tensors):
+- "powersgd_error", name "{logical name}@replica{r}": replica r's (rank r of the dp x cp group)
+  residual share E_r of a compressed parameter, as boxes of the full logical tensor (tp shards
+  mapped like the weights); written by tp rank 0 for tp-replicated parameters and by the first
+  stage for a tied embedding, so every element of every share is stored once.
+- "powersgd_q", name "{logical name}@tp{t}of{T}" (tp-sharded) or "{logical name}": the Q [m, r]
+  of that matrix, the same on every replica: written by replica 0.
+
+Loading (with the optimizer state; `--no-load-optim` starts the compressor afresh too):
+- the same number of replicas: each replica reads its own share, whatever tp/pp now slice it;
+  at the same layout the run continues exactly as if never interrupted;
+- another number of replicas: replica 0 reads the SUM of every stored share, the others start
+  at zero. The compressor depends on the shares only through their sum (powersgd.py), so the
+  total residual, the only quantity the next steps use, carries over exactly;
+- Q is restored where one of the same name and shape was stored (same tp size and rank r);
+  otherwise the matrix starts from its first random Q (the warm start is lost, nothing else);
+- a parameter compressed now but not when saved (or a checkpoint without compression) starts
+  with a zero residual; a residual stored for a parameter not compressed now is dropped;
+- the warm-up counter resumes at the checkpoint's step.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite import comm, params as P
+from megalite.checkpoint.boxes import box_shape, box_slices, local_to_full, whole_box
+from megalite.data_parallel.powersgd import first_q
+
+ERROR_KIND, Q_KIND = "powersgd_error", "powersgd_q"
+
+
+def _compressor(optimizer):
+    model = getattr(optimizer, "model", None)
+    return model, getattr(model, "compression", None)
+
+
+def _stores(param, mesh) -> bool:
+    """One copy among the identical ones: tp rank 0 for tp-replicated, the first stage for a tied embedding."""
+    if P.is_tied_across_stages(param) and not mesh.is_first_stage:
+        return False
+    return P.shard_spec(param).is_tp_sharded or mesh.tp_rank == 0
+
+
+def _q_name(name: str, param, mesh) -> str:
+    return f"{name}@tp{mesh.tp_rank}of{mesh.tp_size}" if P.shard_spec(param).is_tp_sharded else name
+
+
+def compression_items(optimizer, mesh) -> list[tuple[str, str, tuple, torch.Tensor]]:
+    """(kind, name, full box, CPU tensor) of this rank's PowerSGD state; [] without compression."""
+    model, compressor = _compressor(optimizer)
+    if compressor is None:
+        return []
+    replica = comm.group_rank(compressor.group)
+    items = []
+    for index in compressor.matrices:
+        name, param = model.names[index], model.params[index]
+        if not _stores(param, mesh):
+            continue
+        spec, error = P.shard_spec(param), compressor.error_of(index).view(param.shape)
+        for local_box, full_box in local_to_full(spec, whole_box(tuple(param.shape))):
+            items.append((ERROR_KIND, f"{name}@replica{replica}", full_box,
+                          error[box_slices(local_box)].detach().cpu().clone()))
+        if replica == 0:
+            q = compressor.q_of(index)
+            items.append((Q_KIND, _q_name(name, param, mesh), whole_box(tuple(q.shape)), q.detach().cpu().clone()))
+    return items
+
+
+def _sources(reader, compressor) -> list[int]:
+    """The stored replicas whose shares this rank's replica sums (see the module docstring)."""
+    layout = reader.metadata["layout"]
+    saved, replicas = layout["dp"] * layout.get("cp", 1), comm.group_size(compressor.group)
+    replica = comm.group_rank(compressor.group)
+    if saved == replicas:
+        return [replica]
+    return list(range(saved)) if replica == 0 else []
+
+
+def _reads(reader, optimizer):
+    """[(index, kind, stored name, local box, full box)] of every stored box this rank will read."""
+    model, compressor = _compressor(optimizer)
+    if compressor is None:
+        return []
+    mesh, out = model.mesh, []
+    for index in compressor.matrices:
+        name, param = model.names[index], model.params[index]
+        for source in _sources(reader, compressor):
+            if reader.has(ERROR_KIND, f"{name}@replica{source}"):
+                for local_box, full_box in local_to_full(P.shard_spec(param), whole_box(tuple(param.shape))):
+                    out.append((index, ERROR_KIND, f"{name}@replica{source}", local_box, full_box))
+        q_name, q_box = _q_name(name, param, mesh), whole_box(tuple(compressor.q_of(index).shape))
+        if reader.has(Q_KIND, q_name) and reader.items[(Q_KIND, q_name)][0][0] == q_box:
+            out.append((index, Q_KIND, q_name, q_box, q_box))
+    return out
+
+
+def plan_compression(reader, optimizer) -> None:
+    """Check coverage and checksums of every stored box load_compression will read."""
+    for _, kind, name, _, full_box in _reads(reader, optimizer):
+        reader.check_covered(kind, name, full_box)
+        reader.verify_box(kind, name, full_box)
+
+
+@torch.no_grad()
+def load_compression(reader, optimizer, step: int) -> None:
+    """Set the compressor's residual shares and Q from the checkpoint (see the module docstring)."""
+    model, compressor = _compressor(optimizer)
+    if compressor is None:
+        return
+    compressor.error.zero_()
+    for index, matrix in compressor.matrices.items():
+        compressor.q_of(index).copy_(first_q(matrix.m, matrix.r, compressor.config.seed))
+    for index, kind, name, local_box, full_box in _reads(reader, optimizer):
+        piece = torch.empty(box_shape(full_box), dtype=torch.float32)
+        reader.read_into(kind, name, full_box, piece)
+        if kind == ERROR_KIND:
+            compressor.error_of(index).view(model.params[index].shape)[box_slices(local_box)] += piece.to(
+                compressor.device)
+        else:
+            compressor.q_of(index).copy_(piece)
+    compressor.steps_done = step

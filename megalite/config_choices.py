@@ -1,0 +1,70 @@
+"""The choices of RunConfig's settings, each an enum declared once: argparse's `choices`, the
+config files' accepted strings and the code's comparisons all come from these (a StrEnum member
+equals its string, so `cfg.parallel.recompute == "full"` reads as well as `Recompute.FULL`).
+
+Pure Python, no torch.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Precision(enum.StrEnum):
+    """A floating-point format: of the parameters and activations, or of the gradient reduction
+    (whose fp16 only the planner models, for the ZeRO paper's accounting; training refuses it)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Recompute(enum.StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Schedule(enum.StrEnum):
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    GPIPE = "gpipe"
+    ZB_H1 = "zb-h1"
+
+
+class LRDecay(enum.StrEnum):
+    COSINE = "cosine"
+    LINEAR = "linear"
+    CONSTANT = "constant"
+
+
+class ElasticBatch(enum.StrEnum):
+    """The global batch when a run resumes on another world (megalite.checkpoint.elastic)."""
+
+    KEEP = "keep"  # the checkpoint's global batch, more or fewer accumulation steps
+    SCALE = "scale"  # the global batch in proportion to dp, the learning rate by --elastic-lr-rule
+
+
+class ElasticLRRule(enum.StrEnum):
+    """How --elastic-batch scale rescales the learning rate with the global batch ratio r."""
+
+    LINEAR = "linear"  # lr * r (Goyal et al., 2017)
+    SQRT = "sqrt"  # lr * sqrt(r) (Krizhevsky, 2014; Adam-style optimisers)
+
+
+class OnNonFinite(enum.StrEnum):
+    SKIP = "skip"
+    STOP = "stop"
+
+
+class CPCommType(enum.StrEnum):
+    """How context-parallel attention talks (megalite.context_parallel.checks.CP_COMM_TYPES)."""
+
+    P2P = "p2p"  # ring attention: K/V blocks travel round the cp ring
+    A2A = "a2a"  # Ulysses: all-to-all from a sequence split to a head split and back
+
+
+class GradCompression(enum.StrEnum):
+    """How the data-parallel gradient reduction travels (megalite.data_parallel.powersgd)."""
+
+    NONE = "none"
+    POWERSGD = "powersgd"  # low-rank factors P, Q with error feedback (Vogels et al. 2019)

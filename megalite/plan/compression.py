@@ -1,0 +1,124 @@
+"""PowerSGD's arithmetic (Vogels et al. 2019), pure: which gradients are compressed, at what rank,
+and how many elements one step's reduction sends. No torch: the compressor
+(megalite/data_parallel/powersgd.py) and the planner (communication.py) both decide with these
+functions, so the estimate and the ledger cannot disagree.
+
+A gradient of shape [n, ...] is viewed as an n x m matrix (m = the other dimensions' product).
+At rank r' = min(r, n, m) it travels as P [n, r'] and Q [m, r']: r'(n + m) elements instead of
+n*m. It is compressed when that shrinks it by at least `min_compression`
+(n*m >= min_compression * r'(n + m)); 1-D gradients never are. Everything else is summed
+uncompressed, in the same all-reduce as the P factors.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Iterable
+
+from megalite.model.config import GPTConfig
+from megalite.plan.layout import stage_layers
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+REDUCE_BYTES = 4  # P, Q and the uncompressed gradients travel in fp32
+
+
+def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(n, m) of the matrix a gradient of `shape` is compressed as; None for 0-D and 1-D."""
+    if len(shape) < 2:
+        return None
+    return shape[0], math.prod(shape[1:])
+
+
+def effective_rank(n: int, m: int, rank: int) -> int:
+    """The rank actually used for an n x m matrix: never more than min(n, m)."""
+    return min(rank, n, m)
+
+
+def compresses(shape: tuple[int, ...], rank: int, min_compression: float) -> bool:
+    """Whether a gradient of `shape` is sent as low-rank factors (see the module docstring)."""
+    view = matrix_view(shape)
+    if view is None:
+        return False
+    n, m = view
+    return n * m >= min_compression * effective_rank(n, m, rank) * (n + m)
+
+
+def sent_elements(shape: tuple[int, ...], rank: int, min_compression: float) -> int:
+    """Elements one step's reduction sends for a gradient of `shape`: r'(n + m) or n*m."""
+    if compresses(shape, rank, min_compression):
+        n, m = matrix_view(shape)
+        return effective_rank(n, m, rank) * (n + m)
+    return math.prod(shape)
+
+
+def reduction_elements(shapes: Iterable[tuple[int, ...]], rank: int, min_compression: float) -> int:
+    """Elements one compressed step all-reduces (its P factors + uncompressed gradients, then its Q factors)."""
+    return sum(sent_elements(tuple(s), rank, min_compression) for s in shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's side: the shapes of one rank's parameters, and its dp bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_param_shapes(model: GPTConfig, tp: int) -> list[tuple[int, ...]]:
+    """Shapes of one transformer block's parameters on one tp rank (their sizes add up to
+    plan.params.layer_params)."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d
+    mlp_in = f if model.flavour == "gpt2" else 2 * f           # fc1 | fused gate+up
+    norm = [(h,), (h,)] if model.flavour == "gpt2" else [(h,)]   # LayerNorm weight+bias | RMSNorm weight
+    shapes = 2 * norm + [(qkv // tp, h), (h, model.num_attention_heads * d // tp), (mlp_in // tp, h), (h, f // tp)]
+    if model.add_bias:  # column-parallel biases sharded, row-parallel biases replicated
+        shapes += [(qkv // tp,), (h,), (mlp_in // tp,), (h,)]
+    return shapes
+
+
+def stage_param_shapes(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tuple[int, ...]]:
+    """Shapes of the parameters one rank of pipeline stage `stage` holds (plan.params.stage_params)."""
+    h, tp, pp = model.hidden_size, cfg.parallel.tp, cfg.parallel.pp
+    shapes = stage_layers(model, cfg)[stage] * layer_param_shapes(model, tp)
+    vocab_shard = (model.padded_vocab_size(tp) // tp, h)
+    if stage == 0:
+        shapes.append(vocab_shard)
+        if model.flavour == "gpt2":
+            shapes.append((model.seq_length, h))
+    if stage == pp - 1:
+        shapes += [(h,), (h,)] if model.flavour == "gpt2" else [(h,)]
+        if not model.tie_embeddings or pp > 1:  # the output layer, or the last stage's tied copy
+            shapes.append(vocab_shard)
+    return shapes
+
+
+def compression_enabled(cfg: RunConfig) -> bool:
+    """PowerSGD replaces the gradient reduction: asked for, and more than one replica (dp x cp)."""
+    return str(cfg.parallel.grad_compression) == "powersgd" and cfg.dp * cfg.parallel.cp > 1
+
+
+def replace_dp_grad_bytes(out: dict[str, int], model: GPTConfig, cfg: RunConfig, stage: int) -> None:
+    """In `out` (communication.communication_bytes), swap the dp gradient reduction for PowerSGD's:
+    at ZeRO 0 the all-reduce, at ZeRO 1/2 the reduce-scatter, become all-reduces of
+    4 * sum(r'(n + m) per compressed matrix + numel per other gradient) bytes per step (after the
+    warm-up steps). The ZeRO 1/2 parameter all-gather is unchanged."""
+    if not compression_enabled(cfg):
+        return
+    group = "dp" if cfg.parallel.cp == 1 else "dp_cp"
+    p = cfg.parallel
+    out.pop(f"{group}/all_reduce" if p.zero == 0 else f"{group}/reduce_scatter", None)
+    shapes = stage_param_shapes(model, cfg, stage)
+    sent = REDUCE_BYTES * reduction_elements(shapes, p.powersgd_rank, p.powersgd_min_compression)
+    out[f"{group}/all_reduce"] = out.get(f"{group}/all_reduce", 0) + sent
+
+
+def compression_state_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """PowerSGD's state on one rank of `stage`: an fp32 residual share of every compressed matrix
+    (n*m) and its Q (m*r'); 0 without compression."""
+    if not compression_enabled(cfg):
+        return 0
+    p, total = cfg.parallel, 0
+    for shape in stage_param_shapes(model, cfg, stage):
+        if compresses(shape, p.powersgd_rank, p.powersgd_min_compression):
+            n, m = matrix_view(shape)
+            total += n * m + m * effective_rank(n, m, p.powersgd_rank)
+    return REDUCE_BYTES * total

@@ -1,0 +1,92 @@
+"""ZeRO-3 in the planner: units, the bytes of gathered units, and the data-parallel traffic.
+
+megalite's ZeRO-3 (megalite/data_parallel/zero3.py) gathers one unit at a time: the embedding
+(word + position tables), each transformer block, the final norm with the output layer (a
+weight tied across pipeline stages is a unit of its own). Per rank of a pipeline stage, with
+Ψ its tp-local parameters, p bytes per parameter element, m microbatches per step:
+
+    parameters   p·Ψ/dp (the shard) + the units gathered at the peak: the running one and
+                 `prefetch` ahead (+ the embedding the tied head borrows at pp = 1); every unit
+                 of the stage with --zero3-keep-gathered-in-step or without reshard-after-forward
+    gradients    4·Ψ/dp (fp32 shard) + 4·2·largest unit (one filling, one being reduce-scattered)
+    optimizer    8·Ψ/dp in fp32 (the parameter shard is the master), 12·Ψ/dp otherwise
+
+    dp traffic per step (comm.ledger sizes, group "dp", or "dp_cp" with context parallelism, over
+    which the shards are spread; unit sizes padded to a multiple of dp at run time):
+      all_gather      2·m·Ψ·p  reshard after forward (forward and backward of every microbatch)
+                        m·Ψ·p  --no-zero3-reshard-after-forward (at most: microbatches in flight
+                               in a pipeline share a gather)
+                          Ψ·p  --zero3-keep-gathered-in-step
+                      + 2·m·Ψ_embedding·p for GPT-2's tied head at pp = 1 (it borrows the embedding)
+      reduce_scatter  m·Ψ·g    every microbatch (g: --grad-reduce-dtype bytes)
+
+Pure arithmetic, no torch.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megalite.model.config import GPTConfig
+from megalite.plan.layout import DTYPE_BYTES, stage_layers
+from megalite.plan.params import layer_params
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+def embedding_unit(model: GPTConfig, cfg: RunConfig) -> int:
+    """Elements of the first stage's embedding unit(s): the word table shard (+ GPT-2's positions)."""
+    h, tp = model.hidden_size, cfg.parallel.tp
+    return model.padded_vocab_size(tp) // tp * h + (model.seq_length * h if model.flavour == "gpt2" else 0)
+
+
+def stage_units(model: GPTConfig, cfg: RunConfig, stage: int) -> list[int]:
+    """Elements per rank of each unit of pipeline stage `stage`, in execution order."""
+    h, tp, pp = model.hidden_size, cfg.parallel.tp, cfg.parallel.pp
+    units = [embedding_unit(model, cfg)] if stage == 0 else []
+    units += [layer_params(model, tp)] * stage_layers(model, cfg)[stage]
+    if stage == pp - 1:
+        head = 2 * h if model.flavour == "gpt2" else h
+        if not model.tie_embeddings or pp > 1:
+            head += model.padded_vocab_size(tp) // tp * h
+        units.append(head)
+    return units
+
+
+def borrows_embedding(model: GPTConfig, cfg: RunConfig) -> bool:
+    """GPT-2's tied head reads the word embedding of its own stage (pp = 1): gathered on demand."""
+    return model.tie_embeddings and cfg.parallel.pp == 1
+
+
+def gathered_peak_elements(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """Most parameter elements gathered at once on a rank of `stage` (an upper bound)."""
+    units = stage_units(model, cfg, stage)
+    p = cfg.parallel
+    if p.zero3_keep_gathered_in_step or not p.zero3_reshard_after_forward:
+        return sum(units)
+    window = min(len(units), p.zero3_prefetch + 1)  # the running unit and `prefetch` ahead
+    peak = max(sum(units[i:i + window]) for i in range(len(units) - window + 1))
+    if borrows_embedding(model, cfg):  # the head's backward: head, borrowed embedding, prefetched blocks
+        peak = max(peak, units[-1] + units[0] + sum(units[max(1, len(units) - 1 - p.zero3_prefetch):-1]))
+    return peak
+
+
+def transient_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """fp32 full gradients alive at once: the unit filling and the one being reduce-scattered."""
+    return 4 * 2 * max(stage_units(model, cfg, stage))
+
+
+def add_zero3_dp_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, params: int) -> None:
+    """ZeRO-3's dp traffic of one step (see the module docstring), into `add(key, bytes)`."""
+    from megalite.plan.communication import dp_group_name  # (communication.py imports this module)
+
+    p, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+    m, par, group = cfg.num_microbatches, cfg.parallel, dp_group_name(cfg)
+    add(f"{group}/reduce_scatter", m * params * g)
+    if par.zero3_keep_gathered_in_step:
+        add(f"{group}/all_gather", params * p)
+        return
+    gathers = 2 * m if par.zero3_reshard_after_forward else m
+    borrowed = 2 * m * embedding_unit(model, cfg) if borrows_embedding(model, cfg) and stage == 0 and \
+        par.zero3_reshard_after_forward else 0
+    add(f"{group}/all_gather", (gathers * params + borrowed) * p)
