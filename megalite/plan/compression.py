@@ -111,14 +111,19 @@ def replace_dp_grad_bytes(out: dict[str, int], model: GPTConfig, cfg: RunConfig,
     out[f"{group}/all_reduce"] = out.get(f"{group}/all_reduce", 0) + sent
 
 
-def compression_state_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """PowerSGD's state on one rank of `stage`: an fp32 residual share of every compressed matrix
-    (n*m) and its Q (m*r'); 0 without compression."""
+def compressed_matrices(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tuple[int, int, int]]:
+    """(n, m, r') of every gradient a rank of `stage` compresses; [] without compression."""
     if not compression_enabled(cfg):
-        return 0
-    p, total = cfg.parallel, 0
+        return []
+    p, out = cfg.parallel, []
     for shape in stage_param_shapes(model, cfg, stage):
         if compresses(shape, p.powersgd_rank, p.powersgd_min_compression):
             n, m = matrix_view(shape)
-            total += n * m + m * effective_rank(n, m, p.powersgd_rank)
-    return REDUCE_BYTES * total
+            out.append((n, m, effective_rank(n, m, p.powersgd_rank)))
+    return out
+
+
+def compression_state_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """PowerSGD's state on one rank of `stage`: an fp32 residual share of every compressed matrix
+    (n*m) and its Q (m*r'); 0 without compression."""
+    return REDUCE_BYTES * sum(n * m + m * r for n, m, r in compressed_matrices(model, cfg, stage))

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
 from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name
-from megalite.plan.compression import compresses, compression_enabled, effective_rank, matrix_view, stage_param_shapes
+from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
 from megalite.plan.params import layer_params, stage_params
@@ -287,15 +287,10 @@ def _compression_seconds(model, cfg, hw, stage: int) -> float:
     P = M Q, Q = M^T P^ and the decompression P^ Q^T (fp32 GEMMs), and 28 bytes per element of
     fp32 passes (M = G + residual: read 8, write 4; the new residual: read M and P^ Q^T, write 4;
     the decompressed sum written: 4). The orthogonalisation of the thin P is left out."""
-    if not compression_enabled(cfg):
-        return 0.0
-    p, seconds = cfg.parallel, 0.0
-    for shape in stage_param_shapes(model, cfg, stage):
-        if compresses(shape, p.powersgd_rank, p.powersgd_min_compression):
-            n, m = matrix_view(shape)
-            r = effective_rank(n, m, p.powersgd_rank)
-            seconds += hw.matmul_seconds(n, r, m, "fp32") + hw.matmul_seconds(m, r, n, "fp32")
-            seconds += hw.matmul_seconds(n, m, r, "fp32") + hw.memory_seconds(28 * n * m)
+    seconds = 0.0
+    for n, m, r in compressed_matrices(model, cfg, stage):
+        seconds += hw.matmul_seconds(n, r, m, "fp32") + hw.matmul_seconds(m, r, n, "fp32")
+        seconds += hw.matmul_seconds(n, m, r, "fp32") + hw.memory_seconds(28 * n * m)
     return seconds
 
 

@@ -19,6 +19,7 @@ import torch
 
 from megalite import comm
 from megalite.model.config import GPTConfig, preset
+from megalite.model.activation_probe import saved_storage_bytes
 from megalite.model.gpt import GPTModel
 from megalite.pipeline.instructions import BWD, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
@@ -73,20 +74,10 @@ def saved_tensor_bytes(model: GPTModel, batch: int, seq: int) -> tuple[int, torc
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ids = torch.randint(0, model.config.vocab_size, (batch, seq))
-        labels = torch.randint(0, model.config.vocab_size, (batch, seq))
-        loss = model(ids, labels)
-    storages[ids.untyped_storage().data_ptr()] = ids.nbytes  # the batch lives through the step
-    return sum(storages.values()), loss
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    labels = torch.randint(0, model.config.vocab_size, (batch, seq))
+    saved, loss = saved_storage_bytes(lambda: model(ids, labels), exclude=params | {ids.untyped_storage().data_ptr()})
+    return saved + ids.nbytes, loss  # the batch lives through the step, saved or not
 
 
 def run(num_microbatches: int | None = None, **settings) -> RunConfig:
