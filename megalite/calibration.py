@@ -11,9 +11,10 @@ What is measured (each a median over repeats, so a brief burst of another proces
   elementwise    a tanh-GeLU forward + backward over 4 MiB: the rate of kernels that also compute
                  (a CPU's vector math is slower than its memory; a GPU's is not);
   attention      causal scaled_dot_product_attention forward + backward: its fraction of peak;
-  collectives    all-reduce over forked gloo (or NCCL) ranks of 2 and of every rank count up to the
-                 cores, 4 KiB ... 16 MiB: bus bandwidth (nccl-tests convention) and the fixed cost
-                 per call, fitted to time = latency + bytes * bus factor / busbw;
+  collectives    all-reduce over forked gloo (or NCCL) ranks, 4 KiB ... 16 MiB: bus bandwidth
+                 (nccl-tests convention) and the fixed cost per call, fitted to time = latency +
+                 bytes * bus factor / busbw; a CPU over 2 and 4 ranks (the fixed cost grows with
+                 the group where ranks outnumber the cores), a GPU over 2 devices when it has them;
   host overhead  megalite's own pieces at negligible size (hidden 16, 8 tokens): one block's forward
                  + backward, the rest of a microbatch (embedding, head, loss), the rest of a step
                  (optimizer, bookkeeping) — what a step costs besides arithmetic on this host.
@@ -88,7 +89,7 @@ def _gemm_worker(n: int, threads: int, conn) -> None:
 
 
 def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float = 0.3,
-                          rounds: int = 3) -> dict[int, float]:
+                          rounds: int = 5) -> dict[int, float]:
     """k -> how much slower each of k processes running the same GEMM loop at once is than one alone
     (the median process); what k ranks on this machine, as loaded as it is now, cost each other.
 
@@ -121,8 +122,10 @@ def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    alone = statistics.median(times[counts[0]])
-    return {k: max(1.0, statistics.median(times[k]) / alone) for k in counts}  # never faster than alone
+    # each round's ratio to that round's lone process, then the median over rounds: a burst of
+    # others' load that spans a round moves one ratio, not the result
+    ratios = {k: statistics.median(t / alone for t, alone in zip(times[k], times[counts[0]])) for k in counts}
+    return {k: max(1.0, ratio) for k, ratio in ratios.items()}  # never faster than alone
 
 
 def measure_copy_gbs(device: torch.device, nbytes: int = 4 << 20) -> float:
@@ -275,10 +278,14 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
     log(f"  copy: {copy_gbs:.2f} GB/s, elementwise (GeLU fwd+bwd): {elementwise_gbs:.2f} GB/s, causal attention "
         f"fwd+bwd: {attention:.1%} of peak")
     message_sizes = (4 << 10, 64 << 10, 1 << 20, 4 << 20) if quick else (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-    ranks = 2 if not cuda else min(2, torch.cuda.device_count())
-    allreduce = measure_allreduce(ranks, device, message_sizes) if ranks > 1 else {}
-    latency, busbw = fit_latency_and_busbw(allreduce, ranks) if allreduce else (10e-6, 100e9)
-    log(f"  all-reduce over {ranks} ranks: bus bandwidth {busbw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    # a CPU: 2 ranks and 4 (where ranks outnumber the cores the fixed cost grows with the group);
+    # a GPU: two devices when it has them (one rank per device)
+    group_sizes = (2, 4) if not cuda else ((2,) if torch.cuda.device_count() > 1 else ())
+    allreduce = {n: measure_allreduce(n, device, message_sizes) for n in group_sizes}
+    fits = {n: fit_latency_and_busbw(times, n) for n, times in allreduce.items()}
+    for n, (latency, busbw) in fits.items():
+        log(f"  all-reduce over {n} ranks: bus bandwidth {busbw / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    latency, busbw = fits.get(2, (10e-6, 100e9))
     slowdown = {} if cuda else measure_rank_slowdown((1, 2, 4) if quick else (1, 2, 4, 8))
     if slowdown:
         log("  ranks computing at once, slowdown of each: " + ", ".join(f"{k}: {x:.2f}" for k, x in slowdown.items()))
@@ -292,6 +299,7 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
         memory_bandwidth_gbs=copy_gbs, elementwise_gbs=elementwise_gbs, attention_efficiency=attention,
         intra_node_busbw_gbs=busbw / 1e9, inter_node_busbw_gbs=busbw / 1e9,
         devices_per_node=torch.cuda.device_count() if cuda else None, collective_latency_us=latency * 1e6,
+        collective_ranks=() if cuda else tuple((n, lat * 1e6, bw / 1e9) for n, (lat, bw) in fits.items()),
         block_overhead_us=host["block"] * 1e6, microbatch_overhead_us=host["microbatch"] * 1e6,
         step_overhead_us=host["step"] * 1e6, host_synchronous=not cuda, cores=None if cuda else cores,
         threads_per_rank=1 if cuda else torch.get_num_threads(), rank_slowdown=tuple(slowdown.items()),
@@ -299,6 +307,6 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
                f"{torch.get_num_threads()} threads, load average {load:.2f}",
         measurements={"gemm_tflops": {p: {str(n): v for n, v in g.items()} for p, g in gemms.items()},
                       "copy_gbs": copy_gbs, "elementwise_gbs": elementwise_gbs, "attention_efficiency": attention,
-                      "allreduce_seconds": {str(n): s for n, s in allreduce.items()},
-                      "allreduce_ranks": ranks, "host_seconds": host, "rank_slowdown": slowdown,
+                      "allreduce_seconds": {str(ranks): {str(n): t for n, t in times.items()}
+                                            for ranks, times in allreduce.items()}, "host_seconds": host, "rank_slowdown": slowdown,
                       "load_average": load})

@@ -35,7 +35,8 @@ def test_a_profile_from_measurements_reads_back(tmp_path, monkeypatch):
     monkeypatch.setattr(CAL, "measure_copy_gbs", lambda device: 12.5)
     monkeypatch.setattr(CAL, "measure_elementwise_gbs", lambda device: 2.5)
     monkeypatch.setattr(CAL, "measure_attention_efficiency", lambda device, precision, peak: 0.25)
-    monkeypatch.setattr(CAL, "measure_allreduce", lambda ranks, device, sizes: {n: 1e-4 + n / 1e9 for n in sizes})
+    monkeypatch.setattr(CAL, "measure_allreduce", lambda ranks, device, sizes: {n: 1e-4 * (ranks - 1) + n / 1e9
+                                                                                for n in sizes})
     monkeypatch.setattr(CAL, "measure_host_overheads", lambda: {"block": 1e-3, "microbatch": 2e-3, "step": 3e-3})
     monkeypatch.setattr(CAL, "measure_rank_slowdown", lambda counts: {1: 1.0, 2: 1.1, 4: 2.3})
     profile = CAL.calibrate(name="fake", precisions=("fp32",), quick=True, log=lambda line: None)
@@ -44,6 +45,10 @@ def test_a_profile_from_measurements_reads_back(tmp_path, monkeypatch):
     assert profile.elementwise_gbs == 2.5 and profile.attention_efficiency == 0.25
     assert profile.collective_latency_us == pytest.approx(100.0) and profile.host_synchronous
     assert profile.intra_node_busbw_gbs == pytest.approx(1.0) and profile.devices_per_node is None
+    (two, lat2, bw2), (four, lat4, bw4) = profile.collective_ranks   # busbw = bus factor 2(n-1)/n x 1 GB/s
+    assert (two, four) == (2, 4) and lat2 == pytest.approx(100.0) and lat4 == pytest.approx(300.0)
+    assert bw2 == pytest.approx(1.0) and bw4 == pytest.approx(1.5)
+    assert profile.collective_latency_s(4) == pytest.approx(3e-4) and profile.busbw(4, 1, None) == pytest.approx(1.5e9)
     assert profile.compute_slowdown(4) == 2.3 and profile.compute_slowdown(3) == pytest.approx(1.7)
     assert profile.compute_slowdown(8) == pytest.approx(4.6)               # proportional beyond the last point
     path = tmp_path / "p.json"

@@ -129,7 +129,8 @@ def cycles(count: int, iters: int, out: Path) -> None:
                   f"ratio {guess / seconds:5.2f}  (load {before} -> {_loadavg()}; profile: GEMM best "
                   f"{profile.peak_tflops['fp32'] * 1e3:.0f} GFLOP/s, GeLU {profile.elementwise_gbs:.1f} GB/s, "
                   f"attention {profile.attention_efficiency:.0%}, all-reduce {profile.intra_node_busbw_gbs:.2f} GB/s + "
-                  f"{profile.collective_latency_us:.0f} us, 4 ranks x{profile.compute_slowdown(4):.2f}, block "
+                  f"{profile.collective_latency_us:.0f} us (4 ranks {profile.collective_latency_s(4) * 1e6:.0f} us), "
+                  f"4 ranks x{profile.compute_slowdown(4):.2f}, block "
                   f"{profile.block_overhead_us / 1e3:.1f} ms)")
             time.sleep(1)
     for name, ratios in results.items():

@@ -155,6 +155,27 @@ def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:
         add(f"{group}/all_gather", 2 * m * params * p)    # params gathered for forward and backward
 
 
+def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
+    """Ledger group -> (ranks in it, count) of the one-element all-reduces every step waits for on
+    one rank: the step's target-token count (over dp x cp), the finiteness check of the loss and
+    the mean loss (the world), and the gradient norm (the model-parallel group tp x pp, or the
+    world when ZeRO shards the gradients over dp x cp). Groups of one rank issue none."""
+    tp, pp, cp, dp, world = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.dp, cfg.world_size
+    out: dict[str, tuple[int, int]] = {}
+
+    def add(group: str, ranks: int, count: int) -> None:
+        if ranks > 1:
+            out[group] = (ranks, out.get(group, (ranks, 0))[1] + count)
+
+    add(dp_group_name(cfg), dp * cp, 1)
+    add("world", world, 2)
+    if cfg.parallel.zero and dp * cp > 1:
+        add("world", world, 1)
+    else:
+        add("mp", tp * pp, 1)
+    return out
+
+
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests bus-bandwidth factor: bytes on the busiest link per byte of ledger size."""
     if n <= 1:

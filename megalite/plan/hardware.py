@@ -62,6 +62,11 @@ class HardwareProfile:
     """Ranks one node holds; None: every rank of the job shares one node (a CPU machine)."""
     collective_latency_us: float = 10.0
     """Fixed cost of one collective or p2p transfer (small-message time)."""
+    collective_ranks: tuple[tuple[int, float, float], ...] = ()
+    """Measured (CPU calibration): (n, latency us, bus bandwidth GB/s) of an all-reduce over n ranks,
+    n increasing. Where ranks outnumber the cores, every hop of a ring waits for a process to be
+    scheduled, so the fixed cost grows with n. Empty: collective_latency_us and the bus
+    bandwidths for every group size (a GPU's fixed cost barely depends on it)."""
     block_overhead_us: float = 0.0
     """Host time of one transformer block's forward + backward at negligible size (launches, dispatch)."""
     microbatch_overhead_us: float = 0.0
@@ -90,6 +95,11 @@ class HardwareProfile:
                                        f"n > 0 increasing and 0 < fraction, got {self.matmul_efficiency!r}")
         object.__setattr__(self, "matmul_efficiency", curve)
         object.__setattr__(self, "rank_slowdown", tuple((int(n), float(x)) for n, x in self.rank_slowdown))
+        table = tuple((int(n), float(lat), float(bw)) for n, lat, bw in self.collective_ranks)
+        if [n for n, _, _ in table] != sorted({n for n, _, _ in table}) or any(n < 2 or bw <= 0 for n, _, bw in table):
+            raise HardwareProfileError(f"profile {self.name!r}: collective_ranks must be (n >= 2, latency_us, busbw_gbs > 0) "
+                                       f"with n increasing, got {self.collective_ranks!r}")
+        object.__setattr__(self, "collective_ranks", table)
         for name in ("memory_bandwidth_gbs", "intra_node_busbw_gbs", "inter_node_busbw_gbs"):
             if not getattr(self, name) > 0:
                 raise HardwareProfileError(f"profile {self.name!r}: {name} must be positive")
@@ -138,12 +148,37 @@ class HardwareProfile:
         """Seconds of elementwise kernels that read + write `nbytes` in all."""
         return nbytes / ((self.elementwise_gbs or self.memory_bandwidth_gbs) * 1e9)
 
+    def _measured_collective(self, group_size: int) -> tuple[float, float] | None:
+        """(latency us, busbw GB/s) of `group_size` ranks from `collective_ranks`: linear in n between
+        measured sizes; below the first, the first; beyond the last, the latency grows with the
+        ring's n - 1 hops at the last measured bandwidth. None without a table."""
+        table = self.collective_ranks
+        if not table:
+            return None
+        if group_size <= table[0][0]:
+            return table[0][1], table[0][2]
+        for (n0, l0, b0), (n1, l1, b1) in zip(table, table[1:]):
+            if group_size <= n1:
+                w = (group_size - n0) / (n1 - n0)
+                return l0 + w * (l1 - l0), b0 + w * (b1 - b0)
+        n, latency, bandwidth = table[-1]
+        return latency * (group_size - 1) / (n - 1), bandwidth
+
+    def collective_latency_s(self, group_size: int) -> float:
+        """Seconds of fixed cost of one collective over `group_size` ranks (2 for a p2p transfer)."""
+        measured = self._measured_collective(group_size)
+        return (measured[0] if measured else self.collective_latency_us) * 1e-6
+
     def busbw(self, group_size: int, stride: int, ranks_per_node: int | None) -> float:
         """Bus bandwidth (bytes/s) of a group of `group_size` ranks `stride` ranks apart.
 
-        Inside a node (the group's span fits): the intra-node bandwidth. Across nodes each node's
-        r = ranks of the group on it drive r NICs in parallel: r x inter-node, at most intra-node.
+        Measured per group size (`collective_ranks`): that. Otherwise inside a node (the group's
+        span fits): the intra-node bandwidth; across nodes each node's r = ranks of the group on
+        it drive r NICs in parallel: r x inter-node, at most intra-node.
         """
+        measured = self._measured_collective(group_size)
+        if measured:
+            return measured[1] * 1e9
         per_node = ranks_per_node if ranks_per_node is not None else self.devices_per_node
         if per_node is None or group_size * stride <= per_node:
             return self.intra_node_busbw_gbs * 1e9
@@ -170,6 +205,7 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["matmul_efficiency"] = [list(point) for point in self.matmul_efficiency]
+        out["collective_ranks"] = [list(row) for row in self.collective_ranks]
         return out
 
     def save(self, path: str | Path) -> None:

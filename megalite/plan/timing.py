@@ -31,7 +31,10 @@ communication.py, two all-reduces) and its arithmetic (three thin GEMMs and fp32
 compressed gradient) follow the whole backward. The optimizer
 streams its shard's fp32 state through memory once. On a CPU, ranks computing at once slow each
 other down (the profile's measured `rank_slowdown`, or ranks x threads over the cores), and its
-transfers, being the cores' work too, slow down with them.
+transfers, being the cores' work too, slow down with them. Every step also waits for a few
+one-element all-reduces (token count, loss, finiteness, gradient norm) at their groups' fixed cost:
+microseconds on a GPU, milliseconds where ranks outnumber a CPU's cores (the profile's
+`collective_ranks`, measured per group size).
 
 `Kernels` says what the modelled software runs where that changes time: megalite (flash attention,
 plain p2p) or, to check the model against Narayanan et al. 2021's measured iterations, Megatron-LM
@@ -46,7 +49,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name
+from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
@@ -98,6 +101,9 @@ class StepTime:
     """Pipeline idle time of the schedule (the average stage's share of fill and drain)."""
     optimizer: float
     """The update (memory traffic of the fp32 state) and per-step host overhead."""
+    sync: float = 0.0
+    """The step's one-element all-reduces every rank waits for (token count, loss finiteness, mean
+    loss, gradient norm: communication.step_scalar_collectives), each at its group's fixed cost."""
     offload: float = 0.0
     """With --offload-optimizer: PCIe transfers and the CPU update."""
 
@@ -229,7 +235,7 @@ def _transfer_seconds(cfg, hw, ranks_per_node, group: str, op: str, nbytes: int,
     factor = 1.0 if op in ("send", "recv") else bus_factor(op, size)
     link = hw.busbw(2 if op in ("send", "recv") else size, stride, ranks_per_node)
     count = max(1, math.ceil(nbytes / max(unit, 1)))
-    return nbytes * factor / link + count * hw.collective_latency_us * 1e-6
+    return nbytes * factor / link + count * hw.collective_latency_s(2 if op in ("send", "recv") else size)
 
 
 def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, attention: float) -> dict[str, float]:
@@ -348,5 +354,7 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
         dp = max(0.0, dp) + max(c["dp_gather"] for _, c, _, _ in stages)
     dp += max(c["embedding"] for _, c, _, _ in stages)
     update, offload = _optimizer_seconds(model, cfg, hw, max(stage_params(model, cfg, s) for s in range(pp)))
+    sync = sum(count * hw.collective_latency_s(ranks) for ranks, count in step_scalar_collectives(cfg).values())
     return StepTime(compute=busy, tp=comm["tp"], cp=comm["cp"], pp=comm["pp"], dp=dp, bubble=bubble,
-                    optimizer=update * slowdown, offload=offload)
+                    optimizer=update * slowdown, offload=offload,
+                    sync=sync * (slowdown if hw.host_synchronous else 1.0))

@@ -416,3 +416,38 @@ def test_full_recompute_flops_counted_by_torch(recompute_num_layers):
     attention = fraction * 4 * config.num_layers * config.hidden_size * config.seq_length * tokens
     other_params = config.num_params(include_embedding=False) * fraction - gemm_weights  # biases, norms
     assert estimated == pytest.approx(2 * (gemm_weights + other_params) * tokens + attention)
+
+
+def _scalar_collectives_world(settings):
+    """Ledger calls of one training step as the loop runs it (with its non-finite guard)."""
+    from megalite.config import RunConfig
+    from megalite.mesh import init_mesh
+    from megalite.training.guards import NonFiniteGuard
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+
+    cfg = RunConfig.build(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, micro_batch_size=1,
+                          **settings).resolved(4, 64)
+    mesh = init_mesh(tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.dp)
+    model = build_data_parallel(build_model_chunks(cfg.gpt_config(), cfg, mesh), cfg, mesh)
+    optimizer, guard = build_optimizer(model, cfg), NonFiniteGuard(mesh, log=lambda line: None)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": ids, "labels": ids}] * cfg.num_microbatches
+    train_step(model, optimizer, batches, mesh, cfg, 1e-4, guard=guard)
+    comm.ledger.reset()
+    train_step(model, optimizer, batches, mesh, cfg, 1e-4, guard=guard)
+    return cfg, dict(comm.ledger.calls)
+
+
+@pytest.mark.parametrize("settings", [dict(dp=4, global_batch_size=4), dict(tp=2, pp=2, global_batch_size=4),
+                                      dict(tp=2, dp=2, zero=1, global_batch_size=4)], ids=["dp4", "tp2pp2", "tp2dp2z1"])
+def test_planner_scalar_collectives_are_the_steps(settings):
+    """The step-time model's one-element all-reduces per step are the ones a real step issues: every
+    world and model-parallel call, and the dp group's calls less its gradient collectives."""
+    from megalite.plan.communication import step_scalar_collectives
+
+    for cfg, calls in run_distributed(_scalar_collectives_world, 4, settings):
+        planned = {group: count for group, (_, count) in step_scalar_collectives(cfg).items()}
+        measured = {group: n for (group, op), n in calls.items() if group in ("world", "mp") and op == "all_reduce"}
+        if cfg.dp > 1:  # one bucket at this size: ZeRO 0 all-reduces it, ZeRO 1 reduce-scatters it
+            measured["dp"] = calls[("dp", "all_reduce")] - (cfg.parallel.zero == 0)
+        assert measured == planned, (settings, calls)

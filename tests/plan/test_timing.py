@@ -76,6 +76,30 @@ def test_bus_bandwidth_by_where_the_group_sits():
     assert dataclasses.replace(IDEAL, cores=2).compute_slowdown(4) == 2.0 and IDEAL.compute_slowdown(4) == 1.0
 
 
+def test_collectives_measured_per_group_size():
+    """A CPU profile's per-size table: linear between sizes, the first below, ring hops beyond."""
+    cpu = dataclasses.replace(IDEAL, devices_per_node=None, collective_ranks=((2, 1000.0, 2.0), (4, 4000.0, 1.0)))
+    assert cpu.collective_latency_s(2) == pytest.approx(1e-3) and cpu.collective_latency_s(3) == pytest.approx(2.5e-3)
+    assert cpu.collective_latency_s(8) == pytest.approx(4e-3 * 7 / 3) and cpu.busbw(8, 1, None) == pytest.approx(1e9)
+    assert cpu.busbw(3, 1, None) == pytest.approx(1.5e9) and IDEAL.collective_latency_s(4) == 0.0
+    with pytest.raises(HardwareProfileError, match="collective_ranks"):
+        dataclasses.replace(IDEAL, collective_ranks=((4, 1.0, 1.0), (2, 1.0, 1.0)))
+
+
+def test_scalar_collectives_of_a_step_by_hand():
+    """Token count over dp x cp, finiteness and mean loss over the world, the gradient norm over
+    tp x pp (the world under ZeRO), each at its group's fixed cost; none on one rank."""
+    assert C.step_scalar_collectives(run()) == {}
+    assert C.step_scalar_collectives(run(dp=4)) == {"dp": (4, 1), "world": (4, 2)}
+    assert C.step_scalar_collectives(run(tp=2, pp=2, global_batch_size=4)) == {"world": (4, 2), "mp": (4, 1)}
+    assert C.step_scalar_collectives(run(tp=2, dp=2, zero=1)) == {"dp": (2, 1), "world": (4, 3)}
+    cpu = dataclasses.replace(IDEAL, devices_per_node=None, host_synchronous=True,
+                              collective_ranks=((2, 1000.0, 2.0), (4, 4000.0, 1.0)))
+    assert predict_step_time(tiny(), run(dp=4), cpu).sync == pytest.approx(3 * 4e-3)
+    assert predict_step_time(tiny(), run(tp=2, dp=2, zero=1), cpu).sync == pytest.approx(1e-3 + 3 * 4e-3)
+    assert predict_step_time(tiny(), run(), cpu).sync == 0.0
+
+
 def test_compute_by_hand_on_an_ideal_device():
     """GEMM FLOPs only: each block's four linears forward once and backward twice, flash attention's
     two causal (half) products forward once and backward 2.5 times, the output layer 3 times."""

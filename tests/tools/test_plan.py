@@ -76,7 +76,7 @@ def test_json_has_parameter_counts_and_the_step_time(capsys, tmp_path):
     assert code == 0 and result["total_params"] == preset("gpt2-350m").num_params()
     assert 0 < result["params_per_rank"] < result["total_params"] / 2
     parts = result["step_time_breakdown"]
-    assert set(parts) == {"compute", "tp", "cp", "pp", "dp", "bubble", "optimizer", "offload", "total"}
+    assert set(parts) == {"compute", "tp", "cp", "pp", "dp", "bubble", "optimizer", "sync", "offload", "total"}
     assert result["step_time_s"] == parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
     assert parts["tp"] > 0 and parts["pp"] > 0 and parts["bubble"] > 0 and result["hardware"] == "A100-80GB"
     profile = tmp_path / "fast.json"
