@@ -15,13 +15,14 @@ import pathlib
 import torch
 
 from megalite.mesh import init_mesh
+from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.config import preset
 from megalite.model.gpt import GPTModel
 from megalite.plan import activations as A
 from megalite.plan import suggest
 from megalite.plan.ranking import _context_parallel_choices
 from megalite.testing import run_distributed
-from test_estimate import SCALAR_SLACK, kernels_path_without_compute, run, saved_tensor_bytes, tiny
+from test_estimate import SCALAR_SLACK, run, saved_tensor_bytes, tiny
 
 CP_CASES = {  # tp -> [(config, comm type, dtype)]; cp = 2, sequence parallel when tp > 1
     1: [(tiny("gpt2"), "p2p", torch.float32),
@@ -50,7 +51,7 @@ class _LossSum:
 def _measured_on_cp_ranks(batch, tp):
     mesh = init_mesh(tp=tp, cp=2)
     measured = []
-    with kernels_path_without_compute():
+    with kernels_without_launch():
         for config, comm_type, dtype in CP_CASES[tp]:
             torch.manual_seed(0)
             model = GPTModel(config, mesh, cp_comm_type=comm_type, dtype=dtype, sequence_parallel=tp > 1)

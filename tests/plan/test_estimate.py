@@ -10,16 +10,12 @@ values are not computed (the Triton interpreter would take minutes).
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-
 import pytest
 import torch
 
 from megalite import comm
 from megalite.model.config import GPTConfig, preset
-from megalite.model.activation_probe import saved_storage_bytes
+from megalite.model.activation_probe import kernels_without_launch, saved_storage_bytes
 from megalite.model.gpt import GPTModel
 from megalite.pipeline.instructions import BWD, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
@@ -32,37 +28,9 @@ from megalite.plan import params as PARAMS
 from megalite.plan import per_rank as E
 
 GB = 1e9
-KERNEL_MODULES = ("bias_dropout_add", "cross_entropy", "flash_attention", "gelu", "layer_norm", "rms_norm", "rope",
-                  "swiglu")
 # Left allocated besides the activations: the loss and scalar temporaries (4-8 bytes each, at
 # most ~12 of them here). The smallest tensor the estimate counts in these shapes is 128 bytes.
 SCALAR_SLACK = 100
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-@contextlib.contextmanager
-def kernels_path_without_compute():
-    """Run megalite's Triton autograd functions on CPU with launches stubbed (see module doc)."""
-    saved_env = {k: os.environ.get(k) for k in ("MEGALITE_KERNEL_BACKEND", "TRITON_INTERPRET")}
-    modules = [importlib.import_module(f"megalite.kernels.{name}") for name in KERNEL_MODULES]
-    originals = [m.runnable for m in modules]
-    os.environ.update(MEGALITE_KERNEL_BACKEND="triton", TRITON_INTERPRET="1")
-    for m in modules:
-        m.runnable = lambda kernel, device: _NoLaunch()
-    try:
-        yield
-    finally:
-        for m, original in zip(modules, originals):
-            m.runnable = original
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def saved_tensor_bytes(model: GPTModel, batch: int, seq: int) -> tuple[int, torch.Tensor]:
@@ -216,7 +184,7 @@ FUSED_CASES = [  # the output layer and cross entropy fused: no logits kept
 
 def test_activation_bytes_match_what_the_model_keeps():
     batch = 8
-    with kernels_path_without_compute():
+    with kernels_without_launch():
         for (config, recompute, dtype), fused in [(c, False) for c in CASES] + [(c, True) for c in FUSED_CASES]:
             torch.manual_seed(0)
             model = GPTModel(config, recompute=recompute, dtype=dtype, fused_linear_cross_entropy=fused)
@@ -233,7 +201,7 @@ def test_activation_bytes_match_what_the_model_keeps():
 
 def test_partial_full_recompute_bytes_match_what_the_model_keeps():
     batch = 8
-    with kernels_path_without_compute():
+    with kernels_without_launch():
         for config, n in PARTIAL_RECOMPUTE_CASES:
             torch.manual_seed(0)
             model = GPTModel(config, recompute="full", recompute_num_layers=n)
@@ -252,7 +220,7 @@ def _tp_recompute_traffic_world(config, recompute_num_layers, batch):
     from megalite.mesh import init_mesh
 
     mesh = init_mesh(tp=2)
-    with kernels_path_without_compute():
+    with kernels_without_launch():
         torch.manual_seed(0)
         model = GPTModel(config, mesh, sequence_parallel=True, recompute="full",
                          recompute_num_layers=recompute_num_layers).train()
@@ -300,7 +268,7 @@ def _tp_world(configs, batch):
 
     mesh = init_mesh(tp=2)
     results = []
-    with kernels_path_without_compute():
+    with kernels_without_launch():
         for config, sp in configs:
             torch.manual_seed(0)
             model = GPTModel(config, mesh, sequence_parallel=sp)
