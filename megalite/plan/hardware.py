@@ -271,6 +271,15 @@ BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (A100_80GB, H100_SXM, 
 DEFAULT = "H100-SXM"
 
 
+def builtin_for_device(device_name: str) -> str | None:
+    """The nearest built-in profile of a GPU by the name CUDA reports ("NVIDIA H100 80GB HBM3" ->
+    "H100-SXM"; an A100 40GB reads as the 80GB one, a GH200 as an H200); None for other devices."""
+    for key, profile in (("H200", "H200"), ("H100", "H100-SXM"), ("A100", "A100-80GB")):
+        if key in device_name.upper():
+            return profile
+    return None
+
+
 def load_profile(name_or_path: str | HardwareProfile | None = None) -> HardwareProfile:
     """A built-in profile by name (case-insensitive), or one read from a JSON file; None: the default."""
     if isinstance(name_or_path, HardwareProfile):

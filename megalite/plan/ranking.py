@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from megalite.config import CPCommType, Recompute, RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.per_rank import Estimate, estimate
-from megalite.plan.hardware import HardwareProfile
+from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import GB
 from megalite.plan.timing import predict_step_time
 from megalite.plan.validity import preflight
@@ -33,7 +33,7 @@ def step_time(model: GPTConfig, cfg: RunConfig, est: Estimate | None = None, gpu
               hardware: str | HardwareProfile | None = None) -> dict:
     """Seconds per step, by part, on `hardware` (a built-in profile name, a profile file or a
     HardwareProfile; default H100-SXM): see `megalite.plan.timing` for the model. Keys: compute,
-    tp, cp, pp, dp, bubble, optimizer, offload, total. `est` is accepted for callers that have one."""
+    tp, cp, pp, dp, bubble, optimizer, sync, offload, total. `est` is accepted for callers that have one."""
     return predict_step_time(model, cfg, hardware, ranks_per_node=gpus_per_node).breakdown()
 
 
@@ -55,7 +55,7 @@ def _why_not_earlier(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None,
 
 
 def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_memory: float | None,
-            gpus_per_node: int) -> str:
+            gpus_per_node: int, hardware: str | HardwareProfile | None) -> str:
     par, bits = cfg.parallel, []
     if par.tp > 1:
         where = "NVLink" if par.tp <= gpus_per_node else "across nodes"
@@ -79,7 +79,7 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
         bits.append("optimizer offloaded to host" + _why_not_earlier(model, cfg, gpu_memory, "offload"))
     bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
                 else f"{est.total_bytes / GB:.1f} GB per rank")
-    return f"~{parts['total']:.3g} s/step: " + "; ".join(bits)
+    return f"~{parts['total']:.3g} s/step on {load_profile(hardware).name}: " + "; ".join(bits)
 
 
 def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, gpus_per_node: int | None = None,
@@ -88,7 +88,8 @@ def justify(model: GPTConfig, cfg: RunConfig, gpu_memory: float | None = None, g
     start banner and the file saved beside checkpoints."""
     est = estimate(model, cfg)
     gpus_per_node = gpus_per_node or cfg.parallel.tp
-    return _reason(model, cfg, est, step_time(model, cfg, est, gpus_per_node, hardware), gpu_memory, gpus_per_node)
+    return _reason(model, cfg, est, step_time(model, cfg, est, gpus_per_node, hardware), gpu_memory, gpus_per_node,
+                   hardware)
 
 
 def _context_parallel_choices(model: GPTConfig, cfg: RunConfig) -> list[tuple[int, CPCommType]]:
@@ -154,7 +155,7 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
                 continue
             parts = step_time(model, cfg, est, gpus_per_node, hardware)
             found.append(Suggestion(cfg, est, parts["total"],
-                                    _reason(model, cfg, est, parts, gpu_memory, gpus_per_node)))
+                                    _reason(model, cfg, est, parts, gpu_memory, gpus_per_node, hardware)))
         if found:
             break
     rank = {r: i for i, r in enumerate(Recompute)}

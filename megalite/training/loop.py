@@ -46,6 +46,7 @@ from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model.config import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule
 from megalite.plan import estimate, justify, recompute_fraction
+from megalite.plan.hardware import builtin_for_device
 from megalite.plan.layout import DTYPE_BYTES
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
                                       ReplicaMismatchError, check_replicas)
@@ -184,7 +185,9 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         + f"{cfg.precision.precision}; schedule "
         f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
-    log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
+    gpu = builtin_for_device(torch.cuda.get_device_name(mesh.device)) if mesh.device.type == "cuda" else None
+    log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu))
 
 
 def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> tuple:

@@ -8,7 +8,8 @@ from megalite import plan as P
 from megalite.config import RunConfig
 from megalite.model.config import GPTConfig, preset
 from megalite.plan import communication as C
-from megalite.plan.hardware import BUILTIN, HardwareProfile, HardwareProfileError, latency_bound_curve, load_profile
+from megalite.plan.hardware import (BUILTIN, HardwareProfile, HardwareProfileError, builtin_for_device,
+                                    latency_bound_curve, load_profile)
 from megalite.plan.timing import MEGALITE, Kernels, predict_step_time
 
 # a device doing exactly 1e12 FLOP/s in every GEMM, with free memory traffic and no host cost
@@ -47,6 +48,12 @@ def test_builtin_profiles_and_profile_files(tmp_path):
         load_profile(str(path))
     with pytest.raises(HardwareProfileError, match="--calibrate"):
         load_profile("B200")
+
+
+def test_the_builtin_profile_of_a_cuda_device_name():
+    names = {"NVIDIA H100 80GB HBM3": "H100-SXM", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100-80GB",
+             "NVIDIA L4": None}
+    assert {name: builtin_for_device(name) for name in names} == names
 
 
 def test_gemm_efficiency_curve_and_roofline():

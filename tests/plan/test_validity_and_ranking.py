@@ -54,7 +54,10 @@ def test_justify_is_one_line_naming_the_choices():
     line = P.justify(preset("llama-7b"), run(tp=2, pp=2, dp=2, zero=1, recompute="selective",
                                                  precision="bf16", global_batch_size=16), gpu_memory=80e9,
                      gpus_per_node=8)
-    assert "\n" not in line and line.startswith("~") and "s/step" in line
+    assert "\n" not in line and line.startswith("~") and "s/step on H100-SXM:" in line
+    a100 = P.justify(preset("llama-7b"), run(tp=2, pp=2, dp=2, zero=1, recompute="selective", precision="bf16",
+                                             global_batch_size=16), gpus_per_node=8, hardware="A100-80GB")
+    assert "s/step on A100-80GB:" in a100 and float(a100[1:a100.index(" ")]) > float(line[1:line.index(" ")])
     for part in ("tp=2 on NVLink", "pp=2 bubble", "ZeRO-1", "selective recompute", "/80 GB"):
         assert part in line, (part, line)
 
