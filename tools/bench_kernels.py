@@ -119,7 +119,7 @@ def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use
         angles = torch.rand(s, d // 2, device=device) * 100
         cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
         size = s * b * n * d * es
-        cases.append(Case("rope", f"s{s}xb{b}xn{n}xd{d}", lambda: [rand(s, b, n, d)],
+        cases.append(Case("rope", f"s{s}xb{b}xn{n}xd{d}", lambda s=s, b=b, n=n, d=d: [rand(s, b, n, d)],
                           _providers(lambda x: K.rope(x, cos, sin), lambda x: K.rope_reference(x, cos, sin), None,
                                      use_compile), 2 * size, 4 * size))
     if "cross_entropy" in ops:
