@@ -95,13 +95,13 @@ def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use
             liger = _liger("liger_rms_norm")
             cases.append(Case("rms_norm", shape, lambda t=tokens, h=hidden: [rand(t, h), rand(h)],
                               _providers(K.rms_norm, K.rms_norm_reference,
-                                         (lambda x, w: liger(x, w, 1e-6)) if liger else None, use_compile),
+                                         (lambda x, w, liger=liger: liger(x, w, 1e-6)) if liger else None, use_compile),
                               2 * rw, 5 * rw))  # fwd: x, y; bwd: x, dy, dx
         if "layer_norm" in ops:
             liger = _liger("liger_layer_norm")
             cases.append(Case("layer_norm", shape, lambda t=tokens, h=hidden: [rand(t, h), rand(h), rand(h)],
                               _providers(K.layer_norm, K.layer_norm_reference,
-                                         (lambda x, w, b: liger(x, w, b, 1e-5)) if liger else None, use_compile),
+                                         (lambda x, w, b, liger=liger: liger(x, w, b, 1e-5)) if liger else None, use_compile),
                               2 * rw, 5 * rw))
         ffn = 4 * hidden if not smoke else 2 * hidden
         act = tokens * ffn * es
