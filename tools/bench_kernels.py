@@ -74,92 +74,138 @@ def _providers(kernel: Callable, reference: Callable, liger: Callable | None, us
 
 
 # ------------------------------------------------------------------------------------------------
-# Cases: training-relevant shapes (Llama-7B/8B-like); `scale` shrinks them for --smoke-timing
+# Cases: training-relevant shapes (Llama-7B/8B-like); `smoke` shrinks them for --smoke-timing
 # ------------------------------------------------------------------------------------------------
 
 def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use_compile: bool,
                 smoke: bool) -> list[Case]:
+    """Every (op, shape) case of the sweep for the selected `ops`, in the order they are timed."""
     es = torch.tensor([], dtype=dtype).element_size()
+    rand = _random_inputs(device, dtype)
     cases: list[Case] = []
-
-    def rand(*shape, grad=True, dt=dtype):
-        return torch.randn(*shape, device=device, dtype=dt).requires_grad_(grad)
-
     tokens_hidden = [(8192, 4096)] if quick else [(8192, 4096), (8192, 8192)]
     if smoke:
         tokens_hidden = [(64, 96)]
     for tokens, hidden in tokens_hidden:
-        shape = f"{tokens}x{hidden}"
-        rw = tokens * hidden * es  # one activation tensor
-        if "rms_norm" in ops:
-            liger = _liger("liger_rms_norm")
-            cases.append(Case("rms_norm", shape, lambda t=tokens, h=hidden: [rand(t, h), rand(h)],
-                              _providers(K.rms_norm, K.rms_norm_reference,
-                                         (lambda x, w: liger(x, w, 1e-6)) if liger else None, use_compile),
-                              2 * rw, 5 * rw))  # fwd: x, y; bwd: x, dy, dx
-        if "layer_norm" in ops:
-            liger = _liger("liger_layer_norm")
-            cases.append(Case("layer_norm", shape, lambda t=tokens, h=hidden: [rand(t, h), rand(h), rand(h)],
-                              _providers(K.layer_norm, K.layer_norm_reference,
-                                         (lambda x, w, b: liger(x, w, b, 1e-5)) if liger else None, use_compile),
-                              2 * rw, 5 * rw))
-        ffn = 4 * hidden if not smoke else 2 * hidden
-        act = tokens * ffn * es
-        if "gelu" in ops:
-            cases.append(Case("bias_gelu", f"{tokens}x{ffn}", lambda t=tokens, f=ffn: [rand(t, f), rand(f)],
-                              _providers(K.bias_gelu, K.bias_gelu_reference, None, use_compile),
-                              2 * act, 5 * act))  # fwd: x, y; bwd: x, dy, dx (+ dbias reduce)
-        if "swiglu" in ops:
-            liger = _liger("liger_swiglu")
-            cases.append(Case("swiglu", f"{tokens}x{ffn}", lambda t=tokens, f=ffn: [rand(t, f), rand(t, f)],
-                              _providers(K.swiglu, K.swiglu_reference, liger, use_compile),
-                              3 * act, 8 * act))  # fwd: g, u, y; bwd: g, u, dy, dg, du
+        cases += _norm_cases(ops, tokens, hidden, es, rand, use_compile)
+        cases += _activation_cases(ops, tokens, hidden, es, rand, use_compile, smoke)
     if "rope" in ops:
-        s, b, n, d = (4096, 2, 32, 128) if not smoke else (16, 2, 3, 16)
-        angles = torch.rand(s, d // 2, device=device) * 100
-        cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
-        size = s * b * n * d * es
-        cases.append(Case("rope", f"s{s}xb{b}xn{n}xd{d}", lambda: [rand(s, b, n, d)],
-                          _providers(lambda x: K.rope(x, cos, sin), lambda x: K.rope_reference(x, cos, sin), None,
-                                     use_compile), 2 * size, 4 * size))
+        cases.append(_rope_case(device, dtype, es, rand, use_compile, smoke))
     if "cross_entropy" in ops:
-        vocabs = [32000, 128256] if not quick else [128256]
-        tokens = 8192 if not smoke else 32
-        if smoke:
-            vocabs = [1000]
-        for vocab in vocabs:
-            liger = _liger("liger_cross_entropy")
-            size = tokens * vocab * es
-            cases.append(Case(
-                "cross_entropy", f"{tokens}x{vocab}",
-                lambda t=tokens, v=vocab: [rand(t, v), torch.randint(0, v, (t,), device=device)],
-                _providers(K.cross_entropy, K.cross_entropy_reference,
-                           (lambda x, y: liger(x, y, reduction="none")) if liger else None, use_compile),
-                size, 3 * size))  # fwd: logits once; bwd: logits, dlogits (+ fwd)
+        cases += _cross_entropy_cases(quick, device, es, rand, use_compile, smoke)
     if "attention" in ops:
-        configs = [(128, 4096)] if quick else [(d, s) for d in (64, 128) for s in (1024, 2048, 4096, 8192)]
-        if smoke:
-            configs = [(32, 40)]
-        for head_dim, seq in configs:
-            heads = 4096 // head_dim if not smoke else 4
-            kv_heads = max(1, heads // 4)
-            batch = max(1, 16384 // seq) if not smoke else 1
-            causal_flops = 4 * batch * heads * seq * seq * head_dim / 2  # two matmuls, half the square
-            cases.append(Case(
-                "attention", f"b{batch}xh{heads}/{kv_heads}xs{seq}xd{head_dim} causal",
-                lambda b=batch, h=heads, hk=kv_heads, s=seq, d=head_dim: [rand(b, h, s, d), rand(b, hk, s, d),
-                                                                           rand(b, hk, s, d)],
-                _providers(K.attention, K.attention_reference, None, use_compile),
-                causal_flops, 3.5 * causal_flops, flops=True))  # backward = 2.5 x forward FLOPs
+        cases += _attention_cases(quick, rand, use_compile, smoke)
     if "adamw" in ops:
-        n = 256 * 2**20 if not smoke else 5000
-        cases.append(Case("adamw", f"{n}", lambda: [torch.randn(n, device=device) for _ in range(4)],
-                          {"megalite": lambda p, g, m, v: K.adamw_step(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 10),
-                           "eager": lambda p, g, m, v: K.adamw_step_reference(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8,
-                                                                              0.1, 10),
-                           **_torch_adamw_providers(device)},
-                          7 * 4 * n, 7 * 4 * n, differentiable=False))  # read p, g, m, v; write p, m, v
+        cases.append(_adamw_case(device, smoke))
     return cases
+
+
+def _random_inputs(device: str, dtype: torch.dtype) -> Callable:
+    """rand(*shape): a fresh normal tensor on the benchmark's device, requiring grad unless told."""
+    def rand(*shape, grad=True, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt).requires_grad_(grad)
+    return rand
+
+
+def _norm_cases(ops: set[str], tokens: int, hidden: int, es: int, rand: Callable, use_compile: bool) -> list[Case]:
+    """RMSNorm and LayerNorm over [tokens, hidden] activations."""
+    shape = f"{tokens}x{hidden}"
+    rw = tokens * hidden * es  # one activation tensor
+    cases = []
+    if "rms_norm" in ops:
+        rms_norm_liger = _liger("liger_rms_norm")
+        cases.append(Case("rms_norm", shape, lambda t=tokens, h=hidden: [rand(t, h), rand(h)],
+                          _providers(K.rms_norm, K.rms_norm_reference,
+                                     (lambda x, w: rms_norm_liger(x, w, 1e-6)) if rms_norm_liger else None,
+                                     use_compile),
+                          2 * rw, 5 * rw))  # fwd: x, y; bwd: x, dy, dx
+    if "layer_norm" in ops:
+        layer_norm_liger = _liger("liger_layer_norm")
+        cases.append(Case("layer_norm", shape, lambda t=tokens, h=hidden: [rand(t, h), rand(h), rand(h)],
+                          _providers(K.layer_norm, K.layer_norm_reference,
+                                     (lambda x, w, b: layer_norm_liger(x, w, b, 1e-5)) if layer_norm_liger else None,
+                                     use_compile),
+                          2 * rw, 5 * rw))
+    return cases
+
+
+def _activation_cases(ops: set[str], tokens: int, hidden: int, es: int, rand: Callable, use_compile: bool,
+                      smoke: bool) -> list[Case]:
+    """bias+GeLU and SwiGLU over the MLP's [tokens, ffn] activations."""
+    ffn = 4 * hidden if not smoke else 2 * hidden
+    act = tokens * ffn * es
+    cases = []
+    if "gelu" in ops:
+        cases.append(Case("bias_gelu", f"{tokens}x{ffn}", lambda t=tokens, f=ffn: [rand(t, f), rand(f)],
+                          _providers(K.bias_gelu, K.bias_gelu_reference, None, use_compile),
+                          2 * act, 5 * act))  # fwd: x, y; bwd: x, dy, dx (+ dbias reduce)
+    if "swiglu" in ops:
+        liger = _liger("liger_swiglu")
+        cases.append(Case("swiglu", f"{tokens}x{ffn}", lambda t=tokens, f=ffn: [rand(t, f), rand(t, f)],
+                          _providers(K.swiglu, K.swiglu_reference, liger, use_compile),
+                          3 * act, 8 * act))  # fwd: g, u, y; bwd: g, u, dy, dg, du
+    return cases
+
+
+def _rope_case(device: str, dtype: torch.dtype, es: int, rand: Callable, use_compile: bool, smoke: bool) -> Case:
+    """Rotary embedding of a [s, b, n, d] query/key tensor; cos/sin tables [s, d] built once here."""
+    s, b, n, d = (4096, 2, 32, 128) if not smoke else (16, 2, 3, 16)
+    angles = torch.rand(s, d // 2, device=device) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    size = s * b * n * d * es
+    return Case("rope", f"s{s}xb{b}xn{n}xd{d}", lambda: [rand(s, b, n, d)],
+                _providers(lambda x: K.rope(x, cos, sin), lambda x: K.rope_reference(x, cos, sin), None,
+                           use_compile), 2 * size, 4 * size)
+
+
+def _cross_entropy_cases(quick: bool, device: str, es: int, rand: Callable, use_compile: bool,
+                         smoke: bool) -> list[Case]:
+    """Cross entropy of [tokens, vocab] logits against [tokens] labels, per vocabulary size."""
+    vocabs = [32000, 128256] if not quick else [128256]
+    tokens = 8192 if not smoke else 32
+    if smoke:
+        vocabs = [1000]
+    cases = []
+    liger = _liger("liger_cross_entropy")
+    for vocab in vocabs:
+        size = tokens * vocab * es
+        cases.append(Case(
+            "cross_entropy", f"{tokens}x{vocab}",
+            lambda t=tokens, v=vocab: [rand(t, v), torch.randint(0, v, (t,), device=device)],
+            _providers(K.cross_entropy, K.cross_entropy_reference,
+                       (lambda x, y: liger(x, y, reduction="none")) if liger else None, use_compile),
+            size, 3 * size))  # fwd: logits once; bwd: logits, dlogits (+ fwd)
+    return cases
+
+
+def _attention_cases(quick: bool, rand: Callable, use_compile: bool, smoke: bool) -> list[Case]:
+    """Causal GQA attention, q [b, h, s, d] over k, v [b, h/4, s, d], per (head_dim, seq)."""
+    configs = [(128, 4096)] if quick else [(d, s) for d in (64, 128) for s in (1024, 2048, 4096, 8192)]
+    if smoke:
+        configs = [(32, 40)]
+    cases = []
+    for head_dim, seq in configs:
+        heads = 4096 // head_dim if not smoke else 4
+        kv_heads = max(1, heads // 4)
+        batch = max(1, 16384 // seq) if not smoke else 1
+        causal_flops = 4 * batch * heads * seq * seq * head_dim / 2  # two matmuls, half the square
+        cases.append(Case(
+            "attention", f"b{batch}xh{heads}/{kv_heads}xs{seq}xd{head_dim} causal",
+            lambda b=batch, h=heads, hk=kv_heads, s=seq, d=head_dim: [rand(b, h, s, d), rand(b, hk, s, d),
+                                                                       rand(b, hk, s, d)],
+            _providers(K.attention, K.attention_reference, None, use_compile),
+            causal_flops, 3.5 * causal_flops, flops=True))  # backward = 2.5 x forward FLOPs
+    return cases
+
+
+def _adamw_case(device: str, smoke: bool) -> Case:
+    """One AdamW step over a flat fp32 parameter of n elements (with its grad and two moments)."""
+    n = 256 * 2**20 if not smoke else 5000
+    return Case("adamw", f"{n}", lambda: [torch.randn(n, device=device) for _ in range(4)],
+                {"megalite": lambda p, g, m, v: K.adamw_step(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 10),
+                 "eager": lambda p, g, m, v: K.adamw_step_reference(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 10),
+                 **_torch_adamw_providers(device)},
+                7 * 4 * n, 7 * 4 * n, differentiable=False)  # read p, g, m, v; write p, m, v
 
 
 def _torch_adamw_providers(device: str) -> dict:

@@ -28,6 +28,20 @@ def _sync(device):
 
 
 def main(argv=None) -> int:
+    args = _parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_cfg = _model_config(args)
+    b, s = args.micro_batch_size, args.seq_length
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, model_cfg.vocab_size, (b, s + 1), generator=gen)  # [b, s + 1]: inputs and next tokens
+    megalite_step = _megalite_step(model_cfg, args, device, data)
+    baseline_step = _hf_baseline_step(model_cfg, args, device, data)
+    ours, theirs = _alternating_trials(megalite_step, baseline_step, args, device, tokens_per_step=b * s)
+    _report(model_cfg, args, device, ours, theirs)
+    return 0
+
+
+def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a megalite preset (gpt2 flavour); default: a small CPU model")
     parser.add_argument("--micro-batch-size", type=int, default=8)
@@ -35,16 +49,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per trial")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--bf16", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    import transformers
 
-    from megalite.mesh import single_process_mesh
+def _model_config(args):
+    """The GPTConfig both systems train: a megalite preset, or a small gpt2-flavour model for CPU."""
     from megalite.model import preset
-    from megalite.config import RunConfig
-    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.model:
         model_cfg = preset(args.model, seq_length=args.seq_length)
     else:
@@ -52,14 +63,17 @@ def main(argv=None) -> int:
                            seq_length=args.seq_length)
     if model_cfg.flavour != "gpt2":
         raise SystemExit("bench_train compares against transformers' GPT-2: pick a gpt2-flavour preset")
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    b, s = args.micro_batch_size, args.seq_length
-    tokens_per_step = b * s
-    gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, model_cfg.vocab_size, (b, s + 1), generator=gen)
-    batch = [{"input_ids": data[:, :-1], "labels": data[:, 1:]}]
+    return model_cfg
 
-    # megalite, its real training path
+
+def _megalite_step(model_cfg, args, device, data):
+    """One optimizer step of megalite's real training path (chunks, DP buffers, optimizer) on `data`."""
+    from megalite.config import RunConfig
+    from megalite.mesh import single_process_mesh
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+
+    b = args.micro_batch_size
+    batch = [{"input_ids": data[:, :-1], "labels": data[:, 1:]}]
     mesh = single_process_mesh(device)
     cfg = RunConfig.build(micro_batch_size=b, global_batch_size=b, precision="bf16" if args.bf16 else "fp32",
                       clip_grad=1.0, weight_decay=0.1)
@@ -68,11 +82,18 @@ def main(argv=None) -> int:
 
     def megalite_step():
         train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4)
+    return megalite_step
 
-    # the plain loop over transformers' GPT2LMHeadModel of the same shape
-    hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=s, n_embd=model_cfg.hidden_size,
-                                     n_layer=model_cfg.num_layers, n_head=model_cfg.num_attention_heads,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+def _hf_baseline_step(model_cfg, args, device, data):
+    """One step of the plain loop over transformers' GPT2LMHeadModel of the same shape."""
+    import transformers
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=args.seq_length,
+                                     n_embd=model_cfg.hidden_size, n_layer=model_cfg.num_layers,
+                                     n_head=model_cfg.num_attention_heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     hf = transformers.GPT2LMHeadModel(hf_cfg).to(device=device, dtype=dtype).train()
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1)
     ids, labels = data[:, :-1].to(device), data[:, :-1].to(device)  # HF shifts labels itself
@@ -83,7 +104,11 @@ def main(argv=None) -> int:
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         hf_opt.step()
         hf_opt.zero_grad(set_to_none=True)
+    return baseline_step
 
+
+def _alternating_trials(megalite_step, baseline_step, args, device, tokens_per_step: int):
+    """Tokens/s of each system per trial, the two alternating so machine noise hits both alike."""
     def tokens_per_sec(step_fn) -> float:
         _sync(device)
         start = time.perf_counter()
@@ -99,8 +124,15 @@ def main(argv=None) -> int:
     for _ in range(args.trials):
         ours.append(tokens_per_sec(megalite_step))
         theirs.append(tokens_per_sec(baseline_step))
+    return ours, theirs
+
+
+def _report(model_cfg, args, device, ours, theirs) -> None:
+    import transformers
+
     m, t = statistics.median(ours), statistics.median(theirs)
     params = model_cfg.num_params() / 1e6
+    b, s = args.micro_batch_size, args.seq_length
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU x{torch.get_num_threads()} threads"
     print(f"device: {name}; torch {torch.__version__}; transformers {transformers.__version__}")
     print(f"model: gpt2 flavour, {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, {params:.1f}M params; "
@@ -108,7 +140,6 @@ def main(argv=None) -> int:
     print(f"megalite (tp=pp=dp=1):      {m:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in ours)})")
     print(f"plain loop, HF GPT2LMHead:  {t:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in theirs)})")
     print(f"ratio megalite / baseline:  {m / t:.3f}x")
-    return 0
 
 
 if __name__ == "__main__":
