@@ -52,3 +52,21 @@ def test_attention_sweep_times_candidates_and_rejects_a_wrong_tile(monkeypatch):
     assert by_tile["attention fwd tile (16, 32, 1, 1)"]["error"].startswith("WRONG")
     others = [r for op, r in by_tile.items() if op != "attention fwd tile (16, 32, 1, 1)"]
     assert all(not r["error"] and r["median_ms"] > 0 for r in others), others
+
+
+@pytest.mark.skipif(not interpreter_ready(), reason="triton was imported in compiled mode")
+def test_every_case_builds_inputs_of_its_own_shape(monkeypatch):
+    """Each case's first input has the elements its shape names, whichever ops are built with it
+    (a case's make_inputs once read a shape variable late and got the last-built op's)."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_kernel_cases as cases_module
+    ops = {"rms_norm", "layer_norm", "gelu", "swiglu", "rope", "cross_entropy", "adamw"}  # --ops names
+    cases = cases_module.build_cases(ops, quick=True, device="cpu", dtype=cases_module.torch.float32,
+                                     use_compile=False, smoke=True)
+    assert sorted(c.op for c in cases) == sorted(ops - {"gelu"} | {"bias_gelu"})
+    for case in cases:
+        dims = [int("".join(ch for ch in part if ch.isdigit())) for part in case.shape.split("x")]
+        expected = 1
+        for dim in dims:
+            expected *= dim
+        assert case.make_inputs()[0].numel() == expected, (case.op, case.shape)
