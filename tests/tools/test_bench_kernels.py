@@ -70,3 +70,17 @@ def test_every_case_builds_inputs_of_its_own_shape(monkeypatch):
         for dim in dims:
             expected *= dim
         assert case.make_inputs()[0].numel() == expected, (case.op, case.shape)
+
+
+@pytest.mark.skipif(not interpreter_ready(), reason="triton was imported in compiled mode")
+def test_each_liger_provider_calls_its_own_op(monkeypatch):
+    """With liger_kernel present each case's `liger` provider calls that op's Liger function (the
+    norms once called whichever Liger function was looked up last: cross entropy's)."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import bench_kernel_cases as cases_module
+    monkeypatch.setattr(cases_module, "_liger", lambda name: (lambda *args, **kwargs: name))
+    ops = {"rms_norm", "layer_norm", "swiglu", "cross_entropy"}
+    cases = cases_module.build_cases(ops, quick=True, device="cpu", dtype=cases_module.torch.float32,
+                                     use_compile=False, smoke=True)
+    called = {case.op: case.providers["liger"](*case.make_inputs()) for case in cases}
+    assert called == {op: f"liger_{op}" for op in ops}
