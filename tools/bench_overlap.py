@@ -21,7 +21,6 @@ one run only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.testing import run_distributed  # noqa: E402
+from megalite.training.metrics_file import read_records  # noqa: E402
 
 MODES = {"no overlap": [], "overlap": ["--overlap-param-gather"],
          "overlap, tokens first": ["--overlap-param-gather"]}
@@ -50,7 +50,7 @@ def _run_rank(argv: list[str], tokens_first: bool) -> int:
 
 
 def _medians(path: str, warmup: int) -> dict[str, float]:
-    rows = [json.loads(line) for line in open(path)]
+    rows = read_records(path)
     rows = [r for r in rows if "loss" in r and r["step"] > warmup]
     return {"gather_wait_s": statistics.median(r["exposed_param_gather_s"] + r["exposed_token_count_s"] for r in rows),
             "step_time_s": statistics.median(r["step_time_s"] for r in rows), "last_loss": rows[-1]["loss"]}

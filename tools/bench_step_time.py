@@ -32,6 +32,7 @@ from megalite.config import RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.hardware import load_profile
 from megalite.plan.timing import MEGATRON_2021, predict_step_time
+from megalite.training.metrics_file import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, VOCAB = 2048, 51200
@@ -95,7 +96,7 @@ def measure_run(name: str, extra: list[str], iters: int, out: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(out / f"{name}.log", "w") as log:
         subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = read_records(metrics)
     return statistics.median(s["step_time_s"] for s in steps if "step_time_s" in s and s["step"] > 5)
 
 

@@ -42,7 +42,6 @@ temporary directory), one log per launch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -55,6 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
 from fault_drill_plan import (MOMENTS, SCRIPT, Fault, compare_curves, job_flags, largest_difference,  # noqa: E402
                               plan_faults, read_losses, read_resizes, shrink_worlds, steps_lost)
+
+from megalite.training.metrics_file import read_records  # noqa: E402
 
 __all__ = ["MOMENTS", "compare_curves", "job_flags", "main", "parse_args", "plan_faults", "shrink_worlds", "steps_lost"]
 
@@ -270,7 +271,7 @@ def run_reference(args) -> tuple[float, dict[int, float], float]:
         job.stop()
     if code != 0 or not job.finished():
         raise RuntimeError(f"fault drill: the reference run failed ({code}); see {job.dir}/launch0.log")
-    steps = [r["step_time_s"] for r in map(json.loads, job.metrics.read_text().splitlines()) if "step_time_s" in r]
+    steps = [r["step_time_s"] for r in read_records(job.metrics) if "step_time_s" in r]
     return time.monotonic() - started, dict(read_losses(job.metrics)), statistics.median(steps)
 
 

@@ -8,9 +8,10 @@ steps logged and then redone after a restart).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
+
+from megalite.training.metrics_file import read_records
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
 TINY_JOB = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -50,9 +51,7 @@ def plan_faults(count: int, world_size: int, seed: int) -> list[Fault]:
 
 
 def read_losses(path: Path) -> list[tuple[int, float]]:
-    if not path.exists():
-        return []
-    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+    return [(r["step"], r["loss"]) for r in read_records(path) if "loss" in r]
 
 
 def compare_curves(reference: dict[int, float], logged: list[tuple[int, float]], train_iters: int,
@@ -78,9 +77,7 @@ def largest_difference(reference: dict[int, float], logged: list[tuple[int, floa
 
 def read_resizes(path: Path) -> list[dict]:
     """The job's world-size change records (megalite.checkpoint.elastic.Resize.record)."""
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "resize"]
+    return [r for r in read_records(path) if r.get("event") == "resize"]
 
 
 def job_flags(args) -> list[str]:

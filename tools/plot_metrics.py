@@ -12,9 +12,10 @@ layouts of the same model can be compared. Needs matplotlib, a dependency of thi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+from megalite.training.metrics_file import read_records
 
 # (record key, panel title, scale applied to the value, y label)
 PANELS = [
@@ -27,19 +28,9 @@ PANELS = [
 
 def load_metrics(path: str) -> list[dict]:
     """The records of a metrics file, in file order; a torn last line (a run still writing) is skipped."""
-    records = []
-    with open(path) as f:
-        lines = f.read().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number} is not a JSON object; is this a megalite metrics file?") from None
-    return records
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    return read_records(path)
 
 
 def series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:

@@ -31,6 +31,7 @@ import torch
 from megalite import comm
 from megalite.model.config import GPTConfig
 from megalite.plan.params import hardware_flops_per_token
+from megalite.training.metrics_file import drop_torn_tail
 
 # Dense (no sparsity) peak TFLOP/s per GPU by precision; fp32 means TF32 tensor cores.
 # Matched in order on torch.cuda.get_device_name(): more specific names first.
@@ -229,6 +230,7 @@ class MetricsWriter:
             return
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            drop_torn_tail(path)
             self._file = open(path, "a", buffering=1)
         if tensorboard_dir:
             try:

@@ -124,3 +124,42 @@ def test_estimate_beside_measured_memory_line():
     est = estimate(preset("gpt2-124m"), RunConfig.build(precision="bf16", micro_batch_size=4))
     line = M.estimate_vs_measured(est, "cpu")
     assert f"estimated {est.total_bytes / 1e9:.2f} GB" in line and "activations" in line and "RSS" in line
+
+
+def test_reader_of_a_live_file_counts_only_complete_lines(tmp_path):
+    """A reader racing the writer may see part of a line (the CI failure of the fault drill read
+    '{"step": 1, "loss": 5.475529670715'): that line counts once its newline is there."""
+    from megalite.training.metrics_file import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    assert read_records(path) == []  # not written yet
+    writer = M.MetricsWriter(str(path))
+    writer.write_eval(1, 2.0)
+    line = json.dumps({"step": 2, "loss": 5.475529670715, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 9.0}) + "\n"
+    with open(path, "a") as f:
+        for cut in (1, 20, 34, len(line) - 1):  # every prefix of the line short of its newline
+            f.write(line[:cut])
+            f.flush()
+            assert [r["step"] for r in read_records(path)] == [1]
+            f.truncate(path.stat().st_size - cut)
+        f.write(line)
+    assert [r["step"] for r in read_records(path)] == [1, 2]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')  # a complete line that is not JSON: a wrong file
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_records(path)
+
+
+def test_writer_after_a_killed_writer_starts_on_a_line_of_its_own(tmp_path):
+    """A writer killed inside a write can leave part of a line; the next attempt's first record must
+    not run on from it (the file would stop being JSON lines)."""
+    from megalite.training.metrics_file import drop_torn_tail, read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "eval_loss": 2.0}\n{"step": 2, "lo')
+    M.MetricsWriter(str(path)).write_eval(2, 1.5)
+    assert read_records(path) == [{"step": 1, "eval_loss": 2.0}, {"step": 2, "eval_loss": 1.5,
+                                                                  "eval_perplexity": pytest.approx(4.4817, rel=1e-4)}]
+    for text, kept in [("", ""), ("no newline at all", ""), ("a\nb\n", "a\nb\n"), ("x" * 300 + "\n" + "y" * 700, "x" * 300 + "\n")]:
+        path.write_text(text)
+        drop_torn_tail(path, chunk=64)  # several chunks back to the newline
+        assert path.read_text() == kept
