@@ -25,8 +25,13 @@ if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
-def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
-    """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage`."""
+def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forward_rerun: bool = False
+                        ) -> dict[str, int]:
+    """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage`.
+
+    whole_forward_rerun: full recompute re-runs each block's whole forward, the MLP output's
+    reduction included (a reentrant checkpoint, as Megatron-LM's own; megalite's stops earlier).
+    """
     a, t, m, v = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.num_microbatches, cfg.parallel.virtual_stages
     s, b, h = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size
     pp, sp = cfg.parallel.pp, cfg.parallel.sequence_parallel
@@ -43,13 +48,14 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[st
         # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
         # and the attention output's reduction again, not the MLP output's reduction.
         rerun = recomputed_stage_layers(model, cfg)[stage]
+        rerun_reductions = (2 if whole_forward_rerun else 1) * rerun
         if sp:
             # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
             # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
             add("tp/all_gather", m * (6 * layers + 2 * rerun) * u)
-            add("tp/reduce_scatter", m * (4 * layers + rerun) * u)
+            add("tp/reduce_scatter", m * (4 * layers + rerun_reductions) * u)
         else:
-            add("tp/all_reduce", m * (4 * layers + rerun) * u)   # Megatron's 4 per layer
+            add("tp/all_reduce", m * (4 * layers + rerun_reductions) * u)   # Megatron's 4 per layer
         if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
             add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
             add("tp/all_gather", m * u if sp else 0)

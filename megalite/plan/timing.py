@@ -79,11 +79,15 @@ class Kernels:
     fp32_cross_entropy: bool = False
     """Cross entropy over fp32 logits in unfused passes (upcast, max, subtract, exp, sum, divide;
     backward: scale, downcast) rather than one fused pass over the logits in the parameter dtype."""
+    reentrant_recompute: bool = False
+    """Full recompute re-runs each block's whole forward, so the MLP output's tensor-parallel reduction
+    runs again too (Megatron-LM's own reentrant checkpoint function); megalite's non-reentrant
+    checkpoint stops after the last saved tensor, before that reduction."""
 
 
 MEGALITE = Kernels()
 MEGATRON_2021 = Kernels(attention="materialized", p2p_scatter_gather=True, grad_reduce_overlap=False,
-                        layout_copies=True, fp32_cross_entropy=True)
+                        layout_copies=True, fp32_cross_entropy=True, reentrant_recompute=True)
 
 
 @dataclass(frozen=True)
@@ -247,7 +251,7 @@ def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, at
     out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_reduce": _compression_seconds(model, cfg, hw, stage), "dp_gather": 0.0,
            "dp_first_unit": 0.0, "embedding": 0.0}
     buckets = max(1, math.ceil(stage_params(model, cfg, stage) / cfg.parallel.ddp_bucket_size))
-    for key, nbytes in communication_bytes(model, cfg, stage).items():
+    for key, nbytes in communication_bytes(model, cfg, stage, kernels.reentrant_recompute).items():
         group, op = key.split("/")
         if op == "recv":
             continue                                                     # a transfer is one send and one receive

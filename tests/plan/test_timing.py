@@ -224,3 +224,24 @@ def test_zero3_and_powersgd_dp_time_by_hand():
             flops += 3 * 2 * n * m * Z.effective_rank(n, m, 2)             # M Q, M^T P, P Q^T
     assert flops > 0
     assert predict_step_time(model, compressed, slow).dp == pytest.approx(reduce + flops / 1e9)
+
+
+def test_reentrant_recompute_runs_the_mlp_reduction_again():
+    """Full recompute under Megatron-LM's reentrant checkpoint re-runs each block's whole forward: 6
+    tensor-parallel all-reduces per block per microbatch (megalite's non-reentrant one stops after
+    the last saved tensor: 5); under sequence parallelism one more reduce-scatter likewise."""
+    model = tiny()
+    u = 4 * 16 * 2 * 64                                               # one [s, b, h] fp32 activation
+    for sp, op in ((False, "tp/all_reduce"), (True, "tp/reduce_scatter")):
+        cfg = run(tp=2, recompute="full", sequence_parallel=sp)
+        plain, whole = (C.communication_bytes(model, cfg, 0, rerun)[op] for rerun in (False, True))
+        assert whole - plain == 4 * u                                  # 4 blocks, 1 microbatch
+        seconds = predict_step_time(model, cfg, IDEAL, kernels=Kernels(reentrant_recompute=True)).tp
+        assert seconds - predict_step_time(model, cfg, IDEAL).tp == pytest.approx(4 * u * bus_factor_of(op) / 10e9)
+    assert run(tp=2).parallel.recompute == "none"
+    cfg = run(tp=2)
+    assert C.communication_bytes(model, cfg, 0, True) == C.communication_bytes(model, cfg, 0)  # no recompute: none
+
+
+def bus_factor_of(op: str) -> float:
+    return C.bus_factor(op.split("/")[1], 2)
