@@ -5,11 +5,17 @@ Perfetto or chrome://tracing) into --profile-dir, with CPU and, on a GPU, CUDA a
 tensor shapes and memory events; the training loop's phases (data, forward, backward,
 optimizer, pipeline) appear as named ranges because `TimeBreakdown.phase` opens a
 `record_function` for each. Rank 0 also prints the ten ops with the most self time.
+
+Beside each trace, `ops_rank{R:05d}_steps{A}-{B}.json` sums the window by op and input shapes:
+{"device", "steps", "ops": [{"name", "input_shapes", "count", "time_us"}]}, time_us being the
+op's total time on the device that ran it (its kernels on a GPU, the op itself on a CPU).
+`tools/gemm_in_step.py` reads it to compare the GEMMs a real step ran with a hardware profile.
 Profiling starts at the beginning of step A (after earlier steps' warm-up) and stops at the
 end of step B; steps outside the window run with the profiler off.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -42,12 +48,26 @@ class StepProfiler:
         tmp = self.trace_path.with_suffix(".json.tmp")
         self._profile.export_chrome_trace(str(tmp))
         os.replace(tmp, self.trace_path)  # a reader never sees half a trace
+        self._write_op_summary()
         if self.rank == 0:
             sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = self._profile.key_averages().table(sort_by=sort, row_limit=10)
             self.log(f"profile of steps {self.first}-{self.last}: traces in {self.out_dir}/ "
                      f"(trace_rank*_steps{self.first}-{self.last}.json)\n{table}")
         self._profile = None
+
+    def _write_op_summary(self) -> None:
+        """ops_rank*.json: the window's ops grouped by name and input shapes, with device time."""
+        cuda = self.device.type == "cuda"
+        ops = [{"name": e.key, "input_shapes": e.input_shapes, "count": e.count,
+                "time_us": e.device_time_total if cuda else e.cpu_time_total}
+               for e in self._profile.key_averages(group_by_input_shape=True)]
+        summary = {"device": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+                   "steps": self.last - self.first + 1, "ops": ops}
+        path = self.out_dir / f"ops_rank{self.rank:05d}_steps{self.first}-{self.last}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary))
+        os.replace(tmp, path)
 
     def close(self) -> None:
         """The run ended inside the window (a signal, an error): stop without writing."""

@@ -46,8 +46,10 @@ def test_short_run_writes_metrics(tmp_path):
             "--eval-iters", "1", "--eval-interval", "3", "--metrics-file", str(metrics), "--profile-steps", "2", "3",
             "--profile-dir", str(tmp_path / "profile")]
     assert run_distributed(_main, 4, argv, timeout_s=120) == [0, 0, 0, 0]
-    traces = sorted((tmp_path / "profile").glob("*.json"))  # one Chrome trace per rank, phases named
+    traces = sorted((tmp_path / "profile").glob("trace_*.json"))  # one Chrome trace per rank, phases named
     assert [t.name for t in traces] == [f"trace_rank{r:05d}_steps2-3.json" for r in range(4)]
+    summaries = sorted((tmp_path / "profile").glob("ops_*.json"))  # and its ops by shape (tools/gemm_in_step.py)
+    assert [s.name for s in summaries] == [f"ops_rank{r:05d}_steps2-3.json" for r in range(4)]
     names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
     assert {"megalite/data", "megalite/optimizer"} <= names, sorted(n for n in names if "megalite" in str(n))
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
