@@ -328,12 +328,12 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.faults < 0 or args.nproc < 1:
         p.error("--faults must be >= 0 and --nproc >= 1")
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="megalite-fault-drill-")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="megalite-fault-drill-")  # made only by a drill that runs
     print(f"fault drill: {args.faults} faults, {args.nproc} workers, seed {args.seed}, in {args.workdir}", flush=True)
     drill = Drill(args, 0.0)
     if args.shrink:

@@ -43,30 +43,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
             out[key] = out.get(key, 0) + n
 
     if t > 1:
-        layers = stage_layers(model, cfg)[stage]
-        # Full recompute re-runs a block's forward until its last saved tensor is packed (torch's
-        # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
-        # and the attention output's reduction again, not the MLP output's reduction.
-        rerun = recomputed_stage_layers(model, cfg)[stage]
-        rerun_reductions = (2 if whole_forward_rerun else 1) * rerun
-        if sp:
-            # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
-            # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
-            add("tp/all_gather", m * (6 * layers + 2 * rerun) * u)
-            add("tp/reduce_scatter", m * (4 * layers + rerun_reductions) * u)
-        else:
-            add("tp/all_reduce", m * (4 * layers + rerun_reductions) * u)   # Megatron's 4 per layer
-        if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
-            add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
-            add("tp/all_gather", m * u if sp else 0)
-        if stage == pp - 1:
-            if sp:
-                add("tp/all_gather", 2 * m * u)                         # output-layer input, fwd + bwd
-                add("tp/reduce_scatter", m * u)                         # and its gradient
-            else:
-                add("tp/all_reduce", m * u)                             # grad of the copied input
-            add("tp/all_reduce", m * (2 * t + 1) * 4 * s * b)           # CE: per-rank max, sum-exp; target
-        add("tp/all_reduce", sequence_parallel_grad_bytes(model, cfg, stage))
+        _tensor_parallel_bytes(add, model, cfg, stage, u, whole_forward_rerun)
 
     for key, n in context_parallel_bytes(model, cfg, stage).items():
         add(key, n)
@@ -91,6 +68,37 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
         add("pp/recv", chunk * (fwd_recv + fwd_send))
     return out
+
+
+def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u: int,
+                           whole_forward_rerun: bool) -> None:
+    """The tp group's bytes of one stage per step (see communication_bytes); u: one [s, b, h] activation."""
+    t, m, pp, sp = cfg.parallel.tp, cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.sequence_parallel
+    s, b = local_seq_length(model, cfg), cfg.training.micro_batch_size
+    layers = stage_layers(model, cfg)[stage]
+    # Full recompute re-runs a block's forward until its last saved tensor is packed (torch's
+    # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
+    # and the attention output's reduction again, not the MLP output's reduction.
+    rerun = recomputed_stage_layers(model, cfg)[stage]
+    rerun_reductions = (2 if whole_forward_rerun else 1) * rerun
+    if sp:
+        # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
+        # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
+        add("tp/all_gather", m * (6 * layers + 2 * rerun) * u)
+        add("tp/reduce_scatter", m * (4 * layers + rerun_reductions) * u)
+    else:
+        add("tp/all_reduce", m * (4 * layers + rerun_reductions) * u)   # Megatron's 4 per layer
+    if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
+        add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
+        add("tp/all_gather", m * u if sp else 0)
+    if stage == pp - 1:
+        if sp:
+            add("tp/all_gather", 2 * m * u)                         # output-layer input, fwd + bwd
+            add("tp/reduce_scatter", m * u)                         # and its gradient
+        else:
+            add("tp/all_reduce", m * u)                             # grad of the copied input
+        add("tp/all_reduce", m * (2 * t + 1) * 4 * s * b)           # CE: per-rank max, sum-exp; target
+    add("tp/all_reduce", sequence_parallel_grad_bytes(model, cfg, stage))
 
 
 def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
