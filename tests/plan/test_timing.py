@@ -237,11 +237,8 @@ def test_reentrant_recompute_runs_the_mlp_reduction_again():
         plain, whole = (C.communication_bytes(model, cfg, 0, rerun)[op] for rerun in (False, True))
         assert whole - plain == 4 * u                                  # 4 blocks, 1 microbatch
         seconds = predict_step_time(model, cfg, IDEAL, kernels=Kernels(reentrant_recompute=True)).tp
-        assert seconds - predict_step_time(model, cfg, IDEAL).tp == pytest.approx(4 * u * bus_factor_of(op) / 10e9)
-    assert run(tp=2).parallel.recompute == "none"
+        factor = C.bus_factor(op.split("/")[1], 2)
+        assert seconds - predict_step_time(model, cfg, IDEAL).tp == pytest.approx(4 * u * factor / 10e9)
     cfg = run(tp=2)
+    assert cfg.parallel.recompute == "none"
     assert C.communication_bytes(model, cfg, 0, True) == C.communication_bytes(model, cfg, 0)  # no recompute: none
-
-
-def bus_factor_of(op: str) -> float:
-    return C.bus_factor(op.split("/")[1], 2)

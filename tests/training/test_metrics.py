@@ -137,7 +137,7 @@ def test_reader_of_a_live_file_counts_only_complete_lines(tmp_path):
     writer.write_eval(1, 2.0)
     line = json.dumps({"step": 2, "loss": 5.475529670715, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_sec": 9.0}) + "\n"
     with open(path, "a") as f:
-        for cut in (1, 20, 34, len(line) - 1):  # every prefix of the line short of its newline
+        for cut in (1, 20, 34, len(line) - 1):  # prefixes of the line short of its newline (34: the CI's)
             f.write(line[:cut])
             f.flush()
             assert [r["step"] for r in read_records(path)] == [1]
