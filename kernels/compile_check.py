@@ -112,13 +112,12 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
     return signature, constexprs, attrs
 
 
-def kernel_variants(dtype: torch.dtype):
+def kernel_variants(dtype: torch.dtype, arch: int = 90):
     """Every kernel as the CUDA launchers configure it, for a training-shaped call."""
     # the package re-exports functions under the modules' names (rms_norm, rope...): import modules
-    adamw, bias_dropout_add, cross_entropy, flash_attention, gelu, layer_norm, rms_norm, rope, swiglu = (
+    adamw, bias_dropout_add, cross_entropy, gelu, layer_norm, rms_norm, rope, swiglu = (
         importlib.import_module(f"{__package__}.{name}") for name in
-        ("adamw", "bias_dropout_add", "cross_entropy", "flash_attention", "gelu", "layer_norm", "rms_norm", "rope",
-         "swiglu"))
+        ("adamw", "bias_dropout_add", "cross_entropy", "gelu", "layer_norm", "rms_norm", "rope", "swiglu"))
 
     cuda = torch.device("cuda")
     for hidden in (4096, 8192):
@@ -156,22 +155,32 @@ def kernel_variants(dtype: torch.dtype):
                               ("grad", cross_entropy._softmax_grad_kernel)):
             yield Variant(f"cross_entropy {stage} V={vocab}{'/tp8' if cols < vocab else ''}", kernel,
                           dict(BLOCK_V=block_v), {"num_warps": 8}, shape)
-    for head_dim in flash_attention.SUPPORTED_HEAD_DIMS:
+    yield from attention_variants(dtype, arch)
+    yield Variant("adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}, {"n_elements": 1 << 24})
+
+
+def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles=None, label_suffix: str = ""):
+    """The flash-attention kernels with the tiles the launchers pick on `arch` (attention_tiles:
+    the measured entry, else the safe choice), or with `tiles` ({"fwd": tile, ...}) when given."""
+    from . import attention_tiles, flash_attention, flash_attention_backward as backward
+
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    for head_dim in head_dims or flash_attention.SUPPORTED_HEAD_DIMS:
         strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in "qkv" for a in "bhs"
                    for v in [TYPICAL_INTS[f"{t}_stride_{a}"]]}
         for causal, dropout in ((True, False), (False, False), (True, True)):
-            cfg = flash_attention._config(head_dim, cuda, dtype, dropout)
-            common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"], DROPOUT=dropout)
+            chosen = tiles or attention_tiles.lookup(f"sm_{arch}", head_dim, dtype, causal, dropout)[0]
+            common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=precision, DROPOUT=dropout)
             for stage, kernel in (("fwd", flash_attention._attention_forward_kernel),
-                                  ("dkdv", flash_attention._attention_dkdv_kernel),
-                                  ("dq", flash_attention._attention_dq_kernel)):
-                block_m, block_n, warps, stages = cfg[stage]
-                yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}",
-                              kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n),
+                                  ("dkdv", backward._attention_dkdv_kernel), ("dq", backward._attention_dq_kernel)):
+                block_m, block_n, warps, stages = chosen[stage]
+                # causal: training lengths, whole blocks; non-causal: a ring block of any length
+                even = {} if stage == "fwd" else dict(EVEN_M=causal, EVEN_N=causal)
+                yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}"
+                              f"{label_suffix}", kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
-        yield Variant(f"attention delta d={head_dim}", flash_attention._attention_delta_kernel,
-                      dict(HEAD_DIM=head_dim, BLOCK_M=flash_attention._config(head_dim, cuda, dtype)["dq"][0]), {}, {})
-    yield Variant("adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}, {"n_elements": 1 << 24})
+        yield Variant(f"attention delta d={head_dim}{label_suffix}", backward._attention_delta_kernel,
+                      dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, {})
 
 
 @dataclass
@@ -245,7 +254,7 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
         print(f"  {'variant':52s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'ld vec/scal':>11s} {'mma':>4s} "
               f"{'async':>5s}")
     for dtype in dtypes:
-        for variant in kernel_variants(dtype):
+        for variant in kernel_variants(dtype, arch):
             label = f"{variant.label} [{TRITON_DTYPES[dtype]}]"
             if only and not any(part in label for part in only):
                 continue

@@ -11,14 +11,12 @@ when causal (the diagonal), any kv length otherwise.
 Forward: one program per (query block, batch*head) streams key/value blocks with an online
 softmax (running max m and sum l per row, in base 2: exp2 with scale*log2(e) folded in) and
 saves lse2 = m + log2(l) per row, fp32 [b, h, s]. A causal program stops at its diagonal;
-only the blocks crossing the diagonal or the sequence end pay for masking.
+only the blocks crossing the diagonal or the sequence end pay for masking, and causal
+programs run last query block first (the longest rows do not trail the grid).
 
-Backward (no atomics): delta = rowsum(dout * out) first; then one kernel per (key block,
-batch*kv_head) accumulates dk, dv over every query head of its group and every query block at
-or after it, and a second per (query block, batch*head) accumulates dq:
-
-    p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
-    ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
+Backward (no atomics): kernels/flash_attention_backward.py. Tiles per kernel come from the
+measured table in kernels/attention_tiles.py; `attention` with MEGALITE_KERNEL_BACKEND=auto
+may run torch's SDPA instead where it measured faster (kernels/attention_dispatch.py).
 
 Ring attention (megalite.context_parallel) runs these kernels on one block of a longer softmax
 row at a time (`attention_block.py`: forward with its log-sum-exp, backward from the row's
@@ -37,8 +35,12 @@ import math
 
 import torch
 
+from .attention_tiles import tiles_for
 from .attention_torch import attention_dropout_reference, attention_dropout_torch
-from .dispatch import check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
+from .attention_dispatch import choose, sdpa
+from .dispatch import HAVE_TRITON, backend_name, check_float_dtype, check_same_device, new_output, runnable, tl, \
+    triton, use_triton
+from .flash_attention_backward import launch_backward
 from .philox import drop_threshold
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -63,6 +65,8 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
                               dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     start_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first
+        start_m = tl.num_programs(0) - 1 - start_m
     batch_head = tl.program_id(1).to(tl.int64)
     batch, head = batch_head // n_heads, batch_head % n_heads
     kv_head = head // group_size
@@ -135,151 +139,17 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     tl.store(LSE + batch_head * seq_len + offs_m, row_max + tl.log2(row_sum), mask=row_ok)
 
 
-@triton.jit
-def _attention_delta_kernel(O, DO, DELTA, seq_len, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[b, h, i] = sum_d dout * out (both contiguous [b, h, s, d])."""
-    batch_head = tl.program_id(1).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-    mask = offs_m[:, None] < seq_len
-    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + batch_head * seq_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < seq_len)
-
-
-@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
-def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
-                           k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
-                           kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
-                           dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
-    batch_kv_head = tl.program_id(1).to(tl.int64)  # = batch * n_kv_heads + kv_head
-    n_kv_heads = n_heads // group_size
-    batch, kv_head = batch_kv_head // n_kv_heads, batch_kv_head % n_kv_heads
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_mask = offs_n[:, None] < kv_len
-    k = tl.load(K + batch * k_stride_b + kv_head * k_stride_h + offs_n[:, None] * k_stride_s + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM]
-    v = tl.load(V + batch * v_stride_b + kv_head * v_stride_h + offs_n[:, None] * v_stride_s + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    start_m_first = 0
-    if CAUSAL:
-        start_m_first = (start_n // BLOCK_M) * BLOCK_M  # earlier query blocks cannot see these keys
-    for group_member in range(0, group_size):
-        head = kv_head * group_size + group_member
-        q_base = Q + batch * q_stride_b + head * q_stride_h
-        row_base = (batch * n_heads + head) * seq_len  # into lse, delta [b, h, s] and dout [b, h, s, d]
-        for start_m in range(start_m_first, seq_len, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_mask = offs_m[None, :] < seq_len
-            q_t = tl.load(q_base + offs_m[None, :] * q_stride_s + offs_d[:, None], mask=q_mask, other=0.0)
-            do = tl.load(DO + (row_base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-                         mask=offs_m[:, None] < seq_len, other=0.0)  # [BLOCK_M, HEAD_DIM]
-            lse = tl.load(LSE + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
-            delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < seq_len, other=0.0)
-            scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_N, BLOCK_M]
-            p_t = tl.exp2(scores_t - lse[None, :])
-            valid = q_mask
-            if CAUSAL:
-                valid = valid & (offs_m[None, :] >= offs_n[:, None])
-            p_t = tl.where(valid, p_t, 0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            if DROPOUT:  # the forward's mask, regenerated (counters as in the forward, transposed)
-                row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len
-                row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
-                lo = row_lo[None, :] + offs_n[:, None].to(tl.uint32)
-                hi = row_hi[None, :] + (lo < row_lo[None, :]).to(tl.uint32)
-                word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)
-                keep_t = word >= drop_threshold.to(tl.uint32)  # dv from the kept p, dp through the mask
-                dv += tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do,
-                             input_precision=DOT_PRECISION)
-                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
-            else:
-                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    out_ptrs = (batch_kv_head * kv_len + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
-def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
-                         k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len, kv_len,
-                         softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
-                         dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    batch_head = tl.program_id(1).to(tl.int64)
-    batch, head = batch_head // n_heads, batch_head % n_heads
-    kv_head = head // group_size
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_mask = offs_m[:, None] < seq_len
-    q = tl.load(Q + batch * q_stride_b + head * q_stride_h + offs_m[:, None] * q_stride_s + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(LSE + batch_head * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
-    delta = tl.load(DELTA + batch_head * seq_len + offs_m, mask=offs_m < seq_len, other=0.0)
-    k_base = K + batch * k_stride_b + kv_head * k_stride_h
-    v_base = V + batch * v_stride_b + kv_head * v_stride_h
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len  # as in the forward
-    row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
-    threshold = drop_threshold.to(tl.uint32)
-    end_n = kv_len
-    if CAUSAL:  # kv_len == seq_len
-        end_n = tl.minimum(start_m + BLOCK_M, seq_len)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        col_mask = cols[:, None] < kv_len
-        k = tl.load(k_base + cols[:, None] * k_stride_s + offs_d[None, :], mask=col_mask, other=0.0)  # [N, D]
-        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=col_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        p = tl.exp2(scores - lse[:, None])
-        valid = cols[None, :] < kv_len
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= cols[None, :])
-        p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            lo = row_lo[:, None] + cols[None, :].to(tl.uint32)
-            hi = row_hi[:, None] + (lo < row_lo[:, None]).to(tl.uint32)
-            word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)
-            dp = tl.where(word >= threshold, dp * dropout_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    tl.store(DQ + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-             (dq * softmax_scale).to(DQ.dtype.element_ty), mask=q_mask)
-
-
-def _config(head_dim: int, device: torch.device, dtype: torch.dtype, dropout: bool = False) -> dict:
+def _config(head_dim: int, device: torch.device, dtype: torch.dtype, dropout: bool = False,
+            causal: bool = True) -> dict:
     """Per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages), and the dots' input precision.
 
-    Tensor-core tiles for 16-bit inputs on CUDA; for float32 ("ieee" dots run on the FMA units
-    with operands in registers) the largest tiles that compile for sm_90 without register
-    spills (`compile_check` reports spills); small tiles in the interpreter, so that odd shapes
-    cross many blocks. The forward needs BLOCK_M % BLOCK_N == 0 (its unmasked stage ends on a
-    block boundary). With dropout the forward's Philox state (4 words per score) needs twice
-    the threads for a 128 x 64 tile to stay in registers. Not yet timed on a GPU:
-    tools/tune_attention.py sweeps candidates.
+    Tiles come from the measured table in kernels/attention_tiles.py (a safe choice for a GPU
+    or shape nobody measured; small tiles in the interpreter, so that odd shapes cross many
+    blocks). float32 dots run in full precision ("ieee") on the FMA units; tf32 is ignored for
+    16-bit inputs. tools/tune_attention.py overrides this function to time candidates.
     """
-    precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    if device.type != "cuda":
-        tile = (16, 16, 1, 1)
-        return dict(fwd=tile, dkdv=tile, dq=tile, precision=precision)
-    if dtype == torch.float32:
-        if dropout:
-            return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 8, 2), dq=(16, 16, 4, 2), precision=precision)
-        return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 8, 2), precision=precision)
-    if head_dim >= 128:
-        return dict(fwd=(64, 64, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2), precision=precision)
-    return dict(fwd=(128, 64, 8 if dropout else 4, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3), precision=precision)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return dict(tiles_for(device, head_dim, dtype, causal, dropout), precision=precision)
 
 
 def _padded_head_dim(head_dim: int) -> int:
@@ -314,7 +184,7 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[
     dropout: (p, seed, offset) of the Philox mask (p = 0: none; needs sk == sq)."""
     batch, n_heads, seq_len, head_dim = q.shape
     group_size = n_heads // k.shape[1]
-    cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0)
+    cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0, causal)
     out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
     lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m, block_n, warps, stages = cfg["fwd"]
@@ -328,34 +198,11 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[
 
 def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float,
                      dropout: tuple[float, int, int] = NO_DROPOUT):
-    """Padded inputs, out and dout contiguous [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv.
-
-    `out` and `lse2` are those of the softmax the block belongs to: over these keys only for
-    plain attention, over every key of the row for one block of a longer row (ring attention).
-    """
-    batch, n_heads, seq_len, head_dim = q.shape
-    n_kv_heads, kv_len = k.shape[1], k.shape[2]
-    group_size = n_heads // n_kv_heads
-    cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0)
-    delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
-    block_m = cfg["dq"][0]
-    runnable(_attention_delta_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-        out, dout, delta, seq_len, HEAD_DIM=head_dim, BLOCK_M=block_m)
-    dq = new_output(q.shape, q.dtype, q.device)
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
-    common = (*_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, kv_len, softmax_scale,
-              softmax_scale * LOG2E, *_dropout_args(batch, dropout))
-    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0)
-    block_m, block_n, warps, stages = cfg["dkdv"]
-    runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(kv_len, block_n), batch * n_kv_heads)](
-        q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        num_stages=stages, **meta)
-    block_m, block_n, warps, stages = cfg["dq"]
-    runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-        q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        num_stages=stages, **meta)
-    return dq, dk, dv
+    """Padded inputs, out and dout contiguous [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv
+    (kernels/flash_attention_backward.py)."""
+    cfg = _config(q.shape[-1], q.device, q.dtype, dropout[0] > 0.0, causal)
+    return launch_backward(q, k, v, out, dout, lse2, causal, softmax_scale, cfg, cfg["precision"],
+                           _dropout_args(q.shape[0], dropout), dropout[0] > 0.0)
 
 
 class _FlashAttentionFunction(torch.autograd.Function):
@@ -414,6 +261,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s_kv, d].
 
     Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
+    Under MEGALITE_KERNEL_BACKEND=auto a CUDA call runs whichever of the Triton kernels and torch's
+    SDPA measured faster for its shape (kernels/attention_dispatch.py); dropout always runs ours.
     With dropout_p > 0 the probabilities are dropped with the Philox mask of (dropout_seed,
     dropout_offset) described in kernels/attention_torch.py, regenerated in backward (nothing per
     score is kept); the PyTorch path computes the same mask. The Triton path needs d <= 128 (16,
@@ -430,7 +279,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                          f"{dropout_seed}, {dropout_offset}")
     if dropout_p > 0.0 and k.shape[2] != q.shape[2]:
         raise ValueError(f"attention: dropout needs equal q and kv lengths, got {q.shape[2]} and {k.shape[2]}")
-    if q.numel() == 0 or not use_triton(q):
+    impl = "reference" if q.numel() == 0 else choose(q, k, causal, dropout_p, backend_name(), HAVE_TRITON)[0]
+    if impl in ("sdpa", "sdpa_gqa"):  # auto, where torch's kernels measured faster (attention_dispatch)
+        return sdpa(q, k, v, bool(causal), float(softmax_scale), native_gqa=impl == "sdpa_gqa")
+    if impl == "reference" or not use_triton(q):  # use_triton raises where forced Triton cannot run
         if dropout_p > 0.0:
             return attention_dropout_torch(q, k, v, causal, softmax_scale, *dropout)
         return attention_reference(q, k, v, causal, softmax_scale)

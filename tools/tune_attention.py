@@ -1,24 +1,32 @@
-"""Time candidate tiles of each flash-attention kernel on a GPU and name the fastest.
+"""Tune the flash-attention tiles on this GPU and measure where torch's SDPA is faster.
 
-    python tools/tune_attention.py --quick          # one shape: b4 x h32/8 x s4096 x d128, bf16
-    python tools/tune_attention.py                  # d 64 and 128, s 1k..8k
+    python tools/tune_attention.py --quick                # d 64 and 128 at s 4096; dispatch at s 1k, 4k, 16k
+    python tools/tune_attention.py                        # dispatch at s 1k, 2k, 4k, 8k, 16k
+    python tools/tune_attention.py --json tuned.json      # also write both tables (bench_kernels --tables)
 
-For each kernel (forward, dK/dV, dQ) every candidate (BLOCK_M, BLOCK_N, num_warps,
-num_stages) is timed with `triton.testing.do_bench` (median; the forward alone, the backward
-kernels as forward + backward), the other two kernels kept at their defaults from
-`flash_attention._config`. A candidate whose output or gradients differ from the default
-tiles' (relative error >= 2e-2, more than bf16 block-order noise) is marked WRONG, not fast.
-Every candidate compiles for sm_90 without register spills (checked with compile_check's
-machinery). Put the fastest into `flash_attention._config`, then rerun bench_kernels.py.
-Without a GPU it runs on CPU in Triton's interpreter with a wall-clock timer (`--smoke`),
-which only tests this script.
+1. Tiles. For each head dim, every candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of each
+   kernel is timed with `triton.testing.do_bench` (median): the forward alone, the dK/dV and dQ
+   kernels as forward + backward, tuned in that order with the kernels already tuned at their
+   best (the rest at their current tiles). A candidate whose output or gradients differ from the
+   current tiles' (relative error >= 2e-2, more than bf16 block-order noise) is WRONG, not fast.
+   Every candidate listed below compiles for sm_90 without register spills (compile_check).
+   Prints the `attention_tiles.MEASURED` entry for this GPU.
+2. Dispatch. At each sequence length (16384 tokens per call, GQA 4:1, heads = 4096 / d, q, k, v
+   as [b, h, s, d] views of [s, b, h, d] activations, as the model passes them) forward +
+   backward of the tuned Triton kernels, SDPA with repeated kv heads and SDPA with enable_gqa
+   (where torch has it); prints the `attention_dispatch.MEASURED_MS` rows and each ratio.
+
+Without a GPU, `--smoke` runs everything on CPU in Triton's interpreter with tiny shapes and a
+wall clock: it tests this script, nothing else.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -26,83 +34,188 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import megalite.kernels as K  # noqa: E402
-from bench_kernels import Case, build_cases, make_timer  # noqa: E402  (tools/ is the script's directory)
+from megalite.kernels import attention_dispatch, attention_tiles, flash_attention  # noqa: E402
 
-# Candidate tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) per attention kernel, 16-bit inputs.
-# The forward needs BLOCK_M % BLOCK_N == 0.
-ATTENTION_CANDIDATES = {
-    "fwd": [(64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4)],
-    "dkdv": [(32, 64, 4, 3), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (16, 64, 4, 4)],
-    "dq": [(64, 32, 4, 3), (64, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 16, 4, 4)],
+# Candidates per (head dim, kernel), 16-bit inputs; the forward needs BLOCK_M % BLOCK_N == 0.
+CANDIDATES = {
+    128: {"fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
+          "dkdv": [(32, 64, 4, 3), (32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3),
+                   (16, 128, 8, 2), (16, 64, 4, 3)],
+          "dq": [(64, 32, 4, 3), (64, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 8, 3)]},
+    64: {"fwd": [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3),
+                 (128, 32, 4, 4)],
+         "dkdv": [(32, 64, 4, 3), (32, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3),
+                  (64, 128, 8, 2), (16, 128, 8, 2)],
+         "dq": [(64, 32, 4, 3), (64, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                (128, 128, 8, 2)]},
 }
+SMOKE_CANDIDATES = {"fwd": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)], "dq": [(32, 16, 1, 1)]}
+TOKENS = 16384  # per call: batch = TOKENS // seq
 
 
-def sweep_attention_configs(cases: list[Case], timer) -> list[dict]:
-    """Time every candidate tile of each attention kernel (the other two at their defaults)."""
-    from megalite.kernels import flash_attention
+def attention_inputs(seq: int, head_dim: int, dtype: torch.dtype, device: str, smoke: bool = False):
+    """q [b, h, s, d], k, v [b, h/4, s, d] as permuted views of [s, b, heads, d] leaves (the model's layout)."""
+    heads = 4 if smoke else 4096 // head_dim
+    batch = 1 if smoke else max(1, TOKENS // seq)
+    leaves = [torch.randn(seq, batch, n, head_dim, device=device, dtype=dtype).requires_grad_()
+              for n in (heads, heads // 4, heads // 4)]
+    views = [t.permute(1, 2, 0, 3) for t in leaves]
+    flops = 4 * batch * heads * seq * seq * head_dim / 2  # causal: two matmuls over half the square
+    return views, leaves, flops
 
-    default_config = flash_attention._config
+
+def make_timer(smoke: bool):
+    if smoke:
+        def wall_clock(fn, grad_to_none=None):
+            fn()
+            start = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - start)
+        return wall_clock
+    import triton.testing
+
+    return lambda fn, grad_to_none=None: triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none,
+                                                                 return_mode="median")
+
+
+def _fwd_bwd(views, leaves, grad):
+    def step():
+        K.attention(*views).backward(grad)
+    return step
+
+
+def _outputs(views, leaves, grad):
+    """What a tile computes: the output and every input gradient, in float32."""
+    for t in leaves:
+        t.grad = None
+    out = K.attention(*views)
+    out.backward(grad)
+    return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+
+def _worst_error(got, expected) -> float:
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in zip(got, expected))
+
+
+def tune_tiles(head_dim: int, seq: int, dtype: torch.dtype, device: str, timer, candidates: dict,
+               smoke: bool) -> tuple[dict, list[dict]]:
+    """Greedy per kernel (fwd, dkdv, dq): the fastest correct candidate, the others as tuned so far."""
+    views, leaves, flops = attention_inputs(seq, head_dim, dtype, device, smoke)
+    grad = torch.randn_like(views[0])
+    current_config = flash_attention._config
+    chosen = dict(current_config(head_dim, views[0].device, dtype, False, True))
+    expected = _outputs(views, leaves, grad)  # the current tiles
     rows = []
-    for case in (c for c in cases if c.op == "attention"):
-        inputs = case.make_inputs()
-        leaves = [t for t in inputs if t.requires_grad]
-        grad = torch.randn_like(inputs[0])
-        head_dim = inputs[0].shape[-1]
+    print(f"attention tiles d={head_dim}, s={seq}, {views[0].shape[0]}x{views[0].shape[1]}/{views[1].shape[1]} heads "
+          f"(TFLOP/s; * = current)")
+    for kernel in attention_tiles.KERNELS:
+        results = []
+        for tile in dict.fromkeys([chosen[kernel], *candidates[kernel]]):
+            flash_attention._config = lambda *a, tile=tile, kernel=kernel, **kw: dict(chosen, **{kernel: tile})
+            try:
+                if kernel == "fwd":
+                    ms, units = timer(lambda: K.attention(*views)), flops
+                else:
+                    ms, units = timer(_fwd_bwd(views, leaves, grad), grad_to_none=leaves), 3.5 * flops
+                worst = _worst_error(_outputs(views, leaves, grad), expected)
+                results.append((tile, ms, units / ms / 1e9, "" if worst < 2e-2 else f"WRONG (rel err {worst:.1e})"))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory on this GPU
+                results.append((tile, math.nan, math.nan, f"ERROR {type(exc).__name__}: {str(exc)[:80]}"))
+            finally:
+                flash_attention._config = current_config
+        best = max((r for r in results if not r[3]), key=lambda r: r[2], default=None)
+        for tile, ms, rate, error in results:
+            mark = ("*" if tile == chosen[kernel] else " ") + (" <- best" if best and tile == best[0] else "")
+            print(f"  {kernel:5s} {str(tile):20s} {'fwd' if kernel == 'fwd' else 'fwd+bwd':8s} {ms:9.3f} ms "
+                  f"{rate:7.1f} TFLOP/s {error or mark}")
+            rows.append(dict(kernel=kernel, head_dim=head_dim, tile=tile, ms=ms, tflops=rate, error=error))
+        if best:
+            chosen[kernel] = best[0]
+    return {k: chosen[k] for k in attention_tiles.KERNELS}, rows
 
-        def outputs():  # what a tile computes: the output and every input gradient, in float32
-            for t in leaves:
-                t.grad = None
-            out = K.attention(*inputs)
-            out.backward(grad)
-            return [out.detach().float()] + [t.grad.float() for t in leaves]
-        expected = outputs()  # the default tiles
-        print(f"attention tiles, {case.shape} (TFLOP/s; * = current default)")
-        for kernel, candidates in ATTENTION_CANDIDATES.items():
-            default = default_config(head_dim, inputs[0].device, inputs[0].dtype)
-            results = []
-            for tile in dict.fromkeys([default[kernel], *candidates]):
-                flash_attention._config = lambda *a, tile=tile, kernel=kernel: dict(default_config(*a),
-                                                                                    **{kernel: tile})
-                try:
-                    if kernel == "fwd":
-                        ms = timer(lambda: K.attention(*inputs))
-                        units = case.fwd_units
-                    else:
-                        ms = timer(lambda: K.attention(*inputs).backward(grad), grad_to_none=leaves)
-                        units = case.fwd_bwd_units
-                    # a fast tile that computes something else is no candidate (bf16: block order moves bits)
-                    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-                                for a, b in zip(outputs(), expected))
-                    results.append((tile, ms, units / ms / 1e9, "" if worst < 2e-2 else f"WRONG (rel err {worst:.1e})"))
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory on this GPU
-                    results.append((tile, math.nan, math.nan, f"ERROR {type(exc).__name__}"))
-                finally:
-                    flash_attention._config = default_config
-            mode = "fwd" if kernel == "fwd" else "fwd+bwd"
-            best = max((r for r in results if not r[3]), key=lambda r: r[2], default=None)
-            for tile, ms, rate, error in results:
-                mark = ("*" if tile == default[kernel] else " ") + ("<- best" if best and tile == best[0] else "")
-                print(f"  {kernel:5s} {str(tile):20s} {mode:8s} " +
-                      f"{ms:9.3f} ms {rate:7.1f} TFLOP/s {error or mark}")
-                rows.append(dict(op=f"attention {kernel} tile {tile}", shape=case.shape, provider="megalite",
-                                 mode=mode, median_ms=ms, rate=rate, error=error))
-    return rows
+
+def _implementations():
+    impls = {"triton": lambda v: K.attention(*v)}
+    impls["sdpa"] = lambda v: attention_dispatch.sdpa(*v, True, v[0].shape[-1] ** -0.5, native_gqa=False)
+    if attention_dispatch.SDPA_HAS_GQA:
+        impls["sdpa_gqa"] = lambda v: attention_dispatch.sdpa(*v, True, v[0].shape[-1] ** -0.5, native_gqa=True)
+    return impls
+
+
+def measure_dispatch(head_dim: int, seqs: list[int], dtype: torch.dtype, device: str, timer,
+                     smoke: bool) -> dict[int, dict[str, float]]:
+    """{seq: {implementation: fwd+bwd ms}} with the Triton kernels at the tiles in effect."""
+    table = {}
+    print(f"dispatch d={head_dim} causal fwd+bwd (ms, TFLOP/s, time / fastest)")
+    for seq in seqs:
+        views, leaves, flops = attention_inputs(seq, head_dim, dtype, device, smoke)
+        grad = torch.randn_like(views[0])
+        times = {}
+        for name, fn in _implementations().items():
+            def step(fn=fn):
+                fn(views).backward(grad)
+            try:
+                times[name] = timer(step, grad_to_none=leaves)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 16k with repeated heads
+                print(f"  s={seq:6d} {name:9s} ERROR {type(exc).__name__}: {str(exc)[:80]}")
+        fastest = min(times.values())
+        for name, ms in times.items():
+            print(f"  s={seq:6d} {name:9s} {ms:9.3f} ms {3.5 * flops / ms / 1e9:7.1f} TFLOP/s {ms / fastest:5.2f}x"
+                  f"{'  <- fastest' if ms == fastest else ''}")
+        table[seq] = {name: round(ms, 4) for name, ms in times.items()}
+        del views, leaves, grad
+    return table
+
+
+def load_tables(path: str) -> None:
+    """Put the tables a --json run wrote in effect in this process (what pasting its lines gives)."""
+    saved = json.load(open(path))
+    for key, tiles in saved["tiles"].items():
+        arch, head_dim, dtype, causal, dropout = json.loads(key)
+        attention_tiles.MEASURED[(arch, head_dim, dtype, causal, dropout)] = {k: tuple(t) for k, t in tiles.items()}
+    for key, rows in saved["dispatch_ms"].items():
+        arch, head_dim, dtype, causal = json.loads(key)
+        attention_dispatch.MEASURED_MS[(arch, head_dim, dtype, causal)] = {int(s): ms for s, ms in rows.items()}
+    attention_dispatch._auto.cache_clear()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one training shape, shorter timing")
+    parser.add_argument("--quick", action="store_true", help="dispatch at s 1k, 4k, 16k only")
+    parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--smoke", action="store_true", help="CPU self-test: tiny shape, interpreter, wall clock")
+    parser.add_argument("--json", help="write the tuned tiles and dispatch times here")
+    parser.add_argument("--smoke", action="store_true", help="CPU self-test: tiny shapes, interpreter, wall clock")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         print("tune_attention needs a GPU (or --smoke to test this script on CPU)")
         return 1
     os.environ["MEGALITE_KERNEL_BACKEND"] = "triton"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases = build_cases({"attention"}, args.quick, device, getattr(torch, args.dtype), False, args.smoke)
-    rows = sweep_attention_configs(cases, make_timer(args.smoke, args.quick))
-    return 0 if not any(r["error"].startswith("WRONG") for r in rows) else 1
+    device, dtype = ("cuda" if torch.cuda.is_available() else "cpu"), getattr(torch, args.dtype)
+    if args.smoke:
+        dtype = torch.float32  # the interpreter has no bfloat16 dot (numpy lacks the type)
+    arch = attention_tiles.cuda_arch(torch.cuda.current_device()) if device == "cuda" else "interpreter"
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} ({arch})")
+    timer = make_timer(args.smoke)
+    seqs = [24] if args.smoke else ([1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384])
+    tuned, dispatch, lines, wrong = {}, {}, [], False
+    for head_dim in ([16] if args.smoke else args.head_dims):
+        candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES[head_dim]
+        tiles, rows = tune_tiles(head_dim, 24 if args.smoke else 4096, dtype, device, timer, candidates, args.smoke)
+        wrong |= any(r["error"].startswith("WRONG") for r in rows)
+        key = (arch, head_dim, attention_tiles.dtype_name(dtype), True, False)
+        tuned[json.dumps(key)] = tiles
+        attention_tiles.MEASURED[key] = tiles  # the dispatch sweep times the tuned kernels
+        lines.append(attention_tiles.table_line(arch, head_dim, dtype, True, False, tiles))
+        table = measure_dispatch(head_dim, seqs, dtype, device, timer, args.smoke)
+        dispatch[json.dumps(key[:4])] = table
+        lines.append(f"    {key[:4]!r}: {table!r},")
+    print("lines for kernels/attention_tiles.py MEASURED and kernels/attention_dispatch.py MEASURED_MS "
+          f"({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}):")
+    print("\n".join(lines))
+    if args.json:
+        json.dump({"tiles": tuned, "dispatch_ms": dispatch}, open(args.json, "w"), indent=1)
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

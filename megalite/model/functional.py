@@ -84,3 +84,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def describe_attention(head_dim: int, num_heads: int, num_query_groups: int, seq_length: int, dtype: str,
+                       dropout_p: float, cp: int, cp_comm_type: str, device: torch.device) -> str:
+    """The start banner's line: which attention implementation this model's calls run, and why.
+
+    dtype: "fp32" | "bf16" | "fp16". With cp > 1 ring attention ("p2p") runs the Triton kernels'
+    log-sum-exp entry points; Ulysses ("a2a") calls `attention` on the whole sequence.
+    """
+    if _kernels is None:  # pragma: no cover - the kernels package ships with megalite
+        return "attention: torch SDPA (megalite.kernels missing)"
+    from megalite.kernels import attention_dispatch, attention_tiles
+
+    backend = _kernels.backend_name()
+    if device.type != "cuda":
+        if backend == "triton":
+            return "attention: megalite Triton kernels in Triton's CPU interpreter (MEGALITE_KERNEL_BACKEND=triton)"
+        return "attention: PyTorch reference (no GPU)"
+    if cp > 1 and cp_comm_type == "p2p":
+        return f"attention: megalite Triton kernels (ring attention over cp={cp} merges their log-sum-exp)"
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    arch = attention_tiles.cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return attention_dispatch.describe(arch, head_dim, torch_dtype, seq_length, True, dropout_p,
+                                       num_query_groups != num_heads, backend)

@@ -43,6 +43,7 @@ from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
 from megalite.errors import ConfigError, UsageError, report_usage_error
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
+from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule
 from megalite.plan import estimate, justify, recompute_fraction
@@ -188,6 +189,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
     # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
     gpu = builtin_for_device(torch.cuda.get_device_name(mesh.device)) if mesh.device.type == "cuda" else None
     log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu))
+    p = cfg.parallel
+    log(MF.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                              model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
+                              p.cp_comm_type, mesh.device))
 
 
 def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> tuple:

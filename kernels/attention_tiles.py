@@ -1,0 +1,80 @@
+"""Tile choices of the flash-attention kernels, from measurements, per GPU architecture.
+
+A tile is (BLOCK_M, BLOCK_N, num_warps, num_stages) of one kernel: BLOCK_M query rows and
+BLOCK_N key rows per step. The three kernels (kernels/flash_attention.py forward,
+kernels/flash_attention_backward.py dK/dV and dQ) each take their own. Constraints every entry
+keeps (tests/kernels/test_attention_tiles.py checks them, compiles every entry for its
+architecture and runs it under the interpreter against the reference):
+
+    forward: BLOCK_M % BLOCK_N == 0 (its unmasked stage ends on a block boundary)
+    all:     powers of two, >= 16 (tensor-core dot shapes)
+
+`MEASURED` is keyed by (architecture, head dim, dtype, causal, dropout) and filled from
+`python tools/tune_attention.py`, which times candidates on the GPU it runs on and prints the
+entry to add (with the GPU and date in a comment). A key not in it — another GPU, a head dim
+or dtype nobody measured — gets `safe_tiles`: tiles that compile for sm_80 and sm_90 without
+register spills and are correct everywhere, not tuned anywhere.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+KERNELS = ("fwd", "dkdv", "dq")
+
+# (arch, head_dim, dtype, causal, dropout) -> tiles per kernel, from tools/tune_attention.py.
+MEASURED: dict[tuple[str, int, str, bool, bool], dict[str, Tile]] = {
+    # NVIDIA H200, torch 2.11 + triton 3.6, b4 x h32/8 x s4096 (2026-11-26 sweep in
+    # ../shared/gpu/2026-11-26-h200/tune_attention.txt): fwd 453, dK/dV 237, dQ 198 TFLOP/s
+    ("sm_90", 128, "bf16", True, False): dict(fwd=(128, 128, 8, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3)),
+}
+
+
+def safe_tiles(head_dim: int, dtype: torch.dtype, dropout: bool) -> dict[str, Tile]:
+    """Untuned tiles that compile without spills on sm_80 and sm_90 (compile_check)."""
+    if dtype == torch.float32:  # "ieee" dots run on the FMA units with operands in registers
+        if dropout:
+            return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 8, 2), dq=(16, 16, 4, 2))
+        return dict(fwd=(32, 16, 8, 2), dkdv=(16, 32, 4, 2), dq=(32, 16, 8, 2))
+    if head_dim >= 128:
+        return dict(fwd=(64, 64, 8, 2), dkdv=(32, 64, 8, 2), dq=(64, 32, 8, 2))
+    # the forward's Philox state (4 words per score) needs 8 warps for a 128 x 64 tile
+    return dict(fwd=(128, 64, 8 if dropout else 4, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3))
+
+
+INTERPRETER_TILES = dict(fwd=(16, 16, 1, 1), dkdv=(16, 16, 1, 1), dq=(16, 16, 1, 1))  # odd shapes cross blocks
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_arch(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def lookup(arch: str, head_dim: int, dtype: torch.dtype, causal: bool, dropout: bool) -> tuple[dict[str, Tile], str]:
+    """(tiles, where they came from): the measured entry, else the safe choice."""
+    key = (arch, head_dim, dtype_name(dtype), causal, dropout)
+    if key in MEASURED:
+        return MEASURED[key], "measured"
+    return safe_tiles(head_dim, dtype, dropout), "safe default (not in attention_tiles.MEASURED)"
+
+
+def tiles_for(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool, dropout: bool) -> dict[str, Tile]:
+    """The tiles the launchers use for a call on `device` (small ones in the CPU interpreter)."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return lookup(cuda_arch(index), head_dim, dtype, causal, dropout)[0]
+
+
+def table_line(arch: str, head_dim: int, dtype: torch.dtype, causal: bool, dropout: bool,
+               tiles: dict[str, Tile]) -> str:
+    """The line to paste into MEASURED for a tuned key."""
+    entry = ", ".join(f"{kernel}={tiles[kernel]}" for kernel in KERNELS)
+    return f"    ({arch!r}, {head_dim}, {dtype_name(dtype)!r}, {causal}, {dropout}): dict({entry}),"
