@@ -100,5 +100,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softma
     if group > 1 and native_gqa:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=True)
     if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        k, v = repeat_kv_heads(k, group), repeat_kv_heads(v, group)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+
+
+def repeat_kv_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """[b, h_kv, s, d] -> [b, h_kv * group, s, d], each kv head repeated for its group's query heads
+    (= repeat_interleave(group, dim=1), which on CUDA reads its output size back to the host)."""
+    b, h_kv, s, d = t.shape
+    return t[:, :, None].expand(b, h_kv, group, s, d).reshape(b, h_kv * group, s, d)

@@ -52,10 +52,7 @@ def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | Non
     if dropout_p > 0.0:
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         return attention_dropout_reference(q, k, v, causal, scale, dropout_p, dropout_seed, dropout_offset)
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+    return sdpa(q, k, v, causal, softmax_scale, native_gqa=False)
 
 
 @triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])

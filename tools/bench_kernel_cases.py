@@ -1,16 +1,20 @@
 """The cases tools/bench_kernels.py times: each (op, shape) with its inputs, its providers (megalite's
 Triton kernel, the eager reference beside it, torch.compile of that reference, Liger-Kernel and
-torch's own AdamW where they exist) and the bytes or FLOPs its forward and backward move.
+torch's own AdamW where they exist; for attention, torch's SDPA) and the bytes or FLOPs its forward
+and backward move.
 
 Training-relevant shapes (Llama-7B/8B-like); `smoke` shrinks them for `--smoke-timing` on CPU.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,6 +33,11 @@ class Case:
     flops: bool = False  # units are FLOPs (report TFLOP/s vs matmul) instead of bytes (GB/s vs copy)
     differentiable: bool = True
     extra: dict = field(default_factory=dict)
+    memory_bytes: float = 0.0  # peak device memory of its hungriest provider; 0: not estimated
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("fwd", "fwd+bwd") if self.differentiable else ("step",)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -65,7 +74,7 @@ def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use
     cases: list[Case] = []
     tokens_hidden = [(8192, 4096)] if quick else [(8192, 4096), (8192, 8192)]
     if smoke:
-        tokens_hidden = [(64, 96)]
+        tokens_hidden = [(16, 96)]  # the interpreter runs one program per row: keep few
     for tokens, hidden in tokens_hidden:
         cases += _norm_cases(ops, tokens, hidden, es, rand, use_compile)
         cases += _activation_cases(ops, tokens, hidden, es, rand, use_compile, smoke)
@@ -74,7 +83,7 @@ def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use
     if "cross_entropy" in ops:
         cases += _cross_entropy_cases(quick, device, es, rand, use_compile, smoke)
     if "attention" in ops:
-        cases += _attention_cases(quick, rand, use_compile, smoke)
+        cases += attention_cases(quick, device, dtype, use_compile and quick, smoke)  # compile: per shape
     if "adamw" in ops:
         cases.append(_adamw_case(device, smoke))
     return cases
@@ -158,26 +167,6 @@ def _cross_entropy_cases(quick: bool, device: str, es: int, rand: Callable, use_
     return cases
 
 
-def _attention_cases(quick: bool, rand: Callable, use_compile: bool, smoke: bool) -> list[Case]:
-    """Causal GQA attention, q [b, h, s, d] over k, v [b, h/4, s, d], per (head_dim, seq)."""
-    configs = [(128, 4096)] if quick else [(d, s) for d in (64, 128) for s in (1024, 2048, 4096, 8192)]
-    if smoke:
-        configs = [(32, 40)]
-    cases = []
-    for head_dim, seq in configs:
-        heads = 4096 // head_dim if not smoke else 4
-        kv_heads = max(1, heads // 4)
-        batch = max(1, 16384 // seq) if not smoke else 1
-        causal_flops = 4 * batch * heads * seq * seq * head_dim / 2  # two matmuls, half the square
-        cases.append(Case(
-            "attention", f"b{batch}xh{heads}/{kv_heads}xs{seq}xd{head_dim} causal",
-            lambda b=batch, h=heads, hk=kv_heads, s=seq, d=head_dim: [rand(b, h, s, d), rand(b, hk, s, d),
-                                                                       rand(b, hk, s, d)],
-            _providers(K.attention, K.attention_reference, None, use_compile),
-            causal_flops, 3.5 * causal_flops, flops=True))  # backward = 2.5 x forward FLOPs
-    return cases
-
-
 def _adamw_case(device: str, smoke: bool) -> Case:
     """One AdamW step over a flat fp32 parameter of n elements (with its grad and two moments)."""
     n = 256 * 2**20 if not smoke else 5000
@@ -207,3 +196,140 @@ def _torch_adamw_providers(device: str) -> dict:
             cache[key].step()
         providers[f"torch-{impl}"] = step
     return providers
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: megalite's kernels and its dispatch against torch's own SDPA, in the model's layout
+# ------------------------------------------------------------------------------------------------
+
+BACKEND_ENV = "MEGALITE_KERNEL_BACKEND"
+
+
+def attention_cases(quick: bool, device: str, dtype: torch.dtype, use_compile: bool, smoke: bool) -> list[Case]:
+    """Causal GQA attention (4 query heads per kv head, 4096 = heads x head_dim, 16384 tokens per
+    batch), per (head_dim, seq). use_compile: add torch.compile of the reference (recompiles per shape)."""
+    configs = [(d, s) for d in (64, 128) for s in (1024, 2048, 4096, 8192, 16384)]
+    if quick:
+        configs = [(128, 4096), (64, 4096)]
+    if smoke:
+        configs = [(32, 40)]
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    cases = []
+    for head_dim, seq in configs:
+        heads = 4096 // head_dim if not smoke else 4
+        kv_heads = heads // 4
+        batch = max(1, 16384 // seq) if not smoke else 1
+        fwd, fwd_bwd = attention_flops(batch, heads, seq, head_dim)
+        cases.append(Case(
+            "attention", f"b{batch}xh{heads}/{kv_heads}xs{seq}xd{head_dim} causal",
+            lambda b=batch, h=heads, hk=kv_heads, s=seq, d=head_dim: attention_inputs(b, h, hk, s, d, dtype, device),
+            attention_providers(use_compile), fwd, fwd_bwd, flops=True,
+            memory_bytes=attention_memory_bytes(batch, heads, kv_heads, seq, head_dim, element_size)))
+    return cases
+
+
+def attention_inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
+                     device, requires_grad: bool = True) -> list[torch.Tensor]:
+    """[q, k, v] laid out as megalite's Attention.core passes them: q [b, h, s, d], k and v
+    [b, h_kv, s, d], each the permuted view of an [s, b, heads, d] tensor (strides
+    (heads*d, d, b*heads*d, 1): not contiguous, so a kernel that needs contiguous inputs pays a copy).
+
+    detach() keeps those strides and makes each a leaf, so its gradient lands in .grad, which the
+    timers reset between calls (in the model it flows on through the view into the fused qkv).
+    """
+    def permuted(n_heads: int) -> torch.Tensor:
+        x = torch.randn(seq, batch, n_heads, head_dim, device=device, dtype=dtype)
+        return x.permute(1, 2, 0, 3).detach().requires_grad_(requires_grad)  # [s, b, n, d] -> [b, n, s, d]
+    return [permuted(heads), permuted(kv_heads), permuted(kv_heads)]
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float]:
+    """(forward, forward+backward) FLOPs of causal attention: two matmuls (q k^T and p v) over half
+    the [s, s] square; the backward counts 2.5x the forward (five matmuls, the scores recomputed,
+    as FlashAttention-2 counts)."""
+    forward = 2 * 2 * batch * heads * seq * seq * head_dim / 2
+    return forward, 3.5 * forward
+
+
+def attention_memory_bytes(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
+                           element_size: int) -> float:
+    """Peak bytes of fwd+bwd for the hungriest provider, `sdpa` (k, v repeated to every query head).
+
+    In units of one q-sized tensor Q = b*h*s*d elements and one kv-sized KV: q, k, v and their
+    gradients (2Q + 4KV); the repeated k, v and their gradients (4Q); out, dout and dq (3Q); a
+    contiguous copy SDPA may take of q and of dq's permuted .grad (2Q); fp32 log-sum-exp and delta
+    [b, h, s]. At 16384 tokens, heads*d = 4096, bf16: Q = 128 MiB, total ~1.5 GiB, whatever s.
+    """
+    q_size = batch * heads * seq * head_dim * element_size
+    kv_size = batch * kv_heads * seq * head_dim * element_size
+    return 11 * q_size + 4 * kv_size + 2 * batch * heads * seq * 4
+
+
+def attention_providers(use_compile: bool) -> dict:
+    """megalite (the Triton kernels), auto (what training calls: megalite's dispatch, which may pick
+    SDPA), sdpa (k, v repeated), sdpa-gqa (SDPA's own grouped heads, where this torch has them) and
+    compile (torch.compile of the reference)."""
+    providers = {"megalite": _with_backend("triton", K.attention), "auto": _with_backend("auto", K.attention),
+                 "sdpa": sdpa_repeated_kv}
+    if sdpa_accepts_gqa():
+        providers["sdpa-gqa"] = sdpa_gqa
+    if use_compile:
+        providers["compile"] = torch.compile(K.attention_reference, dynamic=False)
+    return providers
+
+
+@contextlib.contextmanager
+def kernel_backend(backend: str | None):
+    """MEGALITE_KERNEL_BACKEND=backend inside (None: unchanged), the previous value restored after."""
+    previous = os.environ.get(BACKEND_ENV)
+    if backend is not None:
+        os.environ[BACKEND_ENV] = backend
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = previous
+
+
+def _with_backend(backend: str, fn: Callable) -> Callable:
+    """fn under MEGALITE_KERNEL_BACKEND=backend (dispatch reads it on every call). The backend is
+    also kept as `.kernel_backend`, so that the tool can hold it over the backward too, in case a
+    dispatch decides anything there."""
+    def call(*args):
+        with kernel_backend(backend):
+            return fn(*args)
+    call.kernel_backend = backend
+    return call
+
+
+def sdpa_repeated_kv(q, k, v):
+    """torch's SDPA with each k, v head repeated over its query group (the first run's `eager`).
+
+    expand + reshape copies as repeat_interleave(group, dim=1) does (query head i reads kv head
+    i // group) but builds no index tensor: some torch versions' CUDA repeat_interleave reads its
+    repeats back to the host, which would keep this row out of a CUDA graph.
+    """
+    batch, kv_heads, seq, head_dim = k.shape
+    group = q.shape[1] // kv_heads
+
+    def repeated(t):  # [b, h_kv, s, d] -> [b, h_kv, group, s, d] -> [b, h, s, d]
+        return t[:, :, None].expand(batch, kv_heads, group, seq, head_dim).reshape(batch, kv_heads * group, seq,
+                                                                                   head_dim)
+    return F.scaled_dot_product_attention(q, repeated(k), repeated(v), is_causal=True)
+
+
+def sdpa_gqa(q, k, v):
+    """torch's SDPA reading each kv head for its whole query group itself (enable_gqa, torch >= 2.5)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_accepts_gqa() -> bool:
+    """Does this torch's SDPA take enable_gqa? Asked once, on tiny CPU tensors."""
+    try:
+        sdpa_gqa(torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+        return True
+    except (TypeError, RuntimeError):
+        return False

@@ -1,23 +1,32 @@
-"""Benchmark megalite's Triton kernels against PyTorch eager, torch.compile and Liger-Kernel.
+"""Benchmark megalite's Triton kernels against PyTorch eager, torch.compile, Liger-Kernel and SDPA.
 
-    python tools/bench_kernels.py                 # full sweep on a GPU (minutes)
-    python tools/bench_kernels.py --quick         # one training shape per op
+    python tools/bench_kernels.py                 # full sweep on a GPU
+    python tools/bench_kernels.py --quick         # one training shape per op (two for attention)
     python tools/bench_kernels.py --csv out.csv   # also write every row as CSV
     python tools/bench_kernels.py --ops rms_norm,attention
 
-Each (op, shape) is timed forward and forward+backward with `triton.testing.do_bench`
-(median) for every provider: `megalite` (the Triton kernels), `eager` (the plain-PyTorch
-reference beside each kernel), `compile` (torch.compile of that reference) and `liger`
-(when liger_kernel is importable and has the op). Memory-bound ops report GB/s of the
-minimum traffic (each input read once, each output written once) and its percentage of the
-device-to-device copy bandwidth measured at the start of the same run; attention reports
-TFLOP/s and its percentage of a bf16 matmul measured in the same run. Ratios `x_eager` and
-`x_compile` are eager (compile) time divided by the provider's time: > 1 means faster.
+Each (op, shape) is timed forward and forward+backward for every provider: `megalite` (the
+Triton kernels), `eager` (the plain-PyTorch reference beside each kernel), `compile`
+(torch.compile of that reference) and `liger` (when liger_kernel is importable and has the op).
+Attention instead has `megalite`, `auto` (megalite.kernels.attention under the default dispatch:
+what training calls), `sdpa` (torch's SDPA with k, v heads repeated), `sdpa-gqa` (SDPA's
+enable_gqa, where this torch has it) and, with --quick only, `compile`; its inputs are laid out
+as the model passes them (permuted views of [s, b, heads, d]).
+
+Every row has two times (tools/bench_kernel_timing.py): gpu_ms, CUDA-graph replay (the kernels
+alone), and host_ms, do_bench's events around each eager call (what an eager caller pays); a row
+is marked host-bound when host_ms > 1.15 x gpu_ms, and its `timing` says `events` when the call
+could not be captured (gpu_ms is then host_ms). Rates, % of ceiling and ratios use gpu_ms.
+Memory-bound ops report GB/s of the minimum traffic (each input read once, each output written
+once) and its % of the device-to-device copy bandwidth; attention reports TFLOP/s and its % of a
+bf16 matmul; both ceilings are measured at the start of the same run with graph replay. Ratios
+`x_eager`, `x_compile` and `x_sdpa` are that baseline's gpu_ms over the row's: > 1 means faster.
+The run ends with one line per goal of GOALS: measured, goal, met or NOT met (never asserted).
 
 Without a GPU the tool runs only the correctness sweep: every kernel in Triton's interpreter
 against its reference on small odd shapes, and says so. Attention tiles are tuned by
-`tools/tune_attention.py`. `--smoke-timing` (for testing this
-script without a GPU) runs the timing harness on CPU with tiny shapes and a wall-clock timer.
+`tools/tune_attention.py`. `--smoke-timing` (for testing this script without a GPU) runs the
+timing harness on CPU with tiny shapes, both clocks being the wall clock.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import csv
 import math
 import os
 import sys
-import time
+from dataclasses import dataclass
 
 import torch
 
@@ -35,95 +44,134 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 import megalite.kernels as K  # noqa: E402
 
-from bench_kernel_cases import Case, build_cases  # noqa: E402  (tools/ is the script's directory)
+# tools/ is the script's directory
+from bench_kernel_cases import Case, attention_inputs, build_cases, kernel_backend  # noqa: E402
+from bench_kernel_timing import Timers, make_timer, make_timers, measure_ceilings, time_both  # noqa: E402
 
-__all__ = ["Case", "build_cases", "make_timer", "main"]
+__all__ = ["Case", "GOALS", "Goal", "attention_inputs", "build_cases", "goal_lines", "main", "make_timer",
+           "run_case"]
 
 
 # ------------------------------------------------------------------------------------------------
-# Timing
+# Goals: each declared once here; the summary prints one line per goal (never asserted)
 # ------------------------------------------------------------------------------------------------
 
-def make_timer(smoke: bool, quick: bool):
-    if smoke:
-        def wall_clock(fn, grad_to_none=None):
-            fn()
-            times = []
-            for _ in range(3):
-                for t in grad_to_none or []:
-                    t.grad = None
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return 1e3 * sorted(times)[1]
-        return wall_clock
-    import triton.testing
-
-    warmup, rep = (10, 50) if quick else (25, 100)
-
-    def gpu(fn, grad_to_none=None):
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
-    return gpu
+@dataclass(frozen=True)
+class Goal:
+    """A target that every matching row must reach: the worst matching row is the measured figure."""
+    name: str
+    metric: str  # a row column computed from gpu_ms: pct_of_ceiling, x_compile or x_sdpa
+    target: float  # met when the worst matching row's metric >= target
+    ops: tuple[str, ...]
+    providers: tuple[str, ...] = ("megalite",)
+    modes: tuple[str, ...] = ("fwd+bwd",)
+    shape: str | None = None  # None: every shape of these ops
 
 
-def measure_ceilings(timer, device: str, smoke: bool) -> dict:
-    n_bytes = 2**30 if not smoke else 2**22
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = timer(lambda: dst.copy_(src))
-    del src, dst
-    n = 8192 if not smoke else 256
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    matmul_ms = timer(lambda: a @ b)
-    return {"copy_GBps": 2 * n_bytes / copy_ms / 1e6, "matmul_TFLOPs": 2 * n**3 / matmul_ms / 1e9}
+MEMORY_BOUND_OPS = ("rms_norm", "layer_norm", "bias_gelu", "swiglu", "rope", "cross_entropy", "adamw")
+GOALS = (
+    Goal("rms_norm fwd+bwd 8192x4096: % of copy", "pct_of_ceiling", 60, ("rms_norm",), shape="8192x4096"),
+    Goal("layer_norm fwd+bwd 8192x4096: % of copy", "pct_of_ceiling", 60, ("layer_norm",), shape="8192x4096"),
+    Goal("rope fwd+bwd: % of copy", "pct_of_ceiling", 60, ("rope",)),
+    Goal("every megalite memory-bound row: x torch.compile", "x_compile", 1.0, MEMORY_BOUND_OPS,
+         modes=("fwd", "fwd+bwd", "step")),
+    Goal("attention auto fwd+bwd, every shape: x sdpa", "x_sdpa", 1.0, ("attention",), providers=("auto",)),
+    Goal("attention megalite (Triton) fwd+bwd, every shape: x sdpa", "x_sdpa", 0.8, ("attention",)),
+)
 
 
-def run_case(case: Case, timer, ceilings: dict) -> list[dict]:
-    rows = []
-    base = dict(op=case.op, shape=case.shape)
-    for provider, fn in case.providers.items():
-        modes = ("fwd", "fwd+bwd") if case.differentiable else ("step",)
-        for mode in modes:
-            row = dict(base, provider=provider, mode=mode, median_ms=math.nan, rate=math.nan, pct_of_ceiling=math.nan,
-                       error="")
-            try:
-                inputs = case.make_inputs()
-                leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-                if mode == "fwd+bwd":
-                    grad = torch.randn_like(fn(*inputs).float()).to(fn(*inputs).dtype)
+def goal_lines(rows: list[dict], goals: tuple[Goal, ...] = GOALS) -> list[str]:
+    """One line per goal: the worst matching row's figure, the goal, met / NOT met / not measured."""
+    lines = []
+    for goal in goals:
+        matching = [r for r in rows if r["op"] in goal.ops and r["provider"] in goal.providers
+                    and r["mode"] in goal.modes and goal.shape in (None, r["shape"])
+                    and math.isfinite(r.get(goal.metric, math.nan))]
+        if not matching:
+            lines.append(f"  {goal.name:56s}       -  goal >= {goal.target:<4g} not measured")
+            continue
+        worst = min(matching, key=lambda r: r[goal.metric])
+        verdict = "met" if worst[goal.metric] >= goal.target else "NOT met"
+        where = ""
+        if len(matching) > 1:
+            where = f"  (worst of {len(matching)}: {worst['op']} {worst['shape']} {worst['mode']})"
+        lines.append(f"  {goal.name:56s} {worst[goal.metric]:7.2f}  goal >= {goal.target:<4g} {verdict}{where}")
+    return lines
 
-                    def step(fn=fn, inputs=inputs, grad=grad):
-                        fn(*inputs).backward(grad)
-                    ms = timer(step, grad_to_none=leaves)
-                else:
-                    ms = timer(lambda fn=fn, inputs=inputs: fn(*inputs))
-                units = case.fwd_bwd_units if mode == "fwd+bwd" else case.fwd_units
-                rate = units / ms / (1e9 if case.flops else 1e6)  # TFLOP/s or GB/s
-                ceiling = ceilings["matmul_TFLOPs" if case.flops else "copy_GBps"]
-                row.update(median_ms=ms, rate=rate, pct_of_ceiling=100 * rate / ceiling)
-            except Exception as exc:  # noqa: BLE001 - one failing provider must not stop the sweep
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-            finally:
-                inputs = leaves = None
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            rows.append(row)
-    for row in rows:  # ratios against eager and compile of the same op, shape and mode
-        for baseline in ("eager", "compile"):
+
+# ------------------------------------------------------------------------------------------------
+# One case: every (provider, mode) row, both clocks, ratios
+# ------------------------------------------------------------------------------------------------
+
+def run_case(case: Case, timers: Timers, ceilings: dict) -> list[dict]:
+    """Every (provider, mode) row of one case, with ratios against eager, compile and sdpa."""
+    rows = [_time_row(case, provider, fn, mode, timers, ceilings)
+            for provider, fn in case.providers.items() for mode in case.modes]
+    for row in rows:  # same op, shape and mode; kernels-only times
+        for baseline in ("eager", "compile", "sdpa"):
             ref = next((r for r in rows if r["provider"] == baseline and r["mode"] == row["mode"]), None)
             ok = ref is not None and not ref["error"] and not row["error"]
-            row[f"x_{baseline}"] = ref["median_ms"] / row["median_ms"] if ok else math.nan
+            row[f"x_{baseline}"] = ref["gpu_ms"] / row["gpu_ms"] if ok else math.nan
     return rows
 
 
-def print_row(row: dict, flops: bool) -> None:
+def _time_row(case: Case, provider: str, fn, mode: str, timers: Timers, ceilings: dict) -> dict:
+    row = dict(op=case.op, shape=case.shape, provider=provider, mode=mode, gpu_ms=math.nan, host_ms=math.nan,
+               median_ms=math.nan, timing="", host_bound=None, rate=math.nan, pct_of_ceiling=math.nan, note="",
+               error="")
+    try:
+        timing = _measure(case, fn, mode, timers)
+        units = case.fwd_bwd_units if mode == "fwd+bwd" else case.fwd_units
+        rate = units / timing.gpu_ms / (1e9 if case.flops else 1e6)  # TFLOP/s or GB/s
+        ceiling = ceilings["matmul_TFLOPs" if case.flops else "copy_GBps"]
+        row.update(gpu_ms=timing.gpu_ms, host_ms=timing.host_ms, median_ms=timing.gpu_ms, timing=timing.timing,
+                   host_bound=timing.host_bound, rate=rate, pct_of_ceiling=100 * rate / ceiling, note=timing.note)
+    except Exception as exc:  # noqa: BLE001 - one failing provider must not stop the sweep
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    if torch.cuda.is_available():  # the inputs died with _measure's frame
+        torch.cuda.empty_cache()
+    return row
+
+
+def _measure(case: Case, fn, mode: str, timers: Timers):
+    """Both clocks for one provider and mode, on fresh inputs (freed when this returns)."""
+    inputs = case.make_inputs()
+    if mode != "fwd+bwd":
+        return time_both(lambda: fn(*inputs), None, timers)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grad = torch.randn_like(fn(*inputs))  # the output's gradient, made once, outside the timed calls
+
+    def forward_backward():
+        with kernel_backend(getattr(fn, "kernel_backend", None)):  # the provider's backend over backward too
+            fn(*inputs).backward(grad)
+    return time_both(forward_backward, leaves, timers)
+
+
+def too_big(case: Case) -> str:
+    """Why a case cannot run on this GPU ('' when it fits or was not estimated)."""
+    if not torch.cuda.is_available() or not case.memory_bytes:
+        return ""
+    free, _ = torch.cuda.mem_get_info()
+    if case.memory_bytes <= 0.9 * free:
+        return ""
+    return f"skipped: needs ~{case.memory_bytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+
+
+def print_header(flops: bool) -> None:
     unit = "TFLOP/s" if flops else "GB/s"
+    print(f"  {'provider':14s} {'mode':8s} {'gpu_ms':>9s} {'host_ms':>9s} {'timing':6s} {unit:>9s} {'%ceil':>6s} "
+          f"{'x_eager':>8s} {'x_compile':>9s} {'x_sdpa':>7s}")
+
+
+def print_row(row: dict) -> None:
     if row["error"]:
         print(f"  {row['provider']:14s} {row['mode']:8s} ERROR {row['error']}")
         return
-    print(f"  {row['provider']:14s} {row['mode']:8s} {row['median_ms']:9.3f} ms {row['rate']:9.1f} {unit:7s} "
-          f"{row['pct_of_ceiling']:6.1f}% of ceiling  x_eager {row['x_eager']:5.2f}  x_compile {row['x_compile']:5.2f}")
+    ratios = " ".join(f"{row[f'x_{b}']:{w}.2f}" if math.isfinite(row[f"x_{b}"]) else f"{'-':>{w}s}"
+                      for b, w in (("eager", 8), ("compile", 9), ("sdpa", 7)))
+    flags = ("  host-bound" if row["host_bound"] else "") + (f"  [{row['note']}]" if row["note"] else "")
+    print(f"  {row['provider']:14s} {row['mode']:8s} {row['gpu_ms']:9.3f} {row['host_ms']:9.3f} {row['timing']:6s} "
+          f"{row['rate']:9.1f} {row['pct_of_ceiling']:5.1f}% {ratios}{flags}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,6 +218,11 @@ def correctness_sweep(device: str) -> bool:
     return all_ok
 
 
+CSV_COLUMNS = ["device", "torch", "triton", "command", "op", "shape", "dtype", "provider", "mode", "gpu_ms",
+               "host_ms", "timing", "host_bound", "median_ms", "rate", "unit", "pct_of_ceiling", "ceiling", "x_eager",
+               "x_compile", "x_sdpa", "note", "error"]  # median_ms = gpu_ms, kept for readers of older CSVs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one training shape per op, shorter timing")
@@ -183,8 +236,10 @@ def main(argv=None) -> int:
     on_gpu = torch.cuda.is_available()
     import triton
 
-    print(f"torch {torch.__version__}, triton {triton.__version__}, "
-          f"device {torch.cuda.get_device_name() if on_gpu else 'cpu (no GPU)'}, command: {' '.join(sys.argv)}")
+    run_info = dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", torch=torch.__version__,
+                    triton=triton.__version__, command=" ".join(sys.argv))
+    print(f"torch {run_info['torch']}, triton {run_info['triton']}, device "
+          f"{run_info['device'] if on_gpu else 'cpu (no GPU)'}, command: {run_info['command']}")
     if not on_gpu and not args.smoke_timing:
         print("No GPU: running the correctness sweep only (Triton's interpreter vs the references); no timings.\n"
               "(Whether every kernel compiles for a GPU: TRITON_INTERPRET=0 python -m megalite.kernels.compile_check)")
@@ -197,33 +252,43 @@ def main(argv=None) -> int:
             print("correctness sweep FAILED; timings below are of wrong kernels")
     os.environ["MEGALITE_KERNEL_BACKEND"] = "triton"
     device = "cuda" if on_gpu else "cpu"
-    dtype = getattr(torch, args.dtype)
-    timer = make_timer(args.smoke_timing, args.quick)
-    ceilings = measure_ceilings(timer, device, args.smoke_timing)
-    print(f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s (1 GiB device-to-device), "
+    timers = make_timers(args.smoke_timing, args.quick)
+    ceilings = measure_ceilings(timers, device, args.smoke_timing)
+    print(f"ceilings ({ceilings['timing']}): copy {ceilings['copy_GBps']:.0f} GB/s (1 GiB device-to-device), "
           f"bf16 matmul {ceilings['matmul_TFLOPs']:.0f} TFLOP/s (8192^3)")
-    ops = set(args.ops.split(","))
-    rows = []
-    cases = build_cases(ops, args.quick, device, dtype, not args.no_compile, args.smoke_timing)
-    for case in cases:
-        print(f"{case.op} {case.shape} {args.dtype if case.op != 'adamw' else 'float32'}")
-        for row in run_case(case, timer, ceilings):
-            print_row(row, case.flops)
-            row.update(dtype=args.dtype if case.op != "adamw" else "float32",
-                       unit="TFLOP/s" if case.flops else "GB/s",
-                       ceiling=ceilings["matmul_TFLOPs" if case.flops else "copy_GBps"],
-                       device=torch.cuda.get_device_name() if on_gpu else "cpu", torch=torch.__version__,
-                       triton=triton.__version__)
-            rows.append(row)
+    print("gpu_ms: CUDA-graph replay, kernels only (rates, % of ceiling and x_ ratios use it); host_ms: events "
+          "around each eager call; host-bound: host_ms > 1.15 x gpu_ms" if not args.smoke_timing else
+          "--smoke-timing: gpu_ms and host_ms are both the wall clock (tests the harness, not speed)")
+    rows = run_cases(build_cases(set(args.ops.split(",")), args.quick, device, getattr(torch, args.dtype),
+                                 not args.no_compile, args.smoke_timing), timers, ceilings, args.dtype, run_info)
+    print("goals (from gpu_ms; printed, never asserted):")
+    print("\n".join(goal_lines(rows)))
     if args.csv:
-        columns = ["device", "torch", "triton", "op", "shape", "dtype", "provider", "mode", "median_ms", "rate", "unit",
-                   "pct_of_ceiling", "ceiling", "x_eager", "x_compile", "error"]
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
+            writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
             writer.writeheader()
-            writer.writerows({c: r.get(c, "") for c in columns} for r in rows)
+            writer.writerows({c: r.get(c, "") for c in CSV_COLUMNS} for r in rows)
         print(f"wrote {len(rows)} rows to {args.csv}")
     return 0
+
+
+def run_cases(cases: list[Case], timers: Timers, ceilings: dict, dtype_name: str, run_info: dict) -> list[dict]:
+    """Time and print every case (skipping those the GPU has no memory for); the rows, for CSV and goals."""
+    rows = []
+    for case in cases:
+        dtype = dtype_name if case.op != "adamw" else "float32"
+        print(f"{case.op} {case.shape} {dtype}")
+        skip = too_big(case)
+        if skip:
+            print(f"  {skip}")
+            continue
+        print_header(case.flops)
+        for row in run_case(case, timers, ceilings):
+            print_row(row)
+            row.update(run_info, dtype=dtype, unit="TFLOP/s" if case.flops else "GB/s",
+                       ceiling=ceilings["matmul_TFLOPs" if case.flops else "copy_GBps"])
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":
