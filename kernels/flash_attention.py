@@ -55,7 +55,7 @@ def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | Non
     return sdpa(q, k, v, causal, softmax_scale, native_gqa=False)
 
 
-@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                               k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
                               kv_len, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,

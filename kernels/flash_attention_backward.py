@@ -18,7 +18,8 @@ and masks in every step (a separate unmasked loop held ~50 more registers per th
 spilled at d=128: compile_check); the dQ program runs its unmasked key blocks first and masks
 only the blocks that cross the diagonal, in reverse block order so the longest rows start
 first and do not trail the grid. EVEN_M / EVEN_N (sequence lengths multiples of the blocks)
-drop every bounds mask.
+drop every bounds mask. n_batch (used only by the dropout counters) is not specialised, so one
+compiled kernel serves every batch size.
 
 Dropout regenerates the forward's Philox mask (counters as in the forward, transposed in dK/dV):
 dv from the kept, rescaled p, dp through the same mask; delta is unchanged.
@@ -43,7 +44,7 @@ def _attention_delta_kernel(O, DO, DELTA, seq_len, HEAD_DIM: tl.constexpr, BLOCK
     tl.store(DELTA + batch_head * seq_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < seq_len)
 
 
-@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
                            k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
                            kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
@@ -114,7 +115,7 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
         tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
-@triton.jit(do_not_specialize=["dropout_seed", "dropout_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                          k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len, kv_len,
                          softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
