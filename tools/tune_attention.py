@@ -4,6 +4,8 @@
     python tools/tune_attention.py                        # dispatch at s 1k, 2k, 4k, 8k, 16k
     python tools/tune_attention.py --json tuned.json      # also write both tables (bench_kernels --tables)
 
+The candidates are compiled first in --jobs processes (8), then timed one at a time.
+
 1. Tiles. For each head dim, every candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of each
    kernel is timed with `triton.testing.do_bench` (median): the forward alone, the dK/dV and dQ
    kernels as forward + backward, tuned in that order with the kernels already tuned at their
@@ -167,6 +169,37 @@ def measure_dispatch(head_dim: int, seqs: list[int], dtype: torch.dtype, device:
     return table
 
 
+def precompile(head_dims: list[int], dtype: torch.dtype, jobs: int) -> None:
+    """Compile every candidate in `jobs` processes first (Triton's on-disk cache is shared; the
+    same shapes give the same cache keys), so the sweep times instead of compiling serially."""
+    import subprocess
+
+    start = time.perf_counter()
+    workers = [subprocess.Popen([sys.executable, __file__, "--precompile-shard", str(shard), str(jobs), "--dtype",
+                                 str(dtype).removeprefix("torch."), "--head-dims", *map(str, head_dims)])
+               for shard in range(jobs)]
+    failed = sum(worker.wait() != 0 for worker in workers)
+    print(f"precompiled the candidates in {jobs} processes: {time.perf_counter() - start:.0f} s"
+          + (f" ({failed} failed: their candidates compile while timed)" if failed else ""))
+
+
+def precompile_shard(shard: int, shards: int, head_dims: list[int], dtype: torch.dtype) -> None:
+    """One precompile process: launch its share of the candidates once at the sweep's shape."""
+    base = flash_attention._config
+    jobs = [(d, kernel, tile) for d in head_dims for kernel in attention_tiles.KERNELS for tile in CANDIDATES[d][kernel]]
+    for d, kernel, tile in jobs[shard::shards]:
+        views, leaves, _ = attention_inputs(4096, d, dtype, "cuda")
+        flash_attention._config = lambda *a, kernel=kernel, tile=tile, **kw: dict(base(*a, **kw), **{kernel: tile})
+        try:
+            K.attention(*views).backward(torch.ones_like(views[0]))
+        except Exception as exc:  # noqa: BLE001 - the sweep reports it when it times this tile
+            print(f"  precompile d={d} {kernel} {tile}: {type(exc).__name__}: {str(exc)[:100]}")
+        finally:
+            flash_attention._config = base
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def load_tables(path: str) -> None:
     """Put the tables a --json run wrote in effect in this process (what pasting its lines gives)."""
     saved = json.load(open(path))
@@ -185,8 +218,14 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json", help="write the tuned tiles and dispatch times here")
+    parser.add_argument("--jobs", type=int, default=8, help="processes that compile the candidates first (GPU)")
+    parser.add_argument("--precompile-shard", type=int, nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="CPU self-test: tiny shapes, interpreter, wall clock")
     args = parser.parse_args(argv)
+    if args.precompile_shard:
+        os.environ["MEGALITE_KERNEL_BACKEND"] = "triton"
+        precompile_shard(*args.precompile_shard, args.head_dims, getattr(torch, args.dtype))
+        return 0
     if not torch.cuda.is_available() and not args.smoke:
         print("tune_attention needs a GPU (or --smoke to test this script on CPU)")
         return 1
@@ -197,6 +236,8 @@ def main(argv=None) -> int:
     arch = attention_tiles.cuda_arch(torch.cuda.current_device()) if device == "cuda" else "interpreter"
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'} ({arch})")
     timer = make_timer(args.smoke)
+    if device == "cuda" and args.jobs > 1:
+        precompile(args.head_dims, dtype, args.jobs)
     seqs = [24] if args.smoke else ([1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384])
     tuned, dispatch, lines, wrong = {}, {}, [], False
     for head_dim in ([16] if args.smoke else args.head_dims):
