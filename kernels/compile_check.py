@@ -13,10 +13,13 @@ constant: this decides whether loads are vectorised). Each variant then reports:
     smem   shared memory per program             ld     16-byte vector / scalar global loads
     mma    wgmma (Hopper tensor-core) instructions
     async  asynchronous copies to shared memory (cp.async / TMA): loads software-pipelined
+    apx    approximate fp32 square roots and divisions (sqrt.approx, div.full ...: tl.sqrt, `/`)
 
 and warns where the code cannot be fast: any spill, a memory-bound kernel without a single
 vector load (it cannot reach copy bandwidth), or a tensor-core kernel whose loads are not
-pipelined (each block's loads would stall its dots). Run it from the command line:
+pipelined (each block's loads would stall its dots); and where it is not exact enough: an
+approximate instruction in a kernel whose statistics must be correctly rounded (the norms).
+Run it from the command line:
 
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_check            # sm_90 (H100)
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_check --arch 80  # A100
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-FP32_POINTERS = {"RSTD", "MEAN", "DW_PARTIAL", "DB_PARTIAL", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
+FP32_POINTERS = {"RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
                  "EXP_AVG_SQ"}
 FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minus_beta1", "beta2", "step_size",
                  "bias_correction2_sqrt", "dropout_scale"}
@@ -48,6 +51,7 @@ TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 # (8192 rows), hidden 4096, 32 query / 8 kv heads of 128, ffn 14336, GPT-2's vocab 50257
 # padded to 50304 (tp=1: a shard whose valid width is odd, as every GPT-2 run has).
 TOKENS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 8192, 4096, 32, 8, 128, 14336
+H100_SMS = 132  # persistent backward kernels launch a multiple of the SM count
 TYPICAL_INTS = {
     "n_rows": TOKENS, "rows_per_program": TOKENS // 528, "n_elements": TOKENS * FFN,
     "batch": 2, "n_heads": HEADS, "half": HEAD_DIM // 2, "group_size": HEADS // KV_HEADS, "seq_len": 4096,
@@ -81,6 +85,7 @@ class Variant:
     options: dict
     ints: dict  # overrides of TYPICAL_INTS for this variant
     memory_bound: bool = True
+    exact_math: bool = False  # statistics that must be correctly rounded: no approximate sqrt / division
 
 
 def _specialize(kernel, dtype: torch.dtype, variant: Variant):
@@ -112,6 +117,30 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
     return signature, constexprs, attrs
 
 
+def _norm_variants(rms_norm, layer_norm, cuda: torch.device):
+    """The norms' kernels as their config functions launch them on an H100, and the column sum of
+    their weight-gradient partials; hidden 768 (GPT-2) too. Statistics must be correctly rounded."""
+    from . import column_sum
+    from .dispatch import next_power_of_2
+
+    for hidden in (768, 4096, 8192):
+        block, rows = next_power_of_2(hidden), _typical_row_ints(hidden)
+        for module, name in ((rms_norm, "rms_norm"), (layer_norm, "layer_norm")):
+            fwd, bwd = module._forward_config(hidden, cuda), module._backward_config(hidden, cuda)
+            programs = min(bwd.programs_per_sm * H100_SMS, -(-TOKENS // bwd.rows))
+            bwd_rows = dict(rows, rows_per_program=-(-TOKENS // (programs * bwd.rows)) * bwd.rows)
+            for flag in (False, True):
+                yield Variant(f"{name} fwd h={hidden} residual={flag}", getattr(module, f"_{name}_forward_kernel"),
+                              dict(HAS_RESIDUAL=flag, ROWS=fwd.rows, BLOCK=block), {"num_warps": fwd.num_warps},
+                              rows, exact_math=True)
+                yield Variant(f"{name} bwd h={hidden} dsum={flag}", getattr(module, f"_{name}_backward_kernel"),
+                              dict(HAS_DSUM=flag, ROWS=bwd.rows, BLOCK=block), {"num_warps": bwd.num_warps},
+                              bwd_rows, exact_math=True)
+        yield Variant(f"column_sum h={hidden}", column_sum._column_sum_kernel,
+                      dict(BLOCK_P=column_sum.BLOCK_P, BLOCK_C=column_sum.BLOCK_C), {"num_warps": 4},
+                      {"n_partials": H100_SMS, "n_cols": 2 * hidden, "partial_row_stride": 2 * hidden})
+
+
 def kernel_variants(dtype: torch.dtype, arch: int = 90):
     """Every kernel as the CUDA launchers configure it, for a training-shaped call."""
     # the package re-exports functions under the modules' names (rms_norm, rope...): import modules
@@ -120,19 +149,7 @@ def kernel_variants(dtype: torch.dtype, arch: int = 90):
         ("adamw", "bias_dropout_add", "cross_entropy", "gelu", "layer_norm", "rms_norm", "rope", "swiglu"))
 
     cuda = torch.device("cuda")
-    for hidden in (4096, 8192):
-        block, warps = rms_norm._launch_config(hidden)
-        rows = _typical_row_ints(hidden)
-        for flag in (False, True):
-            opts = {"num_warps": warps}
-            yield Variant(f"rms_norm fwd h={hidden} residual={flag}", rms_norm._rms_norm_forward_kernel,
-                          dict(HAS_RESIDUAL=flag, BLOCK=block), opts, rows)
-            yield Variant(f"rms_norm bwd h={hidden} dsum={flag}", rms_norm._rms_norm_backward_kernel,
-                          dict(HAS_DSUM=flag, BLOCK=block), opts, rows)
-            yield Variant(f"layer_norm fwd h={hidden} residual={flag}", layer_norm._layer_norm_forward_kernel,
-                          dict(HAS_RESIDUAL=flag, BLOCK=block), opts, rows)
-            yield Variant(f"layer_norm bwd h={hidden} dsum={flag}", layer_norm._layer_norm_backward_kernel,
-                          dict(HAS_DSUM=flag, BLOCK=block), opts, rows)
+    yield from _norm_variants(rms_norm, layer_norm, cuda)
     for flag in (False, True):
         for stage, kernel in (("fwd", gelu._gelu_forward_kernel), ("bwd", gelu._gelu_backward_kernel)):
             yield Variant(f"gelu {stage} bias={flag}", kernel, dict(HAS_BIAS=flag, BLOCK=gelu.BLOCK),
@@ -143,11 +160,16 @@ def kernel_variants(dtype: torch.dtype, arch: int = 90):
                       {"num_warps": 4}, {"n_cols": HIDDEN, "n_elements": TOKENS * HIDDEN})
     yield Variant("bias_dropout_add bwd", bias_dropout_add._dropout_backward_kernel, dict(BLOCK=bias_dropout_add.BLOCK),
                   {"num_warps": 4}, {"n_elements": TOKENS * HIDDEN})
+    block_c = bias_dropout_add.BIAS_GRAD_BLOCK_C
+    yield Variant("bias_dropout_add bwd dbias", bias_dropout_add._dropout_bias_backward_kernel,
+                  dict(BLOCK_R=bias_dropout_add.BIAS_GRAD_TILE // block_c, BLOCK_C=block_c), {"num_warps": 4},
+                  {"n_cols": HIDDEN, "rows_per_program": TOKENS // 32})
     yield Variant("swiglu fwd", swiglu._swiglu_forward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}, {})
     yield Variant("swiglu bwd", swiglu._swiglu_backward_kernel, dict(BLOCK=swiglu.BLOCK), {"num_warps": 4}, {})
     for transposed in (False, True):
         yield Variant(f"rope transposed={transposed}", rope._rope_kernel,
-                      dict(TRANSPOSED=transposed, BLOCK_H=32, BLOCK_HALF=64), {"num_warps": 4}, {})
+                      dict(TRANSPOSED=transposed, BLOCK_H=32, BLOCK_HALF=64),
+                      {"num_warps": rope._num_warps(HEADS, HEAD_DIM, cuda)}, {})
     for vocab, n_valid, cols in ((50257, 50257, 50304), (128256, 128256 // 8, 128256 // 8)):
         block_v = cross_entropy._block_v(n_valid, cuda)
         shape = dict(n_valid=n_valid, n_cols=cols, row_stride=cols)
@@ -192,9 +214,13 @@ class Report:
     scalar_loads: int
     wgmma: int
     async_copies: int
+    approximate: int = 0  # approximate fp32 square roots / divisions (APPROXIMATE_FP32)
 
-    def warnings(self, memory_bound: bool) -> list[str]:
+    def warnings(self, memory_bound: bool, exact_math: bool = False) -> list[str]:
         found = []
+        if exact_math and self.approximate:
+            found.append(f"{self.approximate} approximate fp32 sqrt/division instruction(s) in statistics that must "
+                         "be correctly rounded: use tl.sqrt_rn / tl.div_rn")
         if self.spill_bytes:
             found.append(f"spills {self.spill_bytes} bytes to local memory")
         # Counted per instruction, not per execution: a masked tail block may load scalar (its
@@ -226,13 +252,19 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None]:
     return (int(registers.group(1)) if registers else None, int(spills.group(1)) if spills else None)
 
 
+# fp32 square roots and divisions with an IEEE-rounded twin (sqrt.rn, div.rn), as compiled Triton
+# emits them for tl.sqrt / tl.rsqrt / `/` (div.full.f32: 2 ulp). ex2/lg2 have no exact twin: not counted.
+APPROXIMATE_FP32 = re.compile(r"\b(?:sqrt\.approx|rsqrt\.approx|rcp\.approx|div\.approx|div\.full)(?:\.ftz)?\.f32\b")
+
+
 def analyse(compiled, arch: int) -> Report:
     ptx = compiled.asm["ptx"]
     loads = re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)
     vector = sum(1 for op in loads if ".v2." in op or ".v4." in op or op.endswith((".v2", ".v4")))
     registers, spills = _ptxas_report(ptx, arch)
     return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector,
-                  ptx.count("wgmma.mma_async"), len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)))
+                  ptx.count("wgmma.mma_async"), len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)),
+                  len(APPROXIMATE_FP32.findall(ptx)))
 
 
 def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose: bool = True,
@@ -252,7 +284,7 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
     failures, warnings = [], []
     if verbose:
         print(f"  {'variant':52s} {'regs':>4s} {'spill':>5s} {'smem KiB':>8s} {'ld vec/scal':>11s} {'mma':>4s} "
-              f"{'async':>5s}")
+              f"{'async':>5s} {'apx':>3s}")
     for dtype in dtypes:
         for variant in kernel_variants(dtype, arch):
             label = f"{variant.label} [{TRITON_DTYPES[dtype]}]"
@@ -269,12 +301,12 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
                 if verbose:
                     print(f"  {label:52s} {detail}", flush=True)
                 continue
-            problems = report.warnings(variant.memory_bound)
+            problems = report.warnings(variant.memory_bound, variant.exact_math)
             warnings.extend(f"{label}: {problem}" for problem in problems)
             if verbose:
                 print(f"  {label:52s} {report.registers or '?':>4} {report.spill_bytes if report.spill_bytes is not None else '?':>5} "
                       f"{report.shared_bytes / 1024:8.1f} {report.vector_loads:>5d}/{report.scalar_loads:<5d} "
-                      f"{report.wgmma:>4d} {report.async_copies:>5d}  "
+                      f"{report.wgmma:>4d} {report.async_copies:>5d} {report.approximate:>3d}  "
                       f"{'ok' if not problems else 'WARN ' + '; '.join(problems)} "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
     return failures, warnings

@@ -2,9 +2,11 @@
 
     y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias      over the last dim, fp32 math
 
-Same structure as rms_norm.py: forward one program per row saving mean and rstd (fp32 [rows]);
-backward a fixed number of programs over row ranges, each writing dx and fp32 partial
-weight/bias gradients ([programs, n] each) that torch sums afterwards.
+Same structure as rms_norm.py: [ROWS, BLOCK] tiles (norm_config.py); forward one program per
+tile saving mean and rstd (fp32 [rows]); backward persistent programs over row ranges, each
+writing dx and fp32 partial weight and bias gradients side by side in one [programs, 2n]
+buffer that `column_sum` reduces in one launch. Statistics use correctly rounded division and
+square root (see rms_norm.py).
 
     x_hat = (x - mean) * rstd
     dx = rstd * (w*dy - mean(w*dy) - x_hat * mean(x_hat * w*dy));  dw = sum dy*x_hat;  db = sum dy
@@ -16,8 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import as_rows, new_output, num_programs_hint, runnable, tl, triton, use_triton
-from .rms_norm import _check, _check_triton, _launch_config
+from .column_sum import sum_partials
+from .dispatch import as_rows, new_output, next_power_of_2, runnable, tl, triton, use_triton
+from .norm_config import NormConfig, backward_programs, default_config
+from .rms_norm import _check, _check_triton
+
+# Measured launch configurations (tools/tune_norms.py) keyed by BLOCK = next_power_of_2(n) on CUDA;
+# a BLOCK not listed uses norm_config.default_config.
+FORWARD_CONFIGS: dict[int, NormConfig] = {}
+BACKWARD_CONFIGS: dict[int, NormConfig] = {}
 
 
 def layer_norm_reference(x, weight, bias, eps: float = 1e-5):
@@ -31,78 +40,95 @@ def layer_norm_residual_reference(x, residual, weight, bias, eps: float = 1e-5):
 
 
 @triton.jit
-def _layer_norm_forward_kernel(X, R, SUM, Y, W, B, MEAN, RSTD, x_row_stride, r_row_stride, n_cols, eps,
-                               HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+def _layer_norm_forward_kernel(X, R, SUM, Y, W, B, MEAN, RSTD, x_row_stride, r_row_stride, n_rows, n_cols, eps,
+                               HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * ROWS  # this tile: rows [first, first + ROWS)
+    tile_rows = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    row_mask = first + tile_rows < n_rows
+    mask = row_mask & (cols < n_cols)
+    out_offsets = tile_rows * n_cols + cols  # y, summed: contiguous [rows, n]; int64 base + int32 tile offsets
+    x = tl.load(X + first * x_row_stride + (tile_rows * x_row_stride + cols), mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(R + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(SUM.dtype.element_ty)  # round like torch's x + residual
-        tl.store(SUM + row * n_cols + cols, summed, mask=mask)
+        r = tl.load(R + first * r_row_stride + (tile_rows * r_row_stride + cols), mask=mask, other=0.0)
+        summed = (x + r.to(tl.float32)).to(SUM.dtype.element_ty)  # round like torch's x + residual
+        tl.store(SUM + first * n_cols + out_offsets, summed, mask=mask)
         x = summed.to(tl.float32)
-    mean = tl.sum(x, axis=0) / n_cols
+    mean = tl.div_rn(tl.sum(x, axis=1), n_cols * 1.0)[:, None]  # [ROWS, 1]
     centered = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, (centered * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    variance = tl.div_rn(tl.sum(centered * centered, axis=1), n_cols * 1.0)  # [ROWS]
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))[:, None]  # [ROWS, 1]
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(Y + first * n_cols + out_offsets, (centered * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + first + tile_rows, mean, mask=row_mask)
+    tl.store(RSTD + first + tile_rows, rstd, mask=row_mask)
 
 
 @triton.jit
-def _layer_norm_backward_kernel(DY, DSUM, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, dy_row_stride,
-                                dsum_row_stride, n_rows, n_cols, rows_per_program, HAS_DSUM: tl.constexpr,
+def _layer_norm_backward_kernel(DY, DSUM, X, W, MEAN, RSTD, DX, PARTIALS, dy_row_stride, dsum_row_stride, n_rows,
+                                n_cols, rows_per_program, HAS_DSUM: tl.constexpr, ROWS: tl.constexpr,
                                 BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    db = tl.zeros([BLOCK], dtype=tl.float32)
+    tile_rows = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    col_mask = cols < n_cols
+    offsets = tile_rows * n_cols + cols  # x, dx: contiguous rows
+    dy_offsets = tile_rows * dy_row_stride + cols
+    dsum_offsets = tile_rows * dsum_row_stride + cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)  # summed over the tile's rows once, after the loop
+    db = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    x_ptrs = X + row_start * n_cols + cols  # walk the rows by pointer increments (int64-safe)
-    dx_ptrs = DX + row_start * n_cols + cols
-    dy_ptrs = DY + row_start * dy_row_stride + cols
-    dsum_ptrs = DSUM + row_start * dsum_row_stride + cols
-    for row in range(row_start, row_end):
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x_hat = tl.where(mask, (x - tl.load(MEAN + row)) * tl.load(RSTD + row), 0.0)
+    for first in range(row_start, row_end, ROWS):  # int64 tile bases, int32 offsets inside the tile
+        row_mask = first + tile_rows < row_end
+        mask = row_mask & col_mask
+        x = tl.load(X + first * n_cols + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + first * dy_row_stride + dy_offsets, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + first + tile_rows, mask=row_mask, other=0.0)  # [ROWS, 1]
+        rstd = tl.load(RSTD + first + tile_rows, mask=row_mask, other=0.0)
+        x_hat = (x - mean) * rstd  # padding columns: w*dy = dy = 0 there, so they add nothing below
         w_dy = w * dy
-        mean_w_dy = tl.sum(w_dy, axis=0) / n_cols
-        mean_xhat_w_dy = tl.sum(x_hat * w_dy, axis=0) / n_cols
-        dx = (w_dy - mean_w_dy - x_hat * mean_xhat_w_dy) * tl.load(RSTD + row)
+        mean_w_dy = tl.div_rn(tl.sum(w_dy, axis=1), n_cols * 1.0)[:, None]
+        mean_xhat_w_dy = tl.div_rn(tl.sum(x_hat * w_dy, axis=1), n_cols * 1.0)[:, None]
+        dx = (w_dy - mean_w_dy - x_hat * mean_xhat_w_dy) * rstd
         if HAS_DSUM:  # gradient flowing into the residual stream from later layers
-            dx += tl.load(dsum_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
+            dx += tl.load(DSUM + first * dsum_row_stride + dsum_offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + first * n_cols + offsets, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
         db += dy
-        x_ptrs += n_cols
-        dx_ptrs += n_cols
-        dy_ptrs += dy_row_stride
-        dsum_ptrs += dsum_row_stride
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
-    tl.store(DB_PARTIAL + pid * n_cols + cols, db, mask=mask)
+    # partials row pid: [dw (n) | db (n)]
+    tl.store(PARTIALS + pid * 2 * n_cols + cols, tl.sum(dw, axis=0)[None, :], mask=col_mask)
+    tl.store(PARTIALS + pid * 2 * n_cols + n_cols + cols, tl.sum(db, axis=0)[None, :], mask=col_mask)
+
+
+def _forward_config(n_cols: int, device: torch.device) -> NormConfig:
+    """The forward's tile rows and warps for rows of n_cols (tools/tune_norms.py replaces this)."""
+    measured = FORWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
+    return measured or default_config(n_cols, tile_elements=4096, elements_per_warp=256)
+
+
+def _backward_config(n_cols: int, device: torch.device) -> NormConfig:
+    """The backward's tile rows, warps and programs per SM (tools/tune_norms.py replaces this)."""
+    measured = BACKWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
+    return measured or default_config(n_cols, tile_elements=2048, elements_per_warp=256, persistent=True)
 
 
 def _forward(x_rows, residual_rows, weight, bias, eps):
     """x_rows, residual_rows: [rows, n] -> (y, summed or None, mean [rows] fp32, rstd [rows] fp32)."""
     n_rows, n_cols = x_rows.shape
-    block, num_warps = _launch_config(n_cols)
     device = x_rows.device
+    config = _forward_config(n_cols, device)
     y = new_output((n_rows, n_cols), x_rows.dtype, device)
     mean = new_output((n_rows,), torch.float32, device)
     rstd = new_output((n_rows,), torch.float32, device)
     has_residual = residual_rows is not None
     summed = new_output((n_rows, n_cols), x_rows.dtype, device) if has_residual else y
-    runnable(_layer_norm_forward_kernel, device)[(n_rows,)](
+    runnable(_layer_norm_forward_kernel, device)[(triton.cdiv(n_rows, config.rows),)](
         x_rows, residual_rows if has_residual else x_rows, summed, y, weight, bias, mean, rstd,
-        x_rows.stride(0), residual_rows.stride(0) if has_residual else 0, n_cols, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=num_warps)
+        x_rows.stride(0), residual_rows.stride(0) if has_residual else 0, n_rows, n_cols, eps,
+        HAS_RESIDUAL=has_residual, ROWS=config.rows, BLOCK=next_power_of_2(n_cols), num_warps=config.num_warps)
     return y, (summed if has_residual else None), mean, rstd
 
 
@@ -112,16 +138,18 @@ def _backward(dy, dsum, x_saved, weight, bias, mean, rstd):
     device = x_saved.device
     dy_rows = as_rows(dy)
     dsum_rows = as_rows(dsum) if dsum is not None else None
-    block, num_warps = _launch_config(n_cols)
-    programs = max(1, min(n_rows, num_programs_hint(device)))
+    config = _backward_config(n_cols, device)
+    programs, rows_per_program = backward_programs(config, n_rows, device)
     dx = new_output((n_rows, n_cols), x_saved.dtype, device)
-    dw_partial = new_output((programs, n_cols), torch.float32, device)
-    db_partial = new_output((programs, n_cols), torch.float32, device)
+    partials = new_output((programs, 2 * n_cols), torch.float32, device)  # [programs, dw | db]
     runnable(_layer_norm_backward_kernel, device)[(programs,)](
-        dy_rows, dsum_rows if dsum is not None else dy_rows, x_saved, weight, mean, rstd, dx, dw_partial,
-        db_partial, dy_rows.stride(0), dsum_rows.stride(0) if dsum is not None else 0, n_rows, n_cols,
-        triton.cdiv(n_rows, programs), HAS_DSUM=dsum is not None, BLOCK=block, num_warps=num_warps)
-    return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(bias.dtype)
+        dy_rows, dsum_rows if dsum is not None else dy_rows, x_saved, weight, mean, rstd, dx, partials,
+        dy_rows.stride(0), dsum_rows.stride(0) if dsum is not None else 0, n_rows, n_cols, rows_per_program,
+        HAS_DSUM=dsum is not None, ROWS=config.rows, BLOCK=next_power_of_2(n_cols), num_warps=config.num_warps)
+    if weight.dtype == bias.dtype:  # both gradients from one launch: [2n] -> views [n], [n]
+        grads = sum_partials(partials, weight.dtype)
+        return dx, grads[:n_cols], grads[n_cols:]
+    return dx, sum_partials(partials[:, :n_cols], weight.dtype), sum_partials(partials[:, n_cols:], bias.dtype)
 
 
 class _LayerNormFunction(torch.autograd.Function):

@@ -2,12 +2,17 @@
 
     y = x / sqrt(mean(x^2) + eps) * weight          over the last dim, computed in fp32
 
-Forward: one program per row; the row's 1/rms (`rstd`, fp32 [rows]) is saved for backward.
-Backward: a fixed number of programs, each walking a contiguous range of rows, writes dx and
-accumulates its own partial weight gradient in fp32 ([programs, n]); the partials are summed
-by torch afterwards (no atomics, deterministic).
+Both kernels work on [ROWS, BLOCK] tiles of rows (norm_config.py: the launch record, the
+persistent backward and why). Forward: one program per tile; each row's 1/rms (`rstd`, fp32
+[rows]) is saved for backward. Backward: persistent programs over contiguous row ranges write
+dx and accumulate their own fp32 weight-gradient partials ([programs, n]); `column_sum` sums
+those in one launch (no atomics, deterministic).
 
     x_hat = x * rstd;  dx = rstd * (w*dy - x_hat * mean(x_hat * w*dy));  dw = sum_rows dy * x_hat
+
+The statistics (mean of squares, rstd, the backward's row mean) use correctly rounded division
+and square root (`tl.div_rn`, `tl.sqrt_rn`): compiled `/` and `tl.sqrt` are approximate on
+NVIDIA GPUs (2 ulp), and at small variance rstd multiplies those ulps into every gradient.
 
 The residual variant `rms_norm_residual(x, residual, weight)` returns (normed, x + residual),
 the pre-norm transformer's `h = h + f(h); y = norm(h)` in one pass: the sum is rounded to
@@ -17,10 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import as_rows, check_float_dtype, check_same_device, new_output, num_programs_hint, \
-    next_power_of_2, runnable, tl, triton, use_triton
+from .column_sum import sum_partials
+from .dispatch import as_rows, check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, \
+    triton, use_triton
+from .norm_config import NormConfig, backward_programs, default_config
 
 MAX_HIDDEN = 65536  # one row lives in registers/SRAM of one program
+
+# Measured launch configurations (tools/tune_norms.py) keyed by BLOCK = next_power_of_2(n) on CUDA;
+# a BLOCK not listed uses norm_config.default_config.
+FORWARD_CONFIGS: dict[int, NormConfig] = {}
+BACKWARD_CONFIGS: dict[int, NormConfig] = {}
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -35,91 +47,101 @@ def rms_norm_residual_reference(x, residual, weight, eps: float = 1e-6):
 
 
 @triton.jit
-def _rms_norm_forward_kernel(X, R, SUM, Y, W, RSTD, x_row_stride, r_row_stride, n_cols, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+def _rms_norm_forward_kernel(X, R, SUM, Y, W, RSTD, x_row_stride, r_row_stride, n_rows, n_cols, eps,
+                             HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * ROWS  # this tile: rows [first, first + ROWS)
+    tile_rows = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    row_mask = first + tile_rows < n_rows
+    mask = row_mask & (cols < n_cols)
+    out_offsets = tile_rows * n_cols + cols  # y, summed: contiguous [rows, n]; int64 base + int32 tile offsets
+    x = tl.load(X + first * x_row_stride + (tile_rows * x_row_stride + cols), mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(R + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(SUM.dtype.element_ty)  # round like torch's x + residual
-        tl.store(SUM + row * n_cols + cols, summed, mask=mask)
+        r = tl.load(R + first * r_row_stride + (tile_rows * r_row_stride + cols), mask=mask, other=0.0)
+        summed = (x + r.to(tl.float32)).to(SUM.dtype.element_ty)  # round like torch's x + residual
+        tl.store(SUM + first * n_cols + out_offsets, summed, mask=mask)
         x = summed.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+    mean_square = tl.div_rn(tl.sum(x * x, axis=1), n_cols * 1.0)  # [ROWS]
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))[:, None]  # [ROWS, 1]
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(Y + first * n_cols + out_offsets, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + first + tile_rows, rstd, mask=row_mask)
 
 
 @triton.jit
 def _rms_norm_backward_kernel(DY, DSUM, X, W, RSTD, DX, DW_PARTIAL, dy_row_stride, dsum_row_stride,
-                              n_rows, n_cols, rows_per_program, HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr):
+                              n_rows, n_cols, rows_per_program, HAS_DSUM: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    tile_rows = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    col_mask = cols < n_cols
+    offsets = tile_rows * n_cols + cols  # x, dx: contiguous rows
+    dy_offsets = tile_rows * dy_row_stride + cols
+    dsum_offsets = tile_rows * dsum_row_stride + cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)  # summed over the tile's rows once, after the loop
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    x_ptrs = X + row_start * n_cols + cols  # walk the rows by pointer increments (int64-safe)
-    dx_ptrs = DX + row_start * n_cols + cols
-    dy_ptrs = DY + row_start * dy_row_stride + cols
-    dsum_ptrs = DSUM + row_start * dsum_row_stride + cols
-    for row in range(row_start, row_end):
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+    for first in range(row_start, row_end, ROWS):  # int64 tile bases, int32 offsets inside the tile
+        row_mask = first + tile_rows < row_end
+        mask = row_mask & col_mask
+        x = tl.load(X + first * n_cols + offsets, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + first * dy_row_stride + dy_offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + first + tile_rows, mask=row_mask, other=0.0)  # [ROWS, 1]
         x_hat = x * rstd
         w_dy = w * dy
-        dx = (w_dy - x_hat * (tl.sum(x_hat * w_dy, axis=0) / n_cols)) * rstd
+        mean_xhat_w_dy = tl.div_rn(tl.sum(x_hat * w_dy, axis=1), n_cols * 1.0)[:, None]
+        dx = (w_dy - x_hat * mean_xhat_w_dy) * rstd
         if HAS_DSUM:  # gradient flowing into the residual stream from later layers
-            dx += tl.load(dsum_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
+            dx += tl.load(DSUM + first * dsum_row_stride + dsum_offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + first * n_cols + offsets, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-        x_ptrs += n_cols
-        dx_ptrs += n_cols
-        dy_ptrs += dy_row_stride
-        dsum_ptrs += dsum_row_stride
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw, axis=0)[None, :], mask=col_mask)
 
 
-def _launch_config(n_cols: int) -> tuple[int, int]:
-    block = next_power_of_2(n_cols)
-    return block, min(16, max(1, block // 256))  # (BLOCK, num_warps)
+def _forward_config(n_cols: int, device: torch.device) -> NormConfig:
+    """The forward's tile rows and warps for rows of n_cols (tools/tune_norms.py replaces this)."""
+    measured = FORWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
+    return measured or default_config(n_cols, tile_elements=4096, elements_per_warp=256)
+
+
+def _backward_config(n_cols: int, device: torch.device) -> NormConfig:
+    """The backward's tile rows, warps and programs per SM (tools/tune_norms.py replaces this)."""
+    measured = BACKWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
+    return measured or default_config(n_cols, tile_elements=2048, elements_per_warp=256, persistent=True)
 
 
 def _forward(x_rows, residual_rows, weight, eps):
     """x_rows, residual_rows: [rows, n] -> (y [rows, n], summed [rows, n] or None, rstd [rows] fp32)."""
     n_rows, n_cols = x_rows.shape
-    block, num_warps = _launch_config(n_cols)
+    config = _forward_config(n_cols, x_rows.device)
     y = new_output((n_rows, n_cols), x_rows.dtype, x_rows.device)
     rstd = new_output((n_rows,), torch.float32, x_rows.device)
     has_residual = residual_rows is not None
     summed = new_output((n_rows, n_cols), x_rows.dtype, x_rows.device) if has_residual else y
-    kernel = runnable(_rms_norm_forward_kernel, x_rows.device)
-    kernel[(n_rows,)](x_rows, residual_rows if has_residual else x_rows, summed, y, weight, rstd,
-                      x_rows.stride(0), residual_rows.stride(0) if has_residual else 0, n_cols, eps,
-                      HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=num_warps)
+    runnable(_rms_norm_forward_kernel, x_rows.device)[(triton.cdiv(n_rows, config.rows),)](
+        x_rows, residual_rows if has_residual else x_rows, summed, y, weight, rstd, x_rows.stride(0),
+        residual_rows.stride(0) if has_residual else 0, n_rows, n_cols, eps, HAS_RESIDUAL=has_residual,
+        ROWS=config.rows, BLOCK=next_power_of_2(n_cols), num_warps=config.num_warps)
     return y, (summed if has_residual else None), rstd
 
 
 def _backward(dy, dsum, x_saved, weight, rstd):
-    """dy, dsum: [..., n]; x_saved: the normalised input [rows, n] -> (dx [rows, n], dweight)."""
+    """dy, dsum: [..., n]; x_saved: the normalised input [rows, n] -> (dx [rows, n], dweight [n])."""
     n_rows, n_cols = x_saved.shape
+    device = x_saved.device
     dy_rows = as_rows(dy)
     dsum_rows = as_rows(dsum) if dsum is not None else None
-    block, num_warps = _launch_config(n_cols)
-    programs = max(1, min(n_rows, num_programs_hint(dy.device)))
-    rows_per_program = triton.cdiv(n_rows, programs)
-    dx = new_output((n_rows, n_cols), x_saved.dtype, x_saved.device)
-    dw_partial = new_output((programs, n_cols), torch.float32, x_saved.device)
-    kernel = runnable(_rms_norm_backward_kernel, dy.device)
-    kernel[(programs,)](dy_rows, dsum_rows if dsum is not None else dy_rows, x_saved, weight, rstd, dx, dw_partial,
-                        dy_rows.stride(0), dsum_rows.stride(0) if dsum is not None else 0,
-                        n_rows, n_cols, rows_per_program, HAS_DSUM=dsum is not None, BLOCK=block,
-                        num_warps=num_warps)
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    config = _backward_config(n_cols, device)
+    programs, rows_per_program = backward_programs(config, n_rows, device)
+    dx = new_output((n_rows, n_cols), x_saved.dtype, device)
+    dw_partial = new_output((programs, n_cols), torch.float32, device)
+    runnable(_rms_norm_backward_kernel, device)[(programs,)](
+        dy_rows, dsum_rows if dsum is not None else dy_rows, x_saved, weight, rstd, dx, dw_partial,
+        dy_rows.stride(0), dsum_rows.stride(0) if dsum is not None else 0, n_rows, n_cols, rows_per_program,
+        HAS_DSUM=dsum is not None, ROWS=config.rows, BLOCK=next_power_of_2(n_cols), num_warps=config.num_warps)
+    return dx, sum_partials(dw_partial, weight.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):

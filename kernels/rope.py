@@ -10,6 +10,7 @@ so with halves x = [x1, x2], cos = [c1, c2], sin = [s1, s2]:
 One program per (position, batch) row handles all heads: a [heads, d/2] tile for each half.
 x may have any strides (e.g. q sliced out of a fused qkv projection); the output is
 contiguous. fp32 math, rounded once to x.dtype. cos and sin are constants: no gradient.
+Backward is the same kernel with the rotation transposed, reading dy as it comes (any strides).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import torch
 
 from .dispatch import check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, triton, \
     use_triton
+
+
+# Measured warps per program (tools/tune_norms.py) keyed by (BLOCK_H, BLOCK_HALF) on CUDA; else 4.
+NUM_WARPS: dict[tuple[int, int], int] = {}
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,12 +62,20 @@ def _rope_kernel(X, COS, SIN, Y, batch, n_heads, half, x_stride_s, x_stride_b, x
     tl.store(y_base + half + cols, y2.to(Y.dtype.element_ty), mask=mask)
 
 
+def _num_warps(n_heads: int, head_dim: int, device: torch.device) -> int:
+    """Warps per (position, batch) program for n_heads x head_dim (tools/tune_norms.py replaces this)."""
+    measured = NUM_WARPS.get((next_power_of_2(n_heads), next_power_of_2(head_dim // 2))) if device.type == "cuda" \
+        else None
+    return measured or 4
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool) -> torch.Tensor:
     seq, batch, n_heads, dim = x.shape
     y = new_output((seq, batch, n_heads, dim), x.dtype, x.device)
     runnable(_rope_kernel, x.device)[(seq * batch,)](
         x, cos, sin, y, batch, n_heads, dim // 2, *x.stride(), cos.stride(0), sin.stride(0),
-        TRANSPOSED=transposed, BLOCK_H=next_power_of_2(n_heads), BLOCK_HALF=next_power_of_2(dim // 2), num_warps=4)
+        TRANSPOSED=transposed, BLOCK_H=next_power_of_2(n_heads), BLOCK_HALF=next_power_of_2(dim // 2),
+        num_warps=_num_warps(n_heads, dim, x.device))
     return y
 
 

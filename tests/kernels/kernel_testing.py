@@ -9,6 +9,7 @@ import torch
 
 from megalite.kernels import HAVE_TRITON
 from megalite.kernels.dispatch import interpreter_ready
+from megalite.kernels.norm_config import NormConfig
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -21,6 +22,10 @@ requires_triton = pytest.mark.skipif(
     reason="triton missing, or imported before tests/kernels/conftest.py without TRITON_INTERPRET=1 "
            "(test_isolated_run.py then runs these tests in a fresh process)")
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-only: large shapes are too slow for the interpreter")
+# Norm launch configs (rows per tile, warps, programs per SM; CPU counts 2 SMs) for 15 rows: 2 programs
+# of 8 and 7 one-row tiles; 4 programs of one 2-row tile (6 allowed, none left empty); 4 programs of
+# one 4-row tile, the last with 3 rows; 1 program with one 16-row tile holding 15.
+NORM_LAUNCH_CONFIGS = [NormConfig(1, 1, 1), NormConfig(2, 2, 3), NormConfig(4, 4, 2), NormConfig(16, 4, 1)]
 
 
 def tolerance(dtype: torch.dtype, fp32: float = 1e-5, fp16: float = 2e-3, bf16: float = 1.6e-2) -> dict:

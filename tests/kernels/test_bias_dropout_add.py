@@ -55,6 +55,35 @@ def test_keeps_nothing_for_backward_and_regenerates_the_mask(backend, monkeypatc
     torch.testing.assert_close(bias.grad, ref[1].grad, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bias_gradient_sums_the_unrounded_fp32_products(backend, monkeypatch):
+    """p = 0.6 (scale 2.5): a kept dout of 1 + 2^-10 (exact in fp16) gives dx = 2.5 + 2^-9 + 2^-11 in
+    fp32, which fp16 rounds down by 2^-11; a kept -1 gives -2.5, exact. Each column's kept elements
+    alternate between the two (an odd last one gets 0), so its exact bias gradient is
+    pairs * 2.5 * 2^-10, while summing the rounded dx gives pairs * 2^-9, 20% less."""
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", backend)
+    p, shape = 0.6, (37, 300)  # 2 column blocks of 256, several row groups, a partial last row tile
+    keep = keep_mask(SEED, OFFSET, shape, p, DEVICE)
+    kept_count = keep.sum(0)  # [300]
+    rank = keep.long().cumsum(0) - 1  # per column, each kept element's rank among the column's kept ones
+    dout = torch.where(rank % 2 == 0, 1 + 2 ** -10, -1.0)
+    dout = torch.where((kept_count % 2 == 1) & (rank == kept_count - 1), 0.0, dout)  # odd leftover
+    dout = torch.where(keep, dout, 3.0).to(torch.float16)  # dropped elements must add nothing
+    pairs = kept_count // 2
+    assert (pairs > 0).all()
+    x, bias, residual = (t.requires_grad_() for t in _inputs(shape, torch.float16))
+    bias_dropout_add(x, bias, residual, p, SEED, OFFSET).backward(dout)
+
+    expected_dbias = (pairs.double() * 2.5 * 2 ** -10).to(torch.float16)  # exact in fp16
+    expected_dx = torch.where(keep, dout.float() * 2.5, 0.0).to(torch.float16)
+    assert torch.equal(expected_dx.float().sum(0), pairs * 2.0 ** -9)  # the trap: rounded dx sums 20% short
+    assert torch.equal(bias.grad, expected_dbias)
+    assert torch.equal(x.grad, expected_dx) and torch.equal(residual.grad, dout)
+    ref = [t.detach().clone().requires_grad_() for t in (x, bias, residual)]
+    bias_dropout_add_reference(*ref, p, SEED, OFFSET).backward(dout)  # the fp32 definition's autograd
+    assert torch.equal(bias.grad, ref[1].grad) and torch.equal(x.grad, ref[0].grad)
+
+
 def test_bad_inputs_name_the_fix():
     x, bias, residual = _inputs((4, 8), torch.float32)
     with pytest.raises(ValueError, match="1-D bias of size 8"):

@@ -5,6 +5,7 @@ vector load, as the cross-entropy kernels had at GPT-2's odd vocab 50257 when th
 was masked). A representative subset here; `TRITON_INTERPRET=0 python -m megalite.kernels.compile_check`
 compiles every variant (about two minutes on two cores)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -36,3 +37,25 @@ def test_representative_kernels_compile_for_sm90(tmp_path):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count(" ok (") == len(SUBSET), result.stdout
+
+
+# every norm kernel at a training shape, both flags: rows of compile_check's report
+NORM_LABELS = ["rms_norm fwd h=4096", "rms_norm bwd h=4096", "layer_norm fwd h=4096", "layer_norm bwd h=4096"]
+
+
+@pytest.mark.skipif(not HAVE_TRITON or not _has_cuda_backend(), reason="needs triton with its NVIDIA backend")
+def test_norm_statistics_compile_to_correctly_rounded_sqrt_and_division(tmp_path):
+    """Compiled `/` and tl.sqrt on fp32 are approximate on NVIDIA GPUs (div.full.f32: 2 ulp;
+    sqrt.approx.ftz.f32), while the interpreter rounds exactly: at small variance rstd ~ 700
+    amplifies their ulps into the input gradient (test_layer_norm_custom_eps_matters failed on an
+    H200). The norms' PTX must hold no approximate fp32 sqrt or division at all."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    command = [sys.executable, "-W", "ignore", "-m", "megalite.kernels.compile_check", "--arch", "90",
+               "--dtypes", "bfloat16", "float32", "--strict", "--only", *NORM_LABELS]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    # report row: label, regs, spill, smem, ld vec/scal, mma, async, apx, verdict
+    rows = re.findall(r"^\s+((?:rms|layer)_norm \S+ h=4096 \S+ \[\w+\]).*\s\d+/\d+\s+\d+\s+\d+\s+(\d+)\s+(ok|WARN)",
+                      result.stdout, re.MULTILINE)
+    assert len(rows) == 16, result.stdout[-3000:] + result.stderr[-3000:]  # 2 norms x fwd/bwd x 2 flags x 2 dtypes
+    assert [(label, int(approximate)) for label, approximate, _ in rows if int(approximate)] == [], result.stdout
+    assert result.returncode == 0, result.stdout[-3000:]

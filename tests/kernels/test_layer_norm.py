@@ -1,9 +1,15 @@
-"""LayerNorm kernels vs layer_norm_reference: odd hidden sizes, strided inputs, residual fusion."""
+"""LayerNorm kernels vs layer_norm_reference: odd hidden sizes, strided inputs, residual fusion, and
+every launch configuration (tile rows, warps, persistent programs) computing the same."""
+import importlib
+
 import pytest
 import torch
 
-from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, requires_triton, tolerance
+from kernel_testing import DEVICE, FLOAT_DTYPES, NORM_LAUNCH_CONFIGS, compare_with_reference, requires_triton, \
+    tolerance
 from megalite.kernels import layer_norm, layer_norm_reference, layer_norm_residual, layer_norm_residual_reference
+
+layer_norm_module = importlib.import_module("megalite.kernels.layer_norm")
 
 pytestmark = requires_triton
 
@@ -25,6 +31,26 @@ def test_layer_norm_residual_returns_norm_of_sum_and_sum(dtype):
     _, summed = compare_with_reference(layer_norm_residual, layer_norm_residual_reference,
                                        [x, residual, weight, bias], tolerance(dtype))
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("config", NORM_LAUNCH_CONFIGS, ids=str)
+def test_layer_norm_every_launch_config_matches_reference(config, monkeypatch):
+    monkeypatch.setattr(layer_norm_module, "_forward_config", lambda n_cols, device: config)
+    monkeypatch.setattr(layer_norm_module, "_backward_config", lambda n_cols, device: config)
+    wide = torch.randn(15, 56, device=DEVICE) + 0.5
+    x = wide[:, 3:43]  # hidden 40, rows 56 apart: a row-strided view, read in place
+    residual = torch.randn(15, 40, device=DEVICE)
+    weight, bias = torch.randn(40, device=DEVICE), torch.randn(40, device=DEVICE)
+    compare_with_reference(layer_norm_residual, layer_norm_residual_reference, [x, residual, weight, bias],
+                           tolerance(torch.float32))
+    compare_with_reference(layer_norm, layer_norm_reference, [x, weight, bias], tolerance(torch.float32))
+
+
+def test_layer_norm_weight_and_bias_of_different_dtypes():
+    # the weight and bias gradients come from one column-sum launch when their dtypes agree, two otherwise
+    x = torch.randn(7, 72, device=DEVICE, dtype=torch.float16)
+    weight, bias = torch.randn(72, device=DEVICE), torch.randn(72, device=DEVICE, dtype=torch.float16)
+    compare_with_reference(layer_norm, layer_norm_reference, [x, weight, bias], tolerance(torch.float16))
 
 
 def test_layer_norm_custom_eps_matters():

@@ -1,9 +1,15 @@
-"""RMSNorm kernels vs rms_norm_reference: odd hidden sizes, strided inputs, residual fusion."""
+"""RMSNorm kernels vs rms_norm_reference: odd hidden sizes, strided inputs, residual fusion, and
+every launch configuration (tile rows, warps, persistent programs) computing the same."""
+import importlib
+
 import pytest
 import torch
 
-from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, gpu_only, requires_triton, tolerance
+from kernel_testing import DEVICE, FLOAT_DTYPES, NORM_LAUNCH_CONFIGS, compare_with_reference, gpu_only, \
+    requires_triton, tolerance
 from megalite.kernels import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
+
+rms_norm_module = importlib.import_module("megalite.kernels.rms_norm")
 
 pytestmark = requires_triton
 
@@ -29,6 +35,30 @@ def test_rms_norm_residual_returns_norm_of_sum_and_sum(dtype):
     normed, summed = compare_with_reference(rms_norm_residual, rms_norm_residual_reference, [x, residual, weight],
                                             tolerance(dtype))
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)  # rounded exactly like torch's add
+
+
+@pytest.mark.parametrize("config", NORM_LAUNCH_CONFIGS, ids=str)
+def test_rms_norm_every_launch_config_matches_reference(config, monkeypatch):
+    monkeypatch.setattr(rms_norm_module, "_forward_config", lambda n_cols, device: config)
+    monkeypatch.setattr(rms_norm_module, "_backward_config", lambda n_cols, device: config)
+    wide = torch.randn(15, 56, device=DEVICE)
+    x = wide[:, 3:43]  # hidden 40, rows 56 apart: a row-strided view, read in place
+    residual = torch.randn(15, 40, device=DEVICE)
+    weight = torch.randn(40, device=DEVICE)
+    compare_with_reference(rms_norm_residual, rms_norm_residual_reference, [x, residual, weight],
+                           tolerance(torch.float32))
+    compare_with_reference(rms_norm, rms_norm_reference, [x, weight], tolerance(torch.float32))
+
+
+def test_rms_norm_backward_reads_row_strided_gradients_in_place():
+    x, weight = torch.randn(15, 40, device=DEVICE), torch.randn(40, device=DEVICE)
+    _, _, rstd = rms_norm_module._forward(x, None, weight, 1e-6)
+    dy_wide, dsum_wide = torch.randn(15, 64, device=DEVICE), torch.randn(15, 48, device=DEVICE)
+    dy, dsum = dy_wide[:, 5:45], dsum_wide[:, 8:]  # row strides 64 and 48
+    dx, dweight = rms_norm_module._backward(dy, dsum, x, weight, rstd)
+    dx_contiguous, dweight_contiguous = rms_norm_module._backward(dy.contiguous(), dsum.contiguous(), x, weight, rstd)
+    assert torch.equal(dx, dx_contiguous) and torch.equal(dweight, dweight_contiguous)
+    torch.testing.assert_close(dweight, (dy * x * rstd[:, None]).sum(0), **tolerance(torch.float32))
 
 
 def test_rms_norm_fp32_weight_with_half_input_and_eps():
