@@ -231,7 +231,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--smoke-timing", action="store_true", help="CPU self-test of the timing harness")
+    parser.add_argument("--tables", nargs="*", default=[], help="JSON tables written by tools/tune_attention.py "
+                        "--json or tools/tune_norms.py --json: time with them in effect (as if pasted)")
     args = parser.parse_args(argv)
+    for path in args.tables:
+        load_tables(path)
 
     on_gpu = torch.cuda.is_available()
     import triton
@@ -270,6 +274,18 @@ def main(argv=None) -> int:
             writer.writerows({c: r.get(c, "") for c in CSV_COLUMNS} for r in rows)
         print(f"wrote {len(rows)} rows to {args.csv}")
     return 0
+
+
+def load_tables(path: str) -> None:
+    """Put a tuning tool's measured tables in effect in this process (tools/ is the script's directory)."""
+    import json
+
+    import tune_attention
+    import tune_norms
+
+    saved = json.load(open(path))
+    (tune_norms.load_tables if "norm_tables" in saved else tune_attention.load_tables)(path)
+    print(f"tables from {path} in effect: {', '.join(saved)}")
 
 
 def run_cases(cases: list[Case], timers: Timers, ceilings: dict, dtype_name: str, run_info: dict) -> list[dict]:

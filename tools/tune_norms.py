@@ -21,7 +21,9 @@ tables to paste into kernels/rms_norm.py, kernels/layer_norm.py and kernels/rope
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import math
 import os
 import sys
@@ -200,8 +202,8 @@ def _name(config) -> str:
     return repr(config) if isinstance(config, NormConfig) else f"num_warps={config}"
 
 
-def paste_lines(sweeps: list[Sweep], results: list[dict]) -> list[str]:
-    """The measured tables, one line per module and table, ready to replace the empty ones."""
+def measured_tables(sweeps: list[Sweep], results: list[dict]) -> dict[tuple[str, str], dict]:
+    """{(module, table name): {key: fastest config}} from the sweeps' results."""
     tables: dict[tuple[str, str], dict] = {}
     for sweep, result in zip(sweeps, results):
         best = _best(result)
@@ -210,6 +212,30 @@ def paste_lines(sweeps: list[Sweep], results: list[dict]) -> list[str]:
         table = {"_forward_config": "FORWARD_CONFIGS", "_backward_config": "BACKWARD_CONFIGS",
                  "_num_warps": "NUM_WARPS"}[sweep.attribute]
         tables.setdefault((sweep.kernel, table), {})[sweep.block] = best
+    return tables
+
+
+def save_tables(tables: dict, path: str) -> None:
+    """JSON of the measured tables, for `load_tables` (tools/bench_kernels.py --tables)."""
+    rows = [dict(module=module, table=table, entries=[[key, list(dataclasses.astuple(value))
+                                                       if isinstance(value, NormConfig) else value]
+                                                      for key, value in entries.items()])
+            for (module, table), entries in tables.items()]
+    json.dump({"norm_tables": rows}, open(path, "w"), indent=1)
+
+
+def load_tables(path: str) -> None:
+    """Put the tables a --json run wrote in effect in this process (what pasting its lines gives)."""
+    for row in json.load(open(path))["norm_tables"]:
+        table = getattr(importlib.import_module(f"megalite.kernels.{row['module']}"), row["table"])
+        for key, value in row["entries"]:
+            table[tuple(key) if isinstance(key, list) else key] = NormConfig(*value) if isinstance(value, list) \
+                else value
+
+
+def paste_lines(sweeps: list[Sweep], results: list[dict]) -> list[str]:
+    """The measured tables, one line per module and table, ready to replace the empty ones."""
+    tables = measured_tables(sweeps, results)
     lines = []
     for (kernel, table), entries in tables.items():
         kind = "dict[tuple[int, int], int]" if table == "NUM_WARPS" else "dict[int, NormConfig]"
@@ -233,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--kernels", nargs="*", default=KERNELS, choices=KERNELS, help="which kernels to sweep")
     parser.add_argument("--smoke", action="store_true", help="CPU self-test: tiny shapes, interpreter, wall clock")
+    parser.add_argument("--json", help="also write the measured tables here (tools/bench_kernels.py --tables)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.smoke:
         print("tune_norms needs a GPU (or --smoke to test this script on CPU)")
@@ -250,6 +277,8 @@ def main(argv=None) -> int:
     print("fastest configs, to paste over the tables of the same name:")
     for line in paste_lines(sweeps, results):
         print(f"  {line}")
+    if args.json:
+        save_tables(measured_tables(sweeps, results), args.json)
     print(f"tune_norms finished in {time.perf_counter() - started:.0f} s")
     return 0 if not any(v.startswith("WRONG") for result in results for _, v, _ in result.values()) else 1
 

@@ -26,7 +26,7 @@ def _load_tool(monkeypatch):
     return tool
 
 
-def test_sweep_times_candidates_marks_a_wrong_one_and_prints_paste_lines(monkeypatch, capsys):
+def test_sweep_times_candidates_marks_a_wrong_one_and_prints_paste_lines(monkeypatch, capsys, tmp_path):
     tool = _load_tool(monkeypatch)
     monkeypatch.setattr(tool, "SMOKE_NORM_SHAPES", [(12, 40)])
     monkeypatch.setattr(tool, "SMOKE_ROPE_SHAPE", (3, 2, 2, 8))
@@ -43,7 +43,8 @@ def test_sweep_times_candidates_marks_a_wrong_one_and_prints_paste_lines(monkeyp
     monkeypatch.setattr(rms_norm_module, "backward_programs", drops_last_program)
     monkeypatch.setenv("MEGALITE_KERNEL_POISON", "1")  # undone rows stay NaN
 
-    assert tool.main(["--smoke", "--kernels", "rms_norm", "rope"]) == 1  # a WRONG candidate fails the run
+    tables = tmp_path / "norms.json"
+    assert tool.main(["--smoke", "--kernels", "rms_norm", "rope", "--json", str(tables)]) == 1  # WRONG fails the run
     out = capsys.readouterr().out
     rows = re.findall(r"^  ((?:NormConfig\(.*?\))|num_warps=\d+)\s+(\S+) ms\s+(\S+) GB/s\s+(\S+)% of copy *(.*)$", out,
                       re.MULTILINE)
@@ -56,3 +57,12 @@ def test_sweep_times_candidates_marks_a_wrong_one_and_prints_paste_lines(monkeyp
     assert re.search(r"kernels/rms_norm.py: BACKWARD_CONFIGS: dict\[int, NormConfig\] = \{64: NormConfig\(", out), out
     assert re.search(r"kernels/rope.py: NUM_WARPS: dict\[tuple\[int, int\], int\] = \{\(2, 4\): [24]\}", out), out
     assert "ceiling: copy" in out and "<- best" in out
+
+    # the JSON the run wrote puts the same tables in effect (tools/bench_kernels.py --tables)
+    rope_module = importlib.import_module("megalite.kernels.rope")
+    monkeypatch.setattr(rms_norm_module, "BACKWARD_CONFIGS", {})
+    monkeypatch.setattr(rope_module, "NUM_WARPS", {})
+    tool.load_tables(str(tables))
+    assert set(rms_norm_module.BACKWARD_CONFIGS) == {64} and set(rope_module.NUM_WARPS) == {(2, 4)}
+    assert isinstance(rms_norm_module.BACKWARD_CONFIGS[64], tool.NormConfig)
+    assert rms_norm_module.BACKWARD_CONFIGS[64].rows != 2  # the WRONG candidate is never written
