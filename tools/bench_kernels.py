@@ -231,6 +231,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--smoke-timing", action="store_true", help="CPU self-test of the timing harness")
+    parser.add_argument("--no-correctness", action="store_true", help="skip the compiled correctness sweep (the "
+                        "GPU plan runs tests/kernels first)")
     parser.add_argument("--tables", nargs="*", default=[], help="JSON tables written by tools/tune_attention.py "
                         "--json or tools/tune_norms.py --json: time with them in effect (as if pasted)")
     args = parser.parse_args(argv)
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
         ok = correctness_sweep("cpu")
         print("correctness sweep:", "all ok" if ok else "FAILURES")
         return 0 if ok else 1
-    if on_gpu:
+    if on_gpu and not args.no_correctness:
         print("correctness sweep (compiled kernels):")
         if not correctness_sweep("cuda"):
             print("correctness sweep FAILED; timings below are of wrong kernels")
