@@ -36,9 +36,13 @@ SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 # (arch, head_dim, dtype, causal) -> {seq_len: {implementation: fwd+bwd ms}}
 MEASURED_MS: dict[tuple[str, int, str, bool], dict[int, dict[str, float]]] = {
-    # NVIDIA H200, torch 2.11 + triton 3.6, b4 x h32/8 x s4096 contiguous inputs, before the
-    # tile table (../shared/gpu/2026-11-26-h200/bench_kernels.txt): SDPA 2.76x faster
-    ("sm_90", 128, "bf16", True): {4096: dict(triton=11.734, sdpa=4.256)},
+    # NVIDIA H200, torch 2.11 + triton 3.6, 2026-11-26 (tools/tune_attention.py --quick)
+    ("sm_90", 128, "bf16", True): {1024: {"triton": 2.1069, "sdpa": 1.8835, "sdpa_gqa": 1.4104},
+                                   4096: {"triton": 5.7165, "sdpa": 4.3136, "sdpa_gqa": 3.8773},
+                                   16384: {"triton": 19.6109, "sdpa": 14.8621, "sdpa_gqa": 14.3579}},
+    ("sm_90", 64, "bf16", True): {1024: {"triton": 2.0954, "sdpa": 2.2982, "sdpa_gqa": 1.8096},
+                                  4096: {"triton": 5.8951, "sdpa": 5.2998, "sdpa_gqa": 4.8162},
+                                  16384: {"triton": 20.6908, "sdpa": 18.3083, "sdpa_gqa": 17.8101}},
 }
 
 

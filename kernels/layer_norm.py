@@ -24,9 +24,18 @@ from .norm_config import NormConfig, backward_programs, default_config
 from .rms_norm import _check, _check_triton
 
 # Measured launch configurations (tools/tune_norms.py) keyed by BLOCK = next_power_of_2(n) on CUDA;
-# a BLOCK not listed uses norm_config.default_config.
-FORWARD_CONFIGS: dict[int, NormConfig] = {}
-BACKWARD_CONFIGS: dict[int, NormConfig] = {}
+# a BLOCK not listed uses norm_config.default_config. NVIDIA H200, triton 3.6, 8192 rows of bf16,
+# CUDA-graph timing (2026-11-26; docs/benchmarks.md).
+FORWARD_CONFIGS: dict[int, NormConfig] = {
+    1024: NormConfig(rows=2, num_warps=4, programs_per_sm=1),
+    4096: NormConfig(rows=2, num_warps=8, programs_per_sm=1),
+    8192: NormConfig(rows=2, num_warps=16, programs_per_sm=1),
+}
+BACKWARD_CONFIGS: dict[int, NormConfig] = {
+    1024: NormConfig(rows=2, num_warps=4, programs_per_sm=4),
+    4096: NormConfig(rows=1, num_warps=8, programs_per_sm=2),
+    8192: NormConfig(rows=1, num_warps=16, programs_per_sm=1),
+}
 
 
 def layer_norm_reference(x, weight, bias, eps: float = 1e-5):

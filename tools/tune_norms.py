@@ -158,6 +158,13 @@ def copy_ceiling(timer, device: str, smoke: bool) -> float:
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     ms, how = timer(lambda: dst.copy_(src))
+    if not smoke:
+        # captured in a graph, the copy is a memcpy node on the copy engines (2.77 TB/s on an H200,
+        # against 4.25 eagerly, where an SM kernel copies): the ceiling is the faster of the two
+        import triton.testing
+
+        eager_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+        ms, how = min((ms, how), (eager_ms, "events"))
     print(f"ceiling: copy {2 * n_bytes / ms / 1e6:.0f} GB/s (1 GiB device-to-device, {how})")
     return 2 * n_bytes / ms / 1e6
 

@@ -54,11 +54,18 @@ def test_layer_norm_weight_and_bias_of_different_dtypes():
 
 
 def test_layer_norm_custom_eps_matters():
-    x = torch.randn(6, 40, device=DEVICE) * 1e-3  # variance ~1e-6: eps changes the result
+    # eps equal to the variance: it moves rstd by ~30%, so ignoring it (or using the default) fails.
+    # LayerNorm(c x; c^2 eps) = LayerNorm(x; eps): this is the function of x * 1e-3 with eps = 1e-6,
+    # at the conditioning where fp32 can meet 1e-5. At x ~ 1e-3 (rstd ~ 700) the input gradient's
+    # near-zero elements carry ~ulp(700) = 6e-5 of rounding: over 20 draws on an H200 torch's own
+    # CUDA LayerNorm missed a 1e-5 tolerance against float64 by up to 1.37x, ours (interpreted on
+    # CPU) by 2.05x, so that version passed or failed with the random draw (docs/benchmarks.md).
+    x = torch.randn(6, 40, device=DEVICE)
     weight, bias = torch.randn(40, device=DEVICE), torch.randn(40, device=DEVICE)
-    compare_with_reference(lambda a, w, b: layer_norm(a, w, b, eps=1e-6),
-                           lambda a, w, b: layer_norm_reference(a, w, b, 1e-6), [x, weight, bias],
+    compare_with_reference(lambda a, w, b: layer_norm(a, w, b, eps=1.0),
+                           lambda a, w, b: layer_norm_reference(a, w, b, 1.0), [x, weight, bias],
                            tolerance(torch.float32))
+    assert (layer_norm(x, weight, bias, eps=1.0) - layer_norm(x, weight, bias)).abs().max() > 0.1
 
 
 def test_layer_norm_rejects_bad_input():

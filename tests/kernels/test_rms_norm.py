@@ -57,7 +57,10 @@ def test_rms_norm_backward_reads_row_strided_gradients_in_place():
     dy, dsum = dy_wide[:, 5:45], dsum_wide[:, 8:]  # row strides 64 and 48
     dx, dweight = rms_norm_module._backward(dy, dsum, x, weight, rstd)
     dx_contiguous, dweight_contiguous = rms_norm_module._backward(dy.contiguous(), dsum.contiguous(), x, weight, rstd)
-    assert torch.equal(dx, dx_contiguous) and torch.equal(dweight, dweight_contiguous)
+    # the same values, not the same bits: compiled Triton specialises on the stride (16-divisible or
+    # not), which changes load vectorisation and the order of the row reductions
+    torch.testing.assert_close(dx, dx_contiguous, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dweight, dweight_contiguous, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(dweight, (dy * x * rstd[:, None]).sum(0), **tolerance(torch.float32))
 
 
