@@ -32,7 +32,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
              torch.version.cuda, torch.cuda.get_device_name())"; } > "$out/env.txt" 2>&1
 workers=$(python -c "import xdist" 2>/dev/null && echo "-n 8")
 step kernel_tests 180 python -m pytest -q $workers tests/kernels
-step tune_attention 200 python tools/tune_attention.py --quick --json "$out/attention_tables.json"
+step tune_attention 240 python tools/tune_attention.py --json "$out/attention_tables.json"
 step tune_norms 150 python tools/tune_norms.py --json "$out/norm_tables.json"
 tables=$(ls "$out"/attention_tables.json "$out"/norm_tables.json 2>/dev/null | tr '\n' ' ')
 step bench_kernels 240 python tools/bench_kernels.py --quick --no-correctness --csv "$out/bench_kernels.csv" \
