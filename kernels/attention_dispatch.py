@@ -36,13 +36,17 @@ SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 # (arch, head_dim, dtype, causal) -> {seq_len: {implementation: fwd+bwd ms}}
 MEASURED_MS: dict[tuple[str, int, str, bool], dict[int, dict[str, float]]] = {
-    # NVIDIA H200, torch 2.11 + triton 3.6, 2026-11-26 (tools/tune_attention.py --quick)
-    ("sm_90", 128, "bf16", True): {1024: {"triton": 2.1069, "sdpa": 1.8835, "sdpa_gqa": 1.4104},
-                                   4096: {"triton": 5.7165, "sdpa": 4.3136, "sdpa_gqa": 3.8773},
-                                   16384: {"triton": 19.6109, "sdpa": 14.8621, "sdpa_gqa": 14.3579}},
-    ("sm_90", 64, "bf16", True): {1024: {"triton": 2.0954, "sdpa": 2.2982, "sdpa_gqa": 1.8096},
-                                  4096: {"triton": 5.8951, "sdpa": 5.2998, "sdpa_gqa": 4.8162},
-                                  16384: {"triton": 20.6908, "sdpa": 18.3083, "sdpa_gqa": 17.8101}},
+    # NVIDIA H200, torch 2.11 + triton 3.6, 2026-11-26 (tools/tune_attention.py)
+    ("sm_90", 128, "bf16", True): {1024: {"triton": 2.0184, "sdpa": 1.89, "sdpa_gqa": 1.4081},
+                                   2048: {"triton": 3.1956, "sdpa": 2.6857, "sdpa_gqa": 2.2421},
+                                   4096: {"triton": 5.7896, "sdpa": 4.306, "sdpa_gqa": 3.7353},
+                                   8192: {"triton": 10.5196, "sdpa": 7.7639, "sdpa_gqa": 7.3578},
+                                   16384: {"triton": 19.3394, "sdpa": 14.6954, "sdpa_gqa": 14.2206}},
+    ("sm_90", 64, "bf16", True): {1024: {"triton": 2.0917, "sdpa": 2.309, "sdpa_gqa": 1.8182},
+                                  2048: {"triton": 3.3102, "sdpa": 3.3196, "sdpa_gqa": 2.8307},
+                                  4096: {"triton": 5.94, "sdpa": 5.3294, "sdpa_gqa": 4.9197},
+                                  8192: {"triton": 10.9121, "sdpa": 9.4876, "sdpa_gqa": 8.8704},
+                                  16384: {"triton": 21.2314, "sdpa": 18.1031, "sdpa_gqa": 17.6596}},
 }
 
 

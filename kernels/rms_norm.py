@@ -35,7 +35,7 @@ MAX_HIDDEN = 65536  # one row lives in registers/SRAM of one program
 FORWARD_CONFIGS: dict[int, NormConfig] = {
     1024: NormConfig(rows=2, num_warps=4, programs_per_sm=1),
     4096: NormConfig(rows=1, num_warps=8, programs_per_sm=1),
-    8192: NormConfig(rows=1, num_warps=8, programs_per_sm=1),
+    8192: NormConfig(rows=1, num_warps=16, programs_per_sm=1),
 }
 BACKWARD_CONFIGS: dict[int, NormConfig] = {
     1024: NormConfig(rows=4, num_warps=8, programs_per_sm=2),

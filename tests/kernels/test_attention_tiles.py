@@ -12,7 +12,7 @@ from kernel_testing import DEVICE, ON_GPU, compare_with_reference, requires_trit
 from megalite.kernels import HAVE_TRITON, attention, attention_reference, attention_tiles, flash_attention
 
 pytestmark = requires_triton
-SAFE = [((None, d, dtype, causal, dropout), attention_tiles.safe_tiles(d, dtype, dropout))
+SAFE = [((None, d, dtype, causal, dropout), attention_tiles.safe_tiles(d, dtype, dropout, causal))
         for d in (16, 32, 64, 128) for dtype in (torch.bfloat16, torch.float32) for causal in (True, False)
         for dropout in (False, True)]
 ENTRIES = list(attention_tiles.MEASURED.items()) + SAFE
