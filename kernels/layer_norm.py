@@ -20,7 +20,7 @@ import torch
 
 from .column_sum import sum_partials
 from .dispatch import as_rows, new_output, next_power_of_2, runnable, tl, triton, use_triton
-from .norm_config import NormConfig, backward_programs, default_config
+from .norm_config import NormConfig, backward_config, backward_programs, forward_config
 from .rms_norm import _check, _check_triton
 
 # Measured launch configurations (tools/tune_norms.py) keyed by BLOCK = next_power_of_2(n) on CUDA;
@@ -114,14 +114,12 @@ def _layer_norm_backward_kernel(DY, DSUM, X, W, MEAN, RSTD, DX, PARTIALS, dy_row
 
 def _forward_config(n_cols: int, device: torch.device) -> NormConfig:
     """The forward's tile rows and warps for rows of n_cols (tools/tune_norms.py replaces this)."""
-    measured = FORWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
-    return measured or default_config(n_cols, tile_elements=4096, elements_per_warp=256)
+    return forward_config(FORWARD_CONFIGS, n_cols, device)
 
 
 def _backward_config(n_cols: int, device: torch.device) -> NormConfig:
     """The backward's tile rows, warps and programs per SM (tools/tune_norms.py replaces this)."""
-    measured = BACKWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
-    return measured or default_config(n_cols, tile_elements=2048, elements_per_warp=256, persistent=True)
+    return backward_config(BACKWARD_CONFIGS, n_cols, device)
 
 
 def _forward(x_rows, residual_rows, weight, bias, eps):

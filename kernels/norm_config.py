@@ -64,3 +64,15 @@ def backward_programs(config: NormConfig, n_rows: int, device: torch.device) -> 
                           -(-n_rows // config.rows)))
     rows_per_program = -(-n_rows // (programs * config.rows)) * config.rows
     return -(-n_rows // rows_per_program), rows_per_program
+
+
+def forward_config(measured: dict[int, NormConfig], n_cols: int, device: torch.device) -> NormConfig:
+    """A norm forward's config: the measured entry for this BLOCK on CUDA, else the default rule."""
+    entry = measured.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
+    return entry or default_config(n_cols, tile_elements=4096, elements_per_warp=256)
+
+
+def backward_config(measured: dict[int, NormConfig], n_cols: int, device: torch.device) -> NormConfig:
+    """A norm backward's config: the measured entry for this BLOCK on CUDA, else the default rule."""
+    entry = measured.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
+    return entry or default_config(n_cols, tile_elements=2048, elements_per_warp=256, persistent=True)

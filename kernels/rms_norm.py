@@ -25,7 +25,7 @@ import torch
 from .column_sum import sum_partials
 from .dispatch import as_rows, check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, \
     triton, use_triton
-from .norm_config import NormConfig, backward_programs, default_config
+from .norm_config import NormConfig, backward_config, backward_programs, forward_config
 
 MAX_HIDDEN = 65536  # one row lives in registers/SRAM of one program
 
@@ -111,14 +111,12 @@ def _rms_norm_backward_kernel(DY, DSUM, X, W, RSTD, DX, DW_PARTIAL, dy_row_strid
 
 def _forward_config(n_cols: int, device: torch.device) -> NormConfig:
     """The forward's tile rows and warps for rows of n_cols (tools/tune_norms.py replaces this)."""
-    measured = FORWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
-    return measured or default_config(n_cols, tile_elements=4096, elements_per_warp=256)
+    return forward_config(FORWARD_CONFIGS, n_cols, device)
 
 
 def _backward_config(n_cols: int, device: torch.device) -> NormConfig:
     """The backward's tile rows, warps and programs per SM (tools/tune_norms.py replaces this)."""
-    measured = BACKWARD_CONFIGS.get(next_power_of_2(n_cols)) if device.type == "cuda" else None
-    return measured or default_config(n_cols, tile_elements=2048, elements_per_warp=256, persistent=True)
+    return backward_config(BACKWARD_CONFIGS, n_cols, device)
 
 
 def _forward(x_rows, residual_rows, weight, eps):
