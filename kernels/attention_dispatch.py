@@ -70,6 +70,17 @@ def _auto(arch: str, head_dim: int, dtype: torch.dtype, causal: bool, seq_len: i
     return best, f"fastest measured at {where} (table row s={seq}){': ' + others if others else ''}"
 
 
+def _forced(backend: str, dropout_p: float) -> tuple[str, str] | None:
+    """(implementation, why) where the backend or dropout decides, before any table is read."""
+    if backend == "torch":
+        return "reference", "MEGALITE_KERNEL_BACKEND=torch"
+    if backend == "triton":
+        return "triton", "MEGALITE_KERNEL_BACKEND=triton"
+    if dropout_p > 0.0:
+        return "triton", "attention dropout: only the Triton kernels regenerate megalite's Philox mask"
+    return None
+
+
 def choose(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout_p: float, backend: str,
            have_triton: bool) -> tuple[str, str]:
     """(implementation, why) for attention(q [b, h, s, d], k [b, h_kv, s_kv, d]) under `backend`.
@@ -77,27 +88,19 @@ def choose(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout_p: float, bac
     Returns "reference" off CUDA under auto and under backend torch; "triton" when forced, when
     dropout asks for megalite's regenerable mask, or where the table measured it fastest.
     """
-    if backend == "torch":
-        return "reference", "MEGALITE_KERNEL_BACKEND=torch"
-    if backend == "triton":
-        return "triton", "MEGALITE_KERNEL_BACKEND=triton"
-    if q.device.type != "cuda" or not have_triton:
+    if backend == "auto" and (q.device.type != "cuda" or not have_triton):
         return "reference", "auto off CUDA (or without triton): the PyTorch reference"
-    if dropout_p > 0.0:
-        return "triton", "attention dropout: only the Triton kernels regenerate megalite's Philox mask"
+    forced = _forced(backend, dropout_p)
+    if forced:
+        return forced
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _auto(cuda_arch(index), q.shape[-1], q.dtype, bool(causal), q.shape[2], k.shape[1] != q.shape[1])
 
 
 def describe(arch: str, head_dim: int, dtype: torch.dtype, seq_len: int, causal: bool, dropout_p: float,
              gqa: bool, backend: str) -> str:
-    """One line for the start banner: which attention a model's calls run, and why."""
-    if backend in ("torch", "triton"):
-        impl, why = ("reference" if backend == "torch" else "triton"), f"MEGALITE_KERNEL_BACKEND={backend}"
-    elif dropout_p > 0.0:
-        impl, why = "triton", "attention dropout needs megalite's regenerable Philox mask"
-    else:
-        impl, why = _auto(arch, head_dim, dtype, causal, seq_len, gqa)
+    """One line for the start banner: which attention a model's calls on `arch` run, and why."""
+    impl, why = _forced(backend, dropout_p) or _auto(arch, head_dim, dtype, causal, seq_len, gqa)
     return f"attention: {NAMES[impl]} ({why})"
 
 

@@ -40,11 +40,10 @@ from .attention_torch import attention_dropout_reference, attention_dropout_torc
 from .attention_dispatch import choose, sdpa
 from .dispatch import HAVE_TRITON, backend_name, check_float_dtype, check_same_device, new_output, runnable, tl, \
     triton, use_triton
-from .flash_attention_backward import launch_backward
+from .flash_attention_backward import LOG2E, launch_backward, strides
 from .philox import drop_threshold
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-LOG2E = 1.4426950408889634
 
 
 def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
@@ -154,10 +153,6 @@ def _padded_head_dim(head_dim: int) -> int:
     return next(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _pad_head_dim(head_dim: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Zero-pad the last dim to the kernel's head dim: zero columns change no dot product."""
     padded = _padded_head_dim(head_dim)
@@ -186,7 +181,7 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[
     lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m, block_n, warps, stages = cfg["fwd"]
     runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
-        q, k, v, out, lse2, *_strides(q), *_strides(k), *_strides(v), n_heads, group_size, seq_len, k.shape[2],
+        q, k, v, out, lse2, *strides(q), *strides(k), *strides(v), n_heads, group_size, seq_len, k.shape[2],
         softmax_scale * LOG2E, *_dropout_args(batch, dropout), CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0, num_warps=warps,
         num_stages=stages)
@@ -198,8 +193,8 @@ def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: floa
     """Padded inputs, out and dout contiguous [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv
     (kernels/flash_attention_backward.py)."""
     cfg = _config(q.shape[-1], q.device, q.dtype, dropout[0] > 0.0, causal)
-    return launch_backward(q, k, v, out, dout, lse2, causal, softmax_scale, cfg, cfg["precision"],
-                           _dropout_args(q.shape[0], dropout), dropout[0] > 0.0)
+    return launch_backward(q, k, v, out, dout, lse2, causal, softmax_scale, cfg, _dropout_args(q.shape[0], dropout),
+                           dropout[0] > 0.0)
 
 
 class _FlashAttentionFunction(torch.autograd.Function):

@@ -187,21 +187,24 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
         tl.store(out_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+LOG2E = 1.4426950408889634  # scores are taken in base 2: exp(x) = exp2(x * log2(e))
+
+
+def strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """A [b, h, s, d] tensor's (batch, head, sequence) strides, as the kernels take them."""
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float, tiles: dict, precision: str,
+def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float, config: dict,
                     dropout_args: tuple, dropout: bool):
     """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] (unit last stride), out and dout contiguous
     [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> (dq, dk, dv) like q, k, v.
 
     `out` and `lse2` are those of the softmax the block belongs to: over these keys only for
     plain attention, over every key of the row for one block of a longer row (ring attention).
-    tiles: {"dkdv": (BLOCK_M, BLOCK_N, warps, stages), "dq": ...}; dropout_args: the kernels'
-    (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
+    config: flash_attention._config's {"dkdv": (BLOCK_M, BLOCK_N, warps, stages), "dq": ..., "precision":
+    the dots' input precision}; dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
     """
-    log2e = 1.4426950408889634
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
@@ -211,14 +214,14 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
-    common = (*_strides(q), *_strides(k), *_strides(v), n_heads, n_heads // n_kv_heads, seq_len, kv_len,
-              softmax_scale, softmax_scale * log2e, *dropout_args)
-    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=precision, DROPOUT=dropout)
-    block_m, block_n, warps, stages = tiles["dkdv"]
+    common = (*strides(q), *strides(k), *strides(v), n_heads, n_heads // n_kv_heads, seq_len, kv_len,
+              softmax_scale, softmax_scale * LOG2E, *dropout_args)
+    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout)
+    block_m, block_n, warps, stages = config["dkdv"]
     runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(kv_len, block_n), batch * n_kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=seq_len % block_m == 0, EVEN_N=kv_len % block_n == 0, num_warps=warps, num_stages=stages, **meta)
-    block_m, block_n, warps, stages = tiles["dq"]
+    block_m, block_n, warps, stages = config["dq"]
     runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
         q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=seq_len % block_m == 0, EVEN_N=kv_len % block_n == 0, num_warps=warps, num_stages=stages, **meta)
