@@ -140,8 +140,9 @@ def _grad_torch(rows, targets, lse, dloss, n_valid, vocab_start, ignore_index):
     grad[:, :n_valid] = torch.exp(rows[:, :n_valid].float() - lse[:, None])
     local = targets - vocab_start
     owns = (targets != ignore_index) & (local >= 0) & (local < n_valid)
-    hit_rows = owns.nonzero()[:, 0]
-    grad[hit_rows, local[hit_rows]] -= 1.0
+    # minus one at each owned target, without nonzero() (a host sync): -0.0 elsewhere changes nothing
+    if n_valid > 0:
+        grad.scatter_add_(1, local.clamp(0, n_valid - 1)[:, None], -owns.float()[:, None])
     scale = torch.where(targets != ignore_index, dloss.float(), torch.zeros_like(dloss, dtype=torch.float32))
     return (grad * scale[:, None]).to(rows.dtype)
 
@@ -205,9 +206,22 @@ def _check_targets(op: str, logits: torch.Tensor, targets: torch.Tensor, vocab_s
                          f"{list(logits.shape[:-1])}")
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: targets must be int64 or int32 class indices, got {targets.dtype}")
+    check_target_range(targets, vocab_size, ignore_index, f"{op}: ")
+
+
+def check_target_range(targets: torch.Tensor, vocab_size: int, ignore_index: int, what: str = "") -> None:
+    """Every target in [0, vocab_size) or ignore_index, checked without reading a value on the host.
+
+    On a GPU `torch._assert_async` fails on the device (a device-side assert) instead of stalling
+    the host on `bool(...)` each forward, and it can be captured in a CUDA graph. On the CPU it
+    raises at once; the ValueError keeps the message that names the bad target.
+    """
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
-    if bool(bad.any()):
-        raise ValueError(f"{op}: a target lies outside [0, {vocab_size}) and is not ignore_index={ignore_index}")
+    message = f"{what}a target lies outside [0, {vocab_size}) and is not ignore_index={ignore_index}"
+    try:
+        torch._assert_async(torch.logical_not(bad.any()), message)
+    except RuntimeError as error:
+        raise ValueError(message) from error
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

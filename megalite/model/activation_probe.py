@@ -17,6 +17,7 @@ Backends: "triton" runs megalite's Triton autograd functions with the kernel lau
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import os
@@ -71,10 +72,17 @@ def korthikanti_layer_bytes(technique: Technique, s: int, b: int, h: int, heads:
 
 
 @contextlib.contextmanager
-def kernels_without_launch():
-    """megalite's Triton autograd functions on CPU with every kernel launch skipped."""
+def kernels_without_launch(launches: "collections.Counter | None" = None):
+    """megalite's Triton autograd functions on CPU with every kernel launch skipped.
+
+    launches: if given, counts the skipped launches by kernel name (tools/bench_host_overhead.py)."""
     class _NoLaunch:
+        def __init__(self, kernel):
+            self.name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "?")
+
         def __getitem__(self, grid):
+            if launches is not None:
+                launches[self.name] += 1
             return lambda *args, **kwargs: None
 
     modules = []
@@ -86,7 +94,7 @@ def kernels_without_launch():
     saved_env = {k: os.environ.get(k) for k in ("MEGALITE_KERNEL_BACKEND", "TRITON_INTERPRET")}
     os.environ.update(MEGALITE_KERNEL_BACKEND="triton", TRITON_INTERPRET="1")
     for module, _ in modules:
-        module.runnable = lambda kernel, device: _NoLaunch()
+        module.runnable = lambda kernel, device: _NoLaunch(kernel)
     try:
         yield
     finally:

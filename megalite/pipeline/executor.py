@@ -13,6 +13,7 @@ freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of the
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -24,6 +25,7 @@ from megalite.pipeline import p2p
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
 from megalite.pipeline.schedules import verified_schedule
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.training.host_reads import no_host_reads
 
 
 class _OutputRoot(torch.autograd.Function):
@@ -110,7 +112,7 @@ def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: 
 def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
                  mesh: Mesh, loss_scale: float | torch.Tensor | Callable[[], Any] = 1.0, *,
                  forward_only: bool = False, grad_sync: GradSync | None = None,
-                 stats: dict[str, Any] | None = None) -> float:
+                 stats: dict[str, Any] | None = None, check_host_reads: bool = False) -> float:
     """Run forward and backward of every microbatch on this rank under `spec.schedule`.
 
     model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
@@ -130,6 +132,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
     stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
       whose activations were alive at once on this rank), "instructions" and
       "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
+    check_host_reads: the schedule's forwards, backwards and transfers run under
+      `training.host_reads.no_host_reads()` (a tensor value read into Python raises).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
     """
     if len(model_chunks) != spec.virtual_stages:
@@ -138,7 +142,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
     if len(microbatches) != spec.num_microbatches:
         raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={spec.num_microbatches}")
     executor = _Executor(spec, model_chunks, microbatches, mesh, loss_scale, forward_only)
-    executor.run(grad_sync)
+    with no_host_reads() if check_host_reads else contextlib.nullcontext():
+        executor.run(grad_sync)
     if not forward_only and (grad_sync is None or not grad_sync.reduces_tied_grads()):
         allreduce_shared_embedding_grads(model_chunks, mesh)
     if stats is not None:

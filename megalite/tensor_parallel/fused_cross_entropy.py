@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from megalite import comm, params
-from megalite.kernels.cross_entropy import merge_stats, new_stats, shard_grad, shard_stats
+from megalite.kernels.cross_entropy import check_target_range, merge_stats, new_stats, shard_grad, shard_stats
 from megalite.kernels.dispatch import use_triton
 from megalite.tensor_parallel.layers import _route_weight_grads, resolve_tp_group
 from megalite.tensor_parallel.weight_grad import bypasses_autograd, deliver
@@ -126,9 +126,7 @@ def vocab_parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
     total = vocab_size if vocab_size is not None else tp * weight.shape[0]
     if total > tp * weight.shape[0]:
         raise ValueError(f"vocab_size={vocab_size} does not fit {tp} shards of {weight.shape[0]} rows")
-    bad = (targets != ignore_index) & ((targets < 0) | (targets >= total))
-    if bool(bad.any()):
-        raise ValueError(f"a target lies outside [0, {total}) and is not ignore_index={ignore_index}")
+    check_target_range(targets, total, ignore_index)  # no host read: a device-side assert on a GPU
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0], weight.element_size())
     if chunk_tokens < 1:

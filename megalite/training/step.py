@@ -29,6 +29,7 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
+from megalite.training.host_reads import no_host_reads
 from megalite.config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,12 +129,12 @@ class GlobalTokens:
             self._handle = None
         return self._count
 
-    def loss_scale(self, scale: float) -> float | torch.Tensor:
-        """scale / tokens: a float32 device tensor on CUDA (no host sync), a float elsewhere."""
+    def loss_scale(self, scale: float) -> torch.Tensor:
+        """scale / tokens as a float32 device scalar: never read on the host (on CUDA a read would
+        stall the first forward; under --cuda-graph the scale is a captured input). The same
+        float32 value as the Python float it once was: the quotient in float64, rounded once."""
         count = self._wait()
-        if count.is_cuda:
-            return (scale / count.clamp(min=1.0)).float().reshape(())
-        return scale / max(float(count.item()), 1.0)
+        return (scale / count.clamp(min=1.0)).float().reshape(())
 
     def value(self) -> float:
         return float(self._wait().item())
@@ -162,7 +163,8 @@ def _to_device(microbatches, device):
 
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
-               mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None) -> dict[str, Any]:
+               mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None, *,
+               check_host_reads: bool = False) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
     microbatches: this dp rank's, whole sequences {"input_ids", "labels"} [b, s]; under context
@@ -172,6 +174,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     update on every rank (non-finite gradients are always skipped by the optimizer).
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
     the interleaved "pipeline") / optimizer seconds.
+    check_host_reads: run every forward and backward under `host_reads.no_host_reads()`: a
+    tensor value read into Python there raises HostReadError (the tests; --cuda-graph's check).
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
@@ -188,13 +192,14 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     model.train()
     phase = timer.phase if timer is not None else _no_timer
     if mesh.pp_size == 1:
-        loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
+        with no_host_reads() if check_host_reads else contextlib.nullcontext():
+            loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
     else:
         model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
         spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), seq_length)
         with phase("pipeline"):  # forward and backward interleaved by the schedule
             loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, lambda: tokens.loss_scale(scale),
-                                    grad_sync=model)
+                                    grad_sync=model, check_host_reads=check_host_reads)
         model.set_last_microbatch(True)
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
