@@ -114,6 +114,9 @@ class TrainingSettings:
     seed: int = setting(1234, "seed of the weights, the data order and dropout")
     eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)")
     eval_iters: int = setting(4, "global batches per evaluation")
+    cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
+                                      "replay it (static shapes; tp = pp = cp = 1, zero 0/1, no dropout, "
+                                      "recompute or offload; training/cuda_graph.py)")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg)
+    problems += cuda_graph_problems(cfg)
     if ft.hang_timeout < 0:
         problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {ft.hang_timeout}")
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
@@ -51,6 +52,30 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if ck.load_step is not None and ck.load is None:
         problems.append("--load-step needs --load DIR")
     return problems
+
+
+def cuda_graph_problems(cfg: RunConfig) -> list[str]:
+    """--cuda-graph: what a captured forward+backward cannot hold (training/cuda_graph.py says why);
+    a machine without CUDA is refused where the device is known (training/loop.py)."""
+    p, m = cfg.parallel, cfg.model
+    if not cfg.training.cuda_graph:
+        return []
+    reasons = []
+    if p.tp > 1 or p.pp > 1 or p.cp > 1:
+        reasons.append(f"tp={p.tp}, pp={p.pp}, cp={p.cp}: their collectives run inside forward and backward (need all 1)")
+    if p.zero >= 2:
+        reasons.append(f"--zero {p.zero} allocates and frees gradient or parameter storage inside the step (use 0 or 1)")
+    if m.hidden_dropout > 0 or m.attention_dropout > 0:
+        reasons.append("dropout draws its seeds on the host per call: a replay would repeat the captured masks")
+    if p.recompute != "none":
+        reasons.append(f"--recompute {p.recompute} re-runs forward inside backward with host-held RNG state")
+    if p.offload_optimizer:
+        reasons.append("--offload-optimizer moves state between host and GPU inside the step")
+    if p.overlap_param_gather:
+        reasons.append("--overlap-param-gather waits for its gathers in forward hooks that a replay does not run")
+    if p.grad_compression != "none":
+        reasons.append("--grad-compression reduces in host-driven phases")
+    return [f"--cuda-graph cannot capture this run: {r}; drop --cuda-graph or change that" for r in reasons]
 
 
 def _compression_problems(cfg: RunConfig) -> list[str]:

@@ -9,6 +9,8 @@ normalisation); the baseline is the loop anyone would write:
 
     python tools/bench_train.py                      # CPU: a small GPT-2, fp32
     python tools/bench_train.py --model gpt2-124m --micro-batch-size 8 --bf16    # on a GPU
+    python tools/bench_train.py --model gpt2-124m --micro-batch-size 8 --bf16 --cuda-graph  # megalite replays
+                                                     # each microbatch's captured forward+backward
 
 Prints tokens/s of each (median over trials) and the ratio megalite / baseline (goal >= 1.0).
 Not a test: nothing here asserts a time.
@@ -30,6 +32,9 @@ def _sync(device):
 def main(argv=None) -> int:
     args = _parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cuda_graph and device.type != "cuda":
+        print("bench_train: --cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
+        return 2
     model_cfg = _model_config(args)
     b, s = args.micro_batch_size, args.seq_length
     gen = torch.Generator().manual_seed(0)
@@ -49,6 +54,7 @@ def _parse_args(argv):
     parser.add_argument("--steps", type=int, default=6, help="timed steps per trial")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--cuda-graph", action="store_true", help="megalite with --cuda-graph (needs a GPU)")
     return parser.parse_args(argv)
 
 
@@ -70,18 +76,20 @@ def _megalite_step(model_cfg, args, device, data):
     """One optimizer step of megalite's real training path (chunks, DP buffers, optimizer) on `data`."""
     from megalite.config import RunConfig
     from megalite.mesh import single_process_mesh
+    from megalite.training.cuda_graph import StepGraphs
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
     b = args.micro_batch_size
     batch = [{"input_ids": data[:, :-1], "labels": data[:, 1:]}]
     mesh = single_process_mesh(device)
     cfg = RunConfig.build(micro_batch_size=b, global_batch_size=b, precision="bf16" if args.bf16 else "fp32",
-                      clip_grad=1.0, weight_decay=0.1)
+                          clip_grad=1.0, weight_decay=0.1, cuda_graph=args.cuda_graph)
     chunks = build_model_chunks(model_cfg, cfg, mesh)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
+    graphs = StepGraphs(optimizer.model) if args.cuda_graph else None  # captured at the first (warm-up) step
 
     def megalite_step():
-        train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4)
+        train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4, graphs=graphs)
     return megalite_step
 
 
@@ -137,7 +145,7 @@ def _report(model_cfg, args, device, ours, theirs) -> None:
     print(f"device: {name}; torch {torch.__version__}; transformers {transformers.__version__}")
     print(f"model: gpt2 flavour, {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, {params:.1f}M params; "
           f"batch {b}x{s} tokens; {'bf16' if args.bf16 else 'fp32'}; {args.trials} trials x {args.steps} steps")
-    print(f"megalite (tp=pp=dp=1):      {m:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in ours)})")
+    print(f"megalite (tp=pp=dp=1{', cuda graph' if args.cuda_graph else ''}): {m:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in ours)})")
     print(f"plain loop, HF GPT2LMHead:  {t:12.0f} tokens/s  (trials {', '.join(f'{x:.0f}' for x in theirs)})")
     print(f"ratio megalite / baseline:  {m / t:.3f}x")
 

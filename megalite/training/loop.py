@@ -42,6 +42,7 @@ from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
 from megalite.errors import ConfigError, UsageError, report_usage_error
+from megalite.training.cuda_graph import StepGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -96,6 +97,8 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int) -> Run
     """The configuration resolved for this world, or ConfigError listing every problem and its fix."""
     cfg = cfg.resolved(world_size, tokenizer_vocab_size)
     problems = cfg.validate(world_size, tokenizer_vocab_size)
+    if cfg.training.cuda_graph and not torch.cuda.is_available():
+        problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:
@@ -139,6 +142,7 @@ class Job:
     preemption: PreemptionHandler
     last_saved: int = 0
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
+    graphs: StepGraphs | None = None  # --cuda-graph: the captured microbatches
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -168,8 +172,10 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
     lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
-    return Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
-               *_services(cfg, model_cfg, mesh, resources))
+    job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
+              *_services(cfg, model_cfg, mesh, resources))
+    job.graphs = StepGraphs(model) if t.cuda_graph else None
+    return job
 
 
 def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
@@ -325,7 +331,7 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
         microbatches = load_microbatches(job.train_set, indices)
     lr = job.lr_at(step - 1)
     result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
-                        timer=job.timer)
+                        timer=job.timer, graphs=job.graphs)
     result["lr"] = lr
     result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)

@@ -164,7 +164,7 @@ def _to_device(microbatches, device):
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
                mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None, *,
-               check_host_reads: bool = False) -> dict[str, Any]:
+               check_host_reads: bool = False, graphs=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
     microbatches: this dp rank's, whole sequences {"input_ids", "labels"} [b, s]; under context
@@ -176,6 +176,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     the interleaved "pipeline") / optimizer seconds.
     check_host_reads: run every forward and backward under `host_reads.no_host_reads()`: a
     tensor value read into Python there raises HostReadError (the tests; --cuda-graph's check).
+    graphs: a `training.cuda_graph.StepGraphs` (--cuda-graph, pp = 1): the microbatches' forward
+    and backward are replayed CUDA graphs (captured at the first step).
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
@@ -191,7 +193,10 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     optimizer.zero_grad()
     model.train()
     phase = timer.phase if timer is not None else _no_timer
-    if mesh.pp_size == 1:
+    if graphs is not None:
+        with phase("forward_backward"):  # one replayed graph per microbatch
+            loss_sum = graphs.run(microbatches, lambda: tokens.loss_scale(scale))
+    elif mesh.pp_size == 1:
         with no_host_reads() if check_host_reads else contextlib.nullcontext():
             loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
     else:
