@@ -105,6 +105,10 @@ class GradBuffers:
             self._bucket_grads = [self._grad_buffer[b.start:b.end] for b in buckets]
             for p, slot in zip(self.params, self.layout.slots):
                 P.set_main_grad(p, self._grad_buffer[slot.start:slot.end].view(p.shape))
+        # The views gradients are added into, made once (zero 0/1: the buffer never moves); a
+        # delivery then costs one add_, not a slice and a view as well. ZeRO-2 re-makes them per step.
+        self._main_grads: list[torch.Tensor] | None = \
+            None if zero_stage == 2 else [P.main_grad(p) for p in self.params]
         # This rank's reduced gradients: the whole buffer at zero_stage 0, its 1/dp shard otherwise.
         if zero_stage == 0:
             self.grad_shard = self._grad_buffer
@@ -183,7 +187,7 @@ class GradBuffers:
                 f"parameter {index} (shape {tuple(self.params[index].shape)}) received a gradient after its "
                 f"bucket's dp reduction started; it is used more often in this backward than in the first "
                 f"(calibration) step; keep the graph the same every step or call finish_reduction() per step")
-        self.main_grad(index).add_(grad)
+        (self._main_grads[index] if self._main_grads is not None else self.main_grad(index)).add_(grad)
         self._finished = False
         if not self._sync[index]:
             return

@@ -87,7 +87,7 @@ class StepGraphs:
         if len(self.slots) < len(microbatches):  # first step (or more microbatches): capture, all before any replay
             for mb in microbatches[len(self.slots):]:
                 self.slots.append(self._capture(mb, scale))
-            model.zero_grad()  # the warm-ups' gradients are not this step's
+            model.zero_grad()  # the warm-ups' gradients are not this step's (the buffers keep their addresses)
         for slot, mb in zip(self.slots, microbatches):
             loss_sum += slot.replay(mb, scale).double()
         model.set_last_microbatch(True)  # finish_reduction then launches every bucket
@@ -111,8 +111,16 @@ class StepGraphs:
             raise UsageError(f"--cuda-graph cannot capture this step: a host sync inside it ({error}); "
                              f"drop --cuda-graph") from error
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            loss = self._forward_backward(ids, labels, static_scale)
-        # Capturing recorded the kernels without running them: replay() below computes this step.
+        graph, loss = capture(lambda: self._forward_backward(ids, labels, static_scale), self.pool)
         return _Slot(graph, ids, labels, static_scale, loss)
+
+
+def capture(fn: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn's kernels recorded (not run) into a new graph drawing on `pool`; (graph, fn's static output).
+
+    Each replay re-issues the same kernels on the same addresses: the output tensor holds the
+    replay's result. (The CPU tests stand in a graph that re-runs fn, to check everything around it.)"""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out

@@ -3,6 +3,8 @@
 The capture itself (training/cuda_graph.py) needs a GPU: tools/gpu_plan.sh runs it
 (bench_train --cuda-graph). Here: the configuration's refusals and the missing-CUDA error.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from megalite.errors import ConfigError, UsageError
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.training.loop import configure
-from megalite.training.step import build_data_parallel, build_model_chunks
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 
 @pytest.mark.parametrize("settings,reason", [
@@ -46,3 +48,57 @@ def test_cuda_graph_without_cuda_is_a_usage_error():
     model = build_data_parallel(build_model_chunks(preset("tiny", num_layers=1, seq_length=8), cfg, mesh), cfg, mesh)
     with pytest.raises(UsageError, match="needs a CUDA GPU"):
         StepGraphs(model)
+
+
+class _RerunGraph:
+    """Stands in for a captured CUDA graph on CPU: replay re-runs the captured Python on the same
+    static tensors and writes the result where the graph's output lives (as a replay does)."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+def test_replayed_steps_equal_eager_steps(monkeypatch):
+    """Everything around the capture: static inputs, the loss scale as a captured input, warm-ups
+    discarded, no bucket bookkeeping in captured backwards, the dp reduction and optimizer after
+    the replays: three steps of two microbatches give the eager steps' losses and parameters."""
+    from megalite.training import cuda_graph
+
+    def run(graphed):
+        torch.manual_seed(0)
+        cfg = RunConfig.build(micro_batch_size=2, global_batch_size=4, zero=1, lr=1e-3, cuda_graph=graphed)
+        mesh = single_process_mesh("cpu")
+        model_cfg = preset("tiny", num_layers=2, hidden_size=64, seq_length=8)
+        chunks = build_model_chunks(model_cfg, cfg, mesh)
+        optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
+        graphs = cuda_graph.StepGraphs(optimizer.model) if graphed else None
+        losses = []
+        for step in range(3):
+            ids = torch.randint(0, model_cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(step))
+            labels = ids[:, 1:].clone()
+            labels[step, :2] = -100
+            mbs = [{"input_ids": i, "labels": t} for i, t in zip(ids[:, :-1].split(2), labels.split(2))]
+            losses.append(train_step(optimizer.model, optimizer, mbs, mesh, cfg, lr=1e-3, graphs=graphs)["loss"])
+        return losses, [p.detach().clone() for p in chunks[0].parameters()], graphs
+
+    eager_losses, eager_params, _ = run(False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graph, "capture", lambda fn, pool: (lambda out: (_RerunGraph(fn, out), out))(fn()))
+    losses, params, graphs = run(True)
+    assert losses == eager_losses
+    for p, q in zip(params, eager_params):
+        assert torch.equal(p, q)
+    assert [slot.graph.replays for slot in graphs.slots] == [3, 3]  # captured once, replayed every step

@@ -22,7 +22,7 @@ from megalite.testing import run_distributed
 from megalite.training.host_reads import HostReadError, no_host_reads
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
-SEQ, MICRO, GLOBAL = 16, 2, 8
+SEQ, MICRO, GLOBAL = 8, 2, 8
 
 
 def _microbatches(vocab, dp, dp_rank, step):
@@ -38,7 +38,7 @@ def _microbatches(vocab, dp, dp_rank, step):
 def _steps(m, zero, steps=2, **extra):
     cfg = RunConfig.build(tp=m.tp_size, pp=m.pp_size, dp=m.dp_size, micro_batch_size=MICRO, global_batch_size=GLOBAL,
                           zero=zero, seed=5, **extra)
-    model_cfg = preset("tiny", num_layers=4, seq_length=SEQ)
+    model_cfg = preset("tiny", num_layers=2, hidden_size=64, seq_length=SEQ)
     chunks = build_model_chunks(model_cfg, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     return [train_step(optimizer.model, optimizer, _microbatches(model_cfg.vocab_size, m.dp_size, m.dp_rank, s), m,
