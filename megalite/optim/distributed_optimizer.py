@@ -155,6 +155,7 @@ class DistributedOptimizer:
             for bucket in buckets:  # master := fp32 copy of the parameters this rank owns
                 self._masters[bucket.index].copy_(model.owned_params(bucket.index).float())
         self._shard_offsets = [b.shard_offset for b in buckets]
+        self._decay_views = [self._decayed_pieces(b.index) for b in buckets]
         self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()
         self.step_count = 0
 
@@ -162,6 +163,14 @@ class DistributedOptimizer:
         """This rank's chunk of `bucket` within a shard-sized tensor."""
         b = self.model.layout.buckets[bucket]
         return state[b.shard_offset:b.shard_offset + b.chunk_numel]
+
+    def _decayed_pieces(self, bucket: int) -> list[torch.Tensor]:
+        """Views of `bucket`'s master chunk that weight decay scales, made once: the step then decays
+        them all with one foreach op (one launch on a GPU) instead of a slice and a mul_ per run."""
+        b = self.model.layout.buckets[bucket]
+        lo, hi = b.shard_offset, b.shard_offset + b.chunk_numel
+        return [self._masters[bucket][max(start, lo) - lo:min(end, hi) - lo] for start, end in self._decay_runs
+                if max(start, lo) < min(end, hi)]
 
     def master_range(self, start: int, end: int) -> torch.Tensor:
         """The fp32 master of shard elements [start, end) (within one bucket's chunk)."""
@@ -224,11 +233,8 @@ class DistributedOptimizer:
         b = self.model.layout.buckets[bucket]
         lo, hi = b.shard_offset, b.shard_offset + b.chunk_numel
         master = self._masters[bucket]
-        if self.weight_decay != 0.0:
-            for start, end in self._decay_runs:
-                start, end = max(start, lo), min(end, hi)
-                if start < end:
-                    master[start - lo:end - lo].mul_(1 - lr * self.weight_decay)
+        if self.weight_decay != 0.0 and self._decay_views[bucket]:  # the same float32 product as a mul_ per run
+            torch._foreach_mul_(self._decay_views[bucket], 1 - lr * self.weight_decay)
         adamw_update(master, grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr,
                      beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=self.step_count)
 
