@@ -19,7 +19,8 @@ Counted in one step (after warm-up steps), forward+backward and optimizer apart:
   memsets         zero_/fill_/zeros-like fills
   autograd nodes  backward nodes run by the engine: Python autograd.Function backwards and
                   AccumulateGrad (torch.profiler events)
-and the host seconds per step (median, launches skipped, tiny token count so CPU math is small).
+and the host CPU seconds per step (median, launches skipped, few tokens so the CPU math is small;
+the CPU still computes the aten ops' values, so this is an upper bound of the host's own work).
 
     python tools/bench_host_overhead.py                         # small gpt2-shaped model, seconds
     python tools/bench_host_overhead.py --model gpt2-124m       # the H200 benchmark's layers and vocab
@@ -110,11 +111,13 @@ def count(phases, triton_launches: collections.Counter) -> dict:
 
 
 def host_seconds(step, steps: int) -> float:
+    """Median CPU seconds of this process per step: on a shared machine, wall time would count the
+    other processes' turns too (one intra-op thread: CPU time is the host's work)."""
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = time.process_time()
         step()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times)
 
 
@@ -239,7 +242,7 @@ def _report(model_cfg, args, counts, seconds) -> None:
             ratio = f"{ours / theirs:7.2f}" if theirs else "      -"
             print(f"{key:24s} {phase:10s} {ours:10d} {theirs:13d} {ratio}")
     ours, theirs = seconds["megalite"], seconds["transformers"]
-    print(f"{'host ms per step':24s} {'all':10s} {ours * 1e3:10.1f} {theirs * 1e3:13.1f} {ours / theirs:7.2f}")
+    print(f"{'host CPU ms per step':24s} {'all':10s} {ours * 1e3:10.1f} {theirs * 1e3:13.1f} {ours / theirs:7.2f}")
     if args.detail:
         for name in ("megalite", "transformers"):
             for phase in ("fwd+bwd", "optimizer"):
