@@ -17,7 +17,11 @@ host", the rule is about reading VALUES into Python): inside it,
   to the CPU.
 
 train_step(..., check_host_reads=True) runs its forwards and backwards under it (the tests do;
-`--cuda-graph` does on its eager first step), so a read planted in a block's forward fails.
+`--cuda-graph` does on its warm-ups), so a read planted in a block's forward fails.
+
+The Python entry points are patched process-wide, not per thread: on a GPU the backward runs on
+the autograd engine's device threads, which a per-thread check would miss. So is any other
+thread's read while the block runs (only the tests and a capture's warm-up enter it).
 """
 from __future__ import annotations
 

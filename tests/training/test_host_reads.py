@@ -4,11 +4,8 @@ A real training step at tp = pp = dp = 2 runs with `check_host_reads=True` (item
 bool/int/float/index of a tensor, aten._local_scalar_dense, nonzero, masked_select and
 device-to-host copies raise inside forward and backward), with ZeRO 1 and ZeRO 3, on the PyTorch
 reference path and (ZeRO 1 with sequence parallelism) on the Triton path a GPU runs, launches
-skipped; and the check fails when a
-block's forward reads a value.
+skipped; and the check fails when a block's forward reads a value, at pp = 1 and in a pipeline.
 """
-import os
-
 import pytest
 import torch
 
@@ -18,7 +15,7 @@ from megalite.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.transformer import TransformerBlock
-from megalite.testing import run_distributed
+from megalite.testing import RankFailed, run_distributed
 from megalite.training.host_reads import HostReadError, no_host_reads
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
@@ -85,6 +82,23 @@ def test_a_read_planted_in_a_blocks_forward_fails(read, monkeypatch):
         _steps(single_process_mesh("cpu"), 0, steps=1)
 
 
+def _planted_in_a_pipeline():
+    forward = TransformerBlock.forward
+
+    def planted(self, x, rope, rng):
+        x.sum().item()
+        return forward(self, x, rope, rng)
+
+    TransformerBlock.forward = planted  # this forked rank's copy of the class
+    _steps(mesh.init_mesh(tp=1, pp=2, dp=1), 1, steps=1)
+
+
+def test_a_read_planted_in_a_pipeline_stage_fails():
+    """The pipeline path (run_pipeline's check_host_reads) is guarded too: stage 0's first forward raises."""
+    with pytest.raises(RankFailed, match="HostReadError: Tensor.item reads a tensor's value on the host"):
+        run_distributed(_planted_in_a_pipeline, 2, timeout_s=60)
+
+
 def test_reads_outside_the_guard_are_untouched():
     x = torch.ones(3)
     with no_host_reads():
@@ -92,4 +106,3 @@ def test_reads_outside_the_guard_are_untouched():
         with pytest.raises(HostReadError):
             y.sum().item()
     assert y.sum().item() == 6.0 and bool(y[0] == 2) and y.tolist() == [2.0, 2.0, 2.0]
-    assert "MEGALITE_KERNEL_BACKEND" not in os.environ or os.environ["MEGALITE_KERNEL_BACKEND"] != "triton"
