@@ -61,21 +61,23 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
-        grad_input = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-
-        def weight_grads():
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
-            x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
-            grad_weight = g2.t().matmul(x2) if wants_weight else None  # [out, in]
-            grad_bias = g2.sum(0) if wants_bias else None
-            return grad_weight, grad_bias
-
+        needs = ctx.needs_input_grad
+        grad_input = grad_out.matmul(weight) if needs[0] else None
+        wants_bias = bias is not None and needs[2]
         if bypasses_autograd(weight):
-            _route_weight_grads(weight, bias, weight_grads)
+            _route_weight_grads(weight, bias, _weight_grads, grad_out, x, needs[1], wants_bias)
             return grad_input, None, None
-        grad_weight, grad_bias = weight_grads()
-        return grad_input, grad_weight, grad_bias
+        return (grad_input, *_weight_grads(grad_out, x, needs[1], wants_bias))
+
+
+def _weight_grads(grad_out, x, wants_weight: bool, wants_bias: bool):
+    """(grad_weight [out, in], grad_bias [out]) of y = x @ W^T + b, each None when not wanted.
+
+    A module-level function, not a closure made per backward: the backward runs once per layer
+    and microbatch, and its host time is the step's time on small models (issue 26)."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
+    x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+    return (g2.t().matmul(x2) if wants_weight else None), (g2.sum(0) if wants_bias else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,21 +85,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _LinearFunction.apply(x, weight, bias)
 
 
-def _route_weight_grads(weight, bias, compute) -> None:
-    """Deliver `compute()`'s (grad_weight, grad_bias) now, or queue it under a deferral store."""
-    def run():
-        grad_weight, grad_bias = compute()
-        if grad_weight is not None:
-            deliver(weight, grad_weight)
-        if grad_bias is not None:
-            deliver(bias, grad_bias)
-
+def _route_weight_grads(weight, bias, compute, *args) -> None:
+    """Deliver `compute(*args)`'s (grad_weight, grad_bias) now, or queue it under a deferral store."""
     deferred = params.deferred(weight)
     if deferred is not None:
         store, key = deferred
-        store.put(key, run)
+        store.put(key, lambda: _deliver_weight_grads(weight, bias, *compute(*args)))
     else:
-        run()
+        _deliver_weight_grads(weight, bias, *compute(*args))
+
+
+def _deliver_weight_grads(weight, bias, grad_weight, grad_bias) -> None:
+    if grad_weight is not None:
+        deliver(weight, grad_weight)
+    if grad_bias is not None:
+        deliver(bias, grad_bias)
 
 
 class _SequenceParallelLinearFunction(torch.autograd.Function):
@@ -124,16 +126,10 @@ class _SequenceParallelLinearFunction(torch.autograd.Function):
         grad_input = comm.reduce_scatter(grad_out.matmul(weight), ctx.group, dim=0) \
             if ctx.needs_input_grad[0] else None  # [s, b, in] partial sums -> [s/tp, b, in]
         wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-
-        def weight_grads():
-            g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
-            return (g2.t().matmul(x2) if wants_weight else None), (g2.sum(0) if wants_bias else None)
-
         if bypasses_autograd(weight):
-            _route_weight_grads(weight, bias, weight_grads)
+            _route_weight_grads(weight, bias, _weight_grads, grad_out, x, wants_weight, wants_bias)
             return grad_input, None, None, None
-        grad_weight, grad_bias = weight_grads()
-        return grad_input, grad_weight, grad_bias, None
+        return (grad_input, *_weight_grads(grad_out, x, wants_weight, wants_bias), None)
 
 
 def sequence_parallel_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
