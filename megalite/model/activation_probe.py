@@ -72,7 +72,7 @@ def korthikanti_layer_bytes(technique: Technique, s: int, b: int, h: int, heads:
 
 
 @contextlib.contextmanager
-def kernels_without_launch(launches: "collections.Counter | None" = None):
+def kernels_without_launch(launches: collections.Counter | None = None):
     """megalite's Triton autograd functions on CPU with every kernel launch skipped.
 
     launches: if given, counts the skipped launches by kernel name (tools/bench_host_overhead.py)."""

@@ -104,7 +104,7 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(side), no_host_reads():
+            with torch.cuda.stream(side), no_host_reads(python_entry_points=False):
                 for _ in range(WARMUP_ITERATIONS):
                     self._forward_backward(ids, labels, static_scale)
         except HostReadError as error:

@@ -63,8 +63,17 @@ def _to_host(name: str, args, kwargs) -> bool:
 
 
 @contextlib.contextmanager
-def no_host_reads():
-    """Within this block, reading a tensor's value into Python raises HostReadError (see above)."""
+def no_host_reads(python_entry_points: bool = True):
+    """Within this block, reading a tensor's value into Python raises HostReadError (see above).
+
+    python_entry_points=False keeps only the dispatch-level check: on a GPU it alone catches every
+    read of a device tensor (each ends in aten._local_scalar_dense or a device-to-host copy), is
+    thread-local (the autograd engine carries it to its device threads) and so never trips on
+    another thread's reads of host tensors; --cuda-graph's warm-up uses that."""
+    if not python_entry_points:
+        with _SyncingOps():
+            yield
+        return
     originals = {name: getattr(torch.Tensor, name) for name in _PYTHON_READS}
 
     def forbidden(name):

@@ -48,7 +48,7 @@ def _world():
     # ZeRO 3 gathers, frees and reduce-scatters every unit in every step alike.
     reference = {1: _steps(m, 1, steps=2), 3: _steps(m, 3, steps=1)}
     with kernels_without_launch():  # the GPU path: Triton autograd functions, launches skipped
-        _steps(m, 1, steps=2, sequence_parallel=True)
+        _steps(m, 1, steps=1, sequence_parallel=True)  # (the bucket logic is the torch path's, run above)
     return reference
 
 
@@ -106,3 +106,11 @@ def test_reads_outside_the_guard_are_untouched():
         with pytest.raises(HostReadError):
             y.sum().item()
     assert y.sum().item() == 6.0 and bool(y[0] == 2) and y.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_the_dispatch_level_check_alone_catches_scalar_reads():
+    """What --cuda-graph's warm-up keeps: every scalar read still ends in a rejected aten op."""
+    x = torch.ones(3)
+    for read in (lambda: x.sum().item(), lambda: bool(x[0] > 0), lambda: int(x[1]), lambda: x.nonzero()):
+        with no_host_reads(python_entry_points=False), pytest.raises(HostReadError, match="aten."):
+            read()
