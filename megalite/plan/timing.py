@@ -50,8 +50,11 @@ from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
 from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
+from megalite.plan import kernel_rates as rates
 from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
+from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
+                                    uses_cuda_graph)
 from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
@@ -83,6 +86,9 @@ class Kernels:
     """Full recompute re-runs each block's whole forward, so the MLP output's tensor-parallel reduction
     runs again too (Megatron-LM's own reentrant checkpoint function); megalite's non-reentrant
     checkpoint stops after the last saved tensor, before that reduction."""
+    attention_backend: str = "auto"
+    """Which flash attention runs where the profile measured them (kernel_rates.py): "auto" (megalite's
+    dispatch: the fastest measured), or "triton" / "sdpa" / "sdpa_gqa" forced, as MEGALITE_KERNEL_BACKEND."""
 
 
 MEGALITE = Kernels()
@@ -149,31 +155,71 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     linears = [(tokens, (nq + 2 * nkv) * d, h), (tokens, h, nq * d), (tokens, (2 if llama else 1) * f // t, h),
                (tokens, h, f // t)]
     gemm = sum(hw.matmul_seconds(m, n, k, precision) for m, n, k in linears)
-    # attention: b * nq products of [s_local, d] x [d, s] and [s_local, s] x [s, d]
-    causal = 0.5 if kernels.attention == "flash" else 1.0
-    scores = hw.matmul_seconds(local, model.seq_length * causal, d, precision, batch=b * nq)
-    values = hw.matmul_seconds(local, d, model.seq_length * causal, precision, batch=b * nq)
-    if kernels.attention == "flash" and hw.attention_efficiency:   # a fused kernel at its measured rate
-        scores = values = 2 * b * nq * local * model.seq_length * causal * d / (
-            hw.peak_flops(precision) * hw.attention_efficiency)
+    scores, values = _attention_products(model, cfg, hw, kernels, b * nq, local)
     attention = scores + values
-    streamed = 2 * (2 * a * tokens * h // sp)                        # two norms: read x, write y
-    streamed += 2 * (3 * a * tokens * h // sp)                       # two bias-dropout-adds: x, residual -> out
-    if llama:
-        streamed += 2 * a * tokens * (nq + nkv) * d                  # rotary embedding of q and k
-    activation = (3 if llama else 2) * a * tokens * f // t           # swiglu (gate, up -> out) | tanh gelu
+    streamed = 2 * (3 * a * tokens * h // sp)                        # two bias-dropout-adds: x, residual -> out
     if kernels.layout_copies:                                        # QKV bias: read, write; context copy
         streamed += 2 * a * tokens * (nq + 2 * nkv) * d + 2 * a * tokens * nq * d
     if kernels.attention == "materialized":                          # softmax (read, write); dropout + 1-byte mask
         per_score = 2 * a + (2 * a + 1 if model.attention_dropout > 0 else 0)
         attention += hw.elementwise_seconds(per_score * b * nq * local * model.seq_length)
-    forward = gemm + attention + hw.memory_seconds(streamed) + hw.elementwise_seconds(activation)
+    norms = rates.memory_seconds(hw, "rms_norm" if llama else "layer_norm", 2 * (2 * a * tokens * h // sp),
+                                 2 * (3 * a * tokens * h // sp))     # two norms: x -> y; x, dy -> dx
+    rope = rates.memory_seconds(hw, "rope", 2 * a * tokens * (nq + nkv) * d, 2 * a * tokens * (nq + nkv) * d) \
+        if llama else (0.0, 0.0)                                     # q and k: x -> y; dy -> dx
+    act = a * tokens * f // t                                        # swiglu: gate, up -> y; gelu: x -> y
+    mlp = rates.memory_seconds(hw, "swiglu", 3 * act, 5 * act, True) if llama else \
+        rates.memory_seconds(hw, "gelu", 2 * act, 3 * act, True)
+    layout = _layout_copies(model, cfg, hw, kernels)
+    forward = gemm + attention + hw.memory_seconds(streamed) + norms[0] + rope[0] + mlp[0] + layout[0]
     bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
-    main_grads = 8 * layer_params(model, t)                          # read-add-write into fp32 main grads
     products = scores + values
     backward = 2 * gemm + (2.5 if kernels.attention == "flash" else 2.0) * products + 1.5 * (attention - products)
-    backward += hw.memory_seconds(1.5 * streamed + bias_grads + main_grads) + hw.elementwise_seconds(1.5 * activation)
+    backward += hw.memory_seconds(1.5 * streamed + bias_grads) + norms[1] + rope[1] + mlp[1] + layout[1]
+    if "grad_accumulate" in hw.memory_fractions:                     # fp32 main grad += grad: read 4 + a, write 4
+        backward += rates.memory_seconds(hw, "grad_accumulate", (8 + a) * layer_params(model, t))[0]
+    else:                                                            # read-add-write into fp32 main grads
+        backward += hw.memory_seconds(8 * layer_params(model, t))
     return _Pass(forward, backward, attention)
+
+
+def _attention_products(model, cfg, hw, kernels, heads: int, local: int) -> tuple[float, float]:
+    """Seconds of attention's two products in forward, over `heads` (b x local heads) of `local` queries:
+    from the profile's measured table where it has this call (kernel_rates.py; the forward's 2/7 of its
+    fwd+bwd time), else fused flash at `attention_efficiency`, else two batched GEMMs on the curve."""
+    precision, d, s = cfg.precision.precision, model.head_dim, model.seq_length
+    causal = 0.5 if kernels.attention == "flash" else 1.0
+    if kernels.attention == "flash":
+        measured = rates.attention_seconds(hw, d, precision, True, s, heads * local, 1, model.num_query_groups <
+                                           model.num_attention_heads, model.attention_dropout > 0,
+                                           kernels.attention_backend)
+        if measured:
+            return (measured[0] * rates.FORWARD_SHARE / 2,) * 2
+        if hw.attention_efficiency:                                  # a fused kernel at its measured rate
+            return (2 * heads * local * s * causal * d / (hw.peak_flops(precision) * hw.attention_efficiency),) * 2
+    # heads products of [s_local, d] x [d, s] and [s_local, s] x [s, d]
+    return (hw.matmul_seconds(local, s * causal, d, precision, batch=heads),
+            hw.matmul_seconds(local, d, s * causal, precision, batch=heads))
+
+
+def _layout_copies(model, cfg, hw, kernels) -> tuple[float, float]:
+    """(forward, backward) seconds of megalite's own layout passes in one block, counted where the profile
+    measured torch's copy kernels ("layout_copy"): forward: attention's output [b, nq, s, d] -> [s, b, nq d],
+    the column-parallel bias adds (QKV, fc1), SwiGLU's gate and up halves made contiguous; backward: the
+    output gradient made contiguous, the q/k/v gradients copied where no RoPE wrote them (strided), and
+    the concatenations of the QKV (and gate/up) gradients (at the copy bandwidth: cat is a plain copy)."""
+    if kernels.layout_copies or kernels.attention != "flash" or "layout_copy" not in hw.memory_fractions:
+        return 0.0, 0.0
+    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    tokens, _ = _tokens(model, cfg)
+    d, nq, nkv, f = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t, model.ffn_hidden_size // t
+    llama = model.flavour == "llama"
+    forward = 2 * a * tokens * nq * d + (2 * a * tokens * ((nq + 2 * nkv) * d + f) if model.add_bias else 0)
+    forward += 2 * 2 * a * tokens * f if llama else 0
+    backward = 2 * a * tokens * nq * d + 2 * a * tokens * (nkv if llama else nq + 2 * nkv) * d
+    concatenated = 2 * a * tokens * ((nq + 2 * nkv) * d + (2 * f if llama else 0))
+    fwd, bwd = rates.memory_seconds(hw, "layout_copy", forward, backward)
+    return fwd, bwd + hw.memory_seconds(concatenated)
 
 
 def embedding_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
@@ -197,14 +243,20 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
     forward_passes, backward_passes = 2 * logits, 2 * logits         # read the logits, write the gradient
     if kernels.fp32_cross_entropy:  # bytes per logit: upcast 2+4, max 4, sub 8, exp 8, sum 4, div 8 | scale 8, downcast 6
         forward_passes, backward_passes = (6 + 4 + 8 + 8 + 4 + 8) * logits // a, (8 + 6) * logits // a
-    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp) + hw.elementwise_seconds(forward_passes)  # norm; exp
-    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp) + hw.elementwise_seconds(backward_passes)
+    family = "fp32_cross_entropy" if kernels.fp32_cross_entropy else "cross_entropy"
+    loss = rates.memory_seconds(hw, family, forward_passes, backward_passes, True)                 # exp
+    norm = rates.memory_seconds(hw, "rms_norm" if model.flavour == "llama" else "layer_norm",
+                                2 * a * tokens * h // sp, 3 * a * tokens * h // sp)
+    forward = gemm + norm[0] + loss[0]
+    backward = (2 + fused) * gemm + norm[1] + loss[1]
     return _Pass(forward, backward)
 
 
-def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, float, float, float]:
-    """(device seconds, host seconds, backward seconds of one microbatch, attention forward seconds)
-    of one stage over all its chunks, per microbatch."""
+def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[float, float], float, float]:
+    """(device seconds, host seconds (forward, backward), backward device seconds, attention forward
+    seconds) of one stage over all its chunks, per microbatch. Host: the launches counted from the model
+    at the profile's `launch_host_us` (one replay per pass with CUDA graphs), else the per-block and
+    per-microbatch overheads (all of it in the backward's slot)."""
     layers = stage_layers(model, cfg)[stage]
     rerun = recomputed_stage_layers(model, cfg)[stage]
     block = block_pass(model, cfg, hw, kernels)
@@ -221,7 +273,12 @@ def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, float, f
             p = part(model, cfg, hw, kernels) if part is head_pass else part(model, cfg, hw)
             device, backward = device + p.forward + p.backward, backward + p.backward
     host += hw.microbatch_overhead_us * 1e-6 * (1.0 if cfg.parallel.pp == 1 else 0.5)  # ends split over stages
-    return device, host, backward, layers * block.attention_forward
+    if not hw.launch_host_us:
+        return device, (0.0, host), backward, layers * block.attention_forward
+    counted = stage_launches(model, cfg, stage)
+    rerun_launches = rerun * block_launches(model).forward + (4 * layers if cfg.parallel.recompute == "selective" else 0)
+    host_passes = (1, 1) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
+    return device, tuple(host_seconds(hw, n) for n in host_passes), backward, layers * block.attention_forward
 
 
 def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
@@ -304,18 +361,29 @@ def _compression_seconds(model, cfg, hw, stage: int) -> float:
     return seconds
 
 
-def _optimizer_seconds(model, cfg, hw, params: int) -> tuple[float, float]:
+def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, float]:
     """(update seconds, offload seconds): AdamW streams the fp32 master, moments and gradient of its
     shard (read 16, write 12 bytes), the norm reads the gradient, the update is published in the
-    parameter dtype, and the full fp32 gradient buffer is zeroed."""
+    parameter dtype, and the full fp32 gradient buffer is zeroed. Where the profile measured AdamW's
+    rate, the passes megalite makes over the fp32 gradients are counted as its code runs them
+    (distributed_optimizer.py): each bucket scaled (read, write 8), the norm's square and sum (write 4,
+    read 8), the clip / unscale multiply (8), then AdamW at its measured rate; and the host's launches
+    (launches.py) overlap that GPU time after the norm's sync, or else the step overhead adds."""
     a = DTYPE_BYTES[cfg.precision.precision]
     shard = params / (cfg.dp * getattr(cfg.parallel, "cp", 1)) if cfg.parallel.zero else params
     offload = 0.0
+    measured = "adamw" in hw.memory_fractions
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
         offload, update = shard * 6 / 25e9 + shard / 1e9, 0.0
+    elif measured:
+        update = rates.memory_seconds(hw, "adamw", 28 * shard, transcendental=True)[0]
+        update += hw.memory_seconds(shard * (8 + 12 + 8 + 4 + a))
     else:
         update = hw.elementwise_seconds(shard * (28 + 4 + a))
-    return update + hw.memory_seconds(4 * params) + hw.step_overhead_us * 1e-6, offload
+    gpu = update + hw.memory_seconds(4 * params)
+    if not hw.launch_host_us:
+        return gpu + hw.step_overhead_us * 1e-6, offload
+    return max(gpu, host_seconds(hw, optimizer_launches(model, cfg, stage))), offload
 
 
 def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | HardwareProfile | None = None,
@@ -332,7 +400,12 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     stages = []
     for stage in range(pp):
         device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage)
-        busy = (device + host if hw.host_synchronous else max(device, host)) * slowdown
+        if hw.host_synchronous:
+            busy = (device + sum(host)) * slowdown
+        elif hw.launch_host_us:   # the host queues work ahead of the GPU; neither pass syncs
+            busy = queued_seconds([(host[0], device - backward), (host[1], backward)]) * slowdown
+        else:
+            busy = max(device, sum(host)) * slowdown
         comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
         if hw.host_synchronous:  # a CPU's collectives are work of its cores too
             comm = {key: seconds * slowdown for key, seconds in comm.items()}
@@ -357,7 +430,8 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     else:
         dp = max(0.0, dp) + max(c["dp_gather"] for _, c, _, _ in stages)
     dp += max(c["embedding"] for _, c, _, _ in stages)
-    update, offload = _optimizer_seconds(model, cfg, hw, max(stage_params(model, cfg, s) for s in range(pp)))
+    biggest = max(range(pp), key=lambda s: stage_params(model, cfg, s))
+    update, offload = _optimizer_seconds(model, cfg, hw, stage_params(model, cfg, biggest), biggest)
     sync = sum(count * hw.collective_latency_s(ranks) for ranks, count in step_scalar_collectives(cfg).values())
     return StepTime(compute=busy, tp=comm["tp"], cp=comm["cp"], pp=comm["pp"], dp=dp, bubble=bubble,
                     optimizer=update * slowdown, offload=offload,
