@@ -9,6 +9,12 @@
         context layout passes, fp32 cross entropy; the gradient all-reduce after the backward with
         "local" DDP, during the last microbatch's backward with torch DDP, as the script chose per row).
 
+    python tools/bench_step_time.py --h200
+        The planner on the built-in H200 profile against the steps measured on one H200
+        (../shared/gpu/2026-11-26-h200/, examples/pretrain_gpt.py with its embedded data, vocab 257
+        padded 384, bf16, 1 GPU; bench_train's GPT-2 with vocab 50257), with the attention megalite's
+        auto dispatch runs today and with the Triton kernels those runs used.
+
     python tools/bench_step_time.py --cycles 3 --iters 40
         On this machine, for the default run, (tp, pp, dp) = (2, 2, 1) and (1, 1, 4) in turn, back to
         back: a quick calibration (megalite/calibration.py, fp32, GEMMs up to 512), then
@@ -31,7 +37,7 @@ from pathlib import Path
 from megalite.config import RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.hardware import load_profile
-from megalite.plan.timing import MEGATRON_2021, predict_step_time
+from megalite.plan.timing import MEGALITE, MEGATRON_2021, predict_step_time
 from megalite.training.metrics_file import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +85,30 @@ def print_narayanan(rows: list[dict], hardware: str) -> None:
     ratios = [r["ratio"] for r in rows]
     within = sum(abs(x - 1) <= 0.10 for x in ratios)
     print(f"ratio range {min(ratios):.3f} - {max(ratios):.3f}; {within} of {len(rows)} rows within 10%")
+
+
+# (name, settings, measured seconds per step on the H200, where it was measured)
+H200_RUNS = [("llama-1b 4x2048", dict(model="llama-1b", micro_batch_size=4, seq_length=2048), 257, 0.133, "m1.txt"),
+             ("llama-1b 8x2048 selective", dict(model="llama-1b", micro_batch_size=8, seq_length=2048,
+                                                recompute="selective"), 257, 0.252, "m2.txt"),
+             ("gpt2-124m 8x1024", dict(model="gpt2-124m", micro_batch_size=8, seq_length=1024), 257, 0.0505,
+              "gpt2prof.txt / README: 46-55 ms"),
+             ("gpt2-124m 8x1024 V50257", dict(model="gpt2-124m", micro_batch_size=8, seq_length=1024), 50257,
+              8192 / 140.6e3, "bench_train: 140.6k tok/s")]
+
+
+def h200(hardware: str = "H200") -> None:
+    """Predicted against measured step time of the H200 runs (module docstring)."""
+    print(f"H200 runs on the {hardware} profile: seconds per step, predicted / measured")
+    for name, settings, vocab, measured, where in H200_RUNS:
+        cfg = RunConfig.build(precision="bf16", vocab_size=vocab, global_batch_size=settings["micro_batch_size"],
+                              **settings).resolved(1, vocab)
+        auto, triton = (predict_step_time(cfg.gpt_config(), cfg, hardware, kernels=dataclasses.replace(
+            MEGALITE, attention_backend=backend)) for backend in ("auto", "triton"))
+        print(f"  {name:26s} measured {measured * 1e3:6.1f} ms | predicted {auto.total * 1e3:6.1f} ms "
+              f"({auto.total / measured:.3f}), with Triton attention {triton.total * 1e3:6.1f} ms "
+              f"({triton.total / measured:.3f}) | compute {auto.compute * 1e3:.1f} optimizer "
+              f"{auto.optimizer * 1e3:.1f} ms  [{where}]")
 
 
 def _loadavg() -> str:
@@ -142,14 +172,17 @@ def cycles(count: int, iters: int, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--narayanan", action="store_true", help="Table 1 of Narayanan et al. on --hardware")
+    parser.add_argument("--h200", action="store_true", help="the H200 runs against the planner on the H200 profile")
     parser.add_argument("--hardware", default="A100-80GB")
     parser.add_argument("--cycles", type=int, default=0, help="calibrate-and-measure cycles on this machine")
     parser.add_argument("--iters", type=int, default=40, help="training steps per measured run")
     parser.add_argument("--out", default="bench_step_time", help="where profiles, logs and metrics go")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if not args.narayanan and not args.cycles:
-        parser.error("choose --narayanan and/or --cycles N")
+    if not args.narayanan and not args.cycles and not args.h200:
+        parser.error("choose --narayanan, --h200 and/or --cycles N")
+    if args.h200:
+        h200()
     if args.narayanan:
         rows = narayanan(args.hardware)
         print(json.dumps(rows, indent=1)) if args.json else print_narayanan(rows, load_profile(args.hardware).name)
