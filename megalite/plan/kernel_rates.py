@@ -25,8 +25,14 @@ where each number was measured); a family the profile does not list runs at the 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
+from megalite.model.config import GPTConfig
 from megalite.plan.hardware import HardwareProfile
+from megalite.plan.layout import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
 
 ATTENTION_TABLE_TOKENS = 16384   # tools/tune_attention.py TOKENS: batch = 16384 // seq_len
 ATTENTION_TABLE_WIDTH = 4096     # its query heads = 4096 // head_dim (kv heads a quarter of them)
@@ -91,3 +97,44 @@ def memory_seconds(hw: HardwareProfile, family: str, forward_bytes: float, backw
         return rate(forward_bytes), rate(backward_bytes)
     forward, backward = hw.memory_fractions[family]
     return hw.memory_seconds(forward_bytes) / forward, hw.memory_seconds(backward_bytes) / backward
+
+
+def attention_products(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, attention: str, backend: str,
+                       heads: int, local: int) -> tuple[float, float]:
+    """Seconds of attention's two products in forward, over `heads` (b x local heads) of `local` queries:
+    from the profile's measured table where it has this call (`attention_seconds`; the forward's 2/7 of its
+    fwd+bwd time), else fused flash at `attention_efficiency`, else two batched GEMMs on the curve."""
+    precision, d, s = cfg.precision.precision, model.head_dim, model.seq_length
+    causal = 0.5 if attention == "flash" else 1.0
+    if attention == "flash":
+        measured = attention_seconds(hw, d, precision, True, s, heads * local, 1,
+                                     model.num_query_groups < model.num_attention_heads, model.attention_dropout > 0,
+                                     backend)
+        if measured:
+            return (measured[0] * FORWARD_SHARE / 2,) * 2
+        if hw.attention_efficiency:                                  # a fused kernel at its measured rate
+            return (2 * heads * local * s * causal * d / (hw.peak_flops(precision) * hw.attention_efficiency),) * 2
+    # heads products of [s_local, d] x [d, s] and [s_local, s] x [s, d]
+    return (hw.matmul_seconds(local, s * causal, d, precision, batch=heads),
+            hw.matmul_seconds(local, d, s * causal, precision, batch=heads))
+
+
+def layout_copies(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, tokens: int,
+                  megalite_layout: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of megalite's own layout passes in one block, counted where the profile
+    measured torch's copy kernels ("layout_copy"): forward: attention's output [b, nq, s, d] -> [s, b, nq d],
+    the column-parallel bias adds (QKV, fc1), SwiGLU's gate and up halves made contiguous; backward: the
+    output gradient made contiguous, the q/k/v gradients copied where no RoPE wrote them (strided), and
+    the concatenations of the QKV (and gate/up) gradients (at the copy bandwidth: cat is a plain copy)."""
+    if not megalite_layout or "layout_copy" not in hw.memory_fractions:
+        return 0.0, 0.0
+    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    d, f = model.head_dim, model.ffn_hidden_size // t
+    nq, nkv = model.num_attention_heads // t, model.num_query_groups // t
+    llama = model.flavour == "llama"
+    forward = 2 * a * tokens * nq * d + (2 * a * tokens * ((nq + 2 * nkv) * d + f) if model.add_bias else 0)
+    forward += 2 * 2 * a * tokens * f if llama else 0
+    backward = 2 * a * tokens * nq * d + 2 * a * tokens * (nkv if llama else nq + 2 * nkv) * d
+    concatenated = 2 * a * tokens * ((nq + 2 * nkv) * d + (2 * f if llama else 0))
+    fwd, bwd = memory_seconds(hw, "layout_copy", forward, backward)
+    return fwd, bwd + hw.memory_seconds(concatenated)

@@ -4,8 +4,8 @@ model's structure, and the host time they cost (pure arithmetic, no torch).
 Each GPU operation costs the host a roughly fixed time (Python, autograd, torch's dispatcher, the
 launch itself): `HardwareProfile.launch_host_us`. A step whose GPU work per operation is shorter
 than that is host-bound (a small model, a short sequence, a pipeline stage with small microbatches).
-With CUDA graphs (--cuda-graph) each microbatch's forward and backward are replayed: one launch
-each.
+With CUDA graphs (--cuda-graph) each microbatch's forward and backward are captured as one graph
+and replayed: one launch; the optimizer step stays eager.
 
 Counts per transformer block (tensor-parallel collectives not counted: they are timed as
 communication), as the code issued them on the H200 trace of a gpt2-124m step
@@ -23,9 +23,10 @@ and the llama-1b profile (llama_prof.tgz: 60 per block, 1448 per step):
   memsets   besides those named: `BLOCK_MEMSETS` per block of each flavour, as the profiles count them.
 Outside the blocks, per microbatch, `MICROBATCH_LAUNCHES` (embedding, final norm, output layer,
 cross entropy and the loss's bookkeeping), and per step `OPTIMIZER_LAUNCHES` plus `BUCKET_LAUNCHES`
-per gradient bucket: the gpt2 trace's counts (on llama-1b they give 1487 per step against the
-profile's 1448: its embedding, final norm and loss issue fewer than gpt2's). The host-overhead work of issue 26 changes these; count them
-again (tools/bench_host_overhead.py) when it lands.
+per gradient bucket: the gpt2 trace's counts (on llama-1b they give 1499 per step against its
+profile's 1448: its embedding, final norm and loss issue fewer than gpt2's, and its 970M
+parameters fill 23 buckets, not 25). The host-overhead work of issue 26 changes all of these:
+count them again (tools/bench_host_overhead.py counts a real step's launches) when it lands.
 """
 from __future__ import annotations
 
@@ -84,8 +85,7 @@ def optimizer_launches(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 
 def uses_cuda_graph(cfg: RunConfig) -> bool:
     """Whether the run replays captured CUDA graphs (--cuda-graph; False where the setting does not exist)."""
-    return any(bool(getattr(getattr(cfg, section, None), "cuda_graph", False))
-               for section in ("training", "parallel", "precision", "optimizer"))
+    return bool(getattr(cfg.training, "cuda_graph", False))
 
 
 def host_seconds(hw: HardwareProfile, launches: int) -> float:

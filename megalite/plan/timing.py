@@ -49,8 +49,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
 from megalite.plan import kernel_rates as rates
+from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
@@ -155,7 +155,8 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     linears = [(tokens, (nq + 2 * nkv) * d, h), (tokens, h, nq * d), (tokens, (2 if llama else 1) * f // t, h),
                (tokens, h, f // t)]
     gemm = sum(hw.matmul_seconds(m, n, k, precision) for m, n, k in linears)
-    scores, values = _attention_products(model, cfg, hw, kernels, b * nq, local)
+    scores, values = rates.attention_products(model, cfg, hw, kernels.attention, kernels.attention_backend, b * nq,
+                                              local)
     attention = scores + values
     streamed = 2 * (3 * a * tokens * h // sp)                        # two bias-dropout-adds: x, residual -> out
     if kernels.layout_copies:                                        # QKV bias: read, write; context copy
@@ -170,7 +171,8 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     act = a * tokens * f // t                                        # swiglu: gate, up -> y; gelu: x -> y
     mlp = rates.memory_seconds(hw, "swiglu", 3 * act, 5 * act, True) if llama else \
         rates.memory_seconds(hw, "gelu", 2 * act, 3 * act, True)
-    layout = _layout_copies(model, cfg, hw, kernels)
+    megalite_layout = kernels.attention == "flash" and not kernels.layout_copies
+    layout = rates.layout_copies(model, cfg, hw, tokens, megalite_layout)
     forward = gemm + attention + hw.memory_seconds(streamed) + norms[0] + rope[0] + mlp[0] + layout[0]
     bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
     products = scores + values
@@ -181,45 +183,6 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     else:                                                            # read-add-write into fp32 main grads
         backward += hw.memory_seconds(8 * layer_params(model, t))
     return _Pass(forward, backward, attention)
-
-
-def _attention_products(model, cfg, hw, kernels, heads: int, local: int) -> tuple[float, float]:
-    """Seconds of attention's two products in forward, over `heads` (b x local heads) of `local` queries:
-    from the profile's measured table where it has this call (kernel_rates.py; the forward's 2/7 of its
-    fwd+bwd time), else fused flash at `attention_efficiency`, else two batched GEMMs on the curve."""
-    precision, d, s = cfg.precision.precision, model.head_dim, model.seq_length
-    causal = 0.5 if kernels.attention == "flash" else 1.0
-    if kernels.attention == "flash":
-        measured = rates.attention_seconds(hw, d, precision, True, s, heads * local, 1, model.num_query_groups <
-                                           model.num_attention_heads, model.attention_dropout > 0,
-                                           kernels.attention_backend)
-        if measured:
-            return (measured[0] * rates.FORWARD_SHARE / 2,) * 2
-        if hw.attention_efficiency:                                  # a fused kernel at its measured rate
-            return (2 * heads * local * s * causal * d / (hw.peak_flops(precision) * hw.attention_efficiency),) * 2
-    # heads products of [s_local, d] x [d, s] and [s_local, s] x [s, d]
-    return (hw.matmul_seconds(local, s * causal, d, precision, batch=heads),
-            hw.matmul_seconds(local, d, s * causal, precision, batch=heads))
-
-
-def _layout_copies(model, cfg, hw, kernels) -> tuple[float, float]:
-    """(forward, backward) seconds of megalite's own layout passes in one block, counted where the profile
-    measured torch's copy kernels ("layout_copy"): forward: attention's output [b, nq, s, d] -> [s, b, nq d],
-    the column-parallel bias adds (QKV, fc1), SwiGLU's gate and up halves made contiguous; backward: the
-    output gradient made contiguous, the q/k/v gradients copied where no RoPE wrote them (strided), and
-    the concatenations of the QKV (and gate/up) gradients (at the copy bandwidth: cat is a plain copy)."""
-    if kernels.layout_copies or kernels.attention != "flash" or "layout_copy" not in hw.memory_fractions:
-        return 0.0, 0.0
-    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
-    tokens, _ = _tokens(model, cfg)
-    d, nq, nkv, f = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t, model.ffn_hidden_size // t
-    llama = model.flavour == "llama"
-    forward = 2 * a * tokens * nq * d + (2 * a * tokens * ((nq + 2 * nkv) * d + f) if model.add_bias else 0)
-    forward += 2 * 2 * a * tokens * f if llama else 0
-    backward = 2 * a * tokens * nq * d + 2 * a * tokens * (nkv if llama else nq + 2 * nkv) * d
-    concatenated = 2 * a * tokens * ((nq + 2 * nkv) * d + (2 * f if llama else 0))
-    fwd, bwd = rates.memory_seconds(hw, "layout_copy", forward, backward)
-    return fwd, bwd + hw.memory_seconds(concatenated)
 
 
 def embedding_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
@@ -255,7 +218,7 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
 def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[float, float], float, float]:
     """(device seconds, host seconds (forward, backward), backward device seconds, attention forward
     seconds) of one stage over all its chunks, per microbatch. Host: the launches counted from the model
-    at the profile's `launch_host_us` (one replay per pass with CUDA graphs), else the per-block and
+    at the profile's `launch_host_us` (one graph replay per microbatch with CUDA graphs), else the per-block and
     per-microbatch overheads (all of it in the backward's slot)."""
     layers = stage_layers(model, cfg)[stage]
     rerun = recomputed_stage_layers(model, cfg)[stage]
@@ -276,8 +239,9 @@ def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[fl
     if not hw.launch_host_us:
         return device, (0.0, host), backward, layers * block.attention_forward
     counted = stage_launches(model, cfg, stage)
-    rerun_launches = rerun * block_launches(model).forward + (4 * layers if cfg.parallel.recompute == "selective" else 0)
-    host_passes = (1, 1) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
+    selective = 4 * layers if cfg.parallel.recompute == "selective" else 0  # RoPE q, k; attention; its copy
+    rerun_launches = rerun * block_launches(model).forward + selective
+    host_passes = (1, 0) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
     return device, tuple(host_seconds(hw, n) for n in host_passes), backward, layers * block.attention_forward
 
 
