@@ -120,9 +120,10 @@ class HardwareProfile:
         object.__setattr__(self, "memory_fractions", {k: (float(f), float(b)) for k, (f, b) in
                                                       dict(self.memory_fractions).items()})
         if any(not (0 < f <= 1.5 and 0 < b <= 1.5) for f, b in self.memory_fractions.values()) or \
-                any(ms <= 0 for *_, ms in self.attention_ms):
+                any(ms <= 0 for *_, ms in self.attention_ms) or self.launch_host_us < 0:
             raise HardwareProfileError(f"profile {self.name!r}: memory_fractions must be (forward, backward) "
-                                       f"fractions in (0, 1.5] and attention_ms positive milliseconds")
+                                       f"fractions in (0, 1.5], attention_ms positive milliseconds and "
+                                       f"launch_host_us >= 0")
         for name in ("memory_bandwidth_gbs", "intra_node_busbw_gbs", "inter_node_busbw_gbs"):
             if not getattr(self, name) > 0:
                 raise HardwareProfileError(f"profile {self.name!r}: {name} must be positive")
@@ -287,19 +288,15 @@ H100_SXM = HardwareProfile(
     source="H100 SXM5 80GB datasheet (989 TFLOP/s bf16 dense, 67 fp32, 3350 GB/s HBM3, NVLink 4, NDR 400 Gb/s "
            "per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")
 
-# H200 SXM 141GB: the H100's chip and interconnect with HBM3e at 4800 GB/s.
-H200 = dataclasses.replace(
-    H100_SXM, name="H200", memory_bandwidth_gbs=0.88 * 4800,
-    source="H200 SXM datasheet (the H100's compute and NVLink 4, 4800 GB/s HBM3e); see megalite/plan/hardware.py")
-
-# Measured on one H200 (torch 2.11 + triton 3.6, 2026-11-26; raw outputs of the first run in
+# H200 SXM 141GB: the H100's chip and interconnect with HBM3e (4800 GB/s on the datasheet), and
+# measured on one H200 (torch 2.11 + triton 3.6, 2026-11-26; raw outputs of the first run in
 # ../shared/gpu/2026-11-26-h200/, the second run's in docs/benchmarks.md "Kernels"):
 #  attention: tools/tune_attention.py's dispatch table = kernels/attention_dispatch.MEASURED_MS (sm_90,
 #    bf16, causal; a test holds these rows equal to it);
 #  memory fractions (forward, backward) of the copy bandwidth: tools/bench_kernels.py's "after" column
 #    (gpu_ms, copy 4251 GB/s), the backward from the fwd+bwd and fwd times with the bench's bytes (norms
 #    fwd x,y / bwd x,dy,dx; rope 2 / 2; gelu 2 / 3; swiglu 3 / 5; cross entropy logits 1 / 2; adamw 28
-#    bytes per parameter); "layout_copy" (torch's copies of strided tensors and broadcast bias adds) and
+#    bytes per parameter; SwiGLU measured 1.02 of the copy, taken as 1.0); "layout_copy" (torch's copies of strided tensors and broadcast bias adds) and
 #    "grad_accumulate" (fp32 main grad += bf16 grad) are those kernels' in-step rates in the first run's
 #    profiles (llama_prof.tgz ops: contiguous/reshape copies 12.6 GB in 7.80 ms = 0.38 of 4248 GB/s;
 #    the main-grad adds 9.9 GB in 3.67 ms = 0.64), torch's kernels, which no bench times alone;
@@ -320,7 +317,7 @@ H200_MEASURED_ATTENTION_MS = {   # (head_dim, precision, causal) -> {seq_len: {i
                          16384: {"triton": 21.2314, "sdpa": 18.1031, "sdpa_gqa": 17.6596}},
 }
 H200 = dataclasses.replace(
-    H200, memory_bandwidth_gbs=4248.0,
+    H100_SXM, name="H200", memory_bandwidth_gbs=4248.0,
     attention_ms=tuple((d, p, c, seq, impl, ms) for (d, p, c), rows in H200_MEASURED_ATTENTION_MS.items()
                        for seq, row in rows.items() for impl, ms in row.items()),
     memory_fractions={"rms_norm": (0.911, 0.702), "layer_norm": (0.910, 0.567), "rope": (0.893, 0.881),

@@ -46,7 +46,7 @@ BLOCK_MEMSETS = {"gpt2": 1, "llama": 8}    # besides those named above, as the p
 MICROBATCH_LAUNCHES = (27, 53)             # (forward, backward) outside the blocks, gpt2 trace
 OPTIMIZER_LAUNCHES = 65                    # per step outside forward and backward, gpt2 trace (63 + 14
                                            # between the phases), less 4 per bucket:
-BUCKET_LAUNCHES = 4                        # per gradient bucket: its scaling (2), AdamW, the publish
+BUCKET_LAUNCHES = 4                        # per gradient bucket: weight decay (two runs), AdamW, the publish
 
 
 @dataclass(frozen=True)

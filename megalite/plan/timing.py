@@ -3,7 +3,8 @@
 One microbatch through one transformer block on one tensor-parallel rank costs
   GEMMs            each at the profile's efficiency for its size (megalite/plan/hardware.py):
                    QKV, output projection, MLP in and out, and attention's two batched products
-                   (a fused flash kernel at the profile's attention efficiency when it has one);
+                   (a fused flash kernel: from the profile's measured table where it has the call,
+                   kernel_rates.py, else at its attention efficiency);
                    backward runs two GEMMs of the same size per forward GEMM (input and weight
                    gradients); flash attention's backward five products (it recomputes the scores);
   memory-bound ops the bytes the norms, bias-dropout-adds and rotary embedding read and write, at
@@ -11,10 +12,17 @@ One microbatch through one transformer block on one tensor-parallel rank costs
                    activation; softmax and dropout of attention that writes its scores; cross
                    entropy's exp; AdamW) at the profile's elementwise rate (a CPU's vector math is
                    slower than its memory); backward moves 1.5x the forward's bytes (it reads the saved input
-                   and the output gradient and writes the input gradient); each linear's weight
-                   gradient is added into an fp32 main-gradient buffer;
+                   and the output gradient and writes the input gradient; RoPE's backward reads only
+                   the gradient, SwiGLU's writes two); each linear's weight gradient is added into an
+                   fp32 main-gradient buffer; where the profile measured them (kernel_rates.py), each
+                   kernel family at its measured fraction of the copy bandwidth, and megalite's own
+                   layout copies (attention's output and its gradient, SwiGLU's halves, bias adds,
+                   the QKV gradients' copies and concatenation) at torch's copy kernels' rate;
   host time        the profile's block overhead (launches, dispatch): added to the above on a CPU,
-                   overlapped with it on a GPU;
+                   overlapped with it on a GPU; where the profile measured the host time per GPU
+                   operation, the operations counted from the model (launches.py) at that time,
+                   queued against the GPU's forward and backward (launches.queued_seconds), one
+                   graph replay per microbatch with --cuda-graph;
   recompute        selective: attention's forward again; full: the block's forward again.
 The first stage adds the embedding, the last the final norm, output layer and cross entropy, each
 microbatch. Tensor-parallel and pipeline transfers are exposed (megalite overlaps neither), from
@@ -29,7 +37,7 @@ reductions overlap the whole step's compute, except the gather of the first unit
 and backward pass (nothing precedes it); with PowerSGD the reduction (the compressed bytes of
 communication.py, two all-reduces) and its arithmetic (three thin GEMMs and fp32 passes per
 compressed gradient) follow the whole backward. The optimizer
-streams its shard's fp32 state through memory once. On a CPU, ranks computing at once slow each
+streams its shard's fp32 state through memory once (with measured rates: each pass its code makes). On a CPU, ranks computing at once slow each
 other down (the profile's measured `rank_slowdown`, or ranks x threads over the cores), and its
 transfers, being the cores' work too, slow down with them. Every step also waits for a few
 one-element all-reduces (token count, loss, finiteness, gradient norm) at their groups' fixed cost:
@@ -329,10 +337,12 @@ def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, 
     """(update seconds, offload seconds): AdamW streams the fp32 master, moments and gradient of its
     shard (read 16, write 12 bytes), the norm reads the gradient, the update is published in the
     parameter dtype, and the full fp32 gradient buffer is zeroed. Where the profile measured AdamW's
-    rate, the passes megalite makes over the fp32 gradients are counted as its code runs them
-    (distributed_optimizer.py): each bucket scaled (read, write 8), the norm's square and sum (write 4,
-    read 8), the clip / unscale multiply (8), then AdamW at its measured rate; and the host's launches
-    (launches.py) overlap that GPU time after the norm's sync, or else the step overhead adds."""
+    rate, the passes megalite's optimizer makes are counted as its code runs them
+    (distributed_optimizer.py, bytes per element of the shard): the norm's square and sum (read 8,
+    write 4), the clip multiply (8; with clip_grad > 0 it runs whenever the norm exceeds it, as in
+    every measured step), the weight decay of the masters (8; counted for every parameter), AdamW at
+    its measured rate, the publish (4 + a); and the host's launches (launches.py) overlap that GPU
+    time after the norm's sync, or else the step overhead adds."""
     a = DTYPE_BYTES[cfg.precision.precision]
     shard = params / (cfg.dp * getattr(cfg.parallel, "cp", 1)) if cfg.parallel.zero else params
     offload = 0.0
@@ -340,8 +350,10 @@ def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, 
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
         offload, update = shard * 6 / 25e9 + shard / 1e9, 0.0
     elif measured:
+        clip = 8 if cfg.optimizer.clip_grad > 0 or cfg.precision.precision == "fp16" else 0
+        decay = 8 if cfg.optimizer.weight_decay != 0 else 0
         update = rates.memory_seconds(hw, "adamw", 28 * shard, transcendental=True)[0]
-        update += hw.memory_seconds(shard * (8 + 12 + 8 + 4 + a))
+        update += hw.memory_seconds(shard * (12 + clip + decay + 4 + a))
     else:
         update = hw.elementwise_seconds(shard * (28 + 4 + a))
     gpu = update + hw.memory_seconds(4 * params)
