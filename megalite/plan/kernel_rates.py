@@ -12,8 +12,8 @@ head_dim x seq_len (x a constant), so at the table's seq_len
 between two measured lengths the rate (work per ms) is interpolated linearly in log2(seq_len), and
 beyond the ends it is the end's. The implementation is the one megalite's `auto` dispatch runs:
 without dropout the fastest at the measured length nearest in log2 ("sdpa_gqa" only for grouped
-queries), with dropout "triton"; `Kernels.attention_backend` can force one, as
-MEGALITE_KERNEL_BACKEND does. Where the profile has no rows for (head_dim, precision, causal), or
+queries), with dropout or ring context parallelism "triton"; `Kernels.attention_backend` can force
+one, as MEGALITE_KERNEL_BACKEND does. Where the profile has no rows for (head_dim, precision, causal), or
 the forced implementation was not measured, `attention_seconds` answers None and the caller keeps
 the model without a table. The forward's share of the measured time is its share of the products
 (2 of the 2 + 5 a flash backward recomputes and runs): 2 / 7.
@@ -106,6 +106,8 @@ def attention_products(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, at
     fwd+bwd time), else fused flash at `attention_efficiency`, else two batched GEMMs on the curve."""
     precision, d, s = cfg.precision.precision, model.head_dim, model.seq_length
     causal = 0.5 if attention == "flash" else 1.0
+    if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", "p2p") == "p2p":
+        backend = "triton"                                           # ring attention merges Triton's blocks
     if attention == "flash":
         measured = attention_seconds(hw, d, precision, True, s, heads * local, 1,
                                      model.num_query_groups < model.num_attention_heads, model.attention_dropout > 0,
