@@ -1,6 +1,6 @@
 """What training cannot run, beyond the layout arithmetic the planner checks (plan/validity.py)
-and each setting's declared bounds (config_bounds.py): combinations of settings, and the data
-files a run names. Called by RunConfig.validate.
+and each setting's declared bounds (config_bounds.py): combinations of settings, and the files
+a run names (data, --load). Called by RunConfig.validate.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
     if ck.load_step is not None and ck.load is None:
         problems.append("--load-step needs --load DIR")
+    if ck.load is not None and os.path.exists(ck.load) and not os.path.isdir(ck.load):
+        problems.append(f"--load {ck.load} is a file; --load takes the checkpoint directory (the --save DIR of the "
+                        f"run to resume)")
     return problems
 
 
