@@ -1,0 +1,71 @@
+"""What a run checks where it starts (megalite.training.launch_checks and the loop's configure):
+a user's mistake ends in one line and exit 2 before any process group exists, and the layout
+is checked against the memory of the device it would run on."""
+import sys
+
+import pytest
+
+from megalite.config import RunConfig
+from megalite.errors import ConfigError
+from megalite.plan import estimate
+from megalite.training.loop import configure, main, memory_per_rank
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_a_model_larger_than_this_machine_is_refused_before_allocating(capsys):
+    code, err = _run(["--hidden-size", "65536", "--train-iters", "1"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "does not fit" in err and "this machine's RAM" in err and "tools/plan.py --suggest" in err, err
+    # a dry run plans the layout the flags name, for the machine it will run on: no memory check here
+    code, err = _run(["--hidden-size", "65536", "--dry-run"], capsys)
+    assert code == 0, err
+
+
+def test_the_memory_check_names_the_settings_that_fit():
+    cfg = RunConfig.build(model="gpt2-124m", dp=8, micro_batch_size=4, seq_length=256)
+    resolved = cfg.resolved(8, 257)
+    need = estimate(resolved.gpt_config(), resolved).total_bytes
+    with pytest.raises(ConfigError) as error:  # 8 ranks of a node whose memory holds 80% of the estimate
+        configure(cfg, 8, 257, memory=(need * 0.8, "test memory"))
+    assert "(test memory)" in str(error.value) and "add --zero" in str(error.value), error.value
+    assert configure(cfg, 8, 257, memory=(need * 2, "test memory")).dp == 8  # enough memory: it starts
+
+
+def test_memory_per_rank_is_this_machines(monkeypatch):
+    whole, what = memory_per_rank()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    quarter, what4 = memory_per_rank()
+    if "RAM" in what:  # a CPU: the node's ranks share its memory
+        assert whole > 1e8 and quarter == whole / 4 and what4.endswith("/ 4 ranks")
+
+
+@pytest.mark.parametrize("make,argv,needle", [
+    (lambda d: (d / "tok.json").write_text("hello") and d / "tok.json", "--tokenizer",
+     "is not a HuggingFace tokenizer.json"),
+    (lambda d: (d / "file").write_text("x") and d / "file", "--load", "is a file; --load takes the checkpoint directory"),
+])
+def test_files_that_are_not_what_the_flag_takes(tmp_path, capsys, make, argv, needle):
+    code, err = _run([argv, str(make(tmp_path)), "--train-iters", "1"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_print_config_shows_the_named_layout_on_one_process(capsys):
+    code = main(["--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--global-batch-size", "32", "--print-config"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    assert "tp = 2" in out and "dp = 2" in out and "#   world_size = 8" in out and "#   num_microbatches = 2" in out
+
+
+def test_the_configuration_does_not_import_the_planner():
+    import subprocess
+
+    code = "import sys, megalite.config, megalite.cli; print(sorted(m for m in sys.modules if 'plan' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
