@@ -8,6 +8,7 @@ import pytest
 from megalite.config import RunConfig
 from megalite.errors import ConfigError
 from megalite.plan import estimate
+from megalite.testing import run_distributed
 from megalite.training.loop import configure, main, memory_per_rank
 
 
@@ -54,6 +55,30 @@ def test_memory_per_rank_is_this_machines(monkeypatch):
 def test_files_that_are_not_what_the_flag_takes(tmp_path, capsys, make, argv, needle):
     code, err = _run([argv, str(make(tmp_path)), "--train-iters", "1"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def _main_err(argv):
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def test_a_load_directory_whose_every_checkpoint_is_damaged_is_one_line(tmp_path):
+    small = ["--num-layers", "1", "--hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
+             "--train-iters", "1", "--eval-iters", "0"]
+    assert run_distributed(main, 1, small + ["--save", str(tmp_path)], timeout_s=120) == [0]
+    shards = list(tmp_path.glob("step_*/*.bin"))
+    assert shards
+    for shard in shards:
+        shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes: every checksum fails
+    code, err = run_distributed(_main_err, 1, small + ["--load", str(tmp_path), "--train-iters", "2"],
+                                timeout_s=120)[0]
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no intact checkpoint" in err, err
+    assert "Traceback" not in err and "point --load at another directory" in err
 
 
 def test_print_config_shows_the_named_layout_on_one_process(capsys):
