@@ -1,6 +1,7 @@
 """What a run checks where it starts (megalite.training.launch_checks and the loop's configure):
 a user's mistake ends in one line and exit 2 before any process group exists, and the layout
-is checked against the memory of the device it would run on."""
+is checked against the memory of the device it would run on. Whatever would launch runs on a
+forked rank (run_distributed), so the memory query never initialises CUDA in the test process."""
 import sys
 
 import pytest
@@ -12,21 +13,28 @@ from megalite.testing import run_distributed
 from megalite.training.loop import configure, main, memory_per_rank
 
 
-def _run(argv, capsys) -> tuple[int, str]:
-    try:
+def _main_err(argv):
+    """(exit code, stderr) of the training program, on a forked rank."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
         code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
+    return code, err.getvalue()
+
+
+def _launch(argv) -> tuple[int, str]:
+    return run_distributed(_main_err, 1, argv, timeout_s=120)[0]
 
 
 def test_a_model_larger_than_this_machine_is_refused_before_allocating(capsys):
-    code, err = _run(["--hidden-size", "65536", "--train-iters", "1"], capsys)
+    code, err = _launch(["--hidden-size", "65536", "--train-iters", "1"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "does not fit" in err and "this machine's RAM" in err and "tools/plan.py --suggest" in err, err
+    assert "does not fit" in err and ("this machine's RAM" in err or "GPU 0's memory" in err), err
+    assert "tools/plan.py --suggest" in err, err
     # a dry run plans the layout the flags name, for the machine it will run on: no memory check here
-    code, err = _run(["--hidden-size", "65536", "--dry-run"], capsys)
-    assert code == 0, err
+    assert main(["--hidden-size", "65536", "--dry-run"]) == 0, capsys.readouterr().err
 
 
 def test_the_memory_check_names_the_settings_that_fit():
@@ -39,12 +47,20 @@ def test_the_memory_check_names_the_settings_that_fit():
     assert configure(cfg, 8, 257, memory=(need * 2, "test memory")).dp == 8  # enough memory: it starts
 
 
-def test_memory_per_rank_is_this_machines(monkeypatch):
-    whole, what = memory_per_rank()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    quarter, what4 = memory_per_rank()
+def _memory_alone_and_shared_by_4():
+    import os
+
+    whole = memory_per_rank()
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    return whole, memory_per_rank()
+
+
+def test_memory_per_rank_is_this_machines():
+    (whole, what), (quarter, what4) = run_distributed(_memory_alone_and_shared_by_4, 1)[0]
     if "RAM" in what:  # a CPU: the node's ranks share its memory
         assert whole > 1e8 and quarter == whole / 4 and what4.endswith("/ 4 ranks")
+    else:  # a GPU: each rank has its own
+        assert whole > 1e8 and quarter == whole and "GPU" in what4
 
 
 @pytest.mark.parametrize("make,argv,needle", [
@@ -52,19 +68,9 @@ def test_memory_per_rank_is_this_machines(monkeypatch):
      "is not a HuggingFace tokenizer.json"),
     (lambda d: (d / "file").write_text("x") and d / "file", "--load", "is a file; --load takes the checkpoint directory"),
 ])
-def test_files_that_are_not_what_the_flag_takes(tmp_path, capsys, make, argv, needle):
-    code, err = _run([argv, str(make(tmp_path)), "--train-iters", "1"], capsys)
+def test_files_that_are_not_what_the_flag_takes(tmp_path, make, argv, needle):
+    code, err = _launch([argv, str(make(tmp_path)), "--train-iters", "1"])
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
-
-
-def _main_err(argv):
-    import contextlib
-    import io
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, err.getvalue()
 
 
 def test_a_load_directory_whose_every_checkpoint_is_damaged_is_one_line(tmp_path):
@@ -75,8 +81,7 @@ def test_a_load_directory_whose_every_checkpoint_is_damaged_is_one_line(tmp_path
     assert shards
     for shard in shards:
         shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes: every checksum fails
-    code, err = run_distributed(_main_err, 1, small + ["--load", str(tmp_path), "--train-iters", "2"],
-                                timeout_s=120)[0]
+    code, err = _launch(small + ["--load", str(tmp_path), "--train-iters", "2"])
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no intact checkpoint" in err, err
     assert "Traceback" not in err and "point --load at another directory" in err
 
