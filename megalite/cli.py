@@ -152,8 +152,8 @@ def _take(values: dict[str, Any], path: Path, key: str, value: Any, part: str | 
     if part is not None and specs[name].part != part:
         raise ConfigFileError(f"--config {path}: {key!r} is a [{specs[name].part}] setting, not [{part}]")
     if name in values:  # hidden_size and hidden-size, or bf16 = true and precision = ...: which one is meant?
-        raise ConfigFileError(f"--config {path}: {specs[name].flag.lstrip('-')} is set twice (as {key!r} and "
-                              f"before); keep one")
+        raise ConfigFileError(f"--config {path}: {specs[name].flag.lstrip('-')} is set twice ({key!r} and "
+                              f"another spelling or alias of it); keep one")
     try:
         values[name] = coerce(specs[name], value)
     except ValueError as exc:

@@ -10,10 +10,11 @@ verified, and, when the device's memory is given, the planner's memory estimate 
 the changes that would make it fit. Keeping these here lets the configuration stay below the
 planner: megalite.plan imports megalite.config, never the reverse.
 
-Pure Python, no torch.
+Pure Python: torch is imported only by `memory_per_rank()`, to ask for the GPU's memory.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from megalite.pipeline.schedules import check_pipeline_config
@@ -50,3 +51,16 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
     if not problems and memory is not None:
         problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
     return problems
+
+
+def memory_per_rank() -> tuple[float, str]:
+    """(bytes, whose) this rank may fill: its GPU's memory, or on a CPU the machine's RAM shared by
+    the node's ranks (LOCAL_WORLD_SIZE). Asked before any process group exists."""
+    import torch
+
+    if torch.cuda.is_available():
+        device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return float(torch.cuda.get_device_properties(device).total_memory), f"GPU {device}'s memory"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / ranks, ("this machine's RAM" + (f" / {ranks} ranks" if ranks > 1 else ""))

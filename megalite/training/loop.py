@@ -53,7 +53,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
-from megalite.training.launch_checks import launch_problems
+from megalite.training.launch_checks import launch_problems, memory_per_rank
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
@@ -108,17 +108,6 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
     if problems:
         raise ConfigError.listing(problems)
     return cfg
-
-
-def memory_per_rank() -> tuple[float, str]:
-    """(bytes, whose) this rank may fill: its GPU's memory, or on a CPU the machine's RAM shared by
-    the node's ranks. Read without creating a CUDA context or a process group."""
-    if torch.cuda.is_available():
-        device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        return float(torch.cuda.get_device_properties(device).total_memory), f"GPU {device}'s memory"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram / ranks, ("this machine's RAM" + (f" / {ranks} ranks" if ranks > 1 else ""))
 
 
 def _checkpoint_bytes_per_node(cfg: RunConfig, world_size: int) -> int:

@@ -10,7 +10,8 @@ from megalite.config import RunConfig
 from megalite.errors import ConfigError
 from megalite.plan import estimate
 from megalite.testing import run_distributed
-from megalite.training.loop import configure, main, memory_per_rank
+from megalite.training.launch_checks import memory_per_rank
+from megalite.training.loop import configure, main
 
 
 def _main_err(argv):
