@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                  f"{GLOBAL_BATCH} and tp dividing {HEADS}; launch with torchrun --nproc_per_node {args.tp * args.dp}")
     mesh = init_mesh(tp=args.tp, dp=args.dp)
     torch.manual_seed(0)  # the same master weights on every rank: each keeps its tp slice
-    model = DataParallel(TinyLM(mesh.tp_size), mesh, zero_stage=args.zero, bucket_size=20_000)
+    # dp_reduction="sum": the loss below is divided by the global batch's tokens, so gradients add up over dp
+    model = DataParallel(TinyLM(mesh.tp_size), mesh, zero_stage=args.zero, bucket_size=20_000, dp_reduction="sum")
     optimizer = build_optimizer(model, args.zero)
     data = counting_sequences(args.steps)
     rows = slice(mesh.dp_rank * GLOBAL_BATCH // mesh.dp_size, (mesh.dp_rank + 1) * GLOBAL_BATCH // mesh.dp_size)

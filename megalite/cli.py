@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
-from megalite.errors import UsageError
+from megalite.errors import USAGE_EXIT_CODE, ConfigError, UsageError
 
 ACTIONS = ("config", "print_config", "dry_run")  # flags that are not settings
 
@@ -67,9 +67,17 @@ def _shown(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake on the command line is one line naming the flag (not the usage of
+    every setting), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(USAGE_EXIT_CODE, f"megalite: {self.prog}: {message} (see --help)\n")
+
+
 def build_parser(description: str = "Train a GPT with tensor x pipeline x data parallelism.") -> argparse.ArgumentParser:
     """The parser of every declared setting (one argument group per part) and the three actions."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineParser(description=description)
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="TOML (or .json) file of settings; flags on the command line override it")
     parser.add_argument("--print-config", action="store_true",
@@ -99,12 +107,19 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        raw = json.loads(text, object_pairs_hook=_no_repeated_keys) if path.suffix == ".json" else tomllib.loads(text)
     except OSError as exc:
         raise ConfigFileError(f"--config {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ConfigFileError(f"--config {path}: not a text file (a TOML or .json config is UTF-8 text)") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigFileError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'} ({exc})") \
             from None
+    except ValueError as exc:  # a key repeated in one JSON object
+        raise ConfigFileError(f"--config {path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigFileError(f"--config {path}: the top level must be an object of settings "
+                              f"({{\"hidden-size\": 64, ...}}), not a {type(raw).__name__}")
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if _canonical(key) in PARTS and isinstance(value, dict):
@@ -113,6 +128,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         else:
             _take(values, path, key, value, part=None)
     return values
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names no key twice (json.loads would keep the last silently)."""
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ValueError(f"key {repeated[0]!r} appears twice; keep one")
+    return dict(pairs)
 
 
 def _take(values: dict[str, Any], path: Path, key: str, value: Any, part: str | None) -> None:
@@ -127,6 +151,9 @@ def _take(values: dict[str, Any], path: Path, key: str, value: Any, part: str | 
                               f"dashes; `--help` lists them)")
     if part is not None and specs[name].part != part:
         raise ConfigFileError(f"--config {path}: {key!r} is a [{specs[name].part}] setting, not [{part}]")
+    if name in values:  # hidden_size and hidden-size, or bf16 = true and precision = ...: which one is meant?
+        raise ConfigFileError(f"--config {path}: {specs[name].flag.lstrip('-')} is set twice ({key!r} and "
+                              f"another spelling or alias of it); keep one")
     try:
         values[name] = coerce(specs[name], value)
     except ValueError as exc:
@@ -135,14 +162,19 @@ def _take(values: dict[str, Any], path: Path, key: str, value: Any, part: str | 
 
 def parse_args(argv: list[str] | None = None,
                parser: argparse.ArgumentParser | None = None) -> tuple[RunConfig, dict[str, Any]]:
-    """(the configuration, {every other flag: value}) from the command line; argparse exits on a
-    bad flag, ConfigFileError on a bad config file. `parser`: build_parser() with a tool's own
+    """(the configuration, {every other flag: value}) from the command line; argparse exits (2) on a
+    bad flag, ConfigFileError on a bad config file, ConfigError on a value outside its setting's
+    declared bounds. `parser`: build_parser() with a tool's own
     flags added (tools/plan.py)."""
     args = vars((parser or build_parser()).parse_args(argv))
     others = {name: args.pop(name) for name in list(args) if name not in settings()}
     values = read_config_file(others["config"]) if others.get("config") else {}
     values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
-    return RunConfig.build(**values), others
+    cfg = RunConfig.build(**values)
+    problems = cfg.bound_problems()  # on every rank, before anything divides by a degree or allocates
+    if problems:
+        raise ConfigError.listing(problems)
+    return cfg, others
 
 
 def given_settings(argv: list[str] | None = None) -> frozenset[str]:

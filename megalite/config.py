@@ -3,7 +3,8 @@
 A setting is a field of one part (model, parallel, training, optimizer, precision, data,
 checkpoint, logging, fault_tolerance) declared with `setting(default, help, ...)`: its name
 (the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
-its default, its choices (an enum declared once in config_choices.py) and its help. Everything
+its default, its choices (an enum declared once in config_choices.py), its help and, for a
+number, the values it accepts (`minimum=1`, `below=1`, `at_most="lr"`: config_bounds.py). Everything
 else is generated from these declarations: the argparse parser and the TOML/JSON config files
 (`megalite/cli.py`), the planner's view of the run (the planner reads a RunConfig), the
 configuration saved in checkpoints and beside the metrics.
@@ -11,7 +12,9 @@ configuration saved in checkpoints and beside the metrics.
 Derived quantities are computed here and only here: `resolved()` fills what depends on the
 world (dp, global batch, schedule, vocabulary) and the properties give the number of
 microbatches, the model architecture (GPTConfig), the padded vocabulary and the layers of each
-pipeline stage. `validate()` returns every problem at once, each naming its fix.
+pipeline stage. `validate()` returns every problem of the settings at once, each naming its fix;
+the checks that need the planner or the world run where a run starts
+(megalite.training.launch_checks), so the planner depends on this module and not the reverse.
 
 Pure Python: no torch, so the planner and `tools/plan.py` start instantly.
 """
@@ -26,19 +29,20 @@ from typing import Any
 
 from megalite.model.config import PRESETS, GPTConfig, preset
 from megalite.pipeline.partition import chunk_layer_counts
-from megalite.pipeline.schedules import check_pipeline_config
+from megalite.config_bounds import NO_BOUNDS, Bounds, bound_problems
 from megalite.config_checks import data_problems, setting_problems
 from megalite.config_choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression)
-from megalite.plan.validity import preflight
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
-            aliases: dict[str, Any] | None = None) -> Any:
+            aliases: dict[str, Any] | None = None, **bounds: Any) -> Any:
     """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
-    extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16)."""
+    extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16); `bounds`, for
+    numbers, the values it accepts (config_bounds.Bounds: minimum, maximum, above, below, finite,
+    at_most=another setting, fix=advice), checked by `bound_problems` before anything uses them."""
     return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
-                                            "aliases": aliases or {}})
+                                            "aliases": aliases or {}, "bounds": Bounds(**bounds)})
 
 
 @dataclass(frozen=True)
@@ -46,39 +50,41 @@ class ModelSettings:
     """model (explicit settings override the --model preset)"""
 
     model: str = setting("tiny", "preset", choices=tuple(sorted(PRESETS)))
-    num_layers: int | None = setting(None, "transformer blocks")
-    hidden_size: int | None = setting(None, "model width h")
-    num_attention_heads: int | None = setting(None, "query heads")
-    num_query_groups: int | None = setting(None, "key/value heads (grouped-query attention)")
-    ffn_hidden_size: int | None = setting(None, "MLP inner width")
-    seq_length: int | None = setting(None, "sequence length (tokens per sample)")
-    vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)")
-    hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding")
-    attention_dropout: float = setting(0.0, "dropout on the attention probabilities")
+    num_layers: int | None = setting(None, "transformer blocks", minimum=1)
+    hidden_size: int | None = setting(None, "model width h", minimum=1)
+    num_attention_heads: int | None = setting(None, "query heads", minimum=1)
+    num_query_groups: int | None = setting(None, "key/value heads (grouped-query attention)", minimum=1)
+    ffn_hidden_size: int | None = setting(None, "MLP inner width", minimum=1)
+    seq_length: int | None = setting(None, "sequence length (tokens per sample)", minimum=1)
+    vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)", minimum=1)
+    hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding", minimum=0, below=1)
+    attention_dropout: float = setting(0.0, "dropout on the attention probabilities", minimum=0, below=1)
 
 
 @dataclass(frozen=True)
 class ParallelSettings:
     """parallel layout and memory techniques"""
 
-    tp: int = setting(1, "tensor-parallel size")
-    pp: int = setting(1, "pipeline-parallel size")
-    dp: int | None = setting(None, "data-parallel size (default: world / (tp*cp*pp))")
+    tp: int = setting(1, "tensor-parallel size", minimum=1)
+    pp: int = setting(1, "pipeline-parallel size", minimum=1)
+    dp: int | None = setting(None, "data-parallel size (default: world / (tp*cp*pp))", minimum=1)
     cp: int = setting(1, "context-parallel size: each rank holds seq_length/cp tokens of every sequence (2*cp "
-                         "load-balanced chunks); only attention crosses ranks")
+                         "load-balanced chunks); only attention crosses ranks", minimum=1)
     cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
                                                        "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
                                                        "must divide by cp)")
-    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)")
+    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", minimum=1)
     pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
-    decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)")
-    decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)")
+    decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)",
+                                                     minimum=0)
+    decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)",
+                                                    minimum=0)
     pipeline_layout: str | None = setting(None, "explicit blocks per model chunk, e.g. 3,5,5,3 (pp*v numbers)")
     sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
     zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients, 3 also the "
                            "parameters (gathered unit by unit: embedding, each block, head)", choices=(0, 1, 2, 3))
     zero3_prefetch: int = setting(1, "zero 3: units whose all-gather is started ahead of the running one",
-                                  metavar="N")
+                                  metavar="N", minimum=0)
     zero3_reshard_after_forward: bool = setting(True, "zero 3: free a unit's parameters after its forward and gather "
                                                       "them again for its backward (off: keep them, one gather less "
                                                       "per microbatch, more memory)")
@@ -87,10 +93,11 @@ class ParallelSettings:
     offload_optimizer: bool = setting(False, "keep the optimizer state in host memory and update there")
     overlap_param_gather: bool = setting(False, "zero >= 1: the parameter all-gathers finish behind the next "
                                                 "forward; every read waits for its own bucket")
-    ddp_bucket_size: int = setting(40_000_000, "elements per gradient bucket")
+    ddp_bucket_size: int = setting(40_000_000, "elements per gradient bucket", minimum=1)
     recompute: Recompute = setting(Recompute.NONE, "activation recompute")
     recompute_num_layers: int | None = setting(None, "with --recompute full: only the first N blocks of each model "
-                                                     "chunk (Megatron's block method); default all", metavar="N")
+                                                     "chunk (Megatron's block method); default all", metavar="N",
+                                                     minimum=1)
     fused_linear_cross_entropy: bool = setting(False, "output layer + cross entropy in token chunks: the logits "
                                                       "[tokens, vocab/tp] are never held (one more output GEMM)")
     grad_compression: GradCompression = setting(GradCompression.NONE, "compress the dp gradient reduction: powersgd "
@@ -98,22 +105,25 @@ class ParallelSettings:
                                                                       "feedback keeps what they miss for the next "
                                                                       "step); zero 0-2")
     powersgd_rank: int = setting(4, "PowerSGD: rank R of the factors (R*(n+m) elements per n x m matrix instead of "
-                                    "n*m)", metavar="R")
-    powersgd_warmup_steps: int = setting(0, "PowerSGD: the first N steps reduce uncompressed", metavar="N")
+                                    "n*m)", metavar="R", minimum=1, fix="4 is a good start")
+    powersgd_warmup_steps: int = setting(0, "PowerSGD: the first N steps reduce uncompressed", metavar="N",
+                                         minimum=0)
     powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
-                                                   "factor (and every 1-D parameter) are reduced uncompressed")
+                                                   "factor (and every 1-D parameter) are reduced uncompressed",
+                                              minimum=0, fix="0 compresses every matrix; 2 is the default")
 
 
 @dataclass(frozen=True)
 class TrainingSettings:
     """training"""
 
-    train_iters: int = setting(600, "optimizer steps")
-    micro_batch_size: int = setting(8, "sequences per microbatch and dp rank")
-    global_batch_size: int | None = setting(None, "sequences per optimizer step (default: micro-batch-size * dp)")
-    seed: int = setting(1234, "seed of the weights, the data order and dropout")
-    eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)")
-    eval_iters: int = setting(4, "global batches per evaluation")
+    train_iters: int = setting(600, "optimizer steps", minimum=1)
+    micro_batch_size: int = setting(8, "sequences per microbatch and dp rank", minimum=1)
+    global_batch_size: int | None = setting(None, "sequences per optimizer step (default: micro-batch-size * dp)",
+                                                  minimum=1)
+    seed: int = setting(1234, "seed of the weights, the data order and dropout", minimum=0, maximum=2**32 - 1)
+    eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)", minimum=0)
+    eval_iters: int = setting(4, "global batches per evaluation", minimum=0)
     cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
                                       "replay it (static shapes; tp = pp = cp = 1, zero 0/1, no dropout, "
                                       "recompute or offload; training/cuda_graph.py)")
@@ -123,15 +133,15 @@ class TrainingSettings:
 class OptimizerSettings:
     """optimizer (AdamW) and learning-rate schedule"""
 
-    lr: float = setting(2e-3, "peak learning rate")
-    min_lr: float = setting(2e-4, "learning rate at the end of the decay")
-    lr_warmup_iters: int = setting(30, "linear warm-up steps")
+    lr: float = setting(2e-3, "peak learning rate", minimum=0)
+    min_lr: float = setting(2e-4, "learning rate at the end of the decay", minimum=0, at_most="lr")
+    lr_warmup_iters: int = setting(30, "linear warm-up steps", minimum=0)
     lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
-    weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)")
-    adam_beta1: float = setting(0.9, "AdamW beta1")
-    adam_beta2: float = setting(0.95, "AdamW beta2")
-    adam_eps: float = setting(1e-8, "AdamW epsilon")
-    clip_grad: float = setting(1.0, "global grad-norm clip; 0 disables")
+    weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", minimum=0)
+    adam_beta1: float = setting(0.9, "AdamW beta1", minimum=0, below=1)
+    adam_beta2: float = setting(0.95, "AdamW beta2", minimum=0, below=1)
+    adam_eps: float = setting(1e-8, "AdamW epsilon", above=0)
+    clip_grad: float = setting(1.0, "global grad-norm clip; 0 disables", minimum=0)
 
 
 @dataclass(frozen=True)
@@ -142,10 +152,10 @@ class PrecisionSettings:
                                                    "weights and gradients)",
                                    aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
     grad_reduce_dtype: Precision = setting(Precision.FP32, "dtype of the data-parallel gradient reduction")
-    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale")
-    loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow")
-    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off")
-    loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff")
+    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale", above=0)
+    loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow", minimum=1)
+    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off", minimum=1)
+    loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff", above=0, below=1)
 
 
 @dataclass(frozen=True)
@@ -166,10 +176,10 @@ class CheckpointSettings:
     load: str | None = setting(None, "resume from DIR's latest checkpoint (from scratch, with a notice, when it "
                                      "holds none); pass the same DIR as --save so one command line serves every "
                                      "restart", metavar="DIR")
-    load_step: int | None = setting(None, "load this step instead of the latest")
-    save_interval: int = setting(0, "save every N steps (0: only at the end/on signal)")
-    keep_last: int = setting(0, "keep the newest N checkpoints (0: keep all)")
-    keep_every: int = setting(0, "also keep every step that is a multiple of M")
+    load_step: int | None = setting(None, "load this step instead of the latest", minimum=0)
+    save_interval: int = setting(0, "save every N steps (0: only at the end/on signal)", minimum=0)
+    keep_last: int = setting(0, "keep the newest N checkpoints (0: keep all)", minimum=0)
+    keep_every: int = setting(0, "also keep every step that is a multiple of M", minimum=0)
     async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
     no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
     elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
@@ -184,14 +194,15 @@ class CheckpointSettings:
 class LoggingSettings:
     """logging, metrics and profiling"""
 
-    log_interval: int = setting(50, "print and record every N steps")
+    log_interval: int = setting(50, "print and record every N steps", minimum=1)
     metrics_file: str | None = setting(None, "JSON lines, one object per logged step (the resolved configuration "
                                              "is written beside it)")
     tensorboard_dir: str | None = setting(None, "also write scalars for TensorBoard (when installed)")
-    straggler_interval: int = setting(0, "every N steps name the slowest ranks (0: off)")
-    peak_tflops: float | None = setting(None, "per-GPU peak for MFU (default: known GPUs)")
+    straggler_interval: int = setting(0, "every N steps name the slowest ranks (0: off)", minimum=0)
+    peak_tflops: float | None = setting(None, "per-GPU peak for MFU (default: known GPUs)", above=0)
     profile_steps: tuple[int, int] | None = setting(None, "trace steps FIRST..LAST with torch.profiler on every rank "
-                                                          "(Chrome trace per rank)", metavar=("FIRST", "LAST"))
+                                                          "(Chrome trace per rank)", metavar=("FIRST", "LAST"),
+                                                          minimum=1)
     profile_dir: str = setting("profile", "where --profile-steps writes its traces")
 
 
@@ -200,13 +211,14 @@ class FaultToleranceSettings:
     """hangs and numerical guards"""
 
     hang_timeout: float = setting(0.0, "seconds without a finished step before every rank reports where it waits "
-                                       "and the job exits with code 86 (0: off; e.g. 300)")
+                                       "and the job exits with code 86 (0: off; e.g. 300)", minimum=0,
+                                       fix="0 turns the watchdog off; e.g. 300")
     hang_report_dir: str | None = setting(None, "where ranks leave hang reports (default: a temp dir per node; a "
                                                 "shared file system gives one summary across nodes)")
     on_nonfinite: OnNonFinite = setting(OnNonFinite.SKIP, "a non-finite loss or gradient: skip the update and log "
                                                           "the step's samples, or stop (exit code 3)")
     check_replicas_interval: int = setting(0, "every K steps compare parameter checksums across replicas and stop "
-                                              "(exit code 4) naming the first that differs; 0: off")
+                                              "(exit code 4) naming the first that differs; 0: off", minimum=0)
 
 
 PARTS: dict[str, type] = {
@@ -229,6 +241,7 @@ class Setting:
     choices: tuple | None
     metavar: Any
     aliases: dict[str, Any]
+    bounds: Bounds = NO_BOUNDS
 
     @property
     def flag(self) -> str:
@@ -249,9 +262,17 @@ def settings() -> dict[str, Setting]:
             choices = tuple(kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else f.metadata["choices"]
             if f.name in out:
                 raise TypeError(f"setting {f.name!r} is declared twice ({out[f.name].part} and {part})")
+            bounds = f.metadata["bounds"]
+            if bounds.declared and not _numeric(kind):
+                raise TypeError(f"setting {f.name!r}: bounds are for numbers, not {kind}")
             out[f.name] = Setting(f.name, part, kind, optional, f.default, f.metadata["help"], choices,
-                                  f.metadata["metavar"], f.metadata["aliases"])
+                                  f.metadata["metavar"], f.metadata["aliases"], bounds)
     return out
+
+
+def _numeric(kind: Any) -> bool:
+    inner = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else kind
+    return inner in (int, float)
 
 
 def coerce(spec: Setting, value: Any) -> Any:
@@ -405,23 +426,23 @@ class RunConfig:
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self, world_size: int, tokenizer_vocab_size: int | None = None) -> list[str]:
-        """Every problem with this resolved configuration for a world of `world_size` ranks, each
-        naming its fix ([] when the run may start). Pure: reads only the settings and, for
-        --data-path, whether the files exist. Runs on every rank before any process group exists."""
-        try:
-            model = self.gpt_config()
-        except ValueError as exc:
-            return [str(exc)]
-        problems = preflight(model, self, world_size)
-        if tokenizer_vocab_size is not None and model.vocab_size < tokenizer_vocab_size:
-            problems.append(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}; "
-                            f"drop --vocab-size or set it >= {tokenizer_vocab_size}")
-        if self.parallel.pp > 1 and not problems:
-            try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
-                p = self.parallel
-                check_pipeline_config(self.schedule, model.num_layers, p.pp, self.num_microbatches, p.virtual_stages,
-                                      p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+    def bound_problems(self) -> list[str]:
+        """The settings outside the values their declarations accept (config_bounds.py), one
+        message each naming the flag and the fix."""
+        return bound_problems(settings().values(), self.flat())
+
+    def validate(self) -> list[str]:
+        """Every problem with the settings themselves, each naming its fix ([] when they hold): the
+        declared bounds, the model architecture, combinations of settings, the data files. Pure:
+        reads only the settings and, for --data-path, whether the files exist.
+
+        What needs the world or the planner (world size, divisibility by tp/pp/cp, batch arithmetic,
+        the pipeline schedule, memory) is checked where a run starts, on every rank before any
+        process group exists: `megalite.training.launch_checks.launch_problems`, which includes these."""
+        problems = self.bound_problems()
+        if not problems:  # (a model of zero-sized dimensions cannot even be described)
+            try:
+                self.gpt_config()
             except ValueError as exc:
                 problems.append(str(exc))
         problems += setting_problems(self) + data_problems(self.data)

@@ -1,5 +1,6 @@
-"""What training cannot run, beyond the layout arithmetic the planner checks (plan/validity.py):
-ranges and combinations of settings, and the data files a run names. Called by RunConfig.validate.
+"""What training cannot run, beyond the layout arithmetic the planner checks (plan/validity.py)
+and each setting's declared bounds (config_bounds.py): combinations of settings, and the files
+a run names (data, --load). Called by RunConfig.validate.
 """
 from __future__ import annotations
 
@@ -11,46 +12,37 @@ if TYPE_CHECKING:
 
 
 def setting_problems(cfg: RunConfig) -> list[str]:
-    """Ranges and combinations of settings that training cannot run."""
-    p, t, log, ck, ft = cfg.parallel, cfg.training, cfg.logging, cfg.checkpoint, cfg.fault_tolerance
+    """Combinations of settings that training cannot run."""
+    p, t, log, ck = cfg.parallel, cfg.training, cfg.logging, cfg.checkpoint
     problems = []
     if p.pp == 1 and (p.decoder_first_stage_layers is not None or p.decoder_last_stage_layers is not None
                       or p.pipeline_layout is not None):
         problems.append("--decoder-first/last-stage-layers and --pipeline-layout need --pp > 1")
-    if p.zero3_prefetch < 0:
-        problems.append(f"--zero3-prefetch must be >= 0 units, got {p.zero3_prefetch}")
     if p.zero == 3 and p.overlap_param_gather:
         problems.append("--overlap-param-gather is for --zero 1/2 (their all-gather after the step); ZeRO-3 gathers "
                         "each unit right before it runs, overlapped by --zero3-prefetch: drop --overlap-param-gather")
     if cfg.precision.grad_reduce_dtype == "fp16":
         problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
                         "bf16")
-    if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
-        problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full and N >= 1 "
+    if p.recompute_num_layers is not None and p.recompute != "full":
+        problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full "
                         f"(it says how many blocks of each model chunk full recompute covers)")
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg)
     problems += cuda_graph_problems(cfg)
-    if ft.hang_timeout < 0:
-        problems.append(f"--hang-timeout must be >= 0 seconds (0: off), got {ft.hang_timeout}")
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
         problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
                         f"({t.train_iters}); e.g. --profile-steps 5 7 (after the first steps' warm-up)")
-    for name, value in (("--train-iters", t.train_iters), ("--micro-batch-size", t.micro_batch_size),
-                        ("--log-interval", log.log_interval)):
-        if value < 1:
-            problems.append(f"{name} must be >= 1, got {value}")
-    for name, value in (("--save-interval", ck.save_interval), ("--keep-last", ck.keep_last),
-                        ("--keep-every", ck.keep_every), ("--check-replicas-interval", ft.check_replicas_interval)):
-        if value < 0:
-            problems.append(f"{name} must be >= 0, got {value}")
     if ck.save_interval and ck.save is None:
         problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
     if ck.load_step is not None and ck.load is None:
         problems.append("--load-step needs --load DIR")
+    if ck.load is not None and os.path.exists(ck.load) and not os.path.isdir(ck.load):
+        problems.append(f"--load {ck.load} is a file; --load takes the checkpoint directory (the --save DIR of the "
+                        f"run to resume)")
     return problems
 
 
@@ -79,18 +71,11 @@ def cuda_graph_problems(cfg: RunConfig) -> list[str]:
 
 
 def _compression_problems(cfg: RunConfig) -> list[str]:
-    """--grad-compression powersgd: its ranges, and what it does not combine with."""
+    """--grad-compression powersgd: what it does not combine with."""
     p = cfg.parallel
     if p.grad_compression != "powersgd":
         return []
     problems = []
-    if p.powersgd_rank < 1:
-        problems.append(f"--powersgd-rank must be >= 1, got {p.powersgd_rank} (4 is a good start)")
-    if p.powersgd_warmup_steps < 0:
-        problems.append(f"--powersgd-warmup-steps must be >= 0, got {p.powersgd_warmup_steps}")
-    if p.powersgd_min_compression < 0:
-        problems.append(f"--powersgd-min-compression must be >= 0, got {p.powersgd_min_compression} (0 compresses "
-                        f"every matrix)")
     if p.zero == 3:
         problems.append("--grad-compression powersgd composes with --zero 0, 1 or 2 only: ZeRO-3 reduce-scatters "
                         "each unit's gradient every microbatch, so no rank ever holds a whole accumulated gradient "

@@ -30,6 +30,11 @@ class UsageError(Exception):
 class ConfigError(UsageError, ValueError):
     """A configuration that cannot run: every problem, one per line, each with its fix."""
 
+    @classmethod
+    def listing(cls, problems: list[str]) -> "ConfigError":
+        """The error of several problems, one `  - problem` line each."""
+        return cls("\n".join(f"  - {p}" for p in problems))
+
 
 def one_line(text: str) -> str:
     """`text` folded onto one line (messages built from several parts, e.g. per-rank reports)."""
@@ -45,8 +50,11 @@ def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: in
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if rank == 0 or local_rank == 0:
-        if isinstance(error, ConfigError):
+        if isinstance(error, ConfigError) and len(str(error).strip().splitlines()) > 1:
             print(f"megalite: configuration error:\n{error}", file=stream or sys.stderr, flush=True)
+        elif isinstance(error, ConfigError):  # one problem: one line
+            problem = one_line(error).removeprefix("- ")
+            print(f"megalite: configuration error: {problem}", file=stream or sys.stderr, flush=True)
         else:
             print(f"megalite: {one_line(error)}", file=stream or sys.stderr, flush=True)
     return USAGE_EXIT_CODE

@@ -8,6 +8,7 @@ import pytest
 
 from megalite.cli import ACTIONS, ConfigFileError, build_parser, parse_args, read_config_file, to_toml
 from megalite.config import PARTS, Precision, Recompute, RunConfig, Schedule, settings
+from megalite.training.launch_checks import launch_problems
 
 
 def _option_dests(parser):
@@ -95,15 +96,19 @@ def test_derived_values_are_computed_in_one_place():
 
 def test_validate_lists_every_problem_with_its_fix():
     cfg = RunConfig.build(tp=3, micro_batch_size=3, global_batch_size=8, zero=3, save_interval=5,
-                          grad_reduce_dtype="fp16", recompute_num_layers=2, overlap_param_gather=True,
-                          zero3_prefetch=-1).resolved(4, 257)
-    text = "\n".join(cfg.validate(4, 257))
+                          grad_reduce_dtype="fp16", recompute_num_layers=2, overlap_param_gather=True).resolved(4, 257)
+    text = "\n".join(launch_problems(cfg, 4, 257))
     for needle in ("world size 4 != tp*pp*dp", "choose tp in", "choose a multiple of 3",
-                   "ZeRO-3 gathers each unit right before it runs", "--zero3-prefetch must be >= 0",
+                   "ZeRO-3 gathers each unit right before it runs",
                    "--grad-reduce-dtype fp16 is modelled", "--recompute-num-layers 2 needs --recompute full",
                    "--save-interval needs --save DIR"):
         assert needle in text, (needle, text)
-    assert RunConfig().resolved(1, 257).validate(1, 257) == []
+    assert launch_problems(RunConfig().resolved(1, 257), 1, 257) == []
+    # the settings' own problems need no world: RunConfig.validate(); values out of bounds come first
+    assert cfg.validate() == [p for p in launch_problems(cfg, 4, 257) if "--" in p.split()[0]]
+    bad = RunConfig.build(zero3_prefetch=-1, tp=3)
+    assert launch_problems(bad, 4, 257) == bad.validate() == ["--zero3-prefetch must be an integer >= 0, got -1; "
+                                                              "e.g. --zero3-prefetch 1 (the default)"]
 
 
 def test_the_planner_loads_without_torch():
@@ -123,8 +128,8 @@ def test_context_parallel_settings():
     assert (cfg.parallel.cp, cfg.parallel.cp_comm_type) == (2, CPCommType.A2A)
     cfg = cfg.resolved(16, 257)  # dp = world / (tp*cp*pp)
     assert (cfg.dp, cfg.world_size, cfg.num_microbatches) == (4, 16, 2)
-    assert cfg.validate(16, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
-    text = "\n".join(cfg.replace(cp=4, seq_length=100).validate(16, 257))
+    assert launch_problems(cfg, 16, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
+    text = "\n".join(launch_problems(cfg.replace(cp=4, seq_length=100), 16, 257))
     for needle in ("world size 16 != tp*cp*pp*dp = 2*4*1*4 = 32", "seq_length=100 is not divisible by 2*cp = 8",
                    "num_attention_heads/tp = 4/2 = 2 is not divisible by cp=4"):
         assert needle in text, (needle, text)
@@ -140,11 +145,12 @@ def test_grad_compression_settings():
         (GradCompression.POWERSGD, 8, 10, 4.0)
     assert RunConfig().parallel.powersgd_rank == 4 and RunConfig().parallel.grad_compression == "none"
     cfg = cfg.resolved(4, 257)
-    assert cfg.validate(4, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
-    text = "\n".join(cfg.replace(powersgd_rank=0, powersgd_warmup_steps=-1, powersgd_min_compression=-1.0, zero=3,
-                                 grad_reduce_dtype="bf16").validate(4, 257))
-    for needle in ("--powersgd-rank must be >= 1", "--powersgd-warmup-steps must be >= 0",
-                   "--powersgd-min-compression must be >= 0", "composes with --zero 0, 1 or 2 only",
-                   "drop --grad-reduce-dtype bf16"):
+    assert launch_problems(cfg, 4, 257) == [] and RunConfig.from_dict(cfg.to_dict()) == cfg
+    text = "\n".join(launch_problems(cfg.replace(zero=3, grad_reduce_dtype="bf16"), 4, 257))
+    for needle in ("composes with --zero 0, 1 or 2 only", "drop --grad-reduce-dtype bf16"):
         assert needle in text, (needle, text)
-    assert cfg.replace(grad_compression="none", powersgd_rank=0).validate(4, 257) == []  # unused: not checked
+    text = "\n".join(cfg.replace(powersgd_rank=0, powersgd_warmup_steps=-1, powersgd_min_compression=-1.0).validate())
+    for needle in ("--powersgd-rank must be an integer >= 1, got 0; 4 is a good start",
+                   "--powersgd-warmup-steps must be an integer >= 0", "--powersgd-min-compression must be a finite "
+                   "number >= 0"):
+        assert needle in text, (needle, text)

@@ -205,7 +205,7 @@ def _fsdp2(m, args, cfg):
 
 def _megalite(m, args, cfg, zero_stage: int):
     gpt = GPTModel(cfg, m, seed=1, dtype=_dtype(args))
-    model = DataParallel(gpt, m, zero_stage=zero_stage, bucket_size=args.bucket_size)
+    model = DataParallel(gpt, m, zero_stage=zero_stage, bucket_size=args.bucket_size, dp_reduction="sum")
     peak = GatheredPeak(gpt)
     opt = DistributedOptimizer(model)
     tokens = _global_tokens(args, m.dp_size)

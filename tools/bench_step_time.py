@@ -9,6 +9,16 @@
         context layout passes, fp32 cross entropy; the gradient all-reduce after the backward with
         "local" DDP, during the last microbatch's backward with torch DDP, as the script chose per row).
 
+    python tools/bench_step_time.py --h200
+        The planner on the built-in H200 profile against the steps measured on one H200
+        (../shared/gpu/2026-11-26-h200/, examples/pretrain_gpt.py with its embedded data, vocab 257
+        padded 384, bf16, 1 GPU; bench_train's GPT-2 with vocab 50257), with the attention megalite's
+        auto dispatch runs today and with the Triton kernels those runs used.
+
+    python tools/bench_step_time.py --h200 --measure [--iters 20]
+        On a GPU: each of those examples/pretrain_gpt.py runs again (the vocab-257 rows, --iters steps,
+        median step time after the 5th) against the planner on this GPU's built-in profile.
+
     python tools/bench_step_time.py --cycles 3 --iters 40
         On this machine, for the default run, (tp, pp, dp) = (2, 2, 1) and (1, 1, 4) in turn, back to
         back: a quick calibration (megalite/calibration.py, fp32, GEMMs up to 512), then
@@ -31,7 +41,7 @@ from pathlib import Path
 from megalite.config import RunConfig
 from megalite.model.config import GPTConfig
 from megalite.plan.hardware import load_profile
-from megalite.plan.timing import MEGATRON_2021, predict_step_time
+from megalite.plan.timing import MEGALITE, MEGATRON_2021, predict_step_time
 from megalite.training.metrics_file import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,14 +91,65 @@ def print_narayanan(rows: list[dict], hardware: str) -> None:
     print(f"ratio range {min(ratios):.3f} - {max(ratios):.3f}; {within} of {len(rows)} rows within 10%")
 
 
+# (name, settings, measured seconds per step on the H200, where it was measured)
+H200_RUNS = [("llama-1b 4x2048", dict(model="llama-1b", micro_batch_size=4, seq_length=2048), 257, 0.133, "m1.txt"),
+             ("llama-1b 8x2048 selective", dict(model="llama-1b", micro_batch_size=8, seq_length=2048,
+                                                recompute="selective"), 257, 0.252, "m2.txt"),
+             ("gpt2-124m 8x1024", dict(model="gpt2-124m", micro_batch_size=8, seq_length=1024), 257, 0.0505,
+              "gpt2prof.txt / README: 46-55 ms"),
+             ("gpt2-124m 8x1024 V50257", dict(model="gpt2-124m", micro_batch_size=8, seq_length=1024), 50257,
+              8192 / 140.6e3, "bench_train: 140.6k tok/s")]
+
+
+def h200(hardware: str = "H200") -> None:
+    """Predicted against measured step time of the H200 runs (module docstring)."""
+    print(f"H200 runs on the {hardware} profile: seconds per step, predicted / measured")
+    for name, settings, vocab, measured, where in H200_RUNS:
+        cfg = RunConfig.build(precision="bf16", vocab_size=vocab, global_batch_size=settings["micro_batch_size"],
+                              **settings).resolved(1, vocab)
+        auto, triton = (predict_step_time(cfg.gpt_config(), cfg, hardware, kernels=dataclasses.replace(
+            MEGALITE, attention_backend=backend)) for backend in ("auto", "triton"))
+        print(f"  {name:26s} measured {measured * 1e3:6.1f} ms | predicted {auto.total * 1e3:6.1f} ms "
+              f"({auto.total / measured:.3f}), with Triton attention {triton.total * 1e3:6.1f} ms "
+              f"({triton.total / measured:.3f}) | compute {auto.compute * 1e3:.1f} optimizer "
+              f"{auto.optimizer * 1e3:.1f} ms  [{where}]")
+
+
+def measure_gpu(iters: int, out: Path) -> None:
+    """The H200_RUNS rows of examples/pretrain_gpt.py measured on this GPU against the planner on its profile."""
+    import torch
+
+    from megalite.plan.hardware import builtin_for_device
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_step_time --measure needs a CUDA GPU")
+    device = torch.cuda.get_device_name(0)
+    profile = builtin_for_device(device) or "H100-SXM"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{device}: measured (median step after the 5th of {iters}) against the {profile} profile")
+    for name, settings, vocab, _, _ in H200_RUNS:
+        if vocab != 257:  # examples/pretrain_gpt.py's embedded data; the other row is tools/bench_train.py's
+            continue
+        flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+        tag = name.replace(" ", "_")
+        seconds = measure_run(tag, flags + ["--bf16", f"--global-batch-size={settings['micro_batch_size']}"],
+                              iters, out, world=1)
+        cfg = RunConfig.build(precision="bf16", global_batch_size=settings["micro_batch_size"], **settings)
+        cfg = cfg.resolved(1, vocab)
+        guess = predict_step_time(cfg.gpt_config(), cfg, profile).total
+        print(f"  {name:26s} measured {seconds * 1e3:7.1f} ms  predicted {guess * 1e3:7.1f} ms  "
+              f"ratio {guess / seconds:.3f}  (goal: within 15%)")
+
+
 def _loadavg() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def measure_run(name: str, extra: list[str], iters: int, out: Path) -> float:
-    """Median step seconds of one examples/pretrain_gpt.py run (steps after the 5th)."""
+def measure_run(name: str, extra: list[str], iters: int, out: Path, world: int | None = None) -> float:
+    """Median step seconds of one examples/pretrain_gpt.py run (steps after the 5th); world: ranks
+    (default: 4 for a LAYOUTS run with flags, 1 for the default run)."""
     metrics = out / f"{name}.jsonl"
-    world = 4 if extra else 1
+    world = world or (4 if extra else 1)
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={world}"]
     cmd = launcher + [str(ROOT / "examples" / "pretrain_gpt.py"), *extra, "--train-iters", str(iters),
@@ -142,14 +203,20 @@ def cycles(count: int, iters: int, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--narayanan", action="store_true", help="Table 1 of Narayanan et al. on --hardware")
+    parser.add_argument("--h200", action="store_true", help="the H200 runs against the planner on the H200 profile")
+    parser.add_argument("--measure", action="store_true", help="with --h200: run them again on this GPU")
     parser.add_argument("--hardware", default="A100-80GB")
     parser.add_argument("--cycles", type=int, default=0, help="calibrate-and-measure cycles on this machine")
     parser.add_argument("--iters", type=int, default=40, help="training steps per measured run")
     parser.add_argument("--out", default="bench_step_time", help="where profiles, logs and metrics go")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if not args.narayanan and not args.cycles:
-        parser.error("choose --narayanan and/or --cycles N")
+    if not args.narayanan and not args.cycles and not args.h200:
+        parser.error("choose --narayanan, --h200 and/or --cycles N")
+    if args.h200:
+        h200()
+        if args.measure:
+            measure_gpu(args.iters, Path(args.out))
     if args.narayanan:
         rows = narayanan(args.hardware)
         print(json.dumps(rows, indent=1)) if args.json else print_narayanan(rows, load_profile(args.hardware).name)

@@ -13,13 +13,14 @@ Nothing is downloaded: `--hf` is a local directory.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-from megalite.checkpoint import read_full_state, write_full_state
+from megalite.checkpoint import CheckpointCorruptError, read_full_state, write_full_state
+from megalite.cli import OneLineParser
+from megalite.errors import UsageError, one_line
 from megalite.model.config import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 
@@ -52,6 +53,9 @@ def hf_config_for(config: GPTConfig, dtype: torch.dtype):
                                       rope_theta=config.rope_theta, attention_dropout=config.attention_dropout)
         if getattr(hf, "rope_parameters", None) is not None:  # transformers 5 keeps theta here
             hf.rope_parameters = {**hf.rope_parameters, "rope_type": "default", "rope_theta": config.rope_theta}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # transformers' defaults are GPT-2's / Llama's ids
+        if isinstance(getattr(hf, name, None), int) and getattr(hf, name) >= config.vocab_size:
+            setattr(hf, name, config.vocab_size - 1)  # megalite's end-of-document id is the last one it adds
     hf.architectures = ["GPT2LMHeadModel" if config.flavour == "gpt2" else "LlamaForCausalLM"]
     hf.torch_dtype = str(dtype).removeprefix("torch.")
     back = config_from_hf(hf)
@@ -119,7 +123,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="megalite checkpoint -> transformers directory")
     ex.add_argument("--load", required=True, help="a --save directory (latest) or one step_* directory")
@@ -137,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin)
         else:
             import_from_hf(args.hf, args.output, step=args.step)
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"convert_checkpoint: error: {exc}", file=sys.stderr)
+    except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"convert_checkpoint: error: {one_line(exc)}", file=sys.stderr)  # a user's input, not a bug: one line
         return 2
     return 0
 

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, 
 from fault_drill_plan import (MOMENTS, SCRIPT, Fault, compare_curves, job_flags, largest_difference,  # noqa: E402
                               plan_faults, read_losses, read_resizes, shrink_worlds, steps_lost)
 
+from megalite.cli import OneLineParser  # noqa: E402
 from megalite.training.metrics_file import read_records  # noqa: E402
 
 __all__ = ["MOMENTS", "compare_curves", "job_flags", "main", "parse_args", "plan_faults", "shrink_worlds", "steps_lost"]
@@ -307,7 +308,7 @@ def report(faults, injected, reference_s, drill_s, logged, mismatch, job: Job, a
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--faults", type=int, default=3, help="how many workers to signal (default 3)")
     p.add_argument("--seed", type=int, default=0, help="picks kinds, moments, victims and delays")
     p.add_argument("--nproc", type=int, default=2, help="workers per launch (torchrun --nproc_per_node)")

@@ -28,10 +28,11 @@ import json
 import re
 import sys
 
-from megalite.cli import ConfigFileError, build_parser, parse_args
+from megalite.cli import build_parser, parse_args
 from megalite.config import RunConfig
 from megalite.plan import GB, estimate, estimate_model_states, predict_step_time, preflight, suggest
-from megalite.plan.hardware import BUILTIN, DEFAULT, HardwareProfileError, load_profile
+from megalite.errors import ConfigError, UsageError, one_line
+from megalite.plan.hardware import BUILTIN, DEFAULT, load_profile
 
 
 def parse_bytes(text: str) -> float:
@@ -74,9 +75,24 @@ def planner_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def planner_problems(cfg: RunConfig, args: dict) -> list[str]:
+    """The planner's own flags: counts >= 1, sizes > 0, nodes that divide the GPUs."""
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {args[name]}"
+                for name in ("gpus", "nodes", "gpus_per_node", "top_k") if args[name] is not None and args[name] < 1]
+    problems += [f"--{name.replace('_', '-')} must be > 0, got {args[name]}"
+                 for name in ("gpu_memory", "num_params") if args[name] is not None and not args[name] > 0]
+    gpus = args["gpus"] or cfg.world_size
+    if not problems and gpus % args["nodes"]:
+        problems.append(f"--nodes {args['nodes']} does not divide --gpus {gpus}; give GPUs per node x nodes, e.g. "
+                        f"--gpus {args['nodes'] * max(1, gpus // args['nodes'])} --nodes {args['nodes']}")
+    if args["suggest"] and not args["gpu_memory"]:
+        problems.append("--suggest needs --gpu-memory G (the memory of one GPU, e.g. 80 for 80 GB) to know what fits")
+    return problems
+
+
 def run_suggest(cfg: RunConfig, args: dict) -> int:
-    if not args["gpus"] or not args["gpu_memory"]:
-        raise SystemExit("--suggest needs --gpus N and --gpu-memory G")
+    """Layouts of --gpus GPUs (default: the flags' world, tp*cp*pp*dp) that fit --gpu-memory, ranked."""
+    args = dict(args, gpus=args["gpus"] or cfg.world_size)
     found = suggest(cfg.gpt_config(), args["gpus"], args["gpu_memory"], nodes=args["nodes"],
                     gpus_per_node=args["gpus_per_node"], global_batch_size=cfg.training.global_batch_size,
                     precision=cfg.precision.precision, top_k=args["top_k"], hardware=args["hardware"])
@@ -113,13 +129,25 @@ def step_time_fields(model, cfg: RunConfig, args: dict) -> dict:
         args["hardware"]).name}
 
 
+def _model_problems(cfg: RunConfig) -> list[str]:
+    """The settings' own problems that stop the planner from describing the model at all."""
+    try:
+        cfg.gpt_config()
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_args(argv, planner_parser())
         if args["hardware"] is not None:
             load_profile(args["hardware"])  # a bad name or file fails here, before any output
-    except (ConfigFileError, HardwareProfileError) as exc:
-        print(f"plan: {exc}", file=sys.stderr)
+        problems = planner_problems(cfg, args) + ([] if args["num_params"] is not None else _model_problems(cfg))
+        if problems:
+            raise ConfigError.listing(problems)
+    except UsageError as exc:  # a bad flag value, config file or hardware profile
+        print(f"plan: {one_line(exc).removeprefix('- ')}", file=sys.stderr)
         return 2
     if args["calibrate"]:
         return run_calibrate(args["calibrate"])

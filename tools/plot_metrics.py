@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 
+from megalite.cli import OneLineParser
 from megalite.training.metrics_file import read_records
 
 # (record key, panel title, scale applied to the value, y label)
@@ -77,7 +78,7 @@ def plot(paths: list[str], labels: list[str], out: str, smooth: int = 1) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="metrics files written by --metrics-file")
     parser.add_argument("--labels", default=None, help="comma-separated, one per file (default: parent dir)")

@@ -12,18 +12,19 @@ written to {output-prefix}_{key}. A progress bar goes to stderr.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from megalite.cli import OneLineParser  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402
+from megalite.errors import UsageError, report_usage_error  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="text/JSON-lines files or directories")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to read from JSON lines")
@@ -39,11 +40,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """A mistake in the input (a missing file, a malformed line, a bad tokenizer) prints one line, exit 2."""
     args = parse_args(argv)
-    tokenizer = load_tokenizer(args.tokenizer)
-    workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
-    stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,
-                             show_progress=not args.no_progress)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
+        stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,
+                                 show_progress=not args.no_progress)
+    except UsageError as exc:
+        return report_usage_error(exc, rank=0)
     print(stats.summary(), file=sys.stderr)
     for key, prefix in stats.outputs.items():
         print(f"{key}: {prefix}.bin {prefix}.idx")

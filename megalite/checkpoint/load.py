@@ -33,7 +33,8 @@ from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_ran
 from megalite.checkpoint.compression_state import load_compression, plan_compression
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
-from megalite.checkpoint.storage import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from megalite.checkpoint.storage import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
+                                         NoIntactCheckpointError)
 from megalite.errors import UsageError
 from megalite.mesh import Mesh
 
@@ -262,7 +263,8 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
     """Load the newest good checkpoint (or `step`) of `load_dir` into chunks and optimizer.
 
     Returns None (after a notice) when `load_dir` has no checkpoint yet and no step was asked
-    for. Raises CheckpointCorruptError when no candidate is intact, CheckpointMismatchError (a
+    for. Raises NoIntactCheckpointError (a UsageError and CheckpointCorruptError) when no candidate
+    is intact, CheckpointMismatchError (a
     UsageError) when the checkpoint holds another model or a newer format, CheckpointNotFoundError
     when `step` does not exist. Every rank must call it (it communicates); every rank raises the same.
     """
@@ -316,4 +318,6 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
             f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
                                                 "stored") + ")")
         return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)
-    raise CheckpointCorruptError(f"no intact checkpoint in {root}:\n" + "\n".join(f"  - {p}" for p in problems))
+    raise NoIntactCheckpointError(f"--load {root}: no intact checkpoint ({len(problems)} damaged: "
+                                  + "; ".join(problems) + "); point --load at another directory, or move the "
+                                  "damaged step directories away to start from scratch")

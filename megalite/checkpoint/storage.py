@@ -57,6 +57,11 @@ class CheckpointCorruptError(RuntimeError):
     """A checkpoint on disk is incomplete or damaged (the message names the file)."""
 
 
+class NoIntactCheckpointError(UsageError, CheckpointCorruptError):
+    """Every checkpoint of a --load directory is damaged: the person running the job chooses
+    (another directory, or the damaged step directories moved away)."""
+
+
 class CheckpointMismatchError(UsageError, ValueError):
     """A checkpoint this model or this megalite cannot load: saved from another model (a
     parameter's shape, or the architecture, differs) or in a newer format. Not damage: no

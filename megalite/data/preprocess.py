@@ -24,7 +24,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megalite.data.indexed_dataset import IndexedDatasetWriter, token_dtype_for
+from megalite.data.indexed_dataset import DataError, DataFileNotFoundError, IndexedDatasetWriter, token_dtype_for
 from megalite.data.tokenizer import load_tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -63,7 +63,7 @@ def list_input_files(inputs: Iterable[str]) -> list[str]:
         elif os.path.isfile(path):
             files.append(path)
         else:
-            raise FileNotFoundError(f"--input {path!r} is neither a file nor a directory")
+            raise DataFileNotFoundError(f"--input {path!r} is neither a file nor a directory")
     return files
 
 
@@ -72,20 +72,7 @@ def iter_documents(files: list[str], json_keys: tuple[str, ...], stats: Preproce
     """Yield (json key, text, bytes read) in input order."""
     for path in files:
         if path.endswith(JSON_SUFFIXES):
-            with open(path, "r", encoding="utf-8") as f:
-                for line_number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{path}:{line_number}: not valid JSON ({exc}); JSON-lines "
-                                         f"input needs one object per line") from exc
-                    for key in json_keys:
-                        if key not in record:
-                            raise KeyError(f"{path}:{line_number}: no key {key!r} (keys: "
-                                           f"{sorted(record)}); pick one with --json-keys")
-                        yield key, str(record[key]), len(line)
+            yield from _json_documents(path, json_keys)
         else:
             if len(json_keys) > 1:
                 raise ValueError(f"{path} is plain text but several --json-keys were given; "
@@ -183,6 +170,42 @@ class ProgressBar:
         self.stream.flush()
 
 
+def _json_documents(path: str, json_keys: tuple[str, ...]) -> Iterator[tuple[str, str, int]]:
+    """(key, text, bytes) of each JSON line's keys; DataError naming the line of a malformed one."""
+    with open(path, "r", encoding="utf-8") as f:
+        line_number = 0
+        try:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                for key, text in _json_record(path, line_number, line, json_keys):
+                    yield key, text, len(line)
+        except UnicodeDecodeError:
+            raise DataError(f"{path}:{line_number + 1}: not UTF-8 text; JSON-lines input is UTF-8, one object "
+                            f"per line") from None
+
+
+def _json_record(path: str, line_number: int, line: str, json_keys: tuple[str, ...]) -> list[tuple[str, str]]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{line_number}: not valid JSON ({exc}); JSON-lines input needs one object per "
+                        f"line") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{line_number}: a JSON {type(record).__name__}, not an object; JSON-lines input "
+                        f"needs one object per line, e.g. {{\"text\": \"...\"}}")
+    texts = []
+    for key in json_keys:
+        if key not in record:
+            raise DataError(f"{path}:{line_number}: no key {key!r} (keys: {sorted(record)}); pick one with "
+                            f"--json-keys")
+        if not isinstance(record[key], str):
+            raise DataError(f"{path}:{line_number}: {key!r} is a {type(record[key]).__name__}, not a string; "
+                            f"fix the line or pick the text's key with --json-keys")
+        texts.append((key, record[key]))
+    return texts
+
+
 def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefix: str, tokenizer,
                          json_keys: tuple[str, ...] = ("text",), workers: int = 1,
                          progress: ProgressBar | None = None,
@@ -195,7 +218,7 @@ def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefi
     if isinstance(tokenizer, str) or tokenizer is None:
         tokenizer = load_tokenizer(tokenizer)
     if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
+        raise DataError(f"--workers must be >= 1, got {workers}")
     stats = stats or PreprocessStats()
     start = time.perf_counter()
     prefixes = {key: output_prefix if len(json_keys) == 1 else f"{output_prefix}_{key}" for key in json_keys}
@@ -258,9 +281,11 @@ def preprocess_files(inputs: Iterable[str], output_prefix: str, tokenizer=None,
                      json_keys: tuple[str, ...] = ("text",), workers: int = 1,
                      show_progress: bool = False) -> PreprocessStats:
     """Files/directories/JSON lines -> .bin/.idx (what tools/preprocess_data.py runs)."""
+    inputs = list(inputs)
     files = list_input_files(inputs)
     if not files:
-        raise ValueError(f"no input files found in {list(inputs)}")
+        raise DataError(f"--input {' '.join(inputs)}: no input files found (an empty directory, or only hidden "
+                        f"files); give text or JSON-lines files")
     stats = PreprocessStats()
     progress = ProgressBar(sum(os.path.getsize(f) for f in files)) if show_progress else None
     return preprocess_documents(iter_documents(files, tuple(json_keys), stats), output_prefix, tokenizer,

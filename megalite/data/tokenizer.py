@@ -18,7 +18,8 @@ import os
 
 import numpy as np
 
-from megalite.data.indexed_dataset import DataFileNotFoundError
+from megalite.data.indexed_dataset import DataError, DataFileNotFoundError
+from megalite.errors import one_line
 
 
 class ByteTokenizer:
@@ -64,7 +65,11 @@ class HFTokenizer:
                               f"`pip install tokenizers`, or use the built-in byte tokenizer "
                               f"(--tokenizer byte)") from exc
         self.path = os.path.abspath(path)
-        self._tokenizer = Tokenizer.from_file(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises a plain Exception for any bad file
+            raise DataError(f"tokenizer file {path!r} is not a HuggingFace tokenizer.json ({one_line(exc)}); pass "
+                            f"the tokenizer.json saved with the tokenizer, or 'byte' for the byte tokenizer") from None
         base_vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
         eod = None
         for token in self.EOD_NAMES:

@@ -79,14 +79,24 @@ class DataParallel(nn.Module):
     ZeRO-3 only: units (default: the model's `zero3_units()`, else `units.default_units`; or a
         list of submodules / `Unit`s), prefetch (units gathered ahead), reshard_after_forward,
         keep_gathered_in_step (gather each unit once per step, hold it until the optimizer).
+    dp_reduction: how the loss each rank backpropagates is normalised, hence how gradients combine:
+        "mean" (default, torch DDP's convention): the model returns the mean loss of this rank's
+            own batch, so the reduced gradients are averaged over the dp (x cp) ranks;
+        "sum" (megalite's GPT training): the loss is already divided by the whole step's global
+            token count (all microbatches, all dp ranks), so the gradients are summed.
+        Either way every rank ends with the gradient of one big batch, for its convention.
     """
 
     def __init__(self, chunks: nn.Module | Sequence[nn.Module], mesh: Mesh, *, zero_stage: int = 0,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_reduce_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
                  prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
-                 grad_compression: PowerSGDConfig | None = None):
+                 grad_compression: PowerSGDConfig | None = None, dp_reduction: str = "mean"):
         super().__init__()
+        if dp_reduction not in ("mean", "sum"):
+            raise ValueError(f"dp_reduction must be 'mean' (the model returns a per-rank mean loss, as with torch "
+                             f"DDP) or 'sum' (the loss is divided by the global token count), got {dp_reduction!r}")
+        self.dp_reduction = dp_reduction
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if grad_compression is not None and zero_stage not in (0, 1, 2):
@@ -224,6 +234,9 @@ class DataParallel(nn.Module):
                 self.grads.finish_reduction()
             else:
                 self.grads.finish_reduction(grad_scale, skip)
+            replicas = comm.group_size(self.mesh.dp_cp_group)
+            if self.dp_reduction == "mean" and replicas > 1:  # summed over the replicas -> their mean
+                self.grads.grad_shard.div_(replicas)  # every gradient this rank's optimizer reads (zero 0: all)
         if self.schedule is not None:
             self.schedule.end_step()  # before the optimizer: no unit stays gathered
         if fill_param_grads and self.zero_stage == 0:

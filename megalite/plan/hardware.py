@@ -67,6 +67,21 @@ class HardwareProfile:
     n increasing. Where ranks outnumber the cores, every hop of a ring waits for a process to be
     scheduled, so the fixed cost grows with n. Empty: collective_latency_us and the bus
     bandwidths for every group size (a GPU's fixed cost barely depends on it)."""
+    attention_ms: tuple[tuple[int, str, bool, int, str, float], ...] = ()
+    """Measured: (head_dim, precision, causal, seq_len, implementation, forward + backward ms) of one
+    attention call of `ATTENTION_TABLE_TOKENS` tokens with query heads x head_dim = `ATTENTION_TABLE_WIDTH`
+    (tools/tune_attention.py's dispatch table, the rows of kernels/attention_dispatch.MEASURED_MS).
+    Where a call's (head_dim, precision, causal) has rows the planner times it from them
+    (plan/kernel_rates.py); elsewhere attention_efficiency / the GEMM curve."""
+    memory_fractions: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured: fraction of the copy bandwidth (forward, backward) each memory-bound kernel family
+    reaches ("norm", "rope", "activation", "cross_entropy", "adamw", "layout_copy",
+    "grad_accumulate"; plan/kernel_rates.py); a family not listed runs at the copy bandwidth."""
+    launch_host_us: float = 0.0
+    """Measured: host time per GPU operation (kernel launch, memset, copy) of megalite's training
+    step, Python and autograd included. When set, host time = launches counted from the model
+    (plan/launches.py) x this, overlapped with the GPU as a queue (timing.py), replacing the three
+    overheads below; 0: those overheads."""
     block_overhead_us: float = 0.0
     """Host time of one transformer block's forward + backward at negligible size (launches, dispatch)."""
     microbatch_overhead_us: float = 0.0
@@ -100,6 +115,15 @@ class HardwareProfile:
             raise HardwareProfileError(f"profile {self.name!r}: collective_ranks must be (n >= 2, latency_us, busbw_gbs > 0) "
                                        f"with n increasing, got {self.collective_ranks!r}")
         object.__setattr__(self, "collective_ranks", table)
+        object.__setattr__(self, "attention_ms", tuple((int(d), str(p), bool(c), int(n), str(i), float(ms))
+                                                       for d, p, c, n, i, ms in self.attention_ms))
+        object.__setattr__(self, "memory_fractions", {k: (float(f), float(b)) for k, (f, b) in
+                                                      dict(self.memory_fractions).items()})
+        if any(not (0 < f <= 1.5 and 0 < b <= 1.5) for f, b in self.memory_fractions.values()) or \
+                any(ms <= 0 for *_, ms in self.attention_ms) or self.launch_host_us < 0:
+            raise HardwareProfileError(f"profile {self.name!r}: memory_fractions must be (forward, backward) "
+                                       f"fractions in (0, 1.5], attention_ms positive milliseconds and "
+                                       f"launch_host_us >= 0")
         for name in ("memory_bandwidth_gbs", "intra_node_busbw_gbs", "inter_node_busbw_gbs"):
             if not getattr(self, name) > 0:
                 raise HardwareProfileError(f"profile {self.name!r}: {name} must be positive")
@@ -206,6 +230,8 @@ class HardwareProfile:
         out = dataclasses.asdict(self)
         out["matmul_efficiency"] = [list(point) for point in self.matmul_efficiency]
         out["collective_ranks"] = [list(row) for row in self.collective_ranks]
+        out["attention_ms"] = [list(row) for row in self.attention_ms]
+        out["memory_fractions"] = {k: list(v) for k, v in self.memory_fractions.items()}
         return out
 
     def save(self, path: str | Path) -> None:
@@ -262,10 +288,44 @@ H100_SXM = HardwareProfile(
     source="H100 SXM5 80GB datasheet (989 TFLOP/s bf16 dense, 67 fp32, 3350 GB/s HBM3, NVLink 4, NDR 400 Gb/s "
            "per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")
 
-# H200 SXM 141GB: the H100's chip and interconnect with HBM3e at 4800 GB/s.
+# H200 SXM 141GB: the H100's chip and interconnect with HBM3e (4800 GB/s on the datasheet), and
+# measured on one H200 (torch 2.11 + triton 3.6, 2026-11-26; raw outputs of the first run in
+# ../shared/gpu/2026-11-26-h200/, the second run's in docs/benchmarks.md "Kernels"):
+#  attention: tools/tune_attention.py's dispatch table = kernels/attention_dispatch.MEASURED_MS (sm_90,
+#    bf16, causal; a test holds these rows equal to it);
+#  memory fractions (forward, backward) of the copy bandwidth: tools/bench_kernels.py's "after" column
+#    (gpu_ms, copy 4251 GB/s), the backward from the fwd+bwd and fwd times with the bench's bytes (norms
+#    fwd x,y / bwd x,dy,dx; rope 2 / 2; gelu 2 / 3; swiglu 3 / 5; cross entropy logits 1 / 2; adamw 28
+#    bytes per parameter; SwiGLU measured 1.02 of the copy, taken as 1.0); "layout_copy" (torch's copies of strided tensors and broadcast bias adds) and
+#    "grad_accumulate" (fp32 main grad += bf16 grad) are those kernels' in-step rates in the first run's
+#    profiles (llama_prof.tgz ops: contiguous/reshape copies 12.6 GB in 7.80 ms = 0.38 of 4248 GB/s;
+#    the main-grad adds 9.9 GB in 3.67 ms = 0.64), torch's kernels, which no bench times alone;
+#  copy bandwidth: bench_kernels' 1 GiB device-to-device copy (4248 GB/s);
+#  launch_host_us: the gpt2-124m step (micro batch 8 x 1024, bf16) was host-bound: 46-55 ms of wall
+#    time per step (unprofiled) for the 961 GPU operations (857 kernels, 95 memsets, 9 copies) its
+#    trace counts per step (gpt2_trace.json.gz): 50.5 ms / 961 = 52.5 us of host per operation.
+H200_MEASURED_ATTENTION_MS = {   # (head_dim, precision, causal) -> {seq_len: {implementation: fwd+bwd ms}}
+    (128, "bf16", True): {1024: {"triton": 2.0184, "sdpa": 1.89, "sdpa_gqa": 1.4081},
+                          2048: {"triton": 3.1956, "sdpa": 2.6857, "sdpa_gqa": 2.2421},
+                          4096: {"triton": 5.7896, "sdpa": 4.306, "sdpa_gqa": 3.7353},
+                          8192: {"triton": 10.5196, "sdpa": 7.7639, "sdpa_gqa": 7.3578},
+                          16384: {"triton": 19.3394, "sdpa": 14.6954, "sdpa_gqa": 14.2206}},
+    (64, "bf16", True): {1024: {"triton": 2.0917, "sdpa": 2.309, "sdpa_gqa": 1.8182},
+                         2048: {"triton": 3.3102, "sdpa": 3.3196, "sdpa_gqa": 2.8307},
+                         4096: {"triton": 5.94, "sdpa": 5.3294, "sdpa_gqa": 4.9197},
+                         8192: {"triton": 10.9121, "sdpa": 9.4876, "sdpa_gqa": 8.8704},
+                         16384: {"triton": 21.2314, "sdpa": 18.1031, "sdpa_gqa": 17.6596}},
+}
 H200 = dataclasses.replace(
-    H100_SXM, name="H200", memory_bandwidth_gbs=0.88 * 4800,
-    source="H200 SXM datasheet (the H100's compute and NVLink 4, 4800 GB/s HBM3e); see megalite/plan/hardware.py")
+    H100_SXM, name="H200", memory_bandwidth_gbs=4248.0,
+    attention_ms=tuple((d, p, c, seq, impl, ms) for (d, p, c), rows in H200_MEASURED_ATTENTION_MS.items()
+                       for seq, row in rows.items() for impl, ms in row.items()),
+    memory_fractions={"rms_norm": (0.911, 0.702), "layer_norm": (0.910, 0.567), "rope": (0.893, 0.881),
+                      "gelu": (0.856, 0.704), "swiglu": (1.0, 1.0), "cross_entropy": (0.713, 0.874),
+                      "adamw": (0.974, 0.974), "layout_copy": (0.38, 0.38), "grad_accumulate": (0.64, 0.64)},
+    launch_host_us=52.5,
+    source="H200 SXM datasheet (the H100's compute and NVLink 4); copy bandwidth, attention, memory-bound "
+           "kernels and host time per launch measured on one H200: see megalite/plan/hardware.py")
 
 BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (A100_80GB, H100_SXM, H200)}
 DEFAULT = "H100-SXM"

@@ -3,7 +3,8 @@
 One microbatch through one transformer block on one tensor-parallel rank costs
   GEMMs            each at the profile's efficiency for its size (megalite/plan/hardware.py):
                    QKV, output projection, MLP in and out, and attention's two batched products
-                   (a fused flash kernel at the profile's attention efficiency when it has one);
+                   (a fused flash kernel: from the profile's measured table where it has the call,
+                   kernel_rates.py, else at its attention efficiency);
                    backward runs two GEMMs of the same size per forward GEMM (input and weight
                    gradients); flash attention's backward five products (it recomputes the scores);
   memory-bound ops the bytes the norms, bias-dropout-adds and rotary embedding read and write, at
@@ -11,10 +12,17 @@ One microbatch through one transformer block on one tensor-parallel rank costs
                    activation; softmax and dropout of attention that writes its scores; cross
                    entropy's exp; AdamW) at the profile's elementwise rate (a CPU's vector math is
                    slower than its memory); backward moves 1.5x the forward's bytes (it reads the saved input
-                   and the output gradient and writes the input gradient); each linear's weight
-                   gradient is added into an fp32 main-gradient buffer;
+                   and the output gradient and writes the input gradient; RoPE's backward reads only
+                   the gradient, SwiGLU's writes two); each linear's weight gradient is added into an
+                   fp32 main-gradient buffer; where the profile measured them (kernel_rates.py), each
+                   kernel family at its measured fraction of the copy bandwidth, and megalite's own
+                   layout copies (attention's output and its gradient, SwiGLU's halves, bias adds,
+                   the QKV gradients' copies and concatenation) at torch's copy kernels' rate;
   host time        the profile's block overhead (launches, dispatch): added to the above on a CPU,
-                   overlapped with it on a GPU;
+                   overlapped with it on a GPU; where the profile measured the host time per GPU
+                   operation, the operations counted from the model (launches.py) at that time,
+                   queued against the GPU's forward and backward (launches.queued_seconds), one
+                   graph replay per microbatch with --cuda-graph;
   recompute        selective: attention's forward again; full: the block's forward again.
 The first stage adds the embedding, the last the final norm, output layer and cross entropy, each
 microbatch. Tensor-parallel and pipeline transfers are exposed (megalite overlaps neither), from
@@ -29,7 +37,7 @@ reductions overlap the whole step's compute, except the gather of the first unit
 and backward pass (nothing precedes it); with PowerSGD the reduction (the compressed bytes of
 communication.py, two all-reduces) and its arithmetic (three thin GEMMs and fp32 passes per
 compressed gradient) follow the whole backward. The optimizer
-streams its shard's fp32 state through memory once. On a CPU, ranks computing at once slow each
+streams its shard's fp32 state through memory once (with measured rates: each pass its code makes). On a CPU, ranks computing at once slow each
 other down (the profile's measured `rank_slowdown`, or ranks x threads over the cores), and its
 transfers, being the cores' work too, slow down with them. Every step also waits for a few
 one-element all-reduces (token count, loss, finiteness, gradient norm) at their groups' fixed cost:
@@ -49,9 +57,12 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
+from megalite.plan import kernel_rates as rates
 from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
+from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
+                                    uses_cuda_graph)
 from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
@@ -83,6 +94,9 @@ class Kernels:
     """Full recompute re-runs each block's whole forward, so the MLP output's tensor-parallel reduction
     runs again too (Megatron-LM's own reentrant checkpoint function); megalite's non-reentrant
     checkpoint stops after the last saved tensor, before that reduction."""
+    attention_backend: str = "auto"
+    """Which flash attention runs where the profile measured them (kernel_rates.py): "auto" (megalite's
+    dispatch: the fastest measured), or "triton" / "sdpa" / "sdpa_gqa" forced, as MEGALITE_KERNEL_BACKEND."""
 
 
 MEGALITE = Kernels()
@@ -149,30 +163,33 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     linears = [(tokens, (nq + 2 * nkv) * d, h), (tokens, h, nq * d), (tokens, (2 if llama else 1) * f // t, h),
                (tokens, h, f // t)]
     gemm = sum(hw.matmul_seconds(m, n, k, precision) for m, n, k in linears)
-    # attention: b * nq products of [s_local, d] x [d, s] and [s_local, s] x [s, d]
-    causal = 0.5 if kernels.attention == "flash" else 1.0
-    scores = hw.matmul_seconds(local, model.seq_length * causal, d, precision, batch=b * nq)
-    values = hw.matmul_seconds(local, d, model.seq_length * causal, precision, batch=b * nq)
-    if kernels.attention == "flash" and hw.attention_efficiency:   # a fused kernel at its measured rate
-        scores = values = 2 * b * nq * local * model.seq_length * causal * d / (
-            hw.peak_flops(precision) * hw.attention_efficiency)
+    scores, values = rates.attention_products(model, cfg, hw, kernels.attention, kernels.attention_backend, b * nq,
+                                              local)
     attention = scores + values
-    streamed = 2 * (2 * a * tokens * h // sp)                        # two norms: read x, write y
-    streamed += 2 * (3 * a * tokens * h // sp)                       # two bias-dropout-adds: x, residual -> out
-    if llama:
-        streamed += 2 * a * tokens * (nq + nkv) * d                  # rotary embedding of q and k
-    activation = (3 if llama else 2) * a * tokens * f // t           # swiglu (gate, up -> out) | tanh gelu
+    streamed = 2 * (3 * a * tokens * h // sp)                        # two bias-dropout-adds: x, residual -> out
     if kernels.layout_copies:                                        # QKV bias: read, write; context copy
         streamed += 2 * a * tokens * (nq + 2 * nkv) * d + 2 * a * tokens * nq * d
     if kernels.attention == "materialized":                          # softmax (read, write); dropout + 1-byte mask
         per_score = 2 * a + (2 * a + 1 if model.attention_dropout > 0 else 0)
         attention += hw.elementwise_seconds(per_score * b * nq * local * model.seq_length)
-    forward = gemm + attention + hw.memory_seconds(streamed) + hw.elementwise_seconds(activation)
+    norms = rates.memory_seconds(hw, "rms_norm" if llama else "layer_norm", 2 * (2 * a * tokens * h // sp),
+                                 2 * (3 * a * tokens * h // sp))     # two norms: x -> y; x, dy -> dx
+    rope = rates.memory_seconds(hw, "rope", 2 * a * tokens * (nq + nkv) * d, 2 * a * tokens * (nq + nkv) * d) \
+        if llama else (0.0, 0.0)                                     # q and k: x -> y; dy -> dx
+    act = a * tokens * f // t                                        # swiglu: gate, up -> y; gelu: x -> y
+    mlp = rates.memory_seconds(hw, "swiglu", 3 * act, 5 * act, True) if llama else \
+        rates.memory_seconds(hw, "gelu", 2 * act, 3 * act, True)
+    megalite_layout = kernels.attention == "flash" and not kernels.layout_copies
+    layout = rates.layout_copies(model, cfg, hw, tokens, megalite_layout)
+    forward = gemm + attention + hw.memory_seconds(streamed) + norms[0] + rope[0] + mlp[0] + layout[0]
     bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
-    main_grads = 8 * layer_params(model, t)                          # read-add-write into fp32 main grads
     products = scores + values
     backward = 2 * gemm + (2.5 if kernels.attention == "flash" else 2.0) * products + 1.5 * (attention - products)
-    backward += hw.memory_seconds(1.5 * streamed + bias_grads + main_grads) + hw.elementwise_seconds(1.5 * activation)
+    backward += hw.memory_seconds(1.5 * streamed + bias_grads) + norms[1] + rope[1] + mlp[1] + layout[1]
+    if "grad_accumulate" in hw.memory_fractions:                     # fp32 main grad += grad: read 4 + a, write 4
+        backward += rates.memory_seconds(hw, "grad_accumulate", (8 + a) * layer_params(model, t))[0]
+    else:                                                            # read-add-write into fp32 main grads
+        backward += hw.memory_seconds(8 * layer_params(model, t))
     return _Pass(forward, backward, attention)
 
 
@@ -197,14 +214,20 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
     forward_passes, backward_passes = 2 * logits, 2 * logits         # read the logits, write the gradient
     if kernels.fp32_cross_entropy:  # bytes per logit: upcast 2+4, max 4, sub 8, exp 8, sum 4, div 8 | scale 8, downcast 6
         forward_passes, backward_passes = (6 + 4 + 8 + 8 + 4 + 8) * logits // a, (8 + 6) * logits // a
-    forward = gemm + hw.memory_seconds(2 * a * tokens * h // sp) + hw.elementwise_seconds(forward_passes)  # norm; exp
-    backward = (2 + fused) * gemm + hw.memory_seconds(3 * a * tokens * h // sp) + hw.elementwise_seconds(backward_passes)
+    family = "fp32_cross_entropy" if kernels.fp32_cross_entropy else "cross_entropy"
+    loss = rates.memory_seconds(hw, family, forward_passes, backward_passes, True)                 # exp
+    norm = rates.memory_seconds(hw, "rms_norm" if model.flavour == "llama" else "layer_norm",
+                                2 * a * tokens * h // sp, 3 * a * tokens * h // sp)
+    forward = gemm + norm[0] + loss[0]
+    backward = (2 + fused) * gemm + norm[1] + loss[1]
     return _Pass(forward, backward)
 
 
-def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, float, float, float]:
-    """(device seconds, host seconds, backward seconds of one microbatch, attention forward seconds)
-    of one stage over all its chunks, per microbatch."""
+def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[float, float], float, float]:
+    """(device seconds, host seconds (forward, backward), backward device seconds, attention forward
+    seconds) of one stage over all its chunks, per microbatch. Host: the launches counted from the model
+    at the profile's `launch_host_us` (one graph replay per microbatch with CUDA graphs), else the per-block and
+    per-microbatch overheads (all of it in the backward's slot)."""
     layers = stage_layers(model, cfg)[stage]
     rerun = recomputed_stage_layers(model, cfg)[stage]
     block = block_pass(model, cfg, hw, kernels)
@@ -221,7 +244,13 @@ def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, float, f
             p = part(model, cfg, hw, kernels) if part is head_pass else part(model, cfg, hw)
             device, backward = device + p.forward + p.backward, backward + p.backward
     host += hw.microbatch_overhead_us * 1e-6 * (1.0 if cfg.parallel.pp == 1 else 0.5)  # ends split over stages
-    return device, host, backward, layers * block.attention_forward
+    if not hw.launch_host_us:
+        return device, (0.0, host), backward, layers * block.attention_forward
+    counted = stage_launches(model, cfg, stage)
+    selective = 4 * layers if cfg.parallel.recompute == "selective" else 0  # RoPE q, k; attention; its copy
+    rerun_launches = rerun * block_launches(model).forward + selective
+    host_passes = (1, 0) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
+    return device, tuple(host_seconds(hw, n) for n in host_passes), backward, layers * block.attention_forward
 
 
 def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
@@ -304,18 +333,33 @@ def _compression_seconds(model, cfg, hw, stage: int) -> float:
     return seconds
 
 
-def _optimizer_seconds(model, cfg, hw, params: int) -> tuple[float, float]:
+def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, float]:
     """(update seconds, offload seconds): AdamW streams the fp32 master, moments and gradient of its
     shard (read 16, write 12 bytes), the norm reads the gradient, the update is published in the
-    parameter dtype, and the full fp32 gradient buffer is zeroed."""
+    parameter dtype, and the full fp32 gradient buffer is zeroed. Where the profile measured AdamW's
+    rate, the passes megalite's optimizer makes are counted as its code runs them
+    (distributed_optimizer.py, bytes per element of the shard): the norm's square and sum (read 8,
+    write 4), the clip multiply (8; with clip_grad > 0 it runs whenever the norm exceeds it, as in
+    every measured step), the weight decay of the masters (8; counted for every parameter), AdamW at
+    its measured rate, the publish (4 + a); and the host's launches (launches.py) overlap that GPU
+    time after the norm's sync, or else the step overhead adds."""
     a = DTYPE_BYTES[cfg.precision.precision]
     shard = params / (cfg.dp * getattr(cfg.parallel, "cp", 1)) if cfg.parallel.zero else params
     offload = 0.0
+    measured = "adamw" in hw.memory_fractions
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
         offload, update = shard * 6 / 25e9 + shard / 1e9, 0.0
+    elif measured:
+        clip = 8 if cfg.optimizer.clip_grad > 0 or cfg.precision.precision == "fp16" else 0
+        decay = 8 if cfg.optimizer.weight_decay != 0 else 0
+        update = rates.memory_seconds(hw, "adamw", 28 * shard, transcendental=True)[0]
+        update += hw.memory_seconds(shard * (12 + clip + decay + 4 + a))
     else:
         update = hw.elementwise_seconds(shard * (28 + 4 + a))
-    return update + hw.memory_seconds(4 * params) + hw.step_overhead_us * 1e-6, offload
+    gpu = update + hw.memory_seconds(4 * params)
+    if not hw.launch_host_us:
+        return gpu + hw.step_overhead_us * 1e-6, offload
+    return max(gpu, host_seconds(hw, optimizer_launches(model, cfg, stage))), offload
 
 
 def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | HardwareProfile | None = None,
@@ -332,7 +376,12 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     stages = []
     for stage in range(pp):
         device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage)
-        busy = (device + host if hw.host_synchronous else max(device, host)) * slowdown
+        if hw.host_synchronous:
+            busy = (device + sum(host)) * slowdown
+        elif hw.launch_host_us:   # the host queues work ahead of the GPU; neither pass syncs
+            busy = queued_seconds([(host[0], device - backward), (host[1], backward)]) * slowdown
+        else:
+            busy = max(device, sum(host)) * slowdown
         comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
         if hw.host_synchronous:  # a CPU's collectives are work of its cores too
             comm = {key: seconds * slowdown for key, seconds in comm.items()}
@@ -357,7 +406,8 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     else:
         dp = max(0.0, dp) + max(c["dp_gather"] for _, c, _, _ in stages)
     dp += max(c["embedding"] for _, c, _, _ in stages)
-    update, offload = _optimizer_seconds(model, cfg, hw, max(stage_params(model, cfg, s) for s in range(pp)))
+    biggest = max(range(pp), key=lambda s: stage_params(model, cfg, s))
+    update, offload = _optimizer_seconds(model, cfg, hw, stage_params(model, cfg, biggest), biggest)
     sync = sum(count * hw.collective_latency_s(ranks) for ranks, count in step_scalar_collectives(cfg).values())
     return StepTime(compute=busy, tp=comm["tp"], cp=comm["cp"], pp=comm["pp"], dp=dp, bubble=bubble,
                     optimizer=update * slowdown, offload=offload,

@@ -1,7 +1,8 @@
 """Pre-flight: every configuration problem the planner can see, each naming its fix.
 
-`preflight()` runs before any process group exists (on every rank, on the same settings, so
-every rank stops with the same message and nothing hangs) and by `tools/plan.py`. When a GPU's
+`preflight()` runs where a run starts (megalite.training.launch_checks, before any process group
+exists, on every rank, on the same settings, so every rank stops with the same message and
+nothing hangs) and in `tools/plan.py`. When a GPU's
 memory is given, a layout that does not fit gets the first change that makes it fit.
 """
 from __future__ import annotations
@@ -19,10 +20,12 @@ if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
-def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: float | None = None) -> list[str]:
+def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: float | None = None,
+              memory_of: str | None = None) -> list[str]:
     """Every problem with this layout, each naming its fix; [] when the run may start.
 
-    Memory is checked (when gpu_memory bytes are given) only once the layout itself is valid.
+    Memory is checked (when gpu_memory bytes are given) only once the layout itself is valid;
+    `memory_of` says whose memory that is in the message (e.g. "this machine's RAM / 8 ranks").
     """
     try:
         check_degrees(cfg)
@@ -40,8 +43,9 @@ def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: flo
         return errors
     est = estimate(model, cfg)
     if not est.fits(gpu_memory):
+        whose = f" ({memory_of})" if memory_of else ""
         errors.append(f"estimated {est.total_bytes / GB:.2f} GB per rank (stage {est.stage}) does not fit "
-                      f"{gpu_memory / GB:.1f} GB with 10% headroom; {_memory_fix(model, cfg, gpu_memory)}")
+                      f"{gpu_memory / GB:.1f} GB{whose} with 10% headroom; {_memory_fix(model, cfg, gpu_memory)}")
     return errors
 
 

@@ -54,6 +54,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+from megalite.training.launch_checks import launch_problems, memory_per_rank
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
@@ -73,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg, actions = parse_args(argv)
-        world_size = int(os.environ.get("WORLD_SIZE", "0")) or (cfg.world_size if actions["dry_run"] else 1)
+        cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
+        launching = not (actions["dry_run"] or actions["print_config"])
+        # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
+        world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
         # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
         plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
         cfg = plan.cfg
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        cfg = configure(cfg, world_size, tokenizer.vocab_size)
+        cfg = configure(cfg, world_size, tokenizer.vocab_size, memory=memory_per_rank() if launching else None)
         if actions["print_config"]:
             print(to_toml(cfg, cfg.derived()), end="")
             return 0
@@ -93,16 +96,20 @@ def main(argv: list[str] | None = None) -> int:
         return report_usage_error(exc, rank)
 
 
-def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int) -> RunConfig:
-    """The configuration resolved for this world, or ConfigError listing every problem and its fix."""
+def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
+              memory: tuple[float, str] | None = None) -> RunConfig:
+    """The configuration resolved for this world, or ConfigError listing every problem and its fix.
+    `memory`: (bytes, whose) each rank may use (`memory_per_rank()`), to refuse a layout that cannot fit."""
+    if cfg.bound_problems():  # before resolving, which divides by the degrees
+        raise ConfigError.listing(cfg.bound_problems())
     cfg = cfg.resolved(world_size, tokenizer_vocab_size)
-    problems = cfg.validate(world_size, tokenizer_vocab_size)
+    problems = launch_problems(cfg, world_size, tokenizer_vocab_size, memory)
     if cfg.training.cuda_graph and not torch.cuda.is_available():
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:
-        raise ConfigError("\n".join(f"  - {p}" for p in problems))
+        raise ConfigError.listing(problems)
     return cfg
 
 

@@ -67,7 +67,7 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
                         overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
                         reshard_after_forward=p.zero3_reshard_after_forward,
                         keep_gathered_in_step=p.zero3_keep_gathered_in_step,
-                        grad_compression=compression)
+                        grad_compression=compression, dp_reduction="sum")  # the loss: / global tokens
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:

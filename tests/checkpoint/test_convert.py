@@ -83,5 +83,22 @@ def test_export_config_carries_the_dropout_probabilities():
     for flavour in ("gpt2", "llama"):
         config = GPTConfig(flavour, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300,
                            seq_length=16, hidden_dropout=0.1 if flavour == "gpt2" else 0.0, attention_dropout=0.2)
-        back = config_from_hf(convert.hf_config_for(config, torch.float32))
+        hf = convert.hf_config_for(config, torch.float32)
+        back = config_from_hf(hf)
         assert (back.hidden_dropout, back.attention_dropout) == (config.hidden_dropout, 0.2)
+        special = [getattr(hf, n) for n in ("bos_token_id", "eos_token_id", "pad_token_id") if getattr(hf, n, None)]
+        assert special and all(0 <= i < 300 for i in special), special  # inside the exported vocabulary
+
+
+def test_a_damaged_or_foreign_directory_is_one_line(tmp_path, capsys):
+    (tmp_path / "step_000001").mkdir()
+    (tmp_path / "step_000001" / "metadata.json").write_text("{not json")
+    (tmp_path / "step_000001" / "manifest.json").write_text("{}")
+    assert convert.main(["export", "--load", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "convert_checkpoint: error:" in err, err
+    try:
+        code = convert.main(["export", "--load", str(tmp_path), "--output", str(tmp_path / "o"), "--step", "x"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1

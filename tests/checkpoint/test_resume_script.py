@@ -120,7 +120,7 @@ def test_torchrun_restarts_killed_workers_without_any_environment_variable(case,
 @pytest.mark.parametrize("argv,needle", [
     (["--save-interval", "5"], "--save-interval needs --save DIR"),
     (["--load-step", "3"], "--load-step needs --load DIR"),
-    (["--save", "x", "--keep-last", "-1"], "--keep-last must be >= 0"),
+    (["--save", "x", "--keep-last", "-1"], "--keep-last must be an integer >= 0, got -1"),
 ])
 def test_bad_checkpoint_flags_name_the_fix(argv, needle, capsys):
     assert _main(argv) == 2

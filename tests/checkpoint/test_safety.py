@@ -8,6 +8,7 @@ import torch
 
 from megalite import mesh
 from megalite.checkpoint import CheckpointCorruptError, Checkpointer, load_checkpoint
+from megalite.errors import UsageError
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.save import CRASH_ENV
 from megalite.mesh import single_process_mesh
@@ -83,8 +84,9 @@ def test_damage_is_named_and_latest_falls_back(two_checkpoints, tmp_path, victim
         with pytest.raises(CheckpointCorruptError, match=f"{victim}: (sha256 mismatch|.*the manifest says)"):
             CheckpointReader(root / "step_000002").verify_files([victim])
     _damage(root / "step_000001" / "shard_r00000.bin", "flip")
-    with pytest.raises(CheckpointCorruptError, match="no intact checkpoint"):
+    with pytest.raises(CheckpointCorruptError, match="no intact checkpoint") as error:
         _load(root)
+    assert isinstance(error.value, UsageError)  # the person running the job chooses: one line, exit 2
 
 
 def test_no_checkpoint_yet_starts_from_scratch_and_bad_requests_fail(two_checkpoints, tmp_path):

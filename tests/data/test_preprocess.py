@@ -6,6 +6,7 @@ import pytest
 
 from data_helpers import random_texts, tiny_tokenizer_json, write_jsonl
 from megalite.data import ByteTokenizer, IndexedDataset, load_tokenizer, preprocess_files
+from megalite.data.indexed_dataset import DataError
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "preprocess_data.py")
 
@@ -59,7 +60,7 @@ def test_json_keys_and_errors(tmp_path):
     assert _decoded_documents(str(tmp_path / "k_text")) == ["first", "second"]
     assert _decoded_documents(str(tmp_path / "k_title")) == ["T1", "T2"]
 
-    with pytest.raises(KeyError, match="--json-keys"):
+    with pytest.raises(DataError, match="--json-keys"):
         preprocess_files([path], str(tmp_path / "x"), "byte", json_keys=("body",))
     with open(tmp_path / "bad.jsonl", "w") as f:
         f.write("not json\n")
@@ -68,6 +69,35 @@ def test_json_keys_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--input"):
         preprocess_files([str(tmp_path / "nowhere")], str(tmp_path / "z"), "byte")
     assert not os.path.exists(tmp_path / "x.bin") and not os.path.exists(tmp_path / "y.idx")
+
+
+def test_the_tool_refuses_bad_input_in_one_line(tmp_path, capsys):
+    tool = _load_tool()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "not_a_tokenizer.json").write_text("hello")
+    cases = {"not_json.jsonl": ('{"text": "fine"}\nnot json\n', "not_json.jsonl:2: not valid JSON"),
+             "no_key.jsonl": ('{"body": "x"}\n', "no_key.jsonl:1: no key 'text'"),
+             "number.jsonl": ('{"text": 5}\n', "no_key.jsonl:1: 'text' is a int, not a string".replace(
+                 "no_key", "number")),
+             "list.jsonl": ('[1, 2]\n', "list.jsonl:1: a JSON list, not an object"),
+             "latin1.jsonl": (b'{"text": "caf\xe9"}\n', "not UTF-8 text")}
+    runs = [([str(tmp_path / "empty")], "no input files found"),
+            ([str(tmp_path / "missing.txt")], "is neither a file nor a directory"),
+            ([str(tmp_path / "empty"), "--tokenizer", str(tmp_path / "not_a_tokenizer.json")],
+             "is not a HuggingFace tokenizer.json"),
+            ([str(tmp_path / "empty"), "--workers", "many"], "argument --workers: invalid int value")]
+    for name, (text, needle) in cases.items():
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+        runs.append(([str(tmp_path / name)], needle))
+    for inputs, needle in runs:
+        argv = ["--input", *inputs, "--output-prefix", str(tmp_path / "o")]
+        try:
+            code = tool.main(argv + ["--no-progress"])
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, (inputs, err)
+    assert not os.path.exists(tmp_path / "o.bin")
 
 
 def test_hf_tokenizer_preprocessing_with_workers(tmp_path):

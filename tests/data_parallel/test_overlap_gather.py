@@ -37,7 +37,7 @@ def _batch(step, dp_rank, vocab):
 def _train(m, flavour, zero, overlap):
     config = _config(flavour)
     model = DataParallel(GPTModel(config, m, seed=3), m, zero_stage=zero, bucket_size=300,
-                         overlap_param_gather=overlap)
+                         overlap_param_gather=overlap, dp_reduction="sum")
     optimizer = DistributedOptimizer(model, weight_decay=0.1, clip_grad=1.0)
     losses, in_flight = [], []
     for step in range(STEPS):
@@ -93,7 +93,8 @@ def _pipeline_world():
         chunks = [GPTModel(config, m, seed=3, layer_ids=ids, pre_process=m.pp_rank == 0 and c == 0,
                            post_process=m.pp_rank == 1 and c == 1)
                   for c, ids in enumerate(stage_layers(config.num_layers, 2, 2, m.pp_rank))]
-        model = DataParallel(chunks, m, zero_stage=1, bucket_size=300, overlap_param_gather=overlap)
+        model = DataParallel(chunks, m, zero_stage=1, bucket_size=300, overlap_param_gather=overlap,
+                             dp_reduction="sum")
         optimizer = DistributedOptimizer(model)
         losses = []
         with gathers_land_at_wait():

@@ -1,7 +1,11 @@
 """DataParallel over plain torch modules: at ZeRO 0 any torch optimizer steps on the reduced grads;
 at ZeRO 1/2/3 megalite's optimizer updates the shard the wrapper hands it (ZeRO-3: the default
 units of a plain module, or units given as a list of submodules). All equal one process
-training the whole batch with torch.optim.AdamW."""
+training the whole batch with torch.optim.AdamW: with the loss divided by the global batch's
+tokens and dp_reduction="sum" (megalite's convention), and with a model returning the mean loss
+of its own rank's batch, as torch DDP users write, under the default dp_reduction="mean"."""
+import math
+
 import torch
 from torch import nn
 
@@ -32,22 +36,30 @@ def _batch(step):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _reference():
+def _grad_norm(params) -> float:
+    return float(torch.stack([p.grad.double().pow(2).sum() for p in params]).sum().sqrt())
+
+
+def _reference(with_grad_norms=False):
     torch.manual_seed(0)
     model = PlainLM()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    norms = []
     for step in range(STEPS):
         opt.zero_grad()
         ids, labels = _batch(step)
         (model(ids, labels) / ids.numel()).backward()
+        norms.append(_grad_norm(model.parameters()))
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return (params, norms) if with_grad_norms else params
 
 
 def _train(m, zero_stage, torch_optimizer, units=None):
     torch.manual_seed(0)
     module = PlainLM()
-    model = DataParallel(module, m, zero_stage=zero_stage, bucket_size=500, units=units and units(module))
+    model = DataParallel(module, m, zero_stage=zero_stage, bucket_size=500, units=units and units(module),
+                         dp_reduction="sum")
     if torch_optimizer:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     else:
@@ -69,17 +81,44 @@ def _train(m, zero_stage, torch_optimizer, units=None):
         return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}
 
 
+def _train_ddp_style(m, zero_stage):
+    """What a torch DDP user writes: the mean loss of this rank's batch, the wrapper's defaults.
+    Returns (parameters, gradient norm per step): Adam hides a gradient's scale, the norm does not."""
+    torch.manual_seed(0)
+    model = DataParallel(PlainLM(), m, zero_stage=zero_stage)  # dp_reduction="mean"
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0) if zero_stage == 0 else \
+        DistributedOptimizer(model, weight_decay=0.0)
+    rows, norms = ROWS // m.dp_size, []
+    for step in range(STEPS):
+        model.zero_grad()
+        ids, labels = (t[m.dp_rank * rows:(m.dp_rank + 1) * rows] for t in _batch(step))
+        (model(ids, labels) / ids.numel()).backward()  # a mean over this rank's tokens
+        if zero_stage == 0:
+            model.finish_grad_sync()
+            norms.append(_grad_norm(model.parameters()))
+            opt.step()
+        else:
+            norms.append(opt.step(LR)["grad_norm"])
+    with model.gathered():
+        return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}, norms
+
+
 def _world():
     m = mesh_lib.init_mesh()
     runs = {"zero0 + torch AdamW": _train(m, 0, True), "zero1": _train(m, 1, False), "zero2": _train(m, 2, False),
             "zero3 default units": _train(m, 3, False),
-            "zero3 given units": _train(m, 3, False, units=lambda lm: [lm.embed, lm.mlp[1], lm.mlp[3]])}
+            "zero3 given units": _train(m, 3, False, units=lambda lm: [lm.embed, lm.mlp[1], lm.mlp[3]]),
+            "mean loss, zero0 + torch AdamW": _train_ddp_style(m, 0), "mean loss, zero3": _train_ddp_style(m, 3)}
     return runs
 
 
 def test_plain_torch_model_under_the_wrapper_matches_one_process():
-    reference = _reference()
+    reference, reference_norms = _reference(with_grad_norms=True)
     for rank, runs in enumerate(run_distributed(_world, 2)):
         for what, params in runs.items():
+            if what.startswith("mean loss"):
+                params, norms = params
+                assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(norms, reference_norms)), \
+                    (what, norms, reference_norms)
             for name, value in params.items():
                 assert_tensor_close(value, reference[name], rtol=1e-5, what=f"rank {rank} {what} {name}")

@@ -66,5 +66,6 @@ def sharded_adamw(model, m, *, zero_stage, bucket_size=64, **optimizer_kwargs):
     from megalite.data_parallel import DataParallel
     from megalite.optim.distributed_optimizer import DistributedOptimizer
 
-    return DistributedOptimizer(DataParallel(model, m, zero_stage=zero_stage, bucket_size=bucket_size),
+    return DistributedOptimizer(DataParallel(model, m, zero_stage=zero_stage, bucket_size=bucket_size,
+                                             dp_reduction="sum"),
                                 **optimizer_kwargs)

@@ -48,7 +48,7 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
     torch.manual_seed(0)
     model = ToyGPT(m.tp_group, sp).to(dtype)
     dp = DataParallel(model, m, zero_stage=zero_stage, bucket_size=bucket_size, grad_reduce_dtype=grad_reduce_dtype,
-                      overlap_param_gather=overlap)
+                      overlap_param_gather=overlap, dp_reduction="sum")
     opt = DistributedOptimizer(dp, weight_decay=WEIGHT_DECAY, clip_grad=CLIP, offload_optimizer=offload,
                                loss_scaler=scaler)
     in_flight = []  # buckets whose all-gather is still running when step() returns

@@ -94,7 +94,7 @@ def _world(zero_stages):
         layer_ids = range(m.pp_rank, m.pp_rank + 1)
         model = GPTModel(cfg, m, seed=7, layer_ids=layer_ids, pre_process=m.is_first_stage,
                          post_process=m.is_last_stage, sequence_parallel=True)
-        dp = DataParallel(model, m, zero_stage=zero_stage, bucket_size=2000)
+        dp = DataParallel(model, m, zero_stage=zero_stage, bucket_size=2000, dp_reduction="sum")
         opt = DistributedOptimizer(dp, weight_decay=WEIGHT_DECAY, eps=EPS, clip_grad=CLIP)
         rows = GLOBAL_BATCH // m.dp_size
         losses, norms = [], []

@@ -153,7 +153,7 @@ def _zero_bubble_with_optimizer_world():
 
     mesh, microbatches, chunk = _two_stage_chunk()
     m = len(microbatches)
-    model = DataParallel([chunk], mesh, zero_stage=0)  # grad sinks on the linears
+    model = DataParallel([chunk], mesh, zero_stage=0, dp_reduction="sum")  # grad sinks on the linears
     opt = DistributedOptimizer(model)
     live = []
     for _ in range(4):

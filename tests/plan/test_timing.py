@@ -178,7 +178,10 @@ def test_ranking_step_time_delegates_to_the_model():
     parts = P.step_time(model, cfg, None, 8, "A100-80GB")
     assert parts == predict_step_time(model, cfg, "A100-80GB", ranks_per_node=8).breakdown()
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
-    assert P.step_time(model, cfg, None, 8, "H200")["total"] < parts["total"]
+    # the H200 profile's measured host time per launch makes this small-microbatch layout host-bound
+    # (plan/launches.py; the A100 profile has no such measurement); its device alone is the faster
+    device_only = dataclasses.replace(BUILTIN["H200"], launch_host_us=0.0)
+    assert P.step_time(model, cfg, None, 8, device_only)["total"] < parts["total"]
     assert MEGALITE == Kernels()
 
 

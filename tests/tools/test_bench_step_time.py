@@ -27,3 +27,13 @@ def test_narayanan_rows_paper_times_and_predictions(capsys):
     assert rows[-1]["breakdown"]["bubble"] > 0 and rows[3]["breakdown"]["tp"] > 0 and rows[0]["breakdown"]["tp"] == 0
     bench.print_narayanan(rows, "A100-80GB")
     assert "rows within 10%" in capsys.readouterr().out
+
+
+def test_h200_rows_print_predicted_against_measured(capsys, monkeypatch):
+    bench.h200()
+    out = capsys.readouterr().out
+    assert [name for name, *_ in bench.H200_RUNS if name in out] == [name for name, *_ in bench.H200_RUNS]
+    assert "measured  133.0 ms" in out and "with Triton attention" in out
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.measure_gpu(5, pathlib.Path("unused"))

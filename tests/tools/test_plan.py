@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 
 import pytest
@@ -47,6 +48,34 @@ def test_errors_exit_2_with_the_fix(capsys):
     code, out = run(capsys, "--model", "llama-7b", "--seq-length", "2048", "--dp", "8", "--bf16",
                     "--global-batch-size", "8", "--micro-batch-size", "1", "--gpu-memory", "80")
     assert code == 2 and "add --zero 1" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpus", "8", "--nodes", "3"], "--nodes 3 does not divide --gpus 8"),
+    (["--suggest", "--gpus", "8"], "--suggest needs --gpu-memory G"),
+    (["--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--gpu-memory", "0"], "--gpu-memory must be > 0"),
+    (["--gpu-memory", "lots"], "cannot read a memory size from 'lots'"),
+    (["--tp", "0"], "--tp must be an integer >= 1, got 0"),
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--hardware", "no-such-gpu"], "no-such-gpu"),
+])
+def test_planner_mistakes_are_one_line_exit_2(capsys, argv, needle):
+    try:
+        code = plan.main(argv)
+    except SystemExit as exc:  # argparse's own mistakes
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured
+    assert needle in captured.err, captured.err
+
+
+def test_suggest_without_gpus_plans_the_flags_world(capsys):
+    code, out = run(capsys, "--model", "gpt2-124m", "--suggest", "--tp", "2", "--gpu-memory", "80",
+                    "--bf16", "--global-batch-size", "8", "--top-k", "2", "--json")
+    found = json.loads(out)
+    worlds = [math.prod(s["config"]["parallel"][k] for k in ("tp", "cp", "pp", "dp")) for s in found]
+    assert code == 0 and found and worlds == [2] * len(found), worlds  # --tp 2: a world of 2
 
 
 def test_suggest_json(capsys):

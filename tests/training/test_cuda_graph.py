@@ -33,7 +33,7 @@ def test_cuda_graph_refuses_what_a_capture_cannot_hold(settings, reason):
 
 
 def test_cuda_graph_allows_plain_data_parallel_runs():
-    problems = RunConfig.build(cuda_graph=True, zero=1).resolved(4, 257).validate(4, 257)
+    problems = RunConfig.build(cuda_graph=True, zero=1).resolved(4, 257).validate()
     assert not [p for p in problems if "cuda-graph" in p]
 
 

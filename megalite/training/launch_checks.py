@@ -1,0 +1,66 @@
+"""Everything a run checks before it starts, on every rank before any process group exists.
+
+    problems = launch_problems(cfg, world_size, tokenizer_vocab_size, memory=(bytes, "what"))
+
+The settings' own problems come from `RunConfig.validate()` (declared bounds, the model,
+combinations of settings, data files); what needs the world or the planner is added here: the
+planner's pre-flight (world size, divisibility by tp/pp/cp, batch arithmetic, sequence and
+context parallelism), the vocabulary against the tokenizer, the pipeline schedule built and
+verified, and, when the device's memory is given, the planner's memory estimate against it with
+the changes that would make it fit. Keeping these here lets the configuration stay below the
+planner: megalite.plan imports megalite.config, never the reverse.
+
+Pure Python: torch is imported only by `memory_per_rank()`, to ask for the GPU's memory.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from megalite.pipeline.schedules import check_pipeline_config
+from megalite.plan.validity import preflight
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
+
+
+def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None = None,
+                    memory: tuple[float, str] | None = None) -> list[str]:
+    """Every problem with this resolved configuration on a world of `world_size` ranks, each
+    naming its fix ([] when the run may start). `memory`: (bytes each rank may use, what they
+    are, e.g. "GPU memory"); the memory estimate is checked only once nothing else is wrong."""
+    own = cfg.validate()
+    if cfg.bound_problems():
+        return own  # values out of range: the layout arithmetic would divide by them
+    try:
+        model = cfg.gpt_config()
+    except ValueError:
+        return own  # validate() names the model's problem
+    problems = preflight(model, cfg, world_size)
+    if tokenizer_vocab_size is not None and model.vocab_size < tokenizer_vocab_size:
+        problems.append(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}; "
+                        f"drop --vocab-size or set it >= {tokenizer_vocab_size}")
+    if cfg.parallel.pp > 1 and not problems:
+        try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
+            p = cfg.parallel
+            check_pipeline_config(cfg.schedule, model.num_layers, p.pp, cfg.num_microbatches, p.virtual_stages,
+                                  p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+        except ValueError as exc:
+            problems.append(str(exc))
+    problems = list(dict.fromkeys(problems + own))
+    if not problems and memory is not None:
+        problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
+    return problems
+
+
+def memory_per_rank() -> tuple[float, str]:
+    """(bytes, whose) this rank may fill: its GPU's memory, or on a CPU the machine's RAM shared by
+    the node's ranks (LOCAL_WORLD_SIZE). Asked before any process group exists."""
+    import torch
+
+    if torch.cuda.is_available():
+        device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return float(torch.cuda.get_device_properties(device).total_memory), f"GPU {device}'s memory"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / ranks, ("this machine's RAM" + (f" / {ranks} ranks" if ranks > 1 else ""))

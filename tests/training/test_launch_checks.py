@@ -1,0 +1,102 @@
+"""What a run checks where it starts (megalite.training.launch_checks and the loop's configure):
+a user's mistake ends in one line and exit 2 before any process group exists, and the layout
+is checked against the memory of the device it would run on. Whatever would launch runs on a
+forked rank (run_distributed), so the memory query never initialises CUDA in the test process."""
+import sys
+
+import pytest
+
+from megalite.config import RunConfig
+from megalite.errors import ConfigError
+from megalite.plan import estimate
+from megalite.testing import run_distributed
+from megalite.training.launch_checks import memory_per_rank
+from megalite.training.loop import configure, main
+
+
+def _main_err(argv):
+    """(exit code, stderr) of the training program, on a forked rank."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def _launch(argv) -> tuple[int, str]:
+    return run_distributed(_main_err, 1, argv, timeout_s=120)[0]
+
+
+def test_a_model_larger_than_this_machine_is_refused_before_allocating(capsys):
+    code, err = _launch(["--hidden-size", "65536", "--train-iters", "1"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "does not fit" in err and ("this machine's RAM" in err or "GPU 0's memory" in err), err
+    assert "tools/plan.py --suggest" in err, err
+    # a dry run plans the layout the flags name, for the machine it will run on: no memory check here
+    assert main(["--hidden-size", "65536", "--dry-run"]) == 0, capsys.readouterr().err
+
+
+def test_the_memory_check_names_the_settings_that_fit():
+    cfg = RunConfig.build(model="gpt2-124m", dp=8, micro_batch_size=4, seq_length=256)
+    resolved = cfg.resolved(8, 257)
+    need = estimate(resolved.gpt_config(), resolved).total_bytes
+    with pytest.raises(ConfigError) as error:  # 8 ranks of a node whose memory holds 80% of the estimate
+        configure(cfg, 8, 257, memory=(need * 0.8, "test memory"))
+    assert "(test memory)" in str(error.value) and "add --zero" in str(error.value), error.value
+    assert configure(cfg, 8, 257, memory=(need * 2, "test memory")).dp == 8  # enough memory: it starts
+
+
+def _memory_alone_and_shared_by_4():
+    import os
+
+    whole = memory_per_rank()
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    return whole, memory_per_rank()
+
+
+def test_memory_per_rank_is_this_machines():
+    (whole, what), (quarter, what4) = run_distributed(_memory_alone_and_shared_by_4, 1)[0]
+    if "RAM" in what:  # a CPU: the node's ranks share its memory
+        assert whole > 1e8 and quarter == whole / 4 and what4.endswith("/ 4 ranks")
+    else:  # a GPU: each rank has its own
+        assert whole > 1e8 and quarter == whole and "GPU" in what4
+
+
+@pytest.mark.parametrize("make,argv,needle", [
+    (lambda d: (d / "tok.json").write_text("hello") and d / "tok.json", "--tokenizer",
+     "is not a HuggingFace tokenizer.json"),
+    (lambda d: (d / "file").write_text("x") and d / "file", "--load", "is a file; --load takes the checkpoint directory"),
+])
+def test_files_that_are_not_what_the_flag_takes(tmp_path, make, argv, needle):
+    code, err = _launch([argv, str(make(tmp_path)), "--train-iters", "1"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_a_load_directory_whose_every_checkpoint_is_damaged_is_one_line(tmp_path):
+    small = ["--num-layers", "1", "--hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
+             "--train-iters", "1", "--eval-iters", "0"]
+    assert run_distributed(main, 1, small + ["--save", str(tmp_path)], timeout_s=120) == [0]
+    shards = list(tmp_path.glob("step_*/*.bin"))
+    assert shards
+    for shard in shards:
+        shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes: every checksum fails
+    code, err = _launch(small + ["--load", str(tmp_path), "--train-iters", "2"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no intact checkpoint" in err, err
+    assert "Traceback" not in err and "point --load at another directory" in err
+
+
+def test_print_config_shows_the_named_layout_on_one_process(capsys):
+    code = main(["--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--global-batch-size", "32", "--print-config"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    assert "tp = 2" in out and "dp = 2" in out and "#   world_size = 8" in out and "#   num_microbatches = 2" in out
+
+
+def test_the_configuration_does_not_import_the_planner():
+    import subprocess
+
+    code = "import sys, megalite.config, megalite.cli; print(sorted(m for m in sys.modules if 'plan' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
