@@ -73,6 +73,7 @@ def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequenc
         meta.shard_spec = shard_spec
     if sequence_parallel_grad is not None:
         meta.sequence_parallel_grad = bool(sequence_parallel_grad)
+        meta.sequence_parallel_declared = True
     if tied_across_stages is not None:
         meta.tied_across_stages = bool(tied_across_stages)
     return param
@@ -84,6 +85,10 @@ def shard_spec(param: torch.Tensor) -> ShardSpec:
 
 def is_sequence_parallel_grad(param: torch.Tensor) -> bool:
     return info(param).sequence_parallel_grad
+
+
+def is_sequence_parallel_declared(param: torch.Tensor) -> bool:
+    return info(param).sequence_parallel_declared
 
 
 def is_tied_across_stages(param: torch.Tensor) -> bool:
@@ -132,5 +137,6 @@ def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Give `target` the declarations of `source` (a ZeRO-3 wrapper replacing a parameter built on
     the meta device by a real one); the wrapper attaches its own grad destination afterwards."""
     meta = info(source)
-    setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad, meta.tied_across_stages))
+    setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad,
+                                          meta.sequence_parallel_declared, meta.tied_across_stages))
     return target

@@ -13,6 +13,7 @@ freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of the
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -128,8 +129,10 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       the chunk's buckets reduce during it. Without one, tied-embedding `.grad`s are summed
       over the embedding group at the end.
     stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
-      whose activations were alive at once on this rank), "instructions" and
-      "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
+      whose activations were alive at once on this rank), "instructions",
+      "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT) and
+      "transfer_wait_s" (host seconds in activation/gradient transfers: mostly waiting for a
+      neighbour stage, i.e. the pipeline bubble as this rank sees it).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
     """
     if len(model_chunks) != spec.virtual_stages:
@@ -164,6 +167,7 @@ class _Executor:
         self.store = WeightGradStore()
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
+        self.transfer_wait_s = 0.0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=mesh.device)  # see train_step
 
     def run(self, grad_sync: GradSync | None) -> None:
@@ -206,7 +210,9 @@ class _Executor:
                 (self.inputs if op.kind == RECV_ACT else self.output_grads)[key] = buffer
                 transfers.append(("recv", buffer, peer_rank))
                 received.append((op.kind, buffer))
+        start = time.perf_counter()
         post_and_wait(transfers, self.mesh.pp_group)
+        self.transfer_wait_s += time.perf_counter() - start
         for kind, buffer in received:
             if kind == RECV_ACT and not self.forward_only:
                 buffer.requires_grad_(True)
@@ -275,6 +281,6 @@ class _Executor:
     def loss_sum(self) -> float:
         return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return {"peak_live_microbatches": self.peak_live, "instructions": len(self.ops),
-                "deferred_weight_grads": self.deferred_weight_grads}
+                "deferred_weight_grads": self.deferred_weight_grads, "transfer_wait_s": self.transfer_wait_s}
