@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         labels = split_sequence(data[step, rows, 1:], mesh.cp_rank, mesh.cp_size)
         microbatches = list(zip(inputs.split(args.micro_batch_size), labels.split(args.micro_batch_size)))
         stats: dict = {}
-        local = pipe.step(microbatches, loss_scale=1 / (GLOBAL_BATCH * SEQ), grad_sync=model, stats=stats)
+        local = pipe.step(microbatches, loss_scale=1 / (GLOBAL_BATCH * SEQ), grad_sync=model, stats=stats,
+                          measure_bubble=True)
         if args.zero == 0:
             model.finish_grad_sync()  # every param.grad is now the gradient of the whole global batch
             optimizer.step()
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             optimizer.step(LR)
         total = comm.all_reduce(torch.tensor(local, dtype=torch.float64), mesh.dp_cp_group)  # last stage: all tokens
         losses.append(float(comm.all_reduce(total, mesh.pp_group)) / (GLOBAL_BATCH * SEQ))  # other stages add 0
-        advisor.observe(step_s=time.perf_counter() - start, pipeline_wait_s=stats["transfer_wait_s"],
+        advisor.observe(step_s=time.perf_counter() - start, pipeline_bubble=stats["bubble_fraction"],
                         exposed_dp_comm_s=sum(model.exposed_comm_seconds().values()), pp=mesh.pp_size)
         if mesh.rank == 0:
             print(f"step {step}: loss {losses[-1]:.6f} (tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} "

@@ -132,7 +132,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       whose activations were alive at once on this rank), "instructions",
       "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT) and
       "transfer_wait_s" (host seconds in activation/gradient transfers: mostly waiting for a
-      neighbour stage, i.e. the pipeline bubble as this rank sees it).
+      neighbour stage) and "compute_s" ({instruction kind: mean host seconds of one}, for
+      `replay.replay_bubble`).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
     """
     if len(model_chunks) != spec.virtual_stages:
@@ -168,6 +169,7 @@ class _Executor:
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
         self.transfer_wait_s = 0.0
+        self.compute_seconds: dict[str, list[float]] = {}  # kind -> [total seconds, count]
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=mesh.device)  # see train_step
 
     def run(self, grad_sync: GradSync | None) -> None:
@@ -180,21 +182,28 @@ class _Executor:
                     grad_sync.before_last_backward(op.chunk)
                 if op.is_transfer:
                     self.transfer(step)
-                elif op.kind == FWD:
-                    self.forward(op.chunk, op.microbatch)
-                elif op.kind in (BWD, BWD_INPUT):
-                    self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
-                elif op.kind == BWD_WEIGHT:
-                    self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
-                    self.live.discard((op.chunk, op.microbatch))
-                    if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
-                        grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
                 else:
-                    raise ValueError(f"unknown instruction {op}")
+                    start = time.perf_counter()
+                    self.compute(op, grad_sync)
+                    total = self.compute_seconds.setdefault(op.kind, [0.0, 0])
+                    total[0], total[1] = total[0] + time.perf_counter() - start, total[1] + 1
         if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():
             raise RuntimeError(f"pipeline ended with state left over on stage {self.stage}: outputs "
                                f"{sorted(self.outputs)}, inputs {sorted(self.inputs)}, pending weight grads "
                                f"{self.store.pending()}")
+
+    def compute(self, op: Instr, grad_sync: GradSync | None) -> None:
+        if op.kind == FWD:
+            self.forward(op.chunk, op.microbatch)
+        elif op.kind in (BWD, BWD_INPUT):
+            self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
+        elif op.kind == BWD_WEIGHT:
+            self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
+            self.live.discard((op.chunk, op.microbatch))
+            if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
+                grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
+        else:
+            raise ValueError(f"unknown instruction {op}")
 
     def transfer(self, batch: list[Instr]) -> None:
         transfers, received = [], []
@@ -281,6 +290,7 @@ class _Executor:
     def loss_sum(self) -> float:
         return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         return {"peak_live_microbatches": self.peak_live, "instructions": len(self.ops),
-                "deferred_weight_grads": self.deferred_weight_grads, "transfer_wait_s": self.transfer_wait_s}
+                "deferred_weight_grads": self.deferred_weight_grads, "transfer_wait_s": self.transfer_wait_s,
+                "compute_s": {kind: total / count for kind, (total, count) in self.compute_seconds.items()}}

@@ -23,9 +23,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from megalite import comm
 from megalite.mesh import Mesh
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
+from megalite.pipeline.instructions import COMPUTE_KINDS
 from megalite.pipeline.partition import model_chunk_id
+from megalite.pipeline.replay import replay_bubble
 from megalite.pipeline.schedules import check_schedule_args, verified_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last chunk's output, labels) -> loss sum
@@ -97,7 +100,7 @@ class Pipeline:
 
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
              loss_scale: float | torch.Tensor | Callable[[], Any] = 1.0, *, grad_sync=None,
-             stats: dict[str, Any] | None = None) -> float:
+             stats: dict[str, Any] | None = None, measure_bubble: bool = False) -> float:
         """Forward and backward of every (inputs, labels) microbatch under the schedule.
 
         grad_sync: the DataParallel wrapping `self.chunks` (its buckets reduce during each chunk's
@@ -114,6 +117,18 @@ class Pipeline:
         if grad_sync is not None:
             grad_sync.set_last_microbatch(True)
         self.last_step_seconds = time.perf_counter() - start
+        if measure_bubble:
+            counters["bubble_fraction"] = self.bubble_fraction(counters["compute_s"])
         if stats is not None:
             stats.update(counters, step_s=self.last_step_seconds)
         return loss_sum
+
+    def bubble_fraction(self, compute_s: dict[str, float]) -> float:
+        """The idle share of the pipeline: every stage's mean seconds per instruction kind, gathered
+        over the pipeline group, replayed through the schedule (replay.py). Collective over pp."""
+        mine = torch.tensor([[compute_s.get(kind, 0.0) for kind in COMPUTE_KINDS]], dtype=torch.float64)
+        every = comm.all_gather(mine.to(self.mesh.device), self.mesh.pp_group).cpu()  # [pp, kinds], by stage
+        durations = [dict(zip(COMPUTE_KINDS, row.tolist())) for row in every]
+        schedule = verified_schedule(self.spec.schedule, self.mesh.pp_size, self.spec.num_microbatches,
+                                     self.spec.virtual_stages)
+        return replay_bubble(schedule, self.mesh.pp_size, self.spec.virtual_stages, durations)

@@ -1,13 +1,14 @@
 """Advice from measured step times, printed once per kind when it applies, each naming the fix.
 
     advisor = Advisor()                                   # print_fn=None on every rank but one
-    advisor.observe(step_s=..., pipeline_wait_s=..., exposed_dp_comm_s=..., pp=mesh.pp_size)
+    advisor.observe(step_s=..., pipeline_bubble=..., exposed_dp_comm_s=..., pp=mesh.pp_size)
 
 Two measurements practitioners ask for:
-- the pipeline bubble: host seconds a pipeline rank spent in activation/gradient transfers
-  (`Pipeline.step(stats=...)["transfer_wait_s"]`, `run_pipeline`'s stats), which is mostly waiting
-  for a neighbour stage. Above 20% of the step: more microbatches per step (the 1F1B bubble is
-  (pp-1)/(m+pp-1) of it) or an interleaved schedule (which divides it by the virtual stages);
+- the pipeline bubble: the idle share of the pipeline, the schedule replayed with every stage's
+  measured compute times (`Pipeline.step(..., measure_bubble=True)` -> stats["bubble_fraction"];
+  pipeline/replay.py says why not the raw transfer waits, which a busy host inflates). Above 20%:
+  more microbatches per step (the 1F1B bubble is (pp-1)/(m+pp-1)) or an interleaved schedule
+  (which divides it by about the virtual stages);
 - exposed data-parallel communication: host seconds blocked on dp reductions and gathers that
   compute did not hide (`DataParallel.exposed_comm_seconds()`). Above 20% of the step: fewer
   nodes (or more of the reduction inside one), a larger micro batch (more compute per reduction),
@@ -25,9 +26,9 @@ EXPOSED_DP_LIMIT = 0.20
 
 
 def bubble_advice(fraction: float, pp: int) -> str:
-    return (f"advice: the pipeline waited {fraction:.0%} of the step (bubble > {BUBBLE_LIMIT:.0%} at pp={pp}); "
-            f"increase microbatches (a larger global batch or a smaller micro batch) or interleave "
-            f"(--schedule interleaved --virtual-stages 2)")
+    return (f"advice: the pipeline bubble is {fraction:.0%} of the step (> {BUBBLE_LIMIT:.0%} at pp={pp}); "
+            f"increase microbatches or interleave (a larger global batch or a smaller micro batch; "
+            f"--schedule interleaved --virtual-stages 2)")
 
 
 def exposed_dp_advice(fraction: float) -> str:
@@ -42,22 +43,23 @@ class Advisor:
     def __init__(self, print_fn: Callable[[str], object] | None = print, warmup_steps: int = 1):
         self.print_fn, self.warmup_steps = print_fn, warmup_steps
         self.steps = 0
-        self.step_s = self.pipeline_wait_s = self.exposed_dp_comm_s = 0.0
+        self.step_s = self.bubble_s = self.exposed_dp_comm_s = 0.0
         self.given: list[str] = []  # the advice printed so far, in order
         self._kinds: set[str] = set()
 
-    def observe(self, step_s: float, pipeline_wait_s: float | None = None, exposed_dp_comm_s: float | None = None,
+    def observe(self, step_s: float, pipeline_bubble: float | None = None, exposed_dp_comm_s: float | None = None,
                 pp: int = 1) -> list[str]:
-        """Record one step (seconds); returns the advice newly given by it (printed via print_fn)."""
+        """Record one step: its seconds, its pipeline bubble (a fraction) and its exposed dp
+        communication (seconds). Returns the advice newly given by it (printed via print_fn)."""
         self.steps += 1
         if self.steps <= self.warmup_steps or step_s <= 0.0:
             return []
         self.step_s += step_s
-        self.pipeline_wait_s += pipeline_wait_s or 0.0
+        self.bubble_s += (pipeline_bubble or 0.0) * step_s
         self.exposed_dp_comm_s += exposed_dp_comm_s or 0.0
         new = []
-        if pp > 1 and self.pipeline_wait_s > BUBBLE_LIMIT * self.step_s:
-            new += self._give("bubble", bubble_advice(self.pipeline_wait_s / self.step_s, pp))
+        if pp > 1 and self.bubble_s > BUBBLE_LIMIT * self.step_s:
+            new += self._give("bubble", bubble_advice(self.bubble_s / self.step_s, pp))
         if self.exposed_dp_comm_s > EXPOSED_DP_LIMIT * self.step_s:
             new += self._give("dp", exposed_dp_advice(self.exposed_dp_comm_s / self.step_s))
         return new
