@@ -28,7 +28,7 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +53,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+from megalite.training.advice import Advisor
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
@@ -139,6 +140,7 @@ class Job:
     preemption: PreemptionHandler
     last_saved: int = 0
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
+    advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -358,6 +360,7 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
+    job.advisor.observe(step_time, exposed_dp_comm_s=result["exposed_dp_comm_s"])
 
 
 def save(job: Job, step: int) -> None:
