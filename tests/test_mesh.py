@@ -189,12 +189,12 @@ from megalite.tensor_parallel import ColumnParallelLinear
 mesh = init_mesh(tp=int(sys.argv[1]))
 layer = ColumnParallelLinear(8, 16, gather_output=True)
 layer(torch.randn(2, 8)).sum().backward()
-if sys.argv[2] == "crash":
+if mesh.rank == int(sys.argv[2]):
     raise RuntimeError(f"planted failure on rank {mesh.rank}")
 """  # never calls destroy_mesh()
 
 
-def _launch(world: int, mode: str) -> list[tuple[int, str]]:
+def _launch(world: int, crashing_rank: int) -> list[tuple[int, str]]:
     """Run _FORGETFUL as `world` real processes (a fresh interpreter each: atexit and interpreter
     finalization only happen there, not in forked test ranks); (exit code, output) per rank."""
     import os
@@ -207,7 +207,8 @@ def _launch(world: int, mode: str) -> list[tuple[int, str]]:
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", _FORGETFUL, str(world), mode], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, "-c", _FORGETFUL, str(world), str(crashing_rank)], env=env,
+                                      text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
 
@@ -215,7 +216,8 @@ def _launch(world: int, mode: str) -> list[tuple[int, str]]:
 def test_script_without_destroy_mesh_exits_zero_and_a_crash_exits_nonzero():
     """init_mesh registers the process group's teardown for interpreter exit: without it gloo's
     group is destroyed during finalization, which can abort (SIGABRT) a finished job."""
-    for code, output in _launch(4, "clean"):
+    results = _launch(4, crashing_rank=3)  # ranks 0-2 finish and forget destroy_mesh(); rank 3 raises
+    for code, output in results[:3]:
         assert code == 0 and "process group alive at exit: False" in output, (code, output)
-    for code, output in _launch(2, "crash"):
-        assert code != 0 and "planted failure" in output, (code, output)
+    code, output = results[3]
+    assert code != 0 and "planted failure on rank 3" in output, (code, output)
