@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 examples/custom_transformer.py --tp 2 --pp 2 --dp 2 --sequence-parallel --zero 1
     torchrun --nproc_per_node 4 examples/custom_transformer.py --tp 2 --cp 2             # long sequences
     torchrun --nproc_per_node 4 examples/custom_transformer.py --dp 4 --zero 3           # parameters sharded
-    torchrun --nproc_per_node 4 examples/custom_transformer.py --pp 4 --schedule interleaved --virtual-stages 2
+    torchrun --nproc_per_node 2 examples/custom_transformer.py --pp 2 --schedule interleaved --virtual-stages 2
 
 The model is a plain nn.Sequential written here: an embedding, pre-norm blocks (Megatron's
 pattern: column-parallel in, row-parallel out, one tp reduction per half-block) and a head whose
