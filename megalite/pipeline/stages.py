@@ -124,11 +124,16 @@ class Pipeline:
         return loss_sum
 
     def bubble_fraction(self, compute_s: dict[str, float]) -> float:
-        """The idle share of the pipeline: every stage's mean seconds per instruction kind, gathered
-        over the pipeline group, replayed through the schedule (replay.py). Collective over pp."""
-        mine = torch.tensor([[compute_s.get(kind, 0.0) for kind in COMPUTE_KINDS]], dtype=torch.float64)
-        every = comm.all_gather(mine.to(self.mesh.device), self.mesh.pp_group).cpu()  # [pp, kinds], by stage
-        durations = [dict(zip(COMPUTE_KINDS, row.tolist())) for row in every]
-        schedule = verified_schedule(self.spec.schedule, self.mesh.pp_size, self.spec.num_microbatches,
-                                     self.spec.virtual_stages)
-        return replay_bubble(schedule, self.mesh.pp_size, self.spec.virtual_stages, durations)
+        """The idle share of this pipeline (see `measured_bubble`). Collective over pp."""
+        return measured_bubble(compute_s, self.mesh, self.spec)
+
+
+def measured_bubble(compute_s: dict[str, float], mesh: Mesh, spec: PipelineSpec) -> float:
+    """The idle share of the pipeline: every stage's mean seconds per instruction kind (`run_pipeline`
+    stats "compute_s"), all-gathered over the pipeline group, replayed through the schedule
+    (replay.py). Collective over `mesh.pp_group`: every rank of it calls this together."""
+    mine = torch.tensor([[compute_s.get(kind, 0.0) for kind in COMPUTE_KINDS]], dtype=torch.float64)
+    every = comm.all_gather(mine.to(mesh.device), mesh.pp_group).cpu()  # [pp, kinds], by stage
+    durations = [dict(zip(COMPUTE_KINDS, row.tolist())) for row in every]
+    schedule = verified_schedule(spec.schedule, mesh.pp_size, spec.num_microbatches, spec.virtual_stages)
+    return replay_bubble(schedule, mesh.pp_size, spec.virtual_stages, durations)
