@@ -13,6 +13,7 @@ freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of the
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
@@ -132,8 +133,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       whose activations were alive at once on this rank), "instructions",
       "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT) and
       "transfer_wait_s" (host seconds in activation/gradient transfers: mostly waiting for a
-      neighbour stage) and "compute_s" ({instruction kind: mean host seconds of one}, for
-      `replay.replay_bubble`).
+      neighbour stage) and "compute_s" ({instruction kind: median host seconds of one, so an
+      instruction descheduled on a busy host does not count}, for `replay.replay_bubble`).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
     """
     if len(model_chunks) != spec.virtual_stages:
@@ -169,7 +170,7 @@ class _Executor:
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
         self.transfer_wait_s = 0.0
-        self.compute_seconds: dict[str, list[float]] = {}  # kind -> [total seconds, count]
+        self.compute_seconds: dict[str, list[float]] = {}  # kind -> seconds of each instruction of that kind
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=mesh.device)  # see train_step
 
     def run(self, grad_sync: GradSync | None) -> None:
@@ -185,8 +186,7 @@ class _Executor:
                 else:
                     start = time.perf_counter()
                     self.compute(op, grad_sync)
-                    total = self.compute_seconds.setdefault(op.kind, [0.0, 0])
-                    total[0], total[1] = total[0] + time.perf_counter() - start, total[1] + 1
+                    self.compute_seconds.setdefault(op.kind, []).append(time.perf_counter() - start)
         if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():
             raise RuntimeError(f"pipeline ended with state left over on stage {self.stage}: outputs "
                                f"{sorted(self.outputs)}, inputs {sorted(self.inputs)}, pending weight grads "
@@ -293,4 +293,4 @@ class _Executor:
     def stats(self) -> dict[str, Any]:
         return {"peak_live_microbatches": self.peak_live, "instructions": len(self.ops),
                 "deferred_weight_grads": self.deferred_weight_grads, "transfer_wait_s": self.transfer_wait_s,
-                "compute_s": {kind: total / count for kind, (total, count) in self.compute_seconds.items()}}
+                "compute_s": {kind: statistics.median(seconds) for kind, seconds in self.compute_seconds.items()}}

@@ -3,7 +3,7 @@
 Waiting time measured on the host (`run_pipeline`'s "transfer_wait_s") mixes the schedule's
 bubble with transfer costs and with a neighbour being descheduled on a busy machine. The
 schedule's own bubble is a property of (schedule, pp, v, m) and of how long each stage's
-forward and backward take: replay the instruction lists with each stage's measured mean
+forward and backward take: replay the instruction lists with each stage's measured median
 durations, every compute instruction starting when its stage is free and its input is ready
 (FWD of model chunk k after FWD of k-1 on that microbatch; a backward after the backward of
 k+1), transfers taken as free. Then

@@ -129,7 +129,7 @@ class Pipeline:
 
 
 def measured_bubble(compute_s: dict[str, float], mesh: Mesh, spec: PipelineSpec) -> float:
-    """The idle share of the pipeline: every stage's mean seconds per instruction kind (`run_pipeline`
+    """The idle share of the pipeline: every stage's median seconds per instruction kind (`run_pipeline`
     stats "compute_s"), all-gathered over the pipeline group, replayed through the schedule
     (replay.py). Collective over `mesh.pp_group`: every rank of it calls this together."""
     mine = torch.tensor([[compute_s.get(kind, 0.0) for kind in COMPUTE_KINDS]], dtype=torch.float64)

@@ -174,7 +174,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     the interleaved "pipeline") / optimizer seconds.
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'
-    (and, at pp > 1, 'pipeline': (spec, this stage's mean seconds per compute instruction))}: host
+    (and, at pp > 1, 'pipeline': (spec, this stage's median seconds per compute instruction))}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
     compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
