@@ -81,7 +81,7 @@ class Block(nn.Module):
         self.cp_group, self.cp_comm_type = mesh.cp_group, cp_comm_type
         sp = dict(sequence_parallel=sequence_parallel)
         self.norm1, self.norm2 = LayerNorm(HIDDEN, **sp), LayerNorm(HIDDEN, **sp)
-        self.qkv = ColumnParallelLinear(HIDDEN, 3 * HIDDEN, fused_blocks=(HIDDEN, HIDDEN, HIDDEN), **sp)  # [Q_r;K_r;V_r]
+        self.qkv = ColumnParallelLinear(HIDDEN, 3 * HIDDEN, fused_blocks=(HIDDEN, HIDDEN, HIDDEN), **sp)  # [Q;K;V]/tp
         self.out = RowParallelLinear(HIDDEN, HIDDEN, **sp)
         self.up = ColumnParallelLinear(HIDDEN, 4 * HIDDEN, **sp)
         self.down = RowParallelLinear(4 * HIDDEN, HIDDEN, **sp)
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         total = comm.all_reduce(torch.tensor(local, dtype=torch.float64), mesh.dp_cp_group)  # last stage: all tokens
         losses.append(float(comm.all_reduce(total, mesh.pp_group)) / (GLOBAL_BATCH * SEQ))  # other stages add 0
         advisor.observe(step_s=time.perf_counter() - start, pipeline_bubble=stats["bubble_fraction"],
-                        exposed_dp_comm_s=sum(model.exposed_comm_seconds().values()), pp=mesh.pp_size)
+                        exposed_dp_comm_s=sum(model.exposed_comm_seconds().values()), pp=mesh.pp_size,
+                        dp=mesh.dp_size * mesh.cp_size)
         if mesh.rank == 0:
             print(f"step {step}: loss {losses[-1]:.6f} (tp={mesh.tp_size} cp={mesh.cp_size} pp={mesh.pp_size} "
                   f"dp={mesh.dp_size} sp={args.sequence_parallel} zero={args.zero})")

@@ -65,8 +65,8 @@ def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Param
 
 def _refuse_unmarked_norms(chunks: Sequence[nn.Module], mesh: Mesh) -> None:
     """A norm among sequence-parallel layers must declare whether it sees a sequence shard, or its
-    gradient is silently 1/tp partial (tensor_parallel/norms.py, sequence_parallel.py). Same answer on every rank, before
-    any collective."""
+    gradient is silently 1/tp partial (tensor_parallel/norms.py, sequence_parallel.py). Same answer
+    on every rank, before any collective."""
     problem = unmarked_norm_problem(chunks, mesh.tp_size)
     if problem is not None:
         raise errors.UsageError(f"DataParallel: {problem}")

@@ -104,8 +104,10 @@ class Pipeline:
         """Forward and backward of every (inputs, labels) microbatch under the schedule.
 
         grad_sync: the DataParallel wrapping `self.chunks` (its buckets reduce during each chunk's
-        last backward; then finish_grad_sync() or the sharded optimizer's step completes them). stats, if given, gets the executor's counters, "transfer_wait_s" (host seconds
-        in pipeline sends/receives: the bubble as this rank saw it) and "step_s".
+        last backward; then finish_grad_sync() or the sharded optimizer's step completes them).
+        stats, if given, gets the executor's counters ("transfer_wait_s", "compute_s", ...) and
+        "step_s"; with measure_bubble (on every rank alike: one small all-gather over the pipeline
+        group) also "bubble_fraction", the schedule replayed with every stage's measured times.
         Returns the sum of the unscaled loss sums on the last stage, 0.0 on the others."""
         start = time.perf_counter()
         batches = [{"input_ids": inputs, "labels": labels} for inputs, labels in microbatches]

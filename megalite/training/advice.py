@@ -48,9 +48,11 @@ class Advisor:
         self._kinds: set[str] = set()
 
     def observe(self, step_s: float, pipeline_bubble: float | None = None, exposed_dp_comm_s: float | None = None,
-                pp: int = 1) -> list[str]:
+                pp: int = 1, dp: int | None = None) -> list[str]:
         """Record one step: its seconds, its pipeline bubble (a fraction) and its exposed dp
-        communication (seconds). Returns the advice newly given by it (printed via print_fn)."""
+        communication (seconds); pp and dp (the replicas, dp x cp; None: not known) say whether
+        either can apply.
+        Returns the advice newly given by it (printed via print_fn)."""
         self.steps += 1
         if self.steps <= self.warmup_steps or step_s <= 0.0:
             return []
@@ -60,7 +62,7 @@ class Advisor:
         new = []
         if pp > 1 and self.bubble_s > BUBBLE_LIMIT * self.step_s:
             new += self._give("bubble", bubble_advice(self.bubble_s / self.step_s, pp))
-        if self.exposed_dp_comm_s > EXPOSED_DP_LIMIT * self.step_s:
+        if (dp is None or dp > 1) and self.exposed_dp_comm_s > EXPOSED_DP_LIMIT * self.step_s:
             new += self._give("dp", exposed_dp_advice(self.exposed_dp_comm_s / self.step_s))
         return new
 

@@ -363,7 +363,7 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
     bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
     job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result["exposed_dp_comm_s"],
-                        pp=job.mesh.pp_size)
+                        pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
 
 
 def save(job: Job, step: int) -> None:

@@ -54,7 +54,8 @@ def test_no_refusal_without_sequence_parallel_layers_or_at_tp1():
 
 def test_norm_modules_equal_torch_forward_and_backward():
     x = torch.randn(5, 3, 8, requires_grad=True)
-    for ours, theirs in ((LayerNorm(8, eps=1e-5), nn.LayerNorm(8, eps=1e-5)), (RMSNorm(8, eps=1e-6), nn.RMSNorm(8, eps=1e-6))):
+    for ours, theirs in ((LayerNorm(8, eps=1e-5), nn.LayerNorm(8, eps=1e-5)),
+                         (RMSNorm(8, eps=1e-6), nn.RMSNorm(8, eps=1e-6))):
         with torch.no_grad():
             for p, q in zip(ours.parameters(), theirs.parameters()):
                 p.uniform_(0.5, 1.5), q.copy_(p)

@@ -18,6 +18,8 @@ def test_exposed_dp_advice_once_after_warmup():
     given = advisor.observe(step_s=1.0, exposed_dp_comm_s=0.5)  # 0.6 of 2.0 s: 30%
     assert len(given) == 1 and "30%" in given[0] and "bf16 reduction" in given[0] and "PowerSGD" in given[0]
     assert advisor.observe(step_s=1.0, exposed_dp_comm_s=0.9) == [] and printed == given  # once only
+    alone = Advisor(print_fn=None)  # one replica: nothing to reduce, whatever the wrapper's timer says
+    assert [alone.observe(step_s=1.0, exposed_dp_comm_s=0.9, dp=1) for _ in range(3)] == [[], [], []]
 
 
 def test_replay_gives_the_known_bubbles():
