@@ -1,7 +1,8 @@
-"""examples/custom_transformer.py: a hand-written model under DataParallel and the sharded optimizer.
+"""examples/custom_transformer.py: a hand-written model on tensor, sequence, context, pipeline and data
+parallelism with ZeRO 0-3.
 
-The global batch is fixed and split over dp, so every (tp, dp, zero) must print the losses of
-the single process (float32: the optimizers differ only in summation order).
+The global batch is fixed and split over dp (the sequence over cp, the rows into microbatches), so
+every layout must print the losses of the single process (float32: only summation orders differ).
 """
 import importlib.util
 import json

@@ -39,9 +39,12 @@ def unmarked_norm_problem(chunks: Sequence[nn.Module], tp_size: int) -> str | No
     for name, module in modules:
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if _is_norm(module) and own and not all(params.is_sequence_parallel_declared(p) for p in own):
-            return (f"{name or 'the model'} ({type(module).__name__}) sits among sequence-parallel layers but its "
-                    f"parameters are not declared, so under tp={tp_size} its gradient would be 1/tp partial: build it "
-                    f"as megalite.tensor_parallel.{'RMSNorm' if 'RMS' in type(module).__name__ else 'LayerNorm'}"
-                    f"(..., sequence_parallel=True), or call megalite.tensor_parallel.mark_sequence_parallel(module) "
-                    f"(mark_sequence_parallel(module, False) if it sees the whole sequence)")
+            kind = type(module).__name__
+            old_style = any(hasattr(p, "sequence_parallel") for p in own)  # Megatron's attribute: not read here
+            return (f"{name or 'the model'} ({kind}) sits among sequence-parallel layers but its parameters are not "
+                    f"declared{' (their `sequence_parallel` attribute is not read)' if old_style else ''}, so under "
+                    f"tp={tp_size} its gradient would be 1/tp partial: build it as megalite.tensor_parallel."
+                    f"{'RMSNorm' if 'RMS' in kind else 'LayerNorm'}(..., sequence_parallel=True), or call "
+                    f"megalite.tensor_parallel.mark_sequence_parallel(module) (mark_sequence_parallel(module, False) "
+                    f"if it sees the whole sequence)")
     return None

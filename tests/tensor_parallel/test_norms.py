@@ -36,6 +36,9 @@ def test_dataparallel_refuses_an_undeclared_norm_among_sequence_parallel_layers(
     rms = type("MyRMSNorm", (nn.Module,), {})()  # a user's own norm class, recognised by its name
     rms.weight = nn.Parameter(torch.ones(8))
     assert "tensor_parallel.RMSNorm" in unmarked_norm_problem([UserBlock(rms)], 2)
+    megatron_style = nn.LayerNorm(8)
+    megatron_style.weight.sequence_parallel = megatron_style.bias.sequence_parallel = True  # silently ignored before
+    assert "`sequence_parallel` attribute is not read" in unmarked_norm_problem([UserBlock(megatron_style)], 2)
 
 
 @pytest.mark.parametrize("declared", ["module", "marked", "marked_full"])
