@@ -8,6 +8,10 @@ The public names load on first use (PEP 562), so `import megalite` is cheap and
     up = megalite.ColumnParallelLinear(1024, 4096)
     model = megalite.DataParallel(my_model, mesh, zero_stage=1)
     optimizer = megalite.DistributedOptimizer(model, weight_decay=0.1)   # optimizer.step(lr) per step
+
+Your own model also gets megalite.LayerNorm / RMSNorm (sequence_parallel=True) and
+mark_sequence_parallel, context_parallel_attention, and Pipeline / split_layers over your own stages
+(README: "Your own model with the whole toolbox").
 """
 from megalite._lazy import lazy_exports
 
@@ -15,6 +19,7 @@ __version__ = "0.1.0"
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.config": ["RunConfig"],
+    "megalite.context_parallel.attention": ["context_parallel_attention"],
     "megalite.data_parallel.wrapper": ["DataParallel"],
     "megalite.errors": ["ConfigError", "UsageError"],
     "megalite.mesh": ["Mesh", "destroy_mesh", "init_mesh"],
@@ -22,7 +27,10 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.model.gpt": ["GPTModel"],
     "megalite.optim.distributed_optimizer": ["DistributedOptimizer"],
     "megalite.optim.loss_scaler": ["DynamicLossScaler"],
+    "megalite.pipeline.stages": ["Pipeline", "split_layers"],
     "megalite.tensor_parallel.cross_entropy": ["vocab_parallel_cross_entropy"],
     "megalite.tensor_parallel.layers": ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"],
+    "megalite.tensor_parallel.norms": ["LayerNorm", "RMSNorm"],
+    "megalite.tensor_parallel.sequence_parallel": ["mark_sequence_parallel"],
     "megalite.training.loop": ["train"],
 })

@@ -7,9 +7,11 @@ choke point).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +137,7 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
 
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not comm.is_initialized():
+        _register_exit_teardown()
         comm.init_process_group(backend, rank, world_size, datetime.timedelta(seconds=timeout_s),
                                 device=device if device.type == "cuda" else None)
     tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
@@ -171,7 +174,54 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
 
 
 def destroy_mesh() -> None:
-    """Forget the current mesh and tear down the process group (tests, end of training)."""
+    """Forget the current mesh and tear down the process group (tests, end of training).
+
+    Optional: `init_mesh` registers it to run at interpreter exit (see `_teardown_at_exit`)."""
     global _CURRENT_MESH
     _CURRENT_MESH = None
     comm.destroy_process_group()
+
+
+_EXIT_TEARDOWN = {"registered": False, "crashed": False}
+
+
+def _register_exit_teardown() -> None:
+    """Tear the process group down at interpreter exit if the script never called destroy_mesh().
+
+    Why: a gloo process group still alive when Python finalizes is destroyed during the
+    interpreter's teardown; its worker threads can still hold finished work objects whose
+    tensors drop Python references, which then needs the GIL of an interpreter that is going
+    away, and the process aborts ("terminate called without an active exception", SIGABRT),
+    so torchrun reports a finished job as failed. Destroying the group in an `atexit` handler
+    does the same work while the interpreter is still whole. Registered once per process,
+    before the group exists, so it runs after any handler the user registers later (LIFO).
+    """
+    if _EXIT_TEARDOWN["registered"]:
+        return
+    _EXIT_TEARDOWN["registered"] = True
+    previous_hook = sys.excepthook
+
+    def note_crash(kind, value, tb):  # an uncaught exception: the script exits 1 after atexit
+        _EXIT_TEARDOWN["crashed"] = True
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = note_crash
+    atexit.register(_teardown_at_exit)
+
+
+def _current_backend() -> str | None:
+    return _CURRENT_MESH.backend if _CURRENT_MESH is not None else None
+
+
+def _teardown_at_exit() -> None:
+    """The atexit handler. A crash keeps its non-zero exit code (Python sets it, not this);
+    after a crash under NCCL the teardown is skipped, since destroying NCCL communicators can
+    wait for peers that will never come, while gloo's teardown is local."""
+    if not comm.is_initialized():
+        return
+    if _EXIT_TEARDOWN["crashed"] and _current_backend() == "nccl":
+        return
+    try:
+        destroy_mesh()
+    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
+        print(f"megalite: tearing down the process group at exit failed: {exc}", file=sys.stderr, flush=True)

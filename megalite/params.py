@@ -6,6 +6,8 @@ Four packages need to know things about a parameter that its tensor does not say
 |------------------------|-------------------------------------|----------------------------------------------|
 | shard_spec             | tensor-parallel layers, GPTModel    | init, checkpoints, grad norm, replica check  |
 | sequence_parallel_grad | layers built with sequence_parallel | the DP wrapper (sums it over tp first)       |
+| sequence_parallel_     | the same, and a user's              | the DP wrapper (refuses an undeclared norm   |
+|   declared             | tensor_parallel.mark_sequence_parallel | among sequence-parallel layers)           |
 | tied_across_stages     | GPTModel (tied embedding, pp > 1)   | the DP wrapper, grad norm, pipeline executor |
 | grad_sink, main_grad   | the DP wrapper                      | linear layers' backward, executor, tests     |
 | deferred               | the pipeline executor (ZB-H1's B)   | linear layers' backward                      |
@@ -41,6 +43,9 @@ class ParamInfo:
     sequence_parallel_grad: bool = False
     """Under sequence parallelism each tp rank holds a partial gradient (norms, row biases, the
     GPT-2 position table): summed over tp before the dp reduction."""
+    sequence_parallel_declared: bool = False
+    """True once a model said either way (`declare`, `tensor_parallel.mark_sequence_parallel`): the
+    DP wrapper refuses a norm among sequence-parallel layers that nobody declared."""
     tied_across_stages: bool = False
     """One half of the tied embedding held by the first and the last pipeline stage: its gradient
     is summed over the embedding group, and it counts once in the global norm (first stage)."""
@@ -73,6 +78,7 @@ def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequenc
         meta.shard_spec = shard_spec
     if sequence_parallel_grad is not None:
         meta.sequence_parallel_grad = bool(sequence_parallel_grad)
+        meta.sequence_parallel_declared = True
     if tied_across_stages is not None:
         meta.tied_across_stages = bool(tied_across_stages)
     return param
@@ -84,6 +90,10 @@ def shard_spec(param: torch.Tensor) -> ShardSpec:
 
 def is_sequence_parallel_grad(param: torch.Tensor) -> bool:
     return info(param).sequence_parallel_grad
+
+
+def is_sequence_parallel_declared(param: torch.Tensor) -> bool:
+    return info(param).sequence_parallel_declared
 
 
 def is_tied_across_stages(param: torch.Tensor) -> bool:
@@ -132,5 +142,7 @@ def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Give `target` the declarations of `source` (a ZeRO-3 wrapper replacing a parameter built on
     the meta device by a real one); the wrapper attaches its own grad destination afterwards."""
     meta = info(source)
-    setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad, meta.tied_across_stages))
+    setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad,
+                                          sequence_parallel_declared=meta.sequence_parallel_declared,
+                                          tied_across_stages=meta.tied_across_stages))
     return target

@@ -177,3 +177,47 @@ def test_real_context_parallel_groups_match_arithmetic():
     assert "rank = tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" in table
     assert table.splitlines()[1].split()[:5] == ["rank", "tp", "cp", "dp", "pp"]
     assert table.splitlines()[2 + 6].split()[:5] == ["6", "0", "1", "1", "0"]  # rank 6 = 0 + 2*(1 + 2*1)
+
+
+_FORGETFUL = """
+import atexit, sys
+import torch, torch.distributed as dist
+# Registered before init_mesh's teardown, so it runs after it (atexit is last-in first-out).
+atexit.register(lambda: print("process group alive at exit:", dist.is_initialized(), flush=True))
+from megalite.mesh import init_mesh
+from megalite.tensor_parallel import ColumnParallelLinear
+mesh = init_mesh(tp=int(sys.argv[1]))
+layer = ColumnParallelLinear(8, 16, gather_output=True)
+layer(torch.randn(2, 8)).sum().backward()
+if mesh.rank == int(sys.argv[2]):
+    raise RuntimeError(f"planted failure on rank {mesh.rank}")
+"""  # never calls destroy_mesh()
+
+
+def _launch(world: int, crashing_rank: int) -> list[tuple[int, str]]:
+    """Run _FORGETFUL as `world` real processes (a fresh interpreter each: atexit and interpreter
+    finalization only happen there, not in forked test ranks); (exit code, output) per rank."""
+    import os
+    import subprocess
+    import sys
+
+    from megalite.testing import free_port
+
+    port, procs = free_port(), []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", _FORGETFUL, str(world), str(crashing_rank)], env=env,
+                                      text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
+
+
+def test_script_without_destroy_mesh_exits_zero_and_a_crash_exits_nonzero():
+    """init_mesh registers the process group's teardown for interpreter exit: without it gloo's
+    group is destroyed during finalization, which can abort (SIGABRT) a finished job."""
+    # Two fresh interpreters (each imports torch: the cost of this test); 20 of 20 four-rank torchrun
+    # runs of the same script exited 0 by hand (docs/architecture.md, "Exit").
+    (clean_code, clean_output), (crash_code, crash_output) = _launch(2, crashing_rank=1)
+    assert clean_code == 0 and "process group alive at exit: False" in clean_output, clean_output
+    assert crash_code != 0 and "planted failure on rank 1" in crash_output, crash_output

@@ -95,7 +95,7 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
     args = dict(args, gpus=args["gpus"] or cfg.world_size)
     found = suggest(cfg.gpt_config(), args["gpus"], args["gpu_memory"], nodes=args["nodes"],
                     gpus_per_node=args["gpus_per_node"], global_batch_size=cfg.training.global_batch_size,
-                    precision=cfg.precision.precision, top_k=args["top_k"], hardware=args["hardware"])
+                    precision=cfg.precision.precision, top_k=args["top_k"], hardware=args["hardware"], base=cfg)
     if args["json"]:
         print(json.dumps([{"config": s.cfg.to_dict(), "step_time_s": s.step_time_s, "reason": s.reason,
                            **s.estimate.to_dict()} for s in found], indent=1))
@@ -109,7 +109,8 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
         print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp}{context} --virtual-stages {p.virtual_stages} "
               f"--zero {p.zero} --recompute {p.recompute} --micro-batch-size {s.cfg.training.micro_batch_size}"
               f"{' --sequence-parallel' if p.sequence_parallel else ''}"
-              f"{' --offload-optimizer' if p.offload_optimizer else ''}\n    {s.reason}")
+              f"{' --offload-optimizer' if p.offload_optimizer else ''}"
+              f"{' --overlap-param-gather' if p.overlap_param_gather else ''}\n    {s.reason}")
     return 0 if found else 2
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite import comm
 from megalite.context_parallel.checks import CP_COMM_TYPES
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_parallel.ulysses import ulysses_attention
@@ -16,7 +17,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     attention (K/V blocks round the ring); "a2a": Ulysses (all-to-all to a head split and back).
     Dropout (Ulysses only): the Philox mask of `dropout_seed` over the logical [heads, b, s, s]
     probabilities, of which q's heads start at global head `head_start`.
+    With a cp group of one rank (or None) it is plain causal attention over the whole sequence,
+    so a user's block can call it at every layout.
     """
+    if comm.group_size(cp_group) == 1:
+        from megalite.model import functional as MF  # the model's attention (kernels on CUDA)
+
+        b, _, s, _ = q.shape
+        return MF.attention(q, k, v, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                            dropout_offset=head_start * b * s * s)
     if comm_type == "p2p":
         if dropout_p > 0.0:
             raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention; set "

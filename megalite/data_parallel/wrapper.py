@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite import comm, params as P
+from megalite import comm, errors, params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
 from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
 from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
@@ -47,6 +47,7 @@ from megalite.data_parallel.unit_params import UnitParams
 from megalite.data_parallel.units import Unit, resolve_units, split_tied
 from megalite.data_parallel.zero3 import Zero3Schedule
 from megalite.mesh import Mesh
+from megalite.tensor_parallel.sequence_parallel import unmarked_norm_problem
 
 
 def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -60,6 +61,15 @@ def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Param
             prefix = f"chunk{c}." if len(chunks) > 1 else ""
             named += [(prefix + n, p) for n, p in chunk.named_parameters()]
     return named
+
+
+def _refuse_unmarked_norms(chunks: Sequence[nn.Module], mesh: Mesh) -> None:
+    """A norm among sequence-parallel layers must declare whether it sees a sequence shard, or its
+    gradient is silently 1/tp partial (tensor_parallel/norms.py, sequence_parallel.py). Same answer
+    on every rank, before any collective."""
+    problem = unmarked_norm_problem(chunks, mesh.tp_size)
+    if problem is not None:
+        raise errors.UsageError(f"DataParallel: {problem}")
 
 
 class DataParallel(nn.Module):
@@ -106,6 +116,7 @@ class DataParallel(nn.Module):
             raise ValueError("overlap_param_gather needs zero_stage 1 or 2 (at zero 0 nothing is gathered; ZeRO-3 "
                              "gathers each unit right before its forward, never after the step)")
         self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
+        _refuse_unmarked_norms(self.chunks, mesh)
         self.mesh, self.zero_stage = mesh, zero_stage
         self.schedule: Zero3Schedule | None = None
         self.units: list[Unit] = []  # ZeRO-3's units (one bucket each)

@@ -5,6 +5,7 @@
     verify_schedule(schedule, pp, v, num_microbatches)            # raises ScheduleError
     check_pipeline_config(name, num_layers, pp, num_microbatches, v=1, first=None, last=None, layout=None)
     run_pipeline(chunks, microbatches, mesh, spec, loss_scale, ...) -> float
+    Pipeline(stages, mesh, loss_fn, ...).step(microbatches, loss_scale, grad_sync=...)   # a user's own stages
 
 Everything but the executor is pure arithmetic (no torch); names load lazily (PEP 562), so the
 planner uses partition, schedules and the verifier without loading torch.
@@ -19,5 +20,6 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.pipeline.partition": ["chunk_layer_counts", "model_chunk_id", "parse_layout", "stage_layers"],
     "megalite.pipeline.schedules": ["SCHEDULES", "build_schedule", "check_pipeline_config", "check_schedule_args",
                                     "verified_schedule"],
+    "megalite.pipeline.stages": ["Pipeline", "Stage", "split_layers"],
     "megalite.pipeline.verifier": ["ScheduleError", "peak_live_microbatches", "verify_schedule"],
 })

@@ -14,6 +14,8 @@ freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of the
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
@@ -130,8 +132,11 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       the chunk's buckets reduce during it. Without one, tied-embedding `.grad`s are summed
       over the embedding group at the end.
     stats: if given, filled with "peak_live_microbatches" (most (chunk, microbatch) pairs
-      whose activations were alive at once on this rank), "instructions" and
-      "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT).
+      whose activations were alive at once on this rank), "instructions",
+      "deferred_weight_grads" (weight-gradient closures run by BWD_WEIGHT) and
+      "transfer_wait_s" (host seconds in activation/gradient transfers: mostly waiting for a
+      neighbour stage) and "compute_s" ({instruction kind: median host seconds of one, so an
+      instruction descheduled on a busy host does not count}, for `replay.replay_bubble`).
     check_host_reads: the schedule's forwards, backwards and transfers run under
       `training.host_reads.no_host_reads()` (a tensor value read into Python raises).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
@@ -169,6 +174,8 @@ class _Executor:
         self.store = WeightGradStore()
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
+        self.transfer_wait_s = 0.0
+        self.compute_seconds: dict[str, list[float]] = {}  # kind -> seconds of each instruction of that kind
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=mesh.device)  # see train_step
 
     def run(self, grad_sync: GradSync | None) -> None:
@@ -181,21 +188,27 @@ class _Executor:
                     grad_sync.before_last_backward(op.chunk)
                 if op.is_transfer:
                     self.transfer(step)
-                elif op.kind == FWD:
-                    self.forward(op.chunk, op.microbatch)
-                elif op.kind in (BWD, BWD_INPUT):
-                    self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
-                elif op.kind == BWD_WEIGHT:
-                    self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
-                    self.live.discard((op.chunk, op.microbatch))
-                    if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
-                        grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
                 else:
-                    raise ValueError(f"unknown instruction {op}")
+                    start = time.perf_counter()
+                    self.compute(op, grad_sync)
+                    self.compute_seconds.setdefault(op.kind, []).append(time.perf_counter() - start)
         if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():
             raise RuntimeError(f"pipeline ended with state left over on stage {self.stage}: outputs "
                                f"{sorted(self.outputs)}, inputs {sorted(self.inputs)}, pending weight grads "
                                f"{self.store.pending()}")
+
+    def compute(self, op: Instr, grad_sync: GradSync | None) -> None:
+        if op.kind == FWD:
+            self.forward(op.chunk, op.microbatch)
+        elif op.kind in (BWD, BWD_INPUT):
+            self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
+        elif op.kind == BWD_WEIGHT:
+            self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
+            self.live.discard((op.chunk, op.microbatch))
+            if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
+                grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
+        else:
+            raise ValueError(f"unknown instruction {op}")
 
     def transfer(self, batch: list[Instr]) -> None:
         transfers, received = [], []
@@ -211,7 +224,9 @@ class _Executor:
                 (self.inputs if op.kind == RECV_ACT else self.output_grads)[key] = buffer
                 transfers.append(("recv", buffer, peer_rank))
                 received.append((op.kind, buffer))
+        start = time.perf_counter()
         post_and_wait(transfers, self.mesh.pp_group)
+        self.transfer_wait_s += time.perf_counter() - start
         for kind, buffer in received:
             if kind == RECV_ACT and not self.forward_only:
                 buffer.requires_grad_(True)
@@ -280,6 +295,7 @@ class _Executor:
     def loss_sum(self) -> float:
         return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {"peak_live_microbatches": self.peak_live, "instructions": len(self.ops),
-                "deferred_weight_grads": self.deferred_weight_grads}
+                "deferred_weight_grads": self.deferred_weight_grads, "transfer_wait_s": self.transfer_wait_s,
+                "compute_s": {kind: statistics.median(seconds) for kind, seconds in self.compute_seconds.items()}}

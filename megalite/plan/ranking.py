@@ -124,15 +124,23 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
                     for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
                         for recompute in Recompute:
                             for mb in (1, 2, 4, 8):
+                                # ZeRO-1/2 with the parameter all-gathers behind the next forward
+                                # (what megalite runs best); without it they are exposed every step.
                                 yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
                                                    virtual_stages=v, zero=zero, offload_optimizer=offload,
+                                                   overlap_param_gather=zero in (1, 2),
                                                    recompute=recompute, sequence_parallel=tp > 1,
                                                    micro_batch_size=mb, pipeline_schedule=None)
 
 
+# "ZeRO-3 only when stage 2 does not fit: it adds communication": among layouts whose predicted
+# step times differ by less than the model's own error, the lower ZeRO stage is the better bet.
+NEAR_BEST = 0.02
+
+
 def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
             global_batch_size: int | None = None, precision: str = "bf16", top_k: int = 10,
-            hardware: str | HardwareProfile | None = None) -> list[Suggestion]:
+            hardware: str | HardwareProfile | None = None, base: RunConfig | None = None) -> list[Suggestion]:
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
@@ -140,11 +148,16 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     interleaving, ZeRO 0, 1 (= 2's peak here) and 3, recompute none/selective/full, micro batch
     1-8, and the optimizer offload only when nothing else fits (the practitioners' order: stage 2,
     then 3, then offload; the reason line says why a later step was needed). At equal step time
-    the lower ZeRO stage wins. global_batch_size defaults to 8 sequences per GPU.
-    Step times are on `hardware` (default H100-SXM).
+    the lower ZeRO stage wins, and so it does among all layouts within 2% of the best predicted step
+    time (`NEAR_BEST`; the reason line says what it passed over). global_batch_size defaults to 8
+    sequences per GPU. Step times are on `hardware` (default H100-SXM).
+    base: the configuration whose other settings every candidate keeps (the model name and sizes,
+    training, optimizer, data); each candidate's `cfg` is whole and resolved (model sizes, schedule
+    and vocabulary written out), so saving it and loading it with --config plans the same run.
     """
     gpus_per_node = gpus_per_node or max(1, gpus // nodes)
-    base = RunConfig.build(global_batch_size=global_batch_size or 8 * gpus, precision=precision)
+    base = (base or RunConfig()).replace(global_batch_size=global_batch_size or 8 * gpus, precision=precision)
+    base = base.replace(**_model_settings(model))
     found: list[Suggestion] = []
     for offload in (False, True):
         for cfg in _candidates(model, base, gpus, gpus_per_node, offload):
@@ -158,7 +171,37 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
                                     _reason(model, cfg, est, parts, gpu_memory, gpus_per_node, hardware)))
         if found:
             break
+    ranked = _rank(found)
+    for s in ranked:
+        s.cfg = s.cfg.resolved(gpus, model.vocab_size)
+    return ranked[:top_k]
+
+
+def _model_settings(model: GPTConfig) -> dict:
+    """The architecture written out as settings, so a saved candidate needs no preset table."""
+    names = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+             "seq_length", "vocab_size")
+    return {name: getattr(model, name) for name in names}
+
+
+def _rank(found: list[Suggestion]) -> list[Suggestion]:
+    """Fastest first, except that within NEAR_BEST of the fastest the lowest ZeRO stage comes first;
+    the first suggestion's reason then names the faster-on-paper layout it was preferred to."""
+    if not found:
+        return found
+    best = min(s.step_time_s for s in found)
     rank = {r: i for i, r in enumerate(Recompute)}
-    found.sort(key=lambda c: (round(c.step_time_s, 4), c.cfg.parallel.tp * c.cfg.parallel.pp, c.cfg.parallel.cp,
-                              c.cfg.parallel.zero, rank[c.cfg.parallel.recompute], c.cfg.parallel.virtual_stages))
-    return found[:top_k]
+
+    def key(c: Suggestion):
+        p, near = c.cfg.parallel, c.step_time_s <= best * (1 + NEAR_BEST)
+        return (not near, p.zero if near else 0, round(c.step_time_s, 4), p.tp * p.pp, p.cp, p.zero,
+                rank[p.recompute], p.virtual_stages)
+
+    ranked = sorted(found, key=key)
+    first, fastest = ranked[0], min(found, key=lambda c: (c.step_time_s, c.cfg.parallel.zero))
+    if fastest.cfg.parallel.zero > first.cfg.parallel.zero:
+        gain = 1 - fastest.step_time_s / first.step_time_s
+        first.reason += (f"; ranked above ZeRO-{fastest.cfg.parallel.zero} ({gain:.1%} faster on paper): within "
+                         f"{NEAR_BEST:.0%} of the best step time the lowest ZeRO stage wins (ZeRO-3 gathers the "
+                         f"parameters every step: more communication, for memory this layout does not need)")
+    return ranked

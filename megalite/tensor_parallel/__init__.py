@@ -12,5 +12,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "copy_to_tensor_parallel_region", "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",
         "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
         "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region"],
+    "megalite.tensor_parallel.norms": ["LayerNorm", "RMSNorm"],
+    "megalite.tensor_parallel.sequence_parallel": ["mark_sequence_parallel", "unmarked_norm_problem"],
     "megalite.tensor_parallel.random": ["TensorParallelRNG", "dropout"],
 })

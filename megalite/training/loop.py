@@ -28,7 +28,7 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +55,8 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
 from megalite.training.launch_checks import launch_problems, memory_per_rank
+from megalite.pipeline.stages import measured_bubble
+from megalite.training.advice import Advisor
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
@@ -150,6 +152,7 @@ class Job:
     last_saved: int = 0
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | None = None  # --cuda-graph: the captured microbatches
+    advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -371,6 +374,9 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
+    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
+    job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result["exposed_dp_comm_s"],
+                        pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
 
 
 def save(job: Job, step: int) -> None:

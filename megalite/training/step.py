@@ -179,7 +179,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     graphs: a `training.cuda_graph.StepGraphs` (--cuda-graph, pp = 1): the microbatches' forward
     and backward are replayed CUDA graphs (captured at the first step).
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
+    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'
+    (and, at pp > 1, 'pipeline': (spec, this stage's median seconds per compute instruction))}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
     compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
@@ -203,14 +204,18 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
         model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
         spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), seq_length)
         with phase("pipeline"):  # forward and backward interleaved by the schedule
+            pipeline_stats: dict = {}
             loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, lambda: tokens.loss_scale(scale),
-                                    grad_sync=model, check_host_reads=check_host_reads)
+                                    grad_sync=model, stats=pipeline_stats,
+                                    check_host_reads=check_host_reads)
         model.set_last_microbatch(True)
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
     result["tokens"] = tokens.value()
+    if mesh.pp_size > 1:  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
+        result["pipeline"] = (spec, pipeline_stats["compute_s"])
     result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
     result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,

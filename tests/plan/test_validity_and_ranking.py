@@ -40,7 +40,11 @@ def test_preflight_memory_error_names_a_fix_that_works():
 def test_suggest_ranks_layouts_that_fit():
     small = P.suggest(preset("gpt2-124m"), gpus=8, gpu_memory=80e9, top_k=5)
     assert small and (small[0].cfg.parallel.tp, small[0].cfg.parallel.pp) == (1, 1)  # data parallel first
-    assert [s.step_time_s for s in small] == sorted(s.step_time_s for s in small)
+    best = min(s.step_time_s for s in small)  # within 2% of it: lowest ZeRO stage first, then fastest
+    order = [(s.step_time_s > 1.02 * best, s.cfg.parallel.zero if s.step_time_s <= 1.02 * best else 0,
+              round(s.step_time_s, 4))
+             for s in small]
+    assert order == sorted(order)
     big = P.suggest(preset("llama-13b"), gpus=8, gpu_memory=40e9, global_batch_size=64, top_k=5)
     assert big
     for s in big:

@@ -127,3 +127,28 @@ def test_a_bad_hardware_profile_exits_2(capsys, tmp_path):
     broken.write_text("{\"name\": \"x\"}")
     assert plan.main(["--hardware", str(broken)]) == 2
     assert "missing field" in capsys.readouterr().err
+
+
+def test_suggest_candidates_round_trip_through_config(capsys, tmp_path):
+    """Each --suggest --json candidate's config is the whole resolved configuration (the model it was
+    asked about, sizes written out): saved and loaded with --config it plans the same run. And
+    within 2% of the best predicted step time the lowest ZeRO stage ranks first, saying why."""
+    code, out = run(capsys, "--model", "gpt2-1.3b", "--suggest", "--gpus", "8", "--gpu-memory", "40", "--bf16",
+                    "--lr", "0.0003", "--top-k", "2", "--json")
+    found = json.loads(out)
+    assert code == 0 and len(found) == 2
+    assert found[0]["config"]["parallel"]["zero"] == 1 and found[1]["config"]["parallel"]["zero"] == 3
+    assert found[1]["step_time_s"] < found[0]["step_time_s"] <= 1.02 * found[1]["step_time_s"]
+    assert "ranked above ZeRO-3" in found[0]["reason"] and "the lowest ZeRO stage wins" in found[0]["reason"]
+    for i, candidate in enumerate(found):
+        model = candidate["config"]["model"]
+        assert model["model"] == "gpt2-1.3b" and model["num_layers"] == 24 and model["hidden_size"] == 2048
+        assert candidate["config"]["optimizer"]["lr"] == 0.0003  # the user's other settings are kept
+        saved = tmp_path / f"candidate{i}.json"
+        saved.write_text(json.dumps(candidate["config"]))
+        code, out = run(capsys, "--config", str(saved), "--gpu-memory", "40", "--json")
+        planned = json.loads(out)
+        assert code == 0 and planned["errors"] == [] and planned["config"] == candidate["config"]
+        for key in KEYS + ("step_time_s", "num_microbatches"):
+            assert planned[key] == candidate[key], key
+

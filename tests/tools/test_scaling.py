@@ -1,0 +1,32 @@
+"""tools/scaling.py: world sizes, the job's command line, efficiency and the 80% flag (no job is run here)."""
+import argparse
+import importlib.util
+import json
+import pathlib
+
+_PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "scaling.py"
+_spec = importlib.util.spec_from_file_location("scaling_tool", _PATH)
+scaling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scaling)
+
+
+def test_sizes_efficiency_and_flags():
+    assert scaling.world_sizes(8, 1) == [1, 2, 4, 8] and scaling.world_sizes(8, 2) == [2, 4, 8]
+    rows = scaling.efficiency_rows({1: 100.0, 2: 190.0, 4: 300.0})
+    assert [round(r["efficiency"], 3) for r in rows] == [1.0, 0.95, 0.75]
+    assert [r["flagged"] for r in rows] == [False, False, True]
+    lines = scaling.describe(rows).splitlines()
+    assert "< 80%" in lines[3] and not any("< 80%" in line for line in lines[:3])
+    relative = scaling.efficiency_rows({2: 100.0, 8: 320.0})  # a tp=2 layout: relative to world 2
+    assert relative[1]["efficiency"] == 0.8 and not relative[1]["flagged"]
+
+
+def test_job_command_and_throughput(tmp_path):
+    args = argparse.Namespace(tp=2, pp=1, cp=1, script="examples/pretrain_gpt.py")
+    command = scaling.job_command(8, args, ["--train-iters", "5"], tmp_path / "m.jsonl")
+    assert command[:4] == ["torchrun", "--standalone", "--nproc_per_node", "8"]
+    assert command[command.index("--dp") + 1] == "4" and command[command.index("--tp") + 1] == "2"
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "tokens_per_sec": rate}) + "\n"
+                               for i, rate in enumerate([10.0, 100.0, 120.0, 110.0])))
+    assert scaling.measured_throughput(metrics) == 110.0  # the median after the warm-up step
