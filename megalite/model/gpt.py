@@ -60,9 +60,11 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None,
                  fused_linear_cross_entropy: bool = False, recompute_num_layers: int | None = None,
-                 cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall"):
         super().__init__()
         mesh = mesh or current_mesh()
+        self.ep_group = mesh.ep_group if mesh is not None else None  # experts sharded over it (MoE layers)
+        self._moe_dispatcher = moe_dispatcher
         self.tp_group = mesh.tp_group if mesh is not None else None
         self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
         self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
@@ -144,7 +146,8 @@ class GPTModel(nn.Module):
     def _build_block(self, layer_id: int, device) -> TransformerBlock:
         with seeded(self._seed, _LAYER_STREAM + layer_id):
             return TransformerBlock(self.config, self.tp_group, self.sequence_parallel, self._dtype, device,
-                                    self.cp_group, self._cp_comm_type, layer_number=layer_id)
+                                    self.cp_group, self._cp_comm_type, layer_number=layer_id, ep_group=self.ep_group,
+                                    moe_dispatcher=self._moe_dispatcher)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
