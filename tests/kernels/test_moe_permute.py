@@ -1,0 +1,77 @@
+"""MoE token permutation: the references against a plain loop, the kernels against the references."""
+import pytest
+import torch
+
+from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, requires_triton, tolerance
+from megalite.kernels import (permute_tokens, permute_tokens_reference, unpermute_tokens,
+                              unpermute_tokens_reference)
+
+
+def _loop_permutation(expert_ids: torch.Tensor, num_experts: int) -> list[int]:
+    """The flat slots (token * k + slot) in expert order, ties by flat index: by hand."""
+    flat = expert_ids.reshape(-1).tolist()
+    return [i for e in range(num_experts) for i, chosen in enumerate(flat) if chosen == e]
+
+
+def _routing(tokens: int, top_k: int, num_experts: int, dropped: int = 0, seed: int = 0) -> torch.Tensor:
+    """Distinct top-k expert ids per token (as topk gives), `dropped` slots set to -1."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, num_experts, generator=generator).topk(top_k, dim=1).indices
+    drop = torch.randperm(tokens * top_k, generator=generator)[:dropped]
+    ids.view(-1)[drop] = -1
+    return ids.to(DEVICE)
+
+
+def test_reference_permutation_is_the_stable_expert_order():
+    ids = torch.tensor([[2, 0], [0, -1], [2, 1], [-1, 0]], device=DEVICE)  # expert 3 gets nothing
+    x = torch.arange(4.0, device=DEVICE)[:, None].repeat(1, 3)
+    permuted, sorted_index, group_sizes = permute_tokens_reference(x, ids, num_experts=4)
+    assert sorted_index.tolist() == [1, 2, 7, 5, 0, 4] == _loop_permutation(ids, 4)
+    assert group_sizes.tolist() == [3, 1, 2, 0]
+    assert permuted[:, 0].tolist() == [0.0, 1.0, 3.0, 2.0, 0.0, 2.0]
+
+
+def test_reference_unpermute_is_the_weighted_sum_per_token():
+    ids = _routing(tokens=7, top_k=3, num_experts=5, dropped=4)
+    x = torch.randn(7, 6, device=DEVICE, dtype=torch.float64)
+    weights = torch.rand(7, 3, device=DEVICE, dtype=torch.float64)
+    permuted, sorted_index, _ = permute_tokens_reference(x, ids, 5)
+    out = unpermute_tokens_reference(permuted * 2, sorted_index, weights, 7)
+    routed = (ids >= 0).to(torch.float64)
+    torch.testing.assert_close(out, 2 * x * (weights * routed).sum(1, keepdim=True))
+
+
+def test_rejects_malformed_inputs():
+    with pytest.raises(TypeError, match="int64"):
+        permute_tokens(torch.randn(3, 4, device=DEVICE), torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), 2)
+    with pytest.raises(ValueError, match=r"\[tokens, k\]"):
+        permute_tokens(torch.randn(3, 4, device=DEVICE), torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), 2)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", ["spread", "one_expert", "dropped"])
+def test_permute_and_unpermute_match_references(dtype, case):
+    """Forward and backward of permute -> unpermute (x, y and the weights' gradients), with an
+    expert that receives nothing (6 experts, ids from 5), every token on one expert, dropped slots."""
+    tokens, top_k, num_experts, hidden = 11, 2, 6, 40
+    if case == "one_expert":
+        ids = torch.full((tokens, top_k), -1, dtype=torch.int64, device=DEVICE)
+        ids[:, 0] = 4
+    else:
+        ids = _routing(tokens, top_k, num_experts - 1, dropped=5 if case == "dropped" else 0, seed=1)
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
+    weights = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.float32)
+    scale = torch.randn(hidden, device=DEVICE, dtype=dtype)  # an "expert" between the two moves
+
+    def round_trip(permute, unpermute):
+        def run(x, weights):
+            permuted, sorted_index, group_sizes = permute(x, ids, num_experts)
+            assert sorted_index.tolist() == _loop_permutation(ids, num_experts)
+            assert group_sizes.tolist() == [int((ids == e).sum()) for e in range(num_experts)]
+            return permuted, unpermute(permuted * scale.to(permuted.dtype), sorted_index, weights, tokens)
+        return run
+
+    compare_with_reference(round_trip(permute_tokens, unpermute_tokens),
+                           round_trip(permute_tokens_reference, unpermute_tokens_reference), [x, weights],
+                           tolerance(dtype), ref_dtype=torch.float32)
