@@ -67,7 +67,9 @@ class DataParallel(nn.Module):
 
     Parameters are replicated over data and context parallelism alike (cp ranks hold other
     tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
-    that group is `mesh.dp_group` itself. "dp" below means that group.
+    that group is `mesh.dp_group` itself. "dp" below means that group. Under expert parallelism
+    (mesh.ep_size > 1) the experts are replicated over `mesh.expert_dp_group` only: their buckets
+    reduce, shard and gather there (grad_buffers.py; ZeRO 0-2).
 
     zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
         rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket),
@@ -99,6 +101,9 @@ class DataParallel(nn.Module):
         self.mesh, self.zero_stage = mesh, zero_stage
         self.schedule: Zero3Schedule | None = None
         self.units: list[Unit] = []  # ZeRO-3's units (one bucket each)
+        if zero_stage == 3 and mesh.ep_size > 1:
+            raise ValueError("zero_stage=3 does not shard expert-parallel experts yet (its units reduce over dp x cp); "
+                             "use zero_stage 1 or 2 with ep > 1")
         if zero_stage == 3:
             self._init_zero3(units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step)
             return
@@ -107,13 +112,15 @@ class DataParallel(nn.Module):
         self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
-                                 compression=grad_compression, skip_group=comm.world_group())
+                                 compression=grad_compression, skip_group=comm.world_group(),
+                                 expert_group=mesh.expert_dp_group if mesh.ep_size > 1 else None)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
         self.layout = self.grads.layout
         self.param_buffer = ParamBuffer(self.params, self.layout, replica_group, self.grads.shard_rank,
-                                        overlap=overlap_param_gather)
+                                        overlap=overlap_param_gather, groups=self.grads.groups,
+                                        shard_ranks=self.grads.shard_ranks)
         self.gather_order = self._forward_bucket_order()
         self._guard = ReadGuard(self.param_buffer)
         self._guard_depth = 0
@@ -257,7 +264,9 @@ class DataParallel(nn.Module):
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """The pieces of parameters (`self.params[piece.param]`) this rank's shard holds, in shard order."""
-        return self.layout.owned_pieces(self.shard_rank)
+        if self.schedule is not None:
+            return self.layout.owned_pieces(self.shard_rank)
+        return self.layout.owned_pieces(self.grads.shard_ranks)  # experts: their expert-dp rank
 
     def owned_params(self, bucket: int) -> torch.Tensor:
         """This rank's chunk of `bucket` as the parameters hold it now (param dtype)."""

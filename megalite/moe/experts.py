@@ -42,8 +42,9 @@ class Expert(nn.Module):
         params.declare(self.fc2_weight, shard_spec=spec2, expert_parallel=True)
 
 
-class LocalExperts(nn.Module):
-    """This ep rank's experts `expert_ids` (consecutive global indices) of one layer.
+class LocalExperts(nn.ModuleDict):
+    """This ep rank's experts `expert_ids` (consecutive global indices) of one layer, keyed by global
+    index (so a layer's parameters are `experts.{e}.fc1_weight`).
 
     forward(x [R, h] rows sorted by local expert, group_sizes [E_local] int64) -> [R, h], partial over tp.
     """
@@ -54,13 +55,13 @@ class LocalExperts(nn.Module):
         self.gated, self.first = gated, expert_ids.start
         tp_rank, tp_size = comm.group_rank(tp_group), comm.group_size(tp_group)
         out_std = init_std / math.sqrt(2 * num_layers)
-        self.experts = nn.ModuleDict({
-            str(e): Expert(hidden_size, ffn, gated, expert_seed(base_seed, e), init_std, out_std, tp_rank, tp_size,
-                           dtype, device) for e in expert_ids})
+        for e in expert_ids:
+            self[str(e)] = Expert(hidden_size, ffn, gated, expert_seed(base_seed, e), init_std, out_std, tp_rank,
+                                  tp_size, dtype, device)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fc1 [E_local, h, 2f/tp] and fc2 [E_local, f/tp, h]: the grouped GEMMs' [E, K, N] weights."""
-        experts = list(self.experts.values())
+        experts = list(self.values())
         return (torch.stack([e.fc1_weight.t() for e in experts]), torch.stack([e.fc2_weight.t() for e in experts]))
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

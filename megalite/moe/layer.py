@@ -95,7 +95,8 @@ class MoELayer(nn.Module):
             terms.append(moe.aux_loss_coeff * routing.aux_loss)
         if routing.z_loss is not None:
             terms.append(moe.z_loss_coeff * routing.z_loss)
-        self._record(routing)
+        if self.training:
+            self._record(routing)
         if terms and torch.is_grad_enabled() and self.training:
             out = _AttachLosses.apply(out, sum(terms), float(self.loss_scale))
         return out

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.moe import training as moe_training
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
@@ -51,6 +52,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
                                dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
     return chunks
 
@@ -186,6 +188,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
     model.train()
+    # The balancing losses are averaged over every forward of the step (microbatches x dp x cp ranks)
+    moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size * mesh.cp_size))
     phase = timer.phase if timer is not None else _no_timer
     if mesh.pp_size == 1:
         loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
@@ -200,6 +204,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
+        if not result["skipped"]:
+            moe_training.update_expert_biases(model.chunks, mesh)
+    result.update(moe_training.moe_stats(model.chunks, mesh))  # {} without experts
     result["tokens"] = tokens.value()
     result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
