@@ -13,52 +13,14 @@ import torch
 
 from megalite import comm, mesh
 from megalite import params as P
-from megalite.config import RunConfig
 from megalite.mesh import single_process_mesh
 from megalite.testing import assert_tensor_close, run_distributed
-from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
-
-STEPS, MICRO, GLOBAL, SEQ = 2, 2, 8, 16
-
-
-
-
-def _batches(dp, dp_rank):
-    out = []
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(100 + step)
-        ids = torch.randint(0, 257, (GLOBAL, SEQ + 1), generator=gen)
-        inputs, labels = ids[:, :-1], ids[:, 1:].clone()
-        labels[step % GLOBAL, : 3 + step] = -100  # uneven target counts across dp ranks
-        per_rank = GLOBAL // dp
-        mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        out.append([{"input_ids": i, "labels": t} for i, t in zip(inputs[mine].split(MICRO), labels[mine].split(MICRO))])
-    return out
-
-
-def _cfg(tp=1, pp=1, dp=1, ep=1, **kw):
-    return RunConfig.build(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
-                           weight_decay=0.1, clip_grad=0.5, seed=3, adam_eps=1e-6, model="moe-tiny", num_layers=2,
-                           hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                           seq_length=SEQ, vocab_size=257, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **kw)
-
-
-def _train(m, cfg):
-    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
-    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
-    results = []
-    for step, mbs in enumerate(_batches(m.dp_size, m.dp_rank)):
-        if step == STEPS - 1:
-            comm.ledger.reset()
-        results.append(train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3))
-    return chunks, optimizer, results
-
+from moe_helpers import cfg_for, train
 
 @pytest.fixture(scope="module")
 def reference():
     m = single_process_mesh("cpu")
-    chunks, _, results = _train(m, _cfg())
+    chunks, _, results = train(m, cfg_for())
     params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
     return [r["loss"] for r in results], [r["grad_norm"] for r in results], params, results[-1]
 
@@ -79,10 +41,10 @@ def _world(reference):
     checked = []
     for (tp, pp, dp, ep), settings in LAYOUTS:
         m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep)
-        cfg = _cfg(tp, pp, dp, ep, **settings)
+        cfg = cfg_for(tp, pp, dp, ep, **settings)
         assert cfg.resolved(4).validate(4) == []
         what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
-        chunks, optimizer, results = _train(m, cfg)
+        chunks, optimizer, results = train(m, cfg)
         torch.testing.assert_close([r["loss"] for r in results], ref_losses, rtol=1e-5, atol=0, msg=what)
         torch.testing.assert_close([r["grad_norm"] for r in results], ref_norms, rtol=1e-5, atol=0, msg=what)
         with optimizer.model.gathered():
