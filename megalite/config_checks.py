@@ -96,9 +96,6 @@ def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
     if replicas % p.ep:
         problems.append(f"--ep {p.ep} does not divide dp*cp = {cp_dp(cfg)} (experts are sharded over the data x "
                         f"context ranks); choose --ep in {[d for d in range(1, replicas + 1) if replicas % d == 0]}")
-    if p.ep > 1 and p.zero == 3:
-        problems.append("--zero 3 does not shard expert-parallel experts yet (its units reduce over dp x cp); use "
-                        "--zero 1 or 2 with --ep > 1, or --ep 1")
     if p.ep > 1 and p.grad_compression != "none":
         problems.append("--grad-compression powersgd does not combine with --ep > 1 yet (expert gradients reduce "
                         "over the expert-data-parallel group); drop one of them")

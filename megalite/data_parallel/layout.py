@@ -163,12 +163,16 @@ def build_layout(numels: list[int], bucket_size: int, shard_count: int,
     return _place(numels, groups, shard_count, [counts[kinds[g[0]]] for g in groups], [kinds[g[0]] for g in groups])
 
 
-def build_unit_layout(unit_numels: list[list[int]], shard_count: int) -> BufferLayout:
+def build_unit_layout(unit_numels: list[list[int]], shard_count: int, kinds: list[int] | None = None,
+                      kind_shard_counts: tuple[int, ...] = ()) -> BufferLayout:
     """ZeRO-3: one bucket per unit (`unit_numels[u]`: its parameters' sizes, in order).
 
     Parameters are numbered across units in order; unit u is bucket u, padded to a multiple of
-    `shard_count`, so rank r's shard holds chunk r of every unit.
+    `shard_count`, so rank r's shard holds chunk r of every unit. `kinds[u]` > 0 (an expert
+    unit) is cut into `kind_shard_counts[kind - 1]` chunks instead.
     """
+    kinds = kinds or [0] * len(unit_numels)
+    counts = (shard_count,) + tuple(kind_shard_counts)
     if shard_count < 1:
         raise ValueError(f"shard_count must be >= 1, got {shard_count}")
     numels = [n for unit in unit_numels for n in unit]
@@ -176,7 +180,7 @@ def build_unit_layout(unit_numels: list[list[int]], shard_count: int) -> BufferL
     for unit in unit_numels:
         groups.append(list(range(start, start + len(unit))))
         start += len(unit)
-    return _place(numels, groups, shard_count)
+    return _place(numels, groups, shard_count, [counts[k] for k in kinds], kinds)
 
 
 def _place(numels: list[int], groups: list[list[int]], shard_count: int, group_counts: list[int] | None = None,

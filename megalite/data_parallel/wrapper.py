@@ -101,9 +101,6 @@ class DataParallel(nn.Module):
         self.mesh, self.zero_stage = mesh, zero_stage
         self.schedule: Zero3Schedule | None = None
         self.units: list[Unit] = []  # ZeRO-3's units (one bucket each)
-        if zero_stage == 3 and mesh.ep_size > 1:
-            raise ValueError("zero_stage=3 does not shard expert-parallel experts yet (its units reduce over dp x cp); "
-                             "use zero_stage 1 or 2 with ep > 1")
         if zero_stage == 3:
             self._init_zero3(units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step)
             return
@@ -134,8 +131,12 @@ class DataParallel(nn.Module):
         group = mesh.dp_cp_group  # the shards span every rank holding these parameters (dp x cp), as ZeRO 1/2
         tied_split = mesh.pp_size > 1  # the tied embedding: one unit per stage, same layout on both
         self.units = split_tied(resolve_units(self.chunks, units), tied_split)
-        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group))
-        self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device)
+        expert_group = mesh.expert_dp_group  # expert units (kind 1) shard over the ranks holding the same experts
+        groups = (group, expert_group)
+        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group),
+                                        [u.kind for u in self.units], (comm.group_size(expert_group),))
+        self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device, groups,
+                                       tuple(comm.group_rank(g) for g in groups))
         if self.param_buffer.replaced:  # parameters built on the meta device: swap in the real ones
             for chunk in self.chunks:
                 for module in chunk.modules():
@@ -147,7 +148,7 @@ class DataParallel(nn.Module):
         self.names = [name_of[id(p)] for p in self.params]
         self.grads = UnitGrads(self.params, self.layout, group, grad_reduce_dtype=grad_reduce_dtype,
                                tp_group=mesh.tp_group,
-                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None, groups=groups)
         self.gather_order = list(range(len(self.layout.buckets)))
         self.schedule = Zero3Schedule(self.units, self.chunks, self.param_buffer, self.grads, prefetch=prefetch,
                                       reshard_after_forward=reshard_after_forward,
@@ -264,8 +265,6 @@ class DataParallel(nn.Module):
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """The pieces of parameters (`self.params[piece.param]`) this rank's shard holds, in shard order."""
-        if self.schedule is not None:
-            return self.layout.owned_pieces(self.shard_rank)
         return self.layout.owned_pieces(self.grads.shard_ranks)  # experts: their expert-dp rank
 
     def owned_params(self, bucket: int) -> torch.Tensor:

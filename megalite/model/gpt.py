@@ -161,7 +161,9 @@ class GPTModel(nn.Module):
 
     def zero3_units(self) -> list:
         """ZeRO-3's units in forward order: the embedding (word and position tables; started by its
-        first read), each block (started by its forward), the final norm with the output layer.
+        first read), each block (started by its forward; an MoE block's experts are a unit of their own,
+        started by their forward and sharded over the expert-data-parallel group), the final norm
+        with the output layer.
         Each can materialise its tensors from its seeded stream on the real device, so a model
         built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
         from megalite.data_parallel.units import Unit
@@ -173,15 +175,25 @@ class GPTModel(nn.Module):
                               + ([self._build_position_table(device)] if self.config.flavour == "gpt2" else [])))
         for index, block in enumerate(self.layers):
             layer_id = self.layer_ids[index]
-            units.append(Unit(f"layers.{layer_id}", list(block.parameters()), (block,),
-                              lambda layer_id=layer_id: [p.detach() for p in self._build_block(layer_id,
-                                                                                                device).parameters()]))
+            experts = block.mlp.experts if block.is_moe else None  # a unit of their own, sharded over expert-dp
+            expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+            units.append(Unit(f"layers.{layer_id}", [p for p in block.parameters() if id(p) not in expert_ids],
+                              (block,), lambda layer_id=layer_id: self._block_tensors(layer_id, device, False)))
+            if experts is not None:
+                units.append(Unit(f"layers.{layer_id}.experts", list(experts.parameters()), (experts,),
+                                  lambda layer_id=layer_id: self._block_tensors(layer_id, device, True), kind=1))
         if self.post_process:
             head = list(self.final_norm.parameters()) + ([self.output_weight] if self.output_weight is not None else [])
             units.append(Unit("head", head, (self.final_norm,), lambda: [
                 p.detach() for p in Norm(self.config, self.sequence_parallel, self._dtype, device).parameters()]
                 + ([self._build_output_weight(device)[0]] if self.output_weight is not None else [])))
         return units
+
+    def _block_tensors(self, layer_id: int, device, experts: bool) -> list[torch.Tensor]:
+        """Block `layer_id`'s tensors from its seeded stream: its experts' (experts=True) or the rest."""
+        block = self._build_block(layer_id, device)
+        expert_ids = {id(p) for p in block.mlp.experts.parameters()} if block.is_moe else set()
+        return [p.detach() for p in block.parameters() if (id(p) in expert_ids) == experts]
 
     # --- pieces -----------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP),
 (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and
-ZeRO 2, (pp 2, ep 2) under 1F1B, (tp 2, dp 2, ep 2) with ZeRO 1, and (tp 2, dp 2) with ZeRO 3 (experts
-inside the block units). Every layout trains STEPS steps through `train_step` from the same seed
+ZeRO 2, (pp 2, ep 2) under 1F1B, (tp 2, dp 2, ep 2) with ZeRO 1, and ZeRO 3 at (tp 2, dp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each
+MoE block's experts a unit of their own, sharded over the expert-dp group). Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
 must be on the ep group (all-to-all or all-gather) and, with expert-dp > 1, their gradient on edp.
@@ -33,6 +33,8 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings
     ((1, 2, 2, 2), dict()),
     ((2, 1, 2, 2), dict(zero=1)),
     ((2, 1, 2, 1), dict(zero=3)),
+    ((2, 1, 2, 2), dict(zero=3)),
+    ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
 ]
 
 
