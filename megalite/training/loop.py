@@ -351,6 +351,7 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result["loss_scale"]
     record["cp"] = cfg.parallel.cp
+    record.update({k: v for k, v in result.items() if k.startswith("moe_")})  # aux/z loss, load, drops per layer
     if "grad_compression_ratio" in result:  # dp gradient bytes: uncompressed / sent (this step)
         record.update(grad_reduce_bytes=result["grad_reduce_bytes"],
                       grad_compression_ratio=result["grad_compression_ratio"])

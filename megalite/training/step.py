@@ -175,7 +175,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     timer: a `training.metrics.TimeBreakdown` to fill with forward / backward (or, under pp,
     the interleaved "pipeline") / optimizer seconds.
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'}: host
+    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'} (with
+    MoE layers also `megalite.moe.training.moe_stats`' 'moe_*' entries): host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
     compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
