@@ -7,6 +7,9 @@ MoE block's experts a unit of their own, sharded over the expert-dp group). Ever
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
 must be on the ep group (all-to-all or all-gather) and, with expert-dp > 1, their gradient on edp.
+The planner's numbers are checked against the same runs: parameters per rank exactly, and the
+dispatch bytes of the last step (all-gather: every rank's; all-to-all: the ranks' mean, since a
+rank receives as many routes as the others send it).
 """
 import pytest
 import torch
@@ -14,6 +17,8 @@ import torch
 from megalite import comm, mesh
 from megalite import params as P
 from megalite.mesh import single_process_mesh
+from megalite.plan.communication import communication_bytes
+from megalite.plan.params import stage_params
 from megalite.testing import assert_tensor_close, run_distributed
 from moe_helpers import cfg_for, train
 
@@ -55,17 +60,31 @@ def _world(reference):
                     assert_tensor_close(p, P.shard_spec(p).shard(ref_params[logical]), rtol=1e-5,
                                         what=f"{what} {logical}")
         stats = {k: v for k, v in results[-1].items() if k.startswith("moe_")}
+        planned = communication_bytes(cfg.gpt_config(), cfg, m.pp_rank)
+        dispatch = {k: (comm.ledger.bytes.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
+                    if k.startswith("ep/")}  # the last step's bytes: measured and planned
+        assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank), what
         checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in comm.ledger.bytes if
-                                                           g in ("ep", "edp")), stats))
+                                                           g in ("ep", "edp")), stats, dispatch))
     return checked
 
 
 def test_moe_layouts_match_the_single_process_model(reference):
     ref_losses, _, _, ref_last = reference
     assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last["moe_aux_loss"] > 0 and ref_last["moe_z_loss"] > 0
-    for checked in run_distributed(_world, 4, reference, timeout_s=300):
+    ranks = run_distributed(_world, 4, reference, timeout_s=300)
+    for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):  # the planner's dispatch bytes: each rank's
+        dispatch = [rank[i][4] for rank in ranks]  # all-gather (same on every rank), all-to-all's mean over ranks
+        for key in dispatch[0]:
+            measured, planned = [d[key][0] for d in dispatch], dispatch[0][key][1]
+            if key == "ep/all_to_all":  # a rank sends its routes, receives what others route to it
+                assert sum(measured) == len(ranks) * planned, (key, measured, planned, settings)
+            else:
+                assert measured == [planned] * len(ranks), (key, measured, planned, settings)
+        assert bool(dispatch[0]) == (ep > 1)
+    for checked in ranks:
         assert len(checked) == len(LAYOUTS)
-        for (tp, pp, dp, ep), settings, groups, stats in checked:
+        for (tp, pp, dp, ep), settings, groups, stats, _ in checked:
             if ep > 1:  # the tokens travelled over the ep group
                 dispatch = "all_gather" if settings.get("moe_token_dispatcher_type") == "allgather" else "all_to_all"
                 assert f"ep/{dispatch}" in groups, (tp, pp, dp, ep, groups)
