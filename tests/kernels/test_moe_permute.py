@@ -53,13 +53,16 @@ def test_rejects_malformed_inputs():
 @pytest.mark.parametrize("case", ["spread", "one_expert", "dropped"])
 def test_permute_and_unpermute_match_references(dtype, case):
     """Forward and backward of permute -> unpermute (x, y and the weights' gradients), with an
-    expert that receives nothing (6 experts, ids from 5), every token on one expert, dropped slots."""
+    expert that receives nothing (6 experts, ids from 5), every token on one expert, dropped slots
+    and a token with none routed. Poisoned outputs: a row the kernels forget is NaN."""
     tokens, top_k, num_experts, hidden = 11, 2, 6, 40
     if case == "one_expert":
         ids = torch.full((tokens, top_k), -1, dtype=torch.int64, device=DEVICE)
         ids[:, 0] = 4
     else:
         ids = _routing(tokens, top_k, num_experts - 1, dropped=5 if case == "dropped" else 0, seed=1)
+        if case == "dropped":
+            ids[3] = -1  # a token routed nowhere: zeros out, zero gradients
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
     weights = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.float32)
     scale = torch.randn(hidden, device=DEVICE, dtype=dtype)  # an "expert" between the two moves
