@@ -51,7 +51,7 @@ class GemmTiles:
 # pipelined tensor-core loops at sm_80 and sm_90. fp32 (ieee FMA or tf32) takes smaller tiles.
 TILES = {
     (9, True): GemmTiles(128, 128, 64, 64, 8, 3),
-    (8, True): GemmTiles(128, 128, 32, 32, 4, 4),
+    (8, True): GemmTiles(128, 128, 32, 32, 8, 4),
     (9, False): GemmTiles(64, 64, 32, 32, 4, 3),
     (8, False): GemmTiles(64, 64, 32, 32, 4, 3),
 }
