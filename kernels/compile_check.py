@@ -226,7 +226,7 @@ def moe_variants(dtype: torch.dtype, arch: int = 90):
                                      ("dx", n_cols, k_dim, dict(w_stride_k=1, w_stride_n=n_cols))):
             yield Variant(f"grouped_mm {stage} {name}", grouped_gemm._grouped_mm_kernel,
                           dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                               GROUP_BLOCK=MOE_EXPERTS, GROUP_M=grouped_gemm.GROUP_M, EVEN_K=k % tiles.block_k == 0,
+                               GROUP_BLOCK=MOE_EXPERTS, GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0,
                                DOT_PRECISION=precision), options,
                           dict(common, k_dim=k, n_cols=n, x_stride_t=k, y_stride_t=n, **strides), memory_bound=False)
         yield Variant(f"grouped_mm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,

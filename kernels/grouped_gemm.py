@@ -32,19 +32,18 @@ from dataclasses import dataclass
 from .dispatch import (check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, triton,
                        use_triton)
 
-GROUP_M = 8  # row tiles per column sweep (L2 reuse of a group's weight columns)
-
-
 @dataclass(frozen=True)
 class GemmTiles:
-    """Block sizes of the two kernels: the forward/dx tile [block_m, block_n] stepping block_k, and the
-    weight-gradient tile [block_k, block_n] stepping block_t rows."""
+    """Block sizes of the two kernels: the forward/dx tile [block_m, block_n] stepping block_k, row tiles
+    visited group_m at a time per column sweep (L2 reuse of a group's weight columns), and the
+    weight-gradient tile [block_m (of K), block_n] stepping block_t rows."""
     block_m: int
     block_n: int
     block_k: int
     block_t: int
     num_warps: int
     num_stages: int
+    group_m: int = 8
 
 
 # (major compute capability, 16-bit inputs?) -> tiles; compile_check holds them to no spills and
@@ -55,7 +54,9 @@ TILES = {
     (9, False): GemmTiles(64, 64, 32, 32, 4, 3),
     (8, False): GemmTiles(64, 64, 32, 32, 4, 3),
 }
-INTERPRETER_TILES = GemmTiles(16, 16, 16, 16, 1, 1)  # small: the interpreter runs programs one by one
+# small, so the interpreter (programs one by one) still sees several row tiles per group and column
+# sweeps both full and partial
+INTERPRETER_TILES = GemmTiles(16, 16, 16, 16, 1, 1, group_m=2)
 
 
 def gemm_tiles(device: torch.device, dtype: torch.dtype) -> GemmTiles:
@@ -187,7 +188,7 @@ def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor)
     runnable(_grouped_mm_kernel, x.device)[grid](
         x, weight, y, row_offsets, tile_offsets, n_groups, k_dim, n_cols, x.stride(0), weight.stride(0),
         weight.stride(1), weight.stride(2), y.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, GROUP_BLOCK=next_power_of_2(n_groups), GROUP_M=GROUP_M,
+        BLOCK_K=tiles.block_k, GROUP_BLOCK=next_power_of_2(n_groups), GROUP_M=tiles.group_m,
         EVEN_K=k_dim % tiles.block_k == 0, DOT_PRECISION=dot_precision(x.dtype), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return y
