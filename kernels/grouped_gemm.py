@@ -18,19 +18,20 @@ its group from `tile_offsets` (the exclusive cumsum of every group's row-tile co
 torch on the device): the group of row tile m is the number of groups whose tiles end at or
 before m. Programs past the last real tile return at once. Row tiles never straddle two groups,
 so every tile is one dense [BLOCK_M, K] x [K, BLOCK_N] product on the tensor cores, its rows
-masked at the group's end; row tiles are visited GROUP_M at a time per column sweep, so a group's
+masked at the group's end; row tiles are visited group_m at a time per column sweep, so a group's
 weight columns stay in L2 while its row tiles pass (the Triton matmul tutorial's ordering).
 The weight gradient launches one program per (group, K tile, N tile); each loops over its
 group's rows (zero iterations, and a zero tile written, for an empty group).
 """
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from .dispatch import (check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, triton,
                        use_triton)
+
 
 @dataclass(frozen=True)
 class GemmTiles:
