@@ -32,10 +32,13 @@ def test_rejects_malformed_inputs():
         grouped_mm(x, weight[:, :5], torch.tensor([2, 2], device=DEVICE))
 
 
-def _compare(dtype, sizes, k, n):
+def _compare(dtype, sizes, k, n, weight_stored_transposed=False):
     group_sizes = torch.tensor(sizes, dtype=torch.int64, device=DEVICE)
     x = torch.randn(sum(sizes), k, device=DEVICE, dtype=dtype)
     weight = torch.randn(len(sizes), k, n, device=DEVICE, dtype=dtype) / k ** 0.5
+    if weight_stored_transposed:  # [E, N, K] storage (nn.Linear's [out, in]) seen as [E, K, N]
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+        assert weight.stride(1) == 1
 
     def op(fn):
         return lambda x, weight: fn(x, weight, group_sizes)
@@ -59,8 +62,9 @@ def test_grouped_mm_matches_reference(dtype, sizes, k):
 @requires_triton
 def test_grouped_mm_with_the_hopper_tiles(monkeypatch):
     """The sm_90 16-bit launch configuration itself (128x128x64 tiles, sweeps of 8 row tiles), fp16
-    on CPU: one group larger than a tile, one smaller, one empty; N past one column tile."""
+    on CPU: one group larger than a tile, one smaller, one empty; N past one column tile; the
+    weight stored [E, N, K] and passed as its transposed view (the kernels read it by strides)."""
     from megalite.kernels import grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "gemm_tiles", lambda device, dtype: grouped_gemm.TILES[(9, True)])
-    _compare(torch.float16, (150, 0, 7), k=64, n=136)
+    _compare(torch.float16, (150, 0, 7), k=64, n=136, weight_stored_transposed=True)
