@@ -6,14 +6,15 @@
 #
 # Steps: kernel_tests (tests/kernels compiled), tune_attention (tiles + SDPA dispatch table),
 # tune_norms (norm and RoPE launch configs), bench_kernels (every op vs eager / torch.compile /
-# SDPA, % of the copy and matmul ceilings, with the tables just tuned in effect), bench_train
+# SDPA, % of the copy and matmul ceilings, with the tables just tuned in effect), bench_moe_kernels
+# (the MoE grouped GEMM vs a per-expert loop and torch._grouped_mm, permute/unpermute), bench_train
 # (GPT-2 small step vs a plain transformers loop). Each writes OUT_DIR/STEP.txt; plan.txt says
 # how each ended. Runs from the source tree: megalite/kernels is linked to kernels/ and
 # PYTHONPATH set, so a machine that cannot `pip install -e .` (no registry) runs it as is.
 set -u
 out=${1:?usage: bash tools/gpu_plan.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-kernel_tests tune_attention tune_norms bench_kernels bench_train}
+steps=${*:-kernel_tests tune_attention tune_norms bench_kernels bench_moe_kernels bench_train}
 mkdir -p "$out"
 ln -sfn ../kernels megalite/kernels
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -37,4 +38,6 @@ step tune_norms 150 python tools/tune_norms.py --json "$out/norm_tables.json"
 tables=$(ls "$out"/attention_tables.json "$out"/norm_tables.json 2>/dev/null | tr '\n' ' ')
 step bench_kernels 240 python tools/bench_kernels.py --quick --no-correctness --csv "$out/bench_kernels.csv" \
     ${tables:+--tables $tables}
+step bench_moe_kernels 240 python tools/bench_kernels.py --ops grouped_mm,moe_permute --no-correctness \
+    --csv "$out/bench_moe_kernels.csv"
 step bench_train 150 python tools/bench_train.py --model gpt2-124m --micro-batch-size 8 --seq-length 1024 --bf16

@@ -32,19 +32,39 @@ def test_rejects_malformed_inputs():
         grouped_mm(x, weight[:, :5], torch.tensor([2, 2], device=DEVICE))
 
 
-@requires_triton
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("sizes", [(5, 0, 17, 0, 1, 30), (0, 53, 0, 0)], ids=["empty_groups", "one_group"])
-def test_grouped_mm_matches_reference(dtype, sizes):
-    """Forward, dx and dweight, with groups of no rows (their dweight is zero, not unwritten), a group
-    spanning several row tiles, and odd K and N (masked tile edges)."""
-    tokens, k, n = sum(sizes), 40, 24
+def _compare(dtype, sizes, k, n, weight_stored_transposed=False):
     group_sizes = torch.tensor(sizes, dtype=torch.int64, device=DEVICE)
-    x = torch.randn(tokens, k, device=DEVICE, dtype=dtype)
+    x = torch.randn(sum(sizes), k, device=DEVICE, dtype=dtype)
     weight = torch.randn(len(sizes), k, n, device=DEVICE, dtype=dtype) / k ** 0.5
+    if weight_stored_transposed:  # [E, N, K] storage (nn.Linear's [out, in]) seen as [E, K, N]
+        weight = weight.transpose(1, 2).contiguous().transpose(1, 2)
+        assert weight.stride(1) == 1
 
     def op(fn):
         return lambda x, weight: fn(x, weight, group_sizes)
 
     compare_with_reference(op(grouped_mm), op(grouped_mm_reference), [x, weight], tolerance(dtype),
                            ref_dtype=torch.float32)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("sizes, k", [((5, 0, 17, 0, 1, 33), 40), ((0, 53, 0, 0), 48)],
+                         ids=["empty_groups", "one_group"])
+def test_grouped_mm_matches_reference(dtype, sizes, k):
+    """Forward, dx and dweight, with groups of no rows (their dweight is zero, not unwritten), groups
+    spanning several row tiles, K with and without a partial last block, odd N (masked column
+    tiles). On CPU (16-row tiles, column sweeps of 2 row tiles): 7 and 4 row tiles, so sweeps both
+    full and partial."""
+    _compare(dtype, sizes, k, n=24)
+
+
+@requires_triton
+def test_grouped_mm_with_the_hopper_tiles(monkeypatch):
+    """The sm_90 16-bit launch configuration itself (128x128x64 tiles, sweeps of 8 row tiles), fp16
+    on CPU: one group larger than a tile, one smaller, one empty; N past one column tile; the
+    weight stored [E, N, K] and passed as its transposed view (the kernels read it by strides)."""
+    from megalite.kernels import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "gemm_tiles", lambda device, dtype: grouped_gemm.TILES[(9, True)])
+    _compare(torch.float16, (150, 0, 7), k=64, n=136, weight_stored_transposed=True)

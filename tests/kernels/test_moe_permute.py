@@ -53,13 +53,16 @@ def test_rejects_malformed_inputs():
 @pytest.mark.parametrize("case", ["spread", "one_expert", "dropped"])
 def test_permute_and_unpermute_match_references(dtype, case):
     """Forward and backward of permute -> unpermute (x, y and the weights' gradients), with an
-    expert that receives nothing (6 experts, ids from 5), every token on one expert, dropped slots."""
+    expert that receives nothing (6 experts, ids from 5), every token on one expert, dropped slots
+    and a token with none routed. Poisoned outputs: a row the kernels forget is NaN."""
     tokens, top_k, num_experts, hidden = 11, 2, 6, 40
     if case == "one_expert":
         ids = torch.full((tokens, top_k), -1, dtype=torch.int64, device=DEVICE)
         ids[:, 0] = 4
     else:
         ids = _routing(tokens, top_k, num_experts - 1, dropped=5 if case == "dropped" else 0, seed=1)
+        if case == "dropped":
+            ids[3] = -1  # a token routed nowhere: zeros out, zero gradients
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
     weights = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.float32)
     scale = torch.randn(hidden, device=DEVICE, dtype=dtype)  # an "expert" between the two moves
@@ -75,3 +78,23 @@ def test_permute_and_unpermute_match_references(dtype, case):
     compare_with_reference(round_trip(permute_tokens, unpermute_tokens),
                            round_trip(permute_tokens_reference, unpermute_tokens_reference), [x, weights],
                            tolerance(dtype), ref_dtype=torch.float32)
+
+
+def test_model_functional_entry_points_dispatch_to_the_moe_ops(monkeypatch):
+    """megalite.model.functional's grouped_mm / permute_tokens / unpermute_tokens are the kernels'
+    ops (here under MEGALITE_KERNEL_BACKEND=torch: the references)."""
+    from megalite.kernels import grouped_mm_reference
+    from megalite.model import functional
+
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "torch")
+    ids = _routing(tokens=5, top_k=2, num_experts=3, dropped=2)
+    x, weights = torch.randn(5, 8, device=DEVICE), torch.rand(5, 2, device=DEVICE)
+    weight = torch.randn(3, 8, 4, device=DEVICE)
+    permuted, sorted_index, group_sizes = functional.permute_tokens(x, ids, 3)
+    expected = permute_tokens_reference(x, ids, 3)
+    for got, want in zip((permuted, sorted_index, group_sizes), expected):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    y = functional.grouped_mm(permuted, weight, group_sizes)
+    torch.testing.assert_close(y, grouped_mm_reference(permuted, weight, group_sizes), atol=0, rtol=0)
+    torch.testing.assert_close(functional.unpermute_tokens(y, sorted_index, weights, 5),
+                               unpermute_tokens_reference(y, sorted_index, weights, 5), atol=0, rtol=0)
