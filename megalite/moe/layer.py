@@ -28,6 +28,11 @@ from megalite.moe.router import Router
 from megalite.tensor_parallel import mappings
 
 
+def recomputing() -> bool:
+    """True inside a backward pass: a forward running there is activation recompute's second one."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _AttachLosses(torch.autograd.Function):
     """Forward: `output` unchanged. Backward: also d(loss)/d(loss) = scale, into the router."""
 
@@ -95,7 +100,7 @@ class MoELayer(nn.Module):
             terms.append(moe.aux_loss_coeff * routing.aux_loss)
         if routing.z_loss is not None:
             terms.append(moe.z_loss_coeff * routing.z_loss)
-        if self.training:
+        if self.training and not recomputing():  # a recomputed forward (activation recompute) counts nothing
             self._record(routing)
         if terms and torch.is_grad_enabled() and self.training:
             out = _AttachLosses.apply(out, sum(terms), float(self.loss_scale))

@@ -124,7 +124,7 @@ class Router(nn.Module):
         else:
             weights, balance_scores = torch.softmax(logits.gather(1, expert_ids), dim=-1), scores
         tokens_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=moe.num_experts)
-        if self.expert_bias is not None and self.training:
+        if self.expert_bias is not None and self.training and torch._C._current_graph_task_id() == -1:  # not recompute
             self.step_tokens_per_expert += tokens_per_expert.to(self.step_tokens_per_expert.dtype)
         aux = None
         if moe.load_balancing_type == "aux_loss":

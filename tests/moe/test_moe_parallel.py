@@ -2,7 +2,7 @@
 
 One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP),
 (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and
-ZeRO 2, (pp 2, ep 2) under 1F1B, (tp 2, dp 2, ep 2) with ZeRO 1, and ZeRO 3 at (tp 2, dp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each
+ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2) with ZeRO 1 and selective recompute, and ZeRO 3 at (tp 2, dp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each
 MoE block's experts a unit of their own, sharded over the expert-dp group). Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
@@ -35,8 +35,8 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings
     ((2, 1, 2, 2), dict(sequence_parallel=True)),
     ((1, 1, 4, 2), dict(zero=1)),
     ((1, 1, 4, 4), dict(zero=2, moe_token_dispatcher_type="allgather")),
-    ((1, 2, 2, 2), dict()),
-    ((2, 1, 2, 2), dict(zero=1)),
+    ((1, 2, 2, 2), dict(recompute="full")),
+    ((2, 1, 2, 2), dict(zero=1, recompute="selective")),
     ((2, 1, 2, 1), dict(zero=3)),
     ((2, 1, 2, 2), dict(zero=3)),
     ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
