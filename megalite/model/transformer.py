@@ -159,7 +159,7 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
         if self.is_moe:
-            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device)
+            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device, cp_group)
             self.mlp.layer_number = layer_number
         else:
             self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)

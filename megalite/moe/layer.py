@@ -11,7 +11,8 @@
 
 The balancing losses do not travel with the activations: `_AttachLosses` adds their gradient in
 backward (Megatron's MoEAuxLossAutoScaler), scaled by `loss_scale`, which the train step sets to
-(fp16 loss scale) / (forwards whose losses the step averages: microbatches x dp x cp). Any stage of
+(fp16 loss scale) / (forwards whose losses the step averages: microbatches x dp; the cp ranks of a
+forward each hold a share of its losses, router.py). Any stage of
 a pipeline can therefore hold MoE layers. Each forward also accumulates this layer's statistics
 for the step's metrics (`moe_stats`): the losses, routes per expert and dropped routes.
 """
@@ -48,7 +49,7 @@ class _AttachLosses(torch.autograd.Function):
 
 class MoELayer(nn.Module):
     def __init__(self, config, tp_group, ep_group, sequence_parallel: bool, dispatcher_type: str = "alltoall",
-                 dtype=None, device=None):
+                 dtype=None, device=None, cp_group=None):
         super().__init__()
         from megalite.model.transformer import MLP  # the shared expert is a dense MLP
 
@@ -57,6 +58,7 @@ class MoELayer(nn.Module):
         if moe.num_experts % ep:
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by ep={ep}; choose --ep dividing it")
         self.moe, self.tp_group, self.sequence_parallel = moe, tp_group, sequence_parallel
+        self.cp_group = cp_group  # the ranks holding the other tokens of these sequences (losses are theirs)
         self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
         base_seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())  # this block's stream: the same on every rank
         local = moe.num_experts // ep
@@ -81,7 +83,7 @@ class MoELayer(nn.Module):
             if self.sequence_parallel else x  # [s, b, h]: every tp rank sees (and routes) the same tokens
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
-        routing = self.router(tokens, b)
+        routing = self.router(tokens, b, self.cp_group)
         expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, self.tp_group)  # experts: tp inside
         expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
         expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over tp
@@ -110,7 +112,7 @@ class MoELayer(nn.Module):
     def _record(self, routing) -> None:
         """Add this forward's statistics (device tensors: nothing is read on the host here)."""
         st = self.stats
-        st["forwards"] += 1
+        st["forwards"] += 1 / comm.group_size(self.cp_group)  # a cp rank holds a share of the forward's losses
         st["aux_loss"] = st["aux_loss"] + (routing.aux_loss.detach() if routing.aux_loss is not None else 0.0)
         st["z_loss"] = st["z_loss"] + (routing.z_loss.detach() if routing.z_loss is not None else 0.0)
         st["dropped"] = st["dropped"] + routing.dropped

@@ -17,6 +17,11 @@ Losses (each returned unweighted and added by the layer with its coefficient):
   scores (softmax over all experts; sigmoid scores normalised per token) and c_e the routes to e;
 - seq_aux_loss: the same per sequence (tokens of one sequence), averaged over sequences;
 - z-loss (ST-MoE): mean_t logsumexp(logits_t)^2.
+
+Under context parallelism (`token_group`: the cp group) a rank holds s/cp tokens of each
+sequence; the losses stay those of the whole sequences: the route counts are summed over the
+group (no gradient flows through counts) and each rank returns its tokens' share of the loss
+(T and s are the whole sequences'), so the shares sum over the cp ranks to the cp = 1 value.
 """
 from __future__ import annotations
 
@@ -49,23 +54,35 @@ def top_k_deterministic(selection: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                        token_group=None) -> torch.Tensor:
     """E / (T^2 k) * sum_e (sum_t scores[t, e]) * routes_e; scores [T, E], expert_ids [T, k].
 
-    1.0 when the load and the probability mass are both uniform."""
+    1.0 when the load and the probability mass are both uniform. With a `token_group` the tokens
+    are split over its ranks: this rank's share (see the module docstring)."""
     tokens, k = expert_ids.shape
     routes = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(scores.dtype)  # [E]
+    tokens *= _summed(routes, token_group)
     return (scores.sum(0) * routes).sum() * (num_experts / (tokens * tokens * k))
 
 
+def _summed(counts: torch.Tensor, token_group) -> int:
+    """Sum `counts` over the ranks sharing the sequences (in place); returns how many ranks there are."""
+    from megalite import comm
+
+    comm.all_reduce(counts, token_group)
+    return comm.group_size(token_group)
+
+
 def sequence_load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
-                                 num_sequences: int) -> torch.Tensor:
+                                 num_sequences: int, token_group=None) -> torch.Tensor:
     """The load-balancing loss of each sequence, averaged. Tokens are [s, b] flattened (t = i*b + j):
     sequence j is every b-th token from j."""
     tokens, k = expert_ids.shape
     s = tokens // num_sequences
     per_sequence_scores = scores.view(s, num_sequences, num_experts).sum(0)  # [b, E]
     one_hot = F.one_hot(expert_ids.view(s, num_sequences, k), num_experts).sum((0, 2)).to(scores.dtype)  # [b, E]
+    s *= _summed(one_hot, token_group)
     return (per_sequence_scores * one_hot).sum() * (num_experts / (s * s * k)) / num_sequences
 
 
@@ -104,7 +121,8 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, tokens: torch.Tensor, num_sequences: int) -> Routing:
+    def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None) -> Routing:
+        """tokens [T, h]; num_sequences b (tokens are [s, b] flattened); token_group: the cp group."""
         moe, k = self.moe, self.moe.topk
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E] fp32
         if moe.score_function == "sigmoid":
@@ -128,10 +146,13 @@ class Router(nn.Module):
             self.step_tokens_per_expert += tokens_per_expert.to(self.step_tokens_per_expert.dtype)
         aux = None
         if moe.load_balancing_type == "aux_loss":
-            aux = load_balancing_loss(balance_scores, expert_ids, moe.num_experts)
+            aux = load_balancing_loss(balance_scores, expert_ids, moe.num_experts, token_group)
         elif moe.load_balancing_type == "seq_aux_loss":
-            aux = sequence_load_balancing_loss(balance_scores, expert_ids, moe.num_experts, num_sequences)
-        z_loss = torch.logsumexp(logits, dim=-1).square().mean() if moe.z_loss_coeff > 0 else None
+            aux = sequence_load_balancing_loss(balance_scores, expert_ids, moe.num_experts, num_sequences,
+                                               token_group)
+        z_loss = None
+        if moe.z_loss_coeff > 0:  # this rank's share of the mean over the whole sequences
+            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * _group_size(token_group))
         dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
         if moe.capacity_factor is not None:
             capacity = math.ceil(moe.capacity_factor * tokens.shape[0] * k / moe.num_experts)
@@ -139,6 +160,12 @@ class Router(nn.Module):
             dropped = (~keep).sum()
             expert_ids = torch.where(keep, expert_ids, torch.full_like(expert_ids, -1))
         return Routing(expert_ids, weights, tokens_per_expert, dropped, aux, z_loss)
+
+
+def _group_size(group) -> int:
+    from megalite import comm
+
+    return comm.group_size(group)
 
 
 @torch.no_grad()

@@ -189,8 +189,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
     model.train()
-    # The balancing losses are averaged over every forward of the step (microbatches x dp x cp ranks)
-    moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size * mesh.cp_size))
+    # The balancing losses are averaged over every forward of the step (microbatches x dp ranks; the
+    # cp ranks of one forward each hold a share of its losses)
+    moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
     phase = timer.phase if timer is not None else _no_timer
     if mesh.pp_size == 1:
         loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)

@@ -3,7 +3,8 @@
 One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP),
 (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and
 ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2) with ZeRO 1 and selective recompute, and ZeRO 3 at (tp 2, dp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each
-MoE block's experts a unit of their own, sharded over the expert-dp group). Every layout trains STEPS steps through `train_step` from the same seed
+MoE block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with
+ZeRO 1 (each cp rank balances its share of the whole sequences' losses). Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
 must be on the ep group (all-to-all or all-gather) and, with expert-dp > 1, their gradient on edp.
@@ -40,6 +41,7 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings
     ((2, 1, 2, 1), dict(zero=3)),
     ((2, 1, 2, 2), dict(zero=3)),
     ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
+    ((1, 1, 2, 2), dict(cp=2, zero=1)),
 ]
 
 
@@ -47,7 +49,7 @@ def _world(reference):
     ref_losses, ref_norms, ref_params, _ = reference
     checked = []
     for (tp, pp, dp, ep), settings in LAYOUTS:
-        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep)
+        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, cp=settings.get("cp", 1))
         cfg = cfg_for(tp, pp, dp, ep, **settings)
         assert cfg.resolved(4).validate(4) == []
         what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
