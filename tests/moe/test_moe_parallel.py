@@ -21,7 +21,8 @@ from megalite.mesh import single_process_mesh
 from megalite.plan.communication import communication_bytes
 from megalite.plan.params import stage_params
 from megalite.testing import assert_tensor_close, run_distributed
-from moe_helpers import cfg_for, train
+from megalite.training.guards import check_replicas
+from moe_helpers import STEPS, cfg_for, train
 
 @pytest.fixture(scope="module")
 def reference():
@@ -61,6 +62,10 @@ def _world(reference):
                 for logical, p in chunk.logical_parameters():
                     assert_tensor_close(p, P.shard_spec(p).shard(ref_params[logical]), rtol=1e-5,
                                         what=f"{what} {logical}")
+        if cfg.parallel.zero == 3:  # replicas agree (experts compared over expert-dp only)
+            check_replicas(optimizer.model.tp_replicated_pieces(), m, STEPS, shards=True)
+        else:
+            check_replicas([(n, p) for c in chunks for n, p in c.logical_parameters()], m, STEPS)
         stats = {k: v for k, v in results[-1].items() if k.startswith("moe_")}
         planned = communication_bytes(cfg.gpt_config(), cfg, m.pp_rank)
         dispatch = {k: (comm.ledger.bytes.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
