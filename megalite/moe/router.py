@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import comm
 from megalite.moe.config import MoEConfig
 
 
@@ -68,8 +69,6 @@ def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_expe
 
 def _summed(counts: torch.Tensor, token_group) -> int:
     """Sum `counts` over the ranks sharing the sequences (in place); returns how many ranks there are."""
-    from megalite import comm
-
     comm.all_reduce(counts, token_group)
     return comm.group_size(token_group)
 
@@ -152,7 +151,7 @@ class Router(nn.Module):
                                                token_group)
         z_loss = None
         if moe.z_loss_coeff > 0:  # this rank's share of the mean over the whole sequences
-            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * _group_size(token_group))
+            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * comm.group_size(token_group))
         dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
         if moe.capacity_factor is not None:
             capacity = math.ceil(moe.capacity_factor * tokens.shape[0] * k / moe.num_experts)
@@ -162,18 +161,10 @@ class Router(nn.Module):
         return Routing(expert_ids, weights, tokens_per_expert, dropped, aux, z_loss)
 
 
-def _group_size(group) -> int:
-    from megalite import comm
-
-    return comm.group_size(group)
-
-
 @torch.no_grad()
 def update_expert_bias(router: Router, replica_group, rate: float) -> None:
     """DeepSeek-V3's step: bias_e += rate * sign(mean load - load_e), the load summed over the step's
     tokens of every replica (`replica_group`: dp x cp, where the tokens differ). Resets the count."""
-    from megalite import comm
-
     load = router.step_tokens_per_expert
     comm.all_reduce(load, replica_group)
     router.expert_bias += rate * torch.sign(load.mean() - load)
