@@ -44,6 +44,9 @@ def moe_stats(chunks, mesh) -> dict:
      "moe_load_imbalance": max over layers of max/mean routes per expert;
      "moe_layers": {layer: {"tokens_per_expert_max", "tokens_per_expert_mean", "aux_loss", "z_loss",
                             "dropped"}}}. {} for a model without experts."""
+    chunks = list(chunks)
+    if getattr(chunks[0], "config", None) is None or chunks[0].config.moe is None:
+        return {}  # a dense model: nothing to report, and no collective (every rank agrees: same config)
     layers = moe_layers(chunks)
     mine = {}
     for number, layer in layers:
