@@ -50,21 +50,25 @@ def random_routing(tokens: int, experts: int, top_k: int, device: str) -> torch.
 
 def grouped_mm_case(shape: str, expert_ids: torch.Tensor, experts: int, k_dim: int, n_cols: int, device: str,
                     dtype: torch.dtype) -> Case:
-    """[T * k, K] rows sorted by expert times [E, K, N]; FLOPs 2 T K N forward, 3x that with dx and dweight."""
+    """[T * k, K] rows sorted by expert times [E, K, N]; FLOPs 2 T K N forward, 3x that with dx and dweight.
+
+    The weight is stored [E, N, K] (each expert an nn.Linear's [out, in], as Mixtral checkpoints and
+    torch's own grouped_mm tests keep it) and every provider multiplies by its [E, K, N] view.
+    """
     group_sizes = torch.bincount(expert_ids.reshape(-1), minlength=experts)
     rows = int(group_sizes.sum())
     sizes_on_host = group_sizes.tolist()
 
     def make_inputs():
         x = torch.randn(rows, k_dim, device=device, dtype=dtype).requires_grad_(True)
-        weight = (torch.randn(experts, k_dim, n_cols, device=device, dtype=dtype) / k_dim ** 0.5).requires_grad_(True)
-        return [x, weight]
+        stored = (torch.randn(experts, n_cols, k_dim, device=device, dtype=dtype) / k_dim ** 0.5).requires_grad_(True)
+        return [x, stored]
 
-    providers = {"megalite": lambda x, w: K.grouped_mm(x, w, group_sizes),
-                 "loop": lambda x, w: per_expert_loop(x, w, sizes_on_host)}
+    providers = {"megalite": lambda x, stored: K.grouped_mm(x, stored.transpose(1, 2), group_sizes),
+                 "loop": lambda x, stored: per_expert_loop(x, stored.transpose(1, 2), sizes_on_host)}
     if hasattr(torch, "_grouped_mm"):
         ends = group_sizes.cumsum(0).to(torch.int32)
-        providers["torch_grouped_mm"] = lambda x, w: torch._grouped_mm(x, w, offs=ends)
+        providers["torch_grouped_mm"] = lambda x, stored: torch._grouped_mm(x, stored.transpose(1, 2), offs=ends)
     forward = 2.0 * rows * k_dim * n_cols
     return Case("grouped_mm", f"{shape} {rows}x{k_dim}x{n_cols} E{experts}", make_inputs, providers, forward,
                 3 * forward, flops=True, extra={"baselines": EXTRA_BASELINES, "group_sizes": group_sizes})
