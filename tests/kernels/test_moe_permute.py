@@ -80,6 +80,19 @@ def test_permute_and_unpermute_match_references(dtype, case):
                            tolerance(dtype), ref_dtype=torch.float32)
 
 
+@requires_triton
+def test_nothing_routed_gives_no_rows_zero_output_and_zero_gradients():
+    ids = torch.full((3, 2), -1, dtype=torch.int64, device=DEVICE)
+    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    weights = torch.rand(3, 2, device=DEVICE, requires_grad=True)
+    permuted, sorted_index, group_sizes = permute_tokens(x, ids, 4)
+    assert permuted.shape == (0, 8) and sorted_index.numel() == 0 and group_sizes.tolist() == [0, 0, 0, 0]
+    out = unpermute_tokens(permuted, sorted_index, weights, 3)
+    assert out.shape == (3, 8) and out.abs().sum() == 0
+    out.sum().backward()
+    assert x.grad.abs().sum() == 0 and weights.grad.abs().sum() == 0
+
+
 def test_model_functional_entry_points_dispatch_to_the_moe_ops(monkeypatch):
     """megalite.model.functional's grouped_mm / permute_tokens / unpermute_tokens are the kernels'
     ops (here under MEGALITE_KERNEL_BACKEND=torch: the references)."""
