@@ -208,8 +208,8 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
                       dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, {})
 
 
-# Mixtral-8x7B's experts, 8192 tokens top-2: 16384 routed rows, hidden 4096, expert ffn 14336, 8 experts
-MOE_ROWS, MOE_EXPERTS, MOE_TOP_K = 2 * TOKENS, 8, 2
+# Mixtral-8x7B's experts: 8192 tokens top-2 (16384 routed rows), hidden 4096, expert ffn 14336, 8 experts
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 
 def moe_variants(dtype: torch.dtype, arch: int = 90):
@@ -301,9 +301,9 @@ def analyse(compiled, arch: int) -> Report:
     loads = re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)
     vector = sum(1 for op in loads if ".v2." in op or ".v4." in op or op.endswith((".v2", ".v4")))
     registers, spills = _ptxas_report(ptx, arch)
-    return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector,
-                  ptx.count("wgmma.mma_async") + ptx.count("mma.sync.aligned"), len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)),
-                  len(APPROXIMATE_FP32.findall(ptx)))
+    tensor_core = ptx.count("wgmma.mma_async") + ptx.count("mma.sync.aligned")
+    return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector, tensor_core,
+                  len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)), len(APPROXIMATE_FP32.findall(ptx)))
 
 
 def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose: bool = True,

@@ -174,7 +174,8 @@ def _schedule(group_sizes: torch.Tensor, block_m: int) -> tuple[torch.Tensor, to
     sizes = group_sizes.to(torch.int32)
     tiles = torch.div(sizes + (block_m - 1), block_m, rounding_mode="floor")
     zero = sizes.new_zeros(1)
-    return torch.cat([zero, sizes.cumsum(0, dtype=torch.int32)]), torch.cat([zero, tiles.cumsum(0, dtype=torch.int32)])
+    row_offsets = torch.cat([zero, sizes.cumsum(0, dtype=torch.int32)])
+    return row_offsets, torch.cat([zero, tiles.cumsum(0, dtype=torch.int32)])
 
 
 def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

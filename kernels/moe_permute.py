@@ -144,8 +144,9 @@ def _gather_rows(src: torch.Tensor, sorted_index: torch.Tensor, top_k: int, rout
     """[R, H] rows src[sorted_index // top_k] (times their slot's weight); with y also the weights' fp32
     gradient [T * k] (zero for dropped slots)."""
     out = new_output((sorted_index.shape[0], src.shape[1]), src.dtype, src.device)
-    weight_grad = torch.zeros(sorted_index.shape[0] and top_k * src.shape[0], dtype=torch.float32,
-                              device=src.device) if y is not None else None
+    weight_grad = None  # [T * k]: src is then the output's gradient [T, H]
+    if y is not None:
+        weight_grad = torch.zeros(src.shape[0] * top_k, dtype=torch.float32, device=src.device)
     if sorted_index.shape[0] == 0:
         return out, weight_grad
     runnable(_gather_rows_kernel, src.device)[(sorted_index.shape[0],)](

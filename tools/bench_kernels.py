@@ -245,7 +245,8 @@ def _moe_round_trip(permute, unpermute, x, weights, expert_ids):
 
 CSV_COLUMNS = ["device", "torch", "triton", "command", "op", "shape", "dtype", "provider", "mode", "gpu_ms",
                "host_ms", "timing", "host_bound", "median_ms", "rate", "unit", "pct_of_ceiling", "ceiling", "x_eager",
-               "x_compile", "x_sdpa", "x_loop", "x_torch_grouped_mm", "note", "error"]  # median_ms = gpu_ms, kept for readers of older CSVs
+               "x_compile", "x_sdpa", "x_loop", "x_torch_grouped_mm", "note",
+               "error"]  # median_ms = gpu_ms, kept for readers of older CSVs
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,9 @@ moe_permute / moe_unpermute: the row moves around the experts (permute includes 
 and its one host read of the routed-row count; unpermute reuses a precomputed sorted_index) against
 the PyTorch references and torch.compile of them; GB/s and % of copy.
 
-Routing is a fixed random top-k (seeded; every expert gets about T * k / E rows).
+Routing is a fixed random top-k (seeded): uniform (every expert gets about T * k / E rows), and for
+the grouped GEMM also skewed (one expert with most rows: the weight gradient's worst case, one
+program per tile of that expert looping over all its rows).
 """
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ import megalite.kernels as K
 from bench_kernel_cases import Case
 from megalite.kernels.moe_permute import sort_by_expert
 
-# (label, tokens, hidden, expert ffn, experts, top-k): Mixtral-8x7B's experts, and DeepSeek-V2-Lite's
-# many small ones (64 experts of 1408, top-6), 8192 tokens each
-MOE_SHAPES = [("mixtral", 8192, 4096, 14336, 8, 2), ("deepseek-v2-lite", 8192, 2048, 1408, 64, 6)]
-SMOKE_SHAPE = ("smoke", 16, 32, 48, 4, 2)
+# (label, tokens, hidden, expert ffn, experts, top-k, skew), 8192 tokens each: Mixtral-8x7B's experts,
+# DeepSeek-V2-Lite's many small ones (64 experts of 1408, top-6), and Mixtral with expert 0 chosen
+# by most tokens (skew 0.5 added to its routing score: 75% of tokens pick it, 37% of the rows)
+MOE_SHAPES = [("mixtral", 8192, 4096, 14336, 8, 2, 0.0), ("deepseek-v2-lite", 8192, 2048, 1408, 64, 6, 0.0),
+              ("mixtral-skewed", 8192, 4096, 14336, 8, 2, 0.5)]
+SMOKE_SHAPE = ("smoke", 16, 32, 48, 4, 2, 0.0)
 EXTRA_BASELINES = ("loop", "torch_grouped_mm")  # ratio columns x_loop, x_torch_grouped_mm
 
 
@@ -32,39 +36,46 @@ def moe_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use_c
     shapes = [SMOKE_SHAPE] if smoke else MOE_SHAPES[:1] if quick else MOE_SHAPES
     element_size = torch.tensor([], dtype=dtype).element_size()
     cases = []
-    for label, tokens, hidden, ffn, experts, top_k in shapes:
-        expert_ids = random_routing(tokens, experts, top_k, device)
+    for label, tokens, hidden, ffn, experts, top_k, skew in shapes:
+        expert_ids = random_routing(tokens, experts, top_k, device, skew)
         if "grouped_mm" in ops:
             for name, k_dim, n_cols in (("up", hidden, ffn), ("down", ffn, hidden)):
                 cases.append(grouped_mm_case(f"{label} {name}", expert_ids, experts, k_dim, n_cols, device, dtype))
-        if "moe_permute" in ops:
+        if "moe_permute" in ops and not skew:
             cases += permute_cases(label, expert_ids, experts, hidden, device, dtype, element_size, use_compile)
     return cases
 
 
-def random_routing(tokens: int, experts: int, top_k: int, device: str) -> torch.Tensor:
-    """int64 [tokens, top_k]: distinct experts per token, uniformly at random (seeded)."""
+def random_routing(tokens: int, experts: int, top_k: int, device: str, skew: float = 0.0) -> torch.Tensor:
+    """int64 [tokens, top_k]: distinct experts per token, at random (seeded); uniform, or expert 0
+    favoured by `skew` added to its uniform score."""
     generator = torch.Generator().manual_seed(0)
-    return torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices.to(device)
+    scores = torch.rand(tokens, experts, generator=generator)
+    scores[:, 0] += skew
+    return scores.topk(top_k, dim=1).indices.to(device)
 
 
 def grouped_mm_case(shape: str, expert_ids: torch.Tensor, experts: int, k_dim: int, n_cols: int, device: str,
                     dtype: torch.dtype) -> Case:
-    """[T * k, K] rows sorted by expert times [E, K, N]; FLOPs 2 T K N forward, 3x that with dx and dweight."""
+    """[T * k, K] rows sorted by expert times [E, K, N]; FLOPs 2 T K N forward, 3x that with dx and dweight.
+
+    The weight is stored [E, N, K] (each expert an nn.Linear's [out, in], as Mixtral checkpoints and
+    torch's own grouped_mm tests keep it) and every provider multiplies by its [E, K, N] view.
+    """
     group_sizes = torch.bincount(expert_ids.reshape(-1), minlength=experts)
     rows = int(group_sizes.sum())
     sizes_on_host = group_sizes.tolist()
 
     def make_inputs():
         x = torch.randn(rows, k_dim, device=device, dtype=dtype).requires_grad_(True)
-        weight = (torch.randn(experts, k_dim, n_cols, device=device, dtype=dtype) / k_dim ** 0.5).requires_grad_(True)
-        return [x, weight]
+        stored = (torch.randn(experts, n_cols, k_dim, device=device, dtype=dtype) / k_dim ** 0.5).requires_grad_(True)
+        return [x, stored]
 
-    providers = {"megalite": lambda x, w: K.grouped_mm(x, w, group_sizes),
-                 "loop": lambda x, w: per_expert_loop(x, w, sizes_on_host)}
+    providers = {"megalite": lambda x, stored: K.grouped_mm(x, stored.transpose(1, 2), group_sizes),
+                 "loop": lambda x, stored: per_expert_loop(x, stored.transpose(1, 2), sizes_on_host)}
     if hasattr(torch, "_grouped_mm"):
         ends = group_sizes.cumsum(0).to(torch.int32)
-        providers["torch_grouped_mm"] = lambda x, w: torch._grouped_mm(x, w, offs=ends)
+        providers["torch_grouped_mm"] = lambda x, stored: torch._grouped_mm(x, stored.transpose(1, 2), offs=ends)
     forward = 2.0 * rows * k_dim * n_cols
     return Case("grouped_mm", f"{shape} {rows}x{k_dim}x{n_cols} E{experts}", make_inputs, providers, forward,
                 3 * forward, flops=True, extra={"baselines": EXTRA_BASELINES, "group_sizes": group_sizes})

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, requires_triton, tolerance
+from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, gpu_only, leaf, requires_triton, tolerance
 from megalite.kernels import grouped_mm, grouped_mm_reference
 
 
@@ -68,3 +68,39 @@ def test_grouped_mm_with_the_hopper_tiles(monkeypatch):
 
     monkeypatch.setattr(grouped_gemm, "gemm_tiles", lambda device, dtype: grouped_gemm.TILES[(9, True)])
     _compare(torch.float16, (150, 0, 7), k=64, n=136, weight_stored_transposed=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_mm_at_a_training_shape_on_the_gpu(dtype):
+    """The compiled kernels with their real tiles: many row tiles (sweeps of 8), skewed groups with
+    zeros and single rows, K a whole number of blocks."""
+    _compare(dtype, (0, 1000, 3, 0, 129, 2000, 1, 963), k=256, n=384)
+
+
+@gpu_only
+def test_grouped_mm_forward_and_backward_capture_in_a_cuda_graph():
+    """No host synchronisation: forward, dx and dweight replay from a CUDA graph, and the replay
+    follows new group sizes written into the same tensor."""
+    group_sizes = torch.tensor([300, 0, 212, 500], device=DEVICE)
+    x = torch.randn(1012, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(4, 128, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1012, 256, device=DEVICE, dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles) outside the capture
+        grouped_mm(x, weight, group_sizes).backward(dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = weight.grad = None
+    with torch.cuda.graph(graph):
+        y = grouped_mm(x, weight, group_sizes)
+        y.backward(dy)
+    group_sizes.copy_(torch.tensor([12, 700, 0, 300], device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    x_ref, weight_ref = leaf(x), leaf(weight)
+    y_ref = grouped_mm_reference(x_ref, weight_ref, group_sizes)
+    y_ref.backward(dy)
+    for got, want in ((y, y_ref), (x.grad, x_ref.grad), (weight.grad, weight_ref.grad)):
+        torch.testing.assert_close(got.float(), want.float(), **tolerance(torch.bfloat16))

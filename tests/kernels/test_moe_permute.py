@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, requires_triton, tolerance
+from kernel_testing import DEVICE, FLOAT_DTYPES, compare_with_reference, gpu_only, requires_triton, tolerance
 from megalite.kernels import (permute_tokens, permute_tokens_reference, unpermute_tokens,
                               unpermute_tokens_reference)
 
@@ -48,11 +48,39 @@ def test_rejects_malformed_inputs():
         permute_tokens(torch.randn(3, 4, device=DEVICE), torch.zeros(2, 2, dtype=torch.int64, device=DEVICE), 2)
 
 
+def _compare_moves(dtype, ids, num_experts, hidden):
+    """permute_tokens and unpermute_tokens each against its reference, forward and backward (x; y and
+    the weights). Each on its own: glue between them would round in the tested dtype and blur what
+    the kernels compute."""
+    tokens, top_k = ids.shape
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
+
+    def permute(fn):
+        def run(x):
+            permuted, sorted_index, group_sizes = fn(x, ids, num_experts)
+            assert sorted_index.tolist() == _loop_permutation(ids, num_experts)
+            assert group_sizes.tolist() == [int((ids == e).sum()) for e in range(num_experts)]
+            return permuted
+        return run
+
+    compare_with_reference(permute(permute_tokens), permute(permute_tokens_reference), [x], tolerance(dtype),
+                           ref_dtype=torch.float32)
+    _, sorted_index, _ = permute_tokens_reference(x, ids, num_experts)
+    y = torch.randn(sorted_index.numel(), hidden, device=DEVICE, dtype=dtype)
+    weights = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.float32)
+
+    def unpermute(fn):
+        return lambda y, weights: fn(y, sorted_index, weights, tokens)
+
+    compare_with_reference(unpermute(unpermute_tokens), unpermute(unpermute_tokens_reference), [y, weights],
+                           tolerance(dtype), ref_dtype=torch.float32)
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("case", ["spread", "one_expert", "dropped"])
 def test_permute_and_unpermute_match_references(dtype, case):
-    """Forward and backward of permute -> unpermute (x, y and the weights' gradients), with an
+    """Forward and backward of permute and of unpermute (x, y and the weights' gradients), with an
     expert that receives nothing (6 experts, ids from 5), every token on one expert, dropped slots
     and a token with none routed. Poisoned outputs: a row the kernels forget is NaN."""
     tokens, top_k, num_experts, hidden = 11, 2, 6, 40
@@ -63,21 +91,26 @@ def test_permute_and_unpermute_match_references(dtype, case):
         ids = _routing(tokens, top_k, num_experts - 1, dropped=5 if case == "dropped" else 0, seed=1)
         if case == "dropped":
             ids[3] = -1  # a token routed nowhere: zeros out, zero gradients
-    x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
-    weights = torch.rand(tokens, top_k, device=DEVICE, dtype=torch.float32)
-    scale = torch.randn(hidden, device=DEVICE, dtype=dtype)  # an "expert" between the two moves
+    _compare_moves(dtype, ids, num_experts, hidden)
 
-    def round_trip(permute, unpermute):
-        def run(x, weights):
-            permuted, sorted_index, group_sizes = permute(x, ids, num_experts)
-            assert sorted_index.tolist() == _loop_permutation(ids, num_experts)
-            assert group_sizes.tolist() == [int((ids == e).sum()) for e in range(num_experts)]
-            return permuted, unpermute(permuted * scale.to(permuted.dtype), sorted_index, weights, tokens)
-        return run
 
-    compare_with_reference(round_trip(permute_tokens, unpermute_tokens),
-                           round_trip(permute_tokens_reference, unpermute_tokens_reference), [x, weights],
-                           tolerance(dtype), ref_dtype=torch.float32)
+@gpu_only
+def test_permute_and_unpermute_at_a_training_hidden_size_on_the_gpu():
+    """1024-wide blocks over hidden 4096 (four per row), top-2 over 8 experts, bf16."""
+    _compare_moves(torch.bfloat16, _routing(tokens=1000, top_k=2, num_experts=8, dropped=37), 8, 4096)
+
+
+@requires_triton
+def test_nothing_routed_gives_no_rows_zero_output_and_zero_gradients():
+    ids = torch.full((3, 2), -1, dtype=torch.int64, device=DEVICE)
+    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    weights = torch.rand(3, 2, device=DEVICE, requires_grad=True)
+    permuted, sorted_index, group_sizes = permute_tokens(x, ids, 4)
+    assert permuted.shape == (0, 8) and sorted_index.numel() == 0 and group_sizes.tolist() == [0, 0, 0, 0]
+    out = unpermute_tokens(permuted, sorted_index, weights, 3)
+    assert out.shape == (3, 8) and out.abs().sum() == 0
+    out.sum().backward()
+    assert x.grad.abs().sum() == 0 and weights.grad.abs().sum() == 0
 
 
 def test_model_functional_entry_points_dispatch_to_the_moe_ops(monkeypatch):

@@ -251,16 +251,17 @@ def test_moe_cases_time_the_same_products_and_carry_their_baselines_ratios(bench
                               use_compile=False, smoke=True)
     assert [c.op for c in cases] == ["grouped_mm", "grouped_mm", "moe_permute", "moe_unpermute"]
     gemm = cases[0]
-    x, weight = gemm.make_inputs()
+    x, stored = gemm.make_inputs()
+    weight = stored.transpose(1, 2)  # stored [E, N, K], multiplied as [E, K, N]
     rows, k_dim = x.shape
     experts, _, n_cols = weight.shape
     assert rows == 16 * 2 and gemm.flops and gemm.fwd_units == 2 * rows * k_dim * n_cols == gemm.fwd_bwd_units / 3
     expected = bench.K.grouped_mm_reference(x, weight, gemm.extra["group_sizes"])
-    torch.testing.assert_close(gemm.providers["loop"](x, weight), expected)
+    torch.testing.assert_close(gemm.providers["loop"](x, stored), expected)
     baselines = ["loop"]
     if "torch_grouped_mm" in gemm.providers:
         try:
-            torch.testing.assert_close(gemm.providers["torch_grouped_mm"](x, weight), expected)
+            torch.testing.assert_close(gemm.providers["torch_grouped_mm"](x, stored), expected)
             baselines.append("torch_grouped_mm")
         except RuntimeError:  # this torch's CPU build lacks it for float32: the GPU is what it is for
             pass
