@@ -11,7 +11,7 @@ constant: this decides whether loads are vectorised). Each variant then reports:
 
     regs   registers per thread (ptxas -v)      spill  bytes spilled to local memory
     smem   shared memory per program             ld     16-byte vector / scalar global loads
-    mma    wgmma (Hopper tensor-core) instructions
+    mma    tensor-core instructions: wgmma.mma_async (sm_90) and mma.sync (sm_80)
     async  asynchronous copies to shared memory (cp.async / TMA): loads software-pipelined
     apx    approximate fp32 square roots and divisions (sqrt.approx, div.full ...: tl.sqrt, `/`)
 
@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import torch
 
 FP32_POINTERS = {"RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
-                 "EXP_AVG_SQ"}
+                 "EXP_AVG_SQ", "ROUTING_WEIGHTS", "DROUTING_WEIGHTS"}
+INTEGER_POINTERS = {"TARGETS": "*i64", "SORTED_INDEX": "*i64", "ROW_OF_SLOT": "*i64", "ROW_OFFSETS": "*i32",
+                    "TILE_OFFSETS": "*i32"}
 FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minus_beta1", "beta2", "step_size",
                  "bias_correction2_sqrt", "dropout_scale"}
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -99,8 +101,8 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
-        elif name == "TARGETS":
-            signature[name], attrs[(index,)] = "*i64", [["tt.divisibility", 16]]
+        elif name in INTEGER_POINTERS:
+            signature[name], attrs[(index,)] = INTEGER_POINTERS[name], [["tt.divisibility", 16]]
         elif name.isupper():  # a tensor: fresh allocations are 16-byte aligned
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{TRITON_DTYPES[dtype]}"
             attrs[(index,)] = [["tt.divisibility", 16]]
@@ -178,6 +180,7 @@ def kernel_variants(dtype: torch.dtype, arch: int = 90):
             yield Variant(f"cross_entropy {stage} V={vocab}{'/tp8' if cols < vocab else ''}", kernel,
                           dict(BLOCK_V=block_v), {"num_warps": 8}, shape)
     yield from attention_variants(dtype, arch)
+    yield from moe_variants(dtype, arch)
     yield Variant("adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}, {"n_elements": 1 << 24})
 
 
@@ -205,6 +208,42 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
                       dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, {})
 
 
+# Mixtral-8x7B's experts: 8192 tokens top-2 (16384 routed rows), hidden 4096, expert ffn 14336, 8 experts
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+
+
+def moe_variants(dtype: torch.dtype, arch: int = 90):
+    """The grouped GEMM (forward, dx on weight^T's strides, dweight) with the tiles gemm_tiles picks on
+    `arch`, for the up projection [4096 -> 14336] and the down one; the permute row moves."""
+    grouped_gemm, moe_permute = (importlib.import_module(f"{__package__}.{name}")
+                                 for name in ("grouped_gemm", "moe_permute"))
+    tiles = grouped_gemm.TILES[(min(arch // 10, 9), dtype != torch.float32)]
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    for name, k_dim, n_cols in (("up", HIDDEN, FFN), ("down", FFN, HIDDEN)):
+        common = dict(n_groups=MOE_EXPERTS, w_stride_e=k_dim * n_cols)
+        for stage, k, n, strides in (("fwd", k_dim, n_cols, dict(w_stride_k=n_cols, w_stride_n=1)),
+                                     ("dx", n_cols, k_dim, dict(w_stride_k=1, w_stride_n=n_cols))):
+            yield Variant(f"grouped_mm {stage} {name}", grouped_gemm._grouped_mm_kernel,
+                          dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                               GROUP_BLOCK=MOE_EXPERTS, GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0,
+                               DOT_PRECISION=precision), options,
+                          dict(common, k_dim=k, n_cols=n, x_stride_t=k, y_stride_t=n, **strides), memory_bound=False)
+        yield Variant(f"grouped_mm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
+                      dict(BLOCK_K=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t,
+                           DOT_PRECISION=precision), options,
+                      dict(k_dim=k_dim, n_cols=n_cols, x_stride_t=k_dim, dy_stride_t=n_cols,
+                           dw_stride_e=k_dim * n_cols, dw_stride_k=n_cols), memory_bound=False)
+    rows = dict(n_cols=HIDDEN, top_k=MOE_TOP_K, src_stride=HIDDEN, out_stride=HIDDEN, y_stride=HIDDEN)
+    block_h = moe_permute._block_h(HIDDEN, torch.device("cuda"))
+    for label, weighted, weight_grad in (("permute fwd", False, False), ("unpermute bwd", True, True)):
+        yield Variant(f"moe {label} (gather rows)", moe_permute._gather_rows_kernel,
+                      dict(WEIGHTED=weighted, WEIGHT_GRAD=weight_grad, BLOCK_H=block_h), {"num_warps": 4}, rows)
+    for label, weighted in (("unpermute fwd", True), ("permute bwd", False)):
+        yield Variant(f"moe {label} (combine slots)", moe_permute._combine_slots_kernel,
+                      dict(WEIGHTED=weighted, BLOCK_H=block_h), {"num_warps": 4}, rows)
+
+
 @dataclass
 class Report:
     registers: int | None
@@ -212,7 +251,7 @@ class Report:
     shared_bytes: int
     vector_loads: int
     scalar_loads: int
-    wgmma: int
+    mma: int  # tensor-core instructions: wgmma.mma_async (Hopper) + mma.sync (Ampere)
     async_copies: int
     approximate: int = 0  # approximate fp32 square roots / divisions (APPROXIMATE_FP32)
 
@@ -229,7 +268,7 @@ class Report:
         if memory_bound and self.vector_loads == 0:
             found.append(f"data loads are scalar ({self.vector_loads} vector, {self.scalar_loads} scalar loads): "
                          "cannot reach copy bandwidth")
-        if self.wgmma and not self.async_copies:
+        if self.mma and not self.async_copies:
             found.append("tensor-core loops without asynchronous copies: loads are not software-pipelined")
         return found
 
@@ -262,9 +301,9 @@ def analyse(compiled, arch: int) -> Report:
     loads = re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)
     vector = sum(1 for op in loads if ".v2." in op or ".v4." in op or op.endswith((".v2", ".v4")))
     registers, spills = _ptxas_report(ptx, arch)
-    return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector,
-                  ptx.count("wgmma.mma_async"), len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)),
-                  len(APPROXIMATE_FP32.findall(ptx)))
+    tensor_core = ptx.count("wgmma.mma_async") + ptx.count("mma.sync.aligned")
+    return Report(registers, spills, compiled.metadata.shared, vector, len(loads) - vector, tensor_core,
+                  len(re.findall(r"cp\.async\.(?:ca|cg|bulk)", ptx)), len(APPROXIMATE_FP32.findall(ptx)))
 
 
 def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose: bool = True,
@@ -306,7 +345,7 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
             if verbose:
                 print(f"  {label:52s} {report.registers or '?':>4} {report.spill_bytes if report.spill_bytes is not None else '?':>5} "
                       f"{report.shared_bytes / 1024:8.1f} {report.vector_loads:>5d}/{report.scalar_loads:<5d} "
-                      f"{report.wgmma:>4d} {report.async_copies:>5d} {report.approximate:>3d}  "
+                      f"{report.mma:>4d} {report.async_copies:>5d} {report.approximate:>3d}  "
                       f"{'ok' if not problems else 'WARN ' + '; '.join(problems)} "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
     return failures, warnings

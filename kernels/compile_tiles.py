@@ -40,7 +40,7 @@ def compile_measured(verbose: bool = True) -> list[str]:
                 report = analyse(triton.compile(source, target=GPUTarget("cuda", arch_number, 32),
                                                 options=variant.options), arch_number)
                 detail = f"spills {report.spill_bytes} bytes" if report.spill_bytes else ""
-                summary = f"regs {report.registers}, smem {report.shared_bytes // 1024} KiB, wgmma {report.wgmma}"
+                summary = f"regs {report.registers}, smem {report.shared_bytes // 1024} KiB, mma {report.mma}"
             except Exception as exc:  # noqa: BLE001 - report every failing entry
                 detail, summary = f"FAILED {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]}", ""
             if detail:

@@ -329,6 +329,18 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor
     return output
 
 
+def all_to_all_variable(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                        group) -> torch.Tensor:
+    """All-to-all with per-rank counts: rows input_splits[i] of `input` (dim 0, in rank order) go to
+    rank i; output_splits[i] rows arrive from rank i (the expert dispatch of mixture of experts)."""
+    if _trivial(group):
+        output.copy_(input)
+        return output
+    _run("all_to_all", group, input, input.numel() * input.element_size(),
+         lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group), False)
+    return output
+
+
 def barrier(group) -> None:
     if _trivial(group):
         return

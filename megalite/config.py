@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megalite.model.config import PRESETS, GPTConfig, preset
+from megalite.moe.config import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.config_bounds import NO_BOUNDS, Bounds, bound_problems
 from megalite.config_checks import data_problems, setting_problems
 from megalite.config_choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
-    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression)
+    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
+    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher)
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -73,6 +75,12 @@ class ParallelSettings:
     cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
                                                        "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
                                                        "must divide by cp)")
+    ep: int = setting(1, "expert-parallel size (Megatron's --expert-model-parallel-size): the experts of each MoE "
+                         "layer are sharded over ep ranks of the dp x cp group (ep divides dp*cp); expert "
+                         "gradients reduce over the dp*cp/ep ranks holding the same experts", minimum=1)
+    moe_token_dispatcher_type: MoEDispatcher = setting(MoEDispatcher.ALLTOALL, "how tokens reach their experts' ep "
+                                                                               "ranks: alltoall (per-rank counts) "
+                                                                               "or allgather")
     virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", minimum=1)
     pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
     decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)",
@@ -111,6 +119,37 @@ class ParallelSettings:
     powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
                                                    "factor (and every 1-D parameter) are reduced uncompressed",
                                               minimum=0, fix="0 compresses every matrix; 2 is the default")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """mixture of experts (Megatron's flags; unset: the --model preset's, else megalite.moe.MoEConfig's default)"""
+
+    num_experts: int | None = setting(None, "routed experts per MoE layer (turns the model's MLPs into mixtures of "
+                                            "experts)", minimum=1)
+    moe_router_topk: int | None = setting(None, "experts per token (default 2)", minimum=1)
+    moe_ffn_hidden_size: int | None = setting(None, "each expert's inner width (default: --ffn-hidden-size)", minimum=1)
+    moe_layer_freq: int | None = setting(None, "every N-th block (from block 0) is an MoE block (default 1: all)",
+                                         metavar="N", minimum=1)
+    moe_router_score_function: MoEScoreFunction | None = setting(None, "router scores (default softmax)")
+    moe_router_pre_softmax: bool | None = setting(None, "softmax over all experts before the top-k (default off: a "
+                                                        "softmax over the k chosen logits, Mixtral's renormalised "
+                                                        "weights)")
+    moe_router_load_balancing_type: MoELoadBalancing | None = setting(None, "balancing loss: over the layer's tokens "
+                                                                            "(aux_loss, default), per sequence, or "
+                                                                            "none")
+    moe_aux_loss_coeff: float | None = setting(None, "weight of the load-balancing loss (default 0)", minimum=0)
+    moe_z_loss_coeff: float | None = setting(None, "weight of the router z-loss (default 0)", minimum=0)
+    moe_router_enable_expert_bias: bool | None = setting(None, "DeepSeek-V3 auxiliary-loss-free balancing: a "
+                                                               "per-expert score bias for the choice, stepped toward "
+                                                               "the mean load after each step")
+    moe_router_bias_update_rate: float | None = setting(None, "step of the expert bias (default 1e-3)", minimum=0)
+    moe_shared_expert_intermediate_size: int | None = setting(None, "inner width of an always-active shared expert "
+                                                                    "(default none)", minimum=1)
+    moe_expert_capacity_factor: float | None = setting(None, "cap each expert at factor * tokens * topk / experts "
+                                                             "routes per rank and layer (default: dropless)", above=0)
+    moe_token_drop_policy: MoEDropPolicy | None = setting(None, "over capacity keep the highest-probability routes "
+                                                                "(probs, default) or the earliest tokens (position)")
 
 
 @dataclass(frozen=True)
@@ -222,7 +261,7 @@ class FaultToleranceSettings:
 
 
 PARTS: dict[str, type] = {
-    "model": ModelSettings, "parallel": ParallelSettings, "training": TrainingSettings,
+    "model": ModelSettings, "parallel": ParallelSettings, "moe": MoESettings, "training": TrainingSettings,
     "optimizer": OptimizerSettings, "precision": PrecisionSettings, "data": DataSettings,
     "checkpoint": CheckpointSettings, "logging": LoggingSettings, "fault_tolerance": FaultToleranceSettings,
 }
@@ -320,6 +359,7 @@ class RunConfig:
 
     model: ModelSettings = field(default_factory=ModelSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    moe: MoESettings = field(default_factory=MoESettings)
     training: TrainingSettings = field(default_factory=TrainingSettings)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     precision: PrecisionSettings = field(default_factory=PrecisionSettings)
@@ -404,10 +444,33 @@ class RunConfig:
     def gpt_config(self) -> GPTConfig:
         """The model architecture: the preset with the explicit model settings (ValueError if invalid)."""
         m = self.model
-        return preset(m.model, num_layers=m.num_layers, hidden_size=m.hidden_size,
-                      num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-                      ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length, vocab_size=m.vocab_size,
-                      hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout)
+        model = preset(m.model, num_layers=m.num_layers, hidden_size=m.hidden_size,
+                       num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                       ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length, vocab_size=m.vocab_size,
+                       hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout)
+        moe = self.moe_settings_given()
+        if moe:  # the preset's experts (if any) with the explicit MoE settings over them
+            base = dataclasses.asdict(model.moe) if model.moe is not None else {}
+            if "num_experts" not in {**base, **moe}:
+                flags = ", ".join("--" + k.replace("_", "-") for k, v in dataclasses.asdict(self.moe).items()
+                                  if v is not None)
+                raise ValueError(f"{flags} configure experts but the model has none: add --num-experts N (or a "
+                                 f"preset with experts, e.g. --model moe-tiny)")
+            model = model.replace(moe=MoEConfig(**{**base, **moe}))
+        return model
+
+    def moe_settings_given(self) -> dict[str, Any]:
+        """The MoE settings set explicitly, as MoEConfig keywords (the flag names less their moe_router_/moe_)."""
+        names = {"num_experts": "num_experts", "moe_router_topk": "topk", "moe_ffn_hidden_size": "ffn_hidden_size",
+                 "moe_layer_freq": "layer_freq", "moe_router_score_function": "score_function",
+                 "moe_router_pre_softmax": "pre_softmax", "moe_router_load_balancing_type": "load_balancing_type",
+                 "moe_aux_loss_coeff": "aux_loss_coeff", "moe_z_loss_coeff": "z_loss_coeff",
+                 "moe_router_enable_expert_bias": "enable_expert_bias",
+                 "moe_router_bias_update_rate": "bias_update_rate",
+                 "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+                 "moe_expert_capacity_factor": "capacity_factor", "moe_token_drop_policy": "token_drop_policy"}
+        given = {names[k]: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
+        return {k: (str(v) if isinstance(v, enum.Enum) else v) for k, v in given.items()}
 
     def chunk_layer_counts(self, num_layers: int) -> list[int]:
         """Blocks of each model chunk (pp * virtual_stages of them; ValueError if impossible)."""

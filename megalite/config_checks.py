@@ -30,7 +30,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
-    problems += _compression_problems(cfg)
+    problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
     problems += cuda_graph_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
@@ -85,6 +85,35 @@ def _compression_problems(cfg: RunConfig) -> list[str]:
                         f"{cfg.precision.grad_reduce_dtype} (the factors are already {p.powersgd_rank}*(n+m) "
                         f"elements per n x m matrix)")
     return problems
+
+
+def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
+    """--ep and the experts: what the layout needs (the MoE settings' own ranges: MoEConfig)."""
+    p, problems = cfg.parallel, []
+    try:
+        moe = cfg.gpt_config().moe
+    except ValueError:
+        return []  # reported by validate() itself
+    replicas = cfg.dp * p.cp
+    if p.ep < 1:
+        return [f"--ep must be >= 1, got {p.ep}"]
+    if p.ep > 1 and moe is None:
+        problems.append(f"--ep {p.ep} shards experts but the model has none: add --num-experts N (a multiple of "
+                        f"{p.ep}) or drop --ep")
+    if moe is not None and moe.num_experts % p.ep:
+        problems.append(f"--num-experts {moe.num_experts} is not divisible by --ep {p.ep}; choose --ep in "
+                        f"{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0 and replicas % d == 0]}")
+    if replicas % p.ep:
+        problems.append(f"--ep {p.ep} does not divide dp*cp = {cp_dp(cfg)} (experts are sharded over the data x "
+                        f"context ranks); choose --ep in {[d for d in range(1, replicas + 1) if replicas % d == 0]}")
+    if p.ep > 1 and p.grad_compression != "none":
+        problems.append("--grad-compression powersgd does not combine with --ep > 1 yet (expert gradients reduce "
+                        "over the expert-data-parallel group); drop one of them")
+    return problems
+
+
+def cp_dp(cfg: RunConfig) -> str:
+    return f"{cfg.dp}*{cfg.parallel.cp} = {cfg.dp * cfg.parallel.cp}"
 
 
 def data_problems(data: DataSettings) -> list[str]:

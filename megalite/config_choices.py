@@ -68,3 +68,24 @@ class GradCompression(enum.StrEnum):
 
     NONE = "none"
     POWERSGD = "powersgd"  # low-rank factors P, Q with error feedback (Vogels et al. 2019)
+
+
+class MoEScoreFunction(enum.StrEnum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class MoELoadBalancing(enum.StrEnum):
+    AUX_LOSS = "aux_loss"
+    SEQ_AUX_LOSS = "seq_aux_loss"
+    NONE = "none"
+
+
+class MoEDropPolicy(enum.StrEnum):
+    PROBS = "probs"
+    POSITION = "position"
+
+
+class MoEDispatcher(enum.StrEnum):
+    ALLTOALL = "alltoall"
+    ALLGATHER = "allgather"

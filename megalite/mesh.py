@@ -19,7 +19,7 @@ import torch
 
 from megalite import comm
 from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
-                               embedding_group_ranks, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
+                               embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, check_expert_parallel, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
                                rank_to_cp_rank, tp_group_ranks, validate_layout)
 
 # ---------------------------------------------------------------------------------------------
@@ -34,6 +34,11 @@ class Mesh:
     Groups are `None` in a single-process run with no process group; every megalite
     communication function treats `None` as a group of one (a no-op). At cp = 1, `cp_group`
     is None and `dp_cp_group` is `dp_group` itself (same ranks, same ledger name "dp").
+
+    Expert parallelism (ep > 1) subdivides dp x cp: `ep_group` holds ep consecutive members of
+    the dp x cp group (different experts, tokens exchanged all-to-all), `expert_dp_group` the
+    dp*cp/ep members holding the same experts (their gradients reduce there). At ep = 1 there is
+    no ep group and `expert_dp_group` is `dp_cp_group`.
     """
 
     rank: int
@@ -57,6 +62,23 @@ class Mesh:
     embedding_group: Any = field(default=None, repr=False)
     pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's pipeline group, by stage
     placements: tuple[tuple[str, int, str], ...] = ()  # per global rank: (host, local rank, device)
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Any = field(default=None, repr=False)  # experts sharded over it; tokens travel all-to-all
+    expert_dp_group: Any = field(default=None, repr=False)  # same experts: expert gradients reduce here
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in its dp x cp group (cp fastest)."""
+        return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_cp_rank // self.ep_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_size * self.cp_size // self.ep_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -72,7 +94,7 @@ class Mesh:
         with_cp = cp > 1  # without context parallelism the table keeps its familiar columns
         order = "tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" if with_cp else \
             "tp_rank + tp*(dp_rank + dp*pp_rank)"
-        cp_degree = f" cp={cp}" if with_cp else ""
+        cp_degree = (f" cp={cp}" if with_cp else "") + (f" ep={self.ep_size}" if self.ep_size > 1 else "")
         cp_column = f" {'cp':>3}" if with_cp else ""
         lines = [
             f"mesh: world={self.world_size} tp={tp}{cp_degree} pp={pp} dp={dp} "
@@ -117,7 +139,7 @@ def default_device() -> torch.device:
 
 
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
-              timeout_s: float = 600.0) -> Mesh:
+              timeout_s: float = 600.0, ep: int = 1) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
     Validates world == tp*cp*pp*dp before any process group exists. Backend: nccl when CUDA is
@@ -128,6 +150,7 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp = validate_layout(world_size, tp, pp, dp, cp)
+    check_expert_parallel(ep, dp, cp)
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -161,10 +184,15 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     # At cp = 1 no ring exists and dp x cp is the dp group: no extra groups, layouts unchanged.
     groups["cp_group"] = mine("cp", cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else None
     groups["dp_cp_group"] = mine("dp_cp", dp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else groups["dp_group"]
+    # At ep = 1 no expert groups exist: experts are replicated like every other parameter.
+    groups["ep_group"] = mine("ep", ep_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 else None
+    groups["expert_dp_group"] = mine("edp", expert_dp_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 \
+        else groups["dp_cp_group"]
     mesh = Mesh(
         rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
         cp_size=cp, cp_rank=rank_to_cp_rank(rank, tp, cp), **groups,
+        ep_size=ep, ep_rank=(rank_to_cp_rank(rank, tp, cp) + cp * dp_rank) % ep,
         pp_ranks=tuple(pp_ranks),
         # One small gather at start-up, so the rank table names every rank's node and device.
         placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),

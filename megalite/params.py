@@ -9,6 +9,8 @@ Four packages need to know things about a parameter that its tensor does not say
 | sequence_parallel_     | the same, and a user's              | the DP wrapper (refuses an undeclared norm   |
 |   declared             | tensor_parallel.mark_sequence_parallel | among sequence-parallel layers)           |
 | tied_across_stages     | GPTModel (tied embedding, pp > 1)   | the DP wrapper, grad norm, pipeline executor |
+| expert_parallel        | moe/experts.py (each expert)        | the DP wrapper (reduces over expert-dp),     |
+|                        |                                     | grad norm, checkpoints                       |
 | grad_sink, main_grad   | the DP wrapper                      | linear layers' backward, executor, tests     |
 | deferred               | the pipeline executor (ZB-H1's B)   | linear layers' backward                      |
 
@@ -49,6 +51,9 @@ class ParamInfo:
     tied_across_stages: bool = False
     """One half of the tied embedding held by the first and the last pipeline stage: its gradient
     is summed over the embedding group, and it counts once in the global norm (first stage)."""
+    expert_parallel: bool = False
+    """An expert's weight: ranks of the ep group hold different experts, so its gradient reduces
+    over the expert-data-parallel group (dp*cp/ep ranks), not over dp x cp."""
     grad_sink: GradSink | None = None
     """Set by a data-parallel wrapper: weight gradients are handed here instead of autograd."""
     main_grad: torch.Tensor | None = None
@@ -68,7 +73,7 @@ def info(param: torch.Tensor) -> ParamInfo:
 
 
 def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequence_parallel_grad: bool | None = None,
-            tied_across_stages: bool | None = None) -> torch.Tensor:
+            tied_across_stages: bool | None = None, expert_parallel: bool | None = None) -> torch.Tensor:
     """Declare what a model knows about `param` (fields left None keep their value); returns it."""
     meta = info(param)
     if shard_spec is not None:
@@ -81,6 +86,8 @@ def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequenc
         meta.sequence_parallel_declared = True
     if tied_across_stages is not None:
         meta.tied_across_stages = bool(tied_across_stages)
+    if expert_parallel is not None:
+        meta.expert_parallel = bool(expert_parallel)
     return param
 
 
@@ -98,6 +105,10 @@ def is_sequence_parallel_declared(param: torch.Tensor) -> bool:
 
 def is_tied_across_stages(param: torch.Tensor) -> bool:
     return info(param).tied_across_stages
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return info(param).expert_parallel
 
 
 def main_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -144,5 +155,6 @@ def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     meta = info(source)
     setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad,
                                           sequence_parallel_declared=meta.sequence_parallel_declared,
-                                          tied_across_stages=meta.tied_across_stages))
+                                          tied_across_stages=meta.tied_across_stages,
+                                          expert_parallel=meta.expert_parallel))
     return target

@@ -146,3 +146,34 @@ def embedding_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[i
     With pp == 1 the group is the single rank (the embedding is tied locally).
     """
     return [[ranks[0]] if pp == 1 else [ranks[0], ranks[-1]] for ranks in pp_group_ranks(tp, pp, dp, cp)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism: ep subdivides dp x cp (Megatron-core's folding)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_expert_parallel(ep: int, dp: int, cp: int = 1) -> None:
+    """ep must divide dp x cp (the ranks holding one replica's tokens); ValueError naming the fix."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+    if (dp * cp) % ep:
+        choices = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
+        raise ValueError(f"--ep {ep} does not divide dp*cp = {dp}*{cp} = {dp * cp} (experts are sharded over the "
+                         f"data x context ranks); choose --ep in {choices}")
+
+
+def ep_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[list[int]]:
+    """Every expert-parallel group: `ep` consecutive members of a dp x cp group (ascending ranks).
+
+    Its members hold different experts of the same layers and exchange tokens (all-to-all)."""
+    check_expert_parallel(ep, dp, cp)
+    return [members[i:i + ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(0, dp * cp, ep)]
+
+
+def expert_dp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[list[int]]:
+    """Every expert-data-parallel group: the dp*cp/ep members of a dp x cp group with the same ep rank.
+
+    They hold the same experts: expert gradients reduce (and ZeRO shards them) over it."""
+    check_expert_parallel(ep, dp, cp)
+    return [members[i::ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(ep)]

@@ -86,6 +86,10 @@ def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use
         cases += attention_cases(quick, device, dtype, use_compile and quick, smoke)  # compile: per shape
     if "adamw" in ops:
         cases.append(_adamw_case(device, smoke))
+    if ops & {"grouped_mm", "moe_permute"}:
+        from bench_moe_kernel_cases import moe_cases  # it imports Case from here
+
+        cases += moe_cases(ops, quick, device, dtype, use_compile, smoke)
     return cases
 
 

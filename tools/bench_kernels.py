@@ -11,7 +11,10 @@ Triton kernels), `eager` (the plain-PyTorch reference beside each kernel), `comp
 Attention instead has `megalite`, `auto` (megalite.kernels.attention under the default dispatch:
 what training calls), `sdpa` (torch's SDPA with k, v heads repeated), `sdpa-gqa` (SDPA's
 enable_gqa, where this torch has it) and, with --quick only, `compile`; its inputs are laid out
-as the model passes them (permuted views of [s, b, heads, d]).
+as the model passes them (permuted views of [s, b, heads, d]). The mixture-of-experts ops
+(tools/bench_moe_kernel_cases.py) time the grouped GEMM against a loop of per-expert matmuls
+(`x_loop`) and torch._grouped_mm where this torch has it (`x_torch_grouped_mm`), and the token
+permute / unpermute against their references.
 
 Every row has two times (tools/bench_kernel_timing.py): gpu_ms, CUDA-graph replay (the kernels
 alone), and host_ms, do_bench's events around each eager call (what an eager caller pays); a row
@@ -77,6 +80,8 @@ GOALS = (
          modes=("fwd", "fwd+bwd", "step")),
     Goal("attention auto fwd+bwd, every shape: x sdpa", "x_sdpa", 1.0, ("attention",), providers=("auto",)),
     Goal("attention megalite (Triton) fwd+bwd, every shape: x sdpa", "x_sdpa", 0.8, ("attention",)),
+    Goal("grouped_mm fwd+bwd: x a loop of per-expert matmuls", "x_loop", 1.0, ("grouped_mm",)),
+    Goal("grouped_mm fwd+bwd: x torch._grouped_mm", "x_torch_grouped_mm", 0.8, ("grouped_mm",)),
 )
 
 
@@ -104,11 +109,13 @@ def goal_lines(rows: list[dict], goals: tuple[Goal, ...] = GOALS) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 def run_case(case: Case, timers: Timers, ceilings: dict) -> list[dict]:
-    """Every (provider, mode) row of one case, with ratios against eager, compile and sdpa."""
+    """Every (provider, mode) row of one case, with ratios against eager, compile and sdpa (and the
+    case's own baselines, e.g. the MoE cases' loop of per-expert matmuls)."""
     rows = [_time_row(case, provider, fn, mode, timers, ceilings)
             for provider, fn in case.providers.items() for mode in case.modes]
     for row in rows:  # same op, shape and mode; kernels-only times
-        for baseline in ("eager", "compile", "sdpa"):
+        row["extra_baselines"] = case.extra.get("baselines", ())
+        for baseline in ("eager", "compile", "sdpa", *row["extra_baselines"]):
             ref = next((r for r in rows if r["provider"] == baseline and r["mode"] == row["mode"]), None)
             ok = ref is not None and not ref["error"] and not row["error"]
             row[f"x_{baseline}"] = ref["gpu_ms"] / row["gpu_ms"] if ok else math.nan
@@ -169,6 +176,8 @@ def print_row(row: dict) -> None:
         return
     ratios = " ".join(f"{row[f'x_{b}']:{w}.2f}" if math.isfinite(row[f"x_{b}"]) else f"{'-':>{w}s}"
                       for b, w in (("eager", 8), ("compile", 9), ("sdpa", 7)))
+    ratios += "".join(f"  x_{b} {row[f'x_{b}']:.2f}" for b in row.get("extra_baselines", ())
+                      if math.isfinite(row[f"x_{b}"]))
     flags = ("  host-bound" if row["host_bound"] else "") + (f"  [{row['note']}]" if row["note"] else "")
     print(f"  {row['provider']:14s} {row['mode']:8s} {row['gpu_ms']:9.3f} {row['host_ms']:9.3f} {row['timing']:6s} "
           f"{row['rate']:9.1f} {row['pct_of_ceiling']:5.1f}% {ratios}{flags}")
@@ -182,6 +191,9 @@ def correctness_sweep(device: str) -> bool:
     os.environ["MEGALITE_KERNEL_BACKEND"] = "triton"
     torch.manual_seed(0)
     cos_sin = torch.rand(9, 16, device=device)
+    group_sizes = torch.tensor([5, 0, 22, 0])  # two experts without rows
+    expert_ids = torch.tensor([[2, 0], [0, -1], [3, 1], [0, 2], [-1, -1], [1, 3], [2, 0], [0, 2], [3, 0]],
+                              device=device)  # 9 tokens top-2 over 4 experts, a token and a slot dropped
     cases = {
         "rms_norm": (K.rms_norm, K.rms_norm_reference, lambda dt: [torch.randn(7, 100, dtype=dt), torch.randn(100, dtype=dt)]),
         "layer_norm": (K.layer_norm, K.layer_norm_reference,
@@ -195,6 +207,13 @@ def correctness_sweep(device: str) -> bool:
         "attention": (K.attention, K.attention_reference,
                       lambda dt: [torch.randn(1, 4, 37, 32, dtype=dt), torch.randn(1, 2, 37, 32, dtype=dt),
                                   torch.randn(1, 2, 37, 32, dtype=dt)]),
+        "grouped_mm": (lambda x, w: K.grouped_mm(x, w, group_sizes.to(x.device)),
+                       lambda x, w: K.grouped_mm_reference(x, w, group_sizes.to(x.device)),
+                       lambda dt: [torch.randn(27, 40, dtype=dt), torch.randn(4, 40, 24, dtype=dt) / 6]),
+        "moe_permute": (lambda x, w: _moe_round_trip(K.permute_tokens, K.unpermute_tokens, x, w, expert_ids),
+                        lambda x, w: _moe_round_trip(K.permute_tokens_reference, K.unpermute_tokens_reference, x, w,
+                                                     expert_ids),
+                        lambda dt: [torch.randn(9, 40, dtype=dt), torch.rand(9, 2, dtype=dt)]),
     }
     tolerances = {torch.float32: 2e-5, torch.float16: 1e-2}
     all_ok = True
@@ -218,16 +237,24 @@ def correctness_sweep(device: str) -> bool:
     return all_ok
 
 
+def _moe_round_trip(permute, unpermute, x, weights, expert_ids):
+    """permute -> an elementwise "expert" -> unpermute: [T, H] -> [T, H]."""
+    permuted, sorted_index, _ = permute(x, expert_ids, 4)
+    return unpermute(permuted * 1.5, sorted_index, weights, x.shape[0])
+
+
 CSV_COLUMNS = ["device", "torch", "triton", "command", "op", "shape", "dtype", "provider", "mode", "gpu_ms",
                "host_ms", "timing", "host_bound", "median_ms", "rate", "unit", "pct_of_ceiling", "ceiling", "x_eager",
-               "x_compile", "x_sdpa", "note", "error"]  # median_ms = gpu_ms, kept for readers of older CSVs
+               "x_compile", "x_sdpa", "x_loop", "x_torch_grouped_mm", "note",
+               "error"]  # median_ms = gpu_ms, kept for readers of older CSVs
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one training shape per op, shorter timing")
     parser.add_argument("--csv", help="write all rows to this CSV file")
-    parser.add_argument("--ops", default="rms_norm,layer_norm,gelu,swiglu,rope,cross_entropy,attention,adamw")
+    parser.add_argument("--ops", default="rms_norm,layer_norm,gelu,swiglu,rope,cross_entropy,attention,adamw,"
+                                         "grouped_mm,moe_permute")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--smoke-timing", action="store_true", help="CPU self-test of the timing harness")

@@ -6,7 +6,8 @@
     # starts from these weights at step 0)
     python tools/convert_checkpoint.py import --hf hf_dir --output runs/from_hf
 
-GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM) flavours; tensor names and layouts are
+GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mixtral (MixtralForCausalLM: a llama-flavour
+model whose every block is a softmax top-k mixture of experts) flavours; tensor names and layouts are
 mapped by megalite.model.hf. A checkpoint saved at any (tp, pp, dp, zero) exports the same
 files: the full tensors are assembled from its layout-free boxes, every file read verified.
 Nothing is downloaded: `--hf` is a local directory.
@@ -41,6 +42,8 @@ def hf_config_for(config: GPTConfig, dtype: torch.dtype):
                                      activation_function="gelu_new", layer_norm_epsilon=config.norm_eps,
                                      resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
                                      attn_pdrop=config.attention_dropout, tie_word_embeddings=True)
+    elif config.moe is not None:
+        hf = _mixtral_config(config)
     else:
         if config.add_bias:
             raise ValueError("megalite's Llama export covers bias-free models only (add_bias=False)")
@@ -51,20 +54,52 @@ def hf_config_for(config: GPTConfig, dtype: torch.dtype):
                                       max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
                                       tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
                                       rope_theta=config.rope_theta, attention_dropout=config.attention_dropout)
-        if getattr(hf, "rope_parameters", None) is not None:  # transformers 5 keeps theta here
-            hf.rope_parameters = {**hf.rope_parameters, "rope_type": "default", "rope_theta": config.rope_theta}
+    if config.flavour == "llama" and getattr(hf, "rope_parameters", None) is not None:  # transformers 5: theta here
+        hf.rope_parameters = {**hf.rope_parameters, "rope_type": "default", "rope_theta": config.rope_theta}
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # transformers' defaults are GPT-2's / Llama's ids
         if isinstance(getattr(hf, name, None), int) and getattr(hf, name) >= config.vocab_size:
             setattr(hf, name, config.vocab_size - 1)  # megalite's end-of-document id is the last one it adds
-    hf.architectures = ["GPT2LMHeadModel" if config.flavour == "gpt2" else "LlamaForCausalLM"]
+    hf.architectures = ["GPT2LMHeadModel" if config.flavour == "gpt2" else
+                        "MixtralForCausalLM" if config.moe is not None else "LlamaForCausalLM"]
     hf.torch_dtype = str(dtype).removeprefix("torch.")
     back = config_from_hf(hf)
-    for field in ("flavour", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                  "ffn_hidden_size", "vocab_size", "seq_length", "norm_eps", "rope_theta", "tie_embeddings"):
+    fields = ["flavour", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size",
+              "seq_length", "norm_eps", "rope_theta", "tie_embeddings"]
+    if config.moe is None:
+        fields.append("ffn_hidden_size")
+    elif (back.moe.num_experts, back.moe.topk, back.moe.expert_ffn(back.ffn_hidden_size)) != \
+            (config.moe.num_experts, config.moe.topk, config.moe.expert_ffn(config.ffn_hidden_size)):
+        raise ValueError(f"the transformers config does not reproduce the experts: {back.moe} != {config.moe}")
+    for field in fields:
         if getattr(back, field) != getattr(config, field):
             raise ValueError(f"the transformers config does not reproduce {field}: {getattr(back, field)} != "
                              f"{getattr(config, field)}")
     return hf
+
+
+def _mixtral_config(config: GPTConfig):
+    """MixtralConfig of a llama-flavour MoE model; refuses what Mixtral cannot express."""
+    import transformers
+
+    moe = config.moe
+    unsupported = [what for what, bad in (
+        ("gpt2 flavour", config.flavour != "llama"), ("biases", config.add_bias),
+        ("--moe-layer-freq > 1", moe.layer_freq != 1), ("sigmoid scores", moe.score_function != "softmax"),
+        ("--moe-router-pre-softmax", moe.pre_softmax), ("a shared expert", bool(moe.shared_expert_intermediate_size)),
+        ("expert bias", moe.enable_expert_bias), ("a capacity factor", moe.capacity_factor is not None)) if bad]
+    if unsupported:
+        raise ValueError(f"MixtralForCausalLM cannot express {', '.join(unsupported)}; export a model with softmax "
+                         f"top-k experts in every block, no shared expert and no bias")
+    return transformers.MixtralConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                                      intermediate_size=moe.expert_ffn(config.ffn_hidden_size),
+                                      num_hidden_layers=config.num_layers,
+                                      num_attention_heads=config.num_attention_heads,
+                                      num_key_value_heads=config.num_query_groups,
+                                      max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
+                                      tie_word_embeddings=config.tie_embeddings, rope_theta=config.rope_theta,
+                                      attention_dropout=config.attention_dropout, sliding_window=None,
+                                      num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
+                                      router_aux_loss_coef=moe.aux_loss_coeff)
 
 
 def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = None, dtype: str | None = None,

@@ -69,7 +69,7 @@ def _megalite_version() -> str:
 
 def layout_of(mesh: Mesh, chunks, optimizer) -> dict:
     return {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size,
-            "world_size": mesh.world_size,
+            **({"ep": mesh.ep_size} if mesh.ep_size > 1 else {}), "world_size": mesh.world_size,
             "virtual_stages": len(chunks), "zero_stage": getattr(optimizer, "zero_stage", None),
             "param_dtype": storage.DTYPE_NAMES[next(chunks[0].parameters()).dtype]}
 

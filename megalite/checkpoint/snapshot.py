@@ -63,16 +63,23 @@ def writes(chunk, local_name: str, param, mesh: Mesh) -> bool:
     return params.shard_spec(param).is_tp_sharded or mesh.tp_rank == 0
 
 
+def first_replica(param, mesh: Mesh) -> bool:
+    """Whether this rank is the first of `param`'s replicas: dp rank 0 and cp rank 0, or for an
+    expert under expert parallelism the first of its expert-data-parallel group (the ep ranks
+    hold different experts, each stored by its own)."""
+    if mesh.ep_size > 1 and params.is_expert_parallel(param):
+        return mesh.expert_dp_rank == 0
+    return mesh.dp_rank == 0 and mesh.cp_rank == 0
+
+
 def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> list[Item]:
     """The parameter boxes this rank stores; copy=False keeps CPU views (a synchronous save
     writes them before training touches the parameters again). Weights are replicated over dp
-    and cp: only the replica at dp rank 0, cp rank 0 writes them."""
-    if mesh.dp_rank != 0 or mesh.cp_rank != 0:
-        return []
+    and cp: only the first replica writes them (`first_replica`)."""
     items = []
     for chunk in chunks:
         for local_name, param in chunk.named_parameters():
-            if not writes(chunk, local_name, param, mesh):
+            if not writes(chunk, local_name, param, mesh) or not first_replica(param, mesh):
                 continue
             name, spec, data = chunk.logical_name(local_name), params.shard_spec(param), param.detach()
             whole = tuple((0, n) for n in data.shape)
@@ -122,9 +129,10 @@ def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
     """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata."""
     state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
     extras = {"step": state["step"], "loss_scaler": state["loss_scaler"]}
-    if optimizer.zero_stage == 0 and (mesh.dp_rank != 0 or mesh.cp_rank != 0):  # replicas (ZeRO: disjoint shards)
-        return [], extras
     specs = optimizer_param_specs(chunks, mesh)
+    if optimizer.zero_stage == 0:  # replicas store nothing (ZeRO: disjoint shards, each stores its own)
+        replicas = {chunk.logical_name(n): first_replica(p, mesh) for chunk in chunks for n, p in chunk.named_parameters()}
+        specs = {name: spec for name, spec in specs.items() if replicas[name]}
     items = []
     for name, entry in state["params"].items():
         if name in specs:

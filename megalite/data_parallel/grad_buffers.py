@@ -25,6 +25,9 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
 - ZeRO-2 (`zero_stage=2`): a bucket's full-size gradient storage exists only from the first
   gradient it receives in a step until its reduce-scatter has finished; afterwards only the
   1/dp shard remains.
+- Expert parallelism (`expert_group`): experts' weights (declared `expert_parallel`) are replicated
+  only over the expert-data-parallel group, so they sit in buckets of their own that reduce (and,
+  under ZeRO, shard) over that group; every other bucket reduces over dp as before.
 - Gradient compression (`compression=PowerSGDConfig(...)`, dp > 1): after the warm-up steps no
   bucket is reduced during backward; `finish_reduction()` hands the whole accumulated step to
   the PowerSGD compressor (powersgd.py), which replaces the all-reduce / reduce-scatter above
@@ -68,11 +71,14 @@ class GradBuffers:
             grads are summed over it in `finish_reduction()`, before their (own) bucket launches.
         compression: a PowerSGDConfig to reduce compressed (zero_stage 0-2, fp32 reduction);
             skip_group: the group a non-finite gradient skips the step over (the world).
+        expert_group: the expert-data-parallel group of `expert_parallel` parameters (ep > 1);
+            None: every parameter reduces over dp_group.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dp_group, *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
-                 embedding_group=None, compression: PowerSGDConfig | None = None, skip_group=None):
+                 embedding_group=None, compression: PowerSGDConfig | None = None, skip_group=None,
+                 expert_group=None):
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
@@ -91,8 +97,15 @@ class GradBuffers:
         self.device = self.params[0].device
         deferred = frozenset(i for i, p in enumerate(self.params)
                              if embedding_group is not None and P.is_tied_across_stages(p))
-        self.layout: BufferLayout = build_layout([p.numel() for p in self.params], bucket_size,
-                                                 self.shard_count, deferred)
+        # kind 0: replicated over dp_group; kind 1: experts, replicated over expert_group
+        kinds = [int(expert_group is not None and P.is_expert_parallel(p)) for p in self.params]
+        if any(kinds) and compression is not None:
+            raise ValueError("gradient compression does not combine with expert parallelism yet; drop one of them")
+        expert_size, expert_rank = comm.group_size(expert_group), comm.group_rank(expert_group)
+        self.groups = (dp_group, expert_group)  # by kind
+        self.shard_ranks = (self.shard_rank, expert_rank if zero_stage > 0 else 0)  # by kind
+        self.layout: BufferLayout = build_layout([p.numel() for p in self.params], bucket_size, self.shard_count,
+                                                 deferred, kinds, (expert_size if zero_stage > 0 else 1,))
         self._deferred_buckets = {self.layout.slots[i].bucket for i in deferred}
         buckets = self.layout.buckets
 
@@ -117,7 +130,7 @@ class GradBuffers:
 
         self._sp_params = [[i for i in b.params if P.is_sequence_parallel_grad(self.params[i])] for b in buckets]
         self.compressor = self._make_compressor(compression, skip_group, deferred)
-        self._owned = self.layout.owned_pieces(self.shard_rank)
+        self._owned = self.layout.owned_pieces(self.shard_ranks)
         self._sent_bytes = 0  # on the dp group, this step
         self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
         self._expected: list[int] | None = None  # deliveries per param per backward, after calibration
@@ -241,15 +254,16 @@ class GradBuffers:
             return
         data = self._bucket_storage(bucket)  # fp32 [bucket numel]
         send = data if self.grad_reduce_dtype == torch.float32 else data.to(self.grad_reduce_dtype)
-        self._sent_bytes += send.numel() * send.element_size() if self.dp_size > 1 else 0
         b = self.layout.buckets[bucket]
+        group = self.groups[b.kind]  # dp, or the expert-data-parallel group for experts
+        self._sent_bytes += send.numel() * send.element_size() if comm.group_size(group) > 1 else 0
         if self.zero_stage == 0:
-            handle = comm.all_reduce(send, self.dp_group, async_op=True)
+            handle = comm.all_reduce(send, group, async_op=True)
             self._pending.append((bucket, handle, send, None))
             return
         shard = self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel]
         out = shard if self.grad_reduce_dtype == torch.float32 else torch.empty_like(shard, dtype=send.dtype)
-        handle = comm.reduce_scatter_into(out, send, self.dp_group, async_op=True)
+        handle = comm.reduce_scatter_into(out, send, group, async_op=True)
         self._pending.append((bucket, handle, send, out))
 
     def finish_reduction(self, grad_scale: float = 1.0, skip: bool = False) -> None:

@@ -15,6 +15,11 @@ concatenation of its chunks, bucket by bucket:
 
 so one reduce-scatter per bucket leaves every rank exactly the gradients of the elements
 it updates, and one all-gather per bucket brings the updated parameters back.
+
+Parameters may belong to different replica groups (`kinds`: 0 the dense parameters, replicated
+over dp x cp; 1 the experts, replicated over the expert-data-parallel group). A bucket holds one
+kind only and is cut into that kind's `shard_counts[kind]` chunks; a rank's shard rank is then one
+per kind (`owned_pieces((dense rank, expert rank))`).
 This module is pure index arithmetic: no tensors, no communication.
 """
 from __future__ import annotations
@@ -46,6 +51,8 @@ class Bucket:
     shard_count: int
     shard_offset: int
     """Where this bucket's chunk begins inside every rank's shard."""
+    kind: int = 0
+    """The replica group of its parameters (0 dense, 1 experts): the group it reduces and gathers over."""
 
     @property
     def numel(self) -> int:
@@ -93,19 +100,21 @@ class BufferLayout:
 
     @property
     def shard_numel(self) -> int:
-        """Size of every rank's shard (numel / shard_count)."""
-        return self.numel // self.shard_count
+        """Size of every rank's shard (numel / shard_count with one kind of parameter)."""
+        return sum(b.chunk_numel for b in self.buckets)
 
     @property
     def param_numel(self) -> int:
         """Elements that belong to parameters (numel minus padding)."""
         return sum(s.numel for s in self.slots)
 
-    def owned_pieces(self, shard_rank: int) -> list[OwnedPiece]:
-        """Every non-empty piece of a parameter that `shard_rank` owns, in shard order."""
+    def owned_pieces(self, shard_rank: int | tuple[int, ...]) -> list[OwnedPiece]:
+        """Every non-empty piece of a parameter that `shard_rank` owns, in shard order (one rank per
+        kind of parameter when the layout has several)."""
+        ranks = (shard_rank,) if isinstance(shard_rank, int) else tuple(shard_rank)
         pieces = []
         for bucket in self.buckets:
-            own_start, own_end = bucket.owned(shard_rank)
+            own_start, own_end = bucket.owned(ranks[bucket.kind])
             for index in bucket.params:
                 slot = self.slots[index]
                 lo, hi = max(slot.start, own_start), min(slot.end, own_end)
@@ -116,13 +125,17 @@ class BufferLayout:
 
 
 def build_layout(numels: list[int], bucket_size: int, shard_count: int,
-                 alone: frozenset[int] = frozenset()) -> BufferLayout:
+                 alone: frozenset[int] = frozenset(), kinds: list[int] | None = None,
+                 kind_shard_counts: tuple[int, ...] = ()) -> BufferLayout:
     """Lay out parameters of the given sizes (in this order) into padded buckets.
 
     `alone`: indices of parameters that must sit in a bucket of their own (e.g. the tied
     embedding under pipeline parallelism, whose reduction must wait for the embedding
-    all-reduce).
+    all-reduce). `kinds`: each parameter's replica group (default all 0); a bucket never mixes
+    kinds, and kind j > 0 is cut into `kind_shard_counts[j - 1]` chunks (kind 0: `shard_count`).
     """
+    kinds = kinds or [0] * len(numels)
+    counts = (shard_count,) + tuple(kind_shard_counts)
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size}")
     if shard_count < 1:
@@ -131,6 +144,9 @@ def build_layout(numels: list[int], bucket_size: int, shard_count: int,
     current: list[int] = []
     current_numel = 0
     for index, numel in enumerate(numels):
+        if current and kinds[index] != kinds[current[-1]]:  # a bucket holds one kind of parameter
+            groups.append(current)
+            current, current_numel = [], 0
         if index in alone:
             if current:
                 groups.append(current)
@@ -144,15 +160,19 @@ def build_layout(numels: list[int], bucket_size: int, shard_count: int,
             current, current_numel = [], 0
     if current:
         groups.append(current)
-    return _place(numels, groups, shard_count)
+    return _place(numels, groups, shard_count, [counts[kinds[g[0]]] for g in groups], [kinds[g[0]] for g in groups])
 
 
-def build_unit_layout(unit_numels: list[list[int]], shard_count: int) -> BufferLayout:
+def build_unit_layout(unit_numels: list[list[int]], shard_count: int, kinds: list[int] | None = None,
+                      kind_shard_counts: tuple[int, ...] = ()) -> BufferLayout:
     """ZeRO-3: one bucket per unit (`unit_numels[u]`: its parameters' sizes, in order).
 
     Parameters are numbered across units in order; unit u is bucket u, padded to a multiple of
-    `shard_count`, so rank r's shard holds chunk r of every unit.
+    `shard_count`, so rank r's shard holds chunk r of every unit. `kinds[u]` > 0 (an expert
+    unit) is cut into `kind_shard_counts[kind - 1]` chunks instead.
     """
+    kinds = kinds or [0] * len(unit_numels)
+    counts = (shard_count,) + tuple(kind_shard_counts)
     if shard_count < 1:
         raise ValueError(f"shard_count must be >= 1, got {shard_count}")
     numels = [n for unit in unit_numels for n in unit]
@@ -160,11 +180,13 @@ def build_unit_layout(unit_numels: list[list[int]], shard_count: int) -> BufferL
     for unit in unit_numels:
         groups.append(list(range(start, start + len(unit))))
         start += len(unit)
-    return _place(numels, groups, shard_count)
+    return _place(numels, groups, shard_count, [counts[k] for k in kinds], kinds)
 
 
-def _place(numels: list[int], groups: list[list[int]], shard_count: int) -> BufferLayout:
-    """Parameters `groups[b]` back to back in bucket b, each bucket padded to a multiple of shard_count."""
+def _place(numels: list[int], groups: list[list[int]], shard_count: int, group_counts: list[int] | None = None,
+           group_kinds: list[int] | None = None) -> BufferLayout:
+    """Parameters `groups[b]` back to back in bucket b, each bucket padded to a multiple of its shard
+    count (`group_counts[b]`, default `shard_count`)."""
     slots: list[ParamSlot | None] = [None] * len(numels)
     buckets = []
     offset = shard_offset = 0
@@ -174,8 +196,10 @@ def _place(numels: list[int], groups: list[list[int]], shard_count: int) -> Buff
             slots[index] = ParamSlot(offset, offset + numels[index], bucket_index)
             offset += numels[index]
         used = offset - start
-        padded = -(-max(used, 1) // shard_count) * shard_count
+        count = group_counts[bucket_index] if group_counts else shard_count
+        padded = -(-max(used, 1) // count) * count
         offset = start + padded
-        buckets.append(Bucket(bucket_index, start, offset, tuple(members), shard_count, shard_offset))
-        shard_offset += padded // shard_count
+        buckets.append(Bucket(bucket_index, start, offset, tuple(members), count, shard_offset,
+                              group_kinds[bucket_index] if group_kinds else 0))
+        shard_offset += padded // count
     return BufferLayout(tuple(slots), tuple(buckets), offset, shard_count)

@@ -32,15 +32,18 @@ class ParamBuffer:
 
     shard_rank: the chunk of every bucket this rank's optimizer updates (0 when not sharded:
     then publishing is a local copy). Creating it re-points each `param.data` to its view.
+    Layouts with expert buckets (kind 1) pass `groups` and `shard_ranks` by kind: those buckets
+    gather over the expert-data-parallel group.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], layout: BufferLayout, dp_group, shard_rank: int,
-                 overlap: bool = False):
+                 overlap: bool = False, groups: tuple = (), shard_ranks: tuple[int, ...] = ()):
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"data parallelism needs every parameter in one dtype, got {sorted(map(str, dtypes))}; "
                              f"cast the model (e.g. model.to(torch.bfloat16)) before wrapping it")
         self.layout, self.dp_group, self.shard_rank, self.overlap = layout, dp_group, shard_rank, overlap
+        self.groups, self.shard_ranks = groups or (dp_group,), shard_ranks or (shard_rank,)  # by bucket kind
         self.dtype, self.device = params[0].dtype, params[0].device
         self.buffer = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
         for p, slot in zip(params, layout.slots):
@@ -53,7 +56,8 @@ class ParamBuffer:
 
     def owned_chunk(self, bucket: int) -> torch.Tensor:
         """This rank's slot of `bucket` in the buffer (param dtype, [chunk_numel])."""
-        start, end = self.layout.buckets[bucket].owned(self.shard_rank)
+        b = self.layout.buckets[bucket]
+        start, end = b.owned(self.shard_ranks[b.kind])
         return self.buffer[start:end]
 
     def publish(self, bucket: int, chunk: torch.Tensor) -> None:
@@ -67,7 +71,7 @@ class ParamBuffer:
             owned.copy_(chunk, non_blocking=True)
         if b.shard_count == 1:
             return
-        self.pending[bucket] = comm.all_gather_into(out, owned, self.dp_group, async_op=True)
+        self.pending[bucket] = comm.all_gather_into(out, owned, self.groups[b.kind], async_op=True)
 
     def published(self) -> None:
         """The step has handed over every bucket: wait now, unless the gathers overlap the next forward."""

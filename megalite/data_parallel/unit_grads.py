@@ -34,7 +34,7 @@ class UnitGrads:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], layout: BufferLayout, dp_group, *,
                  grad_reduce_dtype: torch.dtype = torch.float32, tp_group=None, embedding_group=None,
-                 max_in_flight: int = 1):
+                 max_in_flight: int = 1, groups: tuple = ()):
         if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
         self.params, self.layout = list(params), layout
@@ -42,6 +42,8 @@ class UnitGrads:
         self.grad_reduce_dtype, self.max_in_flight = grad_reduce_dtype, max_in_flight
         self.device = self.params[0].device
         self.shard_rank = comm.group_rank(dp_group)
+        self.groups = groups or (dp_group,)  # by unit kind: dense units over dp x cp, expert units over expert-dp
+        self.shard_ranks = tuple(comm.group_rank(g) for g in self.groups)
         self._finished = False  # finish_reduction() ran and no gradient arrived since
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
         self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
@@ -114,7 +116,7 @@ class UnitGrads:
         out = torch.empty(b.chunk_numel, dtype=send.dtype, device=self.device)
         while len(self._pending) >= self.max_in_flight:
             self._complete(self._pending.popleft())
-        handle = comm.reduce_scatter_into(out, send, self.dp_group, async_op=True)
+        handle = comm.reduce_scatter_into(out, send, self.groups[b.kind], async_op=True)
         self._pending.append((unit, handle, send, out))
         self.reductions += 1
 

@@ -40,13 +40,16 @@ class UnitParams:
 
     overlap = False  # nothing is left in flight after the optimizer step: it updates the shard only
 
-    def __init__(self, units: Sequence[Unit], layout: BufferLayout, dp_group, shard_rank: int, device):
+    def __init__(self, units: Sequence[Unit], layout: BufferLayout, dp_group, shard_rank: int, device,
+                 groups: tuple = (), shard_ranks: tuple[int, ...] = ()):
         params = [p for unit in units for p in unit.params]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO-3 needs every parameter in one dtype, got {sorted(map(str, dtypes))}; cast the "
                              f"model (e.g. model.to(torch.bfloat16)) before wrapping it")
         self.layout, self.dp_group, self.shard_rank = layout, dp_group, shard_rank
+        # by unit kind (0 dense, 1 experts): the group a unit gathers over and this rank's chunk of it
+        self.groups, self.shard_ranks = groups or (dp_group,), shard_ranks or (shard_rank,)
         self.dtype, self.device = params[0].dtype, torch.device(device)  # the training dtype (full params)
         shard_dtype = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
         self.shard = torch.zeros(layout.shard_numel, dtype=shard_dtype, device=self.device)
@@ -81,7 +84,7 @@ class UnitParams:
             raise ValueError(f"unit {unit.name!r}: materialize() returned shapes {[tuple(t.shape) for t in tensors]}, "
                              f"the parameters have {[tuple(p.shape) for p in unit.params]}")
         b = self.layout.buckets[bucket]
-        own_start, own_end = b.owned(self.shard_rank)
+        own_start, own_end = b.owned(self.shard_ranks[b.kind])
         for tensor, index in zip(tensors, b.params):
             slot = self.layout.slots[index]
             lo, hi = max(slot.start, own_start), min(slot.end, own_end)
@@ -116,7 +119,8 @@ class UnitParams:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         self.gathers += 1
         send = self.owned_chunk(unit).to(self.dtype)  # the training dtype on the wire; kept until the wait
-        self.pending[unit] = (comm.all_gather_into(full, send, self.dp_group, async_op=True), send)
+        group = self.groups[self.layout.buckets[unit].kind]
+        self.pending[unit] = (comm.all_gather_into(full, send, group, async_op=True), send)
 
     def wait(self, unit: int) -> None:
         """Complete unit `unit`'s all-gather if it is still in flight."""
@@ -156,7 +160,7 @@ class UnitParams:
             owned.copy_(chunk, non_blocking=True)
         if self._gathered[unit]:  # held across the step (e.g. a user's summon): refresh it
             self.wait(unit)
-            comm.all_gather_into(self.full[unit], owned.to(self.dtype), self.dp_group)
+            comm.all_gather_into(self.full[unit], owned.to(self.dtype), self.groups[self.layout.buckets[unit].kind])
 
     def published(self) -> None:
         pass

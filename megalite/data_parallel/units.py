@@ -40,6 +40,7 @@ class Unit:
     modules: tuple[nn.Module, ...] = ()
     materialize: Callable[[], list[torch.Tensor]] | None = field(default=None, repr=False)
     chunk: int = 0  # which model chunk (pipeline virtual stage) of the replica it belongs to
+    kind: int = 0  # its replica group: 0 dense (dp x cp), 1 experts (the expert-data-parallel group)
 
 
 def _trainable(module: nn.Module, claimed: set[int]) -> list[nn.Parameter]:
@@ -83,7 +84,7 @@ def resolve_units(chunks: Sequence[nn.Module], units: Sequence | None) -> list[U
             params = [p for p in unit.params if p.requires_grad and id(p) not in claimed]
             if params:
                 claimed.update(id(p) for p in params)
-                resolved.append(Unit(unit.name, params, tuple(unit.modules), unit.materialize, c))
+                resolved.append(Unit(unit.name, params, tuple(unit.modules), unit.materialize, c, unit.kind))
         rest = [p for p in chunk.parameters() if p.requires_grad and id(p) not in claimed]
         if rest:
             claimed.update(id(p) for p in rest)
@@ -110,7 +111,7 @@ def split_tied(units: list[Unit], split: bool) -> list[Unit]:
         rest = [p for p in unit.params if not P.is_tied_across_stages(p)]
         positions = {id(p): i for i, p in enumerate(unit.params)}
         out.append(Unit(unit.name, rest, unit.modules, _pick(unit.materialize, [positions[id(p)] for p in rest]),
-                        unit.chunk))
+                        unit.chunk, unit.kind))
         for p in tied:
             out.append(Unit(unit.name + ".tied", [p], (), _pick(unit.materialize, [positions[id(p)]]), unit.chunk))
     return out

@@ -77,7 +77,9 @@ class DataParallel(nn.Module):
 
     Parameters are replicated over data and context parallelism alike (cp ranks hold other
     tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
-    that group is `mesh.dp_group` itself. "dp" below means that group.
+    that group is `mesh.dp_group` itself. "dp" below means that group. Under expert parallelism
+    (mesh.ep_size > 1) the experts are replicated over `mesh.expert_dp_group` only: their buckets
+    reduce, shard and gather there (grad_buffers.py; ZeRO 0-2).
 
     zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
         rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket),
@@ -128,13 +130,15 @@ class DataParallel(nn.Module):
         self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
-                                 compression=grad_compression, skip_group=comm.world_group())
+                                 compression=grad_compression, skip_group=comm.world_group(),
+                                 expert_group=mesh.expert_dp_group if mesh.ep_size > 1 else None)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
         self.layout = self.grads.layout
         self.param_buffer = ParamBuffer(self.params, self.layout, replica_group, self.grads.shard_rank,
-                                        overlap=overlap_param_gather)
+                                        overlap=overlap_param_gather, groups=self.grads.groups,
+                                        shard_ranks=self.grads.shard_ranks)
         self.gather_order = self._forward_bucket_order()
         self._guard = ReadGuard(self.param_buffer)
         self._guard_depth = 0
@@ -148,8 +152,12 @@ class DataParallel(nn.Module):
         group = mesh.dp_cp_group  # the shards span every rank holding these parameters (dp x cp), as ZeRO 1/2
         tied_split = mesh.pp_size > 1  # the tied embedding: one unit per stage, same layout on both
         self.units = split_tied(resolve_units(self.chunks, units), tied_split)
-        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group))
-        self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device)
+        expert_group = mesh.expert_dp_group  # expert units (kind 1) shard over the ranks holding the same experts
+        groups = (group, expert_group)
+        self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group),
+                                        [u.kind for u in self.units], (comm.group_size(expert_group),))
+        self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device, groups,
+                                       tuple(comm.group_rank(g) for g in groups))
         if self.param_buffer.replaced:  # parameters built on the meta device: swap in the real ones
             for chunk in self.chunks:
                 for module in chunk.modules():
@@ -161,7 +169,7 @@ class DataParallel(nn.Module):
         self.names = [name_of[id(p)] for p in self.params]
         self.grads = UnitGrads(self.params, self.layout, group, grad_reduce_dtype=grad_reduce_dtype,
                                tp_group=mesh.tp_group,
-                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None)
+                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None, groups=groups)
         self.gather_order = list(range(len(self.layout.buckets)))
         self.schedule = Zero3Schedule(self.units, self.chunks, self.param_buffer, self.grads, prefetch=prefetch,
                                       reshard_after_forward=reshard_after_forward,
@@ -281,7 +289,7 @@ class DataParallel(nn.Module):
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """The pieces of parameters (`self.params[piece.param]`) this rank's shard holds, in shard order."""
-        return self.layout.owned_pieces(self.shard_rank)
+        return self.layout.owned_pieces(self.grads.shard_ranks)  # experts: their expert-dp rank
 
     def owned_params(self, bucket: int) -> torch.Tensor:
         """This rank's chunk of `bucket` as the parameters hold it now (param dtype)."""

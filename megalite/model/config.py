@@ -4,11 +4,16 @@ Flavours:
 - "gpt2":  LayerNorm, tanh-GeLU MLP, learned positions, biases, tied input/output embeddings.
 - "llama": RMSNorm, SwiGLU MLP, rotary positions (rotate-half), grouped-query attention,
            no biases, untied output layer.
+
+Either flavour may replace its MLPs by mixtures of experts (`moe`, a `megalite.moe.MoEConfig`):
+SwiGLU experts for llama, GeLU experts for gpt2 (experts carry no biases).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from megalite.moe.config import MoEConfig
 
 
 def _divisors(n: int) -> list[int]:
@@ -45,8 +50,12 @@ class GPTConfig:
     add_bias: bool | None = None
     """None: biases for gpt2, none for llama."""
     make_vocab_size_divisible_by: int = 128
+    moe: MoEConfig | None = None
+    """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
         if self.flavour not in ("gpt2", "llama"):
             raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
         if self.num_query_groups is None:
@@ -87,10 +96,13 @@ class GPTConfig:
         qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * d
         norm = 2 * h if self.flavour == "gpt2" else h
         per_layer = h * qkv_out + h * h + 2 * norm
-        per_layer += (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
+        dense_mlp = (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
+        per_layer += dense_mlp
         if self.add_bias:
             per_layer += qkv_out + h + f + h
         total = self.num_layers * per_layer + norm  # + final norm
+        if self.moe is not None:
+            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - (f + h) * self.add_bias)
         if include_embedding:
             total += self.vocab_size * h
             if not self.tie_embeddings:
@@ -99,10 +111,26 @@ class GPTConfig:
                 total += self.seq_length * h
         return total
 
+    def moe_layer_count(self) -> int:
+        """Blocks whose MLP is a mixture of experts."""
+        return 0 if self.moe is None else sum(self.moe.is_moe_layer(i) for i in range(self.num_layers))
+
+    def moe_mlp_params(self, active: bool) -> int:
+        """Parameters of one MoE layer's MLP part (router, experts, shared expert); `active`: only the
+        topk experts a token uses (what its FLOPs see)."""
+        moe, h = self.moe, self.hidden_size
+        per_expert = (2 if self.flavour == "gpt2" else 3) * h * moe.expert_ffn(self.ffn_hidden_size)
+        shared = moe.shared_expert_intermediate_size or 0
+        shared_params = (2 if self.flavour == "gpt2" else 3) * h * shared
+        return moe.num_experts * h + (moe.topk if active else moe.num_experts) * per_expert + shared_params
+
     def flops_per_token(self, seq_length: int | None = None) -> float:
-        """Training FLOPs per token: 6N (dense matmuls, forward + backward) + 12*L*h*s (attention)."""
+        """Training FLOPs per token: 6N (dense matmuls, forward + backward) + 12*L*h*s (attention).
+        With experts N counts the topk experts a token passes through, not all of them."""
         s = seq_length or self.seq_length
         n_matmul = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size  # + lm head
+        if self.moe is not None:
+            n_matmul -= self.moe_layer_count() * (self.moe_mlp_params(False) - self.moe_mlp_params(True))
         return 6.0 * n_matmul + 12.0 * self.num_layers * self.hidden_size * s
 
     def check_tensor_parallel(self, tp: int) -> None:
@@ -115,6 +143,12 @@ class GPTConfig:
                 valid = [d for d in _divisors(self.num_attention_heads)
                          if self.num_query_groups % d == 0 and self.ffn_hidden_size % d == 0]
                 raise ValueError(f"{name}={value} is not divisible by tp={tp}; choose tp in {valid}")
+        if self.moe is not None:  # experts are tensor-parallel like the dense MLP (along their inner width)
+            for name, value in (("--moe-ffn-hidden-size", self.moe.expert_ffn(self.ffn_hidden_size)),
+                                ("--moe-shared-expert-intermediate-size",
+                                 self.moe.shared_expert_intermediate_size or 0)):
+                if value % tp != 0:
+                    raise ValueError(f"{name} {value} is not divisible by tp={tp}; choose a multiple of {tp}")
 
 
 # Presets are keyword sets, so an override (say hidden_size) re-derives what depends on it.
@@ -135,6 +169,12 @@ PRESETS: dict[str, dict] = {
                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096),
     "llama-13b": dict(flavour="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,
                       ffn_hidden_size=13824, vocab_size=32000, seq_length=4096),
+    "moe-tiny": dict(flavour="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=352, vocab_size=257, seq_length=128, norm_eps=1e-6,
+                     moe=dict(num_experts=4, topk=2, ffn_hidden_size=176, aux_loss_coeff=1e-2)),
+    "mixtral-8x7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                         ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, rope_theta=1e6,
+                         moe=dict(num_experts=8, topk=2, aux_loss_coeff=0.02)),
     "llama-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
                       ffn_hidden_size=28672, vocab_size=32000, seq_length=4096),
 }

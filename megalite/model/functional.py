@@ -1,4 +1,4 @@
-"""The model's elementwise and attention math, in one place.
+"""The model's elementwise, attention and mixture-of-experts math, in one place.
 
 Each function dispatches to `megalite.kernels` (Triton on CUDA tensors, the PyTorch reference
 elsewhere, per MEGALITE_KERNEL_BACKEND) when that package provides it, and otherwise to the
@@ -84,6 +84,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _moe_kernel(name: str):
+    fn = _kernel(name)
+    if fn is None:  # pragma: no cover - the kernels package ships with megalite
+        raise RuntimeError(f"{name} needs megalite.kernels (its PyTorch reference lives there); reinstall megalite")
+    return fn
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Per-expert matmul. x [T, K] rows sorted by expert, weight [E, K, N], group_sizes int64 [E]
+    (on x's device, zeros allowed, sum == T) -> [T, N]; expert g's rows times weight[g]."""
+    return _moe_kernel("grouped_mm")(x, weight, group_sizes)
+
+
+def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """x [T, H], expert_ids int64 [T, k] (-1: not routed here) -> (permuted [R, H] sorted by expert,
+    stable; sorted_index int64 [R], the flat token*k + slot of each row; group_sizes int64 [E])."""
+    return _moe_kernel("permute_tokens")(x, expert_ids, num_experts)
+
+
+def unpermute_tokens(y: torch.Tensor, sorted_index: torch.Tensor, weights: torch.Tensor,
+                     num_tokens: int) -> torch.Tensor:
+    """y [R, H] as permute_tokens ordered it, weights [T, k] -> [T, H]: out[t] = sum over t's routed
+    slots of weights[t, slot] * y[row of (t, slot)]."""
+    return _moe_kernel("unpermute_tokens")(y, sorted_index, weights, num_tokens)
 
 
 def describe_attention(head_dim: int, num_heads: int, num_query_groups: int, seq_length: int, dtype: str,

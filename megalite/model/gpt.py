@@ -60,9 +60,11 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None,
                  fused_linear_cross_entropy: bool = False, recompute_num_layers: int | None = None,
-                 cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall"):
         super().__init__()
         mesh = mesh or current_mesh()
+        self.ep_group = mesh.ep_group if mesh is not None else None  # experts sharded over it (MoE layers)
+        self._moe_dispatcher = moe_dispatcher
         self.tp_group = mesh.tp_group if mesh is not None else None
         self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
         self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
@@ -144,7 +146,8 @@ class GPTModel(nn.Module):
     def _build_block(self, layer_id: int, device) -> TransformerBlock:
         with seeded(self._seed, _LAYER_STREAM + layer_id):
             return TransformerBlock(self.config, self.tp_group, self.sequence_parallel, self._dtype, device,
-                                    self.cp_group, self._cp_comm_type, layer_number=layer_id)
+                                    self.cp_group, self._cp_comm_type, layer_number=layer_id, ep_group=self.ep_group,
+                                    moe_dispatcher=self._moe_dispatcher)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
@@ -158,7 +161,9 @@ class GPTModel(nn.Module):
 
     def zero3_units(self) -> list:
         """ZeRO-3's units in forward order: the embedding (word and position tables; started by its
-        first read), each block (started by its forward), the final norm with the output layer.
+        first read), each block (started by its forward; an MoE block's experts are a unit of their own,
+        started by their forward and sharded over the expert-data-parallel group), the final norm
+        with the output layer.
         Each can materialise its tensors from its seeded stream on the real device, so a model
         built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
         from megalite.data_parallel.units import Unit
@@ -170,15 +175,25 @@ class GPTModel(nn.Module):
                               + ([self._build_position_table(device)] if self.config.flavour == "gpt2" else [])))
         for index, block in enumerate(self.layers):
             layer_id = self.layer_ids[index]
-            units.append(Unit(f"layers.{layer_id}", list(block.parameters()), (block,),
-                              lambda layer_id=layer_id: [p.detach() for p in self._build_block(layer_id,
-                                                                                                device).parameters()]))
+            experts = block.mlp.experts if block.is_moe else None  # a unit of their own, sharded over expert-dp
+            expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+            units.append(Unit(f"layers.{layer_id}", [p for p in block.parameters() if id(p) not in expert_ids],
+                              (block,), lambda layer_id=layer_id: self._block_tensors(layer_id, device, False)))
+            if experts is not None:
+                units.append(Unit(f"layers.{layer_id}.experts", list(experts.parameters()), (experts,),
+                                  lambda layer_id=layer_id: self._block_tensors(layer_id, device, True), kind=1))
         if self.post_process:
             head = list(self.final_norm.parameters()) + ([self.output_weight] if self.output_weight is not None else [])
             units.append(Unit("head", head, (self.final_norm,), lambda: [
                 p.detach() for p in Norm(self.config, self.sequence_parallel, self._dtype, device).parameters()]
                 + ([self._build_output_weight(device)[0]] if self.output_weight is not None else [])))
         return units
+
+    def _block_tensors(self, layer_id: int, device, experts: bool) -> list[torch.Tensor]:
+        """Block `layer_id`'s tensors from its seeded stream: its experts' (experts=True) or the rest."""
+        block = self._build_block(layer_id, device)
+        expert_ids = {id(p) for p in block.mlp.experts.parameters()} if block.is_moe else set()
+        return [p.detach() for p in block.parameters() if (id(p) in expert_ids) == experts]
 
     # --- pieces -----------------------------------------------------------------------------
 

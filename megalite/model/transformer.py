@@ -21,6 +21,7 @@ from megalite.context_parallel.zigzag import logical_row_offsets
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
+from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 
@@ -138,12 +139,16 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
+    With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a mixture of experts
+    (`megalite.moe.MoELayer`; its experts are sharded over `ep_group`).
+
     `layer_number` is the block's global index in the model: it names the block's dropout sites,
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
     """
 
     def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
-                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0):
+                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0, ep_group=None,
+                 moe_dispatcher: str = "alltoall"):
         super().__init__()
         self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
         self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
@@ -152,10 +157,15 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config, tp_group, sequence_parallel, dtype, device, cp_group, cp_comm_type,
                                    layer_number)
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
-        self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
+        self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
+        if self.is_moe:
+            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device, cp_group)
+            self.mlp.layer_number = layer_number
+        else:
+            self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward
 
-    def _bias_dropout_add(self, projection: RowParallelLinear, y: torch.Tensor, residual: torch.Tensor,
+    def _bias_dropout_add(self, bias: torch.Tensor | None, y: torch.Tensor, residual: torch.Tensor,
                           rng: TensorParallelRNG, which: int) -> torch.Tensor:
         """residual + dropout(y + projection.bias) in one kernel, keeping nothing for backward.
 
@@ -165,7 +175,7 @@ class TransformerBlock(nn.Module):
         offset = logical_row_offsets(residual.shape[0], residual[0].numel(), self.tp_rank if shards > 1 else 0,
                                      shards, self.cp_rank, self.cp_size)
         return dropout(y, self.config.hidden_dropout, rng.replicated, dropout_site(self.layer_number, which),
-                       self.training, offset, bias=projection.bias, residual=residual)
+                       self.training, offset, bias=bias, residual=residual)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 rng: TensorParallelRNG) -> torch.Tensor:
@@ -174,6 +184,9 @@ class TransformerBlock(nn.Module):
             core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)
         else:
             core = self.attention.core(qkv, rope, rng)
-        proj, fc2 = self.attention.proj, self.mlp.fc2
-        x = self._bias_dropout_add(proj, proj(core, add_bias=False), x, rng, 1)
-        return self._bias_dropout_add(fc2, self.mlp(self.post_attention_norm(x), add_bias=False), x, rng, 2)
+        proj = self.attention.proj
+        x = self._bias_dropout_add(proj.bias, proj(core, add_bias=False), x, rng, 1)
+        if self.is_moe:  # experts carry no biases
+            return self._bias_dropout_add(None, self.mlp(self.post_attention_norm(x)), x, rng, 2)
+        return self._bias_dropout_add(self.mlp.fc2.bias, self.mlp(self.post_attention_norm(x), add_bias=False), x,
+                                      rng, 2)

@@ -17,6 +17,11 @@ one all-reduce sums them:
   shard of the gradients passes `sharded_over_dp=True` to also sum over dp. Context-parallel
   ranks are replicas like dp ranks (ZeRO shards over dp x cp): "dp" here means dp x cp.
 
+- expert parallelism (ep > 1): ep ranks hold different experts, so the sum must also run over
+  them. The sum then runs over the whole world, and a gradient replicated over its replica group
+  (dense ones over dp x cp, experts over the expert-data-parallel group) is counted by the
+  group's rank 0 only (`over_replicas`); ZeRO shards are disjoint and count everywhere.
+
 An inf/nan anywhere in a rank's gradients makes the global norm inf/nan on every rank
 (the all-reduced sum propagates it), which is how callers skip a step everywhere.
 """
@@ -30,12 +35,17 @@ from megalite import comm, params as P
 from megalite.mesh import Mesh
 
 
-def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh) -> bool:
-    """True when this rank's copy of `param` contributes to the global gradient norm."""
+def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = False) -> bool:
+    """True when this rank's copy of `param` contributes to the global gradient norm.
+
+    over_replicas: the sum runs over the replicas too (ep > 1 without ZeRO sharding): only the
+    first rank of the parameter's replica group counts it."""
     if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False  # the first stage's copy stands for the tied embedding
     if not P.shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
         return False  # replicated across tp: tp_rank 0 stands for every copy
+    if over_replicas:
+        return (mesh.expert_dp_rank if P.is_expert_parallel(param) else mesh.dp_cp_rank) == 0
     return True
 
 
@@ -45,8 +55,9 @@ def reduce_square_sum(local_square_sum: torch.Tensor, mesh: Mesh, sharded_over_d
     Sums over the model-parallel group (tp x pp); also over dp x cp when every rank of it holds
     a disjoint shard of the gradients (ZeRO).
     """
-    if sharded_over_dp and mesh.dp_size * mesh.cp_size > 1:
-        # dp x cp x tp x pp is the whole world: one all-reduce instead of two.
+    if (sharded_over_dp and mesh.dp_size * mesh.cp_size > 1) or mesh.ep_size > 1:
+        # dp x cp x tp x pp is the whole world: one all-reduce instead of two (ep > 1: experts differ
+        # across the ep ranks, replicas counted once by `counts_in_grad_norm(..., over_replicas)`).
         comm.all_reduce(local_square_sum, comm.world_group())
     else:
         comm.all_reduce(local_square_sum, mesh.model_parallel_group)
@@ -69,7 +80,7 @@ def local_square_sum(params: Sequence[torch.Tensor], mesh: Mesh,
         if grad is None or grad.numel() == 0:
             continue
         square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        total += square if counts_in_grad_norm(param, mesh) else square * 0.0
+        total += square if counts_in_grad_norm(param, mesh, over_replicas=mesh.ep_size > 1) else square * 0.0
     return total
 
 

@@ -18,6 +18,7 @@ from megalite.model.config import GPTConfig
 from megalite.pipeline.instructions import BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
+from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -184,6 +185,14 @@ def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     return sum(1 for k in range(inflight) if (k // pp) % v == 0)
 
 
+def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
+    """An MoE block's routing buffers minus the dense MLP activations it does not keep."""
+    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size
+    dense = (2 if model.flavour == "gpt2" else 3) * a * tokens * model.ffn_hidden_size // t
+    return routing_activation_bytes(model, cfg) - dense
+
+
 def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
     v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
@@ -192,6 +201,9 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     inflight = inflight_microbatches(cfg, stage)
     per_layer = layer_activation_bytes(model, cfg)
     kept_whole = layer_activation_bytes(model, cfg, recompute="none")
+    moe_layers = stage_moe_layers(model, cfg, stage)
+    if moe_layers and cfg.parallel.recompute != "full":  # routing buffers instead of the dense MLP's
+        per_layer += moe_layers * moe_activation_change(model, cfg) // max(layers, 1)
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
     if cfg.parallel.recompute == "full":
         total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v

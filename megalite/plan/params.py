@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
 from megalite.plan.layout import stage_layers
+from megalite.plan.moe import dense_change_per_layer, expert_params_per_layer, stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -27,6 +28,9 @@ def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` (padded vocabulary included)."""
     h, tp, pp = model.hidden_size, cfg.parallel.tp, cfg.parallel.pp
     n = stage_layers(model, cfg)[stage] * layer_params(model, tp)
+    moe_layers = stage_moe_layers(model, cfg, stage)
+    if moe_layers:  # router, local experts and shared expert instead of the dense MLP
+        n += moe_layers * (dense_change_per_layer(model, cfg) + expert_params_per_layer(model, cfg))
     vocab_shard = model.padded_vocab_size(tp) // tp * h
     final_norm = 2 * h if model.flavour == "gpt2" else h
     if stage == 0:

@@ -44,6 +44,7 @@ from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
+from megalite.plan.moe import expert_dp_config, stage_expert_params
 from megalite.plan.params import hardware_flops_per_token, stage_params
 from megalite.plan.zero3 import gathered_peak_elements, transient_grad_bytes
 
@@ -197,7 +198,12 @@ def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[in
     """`model_state_bytes` of a stage's parameters, with ZeRO-3's gathered units and transient
     unit gradients (and only then: dp = 1 shards nothing, but the units are still gathered), and
     gradient compression's state."""
-    weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage), cfg)
+    experts = stage_expert_params(model, cfg, stage)  # sharded by ZeRO over expert-dp, not dp x cp
+    weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage) - experts, cfg)
+    if experts:
+        for i, n in enumerate(model_state_bytes(experts, expert_dp_config(cfg))):
+            weights, grads, optimizer, host = [x + (n if j == i else 0) for j, x in
+                                               enumerate((weights, grads, optimizer, host))]
     if cfg.parallel.zero == 3:
         weights += gathered_peak_elements(model, cfg, stage) * DTYPE_BYTES[cfg.precision.precision]
         grads += transient_grad_bytes(model, cfg, stage)

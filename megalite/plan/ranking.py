@@ -64,6 +64,9 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
         method = "ring attention" if par.cp_comm_type == "p2p" else "Ulysses all-to-all"
         bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
                     f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
+    if par.ep > 1:
+        bits.append(f"ep={par.ep} shards the experts: {est.params_per_rank / 1e9:.2f}B parameters per rank, "
+                    f"{est.comm_bytes.get('ep/all_to_all', 0) / 1e9:.2f} GB of token all-to-all per step")
     if par.pp > 1:
         chunks = f"x{par.virtual_stages} chunks" if par.virtual_stages > 1 else ""
         bits.append(f"pp={par.pp}{chunks} bubble {est.bubble_fraction:.0%}")
@@ -106,6 +109,13 @@ def _context_parallel_choices(model: GPTConfig, cfg: RunConfig) -> list[tuple[in
                       for kind in CPCommType]
 
 
+def _expert_parallel_choices(model: GPTConfig, replicas: int) -> list[int]:
+    """ep to try: 1 for a dense model; for experts every ep dividing both dp*cp and the expert count."""
+    if model.moe is None:
+        return [1]
+    return [d for d in _divisors(replicas) if model.moe.num_experts % d == 0]
+
+
 def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int, offload: bool):
     """Every layout suggest() tries: tp within a node, pp dividing the layers, cp when activations
     dominate, v, ZeRO, recompute, micro batch."""
@@ -120,13 +130,14 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
                                  pipeline_schedule=None)
             for cp, cp_comm_type in _context_parallel_choices(model, plain):
                 dp = ranks // cp
-                for v in (1, 2) if pp > 1 else (1,):
+                for ep, v in [(ep, v) for ep in _expert_parallel_choices(model, dp * cp)
+                              for v in ((1, 2) if pp > 1 else (1,))]:
                     for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
                         for recompute in Recompute:
                             for mb in (1, 2, 4, 8):
                                 # ZeRO-1/2 with the parameter all-gathers behind the next forward
                                 # (what megalite runs best); without it they are exposed every step.
-                                yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type,
+                                yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type, ep=ep,
                                                    virtual_stages=v, zero=zero, offload_optimizer=offload,
                                                    overlap_param_gather=zero in (1, 2),
                                                    recompute=recompute, sequence_parallel=tp > 1,

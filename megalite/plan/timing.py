@@ -256,7 +256,9 @@ def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[fl
 def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
     """(size, stride in ranks) of a process group in megalite's order tp -> cp -> dp -> pp."""
     tp, cp, dp, pp = cfg.parallel.tp, getattr(cfg.parallel, "cp", 1), cfg.dp, cfg.parallel.pp
+    ep = getattr(cfg.parallel, "ep", 1)  # expert parallelism folds into dp x cp: ep consecutive, then expert-dp
     return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp), "pp": (pp, tp * cp * dp),
+            "ep": (ep, tp), "edp": (dp * cp // ep, tp * ep),
             "embedding": (2, tp * cp * dp * max(1, pp - 1))}[group]
 
 
@@ -290,7 +292,9 @@ def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, at
                 out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "tp", "all_gather", nbytes, unit)
             else:
                 out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "pp", op, nbytes, unit // (t if sp else 1))
-        elif group in ("dp", "dp_cp"):
+        elif group == "ep":  # MoE token dispatch: on the critical path like tp's, counted with it
+            out["tp"] += _transfer_seconds(cfg, hw, ranks_per_node, "ep", op, nbytes, unit)
+        elif group in ("dp", "dp_cp", "edp"):
             part = "dp_gather" if op == "all_gather" else "dp_reduce"
             per_op = _dp_transfer_bytes(model, cfg, stage, op, nbytes, buckets)
             out[part] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, per_op)

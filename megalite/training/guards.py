@@ -188,7 +188,8 @@ def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]],
 
 
 _KINDS = {"dp": ("data-parallel replicas", "dp"), "tp": ("tensor-parallel ranks", "tp"),
-          "dp_cp": ("data- and context-parallel replicas", "dp x cp")}
+          "dp_cp": ("data- and context-parallel replicas", "dp x cp"),
+          "edp": ("expert-data-parallel replicas", "expert-dp")}
 
 
 def describe_mismatch(name: str, checksums: list[tuple[int, int]], global_ranks: list[int], step: Any,
@@ -257,6 +258,8 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     `shards=True` (ZeRO-3): `named_params` are this rank's shard pieces of the tp-replicated
     parameters (`DataParallel.tp_replicated_pieces()`); dp ranks hold different pieces, so only
     the tp ranks (same pieces) are compared.
+    Under expert parallelism the experts (which differ across the ep ranks) are compared over the
+    expert-data-parallel group instead.
     Collectives: an all-gather of int64 [1 + n, 2] over the dp x cp group (dp*cp > 1) and one over the
     tp group (tp > 1, replicated parameters only), then one 1-element all-reduce over the
     world, so that ranks of healthy groups stop too instead of hanging.
@@ -264,10 +267,15 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     named_params = list(named_params)
     device = named_params[0][1].device if named_params else mesh.device
     messages = []
+    experts = [(n, p) for n, p in named_params if mesh.ep_size > 1 and P.is_expert_parallel(p)]
     if mesh.dp_size * mesh.cp_size > 1 and not shards:  # the ranks that hold these same parameters
         kind = "dp" if mesh.cp_size == 1 else "dp_cp"
         ranks = comm.group_ranks(mesh.dp_cp_group)
-        messages.append(_first_mismatch(named_params, mesh.dp_cp_group, ranks, kind, step, device))
+        dense = [(n, p) for n, p in named_params if not (mesh.ep_size > 1 and P.is_expert_parallel(p))]
+        messages.append(_first_mismatch(dense, mesh.dp_cp_group, ranks, kind, step, device))
+    if experts and mesh.expert_dp_size > 1 and not shards:  # ep > 1: experts are replicated over expert-dp only
+        ranks = comm.group_ranks(mesh.expert_dp_group)
+        messages.append(_first_mismatch(experts, mesh.expert_dp_group, ranks, "edp", step, device))
     if mesh.tp_size > 1:
         ranks = comm.group_ranks(mesh.tp_group)
         replicated = named_params if shards else [(name, p) for name, p in named_params if _tp_replicated(p)]

@@ -163,7 +163,7 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
-    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp)
+    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep)
     _on_exit(resources, lambda clean: destroy_mesh())
     torch.manual_seed(cfg.training.seed)
     model_cfg = cfg.gpt_config()
@@ -367,6 +367,7 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result["loss_scale"]
     record["cp"] = cfg.parallel.cp
+    record.update({k: v for k, v in result.items() if k.startswith("moe_")})  # aux/z loss, load, drops per layer
     if "grad_compression_ratio" in result:  # dp gradient bytes: uncompressed / sent (this step)
         record.update(grad_reduce_bytes=result["grad_reduce_bytes"],
                       grad_compression_ratio=result["grad_compression_ratio"])

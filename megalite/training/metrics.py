@@ -307,6 +307,9 @@ def progress_line(record: dict[str, Any]) -> str:
     parts.append(f"{1e3 * record['step_time_s']:.0f} ms/step")
     if "mfu" in record:
         parts.append(f"MFU {100 * record['mfu']:.1f}%" + (f" HFU {100 * record['hfu']:.1f}%" if "hfu" in record else ""))
+    if "moe_aux_loss" in record:  # mixture of experts: balancing loss, load max/mean, dropped routes
+        parts.append(f"moe aux {record['moe_aux_loss']:.4f} load {record['moe_load_imbalance']:.2f}x"
+                     + (f" dropped {record['moe_dropped_tokens']}" if record.get("moe_dropped_tokens") else ""))
     if "mem_peak_bytes" in record:
         parts.append(f"mem peak {record['mem_peak_bytes'] / 1e9:.2f} GB")
     if "eta_s" in record:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.moe import training as moe_training
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
@@ -52,6 +53,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
                                dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
     return chunks
 
@@ -180,7 +182,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     and backward are replayed CUDA graphs (captured at the first step).
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'
-    (and, at pp > 1, 'pipeline': (spec, this stage's median seconds per compute instruction))}: host
+    (with MoE layers also `megalite.moe.training.moe_stats`' 'moe_*' entries; at pp > 1, 'pipeline': (spec, this stage's median seconds per compute instruction))}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
     compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
@@ -193,6 +195,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
     model.train()
+    # The balancing losses are averaged over every forward of the step (microbatches x dp ranks; the
+    # cp ranks of one forward each hold a share of its losses)
+    moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
     phase = timer.phase if timer is not None else _no_timer
     if graphs is not None:
         with phase("forward_backward"):  # one replayed graph per microbatch
@@ -213,6 +218,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
         result = optimizer.step(lr, skip=not loss_finite)
+        if not result["skipped"]:
+            moe_training.update_expert_biases(model.chunks, mesh)
+    result.update(moe_training.moe_stats(model.chunks, mesh))  # {} without experts
     result["tokens"] = tokens.value()
     if mesh.pp_size > 1:  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
         result["pipeline"] = (spec, pipeline_stats["compute_s"])

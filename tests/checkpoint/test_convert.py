@@ -22,13 +22,18 @@ def _hf_model(flavour):
         config = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return transformers.GPT2LMHeadModel(config).eval()
+    if flavour == "mixtral":
+        config = transformers.MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                            tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config).eval()
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                                       tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "llama", "mixtral"])
 def test_import_export_round_trip(flavour, tmp_path):
     original = _hf_model(flavour)
     original.save_pretrained(tmp_path / "hf")

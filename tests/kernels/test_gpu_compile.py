@@ -17,7 +17,8 @@ SUBSET = ["attention fwd d=128 causal=True [bf16]", "attention dkdv d=64 causal=
           "attention dq d=128 causal=False [bf16]", "cross_entropy stats V=50257 [bf16]",
           "cross_entropy grad V=50257 [bf16]", "rms_norm bwd h=4096 dsum=True [bf16]",
           "layer_norm fwd h=4096 residual=True [bf16]", "rope transposed=True [bf16]",
-          "attention dkdv d=128 causal=True dropout [bf16]", "bias_dropout_add fwd dropout=True [bf16]"]
+          "attention dkdv d=128 causal=True dropout [bf16]", "bias_dropout_add fwd dropout=True [bf16]",
+          "grouped_mm dx up [bf16]", "grouped_mm dweight up [bf16]"]
 
 
 def _has_cuda_backend() -> bool:
@@ -37,6 +38,12 @@ def test_representative_kernels_compile_for_sm90(tmp_path):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count(" ok (") == len(SUBSET), result.stdout
+    # the grouped GEMM's loops run on the tensor cores (wgmma) with asynchronous, pipelined loads
+    # report row: label, regs, spill, smem, ld vec/scal, mma, async, apx, verdict
+    gemm_rows = re.findall(r"^\s+(grouped_mm \S+ up \[bf16\])\s+\d+\s+\d+\s+[\d.]+\s+\d+/\d+\s+(\d+)\s+(\d+)",
+                           result.stdout, re.MULTILINE)
+    assert len(gemm_rows) == 2 and all(int(mma) > 0 and int(copies) > 0 for _, mma, copies in gemm_rows), \
+        result.stdout
 
 
 # every norm kernel at a training shape, both flags: rows of compile_check's report

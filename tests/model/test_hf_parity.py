@@ -19,6 +19,12 @@ def _hf_model(kind):
         cfg = transformers.GPT2Config(vocab_size=301, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(cfg)
+    elif kind == "mixtral":  # 4 experts, top-2; every block a mixture of experts
+        cfg = transformers.MixtralConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                         rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2,
+                                         tie_word_embeddings=False)
+        model = transformers.MixtralForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
@@ -44,8 +50,8 @@ def _reference(kind):
     return hf, logits, loss
 
 
-def _megalite_logits(kind, tp, hf, ref_logits, ref_loss):
-    m = mesh.init_mesh(tp=tp)
+def _megalite_logits(kind, tp, hf, ref_logits, ref_loss, ep=1):
+    m = mesh.init_mesh(tp=tp, ep=ep)
     model = from_hf(hf, m).eval()
     ids = _inputs()
     with torch.no_grad():
@@ -66,7 +72,13 @@ def test_from_hf_logits_match_transformers(kind):
         assert all(run_distributed(_megalite_logits, tp, kind, tp, hf, logits, loss))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_from_hf_mixtral_logits_match_transformers_at_tp1_and_tp2_ep2():
+    hf, logits, loss = _reference("mixtral")
+    assert all(run_distributed(_megalite_logits, 1, "mixtral", 1, hf, logits, loss))
+    assert all(run_distributed(_megalite_logits, 4, "mixtral", 2, hf, logits, loss, ep=2))  # dp 2: experts 2 + 2
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_state_dict_round_trip(kind):
     hf = _hf_model(kind)
     config = config_from_hf(hf.config)

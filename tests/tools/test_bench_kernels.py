@@ -239,3 +239,39 @@ def test_each_liger_provider_calls_its_own_op(monkeypatch):
                                      use_compile=False, smoke=True)
     called = {case.op: case.providers["liger"](*case.make_inputs()) for case in cases}
     assert called == {op: f"liger_{op}" for op in ops}
+
+
+def test_moe_cases_time_the_same_products_and_carry_their_baselines_ratios(bench):
+    """The grouped GEMM's baselines compute what the reference does (the loop on host-read sizes,
+    torch._grouped_mm on int32 group ends), its FLOPs are 2 T K N (x3 with dx and dweight), and
+    its rows carry x_loop / x_torch_grouped_mm. (The interpreted kernel itself: tests/kernels.)"""
+    import torch
+
+    cases = bench.build_cases({"grouped_mm", "moe_permute"}, quick=True, device="cpu", dtype=torch.float32,
+                              use_compile=False, smoke=True)
+    assert [c.op for c in cases] == ["grouped_mm", "grouped_mm", "moe_permute", "moe_unpermute"]
+    gemm = cases[0]
+    x, stored = gemm.make_inputs()
+    weight = stored.transpose(1, 2)  # stored [E, N, K], multiplied as [E, K, N]
+    rows, k_dim = x.shape
+    experts, _, n_cols = weight.shape
+    assert rows == 16 * 2 and gemm.flops and gemm.fwd_units == 2 * rows * k_dim * n_cols == gemm.fwd_bwd_units / 3
+    expected = bench.K.grouped_mm_reference(x, weight, gemm.extra["group_sizes"])
+    torch.testing.assert_close(gemm.providers["loop"](x, stored), expected)
+    baselines = ["loop"]
+    if "torch_grouped_mm" in gemm.providers:
+        try:
+            torch.testing.assert_close(gemm.providers["torch_grouped_mm"](x, stored), expected)
+            baselines.append("torch_grouped_mm")
+        except RuntimeError:  # this torch's CPU build lacks it for float32: the GPU is what it is for
+            pass
+    gemm.providers = {name: gemm.providers[name] for name in baselines}
+    timed = bench.run_case(gemm, bench.make_timers(smoke=True, quick=True), {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0})
+    loop = {r["mode"]: r["gpu_ms"] for r in timed if r["provider"] == "loop"}
+    for r in timed:
+        assert not r["error"] and r["x_loop"] == pytest.approx(loop[r["mode"]] / r["gpu_ms"]), r
+    permute, unpermute = cases[2:]
+    assert {"megalite", "eager"} == set(permute.providers) == set(unpermute.providers)
+    (tokens_x,) = permute.make_inputs()
+    y, weights = unpermute.make_inputs()
+    assert y.shape == (2 * tokens_x.shape[0], tokens_x.shape[1]) and weights.shape == (tokens_x.shape[0], 2)

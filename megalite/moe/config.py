@@ -1,0 +1,89 @@
+"""MoEConfig: what makes a model's MLPs mixtures of experts (pure Python, no torch).
+
+Held by `GPTConfig.moe` (None: a dense model). The names follow Megatron-LM's flags
+(`--num-experts`, `--moe-router-topk`, ...); RunConfig's `moe` part declares them and builds
+this object (`RunConfig.gpt_config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+DROP_POLICIES = ("probs", "position")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    """Routed experts per MoE layer."""
+    topk: int = 2
+    """Experts each token is sent to."""
+    ffn_hidden_size: int | None = None
+    """Each expert's inner width (None: the model's ffn_hidden_size)."""
+    layer_freq: int = 1
+    """Layer i is an MoE layer when i % layer_freq == 0 (1: every layer); the others keep a dense MLP."""
+    score_function: str = "softmax"
+    """softmax or sigmoid scores of the router's logits."""
+    pre_softmax: bool = False
+    """softmax only: False (default, Mixtral) softmax over the k chosen logits (renormalised top-k
+    weights); True softmax over all experts, then the k largest probabilities (not renormalised)."""
+    enable_expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the
+    choice only (weights use the unbiased scores), moved each step toward the mean load."""
+    bias_update_rate: float = 1e-3
+    """Step of the expert bias per optimizer step (sign of the load's deviation from the mean)."""
+    load_balancing_type: str = "aux_loss"
+    """aux_loss (over the layer's tokens), seq_aux_loss (per sequence, averaged) or none."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: not computed into the gradient)."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE)."""
+    shared_expert_intermediate_size: int | None = None
+    """Inner width of an always-active shared expert (Qwen-MoE, DeepSeek-MoE); None: none."""
+    capacity_factor: float | None = None
+    """None: dropless. Else each expert takes at most ceil(capacity_factor * tokens * topk / experts)
+    of a layer's tokens on a rank; the rest are dropped by `token_drop_policy`."""
+    token_drop_policy: str = "probs"
+    """Over capacity: keep the highest-probability routes (probs) or the earliest tokens (position)."""
+
+    def __post_init__(self):
+        problems = moe_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id % self.layer_freq == 0
+
+    def expert_ffn(self, dense_ffn: int) -> int:
+        return self.ffn_hidden_size or dense_ffn
+
+
+def moe_problems(moe: MoEConfig) -> list[str]:
+    """What this MoE configuration cannot run, each naming the fix."""
+    problems = []
+    if moe.num_experts < 1:
+        problems.append(f"--num-experts must be >= 1, got {moe.num_experts}")
+    if not 1 <= moe.topk <= max(moe.num_experts, 1):
+        problems.append(f"--moe-router-topk {moe.topk} must be between 1 and --num-experts {moe.num_experts}")
+    if moe.layer_freq < 1:
+        problems.append(f"--moe-layer-freq must be >= 1, got {moe.layer_freq}")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        problems.append(f"--moe-expert-capacity-factor must be > 0 (or omitted for dropless), got "
+                        f"{moe.capacity_factor}")
+    if moe.score_function not in SCORE_FUNCTIONS:
+        problems.append(f"--moe-router-score-function must be one of {SCORE_FUNCTIONS}, got {moe.score_function!r}")
+    if moe.load_balancing_type not in LOAD_BALANCING_TYPES:
+        problems.append(f"--moe-router-load-balancing-type must be one of {LOAD_BALANCING_TYPES}")
+    if moe.token_drop_policy not in DROP_POLICIES:
+        problems.append(f"--moe-token-drop-policy must be one of {DROP_POLICIES}")
+    if moe.pre_softmax and moe.score_function != "softmax":
+        problems.append("--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
+    for name, value in (("--moe-aux-loss-coeff", moe.aux_loss_coeff), ("--moe-z-loss-coeff", moe.z_loss_coeff)):
+        if value < 0:
+            problems.append(f"{name} must be >= 0, got {value}")
+    return problems

@@ -1,0 +1,171 @@
+"""The router: scores, top-k choice, capacity drops, and the balancing losses.
+
+    routing = router(tokens)              # tokens [T, h] -> Routing (expert_ids, weights [T, k], losses)
+
+Scores are computed in fp32 from `logits = tokens @ W^T` ([T, E]):
+- softmax (default): the k largest logits are chosen and their weights are a softmax over those k
+  (Mixtral's renormalised top-k); with `pre_softmax` the softmax runs over all E experts first and
+  the chosen probabilities are the weights as they are.
+- sigmoid (DeepSeek-V3): sigmoid(logits); the chosen scores, divided by their sum when k > 1.
+
+Ties choose the lower expert index (a stable sort), so routing is deterministic whatever the
+layout. With `enable_expert_bias` a per-expert bias (a buffer, not trained by gradients) is added
+to the scores for the choice only; `update_expert_bias` moves it each step toward the mean load.
+
+Losses (each returned unweighted and added by the layer with its coefficient):
+- aux_loss (Switch Transformer / GShard): E / (T^2 k) * sum_e (sum_t p_te) * c_e, where p are the
+  scores (softmax over all experts; sigmoid scores normalised per token) and c_e the routes to e;
+- seq_aux_loss: the same per sequence (tokens of one sequence), averaged over sequences;
+- z-loss (ST-MoE): mean_t logsumexp(logits_t)^2.
+
+Under context parallelism (`token_group`: the cp group) a rank holds s/cp tokens of each
+sequence; the losses stay those of the whole sequences: the route counts are summed over the
+group (no gradient flows through counts) and each rank returns its tokens' share of the loss
+(T and s are the whole sequences'), so the shares sum over the cp ranks to the cp = 1 value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import comm
+from megalite.moe.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    expert_ids: torch.Tensor
+    """[T, k] int64, the chosen experts (-1: a route dropped over capacity)."""
+    weights: torch.Tensor
+    """[T, k] fp32 combine weights (differentiable into the router)."""
+    tokens_per_expert: torch.Tensor
+    """[E] int64 routes chosen per expert, before any drop."""
+    dropped: torch.Tensor
+    """[] int64 routes dropped over capacity."""
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+
+
+def top_k_deterministic(selection: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, E] -> [T, k] indices of the k largest per row; ties go to the lower index."""
+    return torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                        token_group=None) -> torch.Tensor:
+    """E / (T^2 k) * sum_e (sum_t scores[t, e]) * routes_e; scores [T, E], expert_ids [T, k].
+
+    1.0 when the load and the probability mass are both uniform. With a `token_group` the tokens
+    are split over its ranks: this rank's share (see the module docstring)."""
+    tokens, k = expert_ids.shape
+    routes = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(scores.dtype)  # [E]
+    tokens *= _summed(routes, token_group)
+    return (scores.sum(0) * routes).sum() * (num_experts / (tokens * tokens * k))
+
+
+def _summed(counts: torch.Tensor, token_group) -> int:
+    """Sum `counts` over the ranks sharing the sequences (in place); returns how many ranks there are."""
+    comm.all_reduce(counts, token_group)
+    return comm.group_size(token_group)
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                                 num_sequences: int, token_group=None) -> torch.Tensor:
+    """The load-balancing loss of each sequence, averaged. Tokens are [s, b] flattened (t = i*b + j):
+    sequence j is every b-th token from j."""
+    tokens, k = expert_ids.shape
+    s = tokens // num_sequences
+    per_sequence_scores = scores.view(s, num_sequences, num_experts).sum(0)  # [b, E]
+    one_hot = F.one_hot(expert_ids.view(s, num_sequences, k), num_experts).sum((0, 2)).to(scores.dtype)  # [b, E]
+    s *= _summed(one_hot, token_group)
+    return (per_sequence_scores * one_hot).sum() * (num_experts / (s * s * k)) / num_sequences
+
+
+def capacity_keep_mask(expert_ids: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int,
+                       policy: str) -> torch.Tensor:
+    """[T, k] bool: the routes each expert keeps when it takes at most `capacity` of them.
+
+    policy "probs": an expert keeps its highest-weight routes; "position": its earliest tokens.
+    Ties keep the earlier (token, slot), so the choice is deterministic."""
+    flat_ids = expert_ids.reshape(-1)  # route r = t*k + slot
+    order = torch.arange(flat_ids.numel(), device=flat_ids.device)
+    if policy == "probs":  # highest weight first, token order among equals
+        order = torch.sort(weights.detach().reshape(-1), descending=True, stable=True).indices
+    order = order[torch.sort(flat_ids[order], stable=True).indices]  # grouped by expert, policy order inside
+    counts = torch.bincount(flat_ids, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat_ids[order]]
+    keep = torch.empty_like(flat_ids, dtype=torch.bool)
+    keep[order] = rank_in_expert < capacity
+    return keep.view_as(expert_ids)
+
+
+class Router(nn.Module):
+    """tokens [T, h] -> Routing. Weight [E, h], replicated over tp (every tp rank routes alike)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, init_std: float, dtype=None, device=None):
+        super().__init__()
+        self.moe = moe
+        full = torch.empty(moe.num_experts, hidden_size)
+        nn.init.normal_(full, mean=0.0, std=init_std)
+        self.weight = nn.Parameter(full.to(device=device, dtype=dtype))
+        if moe.enable_expert_bias:  # fp32 buffers: the bias and this step's routes per expert
+            on = device if device is not None and torch.device(device).type != "meta" else None
+            self.register_buffer("expert_bias", torch.zeros(moe.num_experts, device=on))
+            self.register_buffer("step_tokens_per_expert", torch.zeros(moe.num_experts, device=on))
+        else:
+            self.expert_bias = None
+
+    def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None) -> Routing:
+        """tokens [T, h]; num_sequences b (tokens are [s, b] flattened); token_group: the cp group."""
+        moe, k = self.moe, self.moe.topk
+        logits = F.linear(tokens.float(), self.weight.float())  # [T, E] fp32
+        if moe.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        selection = scores if self.expert_bias is None else scores.detach() + self.expert_bias
+        if self.expert_bias is None and moe.score_function == "softmax":
+            selection = logits.detach()  # the same order as the probabilities, and exact ties stay ties
+        expert_ids = top_k_deterministic(selection.detach(), k)  # [T, k]
+        if moe.score_function == "sigmoid":
+            weights = scores.gather(1, expert_ids)
+            weights = weights / weights.sum(-1, keepdim=True) if k > 1 else weights
+            balance_scores = scores / scores.sum(-1, keepdim=True)
+        elif moe.pre_softmax:
+            weights, balance_scores = scores.gather(1, expert_ids), scores
+        else:
+            weights, balance_scores = torch.softmax(logits.gather(1, expert_ids), dim=-1), scores
+        tokens_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=moe.num_experts)
+        if self.expert_bias is not None and self.training and torch._C._current_graph_task_id() == -1:  # not recompute
+            self.step_tokens_per_expert += tokens_per_expert.to(self.step_tokens_per_expert.dtype)
+        aux = None
+        if moe.load_balancing_type == "aux_loss":
+            aux = load_balancing_loss(balance_scores, expert_ids, moe.num_experts, token_group)
+        elif moe.load_balancing_type == "seq_aux_loss":
+            aux = sequence_load_balancing_loss(balance_scores, expert_ids, moe.num_experts, num_sequences,
+                                               token_group)
+        z_loss = None
+        if moe.z_loss_coeff > 0:  # this rank's share of the mean over the whole sequences
+            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * comm.group_size(token_group))
+        dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
+        if moe.capacity_factor is not None:
+            capacity = math.ceil(moe.capacity_factor * tokens.shape[0] * k / moe.num_experts)
+            keep = capacity_keep_mask(expert_ids, weights, moe.num_experts, capacity, moe.token_drop_policy)
+            dropped = (~keep).sum()
+            expert_ids = torch.where(keep, expert_ids, torch.full_like(expert_ids, -1))
+        return Routing(expert_ids, weights, tokens_per_expert, dropped, aux, z_loss)
+
+
+@torch.no_grad()
+def update_expert_bias(router: Router, replica_group, rate: float) -> None:
+    """DeepSeek-V3's step: bias_e += rate * sign(mean load - load_e), the load summed over the step's
+    tokens of every replica (`replica_group`: dp x cp, where the tokens differ). Resets the count."""
+    load = router.step_tokens_per_expert
+    comm.all_reduce(load, replica_group)
+    router.expert_bias += rate * torch.sign(load.mean() - load)
+    load.zero_()

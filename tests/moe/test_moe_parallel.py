@@ -1,0 +1,103 @@
+"""MoE training steps under every parallel layout equal the single-process model (fp32, dropless).
+
+One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP),
+(dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and
+ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2) with ZeRO 1 and selective recompute, and ZeRO 3 at (tp 2, dp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each
+MoE block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with
+ZeRO 1 (each cp rank balances its share of the whole sequences' losses). Every layout trains STEPS steps through `train_step` from the same seed
+and data as the reference: every step's loss and global grad norm (clipping counts each expert
+once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
+must be on the ep group (all-to-all or all-gather) and, with expert-dp > 1, their gradient on edp.
+The planner's numbers are checked against the same runs: parameters per rank exactly, and the
+dispatch bytes of the last step (all-gather: every rank's; all-to-all: the ranks' mean, since a
+rank receives as many routes as the others send it).
+"""
+import pytest
+import torch
+
+from megalite import comm, mesh
+from megalite import params as P
+from megalite.mesh import single_process_mesh
+from megalite.plan.communication import communication_bytes
+from megalite.plan.params import stage_params
+from megalite.testing import assert_tensor_close, run_distributed
+from megalite.training.guards import check_replicas
+from moe_helpers import STEPS, cfg_for, train
+
+@pytest.fixture(scope="module")
+def reference():
+    m = single_process_mesh("cpu")
+    chunks, _, results = train(m, cfg_for())
+    params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
+    return [r["loss"] for r in results], [r["grad_norm"] for r in results], params, results[-1]
+
+
+LAYOUTS = [  # (tp, pp, dp, ep), settings
+    ((2, 1, 2, 2), dict()),
+    ((2, 1, 2, 2), dict(sequence_parallel=True)),
+    ((1, 1, 4, 2), dict(zero=1)),
+    ((1, 1, 4, 4), dict(zero=2, moe_token_dispatcher_type="allgather")),
+    ((1, 2, 2, 2), dict(recompute="full")),
+    ((2, 1, 2, 2), dict(zero=1, recompute="selective")),
+    ((2, 1, 2, 1), dict(zero=3)),
+    ((2, 1, 2, 2), dict(zero=3)),
+    ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
+    ((1, 1, 2, 2), dict(cp=2, zero=1)),
+]
+
+
+def _world(reference):
+    ref_losses, ref_norms, ref_params, _ = reference
+    checked = []
+    for (tp, pp, dp, ep), settings in LAYOUTS:
+        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, cp=settings.get("cp", 1))
+        cfg = cfg_for(tp, pp, dp, ep, **settings)
+        assert cfg.resolved(4).validate(4) == []
+        what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
+        chunks, optimizer, results = train(m, cfg)
+        torch.testing.assert_close([r["loss"] for r in results], ref_losses, rtol=1e-5, atol=0, msg=what)
+        torch.testing.assert_close([r["grad_norm"] for r in results], ref_norms, rtol=1e-5, atol=0, msg=what)
+        with optimizer.model.gathered():
+            for chunk in chunks:
+                for logical, p in chunk.logical_parameters():
+                    assert_tensor_close(p, P.shard_spec(p).shard(ref_params[logical]), rtol=1e-5,
+                                        what=f"{what} {logical}")
+        if cfg.parallel.zero == 3:  # replicas agree (experts compared over expert-dp only)
+            check_replicas(optimizer.model.tp_replicated_pieces(), m, STEPS, shards=True)
+        else:
+            check_replicas([(n, p) for c in chunks for n, p in c.logical_parameters()], m, STEPS)
+        stats = {k: v for k, v in results[-1].items() if k.startswith("moe_")}
+        planned = communication_bytes(cfg.gpt_config(), cfg, m.pp_rank)
+        dispatch = {k: (comm.ledger.bytes.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
+                    if k.startswith("ep/")}  # the last step's bytes: measured and planned
+        assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank), what
+        checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in comm.ledger.bytes if
+                                                           g in ("ep", "edp")), stats, dispatch))
+    return checked
+
+
+def test_moe_layouts_match_the_single_process_model(reference):
+    ref_losses, _, _, ref_last = reference
+    assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last["moe_aux_loss"] > 0 and ref_last["moe_z_loss"] > 0
+    ranks = run_distributed(_world, 4, reference, timeout_s=300)
+    for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):  # the planner's dispatch bytes: each rank's
+        dispatch = [rank[i][4] for rank in ranks]  # all-gather (same on every rank), all-to-all's mean over ranks
+        for key in dispatch[0]:
+            measured, planned = [d[key][0] for d in dispatch], dispatch[0][key][1]
+            if key == "ep/all_to_all":  # a rank sends its routes, receives what others route to it
+                assert sum(measured) == len(ranks) * planned, (key, measured, planned, settings)
+            else:
+                assert measured == [planned] * len(ranks), (key, measured, planned, settings)
+        assert bool(dispatch[0]) == (ep > 1)
+    for checked in ranks:
+        assert len(checked) == len(LAYOUTS)
+        for (tp, pp, dp, ep), settings, groups, stats, _ in checked:
+            if ep > 1:  # the tokens travelled over the ep group
+                dispatch = "all_gather" if settings.get("moe_token_dispatcher_type") == "allgather" else "all_to_all"
+                assert f"ep/{dispatch}" in groups, (tp, pp, dp, ep, groups)
+            if ep > 1 and dp // ep > 1:  # expert gradients reduced over the expert-data-parallel group
+                assert any(g.startswith("edp/") for g in groups), groups
+            # the metrics are the step's, over every replica: the same as the reference's
+            for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
+                assert stats[key] == pytest.approx(ref_last[key], rel=1e-5), (key, settings)
+            assert stats["moe_dropped_tokens"] == 0
