@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from megalite.training.launch_checks import launch_problems
 from megalite.config import RunConfig
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
@@ -105,7 +106,7 @@ def test_expert_bias_moves_toward_the_mean_load():
 @pytest.mark.parametrize("settings, message", [
     (dict(moe_router_topk=2), "add --num-experts"),
     (dict(num_experts=4, moe_router_topk=5), "--moe-router-topk 5"),
-    (dict(num_experts=4, moe_expert_capacity_factor=0.0), "capacity-factor must be > 0"),
+    (dict(num_experts=4, moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor must be a finite number > 0"),
     (dict(num_experts=6, ep=4, dp=4), "not divisible by --ep 4"),
     (dict(num_experts=4, ep=4, dp=2), "--ep 4 does not divide dp*cp"),
     (dict(ep=2, dp=2), "the model has none"),
@@ -113,5 +114,5 @@ def test_expert_bias_moves_toward_the_mean_load():
 def test_bad_moe_settings_are_refused_with_the_fix(settings, message):
     cfg = RunConfig.build(**settings)
     world = settings.get("dp", 1)
-    problems = cfg.resolved(world).validate(world)
+    problems = launch_problems(cfg.resolved(world), world)
     assert any(message in p for p in problems), problems
