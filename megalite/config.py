@@ -1,7 +1,8 @@
 """RunConfig: every setting of a training run, declared once.
 
-A setting is a field of one part (model, parallel, training, optimizer, precision, data,
-checkpoint, logging, fault_tolerance) declared with `setting(default, help, ...)`: its name
+A setting is a field of one part (model, parallel, moe, training, optimizer, precision, data,
+checkpoint, logging, fault_tolerance; the parts live in config_parts.py) declared with
+`setting(default, help, ...)`: its name
 (the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
 its default, its choices (an enum declared once in config_choices.py), its help and, for a
 number, the values it accepts (`minimum=1`, `below=1`, `at_most="lr"`: config_bounds.py). Everything
@@ -27,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from megalite.model.config import PRESETS, GPTConfig, preset
+from megalite.model.config import GPTConfig, preset
 from megalite.moe.config import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.config_bounds import NO_BOUNDS, Bounds, bound_problems
@@ -37,234 +38,9 @@ from megalite.config_choices import (  # noqa: F401  (re-exported: the choices b
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher)
 
 
-def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
-            aliases: dict[str, Any] | None = None, **bounds: Any) -> Any:
-    """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
-    extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16); `bounds`, for
-    numbers, the values it accepts (config_bounds.Bounds: minimum, maximum, above, below, finite,
-    at_most=another setting, fix=advice), checked by `bound_problems` before anything uses them."""
-    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
-                                            "aliases": aliases or {}, "bounds": Bounds(**bounds)})
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """model (explicit settings override the --model preset)"""
-
-    model: str = setting("tiny", "preset", choices=tuple(sorted(PRESETS)))
-    num_layers: int | None = setting(None, "transformer blocks", minimum=1)
-    hidden_size: int | None = setting(None, "model width h", minimum=1)
-    num_attention_heads: int | None = setting(None, "query heads", minimum=1)
-    num_query_groups: int | None = setting(None, "key/value heads (grouped-query attention)", minimum=1)
-    ffn_hidden_size: int | None = setting(None, "MLP inner width", minimum=1)
-    seq_length: int | None = setting(None, "sequence length (tokens per sample)", minimum=1)
-    vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)", minimum=1)
-    hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding", minimum=0, below=1)
-    attention_dropout: float = setting(0.0, "dropout on the attention probabilities", minimum=0, below=1)
-
-
-@dataclass(frozen=True)
-class ParallelSettings:
-    """parallel layout and memory techniques"""
-
-    tp: int = setting(1, "tensor-parallel size", minimum=1)
-    pp: int = setting(1, "pipeline-parallel size", minimum=1)
-    dp: int | None = setting(None, "data-parallel size (default: world / (tp*cp*pp))", minimum=1)
-    cp: int = setting(1, "context-parallel size: each rank holds seq_length/cp tokens of every sequence (2*cp "
-                         "load-balanced chunks); only attention crosses ranks", minimum=1)
-    cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
-                                                       "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
-                                                       "must divide by cp)")
-    ep: int = setting(1, "expert-parallel size (Megatron's --expert-model-parallel-size): the experts of each MoE "
-                         "layer are sharded over ep ranks of the dp x cp group (ep divides dp*cp); expert "
-                         "gradients reduce over the dp*cp/ep ranks holding the same experts", minimum=1)
-    moe_token_dispatcher_type: MoEDispatcher = setting(MoEDispatcher.ALLTOALL, "how tokens reach their experts' ep "
-                                                                               "ranks: alltoall (per-rank counts) "
-                                                                               "or allgather")
-    virtual_stages: int = setting(1, "model chunks per pipeline rank (interleaved)", minimum=1)
-    pipeline_schedule: Schedule | None = setting(None, "default: 1f1b, or interleaved when --virtual-stages > 1")
-    decoder_first_stage_layers: int | None = setting(None, "blocks of the first model chunk (default: an even split)",
-                                                     minimum=0)
-    decoder_last_stage_layers: int | None = setting(None, "blocks of the last model chunk (default: an even split)",
-                                                    minimum=0)
-    pipeline_layout: str | None = setting(None, "explicit blocks per model chunk, e.g. 3,5,5,3 (pp*v numbers)")
-    sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
-    zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients, 3 also the "
-                           "parameters (gathered unit by unit: embedding, each block, head)", choices=(0, 1, 2, 3))
-    zero3_prefetch: int = setting(1, "zero 3: units whose all-gather is started ahead of the running one",
-                                  metavar="N", minimum=0)
-    zero3_reshard_after_forward: bool = setting(True, "zero 3: free a unit's parameters after its forward and gather "
-                                                      "them again for its backward (off: keep them, one gather less "
-                                                      "per microbatch, more memory)")
-    zero3_keep_gathered_in_step: bool = setting(False, "zero 3: gather each unit once per step and keep it until the "
-                                                       "optimizer (pipelines: no re-gather per microbatch)")
-    offload_optimizer: bool = setting(False, "keep the optimizer state in host memory and update there")
-    overlap_param_gather: bool = setting(False, "zero >= 1: the parameter all-gathers finish behind the next "
-                                                "forward; every read waits for its own bucket")
-    ddp_bucket_size: int = setting(40_000_000, "elements per gradient bucket", minimum=1)
-    recompute: Recompute = setting(Recompute.NONE, "activation recompute")
-    recompute_num_layers: int | None = setting(None, "with --recompute full: only the first N blocks of each model "
-                                                     "chunk (Megatron's block method); default all", metavar="N",
-                                                     minimum=1)
-    fused_linear_cross_entropy: bool = setting(False, "output layer + cross entropy in token chunks: the logits "
-                                                      "[tokens, vocab/tp] are never held (one more output GEMM)")
-    grad_compression: GradCompression = setting(GradCompression.NONE, "compress the dp gradient reduction: powersgd "
-                                                                      "sends rank-R factors of each matrix (error "
-                                                                      "feedback keeps what they miss for the next "
-                                                                      "step); zero 0-2")
-    powersgd_rank: int = setting(4, "PowerSGD: rank R of the factors (R*(n+m) elements per n x m matrix instead of "
-                                    "n*m)", metavar="R", minimum=1, fix="4 is a good start")
-    powersgd_warmup_steps: int = setting(0, "PowerSGD: the first N steps reduce uncompressed", metavar="N",
-                                         minimum=0)
-    powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
-                                                   "factor (and every 1-D parameter) are reduced uncompressed",
-                                              minimum=0, fix="0 compresses every matrix; 2 is the default")
-
-
-@dataclass(frozen=True)
-class MoESettings:
-    """mixture of experts (Megatron's flags; unset: the --model preset's, else megalite.moe.MoEConfig's default)"""
-
-    num_experts: int | None = setting(None, "routed experts per MoE layer (turns the model's MLPs into mixtures of "
-                                            "experts)", minimum=1)
-    moe_router_topk: int | None = setting(None, "experts per token (default 2)", minimum=1)
-    moe_ffn_hidden_size: int | None = setting(None, "each expert's inner width (default: --ffn-hidden-size)", minimum=1)
-    moe_layer_freq: int | None = setting(None, "every N-th block (from block 0) is an MoE block (default 1: all)",
-                                         metavar="N", minimum=1)
-    moe_router_score_function: MoEScoreFunction | None = setting(None, "router scores (default softmax)")
-    moe_router_pre_softmax: bool | None = setting(None, "softmax over all experts before the top-k (default off: a "
-                                                        "softmax over the k chosen logits, Mixtral's renormalised "
-                                                        "weights)")
-    moe_router_load_balancing_type: MoELoadBalancing | None = setting(None, "balancing loss: over the layer's tokens "
-                                                                            "(aux_loss, default), per sequence, or "
-                                                                            "none")
-    moe_aux_loss_coeff: float | None = setting(None, "weight of the load-balancing loss (default 0)", minimum=0)
-    moe_z_loss_coeff: float | None = setting(None, "weight of the router z-loss (default 0)", minimum=0)
-    moe_router_enable_expert_bias: bool | None = setting(None, "DeepSeek-V3 auxiliary-loss-free balancing: a "
-                                                               "per-expert score bias for the choice, stepped toward "
-                                                               "the mean load after each step")
-    moe_router_bias_update_rate: float | None = setting(None, "step of the expert bias (default 1e-3)", minimum=0)
-    moe_shared_expert_intermediate_size: int | None = setting(None, "inner width of an always-active shared expert "
-                                                                    "(default none)", minimum=1)
-    moe_expert_capacity_factor: float | None = setting(None, "cap each expert at factor * tokens * topk / experts "
-                                                             "routes per rank and layer (default: dropless)", above=0)
-    moe_token_drop_policy: MoEDropPolicy | None = setting(None, "over capacity keep the highest-probability routes "
-                                                                "(probs, default) or the earliest tokens (position)")
-
-
-@dataclass(frozen=True)
-class TrainingSettings:
-    """training"""
-
-    train_iters: int = setting(600, "optimizer steps", minimum=1)
-    micro_batch_size: int = setting(8, "sequences per microbatch and dp rank", minimum=1)
-    global_batch_size: int | None = setting(None, "sequences per optimizer step (default: micro-batch-size * dp)",
-                                                  minimum=1)
-    seed: int = setting(1234, "seed of the weights, the data order and dropout", minimum=0, maximum=2**32 - 1)
-    eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)", minimum=0)
-    eval_iters: int = setting(4, "global batches per evaluation", minimum=0)
-    cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
-                                      "replay it (static shapes; tp = pp = cp = 1, zero 0/1, no dropout, "
-                                      "recompute or offload; training/cuda_graph.py)")
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """optimizer (AdamW) and learning-rate schedule"""
-
-    lr: float = setting(2e-3, "peak learning rate", minimum=0)
-    min_lr: float = setting(2e-4, "learning rate at the end of the decay", minimum=0, at_most="lr")
-    lr_warmup_iters: int = setting(30, "linear warm-up steps", minimum=0)
-    lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
-    weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", minimum=0)
-    adam_beta1: float = setting(0.9, "AdamW beta1", minimum=0, below=1)
-    adam_beta2: float = setting(0.95, "AdamW beta2", minimum=0, below=1)
-    adam_eps: float = setting(1e-8, "AdamW epsilon", above=0)
-    clip_grad: float = setting(1.0, "global grad-norm clip; 0 disables", minimum=0)
-
-
-@dataclass(frozen=True)
-class PrecisionSettings:
-    """precision"""
-
-    precision: Precision = setting(Precision.FP32, "parameter and activation dtype (bf16/fp16 keep fp32 master "
-                                                   "weights and gradients)",
-                                   aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
-    grad_reduce_dtype: Precision = setting(Precision.FP32, "dtype of the data-parallel gradient reduction")
-    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale", above=0)
-    loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow", minimum=1)
-    hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off", minimum=1)
-    loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff", above=0, below=1)
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    """data"""
-
-    data_path: tuple[str, ...] | None = setting(None, "PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend (default: "
-                                                      "the embedded corpus)")
-    tokenizer: str | None = setting(None, "path to a tokenizer.json (default: byte level)")
-    split: str = setting("969,30,1", "train,valid,test weights of the documents")
-
-
-@dataclass(frozen=True)
-class CheckpointSettings:
-    """checkpoints (layout-free: save at one tp/pp/dp, load at any other)"""
-
-    save: str | None = setting(None, "write checkpoints into DIR", metavar="DIR")
-    load: str | None = setting(None, "resume from DIR's latest checkpoint (from scratch, with a notice, when it "
-                                     "holds none); pass the same DIR as --save so one command line serves every "
-                                     "restart", metavar="DIR")
-    load_step: int | None = setting(None, "load this step instead of the latest", minimum=0)
-    save_interval: int = setting(0, "save every N steps (0: only at the end/on signal)", minimum=0)
-    keep_last: int = setting(0, "keep the newest N checkpoints (0: keep all)", minimum=0)
-    keep_every: int = setting(0, "also keep every step that is a multiple of M", minimum=0)
-    async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
-    no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
-    elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
-                                                             "kept): keep the checkpoint's global batch (more or "
-                                                             "fewer accumulation steps; the loss curve continues), "
-                                                             "or scale it with dp and rescale the learning rate")
-    elastic_lr_rule: ElasticLRRule = setting(ElasticLRRule.LINEAR, "with --elastic-batch scale: the learning rate "
-                                                                   "times the batch ratio r (linear) or sqrt(r)")
-
-
-@dataclass(frozen=True)
-class LoggingSettings:
-    """logging, metrics and profiling"""
-
-    log_interval: int = setting(50, "print and record every N steps", minimum=1)
-    metrics_file: str | None = setting(None, "JSON lines, one object per logged step (the resolved configuration "
-                                             "is written beside it)")
-    tensorboard_dir: str | None = setting(None, "also write scalars for TensorBoard (when installed)")
-    straggler_interval: int = setting(0, "every N steps name the slowest ranks (0: off)", minimum=0)
-    peak_tflops: float | None = setting(None, "per-GPU peak for MFU (default: known GPUs)", above=0)
-    profile_steps: tuple[int, int] | None = setting(None, "trace steps FIRST..LAST with torch.profiler on every rank "
-                                                          "(Chrome trace per rank)", metavar=("FIRST", "LAST"),
-                                                          minimum=1)
-    profile_dir: str = setting("profile", "where --profile-steps writes its traces")
-
-
-@dataclass(frozen=True)
-class FaultToleranceSettings:
-    """hangs and numerical guards"""
-
-    hang_timeout: float = setting(0.0, "seconds without a finished step before every rank reports where it waits "
-                                       "and the job exits with code 86 (0: off; e.g. 300)", minimum=0,
-                                       fix="0 turns the watchdog off; e.g. 300")
-    hang_report_dir: str | None = setting(None, "where ranks leave hang reports (default: a temp dir per node; a "
-                                                "shared file system gives one summary across nodes)")
-    on_nonfinite: OnNonFinite = setting(OnNonFinite.SKIP, "a non-finite loss or gradient: skip the update and log "
-                                                          "the step's samples, or stop (exit code 3)")
-    check_replicas_interval: int = setting(0, "every K steps compare parameter checksums across replicas and stop "
-                                              "(exit code 4) naming the first that differs; 0: off", minimum=0)
-
-
-PARTS: dict[str, type] = {
-    "model": ModelSettings, "parallel": ParallelSettings, "moe": MoESettings, "training": TrainingSettings,
-    "optimizer": OptimizerSettings, "precision": PrecisionSettings, "data": DataSettings,
-    "checkpoint": CheckpointSettings, "logging": LoggingSettings, "fault_tolerance": FaultToleranceSettings,
-}
+from megalite.config_parts import (  # noqa: F401  (re-exported: RunConfig's parts and how a setting is declared)
+    setting, ModelSettings, ParallelSettings, MoESettings, TrainingSettings, OptimizerSettings, PrecisionSettings,
+    DataSettings, CheckpointSettings, LoggingSettings, FaultToleranceSettings, PARTS)
 
 
 @dataclass(frozen=True)
