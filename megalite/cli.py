@@ -6,7 +6,8 @@
 Precedence: each setting's declared default, then `--config FILE`, then the flags given on the
 command line. A config file is TOML (or JSON when it ends in .json); its keys are the flag
 names without the dashes (`hidden-size = 64` or `hidden_size = 64`), flat or grouped in tables
-named after the parts (`[parallel]`, `[optimizer]`, ...). An unknown key, a key in the wrong
+named after the parts (`[parallel]`, `[optimizer]`, ...); a flag's synonym is a key too
+(`expert-model-parallel-size = 2` sets ep). An unknown key, a key in the wrong
 table or a value of the wrong type is an error that names it. Besides the settings, three
 actions exist only on the command line: --config, --print-config, --dry-run.
 """
@@ -37,11 +38,11 @@ def _add_setting(group, spec: Setting) -> None:
         kwargs["metavar"] = spec.metavar
     if kind is bool:
         if spec.flag.startswith("--no-"):  # BooleanOptionalAction would read --no-load-optim as False
-            group.add_argument(spec.flag, action="store_const", const=True, **kwargs)
+            group.add_argument(spec.flag, *spec.synonyms, action="store_const", const=True, **kwargs)
             group.add_argument("--" + spec.flag[len("--no-"):], dest=spec.name, action="store_const", const=False,
                                default=argparse.SUPPRESS, help=f"undo {spec.flag} (e.g. from a config file)")
             return
-        group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        group.add_argument(spec.flag, *spec.synonyms, action=argparse.BooleanOptionalAction, **kwargs)
         return
     if typing.get_origin(kind) is tuple:
         args = typing.get_args(kind)
@@ -55,12 +56,12 @@ def _add_setting(group, spec: Setting) -> None:
     kwargs["help"] += f" (default: {_shown(spec.default)})" if spec.default is not None else ""
     if spec.aliases:
         exclusive = group.add_mutually_exclusive_group()
-        exclusive.add_argument(spec.flag, type=kind, **kwargs)
+        exclusive.add_argument(spec.flag, *spec.synonyms, type=kind, **kwargs)
         for flag, value in spec.aliases.items():
             exclusive.add_argument(flag, dest=spec.name, action="store_const", const=_shown(value),
                                    default=argparse.SUPPRESS, help=f"same as {spec.flag} {_shown(value)}")
         return
-    group.add_argument(spec.flag, type=kind, **kwargs)
+    group.add_argument(spec.flag, *spec.synonyms, type=kind, **kwargs)
 
 
 def _shown(value: Any) -> Any:
@@ -91,6 +92,14 @@ def build_parser(description: str = "Train a GPT with tensor x pipeline x data p
 
 def _canonical(key: str) -> str:
     return key.replace("-", "_")
+
+
+def _synonym_setting(key: str) -> str | None:
+    """A config key that is a flag synonym (`expert_model_parallel_size = 2`) -> the setting's name."""
+    for spec in settings().values():
+        if any(_canonical(flag.lstrip("-")) == key for flag in spec.synonyms):
+            return spec.name
+    return None
 
 
 def _alias_setting(key: str) -> tuple[str, Any] | None:
@@ -144,6 +153,7 @@ def _take(values: dict[str, Any], path: Path, key: str, value: Any, part: str | 
     alias = _alias_setting(name)
     if alias is not None and value is True:
         name, value = alias
+    name = _synonym_setting(name) or name
     if name not in specs:
         close = difflib.get_close_matches(name, list(specs), n=1)
         hint = f"; did you mean {close[0].replace('_', '-')!r}?" if close else ""

@@ -57,6 +57,7 @@ class Setting:
     metavar: Any
     aliases: dict[str, Any]
     bounds: Bounds = NO_BOUNDS
+    synonyms: tuple[str, ...] = ()  # other names of `flag` (same value), e.g. --expert-model-parallel-size
 
     @property
     def flag(self) -> str:
@@ -81,7 +82,11 @@ def settings() -> dict[str, Setting]:
             if bounds.declared and not _numeric(kind):
                 raise TypeError(f"setting {f.name!r}: bounds are for numbers, not {kind}")
             out[f.name] = Setting(f.name, part, kind, optional, f.default, f.metadata["help"], choices,
-                                  f.metadata["metavar"], f.metadata["aliases"], bounds)
+                                  f.metadata["metavar"], f.metadata["aliases"], bounds, f.metadata["synonyms"])
+    taken = [flag.lstrip("-").replace("-", "_") for s in out.values() for flag in (*s.synonyms, *s.aliases)]
+    clashes = sorted({name for name in taken if name in out or taken.count(name) > 1})
+    if clashes:  # a config key or a flag would name two settings
+        raise TypeError(f"flag synonym or alias {clashes[0]!r} is also another setting's name or declared twice")
     return out
 
 

@@ -20,13 +20,16 @@ from megalite.config_choices import (
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
-            aliases: dict[str, Any] | None = None, **bounds: Any) -> Any:
+            aliases: dict[str, Any] | None = None, synonyms: tuple[str, ...] = (), **bounds: Any) -> Any:
     """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
-    extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16); `bounds`, for
+    extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16); `synonyms` are other
+    names of the flag itself, taking the same value (Megatron's --expert-model-parallel-size for
+    --ep), also accepted as config-file keys; `bounds`, for
     numbers, the values it accepts (config_bounds.Bounds: minimum, maximum, above, below, finite,
     at_most=another setting, fix=advice), checked by `bound_problems` before anything uses them."""
     return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
-                                            "aliases": aliases or {}, "bounds": Bounds(**bounds)})
+                                            "aliases": aliases or {}, "synonyms": tuple(synonyms),
+                                            "bounds": Bounds(**bounds)})
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,9 @@ class ParallelSettings:
     cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
                                                        "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
                                                        "must divide by cp)")
-    ep: int = setting(1, "expert-parallel size (Megatron's --expert-model-parallel-size): the experts of each MoE "
-                         "layer are sharded over ep ranks of the dp x cp group (ep divides dp*cp); expert "
-                         "gradients reduce over the dp*cp/ep ranks holding the same experts", minimum=1)
+    ep: int = setting(1, "expert-parallel size: the experts of each MoE layer are sharded over ep ranks of the "
+                         "dp x cp group (ep divides dp*cp); expert gradients reduce over the dp*cp/ep ranks "
+                         "holding the same experts", minimum=1, synonyms=("--expert-model-parallel-size",))
     moe_token_dispatcher_type: MoEDispatcher = setting(MoEDispatcher.ALLTOALL, "how tokens reach their experts' ep "
                                                                                "ranks: alltoall (per-rank counts) "
                                                                                "or allgather")

@@ -8,6 +8,7 @@ import pytest
 
 from megalite.cli import ACTIONS, ConfigFileError, build_parser, parse_args, read_config_file, to_toml
 from megalite.config import PARTS, Precision, Recompute, RunConfig, Schedule, settings
+from megalite.errors import ConfigError
 from megalite.training.launch_checks import launch_problems
 
 
@@ -50,6 +51,32 @@ def test_toml_file_flat_or_grouped_and_flags_override_it(tmp_path):
     assert cfg.model.hidden_size == 64 and cfg.precision.precision == "bf16" and cfg.training.micro_batch_size == 2
     assert cfg.optimizer.lr == 1e-3
     assert cfg.parallel.tp == 4 and cfg.parallel.sequence_parallel is False  # the command line wins
+
+
+def test_flag_synonym_sets_the_same_setting(tmp_path):
+    """Megatron's --expert-model-parallel-size is --ep: on the command line and as a config-file key."""
+    assert settings()["ep"].synonyms == ("--expert-model-parallel-size",)
+    assert parse_args(["--expert-model-parallel-size", "4"])[0].parallel.ep == 4
+    assert parse_args(["--expert-model-parallel-size=2"])[0] == parse_args(["--ep", "2"])[0]
+    path = tmp_path / "run.toml"
+    path.write_text("[parallel]\nexpert-model-parallel-size = 2\n")
+    assert read_config_file(path) == {"ep": 2}
+    assert parse_args(["--config", str(path), "--ep", "4"])[0].parallel.ep == 4  # the command line wins
+    path.write_text("ep = 2\nexpert_model_parallel_size = 4\n")
+    with pytest.raises(ConfigFileError, match="ep is set twice"):
+        read_config_file(path)
+    path.write_text("[model]\nexpert-model-parallel-size = 2\n")
+    with pytest.raises(ConfigFileError, match=r"'expert-model-parallel-size' is a \[parallel\] setting"):
+        read_config_file(path)
+
+
+def test_bad_synonym_value_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--expert-model-parallel-size", "two"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--expert-model-parallel-size" in err and "invalid int value" in err
+    with pytest.raises(ConfigError, match="--ep must be an integer >= 1, got 0"):  # the declared bound holds too
+        parse_args(["--expert-model-parallel-size", "0"])
 
 
 def test_json_config(tmp_path):
