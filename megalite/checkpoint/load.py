@@ -15,6 +15,9 @@ is a user error: every rank raises the same CheckpointMismatchError at once, bef
 is read. When `latest` was asked for (no
 `step`) and the directory holds no checkpoint yet, nothing is loaded and None is returned.
 
+MoE expert biases (DeepSeek-V3's, a buffer per layer) are stored whole and restored at any layout;
+a checkpoint without them leaves them zero.
+
 RNG states are restored only when the layout (tp, pp, dp, virtual stages) is the one that
 saved them: rank r then gets back exactly its generators. Under another layout the dropout
 streams differ anyway (they are seeded per tp/pp rank), so they keep their fresh seeds.
@@ -37,6 +40,7 @@ from megalite.checkpoint.storage import (CheckpointCorruptError, CheckpointMisma
                                          NoIntactCheckpointError)
 from megalite.errors import UsageError
 from megalite.mesh import Mesh
+from megalite.moe.training import expert_biases
 
 # GPTConfig fields that decide which parameters exist (and their shapes). seq_length is left out:
 # RoPE models have no position table (a longer context is a legitimate change), and GPT-2's
@@ -146,6 +150,9 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
             for kind in OPTIMIZER_KINDS:
                 _check_range(reader, kind, name, spec, shape, start, end)
         plan_compression(reader, optimizer)
+    for name, bias in _expert_bias_targets(reader, chunks):
+        reader.check_covered("expert_bias", name, _whole(bias.shape))
+        reader.verify_box("expert_bias", name, _whole(bias.shape))
     if rng_prefix is not None:
         for (kind, name), rows in reader.items.items():
             if kind == "rng" and name.startswith(rng_prefix):
@@ -163,6 +170,25 @@ def _load_model(reader: CheckpointReader, chunks, optimizer) -> None:
         for name, param in chunk.logical_parameters():
             for local_box, full_box in local_to_full(P.shard_spec(param), _whole(param.shape)):
                 reader.read_into("model", name, full_box, param.data[box_slices(local_box)])
+
+
+def _expert_bias_targets(reader: CheckpointReader, chunks) -> list[tuple[str, torch.Tensor]]:
+    """(logical name, bias buffer) of this rank's expert biases that the checkpoint stores."""
+    return [(chunk.logical_name(local), bias) for chunk in chunks for local, bias in expert_biases(chunk)
+            if reader.has("expert_bias", chunk.logical_name(local))]
+
+
+@torch.no_grad()
+def _load_expert_biases(reader: CheckpointReader, chunks) -> None:
+    """The stored expert biases; a bias the checkpoint lacks (saved without --moe-router-enable-expert-bias,
+    or before biases were stored) starts at zero, as in a new run."""
+    for chunk in chunks:
+        for _, bias in expert_biases(chunk):
+            bias.zero_()
+    for name, bias in _expert_bias_targets(reader, chunks):
+        stored = torch.empty(bias.shape, dtype=torch.float32)
+        reader.read_into("expert_bias", name, _whole(bias.shape), stored)
+        bias.copy_(stored)
 
 
 @torch.no_grad()
@@ -246,9 +272,11 @@ def _agreed_candidates(root: Path, step: int | None, mesh: Mesh, say) -> list[in
 def _load_everything(reader: CheckpointReader, chunks, optimizer, mesh: Mesh, load_optimizer: bool,
                      rng: bool) -> None:
     """Read a planned and verified checkpoint into the model, the optimizer (without stored or wanted
-    state: master weights from the loaded weights), gradient compression's state and the RNGs."""
+    state: master weights from the loaded weights), the MoE expert biases, gradient compression's state
+    and the RNGs."""
     meta = reader.metadata
     _load_model(reader, chunks, optimizer)
+    _load_expert_biases(reader, chunks)
     if optimizer is not None:
         _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
         if meta["has_optimizer"] and load_optimizer:  # gradient compression's residuals and Q

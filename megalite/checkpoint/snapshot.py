@@ -8,6 +8,8 @@ Kinds of stored tensors, each keyed by (kind, logical name, box of the full tens
 - "master", "exp_avg", "exp_avg_sq": the optimizer's fp32 state. ZeRO ranks own disjoint
   flat ranges of the local tp shard; each rank writes the boxes of its own range (zero 0:
   every dp rank owns everything, so again dp rank 0 only; tp-replicated: tp rank 0 only);
+- "expert_bias": DeepSeek-V3's expert score bias of each MoE layer (a buffer [E], not a parameter,
+  the same on every rank holding the layer), whole, by the first replica at tp rank 0 of each stage;
 - "rng": this rank's generator states (torch default, CUDA, each chunk's TensorParallelRNG),
   named "rank{r}/...", whole-tensor boxes;
 - "powersgd_error", "powersgd_q": gradient compression's residual shares and Q, with the
@@ -24,10 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from megalite import params
-from megalite.checkpoint.boxes import Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
+from megalite.checkpoint.boxes import (Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative,
+                                      whole_box)
 from megalite.checkpoint.compression_state import compression_items
 from megalite.checkpoint.storage import DTYPE_NAMES
 from megalite.mesh import Mesh
+from megalite.moe.training import expert_biases
 
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -88,6 +92,15 @@ def model_items(chunks, mesh: Mesh, pin: bool = False, copy: bool = True) -> lis
                 keep_view = not copy and view.device.type == "cpu"
                 items.append(Item("model", name, full_box, view.contiguous() if keep_view else _cpu_copy(view, pin)))
     return items
+
+
+def expert_bias_items(chunks, mesh: Mesh, pin: bool = False) -> list[Item]:
+    """The expert biases of this stage's MoE layers; stored once (tp, dp and cp rank 0: every other rank of
+    the stage, ep ranks included, holds the same values)."""
+    if mesh.tp_rank != 0 or mesh.dp_rank != 0 or mesh.cp_rank != 0:
+        return []
+    return [Item("expert_bias", chunk.logical_name(name), whole_box(tuple(bias.shape)), _cpu_copy(bias, pin))
+            for chunk in chunks for name, bias in expert_biases(chunk)]
 
 
 def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
@@ -165,6 +178,7 @@ def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
         items = sharded_model_items(chunks, wrapper, mesh, pin)
     else:
         items = model_items(chunks, mesh, pin, copy)
+    items += expert_bias_items(chunks, mesh, pin)
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:
         opt_items, extras = optimizer_items(chunks, optimizer, mesh)

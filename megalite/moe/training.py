@@ -3,7 +3,8 @@
 - `set_loss_scale(chunks, scale)` before the step's forwards: the factor of the balancing losses'
   gradient (see layer.py);
 - `update_expert_biases(chunks, mesh)` after the optimizer: DeepSeek-V3's bias step;
-- `moe_stats(chunks, mesh)` after the step: losses, load and drops per MoE layer, the same on every rank.
+- `moe_stats(chunks, mesh)` after the step: losses, load and drops per MoE layer, the same on every rank;
+- `expert_biases(chunk)`: the expert score biases by local name, what a checkpoint stores beside the weights.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from megalite import comm
 from megalite.moe.layer import MoELayer
-from megalite.moe.router import update_expert_bias
+from megalite.moe.router import Router, update_expert_bias
 
 
 def moe_layers(chunks: Iterable[torch.nn.Module]) -> list[tuple[int, MoELayer]]:
@@ -35,6 +36,13 @@ def update_expert_biases(chunks, mesh) -> None:
     for _, layer in moe_layers(chunks):
         if layer.router.expert_bias is not None:
             update_expert_bias(layer.router, mesh.dp_cp_group, layer.moe.bias_update_rate)
+
+
+def expert_biases(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(local name, bias buffer [E] fp32) of every router of `chunk` with an expert bias; the buffers
+    themselves (a checkpoint load writes into them). Same values on every rank holding the layer."""
+    return [(f"{name}.expert_bias", module.expert_bias) for name, module in chunk.named_modules()
+            if isinstance(module, Router) and module.expert_bias is not None]
 
 
 def moe_stats(chunks, mesh) -> dict:
