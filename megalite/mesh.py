@@ -138,6 +138,37 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _my_group(rank: int, name: str, all_ranks: list[list[int]]):
+    """Create every group of one kind (every rank must create every group, in the same order) and
+    return the one holding `rank` (None if none does)."""
+    chosen = None
+    for ranks in all_ranks:
+        group = comm.new_group(ranks, name)
+        if rank in ranks:
+            chosen = group
+    return chosen
+
+
+def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int) -> dict[str, Any]:
+    """This rank's process groups, by Mesh field name, created in the same order on every rank."""
+    groups = {
+        "tp_group": _my_group(rank, "tp", tp_group_ranks(tp, pp, dp, cp)),
+        "dp_group": _my_group(rank, "dp", dp_group_ranks(tp, pp, dp, cp)),
+        "pp_group": _my_group(rank, "pp", pp_group_ranks(tp, pp, dp, cp)),
+        "model_parallel_group": _my_group(rank, "mp", model_parallel_group_ranks(tp, pp, dp, cp)),
+        "embedding_group": _my_group(rank, "embedding", embedding_group_ranks(tp, pp, dp, cp)),
+    }
+    # At cp = 1 no ring exists and dp x cp is the dp group: no extra groups, layouts unchanged.
+    groups["cp_group"] = _my_group(rank, "cp", cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else None
+    groups["dp_cp_group"] = (_my_group(rank, "dp_cp", dp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1
+                             else groups["dp_group"])
+    # At ep = 1 no expert groups exist: experts are replicated like every other parameter.
+    groups["ep_group"] = _my_group(rank, "ep", ep_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 else None
+    groups["expert_dp_group"] = (_my_group(rank, "edp", expert_dp_group_ranks(tp, pp, dp, cp, ep)) if ep > 1
+                                 else groups["dp_cp_group"])
+    return groups
+
+
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
               timeout_s: float = 600.0, ep: int = 1) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
@@ -164,30 +195,8 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
         comm.init_process_group(backend, rank, world_size, datetime.timedelta(seconds=timeout_s),
                                 device=device if device.type == "cuda" else None)
     tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
-
-    def mine(name: str, all_ranks: list[list[int]]):
-        chosen = None
-        for ranks in all_ranks:  # every rank must create every group, in the same order
-            group = comm.new_group(ranks, name)
-            if rank in ranks:
-                chosen = group
-        return chosen
-
     pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)
-    groups = {  # created in this order on every rank
-        "tp_group": mine("tp", tp_group_ranks(tp, pp, dp, cp)),
-        "dp_group": mine("dp", dp_group_ranks(tp, pp, dp, cp)),
-        "pp_group": mine("pp", pp_group_ranks(tp, pp, dp, cp)),
-        "model_parallel_group": mine("mp", model_parallel_group_ranks(tp, pp, dp, cp)),
-        "embedding_group": mine("embedding", embedding_group_ranks(tp, pp, dp, cp)),
-    }
-    # At cp = 1 no ring exists and dp x cp is the dp group: no extra groups, layouts unchanged.
-    groups["cp_group"] = mine("cp", cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else None
-    groups["dp_cp_group"] = mine("dp_cp", dp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else groups["dp_group"]
-    # At ep = 1 no expert groups exist: experts are replicated like every other parameter.
-    groups["ep_group"] = mine("ep", ep_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 else None
-    groups["expert_dp_group"] = mine("edp", expert_dp_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 \
-        else groups["dp_cp_group"]
+    groups = _create_groups(rank, tp, pp, dp, cp, ep)
     mesh = Mesh(
         rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,

@@ -286,22 +286,59 @@ def _load_everything(reader: CheckpointReader, chunks, optimizer, mesh: Mesh, lo
     reader.close()
 
 
+def _try_on_every_rank(path: Path, chunks, optimizer, mesh: Mesh, load_optimizer: bool, load_rng: bool):
+    """Open and plan the load of one checkpoint on every rank, and agree on the outcome.
+
+    Returns (reader, whether this rank restores its RNG states, [(rank, kind, message)] of the ranks
+    that found it damaged). A usage error (another model, a newer format) or an unexpected failure
+    on any rank raises on every rank: no fallback to an older checkpoint would mend those."""
+    outcome, reader, rng = ("ok", ""), None, False
+    try:
+        reader = CheckpointReader(path)
+        rng = (load_rng and _same_layout(reader.metadata, mesh, chunks)
+               and reader.has("rng", f"rank{mesh.rank}/torch"))
+        _plan(reader, chunks, optimizer, load_optimizer, f"rank{mesh.rank}/" if rng else None)
+    except CheckpointCorruptError as exc:
+        outcome = ("corrupt", str(exc))
+    except UsageError as exc:  # another model, a newer format: the same error on every rank, no fallback
+        outcome = ("usage", str(exc), type(exc))
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below, or peers hang
+        outcome = ("failed", f"{path}: {type(exc).__name__}: {exc}")
+    outcomes = comm.all_gather_object(outcome, comm.world_group())
+    bad = [(r, o[0], o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
+    usage = [(r, o[1], o[2]) for r, o in enumerate(outcomes) if o[0] == "usage"]
+    if usage:
+        rank, message, error = usage[0]
+        raise error(message if len({m for _, m, _ in usage}) == 1 else f"rank {rank}: {message}")
+    failed = [f"rank {r}: {msg}" for r, kind, msg in bad if kind == "failed"]
+    if failed:
+        raise RuntimeError(failed[0])
+    return reader, rng, bad
+
+
+def _loaded_line(path: Path, meta: dict, rng: bool) -> str:
+    saved = meta["layout"]
+    return (f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
+            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
+            + (f"cp={saved['cp']} " if saved.get("cp", 1) > 1 else "") + f"zero={saved['zero_stage']} "
+            f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
+                                                "stored") + ")")
+
+
 def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step: int | None = None,
                     load_optimizer: bool = True, load_rng: bool = True, log=print) -> LoadedCheckpoint | None:
     """Load the newest good checkpoint (or `step`) of `load_dir` into chunks and optimizer.
 
     Returns None (after a notice) when `load_dir` has no checkpoint yet and no step was asked
     for. Raises NoIntactCheckpointError (a UsageError and CheckpointCorruptError) when no candidate
-    is intact, CheckpointMismatchError (a
-    UsageError) when the checkpoint holds another model or a newer format, CheckpointNotFoundError
-    when `step` does not exist. Every rank must call it (it communicates); every rank raises the same.
+    is intact, CheckpointMismatchError (a UsageError) when the checkpoint holds another model or a
+    newer format, CheckpointNotFoundError when `step` does not exist. Every rank must call it (it communicates); every rank raises the same.
     """
     root = Path(load_dir)
     named = storage.STEP_DIR.match(root.name)
     if named and (root / storage.MANIFEST).exists():  # a step directory itself: load exactly that one
         root, step = root.parent, int(named.group(1))
     say = log if mesh.rank == 0 else (lambda *_: None)
-    world = comm.world_group()
     candidates = _agreed_candidates(root, step, mesh, say)
     if not candidates:
         say(f"megalite: no checkpoint in {root} yet; starting from scratch")
@@ -310,27 +347,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
     problems = []
     for candidate in candidates:
         path = root / storage.step_dir_name(candidate)
-        outcome, reader, rng = ("ok", ""), None, False
-        try:
-            reader = CheckpointReader(path)
-            rng = (load_rng and _same_layout(reader.metadata, mesh, chunks)
-                   and reader.has("rng", f"rank{mesh.rank}/torch"))
-            _plan(reader, chunks, optimizer, load_optimizer, f"rank{mesh.rank}/" if rng else None)
-        except CheckpointCorruptError as exc:
-            outcome = ("corrupt", str(exc))
-        except UsageError as exc:  # another model, a newer format: the same error on every rank, no fallback
-            outcome = ("usage", str(exc), type(exc))
-        except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below, or peers hang
-            outcome = ("failed", f"{path}: {type(exc).__name__}: {exc}")
-        outcomes = comm.all_gather_object(outcome, world)
-        bad = [(r, o[0], o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
-        usage = [(r, o[1], o[2]) for r, o in enumerate(outcomes) if o[0] == "usage"]
-        if usage:
-            rank, message, error = usage[0]
-            raise error(message if len({m for _, m, _ in usage}) == 1 else f"rank {rank}: {message}")
-        failed = [f"rank {r}: {msg}" for r, kind, msg in bad if kind == "failed"]
-        if failed:
-            raise RuntimeError(failed[0])
+        reader, rng, bad = _try_on_every_rank(path, chunks, optimizer, mesh, load_optimizer, load_rng)
         if bad:
             rank, _, message = bad[0]
             problems.append(message)
@@ -339,12 +356,7 @@ def load_checkpoint(load_dir: str | Path, chunks, optimizer, mesh: Mesh, *, step
             continue
         meta = reader.metadata
         _load_everything(reader, chunks, optimizer, mesh, load_optimizer, rng)
-        saved = meta["layout"]
-        say(f"megalite: loaded {path} (step {meta['step']}, {meta['consumed_samples']} samples consumed; saved at "
-            f"tp={saved['tp']} pp={saved['pp']} dp={saved['dp']} "
-            + (f"cp={saved['cp']} " if saved.get("cp", 1) > 1 else "") + f"zero={saved['zero_stage']} "
-            f"v={saved['virtual_stages']}" + ("" if rng else "; RNG states not restored: another layout, or none "
-                                                "stored") + ")")
+        say(_loaded_line(path, meta, rng))
         return LoadedCheckpoint(meta["step"], meta["consumed_samples"], path, meta, rng)
     raise NoIntactCheckpointError(f"--load {root}: no intact checkpoint ({len(problems)} damaged: "
                                   + "; ".join(problems) + "); point --load at another directory, or move the "

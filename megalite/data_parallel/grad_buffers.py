@@ -55,6 +55,21 @@ from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements (Megatron's default); buckets this big overlap only large models
 
 
+def _checked_params(params: Sequence[torch.nn.Parameter], zero_stage: int,
+                    grad_reduce_dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """The parameters that train, each once; a wrong stage or reduction dtype raises."""
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+    if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("GradBuffers needs at least one parameter with requires_grad=True")
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("the same parameter was passed twice; pass each parameter once")
+    return params
+
+
 class GradBuffers:
     """Gradient buffers and bucketed, overlapped dp reduction for one model replica.
 
@@ -79,15 +94,7 @@ class GradBuffers:
                  grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
                  embedding_group=None, compression: PowerSGDConfig | None = None, skip_group=None,
                  expert_group=None):
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
-        if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
-        params = [p for p in params if p.requires_grad]
-        if not params:
-            raise ValueError("GradBuffers needs at least one parameter with requires_grad=True")
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("the same parameter was passed twice; pass each parameter once")
+        params = _checked_params(params, zero_stage, grad_reduce_dtype)
         self.params = list(reversed(params))  # reverse order of use: backward fills bucket 0 first
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
@@ -109,24 +116,7 @@ class GradBuffers:
         self._deferred_buckets = {self.layout.slots[i].bucket for i in deferred}
         buckets = self.layout.buckets
 
-        # Full-size fp32 storage per bucket; views of one contiguous buffer unless ZeRO-2 frees them.
-        if zero_stage == 2:
-            self._grad_buffer = None
-            self._bucket_grads: list[torch.Tensor | None] = [None] * len(buckets)
-        else:
-            self._grad_buffer = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
-            self._bucket_grads = [self._grad_buffer[b.start:b.end] for b in buckets]
-            for p, slot in zip(self.params, self.layout.slots):
-                P.set_main_grad(p, self._grad_buffer[slot.start:slot.end].view(p.shape))
-        # The views gradients are added into, made once (zero 0/1: the buffer never moves); a
-        # delivery then costs one add_, not a slice and a view as well. ZeRO-2 re-makes them per step.
-        self._main_grads: list[torch.Tensor] | None = \
-            None if zero_stage == 2 else [P.main_grad(p) for p in self.params]
-        # This rank's reduced gradients: the whole buffer at zero_stage 0, its 1/dp shard otherwise.
-        if zero_stage == 0:
-            self.grad_shard = self._grad_buffer
-        else:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+        self._allocate_storage()
 
         self._sp_params = [[i for i in b.params if P.is_sequence_parallel_grad(self.params[i])] for b in buckets]
         self.compressor = self._make_compressor(compression, skip_group, deferred)
@@ -146,6 +136,27 @@ class GradBuffers:
         for index, p in enumerate(self.params):
             P.set_grad_destination(p, self._make_sink(index), P.main_grad(p))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    def _allocate_storage(self) -> None:
+        """The fp32 gradient storage, each parameter's main_grad view into it, and grad_shard."""
+        # Full-size fp32 storage per bucket; views of one contiguous buffer unless ZeRO-2 frees them.
+        if self.zero_stage == 2:
+            self._grad_buffer = None
+            self._bucket_grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
+        else:
+            self._grad_buffer = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
+            self._bucket_grads = [self._grad_buffer[b.start:b.end] for b in self.layout.buckets]
+            for p, slot in zip(self.params, self.layout.slots):
+                P.set_main_grad(p, self._grad_buffer[slot.start:slot.end].view(p.shape))
+        # The views gradients are added into, made once (zero 0/1: the buffer never moves); a
+        # delivery then costs one add_, not a slice and a view as well. ZeRO-2 re-makes them per step.
+        self._main_grads: list[torch.Tensor] | None = \
+            None if self.zero_stage == 2 else [P.main_grad(p) for p in self.params]
+        # This rank's reduced gradients: the whole buffer at zero_stage 0, its 1/dp shard otherwise.
+        if self.zero_stage == 0:
+            self.grad_shard = self._grad_buffer
+        else:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
 
     def _make_compressor(self, config: PowerSGDConfig | None, skip_group, tied: frozenset[int]) -> PowerSGD | None:
         if config is None or self.dp_size == 1:  # one replica: nothing is reduced, nothing to compress

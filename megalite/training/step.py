@@ -164,6 +164,27 @@ def _to_device(microbatches, device):
     return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in microbatches]
 
 
+def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunConfig, seq_length: int,
+                      loss_scale, phase, check_host_reads: bool, graphs) -> tuple[Any, tuple | None]:
+    """Every microbatch's forward and backward: replayed graphs, the plain loop, or (pp > 1) the
+    pipeline schedule. Returns (the loss sum, a device scalar or 0.0; (spec, median seconds per
+    compute instruction) at pp > 1, else None)."""
+    if graphs is not None:
+        with phase("forward_backward"):  # one replayed graph per microbatch
+            return graphs.run(microbatches, loss_scale), None
+    if mesh.pp_size == 1:
+        with no_host_reads() if check_host_reads else contextlib.nullcontext():
+            return _accumulate_microbatches(model, microbatches, loss_scale, phase), None
+    model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
+    spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), seq_length)
+    stats: dict = {}
+    with phase("pipeline"):  # forward and backward interleaved by the schedule
+        loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, loss_scale, grad_sync=model,
+                                stats=stats, check_host_reads=check_host_reads)
+    model.set_last_microbatch(True)
+    return loss_sum, (spec, stats["compute_s"])
+
+
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
                mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None, *,
                check_host_reads: bool = False, graphs=None) -> dict[str, Any]:
@@ -182,7 +203,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     and backward are replayed CUDA graphs (captured at the first step).
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'
-    (with MoE layers also `megalite.moe.training.moe_stats`' 'moe_*' entries; at pp > 1, 'pipeline': (spec, this stage's median seconds per compute instruction))}: host
+    (with MoE layers also `megalite.moe.training.moe_stats`' 'moe_*' entries; at pp > 1, 'pipeline':
+    (spec, this stage's median seconds per compute instruction))}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
     compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
@@ -199,21 +221,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     # cp ranks of one forward each hold a share of its losses)
     moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
     phase = timer.phase if timer is not None else _no_timer
-    if graphs is not None:
-        with phase("forward_backward"):  # one replayed graph per microbatch
-            loss_sum = graphs.run(microbatches, lambda: tokens.loss_scale(scale))
-    elif mesh.pp_size == 1:
-        with no_host_reads() if check_host_reads else contextlib.nullcontext():
-            loss_sum = _accumulate_microbatches(model, microbatches, lambda: tokens.loss_scale(scale), phase)
-    else:
-        model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
-        spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), seq_length)
-        with phase("pipeline"):  # forward and backward interleaved by the schedule
-            pipeline_stats: dict = {}
-            loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, lambda: tokens.loss_scale(scale),
-                                    grad_sync=model, stats=pipeline_stats,
-                                    check_host_reads=check_host_reads)
-        model.set_last_microbatch(True)
+    loss_sum, pipeline = _forward_backward(model, microbatches, mesh, cfg, seq_length, lambda: tokens.loss_scale(scale),
+                                           phase, check_host_reads, graphs)
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
@@ -222,8 +231,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
             moe_training.update_expert_biases(model.chunks, mesh)
     result.update(moe_training.moe_stats(model.chunks, mesh))  # {} without experts
     result["tokens"] = tokens.value()
-    if mesh.pp_size > 1:  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
-        result["pipeline"] = (spec, pipeline_stats["compute_s"])
+    if pipeline is not None:  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
+        result["pipeline"] = pipeline
     result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
     result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
