@@ -53,8 +53,15 @@ def cuda_graph_problems(cfg: RunConfig) -> list[str]:
     if not cfg.training.cuda_graph:
         return []
     reasons = []
-    if p.tp > 1 or p.pp > 1 or p.cp > 1:
-        reasons.append(f"tp={p.tp}, pp={p.pp}, cp={p.cp}: their collectives run inside forward and backward (need all 1)")
+    if p.tp > 1 or p.cp > 1 or p.ep > 1:
+        reasons.append(f"tp={p.tp}, cp={p.cp}, ep={p.ep}: their collectives run inside forward and backward (need "
+                       f"all 1; pp > 1 is fine: its transfers run between the graphs)")
+    if p.pp > 1 and cfg.schedule == "zb-h1":
+        reasons.append("--pipeline-schedule zb-h1 queues its weight gradients on the host in B for W (no graph for W; "
+                       "use 1f1b or interleaved)")
+    if _has_experts(cfg):
+        reasons.append("MoE layers record their routing statistics in Python per forward and take the balancing "
+                       "losses' scale as a constant (a replay would record nothing and keep the captured scale)")
     if p.zero >= 2:
         reasons.append(f"--zero {p.zero} allocates and frees gradient or parameter storage inside the step (use 0 or 1)")
     if m.hidden_dropout > 0 or m.attention_dropout > 0:
@@ -68,6 +75,13 @@ def cuda_graph_problems(cfg: RunConfig) -> list[str]:
     if p.grad_compression != "none":
         reasons.append("--grad-compression reduces in host-driven phases")
     return [f"--cuda-graph cannot capture this run: {r}; drop --cuda-graph or change that" for r in reasons]
+
+
+def _has_experts(cfg: RunConfig) -> bool:
+    try:
+        return cfg.gpt_config().moe is not None
+    except ValueError:
+        return False  # reported by validate() itself
 
 
 def _compression_problems(cfg: RunConfig) -> list[str]:

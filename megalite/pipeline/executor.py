@@ -114,7 +114,7 @@ def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: 
 def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
                  mesh: Mesh, loss_scale: float | torch.Tensor | Callable[[], Any] = 1.0, *,
                  forward_only: bool = False, grad_sync: GradSync | None = None,
-                 stats: dict[str, Any] | None = None, check_host_reads: bool = False) -> float:
+                 stats: dict[str, Any] | None = None, check_host_reads: bool = False, graphs=None) -> float:
     """Run forward and backward of every microbatch on this rank under `spec.schedule`.
 
     model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
@@ -139,6 +139,12 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       instruction descheduled on a busy host does not count}, for `replay.replay_bubble`).
     check_host_reads: the schedule's forwards, backwards and transfers run under
       `training.host_reads.no_host_reads()` (a tensor value read into Python raises).
+    graphs: a `training.pipeline_graphs.PipelineGraphs` (--cuda-graph): each chunk's forward and
+      backward are its captured graphs, replayed (captured where the first step first runs them):
+      graphs.forward(c, m, x[, labels]) -> output, graphs.backward(c, m, output grad or loss
+      scale) -> input grad, with no autograd across the chunk boundary. grad_sync's
+      before_last_backward is then not called (a replay runs no bucket hooks; every bucket is
+      reduced after the step).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
     """
     if len(model_chunks) != spec.virtual_stages:
@@ -146,7 +152,7 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
                          f"one chunk per virtual stage (partition.stage_layers gives their layers)")
     if len(microbatches) != spec.num_microbatches:
         raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={spec.num_microbatches}")
-    executor = _Executor(spec, model_chunks, microbatches, mesh, loss_scale, forward_only)
+    executor = _Executor(spec, model_chunks, microbatches, mesh, loss_scale, forward_only, graphs)
     with no_host_reads() if check_host_reads else contextlib.nullcontext():
         executor.run(grad_sync)
     if not forward_only and (grad_sync is None or not grad_sync.reduces_tied_grads()):
@@ -160,8 +166,10 @@ class _Executor:
     """One step of one stage: walks the verified instruction list and keeps per (chunk,
     microbatch) only what a later instruction still needs (see the module docstring)."""
 
-    def __init__(self, spec: PipelineSpec, chunks, microbatches, mesh: Mesh, loss_scale, forward_only: bool):
+    def __init__(self, spec: PipelineSpec, chunks, microbatches, mesh: Mesh, loss_scale, forward_only: bool,
+                 graphs=None):
         self.spec, self.chunks, self.microbatches, self.mesh = spec, chunks, microbatches, mesh
+        self.graphs = graphs  # --cuda-graph: chunk forwards and backwards are replayed graphs
         self.forward_only, self._loss_scale = forward_only, loss_scale
         self.pp, self.stage, self.v = mesh.pp_size, mesh.pp_rank, spec.virtual_stages
         self.ops = verified_schedule(spec.schedule, self.pp, spec.num_microbatches, self.v, forward_only)[self.stage]
@@ -184,7 +192,7 @@ class _Executor:
         with torch.no_grad() if self.forward_only else torch.enable_grad():
             for step in split_steps(list(self.ops)):
                 op = step[0]
-                if grad_sync is not None and last_grad_op.get(op.chunk) == op:
+                if grad_sync is not None and self.graphs is None and last_grad_op.get(op.chunk) == op:
                     grad_sync.before_last_backward(op.chunk)
                 if op.is_transfer:
                     self.transfer(step)
@@ -250,6 +258,8 @@ class _Executor:
         return self._loss_scale
 
     def forward(self, c: int, mb: int) -> None:
+        if self.graphs is not None:
+            return self._replay_forward(c, mb)
         key = (c, mb)
         if p2p.is_first_chunk(self.pp, self.stage, c):
             self.inputs[key] = self.microbatches[mb]["input_ids"].to(self.mesh.device)
@@ -272,6 +282,8 @@ class _Executor:
         self.peak_live = max(self.peak_live, len(self.live))
 
     def backward(self, c: int, mb: int, deferred: bool) -> None:
+        if self.graphs is not None:
+            return self._replay_backward(c, mb, deferred)
         key = (c, mb)
         if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
             root = self.outputs.pop(key)  # the scaled loss
@@ -291,6 +303,33 @@ class _Executor:
             self.input_grads[key] = x.grad
         if not deferred:
             self.live.discard(key)
+
+    def _replay_forward(self, c: int, mb: int) -> None:
+        """--cuda-graph: (c, mb)'s forward graph replayed; its output is static (the graphs' own buffer),
+        sent as an eager output is; the last chunk's loss waits as a loss sum, its scale for the backward."""
+        key, device = (c, mb), self.mesh.device
+        if p2p.is_first_chunk(self.pp, self.stage, c):
+            self.inputs[key] = self.microbatches[mb]["input_ids"].to(device)
+        if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
+            loss = self.graphs.forward(c, mb, self.inputs[key], self.microbatches[mb]["labels"].to(device))
+            self._loss_sum = self._loss_sum + loss.double()
+        else:
+            self.outputs[key] = self.graphs.forward(c, mb, self.inputs[key])
+        self.live.add(key)
+        self.peak_live = max(self.peak_live, len(self.live))
+
+    def _replay_backward(self, c: int, mb: int, deferred: bool) -> None:
+        """--cuda-graph: (c, mb)'s backward graph replayed on the received output gradient (the loss
+        scale on the last chunk): parameter gradients into the DP buffers, the input gradient kept to send."""
+        key = (c, mb)
+        if deferred:
+            raise ValueError("--cuda-graph does not capture zero-bubble B/W passes; use 1f1b or interleaved")
+        last = p2p.is_last_chunk(self.pp, self.v, self.stage, c)
+        input_grad = self.graphs.backward(c, mb, self._scale() if last else self.output_grads.pop(key))
+        self.inputs.pop(key)
+        if not p2p.is_first_chunk(self.pp, self.stage, c):
+            self.input_grads[key] = input_grad
+        self.live.discard(key)
 
     def loss_sum(self) -> float:
         return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0

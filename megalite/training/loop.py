@@ -43,6 +43,7 @@ from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
 from megalite.errors import ConfigError, UsageError, report_usage_error
 from megalite.training.cuda_graph import StepGraphs
+from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
@@ -151,7 +152,7 @@ class Job:
     preemption: PreemptionHandler
     last_saved: int = 0
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
-    graphs: StepGraphs | None = None  # --cuda-graph: the captured microbatches
+    graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
 
 
@@ -184,7 +185,8 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
               *_services(cfg, model_cfg, mesh, resources))
-    job.graphs = StepGraphs(model) if t.cuda_graph else None
+    if t.cuda_graph:
+        job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
 
 

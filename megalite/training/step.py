@@ -166,10 +166,10 @@ def _to_device(microbatches, device):
 
 def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunConfig, seq_length: int,
                       loss_scale, phase, check_host_reads: bool, graphs) -> tuple[Any, tuple | None]:
-    """Every microbatch's forward and backward: replayed graphs, the plain loop, or (pp > 1) the
-    pipeline schedule. Returns (the loss sum, a device scalar or 0.0; (spec, median seconds per
+    """Every microbatch's forward and backward: replayed graphs (pp = 1), the plain loop, or (pp > 1)
+    the pipeline schedule (its chunks' graphs replayed under --cuda-graph). Returns (the loss sum, a device scalar or 0.0; (spec, median seconds per
     compute instruction) at pp > 1, else None)."""
-    if graphs is not None:
+    if graphs is not None and mesh.pp_size == 1:
         with phase("forward_backward"):  # one replayed graph per microbatch
             return graphs.run(microbatches, loss_scale), None
     if mesh.pp_size == 1:
@@ -177,10 +177,12 @@ def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunCon
             return _accumulate_microbatches(model, microbatches, loss_scale, phase), None
     model.set_last_microbatch(False)  # each chunk's buckets reduce during that chunk's last backward
     spec = pipeline_spec(model.chunks[0].config, cfg, len(microbatches), seq_length)
+    if graphs is not None:  # first step: warm-up; later: the captured pipeline, or refused
+        graphs.begin_step(spec, microbatches)
     stats: dict = {}
     with phase("pipeline"):  # forward and backward interleaved by the schedule
         loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, loss_scale, grad_sync=model,
-                                stats=stats, check_host_reads=check_host_reads)
+                                stats=stats, check_host_reads=check_host_reads, graphs=graphs)
     model.set_last_microbatch(True)
     return loss_sum, (spec, stats["compute_s"])
 
@@ -199,8 +201,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     the interleaved "pipeline") / optimizer seconds.
     check_host_reads: run every forward and backward under `host_reads.no_host_reads()`: a
     tensor value read into Python there raises HostReadError (the tests; --cuda-graph's check).
-    graphs: a `training.cuda_graph.StepGraphs` (--cuda-graph, pp = 1): the microbatches' forward
-    and backward are replayed CUDA graphs (captured at the first step).
+    graphs: a `training.cuda_graph.StepGraphs` (--cuda-graph, pp = 1) or, at pp > 1, a
+    `training.pipeline_graphs.PipelineGraphs`: the microbatches' forward and backward are replayed
+    CUDA graphs (captured at the first step).
     Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
     'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'
     (with MoE layers also `megalite.moe.training.moe_stats`' 'moe_*' entries; at pp > 1, 'pipeline':

@@ -1,7 +1,9 @@
 """--cuda-graph is refused, one line per reason and exit code 2, wherever a capture cannot hold.
 
 The capture itself (training/cuda_graph.py) needs a GPU: tools/gpu_plan.sh runs it
-(bench_train --cuda-graph). Here: the configuration's refusals and the missing-CUDA error.
+(bench_train --cuda-graph). Here: the configuration's refusals, the missing-CUDA error and, with a
+re-running stand-in for the graph, everything around the capture at pp = 1 (pp = 2:
+test_cuda_graph_pipeline.py).
 """
 import contextlib
 
@@ -17,7 +19,9 @@ from megalite.training.step import build_data_parallel, build_model_chunks, buil
 
 
 @pytest.mark.parametrize("settings,reason", [
-    (dict(tp=2), "tp=2, pp=1, cp=1: their collectives run inside forward and backward"),
+    (dict(tp=2), "tp=2, cp=1, ep=1: their collectives run inside forward and backward"),
+    (dict(pp=2, pipeline_schedule="zb-h1"), "zb-h1 queues its weight gradients on the host"),
+    (dict(model="moe-tiny"), "MoE layers record their routing statistics in Python"),
     (dict(zero=3), "--zero 3 allocates and frees"),
     (dict(zero=2), "--zero 2 allocates and frees"),
     (dict(hidden_dropout=0.1), "dropout draws its seeds on the host"),
@@ -25,15 +29,17 @@ from megalite.training.step import build_data_parallel, build_model_chunks, buil
     (dict(offload_optimizer=True), "--offload-optimizer moves state"),
 ])
 def test_cuda_graph_refuses_what_a_capture_cannot_hold(settings, reason):
-    world = settings.get("tp", 1)
+    world = settings.get("tp", 1) * settings.get("pp", 1)
     with pytest.raises(ConfigError) as error:
         configure(RunConfig.build(cuda_graph=True, **settings), world, 257)
     lines = [line for line in str(error.value).splitlines() if "--cuda-graph" in line]
     assert any(reason in line and "drop --cuda-graph" in line for line in lines), lines
 
 
-def test_cuda_graph_allows_plain_data_parallel_runs():
-    problems = RunConfig.build(cuda_graph=True, zero=1).resolved(4, 257).validate()
+@pytest.mark.parametrize("settings", [dict(zero=1), dict(pp=2, zero=1), dict(pp=2, virtual_stages=2),
+                                      dict(pp=2, pipeline_schedule="gpipe")])
+def test_cuda_graph_allows_data_parallel_and_pipeline_runs(settings):
+    problems = RunConfig.build(cuda_graph=True, **settings).resolved(4, 257).validate()
     assert not [p for p in problems if "cuda-graph" in p]
 
 
@@ -48,6 +54,10 @@ def test_cuda_graph_without_cuda_is_a_usage_error():
     model = build_data_parallel(build_model_chunks(preset("tiny", num_layers=1, seq_length=8), cfg, mesh), cfg, mesh)
     with pytest.raises(UsageError, match="needs a CUDA GPU"):
         StepGraphs(model)
+    from megalite.training.pipeline_graphs import PipelineGraphs
+
+    with pytest.raises(UsageError, match="needs a CUDA GPU"):
+        PipelineGraphs(model, mesh)
 
 
 class _RerunGraph:
