@@ -47,7 +47,8 @@ def setting_problems(cfg: RunConfig) -> list[str]:
 
 
 def cuda_graph_problems(cfg: RunConfig) -> list[str]:
-    """--cuda-graph: what a captured forward+backward cannot hold (training/cuda_graph.py says why);
+    """--cuda-graph: what a captured forward+backward cannot hold (training/cuda_graph.py and, at pp > 1,
+    pipeline_graphs.py say why);
     a machine without CUDA is refused where the device is known (training/loop.py)."""
     p, m = cfg.parallel, cfg.model
     if not cfg.training.cuda_graph:

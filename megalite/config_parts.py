@@ -149,8 +149,9 @@ class TrainingSettings:
     eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)", minimum=0)
     eval_iters: int = setting(4, "global batches per evaluation", minimum=0)
     cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
-                                      "replay it (static shapes; tp = pp = cp = 1, zero 0/1, no dropout, "
-                                      "recompute or offload; training/cuda_graph.py)")
+                                      "replay it (per pipeline chunk at pp > 1; static shapes; tp = cp = ep "
+                                      "= 1, zero 0/1, no dropout, recompute, offload, MoE or zb-h1; "
+                                      "training/cuda_graph.py, pipeline_graphs.py)")
 
 
 @dataclass(frozen=True)

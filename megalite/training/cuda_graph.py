@@ -26,11 +26,13 @@ What is captured, per microbatch slot (`StepGraphs`, pp = 1):
   at capture only, so the graphed backward accumulates with synchronisation off), the token
   count's all-reduce and the float() of the loss sum after the last microbatch.
 
-Refused (config_checks.cuda_graph_problems): tp, pp or cp > 1 (their collectives run inside
+Refused (config_checks.cuda_graph_problems): tp, cp or ep > 1 (their collectives run inside
 forward and backward and the byte ledger counts on the host per call), ZeRO 2 and 3 (gradient
 or parameter storage allocated and freed inside the step), dropout (its Philox seeds are Python
-integers drawn per call: a replay would repeat the captured masks), recompute, offload, and a
-machine without CUDA (exit 2).
+integers drawn per call: a replay would repeat the captured masks), recompute, offload, MoE
+layers (routing statistics recorded in Python per forward), and a machine without CUDA (exit 2).
+At pp > 1 a microbatch's forward and backward are separate graphs per pipeline chunk, with the
+transfers between them: training/pipeline_graphs.py.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ class StepGraphs:
         if not torch.cuda.is_available():
             raise UsageError("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
         if len(model.chunks) != 1:
-            raise UsageError("--cuda-graph captures one model chunk per microbatch (pp = 1); drop --cuda-graph")
+            raise UsageError("StepGraphs captures one model chunk per microbatch (pp = 1); at pp > 1 use "
+                             "pipeline_graphs.PipelineGraphs")
         self.model = model
         self.pool = torch.cuda.graph_pool_handle()
         self.slots: list[_Slot] = []
