@@ -57,9 +57,6 @@ def cuda_graph_problems(cfg: RunConfig) -> list[str]:
     if p.tp > 1 or p.cp > 1 or p.ep > 1:
         reasons.append(f"tp={p.tp}, cp={p.cp}, ep={p.ep}: their collectives run inside forward and backward (need "
                        f"all 1; pp > 1 is fine: its transfers run between the graphs)")
-    if p.pp > 1 and cfg.schedule == "zb-h1":
-        reasons.append("--pipeline-schedule zb-h1 queues its weight gradients on the host in B for W (no graph for W; "
-                       "use 1f1b or interleaved)")
     if _has_experts(cfg):
         reasons.append("MoE layers record their routing statistics in Python per forward and take the balancing "
                        "losses' scale as a constant (a replay would record nothing and keep the captured scale)")

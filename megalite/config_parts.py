@@ -150,7 +150,7 @@ class TrainingSettings:
     eval_iters: int = setting(4, "global batches per evaluation", minimum=0)
     cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
                                       "replay it (per pipeline chunk at pp > 1; static shapes; tp = cp = ep "
-                                      "= 1, zero 0/1, no dropout, recompute, offload, MoE or zb-h1; "
+                                      "= 1, zero 0/1, no dropout, recompute, offload or MoE; "
                                       "training/cuda_graph.py, pipeline_graphs.py)")
 
 

@@ -211,7 +211,10 @@ class _Executor:
         elif op.kind in (BWD, BWD_INPUT):
             self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
         elif op.kind == BWD_WEIGHT:
-            self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
+            if self.graphs is not None:
+                self.graphs.weight(op.chunk, op.microbatch)  # the captured W pass
+            else:
+                self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
             self.live.discard((op.chunk, op.microbatch))
             if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
                 grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
@@ -320,16 +323,16 @@ class _Executor:
 
     def _replay_backward(self, c: int, mb: int, deferred: bool) -> None:
         """--cuda-graph: (c, mb)'s backward graph replayed on the received output gradient (the loss
-        scale on the last chunk): parameter gradients into the DP buffers, the input gradient kept to send."""
+        scale on the last chunk): parameter gradients into the DP buffers (ZB-H1's B: all but the linear
+        layers', left to W's graph), the input gradient kept to send."""
         key = (c, mb)
-        if deferred:
-            raise ValueError("--cuda-graph does not capture zero-bubble B/W passes; use 1f1b or interleaved")
         last = p2p.is_last_chunk(self.pp, self.v, self.stage, c)
-        input_grad = self.graphs.backward(c, mb, self._scale() if last else self.output_grads.pop(key))
+        input_grad = self.graphs.backward(c, mb, self._scale() if last else self.output_grads.pop(key), deferred)
         self.inputs.pop(key)
         if not p2p.is_first_chunk(self.pp, self.stage, c):
             self.input_grads[key] = input_grad
-        self.live.discard(key)
+        if not deferred:  # ZB-H1's B: the microbatch stays live until its W
+            self.live.discard(key)
 
     def loss_sum(self) -> float:
         return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0

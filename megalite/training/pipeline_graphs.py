@@ -46,9 +46,11 @@ executor does not call `before_last_backward`: a bucket launched from a hook at 
 a collective inside the graph, and a replay runs no hooks); `finish_reduction` launches every
 bucket after the step, the tied embedding's sum over its two stages included.
 
-ZB-H1 is refused: its B pass queues each linear's weight-gradient closure on the host for the W
-pass (tensor_parallel/weight_grad.py); a replayed B queues nothing, so W would need a third graph
-per slot, not built.
+ZB-H1 splits the backward: its B pass queues each linear layer's weight-gradient closure on the
+host (tensor_parallel/weight_grad.py) and its W pass runs them. A replayed B queues nothing, so W
+is a third graph per slot, `weight(c, m)`: captured at the first step's W(c, m) from the closures
+B's capture queued (`self.store`), which hold the layer inputs and output gradients W reads until
+then (in the pool, as they stay alive in the eager schedule), replayed at every later W(c, m).
 
 On CPU the tests stand in a "graph" that re-runs the captured Python (the capture's own run
 standing for the capture plus the first replay): they prove the plumbing (static buffers, copy
@@ -57,10 +59,13 @@ capture, not the CUDA graph semantics themselves, which only a GPU run at pp > 1
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megalite.errors import UsageError
 from megalite.pipeline import p2p
+from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.training import cuda_graph
 from megalite.training.host_reads import HostReadError, no_host_reads
 
@@ -70,7 +75,7 @@ class _ChunkSlot:
 
     def __init__(self, x: torch.Tensor, labels: torch.Tensor | None):
         self.x, self.labels = x, labels  # static inputs of the forward graph
-        self.forward_graph = self.backward_graph = None
+        self.forward_graph = self.backward_graph = self.weight_graph = None  # weight_graph: ZB-H1's W
         self.root: torch.Tensor | None = None  # the captured forward's output, the root of its backward
         self.out: torch.Tensor | None = None  # static output of the forward graph
         self.grad_out: torch.Tensor | None = None  # static input of the backward graph
@@ -96,13 +101,11 @@ class PipelineGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.slots: dict[tuple[int, int], _ChunkSlot] = {}
         self.spec = None  # the pipeline the slots were captured for
+        self.store = WeightGradStore()  # ZB-H1: the B captures queue here what the W captures run
 
     def begin_step(self, spec, microbatches: list[dict[str, torch.Tensor]]) -> None:
         """Before run_pipeline: the first step warms every chunk up; later steps must run the same pipeline."""
         if self.spec is None:
-            if spec.schedule == "zb-h1":
-                raise UsageError("--cuda-graph cannot capture --pipeline-schedule zb-h1: its B pass queues the "
-                                 "weight gradients on the host for W (no graph for W); use 1f1b or interleaved")
             self._warm_up(spec, microbatches[0])
             self.spec = spec
         elif spec != self.spec:
@@ -130,9 +133,11 @@ class PipelineGraphs:
         slot.forward_graph.replay()
         return slot.out
 
-    def backward(self, chunk: int, microbatch: int, grad: torch.Tensor | float) -> torch.Tensor | None:
+    def backward(self, chunk: int, microbatch: int, grad: torch.Tensor | float,
+                 deferred: bool = False) -> torch.Tensor | None:
         """The gradient w.r.t. the chunk's input (None on the first chunk): its backward graph replayed.
-        grad: the gradient of the output, or the loss scale on the last chunk."""
+        grad: the gradient of the output, or the loss scale on the last chunk. deferred: ZB-H1's B pass,
+        the linear layers' weight gradients left to `weight`."""
         slot = self.slots[(chunk, microbatch)]
         with torch.no_grad():
             if isinstance(grad, torch.Tensor):
@@ -141,9 +146,19 @@ class PipelineGraphs:
             else:
                 slot.grad_out.fill_(grad)
         if slot.backward_graph is None:  # first step: captured here (grad_out already holds this step's value)
-            self._capture_backward(slot)
+            self._capture_backward(slot, chunk, microbatch, deferred)
         slot.backward_graph.replay()
         return slot.grad_in
+
+    def weight(self, chunk: int, microbatch: int) -> None:
+        """ZB-H1's W pass of (chunk, microbatch): the weight gradients its B pass left, a graph replayed."""
+        slot = self.slots[(chunk, microbatch)]
+        if slot.weight_graph is None:  # first step: the closures the B capture queued, captured
+            def weight_grads() -> None:
+                self.store.run((chunk, microbatch))
+
+            slot.weight_graph, _ = cuda_graph.capture(weight_grads, self.pool)
+        slot.weight_graph.replay()
 
     # ------------------------------------------------------------------ capture
 
@@ -167,11 +182,18 @@ class PipelineGraphs:
         slot.grad_out = torch.zeros_like(slot.out)  # outside the pool: an input, written before each replay
         return slot
 
-    def _capture_backward(self, slot: _ChunkSlot) -> None:
+    def _deferral(self, chunk: int, key, deferred: bool):
+        """ZB-H1's B: the chunk's linear layers queue their weight gradients on self.store under `key`."""
+        if not deferred:
+            return contextlib.nullcontext()
+        return defer_weight_grads(self.store, key, self.model.chunks[chunk].parameters())
+
+    def _capture_backward(self, slot: _ChunkSlot, chunk: int, microbatch: int, deferred: bool) -> None:
         def backward() -> torch.Tensor | None:
             if slot.x.requires_grad:
                 slot.x.grad = None  # allocated by the capture, so written (not accumulated into) by each replay
-            torch.autograd.backward(slot.root, slot.grad_out)  # frees the forward's saved activations
+            with self._deferral(chunk, (chunk, microbatch), deferred):
+                torch.autograd.backward(slot.root, slot.grad_out)  # frees the saved activations W does not hold
             return slot.x.grad if slot.x.requires_grad else None
 
         slot.backward_graph, slot.grad_in = cuda_graph.capture(backward, self.pool)
@@ -190,7 +212,9 @@ class PipelineGraphs:
                         spec.activation_shape, dtype=spec.dtype, device=self.mesh.device, requires_grad=True)
                     for _ in range(cuda_graph.WARMUP_ITERATIONS):
                         out = self._call(c, x, microbatch["labels"] if last else None)
-                        torch.autograd.backward(out, torch.ones_like(out))
+                        with self._deferral(c, "warm-up", spec.schedule == "zb-h1"):
+                            torch.autograd.backward(out, torch.ones_like(out))
+                        self.store.run("warm-up")
         except HostReadError as error:
             raise UsageError(f"--cuda-graph cannot capture this step: a host sync inside it ({error}); "
                              f"drop --cuda-graph") from error

@@ -9,8 +9,8 @@ gradients accumulated in the DP wrapper's buffers, the slots reused across steps
 gradients discarded. What it cannot prove is the CUDA side (the pool shared in capture order, the
 replay writing into the captured addresses): only a GPU run at pp > 1 checks that.
 
-One forked world of four ranks (pp = 2, dp = 2, ZeRO 1): 1F1B and interleaved (2 chunks per stage),
-three steps each, against the same steps without graphs.
+One forked world of four ranks (pp = 2, dp = 2, ZeRO 1): 1F1B, interleaved (2 chunks per stage) and
+ZB-H1 (its W pass a third graph), three steps each, against the same steps without graphs.
 """
 import contextlib
 
@@ -26,6 +26,7 @@ from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 SEQ, MICRO, GLOBAL, STEPS, DP = 8, 2, 8, 3, 2  # 2 microbatches per dp rank and step
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))  # (name, chunks per stage)
 
 
 class _CapturedRun:
@@ -63,8 +64,8 @@ def _stand_in_cuda():
 class _DroppedInputGrad(PipelineGraphs):
     """A broken wiring: the backward graph's input gradient is not passed on (zeros go back instead)."""
 
-    def backward(self, chunk, microbatch, grad):
-        grad_in = super().backward(chunk, microbatch, grad)
+    def backward(self, chunk, microbatch, grad, deferred=False):
+        grad_in = super().backward(chunk, microbatch, grad, deferred)
         return None if grad_in is None else torch.zeros_like(grad_in)
 
 
@@ -103,13 +104,14 @@ def _refusal(step) -> str:
 
 def _world():
     m = mesh_lib.init_mesh(pp=2, dp=DP)
-    eager = {name: _train(m, name, v)[:2] for name, v in (("1f1b", 1), ("interleaved", 2))}
+    eager = {name: _train(m, name, v)[:2] for name, v in SCHEDULES}
     _stand_in_cuda()
     graphed, replays = {}, {}
-    for name, v in (("1f1b", 1), ("interleaved", 2)):
+    for name, v in SCHEDULES:
         results, params, graphs, step, vocab = _train(m, name, v, PipelineGraphs)
         graphed[name] = (results, params)
-        replays[name] = sorted({(slot.forward_graph.replays, slot.backward_graph.replays)
+        replays[name] = sorted({tuple(g.replays if g is not None else 0
+                                      for g in (slot.forward_graph, slot.backward_graph, slot.weight_graph))
                                 for slot in graphs.slots.values()}), len(graphs.slots)
     refused = [_refusal(lambda: step(_microbatches(m, vocab, 0, seq=SEQ // 2))),
                _refusal(lambda: step(_microbatches(m, vocab, 0, count=GLOBAL // MICRO // 2)))]
@@ -121,14 +123,15 @@ def test_replayed_pipeline_steps_equal_eager_steps():
     with no_host_reads(python_entry_points=False):  # its first use imports torch._dynamo (seconds): once
         torch.zeros(1).add_(1)                        # here, not in every forked rank (a no-op in a full run)
     for rank, (eager, graphed, replays, refused, dropped) in enumerate(run_distributed(_world, 2 * DP, timeout_s=120)):
-        for name, chunks_per_stage in (("1f1b", 1), ("interleaved", 2)):
+        for name, chunks_per_stage in SCHEDULES:
             (eager_results, eager_params), (results, params) = eager[name], graphed[name]
             assert results == eager_results, (rank, name)  # per step: the loss and the grad norm, exactly
             assert len(params) == len(eager_params)
             for p, q in zip(params, eager_params):
                 assert torch.equal(p, q), (rank, name)
-            # one slot per (chunk, microbatch), each graph captured once and replayed every step
-            assert replays[name] == ([(STEPS, STEPS)], chunks_per_stage * GLOBAL // MICRO // DP), (rank, name)
+            # one slot per (chunk, microbatch), each graph captured once and replayed every step (ZB-H1: W too)
+            graphs_per_slot = (STEPS, STEPS, STEPS if name == "zb-h1" else 0)
+            assert replays[name] == ([graphs_per_slot], chunks_per_stage * GLOBAL // MICRO // DP), (rank, name)
         assert "activations (4, 2, 32)) is not the captured one" in refused[0], refused[0]
         assert "1 microbatches" in refused[1] and "not the captured one" in refused[1], refused[1]
         # Sensitivity: had the backward graph's input gradient not reached stage 0, its gradients (and so
