@@ -1,4 +1,4 @@
-"""--cuda-graph at pp > 1: each (chunk, microbatch)'s forward and its backward captured as two graphs.
+"""--cuda-graph at pp > 1: each (chunk, microbatch)'s forward and backward captured as two graphs.
 
 At pp = 1 (`cuda_graph.StepGraphs`) one graph holds a microbatch's whole forward and backward.
 A pipeline stage cannot: between the forward and the backward of local chunk c on microbatch m
@@ -34,8 +34,8 @@ step's schedule order, and every step walks the same verified schedule: 1F1B's F
 replays as it was captured, and slot (c, m)'s activations stay untouched from its forward to its
 backward however many other slots run between, exactly the blocks the eager schedule keeps alive.
 Hence a step with another schedule, microbatch count or activation shape is refused
-(`begin_step`), never captured beside the old graphs. Memory: the eager peak, plus per slot its
-four static [s, b, h] tensors (x, out, grad_out, grad_in) for the whole run.
+(`begin_step`), never captured beside the old graphs. Memory: about the eager peak, plus per slot
+its four static [s, b, h] tensors (x, out, grad_out, grad_in) for the whole run.
 
 Warm-up (first step, before any capture; as at pp = 1): each local chunk runs forward and backward
 WARMUP_ITERATIONS times on a side stream, under `host_reads.no_host_reads()`, on stand-in inputs
@@ -54,8 +54,9 @@ then (in the pool, as they stay alive in the eager schedule), replayed at every 
 
 On CPU the tests stand in a "graph" that re-runs the captured Python (the capture's own run
 standing for the capture plus the first replay): they prove the plumbing (static buffers, copy
-in and out, the backward wiring, the accumulation, slot reuse across steps) and the schedule-order
-capture, not the CUDA graph semantics themselves, which only a GPU run at pp > 1 can check.
+in and out, the backward wiring, the accumulation, the W graphs, each graph captured once and
+replayed every step), not the CUDA side (the pool shared in capture order, replays writing to
+the captured addresses, captures beside NCCL transfers), which only a GPU run at pp > 1 can check.
 """
 from __future__ import annotations
 
