@@ -152,6 +152,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
                          f"one chunk per virtual stage (partition.stage_layers gives their layers)")
     if len(microbatches) != spec.num_microbatches:
         raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={spec.num_microbatches}")
+    if forward_only and graphs is not None:
+        raise ValueError("graphs replay training steps (forward and backward); evaluate without them")
     executor = _Executor(spec, model_chunks, microbatches, mesh, loss_scale, forward_only, graphs)
     with no_host_reads() if check_host_reads else contextlib.nullcontext():
         executor.run(grad_sync)
