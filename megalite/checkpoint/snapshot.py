@@ -71,7 +71,7 @@ def first_replica(param, mesh: Mesh) -> bool:
     """Whether this rank is the first of `param`'s replicas: dp rank 0 and cp rank 0, or for an
     expert under expert parallelism the first of its expert-data-parallel group (the ep ranks
     hold different experts, each stored by its own)."""
-    if mesh.ep_size > 1 and params.is_expert_parallel(param):
+    if mesh.expert_replicas_apart and params.is_expert_parallel(param):  # etp = 1: its first is also tp rank 0
         return mesh.expert_dp_rank == 0
     return mesh.dp_rank == 0 and mesh.cp_rank == 0
 

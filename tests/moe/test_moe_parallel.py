@@ -33,13 +33,14 @@ def reference():
     return [r["loss"] for r in results], [r["grad_norm"] for r in results], params, results[-1]
 
 
-LAYOUTS = [  # (tp, pp, dp, ep), settings
+LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on each tp rank)
     ((2, 1, 2, 2), dict()),
     ((2, 1, 2, 2), dict(sequence_parallel=True)),
+    ((2, 1, 2, 2), dict(etp=2)),
     ((1, 1, 4, 2), dict(zero=1)),
     ((1, 1, 4, 4), dict(zero=2, moe_token_dispatcher_type="allgather")),
     ((1, 2, 2, 2), dict(recompute="full")),
-    ((2, 1, 2, 2), dict(zero=1, recompute="selective")),
+    ((2, 1, 2, 2), dict(zero=1, recompute="selective", etp=2, sequence_parallel=True)),
     ((2, 1, 2, 1), dict(zero=3)),
     ((2, 1, 2, 2), dict(zero=3)),
     ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
@@ -51,8 +52,8 @@ def _world(reference):
     ref_losses, ref_norms, ref_params, _ = reference
     checked = []
     for (tp, pp, dp, ep), settings in LAYOUTS:
-        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, cp=settings.get("cp", 1))
         cfg = cfg_for(tp, pp, dp, ep, **settings)
+        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, cp=cfg.parallel.cp, etp=cfg.parallel.etp)
         assert launch_problems(cfg.resolved(4), 4) == []
         what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
         chunks, optimizer, results = train(m, cfg)
