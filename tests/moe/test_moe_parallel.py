@@ -23,6 +23,7 @@ from megalite import comm, mesh
 from megalite import params as P
 from megalite.mesh import single_process_mesh
 from megalite.plan.communication import communication_bytes
+from megalite.plan.moe import expert_dp_config
 from megalite.plan.params import stage_params
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.guards import check_replicas
@@ -90,6 +91,7 @@ def _world(reference):
         dispatch = {k: (comm.ledger.bytes.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
                     if k.startswith("ep/")}  # the last step's bytes: measured and planned
         assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank), what
+        assert expert_dp_config(cfg).dp == comm.group_size(m.expert_dp_group), what  # the experts' ZeRO replicas
         checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in comm.ledger.bytes if
                                                            g in ("ep", "edp")), stats, dispatch))
     return checked
