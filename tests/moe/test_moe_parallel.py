@@ -1,13 +1,15 @@
-"""MoE training steps under every parallel layout equal the single-process model (fp32, dropless).
+"""MoE training steps under every parallel layout equal the single-process model (fp32; dropless but one).
 
-One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP)
-with whole experts on each tp rank (etp 1, the default: each tp rank routes its own tokens), (tp 2, ep 2)
-with experts split over tp (etp 2), a capacity factor at (tp 2, ep 2, etp 1, SP) against its own
-single-process model (the drops decided over the tp ranks' tokens together), (tp 2, cp 2, ep 2, SP) at
-etp 1 (the router's statistics over tp x cp), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and
-ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1 and selective recompute, and ZeRO 3 at (tp 2, dp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each
-MoE block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with
-ZeRO 1 (each cp rank balances its share of the whole sequences' losses). Every layout trains STEPS steps through `train_step` from the same seed
+One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP) with whole
+experts on each tp rank (etp 1, the default: each tp rank routes its own tokens), (tp 2, ep 2) with experts
+split over tp (etp 2), a capacity factor at (tp 2, ep 2, etp 1, SP) against its own single-process model
+(the drops decided over the tp ranks' tokens together), (tp 2, cp 2, ep 2, SP) at etp 1 (the router's
+statistics over tp x cp), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather
+dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO
+1 and selective recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE block's
+experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with ZeRO 1 (each cp
+rank balances its share of the whole sequences' losses).
+Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
 must be on the ep group (all-to-all or all-gather) and, with expert-dp > 1, their gradient on edp.
@@ -58,7 +60,7 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((1, 1, 4, 4), dict(zero=2, moe_token_dispatcher_type="allgather")),
     ((1, 2, 2, 2), dict(recompute="full")),
     ((2, 1, 2, 2), dict(zero=1, recompute="selective", etp=2, sequence_parallel=True)),
-    ((2, 1, 2, 1), dict(zero=3)),
+    ((2, 1, 2, 1), dict(zero=3, etp=2)),
     ((2, 1, 2, 2), dict(zero=3)),
     ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
     ((1, 1, 2, 2), dict(cp=2, zero=1)),
