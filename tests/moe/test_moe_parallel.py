@@ -32,7 +32,8 @@ from megalite.training.guards import check_replicas
 from moe_helpers import STEPS, cfg_for, train
 
 DROPPING = dict(moe_expert_capacity_factor=0.75)  # some routes over capacity (dropped by probability)
-MODEL = tuple(DROPPING)  # the settings that change the model itself: each set has its own reference
+BIAS = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05)  # moves step 2's routing
+MODEL = tuple(DROPPING) + tuple(BIAS)  # the settings that change the model itself: each set has its own reference
 
 
 def _model_key(settings) -> tuple:
@@ -56,6 +57,7 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((2, 1, 2, 2), dict(sequence_parallel=True)),
     ((2, 1, 2, 2), dict(etp=2)),
     ((2, 1, 2, 2), dict(sequence_parallel=True, **DROPPING)),  # etp 1: capacity over the tp ranks' tokens together
+    ((2, 1, 2, 2), dict(BIAS)),  # etp 1: the expert bias steps on the load of every tp rank's tokens
     ((1, 1, 4, 2), dict(zero=1)),
     ((1, 1, 4, 4), dict(zero=2, moe_token_dispatcher_type="allgather")),
     ((1, 2, 2, 2), dict(recompute="full")),
