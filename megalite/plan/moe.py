@@ -54,7 +54,8 @@ def expert_params_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
 
 def expert_tp(cfg: RunConfig) -> int:
     """The tp degree inside an expert: --etp when it is 1 or --tp (anything else is refused by validate())."""
-    return cfg.parallel.etp if cfg.parallel.etp in (1, cfg.parallel.tp) else cfg.parallel.tp
+    etp, tp = getattr(cfg.parallel, "etp", cfg.parallel.tp), cfg.parallel.tp
+    return etp if etp in (1, tp) else tp
 
 
 def experts_apart(model: GPTConfig, cfg: RunConfig) -> bool:
