@@ -74,8 +74,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by ep={ep}; choose --ep dividing it")
         self.moe, self.tp_group, self.sequence_parallel = moe, tp_group, sequence_parallel
         self.split_tokens = not expert_tp and comm.group_size(tp_group) > 1  # etp = 1: my 1/tp of the tokens
+        if self.split_tokens and token_group is None:
+            raise ValueError("whole experts under tp (expert_tp=False) route each tp rank's own tokens: pass "
+                             "token_group, the ranks sharing a microbatch's tokens (the mesh's moe_token_group)")
         # the ranks holding the other tokens of this microbatch's sequences (the losses are theirs together)
-        self.cp_group = token_group if self.split_tokens else cp_group
+        self.token_group = token_group if self.split_tokens else cp_group
         self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
         if self.split_tokens:  # each tp rank's router gradient comes from its own tokens: summed over tp
             params.declare(self.router.weight, sequence_parallel_grad=True)
@@ -132,7 +135,7 @@ class MoELayer(nn.Module):
         ranks whose tokens, taken together, an expert's capacity is counted over (None: this rank's)."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routing = self.router(tokens, b, self.cp_group, capacity_group)
+        routing = self.router(tokens, b, self.token_group, capacity_group)
         expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, expert_tp_group)  # experts: tp inside
         expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
         expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over expert_tp_group
@@ -155,7 +158,7 @@ class MoELayer(nn.Module):
     def _record(self, routing) -> None:
         """Add this forward's statistics (device tensors: nothing is read on the host here)."""
         st = self.stats
-        st["forwards"] += 1 / comm.group_size(self.cp_group)  # a rank holds a share of the forward's losses
+        st["forwards"] += 1 / comm.group_size(self.token_group)  # a rank holds a share of the forward's losses
         st["aux_loss"] = st["aux_loss"] + (routing.aux_loss.detach() if routing.aux_loss is not None else 0.0)
         st["z_loss"] = st["z_loss"] + (routing.z_loss.detach() if routing.z_loss is not None else 0.0)
         st["dropped"] = st["dropped"] + routing.dropped

@@ -2,8 +2,9 @@
 
 One forked world of 4 ranks runs each layout on a mesh of its own: (tp 2, ep 2), (tp 2, ep 2, SP) with whole
 experts on each tp rank (etp 1, the default: each tp rank routes its own tokens), (tp 2, ep 2) with experts
-split over tp (etp 2), a capacity factor at (tp 2, ep 2, etp 1, SP) against its own single-process model
-(the drops decided over the tp ranks' tokens together), (tp 2, cp 2, ep 2, SP) at etp 1 (the router's
+split over tp (etp 2), a capacity factor at (tp 2, ep 2, etp 1, SP) and the expert bias at (tp 2, ep 2, etp
+1), both with a shared expert, against their own single-process models (the drops decided over the tp ranks'
+tokens together, the bias stepped on the load of all of them), (tp 2, cp 2, ep 2, SP) at etp 1 (the router's
 statistics over tp x cp), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather
 dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO
 1 and selective recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE block's
@@ -33,7 +34,8 @@ from moe_helpers import STEPS, cfg_for, train
 
 DROPPING = dict(moe_expert_capacity_factor=0.75)  # some routes over capacity (dropped by probability)
 BIAS = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05)  # moves step 2's routing
-MODEL = tuple(DROPPING) + tuple(BIAS)  # the settings that change the model itself: each set has its own reference
+SHARED = dict(moe_shared_expert_intermediate_size=32)  # a dense tp MLP over the whole sequence beside the experts
+MODEL = tuple(DROPPING) + tuple(BIAS) + tuple(SHARED)  # settings that change the model: each set has its reference
 
 
 def _model_key(settings) -> tuple:
@@ -56,8 +58,8 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((2, 1, 2, 2), dict()),
     ((2, 1, 2, 2), dict(sequence_parallel=True)),
     ((2, 1, 2, 2), dict(etp=2)),
-    ((2, 1, 2, 2), dict(sequence_parallel=True, **DROPPING)),  # etp 1: capacity over the tp ranks' tokens together
-    ((2, 1, 2, 2), dict(BIAS)),  # etp 1: the expert bias steps on the load of every tp rank's tokens
+    ((2, 1, 2, 2), dict(sequence_parallel=True, **DROPPING, **SHARED)),  # etp 1: capacity over the tp ranks' tokens
+    ((2, 1, 2, 2), dict(**BIAS, **SHARED)),  # etp 1: the expert bias steps on the load of every tp rank's tokens
     ((1, 1, 4, 2), dict(zero=1)),
     ((1, 1, 4, 4), dict(zero=2, moe_token_dispatcher_type="allgather")),
     ((1, 2, 2, 2), dict(recompute="full")),
@@ -104,7 +106,7 @@ def _world(reference):
 def test_moe_layouts_match_the_single_process_model(reference):
     ref_losses, _, _, ref_last = reference[()]
     assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last["moe_aux_loss"] > 0 and ref_last["moe_z_loss"] > 0
-    assert reference[_model_key(DROPPING)][3]["moe_dropped_tokens"] > 0  # the capacity bites
+    assert reference[_model_key({**DROPPING, **SHARED})][3]["moe_dropped_tokens"] > 0  # the capacity bites
     ranks = run_distributed(_world, 4, reference, timeout_s=300)
     for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):  # the planner's dispatch bytes: each rank's
         if _model_key(settings):
