@@ -5,7 +5,7 @@ tp rank (etp 1, the default: each tp rank routes its own tokens), (tp 2, ep 2) w
 2), a capacity factor at (tp 2, ep 2, etp 1, SP) and the expert bias at (tp 2, ep 2, etp 1, no SP), both with
 a shared expert, against their own single-process models (the drops decided over the tp ranks' tokens
 together, the bias stepped on the load of all of them), (tp 2, cp 2, ep 2, SP) at etp 1 (the router's
-statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 (each stage's experts sharded over its tp
+statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 and full recompute (each stage's experts sharded over its tp
 ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and ZeRO
 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1 and selective
 recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE block's experts a
@@ -69,7 +69,7 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((1, 1, 4, 2), dict(zero=3, moe_token_dispatcher_type="allgather")),
     ((1, 1, 2, 2), dict(cp=2, zero=1)),
     ((2, 1, 1, 2), dict(cp=2, sequence_parallel=True)),  # etp 1: a microbatch's tokens over tp x cp
-    ((2, 2, 1, 1), dict(sequence_parallel=True, zero=1)),  # etp 1 on each stage: experts sharded over its tp ranks
+    ((2, 2, 1, 1), dict(sequence_parallel=True, zero=1, recompute="full")),  # etp 1: each stage's experts over its tp
 ]
 
 
