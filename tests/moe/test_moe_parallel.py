@@ -5,12 +5,12 @@ tp rank (etp 1, the default: each tp rank routes its own tokens), (tp 2, ep 2) w
 2), a capacity factor at (tp 2, ep 2, etp 1, SP) and the expert bias at (tp 2, ep 2, etp 1, no SP), both with
 a shared expert, against their own single-process models (the drops decided over the tp ranks' tokens
 together, the bias stepped on the load of all of them), (tp 2, cp 2, ep 2, SP) at etp 1 (the router's
-statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 and full recompute (each stage's experts sharded over its tp
-ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather dispatcher and ZeRO
-2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1 and selective
-recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE block's experts a
-unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with ZeRO 1 (each cp rank
-balances its share of the whole sequences' losses).
+statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 and full recompute (each stage's experts
+sharded over its tp ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather
+dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1
+and selective recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE
+block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with ZeRO 1
+(each cp rank balances its share of the whole sequences' losses).
 Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
