@@ -103,9 +103,10 @@ def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
     """--ep and the experts: what the layout needs (the MoE settings' own ranges: MoEConfig)."""
     p, problems = cfg.parallel, []
     try:
-        moe = cfg.gpt_config().moe
+        model = cfg.gpt_config()
     except ValueError:
         return []  # reported by validate() itself
+    moe = model.moe
     replicas = cfg.dp * p.cp
     if p.ep < 1:
         return [f"--ep must be >= 1, got {p.ep}"]
@@ -118,9 +119,19 @@ def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
     if replicas % p.ep:
         problems.append(f"--ep {p.ep} does not divide dp*cp = {cp_dp(cfg)} (experts are sharded over the data x "
                         f"context ranks); choose --ep in {[d for d in range(1, replicas + 1) if replicas % d == 0]}")
+    if p.etp not in (1, p.tp):
+        problems.append(f"--etp {p.etp} must be 1 (whole experts on every tp rank) or --tp {p.tp} (experts split "
+                        f"over tp); choose --etp 1 or --etp {p.tp}")
+    elif moe is not None and p.etp < p.tp and model.seq_length % (p.tp * p.cp):
+        problems.append(f"--etp 1 under --tp {p.tp} splits each rank's s/cp tokens of a sequence over tp: "
+                        f"--seq-length {model.seq_length} must be divisible by tp*cp = {p.tp * p.cp}; change "
+                        f"--seq-length or use --etp {p.tp}")
     if p.ep > 1 and p.grad_compression != "none":
         problems.append("--grad-compression powersgd does not combine with --ep > 1 yet (expert gradients reduce "
                         "over the expert-data-parallel group); drop one of them")
+    elif moe is not None and p.etp < p.tp and p.grad_compression != "none":
+        problems.append(f"--grad-compression powersgd does not combine with --etp 1 under --tp {p.tp} yet (expert "
+                        f"gradients reduce over expert-dp x tp); use --etp {p.tp} or drop the compression")
     return problems
 
 

@@ -63,6 +63,10 @@ class ParallelSettings:
     ep: int = setting(1, "expert-parallel size: the experts of each MoE layer are sharded over ep ranks of the "
                          "dp x cp group (ep divides dp*cp); expert gradients reduce over the dp*cp/ep ranks "
                          "holding the same experts", minimum=1, synonyms=("--expert-model-parallel-size",))
+    etp: int = setting(1, "expert tensor-parallel size, 1 or --tp: 1 keeps whole experts on every tp rank, each "
+                          "routing its own 1/tp of the tokens (expert gradients then reduce over tp too); tp "
+                          "splits every expert over tp like the dense MLP", minimum=1,
+                       synonyms=("--expert-tensor-parallel-size",))
     moe_token_dispatcher_type: MoEDispatcher = setting(MoEDispatcher.ALLTOALL, "how tokens reach their experts' ep "
                                                                                "ranks: alltoall (per-rank counts) "
                                                                                "or allgather")

@@ -20,7 +20,8 @@ import torch
 from megalite import comm
 from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, check_expert_parallel, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
-                               rank_to_cp_rank, tp_group_ranks, validate_layout)
+                               rank_to_cp_rank, tp_group_ranks, validate_layout, check_expert_tensor_parallel,
+                               tp_cp_group_ranks)
 
 # ---------------------------------------------------------------------------------------------
 # The frozen mesh
@@ -39,6 +40,13 @@ class Mesh:
     the dp x cp group (different experts, tokens exchanged all-to-all), `expert_dp_group` the
     dp*cp/ep members holding the same experts (their gradients reduce there). At ep = 1 there is
     no ep group and `expert_dp_group` is `dp_cp_group`.
+
+    Expert tensor parallelism (`etp_size`, 1 or tp): at etp = tp the experts are split over tp like
+    the dense MLP. At etp = 1 (tp > 1) every tp rank holds whole experts and routes its own 1/tp of
+    the tokens, so the ranks holding the same experts are the expert-dp members of every tp rank:
+    `expert_dp_group` is then (dp*cp/ep) x tp ranks, and `moe_token_group` (the ranks whose tokens
+    make up one replica's microbatch: the router's losses and counts are theirs together) is tp x cp
+    instead of the cp group.
     """
 
     rank: int
@@ -66,6 +74,8 @@ class Mesh:
     ep_rank: int = 0
     ep_group: Any = field(default=None, repr=False)  # experts sharded over it; tokens travel all-to-all
     expert_dp_group: Any = field(default=None, repr=False)  # same experts: expert gradients reduce here
+    etp_size: int = 1  # experts tensor-parallel over tp (etp = tp) or whole on every tp rank (etp = 1)
+    moe_token_group: Any = field(default=None, repr=False)  # cp, or tp x cp at etp = 1: a microbatch's routed tokens
 
     @property
     def dp_cp_rank(self) -> int:
@@ -73,12 +83,24 @@ class Mesh:
         return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
+    def experts_split_over_tp(self) -> bool:
+        """etp = 1 under tp > 1: whole experts on every tp rank, each routing its own share of the tokens."""
+        return self.etp_size < self.tp_size
+
+    @property
+    def expert_replicas_apart(self) -> bool:
+        """Whether the experts' replica group differs from dp x cp (ep > 1, or whole experts over tp)."""
+        return self.ep_size > 1 or self.experts_split_over_tp
+
+    @property
     def expert_dp_rank(self) -> int:
-        return self.dp_cp_rank // self.ep_size
+        """This rank's place in `expert_dp_group` (ascending ranks: tp fastest when it spans tp)."""
+        edp_rank = self.dp_cp_rank // self.ep_size
+        return edp_rank * self.tp_size + self.tp_rank if self.experts_split_over_tp else edp_rank
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size * self.cp_size // self.ep_size
+        return self.dp_size * self.cp_size // self.ep_size * (self.tp_size if self.experts_split_over_tp else 1)
 
     @property
     def is_first_stage(self) -> bool:
@@ -149,7 +171,7 @@ def _my_group(rank: int, name: str, all_ranks: list[list[int]]):
     return chosen
 
 
-def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int) -> dict[str, Any]:
+def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: int) -> dict[str, Any]:
     """This rank's process groups, by Mesh field name, created in the same order on every rank."""
     groups = {
         "tp_group": _my_group(rank, "tp", tp_group_ranks(tp, pp, dp, cp)),
@@ -164,24 +186,31 @@ def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int) -> di
                              else groups["dp_group"])
     # At ep = 1 no expert groups exist: experts are replicated like every other parameter.
     groups["ep_group"] = _my_group(rank, "ep", ep_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 else None
-    groups["expert_dp_group"] = (_my_group(rank, "edp", expert_dp_group_ranks(tp, pp, dp, cp, ep)) if ep > 1
-                                 else groups["dp_cp_group"])
+    # etp = 1 under tp > 1: whole experts on every tp rank, so their replicas span tp too (always an
+    # "edp" group then, even where it has the tp group's ranks: the ledger names the experts' traffic).
+    groups["expert_dp_group"] = (_my_group(rank, "edp", expert_dp_group_ranks(tp, pp, dp, cp, ep, etp))
+                                 if ep > 1 or etp < tp else groups["dp_cp_group"])
+    groups["moe_token_group"] = groups["cp_group"]  # the ranks routing one replica's microbatch between them
+    if etp < tp:
+        groups["moe_token_group"] = (_my_group(rank, "tp_cp", tp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1
+                                     else groups["tp_group"])
     return groups
 
 
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
-              timeout_s: float = 600.0, ep: int = 1) -> Mesh:
+              timeout_s: float = 600.0, ep: int = 1, etp: int = 1) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
-    Validates world == tp*cp*pp*dp before any process group exists. Backend: nccl when CUDA is
-    available, gloo otherwise. Sets the CUDA device from LOCAL_RANK. Every rank creates every
-    group in the same order (torch.distributed requires it) and keeps its own.
+    Validates world == tp*cp*pp*dp (and ep, etp: see `Mesh`) before any process group exists.
+    Backend: nccl when CUDA is available, gloo otherwise. Sets the CUDA device from LOCAL_RANK.
+    Every rank creates every group in the same order (torch.distributed requires it) and keeps its own.
     """
     global _CURRENT_MESH
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp = validate_layout(world_size, tp, pp, dp, cp)
     check_expert_parallel(ep, dp, cp)
+    check_expert_tensor_parallel(etp, tp)
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -196,12 +225,12 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
                                 device=device if device.type == "cuda" else None)
     tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
     pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)
-    groups = _create_groups(rank, tp, pp, dp, cp, ep)
+    groups = _create_groups(rank, tp, pp, dp, cp, ep, etp)
     mesh = Mesh(
         rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
         cp_size=cp, cp_rank=rank_to_cp_rank(rank, tp, cp), **groups,
-        ep_size=ep, ep_rank=(rank_to_cp_rank(rank, tp, cp) + cp * dp_rank) % ep,
+        ep_size=ep, ep_rank=(rank_to_cp_rank(rank, tp, cp) + cp * dp_rank) % ep, etp_size=etp,
         pp_ranks=tuple(pp_ranks),
         # One small gather at start-up, so the rank table names every rank's node and device.
         placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),

@@ -171,9 +171,35 @@ def ep_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[
     return [members[i:i + ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(0, dp * cp, ep)]
 
 
-def expert_dp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[list[int]]:
-    """Every expert-data-parallel group: the dp*cp/ep members of a dp x cp group with the same ep rank.
+def check_expert_tensor_parallel(etp: int, tp: int) -> None:
+    """etp must be 1 (whole experts on every tp rank) or tp (experts split like the dense MLP); ValueError."""
+    if etp not in (1, tp):
+        raise ValueError(f"--etp {etp} must be 1 (whole experts, each tp rank routes its share of the tokens) or "
+                         f"--tp {tp} (experts tensor-parallel like the dense MLP); choose --etp 1 or --etp {tp}")
 
-    They hold the same experts: expert gradients reduce (and ZeRO shards them) over it."""
+
+def expert_dp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1, etp: int | None = None
+                          ) -> list[list[int]]:
+    """Every expert-data-parallel group: the ranks of one pipeline stage holding the same experts.
+
+    etp = tp (the default when None): the dp*cp/ep members of a dp x cp group with the same ep rank
+    (one group per tp rank, each holding its own slices). etp = 1 (tp > 1): whole experts on every
+    tp rank, so those members of every tp rank together (tp*dp*cp/ep ranks, ascending). Expert
+    gradients reduce (and ZeRO shards them) over it."""
     check_expert_parallel(ep, dp, cp)
-    return [members[i::ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(ep)]
+    groups = [members[i::ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(ep)]
+    if etp is None or etp == tp:
+        return groups
+    check_expert_tensor_parallel(etp, tp)
+    per_tp = len(groups) // (pp * tp)  # groups per (stage, tp rank): one per ep rank
+    merged = []
+    for stage in range(pp):
+        for i in range(per_tp):
+            merged.append(sorted(r for t in range(tp) for r in groups[(stage * tp + t) * per_tp + i]))
+    return merged
+
+
+def tp_cp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]:
+    """Every tp x cp group: ranks sharing (dp_rank, pp_rank), ascending. With whole experts (etp = 1)
+    its members route different tokens of the same sequences: the router's losses are theirs together."""
+    return _ranks(tp, pp, dp, cp, "ct")

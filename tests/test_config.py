@@ -70,6 +70,12 @@ def test_flag_synonym_sets_the_same_setting(tmp_path):
         read_config_file(path)
 
 
+def test_expert_tensor_parallel_size_is_etp():
+    """Megatron's --expert-tensor-parallel-size is --etp (default 1: whole experts on every tp rank)."""
+    assert RunConfig().parallel.etp == 1
+    assert parse_args(["--tp", "2", "--expert-tensor-parallel-size", "2"])[0].parallel.etp == 2
+
+
 def test_bad_synonym_value_names_the_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--expert-model-parallel-size", "two"])

@@ -71,7 +71,7 @@ def first_replica(param, mesh: Mesh) -> bool:
     """Whether this rank is the first of `param`'s replicas: dp rank 0 and cp rank 0, or for an
     expert under expert parallelism the first of its expert-data-parallel group (the ep ranks
     hold different experts, each stored by its own)."""
-    if mesh.ep_size > 1 and params.is_expert_parallel(param):
+    if mesh.expert_replicas_apart and params.is_expert_parallel(param):  # etp = 1: its first is also tp rank 0
         return mesh.expert_dp_rank == 0
     return mesh.dp_rank == 0 and mesh.cp_rank == 0
 
@@ -104,9 +104,11 @@ def expert_bias_items(chunks, mesh: Mesh, pin: bool = False) -> list[Item]:
 
 
 def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
-    """{logical name: ShardSpec} of the parameters whose optimizer state this rank stores."""
+    """{logical name: ShardSpec} of the parameters whose optimizer state (ZeRO-3: also weights) this rank
+    stores. Whole experts on every tp rank (etp = 1) are ZeRO-sharded over expert-dp x tp, so each tp rank
+    stores its own pieces (at ZeRO 0 only their first replica stores them: `optimizer_items`)."""
     return {chunk.logical_name(n): params.shard_spec(p) for chunk in chunks for n, p in chunk.named_parameters()
-            if writes(chunk, n, p, mesh)}
+            if writes(chunk, n, p, mesh) or (mesh.experts_split_over_tp and params.is_expert_parallel(p))}
 
 
 def _range_items(flats: dict[str, torch.Tensor], name: str, spec, shape: tuple[int, ...], start: int,

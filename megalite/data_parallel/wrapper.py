@@ -78,8 +78,9 @@ class DataParallel(nn.Module):
     Parameters are replicated over data and context parallelism alike (cp ranks hold other
     tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
     that group is `mesh.dp_group` itself. "dp" below means that group. Under expert parallelism
-    (mesh.ep_size > 1) the experts are replicated over `mesh.expert_dp_group` only: their buckets
-    reduce, shard and gather there (grad_buffers.py; ZeRO 0-2).
+    (mesh.ep_size > 1), or with whole experts on every tp rank (etp = 1), the experts are replicated over
+    `mesh.expert_dp_group` (expert-dp, x tp at etp = 1): their buckets reduce, shard and gather there
+    (grad_buffers.py; ZeRO 0-2; ZeRO-3's expert units likewise).
 
     zero_stage: 0 (gradients all-reduced; every rank updates everything), 1 (reduce-scatter: this
         rank's optimizer updates a 1/dp shard), 2 (also frees the full gradient per bucket),
@@ -131,7 +132,7 @@ class DataParallel(nn.Module):
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
                                  compression=grad_compression, skip_group=comm.world_group(),
-                                 expert_group=mesh.expert_dp_group if mesh.ep_size > 1 else None)
+                                 expert_group=mesh.expert_dp_group if mesh.expert_replicas_apart else None)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
@@ -315,10 +316,11 @@ class DataParallel(nn.Module):
 
     def tp_replicated_pieces(self) -> list[tuple[str, torch.Tensor]]:
         """ZeRO-3: (name, this rank's shard piece) of every parameter each tp rank holds whole; the tp
-        ranks of one dp rank hold the same pieces (the replica check compares them)."""
-        shard = self.param_buffer.shard
+        ranks of one dp rank hold the same pieces (the replica check compares them). Experts are left
+        out: split over tp (etp = tp), or whole but sharded over expert-dp x tp (etp = 1)."""
+        shard, params = self.param_buffer.shard, self.params
         return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()
-                if not P.shard_spec(self.params[x.param]).is_tp_sharded]
+                if not P.shard_spec(params[x.param]).is_tp_sharded and not P.is_expert_parallel(params[x.param])]
 
     @contextlib.contextmanager
     def gathered(self, units: Sequence[int] | None = None):

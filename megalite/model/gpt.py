@@ -64,6 +64,9 @@ class GPTModel(nn.Module):
         super().__init__()
         mesh = mesh or current_mesh()
         self.ep_group = mesh.ep_group if mesh is not None else None  # experts sharded over it (MoE layers)
+        # etp = 1 under tp > 1: whole experts, each tp rank routing its share of the tokens (moe/layer.py)
+        self._expert_tp = mesh is None or not mesh.experts_split_over_tp
+        self._moe_token_group = mesh.moe_token_group if mesh is not None else None
         self._moe_dispatcher = moe_dispatcher
         self.tp_group = mesh.tp_group if mesh is not None else None
         self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
@@ -147,7 +150,8 @@ class GPTModel(nn.Module):
         with seeded(self._seed, _LAYER_STREAM + layer_id):
             return TransformerBlock(self.config, self.tp_group, self.sequence_parallel, self._dtype, device,
                                     self.cp_group, self._cp_comm_type, layer_number=layer_id, ep_group=self.ep_group,
-                                    moe_dispatcher=self._moe_dispatcher)
+                                    moe_dispatcher=self._moe_dispatcher, expert_tp=self._expert_tp,
+                                    moe_token_group=self._moe_token_group)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""

@@ -140,7 +140,8 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
     With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a mixture of experts
-    (`megalite.moe.MoELayer`; its experts are sharded over `ep_group`).
+    (`megalite.moe.MoELayer`; its experts are sharded over `ep_group`, and split over tp when `expert_tp`;
+    `moe_token_group`: the ranks routing one microbatch's tokens between them, see MoELayer).
 
     `layer_number` is the block's global index in the model: it names the block's dropout sites,
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
@@ -148,7 +149,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
                  cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0, ep_group=None,
-                 moe_dispatcher: str = "alltoall"):
+                 moe_dispatcher: str = "alltoall", expert_tp: bool = True, moe_token_group=None):
         super().__init__()
         self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
         self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
@@ -159,7 +160,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
         if self.is_moe:
-            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device, cp_group)
+            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device, cp_group,
+                                expert_tp, moe_token_group)
             self.mlp.layer_number = layer_number
         else:
             self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)

@@ -2,12 +2,13 @@
 
 Each expert is its own pair of parameters, named by its *global* index (`experts.{e}.fc1_weight`,
 `experts.{e}.fc2_weight`), so names, checkpoints and the HF mapping never depend on ep. Inside an
-expert the weights are tensor-parallel exactly like the dense MLP's:
+expert the weights are tensor-parallel over `tp_group` exactly like the dense MLP's:
 
     fc1_weight [2f/tp, h] = [gate_r; up_r] (llama) or [f/tp, h] (gpt2)  -- column-parallel
     fc2_weight [h, f/tp]                                                 -- row-parallel
 
-so the output of `forward` is a partial sum over tp (the caller all-reduces it).
+so the output of `forward` is a partial sum over tp (the caller all-reduces it). With whole experts
+(etp = 1: `tp_group` None) tp is 1 here and the output is complete.
 
 Expert e's master weights come from its own seeded stream (`expert_seed`), drawn whole and then
 sliced for tp: the same expert has the same values whichever ep rank builds it.

@@ -2,17 +2,29 @@
 
     y = moe(x)          # x [s, b, h] ([s/tp, b, h] under sequence parallelism) -> same shape
 
+Two layouts of the experts over tp (`expert_tp`, the mesh's etp):
+
+etp = tp (`expert_tp=True`): experts split over tp like the dense MLP.
 1. Under SP the sequence is gathered over tp first: every tp rank routes all s*b tokens alike.
 2. The router picks k experts per token ([T, h] -> expert_ids, weights [T, k]).
 3. The dispatcher moves each route's token to the ep rank holding its expert ([R_local, h]).
 4. The local experts run (grouped GEMMs, tensor-parallel inside: column then row), their outputs
    are summed over tp, sent back and combined with the routing weights ([T, h]).
-5. A shared expert (a dense MLP over every token) is added when configured.
+
+etp = 1 (`expert_tp=False`, tp > 1): whole experts on every tp rank, and each tp rank routes only
+its own 1/tp of the tokens: under SP its [s/tp, b, h] shard as it is; without SP its slice of the
+replicated sequence (split on entry, the output all-gathered on exit). No tp collective touches
+the experts' activations; the tp ranks' replicas of an expert saw different tokens, so their
+gradients reduce over expert-dp x tp (the mesh's expert_dp_group) and the router's over tp. The
+router's per-microbatch statistics are over `token_group` (tp x cp) and its capacity drops are
+decided over the tp group's tokens together, so both equal etp = tp's.
+
+5. A shared expert (a dense tp MLP over the whole sequence, either layout) is added when configured.
 
 The balancing losses do not travel with the activations: `_AttachLosses` adds their gradient in
 backward (Megatron's MoEAuxLossAutoScaler), scaled by `loss_scale`, which the train step sets to
-(fp16 loss scale) / (forwards whose losses the step averages: microbatches x dp; the cp ranks of a
-forward each hold a share of its losses, router.py). Any stage of
+(fp16 loss scale) / (forwards whose losses the step averages: microbatches x dp; the ranks of
+`token_group` each hold a share of a forward's losses, router.py). Any stage of
 a pipeline can therefore hold MoE layers. Each forward also accumulates this layer's statistics
 for the step's metrics (`moe_stats`): the losses, routes per expert and dropped routes.
 """
@@ -21,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite import comm
+from megalite import comm, params
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatcher import make_dispatcher
 from megalite.moe.experts import LocalExperts
@@ -48,8 +60,11 @@ class _AttachLosses(torch.autograd.Function):
 
 
 class MoELayer(nn.Module):
+    """expert_tp: experts split over `tp_group` (etp = tp) or whole (False: etp = 1, see the module docstring);
+    token_group: at etp = 1 the ranks sharing a microbatch's tokens (tp x cp); else the cp group is."""
+
     def __init__(self, config, tp_group, ep_group, sequence_parallel: bool, dispatcher_type: str = "alltoall",
-                 dtype=None, device=None, cp_group=None):
+                 dtype=None, device=None, cp_group=None, expert_tp: bool = True, token_group=None):
         super().__init__()
         from megalite.model.transformer import MLP  # the shared expert is a dense MLP
 
@@ -58,14 +73,22 @@ class MoELayer(nn.Module):
         if moe.num_experts % ep:
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by ep={ep}; choose --ep dividing it")
         self.moe, self.tp_group, self.sequence_parallel = moe, tp_group, sequence_parallel
-        self.cp_group = cp_group  # the ranks holding the other tokens of these sequences (losses are theirs)
+        self.split_tokens = not expert_tp and comm.group_size(tp_group) > 1  # etp = 1: my 1/tp of the tokens
+        if self.split_tokens and token_group is None:
+            raise ValueError("whole experts under tp (expert_tp=False) route each tp rank's own tokens: pass "
+                             "token_group, the ranks sharing a microbatch's tokens (the mesh's moe_token_group)")
+        # the ranks holding the other tokens of this microbatch's sequences (the losses are theirs together)
+        self.token_group = token_group if self.split_tokens else cp_group
         self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
+        if self.split_tokens:  # each tp rank's router gradient comes from its own tokens: summed over tp
+            params.declare(self.router.weight, sequence_parallel_grad=True)
         base_seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())  # this block's stream: the same on every rank
         local = moe.num_experts // ep
         first = comm.group_rank(ep_group) * local
         self.experts = LocalExperts(config.hidden_size, moe.expert_ffn(config.ffn_hidden_size),
                                     config.flavour == "llama", range(first, first + local), base_seed,
-                                    config.init_std, config.num_layers, tp_group, dtype, device)
+                                    config.init_std, config.num_layers, None if self.split_tokens else tp_group,
+                                    dtype, device)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
             shared = config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None, add_bias=False)
@@ -79,22 +102,45 @@ class MoELayer(nn.Module):
                       "tokens_per_expert": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_tokens:
+            return self._forward_own_tokens(x)
         full = mappings.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False) \
             if self.sequence_parallel else x  # [s, b, h]: every tp rank sees (and routes) the same tokens
-        s, b, h = full.shape
-        tokens = full.reshape(s * b, h)
-        routing = self.router(tokens, b, self.cp_group)
-        expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, self.tp_group)  # experts: tp inside
-        expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
-        expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over tp
-        expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, self.tp_group)
-        out = self.dispatcher.combine(expert_output, routing.weights, state).view(s, b, h)
+        out, routing = self._experts(full, self.tp_group, None)  # [s, b, h]
         if self.shared_expert is not None:
             out = out + self.shared_expert(full)
         out = self._attach_losses(out, routing)
         if self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/tp, b, h]
         return out.to(x.dtype)
+
+    def _forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """etp = 1: this tp rank routes and runs its own [s/tp, b, h] tokens through whole experts."""
+        tp = self.tp_group
+        mine = x if self.sequence_parallel else mappings.scatter_to_sequence_parallel_region(x, tp)  # [s/tp, b, h]
+        out, routing = self._experts(mine, None, tp)  # [s/tp, b, h]
+        if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my slice of its output
+            full = mappings.gather_from_sequence_parallel_region(x, tp, grad_is_partial=False) \
+                if self.sequence_parallel else x
+            out = out + mappings.scatter_to_sequence_parallel_region(self.shared_expert(full), tp)
+        out = self._attach_losses(out, routing)
+        if not self.sequence_parallel:  # the block's output is replicated over tp: every rank's slice, gathered
+            out = mappings.gather_from_sequence_parallel_region(out, tp, grad_is_partial=False)  # [s, b, h]
+        return out.to(x.dtype)
+
+    def _experts(self, x: torch.Tensor, expert_tp_group, capacity_group):
+        """Route x [s', b, h], run the routes through the experts, combine: ([s', b, h], its Routing).
+
+        expert_tp_group: the group the experts are split over (None: whole experts); capacity_group: the
+        ranks whose tokens, taken together, an expert's capacity is counted over (None: this rank's)."""
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        routing = self.router(tokens, b, self.token_group, capacity_group)
+        expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, expert_tp_group)  # experts: tp inside
+        expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
+        expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over expert_tp_group
+        expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, expert_tp_group)
+        return self.dispatcher.combine(expert_output, routing.weights, state).view(s, b, h), routing
 
     def _attach_losses(self, out: torch.Tensor, routing) -> torch.Tensor:
         moe, terms = self.moe, []
@@ -112,7 +158,7 @@ class MoELayer(nn.Module):
     def _record(self, routing) -> None:
         """Add this forward's statistics (device tensors: nothing is read on the host here)."""
         st = self.stats
-        st["forwards"] += 1 / comm.group_size(self.cp_group)  # a cp rank holds a share of the forward's losses
+        st["forwards"] += 1 / comm.group_size(self.token_group)  # a rank holds a share of the forward's losses
         st["aux_loss"] = st["aux_loss"] + (routing.aux_loss.detach() if routing.aux_loss is not None else 0.0)
         st["z_loss"] = st["z_loss"] + (routing.z_loss.detach() if routing.z_loss is not None else 0.0)
         st["dropped"] = st["dropped"] + routing.dropped

@@ -19,7 +19,8 @@ Losses (each returned unweighted and added by the layer with its coefficient):
 - z-loss (ST-MoE): mean_t logsumexp(logits_t)^2.
 
 Under context parallelism (`token_group`: the cp group) a rank holds s/cp tokens of each
-sequence; the losses stay those of the whole sequences: the route counts are summed over the
+sequence (with whole experts under tp, etp = 1, the tp x cp group: s/(cp*tp) tokens); the losses
+stay those of the whole sequences: the route counts are summed over the
 group (no gradient flows through counts) and each rank returns its tokens' share of the loss
 (T and s are the whole sequences'), so the shares sum over the cp ranks to the cp = 1 value.
 """
@@ -105,7 +106,8 @@ def capacity_keep_mask(expert_ids: torch.Tensor, weights: torch.Tensor, num_expe
 
 
 class Router(nn.Module):
-    """tokens [T, h] -> Routing. Weight [E, h], replicated over tp (every tp rank routes alike)."""
+    """tokens [T, h] -> Routing. Weight [E, h], replicated over tp (etp = tp: every tp rank routes alike;
+    etp = 1: each its own tokens, the gradient summed over tp)."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, init_std: float, dtype=None, device=None):
         super().__init__()
@@ -120,8 +122,11 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None) -> Routing:
-        """tokens [T, h]; num_sequences b (tokens are [s, b] flattened); token_group: the cp group."""
+    def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None, capacity_group=None) -> Routing:
+        """tokens [T, h]; num_sequences b (tokens are [s, b] flattened); token_group: the ranks holding the
+        other tokens of these sequences (cp; tp x cp when each tp rank routes its own, etp = 1);
+        capacity_group: the ranks whose tokens (this rank's slice of dim 0 in rank order) together make
+        the set an expert's capacity is counted over (None: this rank's tokens)."""
         moe, k = self.moe, self.moe.topk
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E] fp32
         if moe.score_function == "sigmoid":
@@ -154,11 +159,22 @@ class Router(nn.Module):
             z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * comm.group_size(token_group))
         dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
         if moe.capacity_factor is not None:
-            capacity = math.ceil(moe.capacity_factor * tokens.shape[0] * k / moe.num_experts)
-            keep = capacity_keep_mask(expert_ids, weights, moe.num_experts, capacity, moe.token_drop_policy)
+            keep = _capacity_keep(expert_ids, weights, moe, capacity_group)
             dropped = (~keep).sum()
             expert_ids = torch.where(keep, expert_ids, torch.full_like(expert_ids, -1))
         return Routing(expert_ids, weights, tokens_per_expert, dropped, aux, z_loss)
+
+
+def _capacity_keep(expert_ids: torch.Tensor, weights: torch.Tensor, moe: MoEConfig, capacity_group) -> torch.Tensor:
+    """[T, k] bool: the routes kept, capacity counted over the tokens of `capacity_group` together (this
+    rank's slice of the gathered choices: every rank decides alike, as one rank routing them all would)."""
+    n = comm.group_size(capacity_group)
+    if n > 1:  # [T, k] -> [n*T, k]: small (k ids and weights per token), no gradient
+        expert_ids = comm.all_gather(expert_ids.contiguous(), capacity_group)
+        weights = comm.all_gather(weights.detach().contiguous(), capacity_group)
+    capacity = math.ceil(moe.capacity_factor * expert_ids.shape[0] * moe.topk / moe.num_experts)
+    keep = capacity_keep_mask(expert_ids, weights, moe.num_experts, capacity, moe.token_drop_policy)
+    return keep.chunk(n)[comm.group_rank(capacity_group)] if n > 1 else keep
 
 
 @torch.no_grad()

@@ -35,6 +35,8 @@ def set_loss_scale(chunks, scale: float) -> None:
 def update_expert_biases(chunks, mesh) -> None:
     for _, layer in moe_layers(chunks):
         if layer.router.expert_bias is not None:
+            if layer.split_tokens:  # etp = 1: each tp rank counted the routes of its own tokens
+                comm.all_reduce(layer.router.step_tokens_per_expert, mesh.tp_group)
             update_expert_bias(layer.router, mesh.dp_cp_group, layer.moe.bias_update_rate)
 
 
@@ -46,7 +48,7 @@ def expert_biases(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def moe_stats(chunks, mesh) -> dict:
-    """The step's MoE statistics over every replica (dp x cp) and stage, then reset.
+    """The step's MoE statistics over every replica (dp x cp; and tp at etp = 1) and stage, then reset.
 
     {"moe_aux_loss", "moe_z_loss": means over layers and forwards; "moe_dropped_tokens": routes dropped,
      "moe_load_imbalance": max over layers of max/mean routes per expert;
@@ -66,6 +68,8 @@ def moe_stats(chunks, mesh) -> dict:
                                                 for k in ("aux_loss", "z_loss", "dropped")]),
                             torch.tensor([float(st["forwards"])], dtype=torch.float64, device=loads.device)])
         comm.all_reduce(packed, mesh.dp_cp_group)  # replicas route different tokens
+        if layer.split_tokens:  # etp = 1: so do the tp ranks
+            comm.all_reduce(packed, mesh.tp_group)
         loads, (aux, z, dropped, forwards) = packed[:-4], packed[-4:].tolist()
         mine[number] = {"tokens_per_expert_max": float(loads.max()), "tokens_per_expert_mean": float(loads.mean()),
                         "aux_loss": aux / forwards, "z_loss": z / forwards, "dropped": int(dropped)}

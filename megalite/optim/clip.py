@@ -21,6 +21,9 @@ one all-reduce sums them:
   them. The sum then runs over the whole world, and a gradient replicated over its replica group
   (dense ones over dp x cp, experts over the expert-data-parallel group) is counted by the
   group's rank 0 only (`over_replicas`); ZeRO shards are disjoint and count everywhere.
+- whole experts on every tp rank (etp = 1): replicated over tp like a norm weight, so tp rank 0
+  counts them (the rank 0 of their expert-dp x tp group is a tp rank 0); under ZeRO their shards
+  are disjoint over expert-dp x tp, so every tp rank counts its own.
 
 An inf/nan anywhere in a rank's gradients makes the global norm inf/nan on every rank
 (the all-reduced sum propagates it), which is how callers skip a step everywhere.
@@ -35,13 +38,16 @@ from megalite import comm, params as P
 from megalite.mesh import Mesh
 
 
-def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = False) -> bool:
+def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = False, sharded: bool = False) -> bool:
     """True when this rank's copy of `param` contributes to the global gradient norm.
 
     over_replicas: the sum runs over the replicas too (ep > 1 without ZeRO sharding): only the
-    first rank of the parameter's replica group counts it."""
+    first rank of the parameter's replica group counts it. sharded: this rank holds a ZeRO shard of
+    the gradient (disjoint over the parameter's replica group)."""
     if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False  # the first stage's copy stands for the tied embedding
+    if sharded and mesh.experts_split_over_tp and P.is_expert_parallel(param):
+        return True  # whole experts (etp = 1) are sharded over expert-dp x tp: the tp ranks hold disjoint pieces
     if not P.shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
         return False  # replicated across tp: tp_rank 0 stands for every copy
     if over_replicas:

@@ -131,7 +131,8 @@ class DistributedOptimizer:
         self._decay_runs = _runs(self.pieces, [not no_weight_decay(self.names[x.param], self.params[x.param])
                                                for x in self.pieces])
         over_replicas = self.zero_stage == 0 and self.mesh.ep_size > 1  # ep > 1 sums the norm over the world
-        counted = [counts_in_grad_norm(self.params[x.param], self.mesh, over_replicas) for x in self.pieces]
+        counted = [counts_in_grad_norm(self.params[x.param], self.mesh, over_replicas, sharded=self.zero_stage > 0)
+                   for x in self.pieces]
         self._norm_runs = _runs(self.pieces, counted)
         self._other_runs = _runs(self.pieces, [not c for c in counted])
         self.device = model.param_buffer.device

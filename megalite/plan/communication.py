@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
-from megalite.plan.moe import dispatch_bytes, expert_dp_config, stage_expert_params
+from megalite.plan.moe import dispatch_bytes, expert_dp_config, experts_apart, stage_expert_params
 from megalite.plan.params import stage_params
 from megalite.plan.zero3 import add_zero3_dp_bytes
 
@@ -51,7 +51,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     params = stage_params(model, cfg, stage)
     for key, n in dispatch_bytes(model, cfg, stage).items():  # MoE token dispatch over ep
         add(key, n)
-    if cfg.parallel.ep > 1:  # experts reduce over their own replicas (ZeRO-3: their units, ~the same bytes)
+    if experts_apart(model, cfg):  # experts reduce over their own replicas (ZeRO-3: their units, ~the same bytes)
         experts = stage_expert_params(model, cfg, stage)
         params -= experts
         edp = expert_dp_config(cfg)

@@ -1,12 +1,14 @@
 """Mixture of experts in the planner: expert parameters per rank, token-dispatch bytes, routing buffers.
 
-Pure arithmetic (no torch). Per MoE block on a rank (E experts, ep ranks, tp, expert width f_e,
-T = s*b tokens of a microbatch, whole sequence per tp rank: under SP the block gathers it):
+Pure arithmetic (no torch). Per MoE block on a rank (E experts, ep ranks, tp, etp (1 or tp), expert
+width f_e, T = s*b tokens of a microbatch routed per rank: at etp = tp every tp rank routes the
+whole sequence (under SP the block gathers it), at etp = 1 each tp rank its own T/tp):
 
-- parameters: the router E*h (replicated), E/ep local experts of (h*mlp_in + f_e*h)/tp each
+- parameters: the router E*h (replicated), E/ep local experts of (h*mlp_in + f_e*h)/etp each
   (mlp_in = 2 f_e for SwiGLU), a shared expert's dense MLP /tp, instead of the dense MLP;
-- expert parameters are replicated over the expert-data-parallel group (dp*cp/ep ranks): their
-  ZeRO shards, gradient reductions and gathers run there (ledger group "edp" when ep > 1);
+- expert parameters are replicated over the expert-data-parallel group (dp*cp/ep ranks, times tp
+  at etp = 1): their ZeRO shards, gradient reductions and gathers run there (ledger group "edp"
+  when ep > 1 or etp < tp);
 - all-to-all dispatcher: per microbatch and block, forward the counts (E int64) and two
   all-to-alls of the k*T routes ([T*k, h], dispatch and combine), backward two more: 4*a*T*k*h
   + 8*E bytes on the "ep" group (comm.ledger counts an all-to-all's input, rows to itself
@@ -44,10 +46,27 @@ def _mlp_params(model: GPTConfig, ffn: int, tp: int, bias: bool) -> int:
 
 
 def expert_params_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
-    """One MoE block's expert parameters on one rank: E/ep experts, each /tp."""
+    """One MoE block's expert parameters on one rank: E/ep experts, each /etp."""
     moe = model.moe
     return moe.num_experts // cfg.parallel.ep * _mlp_params(model, moe.expert_ffn(model.ffn_hidden_size),
-                                                           cfg.parallel.tp, False)
+                                                           expert_tp(cfg), False)
+
+
+def expert_tp(cfg: RunConfig) -> int:
+    """The tp degree inside an expert: --etp when it is 1 or --tp (anything else is refused by validate())."""
+    etp, tp = getattr(cfg.parallel, "etp", cfg.parallel.tp), cfg.parallel.tp
+    return etp if etp in (1, tp) else tp
+
+
+def experts_apart(model: GPTConfig, cfg: RunConfig) -> bool:
+    """Whether the experts have a replica group of their own (ep > 1, or whole experts over tp > 1)."""
+    return model.moe is not None and (cfg.parallel.ep > 1 or expert_tp(cfg) < cfg.parallel.tp)
+
+
+def routed_tokens(model: GPTConfig, cfg: RunConfig) -> int:
+    """Tokens of a microbatch one rank routes: s/cp * b, split over tp at etp = 1."""
+    tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
+    return tokens // (cfg.parallel.tp // expert_tp(cfg))
 
 
 def dense_change_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
@@ -65,8 +84,9 @@ def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 
 
 def expert_dp_config(cfg: RunConfig) -> RunConfig:
-    """The layout the experts' replicas see: dp*cp/ep replicas, no cp (for model_state_bytes, add_dp_bytes)."""
-    return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep, cp=1)
+    """The layout the experts' replicas see: dp*cp/ep replicas (x tp at etp = 1), no cp (for
+    model_state_bytes, add_dp_bytes)."""
+    return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep * (cfg.parallel.tp // expert_tp(cfg)), cp=1)
 
 
 def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
@@ -77,7 +97,7 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
     from megalite.plan.layout import DTYPE_BYTES
 
     a, m, k, h = DTYPE_BYTES[cfg.precision.precision], cfg.num_microbatches, model.moe.topk, model.hidden_size
-    tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
+    tokens = routed_tokens(model, cfg)
     forwards = m * layers * (2 if cfg.parallel.recompute == "full" else 1)  # full recompute dispatches again
     if cfg.parallel.moe_token_dispatcher_type == "allgather":
         gathered = ep * tokens
@@ -92,12 +112,13 @@ def routing_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Bytes an MoE block keeps for backward beyond the attention part, per microbatch (one rank)."""
     from megalite.plan.layout import DTYPE_BYTES
 
-    moe, a, t = model.moe, DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    moe, a, t, et = model.moe, DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, expert_tp(cfg)
     tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
-    routes, f = tokens * moe.topk, moe.expert_ffn(model.ffn_hidden_size)
+    mine = routed_tokens(model, cfg)  # routed on this rank (T/tp at etp = 1)
+    routes, f = mine * moe.topk, moe.expert_ffn(model.ffn_hidden_size)
     mlp_in = f if model.flavour == "gpt2" else 2 * f
-    total = 2 * a * routes * model.hidden_size + a * routes * (model.hidden_size + mlp_in // t + f // t)
-    total += 8 * tokens * moe.num_experts
+    total = 2 * a * routes * model.hidden_size + a * routes * (model.hidden_size + mlp_in // et + f // et)
+    total += 8 * mine * moe.num_experts
     if moe.shared_expert_intermediate_size:
         s_f = moe.shared_expert_intermediate_size
         total += a * tokens * (model.hidden_size + (2 if model.flavour == "gpt2" else 3) * s_f // t)

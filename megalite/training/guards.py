@@ -267,13 +267,14 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     named_params = list(named_params)
     device = named_params[0][1].device if named_params else mesh.device
     messages = []
-    experts = [(n, p) for n, p in named_params if mesh.ep_size > 1 and P.is_expert_parallel(p)]
+    apart = mesh.expert_replicas_apart  # experts have a replica group of their own (ep > 1, or etp = 1)
+    experts = [(n, p) for n, p in named_params if apart and P.is_expert_parallel(p)]
     if mesh.dp_size * mesh.cp_size > 1 and not shards:  # the ranks that hold these same parameters
         kind = "dp" if mesh.cp_size == 1 else "dp_cp"
         ranks = comm.group_ranks(mesh.dp_cp_group)
-        dense = [(n, p) for n, p in named_params if not (mesh.ep_size > 1 and P.is_expert_parallel(p))]
+        dense = [(n, p) for n, p in named_params if not (apart and P.is_expert_parallel(p))]
         messages.append(_first_mismatch(dense, mesh.dp_cp_group, ranks, kind, step, device))
-    if experts and mesh.expert_dp_size > 1 and not shards:  # ep > 1: experts are replicated over expert-dp only
+    if experts and mesh.expert_dp_size > 1 and not shards:  # experts are replicated over expert-dp (x tp) only
         ranks = comm.group_ranks(mesh.expert_dp_group)
         messages.append(_first_mismatch(experts, mesh.expert_dp_group, ranks, "edp", step, device))
     if mesh.tp_size > 1:

@@ -50,18 +50,19 @@ def _reference(kind):
     return hf, logits, loss
 
 
-def _megalite_logits(kind, tp, hf, ref_logits, ref_loss, ep=1):
-    m = mesh.init_mesh(tp=tp, ep=ep)
-    model = from_hf(hf, m).eval()
-    ids = _inputs()
-    with torch.no_grad():
-        shard = model(ids)  # [b, s, V_pad/tp]
-        full = comm.all_gather(shard.contiguous(), m.tp_group, dim=-1)[..., :301]
-        labels = torch.full_like(ids, -100)
-        labels[:, :-1] = ids[:, 1:]
-        loss = model(ids, labels)
-    torch.testing.assert_close(full, ref_logits, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+def _megalite_logits(kind, tp, hf, ref_logits, ref_loss, ep=1, etps=(1,)):
+    for etp in etps:  # whole experts on each tp rank (1) or split over tp (tp); no experts: no difference
+        m = mesh.init_mesh(tp=tp, ep=ep, etp=etp)
+        model = from_hf(hf, m).eval()
+        ids = _inputs()
+        with torch.no_grad():
+            shard = model(ids)  # [b, s, V_pad/tp]
+            full = comm.all_gather(shard.contiguous(), m.tp_group, dim=-1)[..., :301]
+            labels = torch.full_like(ids, -100)
+            labels[:, :-1] = ids[:, 1:]
+            loss = model(ids, labels)
+        torch.testing.assert_close(full, ref_logits, rtol=1e-5, atol=2e-5, msg=f"etp={etp}")
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=f"etp={etp}")
     return True
 
 
@@ -73,9 +74,10 @@ def test_from_hf_logits_match_transformers(kind):
 
 
 def test_from_hf_mixtral_logits_match_transformers_at_tp1_and_tp2_ep2():
+    """tp 1, and (tp 2, ep 2) with whole experts on each tp rank (etp 1) and with experts split over tp (etp 2)."""
     hf, logits, loss = _reference("mixtral")
     assert all(run_distributed(_megalite_logits, 1, "mixtral", 1, hf, logits, loss))
-    assert all(run_distributed(_megalite_logits, 4, "mixtral", 2, hf, logits, loss, ep=2))  # dp 2: experts 2 + 2
+    assert all(run_distributed(_megalite_logits, 4, "mixtral", 2, hf, logits, loss, ep=2, etps=(1, 2)))  # dp 2
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])

@@ -1,7 +1,8 @@
 """MoE checkpoints are layout-free, experts included: saved at one (tp, ep, dp, pp), loaded at another.
 
-A 4-rank world trains 2 steps at (tp 2, dp 2, ep 2) with ZeRO 1 and saves; it then loads that
-checkpoint at (dp 4, ep 4) with ZeRO 0, at (pp 2, dp 2, ep 2) and at (dp 4, ep 2) with ZeRO 3 (experts sharded over expert-dp 2),
+A 4-rank world trains 2 steps at (tp 2, dp 2, ep 2) with ZeRO 1 and whole experts on each tp rank (etp 1)
+and saves; it then loads that checkpoint at (tp 2, dp 2, ep 2) with the experts split over tp (etp 2),
+at (dp 4, ep 4) with ZeRO 0, at (pp 2, dp 2, ep 2) and at (dp 4, ep 2) with ZeRO 3 (experts sharded over expert-dp 2),
 and each trains a third step: its loss and parameters must equal the single-process model trained 3
 steps (so the experts' weights and Adam state went to the right ranks), and a (1, 1, 1) model in the
 parent process loads the checkpoint's weights unchanged.
@@ -30,20 +31,21 @@ def reference():
     return [r["loss"] for r in results], saved, final
 
 
-LOADS = [((1, 1, 4, 4), dict()), ((1, 2, 2, 2), dict(zero=1)), ((1, 1, 4, 2), dict(zero=3))]
+LOADS = [((2, 1, 2, 2), dict(etp=2)), ((1, 1, 4, 4), dict()), ((1, 2, 2, 2), dict(zero=1)),
+         ((1, 1, 4, 2), dict(zero=3))]
 
 
 def _world(directory, reference):
     losses, _, final = reference
-    m = mesh.init_mesh(tp=2, dp=2, ep=2)
-    cfg = cfg_for(2, 1, 2, 2, zero=1)
+    m = mesh.init_mesh(tp=2, dp=2, ep=2, etp=1)
+    cfg = cfg_for(2, 1, 2, 2, zero=1, etp=1)
     chunks, optimizer, results = train(m, cfg, steps=range(2))
     torch.testing.assert_close([r["loss"] for r in results], losses[:2], rtol=1e-5, atol=0)
     Checkpointer(directory, m, **QUIET).save(2, chunks, optimizer, consumed_samples=16,
                                              model_config=chunks[0].config)
     for (tp, pp, dp, ep), settings in LOADS:
-        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep)
         cfg = cfg_for(tp, pp, dp, ep, **settings)
+        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, etp=cfg.parallel.etp)
         chunks, optimizer, _ = train(m, cfg, steps=range(0))
         assert load_checkpoint(directory, chunks, optimizer, m, **QUIET).step == 2
         _, _, results = train(m, cfg, steps=range(2, 3), chunks=chunks, optimizer=optimizer)

@@ -110,9 +110,12 @@ def test_expert_bias_moves_toward_the_mean_load():
     (dict(num_experts=6, ep=4, dp=4), "not divisible by --ep 4"),
     (dict(num_experts=4, ep=4, dp=2), "--ep 4 does not divide dp*cp"),
     (dict(ep=2, dp=2), "the model has none"),
+    (dict(num_experts=4, tp=2, etp=3), "--etp 3 must be 1 (whole experts on every tp rank) or --tp 2"),
+    (dict(num_experts=4, tp=4, etp=2), "choose --etp 1 or --etp 4"),
+    (dict(num_experts=4, tp=2, seq_length=15), "--seq-length 15 must be divisible by tp*cp = 2"),
 ])
 def test_bad_moe_settings_are_refused_with_the_fix(settings, message):
     cfg = RunConfig.build(**settings)
-    world = settings.get("dp", 1)
+    world = settings.get("dp", 1) * settings.get("tp", 1)
     problems = launch_problems(cfg.resolved(world), world)
     assert any(message in p for p in problems), problems
