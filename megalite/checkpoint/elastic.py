@@ -8,9 +8,12 @@ and this module's `ElasticState` (metadata["extra"]["elastic"]). When a run resu
 another size (a new launch with fewer or more ranks, or `torchrun --nnodes MIN:MAX` restarting with
 the nodes it has):
 
-- the layout: tp, pp and cp are the checkpoint's unless given on the command
+- the layout: tp, pp, cp and ep are the checkpoint's unless given on the command
   line; dp is re-derived from the new world (a `--dp` equal to the checkpoint's, i.e. the same
-  command line launched again, is dropped; another `--dp` is the person's choice and is validated);
+  command line launched again, is dropped; another `--dp` is the person's choice and is validated).
+  An ep that is the checkpoint's (kept, or the same `--ep` given again) but no longer divides the
+  new dp x cp becomes the largest ep below it that divides both dp x cp and the expert count
+  (experts load at any ep: checkpoints store each expert whole);
 - the global batch, by `--elastic-batch`:
   keep  (default) the checkpoint's global batch G, split into G / (micro * new dp) accumulation
         steps. Every step then reads the same samples in the same microbatches and the loss curve
@@ -46,7 +49,7 @@ from megalite.config import ElasticBatch, ElasticLRRule, RunConfig, settings
 from megalite.errors import ConfigError
 
 STATE_KEY = "elastic"  # metadata["extra"][STATE_KEY]
-KEPT_LAYOUT = ("tp", "pp", "cp")  # kept from the checkpoint on a resize unless given
+KEPT_LAYOUT = ("tp", "pp", "cp", "ep")  # kept from the checkpoint on a resize unless given
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class Resize:
     tp: int
     pp: int
     cp: int = 1
+    old_ep: int = 1  # expert parallelism: the checkpoint's, and this run's (fitted to the new dp x cp)
+    new_ep: int = 1
 
     def record(self) -> dict[str, Any]:
         """The metrics line: {"event": "resize", "step", old/new world, dp, global batch, LR factor, ...}."""
@@ -113,8 +118,10 @@ class Resize:
     def describe(self) -> str:
         """The one loud line rank 0 prints."""
         cp = f", cp {self.cp}" if self.cp > 1 else ""
+        ep = "" if self.old_ep == self.new_ep == 1 else \
+            f", ep {self.new_ep}" if self.old_ep == self.new_ep else f", ep {self.old_ep} -> {self.new_ep}"
         head = (f"megalite: ELASTIC RESIZE after step {self.step}: world {self.old_world_size} -> "
-                f"{self.new_world_size} ranks (tp {self.tp}, pp {self.pp}{cp}; dp {self.old_dp} -> {self.new_dp})")
+                f"{self.new_world_size} ranks (tp {self.tp}, pp {self.pp}{cp}; dp {self.old_dp} -> {self.new_dp}{ep})")
         if self.batch_rule == "flags":
             batch = f"global batch {self.old_global_batch_size} -> {self.new_global_batch_size} set by the batch flags"
         elif self.new_global_batch_size == self.old_global_batch_size:
@@ -212,6 +219,8 @@ def plan_resume(cfg: RunConfig, world_size: int, given: frozenset[str] = frozens
     if world_size % per_replica:
         raise ConfigError(_world_problem(step, metadata, world_size, per_replica, cfg))
     new_dp = cfg.parallel.dp or world_size // per_replica
+    if world_size != old_world:
+        cfg = _fit_expert_parallel(cfg, saved, new_dp, given, notes)
     state = ElasticState.of_flags(cfg)
     saved_state = ElasticState.from_metadata(metadata) or _legacy_state(saved, old_dp)
     old_batch = saved["global_batch_size"]
@@ -240,7 +249,8 @@ def plan_resume(cfg: RunConfig, world_size: int, given: frozenset[str] = frozens
         resize = Resize(step, int(metadata["consumed_samples"]), old_world, world_size, old_dp, new_dp, old_batch,
                         new_batch, max(1, old_batch // (saved["micro_batch_size"] * old_dp)),
                         new_batch // (micro * new_dp), rule, lr_rule, factor, total, saved["lr"],
-                        cfg.optimizer.lr, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+                        cfg.optimizer.lr, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp,
+                        old_ep=saved.get("ep", 1), new_ep=cfg.parallel.ep)
     return ResumePlan(cfg, state, step, metadata, resize, tuple(notes))
 
 
@@ -274,6 +284,26 @@ def _keep_layout(cfg: RunConfig, saved: dict, old_dp: int, given: frozenset[str]
         notes.append(f"megalite: --dp {old_dp} is the checkpoint's; re-derived from the new world")
         cfg = cfg.replace(dp=None)
     return cfg
+
+
+def _fit_expert_parallel(cfg: RunConfig, saved: dict, new_dp: int, given: frozenset[str],
+                         notes: list[str]) -> RunConfig:
+    """The checkpoint's ep (kept, or the same --ep launched again) where the new world still holds it;
+    else the largest ep below it dividing the new dp x cp and the expert count. An --ep other than the
+    checkpoint's is the person's choice: validated like any setting (refused with its fix)."""
+    ep, replicas = cfg.parallel.ep, new_dp * cfg.parallel.cp
+    if ep == 1 or replicas % ep == 0 or ("ep" in given and ep != saved.get("ep")):
+        return cfg
+    try:
+        moe = cfg.gpt_config().moe
+    except ValueError:
+        return cfg  # the model settings are wrong: validation names the problem
+    if moe is None:
+        return cfg  # --ep without experts: refused by validation
+    fitted = max(e for e in range(1, ep + 1) if replicas % e == 0 and moe.num_experts % e == 0)
+    notes.append(f"megalite: --ep {ep} (the checkpoint's) does not divide dp*cp = {new_dp}*{cfg.parallel.cp} on "
+                 f"the new world; ep {fitted} instead (the experts load at any ep)")
+    return cfg.replace(ep=fitted)
 
 
 def _scaled_batch(step: int, old_batch: int, old_dp: int, new_dp: int) -> int:

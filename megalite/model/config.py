@@ -169,8 +169,11 @@ PRESETS: dict[str, dict] = {
                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096),
     "llama-13b": dict(flavour="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,
                       ffn_hidden_size=13824, vocab_size=32000, seq_length=4096),
-    "moe-tiny": dict(flavour="llama", num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                     ffn_hidden_size=352, vocab_size=257, seq_length=128, norm_eps=1e-6,
+    # tiny-llama's width with 4 experts (top 2: its active FFN width) at half its depth and sequence: the
+    # default 600 steps train on a 2-core CPU in under a minute (a CPU step is its GEMMs' FLOPs; see
+    # docs/benchmarks.md, "moe-tiny on a CPU")
+    "moe-tiny": dict(flavour="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                     ffn_hidden_size=352, vocab_size=257, seq_length=64, norm_eps=1e-6,
                      moe=dict(num_experts=4, topk=2, ffn_hidden_size=176, aux_loss_coeff=1e-2)),
     "mixtral-8x7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
                          ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, rope_theta=1e6,

@@ -15,11 +15,11 @@ from megalite.errors import ConfigError
 
 
 def fake_checkpoint(root, step=6, *, world=4, tp=2, pp=1, cp=1, global_batch=8, micro=2, lr=2e-3, min_lr=2e-4,
-                    state=None, consumed=None):
+                    state=None, consumed=None, **settings):
     """A published checkpoint directory holding only what a resume plan reads (metadata + manifest)."""
     dp = world // (tp * pp * cp)
     train = RunConfig.build(tp=tp, pp=pp, cp=cp, dp=dp, global_batch_size=global_batch, micro_batch_size=micro,
-                            lr=lr, min_lr=min_lr).to_dict()
+                            lr=lr, min_lr=min_lr, **settings).to_dict()
     metadata = {"format_version": storage.FORMAT_VERSION, "step": step, "items": [], "train_config": train,
                 "consumed_samples": global_batch * step if consumed is None else consumed,
                 "layout": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world, "virtual_stages": 1},
@@ -67,6 +67,24 @@ def test_context_parallel_is_kept_like_tp_and_pp(tmp_path):
     assert "(tp 2, pp 1, cp 2; dp 2 -> 1)" in p.resize.describe()
     with pytest.raises(ConfigError, match=r"not a multiple of the 4 ranks of one model replica \(tp 2 x pp 1 x cp 2\)"):
         plan(["--load", str(root), "--global-batch-size", "8", "--micro-batch-size", "2"], world=6)
+
+
+def test_expert_parallelism_is_kept_and_fitted_to_the_new_dp(tmp_path):
+    # Saved on 8 ranks at dp 8, ep 4, 8 experts: ep is kept like tp; where the new dp no longer holds it (the
+    # checkpoint's ep, kept or given again), the largest ep dividing dp and the experts; another --ep is validated.
+    root = fake_checkpoint(tmp_path / "ckpt", world=8, tp=1, global_batch=24, state=ElasticState(24, 1), micro=1,
+                           num_experts=8, ep=4)
+    batch = ["--load", str(root), "--global-batch-size", "24", "--micro-batch-size", "1", "--num-experts", "8"]
+    kept = plan(batch, world=4)
+    assert (kept.cfg.parallel.ep, kept.resize.old_ep, kept.resize.new_ep) == (4, 4, 4)
+    assert "dp 8 -> 4, ep 4)" in kept.resize.describe() and any("--ep 4" in n for n in kept.notes)
+    for argv, world, ep in [(batch, 2, 2), (batch + ["--ep", "4"], 2, 2), (batch, 6, 2), (batch, 1, 1),
+                            (batch + ["--ep", "8"], 2, 8)]:  # the last: the person's choice, refused later
+        p = plan(argv, world)
+        assert p.cfg.parallel.ep == ep, (argv, world)
+        fitted = [n for n in p.notes if "(the checkpoint's) does not divide" in n]
+        assert bool(fitted) == (ep not in (4, 8)), p.notes
+    assert "dp 8 -> 2, ep 4 -> 2)" in plan(batch, 2).resize.describe()
 
 
 def test_keep_holds_a_defaulted_global_batch_too_and_the_same_dp_flag_is_rederived(tmp_path):

@@ -30,7 +30,7 @@ import torch
 from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_slices
 from megalite.checkpoint.reader import CheckpointReader
-from megalite.testing import run_distributed
+from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training import loop  # imported once here: the forked ranks inherit it
 
 ITERS = 6
@@ -191,3 +191,47 @@ def test_a_world_that_cannot_hold_the_layout_is_refused_on_every_rank(runs):
     assert all("Traceback" not in out for _, out, _ in results)
     assert "on 3 ranks: 3 is not a multiple of the 2 ranks of one model replica (tp 2 x pp 1); launch 2, 4, 6, 8" \
         in results[0][1], results[0][1]
+
+
+# A mixture-of-experts run (issue 27) resumed from step 1 of an uninterrupted 4-rank run (tp 2, dp 2, ep 2;
+# ZeRO 1; it saves every step) on 2 ranks (tp 2, dp 1) by the same command line: --ep 2 is the checkpoint's
+# and no longer divides dp 1, so the plan fits ep 1 (every rank now holds all 4 experts, loaded whole with
+# their Adam state and the routers' expert biases, which a large bias step makes matter to the routing).
+# (The SIGTERM save is the dense runs' above.) Not bit for bit: an expert's gradient at ep 2 is one grouped
+# GEMM over both dp ranks' routes, at ep 1 two accumulated microbatches: another summation order. Loss, norm,
+# MoE losses and every stored tensor agree to float32 noise (1e-5 relative).
+MOE_ITERS = 3
+MOE_ARGV = ["--model", "moe-tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--num-query-groups", "2", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32", "--seq-length", "16",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff",
+            "0.001", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+            "--tp", "2", "--dp", "2", "--ep", "2", "--micro-batch-size", "2", "--global-batch-size", "8", "--zero", "1",
+            "--train-iters", str(MOE_ITERS), "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "2"]
+
+
+def test_moe_run_resized_from_ep2_to_ep1_continues_the_uninterrupted_curve(tmp_path):
+    ref = tmp_path / "ref"
+    _launch(4, MOE_ARGV + ["--save", str(ref), "--save-interval", "1", "--metrics-file", str(tmp_path / "ref.jsonl")])
+    resumed = _launch(2, MOE_ARGV + ["--load", str(ref), "--load-step", "1", "--save", str(tmp_path / "resized"),
+                                     "--metrics-file", str(tmp_path / "resized.jsonl")])
+    log = resumed[0][1]
+    assert "world 4 -> 2 ranks (tp 2, pp 1; dp 2 -> 1, ep 2 -> 1)" in log, log[-3000:]
+    assert "--ep 2 (the checkpoint's) does not divide dp*cp = 1*1 on the new world; ep 1 instead" in log
+    expected = {r["step"]: r for r in _records(tmp_path / "ref.jsonl") if "loss" in r}
+    records = _records(tmp_path / "resized.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(2, MOE_ITERS + 1))
+    for r in steps:
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+            assert r[key] == pytest.approx(expected[r["step"]][key], rel=1e-5, abs=0), (r["step"], key)
+        assert r["lr"] == expected[r["step"]]["lr"] and r["effective_batch"] == 8
+    event, = [r for r in records if r.get("event") == "resize"]
+    assert (event["old_dp"], event["new_dp"], event["old_ep"], event["new_ep"]) == (2, 1, 2, 1)
+    resumed_from = _state(ref / "step_000001")
+    assert all(resumed_from[key].any() for key in resumed_from if key[0] == "expert_bias")  # the biases had moved
+    mine, theirs = _state(tmp_path / "resized" / f"step_{MOE_ITERS:06d}"), _state(ref / f"step_{MOE_ITERS:06d}")
+    assert mine.keys() == theirs.keys()
+    kinds = {kind for kind, _ in mine}
+    assert {"exp_avg", "expert_bias"} <= kinds and any(".experts.3." in name for _, name in mine), kinds
+    for key in mine:
+        assert_tensor_close(mine[key], theirs[key], rtol=1e-5, what=str(key))

@@ -23,11 +23,12 @@ def batches(dp, dp_rank, steps=STEPS):
 
 
 def cfg_for(tp=1, pp=1, dp=1, ep=1, **kw):
-    return RunConfig.build(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3,
-                           weight_decay=0.1, clip_grad=0.5, seed=3, adam_eps=1e-6, model="moe-tiny", num_layers=2,
-                           hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                           seq_length=SEQ, vocab_size=257, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
-                           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **kw)
+    """The tiny MoE model at this layout; `kw` adds settings or overrides these (e.g. num_layers)."""
+    settings = dict(micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3, weight_decay=0.1, clip_grad=0.5, seed=3,
+                    adam_eps=1e-6, model="moe-tiny", num_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=128, seq_length=SEQ, vocab_size=257, num_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    return RunConfig.build(tp=tp, pp=pp, dp=dp, ep=ep, **{**settings, **kw})
 
 
 def train(m, cfg, steps=range(STEPS), chunks=None, optimizer=None):
