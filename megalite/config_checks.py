@@ -126,12 +126,6 @@ def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"--etp 1 under --tp {p.tp} splits each rank's s/cp tokens of a sequence over tp: "
                         f"--seq-length {model.seq_length} must be divisible by tp*cp = {p.tp * p.cp}; change "
                         f"--seq-length or use --etp {p.tp}")
-    if p.ep > 1 and p.grad_compression != "none":
-        problems.append("--grad-compression powersgd does not combine with --ep > 1 yet (expert gradients reduce "
-                        "over the expert-data-parallel group); drop one of them")
-    elif moe is not None and p.etp < p.tp and p.grad_compression != "none":
-        problems.append(f"--grad-compression powersgd does not combine with --etp 1 under --tp {p.tp} yet (expert "
-                        f"gradients reduce over expert-dp x tp); use --etp {p.tp} or drop the compression")
     return problems
 
 

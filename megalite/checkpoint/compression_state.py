@@ -2,19 +2,25 @@
 of the residual, and the warm-start Q.
 
 Stored kinds (beside the weights and the optimizer state, in the same boxes of full tensors):
-- "powersgd_error", name "{logical name}@replica{r}": replica r's (rank r of the dp x cp group)
-  residual share E_r of a compressed parameter, as boxes of the full logical tensor (tp shards
-  mapped like the weights); written by tp rank 0 for tp-replicated parameters and by the first
-  stage for a tied embedding, so every element of every share is stored once.
+- "powersgd_error", name "{logical name}@replica{r}": replica r's (rank r of the parameter's
+  replica group: dp x cp, or expert-dp for experts kept apart) residual share E_r of a compressed
+  parameter, as boxes of the full logical tensor (tp shards mapped like the weights); written by
+  tp rank 0 for tp-replicated dense parameters, by every rank for experts kept apart (tp-sharded,
+  or whole at etp 1, where each tp rank is a replica of its own), and by the first stage for a
+  tied embedding, so every element of every share is stored once. Experts are named by their
+  global index, so the names never depend on ep.
 - "powersgd_q", name "{logical name}@tp{t}of{T}" (tp-sharded) or "{logical name}": the Q [m, r]
   of that matrix, the same on every replica: written by replica 0.
 
-Loading (with the optimizer state; `--no-load-optim` starts the compressor afresh too):
+Loading (with the optimizer state; `--no-load-optim` starts the compressor afresh too), per
+parameter, counting the replicas whose shares are stored (a dense matrix's were dp x cp, an
+expert's expert-dp when saved apart, dp x cp otherwise):
 - the same number of replicas: each replica reads its own share, whatever tp/pp now slice it;
   at the same layout the run continues exactly as if never interrupted;
 - another number of replicas: replica 0 reads the SUM of every stored share, the others start
   at zero. The compressor depends on the shares only through their sum (powersgd.py), so the
-  total residual, the only quantity the next steps use, carries over exactly;
+  total residual, the only quantity the next steps use, carries over exactly (an expert saved
+  at (dp 4, ep 2) with 2 shares resumes at (dp 4, ep 1) with their sum on replica 0);
 - Q is restored where one of the same name and shape was stored (same tp size and rank r);
   otherwise the matrix starts from its first random Q (the warm start is lost, nothing else);
 - a parameter compressed now but not when saved (or a checkpoint without compression) starts
@@ -37,11 +43,12 @@ def _compressor(optimizer):
     return model, getattr(model, "compression", None)
 
 
-def _stores(param, mesh) -> bool:
-    """One copy among the identical ones: tp rank 0 for tp-replicated, the first stage for a tied embedding."""
+def _stores(param, mesh, apart: bool) -> bool:
+    """One copy among the identical ones: tp rank 0 for tp-replicated, the first stage for a tied
+    embedding; every rank for experts kept apart (`apart`: their replica group spans tp at etp 1)."""
     if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False
-    return P.shard_spec(param).is_tp_sharded or mesh.tp_rank == 0
+    return apart or P.shard_spec(param).is_tp_sharded or mesh.tp_rank == 0
 
 
 def _q_name(name: str, param, mesh) -> str:
@@ -53,12 +60,12 @@ def compression_items(optimizer, mesh) -> list[tuple[str, str, tuple, torch.Tens
     model, compressor = _compressor(optimizer)
     if compressor is None:
         return []
-    replica = comm.group_rank(compressor.group)
     items = []
     for index in compressor.matrices:
         name, param = model.names[index], model.params[index]
-        if not _stores(param, mesh):
+        if not _stores(param, mesh, apart=compressor.kinds[index] == 1):
             continue
+        replica = comm.group_rank(compressor.group_of(index))
         spec, error = P.shard_spec(param), compressor.error_of(index).view(param.shape)
         for local_box, full_box in local_to_full(spec, whole_box(tuple(param.shape))):
             items.append((ERROR_KIND, f"{name}@replica{replica}", full_box,
@@ -69,12 +76,14 @@ def compression_items(optimizer, mesh) -> list[tuple[str, str, tuple, torch.Tens
     return items
 
 
-def _sources(reader, compressor) -> list[int]:
-    """The stored replicas whose shares this rank's replica sums (see the module docstring)."""
-    layout = reader.metadata["layout"]
-    saved, replicas = layout["dp"] * layout.get("cp", 1), comm.group_size(compressor.group)
-    replica = comm.group_rank(compressor.group)
-    if saved == replicas:
+def _sources(reader, compressor, index: int, name: str) -> list[int]:
+    """The stored replicas whose shares of `name` this rank's replica sums (see the module docstring)."""
+    saved = 0
+    while reader.has(ERROR_KIND, f"{name}@replica{saved}"):
+        saved += 1
+    group = compressor.group_of(index)
+    replica = comm.group_rank(group)
+    if saved == comm.group_size(group):
         return [replica]
     return list(range(saved)) if replica == 0 else []
 
@@ -87,10 +96,9 @@ def _reads(reader, optimizer):
     mesh, out = model.mesh, []
     for index in compressor.matrices:
         name, param = model.names[index], model.params[index]
-        for source in _sources(reader, compressor):
-            if reader.has(ERROR_KIND, f"{name}@replica{source}"):
-                for local_box, full_box in local_to_full(P.shard_spec(param), whole_box(tuple(param.shape))):
-                    out.append((index, ERROR_KIND, f"{name}@replica{source}", local_box, full_box))
+        for source in _sources(reader, compressor, index, name):
+            for local_box, full_box in local_to_full(P.shard_spec(param), whole_box(tuple(param.shape))):
+                out.append((index, ERROR_KIND, f"{name}@replica{source}", local_box, full_box))
         q_name, q_box = _q_name(name, param, mesh), whole_box(tuple(compressor.q_of(index).shape))
         if reader.has(Q_KIND, q_name) and reader.items[(Q_KIND, q_name)][0][0] == q_box:
             out.append((index, Q_KIND, q_name, q_box, q_box))

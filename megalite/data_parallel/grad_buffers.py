@@ -28,11 +28,12 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
 - Expert parallelism (`expert_group`): experts' weights (declared `expert_parallel`) are replicated
   only over the expert-data-parallel group, so they sit in buckets of their own that reduce (and,
   under ZeRO, shard) over that group; every other bucket reduces over dp as before.
-- Gradient compression (`compression=PowerSGDConfig(...)`, dp > 1): after the warm-up steps no
-  bucket is reduced during backward; `finish_reduction()` hands the whole accumulated step to
-  the PowerSGD compressor (powersgd.py), which replaces the all-reduce / reduce-scatter above
-  with two all-reduces of low-rank factors and writes the decompressed sums where the plain
-  reduction would have (the main grads at zero_stage 0, this rank's shard at 1/2).
+- Gradient compression (`compression=PowerSGDConfig(...)`, dp or expert-dp > 1): after the
+  warm-up steps no bucket is reduced during backward; `finish_reduction()` hands the whole
+  accumulated step to the PowerSGD compressor (powersgd.py), which replaces the all-reduce /
+  reduce-scatter above with two all-reduces of low-rank factors per replica group (the experts'
+  over `expert_group`) and writes the decompressed sums where the plain reduction would have
+  (the main grads at zero_stage 0, this rank's shard at 1/2).
 
 How "all of its gradients are final" is known: a parameter may receive several deliveries
 per backward (e.g. a tied weight used through a sink and through autograd). The first step
@@ -106,8 +107,6 @@ class GradBuffers:
                              if embedding_group is not None and P.is_tied_across_stages(p))
         # kind 0: replicated over dp_group; kind 1: experts, replicated over expert_group
         kinds = [int(expert_group is not None and P.is_expert_parallel(p)) for p in self.params]
-        if any(kinds) and compression is not None:
-            raise ValueError("gradient compression does not combine with expert parallelism yet; drop one of them")
         expert_size, expert_rank = comm.group_size(expert_group), comm.group_rank(expert_group)
         self.groups = (dp_group, expert_group)  # by kind
         self.shard_ranks = (self.shard_rank, expert_rank if zero_stage > 0 else 0)  # by kind
@@ -119,7 +118,7 @@ class GradBuffers:
         self._allocate_storage()
 
         self._sp_params = [[i for i in b.params if P.is_sequence_parallel_grad(self.params[i])] for b in buckets]
-        self.compressor = self._make_compressor(compression, skip_group, deferred)
+        self.compressor = self._make_compressor(compression, skip_group, deferred, kinds)
         self._owned = self.layout.owned_pieces(self.shard_ranks)
         self._sent_bytes = 0  # on the dp group, this step
         self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
@@ -158,13 +157,14 @@ class GradBuffers:
         else:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
 
-    def _make_compressor(self, config: PowerSGDConfig | None, skip_group, tied: frozenset[int]) -> PowerSGD | None:
-        if config is None or self.dp_size == 1:  # one replica: nothing is reduced, nothing to compress
+    def _make_compressor(self, config: PowerSGDConfig | None, skip_group, tied: frozenset[int],
+                         kinds: list[int]) -> PowerSGD | None:
+        if config is None or all(comm.group_size(g) == 1 for g in self.groups):  # nothing is reduced
             return None
         if self.grad_reduce_dtype != torch.float32:
             raise ValueError("PowerSGD reduces its factors in fp32; pass grad_reduce_dtype=torch.float32")
-        return PowerSGD([tuple(p.shape) for p in self.params], config, self.dp_group, skip_group, self.device,
-                        separate=tied)
+        return PowerSGD([tuple(p.shape) for p in self.params], config, self.groups, skip_group, self.device,
+                        separate=tied, kinds=kinds)  # experts (kind 1) over expert_group
 
     @property
     def compressing(self) -> bool:
@@ -311,13 +311,17 @@ class GradBuffers:
         self._pending.clear()
         self._finished = True
         self.exposed_seconds = time.perf_counter() - started
-        uncompressed = self.layout.numel * 4 if compressing and self._sent_bytes else self._sent_bytes
+        uncompressed = self._plain_bytes() if compressing and self._sent_bytes else self._sent_bytes
         self.last_reduction_bytes, self._sent_bytes = (self._sent_bytes, uncompressed), 0
         if self.compressor is not None:
             self.compressor.end_step()
         if self._expected is None and any(self._arrived):  # a step that synchronised no backward teaches nothing
             self._expected = list(self._arrived)
         self._reset_counters()
+
+    def _plain_bytes(self) -> int:
+        """Bytes the uncompressed reduction sends per step: every bucket over a group of several ranks, fp32."""
+        return 4 * sum(b.numel for b in self.layout.buckets if comm.group_size(self.groups[b.kind]) > 1)
 
     def _reduce_compressed(self, grad_scale: float, skip: bool) -> None:
         """The step's dp reduction through the compressor: decompressed sums into the main grads

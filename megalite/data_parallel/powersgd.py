@@ -7,7 +7,10 @@ once per step, in `finish_reduction()`, instead of starting its per-bucket all-r
 parameter all-gather after the update is not touched.
 
 One step, for every compressed gradient (this rank's tp shard, viewed as M [n, m]; see
-megalite.plan.compression for which ones are) of replica w (a rank of the dp x cp group):
+megalite.plan.compression for which ones are) of replica w (a rank of the parameter's replica
+group: dp x cp for the dense parameters; for the experts of an MoE model whose replicas are
+apart (ep > 1, or whole experts on every tp rank at etp 1), the expert-data-parallel group,
+mesh.expert_dp_group, whose members hold the same experts):
 
     M_w  = G_w + s * E_w              G_w: this step's gradient; E_w: w's error (residual) buffer;
                                       s: the fp16 loss scale of this step's backward (1 otherwise)
@@ -28,9 +31,13 @@ as torch's hook does with means, would also be exact in sum, but lets each rank'
 drift with the replicas' differences). A checkpoint may therefore redistribute the shares
 freely: only their sum matters (checkpoint/compression_state.py).
 
-Batching: one all-reduce carries every P and every uncompressed gradient, a second every Q,
-whatever the number of buckets; the tied embedding of a pipeline (first and last stage) has
-its own pair, so both stages sum exactly the same buffers and their copies stay identical.
+Batching: per replica group, one all-reduce carries every P and every uncompressed gradient, a
+second every Q, whatever the number of buckets: the dense gradients' pair over dp x cp, the
+experts' pair over expert-dp (each expert's sums, residual shares and Q are its replicas'
+alone; an expert-dp group of one member reduces nothing, so its experts are not compressed);
+the tied embedding of a pipeline (first and last stage) has its own pair, so both stages sum
+exactly the same buffers and their copies stay identical. The pairs run in one fixed order on
+every rank (dense, tied, experts).
 Before those, one 1-element all-reduce over the world (the group the optimizer's skip decision
 spans): when any rank's gradient is not finite (an fp16 overflow), no factor is sent, the
 reduced gradients are NaN (the optimizer skips the step everywhere, as it would have), and
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -83,10 +90,12 @@ class _Matrix:
 
 @dataclass
 class _Batch:
-    """Gradients reduced by one pair of all-reduces: matrices (P, then Q) and uncompressed ones (with P)."""
+    """Gradients reduced by one pair of all-reduces over `group`: matrices (P, then Q) and
+    uncompressed ones (with P)."""
 
-    matrices: list[_Matrix]
-    uncompressed: list[int]
+    group: object
+    matrices: list[_Matrix] = field(default_factory=list)
+    uncompressed: list[int] = field(default_factory=list)
     p_numel: int = 0
     q_numel: int = 0
 
@@ -111,21 +120,25 @@ class PowerSGD:
 
     Args:
         shapes: the parameters' shapes, in GradBuffers order (reverse order of use).
-        group: the replica group the gradients are summed over (dp x cp).
+        groups: the replica group of each kind of parameter: (dp x cp,) or (dp x cp, expert-dp).
         skip_group: the group over which a non-finite gradient skips the step (the world).
         separate: indices reduced in their own pair of all-reduces (the tied embedding).
+        kinds: each parameter's kind, an index into `groups` (default: all 0).
+    A parameter whose group has one member is not reduced, so not compressed (it keeps no state).
     """
 
-    def __init__(self, shapes: Sequence[tuple[int, ...]], config: PowerSGDConfig, group, skip_group,
-                 device: torch.device, separate: frozenset[int] = frozenset()):
-        self.config, self.group, self.skip_group, self.device = config, group, skip_group, device
+    def __init__(self, shapes: Sequence[tuple[int, ...]], config: PowerSGDConfig, groups: Sequence, skip_group,
+                 device: torch.device, separate: frozenset[int] = frozenset(), kinds: Sequence[int] | None = None):
+        self.config, self.groups, self.skip_group, self.device = config, tuple(groups), skip_group, device
+        self.kinds = list(kinds) if kinds is not None else [0] * len(shapes)
         self.steps_done = 0  # finished reductions, compressed or not (the warm-up counts them)
         self.matrices: dict[int, _Matrix] = {}
-        self.batches = [_Batch([], []), _Batch([], [])]  # regular, separate
+        batches: dict[tuple[int, bool], _Batch] = {}  # (kind, separate) -> its batch
         error_numel = q_numel = 0
         for index, shape in enumerate(tuple(s) for s in shapes):
-            batch = self.batches[index in separate]
-            if not compresses(shape, config.rank, config.min_compression):
+            group = self.groups[self.kinds[index]]
+            batch = batches.setdefault((self.kinds[index], index in separate), _Batch(group))
+            if comm.group_size(group) == 1 or not compresses(shape, config.rank, config.min_compression):
                 batch.uncompressed.append(index)
                 batch.p_numel += math.prod(shape)
                 continue
@@ -138,7 +151,8 @@ class PowerSGD:
             batch.q_numel += m * r
             error_numel += n * m
             q_numel += m * r
-        self.batches = [b for b in self.batches if b.matrices or b.uncompressed]
+        # the same order on every rank (dense, tied, experts): collectives over different groups never cross
+        self.batches = [batches[key] for key in sorted(batches)]
         self.error = torch.zeros(error_numel, dtype=torch.float32, device=device)  # E_w, unscaled
         self.q = torch.empty(q_numel, dtype=torch.float32, device=device)
         for matrix in self.matrices.values():
@@ -161,6 +175,10 @@ class PowerSGD:
         """The warm-start Q [m, r] of compressed parameter `index` (the same on every replica)."""
         x = self.matrices[index]
         return self.q[x.q_offset:x.q_offset + x.m * x.r].view(x.m, x.r)
+
+    def group_of(self, index: int):
+        """The replica group parameter `index`'s gradient is summed over (its E_w: w's rank there)."""
+        return self.groups[self.kinds[index]]
 
     def state_bytes(self) -> int:
         """This rank's bytes of compressor state: its residual shares and the Q's (fp32)."""
@@ -208,8 +226,9 @@ class PowerSGD:
             numel = grads[index].numel()
             p_all[offset:offset + numel].copy_(grads[index].reshape(-1))
             offset += numel
-        comm.all_reduce(p_all, self.group)                                # P = sum_w M_w Q (+ plain sums)
-        self.last_sent_bytes += p_all.numel() * 4
+        comm.all_reduce(p_all, batch.group)                               # P = sum_w M_w Q (+ plain sums)
+        replicated = comm.group_size(batch.group) > 1  # else nothing travels (and nothing is compressed)
+        self.last_sent_bytes += p_all.numel() * 4 if replicated else 0
         q_offset, factors = 0, []
         for x, m_w, p in views:
             p_hat = orthonormal(p)                                        # [n, r]
@@ -218,8 +237,9 @@ class PowerSGD:
             factors.append((x, m_w, p_hat, q))
             q_offset += x.m * x.r
         q_local = q_all.clone()                                           # Q_w, for this rank's residual
-        comm.all_reduce(q_all, self.group)                                # Q = sum_w Q_w
-        self.last_sent_bytes += q_all.numel() * 4
+        if batch.matrices:
+            comm.all_reduce(q_all, batch.group)                           # Q = sum_w Q_w
+            self.last_sent_bytes += q_all.numel() * 4
         if not (torch.isfinite(p_all).all() and torch.isfinite(q_all).all()):
             return False  # an overflow of the sums themselves: commit nothing
         q_offset = 0

@@ -88,7 +88,8 @@ class DataParallel(nn.Module):
     bucket_size: elements per bucket; grad_reduce_dtype: float32, or bfloat16 on the wire.
     overlap_param_gather (zero 1/2): leave the parameter all-gathers running after the step.
     grad_compression: a PowerSGDConfig: the dp reduction sends low-rank factors (zero 0-2; see
-        powersgd.py); the compressor's state is `self.compression`.
+        powersgd.py; experts apart reduce theirs over expert-dp); the compressor's state is
+        `self.compression`.
     ZeRO-3 only: units (default: the model's `zero3_units()`, else `units.default_units`; or a
         list of submodules / `Unit`s), prefetch (units gathered ahead), reshard_after_forward,
         keep_gathered_in_step (gather each unit once per step, hold it until the optimizer).
@@ -270,8 +271,8 @@ class DataParallel(nn.Module):
         return None if self.schedule is not None else self.grads.compressor
 
     def compression_stats(self) -> dict[str, float | int | None]:
-        """The last step's gradient reduction on the dp group (compression only): bytes sent, and
-        the bytes the uncompressed reduction sends over them (None when nothing was sent)."""
+        """The last step's gradient reduction on the dp group, and the experts' on expert-dp (compression
+        only): bytes sent, and the bytes the uncompressed reduction sends over them (None when nothing was sent)."""
         if self.compression is None:
             return {}
         sent, uncompressed = self.grads.last_reduction_bytes

@@ -9,7 +9,8 @@ names 'dp_cp' (at cp = 1 it is the dp group, 'dp').
 
 Gradient compression (--grad-compression powersgd): the dp gradient reduction (all-reduce at
 ZeRO 0, reduce-scatter at ZeRO 1/2) becomes all-reduces of 4 * (R*(n+m) per compressed n x m
-matrix + numel per other gradient) bytes (plan/compression.py); the warm-up steps are not modelled.
+matrix + numel per other gradient) bytes (plan/compression.py), per replica group (dp or dp_cp,
+and edp for the experts of an MoE model kept apart); the warm-up steps are not modelled.
 """
 from __future__ import annotations
 

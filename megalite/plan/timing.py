@@ -322,7 +322,7 @@ def _dp_transfer_bytes(model, cfg, stage: int, op: str, nbytes: int, buckets: in
         units = stage_units(model, cfg, stage)
         dtype = cfg.precision.precision if op == "all_gather" else cfg.precision.grad_reduce_dtype
         return DTYPE_BYTES[dtype] * sum(units) // len(units)
-    if compression_enabled(cfg) and op == "all_reduce":
+    if compression_enabled(model, cfg) and op == "all_reduce":
         return nbytes // 2
     return nbytes // buckets
 
@@ -402,7 +402,7 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     # a GPU reduces while it computes; a CPU's reduction is its cores' work, so nothing hides it;
     # PowerSGD compresses and reduces after the whole backward
     hidden = 0.0 if hw.host_synchronous else 1.0
-    window = hidden if kernels.grad_reduce_overlap and not compression_enabled(cfg) else 0.0
+    window = hidden if kernels.grad_reduce_overlap and not compression_enabled(model, cfg) else 0.0
     dp = max(c["dp_reduce"] - window * w for _, c, w, _ in stages)   # behind the last microbatch's backward
     if cfg.parallel.zero >= 3:  # prefetched behind forward and backward, but for each pass's first unit
         dp = max(max(0.0, c["dp_reduce"] + c["dp_gather"] - hidden * b) + hidden * c["dp_first_unit"]

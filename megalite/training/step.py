@@ -210,7 +210,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     (spec, this stage's median seconds per compute instruction))}: host
     seconds blocked on dp communication, in total and by cause (the token count's wait is, with
     --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
-    compression also 'grad_reduce_bytes' (sent on the dp group) and 'grad_compression_ratio'.
+    compression also 'grad_reduce_bytes' (sent on the dp group, and edp for experts kept apart) and
+    'grad_compression_ratio'.
     """
     _check_same_cp(mesh, cfg)
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
