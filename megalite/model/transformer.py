@@ -94,8 +94,7 @@ class Attention(nn.Module):
         """[s, b, (nq + 2 nkv)/tp * d] -> [s, b, nq/tp * d]: the part selective recompute re-runs."""
         s, b, _ = qkv.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_groups
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.view(s, b, hq, d), k.view(s, b, hkv, d), v.view(s, b, hkv, d)
+        q, k, v = MF.split_heads(qkv, (hq, hkv, hkv), d)  # views [s, b, heads, d]
         if rope is not None:
             q, k = MF.rope(q, *rope), MF.rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
