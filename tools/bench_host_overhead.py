@@ -39,8 +39,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+# _unsafe_view is a view whose schema does not say so (matmul and reshape return it): no kernel
 _METADATA = {"_local_scalar_dense", "is_nonzero", "lift_fresh", "set_", "detach", "alias", "resize_",
-             "record_stream", "_has_compatible_shallow_copy_type"}
+             "record_stream", "_has_compatible_shallow_copy_type", "_unsafe_view"}
 _FILLS = {"zero_", "fill_", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full",
           "full_like", "new_full"}
 
