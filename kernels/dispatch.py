@@ -135,9 +135,11 @@ def runnable(kernel, device: torch.device):
     A kernel decorated while TRITON_INTERPRET was unset is a compiled JITFunction; for CPU
     tensors we wrap its Python function in the interpreter ourselves.
     """
+    if device.type == "cuda":  # before the import below: this runs once per launch
+        return kernel
     from triton.runtime.interpreter import InterpretedFunction
 
-    if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
+    if isinstance(kernel, InterpretedFunction):
         return kernel
     if not interpreter_ready():
         raise RuntimeError("triton was first imported in this process without TRITON_INTERPRET=1, so its "
