@@ -171,7 +171,8 @@ class TransformerBlock(nn.Module):
         The logical mask is the [s, b, h] activation's (replicated stream): without SP every tp
         rank builds all of it, under SP rank r builds its rows [r*s/tp, (r+1)*s/tp)."""
         shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
-        offset = logical_row_offsets(residual.shape[0], residual[0].numel(), self.tp_rank if shards > 1 else 0,
+        row_numel = math.prod(residual.shape[1:])  # not residual[0].numel(): an aten op per call to read a size
+        offset = logical_row_offsets(residual.shape[0], row_numel, self.tp_rank if shards > 1 else 0,
                                      shards, self.cp_rank, self.cp_size)
         return dropout(y, self.config.hidden_dropout, rng.replicated, dropout_site(self.layer_number, which),
                        self.training, offset, bias=bias, residual=residual)
