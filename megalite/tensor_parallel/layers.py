@@ -63,7 +63,7 @@ class _LinearFunction(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out], shared by all three gradients
-        # the GEMM `grad_out.matmul(weight)` runs (it folds grad_out to g2 itself), one view fewer
+        # the GEMM grad_out.matmul(weight) ran (matmul folds grad_out to g2 itself), one view op fewer
         grad_input = g2.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if needs[0] else None
         wants_bias = bias is not None and needs[2]
         if bypasses_autograd(weight):
