@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import check_float_dtype, check_same_device, runnable, tl, triton, use_triton
+from .dispatch import cdiv, check_float_dtype, check_same_device, runnable, tl, triton, use_triton
 
 BLOCK = 2048
 
@@ -75,6 +75,6 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         return adamw_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step)
     check_same_device("adamw_step", param, grad, exp_avg, exp_avg_sq)
     check_float_dtype("adamw_step", grad, "grad")
-    runnable(_adamw_kernel, param.device)[(triton.cdiv(param.numel(), BLOCK),)](
+    runnable(_adamw_kernel, param.device)[(cdiv(param.numel(), BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, param.numel(), 1.0 - lr * weight_decay, 1.0 - beta1, beta2, eps,
         lr / (1.0 - beta1 ** step), (1.0 - beta2 ** step) ** 0.5, BLOCK=BLOCK, num_warps=8)

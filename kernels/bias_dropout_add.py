@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from .column_sum import sum_partials
-from .dispatch import check_float_dtype, check_same_device, new_output, next_power_of_2, num_programs_hint, runnable, \
-    tl, triton, use_triton
+from .dispatch import cdiv, check_float_dtype, check_same_device, new_output, next_power_of_2, num_programs_hint, \
+    runnable, tl, triton, use_triton
 from .philox import drop_threshold, keep_mask
 
 BLOCK = 1024
@@ -99,7 +99,7 @@ def _forward(x, bias, residual, p, seed, offset, kernel: bool) -> torch.Tensor:
         with torch.no_grad():
             return bias_dropout_add_reference(x, bias, residual, p, seed, offset)
     out = new_output(x.shape, x.dtype, x.device)
-    runnable(_bias_dropout_add_forward_kernel, x.device)[(triton.cdiv(x.numel(), BLOCK),)](
+    runnable(_bias_dropout_add_forward_kernel, x.device)[(cdiv(x.numel(), BLOCK),)](
         x, x if bias is None else bias, x if residual is None else residual, out, x.numel(), x.shape[-1], seed,
         offset, drop_threshold(p), 1.0 / (1.0 - p), HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         HAS_DROPOUT=p > 0.0, BLOCK=BLOCK, num_warps=4)
@@ -112,7 +112,7 @@ def _dropout_backward(dout, p, seed, offset, kernel: bool) -> torch.Tensor:
         keep = keep_mask(seed, offset, dout.shape, p, dout.device)
         return torch.where(keep, dout.float() * (1.0 / (1.0 - p)), 0.0).to(dout.dtype)
     dx = new_output(dout.shape, dout.dtype, dout.device)
-    runnable(_dropout_backward_kernel, dout.device)[(triton.cdiv(dout.numel(), BLOCK),)](
+    runnable(_dropout_backward_kernel, dout.device)[(cdiv(dout.numel(), BLOCK),)](
         dout, dx, dout.numel(), seed, offset, drop_threshold(p), 1.0 / (1.0 - p), BLOCK=BLOCK, num_warps=4)
     return dx
 
@@ -127,11 +127,11 @@ def _dropout_bias_backward(dout, p, seed, offset, bias_dtype, kernel: bool) -> t
     n_rows = dout.numel() // n_cols
     block_c = min(BIAS_GRAD_BLOCK_C, next_power_of_2(n_cols))
     block_r = BIAS_GRAD_TILE // block_c
-    column_blocks = triton.cdiv(n_cols, block_c)
+    column_blocks = cdiv(n_cols, block_c)
     # row groups: about num_programs_hint programs in all, each a whole number of row tiles
-    groups = max(1, min(triton.cdiv(n_rows, block_r), num_programs_hint(dout.device) // column_blocks))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, groups), block_r) * block_r
-    groups = triton.cdiv(n_rows, rows_per_program)
+    groups = max(1, min(cdiv(n_rows, block_r), num_programs_hint(dout.device) // column_blocks))
+    rows_per_program = cdiv(cdiv(n_rows, groups), block_r) * block_r
+    groups = cdiv(n_rows, rows_per_program)
     dx = new_output(dout.shape, dout.dtype, dout.device)
     partials = new_output((groups, n_cols), torch.float32, dout.device)
     runnable(_dropout_bias_backward_kernel, dout.device)[(column_blocks, groups)](

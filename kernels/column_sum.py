@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import new_output, runnable, tl, triton
+from .dispatch import cdiv, new_output, runnable, tl, triton
 
 BLOCK_P, BLOCK_C = 32, 64  # a [32, 64] fp32 tile: 16 values (four 16-byte loads) per thread at 4 warps
 
@@ -38,6 +38,6 @@ def sum_partials(partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
     """
     n_partials, n_cols = partials.shape
     out = new_output((n_cols,), out_dtype, partials.device)
-    runnable(_column_sum_kernel, partials.device)[(triton.cdiv(n_cols, BLOCK_C),)](
+    runnable(_column_sum_kernel, partials.device)[(cdiv(n_cols, BLOCK_C),)](
         partials, out, n_partials, n_cols, partials.stride(0), BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C, num_warps=4)
     return out

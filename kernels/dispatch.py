@@ -22,6 +22,7 @@ helper of ours: each is self-contained.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -134,9 +135,11 @@ def runnable(kernel, device: torch.device):
     A kernel decorated while TRITON_INTERPRET was unset is a compiled JITFunction; for CPU
     tensors we wrap its Python function in the interpreter ourselves.
     """
+    if device.type == "cuda":  # before the import below: this runs once per launch
+        return kernel
     from triton.runtime.interpreter import InterpretedFunction
 
-    if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
+    if isinstance(kernel, InterpretedFunction):
         return kernel
     if not interpreter_ready():
         raise RuntimeError("triton was first imported in this process without TRITON_INTERPRET=1, so its "
@@ -176,12 +179,23 @@ def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def num_programs_hint(device: torch.device) -> int:
     """How many persistent programs to launch for reductions over rows (e.g. weight gradients)."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * _multi_processor_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4  # the interpreter runs programs one after another: keep few
+
+
+@functools.lru_cache(maxsize=None)  # called per launch; the device's properties never change
+def _multi_processor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids: `triton.cdiv` is a constexpr function in newer Triton, whose host
+    call costs microseconds per launch (issue 26: the host's time per call is the small model's step)."""
+    return -(-a // b)
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:

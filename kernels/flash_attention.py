@@ -38,8 +38,8 @@ import torch
 from .attention_tiles import tiles_for
 from .attention_torch import attention_dropout_reference, attention_dropout_torch
 from .attention_dispatch import choose, sdpa
-from .dispatch import HAVE_TRITON, backend_name, check_float_dtype, check_same_device, new_output, runnable, tl, \
-    triton, use_triton
+from .dispatch import HAVE_TRITON, backend_name, cdiv, check_float_dtype, check_same_device, new_output, runnable, \
+    tl, triton, use_triton
 from .flash_attention_backward import LOG2E, launch_backward, strides
 from .philox import drop_threshold
 
@@ -180,7 +180,7 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[
     out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
     lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m, block_n, warps, stages = cfg["fwd"]
-    runnable(_attention_forward_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+    runnable(_attention_forward_kernel, q.device)[(cdiv(seq_len, block_m), batch * n_heads)](
         q, k, v, out, lse2, *strides(q), *strides(k), *strides(v), n_heads, group_size, seq_len, k.shape[2],
         softmax_scale * LOG2E, *_dropout_args(batch, dropout), CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0, num_warps=warps,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import new_output, runnable, tl, triton
+from .dispatch import cdiv, new_output, runnable, tl, triton
 
 
 @triton.jit
@@ -209,7 +209,7 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     delta_rows = 64
-    runnable(_attention_delta_kernel, q.device)[(triton.cdiv(seq_len, delta_rows), batch * n_heads)](
+    runnable(_attention_delta_kernel, q.device)[(cdiv(seq_len, delta_rows), batch * n_heads)](
         out, dout, delta, seq_len, HEAD_DIM=head_dim, BLOCK_M=delta_rows)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
@@ -218,11 +218,11 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
               softmax_scale, softmax_scale * LOG2E, *dropout_args)
     meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout)
     block_m, block_n, warps, stages = config["dkdv"]
-    runnable(_attention_dkdv_kernel, q.device)[(triton.cdiv(kv_len, block_n), batch * n_kv_heads)](
+    runnable(_attention_dkdv_kernel, q.device)[(cdiv(kv_len, block_n), batch * n_kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=seq_len % block_m == 0, EVEN_N=kv_len % block_n == 0, num_warps=warps, num_stages=stages, **meta)
     block_m, block_n, warps, stages = config["dq"]
-    runnable(_attention_dq_kernel, q.device)[(triton.cdiv(seq_len, block_m), batch * n_heads)](
+    runnable(_attention_dq_kernel, q.device)[(cdiv(seq_len, block_m), batch * n_heads)](
         q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=seq_len % block_m == 0, EVEN_N=kv_len % block_n == 0, num_warps=warps, num_stages=stages, **meta)
     return dq, dk, dv

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
+from .dispatch import cdiv, check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
 
 BLOCK = 1024
 SQRT_2_OVER_PI = 0.7978845608028654
@@ -56,7 +56,7 @@ def _gelu_backward_kernel(DY, X, BIAS, DX, n_elements, n_cols, HAS_BIAS: tl.cons
 
 
 def _launch(kernel, grid_elements, *args, **meta):
-    runnable(kernel, args[0].device)[(triton.cdiv(grid_elements, BLOCK),)](*args, BLOCK=BLOCK, num_warps=4, **meta)
+    runnable(kernel, args[0].device)[(cdiv(grid_elements, BLOCK),)](*args, BLOCK=BLOCK, num_warps=4, **meta)
 
 
 class _BiasGeluFunction(torch.autograd.Function):

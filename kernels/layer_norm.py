@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .column_sum import sum_partials
-from .dispatch import as_rows, new_output, next_power_of_2, runnable, tl, triton, use_triton
+from .dispatch import as_rows, cdiv, new_output, next_power_of_2, runnable, tl, triton, use_triton
 from .norm_config import NormConfig, backward_config, backward_programs, forward_config
 from .rms_norm import _check, _check_triton
 
@@ -132,7 +132,7 @@ def _forward(x_rows, residual_rows, weight, bias, eps):
     rstd = new_output((n_rows,), torch.float32, device)
     has_residual = residual_rows is not None
     summed = new_output((n_rows, n_cols), x_rows.dtype, device) if has_residual else y
-    runnable(_layer_norm_forward_kernel, device)[(triton.cdiv(n_rows, config.rows),)](
+    runnable(_layer_norm_forward_kernel, device)[(cdiv(n_rows, config.rows),)](
         x_rows, residual_rows if has_residual else x_rows, summed, y, weight, bias, mean, rstd,
         x_rows.stride(0), residual_rows.stride(0) if has_residual else 0, n_rows, n_cols, eps,
         HAS_RESIDUAL=has_residual, ROWS=config.rows, BLOCK=next_power_of_2(n_cols), num_warps=config.num_warps)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .column_sum import sum_partials
-from .dispatch import as_rows, check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, \
+from .dispatch import as_rows, cdiv, check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, \
     triton, use_triton
 from .norm_config import NormConfig, backward_config, backward_programs, forward_config
 
@@ -127,7 +127,7 @@ def _forward(x_rows, residual_rows, weight, eps):
     rstd = new_output((n_rows,), torch.float32, x_rows.device)
     has_residual = residual_rows is not None
     summed = new_output((n_rows, n_cols), x_rows.dtype, x_rows.device) if has_residual else y
-    runnable(_rms_norm_forward_kernel, x_rows.device)[(triton.cdiv(n_rows, config.rows),)](
+    runnable(_rms_norm_forward_kernel, x_rows.device)[(cdiv(n_rows, config.rows),)](
         x_rows, residual_rows if has_residual else x_rows, summed, y, weight, rstd, x_rows.stride(0),
         residual_rows.stride(0) if has_residual else 0, n_rows, n_cols, eps, HAS_RESIDUAL=has_residual,
         ROWS=config.rows, BLOCK=next_power_of_2(n_cols), num_warps=config.num_warps)

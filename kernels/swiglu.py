@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
+from .dispatch import cdiv, check_float_dtype, check_same_device, new_output, runnable, tl, triton, use_triton
 
 BLOCK = 1024
 
@@ -47,7 +47,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate, up):
         gate, up = gate.contiguous(), up.contiguous()
         y = new_output(gate.shape, gate.dtype, gate.device)
-        grid = (triton.cdiv(gate.numel(), BLOCK),)
+        grid = (cdiv(gate.numel(), BLOCK),)
         runnable(_swiglu_forward_kernel, gate.device)[grid](gate, up, y, gate.numel(), BLOCK=BLOCK, num_warps=4)
         ctx.save_for_backward(gate, up)
         return y
@@ -58,7 +58,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         dy = dy.contiguous()
         d_gate = new_output(gate.shape, gate.dtype, gate.device)
         d_up = new_output(up.shape, up.dtype, up.device)
-        grid = (triton.cdiv(gate.numel(), BLOCK),)
+        grid = (cdiv(gate.numel(), BLOCK),)
         runnable(_swiglu_backward_kernel, gate.device)[grid](dy, gate, up, d_gate, d_up, gate.numel(), BLOCK=BLOCK,
                                                              num_warps=4)
         return d_gate, d_up

@@ -47,6 +47,32 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return fn(gate, up) if fn is not None else F.silu(gate) * up
 
 
+class _SplitHeads(torch.autograd.Function):
+    """qkv [s, b, sum(heads) * d] -> one view [s, b, heads_i, d] per block of heads (q, k, v).
+
+    The backward concatenates the blocks' gradients along the head dim in one copy kernel. The
+    autograd of `split` + `view` would first copy each gradient that is not contiguous (the
+    attention kernel's [b, h, s, d] gradient, permuted back to [s, b, h, d]) to undo its view,
+    then concatenate: four copies per block where one does (issue 26). The same values either way.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, heads: tuple[int, ...], head_dim: int):
+        s, b, _ = qkv.shape
+        blocks = qkv.split([n * head_dim for n in heads], dim=-1)
+        return tuple(block.view(s, b, n, head_dim) for block, n in zip(blocks, heads))
+
+    @staticmethod
+    def backward(ctx, *grads):  # each [s, b, heads_i, d], any strides (unused outputs: zeros)
+        s, b = grads[0].shape[:2]
+        return torch.cat(grads, dim=2).view(s, b, -1), None, None
+
+
+def split_heads(qkv: torch.Tensor, heads: tuple[int, ...], head_dim: int) -> tuple[torch.Tensor, ...]:
+    """qkv [s, b, sum(heads) * d] -> views [s, b, heads_i, d], one per block; see _SplitHeads."""
+    return _SplitHeads.apply(qkv, tuple(heads), head_dim)
+
+
 def rope_tables(seq_length: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [s, d] in fp32 for rotate-half RoPE (each frequency's angle repeated in both halves)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))

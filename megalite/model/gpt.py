@@ -25,6 +25,7 @@ tokens' sum: the caller divides the sum over cp ranks by their total target toke
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -222,8 +223,9 @@ class GPTModel(nn.Module):
             x = x + positions
         # the [s, b, h] embedding output's mask; under SP this rank's rows of it
         shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
-        offset = logical_row_offsets(x.shape[0], x[0].numel(), comm.group_rank(self.tp_group) if shards > 1 else 0,
-                                     shards, self.cp_rank, self.cp_size)
+        offset = logical_row_offsets(x.shape[0], math.prod(x.shape[1:]),  # a size read without an aten op
+                                     comm.group_rank(self.tp_group) if shards > 1 else 0, shards, self.cp_rank,
+                                     self.cp_size)
         return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
                        offset)
 

@@ -94,8 +94,7 @@ class Attention(nn.Module):
         """[s, b, (nq + 2 nkv)/tp * d] -> [s, b, nq/tp * d]: the part selective recompute re-runs."""
         s, b, _ = qkv.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_groups
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.view(s, b, hq, d), k.view(s, b, hkv, d), v.view(s, b, hkv, d)
+        q, k, v = MF.split_heads(qkv, (hq, hkv, hkv), d)  # views [s, b, heads, d]
         if rope is not None:
             q, k = MF.rope(q, *rope), MF.rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
@@ -174,7 +173,8 @@ class TransformerBlock(nn.Module):
         The logical mask is the [s, b, h] activation's (replicated stream): without SP every tp
         rank builds all of it, under SP rank r builds its rows [r*s/tp, (r+1)*s/tp)."""
         shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
-        offset = logical_row_offsets(residual.shape[0], residual[0].numel(), self.tp_rank if shards > 1 else 0,
+        row_numel = math.prod(residual.shape[1:])  # not residual[0].numel(): an aten op per call to read a size
+        offset = logical_row_offsets(residual.shape[0], row_numel, self.tp_rank if shards > 1 else 0,
                                      shards, self.cp_rank, self.cp_size)
         return dropout(y, self.config.hidden_dropout, rng.replicated, dropout_site(self.layer_number, which),
                        self.training, offset, bias=bias, residual=residual)

@@ -9,22 +9,24 @@ and replayed: one launch; the optimizer step stays eager.
 
 Counts per transformer block (tensor-parallel collectives not counted: they are timed as
 communication), as the code issued them on the H200 trace of a gpt2-124m step
-(../shared/gpu/2026-11-26-h200/gpt2_trace.json.gz: 15 forward, 52 backward per block; 961 per step)
-and the llama-1b profile (llama_prof.tgz: 60 per block, 1448 per step):
+(../shared/gpu/2026-11-26-h200/gpt2_trace.json.gz: 15 forward, 52 backward per block; 961 per step;
+49 backward and 925 per step since the q/k/v copies below went) and the llama-1b profile
+(llama_prof.tgz: 60 per block, 1448 per step):
   forward   two norms; four GEMMs; the column-parallel pair's (QKV, fc1) memsets and, with biases,
             their bias adds; attention's kernel and its output made [s, b, h]; two bias-dropout-adds;
             the activation (SwiGLU: its gate and up halves made contiguous first); RoPE on q and k;
   backward  two GEMMs and a main-grad add per linear; a bias's gradient: memset, sum, add (the two
             the bias-dropout-add owns: memset, sum, cast, add); per norm: its kernel, and per
             parameter a sum, a cast and an add; attention's three kernels, its output gradient made
-            contiguous, the q/k/v gradients copied where no RoPE wrote them and concatenated; the
-            activation's kernel (SwiGLU: and the gate/up concatenation); RoPE on q and k; the residual
-            gradients' two adds;
+            contiguous, the q/k/v gradients concatenated (one copy: `functional.split_heads`; the
+            traces also copied each one no RoPE wrote first, 3 launches per gpt2 block, 1 per llama
+            block, gone since issue 26); the activation's kernel (SwiGLU: and the gate/up
+            concatenation); RoPE on q and k; the residual gradients' two adds;
   memsets   besides those named: `BLOCK_MEMSETS` per block of each flavour, as the profiles count them.
 Outside the blocks, per microbatch, `MICROBATCH_LAUNCHES` (embedding, final norm, output layer,
 cross entropy and the loss's bookkeeping), and per step `OPTIMIZER_LAUNCHES` plus `BUCKET_LAUNCHES`
-per gradient bucket: the gpt2 trace's counts (on llama-1b they give 1499 per step against its
-profile's 1448: its embedding, final norm and loss issue fewer than gpt2's, and its 970M
+per gradient bucket: the gpt2 trace's counts (on llama-1b they gave 1499 per step, 1477 now, against
+its profile's 1448: its embedding, final norm and loss issue fewer than gpt2's, and its 970M
 parameters fill 23 buckets, not 25). The host-overhead work of issue 26 changes all of these:
 count them again (tools/bench_host_overhead.py counts a real step's launches) when it lands.
 """
@@ -63,7 +65,7 @@ def block_launches(model: GPTConfig) -> Launches:
     norm_params = 1 if model.flavour == "llama" else 2
     forward = 2 + 4 + 2 + (2 if bias else 0) + 2 + 2 + 1 + (2 if gated else 0) + (2 if rope else 0)
     backward = 4 * 3 + (2 * 3 + 2 * 4 if bias else 0) + 2 * (1 + 3 * norm_params)
-    backward += 3 + 1 + (1 if rope else 3) + 1 + 1 + (1 if gated else 0) + (2 if rope else 0) + 2
+    backward += 3 + 1 + 1 + 1 + (1 if gated else 0) + (2 if rope else 0) + 2
     return Launches(forward, backward + BLOCK_MEMSETS.get(model.flavour, 0))
 
 

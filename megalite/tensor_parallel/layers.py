@@ -62,22 +62,24 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_input = grad_out.matmul(weight) if needs[0] else None
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out], shared by all three gradients
+        # the GEMM grad_out.matmul(weight) ran (matmul folds grad_out to g2 itself), one view op fewer
+        grad_input = g2.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if needs[0] else None
         wants_bias = bias is not None and needs[2]
         if bypasses_autograd(weight):
-            _route_weight_grads(weight, bias, _weight_grads, grad_out, x, needs[1], wants_bias)
+            _route_weight_grads(weight, bias, _weight_grads, g2, x, needs[1], wants_bias)
             return grad_input, None, None
-        return (grad_input, *_weight_grads(grad_out, x, needs[1], wants_bias))
+        return (grad_input, *_weight_grads(g2, x, needs[1], wants_bias))
 
 
-def _weight_grads(grad_out, x, wants_weight: bool, wants_bias: bool):
-    """(grad_weight [out, in], grad_bias [out]) of y = x @ W^T + b, each None when not wanted.
+def _weight_grads(g2, x, wants_weight: bool, wants_bias: bool):
+    """(grad_weight [out, in], grad_bias [out]) of y = x @ W^T + b from g2 = grad_out as [tokens, out],
+    each None when not wanted.
 
     A module-level function, not a closure made per backward: the backward runs once per layer
     and microbatch, and its host time is the step's time on small models (issue 26)."""
-    g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
     x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
-    return (g2.t().matmul(x2) if wants_weight else None), (g2.sum(0) if wants_bias else None)
+    return (g2.t().mm(x2) if wants_weight else None), (g2.sum(0) if wants_bias else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,10 +128,11 @@ class _SequenceParallelLinearFunction(torch.autograd.Function):
         grad_input = comm.reduce_scatter(grad_out.matmul(weight), ctx.group, dim=0) \
             if ctx.needs_input_grad[0] else None  # [s, b, in] partial sums -> [s/tp, b, in]
         wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out/tp]
         if bypasses_autograd(weight):
-            _route_weight_grads(weight, bias, _weight_grads, grad_out, x, wants_weight, wants_bias)
+            _route_weight_grads(weight, bias, _weight_grads, g2, x, wants_weight, wants_bias)
             return grad_input, None, None, None
-        return (grad_input, *_weight_grads(grad_out, x, wants_weight, wants_bias), None)
+        return (grad_input, *_weight_grads(g2, x, wants_weight, wants_bias), None)
 
 
 def sequence_parallel_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
