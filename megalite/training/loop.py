@@ -109,6 +109,11 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
     problems = launch_problems(cfg, world_size, tokenizer_vocab_size, memory)
     if cfg.training.cuda_graph and not torch.cuda.is_available():
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
+    if (cfg.precision.precision == "bf16" and not torch.cuda.is_available()
+            and os.environ.get("MEGALITE_KERNEL_BACKEND", "auto").strip().lower() == "triton"):
+        # numpy has no bfloat16: the interpreter's tl.dot returns garbage, and the loss would not show it
+        problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
+                        "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:

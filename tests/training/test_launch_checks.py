@@ -100,3 +100,14 @@ def test_the_configuration_does_not_import_the_planner():
     code = "import sys, megalite.config, megalite.cli; print(sorted(m for m in sys.modules if 'plan' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the interpreter runs only without CUDA here")
+def test_bf16_on_the_triton_interpreter_is_refused(monkeypatch):
+    # numpy has no bfloat16: the interpreter's tl.dot gives attention outputs off by ~1e9 and no error
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    with pytest.raises(ConfigError, match="no bf16 matrix multiply; use --precision fp16 or fp32"):
+        configure(RunConfig.build(precision="bf16"), 1, 257)
+    assert configure(RunConfig.build(precision="fp16"), 1, 257).precision.precision == "fp16"
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "auto")
+    assert configure(RunConfig.build(precision="bf16"), 1, 257).precision.precision == "bf16"
