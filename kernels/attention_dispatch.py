@@ -104,6 +104,12 @@ def describe(arch: str, head_dim: int, dtype: torch.dtype, seq_len: int, causal:
     return f"attention: {NAMES[impl]} ({why})"
 
 
+def implementation(arch: str, head_dim: int, dtype: torch.dtype, seq_len: int, causal: bool, dropout_p: float,
+                   gqa: bool, backend: str) -> str:
+    """The implementation `describe` names (the planner counts what it keeps for backward)."""
+    return (_forced(backend, dropout_p) or _auto(arch, head_dim, dtype, causal, seq_len, gqa))[0]
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
          native_gqa: bool) -> torch.Tensor:
     """torch's SDPA on q [b, h, s, d], k, v [b, h_kv, s_kv, d]; GQA by enable_gqa or repeated heads."""

@@ -65,6 +65,9 @@ TYPICAL_INTS = {
     "q_stride_b": HEADS * HEAD_DIM, "q_stride_h": HEAD_DIM, "q_stride_s": 2 * HEADS * HEAD_DIM,
     "k_stride_b": KV_HEADS * HEAD_DIM, "k_stride_h": HEAD_DIM, "k_stride_s": 2 * KV_HEADS * HEAD_DIM,
     "v_stride_b": KV_HEADS * HEAD_DIM, "v_stride_h": HEAD_DIM, "v_stride_s": 2 * KV_HEADS * HEAD_DIM,
+    # and writes its output, reads its output's gradient, as [b, h, s, d] views of [s, b, h, d] too
+    "o_stride_b": HEADS * HEAD_DIM, "o_stride_h": HEAD_DIM, "o_stride_s": 2 * HEADS * HEAD_DIM,
+    "do_stride_b": HEADS * HEAD_DIM, "do_stride_h": HEAD_DIM, "do_stride_s": 2 * HEADS * HEAD_DIM,
     # cross entropy, tp=1: stats [tokens, 3] = (max, sum-exp, target logit)
     "n_cols": 50304, "n_valid": 50257, "row_stride": 50304, "vocab_start": 0, "ignore_index": -100,
     "stats_row_stride": 3, "max_slot": 0, "sumexp_slot": 1, "target_slot": 2,
@@ -191,7 +194,7 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
 
     precision = "ieee" if dtype == torch.float32 else "tf32"
     for head_dim in head_dims or flash_attention.SUPPORTED_HEAD_DIMS:
-        strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in "qkv" for a in "bhs"
+        strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in ("q", "k", "v", "o", "do") for a in "bhs"
                    for v in [TYPICAL_INTS[f"{t}_stride_{a}"]]}
         for causal, dropout in ((True, False), (False, False), (True, True)):
             chosen = tiles or attention_tiles.lookup(f"sm_{arch}", head_dim, dtype, causal, dropout)[0]
@@ -205,7 +208,7 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
                               f"{label_suffix}", kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
         yield Variant(f"attention delta d={head_dim}{label_suffix}", backward._attention_delta_kernel,
-                      dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, {})
+                      dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, strides)
 
 
 # Mixtral-8x7B's experts: 8192 tokens top-2 (16384 routed rows), hidden 4096, expert ffn 14336, 8 experts

@@ -56,7 +56,8 @@ def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | Non
 
 @triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
-                              k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
+                              k_stride_s, v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
+                              n_heads, group_size, seq_len,
                               kv_len, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
                               dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
@@ -130,8 +131,8 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     if DROPOUT:
         acc = acc * dropout_scale
     row_ok = offs_m < seq_len
-    tl.store(O + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(O + batch * o_stride_b + head * o_stride_h + offs_m[:, None] * o_stride_s + offs_d[None, :],
+             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + batch_head * seq_len + offs_m, row_max + tl.log2(row_sum), mask=row_ok)
 
 
@@ -161,6 +162,15 @@ def _pad_head_dim(head_dim: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [torch.nn.functional.pad(t, (0, padded - head_dim)) for t in tensors]
 
 
+def _output_like(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [b, h, s, d] output laid out in memory as q is: the model's q is a view of its
+    [s, b, h, d] activations, and the output in that order makes the model's permute back a view
+    where a contiguous output cost a copy forward and one more of its gradient backward (issue 26)."""
+    order = sorted(range(3), key=lambda dim: -q.stride(dim))  # q's dims b, h, s, outermost first
+    memory = new_output(tuple(q.shape[dim] for dim in order) + (q.shape[3],), q.dtype, q.device)
+    return memory.permute(*(order.index(dim) for dim in range(3)), 3)
+
+
 NO_DROPOUT = (0.0, 0, 0)
 
 
@@ -170,18 +180,21 @@ def _dropout_args(batch: int, dropout: tuple[float, int, int]) -> tuple:
     return batch, seed, offset, drop_threshold(p), 1.0 / (1.0 - p)
 
 
-def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[float, int, int] = NO_DROPOUT):
+def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[float, int, int] = NO_DROPOUT,
+                    out_like_q: bool = False):
     """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] -> (out [b, h, sq, D], lse2 fp32 [b, h, sq], base 2).
 
-    dropout: (p, seed, offset) of the Philox mask (p = 0: none; needs sk == sq)."""
+    dropout: (p, seed, offset) of the Philox mask (p = 0: none; needs sk == sq). out is contiguous,
+    or with `out_like_q` laid out in memory as q is (see `_output_like`)."""
     batch, n_heads, seq_len, head_dim = q.shape
     group_size = n_heads // k.shape[1]
     cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0, causal)
-    out = new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
+    out = _output_like(q) if out_like_q else new_output((batch, n_heads, seq_len, head_dim), q.dtype, q.device)
     lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m, block_n, warps, stages = cfg["fwd"]
     runnable(_attention_forward_kernel, q.device)[(cdiv(seq_len, block_m), batch * n_heads)](
-        q, k, v, out, lse2, *strides(q), *strides(k), *strides(v), n_heads, group_size, seq_len, k.shape[2],
+        q, k, v, out, lse2, *strides(q), *strides(k), *strides(v), *strides(out), n_heads, group_size, seq_len,
+        k.shape[2],
         softmax_scale * LOG2E, *_dropout_args(batch, dropout), CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0, num_warps=warps,
         num_stages=stages)
@@ -190,7 +203,7 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[
 
 def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float,
                      dropout: tuple[float, int, int] = NO_DROPOUT):
-    """Padded inputs, out and dout contiguous [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv
+    """Padded inputs, out and dout [b, h, sq, D] with unit last stride, lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv
     (kernels/flash_attention_backward.py)."""
     cfg = _config(q.shape[-1], q.device, q.dtype, dropout[0] > 0.0, causal)
     return launch_backward(q, k, v, out, dout, lse2, causal, softmax_scale, cfg, _dropout_args(q.shape[0], dropout),
@@ -202,7 +215,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, softmax_scale, dropout):
         ctx.head_dim = q.shape[-1]
         q, k, v = _pad_head_dim(ctx.head_dim, q, k, v)
-        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale, dropout)
+        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale, dropout, out_like_q=True)
         ctx.save_for_backward(q, k, v, out, lse2)  # the dropout mask is regenerated from (seed, offset)
         ctx.causal, ctx.softmax_scale, ctx.dropout = causal, softmax_scale, dropout
         return out if out.shape[-1] == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
@@ -211,7 +224,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse2 = ctx.saved_tensors
         (dout,) = _pad_head_dim(ctx.head_dim, dout)
-        dq, dk, dv = _launch_backward(q, k, v, out, dout.contiguous(), lse2, ctx.causal, ctx.softmax_scale,
+        (dout,) = _unit_stride(dout)  # the model's dout is a view of [s, b, h, d]: no copy needed
+        dq, dk, dv = _launch_backward(q, k, v, out, dout, lse2, ctx.causal, ctx.softmax_scale,
                                       ctx.dropout)
         if q.shape[-1] != ctx.head_dim:
             dq, dk, dv = (t[..., :ctx.head_dim] for t in (dq, dk, dv))

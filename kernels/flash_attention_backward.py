@@ -32,21 +32,25 @@ from .dispatch import cdiv, new_output, runnable, tl, triton
 
 
 @triton.jit
-def _attention_delta_kernel(O, DO, DELTA, seq_len, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[b, h, i] = sum_d dout * out (both contiguous [b, h, s, d])."""
+def _attention_delta_kernel(O, DO, DELTA, o_stride_b, o_stride_h, o_stride_s, do_stride_b, do_stride_h, do_stride_s,
+                            n_heads, seq_len, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[b, h, i] = sum_d dout * out (both [b, h, s, d] with unit last stride)."""
     batch_head = tl.program_id(1).to(tl.int64)
+    batch, head = batch_head // n_heads, batch_head % n_heads
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     mask = offs_m[:, None] < seq_len
-    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
+    o_ptrs = O + batch * o_stride_b + head * o_stride_h + offs_m[:, None] * o_stride_s + offs_d[None, :]
+    do_ptrs = DO + batch * do_stride_b + head * do_stride_h + offs_m[:, None] * do_stride_s + offs_d[None, :]
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + batch_head * seq_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < seq_len)
 
 
 @triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
-                           k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len,
+                           k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h,
+                           do_stride_s, n_heads, group_size, seq_len,
                            kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
                            dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -72,11 +76,12 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
     for group_member in range(0, group_size):
         head = kv_head * group_size + group_member
         q_base = Q + batch * q_stride_b + head * q_stride_h
-        row_base = (batch * n_heads + head) * seq_len  # into lse, delta [b, h, s] and dout [b, h, s, d]
+        row_base = (batch * n_heads + head) * seq_len  # into lse, delta [b, h, s]
+        do_base = DO + batch * do_stride_b + head * do_stride_h
         for start_m in range(first_m, seq_len, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q_ptrs = q_base + offs_m[None, :] * q_stride_s + offs_d[:, None]
-            do_ptrs = DO + (row_base + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+            do_ptrs = do_base + offs_m[:, None] * do_stride_s + offs_d[None, :]
             if EVEN_M:
                 q_t, do = tl.load(q_ptrs), tl.load(do_ptrs)  # [HEAD_DIM, BLOCK_M], [BLOCK_M, HEAD_DIM]
                 lse, delta = tl.load(LSE + row_base + offs_m), tl.load(DELTA + row_base + offs_m)
@@ -117,7 +122,8 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
 
 @triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
-                         k_stride_s, v_stride_b, v_stride_h, v_stride_s, n_heads, group_size, seq_len, kv_len,
+                         k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
+                         n_heads, group_size, seq_len, kv_len,
                          softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
                          dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -133,7 +139,7 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
     q_ptrs = Q + batch * q_stride_b + head * q_stride_h + offs_m[:, None] * q_stride_s + offs_d[None, :]
-    do_ptrs = DO + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    do_ptrs = DO + batch * do_stride_b + head * do_stride_h + offs_m[:, None] * do_stride_s + offs_d[None, :]
     if EVEN_M:
         q, do = tl.load(q_ptrs), tl.load(do_ptrs)  # [BLOCK_M, HEAD_DIM]
         lse, delta = tl.load(LSE + batch_head * seq_len + offs_m), tl.load(DELTA + batch_head * seq_len + offs_m)
@@ -197,8 +203,8 @@ def strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float, config: dict,
                     dropout_args: tuple, dropout: bool):
-    """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] (unit last stride), out and dout contiguous
-    [b, h, sq, D], lse2 contiguous fp32 [b, h, sq] -> (dq, dk, dv) like q, k, v.
+    """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D], out and dout [b, h, sq, D] (all with unit last
+    stride, any other strides), lse2 contiguous fp32 [b, h, sq] -> contiguous (dq, dk, dv) like q, k, v.
 
     `out` and `lse2` are those of the softmax the block belongs to: over these keys only for
     plain attention, over every key of the row for one block of a longer row (ring attention).
@@ -210,11 +216,11 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     delta = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     delta_rows = 64
     runnable(_attention_delta_kernel, q.device)[(cdiv(seq_len, delta_rows), batch * n_heads)](
-        out, dout, delta, seq_len, HEAD_DIM=head_dim, BLOCK_M=delta_rows)
+        out, dout, delta, *strides(out), *strides(dout), n_heads, seq_len, HEAD_DIM=head_dim, BLOCK_M=delta_rows)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
-    common = (*strides(q), *strides(k), *strides(v), n_heads, n_heads // n_kv_heads, seq_len, kv_len,
+    common = (*strides(q), *strides(k), *strides(v), *strides(dout), n_heads, n_heads // n_kv_heads, seq_len, kv_len,
               softmax_scale, softmax_scale * LOG2E, *dropout_args)
     meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout)
     block_m, block_n, warps, stages = config["dkdv"]

@@ -9,7 +9,7 @@ Printed per row:
 - saved activation bytes per rank: the distinct storages autograd keeps from one training
   forward for backward (parameters excluded; the quantity the planner's activation estimate
   is tested against), the largest over the ranks, and its ratio to cp = 1 (ideal: 1/cp);
-- the planner's estimate of the same for megalite's GPU kernels (`megalite.plan`, the kept
+- the planner's estimate of the same for megalite's Triton kernels (`megalite.plan`, the kept
   part, without the transient ring/all-to-all buffers);
 - step time: the slowest rank's, best of --steps (--long-steps above 8k tokens), and its ratio
   to cp = 1. On this machine the ranks share the same few cores, so the ratio shows overhead,
@@ -97,7 +97,7 @@ def _bench_rank(args, cp: int, comm_type: str) -> list[dict]:
                 result = train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4)
             times.append(_largest(time.perf_counter() - start))
             losses.append(result["loss"])
-        planned = activations.activation_bytes(model_cfg, cfg, 0) \
+        planned = activations.activation_bytes(model_cfg, cfg, 0, attention="triton") \
             - activations.context_parallel_buffer_bytes(model_cfg, cfg)
         rows.append(dict(seq=seq, cp=cp, comm=comm_type if cp > 1 else "-", saved=_largest(saved.total),
                          planned=planned, step_s=min(times), loss=losses[0]))

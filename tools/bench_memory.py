@@ -62,7 +62,9 @@ def memory_table(config: GPTConfig, seq: int, batch: int, tp: int, precision: st
                  backend: str = "triton") -> list[MemoryRow]:
     """Every technique: measured on CPU (saved-tensor hooks), the planner's bytes and the paper's."""
     measured = measure_table(config, seq=seq, batch=batch, tp=tp, dtype=DTYPES[precision], backend=backend)
-    return [MemoryRow(t.name, row.measured_bytes, layer_activation_bytes(config, planner_layout(t, tp, batch, precision)),
+    attention = "triton" if backend == "triton" else "reference"  # what the measured path runs, as the planner names it
+    return [MemoryRow(t.name, row.measured_bytes,
+                      layer_activation_bytes(config, planner_layout(t, tp, batch, precision), attention=attention),
                       row.formula_bytes, row.sbh) for t, row in zip(TECHNIQUES, measured)]
 
 

@@ -138,6 +138,26 @@ def unpermute_tokens(y: torch.Tensor, sorted_index: torch.Tensor, weights: torch
     return _moe_kernel("unpermute_tokens")(y, sorted_index, weights, num_tokens)
 
 
+def attention_implementation(head_dim: int, num_heads: int, num_query_groups: int, seq_length: int, dtype: str,
+                             dropout_p: float, cp: int, cp_comm_type: str, device: torch.device) -> str:
+    """Which implementation this model's attention calls run on `device`: "triton", "sdpa",
+    "sdpa_gqa" or "reference" (kernels/attention_dispatch.py's names); the planner's activation
+    bytes depend on it (megalite/plan/activations.py). Arguments as `describe_attention`'s."""
+    if _kernels is None:  # pragma: no cover - the kernels package ships with megalite
+        return "reference"
+    from megalite.kernels import attention_dispatch, attention_tiles
+
+    backend = _kernels.backend_name()
+    if device.type != "cuda":
+        return "triton" if backend == "triton" else "reference"
+    if cp > 1 and cp_comm_type == "p2p":
+        return "triton"
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    arch = attention_tiles.cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return attention_dispatch.implementation(arch, head_dim, torch_dtype, seq_length, True, dropout_p,
+                                             num_query_groups != num_heads, backend)
+
+
 def describe_attention(head_dim: int, num_heads: int, num_query_groups: int, seq_length: int, dtype: str,
                        dropout_p: float, cp: int, cp_comm_type: str, device: torch.device) -> str:
     """The start banner's line: which attention implementation this model's calls run, and why.

@@ -6,6 +6,10 @@ against the real model on CPU (tests/training/test_estimate.py), times the micro
 flight on the stage (1F1B: pp - stage; interleaved: Megatron's warmup + 1 chunks, of which only
 chunk 0's hold the first stage's embedding; GPipe: all; ZB-H1: counted on the schedule).
 
+Which attention implementation runs (kernels/attention_dispatch.py) changes what its core keeps:
+the Triton kernels write their output where the out-projection reads it, SDPA's output is copied
+there, and SDPA with repeated kv heads keeps the repeats (`planned_attention`, `output_kept_once`).
+
 Context parallelism (cp > 1) gives each rank s/cp tokens of every sequence, so every
 per-token term uses s/cp. What only exists at cp > 1 is added by name: the positions gathered at the zigzag chunks' global positions, and the ring's
 or all-to-all's transient buffers (`context_parallel_buffer_bytes`, one layer's worth).
@@ -44,7 +48,40 @@ def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute
     return total
 
 
-def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None) -> int:
+ATTENTION_IMPLEMENTATIONS = ("triton", "sdpa", "sdpa_gqa", "reference")  # kernels/attention_dispatch.py's names
+
+
+def planned_attention(model: GPTConfig, attention: str | None = None) -> str:
+    """The attention implementation counted: `attention` where the caller knows which runs (the
+    training loop asks the dispatch), else what `auto` may pick on a GPU that keeps the most:
+    the Triton kernels with attention dropout (only they regenerate its mask), otherwise torch's
+    SDPA with repeated kv heads (any GPU the dispatch table did not measure), an upper bound."""
+    if attention is None:
+        return "triton" if model.attention_dropout > 0.0 else "sdpa"
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got {attention!r}")
+    return attention
+
+
+def output_kept_once(cfg: RunConfig, attention: str) -> bool:
+    """Whether attention's output and the out-projection's input are one storage: the Triton kernels
+    write their output in the [s, b, nq/t, d] memory the projection reads (q's own layout), so the
+    core's permute back is a view. Not under context parallelism: ring attention merges contiguous
+    blocks and Ulysses's all-to-all moves the output into a new tensor."""
+    return attention == "triton" and cfg.parallel.cp == 1
+
+
+def _repeats_kv_heads(model: GPTConfig, cfg: RunConfig, attention: str) -> bool:
+    """SDPA with repeated heads keeps the repeated k, v; the CPU reference is that SDPA except with
+    attention dropout (its own flash-style function, no repeat); ring attention runs Triton's blocks."""
+    grouped = model.num_query_groups < model.num_attention_heads
+    ring = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "p2p"
+    sdpa = attention == "sdpa" or (attention == "reference" and model.attention_dropout == 0.0)
+    return grouped and sdpa and not ring
+
+
+def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | None = None,
+                           attention: str | None = None) -> int:
     """Bytes one block keeps for backward, per microbatch, on one tensor-parallel rank.
 
     Counted storage by storage from megalite's block (Korthikanti et al.'s method; their
@@ -53,10 +90,15 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
       two norms: input a*sbh/sp + fp32 stats (the CPU RMSNorm reference keeps more);
       QKV and MLP-in linear inputs 2*a*sbh/sp (under SP the column-parallel linear keeps only
       its sequence shard and re-gathers it in backward, as Korthikanti et al. count it);
-      q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE, k and v repeated per
-      query head under grouped-query attention (functional.attention's repeat_interleave);
+      q, k, v: the QKV output a*sb(nq+2nkv)d/t, rotated copies for RoPE; under grouped-query
+      attention SDPA with repeated kv heads ("sdpa", and the CPU "reference" without dropout)
+      keeps the repeated k and v, 2*a*sb*nq*d/t;
       attention output a*sbh/t + fp32 logsumexp 4*b*nq*s/t (flash attention, with or without
-      dropout: the mask is regenerated from its Philox key in backward, nothing per score kept);
+      dropout: the mask is regenerated from its Philox key in backward, nothing per score kept),
+      and the out-projection's input a*sbh/t: the same storage where `attention` is "triton"
+      (`output_kept_once`), else a copy [s, b, nq*d/t] of the [b, nq/t, s, d] output (torch's CUDA
+      SDPA kernels allocate [b, s, nq/t, d]; where a torch kernel writes q's layout, as torch 2.13's
+      CPU SDPA does, the block keeps a*sbh/t less than counted: an upper bound there);
       MLP: gpt2 fc1 and GeLU outputs 2*a*sbf/t; llama gate|up and product 3*a*sbf/t (+silu(gate)
       a*sbf/t with the PyTorch reference). Hidden dropout keeps no mask (bias-dropout-add
       regenerates it), so dropout adds no bytes anywhere.
@@ -65,6 +107,7 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     Under context parallelism s is this rank's s/cp tokens.
     """
     recompute = recompute or cfg.parallel.recompute
+    attention = planned_attention(model, attention)
     a = DTYPE_BYTES[cfg.precision.precision]
     t = cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
@@ -77,8 +120,12 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
     total += _attention_inputs_bytes(model, a, s * b, t, recompute, ulysses)
     total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
-    if recompute == "none":                                             # flash: its own [b, nq/t, s, d]
-        total += a * s * b * nq * model.head_dim // t + 4 * b * nq * s // t   # output, fp32 logsumexp
+    if recompute == "none":                                             # fp32 logsumexp [b, nq/t, s]
+        total += 4 * b * nq * s // t
+        if not output_kept_once(cfg, attention):                        # its own [b, nq/t, s, d] output
+            total += a * s * b * nq * model.head_dim // t
+        if _repeats_kv_heads(model, cfg, attention):                   # k, v repeated per query head
+            total += 2 * a * s * b * nq * model.head_dim // t
     if model.flavour == "gpt2":
         total += 2 * a * s * b * f // t
     else:
@@ -193,14 +240,15 @@ def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
     return routing_activation_bytes(model, cfg) - dense
 
 
-def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """Peak saved-activation bytes of one rank of pipeline stage `stage`."""
+def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
+    """Peak saved-activation bytes of one rank of pipeline stage `stage` (`attention`: which
+    implementation runs, see `planned_attention`)."""
     v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
     layers = stage_layers(model, cfg)[stage]
     recomputed = recomputed_stage_layers(model, cfg)[stage]  # full recompute: all, or N per chunk
     inflight = inflight_microbatches(cfg, stage)
-    per_layer = layer_activation_bytes(model, cfg)
-    kept_whole = layer_activation_bytes(model, cfg, recompute="none")
+    per_layer = layer_activation_bytes(model, cfg, attention=attention)
+    kept_whole = layer_activation_bytes(model, cfg, recompute="none", attention=attention)
     moe_layers = stage_moe_layers(model, cfg, stage)
     if moe_layers and cfg.parallel.recompute != "full":  # routing buffers instead of the dense MLP's
         per_layer += moe_layers * moe_activation_change(model, cfg) // max(layers, 1)

@@ -61,6 +61,22 @@ def choose_attention(table: dict[int, dict[str, float]], seq_len: int, grouped: 
     return min(usable, key=usable.get) if usable else None
 
 
+def attention_implementation(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, backend: str = "auto") -> str:
+    """The implementation megalite's blocks run on the profile's GPU (kernels/attention_dispatch.py's
+    rule): ring attention and dropout run Triton's; a forced backend its own; else the fastest in the
+    profile's table, and torch's SDPA (repeated kv heads) where it has none, as the dispatch answers a
+    key nobody measured. Its activation bytes and layout copies depend on it (activations.py)."""
+    dropout = model.attention_dropout > 0
+    if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", "p2p") == "p2p":
+        return "triton"
+    table = _rows(hw, model.head_dim, cfg.precision.precision, True)
+    grouped = model.num_query_groups < model.num_attention_heads
+    chosen = choose_attention(table, model.seq_length, grouped, dropout, backend) if table else None
+    if chosen:
+        return chosen
+    return backend if backend != "auto" else ("triton" if dropout else "sdpa")
+
+
 def _work_per_ms(table: dict[int, dict[str, float]], impl: str, seq_len: int) -> float:
     """Measured rate of `impl` in units of (tokens x width x seq_len) per ms, log2-interpolated in seq_len."""
     points = sorted((seq, ATTENTION_TABLE_TOKENS * ATTENTION_TABLE_WIDTH * seq / row[impl])
@@ -122,21 +138,23 @@ def attention_products(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, at
 
 
 def layout_copies(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, tokens: int,
-                  megalite_layout: bool) -> tuple[float, float]:
+                  megalite_layout: bool, output_in_place: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of megalite's own layout passes in one block, counted where the profile
-    measured torch's copy kernels ("layout_copy"): forward: attention's output [b, nq, s, d] -> [s, b, nq d],
-    the column-parallel bias adds (QKV, fc1), SwiGLU's gate and up halves made contiguous; backward: the
-    output gradient made contiguous, the q/k/v gradients copied where no RoPE wrote them (strided), and
-    the concatenations of the QKV (and gate/up) gradients (at the copy bandwidth: cat is a plain copy)."""
+    measured torch's copy kernels ("layout_copy"): forward: attention's output [b, nq, s, d] -> [s, b, nq d]
+    (not where the Triton kernels write it in place, `output_in_place`), the column-parallel bias adds
+    (QKV, fc1), SwiGLU's gate and up halves made contiguous; backward: the output gradient made contiguous
+    (not in place either), the q/k/v gradients copied where no RoPE wrote them (strided), and the
+    concatenations of the QKV (and gate/up) gradients (at the copy bandwidth: cat is a plain copy)."""
     if not megalite_layout or "layout_copy" not in hw.memory_fractions:
         return 0.0, 0.0
     a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
     d, f = model.head_dim, model.ffn_hidden_size // t
     nq, nkv = model.num_attention_heads // t, model.num_query_groups // t
     llama = model.flavour == "llama"
-    forward = 2 * a * tokens * nq * d + (2 * a * tokens * ((nq + 2 * nkv) * d + f) if model.add_bias else 0)
+    output = 0 if output_in_place else 2 * a * tokens * nq * d
+    forward = output + (2 * a * tokens * ((nq + 2 * nkv) * d + f) if model.add_bias else 0)
     forward += 2 * 2 * a * tokens * f if llama else 0
-    backward = 2 * a * tokens * nq * d + 2 * a * tokens * (nkv if llama else nq + 2 * nkv) * d
+    backward = output + 2 * a * tokens * (nkv if llama else nq + 2 * nkv) * d
     concatenated = 2 * a * tokens * ((nq + 2 * nkv) * d + (2 * f if llama else 0))
     fwd, bwd = memory_seconds(hw, "layout_copy", forward, backward)
     return fwd, bwd + hw.memory_seconds(concatenated)

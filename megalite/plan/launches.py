@@ -18,10 +18,12 @@ communication), as the code issued them on the H200 trace of a gpt2-124m step
   backward  two GEMMs and a main-grad add per linear; a bias's gradient: memset, sum, add (the two
             the bias-dropout-add owns: memset, sum, cast, add); per norm: its kernel, and per
             parameter a sum, a cast and an add; attention's three kernels, its output gradient made
-            contiguous, the q/k/v gradients concatenated (one copy: `functional.split_heads`; the
-            traces also copied each one no RoPE wrote first, 3 launches per gpt2 block, 1 per llama
-            block, gone since issue 26); the activation's kernel (SwiGLU: and the gate/up
-            concatenation); RoPE on q and k; the residual gradients' two adds;
+            contiguous (neither copy with the Triton kernels since issue 26: they write their output
+            and read its gradient in the [s, b, h] layout, `output_in_place`), the q/k/v gradients
+            concatenated (one copy: `functional.split_heads`; the traces also copied each one no
+            RoPE wrote first, 3 launches per gpt2 block, 1 per llama block, gone since issue 26);
+            the activation's kernel (SwiGLU: and the gate/up concatenation); RoPE on q and k; the
+            residual gradients' two adds;
   memsets   besides those named: `BLOCK_MEMSETS` per block of each flavour, as the profiles count them.
 Outside the blocks, per microbatch, `MICROBATCH_LAUNCHES` (embedding, final norm, output layer,
 cross entropy and the loss's bookkeeping), and per step `OPTIMIZER_LAUNCHES` plus `BUCKET_LAUNCHES`
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
+from megalite.plan.activations import output_kept_once, planned_attention
 from megalite.plan.hardware import HardwareProfile
 from megalite.plan.layout import stage_layers
 from megalite.plan.params import stage_params
@@ -59,20 +62,24 @@ class Launches:
     backward: int
 
 
-def block_launches(model: GPTConfig) -> Launches:
-    """GPU operations of one transformer block's forward and backward (one microbatch)."""
+def block_launches(model: GPTConfig, output_in_place: bool = False) -> Launches:
+    """GPU operations of one transformer block's forward and backward (one microbatch);
+    `output_in_place`: attention's output and its gradient need no layout copy (the Triton kernels
+    at cp = 1: `activations.output_kept_once`)."""
     bias, gated, rope = model.add_bias, model.flavour == "llama", model.flavour == "llama"
     norm_params = 1 if model.flavour == "llama" else 2
-    forward = 2 + 4 + 2 + (2 if bias else 0) + 2 + 2 + 1 + (2 if gated else 0) + (2 if rope else 0)
+    copy = 0 if output_in_place else 1
+    forward = 2 + 4 + 2 + (2 if bias else 0) + 1 + copy + 2 + 1 + (2 if gated else 0) + (2 if rope else 0)
     backward = 4 * 3 + (2 * 3 + 2 * 4 if bias else 0) + 2 * (1 + 3 * norm_params)
-    backward += 3 + 1 + 1 + 1 + (1 if gated else 0) + (2 if rope else 0) + 2
+    backward += 3 + copy + 1 + 1 + (1 if gated else 0) + (2 if rope else 0) + 2
     return Launches(forward, backward + BLOCK_MEMSETS.get(model.flavour, 0))
 
 
-def stage_launches(model: GPTConfig, cfg: RunConfig, stage: int) -> Launches:
+def stage_launches(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> Launches:
     """GPU operations of one microbatch's forward and backward on a pipeline stage (all its chunks);
-    the embedding and loss count on the stages that hold them, half each where they are two."""
-    block = block_launches(model)
+    the embedding and loss count on the stages that hold them, half each where they are two.
+    `attention`: the implementation the blocks run (`activations.planned_attention`)."""
+    block = block_launches(model, output_kept_once(cfg, planned_attention(model, attention)))
     layers = stage_layers(model, cfg)[stage]
     share = 1.0 if cfg.parallel.pp == 1 else 0.5 * ((stage == 0) + (stage == cfg.parallel.pp - 1))
     return Launches(round(layers * block.forward + share * MICROBATCH_LAUNCHES[0]),

@@ -168,14 +168,15 @@ def bubble_fraction(cfg: RunConfig) -> float:
     return (p - 1) / (slots + p - 1)
 
 
-def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
-    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage."""
+def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> Estimate:
+    """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage; `attention`:
+    the implementation the blocks' attention runs, where the caller knows it (activations.py)."""
     check_degrees(cfg)
     seq = model.seq_length
     per_stage = []
     for stage in range(cfg.parallel.pp):
         weights, grads, optimizer, host = stage_model_states(model, cfg, stage)
-        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage), stage))
+        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage, attention), stage))
     _, worst = max(per_stage)
     params = stage_params(model, cfg, worst)
     weights, grads, optimizer, host = stage_model_states(model, cfg, worst)
@@ -184,7 +185,7 @@ def estimate(model: GPTConfig, cfg: RunConfig) -> Estimate:
     hardware_flops = hardware_flops_per_token(model, cfg.parallel.recompute, seq, recompute_fraction(model, cfg)) * tokens
     return Estimate(
         param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
-        activation_bytes=activation_bytes(model, cfg, worst), params_per_rank=params, stage=worst,
+        activation_bytes=activation_bytes(model, cfg, worst, attention), params_per_rank=params, stage=worst,
         layers_on_stage=stage_layers(model, cfg)[worst],
         inflight_microbatches=inflight_microbatches(cfg, worst), num_microbatches=m,
         bubble_fraction=bubble_fraction(cfg),

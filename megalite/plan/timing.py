@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
 from megalite.plan import kernel_rates as rates
+from megalite.plan.activations import output_kept_once
 from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
@@ -181,7 +182,8 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     mlp = rates.memory_seconds(hw, "swiglu", 3 * act, 5 * act, True) if llama else \
         rates.memory_seconds(hw, "gelu", 2 * act, 3 * act, True)
     megalite_layout = kernels.attention == "flash" and not kernels.layout_copies
-    layout = rates.layout_copies(model, cfg, hw, tokens, megalite_layout)
+    in_place = output_kept_once(cfg, rates.attention_implementation(model, cfg, hw, kernels.attention_backend))
+    layout = rates.layout_copies(model, cfg, hw, tokens, megalite_layout, in_place)
     forward = gemm + attention + hw.memory_seconds(streamed) + norms[0] + rope[0] + mlp[0] + layout[0]
     bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
     products = scores + values
@@ -247,9 +249,11 @@ def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[fl
     host += hw.microbatch_overhead_us * 1e-6 * (1.0 if cfg.parallel.pp == 1 else 0.5)  # ends split over stages
     if not hw.launch_host_us:
         return device, (0.0, host), backward, layers * block.attention_forward
-    counted = stage_launches(model, cfg, stage)
-    selective = 4 * layers if cfg.parallel.recompute == "selective" else 0  # RoPE q, k; attention; its copy
-    rerun_launches = rerun * block_launches(model).forward + selective
+    attention = rates.attention_implementation(model, cfg, hw, kernels.attention_backend)
+    in_place = output_kept_once(cfg, attention)
+    counted = stage_launches(model, cfg, stage, attention)
+    selective = (3 if in_place else 4) * layers if cfg.parallel.recompute == "selective" else 0  # RoPE q, k;
+    rerun_launches = rerun * block_launches(model, in_place).forward + selective     # attention; its copy
     host_passes = (1, 0) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
     return device, tuple(host_seconds(hw, n) for n in host_passes), backward, layers * block.attention_forward
 

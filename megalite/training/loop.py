@@ -196,8 +196,18 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     return job
 
 
+def _attention_run(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device) -> str | None:
+    """The attention implementation the model's blocks run on this GPU, for the planner to count what
+    it keeps; None off CUDA, where the estimate is a GPU's (the planner's choice, as logged)."""
+    if device.type != "cuda":
+        return None
+    return MF.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+                                       model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout,
+                                       cfg.parallel.cp, cfg.parallel.cp_comm_type, device)
+
+
 def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
-    plan = estimate(model_cfg, cfg)
+    plan = estimate(model_cfg, cfg, _attention_run(cfg, model_cfg, mesh.device))
     log(mesh.describe())
     log(f"model: {model_cfg.flavour} {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, "
         f"heads={model_cfg.num_attention_heads}/{model_cfg.num_query_groups}, {model_cfg.num_params() / 1e6:.2f}M "
@@ -321,7 +331,8 @@ def train_steps(job: Job, start_step: int) -> bool:
             else:
                 check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
         if step == start_step + 1:
-            log(estimate_vs_measured(estimate(job.model_cfg, cfg), job.mesh.device))
+            planned = estimate(job.model_cfg, cfg, _attention_run(cfg, job.model_cfg, job.mesh.device))
+            log(estimate_vs_measured(planned, job.mesh.device))
         _record(job, step, step_time, result)
         if cfg.logging.straggler_interval and step % cfg.logging.straggler_interval == 0:
             times, hosts = gather_step_times(step_time)

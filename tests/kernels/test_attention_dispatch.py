@@ -66,6 +66,27 @@ def test_the_banner_names_the_choice_and_its_measured_margin(measured, monkeypat
     assert line.startswith("attention: torch SDPA (enable_gqa)") and "megalite Triton kernels 1.50x its time" in line
     assert "megalite Triton kernels" in attention_dispatch.describe("sm_90", 128, torch.bfloat16, 8192, True, 0.1,
                                                                     True, "auto")
+    # the name the planner counts activations for is the banner's choice
+    assert attention_dispatch.implementation("sm_90", 128, torch.bfloat16, 8192, True, 0.0, True, "auto") == "sdpa_gqa"
+    assert attention_dispatch.implementation("sm_90", 128, torch.bfloat16, 8192, True, 0.1, True, "auto") == "triton"
+
+
+def test_the_model_names_the_attention_its_blocks_run_for_the_planner(measured, monkeypatch):
+    from megalite.model.functional import attention_implementation
+
+    from megalite.kernels import attention_tiles
+
+    monkeypatch.setattr(attention_dispatch, "SDPA_HAS_GQA", True)
+    monkeypatch.setattr(attention_tiles, "cuda_arch", lambda index: "sm_90")
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "auto")
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    on = lambda device, cp=1, comm="p2p", seq=1024: attention_implementation(128, 32, 8, seq, "bf16", 0.0, cp, comm,
+                                                                             device)
+    assert (on(cuda), on(cuda, seq=8192), on(cuda, cp=2), on(cuda, 2, "a2a", 8192)) == \
+        ("triton", "sdpa_gqa", "triton", "sdpa_gqa")              # ring attention runs Triton's blocks
+    assert on(cpu) == "reference"
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    assert on(cpu) == "triton"
 
 
 def test_every_table_row_names_known_implementations():

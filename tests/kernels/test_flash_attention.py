@@ -44,6 +44,30 @@ def test_head_dims_between_the_native_ones_are_zero_padded(dim):
     compare_with_reference(attention, attention_reference, [q, k, v], tolerance(torch.float32, fp32=2e-5))
 
 
+def test_model_layout_output_is_written_and_its_gradient_read_in_place():
+    """q, k, v as the block makes them ([b, h, s, d] views of one [s, b, heads, d] QKV output): the
+    output comes back laid out as [s, b, h, d], so the block's permute back is a view, and its
+    gradient arrives through that view (strided); both directions match the reference."""
+    seq, batch, heads, kv_heads, dim = 19, 2, 4, 2, 16
+    qkv_out = torch.randn(seq, batch, heads + 2 * kv_heads, dim, device=DEVICE, requires_grad=True)
+    ref_in = qkv_out.detach().clone().requires_grad_()
+
+    def core(x, fn):  # [s, b, heads, d] -> the block's [s, b, h*d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in x.split([heads, kv_heads, kv_heads], dim=2))
+        out = fn(q, k, v, causal=True)
+        return out, out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+
+    out, flat = core(qkv_out, attention)
+    assert out.permute(2, 0, 1, 3).is_contiguous()                  # written as [s, b, h, d]: no copy back
+    assert flat.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    expected = core(ref_in, attention_reference)[1]
+    torch.testing.assert_close(flat, expected, atol=2e-5, rtol=2e-5)
+    grad = torch.randn_like(flat)
+    flat.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(qkv_out.grad, ref_in.grad, atol=2e-5, rtol=2e-5)
+
+
 def test_attention_rejects_unsupported_inputs():
     q, k, v = qkv(1, 2, 2, 8, 160, torch.float32)
     with pytest.raises(ValueError, match="head dim 160 is not supported.*1 to 128"):

@@ -191,9 +191,9 @@ def test_activation_bytes_match_what_the_model_keeps():
             measured, _ = saved_tensor_bytes(model, batch, config.seq_length)
             layout = run(micro_batch_size=batch, recompute=recompute,
                          precision="bf16" if dtype == torch.bfloat16 else "fp32", fused_linear_cross_entropy=fused)
-            expected = A.activation_bytes(config, layout, stage=0)
+            expected = A.activation_bytes(config, layout, stage=0, attention="triton")
             if recompute == "full":  # the estimate's peak adds the block being recomputed in backward
-                expected -= A.layer_activation_bytes(config, layout, recompute="none")
+                expected -= A.layer_activation_bytes(config, layout, recompute="none", attention="triton")
             case = f"{config.flavour} nkv={config.num_query_groups} dropout={config.hidden_dropout} " \
                    f"{recompute} {dtype} fused={fused}: measured {measured} estimated {expected}"
             assert 0 <= measured - expected <= SCALAR_SLACK, case
@@ -208,11 +208,12 @@ def test_partial_full_recompute_bytes_match_what_the_model_keeps():
             measured, _ = saved_tensor_bytes(model, batch, config.seq_length)
             layout = run(micro_batch_size=batch, recompute="full", recompute_num_layers=n)
             # the estimate's peak adds the block being recomputed in backward
-            block = A.layer_activation_bytes(config, layout, "none")
-            expected = A.activation_bytes(config, layout, stage=0) - block
+            block = A.layer_activation_bytes(config, layout, "none", attention="triton")
+            expected = A.activation_bytes(config, layout, stage=0, attention="triton") - block
             assert 0 <= measured - expected <= SCALAR_SLACK, (config.flavour, config.num_layers, n, measured, expected)
-            everything = A.activation_bytes(config, layout.replace(recompute_num_layers=None), 0)
-            nothing = A.activation_bytes(config, layout.replace(recompute="none", recompute_num_layers=None), 0)
+            everything = A.activation_bytes(config, layout.replace(recompute_num_layers=None), 0, "triton")
+            nothing = A.activation_bytes(config, layout.replace(recompute="none", recompute_num_layers=None), 0,
+                                         "triton")
             assert everything < expected + block < nothing + block
 
 
@@ -290,7 +291,7 @@ def test_tensor_parallel_rank_params_activations_and_traffic():
         for (config, sp), (params, measured, ledger) in zip(configs, rank_results):
             layout = run(tp=2, sequence_parallel=sp, micro_batch_size=batch)
             assert params == PARAMS.stage_params(config, layout, 0)
-            expected = A.activation_bytes(config, layout, 0)
+            expected = A.activation_bytes(config, layout, 0, attention="triton")
             assert 0 <= measured - expected <= SCALAR_SLACK, (config.flavour, sp, measured, expected)
             # one microbatch's forward + backward; the SP grad all-reduce belongs to the DP engine
             comm_expected = C.communication_bytes(config, layout, 0)
