@@ -142,7 +142,7 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
     etp = 1: no tp collective on the routed tokens; without SP the entry split gathers the gradient (u)
     and the exit gathers the output (u, again in a whole rerun); the router's counts are summed over
     the token group (F 4E fp32, seq_aux F 4bE), a capacity factor gathers the tp ranks' [T/tp, k]
-    ids (int64) and fp32 weights (F); per step the router's gradient E h (fp32 main grad, over tp;
+    ids (int64) and fp32 weights (F); per step the router's gradient E h (grad_reduce_dtype, over tp;
     ZeRO-3: per microbatch), the metrics (E+4 float64) and the expert bias's load (E fp32).
     Shared expert (a dense non-SP tp MLP on the whole sequence): its output reduction (u, whole rerun
     again) and its input's gradient (u); under SP at etp 1 also the sequence gathered (F u) and its

@@ -8,7 +8,7 @@ together, the bias stepped on the load of all of them), (tp 2, cp 2, ep 2, SP) a
 statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 and full recompute (each stage's experts
 sharded over its tp ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather
 dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1
-and selective recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE
+and selective recompute and with full recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE
 block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with ZeRO 1
 (each cp rank balances its share of the whole sequences' losses).
 Every layout trains STEPS steps through `train_step` from the same seed
@@ -71,6 +71,7 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((1, 1, 2, 2), dict(cp=2, zero=1)),
     ((2, 1, 1, 2), dict(cp=2, sequence_parallel=True)),  # etp 1: a microbatch's tokens over tp x cp
     ((2, 2, 1, 1), dict(sequence_parallel=True, zero=1, recompute="full")),  # etp 1: each stage's experts over its tp
+    ((2, 1, 2, 2), dict(etp=2, sequence_parallel=True, recompute="full")),  # the rerun gathers and all-reduces again
 ]
 
 
