@@ -8,9 +8,9 @@ together, the bias stepped on the load of all of them), (tp 2, cp 2, ep 2, SP) a
 statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 and full recompute (each stage's experts
 sharded over its tp ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather
 dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1
-and selective recompute and with full recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE
-block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with ZeRO 1
-(each cp rank balances its share of the whole sequences' losses).
+and selective recompute and with full recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and
+(dp 4, ep 2) (each MoE block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2,
+ep 2) with ZeRO 1 (each cp rank balances its share of the whole sequences' losses).
 Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
@@ -101,7 +101,8 @@ def _world(reference):
         dispatch = {k: (ledger.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
                     if k.startswith("ep/")}  # the last step's bytes: measured and planned
         tensor_parallel = {k: (ledger.get(tuple(k.split("/")), 0), planned.get(k, 0))
-                           for k in {f"{g}/{op}" for g, op in ledger} | set(planned) if k.split("/")[0] in ("tp", "tp_cp")}
+                           for k in {f"{g}/{op}" for g, op in ledger} | set(planned)
+                           if k.split("/")[0] in ("tp", "tp_cp")}
         assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank), what
         assert expert_dp_config(cfg).dp == comm.group_size(m.expert_dp_group), what  # the experts' ZeRO replicas
         checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in ledger if
