@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
-from megalite.plan.moe import dispatch_bytes, expert_dp_config, experts_apart, stage_expert_params
+from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_tensor_parallel_bytes,
+                               stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
 from megalite.plan.zero3 import add_zero3_dp_bytes
 
@@ -90,14 +91,19 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
     # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
     # and the attention output's reduction again, not the MLP output's reduction.
     rerun = recomputed_stage_layers(model, cfg)[stage]
-    rerun_reductions = (2 if whole_forward_rerun else 1) * rerun
+    # an MoE block's MLP part runs collectives of its own (plan/moe.py); attention is every block's
+    mlps = layers - stage_moe_layers(model, cfg, stage)
+    mlp_rerun = rerun - stage_moe_layers(model, cfg, stage, recomputed=True)
+    mlp_rerun_reductions = mlp_rerun if whole_forward_rerun else 0
     if sp:
         # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
         # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
-        add("tp/all_gather", m * (6 * layers + 2 * rerun) * u)
-        add("tp/reduce_scatter", m * (4 * layers + rerun_reductions) * u)
+        add("tp/all_gather", m * (3 * layers + rerun + 3 * mlps + mlp_rerun) * u)
+        add("tp/reduce_scatter", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)
     else:
-        add("tp/all_reduce", m * (4 * layers + rerun_reductions) * u)   # Megatron's 4 per layer
+        add("tp/all_reduce", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)  # Megatron's 4 per layer
+    for key, n in moe_tensor_parallel_bytes(model, cfg, stage, whole_forward_rerun).items():
+        add(key, n)
     if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
         add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
         add("tp/all_gather", m * u if sp else 0)
@@ -119,8 +125,9 @@ def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -
         return 0
     h = model.hidden_size
     norm = 2 * h if model.flavour == "gpt2" else h
-    row_biases = 2 * h if model.add_bias else 0  # attention output and MLP output projections
-    n = (2 * norm + row_biases) * stage_layers(model, cfg)[stage]
+    layers = stage_layers(model, cfg)[stage]
+    mlps = layers - stage_moe_layers(model, cfg, stage)  # an MoE block's MLP has no row bias
+    n = 2 * norm * layers + (h * (layers + mlps) if model.add_bias else 0)  # attention and MLP output biases
     if stage == cfg.parallel.pp - 1:
         n += norm
     if stage == 0 and model.flavour == "gpt2":

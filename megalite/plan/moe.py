@@ -13,6 +13,7 @@ whole sequence (under SP the block gathers it), at etp = 1 each tp rank its own 
   all-to-alls of the k*T routes ([T*k, h], dispatch and combine), backward two more: 4*a*T*k*h
   + 8*E bytes on the "ep" group (comm.ledger counts an all-to-all's input, rows to itself
   included); all-gather dispatcher: tokens, routes and weights gathered, the output reduce-scattered;
+- tp traffic of the block (instead of the dense MLP's), as layer.py runs it: see moe_tensor_parallel_bytes;
 - routing buffers kept for backward, per block and microbatch: the permuted and received routes
   2*a*T*k*h, the experts' inputs and outputs a*T*k*(h + mlp_in/tp + f_e/tp), the fp32 scores
   8*T*E (logits and probabilities): replacing the dense MLP's activations.
@@ -28,14 +29,17 @@ if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
-def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """MoE blocks held by pipeline stage `stage` (every chunk of it)."""
-    if model.moe is None:
-        return 0
+def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: bool = False) -> int:
+    """MoE blocks held by pipeline stage `stage` (every chunk of it); recomputed: only those full
+    recompute re-runs (the first recompute_num_layers of each chunk, or all; none without it)."""
     p = cfg.parallel
+    if model.moe is None or (recomputed and p.recompute != "full"):
+        return 0
     ranges = [range(model.num_layers)] if p.pp == 1 else partition_stage_layers(
         model.num_layers, p.pp, p.virtual_stages, stage, p.decoder_first_stage_layers, p.decoder_last_stage_layers,
         p.pipeline_layout)
+    if recomputed and p.recompute_num_layers is not None:
+        ranges = [r[:p.recompute_num_layers] for r in ranges]
     return sum(model.moe.is_moe_layer(i) for r in ranges for i in r)
 
 
@@ -98,7 +102,7 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
 
     a, m, k, h = DTYPE_BYTES[cfg.precision.precision], cfg.num_microbatches, model.moe.topk, model.hidden_size
     tokens = routed_tokens(model, cfg)
-    forwards = m * layers * (2 if cfg.parallel.recompute == "full" else 1)  # full recompute dispatches again
+    forwards = m * (layers + stage_moe_layers(model, cfg, stage, recomputed=True))  # full recompute dispatches again
     if cfg.parallel.moe_token_dispatcher_type == "allgather":
         gathered = ep * tokens
         return {"ep/all_gather": forwards * gathered * (h * a + k * 8 + k * a) + m * layers * gathered * h * a,
@@ -123,3 +127,59 @@ def routing_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
         s_f = moe.shared_expert_intermediate_size
         total += a * tokens * (model.hidden_size + (2 if model.flavour == "gpt2" else 3) * s_f // t)
     return total
+
+
+def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forward_rerun: bool = False
+                              ) -> dict[str, int]:
+    """'group/op' -> bytes per step of the stage's MoE blocks on the tp group (tp_cp for the router's
+    counts at etp 1 under cp), in place of the dense MLP's; u = one [s/cp, b, h] activation, F = forwards
+    (1, 2 for a block full recompute re-runs; a reduction after the block's last saved tensor runs
+    again only with whole_forward_rerun), per block and microbatch:
+
+    etp = tp: SP gathers the sequence (F u) and the output's scatter gathers its gradient (u); the
+    experts' output is all-reduced (F R h a, R = T k routes: a rank's mean, dropless) and the
+    routed tokens' gradient too (u).
+    etp = 1: no tp collective on the routed tokens; without SP the entry split gathers the gradient (u)
+    and the exit gathers the output (u, again in a whole rerun); the router's counts are summed over
+    the token group (F 4E fp32, seq_aux F 4bE), a capacity factor gathers the tp ranks' [T/tp, k]
+    ids (int64) and fp32 weights (F); per step the router's gradient E h (grad_reduce_dtype, over tp;
+    ZeRO-3: per microbatch), the metrics (E+4 float64) and the expert bias's load (E fp32).
+    Shared expert (a dense non-SP tp MLP on the whole sequence): its output reduction (u, whole rerun
+    again) and its input's gradient (u); under SP at etp 1 also the sequence gathered (F u) and its
+    output's scatter gradient (u); at etp 1 without SP its output's scatter gradient (u).
+    """
+    layers, p = stage_moe_layers(model, cfg, stage), cfg.parallel
+    if not layers or p.tp == 1:
+        return {}
+    from megalite.plan.layout import DTYPE_BYTES
+
+    moe, t, m, sp = model.moe, p.tp, cfg.num_microbatches, p.sequence_parallel
+    a, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
+    b, h, e = cfg.training.micro_batch_size, model.hidden_size, moe.num_experts
+    tokens = model.seq_length // p.cp * b
+    u, rerun = a * tokens * h, stage_moe_layers(model, cfg, stage, recomputed=True)
+    forwards, whole = m * (layers + rerun), m * (layers + (rerun if whole_forward_rerun else 0))
+    out: dict[str, int] = {}
+
+    def add(key: str, n: int) -> None:
+        if n:
+            out[key] = out.get(key, 0) + n
+
+    if moe.shared_expert_intermediate_size:
+        add("tp/all_reduce", (whole + m * layers) * u)
+        if expert_tp(cfg) == 1:
+            add("tp/all_gather", (forwards if sp else 0) * u + m * layers * u)
+    if expert_tp(cfg) == t:
+        add("tp/all_gather", (forwards + m * layers) * u if sp else 0)
+        add("tp/all_reduce", forwards * tokens * moe.topk * h * a + m * layers * u)
+        return out
+    if not sp:
+        add("tp/all_gather", (m * layers + whole) * u)
+    counts = {"aux_loss": 4 * e, "seq_aux_loss": 4 * b * e}.get(moe.load_balancing_type, 0)
+    add("tp/all_reduce" if p.cp == 1 else "tp_cp/all_reduce", forwards * counts)
+    if moe.capacity_factor is not None:
+        add("tp/all_gather", forwards * tokens * moe.topk * (8 + 4))  # [T, k] ids and weights gathered
+    per_step = m if p.zero == 3 else 1
+    bias = 4 * e if moe.enable_expert_bias else 0
+    add("tp/all_reduce", layers * (per_step * e * h * g + (e + 4) * 8 + bias))
+    return out

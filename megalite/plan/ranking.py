@@ -67,6 +67,9 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
     if par.ep > 1:
         bits.append(f"ep={par.ep} shards the experts: {est.params_per_rank / 1e9:.2f}B parameters per rank, "
                     f"{est.comm_bytes.get('ep/all_to_all', 0) / 1e9:.2f} GB of token all-to-all per step")
+    if model.moe is not None and par.tp > 1:
+        bits.append(f"etp={par.etp}: " + ("whole experts on every tp rank, each routing its own 1/tp of the tokens"
+                                          if par.etp == 1 else "experts split over tp, the sequence gathered"))
     if par.pp > 1:
         chunks = f"x{par.virtual_stages} chunks" if par.virtual_stages > 1 else ""
         bits.append(f"pp={par.pp}{chunks} bubble {est.bubble_fraction:.0%}")
@@ -116,9 +119,17 @@ def _expert_parallel_choices(model: GPTConfig, replicas: int) -> list[int]:
     return [d for d in _divisors(replicas) if model.moe.num_experts % d == 0]
 
 
+def _expert_tensor_parallel_choices(model: GPTConfig, tp: int, cp: int) -> list[int]:
+    """etp to try: 1 for a dense model or at tp 1; for experts under tp both 1 (whole experts, each tp
+    rank routing its own s/(tp*cp) tokens: the sequence must divide) and tp (experts split like the MLP)."""
+    if model.moe is None or tp == 1:
+        return [1]
+    return ([1] if model.seq_length % (tp * cp) == 0 else []) + [tp]
+
+
 def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int, offload: bool):
     """Every layout suggest() tries: tp within a node, pp dividing the layers, cp when activations
-    dominate, v, ZeRO, recompute, micro batch."""
+    dominate, ep and etp for experts, v, ZeRO, recompute, micro batch."""
     for tp in [d for d in _divisors(gpus_per_node) if gpus % d == 0]:
         try:
             model.check_tensor_parallel(tp)
@@ -130,15 +141,16 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
                                  pipeline_schedule=None)
             for cp, cp_comm_type in _context_parallel_choices(model, plain):
                 dp = ranks // cp
-                for ep, v in [(ep, v) for ep in _expert_parallel_choices(model, dp * cp)
-                              for v in ((1, 2) if pp > 1 else (1,))]:
+                for ep, etp, v in [(ep, etp, v) for ep in _expert_parallel_choices(model, dp * cp)
+                                   for etp in _expert_tensor_parallel_choices(model, tp, cp)
+                                   for v in ((1, 2) if pp > 1 else (1,))]:
                     for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
                         for recompute in Recompute:
                             for mb in (1, 2, 4, 8):
                                 # ZeRO-1/2 with the parameter all-gathers behind the next forward
                                 # (what megalite runs best); without it they are exposed every step.
                                 yield base.replace(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm_type=cp_comm_type, ep=ep,
-                                                   virtual_stages=v, zero=zero, offload_optimizer=offload,
+                                                   etp=etp, virtual_stages=v, zero=zero, offload_optimizer=offload,
                                                    overlap_param_gather=zero in (1, 2),
                                                    recompute=recompute, sequence_parallel=tp > 1,
                                                    micro_batch_size=mb, pipeline_schedule=None)
@@ -155,7 +167,8 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
-    context parallelism (ring and Ulysses) when long sequences make activations dominate,
+    context parallelism (ring and Ulysses) when long sequences make activations dominate, for an
+    MoE model every ep dividing dp*cp and the experts and etp 1 and tp,
     interleaving, ZeRO 0, 1 (= 2's peak here) and 3, recompute none/selective/full, micro batch
     1-8, and the optimizer offload only when nothing else fits (the practitioners' order: stage 2,
     then 3, then offload; the reason line says why a later step was needed). At equal step time

@@ -8,16 +8,17 @@ together, the bias stepped on the load of all of them), (tp 2, cp 2, ep 2, SP) a
 statistics over tp x cp), (tp 2, pp 2, SP) at etp 1 with ZeRO 1 and full recompute (each stage's experts
 sharded over its tp ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (dp 4, ep 4) with the all-gather
 dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1
-and selective recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and (dp 4, ep 2) (each MoE
-block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2, ep 2) with ZeRO 1
-(each cp rank balances its share of the whole sequences' losses).
+and selective recompute and with full recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and
+(dp 4, ep 2) (each MoE block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2,
+ep 2) with ZeRO 1 (each cp rank balances its share of the whole sequences' losses).
 Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
 must be on the ep group (all-to-all or all-gather) and, with expert-dp > 1, their gradient on edp.
 The planner's numbers are checked against the same runs: parameters per rank exactly, and the
 dispatch bytes of the last step (all-gather: every rank's; all-to-all: the ranks' mean, since a
-rank receives as many routes as the others send it).
+rank receives as many routes as the others send it), and the tp bytes of every tp layout (each rank's;
+the experts' output all-reduce at etp = tp over the ranks' sum, for the same reason).
 """
 import pytest
 import torch
@@ -70,6 +71,7 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((1, 1, 2, 2), dict(cp=2, zero=1)),
     ((2, 1, 1, 2), dict(cp=2, sequence_parallel=True)),  # etp 1: a microbatch's tokens over tp x cp
     ((2, 2, 1, 1), dict(sequence_parallel=True, zero=1, recompute="full")),  # etp 1: each stage's experts over its tp
+    ((2, 1, 2, 2), dict(etp=2, sequence_parallel=True, recompute="full")),  # the rerun gathers and all-reduces again
 ]
 
 
@@ -82,6 +84,7 @@ def _world(reference):
         assert launch_problems(cfg.resolved(4), 4) == []
         what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
         chunks, optimizer, results = train(m, cfg)
+        ledger = dict(comm.ledger.bytes)  # the last step's (check_replicas below gathers over tp)
         torch.testing.assert_close([r["loss"] for r in results], ref_losses, rtol=1e-5, atol=0, msg=what)
         torch.testing.assert_close([r["grad_norm"] for r in results], ref_norms, rtol=1e-5, atol=0, msg=what)
         with optimizer.model.gathered():
@@ -95,12 +98,15 @@ def _world(reference):
             check_replicas([(n, p) for c in chunks for n, p in c.logical_parameters()], m, STEPS)
         stats = {k: v for k, v in results[-1].items() if k.startswith("moe_")}
         planned = communication_bytes(cfg.gpt_config(), cfg, m.pp_rank)
-        dispatch = {k: (comm.ledger.bytes.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
+        dispatch = {k: (ledger.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
                     if k.startswith("ep/")}  # the last step's bytes: measured and planned
+        tensor_parallel = {k: (ledger.get(tuple(k.split("/")), 0), planned.get(k, 0))
+                           for k in {f"{g}/{op}" for g, op in ledger} | set(planned)
+                           if k.split("/")[0] in ("tp", "tp_cp")}
         assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank), what
         assert expert_dp_config(cfg).dp == comm.group_size(m.expert_dp_group), what  # the experts' ZeRO replicas
-        checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in comm.ledger.bytes if
-                                                           g in ("ep", "edp")), stats, dispatch))
+        checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in ledger if
+                                                           g in ("ep", "edp")), stats, dispatch, tensor_parallel))
     return checked
 
 
@@ -120,9 +126,10 @@ def test_moe_layouts_match_the_single_process_model(reference):
             else:
                 assert measured == [planned] * len(ranks), (key, measured, planned, settings)
         assert bool(dispatch[0]) == (ep > 1)
+    _check_tensor_parallel_bytes(ranks)
     for checked in ranks:
         assert len(checked) == len(LAYOUTS)
-        for (tp, pp, dp, ep), settings, groups, stats, _ in checked:
+        for (tp, pp, dp, ep), settings, groups, stats, _, _ in checked:
             ref_last = reference[_model_key(settings)][3]
             if ep > 1:  # the tokens travelled over the ep group
                 dispatch = "all_gather" if settings.get("moe_token_dispatcher_type") == "allgather" else "all_to_all"
@@ -133,3 +140,19 @@ def test_moe_layouts_match_the_single_process_model(reference):
             for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
                 assert stats[key] == pytest.approx(ref_last[key], rel=1e-5), (key, settings)
             assert stats["moe_dropped_tokens"] == ref_last["moe_dropped_tokens"], settings
+
+
+def _check_tensor_parallel_bytes(ranks):
+    """The planner's tp bytes (MoE blocks as layer.py runs them, at etp 1 and tp, with and without SP, a
+    shared expert, a capacity factor, ZeRO-3, cp, full recompute) equal the ledger's last step, every
+    rank's own; at etp = tp the experts' output all-reduce counts the routes a rank received, so there
+    the all-reduce is compared over the ranks' sum (each rank plans the mean, T*k routes)."""
+    for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):
+        per_rank = [rank[i][5] for rank in ranks]
+        assert bool(per_rank[0]) == (tp > 1), settings
+        for key in set().union(*per_rank):
+            measured, planned = [r.get(key, (0, 0))[0] for r in per_rank], [r.get(key, (0, 0))[1] for r in per_rank]
+            if key == "tp/all_reduce" and settings.get("etp", 1) == tp and ep > 1:
+                assert sum(measured) == sum(planned), (key, measured, planned, settings)
+            else:
+                assert measured == planned, (key, measured, planned, settings)

@@ -152,3 +152,33 @@ def test_suggest_candidates_round_trip_through_config(capsys, tmp_path):
         for key in KEYS + ("step_time_s", "num_microbatches"):
             assert planned[key] == candidate[key], key
 
+
+
+def test_suggest_tries_etp_for_experts_and_its_candidates_round_trip(capsys, tmp_path):
+    """For an MoE model under tp, --suggest tries etp 1 (whole experts per tp rank) and etp = tp (experts
+    split), each with its own memory (experts /etp per rank) and tp bytes; a saved candidate of either
+    etp plans the same run through --config."""
+    code, out = run(capsys, "--model", "moe-tiny", "--suggest", "--gpus", "2", "--gpu-memory", "40", "--bf16",
+                    "--top-k", "200", "--json")
+    found = json.loads(out)
+    assert code == 0
+    first = {}  # the best candidate of each etp at tp 2, pp 1, ZeRO 0, no recompute, micro batch 8
+    for candidate in found:
+        p, mb = candidate["config"]["parallel"], candidate["config"]["training"]["micro_batch_size"]
+        if (p["tp"], p["pp"], p["zero"], p["recompute"], mb) == (2, 1, 0, "none", 8):
+            first.setdefault(p["etp"], candidate)
+    assert set(first) == {1, 2}
+    whole, split = first[1], first[2]
+    assert split["param_bytes"] < whole["param_bytes"]  # each tp rank holds half of every expert
+    assert split["comm_bytes"]["tp/all_reduce"] > whole["comm_bytes"]["tp/all_reduce"]  # expert outputs summed
+    for etp, candidate in first.items():
+        saved = tmp_path / f"etp{etp}.json"
+        saved.write_text(json.dumps(candidate["config"]))
+        code, out = run(capsys, "--config", str(saved), "--gpu-memory", "40", "--json")
+        planned = json.loads(out)
+        assert code == 0 and planned["errors"] == [] and planned["config"] == candidate["config"]
+        for key in KEYS + ("step_time_s", "num_microbatches", "comm_bytes"):
+            assert planned[key] == candidate[key], (etp, key)
+    code, out = run(capsys, "--model", "moe-tiny", "--suggest", "--gpus", "2", "--gpus-per-node", "2",
+                    "--gpu-memory", "40", "--bf16", "--top-k", "200")
+    assert code == 0 and "--tp 2 --pp 1 --dp 1 --etp 1 " in out and "--tp 2 --pp 1 --dp 1 --etp 2 " in out
