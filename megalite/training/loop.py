@@ -55,7 +55,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
-from megalite.training.launch_checks import launch_problems, memory_per_rank
+from megalite.training.launch_checks import launch_problems, machine_problems, memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
 from megalite.training.profiling import StepProfiler
@@ -107,13 +107,7 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
         raise ConfigError.listing(cfg.bound_problems())
     cfg = cfg.resolved(world_size, tokenizer_vocab_size)
     problems = launch_problems(cfg, world_size, tokenizer_vocab_size, memory)
-    if cfg.training.cuda_graph and not torch.cuda.is_available():
-        problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
-    if (cfg.precision.precision == "bf16" and not torch.cuda.is_available()
-            and os.environ.get("MEGALITE_KERNEL_BACKEND", "auto").strip().lower() == "triton"):
-        # numpy has no bfloat16: the interpreter's tl.dot returns garbage, and the loss would not show it
-        problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
-                        "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")
+    problems += machine_problems(cfg, torch.cuda.is_available())
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:
