@@ -44,8 +44,9 @@ class MoEConfig:
     """Inner width of an always-active shared expert (Qwen-MoE, DeepSeek-MoE); None: none."""
     capacity_factor: float | None = None
     """None: dropless. Else each expert takes at most ceil(capacity_factor * tokens * topk / experts)
-    of a layer's tokens on a rank (with whole experts under tp, etp 1: on its tp ranks together, as
-    at etp = tp); the rest are dropped by `token_drop_policy`."""
+    of a microbatch's tokens in a layer, decided over all of them in the single process's order
+    whichever ranks route them (cp; tp at etp 1): the drops are the same at every layout. The rest
+    are dropped by `token_drop_policy`."""
     token_drop_policy: str = "probs"
     """Over capacity: keep the highest-probability routes (probs) or the earliest tokens (position)."""
 

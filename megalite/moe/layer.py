@@ -16,8 +16,12 @@ its own 1/tp of the tokens: under SP its [s/tp, b, h] shard as it is; without SP
 replicated sequence (split on entry, the output all-gathered on exit). No tp collective touches
 the experts' activations; the tp ranks' replicas of an expert saw different tokens, so their
 gradients reduce over expert-dp x tp (the mesh's expert_dp_group) and the router's over tp. The
-router's per-microbatch statistics are over `token_group` (tp x cp) and its capacity drops are
-decided over the tp group's tokens together, so both equal etp = tp's.
+router's per-microbatch statistics are over `token_group` (tp x cp).
+
+Capacity drops (a capacity factor) are decided over a microbatch's tokens together, in the single
+process's token order, at every layout: the ranks routing parts of it (cp; tp x cp at etp 1) gather
+their [T, k] choices (and, under cp, each token's index in the [s, b] flattening: cp's zigzag chunks
+are not in sequence order) and each keeps its slice of the one decision.
 
 5. A shared expert (a dense tp MLP over the whole sequence, either layout) is added when configured.
 
@@ -37,6 +41,7 @@ from megalite import comm, params
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatcher import make_dispatcher
 from megalite.moe.experts import LocalExperts
+from megalite.context_parallel.zigzag import position_ids
 from megalite.moe.router import Router
 from megalite.tensor_parallel import mappings
 
@@ -79,6 +84,7 @@ class MoELayer(nn.Module):
                              "token_group, the ranks sharing a microbatch's tokens (the mesh's moe_token_group)")
         # the ranks holding the other tokens of this microbatch's sequences (the losses are theirs together)
         self.token_group = token_group if self.split_tokens else cp_group
+        self.cp_group = cp_group  # cp splits each sequence into zigzag chunks (the capacity's token order)
         self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
         if self.split_tokens:  # each tp rank's router gradient comes from its own tokens: summed over tp
             params.declare(self.router.weight, sequence_parallel_grad=True)
@@ -106,7 +112,7 @@ class MoELayer(nn.Module):
             return self._forward_own_tokens(x)
         full = mappings.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False) \
             if self.sequence_parallel else x  # [s, b, h]: every tp rank sees (and routes) the same tokens
-        out, routing = self._experts(full, self.tp_group, None)  # [s, b, h]
+        out, routing = self._experts(full, self.tp_group, self.cp_group)  # [s/cp, b, h]
         if self.shared_expert is not None:
             out = out + self.shared_expert(full)
         out = self._attach_losses(out, routing)
@@ -118,7 +124,7 @@ class MoELayer(nn.Module):
         """etp = 1: this tp rank routes and runs its own [s/tp, b, h] tokens through whole experts."""
         tp = self.tp_group
         mine = x if self.sequence_parallel else mappings.scatter_to_sequence_parallel_region(x, tp)  # [s/tp, b, h]
-        out, routing = self._experts(mine, None, tp)  # [s/tp, b, h]
+        out, routing = self._experts(mine, None, self.token_group)  # [s/(cp tp), b, h]
         if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my slice of its output
             full = mappings.gather_from_sequence_parallel_region(x, tp, grad_is_partial=False) \
                 if self.sequence_parallel else x
@@ -135,12 +141,26 @@ class MoELayer(nn.Module):
         ranks whose tokens, taken together, an expert's capacity is counted over (None: this rank's)."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routing = self.router(tokens, b, self.token_group, capacity_group)
+        order = self._token_order(s, b, x.device) if self.moe.capacity_factor is not None else None
+        routing = self.router(tokens, b, self.token_group, capacity_group, order)
         expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, expert_tp_group)  # experts: tp inside
         expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
         expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over expert_tp_group
         expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, expert_tp_group)
         return self.dispatcher.combine(expert_output, routing.weights, state).view(s, b, h), routing
+
+    def _token_order(self, rows: int, b: int, device) -> torch.Tensor | None:
+        """[rows*b] int64: the index of each of this rank's tokens (x's rows [rows, b] flattened) in the
+        single process's [s, b] flattening, pos*b + j; None at cp = 1, where the ranks' order is that."""
+        cp = comm.group_size(self.cp_group)
+        if cp == 1:
+            return None
+        tp = comm.group_size(self.tp_group) if self.split_tokens else 1
+        positions = position_ids(rows * tp * cp, comm.group_rank(self.cp_group), cp, device=device)  # [s/cp]
+        if self.split_tokens:  # my tp rank's contiguous slice of this cp rank's tokens
+            first = comm.group_rank(self.tp_group) * rows
+            positions = positions[first:first + rows]
+        return (positions.view(rows, 1) * b + torch.arange(b, device=device).view(1, b)).reshape(-1)
 
     def _attach_losses(self, out: torch.Tensor, routing) -> torch.Tensor:
         moe, terms = self.moe, []

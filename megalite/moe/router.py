@@ -122,11 +122,14 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None, capacity_group=None) -> Routing:
+    def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None, capacity_group=None,
+                token_order: torch.Tensor | None = None) -> Routing:
         """tokens [T, h]; num_sequences b (tokens are [s, b] flattened); token_group: the ranks holding the
         other tokens of these sequences (cp; tp x cp when each tp rank routes its own, etp = 1);
         capacity_group: the ranks whose tokens (this rank's slice of dim 0 in rank order) together make
-        the set an expert's capacity is counted over (None: this rank's tokens)."""
+        the set an expert's capacity is counted over (None: this rank's tokens); token_order [T] int64:
+        each token's index in the single process's [s, b] flattening, where the group's rank order is
+        not that order (cp's zigzag chunks; None: it is)."""
         moe, k = self.moe, self.moe.topk
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E] fp32
         if moe.score_function == "sigmoid":
@@ -159,21 +162,30 @@ class Router(nn.Module):
             z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * comm.group_size(token_group))
         dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
         if moe.capacity_factor is not None:
-            keep = _capacity_keep(expert_ids, weights, moe, capacity_group)
+            keep = _capacity_keep(expert_ids, weights, moe, capacity_group, token_order)
             dropped = (~keep).sum()
             expert_ids = torch.where(keep, expert_ids, torch.full_like(expert_ids, -1))
         return Routing(expert_ids, weights, tokens_per_expert, dropped, aux, z_loss)
 
 
-def _capacity_keep(expert_ids: torch.Tensor, weights: torch.Tensor, moe: MoEConfig, capacity_group) -> torch.Tensor:
+def _capacity_keep(expert_ids: torch.Tensor, weights: torch.Tensor, moe: MoEConfig, capacity_group,
+                   token_order: torch.Tensor | None = None) -> torch.Tensor:
     """[T, k] bool: the routes kept, capacity counted over the tokens of `capacity_group` together (this
-    rank's slice of the gathered choices: every rank decides alike, as one rank routing them all would)."""
+    rank's slice of the gathered choices: every rank decides alike, as one rank routing them all would,
+    in that rank's token order: `token_order`, gathered too, when rank order is not it)."""
     n = comm.group_size(capacity_group)
     if n > 1:  # [T, k] -> [n*T, k]: small (k ids and weights per token), no gradient
         expert_ids = comm.all_gather(expert_ids.contiguous(), capacity_group)
         weights = comm.all_gather(weights.detach().contiguous(), capacity_group)
+        token_order = None if token_order is None else comm.all_gather(token_order.contiguous(), capacity_group)
     capacity = math.ceil(moe.capacity_factor * expert_ids.shape[0] * moe.topk / moe.num_experts)
-    keep = capacity_keep_mask(expert_ids, weights, moe.num_experts, capacity, moe.token_drop_policy)
+    if token_order is None:
+        keep = capacity_keep_mask(expert_ids, weights, moe.num_experts, capacity, moe.token_drop_policy)
+    else:  # decided in the single process's order (the "position" policy and ties depend on it), put back
+        order = torch.argsort(token_order)
+        keep = torch.empty_like(expert_ids, dtype=torch.bool)
+        keep[order] = capacity_keep_mask(expert_ids[order], weights[order], moe.num_experts, capacity,
+                                         moe.token_drop_policy)
     return keep.chunk(n)[comm.group_rank(capacity_group)] if n > 1 else keep
 
 

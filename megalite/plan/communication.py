@@ -47,6 +47,9 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
 
     if t > 1:
         _tensor_parallel_bytes(add, model, cfg, stage, u, whole_forward_rerun)
+    else:  # an MoE capacity factor under cp still gathers the microbatch's choices over cp
+        for key, n in moe_tensor_parallel_bytes(model, cfg, stage, whole_forward_rerun).items():
+            add(key, n)
 
     for key, n in context_parallel_bytes(model, cfg, stage).items():
         add(key, n)

@@ -141,15 +141,16 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
     routed tokens' gradient too (u).
     etp = 1: no tp collective on the routed tokens; without SP the entry split gathers the gradient (u)
     and the exit gathers the output (u, again in a whole rerun); the router's counts are summed over
-    the token group (F 4E fp32, seq_aux F 4bE), a capacity factor gathers the tp ranks' [T/tp, k]
-    ids (int64) and fp32 weights (F); per step the router's gradient E h (grad_reduce_dtype, over tp;
+    the token group (F 4E fp32, seq_aux F 4bE); per step the router's gradient E h (grad_reduce_dtype, over tp;
     ZeRO-3: per microbatch), the metrics (E+4 float64) and the expert bias's load (E fp32).
+    A capacity factor gathers the microbatch's [cp T, k] ids (int64) and fp32 weights (F), and under
+    cp each token's index (int64), over the token group (etp 1: tp or tp_cp; etp = tp: cp).
     Shared expert (a dense non-SP tp MLP on the whole sequence): its output reduction (u, whole rerun
     again) and its input's gradient (u); under SP at etp 1 also the sequence gathered (F u) and its
     output's scatter gradient (u); at etp 1 without SP its output's scatter gradient (u).
     """
     layers, p = stage_moe_layers(model, cfg, stage), cfg.parallel
-    if not layers or p.tp == 1:
+    if not layers or (p.tp == 1 and (p.cp == 1 or model.moe.capacity_factor is None)):
         return {}
     from megalite.plan.layout import DTYPE_BYTES
 
@@ -165,11 +166,18 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
         if n:
             out[key] = out.get(key, 0) + n
 
+    capacity = 0
+    if moe.capacity_factor is not None:  # the microbatch's [T, k] ids (int64) and weights (fp32) gathered,
+        capacity = forwards * p.cp * tokens * (moe.topk * (8 + 4) + (8 if p.cp > 1 else 0))  # + cp's token order
+    if t == 1:  # only the capacity's gather over cp
+        add("cp/all_gather", capacity)
+        return out
     if moe.shared_expert_intermediate_size:
         add("tp/all_reduce", (whole + m * layers) * u)
         if expert_tp(cfg) == 1:
             add("tp/all_gather", (forwards if sp else 0) * u + m * layers * u)
     if expert_tp(cfg) == t:
+        add("cp/all_gather", capacity if p.cp > 1 else 0)
         add("tp/all_gather", (forwards + m * layers) * u if sp else 0)
         add("tp/all_reduce", forwards * tokens * moe.topk * h * a + m * layers * u)
         return out
@@ -177,8 +185,7 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
         add("tp/all_gather", (m * layers + whole) * u)
     counts = {"aux_loss": 4 * e, "seq_aux_loss": 4 * b * e}.get(moe.load_balancing_type, 0)
     add("tp/all_reduce" if p.cp == 1 else "tp_cp/all_reduce", forwards * counts)
-    if moe.capacity_factor is not None:
-        add("tp/all_gather", forwards * tokens * moe.topk * (8 + 4))  # [T, k] ids and weights gathered
+    add("tp/all_gather" if p.cp == 1 else "tp_cp/all_gather", capacity)
     per_step = m if p.zero == 3 else 1
     bias = 4 * e if moe.enable_expert_bias else 0
     add("tp/all_reduce", layers * (per_step * e * h * g + (e + 4) * 8 + bias))

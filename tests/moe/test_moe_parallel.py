@@ -10,7 +10,9 @@ sharded over its tp ranks), (dp 4, ep 2) with ZeRO 1 (expert-dp groups of 2), (d
 dispatcher and ZeRO 2, (pp 2, ep 2) under 1F1B with full recompute, (tp 2, dp 2, ep 2, etp 2, SP) with ZeRO 1
 and selective recompute and with full recompute, and ZeRO 3 at (tp 2, dp 2, etp 2), (tp 2, dp 2, ep 2) and
 (dp 4, ep 2) (each MoE block's experts a unit of their own, sharded over the expert-dp group), and (cp 2, dp 2,
-ep 2) with ZeRO 1 (each cp rank balances its share of the whole sequences' losses).
+ep 2) with ZeRO 1 (each cp rank balances its share of the whole sequences' losses), and a capacity factor
+under cp, at (cp 2, dp 2, ep 2) and, keeping the earliest tokens, at (tp 2, cp 2, ep 2, SP) etp 1 (the drops
+decided over the microbatch's tokens in the single process's order, not per cp rank's zigzag chunks).
 Every layout trains STEPS steps through `train_step` from the same seed
 and data as the reference: every step's loss and global grad norm (clipping counts each expert
 once) and every parameter after the last step must match (~1e-5 relative), and the experts' traffic
@@ -35,9 +37,10 @@ from megalite.training.guards import check_replicas
 from moe_helpers import STEPS, cfg_for, train
 
 DROPPING = dict(moe_expert_capacity_factor=0.75)  # some routes over capacity (dropped by probability)
+EARLIEST = dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position")  # the token order decides
 BIAS = dict(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05)  # moves step 2's routing
 SHARED = dict(moe_shared_expert_intermediate_size=32)  # a dense tp MLP over the whole sequence beside the experts
-MODEL = tuple(DROPPING) + tuple(BIAS) + tuple(SHARED)  # settings that change the model: each set has its reference
+MODEL = tuple(EARLIEST) + tuple(BIAS) + tuple(SHARED)  # settings that change the model: each set has its reference
 
 
 def _model_key(settings) -> tuple:
@@ -72,6 +75,8 @@ LAYOUTS = [  # (tp, pp, dp, ep), settings (etp: 1 unless given, whole experts on
     ((2, 1, 1, 2), dict(cp=2, sequence_parallel=True)),  # etp 1: a microbatch's tokens over tp x cp
     ((2, 2, 1, 1), dict(sequence_parallel=True, zero=1, recompute="full")),  # etp 1: each stage's experts over its tp
     ((2, 1, 2, 2), dict(etp=2, sequence_parallel=True, recompute="full")),  # the rerun gathers and all-reduces again
+    ((1, 1, 2, 2), dict(cp=2, **DROPPING)),  # capacity over the cp ranks' zigzag chunks, in sequence order
+    ((2, 1, 1, 2), dict(cp=2, sequence_parallel=True, **EARLIEST)),  # etp 1: over tp x cp, earliest tokens kept
 ]
 
 
@@ -102,7 +107,7 @@ def _world(reference):
                     if k.startswith("ep/")}  # the last step's bytes: measured and planned
         tensor_parallel = {k: (ledger.get(tuple(k.split("/")), 0), planned.get(k, 0))
                            for k in {f"{g}/{op}" for g, op in ledger} | set(planned)
-                           if k.split("/")[0] in ("tp", "tp_cp")}
+                           if k.split("/")[0] in ("tp", "tp_cp") or k == "cp/all_gather"}  # cp: capacity
         assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank), what
         assert expert_dp_config(cfg).dp == comm.group_size(m.expert_dp_group), what  # the experts' ZeRO replicas
         checked.append(((tp, pp, dp, ep), settings, sorted(f"{g}/{op}" for g, op in ledger if
@@ -113,7 +118,8 @@ def _world(reference):
 def test_moe_layouts_match_the_single_process_model(reference):
     ref_losses, _, _, ref_last = reference[()]
     assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last["moe_aux_loss"] > 0 and ref_last["moe_z_loss"] > 0
-    assert reference[_model_key({**DROPPING, **SHARED})][3]["moe_dropped_tokens"] > 0  # the capacity bites
+    for dropping in ({**DROPPING, **SHARED}, DROPPING, EARLIEST):  # the capacity bites
+        assert reference[_model_key(dropping)][3]["moe_dropped_tokens"] > 0, dropping
     ranks = run_distributed(_world, 4, reference, timeout_s=300)
     for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):  # the planner's dispatch bytes: each rank's
         if "moe_expert_capacity_factor" in settings:
@@ -149,7 +155,7 @@ def _check_tensor_parallel_bytes(ranks):
     the all-reduce is compared over the ranks' sum (each rank plans the mean, T*k routes)."""
     for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):
         per_rank = [rank[i][5] for rank in ranks]
-        assert bool(per_rank[0]) == (tp > 1), settings
+        assert bool(per_rank[0]) == (tp > 1 or settings.get("cp", 1) > 1 and "moe_expert_capacity_factor" in settings)
         for key in set().union(*per_rank):
             measured, planned = [r.get(key, (0, 0))[0] for r in per_rank], [r.get(key, (0, 0))[1] for r in per_rank]
             if key == "tp/all_reduce" and settings.get("etp", 1) == tp and ep > 1:
