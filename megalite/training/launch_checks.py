@@ -53,14 +53,14 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
     return problems
 
 
-def machine_problems(cfg: RunConfig, cuda_available: bool) -> list[str]:
+def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) -> list[str]:
     """What this machine cannot run of `cfg`: --cuda-graph without CUDA, and bf16 in Triton's CPU
-    interpreter (numpy has no bfloat16: its tl.dot returns garbage while the loss looks normal)."""
+    interpreter (numpy has no bfloat16: its tl.dot returns garbage while the loss looks normal).
+    kernel_backend: MEGALITE_KERNEL_BACKEND as the kernels read it (`dispatch.backend_name()`)."""
     problems = []
     if cfg.training.cuda_graph and not cuda_available:
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
-    backend = os.environ.get("MEGALITE_KERNEL_BACKEND", "auto").strip().lower()
-    if cfg.precision.precision == "bf16" and not cuda_available and backend == "triton":
+    if cfg.precision.precision == "bf16" and not cuda_available and kernel_backend == "triton":
         problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
                         "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")
     return problems

@@ -42,6 +42,7 @@ from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
 from megalite.errors import ConfigError, UsageError, report_usage_error
+from megalite.kernels.dispatch import backend_name
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
@@ -107,7 +108,11 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
         raise ConfigError.listing(cfg.bound_problems())
     cfg = cfg.resolved(world_size, tokenizer_vocab_size)
     problems = launch_problems(cfg, world_size, tokenizer_vocab_size, memory)
-    problems += machine_problems(cfg, torch.cuda.is_available())
+    try:
+        backend = backend_name()
+    except ValueError as exc:  # MEGALITE_KERNEL_BACKEND names no backend: one line, like a flag's mistake
+        problems, backend = problems + [str(exc)], "auto"
+    problems += machine_problems(cfg, torch.cuda.is_available(), backend)
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:

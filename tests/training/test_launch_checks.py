@@ -111,3 +111,9 @@ def test_bf16_on_the_triton_interpreter_is_refused(monkeypatch):
     assert configure(RunConfig.build(precision="fp16"), 1, 257).precision.precision == "fp16"
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "auto")
     assert configure(RunConfig.build(precision="bf16"), 1, 257).precision.precision == "bf16"
+
+
+def test_a_kernel_backend_that_names_none_is_one_problem(monkeypatch):
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "cuda")
+    with pytest.raises(ConfigError, match="MEGALITE_KERNEL_BACKEND='cuda' is not a backend; choose one of"):
+        configure(RunConfig.build(), 1, 257)
