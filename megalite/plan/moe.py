@@ -129,6 +129,14 @@ def routing_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     return total
 
 
+def _capacity_gather_bytes(moe, cp: int, tokens: int) -> int:
+    """One forward's gather of a capacity factor's choices: the microbatch's cp*tokens [T, k] ids (int64)
+    and weights (fp32), and under cp each token's index (int64); 0 when dropless."""
+    if moe.capacity_factor is None:
+        return 0
+    return cp * tokens * (moe.topk * (8 + 4) + (8 if cp > 1 else 0))
+
+
 def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forward_rerun: bool = False
                               ) -> dict[str, int]:
     """'group/op' -> bytes per step of the stage's MoE blocks on the tp group (tp_cp for the router's
@@ -166,9 +174,7 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
         if n:
             out[key] = out.get(key, 0) + n
 
-    capacity = 0
-    if moe.capacity_factor is not None:  # the microbatch's [T, k] ids (int64) and weights (fp32) gathered,
-        capacity = forwards * p.cp * tokens * (moe.topk * (8 + 4) + (8 if p.cp > 1 else 0))  # + cp's token order
+    capacity = forwards * _capacity_gather_bytes(moe, p.cp, tokens)
     if t == 1:  # only the capacity's gather over cp
         add("cp/all_gather", capacity)
         return out
