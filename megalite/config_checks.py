@@ -31,7 +31,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
-    problems += cuda_graph_problems(cfg)
+    problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
         problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
@@ -43,6 +43,24 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if ck.load is not None and os.path.exists(ck.load) and not os.path.isdir(ck.load):
         problems.append(f"--load {ck.load} is a file; --load takes the checkpoint directory (the --save DIR of the "
                         f"run to resume)")
+    return problems
+
+
+def fp8_problems(cfg: RunConfig) -> list[str]:
+    """--fp8-*: what FP8 training does not combine with (the machine's own limits: launch_checks)."""
+    prec, p = cfg.precision, cfg.parallel
+    if prec.fp8_format is None:
+        given = [flag for flag, on in (("--fp8-recipe rowwise", prec.fp8_recipe == "rowwise"),
+                                       ("--fp8-param-gather", prec.fp8_param_gather)) if on]
+        return [f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --fp8-format e4m3|hybrid"] if given else []
+    problems = []
+    if prec.precision == "fp16":
+        problems.append("--fp8-format with --fp16: FP8 training keeps bf16 (or fp32) outside its GEMMs; use --bf16")
+    if p.cp > 1:
+        problems.append(f"--fp8-format with --cp {p.cp}: FP8 is not built for context parallelism yet; use --cp 1")
+    if prec.fp8_param_gather and (p.zero != 3 or prec.fp8_recipe != "tensorwise"):
+        problems.append("--fp8-param-gather needs --zero 3 (it is ZeRO-3's parameter all-gather) and --fp8-recipe "
+                        "tensorwise (one scale per weight)")
     return problems
 
 

@@ -18,6 +18,20 @@ class Precision(enum.StrEnum):
     FP16 = "fp16"
 
 
+class Fp8Format(enum.StrEnum):
+    """--fp8-format (Megatron's names): e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)."""
+
+    E4M3 = "e4m3"
+    HYBRID = "hybrid"
+
+
+class Fp8ScalingRecipe(enum.StrEnum):
+    """--fp8-recipe: one scale per tensor, or one per row along each GEMM's contraction dim."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
 class Recompute(enum.StrEnum):
     NONE = "none"
     SELECTIVE = "selective"

@@ -16,7 +16,7 @@ from megalite.model.config import PRESETS
 from megalite.config_bounds import Bounds
 from megalite.config_choices import (
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
-    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher)
+    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe)
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -185,6 +185,12 @@ class PrecisionSettings:
     loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow", minimum=1)
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off", minimum=1)
     loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff", above=0, below=1)
+    fp8_format: Fp8Format | None = setting(None, "FP8 GEMMs in every transformer-block linear and expert (off by "
+                                                 "default): e4m3, or hybrid (e5m2 gradients); docs/fp8.md")
+    fp8_recipe: Fp8ScalingRecipe = setting(Fp8ScalingRecipe.TENSORWISE, "with --fp8-format: one scale per tensor "
+                                                                         "(tensorwise) or per row (rowwise)")
+    fp8_param_gather: bool = setting(False, "with --fp8-format and --zero 3: all-gather the FP8 layers' weights in "
+                                            "FP8 (1 byte per element on the wire); tensorwise only")
 
 
 @dataclass(frozen=True)

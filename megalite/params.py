@@ -13,6 +13,7 @@ Four packages need to know things about a parameter that its tensor does not say
 |                        |                                     | grad norm, checkpoints                       |
 | grad_sink, main_grad   | the DP wrapper                      | linear layers' backward, executor, tests     |
 | deferred               | the pipeline executor (ZB-H1's B)   | linear layers' backward                      |
+| fp8_amax_group         | megalite.fp8.convert                | ZeRO-3's FP8 parameter gather                |
 
 They live in one typed object, `ParamInfo`, stored on the parameter as a single attribute
 that only this module reads or writes. Undeclared parameters (a plain `nn.Linear` in a
@@ -61,6 +62,9 @@ class ParamInfo:
     (None under ZeRO-2 between a bucket's reduction and the next step's first gradient)."""
     deferred: tuple[Any, Hashable] | None = None
     """Set by the pipeline executor during a zero-bubble B pass: (WeightGradStore, key)."""
+    fp8_amax_group: tuple | None = None
+    """A weight its layer casts to FP8 tensorwise: (the group its amax spans, the tp group or None);
+    None for every other parameter. ZeRO-3 may then gather it in FP8 (--fp8-param-gather)."""
 
 
 def info(param: torch.Tensor) -> ParamInfo:
@@ -73,7 +77,8 @@ def info(param: torch.Tensor) -> ParamInfo:
 
 
 def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequence_parallel_grad: bool | None = None,
-            tied_across_stages: bool | None = None, expert_parallel: bool | None = None) -> torch.Tensor:
+            tied_across_stages: bool | None = None, expert_parallel: bool | None = None,
+            fp8_amax_group: tuple | None = None) -> torch.Tensor:
     """Declare what a model knows about `param` (fields left None keep their value); returns it."""
     meta = info(param)
     if shard_spec is not None:
@@ -88,6 +93,8 @@ def declare(param: torch.Tensor, *, shard_spec: ShardSpec | None = None, sequenc
         meta.tied_across_stages = bool(tied_across_stages)
     if expert_parallel is not None:
         meta.expert_parallel = bool(expert_parallel)
+    if fp8_amax_group is not None:
+        meta.fp8_amax_group = fp8_amax_group
     return param
 
 
@@ -156,5 +163,5 @@ def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     setattr(target, _ATTRIBUTE, ParamInfo(meta.shard_spec, meta.sequence_parallel_grad,
                                           sequence_parallel_declared=meta.sequence_parallel_declared,
                                           tied_across_stages=meta.tied_across_stages,
-                                          expert_parallel=meta.expert_parallel))
+                                          expert_parallel=meta.expert_parallel, fp8_amax_group=meta.fp8_amax_group))
     return target

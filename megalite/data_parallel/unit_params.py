@@ -33,6 +33,7 @@ from torch import nn
 from megalite import comm, params as P
 from megalite.data_parallel.layout import BufferLayout
 from megalite.data_parallel.units import Unit
+from megalite.fp8.param_gather import unit_gathers
 
 
 class UnitParams:
@@ -41,7 +42,7 @@ class UnitParams:
     overlap = False  # nothing is left in flight after the optimizer step: it updates the shard only
 
     def __init__(self, units: Sequence[Unit], layout: BufferLayout, dp_group, shard_rank: int, device,
-                 groups: tuple = (), shard_ranks: tuple[int, ...] = ()):
+                 groups: tuple = (), shard_ranks: tuple[int, ...] = (), fp8_param_gather: bool = False):
         params = [p for unit in units for p in unit.params]
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -63,6 +64,9 @@ class UnitParams:
             full.untyped_storage().resize_(0)  # views are made while it has memory; now it has none
             self.full.append(full)
         self.params = [p for unit in units for p in unit.params]
+        # --fp8-param-gather: units holding FP8 layers' weights send those in FP8 (megalite.fp8.param_gather)
+        self.fp8_gathers = unit_gathers(units, layout, self.shard_ranks, self.dtype, self.device) \
+            if fp8_param_gather else [None] * len(units)
         self.holds = [0] * len(layout.buckets)
         self.pending: dict[int, object] = {}  # unit -> all-gather handle in flight
         self._gathered = [False] * len(layout.buckets)
@@ -118,9 +122,19 @@ class UnitParams:
         self.gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         self.gathers += 1
+        self.pending[unit] = self._start_gather(unit)
+
+    def _start_gather(self, unit: int) -> tuple:
+        """(handle, what must live until the wait, what completes the gather after it or None)."""
         send = self.owned_chunk(unit).to(self.dtype)  # the training dtype on the wire; kept until the wait
-        group = self.groups[self.layout.buckets[unit].kind]
-        self.pending[unit] = (comm.all_gather_into(full, send, group, async_op=True), send)
+        group, full, fp8 = self.groups[self.layout.buckets[unit].kind], self.full[unit], self.fp8_gathers[unit]
+        if fp8 is None:
+            return comm.all_gather_into(full, send, group, async_op=True), send, None
+        scales = fp8.scales(send, group)  # [FP8 weights of the unit], all-reduced now (small, blocking)
+        wire = fp8.pack(send, scales)  # [K + O*esize] uint8
+        gathered = torch.empty(fp8.n * fp8.wire_bytes, dtype=torch.uint8, device=self.device)
+        return (comm.all_gather_into(gathered, wire, group, async_op=True), wire,
+                lambda: fp8.unpack(gathered, scales, full))
 
     def wait(self, unit: int) -> None:
         """Complete unit `unit`'s all-gather if it is still in flight."""
@@ -128,6 +142,8 @@ class UnitParams:
         if pending is not None:
             started = time.perf_counter()
             pending[0].wait()
+            if pending[2] is not None:
+                pending[2]()  # FP8 gather: dequantise into the full buffer
             self.wait_seconds += time.perf_counter() - started
 
     def release(self, unit: int) -> None:
@@ -160,7 +176,8 @@ class UnitParams:
             owned.copy_(chunk, non_blocking=True)
         if self._gathered[unit]:  # held across the step (e.g. a user's summon): refresh it
             self.wait(unit)
-            comm.all_gather_into(self.full[unit], owned.to(self.dtype), self.groups[self.layout.buckets[unit].kind])
+            self.pending[unit] = self._start_gather(unit)
+            self.wait(unit)
 
     def published(self) -> None:
         pass

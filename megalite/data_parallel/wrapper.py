@@ -105,8 +105,12 @@ class DataParallel(nn.Module):
                  bucket_size: int = DEFAULT_BUCKET_SIZE, grad_reduce_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
                  prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
-                 grad_compression: PowerSGDConfig | None = None, dp_reduction: str = "mean"):
+                 grad_compression: PowerSGDConfig | None = None, dp_reduction: str = "mean",
+                 fp8_param_gather: bool = False):
         super().__init__()
+        if fp8_param_gather and zero_stage != 3:
+            raise ValueError(f"fp8_param_gather is ZeRO-3's parameter all-gather in FP8; zero_stage is {zero_stage}")
+        self._fp8_param_gather = fp8_param_gather
         if dp_reduction not in ("mean", "sum"):
             raise ValueError(f"dp_reduction must be 'mean' (the model returns a per-rank mean loss, as with torch "
                              f"DDP) or 'sum' (the loss is divided by the global token count), got {dp_reduction!r}")
@@ -159,7 +163,7 @@ class DataParallel(nn.Module):
         self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group),
                                         [u.kind for u in self.units], (comm.group_size(expert_group),))
         self.param_buffer = UnitParams(self.units, self.layout, group, comm.group_rank(group), mesh.device, groups,
-                                       tuple(comm.group_rank(g) for g in groups))
+                                       tuple(comm.group_rank(g) for g in groups), self._fp8_param_gather)
         if self.param_buffer.replaced:  # parameters built on the meta device: swap in the real ones
             for chunk in self.chunks:
                 for module in chunk.modules():

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megalite import comm, params
+from megalite.fp8.experts import fp8_experts_forward
 from megalite.model import functional as MF
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -48,12 +49,16 @@ class LocalExperts(nn.ModuleDict):
     index (so a layer's parameters are `experts.{e}.fc1_weight`).
 
     forward(x [R, h] rows sorted by local expert, group_sizes [E_local] int64) -> [R, h], partial over tp.
+    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): each expert's two GEMMs run in FP8, one expert
+    after another (megalite.fp8.experts), instead of the grouped GEMM.
     """
+
+    fp8 = None
 
     def __init__(self, hidden_size: int, ffn: int, gated: bool, expert_ids: range, base_seed: int, init_std: float,
                  num_layers: int, tp_group, dtype=None, device=None):
         super().__init__()
-        self.gated, self.first = gated, expert_ids.start
+        self.gated, self.first, self.tp_group = gated, expert_ids.start, tp_group
         tp_rank, tp_size = comm.group_rank(tp_group), comm.group_size(tp_group)
         out_std = init_std / math.sqrt(2 * num_layers)
         for e in expert_ids:
@@ -66,6 +71,8 @@ class LocalExperts(nn.ModuleDict):
         return (torch.stack([e.fc1_weight.t() for e in experts]), torch.stack([e.fc2_weight.t() for e in experts]))
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_experts_forward(self, x, group_sizes)
         fc1, fc2 = self.stacked()
         y = MF.grouped_mm(x, fc1, group_sizes)  # [R, 2f/tp] = [gate_r | up_r] or [R, f/tp]
         if self.gated:

@@ -63,7 +63,25 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     if cfg.precision.precision == "bf16" and not cuda_available and kernel_backend == "triton":
         problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
                         "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")
+    if cfg.precision.fp8_format is not None:
+        problems += _fp8_machine_problems(cuda_available, kernel_backend)
     return problems
+
+
+def _fp8_machine_problems(cuda_available: bool, kernel_backend: str) -> list[str]:
+    """FP8 GEMMs need Ada or Hopper (sm_89+); Triton's CPU interpreter has no float8. On a CPU without
+    the interpreter torch._scaled_mm runs them (for testing; the start banner says so)."""
+    if not cuda_available:
+        return ["--fp8-format on Triton's CPU interpreter: it has no float8 types; use "
+                "MEGALITE_KERNEL_BACKEND=auto (torch._scaled_mm runs FP8 on a CPU, for testing)"] \
+            if kernel_backend == "triton" else []
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return [f"--fp8-format needs an sm_89+ GPU (Ada, Hopper) for FP8 GEMMs; this one is sm_{major}{minor}: drop "
+                f"--fp8-format"]
+    return []
 
 
 def memory_per_rank() -> tuple[float, str]:

@@ -23,6 +23,8 @@ from megalite.moe import training as moe_training
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
+from megalite.fp8.convert import convert_to_fp8
+from megalite.fp8.recipe import recipe_from
 from megalite.mesh import Mesh
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
@@ -55,6 +57,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
                                moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
+        convert_to_fp8(chunks[-1], recipe_from(cfg))  # --fp8-format: the blocks' linears compute in FP8
     return chunks
 
 
@@ -69,7 +72,8 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
                         overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
                         reshard_after_forward=p.zero3_reshard_after_forward,
                         keep_gathered_in_step=p.zero3_keep_gathered_in_step,
-                        grad_compression=compression, dp_reduction="sum")  # the loss: / global tokens
+                        grad_compression=compression, dp_reduction="sum",  # the loss: / global tokens
+                        fp8_param_gather=cfg.precision.fp8_param_gather)
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:

@@ -1,0 +1,98 @@
+"""ZeRO-3's parameter all-gather with the FP8 layers' weights in FP8 (--fp8-param-gather).
+
+A unit's flat buffer [N] (N = n chunks of c elements, rank q owning chunk q) holds weights its
+layers cast to FP8 tensorwise and other parameters (norms, biases, embeddings) that stay in the
+training dtype. Each rank sends one byte string per gather:
+
+    wire [K + O * esize] uint8 = [ its FP8 elements, cast with their weight's scale (K bytes, padded)
+                                 | its other elements in the training dtype (O elements, padded) ]
+
+K, O: the most FP8 / other elements any rank's chunk holds (static, from the layout). A weight's
+scale is 448 / amax of the *whole logical weight*: its chunks' amaxes are MAX-reduced over the
+gather group, then over the weight's tp group (one small all-reduce each, [weights of the unit]
+fp32), the same scale the layer computes, so the layer's own cast of the gathered (dequantised)
+weight gives back exactly these FP8 values. The full buffer receives the dequantised weights:
+the bytes on the wire shrink (about 1/2 of bf16, 1/4 of fp32), the gathered memory does not.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite import comm, params as P
+from megalite.fp8.scaling import cast, scale_of
+
+FP8 = torch.float8_e4m3fn  # weights are forward operands: e4m3 in both formats
+
+
+class Fp8UnitGather:
+    """Index maps of one unit (bucket) and its FP8 gather. `params`/`slots`: the unit's parameters
+    and their ParamSlots; `bucket`: its layout.Bucket; `shard_rank`: this rank's chunk."""
+
+    def __init__(self, params, slots, bucket, shard_rank: int, dtype: torch.dtype, device):
+        n, c = bucket.shard_count, bucket.chunk_numel
+        self.n, self.c, self.shard_rank, self.dtype = n, c, shard_rank, dtype
+        weight_of = torch.full((bucket.numel,), -1, dtype=torch.long)  # [N]: FP8 weight index or -1
+        self.amax_groups = []  # per FP8 weight: the group its amax also spans (tp), or None
+        for p, slot in zip(params, slots):
+            group = P.info(p).fp8_amax_group
+            if group is not None:
+                weight_of[slot.start - bucket.start:slot.end - bucket.start] = len(self.amax_groups)
+                self.amax_groups.append(group[0])
+        chunks = weight_of.view(n, c)
+        fp8_local = [torch.nonzero(chunks[q] >= 0).flatten() for q in range(n)]  # chunk-relative positions
+        other_local = [torch.nonzero(chunks[q] < 0).flatten() for q in range(n)]
+        self.K = max(len(i) for i in fp8_local)
+        self.O = max(len(i) for i in other_local)
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.wire_bytes = self.K + self.O * self.esize  # per rank
+        mine_fp8, mine_other = fp8_local[shard_rank], other_local[shard_rank]
+        self.mine_fp8, self.mine_other = mine_fp8.to(device), mine_other.to(device)
+        self.mine_weight = chunks[shard_rank][mine_fp8].to(device)  # [k_r] weight index of each FP8 element
+        # unpacking: (position in the gathered [n, K] / [n, O] parts) -> (position in the full buffer)
+        self.fp8_src = torch.cat([q * self.K + torch.arange(len(i)) for q, i in enumerate(fp8_local)]).to(device)
+        self.fp8_dst = torch.cat([q * c + i for q, i in enumerate(fp8_local)]).to(device)
+        self.fp8_weight = weight_of[self.fp8_dst.cpu()].to(device)
+        self.other_src = torch.cat([q * self.O + torch.arange(len(i)) for q, i in enumerate(other_local)]).to(device)
+        self.other_dst = torch.cat([q * c + i for q, i in enumerate(other_local)]).to(device)
+
+    def scales(self, chunk: torch.Tensor, group) -> torch.Tensor:
+        """[weights] fp32 cast-scales from this rank's chunk (training dtype, [c]): amax MAX-reduced
+        over the gather `group`, then over each weight's tp group."""
+        count = len(self.amax_groups)
+        local = torch.zeros(count, dtype=torch.float32, device=chunk.device)
+        local.scatter_reduce_(0, self.mine_weight, chunk[self.mine_fp8].abs().float(), reduce="amax")
+        comm.all_reduce(local, group, op="max")
+        for tp_group in dict.fromkeys(g for g in self.amax_groups if comm.group_size(g) > 1):
+            members = torch.tensor([k for k, g in enumerate(self.amax_groups) if g is tp_group], device=chunk.device)
+            part = local[members].contiguous()
+            local[members] = comm.all_reduce(part, tp_group, op="max")
+        return scale_of(local, FP8)
+
+    def pack(self, chunk: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """This rank's wire [K + O*esize] uint8 from its chunk (training dtype, [c])."""
+        wire = torch.zeros(self.wire_bytes, dtype=torch.uint8, device=chunk.device)
+        fp8 = cast(chunk[self.mine_fp8], scales[self.mine_weight], FP8)
+        wire[:len(fp8)] = fp8.view(torch.uint8)
+        other = chunk[self.mine_other].contiguous().view(torch.uint8)
+        wire[self.K:self.K + other.numel()] = other
+        return wire
+
+    def unpack(self, gathered: torch.Tensor, scales: torch.Tensor, full: torch.Tensor) -> None:
+        """Write the gathered wires [n * (K + O*esize)] uint8 into the unit's full buffer [N]."""
+        rows = gathered.view(self.n, self.wire_bytes)
+        fp8 = rows[:, :self.K].contiguous().view(FP8).reshape(-1)  # [n * K]
+        other = rows[:, self.K:].contiguous().view(self.dtype).reshape(-1)  # [n * O]
+        inv = scales.reciprocal()
+        full[self.fp8_dst] = (fp8[self.fp8_src].float() * inv[self.fp8_weight]).to(self.dtype)
+        full[self.other_dst] = other[self.other_src]
+
+
+def unit_gathers(units, layout, shard_ranks, dtype, device) -> list[Fp8UnitGather | None]:
+    """One Fp8UnitGather per unit holding an FP8 weight, None for the others (gathered as before)."""
+    out = []
+    for unit, bucket in zip(units, layout.buckets):
+        has_fp8 = any(P.info(p).fp8_amax_group is not None for p in unit.params)
+        slots = [layout.slots[i] for i in bucket.params]
+        out.append(Fp8UnitGather(unit.params, slots, bucket, shard_ranks[bucket.kind], dtype, device)
+                   if has_fp8 else None)
+    return out

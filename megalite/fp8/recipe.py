@@ -1,0 +1,55 @@
+"""What an FP8 run casts to and how it scales (Megatron's --fp8-format / --fp8-recipe names).
+
+format   e4m3: every GEMM operand in float8_e4m3fn (max 448, 3 mantissa bits);
+         hybrid: forward operands e4m3, gradients float8_e5m2 (max 57344, 2 mantissa bits: range
+         for the gradients' wide spread, as Transformer Engine's HYBRID).
+recipe   tensorwise: one scale per tensor, 448 / amax of the *whole logical tensor* (a shard over
+         tp or sp takes its amax over the tp group, so every layout casts the same numbers);
+         rowwise: one scale per row of each GEMM operand along the contraction dimension
+         (torchao's rowwise: an outlier spoils one row, not the tensor).
+
+Current scaling only (the scale from this tensor's own amax, no history): nothing to checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    format: str = "e4m3"
+    recipe: str = "tensorwise"
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"--fp8-format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"--fp8-recipe {self.recipe!r} is not one of {', '.join(RECIPES)}")
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        """Activations and weights."""
+        return torch.float8_e4m3fn
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """Output gradients (the backward GEMMs' left operand)."""
+        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
+
+    def describe(self) -> str:
+        return f"fp8 {self.format} {self.recipe}"
+
+
+def recipe_from(cfg) -> Fp8Recipe | None:
+    """The run's recipe from a RunConfig's precision settings; None without --fp8-format."""
+    prec = cfg.precision
+    return None if prec.fp8_format is None else Fp8Recipe(str(prec.fp8_format), str(prec.fp8_recipe))

@@ -1,0 +1,52 @@
+"""Current scaling: amax of the whole logical tensor, scale = fp8 max / amax, saturating cast.
+
+A tensor sharded over tp (a weight, a row-parallel input, a sequence shard) takes its amax as a
+MAX all-reduce over the tp group, so the cast is the same at every layout (layout-free):
+
+    tensorwise  amax [] (one number): one all-reduce of 4 bytes per tensor
+    rowwise     amax [rows, 1] along the contraction dim; all-reduced only when that dim is sharded
+
+`quantize` returns (t_q, inv_scale): t ≈ t_q * inv_scale, inv_scale being what the scaled GEMM
+multiplies back in (torch._scaled_mm's scale_a / scale_b).
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite import comm
+
+_EPS = 1e-12  # an all-zero tensor (a fresh bias-free layer's gradient) gets scale max/1e-12, casts to 0
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def amax(t: torch.Tensor, rowwise_dim: int | None, group=None) -> torch.Tensor:
+    """fp32 amax of |t|: over everything (rowwise_dim None) -> [], or along `rowwise_dim` -> keepdim;
+    MAX-reduced over `group` (the ranks holding the other shards of the same logical tensor)."""
+    if t.numel() == 0:  # an expert without tokens: nothing to scale, but the all-reduce is still joined
+        shape = () if rowwise_dim is None else tuple(1 if d == rowwise_dim % t.dim() else n for d, n in enumerate(t.shape))
+        a = torch.zeros(shape, dtype=torch.float32, device=t.device)
+    else:
+        a = (t.abs().amax() if rowwise_dim is None else t.abs().amax(dim=rowwise_dim, keepdim=True)).float()
+    if comm.group_size(group) > 1:
+        a = comm.all_reduce(a.contiguous(), group, op="max")
+    return a
+
+
+def scale_of(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast-scale (multiply before the cast) from an amax: max(dtype) / amax."""
+    return fp8_max(dtype) / a.clamp(min=_EPS)
+
+
+def cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast of t * scale (fp32 maths; float8_e4m3fn has no infinity to overflow into)."""
+    limit = fp8_max(dtype)
+    return (t.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None, group=None):
+    """(t_q in `dtype`, inv_scale fp32 [] or keepdim along rowwise_dim) with the whole-tensor scale."""
+    scale = scale_of(amax(t, rowwise_dim, group), dtype)
+    return cast(t, scale, dtype), scale.reciprocal()
