@@ -14,6 +14,7 @@ Four packages need to know things about a parameter that its tensor does not say
 | grad_sink, main_grad   | the DP wrapper                      | linear layers' backward, executor, tests     |
 | deferred               | the pipeline executor (ZB-H1's B)   | linear layers' backward                      |
 | fp8_amax_group         | megalite.fp8.convert                | ZeRO-3's FP8 parameter gather                |
+| fp8_gathered           | ZeRO-3's FP8 parameter gather       | the FP8 linear (its weight's cast)           |
 
 They live in one typed object, `ParamInfo`, stored on the parameter as a single attribute
 that only this module reads or writes. Undeclared parameters (a plain `nn.Linear` in a
@@ -65,6 +66,9 @@ class ParamInfo:
     fp8_amax_group: tuple | None = None
     """A weight its layer casts to FP8 tensorwise: (the group its amax spans, the tp group or None);
     None for every other parameter. ZeRO-3 may then gather it in FP8 (--fp8-param-gather)."""
+    fp8_gathered: tuple | None = None
+    """Set by ZeRO-3's FP8 gather while the weight is gathered: (FP8 values [shape], 1/scale []),
+    which its layer uses instead of casting the weight itself."""
 
 
 def info(param: torch.Tensor) -> ParamInfo:
@@ -154,6 +158,14 @@ def set_deferred(param: torch.Tensor, deferred: tuple[Any, Hashable] | None) -> 
 
 def deferred(param: torch.Tensor) -> tuple[Any, Hashable] | None:
     return info(param).deferred
+
+
+def set_fp8_gathered(param: torch.Tensor, gathered: tuple | None) -> None:
+    info(param).fp8_gathered = gathered
+
+
+def fp8_gathered(param: torch.Tensor) -> tuple | None:
+    return info(param).fp8_gathered
 
 
 def copy_info(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,7 @@ class UnitParams:
         # --fp8-param-gather: units holding FP8 layers' weights send those in FP8 (megalite.fp8.param_gather)
         self.fp8_gathers = unit_gathers(units, layout, self.shard_ranks, self.dtype, self.device) \
             if fp8_param_gather else [None] * len(units)
+        self.exact_gathers = False  # set around `DataParallel.gathered()`: no FP8 on the wire then
         self.holds = [0] * len(layout.buckets)
         self.pending: dict[int, object] = {}  # unit -> all-gather handle in flight
         self._gathered = [False] * len(layout.buckets)
@@ -128,7 +129,7 @@ class UnitParams:
         """(handle, what must live until the wait, what completes the gather after it or None)."""
         send = self.owned_chunk(unit).to(self.dtype)  # the training dtype on the wire; kept until the wait
         group, full, fp8 = self.groups[self.layout.buckets[unit].kind], self.full[unit], self.fp8_gathers[unit]
-        if fp8 is None:
+        if fp8 is None or self.exact_gathers:
             return comm.all_gather_into(full, send, group, async_op=True), send, None
         scales = fp8.scales(send, group)  # [FP8 weights of the unit], all-reduced now (small, blocking)
         wire = fp8.pack(send, scales)  # [K + O*esize] uint8
@@ -155,6 +156,8 @@ class UnitParams:
             self.wait(unit)  # never free memory a gather is still writing
             full = self.full[unit]
             full.untyped_storage().resize_(0)
+            if self.fp8_gathers[unit] is not None:
+                self.fp8_gathers[unit].forget()
             self._gathered[unit] = False
             self.gathered_bytes -= full.numel() * full.element_size()
 

@@ -337,8 +337,12 @@ class DataParallel(nn.Module):
             yield
             return
         chosen = range(len(self.units)) if units is None else list(units)
-        for unit in chosen:
-            self.param_buffer.acquire(unit)
+        self.param_buffer.exact_gathers = True  # a reader sees the master weights, not their FP8 casts
+        try:
+            for unit in chosen:
+                self.param_buffer.acquire(unit)
+        finally:
+            self.param_buffer.exact_gathers = False
         try:
             for unit in chosen:
                 self.param_buffer.wait(unit)

@@ -51,7 +51,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             replicated = kind == "column" and not sequence_parallel
             x_q, x_inv = quantize(x, fwd, None, None if replicated else (group if tp else None))
-            w_q, w_inv = quantize(weight, fwd, None, group if tp else None)
+            w_q, w_inv = _weight_tensorwise(weight, fwd, group if tp else None)
         saved_x = x if recipe.rowwise else x_q  # the shard under SP: backward re-gathers it
         if sequence_parallel and tp:
             x_q, x_inv = _gather_fp8(x_q, x_inv, group)  # [s/tp, b, K] -> [s, b, K]
@@ -91,6 +91,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
+def _weight_tensorwise(weight: torch.Tensor, dtype: torch.dtype, tp_group):
+    """(W_q, 1/scale): ZeRO-3's FP8-gathered copy when there is one (--fp8-param-gather), else cast here."""
+    gathered = P.fp8_gathered(weight)
+    return gathered if gathered is not None else quantize(weight, dtype, None, tp_group)
+
+
 def _dgrad(ctx, g2: torch.Tensor, g_tensorwise, weight: torch.Tensor, out_dtype) -> torch.Tensor:
     """dx [T, K] = g [T, N] @ W [N, K], contracting N."""
     recipe = ctx.recipe
@@ -100,7 +106,7 @@ def _dgrad(ctx, g2: torch.Tensor, g_tensorwise, weight: torch.Tensor, out_dtype)
     else:
         tp_group = ctx.group if comm.group_size(ctx.group) > 1 else None
         g_q, g_inv = g_tensorwise
-        w_q, w_inv = quantize(weight, recipe.forward_dtype, None, tp_group)
+        w_q, w_inv = _weight_tensorwise(weight, recipe.forward_dtype, tp_group)
     w_t = w_q.t().contiguous()  # [K, N] row-major: the transposed copy, so the right operand is column-major
     return gemm.scaled_mm(g_q, w_t.t(), g_inv, w_inv, out_dtype)
 

@@ -33,11 +33,13 @@ class Fp8UnitGather:
         self.n, self.c, self.shard_rank, self.dtype = n, c, shard_rank, dtype
         weight_of = torch.full((bucket.numel,), -1, dtype=torch.long)  # [N]: FP8 weight index or -1
         self.amax_groups = []  # per FP8 weight: the group its amax also spans (tp), or None
+        self.weights = []  # per FP8 weight: (parameter, [start, end) in the unit's buffer)
         for p, slot in zip(params, slots):
             group = P.info(p).fp8_amax_group
             if group is not None:
                 weight_of[slot.start - bucket.start:slot.end - bucket.start] = len(self.amax_groups)
                 self.amax_groups.append(group[0])
+                self.weights.append((p, slot.start - bucket.start, slot.end - bucket.start))
         chunks = weight_of.view(n, c)
         fp8_local = [torch.nonzero(chunks[q] >= 0).flatten() for q in range(n)]  # chunk-relative positions
         other_local = [torch.nonzero(chunks[q] < 0).flatten() for q in range(n)]
@@ -78,13 +80,27 @@ class Fp8UnitGather:
         return wire
 
     def unpack(self, gathered: torch.Tensor, scales: torch.Tensor, full: torch.Tensor) -> None:
-        """Write the gathered wires [n * (K + O*esize)] uint8 into the unit's full buffer [N]."""
+        """Write the gathered wires [n * (K + O*esize)] uint8 into the unit's full buffer [N], and
+        hand each FP8 weight its gathered FP8 values with their scale (`params.fp8_gathered`): its
+        layer casts nothing and reduces no amax, and computes with exactly the bits the single
+        process would (a re-cast of the dequantised weight can round its scale by an ulp, and one
+        ulp in a GEMM's output flips later casts)."""
         rows = gathered.view(self.n, self.wire_bytes)
         fp8 = rows[:, :self.K].contiguous().view(FP8).reshape(-1)  # [n * K]
         other = rows[:, self.K:].contiguous().view(self.dtype).reshape(-1)  # [n * O]
         inv = scales.reciprocal()
-        full[self.fp8_dst] = (fp8[self.fp8_src].float() * inv[self.fp8_weight]).to(self.dtype)
+        values = fp8[self.fp8_src]
+        full[self.fp8_dst] = (values.float() * inv[self.fp8_weight]).to(self.dtype)
         full[self.other_dst] = other[self.other_src]
+        full_q = torch.zeros(full.numel(), dtype=torch.uint8, device=full.device)  # [N], FP8 bits where FP8
+        full_q[self.fp8_dst] = values.view(torch.uint8)
+        for k, (p, start, end) in enumerate(self.weights):
+            P.set_fp8_gathered(p, (full_q[start:end].view(FP8).view(p.shape), inv[k]))
+
+    def forget(self) -> None:
+        """The unit is freed: its weights' FP8 copies go with it."""
+        for p, _, _ in self.weights:
+            P.set_fp8_gathered(p, None)
 
 
 def unit_gathers(units, layout, shard_ranks, dtype, device) -> list[Fp8UnitGather | None]:
