@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
+from megalite.plan import fp8
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_tensor_parallel_bytes,
@@ -101,7 +102,11 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
     if sp:
         # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
         # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
-        add("tp/all_gather", m * (3 * layers + rerun + 3 * mlps + mlp_rerun) * u)
+        # (FP8: the QKV / MLP-in input gathers, fwd + re-gather, go in FP8: plan/fp8.py)
+        a, tokens = DTYPE_BYTES[cfg.precision.precision], s * b
+        inputs = fp8.sp_input_gather_bytes(cfg, u, a, tokens)
+        add("tp/all_gather", m * (layers * (u + inputs) + rerun * inputs // 2 + mlps * (u + inputs)
+                                  + mlp_rerun * inputs // 2))
         add("tp/reduce_scatter", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)
     else:
         add("tp/all_reduce", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)  # Megatron's 4 per layer

@@ -28,7 +28,7 @@ from pathlib import Path
 from megalite.errors import UsageError
 
 
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 class HardwareProfileError(UsageError, ValueError):
@@ -41,7 +41,7 @@ class HardwareProfile:
 
     name: str
     peak_tflops: dict[str, float]
-    """Dense matmul peak per precision ("bf16", "fp16", "fp32")."""
+    """Dense matmul peak per precision ("bf16", "fp16", "fp32"; "fp8" where the GPU has FP8 tensor cores)."""
     matmul_efficiency: tuple[tuple[float, float], ...]
     """(n, fraction of peak) for an n x n x n GEMM, n increasing; a GEMM (m, n, k) reads the curve at
     the cube root of m*n*k (its work), log-linearly between points and flat beyond the ends."""
@@ -280,7 +280,7 @@ A100_80GB = HardwareProfile(
            "HDR 200 Gb/s per GPU); GEMM curve, copy and bus bandwidths: see megalite/plan/hardware.py")
 
 H100_SXM = HardwareProfile(
-    name="H100-SXM", peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    name="H100-SXM", peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
     matmul_efficiency=latency_bound_curve(0.80, 989.0, 6.0),
     memory_bandwidth_gbs=0.88 * 3350, intra_node_busbw_gbs=360.0, inter_node_busbw_gbs=47.5, devices_per_node=8,
     attention_efficiency=0.35,

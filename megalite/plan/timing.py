@@ -57,7 +57,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.plan import kernel_rates as rates
+from megalite.plan import fp8, kernel_rates as rates
 from megalite.plan.activations import output_kept_once
 from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
@@ -164,7 +164,8 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     llama = model.flavour == "llama"
     linears = [(tokens, (nq + 2 * nkv) * d, h), (tokens, h, nq * d), (tokens, (2 if llama else 1) * f // t, h),
                (tokens, h, f // t)]
-    gemm = sum(hw.matmul_seconds(m, n, k, precision) for m, n, k in linears)
+    gemm = sum(hw.matmul_seconds(m, n, k, fp8.gemm_precision(cfg, hw.peak_tflops)) for m, n, k in linears)
+    casts = fp8.cast_bytes(linears, a) if fp8.enabled(cfg) else (0, 0)  # --fp8-format: the casts' memory passes
     scores, values = rates.attention_products(model, cfg, hw, kernels.attention, kernels.attention_backend, b * nq,
                                               local)
     attention = scores + values
@@ -184,11 +185,11 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
     megalite_layout = kernels.attention == "flash" and not kernels.layout_copies
     in_place = output_kept_once(cfg, rates.attention_implementation(model, cfg, hw, kernels.attention_backend))
     layout = rates.layout_copies(model, cfg, hw, tokens, megalite_layout, in_place)
-    forward = gemm + attention + hw.memory_seconds(streamed) + norms[0] + rope[0] + mlp[0] + layout[0]
+    forward = gemm + attention + hw.memory_seconds(streamed + casts[0]) + norms[0] + rope[0] + mlp[0] + layout[0]
     bias_grads = a * tokens * sum(n for _, n, _ in linears) if model.add_bias else 0
     products = scores + values
     backward = 2 * gemm + (2.5 if kernels.attention == "flash" else 2.0) * products + 1.5 * (attention - products)
-    backward += hw.memory_seconds(1.5 * streamed + bias_grads) + norms[1] + rope[1] + mlp[1] + layout[1]
+    backward += hw.memory_seconds(1.5 * streamed + bias_grads + casts[1]) + norms[1] + rope[1] + mlp[1] + layout[1]
     if "grad_accumulate" in hw.memory_fractions:                     # fp32 main grad += grad: read 4 + a, write 4
         backward += rates.memory_seconds(hw, "grad_accumulate", (8 + a) * layer_params(model, t))[0]
     else:                                                            # read-add-write into fp32 main grads

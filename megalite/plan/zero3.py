@@ -14,7 +14,8 @@ weight tied across pipeline stages is a unit of its own). Per rank of a pipeline
     dp traffic per step (comm.ledger sizes, group "dp", or "dp_cp" with context parallelism, over
     which the shards are spread; unit sizes padded to a multiple of dp at run time):
       all_gather      2·m·Ψ·p  reshard after forward (forward and backward of every microbatch)
-                        m·Ψ·p  --no-zero3-reshard-after-forward (at most: microbatches in flight
+                        m·Ψ·p  --no-zero3-reshard-after-forward
+                               (--fp8-param-gather: the blocks' linear weights count 1 byte, plan/fp8.py) (at most: microbatches in flight
                                in a pipeline share a gather)
                           Ψ·p  --zero3-keep-gathered-in-step
                       + 2·m·Ψ_embedding·p for GPT-2's tied head at pp = 1 (it borrows the embedding)
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
+from megalite.plan import fp8
 from megalite.plan.layout import DTYPE_BYTES, stage_layers
 from megalite.plan.params import layer_params
 
@@ -84,9 +86,9 @@ def add_zero3_dp_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, params
     m, par, group = cfg.num_microbatches, cfg.parallel, dp_group_name(cfg)
     add(f"{group}/reduce_scatter", m * params * g)
     if par.zero3_keep_gathered_in_step:
-        add(f"{group}/all_gather", params * p)
+        add(f"{group}/all_gather", fp8.param_gather_bytes(model, cfg, params, stage, p))
         return
     gathers = 2 * m if par.zero3_reshard_after_forward else m
     borrowed = 2 * m * embedding_unit(model, cfg) if borrows_embedding(model, cfg) and stage == 0 and \
         par.zero3_reshard_after_forward else 0
-    add(f"{group}/all_gather", (gathers * params + borrowed) * p)
+    add(f"{group}/all_gather", gathers * fp8.param_gather_bytes(model, cfg, params, stage, p) + borrowed * p)

@@ -216,7 +216,7 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"accumulation {cfg.num_microbatches}; "
         + (f"cp {cfg.parallel.cp} ({cfg.parallel.cp_comm_type}): {model_cfg.seq_length // cfg.parallel.cp} tokens "
            f"of each sequence per rank; " if cfg.parallel.cp > 1 else "")
-        + f"{cfg.precision.precision}; schedule "
+        + f"{cfg.precision.precision}{_fp8_words(cfg, mesh)}; schedule "
         f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
@@ -226,6 +226,15 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
     log(MF.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
                               p.cp_comm_type, mesh.device))
+
+
+def _fp8_words(cfg: RunConfig, mesh: Mesh) -> str:
+    prec = cfg.precision
+    if prec.fp8_format is None:
+        return ""
+    where = " (torch._scaled_mm on a CPU: for testing, not speed)" if mesh.device.type == "cpu" else ""
+    return (f" + fp8 {prec.fp8_format} {prec.fp8_recipe} GEMMs{where}"
+            + ("; FP8 parameter gathers" if prec.fp8_param_gather else ""))
 
 
 def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> tuple:

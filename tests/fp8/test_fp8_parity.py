@@ -1,8 +1,18 @@
-"""FP8 training is layout-free: at (tp 2, SP), (tp 2, pp 2, dp 2) and ZeRO-3 (with and without the
-FP8 parameter gather) the losses and weights equal the FP8 single process (float32, 1e-5).
+"""FP8 training is layout-free: each cast at tp 2 (with and without SP) gives the bits of the single
+process, and layouts that compute every GEMM whole (pp, dp, ZeRO-3 with and without the FP8
+parameter gather) train to the FP8 single process's losses and weights (float32, 1e-5, 2 steps).
 
-The reference runs in the parent process; each layout's ranks compare against it. The tp-sharded
-casts agree only because their amax is all-reduced over tp (a per-shard scale fails these tests).
+Why tp layouts are compared cast by cast and on one microbatch, not over whole steps: a
+row-parallel GEMM's partial sums are added in another order than the single process's (and a
+CPU GEMM's blocking changes with N), which moves an fp32 output by an ulp; fp32 training shrugs
+that off, but an FP8 cast is a step function, so a later cast of a value that sits within an ulp
+of a rounding boundary flips to the neighbouring FP8 number (1/16 of the value). Over the
+microbatches of a step a few such flips are certain and the weights then differ by ~1e-3
+(docs/fp8.md). The tp tests below therefore check what tp owns: the same casts (amax over the
+whole logical tensor) and the same gradients for a microbatch where no flip occurs.
+
+The reference runs in the parent process (one thread, like the ranks); each layout's ranks
+compare against it.
 """
 import pytest
 import torch
@@ -12,6 +22,8 @@ from megalite.config import RunConfig
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import assert_tensor_close, run_distributed
+from megalite.fp8 import Fp8Recipe
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 STEPS, MICRO, GLOBAL, SEQ = 2, 2, 8, 16
@@ -57,6 +69,11 @@ def _parallel(tp, pp, dp, extra, ref_losses, ref_params):
     m = mesh.init_mesh(tp=tp, pp=pp, dp=dp)
     losses, chunks, dp_model = _run(m, _cfg(tp, pp, dp, fp8_format="hybrid", **extra))
     ledger = dict(comm.ledger.bytes)
+    if dp_model.zero_stage == 3:  # bytes of one gather of every unit, from the run's own layout
+        units = dp_model.param_buffer
+        ledger["one gather of every unit"] = sum(
+            full.numel() * full.element_size() if fp8 is None else fp8.n * fp8.wire_bytes
+            for full, fp8 in zip(units.full, units.fp8_gathers))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     with dp_model.gathered():  # ZeRO-3 holds only its shard between steps
         for chunk in chunks:
@@ -76,6 +93,80 @@ def test_fp8_differs_from_fp32_but_trains(tensorwise):
     torch.testing.assert_close(tensorwise[0], fp32_losses, rtol=0.02, atol=0)
 
 
+def _mlp(tp_group, sp, recipe, x, g):
+    """Column -> GeLU -> Row at tp = size(tp_group): output and gradients, in this rank's shards."""
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(32, 64, tp_group=tp_group, sequence_parallel=sp)
+    fc2 = RowParallelLinear(64, 32, tp_group=tp_group, sequence_parallel=sp)
+    fc1.fp8 = fc2.fp8 = recipe
+    n, r = comm.group_size(tp_group), comm.group_rank(tp_group)
+    x = (x.chunk(n, 0)[r] if sp else x).clone().requires_grad_()
+    y = fc2(torch.nn.functional.gelu(fc1(x)))
+    y.backward(g.chunk(n, 0)[r] if sp else g)
+    return [y.detach(), x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad, fc2.bias.grad]
+
+
+def _mlp_at_tp2(cases):
+    m = mesh.init_mesh(tp=2)
+    for sp, recipe, x, g, ref in cases:
+        got = _mlp(m.tp_group, sp, recipe, x, g)
+        if sp:  # the row bias sees a sequence shard: its gradient is partial per rank (the DP wrapper sums it)
+            got[5] = comm.all_reduce(got[5].clone(), m.tp_group)
+        r = m.tp_rank
+        shard_of = [lambda t: t.chunk(2, 0)[r] if sp else t] * 2 + [lambda t: t.chunk(2, 0)[r]] * 2 + \
+                   [lambda t: t.chunk(2, 1)[r], lambda t: t]
+        for what, a, b, shard in zip(("y", "dx", "dW1", "db1", "dW2", "db2"), got, ref, shard_of):
+            assert_tensor_close(a, shard(b), rtol=1e-6, what=f"{recipe} sp={sp} {what}")
+    return comm.ledger.bytes.get(("tp", "all_gather"), 0)
+
+
+def test_tp2_casts_what_the_single_process_casts():
+    """Tensorwise and rowwise, with and without SP (whose all-gather sends FP8 bytes and the rowwise
+    scales): the MLP's output and all gradients equal one process's to 1e-6."""
+    torch.manual_seed(5)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)  # [s, b, h]
+    cases = []
+    for recipe in (Fp8Recipe("hybrid", "tensorwise"), Fp8Recipe("e4m3", "rowwise")):
+        ref = _mlp(None, False, recipe, x, g)
+        cases += [(sp, recipe, x, g, ref) for sp in (False, True)]
+    gathered = run_distributed(_mlp_at_tp2, 2, cases)[0]
+    # SP all-gathers over tp, bytes of the gathered [s, b, 32] = 512 elements:
+    # tensorwise: x_q forward and again for the weight gradient (1 byte each);
+    # rowwise: x_q and its scales [s, b, 1] fp32 forward, x in fp32 for the weight gradient (its
+    #   scales run along the tokens, across the shards);
+    # both: fc2's output gradient in fp32 (the backward of its reduce-scatter).
+    tokens = 16
+    fp8_bytes = 2 * tokens * 32 + tokens * 32
+    rowwise_scales, rowwise_x = tokens * 4, tokens * 32 * 4
+    fp32_grads = 2 * tokens * 32 * 4
+    assert gathered == fp8_bytes + rowwise_scales + rowwise_x + fp32_grads, gathered
+
+
+def _grads_of_one_microbatch(ref):
+    m = mesh.init_mesh(tp=2)
+    chunk = build_model_chunks(_model(), _cfg(2, fp8_format="hybrid", sequence_parallel=True), m)[0]
+    mb = _batches(chunk.config.vocab_size, 1, 0)[0][0]
+    loss = chunk(mb["input_ids"], mb["labels"])
+    loss.backward()
+    torch.testing.assert_close(loss.item(), ref[0], rtol=1e-6, atol=0)
+    for name, p in chunk.logical_parameters():
+        grad = p.grad
+        if P.is_sequence_parallel_grad(p):  # a norm on a sequence shard: partial per rank (the DP wrapper sums it)
+            grad = comm.all_reduce(grad.clone(), m.tp_group)
+        assert_tensor_close(grad, P.shard_spec(p).shard(ref[1][name]), rtol=1e-5, what=name)
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_model_gradients_match_on_one_microbatch():
+    torch.set_num_threads(1)
+    chunk = build_model_chunks(_model(), _cfg(fp8_format="hybrid"), single_process_mesh("cpu"))[0]
+    mb = _batches(chunk.config.vocab_size, 1, 0)[0][0]
+    loss = chunk(mb["input_ids"], mb["labels"])
+    loss.backward()
+    grads = {n: P.shard_spec(p).assemble([p.grad]) for n, p in chunk.logical_parameters()}
+    run_distributed(_grads_of_one_microbatch, 2, (loss.item(), grads))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_pp2_dp2_matches_the_fp8_single_process(recipe):
@@ -85,8 +176,22 @@ def test_pp2_dp2_matches_the_fp8_single_process(recipe):
 
 @pytest.mark.slow
 def test_zero3_with_and_without_the_fp8_param_gather_matches(tensorwise):
-    plain = run_distributed(_parallel, 2, 1, 1, 2, {"zero": 3}, *tensorwise, timeout_s=240)[0]
-    fp8 = run_distributed(_parallel, 2, 1, 1, 2, {"zero": 3, "fp8_param_gather": True}, *tensorwise,
-                          timeout_s=240)[0]
-    gathered = plain[("dp", "all_gather")], fp8[("dp", "all_gather")]
-    assert gathered[1] < 0.3 * gathered[0], gathered  # fp32 training: 1 byte of 4 for the blocks' weights
+    """Both equal the FP8 single process; the FP8 gather moves the blocks' linear weights in 1 byte
+    (of 4 here: fp32 training) and the planner counts exactly the bytes the ledger saw."""
+    from megalite.plan.communication import communication_bytes
+
+    for extra in ({"zero": 3}, {"zero": 3, "fp8_param_gather": True}):
+        ledger = run_distributed(_parallel, 2, 1, 1, 2, extra, *tensorwise, timeout_s=240)[0]
+        # reshard after forward: every unit gathered for forward and backward of each microbatch
+        gathers = STEPS * 2 * (GLOBAL // MICRO // 2)
+        assert ledger[("dp", "all_gather")] == gathers * ledger["one gather of every unit"], (extra, ledger)
+        # the planner: the same but the FP8 wire's padding: rank 0's chunk of a block holds both norms
+        # (2h fp32 elements, which rank 1 pads) and so 2h FP8 bytes fewer than rank 1 (which it pads)
+        planned = STEPS * communication_bytes(_model(), _cfg(1, 1, 2, fp8_format="hybrid", **extra), 0)["dp/all_gather"]
+        h, blocks = _model().hidden_size, _model().num_layers
+        padding = gathers * blocks * 2 * h * (4 + 1) if "fp8_param_gather" in extra else 0
+        assert ledger[("dp", "all_gather")] == planned + padding, (extra, ledger, planned)
+        if "fp8_param_gather" in extra:
+            assert ledger[("dp", "all_gather")] < 0.5 * plain, (ledger, plain)
+        else:
+            plain = ledger[("dp", "all_gather")]
