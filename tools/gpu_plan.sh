@@ -8,7 +8,8 @@
 # Steps: kernel_tests (tests/kernels compiled), tune_attention (tiles + SDPA dispatch table),
 # tune_norms (norm and RoPE launch configs), bench_kernels (every op vs eager / torch.compile /
 # SDPA, % of the copy and matmul ceilings, with the tables just tuned in effect), bench_moe_kernels
-# (the MoE grouped GEMM vs a per-expert loop and torch._grouped_mm, permute/unpermute), bench_train
+# (the MoE grouped GEMM vs a per-expert loop and torch._grouped_mm, permute/unpermute), bench_fp8 (FP8
+# vs bf16: GEMM and llama-shaped block stacks, tools/bench_fp8.py), bench_train
 # (GPT-2 small step vs a plain transformers loop), step_time (the planner against the llama-1b and
 # gpt2-124m steps measured here, goal within 15%), host_overhead (ops, launches, copies, memsets and
 # autograd nodes of one step, megalite vs transformers, on the CPU with launches skipped),
@@ -20,7 +21,7 @@
 set -u
 out=${1:?usage: bash tools/gpu_plan.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-kernel_tests tune_attention tune_norms bench_kernels bench_moe_kernels bench_train step_time host_overhead bench_train_graph train_graph}
+steps=${*:-kernel_tests tune_attention tune_norms bench_kernels bench_moe_kernels bench_fp8 bench_train step_time host_overhead bench_train_graph train_graph}
 mkdir -p "$out"
 ln -sfn ../kernels megalite/kernels
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -46,6 +47,8 @@ step bench_kernels 240 python tools/bench_kernels.py --quick --no-correctness --
     ${tables:+--tables $tables}
 step bench_moe_kernels 240 python tools/bench_kernels.py --ops grouped_mm,moe_permute --no-correctness \
     --csv "$out/bench_moe_kernels.csv"
+# issue 35: FP8 vs bf16, GEMM 8192^3 (goal >= 1.6x) and llama-8B/1B-shaped 4-block stacks (>= 1.2x / 1.1x)
+step bench_fp8 240 python tools/bench_fp8.py
 step bench_train 150 python tools/bench_train.py --model gpt2-124m --micro-batch-size 8 --seq-length 1024 --bf16
 step step_time 240 python tools/bench_step_time.py --h200 --measure --iters 20 --out "$out/step_time"
 # issue 26: goals >= 1.5x the transformers loop, wall time per step within 10% of the GPU kernels' (17 ms)
