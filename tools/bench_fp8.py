@@ -48,6 +48,7 @@ def bench_gemm(n: int, device, repeats: int) -> None:
     tflops = 2 * n ** 3 / (fp8 * 1e-3) / 1e12
     print(f"gemm {n}^3: {dtype} {hp:.3f} ms, fp8 {fp8:.3f} ms, ratio {hp / fp8:.2f}x; fp8 {tflops:.0f} TFLOP/s "
           f"= {100 * tflops / 1979:.0f}% of the H100/H200 dense peak")
+    _goal(f"fp8 GEMM {n}^3 vs {str(dtype).replace('torch.', '')}", hp / fp8, GOALS["gemm"], device)
 
 
 # Llama-3-8B's block: llama-7b's width with GQA (8 kv heads) and a 14336 MLP
@@ -73,6 +74,17 @@ def bench_stack(name: str, layers: int, seq: int, micro: int, device, repeats: i
         del model
     print(f"{name} x {layers} layers, seq {seq}, micro {micro}: {dtype} {times['hp']:.1f} ms, {recipe.describe()} "
           f"{times['fp8']:.1f} ms per forward+backward, ratio {times['hp'] / times['fp8']:.2f}x")
+    if name in GOALS:
+        _goal(f"{name} {layers} blocks fwd+bwd, fp8 vs bf16", times["hp"] / times["fp8"], GOALS[name], device)
+
+
+GOALS = {"gemm": 1.6, "llama-8b-shaped": 1.2, "llama-1b": 1.1}  # issue 35's speed goals (ratios over bf16)
+
+
+def _goal(what: str, ratio: float, goal: float, device) -> None:
+    """A GOAL line for tools/gpu_goals.py; a CPU's figures have no pass mark."""
+    verdict = ("met" if ratio >= goal else "NOT met") if device.type == "cuda" else "-"
+    print(f"GOAL bench_fp8 {what}: >= {goal}x | measured {ratio:.2f}x | {verdict}")
 
 
 def main() -> None:
@@ -94,6 +106,9 @@ def main() -> None:
         bench_stack(name, args.layers, args.seq, args.micro_batch_size, device, args.repeats,
                     Fp8Recipe("e4m3", args.recipe))
     print(f"FP8 GEMMs that fell back to the dequantised path: {gemm.fallbacks}")
+    if cuda:
+        print(f"GOAL bench_fp8 every FP8 GEMM on torch._scaled_mm: 0 fallbacks | measured {gemm.fallbacks} | "
+              f"{'met' if gemm.fallbacks == 0 else 'NOT met'}")
 
 
 if __name__ == "__main__":
