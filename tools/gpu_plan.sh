@@ -96,9 +96,9 @@ step train_llama1b 75 $train --model llama-1b --micro-batch-size 4 --seq-length 
 # part3: goal 2's >= 1.25x the transformers + torch.compile loop (one system at a time: both at once
 # need ~75 GB), goal 5's planner within 15%, where llama3-1b's step goes (the 128k output layer and
 # cross entropy), goal 4's 2-layer Mixtral-width step in MFU of active parameters, issue 26's host counts
-step compile_baseline 200 python tools/bench_train.py --model llama3-1b --micro-batch-size 4 --seq-length 2048 \
+step compile_baseline 170 python tools/bench_train.py --model llama3-1b --micro-batch-size 4 --seq-length 2048 \
     --bf16 --compile-baseline --goal 1.25 --steps 5 --one-at-a-time
-step step_time 180 python tools/bench_step_time.py --h200 --measure --iters 20 --out "$out/step_time"
+step step_time 210 python tools/bench_step_time.py --h200 --measure --iters 15 --out "$out/step_time"
 step profile_llama3 60 python tools/profile_step.py --model llama3-1b --micro-batch-size 4 --seq-length 2048 \
     --bf16 --top 25
 step train_moe 60 $train --model mixtral-8x7b --num-layers 2 --micro-batch-size 2 --seq-length 4096 \
