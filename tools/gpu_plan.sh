@@ -85,7 +85,7 @@ step bench_train 50 python tools/bench_train.py --model gpt2-124m --micro-batch-
 step bench_train_graph 50 python tools/bench_train.py --model gpt2-124m --micro-batch-size 8 --seq-length 1024 \
     --bf16 --cuda-graph --goal 1.5
 step profile_gpt2_graph 75 python tools/profile_step.py --model gpt2-124m --micro-batch-size 8 --seq-length 1024 \
-    --bf16 --cuda-graph --top 15 --trace "$out/profile_gpt2.json"
+    --bf16 --cuda-graph --top 15
 step train_gpt2_graph 60 $train --model gpt2-124m --micro-batch-size 8 --train-iters 20 --cuda-graph \
     --metrics-file "$out/train_gpt2_graph.jsonl"
 step train_llama3 75 $train --model llama3-1b --micro-batch-size 4 --seq-length 2048 --train-iters 20 \
