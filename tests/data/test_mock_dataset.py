@@ -78,3 +78,16 @@ def test_llama3_shaped_model_trains_on_its_128k_vocabulary(tmp_path):
     # near-uniform logits at init over the true 128256 ids (the byte tokenizer's 257 would give ~5.5)
     assert len(losses) == 2 and all(abs(loss - math.log(128256)) < 0.5 for loss in losses), losses
     assert [r for r in records if "eval_loss" in r]
+
+
+def test_the_planner_knows_the_preset(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_tool_mock", path)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert plan.main(["--model", "llama3-1b", "--mock-data", "--bf16", "--micro-batch-size", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["param_bytes"] == 2 * 1235814400  # bf16, 128256 x 2048 embedding counted once (tied)
