@@ -100,3 +100,43 @@ def test_a_step_that_cannot_run_here_reports_not_measured(tmp_path):
     assert goals == ["GOAL bench_attention: see bench_attention.txt | measured nothing (the step failed, timed out "
                      "or printed no figure) | NOT measured"]
     assert "needs a GPU" in (tmp_path / "bench_attention.txt").read_text()
+
+
+class _Parsed(Exception):
+    """Raised in place of running a tool once its command line has parsed."""
+
+
+def test_every_step_command_line_parses(monkeypatch):
+    """Each step's command, as --list prints it, is accepted by its tool's own parser (nothing runs): a flag
+    misspelt in the plan is found here, not after minutes of device time."""
+    import argparse
+    import runpy
+    import shlex
+
+    listing = subprocess.run(["bash", str(TOOLS / "gpu_plan.sh"), "--list"], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT).stdout
+    commands = re.findall(r"^  (\w+) \(limit \d+ s\): (.+)$", listing, re.M)
+    assert len(commands) == 17
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.syspath_prepend(str(TOOLS))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what importing the kernel tools sets without a GPU
+    checked, tools, before = [], {path.stem for path in TOOLS.glob("*.py")}, set(sys.modules)
+    try:
+        for name, command in commands:
+            argv = shlex.split(command)
+            if argv[:3] == ["python", "-m", "pytest"]:
+                continue
+            assert argv[0] == "python", name
+            monkeypatch.setattr(sys, "argv", [str(ROOT / argv[1])] + argv[2:])
+            with pytest.raises(_Parsed):
+                runpy.run_path(str(ROOT / argv[1]), run_name="__main__")
+            checked.append(name)
+    finally:  # the tools the scripts imported (bench_train, tune_attention, ...) leave with them
+        for module in (tools & set(sys.modules)) - before:
+            del sys.modules[module]
+    assert len(checked) == 16
