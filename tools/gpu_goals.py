@@ -11,8 +11,11 @@ step reports a figure without a pass mark, e.g. a profile). Read from OUT_DIR/ST
 and, for a training step (examples/pretrain_gpt.py), from OUT_DIR/STEP.jsonl, its metrics file: the
 median step time, tokens/s, MFU and peak memory over the steps after the 5th (the log's MFU, counted
 as the planner counts it: active parameters for experts), against --mfu when given.
-A step whose output holds no figure prints one `GOAL <step>: ... | measured nothing | NOT measured`
-line, so a failed or timed-out step is never silent. Pure text processing: no torch, no GPU.
+The tuning steps and host_overhead have no goal: a clean end (exit 0 in OUT_DIR/plan.txt) prints
+`GOAL <step>: none (...) | measured ... | -`. A step whose output holds no figure prints one
+`GOAL <step>: ... | measured nothing | NOT measured` line, and one that printed figures but did not end
+cleanly adds `GOAL <step>: ends cleanly | measured exit N | NOT met`: a failed or timed-out step is
+never silent. Pure text processing: no torch, no GPU.
 """
 from __future__ import annotations
 
@@ -79,10 +82,32 @@ def training_goals(step: str, metrics: Path, mfu_goal: float | None) -> list[str
     return [f"GOAL {step}: MFU >= {mfu_goal:.0%} | measured {figure} | {verdict}"]
 
 
+# Steps that measure no goal of their own: what they produce, reported when they end cleanly
+INFORMATIONAL = {"tune_attention": "tiles and the SDPA dispatch table for kernels/attention_*.py",
+                 "tune_norms": "launch configs for kernels/{rms_norm,layer_norm,rope}.py",
+                 "host_overhead": "issue 26's per-step counts, megalite against transformers"}
+
+
+def exit_code(step: str, out_dir: Path) -> int | None:
+    """The step's exit status as tools/gpu_plan.sh logged it in plan.txt (its last run), None if absent."""
+    plan = out_dir / "plan.txt"
+    codes = re.findall(rf"^{re.escape(step)}: exit (\d+) ", plan.read_text(), re.M) if plan.exists() else []
+    return int(codes[-1]) if codes else None
+
+
+def informational_goal(step: str, text: str) -> list[str]:
+    summary = [line.strip() for line in text.splitlines() if line.startswith("host CPU ms per step")]
+    figure = f"{summary[-1]} (megalite, transformers, ratio)" if summary else f"see {step}.txt"
+    return [f"GOAL {step}: none ({INFORMATIONAL[step]}) | measured {' '.join(figure.split())} | -"]
+
+
 def goals(step: str, out_dir: Path, mfu_goal: float | None = None) -> list[str]:
     text_path, metrics = out_dir / f"{step}.txt", out_dir / f"{step}.jsonl"
     text = text_path.read_text(errors="replace") if text_path.exists() else ""
+    code = exit_code(step, out_dir)
     lines = [line.strip() for line in text.splitlines() if line.startswith("GOAL ")]
+    if step in INFORMATIONAL and code == 0:
+        lines += informational_goal(step, text)
     if step.startswith("kernel_tests"):
         lines += kernel_test_goals(step, text)
     if step.startswith("bench_kernels") or step.startswith("bench_moe_kernels"):
@@ -91,6 +116,9 @@ def goals(step: str, out_dir: Path, mfu_goal: float | None = None) -> list[str]:
         lines += step_time_goals(step, text)
     if metrics.exists():
         lines += training_goals(step, metrics, mfu_goal)
+    if lines and code not in (0, None):  # figures of a step that did not end cleanly: say so beside them
+        lines.append(f"GOAL {step}: ends cleanly | measured exit {code}{' (its time limit)' if code == 124 else ''} "
+                     f"| NOT met")
     return lines or [f"GOAL {step}: see {text_path.name} | measured nothing (the step failed, timed out or printed "
                      f"no figure) | NOT measured"]
 

@@ -70,6 +70,21 @@ def test_pytest_step_time_and_training_figures(gg, tmp_path):
     assert gg.goals("missing", tmp_path)[0].endswith("| NOT measured")
 
 
+def test_steps_without_a_goal_and_steps_that_did_not_end_cleanly(gg, tmp_path):
+    (tmp_path / "host_overhead.txt").write_text("...\nhost CPU ms per step     all             663.6        1040.9    0.64\n")
+    (tmp_path / "tune_norms.txt").write_text("lines for kernels/rms_norm.py ...\n")
+    (tmp_path / "bench_train_graph.txt").write_text("GOAL bench_train gpt2-124m 8x1024 --cuda-graph: x | measured 2.0x | met\n")
+    (tmp_path / "plan.txt").write_text("host_overhead: exit 0 after 20 s (limit 50 s): python ...\n"
+                                       "tune_norms: exit 124 after 60 s (limit 60 s): python ...\n"
+                                       "bench_train_graph: exit 124 after 50 s (limit 50 s): python ...\n")
+    assert gg.goals("host_overhead", tmp_path) == [
+        "GOAL host_overhead: none (issue 26's per-step counts, megalite against transformers) | measured host CPU ms "
+        "per step all 663.6 1040.9 0.64 (megalite, transformers, ratio) | -"]
+    assert gg.goals("tune_norms", tmp_path)[0].endswith("| NOT measured")  # cut off: no clean end, no figure
+    assert gg.goals("bench_train_graph", tmp_path)[1] == (
+        "GOAL bench_train_graph: ends cleanly | measured exit 124 (its time limit) | NOT met")
+
+
 def test_plan_parts_fit_one_device_call_each():
     """Each part's step limits sum under the device tool's 10 minutes (600 s) less start-up slack."""
     script = (TOOLS / "gpu_plan.sh").read_text()
