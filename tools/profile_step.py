@@ -12,6 +12,9 @@ and a category (GEMM, attention, cross entropy, optimizer, norm, ...), and the G
 step beside the wall time per step of the same steps timed without the profiler. On a CPU it lists
 aten ops by self CPU time (a self-test of the script: a CPU's times say nothing of a GPU's).
 
+On a GPU it also counts the GPU operations of a step in the trace (kernel launches, memsets, copies)
+beside the planner's count of them (megalite/plan/launches.py, whose host-time term they drive).
+
 --cuda-graph also times the step replayed from CUDA graphs (a second model, same shape): its wall
 time per step against the eager kernels' time, issue 26's goal (within 10%). The kernels are those
 of an eager step (the graph replays the same kernels without the host between them).
@@ -88,6 +91,25 @@ def profile(step, steps: int, device, trace: str | None) -> list[tuple[str, int,
     return sorted(rows, key=lambda r: -r[2])
 
 
+def planned_operations(args, model_cfg, device) -> int:
+    """GPU operations of this step as the planner counts them (megalite/plan/launches.py): the blocks'
+    forward and backward, the embedding and loss, the optimizer and its buckets, with the attention
+    implementation this device runs."""
+    from megalite.config import RunConfig
+    from megalite.model import functional as MF
+    from megalite.plan.launches import optimizer_launches, stage_launches
+
+    precision = "bf16" if args.bf16 else "fp32"
+    # the run's settings; the model itself is model_cfg (bench_train's: a preset, or its small CPU model)
+    cfg = RunConfig.build(micro_batch_size=args.micro_batch_size, global_batch_size=args.micro_batch_size,
+                          precision=precision).resolved(1, model_cfg.vocab_size)
+    attention = MF.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads,
+                                            model_cfg.num_query_groups, args.seq_length, precision,
+                                            model_cfg.attention_dropout, 1, "p2p", device)
+    passes = stage_launches(model_cfg, cfg, 0, attention)
+    return passes.forward + passes.backward + optimizer_launches(model_cfg, cfg, 0)
+
+
 def report(rows, wall_ms: float, top: int, on_gpu: bool, label: str) -> float:
     busy = sum(ms for _, _, ms in rows)
     what = "GPU kernels" if on_gpu else "aten ops, self CPU time"
@@ -134,10 +156,16 @@ def main(argv=None) -> int:
     wall = wall_ms_per_step(step, args.steps, device)
     busy = report(rows, wall, args.top, device.type == "cuda", "eager")
     top3 = "; ".join(f"{category(n)} {ms / busy:.0%} ({n[:40]})" for n, _, ms in rows[:3])
+    planned = planned_operations(args, model_cfg, device)
+    counted = sum(calls for _, calls, _ in rows)
+    if device.type == "cuda":  # the planner's launch term recounted from this trace (issue 36, goal 5)
+        print(f"GPU operations per step (kernels, memsets, copies): {counted} in this trace; the planner counts "
+              f"{planned} (megalite/plan/launches.py)")
     if not args.cuda_graph:
         busy_what = "kernels" if device.type == "cuda" else "aten ops (CPU)"
+        launches = f"; {counted} GPU operations, planner {planned}" if device.type == "cuda" else ""
         print(f"GOAL profile_step {args.model}: none (where the step goes) | measured {busy:.1f} ms of {busy_what}, "
-              f"{wall:.1f} ms wall per step; top: {top3} | -")
+              f"{wall:.1f} ms wall per step{launches}; top: {top3} | -")
         return 0
     graph_args = argparse.Namespace(**{**vars(args), "cuda_graph": True})
     graphed = bench_train._megalite_step(model_cfg, graph_args, device, data)
