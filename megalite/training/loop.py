@@ -187,7 +187,8 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
-        + (f", {len(valid_set)} validation" if valid_set is not None else ""))
+        + (f", {len(valid_set)} validation" if valid_set is not None else "")
+        + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
     chunks = build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
