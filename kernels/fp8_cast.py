@@ -1,0 +1,89 @@
+"""FP8 casts for the FP8 linear (megalite/fp8): amax per tensor or per row, and the saturating cast
+that writes the FP8 tensor and its transposed copy in the same pass.
+
+    amax(x [M, K], rowwise)               -> [] fp32 (tensorwise) or [M, 1] (rowwise), one read of x
+    cast_transpose(x [M, K], scale, dtype) -> q [M, K] and q^T [K, M] in `dtype`, one read of x
+
+The weight gradient's GEMM wants x_q as its right operand in column-major order and the input
+gradient's wants W_q that way: the transposed copy comes from the tile already in registers, so
+a cast costs one read and two writes of one byte instead of a cast plus a transpose pass. The
+scale between the two kernels is computed (and, across tp, all-reduced) by the caller.
+
+Rounding: round to nearest even on the FP8 grid is done here in fp32 arithmetic (the grid's
+spacing from the exponent bits, the 1.5 * 2^23 trick), so the final conversion is exact. The same
+bits as torch's `(x * scale).clamp(-max, max).to(float8)` therefore come out of the compiled
+kernel and of Triton's CPU interpreter (whose own float8 conversion rounds twice, via float16).
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import cdiv, runnable, tl, triton
+
+BLOCK_M, BLOCK_K = 64, 64  # a [64, 64] tile: 32 fp32 values per thread at 4 warps
+FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}  # mantissa, min exp, max
+
+
+@triton.jit
+def _amax_kernel(X, OUT, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Rowwise: OUT[m] = max_k |x[m, k]|. Tensorwise: OUT[program] = the block of rows' max (the
+    caller takes the max of these partials: deterministic, no atomics)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for first in range(0, n_cols, BLOCK_K):
+        cols = first + tl.arange(0, BLOCK_K)[None, :]
+        x = tl.load(X + rows.to(tl.int64) * x_row_stride + cols, mask=(rows < n_rows) & (cols < n_cols), other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    row_max = tl.max(acc, axis=1)  # [BLOCK_M]
+    if ROWWISE:
+        offsets = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(OUT + offsets, row_max, mask=offsets < n_rows)
+    else:
+        tl.store(OUT + tl.program_id(0), tl.max(row_max, axis=0))
+
+
+@triton.jit
+def _cast_transpose_kernel(X, SCALE, Q, QT, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr,
+                           WRITE_T: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIMIT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    mask = (rows < n_rows) & (cols < n_cols)
+    x = tl.load(X + rows.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(SCALE + rows, mask=rows < n_rows, other=1.0) if ROWWISE else tl.load(SCALE)
+    y = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
+    # round to nearest even on the FP8 grid: spacing 2^(max(exponent, MIN_EXP) - MANT) (subnormals below)
+    exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    spacing = ((exponent - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    magnitude = ((tl.abs(y) / spacing + 12582912.0) - 12582912.0) * spacing  # < 2^(MANT+2) steps: exact RNE
+    y = tl.where(y < 0, -magnitude, magnitude)  # a negative that rounds to zero stays -0, as torch casts it
+    q = y.to(Q.dtype.element_ty)
+    tl.store(Q + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
+    if WRITE_T:
+        tl.store(QT + cols.to(tl.int64) * n_rows + rows, q, mask=mask)
+
+
+def amax(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """x [M, K] (unit column stride) -> fp32 [] or [M, 1] (see the module docstring)."""
+    n_rows, n_cols = x.shape
+    programs = cdiv(n_rows, BLOCK_M)
+    out = torch.empty(n_rows if rowwise else programs, dtype=torch.float32, device=x.device)
+    runnable(_amax_kernel, x.device)[(programs,)](x, out, n_rows, n_cols, x.stride(0), ROWWISE=rowwise,
+                                                  BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
+    return out.view(n_rows, 1) if rowwise else out.max()
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = True):
+    """(q [M, K], q^T [K, M] or None): saturating round-to-nearest-even cast of x * scale, where
+    scale is [] (tensorwise) or [M, 1] (rowwise) fp32."""
+    n_rows, n_cols = x.shape
+    mant, min_exp, limit = FORMATS[dtype]
+    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device)
+    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else q
+    rowwise = scale.dim() > 0
+    grid = (cdiv(n_rows, BLOCK_M), cdiv(n_cols, BLOCK_K))
+    runnable(_cast_transpose_kernel, x.device)[grid](
+        x, scale.contiguous(), q, qt, n_rows, n_cols, x.stride(0), ROWWISE=rowwise, WRITE_T=transpose, MANT=mant,
+        MIN_EXP=min_exp, LIMIT=limit, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
+    return q, (qt if transpose else None)

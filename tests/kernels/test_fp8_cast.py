@@ -1,0 +1,28 @@
+"""kernels/fp8_cast.py in Triton's interpreter against megalite.fp8.scaling's torch casts: the same
+amax and the same FP8 bits (odd shapes, both formats, tensorwise and rowwise), and q^T = q.t()."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # this test runs the kernels on CPU, whatever the environment says
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from megalite.fp8.scaling import amax as torch_amax, cast, scale_of  # noqa: E402
+from megalite.kernels import fp8_cast  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_cast_transpose_matches_torch_bit_for_bit(dtype, rowwise, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    x = torch.randn(70, 100) * torch.logspace(-6, 2, 100)  # columns from 1e-6 to 1e2: subnormals to the max
+    x[3, 5] = 0.0
+    a = fp8_cast.amax(x, rowwise)
+    expected_amax = torch_amax(x, -1 if rowwise else None)
+    assert torch.equal(a, expected_amax)
+    scale = scale_of(a, dtype)
+    q, qt = fp8_cast.cast_transpose(x, scale, dtype)
+    expected = cast(x, scale, dtype)
+    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8)), (q.float() != expected.float()).sum()
+    assert torch.equal(qt.view(torch.uint8), expected.t().contiguous().view(torch.uint8))
