@@ -41,13 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-FP32_POINTERS = {"RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
+FP32_POINTERS = {"AMAX", "SCALE", "RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
                  "EXP_AVG_SQ", "ROUTING_WEIGHTS", "DROUTING_WEIGHTS"}
 INTEGER_POINTERS = {"TARGETS": "*i64", "SORTED_INDEX": "*i64", "ROW_OF_SLOT": "*i64", "ROW_OFFSETS": "*i32",
                     "TILE_OFFSETS": "*i32"}
 FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minus_beta1", "beta2", "step_size",
                  "bias_correction2_sqrt", "dropout_scale"}
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP8_POINTERS = {"Q": "*fp8e4nv", "QT": "*fp8e4nv"}  # fp8_cast's outputs (e4m3; e5m2 compiles the same code)
 
 # Integer arguments of a training-shaped call: Llama-style 8B layer, micro batch 2 x 4096 tokens
 # (8192 rows), hidden 4096, 32 query / 8 kv heads of 128, ffn 14336, GPT-2's vocab 50257
@@ -104,8 +105,9 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
-        elif name in INTEGER_POINTERS:
-            signature[name], attrs[(index,)] = INTEGER_POINTERS[name], [["tt.divisibility", 16]]
+        elif name in INTEGER_POINTERS or name in FP8_POINTERS:
+            signature[name] = INTEGER_POINTERS.get(name) or FP8_POINTERS[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
         elif name.isupper():  # a tensor: fresh allocations are 16-byte aligned
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{TRITON_DTYPES[dtype]}"
             attrs[(index,)] = [["tt.divisibility", 16]]
@@ -184,7 +186,25 @@ def kernel_variants(dtype: torch.dtype, arch: int = 90):
                           dict(BLOCK_V=block_v), {"num_warps": 8}, shape)
     yield from attention_variants(dtype, arch)
     yield from moe_variants(dtype, arch)
+    yield from fp8_variants(arch)
     yield Variant("adamw", adamw._adamw_kernel, dict(BLOCK=adamw.BLOCK), {"num_warps": 8}, {"n_elements": 1 << 24})
+
+
+def fp8_variants(arch: int = 90):
+    """The FP8 casts (sm_89+: FP8 needs Ada or Hopper), on an [8192, 4096] activation, both recipes."""
+    if arch < 89:
+        return
+    from . import fp8_cast
+
+    shape = {"n_rows": TOKENS, "n_cols": HIDDEN, "x_row_stride": HIDDEN}
+    tiles = dict(BLOCK_M=fp8_cast.BLOCK_M, BLOCK_K=fp8_cast.BLOCK_K)
+    mant, min_exp, limit = fp8_cast.FORMATS[torch.float8_e4m3fn]
+    for rowwise in (False, True):
+        yield Variant(f"fp8 amax rowwise={rowwise}", fp8_cast._amax_kernel, dict(ROWWISE=rowwise, **tiles),
+                      {"num_warps": 4}, shape)
+        yield Variant(f"fp8 cast_transpose rowwise={rowwise}", fp8_cast._cast_transpose_kernel,
+                      dict(ROWWISE=rowwise, WRITE_T=True, MANT=mant, MIN_EXP=min_exp, LIMIT=limit, **tiles),
+                      {"num_warps": 4}, shape, exact_math=True)
 
 
 def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles=None, label_suffix: str = ""):

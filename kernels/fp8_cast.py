@@ -25,9 +25,9 @@ FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 5734
 
 
 @triton.jit
-def _amax_kernel(X, OUT, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _amax_kernel(X, AMAX, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_K: tl.constexpr):
-    """Rowwise: OUT[m] = max_k |x[m, k]|. Tensorwise: OUT[program] = the block of rows' max (the
+    """Rowwise: AMAX[m] = max_k |x[m, k]|. Tensorwise: AMAX[program] = the block of rows' max (the
     caller takes the max of these partials: deterministic, no atomics)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -38,9 +38,9 @@ def _amax_kernel(X, OUT, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr, BL
     row_max = tl.max(acc, axis=1)  # [BLOCK_M]
     if ROWWISE:
         offsets = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        tl.store(OUT + offsets, row_max, mask=offsets < n_rows)
+        tl.store(AMAX + offsets, row_max, mask=offsets < n_rows)
     else:
-        tl.store(OUT + tl.program_id(0), tl.max(row_max, axis=0))
+        tl.store(AMAX + tl.program_id(0), tl.max(row_max, axis=0))
 
 
 @triton.jit
@@ -56,7 +56,9 @@ def _cast_transpose_kernel(X, SCALE, Q, QT, n_rows, n_cols, x_row_stride, ROWWIS
     # round to nearest even on the FP8 grid: spacing 2^(max(exponent, MIN_EXP) - MANT) (subnormals below)
     exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
     spacing = ((exponent - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    magnitude = ((tl.abs(y) / spacing + 12582912.0) - 12582912.0) * spacing  # < 2^(MANT+2) steps: exact RNE
+    per_spacing = ((MANT - exponent + 127) << 23).to(tl.float32, bitcast=True)  # 1 / spacing: a power of two,
+    # so the product is exact (a division would compile to an approximate one)
+    magnitude = ((tl.abs(y) * per_spacing + 12582912.0) - 12582912.0) * spacing  # < 2^(MANT+2) steps: exact RNE
     y = tl.where(y < 0, -magnitude, magnitude)  # a negative that rounds to zero stays -0, as torch casts it
     q = y.to(Q.dtype.element_ty)
     tl.store(Q + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
