@@ -47,6 +47,32 @@ def cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None, group=None):
-    """(t_q in `dtype`, inv_scale fp32 [] or keepdim along rowwise_dim) with the whole-tensor scale."""
+    """(t_q in `dtype`, inv_scale fp32 [] or keepdim along rowwise_dim) with the whole-tensor scale.
+
+    On a GPU (and with MEGALITE_KERNEL_BACKEND=triton) a contiguous tensor scaled per tensor or per
+    row of its last dim is cast by kernels/fp8_cast.py (the same bits: tests/kernels/test_fp8_cast.py):
+    one pass for the amax, one for the cast, instead of torch's abs, amax, multiply, clamp and cast."""
+    if _kernel_applies(t, rowwise_dim):
+        return _quantize_by_kernel(t, dtype, rowwise_dim is not None, group)
     scale = scale_of(amax(t, rowwise_dim, group), dtype)
     return cast(t, scale, dtype), scale.reciprocal()
+
+
+def _kernel_applies(t: torch.Tensor, rowwise_dim: int | None) -> bool:
+    from megalite.kernels.dispatch import use_triton
+
+    last = rowwise_dim is None or rowwise_dim % t.dim() == t.dim() - 1
+    return last and t.dim() >= 2 and t.numel() > 0 and t.is_contiguous() and use_triton(t)
+
+
+def _quantize_by_kernel(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, group):
+    from megalite.kernels import fp8_cast
+
+    rows = t.view(-1, t.shape[-1])  # [M, K]
+    a = fp8_cast.amax(rows, rowwise)  # [] or [M, 1]
+    if comm.group_size(group) > 1:
+        a = comm.all_reduce(a.contiguous(), group, op="max")
+    scale = scale_of(a, dtype)
+    q, _ = fp8_cast.cast_transpose(rows, scale, dtype, transpose=False)
+    inv = scale.reciprocal()
+    return q.view(t.shape), (inv.view(*t.shape[:-1], 1) if rowwise else inv)

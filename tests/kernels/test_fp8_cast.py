@@ -26,3 +26,23 @@ def test_cast_transpose_matches_torch_bit_for_bit(dtype, rowwise, monkeypatch):
     expected = cast(x, scale, dtype)
     assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8)), (q.float() != expected.float()).sum()
     assert torch.equal(qt.view(torch.uint8), expected.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("rowwise_dim", [None, -1, 0])
+def test_quantize_runs_the_kernels_where_they_apply_with_the_same_result(rowwise_dim, monkeypatch):
+    """megalite.fp8.scaling.quantize on the Triton backend (interpreted here) against its torch path."""
+    from megalite.fp8.scaling import quantize
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(1)
+    x = torch.randn(6, 5, 24)  # [s, b, K]
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "torch")
+    expected = quantize(x, torch.float8_e4m3fn, rowwise_dim)
+    launched = []
+    real = fp8_cast.cast_transpose
+    monkeypatch.setattr(fp8_cast, "cast_transpose", lambda *a, **k: launched.append(1) or real(*a, **k))
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    got = quantize(x, torch.float8_e4m3fn, rowwise_dim)
+    assert launched == ([] if rowwise_dim == 0 else [1])  # per column (along the tokens): torch's path
+    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(got[1], expected[1]) and got[1].shape == expected[1].shape
