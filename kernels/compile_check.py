@@ -48,7 +48,7 @@ INTEGER_POINTERS = {"TARGETS": "*i64", "SORTED_INDEX": "*i64", "ROW_OF_SLOT": "*
 FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minus_beta1", "beta2", "step_size",
                  "bias_correction2_sqrt", "dropout_scale"}
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-FP8_POINTERS = {"Q": "*fp8e4nv", "QT": "*fp8e4nv"}  # fp8_cast's outputs (e4m3; e5m2 compiles the same code)
+FP8_POINTERS = {"FP8_OUT": "*fp8e4nv", "FP8_OUT_T": "*fp8e4nv"}  # fp8_cast's outputs (e4m3; e5m2 compiles the same code)
 
 # Integer arguments of a training-shaped call: Llama-style 8B layer, micro batch 2 x 4096 tokens
 # (8192 rows), hidden 4096, 32 query / 8 kv heads of 128, ffn 14336, GPT-2's vocab 50257

@@ -44,7 +44,7 @@ def _amax_kernel(X, AMAX, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr, B
 
 
 @triton.jit
-def _cast_transpose_kernel(X, SCALE, Q, QT, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr,
+def _cast_transpose_kernel(X, SCALE, FP8_OUT, FP8_OUT_T, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr,
                            WRITE_T: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIMIT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
@@ -60,10 +60,10 @@ def _cast_transpose_kernel(X, SCALE, Q, QT, n_rows, n_cols, x_row_stride, ROWWIS
     # so the product is exact (a division would compile to an approximate one)
     magnitude = ((tl.abs(y) * per_spacing + 12582912.0) - 12582912.0) * spacing  # < 2^(MANT+2) steps: exact RNE
     y = tl.where(y < 0, -magnitude, magnitude)  # a negative that rounds to zero stays -0, as torch casts it
-    q = y.to(Q.dtype.element_ty)
-    tl.store(Q + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
+    q = y.to(FP8_OUT.dtype.element_ty)
+    tl.store(FP8_OUT + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
     if WRITE_T:
-        tl.store(QT + cols.to(tl.int64) * n_rows + rows, q, mask=mask)
+        tl.store(FP8_OUT_T + cols.to(tl.int64) * n_rows + rows, q, mask=mask)
 
 
 def amax(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
