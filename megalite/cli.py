@@ -25,7 +25,7 @@ from typing import Any
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
 from megalite.errors import USAGE_EXIT_CODE, ConfigError, UsageError
 
-ACTIONS = ("config", "print_config", "dry_run")  # flags that are not settings
+ACTIONS = ("config", "print_config", "dry_run", "simulate", "simulate_ranks", "simulate_json")  # flags that are not settings
 
 
 class ConfigFileError(UsageError, ValueError):
@@ -84,6 +84,12 @@ def build_parser(description: str = "Train a GPT with tensor x pipeline x data p
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration (and what is derived from it) as TOML, and exit")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
+    parser.add_argument("--simulate", action="store_true",
+                        help="set up and run one step of the layout's ranks in this process on a fake process group "
+                             "with data-less tensors; report each rank beside the planner (docs/simulate.md)")
+    parser.add_argument("--simulate-ranks", metavar="all|representatives|R,R,...", default="representatives",
+                        help="which ranks --simulate runs (default: one of each role; every rank's groups are checked)")
+    parser.add_argument("--simulate-json", metavar="FILE", default=None, help="write --simulate's report as JSON")
     groups = {part: parser.add_argument_group(cls.__doc__.strip().splitlines()[0]) for part, cls in PARTS.items()}
     for spec in settings().values():
         _add_setting(groups[spec.part], spec)

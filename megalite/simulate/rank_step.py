@@ -73,14 +73,18 @@ def build_mesh(cfg: RunConfig) -> Mesh:
     return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
 
 
-def simulate_rank(cfg: RunConfig, rank: int) -> Measured:
-    """Set up global rank `rank` of `cfg`'s world and run one training step; what it held and sent."""
+def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
+    """Set up global rank `rank` of `cfg`'s world and run one training step; what it held and sent.
+    `check_mesh(mesh)`: problems with the rank's real groups (a list; RuntimeError when not empty)."""
     started = time.perf_counter()
     tracker = MemoryTracker()
     # the Triton kernels' autograd functions with every launch skipped: each tensor allocated and saved as
     # on a GPU (what the planner counts), no value computed
     with kernels_without_launch(), fake_rank(rank, cfg.world_size), tracker.active():
         mesh = build_mesh(cfg)
+        problems = check_mesh(mesh) if check_mesh is not None else []
+        if problems:
+            raise RuntimeError("; ".join(problems))
         torch.manual_seed(cfg.training.seed)
         model_cfg = cfg.gpt_config()
         chunks = build_model_chunks(model_cfg, cfg, mesh)

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
+        if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
+            from megalite.simulate.run import run_from_flags
+            return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
         launching = not (actions["dry_run"] or actions["print_config"])
         # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
