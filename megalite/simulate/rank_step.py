@@ -10,6 +10,7 @@ reset after the set-up, so its bytes are the step's.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -73,39 +74,61 @@ def build_mesh(cfg: RunConfig) -> Mesh:
     return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
 
 
-def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
+def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None, gpu_kernels: bool = True) -> Measured:
     """Set up global rank `rank` of `cfg`'s world and run one training step; what it held and sent.
-    `check_mesh(mesh)`: problems with the rank's real groups (a list; RuntimeError when not empty)."""
+    `check_mesh(mesh)`: problems with the rank's real groups (a list; RuntimeError when not empty).
+    gpu_kernels: the Triton kernels' autograd functions with every launch skipped (each tensor
+    allocated and saved as on a GPU: what the planner counts); False: the PyTorch path a CPU runs."""
     started = time.perf_counter()
     tracker = MemoryTracker()
-    # the Triton kernels' autograd functions with every launch skipped: each tensor allocated and saved as
-    # on a GPU (what the planner counts), no value computed
-    with kernels_without_launch(), fake_rank(rank, cfg.world_size), tracker.active():
+    kernels = kernels_without_launch() if gpu_kernels else contextlib.nullcontext()
+    with kernels, fake_rank(rank, cfg.world_size), tracker.active():
         mesh = build_mesh(cfg)
         problems = check_mesh(mesh) if check_mesh is not None else []
         if problems:
             raise RuntimeError("; ".join(problems))
-        torch.manual_seed(cfg.training.seed)
-        model_cfg = cfg.gpt_config()
-        chunks = build_model_chunks(model_cfg, cfg, mesh)
-        model = build_data_parallel(chunks, cfg, mesh)
-        optimizer = build_optimizer(model, cfg)
-        t = cfg.training
-        dataset = ZeroTokens(cfg.global_batch_size, model_cfg.seq_length)
-        sampler = GlobalBatchSampler(len(dataset), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
-                                     mesh.dp_size, seed=t.seed)
-        microbatches = load_microbatches(dataset, next(iter(sampler)))
-        tracker.exclude_from_activations(p for c in chunks for p in c.parameters())
-        comm.ledger.reset()
-        guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == "fp16",
-                               log=lambda *args, **kwargs: None)
-        train_step(model, optimizer, microbatches, mesh, cfg, cfg.optimizer.lr, guard=guard)
-        by_group: dict[str, int] = collections.defaultdict(int)
-        for (group, _), n in comm.ledger.bytes.items():
-            by_group[group] += n
-        ops = comm.ledger.snapshot()
-        states = optimizer.memory_report()
-        return Measured(rank, coords_of(mesh), param_bytes=states["param_bytes"] + states.get("peak_gathered_bytes", 0),
-                        grad_bytes=states["grad_bytes"], optimizer_state_bytes=states["optimizer_state_bytes"],
-                        activation_peak_bytes=tracker.saved.peak, peak_bytes=tracker.all.peak,
-                        comm_bytes=dict(by_group), comm_ops=ops, seconds=time.perf_counter() - started)
+        measured = set_up_and_step(cfg, mesh, tracker)
+    measured.seconds = time.perf_counter() - started
+    return measured
+
+
+def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker) -> Measured:
+    """On `mesh` (fake or real), under an active `tracker`: the training loop's builders, the first
+    step's data position, one `train_step`; this rank's bytes held and sent in the step."""
+    torch.manual_seed(cfg.training.seed)
+    model_cfg = cfg.gpt_config()
+    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    model = build_data_parallel(chunks, cfg, mesh)
+    optimizer = build_optimizer(model, cfg)
+    t = cfg.training
+    dataset = ZeroTokens(cfg.global_batch_size, model_cfg.seq_length)
+    sampler = GlobalBatchSampler(len(dataset), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
+                                 mesh.dp_size, seed=t.seed)
+    microbatches = load_microbatches(dataset, next(iter(sampler)))
+    tracker.exclude_from_activations(p for c in chunks for p in c.parameters())
+    tracker.exclude_from_activations(b for c in chunks for b in c.buffers())  # rope tables: not per microbatch
+    comm.ledger.reset()
+    guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == "fp16",
+                           log=lambda *args, **kwargs: None)
+    train_step(model, optimizer, microbatches, mesh, cfg, cfg.optimizer.lr, guard=guard)
+    by_group: dict[str, int] = collections.defaultdict(int)
+    for (group, _), n in comm.ledger.bytes.items():
+        by_group[group] += n
+    states = optimizer.memory_report()
+    return Measured(mesh.rank, coords_of(mesh),
+                    param_bytes=states["param_bytes"] + states.get("peak_gathered_bytes", 0),
+                    grad_bytes=states["grad_bytes"], optimizer_state_bytes=states["optimizer_state_bytes"],
+                    activation_peak_bytes=tracker.saved.peak, peak_bytes=tracker.all.peak,
+                    comm_bytes=dict(by_group), comm_ops=comm.ledger.snapshot())
+
+
+def real_rank(cfg: RunConfig) -> Measured:
+    """This process's rank of a real (torchrun / gloo) world, measured like a simulated one: the
+    simulation's grounding (tests/simulate). The PyTorch kernels run (gpu_kernels=False's path)."""
+    tracker = MemoryTracker()
+    with tracker.active():
+        mesh = build_mesh(cfg)
+        try:
+            return set_up_and_step(cfg, mesh, tracker)
+        finally:
+            comm.ledger.reset()
