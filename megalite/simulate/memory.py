@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 _aten = torch.ops.aten
+_EMPTY = (_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default)
 
 
 class _Counter:
@@ -67,11 +68,23 @@ def _host_answer(tensor: torch.Tensor):
     return 0.0 if tensor.dtype.is_floating_point else 0
 
 
+def _finite_values(func, out) -> None:
+    """Real tensors whose kernels never ran (launches skipped): allocations filled with zeros, and
+    every float result made finite (log(0) of a never-computed probability), so the step's checks
+    pass as in a healthy real step. Values are not what this is for; bytes are."""
+    if func in _EMPTY:
+        out.zero_()
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.is_contiguous():
+            torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 class MemoryTracker(TorchDispatchMode):
     """Counts storages while active; `reset_peak()` starts a new maximum from what is live now."""
 
-    def __init__(self):
+    def __init__(self, zero_fill: bool = False):
         super().__init__()
+        self.zero_fill = zero_fill  # real tensors: every uninitialised allocation filled with zeros
         self.all = _Counter()
         self.saved = _Counter()
         self._exclude = WeakIdKeyDictionary()  # storages never counted as activations (parameters)
@@ -84,6 +97,8 @@ class MemoryTracker(TorchDispatchMode):
                 and torch.device(kwargs["device"]).type != "meta":  # .tolist(), .cpu(): zeros of the shape
             return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
         out = func(*args, **kwargs)
+        if self.zero_fill:
+            _finite_values(func, out)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.all.add(t.untyped_storage())

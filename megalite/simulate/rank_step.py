@@ -74,15 +74,15 @@ def build_mesh(cfg: RunConfig) -> Mesh:
     return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
 
 
-def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None, gpu_kernels: bool = True) -> Measured:
+def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
     """Set up global rank `rank` of `cfg`'s world and run one training step; what it held and sent.
     `check_mesh(mesh)`: problems with the rank's real groups (a list; RuntimeError when not empty).
-    gpu_kernels: the Triton kernels' autograd functions with every launch skipped (each tensor
-    allocated and saved as on a GPU: what the planner counts); False: the PyTorch path a CPU runs."""
+    The blocks run the Triton kernels' autograd functions with every launch skipped: each tensor is
+    allocated and saved as on a GPU (what the planner counts). (The PyTorch path would not do: on
+    the meta device SDPA falls back to its math kernel, which keeps what no CPU or GPU run keeps.)"""
     started = time.perf_counter()
     tracker = MemoryTracker()
-    kernels = kernels_without_launch() if gpu_kernels else contextlib.nullcontext()
-    with kernels, fake_rank(rank, cfg.world_size), tracker.active():
+    with kernels_without_launch(), fake_rank(rank, cfg.world_size), tracker.active():
         mesh = build_mesh(cfg)
         problems = check_mesh(mesh) if check_mesh is not None else []
         if problems:
@@ -124,9 +124,11 @@ def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker) -> Measu
 
 def real_rank(cfg: RunConfig) -> Measured:
     """This process's rank of a real (torchrun / gloo) world, measured like a simulated one: the
-    simulation's grounding (tests/simulate). The PyTorch kernels run (gpu_kernels=False's path)."""
-    tracker = MemoryTracker()
-    with tracker.active():
+    simulation's grounding (tests/simulate). The same kernels as the simulation (Triton's autograd
+    functions, launches skipped), every uninitialised tensor filled with zeros so the step's values
+    are finite (a garbage NaN would make the optimizer skip, which changes what is sent)."""
+    tracker = MemoryTracker(zero_fill=True)
+    with kernels_without_launch(), tracker.active():
         mesh = build_mesh(cfg)
         try:
             return set_up_and_step(cfg, mesh, tracker)

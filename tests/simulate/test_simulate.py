@@ -100,7 +100,7 @@ def test_simulation_equals_a_real_gloo_run(settings):
     real = run_distributed(_real, 8, settings, timeout_s=300)
     cfg = layout(**settings)
     for rank, measured in enumerate(real):
-        simulated = simulate_rank(cfg, rank, gpu_kernels=False)  # the PyTorch kernels the real CPU run used
+        simulated = simulate_rank(cfg, rank)
         assert simulated.comm_ops == measured.comm_ops, rank  # every group and op, exactly
         for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
             assert getattr(simulated, term) == getattr(measured, term), (rank, term)
