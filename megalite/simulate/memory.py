@@ -88,6 +88,8 @@ class MemoryTracker(TorchDispatchMode):
         self.all = _Counter()
         self.saved = _Counter()
         self._exclude = WeakIdKeyDictionary()  # storages never counted as activations (parameters)
+        self.sample = None  # a function of no arguments sampled after every op (its maximum: sampled_peak)
+        self.sampled_peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,6 +104,8 @@ class MemoryTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.all.add(t.untyped_storage())
+        if self.sample is not None:
+            self.sampled_peak = max(self.sampled_peak, self.sample())
         return out
 
     def exclude_from_activations(self, tensors) -> None:

@@ -82,7 +82,9 @@ def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
     the meta device SDPA falls back to its math kernel, which keeps what no CPU or GPU run keeps.)"""
     started = time.perf_counter()
     tracker = MemoryTracker()
-    with kernels_without_launch(), fake_rank(rank, cfg.world_size), tracker.active():
+    # meta the default device too: ZeRO-3 materialises each unit from its seeded stream on the default
+    # device, full size (a 70B block on the CPU, initialised: minutes per rank)
+    with kernels_without_launch(), fake_rank(rank, cfg.world_size), torch.device("meta"), tracker.active():
         mesh = build_mesh(cfg)
         problems = check_mesh(mesh) if check_mesh is not None else []
         if problems:
@@ -108,6 +110,8 @@ def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker) -> Measu
     tracker.exclude_from_activations(p for c in chunks for p in c.parameters())
     tracker.exclude_from_activations(b for c in chunks for b in c.buffers())  # rope tables: not per microbatch
     comm.ledger.reset()
+    if cfg.parallel.zero == 3:  # full unit gradients live only during their backward: the peak is sampled
+        tracker.sample = model.grads.grad_bytes
     guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == "fp16",
                            log=lambda *args, **kwargs: None)
     train_step(model, optimizer, microbatches, mesh, cfg, cfg.optimizer.lr, guard=guard)
@@ -117,7 +121,7 @@ def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker) -> Measu
     states = optimizer.memory_report()
     return Measured(mesh.rank, coords_of(mesh),
                     param_bytes=states["param_bytes"] + states.get("peak_gathered_bytes", 0),
-                    grad_bytes=states["grad_bytes"], optimizer_state_bytes=states["optimizer_state_bytes"],
+                    grad_bytes=max(states["grad_bytes"], tracker.sampled_peak), optimizer_state_bytes=states["optimizer_state_bytes"],
                     activation_peak_bytes=tracker.saved.peak, peak_bytes=tracker.all.peak,
                     comm_bytes=dict(by_group), comm_ops=comm.ledger.snapshot())
 
