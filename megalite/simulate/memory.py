@@ -8,8 +8,9 @@ rounding. Alongside, autograd's saved-tensor hook counts the storages kept for b
 parameters) while they live: `saved_peak` is the activation peak the planner estimates.
 
 A meta tensor has no value, so a read into Python (`.item()`, `.tolist()`) is answered here:
-numbers read as 0 and truth values as True ("finite", "no overflow"), the answers of a healthy
-step, so the step takes the path a real one takes (the optimizer updates; nothing is skipped).
+scalars read as 0 and truth values as True ("finite", "no overflow"), the answers of a healthy
+step, so the step takes the path a real one takes (the optimizer updates; nothing is skipped);
+a tensor copied to the host reads as ones (statistics divided by a count divide by one).
 """
 from __future__ import annotations
 
@@ -96,9 +97,13 @@ class MemoryTracker(TorchDispatchMode):
         if func is _aten._local_scalar_dense.default and args[0].is_meta:
             return _host_answer(args[0])
         if func is _aten._to_copy.default and args[0].is_meta and kwargs.get("device") is not None \
-                and torch.device(kwargs["device"]).type != "meta":  # .tolist(), .cpu(): zeros of the shape
-            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
-        out = func(*args, **kwargs)
+                and torch.device(kwargs["device"]).type != "meta":  # .tolist(), .cpu(): ones of the shape
+            return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device=kwargs["device"])
+        if func is _aten.bincount.default and args[0].is_meta:  # counts per value: [minlength] (values unknown)
+            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            out = torch.empty(minlength, dtype=torch.long, device=args[0].device)
+        else:
+            out = func(*args, **kwargs)
         if self.zero_fill:
             _finite_values(func, out)
         for t in tree_flatten(out)[0]:
