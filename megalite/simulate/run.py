@@ -20,6 +20,7 @@ from megalite.errors import UsageError
 from megalite.simulate.planned import planned_terms
 from megalite.simulate.ranks import check_groups, compare_mesh, expected_groups, parse_ranks
 from megalite.simulate.rank_step import simulate_rank
+from megalite.simulate.replay import replay_step_time
 
 TOLERANCE = 0.03
 TERMS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_peak_bytes", "peak_bytes")
@@ -94,6 +95,7 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     print_fn(f"simulate: {len(entries)} rank(s) in {report['seconds']:.1f} s; "
              + (f"{differing} with a term more than 3% from the planner" if differing else
                 "every term within 3% of the planner"))
+    print_fn(replay_step_time(cfg).describe())  # on the planner's default GPU profile
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report
