@@ -31,7 +31,8 @@ def test_generated_parser_is_exactly_the_declarations():
 def test_defaults_are_declared_once():
     cfg, actions = parse_args([])
     assert cfg == RunConfig()
-    assert actions == {"config": None, "print_config": False, "dry_run": False}
+    assert actions == {"config": None, "print_config": False, "dry_run": False, "simulate": False,
+                       "simulate_ranks": "representatives", "simulate_json": None}
     assert cfg.training.micro_batch_size == 8 and cfg.parallel.recompute is Recompute.NONE
 
 
