@@ -5,7 +5,7 @@ Quick: the fake world restores global state; groups of every rank at 512 ranks; 
 interleaved world simulated against the planner (communication and model states exact,
 activations within 3%); the interleaved m == pp case the simulation found wrong in the planner;
 bad input (a rank outside the world, a torchrun world) is one line and exit 2.
-Slow: the simulation equals a real gloo run of the same job at world 8.
+Slow: the simulation equals a real gloo run of the same job at world 8 (dense, cp + SP, and MoE at ep 1).
 """
 import json
 
@@ -24,8 +24,9 @@ TINY = dict(micro_batch_size=1, num_layers=4, hidden_size=64, num_attention_head
 
 
 def layout(**settings) -> RunConfig:
-    cfg = RunConfig.build(**{**TINY, **settings})
-    return cfg.resolved(cfg.world_size, 128)
+    tiny = {} if "model" in settings else TINY  # a preset keeps its shape
+    cfg = RunConfig.build(**{"micro_batch_size": 1, **tiny, **settings})
+    return cfg.resolved(cfg.world_size, cfg.gpt_config().vocab_size)
 
 
 def test_fake_world_leaves_nothing_behind():
@@ -92,7 +93,8 @@ def _real(settings):
 @pytest.mark.parametrize("settings", [
     dict(tp=2, pp=2, dp=2, zero=1, virtual_stages=2, global_batch_size=8),
     dict(tp=2, cp=2, dp=2, sequence_parallel=True, global_batch_size=4),
-], ids=["tp2-pp2-dp2-zero1-interleaved", "tp2-cp2-dp2-sp"])
+    dict(model="moe-tiny", tp=2, pp=2, dp=2, zero=3, global_batch_size=4),
+], ids=["tp2-pp2-dp2-zero1-interleaved", "tp2-cp2-dp2-sp", "moe-tp2-pp2-dp2-zero3"])
 def test_simulation_equals_a_real_gloo_run(settings):
     real = run_distributed(_real, 8, settings, timeout_s=300)
     cfg = layout(**settings)
