@@ -6,5 +6,6 @@ one CPU process, on torch's fake process group with tensors that hold no data (d
     rank_step.py   one rank: mesh, model chunks, DataParallel, optimizer, one train_step, measured
     planned.py     the planner's figures for the same rank (megalite.plan), side by side
     ranks.py       which ranks to simulate; every rank's groups checked against the topology
+    replay.py      the verified schedule replayed with the planner's costs: the step time and its advice
     run.py         the command (`pretrain_gpt.py --simulate`): report, --simulate-json
 """
