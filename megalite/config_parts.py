@@ -226,7 +226,12 @@ class LoggingSettings:
     log_interval: int = setting(50, "print and record every N steps", minimum=1)
     metrics_file: str | None = setting(None, "JSON lines, one object per logged step (the resolved configuration "
                                              "is written beside it)")
-    tensorboard_dir: str | None = setting(None, "also write scalars for TensorBoard (when installed)")
+    tensorboard_dir: str | None = setting(None, "also write the metrics as TensorBoard scalars into DIR (pip install "
+                                                "'megalite[tensorboard]')", metavar="DIR")
+    wandb_project: str | None = setting(None, "also log the metrics to this Weights & Biases project (pip install "
+                                              "'megalite[wandb]'; WANDB_MODE=offline logs locally)")
+    wandb_exp_name: str | None = setting(None, "the W&B run's name (default: W&B's)")
+    wandb_save_dir: str | None = setting(None, "where W&B keeps its files (default: ./wandb)", metavar="DIR")
     straggler_interval: int = setting(0, "every N steps name the slowest ranks (0: off)", minimum=0)
     peak_tflops: float | None = setting(None, "per-GPU peak for MFU (default: known GPUs)", above=0)
     profile_steps: tuple[int, int] | None = setting(None, "trace steps FIRST..LAST with torch.profiler on every rank "

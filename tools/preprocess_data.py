@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if not __package__:  # run as a script from a checkout (installed, it is megalite.tools.preprocess_data)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402

@@ -56,6 +56,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+from megalite.training.metrics_sinks import open_sinks, sink_problems
 from megalite.training.launch_checks import launch_problems, machine_problems, memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
@@ -113,6 +114,7 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
     except ValueError as exc:  # MEGALITE_KERNEL_BACKEND names no backend: one line, like a flag's mistake
         problems, backend = problems + [str(exc)], "auto"
     problems += machine_problems(cfg, torch.cuda.is_available(), backend)
+    problems += sink_problems(cfg.logging)  # --tensorboard-dir / --wandb-project without their package
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:
@@ -237,7 +239,8 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
     meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.training.micro_batch_size, cfg.dp,
                             cfg.num_microbatches, mesh.world_size, cfg.parallel.recompute, cfg.training.train_iters,
                             peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
-    writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=mesh.rank == 0)
+    sinks = open_sinks(lg, run_config=cfg.to_dict()) if mesh.rank == 0 else []  # TensorBoard, W&B
+    writer = MetricsWriter(lg.metrics_file, sinks, enabled=mesh.rank == 0)
     _on_exit(resources, lambda clean: writer.close())
     if mesh.rank == 0 and lg.metrics_file:  # the resolved configuration beside the metrics
         Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
