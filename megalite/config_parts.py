@@ -46,6 +46,21 @@ class ModelSettings:
     vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)", minimum=1)
     hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding", minimum=0, below=1)
     attention_dropout: float = setting(0.0, "dropout on the attention probabilities", minimum=0, below=1)
+    # Megatron-LM's names for architecture choices (config_megatron.model_overrides; unset: the preset's)
+    init_method_std: float | None = setting(None, "std of the normal weight init (output projections: std / "
+                                                  "sqrt(2 * layers)); default the preset's 0.02", above=0)
+    max_position_embeddings: int | None = setting(None, "Megatron's position limit: at least --seq-length (the "
+                                                        "position table holds seq_length rows)", minimum=1)
+    position_embedding_type: str | None = setting(None, "learned_absolute (gpt2 flavour) or rope (llama "
+                                                        "flavour)", choices=("learned_absolute", "rope"))
+    normalization: str | None = setting(None, "LayerNorm (gpt2 flavour) or RMSNorm (llama flavour)",
+                                        choices=("LayerNorm", "RMSNorm"))
+    swiglu: bool | None = setting(None, "SwiGLU MLP (llama flavour; --no-swiglu: GeLU, gpt2 flavour)")
+    untie_embeddings_and_output_weights: bool | None = setting(None, "a separate output layer (default: the "
+                                                                     "preset's: tied for gpt2, untied for llama)")
+    disable_bias_linear: bool | None = setting(None, "no biases in the linear layers (default: the preset's)")
+    group_query_attention: bool = setting(False, "Megatron's switch for --num-query-groups (which alone "
+                                                 "already groups in megalite); without it: 1 group")
 
 
 @dataclass(frozen=True)
@@ -164,7 +179,11 @@ class OptimizerSettings:
 
     lr: float = setting(2e-3, "peak learning rate", minimum=0)
     min_lr: float = setting(2e-4, "learning rate at the end of the decay", minimum=0, at_most="lr")
-    lr_warmup_iters: int = setting(30, "linear warm-up steps", minimum=0)
+    lr_warmup_iters: int = setting(30, "linear warm-up steps (unless --lr-warmup-fraction)", minimum=0)
+    lr_warmup_fraction: float | None = setting(None, "warm-up as a fraction of the decay steps (Megatron's rule; "
+                                                     "overrides --lr-warmup-iters)", minimum=0, maximum=1)
+    lr_decay_iters: int | None = setting(None, "steps over which the learning rate decays to --min-lr (default "
+                                               "--train-iters); constant at --min-lr after", minimum=1)
     lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
     weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", minimum=0)
     adam_beta1: float = setting(0.9, "AdamW beta1", minimum=0, below=1)

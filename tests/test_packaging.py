@@ -70,6 +70,17 @@ def test_train_refuses_a_sink_without_its_package(monkeypatch, tmp_path, capsys)
     assert not (tmp_path / "tb").exists()
 
 
+def test_python_dash_m_the_loop_is_the_training_entry_point():
+    """`python -m megalite.training.loop` runs main (it used to exit 0 having done nothing)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    helped = subprocess.run([sys.executable, "-m", "megalite.training.loop", "--help"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--tensor-model-parallel-size" in helped.stdout, helped.stderr[-500:]
+    wrong = subprocess.run([sys.executable, "-m", "megalite.training.loop", "--train-iters", "0"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+
+
 def _copy_sources(to: Path) -> None:
     """What the wheel is built from (setup.py and the three source trees), away from the checkout so
     the build leaves nothing in it."""
@@ -102,6 +113,7 @@ def test_wheel_installs_and_trains_in_a_fresh_venv(tmp_path):
                           "--eval-iters", "1"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "step 2/2" in run.stdout
+    assert "a GPU profile's estimate, not this machine's" in run.stdout  # the CPU banner names whose figure
     for script in ("megalite-plan", "megalite-convert", "megalite-preprocess"):
         helped = subprocess.run([str(bin_dir / script), "--help"], cwd=work, env=env, capture_output=True,
                                 text=True, timeout=120)

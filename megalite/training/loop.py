@@ -189,7 +189,7 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
-    lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
+    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
               *_services(cfg, model_cfg, mesh, resources))
     if t.cuda_graph:
@@ -223,7 +223,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
     gpu = builtin_for_device(torch.cuda.get_device_name(mesh.device)) if mesh.device.type == "cuda" else None
-    log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu))
+    layout = justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu)
+    if gpu is None:  # the figure is a GPU profile's, not this machine's: say so (the steps below measure it)
+        layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
+    log("layout: " + layout)
     p = cfg.parallel
     log(MF.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
@@ -424,3 +427,7 @@ def run_evaluation(job: Job, step: int) -> None:
     loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
     log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
     job.writer.write_eval(step, loss)
+
+
+if __name__ == "__main__":  # python -m megalite.training.loop: the same job as megalite-train
+    sys.exit(main())
