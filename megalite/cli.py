@@ -190,6 +190,8 @@ def parse_args(argv: list[str] | None = None,
     values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
     cfg = RunConfig.build(**values)
     cfg = _virtual_stages_from_layers(cfg, megatron_only.get("num_layers_per_virtual_pipeline_stage"))
+    if megatron_only.get("recompute_method") == "uniform":  # every block recomputed (N only sized the groups)
+        cfg = cfg.replace(recompute_num_layers=None)
     problems = cfg.bound_problems()  # on every rank, before anything divides by a degree or allocates
     if problems:
         raise ConfigError.listing(problems)

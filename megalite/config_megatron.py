@@ -9,7 +9,9 @@ Three tables, read where the parser and the settings are generated (megalite.con
   (`--use-distributed-optimizer` is `--zero 1`: the optimizer state sharded over dp).
 - ALWAYS: a Megatron flag for what megalite always does (`--use-flash-attn`, `--overlap-grad-reduce`):
   accepted, changes nothing.
-- `--num-layers-per-virtual-pipeline-stage N`: converted to virtual stages (layers / pp / N).
+- `--num-layers-per-virtual-pipeline-stage N`: converted to virtual stages (layers / pp / N);
+  `--recompute-method uniform` recomputes every block (--recompute-num-layers then only sizes Megatron's
+  groups), `block` the first --recompute-num-layers (megalite's own meaning).
 - LACKS: a Megatron flag for a feature megalite does not have -> one line saying so (exit 2), so a
   command line is never half-understood.
 
@@ -127,7 +129,7 @@ def lr_iters(optimizer_settings, train_iters: int) -> tuple[int, int]:
 
 def non_setting_dests() -> set[str]:
     """The parser destinations add_megatron_flags adds (parse_args drops them from its actions)."""
-    return {"megatron_" + flag[2:].replace("-", "_") for flag in ALWAYS} | {"num_layers_per_virtual_pipeline_stage"}
+    return {"megatron_" + flag[2:].replace("-", "_") for flag in ALWAYS} | {"num_layers_per_virtual_pipeline_stage", "recompute_method"}
 
 
 def add_megatron_flags(parser) -> None:
@@ -140,6 +142,10 @@ def add_megatron_flags(parser) -> None:
                            **kwargs)
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
                        help="Megatron's spelling of virtual stages: --virtual-stages = num_layers / pp / N")
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                       help="with --recompute full: block recomputes the first --recompute-num-layers blocks of each "
+                            "chunk (megalite's way); uniform recomputes every block (megalite: one block at a time, "
+                            "the same numbers)")
 
 
 def virtual_stages_from(layers_per_stage: int | None, num_layers: int, pp: int) -> int | None:

@@ -26,7 +26,7 @@ import pytest
 from megalite.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/launching.md")
+DOCS = ("README.md", "docs/launching.md", "docs/megatron.md")
 NOT_RUN = {  # a command starting with or running this -> why, and where it is tested
     "pip install": "installs the package",
     "python -m pytest": "the test suite itself",
