@@ -51,3 +51,11 @@ def available(module: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+def pyplot(wanted_by: str):
+    """matplotlib.pyplot on the file-only Agg backend (no display needed), or MissingExtraError
+    naming `wanted_by` and the [plot] extra. PNG or SVG follows the output file's suffix."""
+    matplotlib = require("matplotlib", wanted_by)
+    matplotlib.use("Agg")
+    return require("matplotlib.pyplot", wanted_by)

@@ -397,9 +397,11 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                       grad_compression_ratio=result["grad_compression_ratio"])
     if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
+    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
+    if bubble is not None:  # the schedule's idle share with this step's measured op times (plot_metrics' time split)
+        record["pipeline_bubble"] = bubble
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
-    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
     job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result["exposed_dp_comm_s"],
                         pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
 
