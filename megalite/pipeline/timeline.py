@@ -90,11 +90,12 @@ def bubble_of(blocks: list[Block], pp: int) -> float:
     return 1.0 - busy / (pp * makespan) if makespan > 0 else 0.0
 
 
-def text_timeline(blocks: list[Block], pp: int, width: int = 5) -> str:
-    """One row per stage, one cell of `width` characters per time unit (the shortest compute
-    instruction), each instruction as its letter, chunk and microbatch (F0.3: forward of chunk 0
+def text_timeline(blocks: list[Block], pp: int) -> str:
+    """One row per stage, one cell per time unit (the shortest compute instruction; as wide as the
+    longest label), each instruction as its letter, chunk and microbatch (F0.3: forward of chunk 0
     on microbatch 3), idle time as dots; a last line gives the bubble."""
     compute = [b for b in blocks if not b.is_transfer]
+    width = 1 + max(len(f"{LETTER[b.kind]}{b.chunk}.{b.microbatch}") for b in compute)
     unit = min(b.end - b.start for b in compute if b.end > b.start)
     cells = round(max(b.end for b in compute) / unit)
     rows = []
