@@ -62,7 +62,7 @@ def test_plan_plot_flag(tmp_path, monkeypatch, capsys):
     assert plan.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "megalite[plot]" in err[0]
-    monkeypatch.delitem(sys.modules, "matplotlib")
+    monkeypatch.undo()  # matplotlib (if installed) back as it was
     pytest.importorskip("matplotlib")
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
