@@ -15,12 +15,12 @@ Three tables, read where the parser and the settings are generated (megalite.con
 - LACKS: a Megatron flag for a feature megalite does not have -> one line saying so (exit 2), so a
   command line is never half-understood.
 
-Settings Megatron's GPT-3 command lines carry that megalite declares under Megatron's own name
+Settings Megatron's command lines carry that megalite declares under Megatron's own name
 (config_parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
 --lr-decay-iters, --untie-embeddings-and-output-weights, --disable-bias-linear,
---position-embedding-type, --normalization, --swiglu, --group-query-attention, --use-flash-attn,
---recompute-method. `model_overrides` turns the model ones into GPTConfig fields and
-`lr_iters` the schedule ones into (warm-up, decay) steps.
+--position-embedding-type, --normalization, --swiglu, --group-query-attention, --norm-epsilon,
+--rotary-base, --make-vocab-size-divisible-by. `model_overrides` turns the model ones into
+GPTConfig fields and `lr_iters` the schedule ones into (warm-up, decay) steps.
 
 Pure Python: no torch.
 """
@@ -104,6 +104,10 @@ def model_overrides(model_settings) -> dict[str, Any]:
         out["tie_embeddings"] = not m.untie_embeddings_and_output_weights
     if m.disable_bias_linear is not None:
         out["add_bias"] = not m.disable_bias_linear
+    for setting_name, field_name in (("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"),
+                                     ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
+        if getattr(m, setting_name) is not None:
+            out[field_name] = getattr(m, setting_name)
     if m.group_query_attention and m.num_query_groups is None:
         out["num_query_groups"] = 1  # Megatron's default groups under --group-query-attention
     return out

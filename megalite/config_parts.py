@@ -61,6 +61,11 @@ class ModelSettings:
     disable_bias_linear: bool | None = setting(None, "no biases in the linear layers (default: the preset's)")
     group_query_attention: bool = setting(False, "Megatron's switch for --num-query-groups (which alone "
                                                  "already groups in megalite); without it: 1 group")
+    norm_epsilon: float | None = setting(None, "epsilon of the layer norms (default the preset's 1e-5)", above=0)
+    rotary_base: float | None = setting(None, "RoPE base theta (llama flavour; default the preset's 10000)",
+                                        above=0)
+    make_vocab_size_divisible_by: int | None = setting(None, "pad the vocabulary to a multiple of this (times tp); "
+                                                             "default 128", minimum=1)
 
 
 @dataclass(frozen=True)

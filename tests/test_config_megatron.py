@@ -64,9 +64,11 @@ def test_megatron_mistakes_are_one_line(argv, needle, capsys):
 
 def test_megatron_architecture_flags_choose_the_flavour():
     llama, _ = parse_args("--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention "
-                          "--untie-embeddings-and-output-weights --disable-bias-linear".split())
+                          "--untie-embeddings-and-output-weights --disable-bias-linear --norm-epsilon 1e-6 "
+                          "--rotary-base 500000 --make-vocab-size-divisible-by 64".split())
     model = llama.gpt_config()
     assert (model.flavour, model.num_query_groups, model.tie_embeddings, model.add_bias) == ("llama", 1, False, False)
+    assert (model.norm_eps, model.rope_theta, model.make_vocab_size_divisible_by) == (1e-6, 500000.0, 64)
     gpt2, _ = parse_args("--position-embedding-type learned_absolute --normalization LayerNorm --no-swiglu".split())
     assert gpt2.gpt_config() == RunConfig().gpt_config()
 

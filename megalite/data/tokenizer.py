@@ -20,6 +20,7 @@ import numpy as np
 
 from megalite.data.indexed_dataset import DataError, DataFileNotFoundError
 from megalite.errors import one_line
+from megalite.extras import require
 
 
 class ByteTokenizer:
@@ -58,12 +59,7 @@ class HFTokenizer:
         if not os.path.isfile(path):
             raise DataFileNotFoundError(f"tokenizer file {path!r} does not exist; pass a path to a "
                                         f"HuggingFace tokenizer.json, or 'byte' for the byte tokenizer")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:  # optional dependency
-            raise ImportError(f"loading {path!r} needs the HuggingFace `tokenizers` package; "
-                              f"`pip install tokenizers`, or use the built-in byte tokenizer "
-                              f"(--tokenizer byte)") from exc
+        Tokenizer = require("tokenizers", f"--tokenizer {path}").Tokenizer  # the [hf] extra; or --tokenizer byte
         self.path = os.path.abspath(path)
         try:
             self._tokenizer = Tokenizer.from_file(path)
