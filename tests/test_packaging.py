@@ -83,6 +83,15 @@ def test_python_dash_m_the_loop_is_the_training_entry_point(monkeypatch, capsys)
     assert exited.value.code == 2 and len(err) == 1 and "--train-iters" in err[0], err
 
 
+def test_wandb_settings_need_a_project():
+    from megalite.config import RunConfig
+    from megalite.training.metrics_sinks import sink_problems
+
+    assert sink_problems(RunConfig.build(wandb_exp_name="run-1").logging) == [
+        "--wandb-exp-name names a W&B run but no project: add --wandb-project NAME"]
+    assert sink_problems(RunConfig().logging) == []
+
+
 def _copy_sources(to: Path) -> None:
     """What the wheel is built from (setup.py and the three source trees), away from the checkout so
     the build leaves nothing in it."""

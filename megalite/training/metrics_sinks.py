@@ -56,10 +56,14 @@ class WandbSink:
 
 
 def sink_problems(logging_settings) -> list[str]:
-    """One line per sink a flag asks for whose package is missing (empty when all import)."""
+    """One line per sink a flag asks for whose package is missing, or W&B settings without a project
+    (empty when all is well)."""
     wanted = [("torch.utils.tensorboard", "--tensorboard-dir", logging_settings.tensorboard_dir),
               ("wandb", "--wandb-project", logging_settings.wandb_project)]
-    problems = []
+    problems = [f"{flag} names a W&B run but no project: add --wandb-project NAME"
+                for flag, value in (("--wandb-exp-name", logging_settings.wandb_exp_name),
+                                    ("--wandb-save-dir", logging_settings.wandb_save_dir))
+                if value and not logging_settings.wandb_project]
     for module, flag, value in wanted:
         if value:
             try:
