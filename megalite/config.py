@@ -232,11 +232,12 @@ class RunConfig:
     def gpt_config(self) -> GPTConfig:
         """The model architecture: the preset with the explicit model settings (ValueError if invalid)."""
         m = self.model
-        model = preset(m.model, **{**dict(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                       num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-                       ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length, vocab_size=m.vocab_size,
-                       hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout),
-                       **megatron.model_overrides(m)})  # Megatron's names: --init-method-std, --swiglu, ...
+        given = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                     num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+                     seq_length=m.seq_length, vocab_size=m.vocab_size, hidden_dropout=m.hidden_dropout,
+                     attention_dropout=m.attention_dropout)
+        # Megatron's names (--init-method-std, --swiglu, ...) over them: config_megatron.model_overrides
+        model = preset(m.model, **{**given, **megatron.model_overrides(m)})
         problem = megatron.position_problem(m, model.seq_length)
         if problem:
             raise ValueError(problem)
