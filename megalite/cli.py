@@ -192,6 +192,13 @@ def parse_args(argv: list[str] | None = None,
     cfg = _virtual_stages_from_layers(cfg, megatron_only.get("num_layers_per_virtual_pipeline_stage"))
     if megatron_only.get("recompute_method") == "uniform":  # every block recomputed (N only sized the groups)
         cfg = cfg.replace(recompute_num_layers=None)
+    try:  # --tokenizer-type/--vocab-file/--merge-file: Megatron's tokenizer as a tokenizer.json
+        tokenizer = megatron.tokenizer_from_megatron(megatron_only.get("tokenizer_type"), megatron_only.get("vocab_file"),
+                                                     megatron_only.get("merge_file"), cfg.data.tokenizer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if tokenizer is not None:
+        cfg = cfg.replace(tokenizer=tokenizer)
     problems = cfg.bound_problems()  # on every rank, before anything divides by a degree or allocates
     if problems:
         raise ConfigError.listing(problems)

@@ -9,6 +9,7 @@ Three tables, read where the parser and the settings are generated (megalite.con
   (`--use-distributed-optimizer` is `--zero 1`: the optimizer state sharded over dp).
 - ALWAYS: a Megatron flag for what megalite always does (`--use-flash-attn`, `--overlap-grad-reduce`):
   accepted, changes nothing.
+- `--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M`: made into one tokenizer.json.
 - `--num-layers-per-virtual-pipeline-stage N`: converted to virtual stages (layers / pp / N);
   `--recompute-method uniform` recomputes every block (--recompute-num-layers then only sizes Megatron's
   groups), `block` the first --recompute-num-layers (megalite's own meaning).
@@ -48,10 +49,6 @@ LACKS: dict[str, str] = {
     "--rampup-batch-size": "a batch-size ramp-up; megalite keeps --global-batch-size from the first step "
                            "(drop the flag)",
     "--fp8-format": "FP8 training (drop the flag; --bf16 is the nearest)",
-    "--vocab-file": "Megatron's GPT2BPETokenizer files; pass a HuggingFace tokenizer.json with --tokenizer "
-                    "(tokenizers' ByteLevelBPETokenizer(vocab, merges).save(...) writes one from them)",
-    "--merge-file": "Megatron's GPT2BPETokenizer files; pass a HuggingFace tokenizer.json with --tokenizer",
-    "--tokenizer-type": "a tokenizer class; megalite reads a HuggingFace tokenizer.json (--tokenizer) or bytes",
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
     "--mtp-num-layers": "multi-token prediction",
     "--multi-latent-attention": "multi-latent attention",
@@ -67,6 +64,8 @@ ALWAYS: dict[str, tuple[int, str]] = {
     "--moe-grouped-gemm": (0, "megalite's experts always run as one grouped GEMM"),
     "--distributed-backend": (1, "megalite picks nccl on GPUs, gloo on CPUs"),
 }
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -133,7 +132,8 @@ def lr_iters(optimizer_settings, train_iters: int) -> tuple[int, int]:
 
 def non_setting_dests() -> set[str]:
     """The parser destinations add_megatron_flags adds (parse_args drops them from its actions)."""
-    return {"megatron_" + flag[2:].replace("-", "_") for flag in ALWAYS} | {"num_layers_per_virtual_pipeline_stage", "recompute_method"}
+    return {"megatron_" + flag[2:].replace("-", "_") for flag in ALWAYS} | {"num_layers_per_virtual_pipeline_stage", "recompute_method", "tokenizer_type", "vocab_file",
+                                                                  "merge_file"}
 
 
 def add_megatron_flags(parser) -> None:
@@ -146,6 +146,11 @@ def add_megatron_flags(parser) -> None:
                            **kwargs)
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
                        help="Megatron's spelling of virtual stages: --virtual-stages = num_layers / pp / N")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                       help="GPT2BPETokenizer (with --vocab-file and --merge-file: made into a tokenizer.json) or "
+                            "HuggingFaceTokenizer (with --tokenizer-model FILE, a tokenizer.json)")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                        help="with --recompute full: block recomputes the first --recompute-num-layers blocks of each "
                             "chunk (megalite's way); uniform recomputes every block (megalite: one block at a time, "
@@ -161,3 +166,21 @@ def virtual_stages_from(layers_per_stage: int | None, num_layers: int, pp: int) 
         raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_stage}: {num_layers} layers do not "
                          f"split into pp {pp} x stages of {layers_per_stage}; pick N dividing num_layers / pp")
     return num_layers // (pp * layers_per_stage)
+
+
+def tokenizer_from_megatron(tokenizer_type: str | None, vocab_file: str | None, merge_file: str | None,
+                            tokenizer: str | None) -> str | None:
+    """The --tokenizer a Megatron tokenizer choice means (None: leave it as it is); ValueError naming
+    what is missing. GPT2BPETokenizer's vocab.json + merges.txt become one tokenizer.json
+    (megalite.data.tokenizer.bpe_files_to_json: byte-level BPE, GPT-2's pre-tokenizer)."""
+    if (vocab_file or merge_file) and tokenizer_type not in (None, "GPT2BPETokenizer"):
+        raise ValueError(f"--vocab-file/--merge-file go with --tokenizer-type GPT2BPETokenizer, not {tokenizer_type}")
+    if tokenizer_type == "HuggingFaceTokenizer" and tokenizer is None:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model FILE (a tokenizer.json)")
+    if tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file:
+        if not (vocab_file and merge_file):
+            raise ValueError("GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file (merges.txt)")
+        from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
+
+        return bpe_files_to_json(vocab_file, merge_file)
+    return None

@@ -10,7 +10,8 @@ from megalite.config import RunConfig
 from megalite.testing import run_distributed
 
 # Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh's groups, scaled down (no --rampup-batch-size,
-# which megalite lacks, and --tokenizer instead of --vocab-file/--merge-file)
+# which megalite lacks; the default byte tokenizer instead of --vocab-file/--merge-file, which
+# test_gpt2_bpe_files_become_the_same_tokenizer covers)
 GPT_MODEL_ARGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                   "--max-position-embeddings 64 --attention-backend auto")
 TRAINING_ARGS = ("--micro-batch-size 2 --global-batch-size 8 --train-iters 2 --weight-decay 0.1 --adam-beta1 0.9 "
@@ -44,7 +45,8 @@ def test_megatron_line_means_the_megalite_line():
 
 @pytest.mark.parametrize("argv, needle", [
     (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size is a Megatron-LM flag for a batch-size"),
-    (["--vocab-file", "gpt2-vocab.json"], "--vocab-file is a Megatron-LM flag for Megatron's GPT2BPETokenizer"),
+    (["--vocab-file", "gpt2-vocab.json"], "GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file"),
+    (["--fp8-format", "hybrid"], "--fp8-format is a Megatron-LM flag for FP8 training"),
     (["--num-layers-per-virtual-pipeline-stage", "3", "--pp", "2"], "do not split into pp 2"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--pp", "2", "--virtual-stages", "3"], "give one of the two"),
     (["--max-position-embeddings", "64", "--seq-length", "128"], "raise it to at least 128"),
@@ -83,3 +85,28 @@ def _train(argv):
 def test_megatron_line_trains_under_four_ranks():
     codes = run_distributed(_train, 4, MEGATRON_LINE.split(), timeout_s=300)
     assert codes == [0, 0, 0, 0]
+
+
+def test_gpt2_bpe_files_become_the_same_tokenizer(tmp_path, monkeypatch):
+    """--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file: a tokenizer.json encoding exactly as the
+    byte-level BPE the files came from."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from megalite.data.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the converted file's cache
+    source = tokenizers.Tokenizer(tokenizers.models.BPE())
+    source.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    source.decoder = tokenizers.decoders.ByteLevel()
+    source.train_from_iterator(["the cat sat on the mat, ünïcode too"] * 8, tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    vocab, merges = source.model.save(str(tmp_path))
+    argv = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    cfg, _ = parse_args(argv)
+    assert cfg.data.tokenizer.startswith(str(tmp_path / ".cache" / "megalite" / "tokenizers"))
+    assert parse_args(argv)[0].data.tokenizer == cfg.data.tokenizer  # written once per pair of files
+    loaded = load_tokenizer(cfg.data.tokenizer)
+    text = "the mat sat on the cat, ünïcode"
+    assert loaded.encode(text) == source.encode(text).ids and loaded.eod == source.token_to_id("<|endoftext|>")
+    with pytest.raises(Exception, match="needs both --vocab-file"):
+        parse_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab])
