@@ -21,6 +21,7 @@ NOT_PATHS = {
     "megalite/data": "a profiler range name (also a real directory)",
     "examples/sc21/run_table_1.sh": "a script of Megatron-LM's repository, not this one",
     "examples/gpt3": "a directory of Megatron-LM's repository (docs/megatron.md)",
+    "megalite/kernels": "the link a source-tree run makes to kernels/ (docs/gpu.md); absent in a clone",
 }
 
 
