@@ -48,7 +48,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 LACKS: dict[str, str] = {
     "--rampup-batch-size": "a batch-size ramp-up; megalite keeps --global-batch-size from the first step "
                            "(drop the flag)",
-    "--fp8-format": "FP8 training (drop the flag; --bf16 is the nearest)",
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
     "--mtp-num-layers": "multi-token prediction",
     "--multi-latent-attention": "multi-latent attention",

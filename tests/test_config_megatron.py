@@ -46,7 +46,7 @@ def test_megatron_line_means_the_megalite_line():
 @pytest.mark.parametrize("argv, needle", [
     (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size is a Megatron-LM flag for a batch-size"),
     (["--vocab-file", "gpt2-vocab.json"], "GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file"),
-    (["--fp8-format", "hybrid"], "--fp8-format is a Megatron-LM flag for FP8 training"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers is a Megatron-LM flag for multi-token prediction"),
     (["--num-layers-per-virtual-pipeline-stage", "3", "--pp", "2"], "do not split into pp 2"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--pp", "2", "--virtual-stages", "3"], "give one of the two"),
     (["--max-position-embeddings", "64", "--seq-length", "128"], "raise it to at least 128"),
