@@ -48,7 +48,7 @@ from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
-from megalite.optim.lr_schedule import LRSchedule
+from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, justify, recompute_fraction
 from megalite.plan.hardware import builtin_for_device
 from megalite.plan.layout import DTYPE_BYTES
@@ -158,6 +158,7 @@ class Job:
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
+    scheduler: ScheduledLR | None = None  # lr_at driving the optimizer's param groups (torch's LR scheduler)
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -190,6 +191,7 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
               *_services(cfg, model_cfg, mesh, resources))
+    job.scheduler = ScheduledLR(optimizer, lr_at)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
@@ -295,6 +297,7 @@ def resume(job: Job) -> int:
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
+    job.scheduler.jump_to(start_step)  # the lr of step start_step + 1
     if job.watchdog:
         job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     if start_step >= job.cfg.training.train_iters:
@@ -357,9 +360,10 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
     cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
-    lr = job.lr_at(step - 1)
-    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
+    lr = job.optimizer.param_groups[0]["lr"]  # lr_at(step - 1), set by the scheduler
+    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, None, guard=job.guard,
                         timer=job.timer, graphs=job.graphs)
+    job.scheduler.step()
     result["lr"] = lr
     result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
