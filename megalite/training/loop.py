@@ -74,8 +74,9 @@ def log(*parts, rank0_only: bool = True) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
+def main(argv: list[str] | None = None, provided=None) -> int:
+    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2.
+    `provided`: a user's model in place of GPTModel (megalite.training.provided.main builds it)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
         plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
         cfg = plan.cfg
+        if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
+            provided_problems_refused(cfg, dry_run=actions["dry_run"])
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         cfg = configure(cfg, world_size, tokenizer.vocab_size, memory=memory_per_rank() if launching else None)
         if actions["print_config"]:
@@ -95,9 +98,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for line in plan.messages():
             log(line)
-        return train(cfg, tokenizer, plan)
+        return train(cfg, tokenizer, plan, provided=provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
+
+
+def provided_problems_refused(cfg: RunConfig, dry_run: bool) -> None:
+    """A provided model's refusals (training.provided), and --dry-run's: the planner models GPTModel."""
+    from megalite.training.provided import provided_problems
+
+    problems = provided_problems(cfg) + (["--dry-run estimates GPTModel, not a model_provider's model; run a few "
+                                          "steps with --train-iters to measure it"] if dry_run else [])
+    if problems:
+        raise ConfigError.listing(problems)
 
 
 def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
@@ -158,6 +171,7 @@ class Job:
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
+    provided: Any = None  # training.provided.ProvidedModel: a user's model in place of GPTModel
     scheduler: ScheduledLR | None = None  # lr_at driving the optimizer's param groups (torch's LR scheduler)
 
 
@@ -166,15 +180,19 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
     resources.push(lambda exc_type, exc, tb: release(exc_type is None))
 
 
-def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
+def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
     etp = p.etp if cfg.gpt_config().moe is not None else p.tp  # no experts: no expert groups to create
     mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
     _on_exit(resources, lambda clean: destroy_mesh())
     torch.manual_seed(cfg.training.seed)
-    model_cfg = cfg.gpt_config()
-    _announce(cfg, model_cfg, mesh)
+    chunks = provided.build_chunks(cfg, mesh) if provided is not None else None  # the same seed on every rank
+    model_cfg = chunks[0].config if provided is not None else cfg.gpt_config()
+    if provided is None:
+        _announce(cfg, model_cfg, mesh)
+    else:
+        log(mesh.describe() + "\n" + model_cfg.describe())
     t = cfg.training
     # data may sit on node-local disks: every rank learns if any rank cannot read it
     train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
@@ -184,13 +202,13 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
                                  mesh.dp_size, seed=t.seed)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
         + (f", {len(valid_set)} validation" if valid_set is not None else ""))
-    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
     lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
-              *_services(cfg, model_cfg, mesh, resources))
+              *_services(cfg, model_cfg, mesh, resources), provided=provided)
     job.scheduler = ScheduledLR(optimizer, lr_at)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
@@ -264,11 +282,12 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
 # ---------------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None) -> int:
+def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None, *, provided=None) -> int:
     """Run the job of a validated, resolved configuration; returns the process exit code.
-    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is)."""
+    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is).
+    `provided`: a user's model in place of GPTModel (megalite.training.provided.train)."""
     with contextlib.ExitStack() as resources:
-        job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources)
+        job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
         job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
         start_step = resume(job)
         try:
@@ -332,7 +351,7 @@ def train_steps(job: Job, start_step: int) -> bool:
                 check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True)
             else:
                 check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
-        if step == start_step + 1:
+        if step == start_step + 1 and job.provided is None:  # the planner models GPTModel
             planned = estimate(job.model_cfg, cfg, _attention_run(cfg, job.model_cfg, job.mesh.device))
             log(estimate_vs_measured(planned, job.mesh.device))
         _record(job, step, step_time, result)
