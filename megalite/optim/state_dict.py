@@ -54,11 +54,13 @@ def _local_state(optimizer, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
 
 
 def _full(local: torch.Tensor, param, mesh) -> torch.Tensor:
-    """The full logical tensor from every tp rank's `local` (this rank's shard of it)."""
+    """The full logical tensor (unpadded) from every tp rank's `local` (this rank's shard of it)."""
     spec = P.shard_spec(param)
-    if not spec.is_tp_sharded:
+    if spec.dim is None:
         return local.cpu().clone()
-    gathered = comm.all_gather(local.contiguous().reshape(1, *local.shape), mesh.tp_group)  # [tp, local...]
+    # [tp, local...]; at tp 1 only the padding (a vocabulary padded to a multiple of tp) is dropped
+    gathered = comm.all_gather(local.contiguous().reshape(1, *local.shape), mesh.tp_group if spec.is_tp_sharded
+                               else None)
     return spec.assemble([shard.cpu() for shard in gathered.unbind(0)])
 
 
