@@ -20,7 +20,9 @@ a megalite checkpoint any layout can load, at the step and consumed samples stor
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +33,14 @@ from megalite.checkpoint.full_state import resolve_checkpoint_dir
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.save import FORMAT_VERSION
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS, Item
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP in this one process (no process group): torch warns that it assumes so; it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_plain_state(path: str | Path, step: int | None = None) -> dict:
@@ -54,7 +64,8 @@ def export_dcp(load: str | Path, output: str | Path, *, step: int | None = None)
     import torch.distributed.checkpoint as dcp
 
     state = read_plain_state(load, step)
-    dcp.save(state, checkpoint_id=str(output), no_dist=True)
+    with _one_process():
+        dcp.save(state, checkpoint_id=str(output), no_dist=True)
     return Path(output)
 
 
@@ -125,7 +136,8 @@ def import_dcp(load: str | Path, output: str | Path) -> Path:
     state = _empty_like_dcp(load)
     if not isinstance(state.get("model"), dict) or not state["model"]:
         raise ValueError(f"{load} holds no 'model' state dict; save {{'model': model.state_dict()}} with dcp.save")
-    dcp.load(state, checkpoint_id=str(load), no_dist=True)
+    with _one_process():
+        dcp.load(state, checkpoint_id=str(load), no_dist=True)
     meta = json.loads(state["megalite"]["metadata"]) if isinstance(state.get("megalite"), dict) else {}
     optimizer = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
     if optimizer is not None:

@@ -26,6 +26,7 @@ def _trained_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # torch's, for our one-process dcp.load
 def test_dcp_and_safetensors_round_trip(tmp_path):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
