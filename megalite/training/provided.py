@@ -13,7 +13,7 @@
 The loop then gives the model what it gives GPTModel: the data pipeline (the flags' tokenizer and
 corpus; the model sees input ids [b, s] and `loss_fn` the labels aligned with them, already the next
 tokens), data parallelism and ZeRO 0-3 (ZeRO-3: one unit per element of every nn.ModuleList, i.e.
-per transformer block, and one for the rest), full activation recompute (--recompute full: each
+per transformer block, or per layer of an nn.Sequential, and one for the rest), full activation recompute (--recompute full: each
 such block's forward under torch's non-reentrant checkpoint, which restores torch's RNG for its
 dropout), fp16/bf16 (the module is cast to the training dtype), layout-free checkpoints (saved at
 one dp / ZeRO layout, loaded at another), resume, elastic resize, metrics, evaluation and the guards.
@@ -86,7 +86,10 @@ def default_loss(output, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every element of every nn.ModuleList inside `module`, outermost lists only."""
+    """(name, module) of every element of every nn.ModuleList inside `module` (outermost lists only), or
+    of `module` itself when it is an nn.Sequential (a stack of layers)."""
+    if isinstance(module, nn.Sequential):
+        return list(module.named_children())
     found = []
     for name, child in module.named_children():
         if isinstance(child, nn.ModuleList):

@@ -104,3 +104,31 @@ def test_refused_in_one_line_exit_2(flags, needle, capsys):
     assert provided.main(FLAGS + flags, model_provider=llama) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def _example():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "custom_transformer.py"
+    spec = importlib.util.spec_from_file_location("custom_transformer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _example_in_loop(argv):
+    return _example().in_loop(argv)
+
+
+@pytest.mark.slow
+def test_custom_transformer_in_the_loop_at_tp2_zero3_equals_one_process(tmp_path):
+    """examples/custom_transformer.py's model (megalite's tp layers) through the loop: its tp is the mesh's."""
+    losses = {}
+    for world, layout in ((1, []), (4, ["--tp", "2", "--dp", "2", "--zero", "3"])):
+        metrics = tmp_path / f"w{world}.jsonl"
+        argv = ["--train-iters", "3", "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size", "2",
+                "--eval-iters", "0", "--metrics-file", str(metrics)] + layout
+        assert run_distributed(_example_in_loop, world, argv, timeout_s=240) == [0] * world
+        losses[world] = _losses(metrics)
+    assert losses[4] == pytest.approx(losses[1], rel=1e-5)
