@@ -282,10 +282,17 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
 # ---------------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None, *, provided=None) -> int:
+def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None, *, model_provider=None,
+          loss_fn=None, provided=None) -> int:
     """Run the job of a validated, resolved configuration; returns the process exit code.
     `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is).
-    `provided`: a user's model in place of GPTModel (megalite.training.provided.train)."""
+    `model_provider`, `loss_fn`: a user's model in place of GPTModel (docs/own_model.md,
+    megalite/training/provided.py); `provided`: both, already checked (provided.main makes it)."""
+    if model_provider is not None:
+        from megalite.training.provided import ProvidedModel, check_provided, default_loss
+
+        check_provided(cfg)
+        provided = ProvidedModel(model_provider, loss_fn or default_loss)
     with contextlib.ExitStack() as resources:
         job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
         job.resume_plan = resume_plan or ResumePlan.fresh(cfg)

@@ -9,6 +9,8 @@
         return F.cross_entropy(output.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
     sys.exit(main(model_provider=model_provider, loss_fn=loss_fn))   # megalite's flags: --dp, --zero, ...
+    # or, with a RunConfig already resolved for this world (loop.configure):
+    megalite.train(cfg, model_provider=model_provider, loss_fn=loss_fn)
 
 The loop then gives the model what it gives GPTModel: the data pipeline (the flags' tokenizer and
 corpus; the model sees input ids [b, s] and `loss_fn` the labels aligned with them, already the next
@@ -204,8 +206,7 @@ def train(cfg: RunConfig, model_provider: ModelProvider, loss_fn: LossFn | None 
     """megalite.training.train with the user's model (see the module docstring); a resolved configuration."""
     from megalite.training import loop
 
-    check_provided(cfg)
-    return loop.train(cfg, tokenizer, resume_plan, provided=ProvidedModel(model_provider, loss_fn or default_loss))
+    return loop.train(cfg, tokenizer, resume_plan, model_provider=model_provider, loss_fn=loss_fn)
 
 
 def main(argv: list[str] | None = None, *, model_provider: ModelProvider, loss_fn: LossFn | None = None) -> int:

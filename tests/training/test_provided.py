@@ -34,10 +34,20 @@ def _losses(metrics_file) -> list[float]:
     return [r["loss"] for r in map(json.loads, open(metrics_file)) if "loss" in r and "grad_norm" in r]
 
 
-def _run(world, tmp_path, name, extra, **kwargs):
+def _train_via_api(argv):
+    """megalite.train(cfg, model_provider=...) on a configuration resolved for this world."""
+    import megalite
+    from megalite.training.loop import configure
+
+    cfg, _ = parse_args(argv)
+    return megalite.train(configure(cfg, 1, load_tokenizer(cfg.data.tokenizer).vocab_size), model_provider=llama)
+
+
+def _run(world, tmp_path, name, extra, api=False):
     metrics = tmp_path / f"{name}.jsonl"
     argv = FLAGS + ["--metrics-file", str(metrics)] + extra
-    codes = run_distributed(provided.main, world, argv, model_provider=llama, timeout_s=240, **kwargs)
+    codes = run_distributed(_train_via_api, world, argv, timeout_s=240) if api else \
+        run_distributed(provided.main, world, argv, model_provider=llama, timeout_s=240)
     assert codes == [0] * world
     return _losses(metrics)
 
@@ -74,7 +84,7 @@ def _reference_losses(steps: int) -> list[float]:
 
 @pytest.mark.slow
 def test_llama_in_the_loop_matches_a_hand_written_torch_loop(tmp_path):
-    got = _run(1, tmp_path, "one", ["--train-iters", str(STEPS)])
+    got = _run(1, tmp_path, "one", ["--train-iters", str(STEPS)], api=True)  # megalite.train(cfg, model_provider=)
     assert got == pytest.approx(_reference_losses(STEPS), rel=1e-5)
     assert got[-1] < got[0]
 
