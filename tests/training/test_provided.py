@@ -74,7 +74,7 @@ def _reference_losses(steps: int) -> list[float]:
         for b in batches:
             loss = provided.default_loss(model(b["input_ids"]), b["labels"]) / tokens
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         for group in opt.param_groups:
             group["lr"] = schedule(step)
         opt.step()
