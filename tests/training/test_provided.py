@@ -15,8 +15,6 @@ from megalite.optim import LRSchedule
 from megalite.testing import run_distributed
 from megalite.training import provided
 
-transformers = pytest.importorskip("transformers")
-
 SEQ, STEPS = 32, 4
 FLAGS = ["--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
          "--eval-iters", "0", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1", "--weight-decay", "0.1",
@@ -24,6 +22,7 @@ FLAGS = ["--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-si
 
 
 def llama(mesh=None, *, pre_process=True, post_process=True):
+    transformers = pytest.importorskip("transformers")  # here: the refusal tests never build the model
     config = transformers.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                       use_cache=False, attn_implementation="eager")
@@ -142,3 +141,20 @@ def test_custom_transformer_in_the_loop_at_tp2_zero3_equals_one_process(tmp_path
         assert run_distributed(_example_in_loop, world, argv, timeout_s=240) == [0] * world
         losses[world] = _losses(metrics)
     assert losses[4] == pytest.approx(losses[1], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_custom_transformer_checkpoint_saved_at_tp2_dp2_resumes_at_dp4(tmp_path):
+    """A provided model's checkpoint is layout-free over tp too (its megalite layers' shard specs)."""
+    def run(world, name, layout, steps, extra=()):
+        metrics = tmp_path / f"{name}.jsonl"
+        argv = ["--train-iters", str(steps), "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size",
+                "2", "--eval-iters", "0", "--metrics-file", str(metrics)] + layout + list(extra)
+        assert run_distributed(_example_in_loop, world, argv, timeout_s=240) == [0] * world
+        return _losses(metrics)
+
+    whole = run(1, "whole", [], 4)
+    ckpt = str(tmp_path / "ckpt")
+    first = run(4, "first", ["--tp", "2", "--dp", "2", "--zero", "1"], 2, ["--save", ckpt])
+    rest = run(4, "rest", ["--dp", "4", "--zero", "3"], 4, ["--load", ckpt])
+    assert first + rest == pytest.approx(whole, rel=1e-5)
