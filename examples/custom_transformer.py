@@ -6,6 +6,7 @@
     torchrun --nproc_per_node 4 examples/custom_transformer.py --dp 4 --zero 3           # parameters sharded
     torchrun --nproc_per_node 2 examples/custom_transformer.py --pp 2 --schedule interleaved --virtual-stages 2
     torchrun --nproc_per_node 4 examples/custom_transformer.py --in-loop --tp 2 --dp 2 --zero 3 --train-iters 20
+    torchrun --nproc_per_node 4 examples/custom_transformer.py --in-loop --tp 2 --pp 2 --train-iters 20
 
 --in-loop hands the same model to megalite's training loop instead of the loop written below
 (megalite.training.provided: a `model_provider` and a `loss_fn`; the flags are then megalite's own, as
@@ -239,9 +240,18 @@ def main(argv: list[str] | None = None) -> list[float]:
 LOOP_VOCAB = 384  # the loop's byte tokenizer has 257 ids; 384 splits evenly over tp in {1, 2, 3, 4, 6, 8}
 
 
-def model_provider(mesh, *, pre_process: bool, post_process: bool) -> nn.Module:
-    """The whole model for megalite's loop (one stage: the loop refuses --pp for a provided model)."""
-    return build_model(mesh, argparse.Namespace(sequence_parallel=False, cp_comm_type="p2p"), LOOP_VOCAB)
+def model_provider(mesh, *, pre_process: bool, post_process: bool, layer_ids: range | None = None) -> nn.Module:
+    """The model for megalite's loop: the whole of it, or at --pp > 1 one pipeline chunk, the blocks
+    `layer_ids` (plus the embedding first, the head last). The other positions hold nn.Identity, so
+    every parameter keeps its whole-model name (`3.qkv.weight`): checkpoints are layout-free."""
+    model = build_model(mesh, argparse.Namespace(sequence_parallel=False, cp_comm_type="p2p"), LOOP_VOCAB)
+    if layer_ids is None:
+        return model
+    keep = {1 + i for i in layer_ids} | ({0} if pre_process else set()) | ({LAYERS + 1} if post_process else set())
+    for index in range(len(model)):
+        if index not in keep:
+            model[index] = nn.Identity()
+    return model
 
 
 def loop_loss(logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -252,7 +262,9 @@ def loop_loss(logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def in_loop(argv: list[str]) -> int:
     from megalite.training.provided import main as provided_main
 
-    return provided_main(["--seq-length", str(SEQ)] + argv, model_provider=model_provider, loss_fn=loop_loss)
+    shape = ["--seq-length", str(SEQ), "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+             "--num-attention-heads", str(HEADS)]  # the stages' split and activations [s, b, h] follow these
+    return provided_main(shape + argv, model_provider=model_provider, loss_fn=loop_loss)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,14 @@ applied in the provider); a module that ignores it is replicated over tp.
 one, the output's logits (`output.logits`, `output[0]` or the output itself, [b, s, V]) go
 through cross entropy.
 
-Not yet for a provided model, each refused by name in one line (exit 2): pipeline parallelism
-(the provider would build one stage per rank; the executor needs each stage's activation shape),
+Pipeline parallelism (--pp, --virtual-stages): the provider is called once per local model chunk
+with `layer_ids`, the global ids of the blocks that chunk holds (split from --num-layers as GPTModel's
+stages are), `pre_process` (it takes the input ids) and `post_process` (it returns what `loss_fn`
+takes). Chunks exchange activations [s, b, --hidden-size] (sequence first) in the training dtype, and
+each chunk's parameters must carry their whole-model names (e.g. the other blocks' places held by
+nn.Identity, as examples/custom_transformer.py does), which is what makes its checkpoints layout-free.
+
+Not yet for a provided model, each refused by name in one line (exit 2):
 context parallelism (the model would see zigzag chunks of each sequence), --recompute selective
 (megalite's attention only), --cuda-graph, MoE flags (megalite's experts only) and
 --fused-linear-cross-entropy (GPT's head). The planner models GPTModel: throughput counts
@@ -49,6 +55,7 @@ from megalite.config import RunConfig
 from megalite.data_parallel.units import Unit
 from megalite.errors import ConfigError, UsageError
 from megalite.mesh import Mesh
+from megalite.pipeline.partition import stage_layers
 from megalite.tensor_parallel.random import TensorParallelRNG
 
 ModelProvider = Callable[..., nn.Module]
@@ -154,9 +161,6 @@ def provided_problems(cfg: RunConfig) -> list[str]:
     """What the loop cannot yet do for a provided model, one line each naming the fix."""
     p, t = cfg.parallel, cfg.training
     problems = []
-    if p.pp > 1:
-        problems.append(f"--pp {p.pp} with a model_provider is not built yet (one stage per rank); use --pp 1 "
-                        f"with --dp/--zero, or megalite.pipeline.Pipeline in your own loop")
     if p.cp > 1:
         problems.append(f"--cp {p.cp} with a model_provider is not built yet (the model would see zigzag chunks "
                         f"of each sequence); use --cp 1")
@@ -187,18 +191,37 @@ class ProvidedModel:
     loss_fn: LossFn = default_loss
 
     def build_chunks(self, cfg: RunConfig, mesh: Mesh) -> list[ProvidedChunk]:
-        module = self.model_provider(mesh, pre_process=True, post_process=True)
+        """This rank's chunks: the whole model at pp = 1; else one per local chunk (virtual stage), each
+        given the global ids of its blocks (`layer_ids`, from --num-layers as GPTModel's stages)."""
+        if mesh.pp_size == 1:
+            modules = [self._module(cfg, mesh)]
+        else:
+            p, gpt = cfg.parallel, cfg.gpt_config()
+            ranges = stage_layers(gpt.num_layers, mesh.pp_size, p.virtual_stages, mesh.pp_rank,
+                                  p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+            modules = [self._module(cfg, mesh, c == 0 and mesh.pp_rank == 0,
+                                    c == len(ranges) - 1 and mesh.pp_rank == mesh.pp_size - 1, layer_ids)
+                       for c, layer_ids in enumerate(ranges)]
+        total = sum(p.numel() for m in modules for p in m.parameters())  # this rank's stages
+        # the activations crossing a stage boundary are [s, b, hidden_size]: the flags' hidden size at pp > 1
+        hidden = cfg.gpt_config().hidden_size if mesh.pp_size > 1 else 0
+        config = ProvidedModelConfig(f"provided:{type(modules[0]).__name__}",
+                                     sum(len(_blocks(m)) for m in modules), total, cfg.gpt_config().seq_length,
+                                     hidden_size=hidden)
+        return [ProvidedChunk(m, self.loss_fn, config, cfg.training.seed) for m in modules]
+
+    def _module(self, cfg: RunConfig, mesh: Mesh, pre_process: bool = True, post_process: bool = True,
+                layer_ids: range | None = None) -> nn.Module:
+        stage = {} if layer_ids is None else {"layer_ids": layer_ids}
+        module = self.model_provider(mesh, pre_process=pre_process, post_process=post_process, **stage)
         if not isinstance(module, nn.Module):
             raise UsageError(f"model_provider returned {type(module).__name__}, not a torch nn.Module; return the "
                              f"model")
         module = module.to(device=mesh.device, dtype=DTYPES[cfg.precision.precision])
-        blocks = _blocks(module)
         if cfg.parallel.recompute == "full":
-            for _, block in blocks[:cfg.parallel.recompute_num_layers]:
+            for _, block in _blocks(module)[:cfg.parallel.recompute_num_layers]:
                 _recompute(block)
-        config = ProvidedModelConfig(f"provided:{type(module).__name__}", len(blocks),
-                                     sum(p.numel() for p in module.parameters()), cfg.gpt_config().seq_length)
-        return [ProvidedChunk(module, self.loss_fn, config, cfg.training.seed)]
+        return module
 
 
 def train(cfg: RunConfig, model_provider: ModelProvider, loss_fn: LossFn | None = None, tokenizer=None,

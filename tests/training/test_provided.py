@@ -105,7 +105,7 @@ def test_checkpoint_saved_at_dp2_zero3_resumes_at_dp1_zero1_as_uninterrupted(tmp
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--pp", "2", "--num-layers", "2"], "--pp 2 with a model_provider is not built yet"),
+    (["--cp", "2"], "--cp 2 with a model_provider is not built yet"),
     (["--recompute", "selective"], "--recompute selective needs megalite's attention"),
     (["--dry-run"], "--dry-run estimates GPTModel"),
 ])
@@ -158,3 +158,19 @@ def test_custom_transformer_checkpoint_saved_at_tp2_dp2_resumes_at_dp4(tmp_path)
     first = run(4, "first", ["--tp", "2", "--dp", "2", "--zero", "1"], 2, ["--save", ckpt])
     rest = run(4, "rest", ["--dp", "4", "--zero", "3"], 4, ["--load", ckpt])
     assert first + rest == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_custom_transformer_in_the_loop_pipelined_equals_one_process(tmp_path):
+    """The provider builds one chunk per virtual stage (layer_ids); the loop's schedules run them."""
+    losses = {}
+    layouts = {"one": (1, []), "pp": (4, ["--tp", "2", "--pp", "2", "--zero", "1"]),
+               "vpp": (2, ["--pp", "2", "--virtual-stages", "2"])}
+    for name, (world, layout) in layouts.items():
+        metrics = tmp_path / f"{name}.jsonl"
+        argv = ["--train-iters", "3", "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size", "2",
+                "--eval-iters", "0", "--metrics-file", str(metrics)] + layout
+        assert run_distributed(_example_in_loop, world, argv, timeout_s=240) == [0] * world
+        losses[name] = _losses(metrics)
+    assert losses["pp"] == pytest.approx(losses["one"], rel=1e-5)
+    assert losses["vpp"] == pytest.approx(losses["one"], rel=1e-5)
