@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None, provided=None) -> int:
         plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
         cfg = plan.cfg
         if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
-            provided_problems_refused(cfg, dry_run=actions["dry_run"])
+            provided.check(cfg, dry_run=actions["dry_run"])
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         cfg = configure(cfg, world_size, tokenizer.vocab_size, memory=memory_per_rank() if launching else None)
         if actions["print_config"]:
@@ -101,16 +101,6 @@ def main(argv: list[str] | None = None, provided=None) -> int:
         return train(cfg, tokenizer, plan, provided=provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
-
-
-def provided_problems_refused(cfg: RunConfig, dry_run: bool) -> None:
-    """A provided model's refusals (training.provided), and --dry-run's: the planner models GPTModel."""
-    from megalite.training.provided import provided_problems
-
-    problems = provided_problems(cfg) + (["--dry-run estimates GPTModel, not a model_provider's model; run a few "
-                                          "steps with --train-iters to measure it"] if dry_run else [])
-    if problems:
-        raise ConfigError.listing(problems)
 
 
 def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
@@ -289,10 +279,10 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
     `model_provider`, `loss_fn`: a user's model in place of GPTModel (docs/own_model.md,
     megalite/training/provided.py); `provided`: both, already checked (provided.main makes it)."""
     if model_provider is not None:
-        from megalite.training.provided import ProvidedModel, check_provided, default_loss
+        from megalite.training.provided import ProvidedModel, default_loss
 
-        check_provided(cfg)
         provided = ProvidedModel(model_provider, loss_fn or default_loss)
+        provided.check(cfg)
     with contextlib.ExitStack() as resources:
         job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
         job.resume_plan = resume_plan or ResumePlan.fresh(cfg)

@@ -177,18 +177,19 @@ def provided_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def check_provided(cfg: RunConfig) -> None:
-    problems = provided_problems(cfg)
-    if problems:
-        raise ConfigError.listing(problems)
-
-
 @dataclass(frozen=True)
 class ProvidedModel:
     """The model provider and loss of a run; the loop calls `build_chunks` where it builds GPTModel."""
 
     model_provider: ModelProvider
     loss_fn: LossFn = default_loss
+
+    def check(self, cfg: RunConfig, dry_run: bool = False) -> None:
+        """ConfigError listing `provided_problems`, and --dry-run's (the planner models GPTModel)."""
+        problems = provided_problems(cfg) + (["--dry-run estimates GPTModel, not a model_provider's model; run a "
+                                              "few steps with --train-iters to measure it"] if dry_run else [])
+        if problems:
+            raise ConfigError.listing(problems)
 
     def build_chunks(self, cfg: RunConfig, mesh: Mesh) -> list[ProvidedChunk]:
         """This rank's chunks: the whole model at pp = 1; else one per local chunk (virtual stage), each
