@@ -74,6 +74,7 @@ class ProvidedModelConfig:
     tie_embeddings: bool = False  # the checkpoint's rule for GPT's tied copy: a provided model has none
     hidden_size: int = 0  # unknown: no attention term in the FLOP counts
     moe: None = None  # no megalite experts (MoE flags are refused)
+    vocab_size: int = 0  # the flags' (--mock-data draws ids below it); the module's own may be larger
 
     def num_params(self, include_embedding: bool = True) -> int:
         return self.total_params
@@ -208,7 +209,7 @@ class ProvidedModel:
         hidden = cfg.gpt_config().hidden_size if mesh.pp_size > 1 else 0
         config = ProvidedModelConfig(f"provided:{type(modules[0]).__name__}",
                                      sum(len(_blocks(m)) for m in modules), total, cfg.gpt_config().seq_length,
-                                     hidden_size=hidden)
+                                     hidden_size=hidden, vocab_size=cfg.gpt_config().vocab_size)
         return [ProvidedChunk(m, self.loss_fn, config, cfg.training.seed) for m in modules]
 
     def _module(self, cfg: RunConfig, mesh: Mesh, pre_process: bool = True, post_process: bool = True,
