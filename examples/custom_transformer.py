@@ -245,6 +245,7 @@ def model_provider(mesh, *, pre_process: bool, post_process: bool, layer_ids: ra
     `layer_ids` (plus the embedding first, the head last). The other positions hold nn.Identity, so
     every parameter keeps its whole-model name (`3.qkv.weight`): checkpoints are layout-free."""
     model = build_model(mesh, argparse.Namespace(sequence_parallel=False, cp_comm_type="p2p"), LOOP_VOCAB)
+    model.context_parallel = True  # zigzag chunks: position_ids and context_parallel_attention handle them
     if layer_ids is None:
         return model
     keep = {1 + i for i in layer_ids} | ({0} if pre_process else set()) | ({LAYERS + 1} if post_process else set())

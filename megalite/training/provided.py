@@ -34,8 +34,12 @@ takes). Chunks exchange activations [s, b, --hidden-size] (sequence first) in th
 each chunk's parameters must carry their whole-model names (e.g. the other blocks' places held by
 nn.Identity, as examples/custom_transformer.py does), which is what makes its checkpoints layout-free.
 
-Not yet for a provided model, each refused by name in one line (exit 2):
-context parallelism (the model would see zigzag chunks of each sequence), --recompute selective
+Context parallelism (--cp): the model is called with this cp rank's two zigzag chunks of each
+sequence, [b, s/cp] (megalite.context_parallel.split_sequence; `position_ids` gives their positions),
+and must attend across the cp group itself (`context_parallel_attention`); a module says it does so
+with `context_parallel = True`, else --cp is refused naming that fix (every rank, before training).
+
+Not yet for a provided model, each refused by name in one line (exit 2): --recompute selective
 (megalite's attention only), --cuda-graph, MoE flags (megalite's experts only) and
 --fused-linear-cross-entropy (GPT's head). The planner models GPTModel: throughput counts
 6 x parameters FLOPs per token (no attention term) and --dry-run is refused.
@@ -162,9 +166,6 @@ def provided_problems(cfg: RunConfig) -> list[str]:
     """What the loop cannot yet do for a provided model, one line each naming the fix."""
     p, t = cfg.parallel, cfg.training
     problems = []
-    if p.cp > 1:
-        problems.append(f"--cp {p.cp} with a model_provider is not built yet (the model would see zigzag chunks "
-                        f"of each sequence); use --cp 1")
     if p.recompute == "selective":
         problems.append("--recompute selective needs megalite's attention; use --recompute full with a "
                         "model_provider")
@@ -219,6 +220,10 @@ class ProvidedModel:
         if not isinstance(module, nn.Module):
             raise UsageError(f"model_provider returned {type(module).__name__}, not a torch nn.Module; return the "
                              f"model")
+        if mesh.cp_size > 1 and not getattr(module, "context_parallel", False):
+            raise UsageError(f"--cp {mesh.cp_size}: {type(module).__name__} does not declare context_parallel = True "
+                             f"(it would see zigzag chunks of each sequence as if whole); use --cp 1, or handle them "
+                             f"(megalite.context_parallel) and set module.context_parallel = True")
         module = module.to(device=mesh.device, dtype=DTYPES[cfg.precision.precision])
         if cfg.parallel.recompute == "full":
             for _, block in _blocks(module)[:cfg.parallel.recompute_num_layers]:

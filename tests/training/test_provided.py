@@ -105,7 +105,6 @@ def test_checkpoint_saved_at_dp2_zero3_resumes_at_dp1_zero1_as_uninterrupted(tmp
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--cp", "2"], "--cp 2 with a model_provider is not built yet"),
     (["--recompute", "selective"], "--recompute selective needs megalite's attention"),
     (["--dry-run"], "--dry-run estimates GPTModel"),
 ])
@@ -174,3 +173,19 @@ def test_custom_transformer_in_the_loop_pipelined_equals_one_process(tmp_path):
         losses[name] = _losses(metrics)
     assert losses["pp"] == pytest.approx(losses["one"], rel=1e-5)
     assert losses["vpp"] == pytest.approx(losses["one"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_context_parallel_runs_a_model_that_declares_it_and_refuses_one_that_does_not(tmp_path, capfd):
+    """The example's model handles zigzag chunks (cp 2 x dp 2 equals one process); HF Llama does not say so."""
+    losses = {}
+    for world, layout in ((1, []), (4, ["--cp", "2", "--dp", "2"])):
+        metrics = tmp_path / f"w{world}.jsonl"
+        argv = ["--train-iters", "3", "--log-interval", "1", "--global-batch-size", "8", "--micro-batch-size", "2",
+                "--eval-iters", "0", "--metrics-file", str(metrics)] + layout
+        assert run_distributed(_example_in_loop, world, argv, timeout_s=240) == [0] * world
+        losses[world] = _losses(metrics)
+    assert losses[4] == pytest.approx(losses[1], rel=1e-5)
+    assert run_distributed(provided.main, 2, FLAGS + ["--cp", "2", "--train-iters", "1"], model_provider=llama,
+                           timeout_s=120) == [2, 2]
+    assert "does not declare context_parallel = True" in capfd.readouterr().err
