@@ -185,6 +185,10 @@ PRESETS: dict[str, dict] = {
                          moe=dict(num_experts=8, topk=2, aux_loss_coeff=0.02)),
     "llama-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
                       ffn_hidden_size=28672, vocab_size=32000, seq_length=4096),
+    # Llama 3.1 405B's shape (Meta's model card): the 16,384-rank simulation's model (docs/simulate.md)
+    "llama-405b": dict(flavour="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
+                       num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192,
+                       rope_theta=5e5),
 }
 
 
