@@ -193,7 +193,8 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     """Ledger group -> (ranks in it, count) of the one-element all-reduces every step waits for on
     one rank: the step's target-token count (over dp x cp), the finiteness check of the loss and
     the mean loss (the world), and the gradient norm (the model-parallel group tp x pp, or the
-    world when ZeRO shards the gradients over dp x cp). Groups of one rank issue none."""
+    world when ZeRO shards the gradients over dp x cp or the experts differ over ep > 1:
+    optim/clip.reduce_square_sum). Groups of one rank issue none."""
     tp, pp, cp, dp, world = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.dp, cfg.world_size
     out: dict[str, tuple[int, int]] = {}
 
@@ -203,7 +204,7 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
 
     add(dp_group_name(cfg), dp * cp, 1)
     add("world", world, 2)
-    if cfg.parallel.zero and dp * cp > 1:
+    if (cfg.parallel.zero and dp * cp > 1) or cfg.parallel.ep > 1:
         add("world", world, 1)
     else:
         add("mp", tp * pp, 1)

@@ -93,6 +93,22 @@ def expert_dp_config(cfg: RunConfig) -> RunConfig:
     return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep * (cfg.parallel.tp // expert_tp(cfg)), cp=1)
 
 
+def balanced_routes(routes: int, num_experts: int, ep: int, source: int, dest: int) -> list[int]:
+    """The planner's routing assumption (dropless, balanced), as counts: of the `routes` rows ep rank
+    `source` routes, how many go to each local expert of ep rank `dest` ([num_experts/ep] ints).
+
+    Every rank sends routes/ep to each ep rank (the remainder r, one each, to the r ranks after
+    itself: so every rank also receives exactly `routes`), split evenly over that rank's experts
+    (the first ones one more). dispatch_bytes' 2*T*k rows per forward (sent, then received back)
+    and routing_activation_bytes' T*k received rows are this; `--simulate` answers the dispatcher's
+    count exchange with it (a meta tensor has no counts: megalite/simulate/routing.py)."""
+    local = num_experts // ep
+    share, extra = divmod(routes, ep)
+    to_dest = share + (1 if (dest - source - 1) % ep < extra else 0)
+    per_expert, rest = divmod(to_dest, local)
+    return [per_expert + (1 if e < rest else 0) for e in range(local)]
+
+
 def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
     """'ep/op' -> bytes per step on one rank of stage `stage` (dropless: every route travels)."""
     layers, ep = stage_moe_layers(model, cfg, stage), cfg.parallel.ep
