@@ -97,7 +97,9 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     print_fn(f"simulate: {len(entries)} rank(s) in {report['seconds']:.1f} s; "
              + (f"{differing} with a term more than 3% from the planner" if differing else
                 "every term within 3% of the planner"))
-    print_fn(replay_step_time(cfg).describe())  # on the planner's default GPU profile
+    replay = replay_step_time(cfg)  # on the planner's default GPU profile
+    print_fn(replay.describe())
+    report["replay"] = replay.as_dict()  # beside the keys: the step time, per stage
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report

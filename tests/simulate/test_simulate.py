@@ -111,11 +111,29 @@ def test_json_schema(tmp_path):
     out = tmp_path / "sim.json"
     simulate(layout(tp=2, dp=2), "representatives", str(out), print_fn=lambda *a: None)
     report = json.loads(out.read_text())
-    assert set(report) == {"world_size", "seconds", "ranks"} and report["world_size"] == 4
+    assert set(report) == {"world_size", "seconds", "ranks", "replay"} and report["world_size"] == 4
     for entry in report["ranks"]:
         assert set(entry) == {"rank", "coords", "measured", "planned"}
         for side in ("measured", "planned"):
             assert set(entry[side]) == set(TERMS) | {"comm_bytes"}
+    replay = report["replay"]  # the step-time replay, beside the issue's keys
+    assert [s["stage"] for s in replay["stages"]] == [0] and replay["seconds"] >= replay["makespan"] > 0
+
+
+def test_replay_per_stage():
+    """The replay's per-stage figures (--simulate-json's "replay"): every stage's busy seconds are its
+    forwards and backwards, m*v of each; the bubble is the busiest stage's idle share."""
+    from megalite.simulate.replay import replay_step_time
+
+    cfg = RunConfig.build(model="llama-13b", tp=8, pp=4, dp=2, micro_batch_size=1, global_batch_size=8,
+                          precision="bf16")
+    cfg = cfg.resolved(cfg.world_size, 32000)
+    replay = replay_step_time(cfg).as_dict()
+    assert [s["stage"] for s in replay["stages"]] == [0, 1, 2, 3]
+    for stage in replay["stages"]:
+        work = cfg.num_microbatches * (stage["forward_s"] + stage["backward_s"])
+        assert abs(stage["busy_s"] / work - 1) < 1e-9 and 0 <= stage["idle_fraction"] < 1
+    assert replay["bubble_fraction"] == min(s["idle_fraction"] for s in replay["stages"])
 
 
 @pytest.mark.parametrize("settings", [
