@@ -79,6 +79,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch):
     assert main(["--tp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "32", "--simulate", "--simulate-ranks", "9"]) == 2
     err = capsys.readouterr().err
     assert "outside the world of 8" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["--model", "moe-tiny", "--dp", "2", "--ep", "2", "--moe-token-dispatcher-type", "allgather",
+                 "--global-batch-size", "16", "--simulate"]) == 2  # its routed rows: a host read in the kernel
+    err = capsys.readouterr().err
+    assert "all-to-all dispatcher only" in err and len(err.strip().splitlines()) == 1, err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--tp", "2", "--simulate"]) == 2
     err = capsys.readouterr().err
