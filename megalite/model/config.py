@@ -48,7 +48,20 @@ class GPTConfig:
     tie_embeddings: bool | None = None
     """None: tied for gpt2, untied for llama."""
     add_bias: bool | None = None
-    """None: biases for gpt2, none for llama."""
+    """None: biases for gpt2, none for llama. The default of the three per-layer bias switches below."""
+    qkv_bias: bool | None = None
+    """Biases on the query/key/value projection (None: add_bias; Qwen2/2.5 set it alone)."""
+    proj_bias: bool | None = None
+    """Bias on the attention output projection (None: add_bias)."""
+    mlp_bias: bool | None = None
+    """Biases on the dense MLP's linears (None: add_bias; experts never carry biases)."""
+    kv_channels: int | None = None
+    """Head dim d (None: hidden_size / num_attention_heads). Qwen3 sets heads * d != hidden_size."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head (weights [d], shared by the heads) before RoPE (Qwen3)."""
+    rope_scaling: dict | None = None
+    """None: plain RoPE. {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}: Llama 3.1's frequency scaling (model/rope_scaling.py)."""
     make_vocab_size_divisible_by: int = 128
     moe: MoEConfig | None = None
     """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
@@ -69,7 +82,13 @@ class GPTConfig:
             self.tie_embeddings = self.flavour == "gpt2"
         if self.add_bias is None:
             self.add_bias = self.flavour == "gpt2"
-        if self.hidden_size % self.num_attention_heads != 0:
+        for name in ("qkv_bias", "proj_bias", "mlp_bias"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.add_bias)
+        if self.rope_scaling is not None:
+            from megalite.model.rope_scaling import check_rope_scaling  # one line naming what is unsupported
+            check_rope_scaling(self.rope_scaling)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -78,7 +97,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
@@ -95,14 +114,14 @@ class GPTConfig:
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * d
         norm = 2 * h if self.flavour == "gpt2" else h
-        per_layer = h * qkv_out + h * h + 2 * norm
+        per_layer = h * qkv_out + self.num_attention_heads * d * h + 2 * norm + 2 * d * self.qk_layernorm
         dense_mlp = (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
         per_layer += dense_mlp
-        if self.add_bias:
-            per_layer += qkv_out + h + f + h
+        mlp_biases = ((f if self.flavour == "gpt2" else 2 * f) + h) * self.mlp_bias
+        per_layer += qkv_out * self.qkv_bias + h * self.proj_bias + mlp_biases
         total = self.num_layers * per_layer + norm  # + final norm
         if self.moe is not None:
-            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - (f + h) * self.add_bias)
+            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - mlp_biases)
         if include_embedding:
             total += self.vocab_size * h
             if not self.tie_embeddings:

@@ -97,7 +97,8 @@ class MoELayer(nn.Module):
                                     dtype, device)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
-            shared = config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None, add_bias=False)
+            shared = config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None, add_bias=False,
+                                    mlp_bias=False)
             self.shared_expert = MLP(shared, tp_group, False, dtype, device)  # runs on the gathered sequence
         self.dispatcher = make_dispatcher(dispatcher_type, moe.num_experts, ep_group)
         self.loss_scale = 1.0
