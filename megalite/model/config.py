@@ -170,6 +170,9 @@ class GPTConfig:
                     raise ValueError(f"{name} {value} is not divisible by tp={tp}; choose a multiple of {tp}")
 
 
+_LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192)
+
 # Presets are keyword sets, so an override (say hidden_size) re-derives what depends on it.
 PRESETS: dict[str, dict] = {
     "tiny": dict(flavour="gpt2", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=257,
@@ -199,6 +202,29 @@ PRESETS: dict[str, dict] = {
                          moe=dict(num_experts=8, topk=2, aux_loss_coeff=0.02)),
     "llama-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
                       ffn_hidden_size=28672, vocab_size=32000, seq_length=4096),
+    # Today's families at their published shapes (HF config.json); seq_length is a training length.
+    # Llama 3.1 (8B, 70B) and 3.2 (3B, tied embeddings) with their llama3 rope scaling.
+    "llama3-8b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                      rope_scaling=_LLAMA31_SCALING),
+    "llama3-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                       ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                       rope_scaling=_LLAMA31_SCALING),
+    "llama3.2-3b": dict(flavour="llama", num_layers=28, hidden_size=3072, num_attention_heads=24, num_query_groups=8,
+                        ffn_hidden_size=8192, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                        tie_embeddings=True, rope_scaling={**_LLAMA31_SCALING, "factor": 32.0}),
+    "mistral-7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                       ffn_hidden_size=14336, vocab_size=32768, seq_length=4096, rope_theta=1e6),  # v0.3
+    "qwen2.5-7b": dict(flavour="llama", num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                       ffn_hidden_size=18944, vocab_size=152064, seq_length=4096, rope_theta=1e6, norm_eps=1e-6,
+                       qkv_bias=True),
+    "qwen3-8b": dict(flavour="llama", num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                     ffn_hidden_size=12288, vocab_size=151936, seq_length=4096, rope_theta=1e6, norm_eps=1e-6,
+                     qk_layernorm=True),
+    "qwen3-30b-a3b": dict(flavour="llama", num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                          kv_channels=128, ffn_hidden_size=6144, vocab_size=151936, seq_length=4096, rope_theta=1e6,
+                          norm_eps=1e-6, qk_layernorm=True,
+                          moe=dict(num_experts=128, topk=8, ffn_hidden_size=768, aux_loss_coeff=1e-3)),
 }
 
 

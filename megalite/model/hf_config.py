@@ -217,7 +217,7 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
     keywords["pad_token_id"] = None
     hf = hf_class(**keywords)
     hf.architectures = [_ARCHITECTURES[family]]
-    hf.torch_dtype = str(dtype).removeprefix("torch.")
+    setattr(hf, "dtype" if "dtype" in hf.to_dict() else "torch_dtype", str(dtype).removeprefix("torch."))
     _check_round_trip(config, config_from_hf(hf))
     return hf
 
