@@ -150,11 +150,11 @@ def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
     full = {}
     for name, param in model.logical_parameters():
         spec = params.shard_spec(param)
+        shards = [param.detach().float()]
         if spec.is_tp_sharded:
-            gathered = comm.all_gather(param.detach().float().contiguous(), model.tp_group, dim=spec.dim)
-            full[name] = spec.assemble(list(gathered.chunk(spec.tp_size, dim=spec.dim)))  # rank order
-        else:
-            full[name] = param.detach().float().clone()
+            gathered = comm.all_gather(shards[0].contiguous(), model.tp_group, dim=spec.dim)
+            shards = list(gathered.chunk(spec.tp_size, dim=spec.dim))  # rank order
+        full[name] = spec.assemble(shards)  # vocabulary padding dropped
     return full
 
 
