@@ -140,7 +140,7 @@ class GPTConfig:
         moe, h = self.moe, self.hidden_size
         per_expert = (2 if self.flavour == "gpt2" else 3) * h * moe.expert_ffn(self.ffn_hidden_size)
         shared = moe.shared_expert_intermediate_size or 0
-        shared_params = (2 if self.flavour == "gpt2" else 3) * h * shared
+        shared_params = (2 if self.flavour == "gpt2" else 3) * h * shared + h * moe.shared_expert_gate
         return moe.num_experts * h + (moe.topk if active else moe.num_experts) * per_expert + shared_params
 
     def flops_per_token(self, seq_length: int | None = None) -> float:

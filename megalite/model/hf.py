@@ -58,11 +58,23 @@ def _name_table(config: GPTConfig) -> list[tuple[tuple[str, ...], str, object]]:
             rows += [((p + f"self_attn.{x}_norm.weight",), q + f"attention.{x}_norm.weight", "copy") for x in "qk"]
         if config.moe is not None:  # the router here, the experts in _experts_from_hf / _experts_to_hf
             rows.append(((p + "mlp.gate.weight",), q + "mlp.router.weight", "copy"))
+            rows += _shared_expert_rows(config, p, q)
             continue
         for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
             rows += [((p + f"mlp.gate_proj.{kind}", p + f"mlp.up_proj.{kind}"), q + f"mlp.fc1.{kind}", ("cat", (f, f))),
                      ((p + f"mlp.down_proj.{kind}",), q + f"mlp.fc2.{kind}", "copy")]
     return rows
+
+
+def _shared_expert_rows(config: GPTConfig, p: str, q: str) -> list:
+    """Qwen2-MoE's gated shared expert: a dense SwiGLU MLP and its sigmoid gate [1, h]."""
+    if not config.moe.shared_expert_intermediate_size:
+        return []
+    f = config.moe.shared_expert_intermediate_size
+    return [((p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"),
+             q + "mlp.shared_expert.fc1.weight", ("cat", (f, f))),
+            ((p + "mlp.shared_expert.down_proj.weight",), q + "mlp.shared_expert.fc2.weight", "copy"),
+            ((p + "mlp.shared_expert_gate.weight",), q + "mlp.shared_expert_gate", "copy")]
 
 
 def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:

@@ -2,9 +2,9 @@
 
 Families (HF `model_type`): gpt2; llama (Llama 2/3.x: rope scaling "llama3", tied embeddings for
 3.2 1B/3B, attention/MLP biases, head_dim); mistral (as llama; a sliding window shorter than the
-context is refused); qwen2 (q/k/v biases); qwen3 (q/k RMSNorms, head_dim); mixtral and qwen3_moe
-(softmax top-k experts in every block). qwen2_moe and deepseek_v2/v3 are refused by name: their
-sigmoid-gated shared expert and multi-head latent attention are not built.
+context is refused); qwen2 (q/k/v biases); qwen3 (q/k RMSNorms, head_dim); mixtral, qwen3_moe and
+qwen2_moe (softmax top-k experts in every block; Qwen2-MoE adds a sigmoid-gated shared expert).
+deepseek_v2/v3 are refused by name: their multi-head latent attention is not built.
 
 `config_from_hf` reads one; `hf_config_from` writes the family that expresses a GPTConfig and
 checks that reading it back reproduces the model. Anything megalite would have to approximate
@@ -18,12 +18,12 @@ from megalite.model.config import GPTConfig
 from megalite.model.rope_scaling import rope_type
 from megalite.moe.config import MoEConfig
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-REFUSED = {"qwen2_moe": "Qwen2-MoE's sigmoid-gated shared expert (shared_expert_gate) is not built",
-           "deepseek_v2": "DeepSeek-V2's multi-head latent attention (MLA) is not built",
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
+REFUSED = {"deepseek_v2": "DeepSeek-V2's multi-head latent attention (MLA) is not built",
            "deepseek_v3": "DeepSeek-V3's multi-head latent attention (MLA) is not built"}
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def _gpt2_config(hf) -> GPTConfig:
@@ -65,7 +65,11 @@ def _decoder_config(hf, family: str) -> GPTConfig:
         raise ValueError(f"{family} hidden_act={hf.hidden_act!r} is not supported; megalite's gated MLP is SwiGLU")
     _refuse_sliding_window(hf, family)
     attention_bias = bool(getattr(hf, "attention_bias", False))
-    qkv_bias, proj_bias = (True, False) if family == "qwen2" else (attention_bias, attention_bias)
+    qkv_bias, proj_bias = (attention_bias, attention_bias)
+    if family == "qwen2":
+        qkv_bias, proj_bias = True, False
+    if family == "qwen2_moe":
+        qkv_bias, proj_bias = bool(getattr(hf, "qkv_bias", True)), False
     nq = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // nq
     theta, scaling = _rope(hf)
@@ -85,11 +89,13 @@ def _experts(hf, family: str) -> MoEConfig:
     if family == "mixtral":
         return MoEConfig(num_experts=hf.num_local_experts, topk=hf.num_experts_per_tok, aux_loss_coeff=aux)
     if hf.decoder_sparse_step != 1 or list(hf.mlp_only_layers or []):
-        raise ValueError(f"qwen3_moe with decoder_sparse_step={hf.decoder_sparse_step}, mlp_only_layers="
+        raise ValueError(f"{family} with decoder_sparse_step={hf.decoder_sparse_step}, mlp_only_layers="
                          f"{hf.mlp_only_layers} is not supported; megalite converts experts in every block")
     # norm_topk_prob: renormalised top-k (Mixtral's rule); else the k largest of the softmax over all experts
+    shared = getattr(hf, "shared_expert_intermediate_size", None) if family == "qwen2_moe" else None
     return MoEConfig(num_experts=hf.num_experts, topk=hf.num_experts_per_tok, ffn_hidden_size=hf.moe_intermediate_size,
-                     pre_softmax=not hf.norm_topk_prob, aux_loss_coeff=aux)
+                     pre_softmax=not hf.norm_topk_prob, aux_loss_coeff=aux, shared_expert_intermediate_size=shared,
+                     shared_expert_gate=bool(shared))
 
 
 def config_from_hf(hf_config) -> GPTConfig:
@@ -102,7 +108,7 @@ def config_from_hf(hf_config) -> GPTConfig:
     if family == "gpt2":
         return _gpt2_config(hf_config)
     config = _decoder_config(hf_config, family)
-    if family in ("mixtral", "qwen3_moe"):
+    if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         config = config.replace(moe=_experts(hf_config, family))
     return config
 
@@ -112,6 +118,8 @@ def family_of(config: GPTConfig) -> str:
     if config.flavour == "gpt2":
         return "gpt2"
     if config.moe is not None:
+        if config.moe.shared_expert_gate:
+            return "qwen2_moe"
         return "qwen3_moe" if config.qk_layernorm else "mixtral"
     if config.qk_layernorm:
         return "qwen3"
@@ -128,9 +136,11 @@ def _unexpressible(config: GPTConfig, family: str) -> list[str]:
             problems.append(f"untied embeddings or no biases (tie_embeddings={config.tie_embeddings}, "
                             f"add_bias={config.add_bias})")
         return problems
-    if family != "qwen2" and config.qkv_bias != config.proj_bias:
+    if family not in ("qwen2", "qwen2_moe") and config.qkv_bias != config.proj_bias:
         problems.append(f"qkv_bias={config.qkv_bias} with proj_bias={config.proj_bias}")
-    if family in ("qwen2", "qwen3", "mixtral", "qwen3_moe") and config.mlp_bias:
+    if family == "qwen2_moe" and (config.qk_layernorm or config.proj_bias):
+        problems.append("q/k norms or an output projection bias")
+    if family in ("qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe") and config.mlp_bias:
         problems.append("MLP biases")
     if family != "llama" and config.rope_scaling:
         problems.append(f"rope_scaling {config.rope_scaling}")
@@ -140,7 +150,9 @@ def _unexpressible(config: GPTConfig, family: str) -> list[str]:
             ("--moe-layer-freq > 1", moe.layer_freq != 1), ("sigmoid scores", moe.score_function != "softmax"),
             ("--moe-router-pre-softmax without q/k norms (Qwen2-MoE is not built)",
              moe.pre_softmax and family == "mixtral"),
-            ("a shared expert", bool(moe.shared_expert_intermediate_size)), ("expert bias", moe.enable_expert_bias),
+            ("a shared expert without its gate (only Qwen2-MoE has one, gated)",
+             bool(moe.shared_expert_intermediate_size) and not moe.shared_expert_gate),
+            ("expert bias", moe.enable_expert_bias),
             ("a capacity factor", moe.capacity_factor is not None)) if bad]
     return problems
 
@@ -151,21 +163,25 @@ def _decoder_keywords(config: GPTConfig, family: str) -> dict:
               head_dim=config.head_dim, max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
               tie_word_embeddings=config.tie_embeddings, attention_dropout=config.attention_dropout,
               intermediate_size=config.ffn_hidden_size, hidden_act="silu")
-    if family != "qwen2":
+    if family == "qwen2_moe":
+        kw["qkv_bias"] = config.qkv_bias
+    elif family != "qwen2":
         kw["attention_bias"] = config.qkv_bias
     if family == "llama":
         kw["mlp_bias"] = config.mlp_bias
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         kw.update(use_sliding_window=False, sliding_window=None)
     if family == "mixtral":
         moe = config.moe
         kw.update(sliding_window=None, num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
                   router_aux_loss_coef=moe.aux_loss_coeff, intermediate_size=moe.expert_ffn(config.ffn_hidden_size))
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         moe = config.moe
         kw.update(num_experts=moe.num_experts, num_experts_per_tok=moe.topk, norm_topk_prob=not moe.pre_softmax,
                   moe_intermediate_size=moe.expert_ffn(config.ffn_hidden_size), decoder_sparse_step=1,
                   mlp_only_layers=[], router_aux_loss_coef=moe.aux_loss_coeff)
+    if family == "qwen2_moe":
+        kw["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
     return kw
 
 
@@ -201,7 +217,8 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
     if problems:
         raise ValueError(f"{_ARCHITECTURES[family]} cannot express {', '.join(problems)}; export a model without it")
     class_name = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}[family]
+                  "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
+                  "qwen2_moe": "Qwen2MoeConfig"}[family]
     hf_class = getattr(transformers, class_name)
     if family == "gpt2":
         keywords = _gpt2_keywords(config)
@@ -222,13 +239,17 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
     return hf
 
 
+def _expert_shape(config: GPTConfig) -> tuple:
+    moe = config.moe
+    return (moe.num_experts, moe.topk, moe.pre_softmax, moe.expert_ffn(config.ffn_hidden_size),
+            moe.shared_expert_intermediate_size, moe.shared_expert_gate)
+
+
 def _check_round_trip(config: GPTConfig, back: GPTConfig) -> None:
     fields = list(_CHECKED_FIELDS)
     if config.moe is None:
         fields.append("ffn_hidden_size")
-    elif (back.moe.num_experts, back.moe.topk, back.moe.pre_softmax, back.moe.expert_ffn(back.ffn_hidden_size)) != \
-            (config.moe.num_experts, config.moe.topk, config.moe.pre_softmax,
-             config.moe.expert_ffn(config.ffn_hidden_size)):
+    elif _expert_shape(back) != _expert_shape(config):
         raise ValueError(f"the transformers config does not reproduce the experts: {back.moe} != {config.moe}")
     for field in fields:
         if getattr(back, field) != getattr(config, field):

@@ -28,6 +28,10 @@ def _configs():
         "qwen3-moe": transformers.Qwen3MoeConfig(**_COMMON, head_dim=12, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=48, norm_topk_prob=False,
                                                  router_aux_loss_coef=0.0, tie_word_embeddings=False),
+        # q/k/v biases, softmax over all experts without renormalising, a sigmoid-gated shared expert
+        "qwen2-moe": transformers.Qwen2MoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                                                 router_aux_loss_coef=0.0, tie_word_embeddings=False),
     }
 
 

@@ -44,9 +44,16 @@ def test_family_logits_and_loss_equal_transformers_at_tp1(family):
 def test_the_checks_can_fail():
     """Each family feature matters: megalite without it is far from transformers' logits."""
     for family, change in (("llama3", dict(rope_scaling=None)), ("qwen3", dict(qk_layernorm=False)),
-                           ("qwen2", dict(qkv_bias=False))):
+                           ("qwen2", dict(qkv_bias=False)), ("qwen3-moe", "renormalised top-k"),
+                           ("qwen2-moe", "no shared expert gate")):
         hf, logits, _, _ = H.reference(family)
-        config = config_from_hf(hf.config).replace(**change)
+        config = config_from_hf(hf.config)
+        if change == "renormalised top-k":
+            config = config.replace(moe=config.moe.replace(pre_softmax=False))
+        elif change == "no shared expert gate":
+            config = config.replace(moe=config.moe.replace(shared_expert_gate=False))
+        else:
+            config = config.replace(**change)
         model = GPTModel(config).eval()
         model.load_full_state_dict(hf_to_full_state(hf.state_dict(), config), strict=False)
         with torch.no_grad():
@@ -76,7 +83,6 @@ def _refusal(hf_config):
 def test_unsupported_families_and_options_are_refused_by_name():
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=256)
-    assert "shared_expert_gate" in _refusal(transformers.Qwen2MoeConfig(**small))
     assert "multi-head latent attention" in _refusal(transformers.DeepseekV2Config(**small))
     assert "sliding_window=128" in _refusal(transformers.MistralConfig(**small, sliding_window=128))
     assert config_from_hf(transformers.MistralConfig(**small, sliding_window=256)).seq_length == 256  # covers all
