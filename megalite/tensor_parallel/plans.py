@@ -4,7 +4,8 @@ Megatron's split per block: q/k/v and gate/up column-parallel (each rank its hea
 MLP), o/down row-parallel (one reduction per half block); the embedding split over the vocabulary;
 the head column-parallel, gathered (transformers computes its loss on the full logits). Qwen3's q/k
 norms see this rank's heads only: their gradients are declared partial. Experts (Mixtral,
-Qwen3-MoE) split along their inner width; the router stays whole on every rank.
+Qwen3-MoE, Qwen2-MoE) split along their inner width, Qwen2-MoE's shared expert as a dense MLP; the
+router and the shared expert's gate stay whole on every rank.
 
 With sequence_parallel=True the residual stream is split along the sequence: the first layer's input
 is scattered, the norms run on the shard, the attention and the MLP gather the sequence at their input
@@ -15,7 +16,7 @@ sequence before the first layer, so they are unchanged.
 from __future__ import annotations
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def hf_plan(model, sequence_parallel: bool = False) -> dict[str, str]:
@@ -42,5 +43,8 @@ def hf_plan(model, sequence_parallel: bool = False) -> dict[str, str]:
         plan[layer + "mlp.experts"] = "experts"
     else:
         plan.update({layer + "mlp.gate_proj": column, layer + "mlp.up_proj": column, layer + "mlp.down_proj": row})
+    if family == "qwen2_moe":  # the shared expert: a dense MLP split as one (its [1, h] gate stays whole)
+        plan.update({layer + "mlp.shared_expert.gate_proj": column, layer + "mlp.shared_expert.up_proj": column,
+                     layer + "mlp.shared_expert.down_proj": row})
     plan["lm_head"] = "column_gather"
     return plan

@@ -26,7 +26,11 @@ def _model(family):
     config = {"llama": lambda: transformers.LlamaConfig(**_SMALL, attention_bias=True, tie_word_embeddings=True),
               "qwen3": lambda: transformers.Qwen3Config(**_SMALL, head_dim=12, tie_word_embeddings=False),
               "mixtral": lambda: transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2,
-                                                            tie_word_embeddings=False)}[family]()
+                                                            tie_word_embeddings=False),
+              "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**_SMALL, num_experts=4, num_experts_per_tok=2,
+                                                               moe_intermediate_size=48,
+                                                               shared_expert_intermediate_size=64,
+                                                               tie_word_embeddings=False)}[family]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     gen = torch.Generator().manual_seed(1)
@@ -78,13 +82,15 @@ def _parallel(cases, references):
 @pytest.mark.slow
 def test_unmodified_transformers_models_at_tp2_equal_tp1():
     """Llama (tied embedding and head, attention biases), Qwen3 (q/k norms see half the heads) and
-    Mixtral (experts split along their width): logits, loss, gradients and one step; SP for the dense ones."""
-    references = {family: _step(_model(family)) for family in ("llama", "qwen3", "mixtral")}
-    cases = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("mixtral", False)]
+    Mixtral (experts split along their width), Qwen2-MoE (+ q/k/v biases, a gated shared expert): logits,
+    loss, gradients and one step; SP for the dense ones."""
+    references = {family: _step(_model(family)) for family in ("llama", "qwen3", "mixtral", "qwen2-moe")}
+    cases = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("mixtral", False),
+             ("qwen2-moe", False)]
     reports = run_distributed(_parallel, 2, cases, references, timeout_s=300)
     # per layer: llama q,k,v,o + q,k,v biases + gate,up,down (its head tied to the embedding); qwen3 7 weights
     # and the head; mixtral q,k,v,o + stacked experts (2) and the head; + the embedding
-    sharded = {"llama": 2 * 10 + 1, "qwen3": 2 * 7 + 2, "mixtral": 2 * 6 + 2}
+    sharded = {"llama": 2 * 10 + 1, "qwen3": 2 * 7 + 2, "mixtral": 2 * 6 + 2, "qwen2-moe": 2 * 12 + 2}
     assert [(where, count) for where, _, count in reports[0]] == [
         (f"{family} sp={sp}", sharded[family]) for family, sp in cases]
 
