@@ -15,6 +15,10 @@ Styles (a name or a style object; plans.py holds the ready plans for transformer
 - "vocab" / Vocab(): nn.Embedding -> VocabParallelEmbedding, output [..., h] summed over tp.
 - "experts" / Experts(): stacked expert weights (transformers' MoE: gate_up_proj [E, 2f, h],
   down_proj [E, h, f]) split along f; inputs enter a copy region, the output is summed over tp.
+  Experts(split="experts") ("experts_ep"): expert parallelism over the tp ranks instead: rank r holds
+  experts [r*E/tp, (r+1)*E/tp) whole and runs them on every token routed to them (the tokens are
+  the same on every tp rank, so no all-to-all: routes to other ranks' experts are skipped here); the
+  outputs are summed over tp.
 - "heads" / Heads(): divide the module's head-count attributes by tp (code that reshapes by them).
 Sequence parallelism (Megatron's SP, for batch-first code that reshapes by its input's length): the
 residual stream between the blocks' halves is split along the sequence (dim `sequence_dim`) and a
@@ -69,6 +73,8 @@ class Vocab:
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
+    split: str = "width"
+    """"width": every expert split along f over tp; "experts": E/tp whole experts per tp rank."""
     fused: str = "gate_up_proj"
     """[E, 2f, h]: [gate; up] along dim 1, each block split over tp."""
     out: str = "down_proj"
@@ -98,6 +104,7 @@ class GatherSequence:
 
 STYLES = {"column": Column(), "column_gather": Column(gather_output=True), "row": Row(), "vocab": Vocab(),
           "column_sp": Column(sequence_parallel=True), "row_sp": Row(sequence_parallel=True), "experts": Experts(),
+          "experts_ep": Experts(split="experts"),
           "heads": Heads(), "partial_grad": PartialGrad(), "scatter_sequence": ScatterSequence(),
           "gather_sequence": GatherSequence(), "gather_sequence_replicated": GatherSequence(grad_is_partial=False)}
 
@@ -197,22 +204,44 @@ def _embedding(old: nn.Module, group, shared: dict) -> nn.Module:
 
 
 def _experts(module: nn.Module, style: Experts, group, shared: dict) -> None:
-    """Split stacked experts along their inner width f: rank r keeps [gate_r; up_r] and down's columns r."""
+    """Split stacked experts over tp: along their inner width f (rank r keeps [gate_r; up_r] and down's
+    columns r) or by expert (rank r keeps experts [r*E/tp, (r+1)*E/tp) whole). Either way each rank's
+    output is a partial sum over its share, summed over tp."""
     tp, rank = comm.group_size(group), comm.group_rank(group)
     fused, out = getattr(module, style.fused, None), getattr(module, style.out, None)
     if fused is None or out is None or fused.dim() != 3:
         raise ValueError(f"style Experts() needs stacked {style.fused} [E, 2f, h] and {style.out} [E, h, f] "
                          f"parameters, {type(module).__name__} has none")
-    f = out.shape[2]
-    if f % tp != 0:
-        raise ValueError(f"experts' inner width {f} is not divisible by tp={tp}; choose tp dividing {f}")
-    _load(module, style.fused, fused, ShardSpec(tuple(fused.shape), 1, rank, tp, blocks=(f, f)), shared)
-    _load(module, style.out, out, ShardSpec(tuple(out.shape), 2, rank, tp), shared)
+    (num_experts, _, _), f = fused.shape, out.shape[2]
+    if style.split == "experts":
+        if num_experts % tp != 0 or not hasattr(module, "num_experts"):
+            raise ValueError(f"{num_experts} experts are not divisible by tp={tp} (or {type(module).__name__} has no "
+                             f"num_experts to narrow); choose tp dividing {num_experts} or Experts() (by width)")
+        local = num_experts // tp
+        _load(module, style.fused, fused, ShardSpec(tuple(fused.shape), 0, rank, tp), shared)
+        _load(module, style.out, out, ShardSpec(tuple(out.shape), 0, rank, tp), shared)
+        module.num_experts = local  # ids >= num_experts are other ranks' experts: skipped (the eager loop's
+        if hasattr(module, "_is_expert_parallel"):  # last class; transformers' grouped_mm masks them when told)
+            module._is_expert_parallel = True
+        first = rank * local
+    else:
+        if f % tp != 0:
+            raise ValueError(f"experts' inner width {f} is not divisible by tp={tp}; choose tp dividing {f}")
+        _load(module, style.fused, fused, ShardSpec(tuple(fused.shape), 1, rank, tp, blocks=(f, f)), shared)
+        _load(module, style.out, out, ShardSpec(tuple(out.shape), 2, rank, tp), shared)
+
+    def to_local(index: torch.Tensor) -> torch.Tensor:  # [T, k] global expert ids -> local, others -> local count
+        mine = (index >= first) & (index < first + local)
+        return torch.where(mine, index - first, torch.full_like(index, local))
 
     def enter(_, args, kwargs):  # inputs (tokens, routing weights) replicated: their gradients are partial
-        copy = lambda x: mappings.copy_to_tensor_parallel_region(x, group) \
-            if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
-        return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+        def one(x):
+            if torch.is_tensor(x) and x.is_floating_point():
+                return mappings.copy_to_tensor_parallel_region(x, group)
+            if style.split == "experts" and torch.is_tensor(x):  # the routed expert ids
+                return to_local(x)
+            return x
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(lambda _, __, output: mappings.reduce_from_tensor_parallel_region(output, group))

@@ -19,8 +19,11 @@ DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
-def hf_plan(model, sequence_parallel: bool = False) -> dict[str, str]:
-    """The plan of a transformers *ForCausalLM `model` (read from model.config.model_type)."""
+def hf_plan(model, sequence_parallel: bool = False, expert_split: str = "width") -> dict[str, str]:
+    """The plan of a transformers *ForCausalLM `model` (read from model.config.model_type). Experts are split
+    along their width ("width") or divided among the tp ranks whole ("experts": expert parallelism)."""
+    if expert_split not in ("width", "experts"):
+        raise ValueError(f"expert_split must be 'width' or 'experts', got {expert_split!r}")
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in DENSE_FAMILIES + MOE_FAMILIES:
         raise ValueError(f"no ready plan for model_type {family!r}; plans exist for "
@@ -40,7 +43,7 @@ def hf_plan(model, sequence_parallel: bool = False) -> dict[str, str]:
     if family in ("qwen3", "qwen3_moe"):
         plan.update({layer + "self_attn.q_norm": "partial_grad", layer + "self_attn.k_norm": "partial_grad"})
     if family in MOE_FAMILIES:
-        plan[layer + "mlp.experts"] = "experts"
+        plan[layer + "mlp.experts"] = "experts" if expert_split == "width" else "experts_ep"
     else:
         plan.update({layer + "mlp.gate_proj": column, layer + "mlp.up_proj": column, layer + "mlp.down_proj": row})
     if family == "qwen2_moe":  # the shared expert: a dense MLP split as one (its [1, h] gate stays whole)

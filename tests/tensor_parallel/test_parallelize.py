@@ -63,11 +63,11 @@ def _step(model, reduce=None):
 def _parallel(cases, references):
     mesh = mesh_lib.init_mesh(tp=2)
     checked = []
-    for family, sequence_parallel in cases:
+    for family, sequence_parallel, *expert_split in cases:
         logits, loss, grads, after = references[family]
-        model = parallelize(_model(family), mesh, hf_plan(_model(family), sequence_parallel))
+        model = parallelize(_model(family), mesh, hf_plan(_model(family), sequence_parallel, *expert_split))
         got_logits, got_loss, got_grads, got_after = _step(model, lambda g: comm.all_reduce(g.clone(), mesh.tp_group))
-        where = f"{family} sp={sequence_parallel}"
+        where = f"{family} sp={sequence_parallel}" + "".join(f" {split}" for split in expert_split)
         torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5, msg=lambda s: f"{where} logits: {s}")
         torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=0, msg=lambda s: f"{where} loss: {s}")
         for name, param in model.named_parameters():
@@ -82,17 +82,17 @@ def _parallel(cases, references):
 @pytest.mark.slow
 def test_unmodified_transformers_models_at_tp2_equal_tp1():
     """Llama (tied embedding and head, attention biases), Qwen3 (q/k norms see half the heads) and
-    Mixtral (experts split along their width), Qwen2-MoE (+ q/k/v biases, a gated shared expert): logits,
+    Mixtral (experts split along their width, or divided among the ranks whole), Qwen2-MoE (+ q/k/v biases, a gated shared expert): logits,
     loss, gradients and one step; SP for the dense ones."""
     references = {family: _step(_model(family)) for family in ("llama", "qwen3", "mixtral", "qwen2-moe")}
     cases = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("mixtral", False),
-             ("qwen2-moe", False)]
+             ("mixtral", False, "experts"), ("qwen2-moe", False)]
     reports = run_distributed(_parallel, 2, cases, references, timeout_s=300)
     # per layer: llama q,k,v,o + q,k,v biases + gate,up,down (its head tied to the embedding); qwen3 7 weights
     # and the head; mixtral q,k,v,o + stacked experts (2) and the head; + the embedding
     sharded = {"llama": 2 * 10 + 1, "qwen3": 2 * 7 + 2, "mixtral": 2 * 6 + 2, "qwen2-moe": 2 * 12 + 2}
     assert [(where, count) for where, _, count in reports[0]] == [
-        (f"{family} sp={sp}", sharded[family]) for family, sp in cases]
+        (f"{family} sp={sp}" + "".join(f" {split}" for split in rest), sharded[family]) for family, sp, *rest in cases]
 
 
 def test_the_plan_is_matched_by_glob_and_refusals_are_one_line():
