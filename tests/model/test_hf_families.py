@@ -201,3 +201,20 @@ def test_every_family_at_tp2_pp2_equals_transformers_logits_loss_and_gradients()
         names = {n for n, _ in GPTModel(config_from_hf(references[family][0].config), device="meta")
                  .logical_parameters()}
         assert set().union(*(report[family] for report in reports)) == names, family
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "qwen2-moe"])
+def test_the_planner_counts_the_family_parameters(family):
+    """Biases per layer kind, q/k norms, a head dim apart from hidden/heads, a gated shared expert: the
+    planner's parameters per rank (tp 1, pp 1 and 2) equal the real model's."""
+    from megalite.config import RunConfig
+    from megalite.plan import params as plan_params
+
+    config = config_from_hf(H._configs()[family])
+    whole = GPTModel(config, device="meta")
+    assert sum(p.numel() for p in whole.parameters()) == plan_params.stage_params(config, RunConfig.build(), 0)
+    stages = [GPTModel(config, layer_ids=range(0, 1), post_process=False, device="meta"),
+              GPTModel(config, layer_ids=range(1, 2), pre_process=False, device="meta")]
+    for stage, model in enumerate(stages):
+        assert sum(p.numel() for p in model.parameters()) == \
+            plan_params.stage_params(config, RunConfig.build(pp=2, global_batch_size=2), stage)
