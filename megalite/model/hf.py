@@ -9,7 +9,8 @@ Mixtral and Qwen3-MoE: the router `mlp.gate.weight` [E, h] is megalite's `mlp.ro
 stacked in transformers >= 5 (`mlp.experts.gate_up_proj` [E, 2f, h] = [gate; up] per expert,
 `mlp.experts.down_proj` [E, h, f]) and separate before (`block_sparse_moe.experts.{e}.w1/w3/w2`);
 megalite holds one tensor per expert (`mlp.experts.{e}.fc1_weight` [2f, h], `fc2_weight` [h, f]).
-Both HF layouts are read; the stacked one is written.
+All three HF layouts are read (Qwen-MoE's files hold `mlp.experts.{e}.gate_proj/up_proj/down_proj`);
+the stacked one is written.
 """
 from __future__ import annotations
 
@@ -87,9 +88,13 @@ def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> di
             hf_state[p + "mlp.gate.weight"] = hf_state[p + "block_sparse_moe.gate.weight"]
         for e in range(config.moe.num_experts):
             q = f"layers.{i}.mlp.experts.{e}."
+            qwen = f"{p}mlp.experts.{e}."  # Qwen-MoE's files: one gate/up/down Linear per expert
             if stacked:
                 out[q + "fc1_weight"] = hf_state[p + "mlp.experts.gate_up_proj"][e]
                 out[q + "fc2_weight"] = hf_state[p + "mlp.experts.down_proj"][e]
+            elif qwen + "gate_proj.weight" in hf_state:
+                out[q + "fc1_weight"] = torch.cat([hf_state[qwen + "gate_proj.weight"], hf_state[qwen + "up_proj.weight"]])
+                out[q + "fc2_weight"] = hf_state[qwen + "down_proj.weight"]
             else:
                 old = f"{p}block_sparse_moe.experts.{e}."
                 out[q + "fc1_weight"] = torch.cat([hf_state[old + "w1.weight"], hf_state[old + "w3.weight"]])

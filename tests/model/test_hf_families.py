@@ -113,9 +113,10 @@ def _tokenizer_json(path) -> str:
 
 
 def test_export_writes_the_tokenizers_bos_and_eos(tmp_path):
-    """Import a Qwen3 directory, export it with --tokenizer: transformers loads it (same logits) and
-    config.json carries that tokenizer's ids; the byte tokenizer's single end-of-document id is both."""
-    convert, hf = _convert_tool(), H.hf_model("qwen3")
+    """Import a Qwen2-MoE directory (its files hold one Linear per expert), export it with --tokenizer:
+    transformers loads it (same logits) and config.json carries that tokenizer's ids; the byte
+    tokenizer's single end-of-document id is both."""
+    convert, hf = _convert_tool(), H.hf_model("qwen2-moe")
     hf.save_pretrained(tmp_path / "hf")
     assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
     tokenizer = _tokenizer_json(tmp_path / "tokenizer.json")
