@@ -281,6 +281,8 @@ def _sequence_hook(module: nn.Module, style, group) -> None:
 def _apply(root: nn.Module, name: str, style, group, shared: dict) -> None:
     module = root.get_submodule(name)
     if isinstance(style, (Column, Row, Vocab)):
+        if not name:
+            raise ValueError(f"style {style} replaces a submodule; the plan's '' names the model itself")
         new = _embedding(module, group, shared) if isinstance(style, Vocab) else _linear(module, style, group, shared)
         parent, _, leaf = name.rpartition(".")
         setattr(root.get_submodule(parent) if parent else root, leaf, new)
@@ -302,7 +304,7 @@ def match_plan(module: nn.Module, plan: dict) -> dict[str, object]:
     matched, used = {}, dict.fromkeys(styles, 0)
     for name, _ in module.named_modules():
         for pattern, style in styles.items():
-            if name and fnmatch.fnmatchcase(name, pattern):
+            if fnmatch.fnmatchcase(name, pattern):  # "" is the module itself
                 matched[name] = style
                 used[pattern] += 1
                 break

@@ -60,8 +60,7 @@ def _step(model, reduce=None):
     return out.logits.detach(), out.loss.detach(), grads, after
 
 
-def _parallel(cases, references):
-    mesh = mesh_lib.init_mesh(tp=2)
+def _parallel_families(cases, references, mesh):
     checked = []
     for family, sequence_parallel, *expert_split in cases:
         logits, loss, grads, after = references[family]
@@ -79,12 +78,55 @@ def _parallel(cases, references):
     return checked
 
 
+class _OldStyleAttention(nn.Module):
+    """Attention that reshapes by its own head counts (as transformers' code before v5 did): under tp its
+    num_heads / num_key_value_heads must become this rank's (the "heads" style)."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.kv_proj = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):  # [b, s, h]
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(b, s, 2, self.num_key_value_heads, self.head_dim).unbind(2)
+        k, v = (t.transpose(1, 2).repeat_interleave(self.num_heads // self.num_key_value_heads, 1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+_OLD_STYLE_PLAN = {"": "heads", "q_proj": "column", "o_proj": "row",
+                   "kv_proj": Column(blocks=(16, 16))}  # [K; V] fused: each block split apart
+
+
+def _old_style(mesh):
+    torch.manual_seed(5)
+    model = _OldStyleAttention()
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(6))
+    if mesh is not None:
+        model = parallelize(model, mesh, _OLD_STYLE_PLAN)
+    return model(x).detach(), (model.num_heads, model.num_key_value_heads)
+
+
+def _parallel(cases, references):
+    mesh = mesh_lib.init_mesh(tp=2)
+    expected, _ = references["old-style"]
+    got, heads = _old_style(mesh)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert heads == (2, 1)
+    return _parallel_families(cases, references, mesh)
+
+
 @pytest.mark.slow
 def test_unmodified_transformers_models_at_tp2_equal_tp1():
     """Llama (tied embedding and head, attention biases), Qwen3 (q/k norms see half the heads) and
     Mixtral (experts split along their width, or divided among the ranks whole), Qwen2-MoE (+ q/k/v biases, a gated shared expert): logits,
     loss, gradients and one step; SP for the dense ones."""
     references = {family: _step(_model(family)) for family in ("llama", "qwen3", "mixtral", "qwen2-moe")}
+    references["old-style"] = _old_style(None)  # + attention code that reshapes by its head counts
     cases = [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True), ("mixtral", False),
              ("mixtral", False, "experts"), ("qwen2-moe", False)]
     reports = run_distributed(_parallel, 2, cases, references, timeout_s=300)
