@@ -276,6 +276,9 @@ def _sequence_hook(module: nn.Module, style, group) -> None:
         return args, {**kwargs, key: move(kwargs[key])}
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
+    if isinstance(style, GatherSequence):  # its own weights (the final norm's) see the whole sequence
+        for param in module.parameters(recurse=False):
+            params.declare(param, sequence_parallel_grad=False)
 
 
 def _apply(root: nn.Module, name: str, style, group, shared: dict) -> None:

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from megalite import comm, mesh as mesh_lib, params as P  # noqa: E402
 from megalite.tensor_parallel.parallelize import Column, match_plan, parallelize  # noqa: E402
 from megalite.tensor_parallel.plans import hf_plan  # noqa: E402
+from megalite.tensor_parallel.sequence_parallel import unmarked_norm_problem  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 
 VOCAB, LR = 320, 0.5
@@ -65,6 +66,7 @@ def _parallel_families(cases, references, mesh):
     for family, sequence_parallel, *expert_split in cases:
         logits, loss, grads, after = references[family]
         model = parallelize(_model(family), mesh, hf_plan(_model(family), sequence_parallel, *expert_split))
+        assert unmarked_norm_problem([model], 2) is None  # every norm declared: DataParallel takes the model
         got_logits, got_loss, got_grads, got_after = _step(model, lambda g: comm.all_reduce(g.clone(), mesh.tp_group))
         where = f"{family} sp={sequence_parallel}" + "".join(f" {split}" for split in expert_split)
         torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5, msg=lambda s: f"{where} logits: {s}")
