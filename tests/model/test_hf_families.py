@@ -139,13 +139,11 @@ def test_export_writes_the_tokenizers_bos_and_eos(tmp_path):
 
 
 def _stage_models(hf, mesh):
+    """This rank's pipeline stage of the transformers model: from_hf with the stage's layers."""
     config = config_from_hf(hf.config)
-    full = hf_to_full_state(hf.state_dict(), config)
     (layer_ids,) = stage_layers(config.num_layers, mesh.pp_size, 1, mesh.pp_rank)
-    model = GPTModel(config, mesh, layer_ids=layer_ids, pre_process=mesh.is_first_stage,
-                     post_process=mesh.is_last_stage)
-    model.load_full_state_dict(full)
-    return config, model
+    return config, from_hf(hf, mesh, layer_ids=layer_ids, pre_process=mesh.is_first_stage,
+                           post_process=mesh.is_last_stage)
 
 
 def _pipelined_logits(model, mesh, ids):
