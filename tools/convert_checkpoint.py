@@ -48,7 +48,12 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
     state = {name: tensor.to(target).contiguous().clone() for name, tensor in state.items()}
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    hf_config_for(config, target, tokenizer).save_pretrained(output)
+    imported = (meta.get("extra") or {}).get("special_token_ids") or {}  # an imported model's own ids
+    if tokenizer is None and imported:
+        hf_config_from(config, target, bos_token_id=imported.get("bos"),
+                       eos_token_id=imported.get("eos")).save_pretrained(output)
+    else:
+        hf_config_for(config, target, tokenizer).save_pretrained(output)
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -84,9 +89,12 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").exists():
         raise FileNotFoundError(f"{hf_dir}/config.json not found; pass a directory written by save_pretrained")
-    config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True))
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    config = config_from_hf(hf_config)
     full = hf_to_full_state(_read_hf_weights(hf_dir), config)
-    path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir)})
+    ids = {"bos": getattr(hf_config, "bos_token_id", None), "eos": getattr(hf_config, "eos_token_id", None)}
+    path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir),
+                                                                    "special_token_ids": ids})  # kept by export
     print(f"imported {config.flavour} ({config.num_params() / 1e6:.2f}M params) from {hf_dir} to {path}")
     return path
 
@@ -101,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the saved parameter dtype")
     ex.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of model.safetensors")
     ex.add_argument("--tokenizer", default=None, help="the run's tokenizer ('byte' or a tokenizer.json): its "
-                    "bos/eos ids go into config.json (default: the last vocabulary id for both)")
+                    "bos/eos ids go into config.json (default: an imported model's own ids, else the last "
+                    "vocabulary id for both)")
     im = sub.add_parser("import", help="transformers directory -> megalite checkpoint")
     im.add_argument("--hf", required=True, help="local directory with config.json and weights")
     im.add_argument("--output", required=True, help="checkpoint directory (use it as --load)")

@@ -208,8 +208,8 @@ _CHECKED_FIELDS = ("flavour", "num_layers", "hidden_size", "num_attention_heads"
 
 def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos_token_id: int | None = None,
                    eos_token_id: int | None = None):
-    """The transformers config of the same model, with the tokenizer's bos/eos ids (None: the last
-    vocabulary id, megalite's end-of-document token by default). Checked by reading it back."""
+    """The transformers config of the same model, with the tokenizer's bos/eos ids (each an int or a list;
+    None: the last vocabulary id, megalite's end-of-document token by default). Checked by reading it back."""
     import transformers
 
     family = family_of(config)
@@ -226,11 +226,12 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
         keywords = {**_decoder_keywords(config, family), **_rope_keywords(config, hf_class)}
     default_id = config.vocab_size - 1
     for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
-        value = default_id if value is None else int(value)
-        if not 0 <= value < config.vocab_size:
+        value = default_id if value is None else value  # an int, or a list (Llama 3.1 Instruct's eos ids)
+        ids = [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+        if not all(0 <= v < config.vocab_size for v in ids):
             raise ValueError(f"{name}={value} is outside the vocabulary [0, {config.vocab_size}); pass the "
                              f"tokenizer the model was trained with")
-        keywords[name] = value
+        keywords[name] = ids if isinstance(value, (list, tuple)) else ids[0]
     keywords["pad_token_id"] = None
     hf = hf_class(**keywords)
     hf.architectures = [_ARCHITECTURES[family]]

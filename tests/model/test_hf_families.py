@@ -114,9 +114,10 @@ def _tokenizer_json(path) -> str:
 
 def test_export_writes_the_tokenizers_bos_and_eos(tmp_path):
     """Import a Qwen2-MoE directory (its files hold one Linear per expert), export it with --tokenizer:
-    transformers loads it (same logits) and config.json carries that tokenizer's ids; the byte
-    tokenizer's single end-of-document id is both."""
+    transformers loads it (same logits) and config.json carries that tokenizer's ids; without it, the
+    imported model's own ids; the byte tokenizer's single end-of-document id is both."""
     convert, hf = _convert_tool(), H.hf_model("qwen2-moe")
+    hf.config.bos_token_id, hf.config.eos_token_id = 7, [8, 9]  # Llama 3.1 Instruct has a list of eos ids
     hf.save_pretrained(tmp_path / "hf")
     assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
     tokenizer = _tokenizer_json(tmp_path / "tokenizer.json")
@@ -124,6 +125,9 @@ def test_export_writes_the_tokenizers_bos_and_eos(tmp_path):
                          "--tokenizer", tokenizer]) == 0
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (written["bos_token_id"], written["eos_token_id"]) == (0, 1)
+    assert convert.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "own")]) == 0
+    written = json.loads((tmp_path / "own" / "config.json").read_text())  # no --tokenizer: the imported ids
+    assert (written["bos_token_id"], written["eos_token_id"]) == (7, [8, 9])
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert torch.equal(exported(H.inputs()).logits, hf(H.inputs()).logits)
