@@ -7,7 +7,7 @@ choke point, the ledger) and checkpoints its parameters by their ShardSpecs.
 
     parallelize(model, mesh, {"*.q_proj": "column", "*.o_proj": "row", "model.embed_tokens": "vocab"})
 
-Styles (a name or a style object; plans.py holds the ready plans for transformers' families):
+Styles (a name or a style object; megalite/tensor_parallel/plans.py holds the ready plans for transformers' families):
 - "column" / Column(): nn.Linear -> ColumnParallelLinear, output [..., out/tp] stays split.
   Column(gather_output=True) ("column_gather") gathers it ([..., out]), e.g. a head whose caller wants
   full logits; Column(blocks=(a, b)) splits each fused block apart ([gate; up] in one Linear).
@@ -56,7 +56,7 @@ from megalite.tensor_parallel.sharding import ShardSpec
 class Column:
     gather_output: bool = False
     sequence_parallel: bool = False
-    sequence_dim: int = 1
+    """True: the input [..., in] was gathered along the sequence by its module's GatherSequence."""
     blocks: tuple[int, ...] | None = None
 
 
@@ -112,8 +112,6 @@ STYLES = {"column": Column(), "column_gather": Column(gather_output=True), "row"
 class PlannedColumn(ColumnParallelLinear):
     """ColumnParallelLinear whose SP input [..., in] was already gathered by its module's GatherSequence
     (whose backward reduce-scatters the partial input gradient): no gather and no copy region here."""
-
-    sequence_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -179,7 +177,8 @@ def _linear(old: nn.Module, style, group, shared: dict) -> nn.Module:
                                 fused_blocks=style.blocks, **common)
         else:
             new = PlannedRow(old.in_features, old.out_features, **common)
-    new.sequence_dim = style.sequence_dim
+    if isinstance(style, Row):
+        new.sequence_dim = style.sequence_dim
     _load(new, "weight", old.weight, None, shared)
     _load(new, "bias", old.bias, None, shared)
     return new.to(old.weight.device)
