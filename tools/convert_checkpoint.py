@@ -36,6 +36,12 @@ def hf_config_for(config: GPTConfig, dtype: torch.dtype, tokenizer: str | None =
     return hf_config_from(config, dtype, bos_token_id=bos, eos_token_id=eos)
 
 
+def _within(ids, vocab_size: int) -> bool:
+    """Whether token id(s) `ids` (an int or a list; None: none) all lie in [0, vocab_size)."""
+    ids = ids if isinstance(ids, list) else [ids]
+    return all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+
+
 def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = None, dtype: str | None = None,
                  safe: bool = True, tokenizer: str | None = None) -> Path:
     """Write `output`/config.json and the weights of a megalite checkpoint; returns `output`."""
@@ -49,6 +55,7 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     imported = (meta.get("extra") or {}).get("special_token_ids") or {}  # an imported model's own ids
+    imported = {k: v for k, v in imported.items() if _within(v, config.vocab_size)}  # (a config's defaults may not be)
     if tokenizer is None and imported:
         hf_config_from(config, target, bos_token_id=imported.get("bos"),
                        eos_token_id=imported.get("eos")).save_pretrained(output)
