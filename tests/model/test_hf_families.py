@@ -2,7 +2,8 @@
 megalite loaded from them give the same logits and loss; megalite exports them back unchanged.
 
 Quick tier: tp 1, one small model per family. Slow tier: one world of 4 ranks at (tp 2, pp 2)
-checks every family's logits, loss and every gradient against transformers'.
+checks every family's logits, loss and every gradient against transformers'; and the checks can
+fail (each family feature left out moves the logits far).
 """
 import importlib.util
 import json
@@ -41,6 +42,7 @@ def test_family_logits_and_loss_equal_transformers_at_tp1(family):
         assert torch.equal(back.state_dict()[name], tensor), name
 
 
+@pytest.mark.slow  # ~4 s: five more transformers models; the proof that the quick checks can fail
 def test_the_checks_can_fail():
     """Each family feature matters: megalite without it is far from transformers' logits."""
     for family, change in (("llama3", dict(rope_scaling=None)), ("qwen3", dict(qk_layernorm=False)),
