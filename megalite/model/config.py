@@ -105,6 +105,8 @@ class GPTConfig:
         return ((self.vocab_size + multiple - 1) // multiple) * multiple
 
     def replace(self, **changes) -> "GPTConfig":
+        if "add_bias" in changes:  # the per-kind switches follow a new add_bias unless given too
+            changes = {**{name: None for name in ("qkv_bias", "proj_bias", "mlp_bias")}, **changes}
         return dataclasses.replace(self, **changes)
 
     # --- counts ---------------------------------------------------------------------------
