@@ -232,6 +232,10 @@ PRESETS: dict[str, dict] = {
                           kv_channels=128, ffn_hidden_size=6144, vocab_size=151936, seq_length=4096, rope_theta=1e6,
                           norm_eps=1e-6, qk_layernorm=True,
                           moe=dict(num_experts=128, topk=8, ffn_hidden_size=768, aux_loss_coeff=1e-3)),
+    # Llama 3.1 405B's shape (Meta's model card): the 16,384-rank simulation's model (docs/simulate.md)
+    "llama-405b": dict(flavour="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
+                       num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192,
+                       rope_theta=5e5),
 }
 
 
