@@ -78,7 +78,8 @@ def dense_change_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
     moe, tp = model.moe, cfg.parallel.tp
     shared = _mlp_params(model, moe.shared_expert_intermediate_size, tp, False) \
         if moe.shared_expert_intermediate_size else 0
-    return moe.num_experts * model.hidden_size + shared - _mlp_params(model, model.ffn_hidden_size, tp, model.add_bias)
+    shared += model.hidden_size * moe.shared_expert_gate  # Qwen2-MoE's [1, h] gate, replicated
+    return moe.num_experts * model.hidden_size + shared - _mlp_params(model, model.ffn_hidden_size, tp, model.mlp_bias)
 
 
 def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
