@@ -15,6 +15,7 @@ from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import GB
 from megalite.plan.search import search
 from megalite.plan.timing import predict_step_time
+from megalite.plan.units import human_bytes, human_count
 from megalite.plan.validity import preflight
 
 
@@ -66,8 +67,8 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
         bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
                     f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
     if par.ep > 1:
-        bits.append(f"ep={par.ep} shards the experts: {est.params_per_rank / 1e9:.2f}B parameters per rank, "
-                    f"{est.comm_bytes.get('ep/all_to_all', 0) / 1e9:.2f} GB of token all-to-all per step")
+        bits.append(f"ep={par.ep} shards the experts: {human_count(est.params_per_rank)} parameters per rank, "
+                    f"{human_bytes(est.comm_bytes.get('ep/all_to_all', 0))} of token all-to-all per step")
     if model.moe is not None and par.tp > 1:
         bits.append(f"etp={par.etp}: " + ("whole experts on every tp rank, each routing its own 1/tp of the tokens"
                                           if par.etp == 1 else "experts split over tp, the sequence gathered"))
@@ -85,7 +86,7 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
     if par.offload_optimizer:
         bits.append("optimizer offloaded to host" + _why_not_earlier(model, cfg, gpu_memory, "offload"))
     bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
-                else f"{est.total_bytes / GB:.1f} GB per rank")
+                else f"{human_bytes(est.total_bytes)} per rank")
     return f"~{parts['total']:.3g} s/step on {load_profile(hardware).name}: " + "; ".join(bits)
 
 
