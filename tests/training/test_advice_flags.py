@@ -79,3 +79,12 @@ def test_the_bubble_advice_names_the_schedule_flag():
     assert ["--pipeline-schedule", "interleaved"] in named_flags(advice.bubble_advice(0.3, 4))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--schedule", "interleaved"])
+
+
+def test_a_dry_run_ends_with_its_verdict(capsys):
+    from megalite.training.loop import main
+
+    assert main(["--dry-run", "--model", "gpt2-124m", "--tp", "2", "--dp", "4", "--global-batch-size", "64"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("verdict: fits (") and " s/step on " in last and "; change: " in last
+    named_flags(last)
