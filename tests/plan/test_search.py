@@ -85,3 +85,24 @@ def test_blocks_per_stage_match_the_partition(settings):
         assert stage_layers(model, cfg) == [sum(len(c) for c in chunks) for chunks in ranges]
         cap = recompute_num_layers or 24
         assert recomputed_stage_layers(model, cfg) == [sum(min(cap, len(c)) for c in chunks) for chunks in ranges]
+
+
+@pytest.mark.parametrize("hardware", ["A100-80GB", "H100-SXM"])
+def test_the_lower_bound_is_never_above_the_prediction(hardware):
+    """The cut-off's premise, on every valid candidate of a small search (both pipeline schedules,
+    ZeRO 0/1/3, recompute, cp for long sequences): step_time_lower_bound <= predict_step_time."""
+    from megalite.plan.timing import predict_step_time, step_time_lower_bound
+    from megalite.plan.validity import preflight
+
+    model = preset("llama-1b").replace(seq_length=16384, num_layers=8)
+    base = RunConfig.build(global_batch_size=16, precision="bf16", **{k: getattr(model, k) for k in (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "seq_length",
+        "vocab_size")})
+    checked = 0
+    for cfg in _candidates(model, base, 8, 4, offload=False):
+        if preflight(model, cfg, 8):
+            continue
+        bound = step_time_lower_bound(model, cfg, hardware, 4)
+        assert 0 < bound <= predict_step_time(model, cfg, hardware, ranks_per_node=4).total, cfg.parallel
+        checked += 1
+    assert checked > 100
