@@ -28,6 +28,7 @@ import argparse
 import json
 import re
 import sys
+import time
 
 from megalite.cli import build_parser, parse_args
 from megalite.config import RunConfig
@@ -125,9 +126,10 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
 def run_calibrate(path: str, bf16: bool) -> int:
     from megalite.calibration import calibrate  # torch: only here
 
+    start = time.perf_counter()
     profile = calibrate(log=lambda line: print(line, file=sys.stderr), bf16=True if bf16 else None)
     profile.save(path)
-    print(f"wrote {path}: use it with --hardware {path}")
+    print(f"wrote {path} in {time.perf_counter() - start:.0f} s: use it with --hardware {path}")
     return 0
 
 
