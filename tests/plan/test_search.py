@@ -35,7 +35,10 @@ ROWS = [  # (model, suggest's keywords)
 ]
 
 
-@pytest.mark.parametrize("model,keywords", ROWS, ids=[f"{m.num_layers}x{m.hidden_size}{'-moe' if m.moe else ''}@{k['gpus']}" for m, k in ROWS])
+IDS = [f"{m.num_layers}x{m.hidden_size}{'-moe' if m.moe else ''}@{k['gpus']}" for m, k in ROWS]
+
+
+@pytest.mark.parametrize("model,keywords", ROWS, ids=IDS)
 def test_pruned_search_prints_what_the_exhaustive_search_prints(model, keywords):
     pruned = suggest(model, **keywords)
     assert _described(pruned) == _described(suggest(model, exhaustive=True, **keywords))

@@ -5,8 +5,8 @@ from megalite.plan.units import human_bytes, human_count
 
 
 @pytest.mark.parametrize("n,count,size", [(0, "0", "0 B"), (512, "512", "512 B"), (4100, "4.10K", "4.10 kB"),
-                                          (999_600, "1.00M", "1.00 MB"), (469_000, "469K", "469 kB"),
-                                          (1.21e9, "1.21B", "1.21 GB"), (70.6e9, "70.6B", "70.6 GB"),
+                                          (999_999, "1.00M", "1.00 MB"), (469_000, "469.00K", "469.00 kB"),
+                                          (24.15e9, "24.15B", "24.15 GB"), (70.6e9, "70.60B", "70.60 GB"),
                                           (1.008e12, "1.01T", "1.01 TB")])
 def test_counts_and_sizes(n, count, size):
     assert human_count(n) == count and human_bytes(n) == size
