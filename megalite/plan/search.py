@@ -62,7 +62,8 @@ def search(model: GPTConfig, candidates: Iterable[RunConfig], gpus: int, gpu_mem
         fitting.sort(key=lambda item: (item[0], item[1]))
     kept, fastest = [], []  # fastest: a max-heap (negated) of the top_k smallest predicted times
     for bound, index, cfg in fitting:
-        if not exhaustive and len(fastest) >= top_k and bound > _cutoff(-fastest[0], -max(fastest), near_best):
+        if not exhaustive and fastest and len(fastest) >= top_k and \
+                bound > _cutoff(-fastest[0], -max(fastest), near_best):
             break  # this bound and every later one: not in the first top_k (module docstring, 2)
         est = estimate(model, cfg)
         if exhaustive and not est.fits(gpu_memory):
