@@ -22,6 +22,7 @@ import torch
 from megalite.checkpoint import CheckpointCorruptError, read_full_state, write_full_state
 from megalite.cli import OneLineParser
 from megalite.errors import UsageError, one_line
+from megalite.extras import require
 from megalite.model.config import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     im.add_argument("--step", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        require("transformers", f"convert_checkpoint.py {args.command}")  # missing: one line naming [hf]
         if args.command == "export":
             export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin)
         else:

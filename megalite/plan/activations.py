@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.pipeline.instructions import BWD_WEIGHT, FWD
+from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
@@ -215,6 +215,8 @@ def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
         return _zero_bubble_peak(pp, m, stage)
     if v == 1:                                                      # 1f1b: warmup + 1
         return min(pp - stage, m)
+    if m == pp:  # Megatron: every forward is warm-up (no steady state), all m*v run before the first backward
+        return m * v
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
 
@@ -230,6 +232,25 @@ def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     if cfg.schedule == "gpipe":
         return m
     return sum(1 for k in range(inflight) if (k // pp) % v == 0)
+
+
+def head_inflight_microbatches(cfg: RunConfig) -> int:
+    """Microbatches whose loss-head activations the last stage holds at its peak: all of them under
+    GPipe, one under 1F1B; interleaved, counted on the schedule: the last chunk's forwards not yet
+    backward at the stage's peak (more than one when every forward is warm-up, m == pp)."""
+    m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
+    if cfg.schedule == "gpipe":
+        return m
+    if cfg.schedule != "interleaved" or v == 1:
+        return 1
+    live, head, peak, head_at_peak = 0, 0, 0, 1
+    for op in build_schedule("interleaved", pp, m, v)[pp - 1]:
+        step = (op.kind == FWD) - (op.kind in (BWD, BWD_INPUT))
+        live += step
+        head += step if op.chunk == v - 1 else 0
+        if live > peak:
+            peak, head_at_peak = live, head
+    return head_at_peak
 
 
 def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
@@ -260,7 +281,7 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
     if recomputed:
         total += kept_whole  # the block being recomputed
     total += inflight * rope_table_bytes(model, cfg) + context_parallel_buffer_bytes(model, cfg)
-    head_inflight = cfg.num_microbatches if cfg.schedule == "gpipe" else 1
+    head_inflight = head_inflight_microbatches(cfg)
     if stage == 0:
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
     if stage == pp - 1:

@@ -40,7 +40,8 @@ from megalite.checkpoint.storage import check_save_dir
 from megalite.checkpoint.elastic import STATE_KEY as ELASTIC_STATE_KEY, ResumePlan, elastic_fields, plan_resume
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
-from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
+from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
+                           load_tokenizer)
 from megalite.errors import ConfigError, UsageError, report_usage_error
 from megalite.kernels.dispatch import backend_name
 from megalite.training.cuda_graph import StepGraphs
@@ -56,6 +57,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+from megalite.training.metrics_sinks import open_sinks, sink_problems
 from megalite.training.launch_checks import launch_problems, machine_problems, memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
+        if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
+            from megalite.simulate.run import run_from_flags
+            return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
         launching = not (actions["dry_run"] or actions["print_config"])
         # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
         cfg = plan.cfg
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        cfg = configure(cfg, world_size, tokenizer.vocab_size, memory=memory_per_rank() if launching else None)
+        vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
+        cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
         if actions["print_config"]:
             print(to_toml(cfg, cfg.derived()), end="")
             return 0
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_usage_error(exc, rank)
 
 
-def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
+def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None,
               memory: tuple[float, str] | None = None) -> RunConfig:
     """The configuration resolved for this world, or ConfigError listing every problem and its fix.
     `memory`: (bytes, whose) each rank may use (`memory_per_rank()`), to refuse a layout that cannot fit."""
@@ -114,6 +120,7 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
     except ValueError as exc:  # MEGALITE_KERNEL_BACKEND names no backend: one line, like a flag's mistake
         problems, backend = problems + [str(exc)], "auto"
     problems += machine_problems(cfg, torch.cuda.is_available(), backend)
+    problems += sink_problems(cfg.logging)  # --tensorboard-dir / --wandb-project without their package
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:
@@ -176,19 +183,23 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     model_cfg = cfg.gpt_config()
     _announce(cfg, model_cfg, mesh)
     t = cfg.training
-    # data may sit on node-local disks: every rank learns if any rank cannot read it
-    train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
-        list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
-        tokenizer), comm.world_group())
+    if cfg.data.mock_data:  # synthetic ids over the true vocabulary; nothing to read, nothing to agree on
+        train_set, valid_set, _ = build_mock_datasets(model_cfg.vocab_size, model_cfg.seq_length, t.seed,
+                                                      cfg.data.split)
+    else:  # data may sit on node-local disks: every rank learns if any rank cannot read it
+        train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
+            list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
+            tokenizer), comm.world_group())
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
-        + (f", {len(valid_set)} validation" if valid_set is not None else ""))
+        + (f", {len(valid_set)} validation" if valid_set is not None else "")
+        + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
     chunks = build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
-    lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
+    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
               *_services(cfg, model_cfg, mesh, resources))
     if t.cuda_graph:
@@ -222,7 +233,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
     gpu = builtin_for_device(torch.cuda.get_device_name(mesh.device)) if mesh.device.type == "cuda" else None
-    log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu))
+    layout = justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu)
+    if gpu is None:  # the figure is a GPU profile's, not this machine's: say so (the steps below measure it)
+        layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
+    log("layout: " + layout)
     p = cfg.parallel
     log(MF.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
@@ -238,7 +252,8 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
     meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.training.micro_batch_size, cfg.dp,
                             cfg.num_microbatches, mesh.world_size, cfg.parallel.recompute, cfg.training.train_iters,
                             peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
-    writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=mesh.rank == 0)
+    sinks = open_sinks(lg, run_config=cfg.to_dict()) if mesh.rank == 0 else []  # TensorBoard, W&B
+    writer = MetricsWriter(lg.metrics_file, sinks, enabled=mesh.rank == 0)
     _on_exit(resources, lambda clean: writer.close())
     if mesh.rank == 0 and lg.metrics_file:  # the resolved configuration beside the metrics
         Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
@@ -392,9 +407,11 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                       grad_compression_ratio=result["grad_compression_ratio"])
     if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
+    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
+    if bubble is not None:  # the schedule's idle share with this step's measured op times (plot_metrics' time split)
+        record["pipeline_bubble"] = bubble
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
-    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
     job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result["exposed_dp_comm_s"],
                         pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
 
@@ -422,3 +439,7 @@ def run_evaluation(job: Job, step: int) -> None:
     loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
     log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
     job.writer.write_eval(step, loss)
+
+
+if __name__ == "__main__":  # python -m megalite.training.loop: the same job as megalite-train
+    sys.exit(main())
