@@ -226,13 +226,15 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
     return _Pass(forward, backward)
 
 
-def _stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass) -> tuple[float, tuple[float, float], float,
-                                                                              float]:
+def _stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = None) -> tuple[
+        float, tuple[float, float], float, float]:
     """(device seconds, host seconds (forward, backward), backward device seconds, attention forward
-    seconds) of one stage over all its chunks, per microbatch, from `block` (block_pass: the same on
-    every stage). Host: the launches counted from the model at the profile's `launch_host_us` (one
-    graph replay per microbatch with CUDA graphs), else the per-block and per-microbatch overheads
-    (all of it in the backward's slot)."""
+    seconds) of one stage over all its chunks, per microbatch, from `block` (block_pass, the same on
+    every stage: a caller predicting every stage passes it once; None computes it). Host: the
+    launches counted from the model at the profile's `launch_host_us` (one graph replay per
+    microbatch with CUDA graphs), else the per-block and per-microbatch overheads (all of it in the
+    backward's slot)."""
+    block = block or block_pass(model, cfg, hw, kernels)
     layers = stage_layers(model, cfg)[stage]
     rerun = recomputed_stage_layers(model, cfg)[stage]
     device = layers * (block.forward + block.backward)
