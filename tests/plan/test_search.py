@@ -109,3 +109,15 @@ def test_the_lower_bound_is_never_above_the_prediction(hardware):
         assert 0 < bound <= predict_step_time(model, cfg, hardware, ranks_per_node=4).total, cfg.parallel
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 3), (3, 9, 2), (8, 16, 2)])
+def test_the_last_stage_compute_order_is_the_built_schedules(pp, m, v):
+    """activations counts the head's microbatches on interleaved_compute (one stage, no transfers):
+    the placed, verified schedule runs the same forwards and backwards in the same order."""
+    from megalite.pipeline.instructions import BWD, FWD
+    from megalite.pipeline.schedules import build_schedule, interleaved_compute
+
+    built = build_schedule("interleaved", pp, m, v)
+    for r in range(pp):
+        assert interleaved_compute(pp, m, v, r) == [op for op in built[r] if op.kind in (FWD, BWD)]
