@@ -11,6 +11,9 @@ model whose every block is a softmax top-k mixture of experts) flavours; tensor 
 mapped by megalite.model.hf. A checkpoint saved at any (tp, pp, dp, zero) exports the same
 files: the full tensors are assembled from its layout-free boxes, every file read verified.
 Nothing is downloaded: `--hf` is a local directory.
+
+torch's formats (megalite/checkpoint/torch_formats.py): `--to dcp | safetensors --load CKPT --output OUT`,
+`--from dcp --load DCP_DIR --output CKPT`.
 """
 from __future__ import annotations
 
@@ -158,8 +161,37 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
     return path
 
 
+def torch_formats_main(argv: list[str]) -> int:
+    """--to dcp | safetensors, --from dcp (megalite/checkpoint/torch_formats.py)."""
+    from megalite.checkpoint import torch_formats as tf
+
+    parser = OneLineParser(prog="convert_checkpoint.py", description="megalite checkpoint <-> torch formats")
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=["dcp", "safetensors"], help="megalite checkpoint -> this format")
+    way.add_argument("--from", dest="source", choices=["dcp"], help="this format -> megalite checkpoint")
+    parser.add_argument("--load", required=True, help="the checkpoint (--to) or the DCP directory (--from)")
+    parser.add_argument("--step", type=int, default=None, help="--to: this step instead of the latest")
+    parser.add_argument("--output", required=True, help="DCP directory, .safetensors file, or checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        if args.source == "dcp":
+            path = tf.import_dcp(args.load, args.output)
+        elif args.to == "dcp":
+            path = tf.export_dcp(args.load, args.output, step=args.step)
+        else:
+            path = tf.export_safetensors(args.load, args.output, step=args.step)
+    except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"convert_checkpoint: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--to" in argv or "--from" in argv:  # torch's formats (DCP, safetensors) rather than transformers'
+        return torch_formats_main(argv)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="megalite checkpoint -> transformers directory")
     ex.add_argument("--load", required=True, help="a --save directory (latest) or one step_* directory")

@@ -49,7 +49,7 @@ from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
-from megalite.optim.lr_schedule import LRSchedule
+from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, justify, recompute_fraction
 from megalite.plan.hardware import builtin_for_device
 from megalite.plan.layout import DTYPE_BYTES
@@ -77,8 +77,9 @@ def log(*parts, rank0_only: bool = True) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
+def main(argv: list[str] | None = None, provided=None) -> int:
+    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2.
+    `provided`: a user's model in place of GPTModel (megalite.training.provided.main builds it)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
         plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
         cfg = plan.cfg
+        if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
+            provided.check(cfg, dry_run=actions["dry_run"])
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
         cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for line in plan.messages():
             log(line)
-        return train(cfg, tokenizer, plan)
+        return train(cfg, tokenizer, plan, provided=provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
 
@@ -166,6 +169,8 @@ class Job:
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
+    provided: Any = None  # training.provided.ProvidedModel: a user's model in place of GPTModel
+    scheduler: ScheduledLR | None = None  # lr_at driving the optimizer's param groups (torch's LR scheduler)
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -173,15 +178,19 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
     resources.push(lambda exc_type, exc, tb: release(exc_type is None))
 
 
-def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
+def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
     etp = p.etp if cfg.gpt_config().moe is not None else p.tp  # no experts: no expert groups to create
     mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
     _on_exit(resources, lambda clean: destroy_mesh())
     torch.manual_seed(cfg.training.seed)
-    model_cfg = cfg.gpt_config()
-    _announce(cfg, model_cfg, mesh)
+    chunks = provided.build_chunks(cfg, mesh) if provided is not None else None  # the same seed on every rank
+    model_cfg = chunks[0].config if provided is not None else cfg.gpt_config()
+    if provided is None:
+        _announce(cfg, model_cfg, mesh)
+    else:
+        log(mesh.describe() + "\n" + model_cfg.describe())
     t = cfg.training
     if cfg.data.mock_data:  # synthetic ids over the true vocabulary; nothing to read, nothing to agree on
         train_set, valid_set, _ = build_mock_datasets(model_cfg.vocab_size, model_cfg.seq_length, t.seed,
@@ -195,13 +204,14 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
         + (f", {len(valid_set)} validation" if valid_set is not None else "")
         + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
-    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
     lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
-              *_services(cfg, model_cfg, mesh, resources))
+              *_services(cfg, model_cfg, mesh, resources), provided=provided)
+    job.scheduler = ScheduledLR(optimizer, lr_at)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
@@ -278,11 +288,19 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
 # ---------------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None) -> int:
+def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None, *, model_provider=None,
+          loss_fn=None, provided=None) -> int:
     """Run the job of a validated, resolved configuration; returns the process exit code.
-    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is)."""
+    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is).
+    `model_provider`, `loss_fn`: a user's model in place of GPTModel (docs/own_model.md,
+    megalite/training/provided.py); `provided`: both, already checked (provided.main makes it)."""
+    if model_provider is not None:
+        from megalite.training.provided import ProvidedModel, default_loss
+
+        provided = ProvidedModel(model_provider, loss_fn or default_loss)
+        provided.check(cfg)
     with contextlib.ExitStack() as resources:
-        job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources)
+        job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
         job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
         start_step = resume(job)
         try:
@@ -311,6 +329,7 @@ def resume(job: Job) -> int:
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
+    job.scheduler.jump_to(start_step)  # the lr of step start_step + 1
     if job.watchdog:
         job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     if start_step >= job.cfg.training.train_iters:
@@ -345,7 +364,7 @@ def train_steps(job: Job, start_step: int) -> bool:
                 check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True)
             else:
                 check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
-        if step == start_step + 1:
+        if step == start_step + 1 and job.provided is None:  # the planner models GPTModel
             planned = estimate(job.model_cfg, cfg, _attention_run(cfg, job.model_cfg, job.mesh.device))
             log(estimate_vs_measured(planned, job.mesh.device))
         _record(job, step, step_time, result)
@@ -373,9 +392,10 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
     cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
-    lr = job.lr_at(step - 1)
-    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
+    lr = job.optimizer.param_groups[0]["lr"]  # lr_at(step - 1), set by the scheduler
+    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, None, guard=job.guard,
                         timer=job.timer, graphs=job.graphs)
+    job.scheduler.step()
     result["lr"] = lr
     result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
