@@ -23,6 +23,7 @@ from megalite.mesh import Mesh, init_mesh
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.simulate.fake_world import fake_rank
 from megalite.simulate.memory import MemoryTracker
+from megalite.simulate.routing import planned_routing
 from megalite.training.guards import NonFiniteGuard
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
@@ -78,13 +79,15 @@ def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
     """Set up global rank `rank` of `cfg`'s world and run one training step; what it held and sent.
     `check_mesh(mesh)`: problems with the rank's real groups (a list; RuntimeError when not empty).
     The blocks run the Triton kernels' autograd functions with every launch skipped: each tensor is
-    allocated and saved as on a GPU (what the planner counts). (The PyTorch path would not do: on
+    allocated and saved as on a GPU (what the planner counts). Under expert parallelism the MoE
+    all-to-all is sized by the planner's balanced routing (simulate/routing.py). (The PyTorch path would not do: on
     the meta device SDPA falls back to its math kernel, which keeps what no CPU or GPU run keeps.)"""
     started = time.perf_counter()
     tracker = MemoryTracker()
     # meta the default device too: ZeRO-3 materialises each unit from its seeded stream on the default
     # device, full size (a 70B block on the CPU, initialised: minutes per rank)
-    with kernels_without_launch(), fake_rank(rank, cfg.world_size), torch.device("meta"), tracker.active():
+    with kernels_without_launch(), fake_rank(rank, cfg.world_size), planned_routing(), torch.device("meta"), \
+            tracker.active():
         mesh = build_mesh(cfg)
         problems = check_mesh(mesh) if check_mesh is not None else []
         if problems:

@@ -12,7 +12,7 @@ data-parallel tail, the optimizer and the step's scalar all-reduces are the clos
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from megalite.config import RunConfig
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
@@ -32,6 +32,15 @@ class Replay:
     exposed_dp_fraction: float  # data-parallel seconds compute does not hide, over the step
     pp: int = 1
     hardware: str = ""
+    # per stage: {"stage", "forward_s", "backward_s" (one chunk and microbatch), "pp_send_s" (one send),
+    # "busy_s" (its instructions' seconds), "idle_fraction" (of the makespan)}
+    stages: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """The replay for --simulate-json's "replay" key (seconds; fractions of the makespan or step)."""
+        out = asdict(self)
+        out.pop("pp")
+        return out
 
     def describe(self) -> str:
         ratio = self.seconds / self.closed_form if self.closed_form else float("nan")
@@ -120,5 +129,7 @@ def replay_step_time(cfg: RunConfig, hardware=None, ranks_per_node: int | None =
         span, busy = _makespan(cfg, costs)
     tail = closed.dp + closed.optimizer + closed.sync + closed.offload
     seconds = span + tail
+    stages = [{"stage": s, "forward_s": f, "backward_s": b, "pp_send_s": send, "busy_s": busy[s],
+               "idle_fraction": 1.0 - busy[s] / span if span else 0.0} for s, (f, b, send) in enumerate(costs)]
     return Replay(seconds, closed.total, span, 1.0 - max(busy) / span if span else 0.0,
-                  closed.dp / seconds if seconds else 0.0, cfg.parallel.pp, getattr(hw, "name", ""))
+                  closed.dp / seconds if seconds else 0.0, cfg.parallel.pp, getattr(hw, "name", ""), stages)

@@ -66,9 +66,11 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
              print_fn=print) -> dict:
     """Check every rank's groups, simulate the chosen ranks; the report (also written to json_path)."""
     refuse_real_world()
-    if cfg.gpt_config().moe is not None and cfg.parallel.ep > 1:  # per-expert counts (data) size the all-to-all
-        raise UsageError(f"--simulate does not run expert parallelism yet (--ep {cfg.parallel.ep}: the token "
-                         f"counts that size the expert all-to-all are data); simulate --ep 1, or plan with --dry-run")
+    if cfg.gpt_config().moe is not None and cfg.parallel.ep > 1 and cfg.parallel.moe_token_dispatcher_type != "alltoall":
+        # the all-gather dispatcher's routed rows are a host read inside the permutation (simulate/routing.py)
+        raise UsageError(f"--simulate runs expert parallelism with the all-to-all dispatcher only (--ep {cfg.parallel.ep} "
+                         f"--moe-token-dispatcher-type {cfg.parallel.moe_token_dispatcher_type}): use alltoall, or plan "
+                         f"with --dry-run")
     p = cfg.parallel
     etp = p.etp if cfg.gpt_config().moe is not None else p.tp
     layout = (p.tp, p.cp, cfg.dp, p.pp)
@@ -95,7 +97,9 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     print_fn(f"simulate: {len(entries)} rank(s) in {report['seconds']:.1f} s; "
              + (f"{differing} with a term more than 3% from the planner" if differing else
                 "every term within 3% of the planner"))
-    print_fn(replay_step_time(cfg).describe())  # on the planner's default GPU profile
+    replay = replay_step_time(cfg)  # on the planner's default GPU profile
+    print_fn(replay.describe())
+    report["replay"] = replay.as_dict()  # beside the issue's keys: the step time, per stage
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report

@@ -79,6 +79,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch):
     assert main(["--tp", "2", "--pp", "2", "--dp", "2", "--global-batch-size", "32", "--simulate", "--simulate-ranks", "9"]) == 2
     err = capsys.readouterr().err
     assert "outside the world of 8" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["--model", "moe-tiny", "--dp", "2", "--ep", "2", "--moe-token-dispatcher-type", "allgather",
+                 "--global-batch-size", "16", "--simulate"]) == 2  # its routed rows: a host read in the kernel
+    err = capsys.readouterr().err
+    assert "all-to-all dispatcher only" in err and len(err.strip().splitlines()) == 1, err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["--tp", "2", "--simulate"]) == 2
     err = capsys.readouterr().err
@@ -111,11 +115,29 @@ def test_json_schema(tmp_path):
     out = tmp_path / "sim.json"
     simulate(layout(tp=2, dp=2), "representatives", str(out), print_fn=lambda *a: None)
     report = json.loads(out.read_text())
-    assert set(report) == {"world_size", "seconds", "ranks"} and report["world_size"] == 4
+    assert set(report) == {"world_size", "seconds", "ranks", "replay"} and report["world_size"] == 4
     for entry in report["ranks"]:
         assert set(entry) == {"rank", "coords", "measured", "planned"}
         for side in ("measured", "planned"):
             assert set(entry[side]) == set(TERMS) | {"comm_bytes"}
+    replay = report["replay"]  # the step-time replay, beside the issue's keys
+    assert [s["stage"] for s in replay["stages"]] == [0] and replay["seconds"] >= replay["makespan"] > 0
+
+
+def test_replay_per_stage():
+    """The replay's per-stage figures (--simulate-json's "replay"): every stage's busy seconds are its
+    forwards and backwards, m*v of each; the bubble is the busiest stage's idle share."""
+    from megalite.simulate.replay import replay_step_time
+
+    cfg = RunConfig.build(model="llama-13b", tp=8, pp=4, dp=2, micro_batch_size=1, global_batch_size=8,
+                          precision="bf16")
+    cfg = cfg.resolved(cfg.world_size, 32000)
+    replay = replay_step_time(cfg).as_dict()
+    assert [s["stage"] for s in replay["stages"]] == [0, 1, 2, 3]
+    for stage in replay["stages"]:
+        work = cfg.num_microbatches * (stage["forward_s"] + stage["backward_s"])
+        assert abs(stage["busy_s"] / work - 1) < 1e-9 and 0 <= stage["idle_fraction"] < 1
+    assert replay["bubble_fraction"] == min(s["idle_fraction"] for s in replay["stages"])
 
 
 @pytest.mark.parametrize("settings", [
@@ -156,3 +178,39 @@ def test_a_rank_of_a_512_rank_world_holds_and_sends_what_the_planner_counts():
     assert 0 <= m["param_bytes"] - p["param_bytes"] <= 4 * 15
     assert 0 <= m["grad_bytes"] - p["grad_bytes"] <= 4 * 15 + 4
     assert 0 <= m["optimizer_state_bytes"] - p["optimizer_state_bytes"] <= 8
+
+
+def test_expert_parallel_world_sends_what_the_planner_counts():
+    """ep 2 in a world of 16 (tp 2, pp 2, dp 4, ZeRO 1): the dispatcher's count exchange answered with
+    the planner's balanced routing (simulate/routing.py), every group's bytes (the ep all-to-all, the
+    expert-dp reductions, ...) equal the planner's, the model states too. (No gloo grounding: a real run routes
+    by its data, and a router that balances exactly is not what any real step runs.)"""
+    from megalite.moe.dispatcher import AllToAllDispatcher
+
+    exchange = AllToAllDispatcher.exchange_counts
+    cfg = layout(model="moe-tiny", tp=2, pp=2, dp=4, ep=2, zero=1, global_batch_size=8)
+    report = simulate(cfg, "0,15", print_fn=lambda *a: None)  # first stage ep 0, last stage ep 1
+    assert AllToAllDispatcher.exchange_counts is exchange  # put back after the simulation
+    assert {e["coords"]["ep"] for e in report["ranks"]} == {0, 1}
+    for entry in report["ranks"]:
+        m, p = entry["measured"], entry["planned"]
+        assert m["comm_bytes"]["ep"] > 0 and m["comm_bytes"]["edp"] > 0, entry["rank"]
+        # every group: ep, edp, tp, pp, dp (with the MoE statistics) and world (the gradient norm at ep > 1)
+        assert m["comm_bytes"] == p["comm_bytes"], entry["rank"]
+        for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert m[term] == p[term], (entry["rank"], term)
+
+
+def test_balanced_routes_send_and_receive_every_route():
+    """The planner's routing assumption as counts: each rank sends its routes evenly over the ep ranks
+    (a remainder one each) and every rank receives exactly as many as it sends."""
+    from megalite.plan.moe import balanced_routes
+
+    for routes, experts, ep in [(8192, 8, 8), (64, 4, 2), (7, 8, 4), (5, 4, 4)]:
+        for rank in range(ep):
+            sent = [balanced_routes(routes, experts, ep, rank, dest) for dest in range(ep)]
+            received = [balanced_routes(routes, experts, ep, source, rank) for source in range(ep)]
+            assert sum(map(sum, sent)) == sum(map(sum, received)) == routes
+            assert all(len(c) == experts // ep for c in sent)
+            assert max(map(sum, sent)) - min(map(sum, sent)) <= 1
+    assert balanced_routes(8192, 8, 8, 3, 5) == [1024]
