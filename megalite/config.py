@@ -192,10 +192,7 @@ class RunConfig:
         p = self.parallel
         model_ranks = p.tp * p.cp * p.pp
         dp = p.dp if p.dp is not None else (world_size // model_ranks if world_size % model_ranks == 0 else 1)
-        schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
-        if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
-            schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
-        return self.replace(dp=dp, pipeline_schedule=schedule,
+        return self.replace(dp=dp, pipeline_schedule=self._schedule_name(),
                             global_batch_size=self.training.global_batch_size or self.training.micro_batch_size * dp,
                             vocab_size=self.model.vocab_size or tokenizer_vocab_size)
 
@@ -209,7 +206,15 @@ class RunConfig:
 
     @property
     def schedule(self) -> Schedule:
-        return self.parallel.pipeline_schedule or self.resolved(self.world_size).parallel.pipeline_schedule
+        return self.parallel.pipeline_schedule or self._schedule_name()
+
+    def _schedule_name(self) -> Schedule:
+        """The schedule run: the one given, else 1f1b, or interleaved when --virtual-stages > 1."""
+        p = self.parallel
+        schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
+        if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
+            schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
+        return schedule
 
     @property
     def global_batch_size(self) -> int:

@@ -7,6 +7,7 @@
     python tools/plan.py --config run.toml --gpu-memory 80        # the same file the run reads
     python tools/plan.py --model llama-7b --tp 8 --bf16 --hardware A100-80GB   # step time on a built-in profile
     python tools/plan.py --calibrate this-machine.json            # measure this machine (imports torch)
+    python tools/plan.py --calibrate cpu.json --calibrate-bf16    # bf16 too, on a CPU without native bf16
     python tools/plan.py --hardware this-machine.json --tp 2 --pp 2 --global-batch-size 32
     ... --json   # one JSON object (a list with --suggest); sizes in bytes, times in seconds
     ... --plot memory.png        # the answer drawn (tools/plot_plan.py); --print-schedule: the pipeline's timeline
@@ -28,6 +29,7 @@ import argparse
 import json
 import re
 import sys
+import time
 
 from megalite.cli import build_parser, parse_args
 from megalite.config import RunConfig
@@ -78,6 +80,9 @@ def planner_parser() -> argparse.ArgumentParser:
     group.add_argument("--calibrate", metavar="OUT.json", default=None,
                        help="measure this machine (GEMMs, copy, all-reduce, megalite's host overhead; imports "
                             "torch), write a hardware profile to OUT.json and exit")
+    group.add_argument("--calibrate-bf16", action="store_true",
+                       help="with --calibrate: measure bf16 GEMMs even where the device has no native bf16 "
+                            "(measured by default only where it has; each size within the calibration's time cap)")
     return parser
 
 
@@ -91,6 +96,8 @@ def planner_problems(cfg: RunConfig, args: dict) -> list[str]:
     if not problems and gpus % args["nodes"]:
         problems.append(f"--nodes {args['nodes']} does not divide --gpus {gpus}; give GPUs per node x nodes, e.g. "
                         f"--gpus {args['nodes'] * max(1, gpus // args['nodes'])} --nodes {args['nodes']}")
+    if args["calibrate_bf16"] and not args["calibrate"]:
+        problems.append("--calibrate-bf16 only applies to --calibrate OUT.json (it measures bf16 there)")
     if args["suggest"] and not args["gpu_memory"]:
         problems.append("--suggest needs --gpu-memory G (the memory of one GPU, e.g. 80 for 80 GB) to know what fits")
     return problems
@@ -125,12 +132,13 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
     return 0 if found else 2
 
 
-def run_calibrate(path: str) -> int:
+def run_calibrate(path: str, bf16: bool) -> int:
     from megalite.calibration import calibrate  # torch: only here
 
-    profile = calibrate(log=lambda line: print(line, file=sys.stderr))
+    start = time.perf_counter()
+    profile = calibrate(log=lambda line: print(line, file=sys.stderr), bf16=True if bf16 else None)
     profile.save(path)
-    print(f"wrote {path}: use it with --hardware {path}")
+    print(f"wrote {path} in {time.perf_counter() - start:.0f} s: use it with --hardware {path}")
     return 0
 
 
@@ -188,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {one_line(exc).removeprefix('- ')}", file=sys.stderr)
         return 2
     if args["calibrate"]:
-        return run_calibrate(args["calibrate"])
+        return run_calibrate(args["calibrate"], args["calibrate_bf16"])
     if args["suggest"]:
         return run_suggest(cfg, args)
     cfg = cfg.resolved(args["gpus"] or cfg.world_size, cfg.model.vocab_size)

@@ -16,11 +16,12 @@ or all-to-all's transient buffers (`context_parallel_buffer_bytes`, one layer's 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
-from megalite.pipeline.schedules import build_schedule
+from megalite.pipeline.schedules import build_schedule, interleaved_compute
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
 
@@ -197,6 +198,7 @@ def context_parallel_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     return max(forward, backward)
 
 
+@lru_cache(maxsize=4096)
 def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
     """ZB-H1 keeps a microbatch's linear inputs until its deferred weight-gradient pass (W)."""
     live = peak = 0
@@ -243,8 +245,16 @@ def head_inflight_microbatches(cfg: RunConfig) -> int:
         return m
     if cfg.schedule != "interleaved" or v == 1:
         return 1
+    return _interleaved_head_at_peak(pp, m, v)
+
+
+@lru_cache(maxsize=1024)
+def _interleaved_head_at_peak(pp: int, m: int, v: int) -> int:
+    """head_inflight_microbatches' count on the interleaved schedule's last stage, cached: the
+    planner's search asks it for every candidate of one (pp, m, v); the whole placed schedule at pp
+    128 is 10^5 instructions and seconds to build, the last stage's compute 2mv instructions."""
     live, head, peak, head_at_peak = 0, 0, 0, 1
-    for op in build_schedule("interleaved", pp, m, v)[pp - 1]:
+    for op in interleaved_compute(pp, m, v, pp - 1):  # the last stage's compute, as build_schedule orders it
         step = (op.kind == FWD) - (op.kind in (BWD, BWD_INPUT))
         live += step
         head += step if op.chunk == v - 1 else 0

@@ -20,6 +20,7 @@ whole sequence (under SP the block gathers it), at etp = 1 each tp rank its own 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
@@ -35,12 +36,19 @@ def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: b
     p = cfg.parallel
     if model.moe is None or (recomputed and p.recompute != "full"):
         return 0
-    ranges = [range(model.num_layers)] if p.pp == 1 else partition_stage_layers(
-        model.num_layers, p.pp, p.virtual_stages, stage, p.decoder_first_stage_layers, p.decoder_last_stage_layers,
-        p.pipeline_layout)
-    if recomputed and p.recompute_num_layers is not None:
-        ranges = [r[:p.recompute_num_layers] for r in ranges]
-    return sum(model.moe.is_moe_layer(i) for r in ranges for i in r)
+    return _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
+                       p.decoder_last_stage_layers, p.pipeline_layout, stage,
+                       p.recompute_num_layers if recomputed else None)
+
+
+@lru_cache(maxsize=8192)
+def _moe_layers(moe, num_layers: int, pp: int, v: int, first: int | None, last: int | None, layout: str | None,
+                stage: int, per_chunk_cap: int | None) -> int:
+    """stage_moe_layers' count, cached: the planner's search asks it for every stage of every candidate."""
+    ranges = [range(num_layers)] if pp == 1 else partition_stage_layers(num_layers, pp, v, stage, first, last, layout)
+    if per_chunk_cap is not None:
+        ranges = [r[:per_chunk_cap] for r in ranges]
+    return sum(moe.is_moe_layer(i) for r in ranges for i in r)
 
 
 def _mlp_params(model: GPTConfig, ffn: int, tp: int, bias: bool) -> int:

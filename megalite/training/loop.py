@@ -61,6 +61,7 @@ from megalite.training.metrics_sinks import open_sinks, sink_problems
 from megalite.training.launch_checks import launch_problems, machine_problems, memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
+from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None, provided=None) -> int:
             print(to_toml(cfg, cfg.derived()), end="")
             return 0
         if actions["dry_run"]:
-            print(estimate(cfg.gpt_config(), cfg).describe())
+            print(dry_run_report(cfg))
             return 0
         for line in plan.messages():
             log(line)
