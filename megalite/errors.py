@@ -58,3 +58,27 @@ def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: in
         else:
             print(f"megalite: {one_line(error)}", file=stream or sys.stderr, flush=True)
     return USAGE_EXIT_CODE
+
+
+# A path the person gave that the file system refuses (a directory where a file is needed, a file
+# below a file, a missing input, no permission): their mistake, said in one line like a UsageError.
+PATH_ERRORS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, FileExistsError, PermissionError)
+
+
+def reports_usage_errors(main):
+    """Decorate a tool's `main(argv) -> int` so that a UsageError, or an OSError naming a path the
+    file system refused, is one line on stderr (once per node) and exit code 2, as the trainer does."""
+    import functools
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        rank = int(os.environ.get("RANK", "0"))
+        try:
+            return main(*args, **kwargs)
+        except UsageError as exc:
+            return report_usage_error(exc, rank)
+        except PATH_ERRORS as exc:
+            if exc.filename is None:
+                raise
+            return report_usage_error(UsageError(f"{exc.filename}: {exc.strerror or exc}"), rank)
+    return wrapper

@@ -30,6 +30,8 @@ import torch
 
 from megalite import comm, mesh as mesh_lib
 from megalite.plan import bus_factor
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -162,9 +164,10 @@ def _forked_rank(kwargs: dict) -> dict:
     return benchmark(**kwargs)
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--group", default="world", choices=["world", "tp", "dp", "pp"])
     parser.add_argument("--tp", type=int, default=1)

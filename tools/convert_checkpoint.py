@@ -21,7 +21,7 @@ import torch
 
 from megalite.checkpoint import CheckpointCorruptError, read_full_state, write_full_state
 from megalite.cli import OneLineParser
-from megalite.errors import UsageError, one_line
+from megalite.errors import UsageError, one_line, reports_usage_errors
 from megalite.model.config import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 
@@ -157,6 +157,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
     return path
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

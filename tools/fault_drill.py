@@ -12,8 +12,10 @@ What it does:
    (torchrun restarts the group) or SIGTERM (every rank saves after the current step and exits
    0, as under a scheduler's preemption; the drill then relaunches the same command, as the
    scheduler would). Moments: `random` (a seeded delay into the running attempt),
-   `during-async-write` (while a `step_N.tmp/` directory exists; the job writes through a
-   simulated slow file system, --write-delay, so the window is wide enough to hit) and
+   `during-async-write` (a shard written into `step_N.tmp/`, its done marker not yet: the drill
+   arms a hold file, MEGALITE_CHECKPOINT_WRITE_HOLD, that the writers wait on inside that window
+   until the signal is sent, so the moment is hit on a file, not on timing; --write-delay still
+   simulates a slow file system) and
    `after-save` (as soon as `latest` changes). Kinds, moments, victims and delays come from
    --seed; with N >= 2 both kinds and, with N >= 3, all three moments occur;
 3. compares every logged step of the drill (a step redone after a restart is logged again,
@@ -57,6 +59,7 @@ from fault_drill_plan import (MOMENTS, SCRIPT, Fault, compare_curves, job_flags,
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.training.metrics_file import read_records  # noqa: E402
+from megalite.errors import UsageError, reports_usage_errors  # noqa: E402
 
 __all__ = ["MOMENTS", "compare_curves", "job_flags", "main", "parse_args", "plan_faults", "shrink_worlds", "steps_lost"]
 
@@ -93,6 +96,8 @@ class Job:
         self.dir = Path(args.workdir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ckpt, self.metrics = self.dir / "ckpt", self.dir / "metrics.jsonl"
+        self.hold = self.dir / "hold"  # the write window, held on a file (megalite.checkpoint.save.hold_if_armed)
+        self.hold.mkdir(exist_ok=True)
         self.process: subprocess.Popen | None = None
         self.launches = 0
 
@@ -109,7 +114,8 @@ class Job:
     def launch(self, world_size: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MEGALITE_FAULT"))}
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-                   MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay))
+                   MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay),
+                   MEGALITE_CHECKPOINT_WRITE_HOLD=str(self.hold))
         with open(self.dir / f"launch{self.launches}.log", "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(self.command(world_size), env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
@@ -182,9 +188,13 @@ class Drill:
 
     def wait_for_moment(self, fault: Fault) -> str:
         latest = self.job.ckpt / "latest"
-        if fault.moment == "during-async-write":  # a shard file being written into a step_N.tmp/ directory
-            if self._poll(lambda: any(self.job.ckpt.glob("step_*.tmp/shard_r*.bin"))):
+        if fault.moment == "during-async-write":  # a shard written into step_N.tmp/, held before its marker
+            for held in self.job.hold.glob("held_r*"):
+                held.unlink()
+            (self.job.hold / "arm").touch()  # the next save's writers wait there until inject() disarms
+            if self._poll(lambda: any(self.job.hold.glob("held_r*"))):
                 return fault.moment
+            self.disarm()
         elif fault.moment == "after-save":
             current = latest.read_text() if latest.exists() else ""
             if self._poll(lambda: latest.exists() and latest.read_text() != current):
@@ -193,6 +203,9 @@ class Drill:
             time.sleep(fault.delay_fraction * 2 * self.args.save_interval * self.step_time_s)
             return fault.moment
         return "random (the moment did not come)"
+
+    def disarm(self) -> None:
+        (self.job.hold / "arm").unlink(missing_ok=True)
 
     def _poll(self, condition) -> bool:
         deadline = time.monotonic() + self.args.moment_timeout
@@ -208,6 +221,7 @@ class Drill:
         fault.moment_seen = self.wait_for_moment(fault)
         fault.world_before = self.world
         victims = self._signal(fault)
+        self.disarm()  # the held writers go on (the victim's signal is already sent)
         if not victims:
             return False
         self.lost_ranks = self.args.shrink
@@ -259,6 +273,17 @@ class Drill:
         finally:
             self.job.stop()
         return time.monotonic() - started, injected
+
+
+def check_job(args) -> None:
+    """The job's own check of its flags on --nproc ranks (its --dry-run), before any launch: a flag the
+    job refuses is its one line and exit 2 here, not a failed reference run and a traceback."""
+    env = {**os.environ, "WORLD_SIZE": str(args.nproc)}
+    done = subprocess.run([sys.executable, str(SCRIPT), *job_flags(args), "--train-iters", str(args.train_iters),
+                           "--dry-run"], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
+        raise UsageError(f"the drilled job refuses its flags: {' '.join(line.strip() for line in lines)}")
 
 
 def run_reference(args) -> tuple[float, dict[int, float], float]:
@@ -332,8 +357,10 @@ def parse_args(argv):
     return args
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_job(args)  # before anything is made or launched
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="megalite-fault-drill-")  # made only by a drill that runs
     print(f"fault drill: {args.faults} faults, {args.nproc} workers, seed {args.seed}, in {args.workdir}", flush=True)
     drill = Drill(args, 0.0)

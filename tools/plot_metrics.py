@@ -25,6 +25,7 @@ PANELS = [
     ("mfu", "model FLOPs utilisation", 100.0, "MFU %"),
     ("mem_peak_bytes", "peak memory (rank 0)", 1e-9, "GB"),
 ]
+from megalite.errors import reports_usage_errors
 
 
 def load_metrics(path: str) -> list[dict]:
@@ -77,9 +78,10 @@ def plot(paths: list[str], labels: list[str], out: str, smooth: int = 1) -> list
     return [p[0] for p in panels]
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="metrics files written by --metrics-file")
     parser.add_argument("--labels", default=None, help="comma-separated, one per file (default: parent dir)")
     parser.add_argument("--out", default="metrics.png", help="PNG to write")

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402
-from megalite.errors import UsageError, report_usage_error  # noqa: E402
+from megalite.errors import UsageError, report_usage_error, reports_usage_errors  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -39,6 +39,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
     """A mistake in the input (a missing file, a malformed line, a bad tokenizer) prints one line, exit 2."""
     args = parse_args(argv)

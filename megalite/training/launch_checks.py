@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.paths import output_dir_problem, output_file_problem
 from megalite.pipeline.schedules import check_pipeline_config
 from megalite.plan.validity import preflight
 
@@ -47,10 +48,29 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
                                   p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
         except ValueError as exc:
             problems.append(str(exc))
-    problems = list(dict.fromkeys(problems + own))
+    problems = list(dict.fromkeys(problems + own + path_problems(cfg)))
     if not problems and memory is not None:
         problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
     return problems
+
+
+def path_problems(cfg: RunConfig) -> list[str]:
+    """Every output path the run will write, checked now (a directory given as a file, a file as a
+    directory, or a path below a file ended in a traceback at its first write)."""
+    lg, ft = cfg.logging, cfg.fault_tolerance
+    checks = []
+    if lg.metrics_file:
+        checks += [output_file_problem("--metrics-file", lg.metrics_file),
+                   output_file_problem("--metrics-file", os.path.splitext(lg.metrics_file)[0] + ".config.toml")]
+    if lg.tensorboard_dir:
+        checks.append(output_dir_problem("--tensorboard-dir", lg.tensorboard_dir))
+    if lg.profile_steps:
+        checks.append(output_dir_problem("--profile-dir", lg.profile_dir))
+    if ft.hang_timeout and ft.hang_report_dir:
+        checks.append(output_dir_problem("--hang-report-dir", ft.hang_report_dir))
+    if cfg.checkpoint.save:
+        checks.append(output_dir_problem("--save", cfg.checkpoint.save))
+    return list(dict.fromkeys(c for c in checks if c))
 
 
 def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) -> list[str]:
