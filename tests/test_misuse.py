@@ -78,3 +78,33 @@ def test_a_loop_without_zero_grad_is_refused_at_every_zero_stage(zero):
     optimizer.zero_grad()
     model(x).sum().backward()  # with zero_grad: fine
     optimizer.step(1e-2)
+
+
+def _moe_at_etp1_on(tokens):
+    from megalite.mesh import destroy_mesh
+    from megalite.training.step import build_model_chunks
+
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "moe"))
+    from moe_helpers import cfg_for
+
+    cfg = cfg_for(tp=2, num_layers=1, seq_length=32)
+    mesh = init_mesh(tp=2, ep=1, etp=1)
+    try:
+        model = build_model_chunks(cfg.gpt_config(), cfg, mesh)[0]
+        ids = torch.randint(0, 257, (1, tokens))
+        try:
+            return tuple(model(ids).shape)
+        except ValueError as exc:
+            return str(exc)
+    finally:
+        destroy_mesh()
+
+
+def test_moe_at_etp_1_names_the_fix_for_a_token_count_tp_does_not_divide():
+    # was a ValueError from tensor_parallel/mappings.py ("cannot split dim 0 of size 21 across 2 ...")
+    for result in run_distributed(_moe_at_etp1_on, 2, 21, timeout_s=60):
+        assert result == ("an MoE layer at etp 1 under tp 2 gives each tp rank 1/2 of the sequence, and 21 tokens "
+                          "do not split evenly: pad the sequence to a multiple of 2 tokens, or build the mesh with "
+                          "etp=tp (init_mesh(..., etp=2))"), result
+    assert all(isinstance(r, tuple) for r in run_distributed(_moe_at_etp1_on, 2, 22, timeout_s=60))

@@ -96,8 +96,6 @@ class Job:
         self.dir = Path(args.workdir) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ckpt, self.metrics = self.dir / "ckpt", self.dir / "metrics.jsonl"
-        self.hold = self.dir / "hold"  # the write window, held on a file (megalite.checkpoint.save.hold_if_armed)
-        self.hold.mkdir(exist_ok=True)
         self.process: subprocess.Popen | None = None
         self.launches = 0
 
@@ -115,11 +113,18 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MEGALITE_FAULT"))}
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                    MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay),
-                   MEGALITE_CHECKPOINT_WRITE_HOLD=str(self.hold))
+                   MEGALITE_CHECKPOINT_WRITE_HOLD=str(self.hold_dir(self.launches)))
         with open(self.dir / f"launch{self.launches}.log", "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(self.command(world_size), env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         self.launches += 1
+
+    def hold_dir(self, launch: int) -> Path:
+        """Launch `launch`'s write-window hold (megalite.checkpoint.save.hold_if_armed): armed before
+        that launch saves, so the window is waited for on a file, whatever the machine's load."""
+        path = self.dir / f"hold{launch}"
+        path.mkdir(exist_ok=True)
+        return path
 
     def finished(self) -> bool:
         logged = read_losses(self.metrics)
@@ -189,10 +194,10 @@ class Drill:
     def wait_for_moment(self, fault: Fault) -> str:
         latest = self.job.ckpt / "latest"
         if fault.moment == "during-async-write":  # a shard written into step_N.tmp/, held before its marker
-            for held in self.job.hold.glob("held_r*"):
-                held.unlink()
-            (self.job.hold / "arm").touch()  # the next save's writers wait there until inject() disarms
-            if self._poll(lambda: any(self.job.hold.glob("held_r*"))):
+            hold = self.job.hold_dir(self.job.launches - 1)
+            (hold / "arm").touch()  # normally armed already, before this launch (or restart) began
+            # the job cannot end while a writer is held: wait for the file even once the last step is logged
+            if self._poll(lambda: any(hold.glob("held_r*")), until_finished=False):
                 return fault.moment
             self.disarm()
         elif fault.moment == "after-save":
@@ -204,24 +209,35 @@ class Drill:
             return fault.moment
         return "random (the moment did not come)"
 
-    def disarm(self) -> None:
-        (self.job.hold / "arm").unlink(missing_ok=True)
+    def arm_for(self, fault: Fault | None, previous: Fault | None) -> None:
+        """Arm the write hold of the launch `fault` will hit, when its moment is a write: the running
+        launch after a SIGKILL that torchrun restarts in place, else the next launch."""
+        if fault is None or fault.moment != "during-async-write":
+            return
+        relaunched = previous is not None and (previous.kind == "SIGTERM" or self.args.shrink)
+        (self.job.hold_dir(self.job.launches if relaunched or previous is None else self.job.launches - 1)
+         / "arm").touch()
 
-    def _poll(self, condition) -> bool:
+    def disarm(self) -> None:
+        for hold in self.job.dir.glob("hold*"):
+            (hold / "arm").unlink(missing_ok=True)
+
+    def _poll(self, condition, until_finished: bool = True) -> bool:
         deadline = time.monotonic() + self.args.moment_timeout
-        while time.monotonic() < deadline and not self.job.finished():
+        while time.monotonic() < deadline and not (until_finished and self.job.finished()):
             if condition():
                 return True
             time.sleep(0.002)
         return False
 
-    def inject(self, fault: Fault, started: float) -> bool:
+    def inject(self, fault: Fault, started: float, next_fault: Fault | None = None) -> bool:
         """Wait for the moment, signal the victim, wait until training resumes. False if the job ended first."""
         _wait(lambda: self.training() or self.job.finished(), self.args.timeout, "training", poll_s=0.02)
         fault.moment_seen = self.wait_for_moment(fault)
         fault.world_before = self.world
         victims = self._signal(fault)
         self.disarm()  # the held writers go on (the victim's signal is already sent)
+        self.arm_for(next_fault, fault)
         if not victims:
             return False
         self.lost_ranks = self.args.shrink
@@ -262,10 +278,11 @@ class Drill:
     def run(self, faults: list[Fault]) -> tuple[float, int]:
         """Run the job to the end with `faults`; return (wall seconds, faults injected)."""
         started, injected = time.monotonic(), 0
+        self.arm_for(faults[0] if faults else None, None)
         self.job.launch(self.next_launch_world_size())
         try:
-            for fault in faults:
-                if not self.inject(fault, started):
+            for i, fault in enumerate(faults):
+                if not self.inject(fault, started, faults[i + 1] if i + 1 < len(faults) else None):
                     break
                 injected += 1
             _wait(lambda: (self.ensure_running() or True) and self.job.finished() and self.job.process.poll() == 0,
