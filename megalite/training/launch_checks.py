@@ -48,9 +48,21 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
                                   p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
         except ValueError as exc:
             problems.append(str(exc))
-    problems = list(dict.fromkeys(problems + own + path_problems(cfg)))
+    problems = list(dict.fromkeys(problems + own + path_problems(cfg) + _accepted_nonsense(cfg, model.num_layers)))
     if not problems and memory is not None:
         problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
+    return problems
+
+
+def _accepted_nonsense(cfg: RunConfig, num_layers: int) -> list[str]:
+    """Settings that ran as if not given: --recompute-num-layers beyond the blocks of a model chunk."""
+    p, problems = cfg.parallel, []  # (--virtual-stages at --pp 1: the planner's preflight names it)
+    if p.recompute_num_layers is not None and num_layers % (p.pp * p.virtual_stages) == 0:
+        per_chunk = num_layers // (p.pp * p.virtual_stages)
+        if p.recompute_num_layers > per_chunk:
+            problems.append(f"--recompute-num-layers {p.recompute_num_layers} is more than the {per_chunk} blocks of "
+                            f"each model chunk ({num_layers} layers / (pp {p.pp} x virtual stages "
+                            f"{p.virtual_stages})); choose 1..{per_chunk}")
     return problems
 
 
@@ -80,6 +92,15 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     problems = []
     if cfg.training.cuda_graph and not cuda_available:
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
+    if kernel_backend == "triton" and not cuda_available:  # the kernels would raise at the first op
+        from megalite.kernels.dispatch import HAVE_TRITON, interpreting
+
+        if not HAVE_TRITON:
+            problems.append("MEGALITE_KERNEL_BACKEND=triton but triton cannot be imported here; install triton "
+                            "(Linux) or set MEGALITE_KERNEL_BACKEND=auto")
+        elif not interpreting():
+            problems.append("MEGALITE_KERNEL_BACKEND=triton without a GPU needs Triton's CPU interpreter: set "
+                            "TRITON_INTERPRET=1 (slow: for checking kernels), or MEGALITE_KERNEL_BACKEND=auto")
     if cfg.precision.precision == "bf16" and not cuda_available and kernel_backend == "triton":
         problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
                         "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")

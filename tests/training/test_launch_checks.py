@@ -106,6 +106,7 @@ def test_the_configuration_does_not_import_the_planner():
 def test_bf16_on_the_triton_interpreter_is_refused(monkeypatch):
     # numpy has no bfloat16: the interpreter's tl.dot gives attention outputs off by ~1e9 and no error
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter itself (without it: the test below)
     with pytest.raises(ConfigError, match="no bf16 matrix multiply; use --precision fp16 or fp32"):
         configure(RunConfig.build(precision="bf16"), 1, 257)
     assert configure(RunConfig.build(precision="fp16"), 1, 257).precision.precision == "fp16"
@@ -117,3 +118,26 @@ def test_a_kernel_backend_that_names_none_is_one_problem(monkeypatch):
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "cuda")
     with pytest.raises(ConfigError, match="MEGALITE_KERNEL_BACKEND='cuda' is not a backend; choose one of"):
         configure(RunConfig.build(), 1, 257)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU runs Triton without the interpreter")
+def test_triton_on_a_cpu_without_the_interpreter_is_one_problem(monkeypatch):
+    # was a ValueError traceback at the first kernel call
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="without a GPU needs Triton's CPU interpreter: set TRITON_INTERPRET=1"):
+        configure(RunConfig.build(), 1, 257)
+
+
+def test_recompute_num_layers_beyond_a_chunk_and_output_paths_are_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError) as error:
+        configure(RunConfig.build(num_layers=2, recompute="full", recompute_num_layers=3,
+                                  metrics_file=str(tmp_path), profile_steps=(1, 1), profile_dir=str(tmp_path / "file"),
+                                  hang_timeout=60.0, hang_report_dir=str(tmp_path / "file" / "reports")), 1, 257)
+    problems = str(error.value)
+    assert "--recompute-num-layers 3 is more than the 2 blocks of each model chunk" in problems
+    assert f"--metrics-file {tmp_path} is a directory; --metrics-file takes a file name" in problems
+    assert f"--profile-dir {tmp_path / 'file'} is a file; --profile-dir takes a directory" in problems
+    assert f"--hang-report-dir {tmp_path / 'file' / 'reports'}: {tmp_path / 'file'} is a file, not a directory" \
+        in problems
