@@ -41,6 +41,8 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
     if tokenizer_vocab_size is not None and model.vocab_size < tokenizer_vocab_size:
         problems.append(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}; "
                         f"drop --vocab-size or set it >= {tokenizer_vocab_size}")
+    if memory is not None:  # launching: the host memory of what each step reads (before building schedules)
+        problems += host_memory_problems(cfg, model.seq_length, host_ram_per_rank())
     if cfg.parallel.pp > 1 and not problems:
         try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
             p = cfg.parallel
@@ -64,6 +66,29 @@ def _accepted_nonsense(cfg: RunConfig, num_layers: int) -> list[str]:
                             f"each model chunk ({num_layers} layers / (pp {p.pp} x virtual stages "
                             f"{p.virtual_stages})); choose 1..{per_chunk}")
     return problems
+
+
+# Host bytes per sample a step holds: its index (a Python int in a list) and its input_ids and labels
+# rows (int64, seq tokens each) in the collated microbatches; load_microbatches reads a whole step.
+HOST_BYTES_PER_INDEX = 36
+
+
+def host_memory_problems(cfg: RunConfig, seq_length: int, ram_per_rank: float) -> list[str]:
+    """The step's samples against this rank's share of host RAM (a batch size that cannot fit grew the
+    process until the machine ran out, neither refusing nor training)."""
+    per_rank = cfg.global_batch_size // max(1, cfg.dp)
+    need = per_rank * (HOST_BYTES_PER_INDEX + 2 * 8 * seq_length)
+    if need <= 0.8 * ram_per_rank:
+        return []
+    return [f"--global-batch-size {cfg.global_batch_size}: each rank reads {per_rank} samples of {seq_length} tokens "
+            f"per step into host memory ({need / 1e9:.3g} GB of token ids), more than its share of this machine's RAM "
+            f"({ram_per_rank / 1e9:.3g} GB); lower --global-batch-size or spread it over more data-parallel ranks"]
+
+
+def host_ram_per_rank() -> float:
+    """This machine's RAM shared by the node's ranks (LOCAL_WORLD_SIZE)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def path_problems(cfg: RunConfig) -> list[str]:

@@ -141,3 +141,19 @@ def test_recompute_num_layers_beyond_a_chunk_and_output_paths_are_refused(tmp_pa
     assert f"--profile-dir {tmp_path / 'file'} is a file; --profile-dir takes a directory" in problems
     assert f"--hang-report-dir {tmp_path / 'file' / 'reports'}: {tmp_path / 'file'} is a file, not a directory" \
         in problems
+
+
+def test_a_batch_that_cannot_fit_in_host_memory_is_refused_before_reading_it():
+    # was neither a refusal nor training: 21 GB of RSS in 10 minutes (sample indices of a 10^12 batch)
+    with pytest.raises(ConfigError, match=r"--global-batch-size 1000000000000: each rank reads 1000000000000 samples "
+                                          r"of 16 tokens per step into host memory .* more than its share of this "
+                                          r"machine's RAM"):
+        configure(RunConfig.build(global_batch_size=10 ** 12, micro_batch_size=1, seq_length=16, train_iters=2), 1,
+                  257, memory=(1e18, "GPU 0's memory"))
+
+
+def test_a_memory_refusal_dominated_by_activations_points_at_the_sequence():
+    with pytest.raises(ConfigError, match=r"activations \(.* GB even with the changes above\) dominate: shorten "
+                                          r"--seq-length, or split each sequence over more ranks with --cp"):
+        configure(RunConfig.build(model="tiny-llama", seq_length=2 ** 20, micro_batch_size=1, train_iters=1), 1, 257,
+                  memory=(8e9, "GPU 0's memory"))
