@@ -47,7 +47,8 @@ CRASH_ENV = "MEGALITE_CHECKPOINT_CRASH_AFTER_BYTES"  # fault injection: rank 0 d
 # many seconds longer, so a drill can reliably kill a worker while a background write is in flight.
 WRITE_DELAY_ENV = "MEGALITE_CHECKPOINT_WRITE_DELAY_S"
 # The drill's deterministic window (no timing): a directory. While DIR/arm exists, each rank that
-# has written its shard (not yet its done marker) says so in DIR/held_rN and waits for `arm` to go.
+# has started a background write (its training thread), or written its shard but not yet its done
+# marker (the writer), says so in DIR/held_rN and waits for `arm` to go.
 WRITE_HOLD_ENV = "MEGALITE_CHECKPOINT_WRITE_HOLD"
 HOLD_LIMIT_S = 300.0  # a drill that died does not keep the run waiting for ever
 
@@ -192,6 +193,7 @@ class Checkpointer:
             self.last_blocked_s = time.perf_counter() - started
             self.log(f"checkpoint: step {step} copied to memory in {self.last_blocked_s:.2f} s; writing to "
                      f"{final} in the background")
+            hold_if_armed(self.mesh.rank)  # a drill's window: training waits too, the write stays in flight
         else:
             self._write_shard(write)
             self.settle()  # rank 0 publishes once every rank's shard is written; errors raise on every rank
