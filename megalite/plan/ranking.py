@@ -65,7 +65,7 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
         bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
                     f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
     if par.ep > 1:
-        bits.append(f"ep={par.ep} shards the experts: {est.params_per_rank / 1e9:.2f}B parameters per rank, "
+        bits.append(f"ep={par.ep} shards the experts: {_count(est.params_per_rank)} parameters per rank, "
                     f"{est.comm_bytes.get('ep/all_to_all', 0) / 1e9:.2f} GB of token all-to-all per step")
     if model.moe is not None and par.tp > 1:
         bits.append(f"etp={par.etp}: " + ("whole experts on every tp rank, each routing its own 1/tp of the tokens"
@@ -229,3 +229,11 @@ def _rank(found: list[Suggestion]) -> list[Suggestion]:
                          f"{NEAR_BEST:.0%} of the best step time the lowest ZeRO stage wins (ZeRO-3 gathers the "
                          f"parameters every step: more communication, for memory this layout does not need)")
     return ranked
+
+
+def _count(n: float) -> str:
+    """A parameter count at the scale it has: 1.30B, 4.20M, 35.0K (a tiny model was "0.00B")."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
