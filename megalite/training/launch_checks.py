@@ -132,6 +132,30 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     return problems
 
 
+def machine_notes(cfg: RunConfig, cuda_available: bool, cpu_flags: set[str] | None = None) -> list[str]:
+    """What this machine will do slowly, said once at start (not refused): bf16 on a CPU without native
+    bf16 arithmetic (avx512_bf16 / amx_bf16) runs emulated, several times slower than fp32."""
+    if cuda_available or cfg.precision.precision != "bf16":
+        return []
+    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    if flags is None or flags & {"avx512_bf16", "amx_bf16"}:
+        return []
+    return ["note: this CPU has no native bf16 arithmetic (no avx512_bf16 / amx_bf16): bf16 runs emulated, several "
+            "times slower than fp32; use --precision fp32 here unless bf16 itself is what you test"]
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (Linux /proc/cpuinfo), or None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
 def memory_per_rank() -> tuple[float, str]:
     """(bytes, whose) this rank may fill: its GPU's memory, or on a CPU the machine's RAM shared by
     the node's ranks (LOCAL_WORLD_SIZE). Asked before any process group exists."""

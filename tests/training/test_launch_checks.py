@@ -157,3 +157,12 @@ def test_a_memory_refusal_dominated_by_activations_points_at_the_sequence():
                                           r"--seq-length, or split each sequence over more ranks with --cp"):
         configure(RunConfig.build(model="tiny-llama", seq_length=2 ** 20, micro_batch_size=1, train_iters=1), 1, 257,
                   memory=(8e9, "GPU 0's memory"))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_gets_a_notice():
+    from megalite.training.launch_checks import machine_notes
+
+    bf16 = RunConfig.build(precision="bf16")
+    assert "no native bf16 arithmetic" in machine_notes(bf16, False, cpu_flags={"avx2", "fma"})[0]
+    assert machine_notes(bf16, False, cpu_flags={"avx512f", "avx512_bf16"}) == []
+    assert machine_notes(bf16, True) == [] and machine_notes(RunConfig.build(), False, cpu_flags={"avx2"}) == []
