@@ -134,6 +134,8 @@ def cp_dp(cfg: RunConfig) -> str:
 
 
 def data_problems(data: DataSettings) -> list[str]:
+    if data.mock_data and (data.data_path is not None or data.tokenizer is not None):
+        return ["--mock-data trains on synthetic token ids: drop --data-path/--tokenizer, or drop --mock-data"]
     if data.data_path is None:
         return []
     if len(data.data_path) > 1 and len(data.data_path) % 2:

@@ -16,8 +16,9 @@
         auto dispatch runs today and with the Triton kernels those runs used.
 
     python tools/bench_step_time.py --h200 --measure [--iters 20]
-        On a GPU: each of those examples/pretrain_gpt.py runs again (the vocab-257 rows, --iters steps,
-        median step time after the 5th) against the planner on this GPU's built-in profile.
+        On a GPU: each of those examples/pretrain_gpt.py runs again (the vocab-257 rows and the real
+        vocabularies on --mock-data, --iters steps, median step time after the 5th) against the planner
+        on this GPU's built-in profile.
 
     python tools/bench_step_time.py --cycles 3 --iters 40
         On this machine, for the default run, (tp, pp, dp) = (2, 2, 1) and (1, 1, 4) in turn, back to
@@ -99,7 +100,12 @@ H200_RUNS = [("llama-1b 4x2048", dict(model="llama-1b", micro_batch_size=4, seq_
              ("gpt2-124m 8x1024", dict(model="gpt2-124m", micro_batch_size=8, seq_length=1024), 257, 0.0505,
               "gpt2prof.txt / README: 46-55 ms"),
              ("gpt2-124m 8x1024 V50257", dict(model="gpt2-124m", micro_batch_size=8, seq_length=1024), 50257,
-              8192 / 140.6e3, "bench_train: 140.6k tok/s")]
+              8192 / 140.6e3, "bench_train: 140.6k tok/s"),
+             # real vocabularies on --mock-data; measured by code not on main (docs/benchmarks.md, "unlanded branch")
+             ("llama3-1b 4x2048 mock", dict(model="llama3-1b", micro_batch_size=4, seq_length=2048, mock_data=True),
+              128256, 0.1444, "unlanded branch 2026-11-26"),
+             ("llama-1b 4x2048 V32000 mock", dict(model="llama-1b", micro_batch_size=4, seq_length=2048,
+                                                  mock_data=True), 32000, 0.1314, "unlanded branch 2026-11-26")]
 
 
 def h200(hardware: str = "H200") -> None:
@@ -129,9 +135,9 @@ def measure_gpu(iters: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"{device}: measured (median step after the 5th of {iters}) against the {profile} profile")
     for name, settings, vocab, _, _ in H200_RUNS:
-        if vocab != 257:  # examples/pretrain_gpt.py's embedded data; the other row is tools/bench_train.py's
-            continue
-        flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+        if vocab != 257 and not settings.get("mock_data"):  # the embedded data or mock ids; the other row is
+            continue                                           # tools/bench_train.py's
+        flags = [f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}") for key, value in settings.items()]
         tag = name.replace(" ", "_")
         seconds = measure_run(tag, flags + ["--bf16", f"--global-batch-size={settings['micro_batch_size']}"],
                               iters, out, world=1)

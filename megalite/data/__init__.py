@@ -19,6 +19,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                                   "parse_data_path", "parse_split", "split_documents"],
     "megalite.data.indexed_dataset": ["CorruptIndexError", "DataError", "DataFileNotFoundError", "IndexedDataset",
                                       "IndexedDatasetWriter"],
+    "megalite.data.mock_dataset": ["MockDataset", "build_mock_datasets"],
     "megalite.data.preprocess": ["preprocess_documents", "preprocess_files"],
     "megalite.data.sampler": ["EvalSampler", "GlobalBatchSampler", "collate", "eval_indices",
                               "load_microbatches"],

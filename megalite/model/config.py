@@ -165,6 +165,11 @@ PRESETS: dict[str, dict] = {
                       seq_length=2048),
     "llama-1b": dict(flavour="llama", num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                      ffn_hidden_size=5632, vocab_size=32000, seq_length=2048),
+    # Llama-3.2-1B's shape (its RoPE frequency scaling for long contexts is not modelled): real 128k
+    # vocabulary, tied embeddings; train it on --mock-data without a corpus of that tokenizer
+    "llama3-1b": dict(flavour="llama", num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=8192, vocab_size=128256, seq_length=2048, rope_theta=500000.0,
+                      tie_embeddings=True),
     "llama-7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096),
     "llama-13b": dict(flavour="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,

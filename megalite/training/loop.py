@@ -44,7 +44,8 @@ from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, Elastic
 from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
-from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches, load_tokenizer
+from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
+                           load_tokenizer)
 from megalite.errors import ConfigError, UsageError, report_usage_error
 from megalite.kernels.dispatch import backend_name
 from megalite.training.cuda_graph import StepGraphs
@@ -102,7 +103,8 @@ def _configure_and_train(argv: list[str] | None) -> int:
     plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
     cfg = plan.cfg
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    cfg = configure(cfg, world_size, tokenizer.vocab_size, memory=memory_per_rank() if launching else None)
+    vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
+    cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
     if actions["print_config"]:
         print(to_toml(cfg, cfg.derived()), end="")
         return 0
@@ -123,7 +125,7 @@ def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
                                   saved_state.lr_factor if saved_state else 1.0)
 
 
-def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int,
+def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None,
               memory: tuple[float, str] | None = None) -> RunConfig:
     """The configuration resolved for this world, or ConfigError listing every problem and its fix.
     `memory`: (bytes, whose) each rank may use (`memory_per_rank()`), to refuse a layout that cannot fit."""
@@ -202,14 +204,18 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     model_cfg = cfg.gpt_config()
     _announce(cfg, model_cfg, mesh)
     t = cfg.training
-    # data may sit on node-local disks: every rank learns if any rank cannot read it
-    train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
-        list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
-        tokenizer), comm.world_group())
+    if cfg.data.mock_data:  # synthetic ids over the true vocabulary; nothing to read, nothing to agree on
+        train_set, valid_set, _ = build_mock_datasets(model_cfg.vocab_size, model_cfg.seq_length, t.seed,
+                                                      cfg.data.split)
+    else:  # data may sit on node-local disks: every rank learns if any rank cannot read it
+        train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
+            list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
+            tokenizer), comm.world_group())
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
-        + (f", {len(valid_set)} validation" if valid_set is not None else ""))
+        + (f", {len(valid_set)} validation" if valid_set is not None else "")
+        + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
     chunks = build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)

@@ -1,5 +1,9 @@
 """Online-softmax cross entropy kernels vs F.cross_entropy (single device; see
 test_vocab_parallel_cross_entropy.py for the tensor-parallel form on real gloo ranks)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -48,12 +52,46 @@ def test_single_process_vocab_parallel_excludes_padding_columns():
                            tolerance(torch.float32))
 
 
+# A target outside the vocabulary, in a fresh process: on a GPU the range check is a device-side assert
+# (torch._assert_async), which leaves the CUDA context unusable, so in this process it would turn every
+# later kernel test into an error. On the CPU it raises the ValueError at once.
+_OUT_OF_RANGE_CHILD = """
+import sys, torch
+from megalite.kernels import cross_entropy
+device = torch.device(sys.argv[1])
+cross_entropy(torch.randn(3, 10, device=device), torch.tensor([1, 10, 2], device=device))
+if device.type == "cuda":
+    torch.cuda.synchronize()  # the device-side assert surfaces here
+print("no error")
+"""
+
+
+def _out_of_range_in_fresh_process(device: torch.device) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MEGALITE_KERNEL_BACKEND="triton")
+    return subprocess.run([sys.executable, "-c", _OUT_OF_RANGE_CHILD, str(device)], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
 def test_cross_entropy_rejects_out_of_range_targets():
     logits = torch.randn(3, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="targets have shape"):  # a host-side check: safe in this process
+        cross_entropy(logits, torch.tensor([1, 2], device=DEVICE))
+    if DEVICE.type == "cuda":
+        result = _out_of_range_in_fresh_process(DEVICE)
+        assert result.returncode != 0 and "no error" not in result.stdout, result.stdout + result.stderr[-2000:]
+        assert "device-side assert" in result.stderr, result.stderr[-2000:]
+        return
     with pytest.raises(ValueError, match="outside \\[0, 10\\)"):
         cross_entropy(logits, torch.tensor([1, 10, 2], device=DEVICE))
-    with pytest.raises(ValueError, match="targets have shape"):
-        cross_entropy(logits, torch.tensor([1, 2], device=DEVICE))
+
+
+@pytest.mark.slow
+def test_out_of_range_child_fails_on_cpu_too():
+    """The fresh-process check itself, exercised here on the CPU (the GPU runs it for real): the child
+    must fail naming the bad target, not print "no error"."""
+    result = _out_of_range_in_fresh_process(torch.device("cpu"))
+    assert result.returncode != 0 and "no error" not in result.stdout, result.stdout
+    assert "outside [0, 10)" in result.stderr, result.stderr[-2000:]
 
 
 @gpu_only

@@ -25,10 +25,12 @@ def _hf_model(kind):
                                          rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2,
                                          tie_word_embeddings=False)
         model = transformers.MixtralForCausalLM(cfg)
-    else:
+    else:  # "llama3": the llama3-1b preset's differences, a tied head and rope theta 500000
+        llama3 = kind == "llama3"
         cfg = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                                       rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+                                       rms_norm_eps=1e-6, rope_theta=500000.0 if llama3 else 10000.0,
+                                       tie_word_embeddings=llama3)
         model = transformers.LlamaForCausalLM(cfg)
     return model.float().eval()
 
@@ -66,7 +68,7 @@ def _megalite_logits(kind, tp, hf, ref_logits, ref_loss, ep=1, etps=(1,)):
     return True
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama3"])
 def test_from_hf_logits_match_transformers(kind):
     hf, logits, loss = _reference(kind)
     for tp in (1, 2):
@@ -80,7 +82,7 @@ def test_from_hf_mixtral_logits_match_transformers_at_tp1_and_tp2_ep2():
     assert all(run_distributed(_megalite_logits, 4, "mixtral", 2, hf, logits, loss, ep=2, etps=(1, 2)))  # dp 2
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama3", "mixtral"])
 def test_state_dict_round_trip(kind):
     hf = _hf_model(kind)
     config = config_from_hf(hf.config)
