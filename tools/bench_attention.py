@@ -14,6 +14,7 @@ kernels, run at the fastest speed there is). Not a test: it asserts no time.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import math
 import os

@@ -16,6 +16,7 @@ and a memcpy of them into touched memory (the best an async snapshot can do). Me
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import shutil
 import statistics

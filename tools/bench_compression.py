@@ -22,6 +22,7 @@ which tools/plot_metrics.py draws.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import platform

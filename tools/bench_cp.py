@@ -25,6 +25,7 @@ probed on 2 gloo ranks first; on CPU it does not run (the reason is printed), so
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import platform
 import sys

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import platform

@@ -26,6 +26,7 @@ Timings are host wall-clock on shared CPUs: compare systems within one run only.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import platform
 import statistics

@@ -29,6 +29,7 @@ Prints each count for both and the ratio megalite / baseline. Not a test: nothin
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import collections
 import contextlib
 import statistics

@@ -33,6 +33,7 @@ timing harness on CPU with tiny shapes, both clocks being the wall clock.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import csv
 import math
 import os

@@ -20,6 +20,7 @@ paper's formula (Eqs. 1-6), as bytes / (s*b*h) and as ratios.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import sys

@@ -17,6 +17,7 @@ rank holds E/ep experts) runs forward + backward of one `megalite.moe.MoELayer` 
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import platform
 import statistics

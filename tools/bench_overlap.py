@@ -20,6 +20,7 @@ one run only.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import statistics
 import sys

@@ -29,6 +29,7 @@
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import dataclasses
 import json
 import os

@@ -25,6 +25,7 @@ Not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import statistics
 import time
 

@@ -17,6 +17,7 @@ predicts (the planner's step time is then optimistic by that much on its GEMM pa
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import sys
 from pathlib import Path

@@ -19,6 +19,7 @@ never silent. Pure text processing: no torch, no GPU.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import re
 import statistics

@@ -19,6 +19,7 @@ reduction or PowerSGD), or ranks sharing too few cores/links.
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import pathlib

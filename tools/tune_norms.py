@@ -20,6 +20,7 @@ tables to paste into kernels/rms_norm.py, kernels/layer_norm.py and kernels/rope
 """
 from __future__ import annotations
 
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import dataclasses
 import importlib
 import json

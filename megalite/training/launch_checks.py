@@ -105,8 +105,6 @@ def path_problems(cfg: RunConfig) -> list[str]:
         checks.append(output_dir_problem("--profile-dir", lg.profile_dir))
     if ft.hang_timeout and ft.hang_report_dir:
         checks.append(output_dir_problem("--hang-report-dir", ft.hang_report_dir))
-    if cfg.checkpoint.save:
-        checks.append(output_dir_problem("--save", cfg.checkpoint.save))
     return list(dict.fromkeys(c for c in checks if c))
 
 
