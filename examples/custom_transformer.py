@@ -5,6 +5,13 @@
     torchrun --nproc_per_node 4 examples/custom_transformer.py --tp 2 --cp 2             # long sequences
     torchrun --nproc_per_node 4 examples/custom_transformer.py --dp 4 --zero 3           # parameters sharded
     torchrun --nproc_per_node 2 examples/custom_transformer.py --pp 2 --schedule interleaved --virtual-stages 2
+    torchrun --nproc_per_node 4 examples/custom_transformer.py --in-loop --tp 2 --dp 2 --zero 3 --train-iters 20
+    torchrun --nproc_per_node 4 examples/custom_transformer.py --in-loop --tp 2 --pp 2 --train-iters 20
+
+--in-loop hands the same model to megalite's training loop instead of the loop written below
+(megalite.training.provided: a `model_provider` and a `loss_fn`; the flags are then megalite's own, as
+examples/pretrain_gpt.py takes them): the corpus and tokenizer, checkpoints, resume, metrics and
+evaluation come with it (docs/own_model.md).
 
 The model is a plain nn.Sequential written here: an embedding, pre-norm blocks (Megatron's
 pattern: column-parallel in, row-parallel out, one tp reduction per half-block) and a head whose
@@ -57,9 +64,9 @@ class Embedding(nn.Module):
     """Token ids [b, s/cp] -> hidden states [s/cp, b, h] (sequence first), or under sequence
     parallelism this tp rank's shard [s/cp/tp, b, h]."""
 
-    def __init__(self, mesh, sequence_parallel: bool):
+    def __init__(self, mesh, sequence_parallel: bool, vocab: int = VOCAB):
         super().__init__()
-        self.tokens = VocabParallelEmbedding(VOCAB, HIDDEN, init_method=lambda w: nn.init.normal_(w, std=0.02))
+        self.tokens = VocabParallelEmbedding(vocab, HIDDEN, init_method=lambda w: nn.init.normal_(w, std=0.02))
         self.positions = nn.Embedding(SEQ, HIDDEN)
         nn.init.normal_(self.positions.weight, std=0.02)
         self.register_buffer("position_ids", position_ids(SEQ, mesh.cp_rank, mesh.cp_size), persistent=False)
@@ -98,10 +105,10 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Final norm and output projection: [s, b, h] -> logits split over the vocabulary [s, b, V/tp]."""
 
-    def __init__(self, sequence_parallel: bool):
+    def __init__(self, sequence_parallel: bool, vocab: int = VOCAB):
         super().__init__()
         self.norm = LayerNorm(HIDDEN, sequence_parallel=sequence_parallel)
-        self.proj = ColumnParallelLinear(HIDDEN, VOCAB, bias=False, sequence_parallel=sequence_parallel)
+        self.proj = ColumnParallelLinear(HIDDEN, vocab, bias=False, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.norm(x))
@@ -112,13 +119,13 @@ def loss_sum(logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return vocab_parallel_cross_entropy(logits_shard, labels.t(), vocab_size=VOCAB).sum()
 
 
-def build_model(mesh, args) -> nn.Sequential:
+def build_model(mesh, args, vocab: int = VOCAB) -> nn.Sequential:
     """The whole model, built the same on every rank (same seed, full master weights sliced per tp
     rank); each pipeline rank keeps its own stages of it."""
     torch.manual_seed(0)
-    return nn.Sequential(Embedding(mesh, args.sequence_parallel),
+    return nn.Sequential(Embedding(mesh, args.sequence_parallel, vocab),
                          *[Block(mesh, args.sequence_parallel, args.cp_comm_type) for _ in range(LAYERS)],
-                         Head(args.sequence_parallel))
+                         Head(args.sequence_parallel, vocab))
 
 
 def counting_sequences(steps: int) -> torch.Tensor:
@@ -226,5 +233,42 @@ def main(argv: list[str] | None = None) -> list[float]:
     return losses
 
 
+# ---------------------------------------------------------------------------------------------
+# --in-loop: the same model in megalite's training loop
+# ---------------------------------------------------------------------------------------------
+
+LOOP_VOCAB = 384  # the loop's byte tokenizer has 257 ids; 384 splits evenly over tp in {1, 2, 3, 4, 6, 8}
+
+
+def model_provider(mesh, *, pre_process: bool, post_process: bool, layer_ids: range | None = None) -> nn.Module:
+    """The model for megalite's loop: the whole of it, or at --pp > 1 one pipeline chunk, the blocks
+    `layer_ids` (plus the embedding first, the head last). The other positions hold nn.Identity, so
+    every parameter keeps its whole-model name (`3.qkv.weight`): checkpoints are layout-free."""
+    model = build_model(mesh, argparse.Namespace(sequence_parallel=False, cp_comm_type="p2p"), LOOP_VOCAB)
+    model.context_parallel = True  # zigzag chunks: position_ids and context_parallel_attention handle them
+    if layer_ids is None:
+        return model
+    keep = {1 + i for i in layer_ids} | ({0} if pre_process else set()) | ({LAYERS + 1} if post_process else set())
+    for index in range(len(model)):
+        if index not in keep:
+            model[index] = nn.Identity()
+    return model
+
+
+def loop_loss(logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss SUM of a microbatch: logits [s, b, V/tp], labels [b, s] (-100: not a target)."""
+    return vocab_parallel_cross_entropy(logits_shard, labels.t(), vocab_size=LOOP_VOCAB).sum()
+
+
+def in_loop(argv: list[str]) -> int:
+    from megalite.training.provided import main as provided_main
+
+    shape = ["--seq-length", str(SEQ), "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+             "--num-attention-heads", str(HEADS)]  # the stages' split and activations [s, b, h] follow these
+    return provided_main(shape + argv, model_provider=model_provider, loss_fn=loop_loss)
+
+
 if __name__ == "__main__":
+    if "--in-loop" in sys.argv[1:]:
+        sys.exit(in_loop([a for a in sys.argv[1:] if a != "--in-loop"]))
     main()

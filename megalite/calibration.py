@@ -64,10 +64,52 @@ def _median_seconds(fn, device: torch.device, min_seconds: float = 0.05, repeats
     return statistics.median(samples)
 
 
-def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...], rounds: int = 5) -> dict[int, float]:
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 natively: a CUDA GPU that supports it, or a CPU whose flags
+    name bf16 instructions (x86 AVX512-BF16 or AMX-BF16, Arm's BF16 extension). Without them torch
+    converts every bf16 element, and a 2048^3 GEMM takes seconds to minutes."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = {word for line in info if line.lower().startswith(("flags", "features")) for word in line.split()}
+    except OSError:  # not Linux: assume not (--calibrate-bf16 measures it anyway)
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def affordable_sizes(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], calls: int,
+                     size_budget_s: float) -> tuple[int, ...]:
+    """The sizes, smallest first, whose `calls` GEMMs fit `size_budget_s` seconds, by the faster of
+    two probe products each (the first pays for first touches); the first size that does not fit
+    ends the list (a larger one costs more). The smallest is always kept, so a profile has a curve."""
+    kept = []
+    for n in sorted(sizes):
+        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+        seconds = []
+        for _ in range(2):
+            _sync(device)
+            start = time.perf_counter()
+            torch.mm(a, b)
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+            if kept and calls * seconds[0] > 2 * size_budget_s:  # far over: no second probe
+                break
+        if kept and calls * min(seconds) > size_budget_s:
+            break
+        kept.append(n)
+    return tuple(kept)
+
+
+def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...], rounds: int = 5,
+                  size_budget_s: float | None = None) -> dict[int, float]:
     """n -> TFLOP/s of an n x n x n GEMM at `precision`: the median of `rounds` passes over all sizes
-    (round-robin, so a burst of another process's load hits every size alike, not one)."""
+    (round-robin, so a burst of another process's load hits every size alike, not one). With
+    `size_budget_s`, only the sizes whose passes take at most that long each (`affordable_sizes`;
+    a pass is at least three products: warm-up, probe, one timed)."""
     dtype = DTYPES[precision]
+    if size_budget_s is not None:
+        sizes = affordable_sizes(device, dtype, sizes, 3 * rounds, size_budget_s)
     operands = {n: (torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype))
                 for n in sizes}
     samples: dict[int, list[float]] = {n: [] for n in sizes}
@@ -253,9 +295,19 @@ def measure_host_overheads(min_seconds: float = 0.2, repeats: int = 9) -> dict[s
             "step": max(raw["optimizer"], raw["train_step"] - raw["model"]), **{f"raw_{k}": v for k, v in raw.items()}}
 
 
-def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "bf16"), quick: bool = False,
-              log=print) -> HardwareProfile:
-    """Measure this machine (its first GPU when CUDA is available, else its CPU) and return a profile."""
+# seconds one GEMM size may take in calibrate(): 5 rounds of >= 3 products, so the sizes from the
+# first whose product takes over 2/3 s are left out (a slow CPU, or bf16 without native support);
+# the kept sizes cost at most 8/7 of this per precision (each size 8x the work of the one before)
+SIZE_BUDGET_S = 10.0
+
+
+def calibrate(name: str | None = None, precisions: tuple[str, ...] | None = None, quick: bool = False,
+              log=print, bf16: bool | None = None) -> HardwareProfile:
+    """Measure this machine (its first GPU when CUDA is available, else its CPU) and return a profile.
+
+    precisions: default fp32, and bf16 where the device multiplies it natively (`native_bf16`) or
+    `bf16` is True (tools/plan.py --calibrate-bf16); bf16=False leaves it out. Each GEMM size is
+    measured only while it fits SIZE_BUDGET_S, so the calibration ends in minutes on any CPU."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -264,11 +316,17 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] = ("fp32", "b
         sizes = sizes[:-2]
     device_name = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine())
     log(f"calibrating {device_name}: {torch.get_num_threads()} threads, {cores} cores")
+    if precisions is None:
+        native = native_bf16(device)
+        precisions = ("fp32", "bf16") if (native if bf16 is None else bf16) else ("fp32",)
+        if bf16 is None and not native:
+            log("  bf16: not measured (no native bf16 on this device; --calibrate-bf16 measures it anyway, slowly)")
     gemms = {}
     for precision in precisions:
-        gemms[precision] = measure_gemms(device, precision, sizes)
+        gemms[precision] = measure_gemms(device, precision, sizes, size_budget_s=SIZE_BUDGET_S)
+        left_out = [n for n in sizes if n not in gemms[precision]]
         log(f"  GEMM {precision}: " + ", ".join(f"{n}: {v * 1e3:.1f}" for n, v in gemms[precision].items())
-            + " GFLOP/s")
+            + " GFLOP/s" + (f" (left out, over {SIZE_BUDGET_S:.0f} s each: {left_out})" if left_out else ""))
     known = next((peaks for key, peaks in KNOWN_PEAKS.items() if cuda and key in device_name), None)
     peaks = {p: (known or {}).get(p) or max(gemms[p].values()) for p in precisions}
     main = precisions[0]

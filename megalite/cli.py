@@ -17,15 +17,17 @@ import argparse
 import difflib
 import enum
 import json
+import sys
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any
 
+from megalite import config_megatron as megatron
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
 from megalite.errors import USAGE_EXIT_CODE, ConfigError, UsageError
 
-ACTIONS = ("config", "print_config", "dry_run")  # flags that are not settings
+ACTIONS = ("config", "print_config", "dry_run", "simulate", "simulate_ranks", "simulate_json")  # flags that are not settings
 
 
 class ConfigFileError(UsageError, ValueError):
@@ -84,9 +86,16 @@ def build_parser(description: str = "Train a GPT with tensor x pipeline x data p
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration (and what is derived from it) as TOML, and exit")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the plan, and exit")
+    parser.add_argument("--simulate", action="store_true",
+                        help="set up and run one step of the layout's ranks in this process on a fake process group "
+                             "with data-less tensors; report each rank beside the planner (docs/simulate.md)")
+    parser.add_argument("--simulate-ranks", metavar="all|representatives|R,R,...", default="representatives",
+                        help="which ranks --simulate runs (default: one of each role; every rank's groups are checked)")
+    parser.add_argument("--simulate-json", metavar="FILE", default=None, help="write --simulate's report as JSON")
     groups = {part: parser.add_argument_group(cls.__doc__.strip().splitlines()[0]) for part, cls in PARTS.items()}
     for spec in settings().values():
         _add_setting(groups[spec.part], spec)
+    megatron.add_megatron_flags(parser)  # Megatron flags that are not settings (config_megatron.py)
     return parser
 
 
@@ -176,15 +185,44 @@ def parse_args(argv: list[str] | None = None,
     bad flag, ConfigFileError on a bad config file, ConfigError on a value outside its setting's
     declared bounds. `parser`: build_parser() with a tool's own
     flags added (tools/plan.py)."""
-    args = vars((parser or build_parser()).parse_args(argv))
+    parser = parser or build_parser()
+    lacking = megatron.lacks_problem(sys.argv[1:] if argv is None else argv, set(parser._option_string_actions))
+    if lacking:  # a Megatron flag for a feature megalite lacks: named as such, not "unrecognized"
+        parser.error(lacking)
+    args = vars(parser.parse_args(argv))
+    megatron_only = {name: args.pop(name) for name in megatron.non_setting_dests() if name in args}
     others = {name: args.pop(name) for name in list(args) if name not in settings()}
     values = read_config_file(others["config"]) if others.get("config") else {}
     values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
     cfg = RunConfig.build(**values)
+    cfg = _virtual_stages_from_layers(cfg, megatron_only.get("num_layers_per_virtual_pipeline_stage"))
+    if megatron_only.get("recompute_method") == "uniform":  # every block recomputed (N only sized the groups)
+        cfg = cfg.replace(recompute_num_layers=None)
+    try:  # --tokenizer-type/--vocab-file/--merge-file: Megatron's tokenizer as a tokenizer.json
+        tokenizer = megatron.tokenizer_from_megatron(megatron_only.get("tokenizer_type"), megatron_only.get("vocab_file"),
+                                                     megatron_only.get("merge_file"), cfg.data.tokenizer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if tokenizer is not None:
+        cfg = cfg.replace(tokenizer=tokenizer)
     problems = cfg.bound_problems()  # on every rank, before anything divides by a degree or allocates
     if problems:
         raise ConfigError.listing(problems)
     return cfg, others
+
+
+def _virtual_stages_from_layers(cfg: RunConfig, layers_per_stage: int | None) -> RunConfig:
+    """Megatron's --num-layers-per-virtual-pipeline-stage N as megalite's --virtual-stages."""
+    if layers_per_stage is None:
+        return cfg
+    try:
+        stages = megatron.virtual_stages_from(layers_per_stage, cfg.gpt_config().num_layers, cfg.parallel.pp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.parallel.virtual_stages not in (1, stages):
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {layers_per_stage} means {stages} virtual "
+                          f"stages, not --virtual-stages {cfg.parallel.virtual_stages}: give one of the two")
+    return cfg.replace(virtual_stages=stages)
 
 
 def given_settings(argv: list[str] | None = None) -> frozenset[str]:

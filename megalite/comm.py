@@ -173,6 +173,14 @@ def new_group(ranks: list[int], name: str):
     return group
 
 
+def new_local_group(ranks: list[int], name: str):
+    """Create a process group over `ranks` that only its members call (torch's local synchronization:
+    the other ranks need not take part; its name is derived from its ranks)."""
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    _GROUP_NAMES[group] = name
+    return group
+
+
 def side_channel_store(timeout_s: float = 30.0):
     """A new client of the job's store on its own connection, under this attempt's namespace.
 

@@ -31,6 +31,7 @@ from typing import Any
 from megalite.model.config import GPTConfig, preset
 from megalite.moe.config import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
+from megalite import config_megatron as megatron
 from megalite.config_bounds import NO_BOUNDS, Bounds, bound_problems
 from megalite.config_checks import data_problems, setting_problems
 from megalite.config_choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
@@ -82,7 +83,8 @@ def settings() -> dict[str, Setting]:
             if bounds.declared and not _numeric(kind):
                 raise TypeError(f"setting {f.name!r}: bounds are for numbers, not {kind}")
             out[f.name] = Setting(f.name, part, kind, optional, f.default, f.metadata["help"], choices,
-                                  f.metadata["metavar"], f.metadata["aliases"], bounds, f.metadata["synonyms"])
+                                  f.metadata["metavar"], {**f.metadata["aliases"], **megatron.ALIASES.get(f.name, {})},
+                                  bounds, f.metadata["synonyms"] + megatron.SYNONYMS.get(f.name, ()))
     taken = [flag.lstrip("-").replace("-", "_") for s in out.values() for flag in (*s.synonyms, *s.aliases)]
     clashes = sorted({name for name in taken if name in out or taken.count(name) > 1})
     if clashes:  # a config key or a flag would name two settings
@@ -190,10 +192,7 @@ class RunConfig:
         p = self.parallel
         model_ranks = p.tp * p.cp * p.pp
         dp = p.dp if p.dp is not None else (world_size // model_ranks if world_size % model_ranks == 0 else 1)
-        schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
-        if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
-            schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
-        return self.replace(dp=dp, pipeline_schedule=schedule,
+        return self.replace(dp=dp, pipeline_schedule=self._schedule_name(),
                             global_batch_size=self.training.global_batch_size or self.training.micro_batch_size * dp,
                             vocab_size=self.model.vocab_size or tokenizer_vocab_size)
 
@@ -207,7 +206,15 @@ class RunConfig:
 
     @property
     def schedule(self) -> Schedule:
-        return self.parallel.pipeline_schedule or self.resolved(self.world_size).parallel.pipeline_schedule
+        return self.parallel.pipeline_schedule or self._schedule_name()
+
+    def _schedule_name(self) -> Schedule:
+        """The schedule run: the one given, else 1f1b, or interleaved when --virtual-stages > 1."""
+        p = self.parallel
+        schedule = p.pipeline_schedule or (Schedule.INTERLEAVED if p.virtual_stages > 1 else Schedule.ONE_F_ONE_B)
+        if schedule == Schedule.ONE_F_ONE_B and p.virtual_stages > 1:
+            schedule = Schedule.INTERLEAVED  # Megatron's name for 1F1B with virtual stages
+        return schedule
 
     @property
     def global_batch_size(self) -> int:
@@ -219,16 +226,26 @@ class RunConfig:
         return max(1, self.global_batch_size // (self.training.micro_batch_size * self.dp))
 
     @property
+    def lr_schedule_iters(self) -> tuple[int, int]:
+        """(warm-up steps, decay steps) of the learning rate (--lr-warmup-fraction, --lr-decay-iters)."""
+        return megatron.lr_iters(self.optimizer, self.training.train_iters)
+
+    @property
     def training_dtype(self) -> str:
         return self.precision.precision.value
 
     def gpt_config(self) -> GPTConfig:
         """The model architecture: the preset with the explicit model settings (ValueError if invalid)."""
         m = self.model
-        model = preset(m.model, num_layers=m.num_layers, hidden_size=m.hidden_size,
-                       num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-                       ffn_hidden_size=m.ffn_hidden_size, seq_length=m.seq_length, vocab_size=m.vocab_size,
-                       hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout)
+        given = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+                     num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+                     seq_length=m.seq_length, vocab_size=m.vocab_size, hidden_dropout=m.hidden_dropout,
+                     attention_dropout=m.attention_dropout)
+        # Megatron's names (--init-method-std, --swiglu, ...) over them: config_megatron.model_overrides
+        model = preset(m.model, **{**given, **megatron.model_overrides(m)})
+        problem = megatron.position_problem(m, model.seq_length)
+        if problem:
+            raise ValueError(problem)
         moe = self.moe_settings_given()
         if moe:  # the preset's experts (if any) with the explicit MoE settings over them
             base = dataclasses.asdict(model.moe) if model.moe is not None else {}

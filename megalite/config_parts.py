@@ -46,6 +46,26 @@ class ModelSettings:
     vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)", minimum=1)
     hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding", minimum=0, below=1)
     attention_dropout: float = setting(0.0, "dropout on the attention probabilities", minimum=0, below=1)
+    # Megatron-LM's names for architecture choices (config_megatron.model_overrides; unset: the preset's)
+    init_method_std: float | None = setting(None, "std of the normal weight init (output projections: std / "
+                                                  "sqrt(2 * layers)); default the preset's 0.02", above=0)
+    max_position_embeddings: int | None = setting(None, "Megatron's position limit: at least --seq-length (the "
+                                                        "position table holds seq_length rows)", minimum=1)
+    position_embedding_type: str | None = setting(None, "learned_absolute (gpt2 flavour) or rope (llama "
+                                                        "flavour)", choices=("learned_absolute", "rope"))
+    normalization: str | None = setting(None, "LayerNorm (gpt2 flavour) or RMSNorm (llama flavour)",
+                                        choices=("LayerNorm", "RMSNorm"))
+    swiglu: bool | None = setting(None, "SwiGLU MLP (llama flavour; --no-swiglu: GeLU, gpt2 flavour)")
+    untie_embeddings_and_output_weights: bool | None = setting(None, "a separate output layer (default: the "
+                                                                     "preset's: tied for gpt2, untied for llama)")
+    disable_bias_linear: bool | None = setting(None, "no biases in the linear layers (default: the preset's)")
+    group_query_attention: bool = setting(False, "Megatron's switch for --num-query-groups (which alone "
+                                                 "already groups in megalite); without it: 1 group")
+    norm_epsilon: float | None = setting(None, "epsilon of the layer norms (default the preset's 1e-5)", above=0)
+    rotary_base: float | None = setting(None, "RoPE base theta (llama flavour; default the preset's 10000)",
+                                        above=0)
+    make_vocab_size_divisible_by: int | None = setting(None, "pad the vocabulary to a multiple of this (times tp); "
+                                                             "default 128", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -164,7 +184,11 @@ class OptimizerSettings:
 
     lr: float = setting(2e-3, "peak learning rate", minimum=0)
     min_lr: float = setting(2e-4, "learning rate at the end of the decay", minimum=0, at_most="lr")
-    lr_warmup_iters: int = setting(30, "linear warm-up steps", minimum=0)
+    lr_warmup_iters: int = setting(30, "linear warm-up steps (unless --lr-warmup-fraction)", minimum=0)
+    lr_warmup_fraction: float | None = setting(None, "warm-up as a fraction of the decay steps (Megatron's rule; "
+                                                     "overrides --lr-warmup-iters)", minimum=0, maximum=1)
+    lr_decay_iters: int | None = setting(None, "steps over which the learning rate decays to --min-lr (default "
+                                               "--train-iters); constant at --min-lr after", minimum=1)
     lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
     weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", minimum=0)
     adam_beta1: float = setting(0.9, "AdamW beta1", minimum=0, below=1)
@@ -234,7 +258,12 @@ class LoggingSettings:
     log_interval: int = setting(50, "print and record every N steps", minimum=1)
     metrics_file: str | None = setting(None, "JSON lines, one object per logged step (the resolved configuration "
                                              "is written beside it)")
-    tensorboard_dir: str | None = setting(None, "also write scalars for TensorBoard (when installed)")
+    tensorboard_dir: str | None = setting(None, "also write the metrics as TensorBoard scalars into DIR (pip install "
+                                                "'megalite[tensorboard]')", metavar="DIR")
+    wandb_project: str | None = setting(None, "also log the metrics to this Weights & Biases project (pip install "
+                                              "'megalite[wandb]'; WANDB_MODE=offline logs locally)")
+    wandb_exp_name: str | None = setting(None, "the W&B run's name (default: W&B's)")
+    wandb_save_dir: str | None = setting(None, "where W&B keeps its files (default: ./wandb)", metavar="DIR")
     straggler_interval: int = setting(0, "every N steps name the slowest ranks (0: off)", minimum=0)
     peak_tflops: float | None = setting(None, "per-GPU peak for MFU (default: known GPUs)", above=0)
     profile_steps: tuple[int, int] | None = setting(None, "trace steps FIRST..LAST with torch.profiler on every rank "

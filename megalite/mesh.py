@@ -76,6 +76,25 @@ class Mesh:
     expert_dp_group: Any = field(default=None, repr=False)  # same experts: expert gradients reduce here
     etp_size: int = 1  # experts tensor-parallel over tp (etp = tp) or whole on every tp rank (etp = 1)
     moe_token_group: Any = field(default=None, repr=False)  # cp, or tp x cp at etp = 1: a microbatch's routed tokens
+    _torch_meshes: dict = field(default_factory=dict, repr=False, compare=False)  # torch_mesh's cache
+
+    @property
+    def device_mesh(self):
+        """torch's DeviceMesh over this mesh's groups, dims ("pp", "dp", "cp", "tp") (megalite/torch_mesh.py)."""
+        from megalite.torch_mesh import build_device_mesh
+
+        if "main" not in self._torch_meshes:
+            self._torch_meshes["main"] = build_device_mesh(self)
+        return self._torch_meshes["main"]
+
+    @property
+    def ep_device_mesh(self):
+        """torch's DeviceMesh of the experts' layout, dims ("pp", "edp", "ep", "tp") (megalite/torch_mesh.py)."""
+        from megalite.torch_mesh import build_ep_device_mesh
+
+        if "experts" not in self._torch_meshes:
+            self._torch_meshes["experts"] = build_ep_device_mesh(self)
+        return self._torch_meshes["experts"]
 
     @property
     def dp_cp_rank(self) -> int:

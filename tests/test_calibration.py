@@ -30,7 +30,7 @@ def test_measurements_at_tiny_sizes():
 
 
 def test_a_profile_from_measurements_reads_back(tmp_path, monkeypatch):
-    monkeypatch.setattr(CAL, "measure_gemms", lambda device, precision, sizes: {n: 0.01 * (i + 1) for i, n in
+    monkeypatch.setattr(CAL, "measure_gemms", lambda device, precision, sizes, **_: {n: 0.01 * (i + 1) for i, n in
                                                                                 enumerate(sizes)})
     monkeypatch.setattr(CAL, "measure_copy_gbs", lambda device: 12.5)
     monkeypatch.setattr(CAL, "measure_elementwise_gbs", lambda device: 2.5)

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from megalite.cli import ACTIONS, ConfigFileError, build_parser, parse_args, read_config_file, to_toml
+from megalite.config_megatron import non_setting_dests
 from megalite.config import PARTS, Precision, Recompute, RunConfig, Schedule, settings
 from megalite.errors import ConfigError
 from megalite.training.launch_checks import launch_problems
@@ -20,7 +21,8 @@ def test_generated_parser_is_exactly_the_declarations():
     declared = {f.name for cls in PARTS.values() for f in dataclasses.fields(cls)}
     assert set(settings()) == declared  # every field is a setting, names unique across parts
     parser = build_parser()
-    assert _option_dests(parser) == declared | set(ACTIONS)  # every setting has a flag, and vice versa
+    # every setting has a flag, and vice versa (besides the Megatron flags that are no setting: config_megatron.py)
+    assert _option_dests(parser) == declared | set(ACTIONS) | non_setting_dests()
     flags = {s for a in parser._actions for s in a.option_strings}
     for spec in settings().values():
         assert spec.flag in flags, spec.flag
@@ -31,7 +33,8 @@ def test_generated_parser_is_exactly_the_declarations():
 def test_defaults_are_declared_once():
     cfg, actions = parse_args([])
     assert cfg == RunConfig()
-    assert actions == {"config": None, "print_config": False, "dry_run": False}
+    assert actions == {"config": None, "print_config": False, "dry_run": False, "simulate": False,
+                       "simulate_ranks": "representatives", "simulate_json": None}
     assert cfg.training.micro_batch_size == 8 and cfg.parallel.recompute is Recompute.NONE
 
 

@@ -130,7 +130,7 @@ def test_every_setting_refuses_a_wrong_type_in_a_config_file_and_on_the_command_
     (["--lr-warmup-iters", "-1"], "--lr-warmup-iters must be an integer >= 0"),
     (["--eval-interval", "-1"], "--eval-interval must be an integer >= 0"),
     (["--vocab-size", "0"], "--vocab-size must be an integer >= 1"),
-    (["--tp", "two"], "argument --tp: invalid int value: 'two'"),
+    (["--tp", "two"], "argument --tp/--tensor-model-parallel-size: invalid int value: 'two'"),
 ])
 def test_the_mistakes_users_made(argv, needle, capsys):
     code, err = _run(argv, capsys)

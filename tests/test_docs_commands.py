@@ -1,4 +1,4 @@
-"""Every command in the README's and docs/launching.md's shell blocks runs as written.
+"""Every command in the shell blocks of the README and the docs in DOCS runs as written.
 
 Commands are read from the documents themselves, so a command that fails cannot ship:
 - `python examples/pretrain_gpt.py ...` runs as written on one process (a training command with
@@ -9,6 +9,9 @@ Commands are read from the documents themselves, so a command that fails cannot 
   as every rank would check them, without launching; `...` in a command stands for other flags;
 - `python tools/plan.py ...` runs as written; `--suggest` (a search of every layout, ~20 s for 64
   GPUs) only parses and validates its flags: tests/tools/test_plan.py runs the search;
+- `python tools/plot_metrics.py ...` and `tools/plot_schedule.py ...` run as written (in process);
+- a command needing an optional extra that is not installed (NEEDS: TensorBoard, W&B, matplotlib) is
+  skipped, not failed: its refusal is tested where the extra is (tests/test_packaging.py, tests/tools);
 - the few that need what this test cannot make cheaply are named in NOT_RUN, each with the test
   that covers it.
 The placeholder inputs the commands name (my_corpus, tokenizer.json) are made in a scratch directory,
@@ -26,7 +29,10 @@ import pytest
 from megalite.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/launching.md")
+DOCS = ("README.md", "docs/launching.md", "docs/megatron.md", "docs/observability.md")
+NEEDS = {"--tensorboard-dir": "tensorboard", "--wandb-project": "wandb", "tools/plot_metrics.py": "matplotlib",
+         "--plot": "matplotlib", "--out zb-h1.png": "matplotlib"}  # skipped (not failed) without the extra
+TOOLS_IN_PROCESS = ("tools/plot_metrics.py", "tools/plot_schedule.py")  # cheap: run their main as written
 NOT_RUN = {  # a command starting with or running this -> why, and where it is tested
     "pip install": "installs the package",
     "python -m pytest": "the test suite itself",
@@ -100,6 +106,24 @@ def _plan(argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+def _tool(script: str, argv: list[str]) -> tuple[int, str]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main(argv)
+    return code, out.getvalue()
+
+
+def _missing_extra(command: str) -> bool:
+    import importlib.util
+
+    return any(marker in command and importlib.util.find_spec(module) is None for marker, module in NEEDS.items())
+
+
 def _placeholders(directory: Path) -> None:
     """my_corpus.{bin,idx} and tokenizer.json, as a user would have them."""
     tokenizers = pytest.importorskip("tokenizers")
@@ -126,6 +150,8 @@ def _run(command: str) -> tuple[int, str]:
     script, argv = words[0], words[1:]
     if script == "tools/plan.py":
         code, out = _plan(argv)
+    elif script in TOOLS_IN_PROCESS:
+        code, out = _tool(script, argv)
     elif script != "examples/pretrain_gpt.py":
         raise AssertionError(f"no way to run {script} here: add it to test_docs_commands.py or NOT_RUN")
     elif world == 1 and not {"--dry-run", "--print-config"} & set(argv):
@@ -147,7 +173,7 @@ def test_every_documented_command_runs(tmp_path, monkeypatch, capsys):
     _placeholders(tmp_path)
     failed, ran = [], 0
     for doc, command in commands:
-        if any(command.startswith(start) or f" {start}" in command for start in NOT_RUN):
+        if any(command.startswith(start) or f" {start}" in command for start in NOT_RUN) or _missing_extra(command):
             continue
         code, _ = _run(command)
         ran += 1

@@ -217,7 +217,7 @@ def test_script_without_destroy_mesh_exits_zero_and_a_crash_exits_nonzero():
     """init_mesh registers the process group's teardown for interpreter exit: without it gloo's
     group is destroyed during finalization, which can abort (SIGABRT) a finished job."""
     # Two fresh interpreters (each imports torch: the cost of this test); 20 of 20 four-rank torchrun
-    # runs of the same script exited 0 by hand (docs/architecture.md, "Exit").
+    # runs of the same script exited 0 by hand (docs/architecture/training_loop.md, "Exit").
     (clean_code, clean_output), (crash_code, crash_output) = _launch(2, crashing_rank=1)
     assert clean_code == 0 and "process group alive at exit: False" in clean_output, clean_output
     assert crash_code != 0 and "planted failure on rank 1" in crash_output, crash_output

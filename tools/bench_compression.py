@@ -74,7 +74,7 @@ class Data:
 
 def _lr_schedule(cfg: RunConfig) -> LRSchedule:
     o = cfg.optimizer
-    return LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, cfg.training.train_iters, str(o.lr_decay_style))
+    return LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, str(o.lr_decay_style))
 
 
 def _megalite(m, cfg: RunConfig, data: Data) -> dict:

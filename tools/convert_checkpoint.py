@@ -6,11 +6,14 @@
     # starts from these weights at step 0)
     python tools/convert_checkpoint.py import --hf hf_dir --output runs/from_hf
 
-GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mixtral (MixtralForCausalLM: a llama-flavour
-model whose every block is a softmax top-k mixture of experts) flavours; tensor names and layouts are
-mapped by megalite.model.hf. A checkpoint saved at any (tp, pp, dp, zero) exports the same
+GPT-2, Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Mixtral and Qwen3-MoE (megalite/model/hf_config.py;
+docs/models.md); tensor names and layouts are mapped by megalite.model.hf. Export writes the family
+that expresses the model and, with --tokenizer, that tokenizer's bos/eos ids. A checkpoint saved at any (tp, pp, dp, zero) exports the same
 files: the full tensors are assembled from its layout-free boxes, every file read verified.
 Nothing is downloaded: `--hf` is a local directory.
+
+torch's formats (megalite/checkpoint/torch_formats.py): `--to dcp | safetensors --load CKPT --output OUT`,
+`--from dcp --load DCP_DIR --output CKPT`.
 """
 from __future__ import annotations
 
@@ -24,89 +27,30 @@ import torch
 from megalite.checkpoint import CheckpointCorruptError, read_full_state, write_full_state
 from megalite.cli import OneLineParser
 from megalite.errors import UsageError, one_line, reports_usage_errors
+from megalite.extras import require
 from megalite.model.config import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
+from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def hf_config_for(config: GPTConfig, dtype: torch.dtype):
-    """The transformers config of the same model (checked by converting it back)."""
-    import transformers
-
-    if config.flavour == "gpt2":
-        if not config.tie_embeddings or not config.add_bias:
-            raise ValueError("GPT2LMHeadModel needs tied embeddings and biases; this gpt2-flavour model has "
-                             f"tie_embeddings={config.tie_embeddings}, add_bias={config.add_bias}")
-        hf = transformers.GPT2Config(vocab_size=config.vocab_size, n_positions=config.seq_length,
-                                     n_embd=config.hidden_size, n_layer=config.num_layers,
-                                     n_head=config.num_attention_heads, n_inner=config.ffn_hidden_size,
-                                     activation_function="gelu_new", layer_norm_epsilon=config.norm_eps,
-                                     resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
-                                     attn_pdrop=config.attention_dropout, tie_word_embeddings=True)
-    elif config.moe is not None:
-        hf = _mixtral_config(config)
-    else:
-        if config.add_bias:
-            raise ValueError("megalite's Llama export covers bias-free models only (add_bias=False)")
-        hf = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                                      intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
-                                      num_attention_heads=config.num_attention_heads,
-                                      num_key_value_heads=config.num_query_groups,
-                                      max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
-                                      tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
-                                      rope_theta=config.rope_theta, attention_dropout=config.attention_dropout)
-    if config.flavour == "llama" and getattr(hf, "rope_parameters", None) is not None:  # transformers 5: theta here
-        hf.rope_parameters = {**hf.rope_parameters, "rope_type": "default", "rope_theta": config.rope_theta}
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # transformers' defaults are GPT-2's / Llama's ids
-        if isinstance(getattr(hf, name, None), int) and getattr(hf, name) >= config.vocab_size:
-            setattr(hf, name, config.vocab_size - 1)  # megalite's end-of-document id is the last one it adds
-    hf.architectures = ["GPT2LMHeadModel" if config.flavour == "gpt2" else
-                        "MixtralForCausalLM" if config.moe is not None else "LlamaForCausalLM"]
-    hf.torch_dtype = str(dtype).removeprefix("torch.")
-    back = config_from_hf(hf)
-    fields = ["flavour", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size",
-              "seq_length", "norm_eps", "rope_theta", "tie_embeddings"]
-    if config.moe is None:
-        fields.append("ffn_hidden_size")
-    elif (back.moe.num_experts, back.moe.topk, back.moe.expert_ffn(back.ffn_hidden_size)) != \
-            (config.moe.num_experts, config.moe.topk, config.moe.expert_ffn(config.ffn_hidden_size)):
-        raise ValueError(f"the transformers config does not reproduce the experts: {back.moe} != {config.moe}")
-    for field in fields:
-        if getattr(back, field) != getattr(config, field):
-            raise ValueError(f"the transformers config does not reproduce {field}: {getattr(back, field)} != "
-                             f"{getattr(config, field)}")
-    return hf
+def hf_config_for(config: GPTConfig, dtype: torch.dtype, tokenizer: str | None = None):
+    """The transformers config of the same model (megalite.model.hf_config.hf_config_from) with the
+    bos/eos ids of `tokenizer` ("byte" or a tokenizer.json; None: the vocabulary's last id)."""
+    bos, eos = special_token_ids(tokenizer) if tokenizer is not None else (None, None)
+    return hf_config_from(config, dtype, bos_token_id=bos, eos_token_id=eos)
 
 
-def _mixtral_config(config: GPTConfig):
-    """MixtralConfig of a llama-flavour MoE model; refuses what Mixtral cannot express."""
-    import transformers
-
-    moe = config.moe
-    unsupported = [what for what, bad in (
-        ("gpt2 flavour", config.flavour != "llama"), ("biases", config.add_bias),
-        ("--moe-layer-freq > 1", moe.layer_freq != 1), ("sigmoid scores", moe.score_function != "softmax"),
-        ("--moe-router-pre-softmax", moe.pre_softmax), ("a shared expert", bool(moe.shared_expert_intermediate_size)),
-        ("expert bias", moe.enable_expert_bias), ("a capacity factor", moe.capacity_factor is not None)) if bad]
-    if unsupported:
-        raise ValueError(f"MixtralForCausalLM cannot express {', '.join(unsupported)}; export a model with softmax "
-                         f"top-k experts in every block, no shared expert and no bias")
-    return transformers.MixtralConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                                      intermediate_size=moe.expert_ffn(config.ffn_hidden_size),
-                                      num_hidden_layers=config.num_layers,
-                                      num_attention_heads=config.num_attention_heads,
-                                      num_key_value_heads=config.num_query_groups,
-                                      max_position_embeddings=config.seq_length, rms_norm_eps=config.norm_eps,
-                                      tie_word_embeddings=config.tie_embeddings, rope_theta=config.rope_theta,
-                                      attention_dropout=config.attention_dropout, sliding_window=None,
-                                      num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
-                                      router_aux_loss_coef=moe.aux_loss_coeff)
+def _within(ids, vocab_size: int) -> bool:
+    """Whether token id(s) `ids` (an int or a list; None: none) all lie in [0, vocab_size)."""
+    ids = ids if isinstance(ids, list) else [ids]
+    return all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
 
 
 def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = None, dtype: str | None = None,
-                 safe: bool = True) -> Path:
+                 safe: bool = True, tokenizer: str | None = None) -> Path:
     """Write `output`/config.json and the weights of a megalite checkpoint; returns `output`."""
     config, full, meta = read_full_state(load, step)
     target = DTYPES[dtype] if dtype else next(iter(full.values())).dtype
@@ -117,7 +61,13 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
     state = {name: tensor.to(target).contiguous().clone() for name, tensor in state.items()}
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    hf_config_for(config, target).save_pretrained(output)
+    imported = (meta.get("extra") or {}).get("special_token_ids") or {}  # an imported model's own ids
+    imported = {k: v for k, v in imported.items() if _within(v, config.vocab_size)}  # (a config's defaults may not be)
+    if tokenizer is None and imported:
+        hf_config_from(config, target, bos_token_id=imported.get("bos"),
+                       eos_token_id=imported.get("eos")).save_pretrained(output)
+    else:
+        hf_config_for(config, target, tokenizer).save_pretrained(output)
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -175,16 +125,48 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
 
     hf_dir = Path(hf_dir)
     _check_hf_config(hf_dir)
-    config = config_from_hf(transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True))
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    config = config_from_hf(hf_config)
     full = hf_to_full_state(_read_hf_weights(hf_dir), config)
-    path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir)})
+    ids = {"bos": getattr(hf_config, "bos_token_id", None), "eos": getattr(hf_config, "eos_token_id", None)}
+    path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir),
+                                                                    "special_token_ids": ids})  # kept by export
     print(f"imported {config.flavour} ({config.num_params() / 1e6:.2f}M params) from {hf_dir} to {path}")
     return path
+
+
+def torch_formats_main(argv: list[str]) -> int:
+    """--to dcp | safetensors, --from dcp (megalite/checkpoint/torch_formats.py)."""
+    from megalite.checkpoint import torch_formats as tf
+
+    parser = OneLineParser(prog="convert_checkpoint.py", description="megalite checkpoint <-> torch formats")
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=["dcp", "safetensors"], help="megalite checkpoint -> this format")
+    way.add_argument("--from", dest="source", choices=["dcp"], help="this format -> megalite checkpoint")
+    parser.add_argument("--load", required=True, help="the checkpoint (--to) or the DCP directory (--from)")
+    parser.add_argument("--step", type=int, default=None, help="--to: this step instead of the latest")
+    parser.add_argument("--output", required=True, help="DCP directory, .safetensors file, or checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        if args.source == "dcp":
+            path = tf.import_dcp(args.load, args.output)
+        elif args.to == "dcp":
+            path = tf.export_dcp(args.load, args.output, step=args.step)
+        else:
+            path = tf.export_safetensors(args.load, args.output, step=args.step)
+    except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"convert_checkpoint: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
 
 
 @reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--to" in argv or "--from" in argv:  # torch's formats (DCP, safetensors) rather than transformers'
+        return torch_formats_main(argv)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="megalite checkpoint -> transformers directory")
     ex.add_argument("--load", required=True, help="a --save directory (latest) or one step_* directory")
@@ -192,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--output", required=True)
     ex.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the saved parameter dtype")
     ex.add_argument("--bin", action="store_true", help="write pytorch_model.bin instead of model.safetensors")
+    ex.add_argument("--tokenizer", default=None, help="the run's tokenizer ('byte' or a tokenizer.json): its "
+                    "bos/eos ids go into config.json (default: an imported model's own ids, else the last "
+                    "vocabulary id for both)")
     im = sub.add_parser("import", help="transformers directory -> megalite checkpoint")
     im.add_argument("--hf", required=True, help="local directory with config.json and weights")
     im.add_argument("--output", required=True, help="checkpoint directory (use it as --load)")
@@ -201,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         problem = output_dir_problem("--output", args.output)  # before reading a checkpoint
         if problem:
             raise UsageError(problem)
+        require("transformers", f"convert_checkpoint.py {args.command}")  # missing: one line naming [hf]
         if args.command == "export":
-            export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin)
+            export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin,
+                         tokenizer=args.tokenizer)
         else:
             import_from_hf(args.hf, args.output, step=args.step)
     except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:

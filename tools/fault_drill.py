@@ -31,7 +31,7 @@ next smaller world the job can run on (as a scheduler would on the nodes left), 
 resumes from its checkpoint with dp re-derived and `--elastic-batch keep`. The table shows each
 fault's world before and after, and the world-size changes the job recorded in its metrics file.
 The job is one whose resize is bit-identical where the reduction order allows
-(docs/architecture.md, "Elastic resize"): a Llama-flavoured model (untied embeddings), no dropout
+(docs/architecture/decisions.md, "Elastic resize"): a Llama-flavoured model (untied embeddings), no dropout
 (dp replicas share dropout masks, so another dp changes which mask meets which sample), ZeRO 0,
 and one microbatch per rank on the first world (global batch micro * dp), so that after one
 halving every gradient is still a sum of two terms.

@@ -7,8 +7,10 @@
     python tools/plan.py --config run.toml --gpu-memory 80        # the same file the run reads
     python tools/plan.py --model llama-7b --tp 8 --bf16 --hardware A100-80GB   # step time on a built-in profile
     python tools/plan.py --calibrate this-machine.json            # measure this machine (imports torch)
+    python tools/plan.py --calibrate cpu.json --calibrate-bf16    # bf16 too, on a CPU without native bf16
     python tools/plan.py --hardware this-machine.json --tp 2 --pp 2 --global-batch-size 32
     ... --json   # one JSON object (a list with --suggest); sizes in bytes, times in seconds
+    ... --plot memory.png        # the answer drawn (tools/plot_plan.py); --print-schedule: the pipeline's timeline
 
 Takes every setting of examples/pretrain_gpt.py (the parser is generated from megalite.config's
 declarations, so the two cannot drift) and models one thing training does not run:
@@ -27,6 +29,7 @@ import argparse
 import json
 import re
 import sys
+import time
 
 from megalite.cli import build_parser, parse_args
 from megalite.config import RunConfig
@@ -69,9 +72,17 @@ def planner_parser() -> argparse.ArgumentParser:
     group.add_argument("--hardware", metavar="NAME|FILE", default=None,
                        help=f"hardware profile for the step time: {', '.join(BUILTIN)} (default {DEFAULT}) or a "
                             f"profile.json written by --calibrate")
+    group.add_argument("--plot", metavar="FILE", default=None,
+                       help="also draw the answer into FILE (PNG or SVG): per-stage memory of one rank, or with "
+                            "--suggest the candidates' step time and memory side by side (tools/plot_plan.py)")
+    group.add_argument("--print-schedule", action="store_true",
+                       help="also print the layout's verified pipeline schedule and its timeline (pp > 1)")
     group.add_argument("--calibrate", metavar="OUT.json", default=None,
                        help="measure this machine (GEMMs, copy, all-reduce, megalite's host overhead; imports "
                             "torch), write a hardware profile to OUT.json and exit")
+    group.add_argument("--calibrate-bf16", action="store_true",
+                       help="with --calibrate: measure bf16 GEMMs even where the device has no native bf16 "
+                            "(measured by default only where it has; each size within the calibration's time cap)")
     return parser
 
 
@@ -85,6 +96,8 @@ def planner_problems(cfg: RunConfig, args: dict) -> list[str]:
     if not problems and gpus % args["nodes"]:
         problems.append(f"--nodes {args['nodes']} does not divide --gpus {gpus}; give GPUs per node x nodes, e.g. "
                         f"--gpus {args['nodes'] * max(1, gpus // args['nodes'])} --nodes {args['nodes']}")
+    if args["calibrate_bf16"] and not args["calibrate"]:
+        problems.append("--calibrate-bf16 only applies to --calibrate OUT.json (it measures bf16 there)")
     if args["suggest"] and not args["gpu_memory"]:
         problems.append("--suggest needs --gpu-memory G (the memory of one GPU, e.g. 80 for 80 GB) to know what fits")
     return problems
@@ -100,6 +113,9 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
         print(json.dumps([{"config": s.cfg.to_dict(), "step_time_s": s.step_time_s, "reason": s.reason,
                            **s.estimate.to_dict()} for s in found], indent=1))
         return 0 if found else 2
+    if found and args["plot"]:
+        _plot_tool().plot_candidates(found, args["plot"], args["gpu_memory"])
+        print(f"wrote {args['plot']}: step time and memory of the {len(found)} candidates")
     if not found:
         print(f"no layout of {args['gpus']} GPUs fits {args['gpu_memory'] / GB:.1f} GB per GPU; add GPUs or shrink "
               f"the model / sequence")
@@ -116,12 +132,13 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
     return 0 if found else 2
 
 
-def run_calibrate(path: str) -> int:
+def run_calibrate(path: str, bf16: bool) -> int:
     from megalite.calibration import calibrate  # torch: only here
 
-    profile = calibrate(log=lambda line: print(line, file=sys.stderr))
+    start = time.perf_counter()
+    profile = calibrate(log=lambda line: print(line, file=sys.stderr), bf16=True if bf16 else None)
     profile.save(path)
-    print(f"wrote {path}: use it with --hardware {path}")
+    print(f"wrote {path} in {time.perf_counter() - start:.0f} s: use it with --hardware {path}")
     return 0
 
 
@@ -130,6 +147,30 @@ def step_time_fields(model, cfg: RunConfig, args: dict) -> dict:
     parts = predict_step_time(model, cfg, args["hardware"], ranks_per_node=args["gpus_per_node"])
     return {"step_time_s": parts.total, "step_time_breakdown": parts.breakdown(), "hardware": load_profile(
         args["hardware"]).name}
+
+
+def _plot_tool():
+    """tools/plot_plan.py, found beside this file (a script here, megalite.tools.plan when installed)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("plot_plan", Path(__file__).with_name("plot_plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def print_schedule(cfg: RunConfig) -> None:
+    """The layout's verified pipeline schedule (the executor's), then its timeline (forward = 1, backward = 2)."""
+    from megalite.pipeline.instructions import format_schedule
+    from megalite.pipeline.schedules import verified_schedule
+    from megalite.pipeline.timeline import schedule_timeline, text_timeline
+
+    p = cfg.parallel
+    ops = [list(s) for s in verified_schedule(str(cfg.schedule), p.pp, cfg.num_microbatches, p.virtual_stages)]
+    print(f"schedule {cfg.schedule}: pp {p.pp}, {cfg.num_microbatches} microbatches, v {p.virtual_stages}")
+    print(format_schedule(ops, compute_only=False))
+    print(text_timeline(schedule_timeline(ops, p.pp, p.virtual_stages), p.pp))
 
 
 def _model_problems(cfg: RunConfig) -> list[str]:
@@ -150,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         problems = planner_problems(cfg, args) + ([] if args["num_params"] is not None else _model_problems(cfg))
         if problems:
             raise ConfigError.listing(problems)
+        if args["plot"]:
+            _plot_tool().pyplot("tools/plan.py --plot")  # matplotlib missing: one line now, not after the work
     except UsageError as exc:  # a bad flag value, config file or hardware profile
         print(f"plan: {one_line(exc).removeprefix('- ')}", file=sys.stderr)
         return 2
     if args["calibrate"]:
-        return run_calibrate(args["calibrate"])
+        return run_calibrate(args["calibrate"], args["calibrate_bf16"])
     if args["suggest"]:
         return run_suggest(cfg, args)
     cfg = cfg.resolved(args["gpus"] or cfg.world_size, cfg.model.vocab_size)
@@ -190,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step time on {timing['hardware']}: {timing['step_time_s']:.3g} s ({parts})")
         for error in errors:
             print(f"error: {error}")
+    if args["print_schedule"] and not args["json"] and cfg.parallel.pp > 1 and not errors:
+        print_schedule(cfg)
+    if args["plot"] and model is not None and est is not None:
+        _plot_tool().plot_layout(model, cfg, args["plot"], args["gpu_memory"])
+        print(f"wrote {args['plot']}: memory per rank of each pipeline stage", file=sys.stderr if args["json"] else None)
     return 2 if errors else 0
 
 

@@ -6,9 +6,12 @@
     # -> data/corpus.bin, data/corpus.idx ; train with --data-path data/corpus
 
 Inputs: plain-text files (one file = one document), directories (walked recursively in sorted
-order) and JSON-lines files (.jsonl/.json, one document per line and key). Every document
-ends with the tokenizer's end-of-document id. With several --json-keys, one pair per key is
-written to {output-prefix}_{key}. A progress bar goes to stderr.
+order), JSON-lines files (.jsonl/.json, one document per line and key) and Parquet files
+(.parquet, one document per row and --json-keys column; pip install 'megalite[parquet]').
+Every document ends with the tokenizer's end-of-document id. With several --json-keys, one pair
+per key is written to {output-prefix}_{key}. --megatron-index writes Megatron-LM's own MMIDIDX
+.idx, so the same pair serves both frameworks. A progress bar (rate, ETA) goes to stderr; plain
+lines every 10 s when stderr is not a terminal.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if not __package__:  # run as a script from a checkout (installed, it is megalite.tools.preprocess_data)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402
@@ -37,6 +41,9 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=None,
                         help="tokenizer processes (default: 1 for the byte tokenizer, whose cost is reading; "
                              "cores - 1 otherwise)")
+    parser.add_argument("--megatron-index", action="store_true",
+                        help="write the .idx in Megatron-LM's MMIDIDX layout: the pair then serves Megatron-LM and "
+                             "megalite alike (megalite reads both layouts)")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     return parser.parse_args(argv)
 
@@ -54,7 +61,7 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
         workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
         stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,
-                                 show_progress=not args.no_progress)
+                                 show_progress=not args.no_progress, megatron_index=args.megatron_index)
         if stats.documents == 0:  # every document empty or undecodable: an empty dataset is no dataset
             for prefix in stats.outputs.values():
                 for suffix in (".bin", ".idx"):

@@ -17,7 +17,7 @@ the nodes it has):
 - the global batch, by `--elastic-batch`:
   keep  (default) the checkpoint's global batch G, split into G / (micro * new dp) accumulation
         steps. Every step then reads the same samples in the same microbatches and the loss curve
-        continues (see docs/architecture.md for what is bit-identical in fp32);
+        continues (see docs/architecture/decisions.md for what is bit-identical in fp32);
   scale G * new dp / old dp (each replica keeps its microbatches per step), and --lr / --min-lr
         times r (`--elastic-lr-rule linear`) or sqrt(r) (`sqrt`), r = new G / old G. The factor
         compounds over resizes and is carried in every checkpoint, so a plain restart keeps it;

@@ -46,7 +46,8 @@ from megalite.moe.training import expert_biases
 # RoPE models have no position table (a longer context is a legitimate change), and GPT-2's
 # position table is caught by its shape.
 ARCHITECTURE_FIELDS = ("flavour", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                       "ffn_hidden_size", "vocab_size", "tie_embeddings", "add_bias")
+                       "ffn_hidden_size", "vocab_size", "tie_embeddings", "add_bias", "qkv_bias", "proj_bias", "mlp_bias",
+                       "kv_channels", "qk_layernorm")
 
 
 @dataclass

@@ -76,8 +76,9 @@ class IndexedDatasetWriter:
     Writes go to `prefix.bin.tmp-<pid>` / `prefix.idx.tmp-<pid>`; `finalize` renames them.
     """
 
-    def __init__(self, prefix: str, vocab_size: int, eod: int, dtype: np.dtype | None = None):
-        self.prefix = prefix
+    def __init__(self, prefix: str, vocab_size: int, eod: int, dtype: np.dtype | None = None,
+                 megatron_index: bool = False):
+        self.prefix, self.megatron_index = prefix, megatron_index  # the .idx in Megatron-LM's MMIDIDX layout
         self.vocab_size = int(vocab_size)
         self.eod = int(eod)
         self.dtype = np.dtype(dtype) if dtype is not None else token_dtype_for(vocab_size)
@@ -114,7 +115,10 @@ class IndexedDatasetWriter:
     def finalize(self) -> None:
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.zeros(0, np.int64)
-        write_index(self._idx_tmp, lengths, self.dtype, self.vocab_size, self.eod)
+        if self.megatron_index:
+            write_megatron_index(self._idx_tmp, lengths, self.dtype)
+        else:
+            write_index(self._idx_tmp, lengths, self.dtype, self.vocab_size, self.eod)
         os.replace(self._bin_tmp, data_file_path(self.prefix))
         os.replace(self._idx_tmp, index_file_path(self.prefix))
 
@@ -244,6 +248,26 @@ def _read_megalite_index(idx_path: str):
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+
+
+def write_megatron_index(path: str, doc_lengths: np.ndarray, dtype: np.dtype) -> None:
+    """An .idx in Megatron-LM's MMIDIDX layout, each document one sequence (what its preprocess_data.py
+    writes without sentence splitting): header (magic, version 1, dtype code, sequence count, document
+    count + 1), then int32 sequence lengths, int64 byte pointers into the .bin, int64 document starts."""
+    codes = {np.dtype(d): code for code, d in MEGATRON_DTYPES.items()}
+    dtype = np.dtype(dtype)
+    if dtype not in codes:
+        raise ValueError(f"token dtype {dtype} has no Megatron code; use one of {sorted(map(str, codes))}")
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    if lengths.size and int(lengths.max()) > np.iinfo(np.int32).max:
+        raise ValueError("a document longer than 2**31 - 1 tokens does not fit Megatron's int32 sequence lengths")
+    pointers = np.zeros(lengths.size, dtype=np.int64)
+    np.cumsum(lengths[:-1] * dtype.itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(MEGATRON_HEADER.pack(MEGATRON_MAGIC, 1, codes[dtype], lengths.size, lengths.size + 1))
+        f.write(lengths.astype(np.int32).tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(lengths.size + 1, dtype=np.int64).tobytes())
 
 
 def _read_megatron_index(idx_path: str):

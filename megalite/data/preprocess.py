@@ -1,8 +1,9 @@
 """Text -> tokens -> .bin/.idx: the one preprocessing path (CLI and default corpus both use it).
 
 Inputs are plain-text files (one file = one document), directories (walked in sorted order,
-every file one document, or JSON lines for .jsonl/.json files) and JSON-lines files (one
-document per line per `json_keys` entry). Every document gets the tokenizer's end-of-document
+every file one document, or JSON lines for .jsonl/.json files), JSON-lines files (one
+document per line per `json_keys` entry) and Parquet files (one document per row per `json_keys`
+column; pyarrow, the [parquet] extra). Every document gets the tokenizer's end-of-document
 id appended; empty documents and files that are not UTF-8 are skipped and counted.
 
 Tokenisation runs in `workers` forked processes on batches of about 1 MB of text while the
@@ -26,8 +27,10 @@ import numpy as np
 
 from megalite.data.indexed_dataset import DataError, DataFileNotFoundError, IndexedDatasetWriter, token_dtype_for
 from megalite.data.tokenizer import load_tokenizer
+from megalite.extras import require
 
 JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
 BATCH_BYTES = 1 << 20  # text per worker task: large enough to amortise pickling
 
 
@@ -73,6 +76,8 @@ def iter_documents(files: list[str], json_keys: tuple[str, ...], stats: Preproce
     for path in files:
         if path.endswith(JSON_SUFFIXES):
             yield from _json_documents(path, json_keys)
+        elif path.endswith(PARQUET_SUFFIXES):
+            yield from _parquet_documents(path, json_keys)
         else:
             if len(json_keys) > 1:
                 raise ValueError(f"{path} is plain text but several --json-keys were given; "
@@ -159,15 +164,23 @@ class ProgressBar:
         self.last = now
         elapsed = max(now - self.start, 1e-9)
         rate = self.done_bytes / 1e6 / elapsed
+        tail = ""
         if self.total:
             fraction = 1.0 if final else min(self.done_bytes / self.total, 1.0)
             bar = "#" * int(30 * fraction) + "." * (30 - int(30 * fraction))
             head = f"[{bar}] {100 * fraction:5.1f}% "
+            if not final and rate > 0:
+                tail = f" eta {_clock(max(0.0, self.total - self.done_bytes) / 1e6 / rate)}"
         else:
             head = ""
-        line = f"\r{head}{self.done_bytes / 1e6:8.1f} MB {rate:7.1f} MB/s {self.docs:9d} docs"
+        line = f"\r{head}{self.done_bytes / 1e6:8.1f} MB {rate:7.1f} MB/s {self.docs:9d} docs{tail}"
         self.stream.write(line + ("\n" if final else "") if self.live else line[1:] + "\n")
         self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{secs:02d}s"
 
 
 def _json_documents(path: str, json_keys: tuple[str, ...]) -> Iterator[tuple[str, str, int]]:
@@ -183,6 +196,45 @@ def _json_documents(path: str, json_keys: tuple[str, ...]) -> Iterator[tuple[str
         except UnicodeDecodeError:
             raise DataError(f"{path}:{line_number + 1}: not UTF-8 text; JSON-lines input is UTF-8, one object "
                             f"per line") from None
+
+
+def _parquet_file(path: str):
+    """pyarrow's ParquetFile of `path` (pyarrow is the [parquet] extra); DataError for a file it cannot read."""
+    parquet = require("pyarrow.parquet", f"--input {path}")
+    try:
+        return parquet.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid/OSError for a bad file
+        raise DataError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
+
+
+def _parquet_documents(path: str, json_keys: tuple[str, ...]) -> Iterator[tuple[str, str, int]]:
+    """(key, text, UTF-8 bytes) of each row's --json-keys columns, row groups read one batch at a time."""
+    table = _parquet_file(path)
+    columns = table.schema_arrow.names
+    missing = [key for key in json_keys if key not in columns]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r} (columns: {columns}); pick the text's column with "
+                        f"--json-keys")
+    row = 0
+    for batch in table.iter_batches(batch_size=1024, columns=list(json_keys)):
+        values = {key: batch.column(key).to_pylist() for key in json_keys}
+        for i in range(batch.num_rows):
+            row += 1
+            for key in json_keys:
+                text = values[key][i]
+                if text is not None and not isinstance(text, str):
+                    raise DataError(f"{path}: row {row}, column {key!r} is a {type(text).__name__}, not a string; "
+                                    f"pick the text's column with --json-keys")
+                yield key, text or "", len((text or "").encode("utf-8"))
+
+
+def _input_bytes(path: str, json_keys: tuple[str, ...]) -> int:
+    """What the progress bar counts to: the file's size, a Parquet file's uncompressed text columns."""
+    if not path.endswith(PARQUET_SUFFIXES):
+        return os.path.getsize(path)
+    meta, names = _parquet_file(path).metadata, set(json_keys)
+    return sum(meta.row_group(g).column(c).total_uncompressed_size for g in range(meta.num_row_groups)
+               for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema in names)
 
 
 def _json_record(path: str, line_number: int, line: str, json_keys: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -209,7 +261,7 @@ def _json_record(path: str, line_number: int, line: str, json_keys: tuple[str, .
 def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefix: str, tokenizer,
                          json_keys: tuple[str, ...] = ("text",), workers: int = 1,
                          progress: ProgressBar | None = None,
-                         stats: PreprocessStats | None = None) -> PreprocessStats:
+                         stats: PreprocessStats | None = None, megatron_index: bool = False) -> PreprocessStats:
     """Tokenize (key, text, bytes) documents into one .bin/.idx pair per key.
 
     Output prefix: `output_prefix` for a single key, `{output_prefix}_{key}` for several.
@@ -222,7 +274,7 @@ def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefi
     stats = stats or PreprocessStats()
     start = time.perf_counter()
     prefixes = {key: output_prefix if len(json_keys) == 1 else f"{output_prefix}_{key}" for key in json_keys}
-    writers = {key: IndexedDatasetWriter(prefix, tokenizer.vocab_size, tokenizer.eod)
+    writers = {key: IndexedDatasetWriter(prefix, tokenizer.vocab_size, tokenizer.eod, megatron_index=megatron_index)
                for key, prefix in prefixes.items()}
     pool = None
     try:
@@ -279,14 +331,15 @@ def _write_batch(writers, keys, lengths, tokens) -> None:
 
 def preprocess_files(inputs: Iterable[str], output_prefix: str, tokenizer=None,
                      json_keys: tuple[str, ...] = ("text",), workers: int = 1,
-                     show_progress: bool = False) -> PreprocessStats:
-    """Files/directories/JSON lines -> .bin/.idx (what tools/preprocess_data.py runs)."""
+                     show_progress: bool = False, megatron_index: bool = False) -> PreprocessStats:
+    """Files/directories/JSON lines/Parquet -> .bin/.idx (what tools/preprocess_data.py runs);
+    `megatron_index`: the .idx in Megatron-LM's MMIDIDX layout (both frameworks read the pair)."""
     inputs = list(inputs)
     files = list_input_files(inputs)
     if not files:
         raise DataError(f"--input {' '.join(inputs)}: no input files found (an empty directory, or only hidden "
                         f"files); give text or JSON-lines files")
     stats = PreprocessStats()
-    progress = ProgressBar(sum(os.path.getsize(f) for f in files)) if show_progress else None
+    progress = ProgressBar(sum(_input_bytes(f, tuple(json_keys)) for f in files)) if show_progress else None
     return preprocess_documents(iter_documents(files, tuple(json_keys), stats), output_prefix, tokenizer,
-                                tuple(json_keys), workers, progress, stats)
+                                tuple(json_keys), workers, progress, stats, megatron_index)

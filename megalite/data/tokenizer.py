@@ -20,6 +20,7 @@ import numpy as np
 
 from megalite.data.indexed_dataset import DataError, DataFileNotFoundError
 from megalite.errors import one_line
+from megalite.extras import require
 
 
 class ByteTokenizer:
@@ -58,12 +59,7 @@ class HFTokenizer:
         if not os.path.isfile(path):
             raise DataFileNotFoundError(f"tokenizer file {path!r} does not exist; pass a path to a "
                                         f"HuggingFace tokenizer.json, or 'byte' for the byte tokenizer")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:  # optional dependency
-            raise ImportError(f"loading {path!r} needs the HuggingFace `tokenizers` package; "
-                              f"`pip install tokenizers`, or use the built-in byte tokenizer "
-                              f"(--tokenizer byte)") from exc
+        Tokenizer = require("tokenizers", f"--tokenizer {path}").Tokenizer  # the [hf] extra; or --tokenizer byte
         self.path = os.path.abspath(path)
         try:
             self._tokenizer = Tokenizer.from_file(path)
@@ -110,3 +106,34 @@ def load_tokenizer(spec: str | None):
     if not isinstance(spec, str):
         raise TypeError(f"tokenizer spec must be None, 'byte' or a path, got {type(spec).__name__}")
     return HFTokenizer(spec)
+
+
+def bpe_files_to_json(vocab_file: str, merge_file: str, cache_dir: str | None = None) -> str:
+    """A tokenizer.json of GPT-2-style byte-level BPE files (Megatron's GPT2BPETokenizer: vocab.json +
+    merges.txt), written once per pair of contents under `cache_dir` (default ~/.cache/megalite/tokenizers;
+    atomic, so ranks writing it together agree); returns its path."""
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not os.path.isfile(path):
+            raise DataFileNotFoundError(f"{flag} {path!r} does not exist; pass GPT-2's vocab.json / merges.txt")
+    tokenizers = require("tokenizers", "--vocab-file/--merge-file")
+    digest = hashlib.sha256()
+    for path in (vocab_file, merge_file):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    directory = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "megalite", "tokenizers")
+    target = os.path.join(directory, f"gpt2bpe-{digest.hexdigest()[:16]}.json")
+    if os.path.isfile(target):
+        return target
+    try:
+        model = tokenizers.models.BPE.from_file(vocab_file, merge_file)
+    except Exception as exc:  # noqa: BLE001 - the Rust side raises a plain Exception for a bad file
+        raise DataError(f"--vocab-file {vocab_file!r} / --merge-file {merge_file!r} are not GPT-2 BPE files "
+                        f"({one_line(exc)})") from None
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    os.makedirs(directory, exist_ok=True)
+    temporary = f"{target}.tmp-{os.getpid()}"
+    tokenizer.save(temporary)
+    os.replace(temporary, target)
+    return target

@@ -8,5 +8,5 @@ from megalite._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.model.config": ["GPTConfig", "PRESETS", "preset"],
     "megalite.model.gpt": ["GPTModel"],
-    "megalite.model.hf": ["config_from_hf", "from_hf"],
+    "megalite.model.hf": ["config_from_hf", "from_hf", "to_hf"],
 })

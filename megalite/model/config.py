@@ -48,7 +48,20 @@ class GPTConfig:
     tie_embeddings: bool | None = None
     """None: tied for gpt2, untied for llama."""
     add_bias: bool | None = None
-    """None: biases for gpt2, none for llama."""
+    """None: biases for gpt2, none for llama. The default of the three per-layer bias switches below."""
+    qkv_bias: bool | None = None
+    """Biases on the query/key/value projection (None: add_bias; Qwen2/2.5 set it alone)."""
+    proj_bias: bool | None = None
+    """Bias on the attention output projection (None: add_bias)."""
+    mlp_bias: bool | None = None
+    """Biases on the dense MLP's linears (None: add_bias; experts never carry biases)."""
+    kv_channels: int | None = None
+    """Head dim d (None: hidden_size / num_attention_heads). Qwen3 sets heads * d != hidden_size."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head (weights [d], shared by the heads) before RoPE (Qwen3)."""
+    rope_scaling: dict | None = None
+    """None: plain RoPE. {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}: Llama 3.1's frequency scaling (model/rope_scaling.py)."""
     make_vocab_size_divisible_by: int = 128
     moe: MoEConfig | None = None
     """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
@@ -69,7 +82,13 @@ class GPTConfig:
             self.tie_embeddings = self.flavour == "gpt2"
         if self.add_bias is None:
             self.add_bias = self.flavour == "gpt2"
-        if self.hidden_size % self.num_attention_heads != 0:
+        for name in ("qkv_bias", "proj_bias", "mlp_bias"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.add_bias)
+        if self.rope_scaling is not None:
+            from megalite.model.rope_scaling import check_rope_scaling  # one line naming what is unsupported
+            check_rope_scaling(self.rope_scaling)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -78,7 +97,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
@@ -86,6 +105,8 @@ class GPTConfig:
         return ((self.vocab_size + multiple - 1) // multiple) * multiple
 
     def replace(self, **changes) -> "GPTConfig":
+        if "add_bias" in changes:  # the per-kind switches follow a new add_bias unless given too
+            changes = {**{name: None for name in ("qkv_bias", "proj_bias", "mlp_bias")}, **changes}
         return dataclasses.replace(self, **changes)
 
     # --- counts ---------------------------------------------------------------------------
@@ -95,14 +116,14 @@ class GPTConfig:
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * d
         norm = 2 * h if self.flavour == "gpt2" else h
-        per_layer = h * qkv_out + h * h + 2 * norm
+        per_layer = h * qkv_out + self.num_attention_heads * d * h + 2 * norm + 2 * d * self.qk_layernorm
         dense_mlp = (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
         per_layer += dense_mlp
-        if self.add_bias:
-            per_layer += qkv_out + h + f + h
+        mlp_biases = ((f if self.flavour == "gpt2" else 2 * f) + h) * self.mlp_bias
+        per_layer += qkv_out * self.qkv_bias + h * self.proj_bias + mlp_biases
         total = self.num_layers * per_layer + norm  # + final norm
         if self.moe is not None:
-            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - (f + h) * self.add_bias)
+            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - mlp_biases)
         if include_embedding:
             total += self.vocab_size * h
             if not self.tie_embeddings:
@@ -121,7 +142,7 @@ class GPTConfig:
         moe, h = self.moe, self.hidden_size
         per_expert = (2 if self.flavour == "gpt2" else 3) * h * moe.expert_ffn(self.ffn_hidden_size)
         shared = moe.shared_expert_intermediate_size or 0
-        shared_params = (2 if self.flavour == "gpt2" else 3) * h * shared
+        shared_params = (2 if self.flavour == "gpt2" else 3) * h * shared + h * moe.shared_expert_gate
         return moe.num_experts * h + (moe.topk if active else moe.num_experts) * per_expert + shared_params
 
     def flops_per_token(self, seq_length: int | None = None) -> float:
@@ -151,6 +172,9 @@ class GPTConfig:
                     raise ValueError(f"{name} {value} is not divisible by tp={tp}; choose a multiple of {tp}")
 
 
+_LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192)
+
 # Presets are keyword sets, so an override (say hidden_size) re-derives what depends on it.
 PRESETS: dict[str, dict] = {
     "tiny": dict(flavour="gpt2", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=257,
@@ -165,11 +189,11 @@ PRESETS: dict[str, dict] = {
                       seq_length=2048),
     "llama-1b": dict(flavour="llama", num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                      ffn_hidden_size=5632, vocab_size=32000, seq_length=2048),
-    # Llama-3.2-1B's shape (its RoPE frequency scaling for long contexts is not modelled): real 128k
-    # vocabulary, tied embeddings; train it on --mock-data without a corpus of that tokenizer
+    # Llama-3.2-1B's shape, with its llama3 RoPE frequency scaling (factor 32): real 128k vocabulary,
+    # tied embeddings; train it on --mock-data without a corpus of that tokenizer
     "llama3-1b": dict(flavour="llama", num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
                       ffn_hidden_size=8192, vocab_size=128256, seq_length=2048, rope_theta=500000.0,
-                      tie_embeddings=True),
+                      tie_embeddings=True, rope_scaling={**_LLAMA31_SCALING, "factor": 32.0}),
     "llama-7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
                      ffn_hidden_size=11008, vocab_size=32000, seq_length=4096),
     "llama-13b": dict(flavour="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,
@@ -185,6 +209,33 @@ PRESETS: dict[str, dict] = {
                          moe=dict(num_experts=8, topk=2, aux_loss_coeff=0.02)),
     "llama-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
                       ffn_hidden_size=28672, vocab_size=32000, seq_length=4096),
+    # Today's families at their published shapes (HF config.json); seq_length is a training length.
+    # Llama 3.1 (8B, 70B) and 3.2 (3B, tied embeddings) with their llama3 rope scaling.
+    "llama3-8b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                      rope_scaling=_LLAMA31_SCALING),
+    "llama3-70b": dict(flavour="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                       ffn_hidden_size=28672, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                       rope_scaling=_LLAMA31_SCALING),
+    "llama3.2-3b": dict(flavour="llama", num_layers=28, hidden_size=3072, num_attention_heads=24, num_query_groups=8,
+                        ffn_hidden_size=8192, vocab_size=128256, seq_length=8192, rope_theta=500000.0,
+                        tie_embeddings=True, rope_scaling={**_LLAMA31_SCALING, "factor": 32.0}),
+    "mistral-7b": dict(flavour="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                       ffn_hidden_size=14336, vocab_size=32768, seq_length=4096, rope_theta=1e6),  # v0.3
+    "qwen2.5-7b": dict(flavour="llama", num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                       ffn_hidden_size=18944, vocab_size=152064, seq_length=4096, rope_theta=1e6, norm_eps=1e-6,
+                       qkv_bias=True),
+    "qwen3-8b": dict(flavour="llama", num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                     ffn_hidden_size=12288, vocab_size=151936, seq_length=4096, rope_theta=1e6, norm_eps=1e-6,
+                     qk_layernorm=True),
+    "qwen3-30b-a3b": dict(flavour="llama", num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                          kv_channels=128, ffn_hidden_size=6144, vocab_size=151936, seq_length=4096, rope_theta=1e6,
+                          norm_eps=1e-6, qk_layernorm=True,
+                          moe=dict(num_experts=128, topk=8, ffn_hidden_size=768, aux_loss_coeff=1e-3)),
+    # Llama 3.1 405B's shape (Meta's model card): the 16,384-rank simulation's model (docs/simulate.md)
+    "llama-405b": dict(flavour="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
+                       num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192,
+                       rope_theta=5e5, rope_scaling=_LLAMA31_SCALING),
 }
 
 

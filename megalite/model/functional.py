@@ -73,9 +73,14 @@ def split_heads(qkv: torch.Tensor, heads: tuple[int, ...], head_dim: int) -> tup
     return _SplitHeads.apply(qkv, tuple(heads), head_dim)
 
 
-def rope_tables(seq_length: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [s, d] in fp32 for rotate-half RoPE (each frequency's angle repeated in both halves)."""
+def rope_tables(seq_length: int, head_dim: int, theta: float, device=None,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [s, d] in fp32 for rotate-half RoPE (each frequency's angle repeated in both halves);
+    `scaling`: GPTConfig.rope_scaling (model/rope_scaling.py), None for plain RoPE."""
+    from megalite.model.rope_scaling import scale_frequencies
+
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    inv_freq = scale_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
     angles = torch.cat([angles, angles], dim=-1)  # [s, d]
     return angles.cos(), angles.sin()

@@ -98,7 +98,8 @@ class GPTModel(nn.Module):
 
         self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
-            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device)
+            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
+                                        config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 

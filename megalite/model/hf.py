@@ -1,14 +1,16 @@
-"""HuggingFace interop: GPT2LMHeadModel / LlamaForCausalLM / MixtralForCausalLM <-> megalite, by full tensors.
+"""HuggingFace interop: GPT-2, Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Mixtral and Qwen3-MoE <-> megalite,
+by full tensors (the configs: megalite/model/hf_config.py).
 
 Names on the megalite side are the *logical* names of the full pp=1 model (see
 `GPTModel.logical_name`); one name table serves `from_hf`, checkpoint export and import.
 GPT-2's Conv1D stores weights as [in, out]; megalite (like nn.Linear) stores [out, in].
 
-Mixtral: the router `mlp.gate.weight` [E, h] is megalite's `mlp.router.weight`; the experts are
+Mixtral and Qwen3-MoE: the router `mlp.gate.weight` [E, h] is megalite's `mlp.router.weight`; the experts are
 stacked in transformers >= 5 (`mlp.experts.gate_up_proj` [E, 2f, h] = [gate; up] per expert,
 `mlp.experts.down_proj` [E, h, f]) and separate before (`block_sparse_moe.experts.{e}.w1/w3/w2`);
 megalite holds one tensor per expert (`mlp.experts.{e}.fc1_weight` [2f, h], `fc2_weight` [h, f]).
-Both HF layouts are read; the stacked one is written.
+All three HF layouts are read (Qwen-MoE's files hold `mlp.experts.{e}.gate_proj/up_proj/down_proj`);
+the stacked one is written.
 """
 from __future__ import annotations
 
@@ -16,63 +18,7 @@ import torch
 
 from megalite.model.config import GPTConfig
 from megalite.model.gpt import GPTModel
-from megalite.moe.config import MoEConfig
-
-
-def _gpt2_dropout(hf_config) -> tuple[float, float]:
-    """(hidden_dropout, attention_dropout) from GPT-2's resid/embd/attn_pdrop.
-
-    megalite drops the embedding output and both residual branches with one probability,
-    hidden_dropout (as Megatron does), so embd_pdrop must equal resid_pdrop."""
-    resid, embd, attn = (float(getattr(hf_config, name, 0.0)) for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
-    if embd != resid:
-        raise ValueError(f"GPT-2 embd_pdrop={embd} differs from resid_pdrop={resid}; megalite uses one hidden_dropout "
-                         "for the embedding and the residual branches: set both to the same value")
-    return resid, attn
-
-
-def config_from_hf(hf_config) -> GPTConfig:
-    """The GPTConfig of a transformers GPT2Config / LlamaConfig, dropout probabilities included."""
-    kind = getattr(hf_config, "model_type", "")
-    if kind == "gpt2":
-        if getattr(hf_config, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"GPT-2 activation {hf_config.activation_function!r} unsupported; megalite uses tanh-GeLU")
-        hidden_dropout, attention_dropout = _gpt2_dropout(hf_config)
-        return GPTConfig("gpt2", num_layers=hf_config.n_layer, hidden_size=hf_config.n_embd,
-                         num_attention_heads=hf_config.n_head, ffn_hidden_size=hf_config.n_inner or 4 * hf_config.n_embd,
-                         vocab_size=hf_config.vocab_size, seq_length=hf_config.n_positions,
-                         norm_eps=hf_config.layer_norm_epsilon, tie_embeddings=True, add_bias=True,
-                         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
-    if kind == "mixtral":
-        if getattr(hf_config, "sliding_window", None):
-            raise ValueError(f"Mixtral sliding_window={hf_config.sliding_window} is not supported (full causal "
-                             f"attention only); set sliding_window=None")
-        dense = _llama_config(hf_config)
-        moe = MoEConfig(num_experts=hf_config.num_local_experts, topk=hf_config.num_experts_per_tok,
-                        aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0)))
-        return dense.replace(moe=moe)
-    if kind == "llama":
-        return _llama_config(hf_config)
-    raise ValueError(f"unsupported HF model_type {kind!r}; megalite converts gpt2, llama and mixtral")
-
-
-def _llama_config(hf_config) -> GPTConfig:
-    """Llama's (and Mixtral's attention and norms') GPTConfig."""
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("Llama with attention_bias/mlp_bias is not supported")
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"Llama rope_scaling {scaling} is not supported (plain RoPE only)")
-    theta = getattr(hf_config, "rope_theta", None)
-    if theta is None:  # newer transformers keep it in rope_parameters
-        theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return GPTConfig("llama", num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-                     num_attention_heads=hf_config.num_attention_heads,
-                     num_query_groups=hf_config.num_key_value_heads, ffn_hidden_size=hf_config.intermediate_size,
-                     vocab_size=hf_config.vocab_size, seq_length=hf_config.max_position_embeddings,
-                     norm_eps=hf_config.rms_norm_eps, rope_theta=float(theta),
-                     tie_embeddings=bool(hf_config.tie_word_embeddings), add_bias=False,
-                     attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)))  # no hidden dropout
+from megalite.model.hf_config import config_from_hf, hf_config_from  # noqa: F401 - the configs' one place
 
 
 # One table serves both directions: (HF names, megalite logical name, how). "copy": the same
@@ -103,16 +49,33 @@ def _name_table(config: GPTConfig) -> list[tuple[tuple[str, ...], str, object]]:
     for i in range(config.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         rows += [((p + "input_layernorm.weight",), q + "input_norm.weight", "copy"),
-                 ((p + "post_attention_layernorm.weight",), q + "post_attention_norm.weight", "copy"),
-                 (tuple(p + f"self_attn.{x}_proj.weight" for x in "qkv"), q + "attention.qkv.weight",
-                  ("cat", (nq * d, nkv * d, nkv * d))),
-                 ((p + "self_attn.o_proj.weight",), q + "attention.proj.weight", "copy")]
-        if config.moe is not None:  # Mixtral: the router here, the experts in _expert_tensors
+                 ((p + "post_attention_layernorm.weight",), q + "post_attention_norm.weight", "copy")]
+        kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
+        rows += [(tuple(p + f"self_attn.{x}_proj.{kind}" for x in "qkv"), q + f"attention.qkv.{kind}",
+                  ("cat", (nq * d, nkv * d, nkv * d))) for kind in kinds]
+        kinds = ("weight", "bias") if config.proj_bias else ("weight",)
+        rows += [((p + f"self_attn.o_proj.{kind}",), q + f"attention.proj.{kind}", "copy") for kind in kinds]
+        if config.qk_layernorm:  # Qwen3: one RMSNorm weight [d] for all query heads, one for all key heads
+            rows += [((p + f"self_attn.{x}_norm.weight",), q + f"attention.{x}_norm.weight", "copy") for x in "qk"]
+        if config.moe is not None:  # the router here, the experts in _experts_from_hf / _experts_to_hf
             rows.append(((p + "mlp.gate.weight",), q + "mlp.router.weight", "copy"))
+            rows += _shared_expert_rows(config, p, q)
             continue
-        rows += [((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), q + "mlp.fc1.weight", ("cat", (f, f))),
-                 ((p + "mlp.down_proj.weight",), q + "mlp.fc2.weight", "copy")]
+        for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
+            rows += [((p + f"mlp.gate_proj.{kind}", p + f"mlp.up_proj.{kind}"), q + f"mlp.fc1.{kind}", ("cat", (f, f))),
+                     ((p + f"mlp.down_proj.{kind}",), q + f"mlp.fc2.{kind}", "copy")]
     return rows
+
+
+def _shared_expert_rows(config: GPTConfig, p: str, q: str) -> list:
+    """Qwen2-MoE's gated shared expert: a dense SwiGLU MLP and its sigmoid gate [1, h]."""
+    if not config.moe.shared_expert_intermediate_size:
+        return []
+    f = config.moe.shared_expert_intermediate_size
+    return [((p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"),
+             q + "mlp.shared_expert.fc1.weight", ("cat", (f, f))),
+            ((p + "mlp.shared_expert.down_proj.weight",), q + "mlp.shared_expert.fc2.weight", "copy"),
+            ((p + "mlp.shared_expert_gate.weight",), q + "mlp.shared_expert_gate", "copy")]
 
 
 def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -125,9 +88,13 @@ def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> di
             hf_state[p + "mlp.gate.weight"] = hf_state[p + "block_sparse_moe.gate.weight"]
         for e in range(config.moe.num_experts):
             q = f"layers.{i}.mlp.experts.{e}."
+            qwen = f"{p}mlp.experts.{e}."  # Qwen-MoE's files: one gate/up/down Linear per expert
             if stacked:
                 out[q + "fc1_weight"] = hf_state[p + "mlp.experts.gate_up_proj"][e]
                 out[q + "fc2_weight"] = hf_state[p + "mlp.experts.down_proj"][e]
+            elif qwen + "gate_proj.weight" in hf_state:
+                out[q + "fc1_weight"] = torch.cat([hf_state[qwen + "gate_proj.weight"], hf_state[qwen + "up_proj.weight"]])
+                out[q + "fc2_weight"] = hf_state[qwen + "down_proj.weight"]
             else:
                 old = f"{p}block_sparse_moe.experts.{e}."
                 out[q + "fc1_weight"] = torch.cat([hf_state[old + "w1.weight"], hf_state[old + "w3.weight"]])
@@ -184,3 +151,41 @@ def from_hf(hf_model, mesh=None, **model_kwargs):
     hf_state = {k: v.detach().to(torch.float32) for k, v in hf_model.state_dict().items()}
     model.load_full_state_dict(hf_to_full_state(hf_state, config))
     return model
+
+
+@torch.no_grad()
+def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The full logical tensors of a whole model (pp 1, ep 1), each gathered over its tp shards."""
+    from megalite import comm, params
+
+    if not (model.pre_process and model.post_process and len(model.layer_ids) == model.config.num_layers):
+        raise ValueError("to_hf needs the whole model on this rank (pp=1); export a pipelined run's checkpoint "
+                         "with tools/convert_checkpoint.py export")
+    if comm.group_size(model.ep_group) > 1:
+        raise ValueError("to_hf needs every expert on this rank (ep=1); export the run's checkpoint with "
+                         "tools/convert_checkpoint.py export")
+    full = {}
+    for name, param in model.logical_parameters():
+        spec = params.shard_spec(param)
+        shards = [param.detach().float()]
+        if spec.is_tp_sharded:
+            gathered = comm.all_gather(shards[0].contiguous(), model.tp_group, dim=spec.dim)
+            shards = list(gathered.chunk(spec.tp_size, dim=spec.dim))  # rank order
+        full[name] = spec.assemble(shards)  # vocabulary padding dropped
+    return full
+
+
+def to_hf(model: GPTModel, *, bos_token_id: int | None = None, eos_token_id: int | None = None):
+    """The transformers model (float32) equal to megalite's `model` (whole on this rank, any tp)."""
+    import transformers
+
+    config = model.config
+    hf_config = hf_config_from(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float()
+    state = full_state_to_hf(full_state_of(model), config)
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not (config.tie_embeddings and name == "lm_head.weight")]
+    if missing or unexpected:
+        raise KeyError(f"to_hf: names do not match transformers' {type(hf_model).__name__}: missing {missing[:4]}, "
+                       f"unexpected {unexpected[:4]}")
+    return hf_model.eval()

@@ -60,6 +60,21 @@ class Norm(nn.Module):
         return MF.rms_norm(x, self.weight, self.eps)
 
 
+class HeadNorm(nn.Module):
+    """RMSNorm over the last dim d of [s, b, heads, d] with one weight [d] shared by all heads (Qwen3's
+    q/k norms). Replicated across tp; with tp > 1 each rank's heads give part of its gradient, so it is
+    declared `sequence_parallel_grad` (summed over tp by the data-parallel wrapper, as SP norms are)."""
+
+    def __init__(self, head_dim: int, eps: float, partial_grad: bool, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = params.declare(nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device)),
+                                     sequence_parallel_grad=partial_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return MF.rms_norm(x, self.weight, self.eps)
+
+
 class Attention(nn.Module):
     """Self-attention: fused QKV column-parallel linear -> (RoPE) -> causal core -> row-parallel out.
 
@@ -81,13 +96,18 @@ class Attention(nn.Module):
         self.local_heads, self.local_groups, self.head_dim = nq // tp, nkv // tp, d
         init = normal_init(config.init_std)
         out_init = normal_init(config.init_std / math.sqrt(2 * config.num_layers))
-        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.add_bias,
+        self.qkv = ColumnParallelLinear(config.hidden_size, (nq + 2 * nkv) * d, bias=config.qkv_bias,
                                         tp_group=tp_group, sequence_parallel=sequence_parallel, init_method=init,
                                         bias_init_method=zeros_init, fused_blocks=(nq * d, nkv * d, nkv * d),
                                         dtype=dtype, device=device)
-        self.proj = RowParallelLinear(nq * d, config.hidden_size, bias=config.add_bias, tp_group=tp_group,
+        self.proj = RowParallelLinear(nq * d, config.hidden_size, bias=config.proj_bias, tp_group=tp_group,
                                       sequence_parallel=sequence_parallel, init_method=out_init,
                                       bias_init_method=zeros_init, dtype=dtype, device=device)
+        if config.qk_layernorm:  # Qwen3: RMSNorm over each head's d channels; a rank's heads see part of the grad
+            self.q_norm = HeadNorm(d, config.norm_eps, tp > 1, dtype, device)
+            self.k_norm = HeadNorm(d, config.norm_eps, tp > 1, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
 
     def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
              rng: TensorParallelRNG) -> torch.Tensor:
@@ -95,6 +115,8 @@ class Attention(nn.Module):
         s, b, _ = qkv.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_groups
         q, k, v = MF.split_heads(qkv, (hq, hkv, hkv), d)  # views [s, b, heads, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = MF.rope(q, *rope), MF.rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
@@ -120,9 +142,9 @@ class MLP(nn.Module):
         out_init = normal_init(config.init_std / math.sqrt(2 * config.num_layers))
         common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, bias_init_method=zeros_init,
                       dtype=dtype, device=device)
-        self.fc1 = ColumnParallelLinear(h, 2 * f if self.gated else f, bias=config.add_bias, init_method=init,
+        self.fc1 = ColumnParallelLinear(h, 2 * f if self.gated else f, bias=config.mlp_bias, init_method=init,
                                         fused_blocks=(f, f) if self.gated else None, **common)
-        self.fc2 = RowParallelLinear(f, h, bias=config.add_bias, init_method=out_init, **common)
+        self.fc2 = RowParallelLinear(f, h, bias=config.mlp_bias, init_method=out_init, **common)
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """add_bias=False leaves fc2's bias to the caller (the block's fused bias-dropout-add)."""

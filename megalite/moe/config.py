@@ -42,6 +42,9 @@ class MoEConfig:
     """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE)."""
     shared_expert_intermediate_size: int | None = None
     """Inner width of an always-active shared expert (Qwen-MoE, DeepSeek-MoE); None: none."""
+    shared_expert_gate: bool = False
+    """Qwen2-MoE: the shared expert's output is scaled per token by sigmoid(x . w), w [1, h] one weight
+    per layer (replicated over tp)."""
     capacity_factor: float | None = None
     """None: dropless. Else each expert takes at most ceil(capacity_factor * tokens * topk / experts)
     of a microbatch's tokens in a layer, decided over all of them in the single process's order
@@ -83,6 +86,8 @@ def moe_problems(moe: MoEConfig) -> list[str]:
         problems.append(f"--moe-router-load-balancing-type must be one of {LOAD_BALANCING_TYPES}")
     if moe.token_drop_policy not in DROP_POLICIES:
         problems.append(f"--moe-token-drop-policy must be one of {DROP_POLICIES}")
+    if moe.shared_expert_gate and not moe.shared_expert_intermediate_size:
+        problems.append("a shared expert gate needs a shared expert (--moe-shared-expert-intermediate-size)")
     if moe.pre_softmax and moe.score_function != "softmax":
         problems.append("--moe-router-pre-softmax applies to --moe-router-score-function softmax only")
     for name, value in (("--moe-aux-loss-coeff", moe.aux_loss_coeff), ("--moe-z-loss-coeff", moe.z_loss_coeff)):

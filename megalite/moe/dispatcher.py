@@ -53,19 +53,26 @@ class AllToAllDispatcher:
         if self.ep_size == 1:
             return permuted, group_sizes, (tokens.shape[0], sorted_index, None)
         ep, local = self.ep_size, self.local_experts
-        send_counts = group_sizes.view(ep, local)  # [destination rank, its local expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
-        comm.all_to_all(recv_counts, send_counts.contiguous(), self.ep_group)
-        counts = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host read
-        send_splits, recv_splits = counts[0], counts[1]
+        recv_counts, send_splits, recv_splits = self.exchange_counts(group_sizes.view(ep, local), permuted.shape[0])
         received = _AllToAllVariable.apply(permuted, recv_splits, send_splits, self.ep_group)  # source-major
         # [source, expert] blocks -> [expert, source] blocks: rows of one local expert together
         block_of_row = torch.repeat_interleave(
             (torch.arange(local, device=tokens.device).view(1, local) * ep
-             + torch.arange(ep, device=tokens.device).view(ep, 1)).reshape(-1), recv_counts.reshape(-1))
+             + torch.arange(ep, device=tokens.device).view(ep, 1)).reshape(-1), recv_counts.reshape(-1),
+            output_size=sum(recv_splits))
         order = torch.sort(block_of_row, stable=True).indices
         state = (tokens.shape[0], sorted_index, (order, send_splits, recv_splits))
         return received[order], recv_counts.sum(0), state
+
+    def exchange_counts(self, send_counts: torch.Tensor, routes: int):
+        """send_counts [destination rank, its local expert] (int64) -> (recv_counts [source rank, my
+        local expert], send_splits, recv_splits: rows to / from each ep rank, read on the host).
+        routes: the rows this rank sends (= send_counts.sum()); unused here, but the one fact a
+        simulated rank (meta tensors, no counts) has to answer from (megalite/simulate/routing.py)."""
+        recv_counts = torch.empty_like(send_counts)
+        comm.all_to_all(recv_counts, send_counts.contiguous(), self.ep_group)
+        counts = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host read
+        return recv_counts, counts[0], counts[1]
 
     def combine(self, expert_output: torch.Tensor, weights: torch.Tensor, state) -> torch.Tensor:
         num_tokens, sorted_index, exchange = state

@@ -97,8 +97,14 @@ class MoELayer(nn.Module):
                                     dtype, device)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
-            shared = config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None, add_bias=False)
+            shared = config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None, add_bias=False,
+                                    mlp_bias=False)
             self.shared_expert = MLP(shared, tp_group, False, dtype, device)  # runs on the gathered sequence
+        self.shared_expert_gate = None
+        if moe.shared_expert_gate:  # [1, h]: a per-token sigmoid weight of the shared expert's output
+            gate = torch.empty(1, config.hidden_size)
+            nn.init.normal_(gate, std=config.init_std)
+            self.shared_expert_gate = nn.Parameter(gate.to(device=device, dtype=dtype or gate.dtype))
         self.dispatcher = make_dispatcher(dispatcher_type, moe.num_experts, ep_group)
         self.loss_scale = 1.0
         self.reset_stats()
@@ -114,11 +120,18 @@ class MoELayer(nn.Module):
             if self.sequence_parallel else x  # [s, b, h]: every tp rank sees (and routes) the same tokens
         out, routing = self._experts(full, self.tp_group, self.cp_group)  # [s/cp, b, h]
         if self.shared_expert is not None:
-            out = out + self.shared_expert(full)
+            out = out + self._shared(full)
         out = self._attach_losses(out, routing)
         if self.sequence_parallel:
             out = mappings.scatter_to_sequence_parallel_region(out, self.tp_group)  # [s/tp, b, h]
         return out.to(x.dtype)
+
+    def _shared(self, full: torch.Tensor) -> torch.Tensor:
+        """The shared expert on the whole (replicated) sequence [s, b, h], gated per token when configured."""
+        out = self.shared_expert(full)
+        if self.shared_expert_gate is None:
+            return out
+        return out * torch.sigmoid(torch.nn.functional.linear(full, self.shared_expert_gate))  # [s, b, 1]
 
     def _forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """etp = 1: this tp rank routes and runs its own [s/tp, b, h] tokens through whole experts."""
@@ -133,7 +146,7 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my slice of its output
             full = mappings.gather_from_sequence_parallel_region(x, tp, grad_is_partial=False) \
                 if self.sequence_parallel else x
-            out = out + mappings.scatter_to_sequence_parallel_region(self.shared_expert(full), tp)
+            out = out + mappings.scatter_to_sequence_parallel_region(self._shared(full), tp)
         out = self._attach_losses(out, routing)
         if not self.sequence_parallel:  # the block's output is replicated over tp: every rank's slice, gathered
             out = mappings.gather_from_sequence_parallel_region(out, tp, grad_is_partial=False)  # [s, b, h]

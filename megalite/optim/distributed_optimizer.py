@@ -18,7 +18,7 @@ its tp shard of its pipeline stage; padding: each bucket rounded up to a multipl
     | 3          | 4Ψ/dp (fp32 shard) +    | 4Ψ/dp + a unit or two while | 8Ψ/dp                           |
     |            | the units gathered      | they are reduce-scattered   |                                 |
 
-One step (`step(lr)`):
+One step (`step()`, each group's lr; or `step(lr)`, every group at lr):
 1. `DataParallel.finish_grad_sync()`: the bucketed dp reductions (most already started
    during the last microbatch's backward) complete. zero 0: all-reduce, every rank holds all
    summed gradients; zero 1/2: reduce-scatter, each rank holds the sum for its shard only.
@@ -37,10 +37,15 @@ One step (`step(lr)`):
    own bucket). Anything else that reads the parameters between step() and the next forward
    (checkpoint save, replica check) calls `wait_for_params()`.
 
-Weight decay: by default every parameter with fewer than two dimensions (biases, norm
-weights) is excluded; pass `no_weight_decay=lambda name, param: ...` to change the rule.
+Parameter groups (torch.optim's): `params=` takes group dicts over the wrapped model's
+parameters, each with its own lr, weight_decay, betas, eps (optim/param_groups.py maps them to
+runs of the shard). Without them, two groups: weight decay except on parameters with fewer than
+two dimensions (biases, norm weights); pass `no_weight_decay=lambda name, param: ...` to change
+the rule. The update runs over a whole bucket chunk at once when the groups share lr, betas and
+eps (the usual case, and what an LR scheduler keeps), else run by run: the same numbers.
 
-Checkpointing (layout-free): `optimizer_state()` returns, per parameter name, the fp32
+`state_dict()` / `load_state_dict()` are torch's, with whole tensors keyed by logical name
+(optim/state_dict.py). Checkpointing (layout-free, no gather): `optimizer_state()` returns, per parameter name, the fp32
 master/exp_avg/exp_avg_sq of the piece of that parameter's *flattened local tensor* this
 rank owns, with its [start, end) range; `load_optimizer_state()` is the inverse. A
 checkpoint engineer maps flat local ranges to full-tensor slices with the parameter's shard spec
@@ -55,8 +60,10 @@ from typing import Callable
 import torch
 
 from megalite.data_parallel.wrapper import DataParallel
+from megalite.optim import param_groups as G
 from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
+from megalite.optim.state_dict import full_state_dict, load_full_state_dict
 
 try:  # one fused Triton pass on GPUs; the plain torch ops below are the same math
     from megalite.kernels.adamw import adamw_step as fused_adamw_step
@@ -100,20 +107,28 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
-class DistributedOptimizer:
-    """AdamW over the elements of `model` (a DataParallel wrapper) that this rank updates.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """AdamW over the elements of `model` (a DataParallel wrapper) that this rank updates, shaped as a
+    torch.optim.Optimizer: `param_groups`, `state_dict` / `load_state_dict`, `zero_grad`, `step()`.
 
     Args:
         model: the DataParallel wrapper; its zero_stage decides the shard (everything at 0).
-        betas, eps, weight_decay: AdamW hyper-parameters (torch.optim.AdamW meaning).
+        params: None (every parameter the wrapper trains, in two groups: weight decay except where
+            `no_weight_decay` says, none there), or torch.optim's params: tensors of the wrapped
+            model, or group dicts over them with their own "lr", "weight_decay", "betas", "eps".
+        lr, betas, eps, weight_decay: the defaults of every group (torch.optim.AdamW meaning).
         clip_grad: clip the global grad norm (whole mesh) to this value; 0 disables clipping.
         offload_optimizer: keep master weights and moments in (pinned, with CUDA) CPU memory
             and run the update there.
         loss_scaler: a DynamicLossScaler for fp16 (the caller scales the loss with it).
-        no_weight_decay: (name, param) -> True to exclude a parameter from weight decay.
+        no_weight_decay: (name, param) -> True to exclude a parameter from weight decay (params=None).
+
+    `step()` reads each group's "lr", so a torch.optim.lr_scheduler (or `ScheduledLR`, the
+    training loop's own schedule) drives it; `step(lr)` sets every group's lr first (the older form).
     """
 
-    def __init__(self, model: DataParallel, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, model: DataParallel, params=None, *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, clip_grad: float = 0.0, offload_optimizer: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
                  no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay):
@@ -127,13 +142,15 @@ class DistributedOptimizer:
             raise ValueError("overlap_param_gather does not combine with offload_optimizer (the host update "
                              "must finish before the step returns); drop one of them")
         self.model, self.mesh, self.zero_stage = model, model.mesh, model.zero_stage
-        self.beta1, self.beta2 = betas
-        self.eps, self.weight_decay, self.clip_grad = eps, weight_decay, clip_grad
+        self.clip_grad = clip_grad
         self.loss_scaler, self.offload = loss_scaler, offload_optimizer
         self.params, self.names = model.params, model.names  # buffer order (reverse of model order)
+        groups = G.default_groups(self.names, self.params, weight_decay, no_weight_decay) if params is None \
+            else G.as_group_list(params)
+        G.check_cover(groups, self.names, self.params)
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.pieces = model.owned_pieces()
-        self._decay_runs = _runs(self.pieces, [not no_weight_decay(self.names[x.param], self.params[x.param])
-                                               for x in self.pieces])
+        self._group_runs = G.group_runs(self.param_groups, self.params, self.pieces)
         over_replicas = self.zero_stage == 0 and self.mesh.ep_size > 1  # ep > 1 sums the norm over the world
         counted = [counts_in_grad_norm(self.params[x.param], self.mesh, over_replicas, sharded=self.zero_stage > 0)
                    for x in self.pieces]
@@ -160,22 +177,27 @@ class DistributedOptimizer:
             for bucket in buckets:  # master := fp32 copy of the parameters this rank owns
                 self._masters[bucket.index].copy_(model.owned_params(bucket.index).float())
         self._shard_offsets = [b.shard_offset for b in buckets]
-        self._decay_views = [self._decayed_pieces(b.index) for b in buckets]
+        # per bucket, per group: views of the master chunk that the group's weight decay scales, made
+        # once: the step then decays them with one foreach op per group instead of a slice and a mul_ per run
+        self._group_views = [[[self._masters[b.index][a:z] for a, z in G.clip_runs(runs, *self._bounds(b.index))]
+                              for runs in self._group_runs] for b in buckets]
         self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()
         self.step_count = 0
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_group_runs", None) is not None:  # after construction the shard's runs are fixed
+            raise ValueError("DistributedOptimizer's param groups are fixed when it is built (they decide the "
+                             "shard's update runs); pass every group to the constructor")
+        super().add_param_group(param_group)
+
+    def _bounds(self, bucket: int) -> tuple[int, int]:
+        b = self.model.layout.buckets[bucket]
+        return b.shard_offset, b.shard_offset + b.chunk_numel
+
     def _chunk(self, state: torch.Tensor, bucket: int) -> torch.Tensor:
         """This rank's chunk of `bucket` within a shard-sized tensor."""
-        b = self.model.layout.buckets[bucket]
-        return state[b.shard_offset:b.shard_offset + b.chunk_numel]
-
-    def _decayed_pieces(self, bucket: int) -> list[torch.Tensor]:
-        """Views of `bucket`'s master chunk that weight decay scales, made once: the step then decays
-        them all with one foreach op (one launch on a GPU) instead of a slice and a mul_ per run."""
-        b = self.model.layout.buckets[bucket]
-        lo, hi = b.shard_offset, b.shard_offset + b.chunk_numel
-        return [self._masters[bucket][max(start, lo) - lo:min(end, hi) - lo] for start, end in self._decay_runs
-                if max(start, lo) < min(end, hi)]
+        lo, hi = self._bounds(bucket)
+        return state[lo:hi]
 
     def master_range(self, start: int, end: int) -> torch.Tensor:
         """The fp32 master of shard elements [start, end) (within one bucket's chunk)."""
@@ -185,7 +207,8 @@ class DistributedOptimizer:
 
     # ------------------------------------------------------------------ the step
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapper's gradient buffers (they are reused: there is nothing to set to None)."""
         self.model.zero_grad()
 
     def _global_norm_of_shard(self, grad: torch.Tensor) -> torch.Tensor:
@@ -198,12 +221,21 @@ class DistributedOptimizer:
         return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
 
     @torch.no_grad()
-    def step(self, lr: float, skip: bool = False) -> dict:
+    def step(self, lr: float | Callable | None = None, skip: bool = False) -> dict:
         """Finish the dp reduction, clip, update, publish. Returns {'grad_norm', 'skipped', 'loss_scale'}.
 
+        Each group's update reads its own "lr" (set by an LR scheduler); `lr`, when given, is first
+        written into every group (`step(lr)`); a callable is torch's closure (called, its loss not kept).
         `grad_norm` is the global norm of the true (unscaled, unclipped) gradients. `skip`: the
         caller saw a non-finite loss (all ranks agree): no update.
         """
+        if callable(lr):
+            with torch.enable_grad():
+                lr()
+            lr = None
+        if lr is not None:
+            for group in self.param_groups:
+                group["lr"] = lr
         self.model.wait_for_params()  # gathers of buckets the last forward never touched (params unused)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.finish_grad_sync(fill_param_grads=False, grad_scale=scale, skip=skip)
@@ -225,23 +257,35 @@ class DistributedOptimizer:
             if grad.device != self.model.grad_shard.device:
                 torch.cuda.synchronize()
         self.step_count += 1
+        one_pass = G.same_update(self.param_groups)
         for bucket in self.model.gather_order:  # the next forward's order: its first gathers land first
-            self._update_bucket(bucket, grad, lr)
+            self._update_bucket(bucket, grad, one_pass)
             self.model.publish(bucket, self._masters[bucket])
         self.model.published()
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # pinned master chunks are read by async H2D copies
         return result
 
-    def _update_bucket(self, bucket: int, grad: torch.Tensor, lr: float) -> None:
-        """Decoupled weight decay (before the Adam update, as torch does), then AdamW, on one bucket's chunk."""
-        b = self.model.layout.buckets[bucket]
-        lo, hi = b.shard_offset, b.shard_offset + b.chunk_numel
+    def _update_bucket(self, bucket: int, grad: torch.Tensor, one_pass: bool) -> None:
+        """Decoupled weight decay per group (before the Adam update, as torch does), then AdamW on one
+        bucket's chunk: in one pass when every group's update reads the same lr, betas and eps, else
+        per group run (elementwise either way: the same numbers)."""
+        lo, hi = self._bounds(bucket)
         master = self._masters[bucket]
-        if self.weight_decay != 0.0 and self._decay_views[bucket]:  # the same float32 product as a mul_ per run
-            torch._foreach_mul_(self._decay_views[bucket], 1 - lr * self.weight_decay)
-        adamw_update(master, grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], lr=lr,
-                     beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=self.step_count)
+        for group, views in zip(self.param_groups, self._group_views[bucket]):
+            if group["weight_decay"] != 0.0 and views:  # the same float32 product as a mul_ per run
+                torch._foreach_mul_(views, 1 - group["lr"] * group["weight_decay"])
+        if one_pass:
+            self._adam(master, grad[lo:hi], lo, hi, self.param_groups[0])
+            return
+        for group, runs in zip(self.param_groups, self._group_runs):
+            for a, z in G.clip_runs(runs, lo, hi):
+                self._adam(master[a:z], grad[lo + a:lo + z], lo + a, lo + z, group)
+
+    def _adam(self, master: torch.Tensor, grad: torch.Tensor, start: int, end: int, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        adamw_update(master, grad, self.exp_avg[start:end], self.exp_avg_sq[start:end], lr=group["lr"],
+                     beta1=beta1, beta2=beta2, eps=group["eps"], step=self.step_count)
 
     def wait_for_params(self) -> None:
         """Complete the parameter all-gathers still in flight (see DataParallel.wait_for_params)."""
@@ -253,6 +297,17 @@ class DistributedOptimizer:
         for bucket in self.model.gather_order:
             self.model.publish(bucket, self._masters[bucket])
         self.model.wait_for_params()
+
+    # ------------------------------------------------------------------ torch's state dict (layout-free)
+
+    def state_dict(self) -> dict:
+        """torch's shape keyed by logical parameter name, every tensor whole (see optim/state_dict.py).
+        Collective: every rank of the mesh calls it."""
+        return full_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """`state_dict()`'s output from any layout; this rank keeps the pieces it owns."""
+        load_full_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ checkpoint API (layout-free)
 

@@ -1,8 +1,11 @@
-"""Learning-rate schedules: linear warmup, then cosine (or linear, or constant) decay to min_lr."""
+"""Learning-rate schedules: linear warmup, then cosine (or linear, or constant) decay to min_lr; and the
+same schedule as a torch LR scheduler driving an optimizer's param groups (`ScheduledLR`)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,33 @@ class LRSchedule:
         else:
             factor = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + (self.lr - self.min_lr) * factor
+
+
+class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
+    """An `LRSchedule` as a torch LR scheduler: after `step()` number k (0-based) of the scheduler, each
+    group's lr is schedule(k) (times the group's initial lr / schedule.lr, for groups given their own lr).
+
+        scheduler = ScheduledLR(optimizer, LRSchedule(3e-4, 3e-5, 100, 10_000))
+        for step in range(...): ...; optimizer.step(); scheduler.step()
+
+    `jump_to(k)` sets the lr of optimizer step k directly (a resumed run starts there).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule, last_epoch: int = -1):
+        self.schedule = schedule
+        super().__init__(optimizer, last_epoch)
+
+    def _at(self, step: int) -> list[float]:
+        lr = self.schedule(step)
+        # a group at the schedule's own lr gets its value exactly (x * a / a is not always x in floating point)
+        return [lr if group["initial_lr"] == self.schedule.lr else lr * group["initial_lr"] / self.schedule.lr
+                for group in self.optimizer.param_groups]
+
+    def get_lr(self) -> list[float]:
+        return self._at(max(self.last_epoch, 0))
+
+    def jump_to(self, step: int) -> None:
+        self.last_epoch = step
+        for group, lr in zip(self.optimizer.param_groups, self._at(step)):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

@@ -16,40 +16,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, Schedule
-from megalite.pipeline.partition import model_chunk_id
+from megalite.pipeline.instructions import Schedule
+from megalite.pipeline.timeline import bubble_of, schedule_timeline
 
 
 def replay_bubble(schedule: Schedule, pp: int, v: int, durations: Sequence[Mapping[str, float]]) -> float:
     """Idle fraction of the pipeline for `schedule` (a verified one: it cannot deadlock) when stage
-    s spends durations[s][kind] seconds per compute instruction of that kind (FWD, BWD, ...)."""
-    last_chunk = pp * v - 1
-    done: dict[tuple[str, int, int], float] = {}  # ("F"|"B", model chunk, microbatch) -> end time
-    ops = [[op for op in stage if not op.is_transfer] for stage in schedule]
-    clock, cursor = [0.0] * pp, [0] * pp
-    busy = 0.0
-    while any(cursor[s] < len(ops[s]) for s in range(pp)):
-        progressed = False
-        for s in range(pp):
-            while cursor[s] < len(ops[s]):
-                op = ops[s][cursor[s]]
-                k = model_chunk_id(pp, s, op.chunk)
-                if op.kind == FWD:
-                    need = ("F", k - 1, op.microbatch) if k > 0 else None
-                elif op.kind in (BWD, BWD_INPUT):
-                    need = ("B", k + 1, op.microbatch) if k < last_chunk else None
-                else:  # BWD_WEIGHT follows its own B on the same stage
-                    need = None
-                if need is not None and need not in done:
-                    break
-                start = max(clock[s], done[need] if need is not None else 0.0)
-                clock[s] = start + durations[s].get(op.kind, 0.0)
-                busy += durations[s].get(op.kind, 0.0)
-                if op.kind != BWD_WEIGHT:
-                    done[("F" if op.kind == FWD else "B", k, op.microbatch)] = clock[s]
-                cursor[s] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError("schedule cannot be replayed: a stage waits on a result no stage produces")
-    makespan = max(clock)
-    return 1.0 - busy / (pp * makespan) if makespan > 0 else 0.0
+    s spends durations[s][kind] seconds per compute instruction of that kind (FWD, BWD, ...).
+    The replay itself is timeline.schedule_timeline's (the same blocks tools/plot_schedule.py draws)."""
+    return bubble_of(schedule_timeline(schedule, pp, v, durations), pp)

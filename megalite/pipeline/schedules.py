@@ -68,17 +68,29 @@ def _one_f_one_b(pp: int, m: int) -> list[list[Instr]]:
 def _interleaved(pp: int, m: int, v: int) -> list[list[Instr]]:
     fwd = _interleaved_order(pp, m, v, backward=False)
     bwd = _interleaved_order(pp, m, v, backward=True)
+    return [_interleaved_stage(pp, m, v, r, fwd, bwd) for r in range(pp)]
+
+
+def _interleaved_stage(pp: int, m: int, v: int, r: int, fwd: list[tuple[int, int]],
+                       bwd: list[tuple[int, int]]) -> list[Instr]:
+    """Rank r's compute instructions of the interleaved schedule (fwd, bwd: _interleaved_order's)."""
     total = m * v
-    stages = []
-    for r in range(pp):
-        # Megatron: enough warm-up forwards that rank r's first backward input is on its way.
-        warmup = total if m == pp else min((pp - r - 1) * 2 + (v - 1) * pp, total)
-        ops = [Instr(FWD, *fwd[k]) for k in range(warmup)]
-        for k in range(total - warmup):
-            ops += [Instr(FWD, *fwd[warmup + k]), Instr(BWD, *bwd[k])]
-        ops += [Instr(BWD, *bwd[k]) for k in range(total - warmup, total)]
-        stages.append(ops)
-    return stages
+    # Megatron: enough warm-up forwards that rank r's first backward input is on its way.
+    warmup = total if m == pp else min((pp - r - 1) * 2 + (v - 1) * pp, total)
+    ops = [Instr(FWD, *fwd[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [Instr(FWD, *fwd[warmup + k]), Instr(BWD, *bwd[k])]
+    ops += [Instr(BWD, *bwd[k]) for k in range(total - warmup, total)]
+    return ops
+
+
+def interleaved_compute(pp: int, m: int, v: int, r: int) -> list[Instr]:
+    """Rank r's forwards and backwards of the interleaved schedule, in the order build_schedule runs
+    them (it places transfers around them without reordering them), without building every stage
+    and placing transfers: the planner counts activations in flight on one stage."""
+    check_schedule_args("interleaved", pp, m, v)
+    return _interleaved_stage(pp, m, v, r, _interleaved_order(pp, m, v, backward=False),
+                              _interleaved_order(pp, m, v, backward=True))
 
 
 def _zb_h1(pp: int, m: int) -> list[list[Instr]]:

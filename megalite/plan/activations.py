@@ -16,11 +16,12 @@ or all-to-all's transient buffers (`context_parallel_buffer_bytes`, one layer's 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
-from megalite.pipeline.instructions import BWD_WEIGHT, FWD
-from megalite.pipeline.schedules import build_schedule
+from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
+from megalite.pipeline.schedules import build_schedule, interleaved_compute
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
 
@@ -197,6 +198,7 @@ def context_parallel_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     return max(forward, backward)
 
 
+@lru_cache(maxsize=4096)
 def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
     """ZB-H1 keeps a microbatch's linear inputs until its deferred weight-gradient pass (W)."""
     live = peak = 0
@@ -215,6 +217,8 @@ def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
         return _zero_bubble_peak(pp, m, stage)
     if v == 1:                                                      # 1f1b: warmup + 1
         return min(pp - stage, m)
+    if m == pp:  # Megatron: every forward is warm-up (no steady state), all m*v run before the first backward
+        return m * v
     return min((pp - stage - 1) * 2 + (v - 1) * pp + 1, m * v)     # Megatron's interleaved warmup + 1
 
 
@@ -230,6 +234,33 @@ def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     if cfg.schedule == "gpipe":
         return m
     return sum(1 for k in range(inflight) if (k // pp) % v == 0)
+
+
+def head_inflight_microbatches(cfg: RunConfig) -> int:
+    """Microbatches whose loss-head activations the last stage holds at its peak: all of them under
+    GPipe, one under 1F1B; interleaved, counted on the schedule: the last chunk's forwards not yet
+    backward at the stage's peak (more than one when every forward is warm-up, m == pp)."""
+    m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
+    if cfg.schedule == "gpipe":
+        return m
+    if cfg.schedule != "interleaved" or v == 1:
+        return 1
+    return _interleaved_head_at_peak(pp, m, v)
+
+
+@lru_cache(maxsize=1024)
+def _interleaved_head_at_peak(pp: int, m: int, v: int) -> int:
+    """head_inflight_microbatches' count on the interleaved schedule's last stage, cached: the
+    planner's search asks it for every candidate of one (pp, m, v); the whole placed schedule at pp
+    128 is 10^5 instructions and seconds to build, the last stage's compute 2mv instructions."""
+    live, head, peak, head_at_peak = 0, 0, 0, 1
+    for op in interleaved_compute(pp, m, v, pp - 1):  # the last stage's compute, as build_schedule orders it
+        step = (op.kind == FWD) - (op.kind in (BWD, BWD_INPUT))
+        live += step
+        head += step if op.chunk == v - 1 else 0
+        if live > peak:
+            peak, head_at_peak = live, head
+    return head_at_peak
 
 
 def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
@@ -260,7 +291,7 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
     if recomputed:
         total += kept_whole  # the block being recomputed
     total += inflight * rope_table_bytes(model, cfg) + context_parallel_buffer_bytes(model, cfg)
-    head_inflight = cfg.num_microbatches if cfg.schedule == "gpipe" else 1
+    head_inflight = head_inflight_microbatches(cfg)
     if stage == 0:
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
     if stage == pp - 1:

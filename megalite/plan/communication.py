@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 from megalite.model.config import GPTConfig
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
-from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_tensor_parallel_bytes,
-                               stage_expert_params, stage_moe_layers)
+from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
+                               moe_tensor_parallel_bytes, stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
 from megalite.plan.zero3 import add_zero3_dp_bytes
 
@@ -67,6 +67,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     else:
         add_dp_bytes(add, params, cfg)
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
+    add(f"{dp_group_name(cfg)}/all_reduce", moe_replica_bytes(model, cfg, stage))  # MoE statistics (and bias load)
     if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
         grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
         table = model.padded_vocab_size(t) // t * h
@@ -193,7 +194,8 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     """Ledger group -> (ranks in it, count) of the one-element all-reduces every step waits for on
     one rank: the step's target-token count (over dp x cp), the finiteness check of the loss and
     the mean loss (the world), and the gradient norm (the model-parallel group tp x pp, or the
-    world when ZeRO shards the gradients over dp x cp). Groups of one rank issue none."""
+    world when ZeRO shards the gradients over dp x cp or the experts differ over ep > 1:
+    optim/clip.reduce_square_sum). Groups of one rank issue none."""
     tp, pp, cp, dp, world = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.dp, cfg.world_size
     out: dict[str, tuple[int, int]] = {}
 
@@ -203,7 +205,7 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
 
     add(dp_group_name(cfg), dp * cp, 1)
     add("world", world, 2)
-    if cfg.parallel.zero and dp * cp > 1:
+    if (cfg.parallel.zero and dp * cp > 1) or cfg.parallel.ep > 1:
         add("world", world, 1)
     else:
         add("mp", tp * pp, 1)

@@ -138,7 +138,8 @@ class HardwareProfile:
         value = peaks.get(precision) or peaks.get({"bf16": "fp16", "fp16": "bf16"}.get(precision, ""))
         if value is None:
             raise HardwareProfileError(f"profile {self.name!r} has no peak for {precision}; add peak_tflops."
-                                       f"{precision} (has {sorted(peaks)})")
+                                       f"{precision} (has {sorted(peaks)}), or calibrate with "
+                                       f"`tools/plan.py --calibrate OUT.json --calibrate-bf16`")
         return value * 1e12
 
     def matmul_efficiency_at(self, n: float) -> float:

@@ -6,9 +6,11 @@ interleaved assignment).
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
+from megalite.pipeline.partition import chunk_layer_counts
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -19,18 +21,31 @@ GB = 1e9
 
 def stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
     """Blocks held by each pipeline stage (all its chunks)."""
-    counts, pp = cfg.chunk_layer_counts(model.num_layers), cfg.parallel.pp
-    return [sum(counts[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
+    p = cfg.parallel
+    return list(_stage_layers(model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
+                              p.decoder_last_stage_layers, p.pipeline_layout, None))
 
 
 def recomputed_stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
     """Blocks of each stage that full recompute re-runs: all of them, or the first
     recompute_num_layers of each of its chunks; none without full recompute."""
-    if cfg.parallel.recompute != "full":
-        return [0] * cfg.parallel.pp
-    counts, pp, n = cfg.chunk_layer_counts(model.num_layers), cfg.parallel.pp, cfg.parallel.recompute_num_layers
-    per_chunk = [c if n is None else min(n, c) for c in counts]
-    return [sum(per_chunk[c] for c in range(len(counts)) if c % pp == r) for r in range(pp)]
+    p = cfg.parallel
+    if p.recompute != "full":
+        return [0] * p.pp
+    return list(_stage_layers(model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
+                              p.decoder_last_stage_layers, p.pipeline_layout, p.recompute_num_layers))
+
+
+@lru_cache(maxsize=4096)
+def _stage_layers(num_layers: int, pp: int, v: int, first: int | None, last: int | None, layout: str | None,
+                  per_chunk_cap: int | None) -> tuple[int, ...]:
+    """Blocks of each stage: the sum over its chunks (model chunks r, r + pp, r + 2pp, ...), each
+    counted up to `per_chunk_cap` (None: all). Cached: the planner's search asks for the same split
+    for every candidate of one (pp, v), and at pp 128 the sum is 256 chunks per stage."""
+    counts = chunk_layer_counts(num_layers, pp, v, first, last, layout)
+    if per_chunk_cap is not None:
+        counts = [min(per_chunk_cap, c) for c in counts]
+    return tuple(sum(counts[r::pp]) for r in range(pp))
 
 
 def local_seq_length(model: GPTConfig, cfg: RunConfig) -> int:

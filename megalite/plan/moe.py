@@ -20,6 +20,7 @@ whole sequence (under SP the block gathers it), at etp = 1 each tp rank its own 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.model.config import GPTConfig
@@ -35,12 +36,19 @@ def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: b
     p = cfg.parallel
     if model.moe is None or (recomputed and p.recompute != "full"):
         return 0
-    ranges = [range(model.num_layers)] if p.pp == 1 else partition_stage_layers(
-        model.num_layers, p.pp, p.virtual_stages, stage, p.decoder_first_stage_layers, p.decoder_last_stage_layers,
-        p.pipeline_layout)
-    if recomputed and p.recompute_num_layers is not None:
-        ranges = [r[:p.recompute_num_layers] for r in ranges]
-    return sum(model.moe.is_moe_layer(i) for r in ranges for i in r)
+    return _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
+                       p.decoder_last_stage_layers, p.pipeline_layout, stage,
+                       p.recompute_num_layers if recomputed else None)
+
+
+@lru_cache(maxsize=8192)
+def _moe_layers(moe, num_layers: int, pp: int, v: int, first: int | None, last: int | None, layout: str | None,
+                stage: int, per_chunk_cap: int | None) -> int:
+    """stage_moe_layers' count, cached: the planner's search asks it for every stage of every candidate."""
+    ranges = [range(num_layers)] if pp == 1 else partition_stage_layers(num_layers, pp, v, stage, first, last, layout)
+    if per_chunk_cap is not None:
+        ranges = [r[:per_chunk_cap] for r in ranges]
+    return sum(moe.is_moe_layer(i) for r in ranges for i in r)
 
 
 def _mlp_params(model: GPTConfig, ffn: int, tp: int, bias: bool) -> int:
@@ -78,7 +86,8 @@ def dense_change_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
     moe, tp = model.moe, cfg.parallel.tp
     shared = _mlp_params(model, moe.shared_expert_intermediate_size, tp, False) \
         if moe.shared_expert_intermediate_size else 0
-    return moe.num_experts * model.hidden_size + shared - _mlp_params(model, model.ffn_hidden_size, tp, model.add_bias)
+    shared += model.hidden_size * moe.shared_expert_gate  # Qwen2-MoE's [1, h] gate, replicated
+    return moe.num_experts * model.hidden_size + shared - _mlp_params(model, model.ffn_hidden_size, tp, model.mlp_bias)
 
 
 def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
@@ -91,6 +100,22 @@ def expert_dp_config(cfg: RunConfig) -> RunConfig:
     """The layout the experts' replicas see: dp*cp/ep replicas (x tp at etp = 1), no cp (for
     model_state_bytes, add_dp_bytes)."""
     return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep * (cfg.parallel.tp // expert_tp(cfg)), cp=1)
+
+
+def balanced_routes(routes: int, num_experts: int, ep: int, source: int, dest: int) -> list[int]:
+    """The planner's routing assumption (dropless, balanced), as counts: of the `routes` rows ep rank
+    `source` routes, how many go to each local expert of ep rank `dest` ([num_experts/ep] ints).
+
+    Every rank sends routes/ep to each ep rank (the remainder r, one each, to the r ranks after
+    itself: so every rank also receives exactly `routes`), split evenly over that rank's experts
+    (the first ones one more). dispatch_bytes' 2*T*k rows per forward (sent, then received back)
+    and routing_activation_bytes' T*k received rows are this; `--simulate` answers the dispatcher's
+    count exchange with it (a meta tensor has no counts: megalite/simulate/routing.py)."""
+    local = num_experts // ep
+    share, extra = divmod(routes, ep)
+    to_dest = share + (1 if (dest - source - 1) % ep < extra else 0)
+    per_expert, rest = divmod(to_dest, local)
+    return [per_expert + (1 if e < rest else 0) for e in range(local)]
 
 
 def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
@@ -196,3 +221,15 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
     bias = 4 * e if moe.enable_expert_bias else 0
     add("tp/all_reduce", layers * (per_step * e * h * g + (e + 4) * 8 + bias))
     return out
+
+
+def moe_replica_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """Bytes per step one rank of `stage` all-reduces over its token replicas (dp x cp: ledger 'dp' or
+    'dp_cp') for the MoE blocks' bookkeeping, per block: the step's statistics (moe/training.moe_stats:
+    E loads, aux and z losses, drops and forwards, E+4 float64) and, with an expert bias, its load
+    (E fp32, router.update_expert_bias). 0 without replicas or MoE blocks on the stage."""
+    layers = stage_moe_layers(model, cfg, stage)
+    if not layers or cfg.dp * cfg.parallel.cp == 1:
+        return 0
+    e = model.moe.num_experts
+    return layers * ((e + 4) * 8 + (4 * e if model.moe.enable_expert_bias else 0))

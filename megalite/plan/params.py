@@ -19,9 +19,9 @@ def layer_params(model: GPTConfig, tp: int) -> int:
     mlp_in = f if model.flavour == "gpt2" else 2 * f           # fc1 | fused gate+up
     n = 2 * norm + h * qkv // tp + model.num_attention_heads * d * h // tp
     n += (h * mlp_in + f * h) // tp
-    if model.add_bias:  # column-parallel biases are sharded, row-parallel biases replicated
-        n += (qkv + mlp_in) // tp + 2 * h
-    return n
+    # column-parallel biases are sharded, row-parallel biases replicated; q/k norms [d] replicated
+    n += qkv // tp * model.qkv_bias + h * model.proj_bias + (mlp_in // tp + h) * model.mlp_bias
+    return n + 2 * d * model.qk_layernorm
 
 
 def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:

@@ -88,7 +88,7 @@ class Estimate:
     def fits(self, gpu_memory: float, headroom: float = 0.1) -> bool:
         """True when total_bytes fits in (1 - headroom) of gpu_memory bytes (the rest: CUDA
         context, NCCL buffers, allocator fragmentation, transient tensors)."""
-        return self.total_bytes <= (1.0 - headroom) * gpu_memory
+        return fits_memory(self.total_bytes, gpu_memory, headroom)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -114,6 +114,11 @@ class Estimate:
         for key, n in sorted(self.comm_bytes.items()):
             lines.append(f"  comm {key:<24} {n / GB:10.4f} GB/step")
         return "\n".join(lines)
+
+
+def fits_memory(total_bytes: int, gpu_memory: float, headroom: float = 0.1) -> bool:
+    """The fit rule: `total_bytes` within (1 - headroom) of `gpu_memory` bytes."""
+    return total_bytes <= (1.0 - headroom) * gpu_memory
 
 
 def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite") -> tuple[int, int, int, int]:
@@ -173,10 +178,7 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
     the implementation the blocks' attention runs, where the caller knows it (activations.py)."""
     check_degrees(cfg)
     seq = model.seq_length
-    per_stage = []
-    for stage in range(cfg.parallel.pp):
-        weights, grads, optimizer, host = stage_model_states(model, cfg, stage)
-        per_stage.append((weights + grads + optimizer + activation_bytes(model, cfg, stage, attention), stage))
+    per_stage = [(stage_total_bytes(model, cfg, stage, attention), stage) for stage in range(cfg.parallel.pp)]
     _, worst = max(per_stage)
     params = stage_params(model, cfg, worst)
     weights, grads, optimizer, host = stage_model_states(model, cfg, worst)
@@ -193,6 +195,13 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
         flops_per_step=model.flops_per_token(seq) * tokens,
         hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
+
+
+def stage_total_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
+    """Device bytes of one rank of `stage` at its peak: model states and saved activations (the
+    estimate's total_bytes is the largest of these over the stages)."""
+    weights, grads, optimizer, _ = stage_model_states(model, cfg, stage)
+    return weights + grads + optimizer + activation_bytes(model, cfg, stage, attention)
 
 
 def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[int, int, int, int]:

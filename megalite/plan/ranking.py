@@ -13,7 +13,9 @@ from megalite.model.config import GPTConfig
 from megalite.plan.per_rank import Estimate, estimate
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import GB
+from megalite.plan.search import search
 from megalite.plan.timing import predict_step_time
+from megalite.plan.units import human_bytes, human_count
 from megalite.plan.validity import preflight
 
 
@@ -65,8 +67,8 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
         bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
                     f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
     if par.ep > 1:
-        bits.append(f"ep={par.ep} shards the experts: {_count(est.params_per_rank)} parameters per rank, "
-                    f"{est.comm_bytes.get('ep/all_to_all', 0) / 1e9:.2f} GB of token all-to-all per step")
+        bits.append(f"ep={par.ep} shards the experts: {human_count(est.params_per_rank)} parameters per rank, "
+                    f"{human_bytes(est.comm_bytes.get('ep/all_to_all', 0))} of token all-to-all per step")
     if model.moe is not None and par.tp > 1:
         bits.append(f"etp={par.etp}: " + ("whole experts on every tp rank, each routing its own 1/tp of the tokens"
                                           if par.etp == 1 else "experts split over tp, the sequence gathered"))
@@ -84,7 +86,7 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
     if par.offload_optimizer:
         bits.append("optimizer offloaded to host" + _why_not_earlier(model, cfg, gpu_memory, "offload"))
     bits.append(f"{est.total_bytes / GB:.1f}/{gpu_memory / GB:.0f} GB" if gpu_memory
-                else f"{est.total_bytes / GB:.1f} GB per rank")
+                else f"{human_bytes(est.total_bytes)} per rank")
     return f"~{parts['total']:.3g} s/step on {load_profile(hardware).name}: " + "; ".join(bits)
 
 
@@ -163,7 +165,8 @@ NEAR_BEST = 0.02
 
 def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus_per_node: int | None = None,
             global_batch_size: int | None = None, precision: str = "bf16", top_k: int = 10,
-            hardware: str | HardwareProfile | None = None, base: RunConfig | None = None) -> list[Suggestion]:
+            hardware: str | HardwareProfile | None = None, base: RunConfig | None = None,
+            exhaustive: bool = False) -> list[Suggestion]:
     """Layouts of `gpus` GPUs that fit `gpu_memory` bytes, fastest first, with a reason each.
 
     Tries tp within a node (sequence parallel when tp > 1), every pp dividing num_layers,
@@ -178,19 +181,17 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     base: the configuration whose other settings every candidate keeps (the model name and sizes,
     training, optimizer, data); each candidate's `cfg` is whole and resolved (model sizes, schedule
     and vocabulary written out), so saving it and loading it with --config plans the same run.
+    The search skips what provably cannot reach the first top_k (plan/search.py); `exhaustive`
+    predicts every layout that fits instead, for the same result.
     """
     gpus_per_node = gpus_per_node or max(1, gpus // nodes)
     base = (base or RunConfig()).replace(global_batch_size=global_batch_size or 8 * gpus, precision=precision)
     base = base.replace(**_model_settings(model))
+    hardware = load_profile(hardware)  # once: a profile file is read here, not per candidate
     found: list[Suggestion] = []
     for offload in (False, True):
-        for cfg in _candidates(model, base, gpus, gpus_per_node, offload):
-            if preflight(model, cfg, gpus):
-                continue
-            est = estimate(model, cfg)
-            if not est.fits(gpu_memory):
-                continue
-            parts = step_time(model, cfg, est, gpus_per_node, hardware)
+        for cfg, est, parts in search(model, _candidates(model, base, gpus, gpus_per_node, offload), gpus,
+                                      gpu_memory, gpus_per_node, hardware, top_k, NEAR_BEST, exhaustive):
             found.append(Suggestion(cfg, est, parts["total"],
                                     _reason(model, cfg, est, parts, gpu_memory, gpus_per_node, hardware)))
         if found:
@@ -230,10 +231,3 @@ def _rank(found: list[Suggestion]) -> list[Suggestion]:
                          f"parameters every step: more communication, for memory this layout does not need)")
     return ranked
 
-
-def _count(n: float) -> str:
-    """A parameter count at the scale it has: 1.30B, 4.20M, 35.0K (a tiny model was "0.00B")."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"

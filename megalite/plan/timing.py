@@ -226,14 +226,17 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
     return _Pass(forward, backward)
 
 
-def _stage_compute(model, cfg, hw, kernels, stage: int) -> tuple[float, tuple[float, float], float, float]:
+def _stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = None) -> tuple[
+        float, tuple[float, float], float, float]:
     """(device seconds, host seconds (forward, backward), backward device seconds, attention forward
-    seconds) of one stage over all its chunks, per microbatch. Host: the launches counted from the model
-    at the profile's `launch_host_us` (one graph replay per microbatch with CUDA graphs), else the per-block and
-    per-microbatch overheads (all of it in the backward's slot)."""
+    seconds) of one stage over all its chunks, per microbatch, from `block` (block_pass, the same on
+    every stage: a caller predicting every stage passes it once; None computes it). Host: the
+    launches counted from the model at the profile's `launch_host_us` (one graph replay per
+    microbatch with CUDA graphs), else the per-block and per-microbatch overheads (all of it in the
+    backward's slot)."""
+    block = block or block_pass(model, cfg, hw, kernels)
     layers = stage_layers(model, cfg)[stage]
     rerun = recomputed_stage_layers(model, cfg)[stage]
-    block = block_pass(model, cfg, hw, kernels)
     device = layers * (block.forward + block.backward)
     backward = layers * block.backward
     if cfg.parallel.recompute == "selective":
@@ -372,6 +375,36 @@ def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, 
     return max(gpu, host_seconds(hw, optimizer_launches(model, cfg, stage))), offload
 
 
+def _stage_time(model, cfg, hw, kernels, per_node: int, stage: int, block: _Pass) -> tuple[float, dict, float, float]:
+    """(busy seconds of the step: m microbatches, its communication seconds by part, backward and
+    forward seconds of one microbatch) of one stage, at the slowdown of `per_node` ranks on a node."""
+    slowdown = hw.compute_slowdown(per_node)
+    device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage, block)
+    if hw.host_synchronous:
+        busy = (device + sum(host)) * slowdown
+    elif hw.launch_host_us:   # the host queues work ahead of the GPU; neither pass syncs
+        busy = queued_seconds([(host[0], device - backward), (host[1], backward)]) * slowdown
+    else:
+        busy = max(device, sum(host)) * slowdown
+    comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
+    if hw.host_synchronous:  # a CPU's collectives are work of its cores too
+        comm = {key: seconds * slowdown for key, seconds in comm.items()}
+    return cfg.num_microbatches * busy, comm, backward * slowdown, (device - backward) * slowdown
+
+
+def step_time_lower_bound(model: GPTConfig, cfg: RunConfig, hardware: str | HardwareProfile | None = None,
+                          ranks_per_node: int | None = None, kernels: Kernels = MEGALITE) -> float:
+    """A number predict_step_time's total is never below, at about 1/pp of its cost: the last
+    stage's exposed time (m x its busy time + its tp, cp and pp seconds). The total is the slowest
+    stage's exposed time plus parts that are each >= 0 (dp, bubble, optimizer, sync, offload), and
+    the slowest stage's is at least the last stage's."""
+    hw = load_profile(hardware)
+    per_node = min(cfg.world_size, ranks_per_node or hw.devices_per_node or cfg.world_size)
+    busy, comm, _, _ = _stage_time(model, cfg, hw, kernels, per_node, cfg.parallel.pp - 1,
+                                   block_pass(model, cfg, hw, kernels))
+    return busy + comm["tp"] + comm["cp"] + comm["pp"]
+
+
 def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | HardwareProfile | None = None,
                       ranks_per_node: int | None = None, kernels: Kernels = MEGALITE) -> StepTime:
     """Seconds per optimizer step of `cfg` on `hardware` (a profile, a built-in name or a profile file).
@@ -383,19 +416,8 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     world, m, pp = cfg.world_size, cfg.num_microbatches, cfg.parallel.pp
     per_node = min(world, ranks_per_node or hw.devices_per_node or world)
     slowdown = hw.compute_slowdown(per_node)
-    stages = []
-    for stage in range(pp):
-        device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage)
-        if hw.host_synchronous:
-            busy = (device + sum(host)) * slowdown
-        elif hw.launch_host_us:   # the host queues work ahead of the GPU; neither pass syncs
-            busy = queued_seconds([(host[0], device - backward), (host[1], backward)]) * slowdown
-        else:
-            busy = max(device, sum(host)) * slowdown
-        comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
-        if hw.host_synchronous:  # a CPU's collectives are work of its cores too
-            comm = {key: seconds * slowdown for key, seconds in comm.items()}
-        stages.append((m * busy, comm, backward * slowdown, (device - backward) * slowdown))
+    block = block_pass(model, cfg, hw, kernels)
+    stages = [_stage_time(model, cfg, hw, kernels, per_node, stage, block) for stage in range(pp)]
     exposed = [busy + c["tp"] + c["cp"] + c["pp"] for busy, c, _, _ in stages]
     slowest = max(range(pp), key=lambda s: exposed[s])
     busy, comm, backward, forward = stages[slowest]

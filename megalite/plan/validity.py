@@ -45,7 +45,7 @@ def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: flo
     if not est.fits(gpu_memory):
         whose = f" ({memory_of})" if memory_of else ""
         errors.append(f"estimated {est.total_bytes / GB:.2f} GB per rank (stage {est.stage}) does not fit "
-                      f"{gpu_memory / GB:.1f} GB{whose} with 10% headroom; {_memory_fix(model, cfg, gpu_memory)}")
+                      f"{gpu_memory / GB:.1f} GB{whose} with 10% headroom; {memory_fix(model, cfg, gpu_memory)}")
     return errors
 
 
@@ -97,7 +97,7 @@ def _why_this_step(model: GPTConfig, cfg: RunConfig, flag: str) -> str:
     return f" ({before[0]} would still need {needed / GB:.2f} GB)"
 
 
-def _memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
+def memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
     """Name the first single change that makes the layout fit, or point at the planner."""
     tries = [("--fused-linear-cross-entropy", dict(fused_linear_cross_entropy=True)),
              ("--recompute selective", dict(recompute="selective")),

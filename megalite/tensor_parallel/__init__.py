@@ -13,6 +13,9 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
         "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
         "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region"],
     "megalite.tensor_parallel.norms": ["LayerNorm", "RMSNorm"],
+    "megalite.tensor_parallel.parallelize": ["parallelize", "Column", "Row", "Vocab", "Experts", "Heads", "PartialGrad",
+                                             "ScatterSequence", "GatherSequence"],
+    "megalite.tensor_parallel.plans": ["hf_plan"],
     "megalite.tensor_parallel.sequence_parallel": ["mark_sequence_parallel", "unmarked_norm_problem"],
     "megalite.tensor_parallel.random": ["TensorParallelRNG", "dropout"],
 })

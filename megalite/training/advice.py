@@ -28,7 +28,7 @@ EXPOSED_DP_LIMIT = 0.20
 def bubble_advice(fraction: float, pp: int) -> str:
     return (f"advice: the pipeline bubble is {fraction:.0%} of the step (> {BUBBLE_LIMIT:.0%} at pp={pp}); "
             f"increase microbatches or interleave (a larger global batch or a smaller micro batch; "
-            f"--schedule interleaved --virtual-stages 2)")
+            f"--pipeline-schedule interleaved --virtual-stages 2)")
 
 
 def exposed_dp_advice(fraction: float) -> str:

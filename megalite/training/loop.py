@@ -53,7 +53,7 @@ from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
-from megalite.optim.lr_schedule import LRSchedule
+from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, justify, recompute_fraction
 from megalite.plan.hardware import builtin_for_device
 from megalite.plan.layout import DTYPE_BYTES
@@ -61,9 +61,11 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+from megalite.training.metrics_sinks import open_sinks, sink_problems
 from megalite.training.launch_checks import launch_problems, machine_notes, machine_problems, memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
+from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.watchdog import HangWatchdog
@@ -79,12 +81,13 @@ def log(*parts, rank0_only: bool = True) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2."""
+def main(argv: list[str] | None = None, provided=None) -> int:
+    """Parse, validate and run; a user's mistake prints its message (no traceback) and returns 2.
+    `provided`: a user's model in place of GPTModel (megalite.training.provided.main builds it)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         with interrupt_during_setup():  # no step boundary yet to stop at: a signal ends the run now
-            return _configure_and_train(argv)
+            return _configure_and_train(argv, provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
     except SetupInterrupted as exc:  # once per node, as a UsageError
@@ -93,15 +96,20 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _configure_and_train(argv: list[str] | None) -> int:
-    """main's work: the configuration, --print-config / --dry-run, or the run."""
+def _configure_and_train(argv: list[str] | None, provided=None) -> int:
+    """main's work: the configuration, --simulate / --print-config / --dry-run, or the run."""
     cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
+    if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
+        from megalite.simulate.run import run_from_flags
+        return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
     launching = not (actions["dry_run"] or actions["print_config"])
     # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
     world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
     # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
     plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
     cfg = plan.cfg
+    if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
+        provided.check(cfg, dry_run=actions["dry_run"])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
     cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
@@ -109,11 +117,11 @@ def _configure_and_train(argv: list[str] | None) -> int:
         print(to_toml(cfg, cfg.derived()), end="")
         return 0
     if actions["dry_run"]:
-        print(estimate(cfg.gpt_config(), cfg).describe())
+        print(dry_run_report(cfg))
         return 0
     for line in plan.messages() + _resumed_settings(cfg, plan):
         log(line)
-    return train(cfg, tokenizer, plan)
+    return train(cfg, tokenizer, plan, provided=provided)
 
 
 def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
@@ -138,6 +146,7 @@ def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None,
     except ValueError as exc:  # MEGALITE_KERNEL_BACKEND names no backend: one line, like a flag's mistake
         problems, backend = problems + [str(exc)], "auto"
     problems += machine_problems(cfg, torch.cuda.is_available(), backend)
+    problems += sink_problems(cfg.logging)  # --tensorboard-dir / --wandb-project without their package
     if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
         problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
     if problems:
@@ -183,6 +192,8 @@ class Job:
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
+    provided: Any = None  # training.provided.ProvidedModel: a user's model in place of GPTModel
+    scheduler: ScheduledLR | None = None  # lr_at driving the optimizer's param groups (torch's LR scheduler)
 
 
 def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
@@ -190,7 +201,7 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
     resources.push(lambda exc_type, exc, tb: release(exc_type is None))
 
 
-def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job:
+def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
     etp = p.etp if cfg.gpt_config().moe is not None else p.tp  # no experts: no expert groups to create
@@ -201,8 +212,12 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
         comm.agreed(lambda: lock.acquire() if mesh.rank == 0 else None, comm.world_group())
         _on_exit(resources, lambda clean: lock.release())
     torch.manual_seed(cfg.training.seed)
-    model_cfg = cfg.gpt_config()
-    _announce(cfg, model_cfg, mesh)
+    chunks = provided.build_chunks(cfg, mesh) if provided is not None else None  # the same seed on every rank
+    model_cfg = chunks[0].config if provided is not None else cfg.gpt_config()
+    if provided is None:
+        _announce(cfg, model_cfg, mesh)
+    else:
+        log(mesh.describe() + "\n" + model_cfg.describe())
     t = cfg.training
     if cfg.data.mock_data:  # synthetic ids over the true vocabulary; nothing to read, nothing to agree on
         train_set, valid_set, _ = build_mock_datasets(model_cfg.vocab_size, model_cfg.seq_length, t.seed,
@@ -216,13 +231,14 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack) -> Job
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
         + (f", {len(valid_set)} validation" if valid_set is not None else "")
         + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
-    chunks = build_model_chunks(model_cfg, cfg, mesh)
+    chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
-    lr_at = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, t.train_iters, o.lr_decay_style)
+    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
     job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
-              *_services(cfg, model_cfg, mesh, resources))
+              *_services(cfg, model_cfg, mesh, resources), provided=provided)
+    job.scheduler = ScheduledLR(optimizer, lr_at)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
@@ -254,7 +270,10 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         f"{plan.total_bytes / 1e9:.2f} GB per rank")
     # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
     gpu = builtin_for_device(torch.cuda.get_device_name(mesh.device)) if mesh.device.type == "cuda" else None
-    log("layout: " + justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu))
+    layout = justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu)
+    if gpu is None:  # the figure is a GPU profile's, not this machine's: say so (the steps below measure it)
+        layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
+    log("layout: " + layout)
     p = cfg.parallel
     for note in machine_notes(cfg, mesh.device.type == "cuda"):
         log(note)
@@ -272,7 +291,8 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
     meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.training.micro_batch_size, cfg.dp,
                             cfg.num_microbatches, mesh.world_size, cfg.parallel.recompute, cfg.training.train_iters,
                             peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
-    writer = MetricsWriter(lg.metrics_file, lg.tensorboard_dir, enabled=mesh.rank == 0)
+    sinks = open_sinks(lg, run_config=cfg.to_dict()) if mesh.rank == 0 else []  # TensorBoard, W&B
+    writer = MetricsWriter(lg.metrics_file, sinks, enabled=mesh.rank == 0)
     _on_exit(resources, lambda clean: writer.close())
     if mesh.rank == 0 and lg.metrics_file:  # the resolved configuration beside the metrics
         Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
@@ -297,12 +317,20 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
 # ---------------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None) -> int:
+def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None, *, model_provider=None,
+          loss_fn=None, provided=None) -> int:
     """Run the job of a validated, resolved configuration; returns the process exit code.
-    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is)."""
+    `resume_plan`: `plan_resume`'s (main makes it; without one, the configuration as it is).
+    `model_provider`, `loss_fn`: a user's model in place of GPTModel (docs/own_model.md,
+    megalite/training/provided.py); `provided`: both, already checked (provided.main makes it)."""
+    if model_provider is not None:
+        from megalite.training.provided import ProvidedModel, default_loss
+
+        provided = ProvidedModel(model_provider, loss_fn or default_loss)
+        provided.check(cfg)
     with contextlib.ExitStack() as resources:
         with interrupt_during_setup():  # until the first step a signal ends the run at once
-            job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources)
+            job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
             job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
             start_step = resume(job)
         job.preemption.install()  # from here a signal saves at the next step boundary
@@ -332,6 +360,7 @@ def resume(job: Job) -> int:
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
+    job.scheduler.jump_to(start_step)  # the lr of step start_step + 1
     if job.watchdog:
         job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     if start_step >= job.cfg.training.train_iters:
@@ -366,7 +395,7 @@ def train_steps(job: Job, start_step: int) -> bool:
                 check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True)
             else:
                 check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
-        if step == start_step + 1:
+        if step == start_step + 1 and job.provided is None:  # the planner models GPTModel
             planned = estimate(job.model_cfg, cfg, _attention_run(cfg, job.model_cfg, job.mesh.device))
             log(estimate_vs_measured(planned, job.mesh.device))
         _record(job, step, step_time, result)
@@ -394,9 +423,10 @@ def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
     cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
-    lr = job.lr_at(step - 1)
-    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, lr, guard=job.guard,
+    lr = job.optimizer.param_groups[0]["lr"]  # lr_at(step - 1), set by the scheduler
+    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, None, guard=job.guard,
                         timer=job.timer, graphs=job.graphs)
+    job.scheduler.step()
     result["lr"] = lr
     result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
@@ -428,9 +458,11 @@ def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> No
                       grad_compression_ratio=result["grad_compression_ratio"])
     if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
+    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
+    if bubble is not None:  # the schedule's idle share with this step's measured op times (plot_metrics' time split)
+        record["pipeline_bubble"] = bubble
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
-    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
     job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result["exposed_dp_comm_s"],
                         pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
 
@@ -458,3 +490,7 @@ def run_evaluation(job: Job, step: int) -> None:
     loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
     log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
     job.writer.write_eval(step, loss)
+
+
+if __name__ == "__main__":  # python -m megalite.training.loop: the same job as megalite-train
+    sys.exit(main())

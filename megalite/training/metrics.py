@@ -214,7 +214,8 @@ def estimate_vs_measured(estimate, device: torch.device | str) -> str:
 
 
 class MetricsWriter:
-    """Append one JSON object per logged step to `path`; mirror scalars to TensorBoard if present.
+    """Append one JSON object per logged step to `path`; send the same numbers to every sink
+    (TensorBoard, W&B: megalite.training.metrics_sinks).
 
     Only the rank that should write creates one (typically global rank 0; pass enabled=False
     elsewhere). Every line has at least step, loss, lr, grad_norm and tokens_per_sec.
@@ -222,62 +223,50 @@ class MetricsWriter:
 
     REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_sec")
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None = None, enabled: bool = True):
-        self.enabled = enabled and (path is not None or tensorboard_dir is not None)
+    def __init__(self, path: str | None, sinks: list | tuple = (), enabled: bool = True):
+        self.enabled = enabled and (path is not None or bool(sinks))
         self._file = None
-        self._tb = None
+        self._sinks = list(sinks) if self.enabled else []
         if not self.enabled:
             return
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             drop_torn_tail(path)
             self._file = open(path, "a", buffering=1)
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard not installed: JSON lines only
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self._tb = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         missing = [k for k in self.REQUIRED if k not in record]
         if missing:
             raise ValueError(f"metrics record lacks {missing}; pass them to ThroughputMeter.step(...)")
-        self._emit(record, tb_prefix="", flags_too=True)  # e.g. "skipped" as 0/1
+        self._emit(record, prefix="", flags_too=True)  # e.g. "skipped" as 0/1
 
     def write_event(self, record: dict[str, Any]) -> None:
         """One line for an event of the run, e.g. {"event": "resize", "step", ...} (no loss: readers
-        of the step records skip it); its numbers go to TensorBoard under "event/<name>"."""
-        self._emit(record, tb_prefix=f"{record['event']}/", flags_too=False)
+        of the step records skip it); its numbers go to the sinks under "<event>/<name>"."""
+        self._emit(record, prefix=f"{record['event']}/", flags_too=False)
 
-    def _emit(self, record: dict[str, Any], tb_prefix: str, flags_too: bool) -> None:
-        """One JSON line, and every number (booleans only if `flags_too`) as a TensorBoard scalar at
-        the record's step."""
+    def _emit(self, record: dict[str, Any], prefix: str, flags_too: bool) -> None:
+        """One JSON line, and every number (booleans only if `flags_too`) to each sink at the
+        record's step."""
         if not self.enabled:
             return
         if self._file is not None:
             self._file.write(json.dumps(record, default=float) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and (flags_too or not isinstance(value, bool)):
-                    self._tb.add_scalar(tb_prefix + key, value, record["step"])
+        numbers = {prefix + key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and (flags_too or not isinstance(value, bool))}
+        for sink in self._sinks:
+            sink.scalars(numbers, record["step"])
 
     def write_eval(self, step: int, loss: float) -> None:
         """One line for an evaluation: {"step", "eval_loss", "eval_perplexity"}."""
-        if not self.enabled:
-            return
         record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            self._tb.add_scalar("eval_loss", loss, step)
+        self._emit(record, prefix="", flags_too=False)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 def _duration(seconds: float) -> str:

@@ -78,7 +78,7 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
     scaler = DynamicLossScaler(initial_scale=prec.initial_loss_scale, growth_interval=prec.loss_scale_window,
                                hysteresis=prec.hysteresis, backoff_factor=prec.loss_scale_backoff) \
         if prec.precision == "fp16" else None
-    return DistributedOptimizer(model, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+    return DistributedOptimizer(model, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                 weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
                                 offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler)
 
@@ -188,7 +188,7 @@ def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunCon
 
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
-               mesh: Mesh, cfg: RunConfig, lr: float, guard=None, timer=None, *,
+               mesh: Mesh, cfg: RunConfig, lr: float | None, guard=None, timer=None, *,
                check_host_reads: bool = False, graphs=None) -> dict[str, Any]:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 

@@ -22,6 +22,7 @@ from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.mesh import single_process_mesh
 from megalite.plan.communication import communication_bytes
 from megalite.plan.compression import compression_state_bytes, stage_expert_shapes, stage_param_shapes
+from megalite.plan.moe import moe_replica_bytes
 from megalite.testing import run_distributed
 from moe_helpers import cfg_for, train
 
@@ -42,12 +43,14 @@ def _run(m, cfg, steps, chunks=None, optimizer=None, ledgers=None):
 
 
 def _check_plan(m, cfg, optimizer, ledgers, results):
-    """Every compressed step's dp and edp all-reduces are the planner's (+ on dp the 8-byte token count
-    and the MoE metrics: per layer E route counts and 4 sums, float64), nothing is reduce-scattered;
-    the state and the parameter shapes are the planner's."""
+    """Every compressed step's dp and edp all-reduces are the planner's (+ on dp the 8-byte token count;
+    the MoE metrics, per layer E route counts and 4 sums in float64, are the planner's too), nothing is
+    reduce-scattered; the state and the parameter shapes are the planner's."""
     model, stage = cfg.gpt_config(), m.pp_rank
     planned = communication_bytes(model, cfg, stage)
-    others = 8 + 8 * (model.moe.num_experts + 4) * model.num_layers  # every layer is an MoE block here
+    others = 8  # the token count: a step scalar (step_scalar_collectives), not in communication_bytes
+    metrics = moe_replica_bytes(model, cfg, stage)
+    assert metrics == 8 * (model.moe.num_experts + 4) * model.num_layers  # every layer is an MoE block here
     shapes = sorted(tuple(p.shape) for p in optimizer.model.params)
     assert shapes == sorted(stage_param_shapes(model, cfg, stage) + stage_expert_shapes(model, cfg, stage))
     assert optimizer.model.compression.state_bytes() == compression_state_bytes(model, cfg, stage)
@@ -57,7 +60,7 @@ def _check_plan(m, cfg, optimizer, ledgers, results):
         assert ("edp", "reduce_scatter") not in ledger and ("dp", "reduce_scatter") not in ledger
         if dense:
             assert ledger[("dp", "all_reduce")] == planned["dp/all_reduce"] + others
-        sent = planned["edp/all_reduce"] + (planned["dp/all_reduce"] if dense else 0)
+        sent = planned["edp/all_reduce"] + (planned["dp/all_reduce"] - metrics if dense else 0)  # gradients only
         assert result["grad_reduce_bytes"] == sent
 
 

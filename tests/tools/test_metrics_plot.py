@@ -39,7 +39,7 @@ def test_load_and_series(tmp_path):
         plot_metrics.load_metrics(str(bad))
 
 
-def test_plot_png_or_clear_error(tmp_path, monkeypatch):
+def test_plot_png_or_clear_error(tmp_path, monkeypatch, capsys):
     a = write_run(tmp_path / "tp2" / "metrics.jsonl", RECORDS)
     b = write_run(tmp_path / "pp2" / "metrics.jsonl", RECORDS[:2])
     out = tmp_path / "curves.png"
@@ -51,6 +51,26 @@ def test_plot_png_or_clear_error(tmp_path, monkeypatch):
     if have_matplotlib:
         assert plot_metrics.main([a, b, "--out", str(out)]) == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    with pytest.raises(SystemExit, match="pip install matplotlib"):
-        plot_metrics.main([a, b, "--out", str(out)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: one line naming the extra, exit 2
+    assert plot_metrics.main([a, b, "--out", str(out)]) == 2
+    assert "pip install 'megalite[plot]'" in capsys.readouterr().err
+
+
+def test_every_panel_and_runs_overlaid(tmp_path):
+    """lr, grad norm, validation loss, MFU and the time split drawn for two runs, PNG and SVG."""
+    pytest.importorskip("matplotlib")
+    records = [{"step": s, "loss": 5.0 / s, "lr": 1e-4 * s, "grad_norm": 2.0 / s, "tokens_per_sec": 1e3, "mfu": 0.3,
+                "mem_peak_bytes": 2e9, "step_time_s": 1.0, "time_forward_s": 0.3, "time_backward_s": 0.4,
+                "time_optimizer_s": 0.1, "exposed_dp_comm_s": 0.05, "pipeline_bubble": 0.1} for s in (1, 2, 3)]
+    records += [{"step": 3, "eval_loss": 1.5, "eval_perplexity": 4.48}]
+    a = write_run(tmp_path / "a" / "metrics.jsonl", records)
+    b = write_run(tmp_path / "b" / "metrics.jsonl", records[:2])
+    assert plot_metrics.time_split(records, ("time_forward_s", "time_backward_s", "time_optimizer_s"))[1] == \
+        pytest.approx([80.0] * 3)
+    assert plot_metrics.time_split(records, ("pipeline_bubble",))[1] == pytest.approx([10.0] * 3)
+    for out in (tmp_path / "m.png", tmp_path / "m.svg"):
+        drawn = plot_metrics.plot([a, b], ["a", "b"], str(out))
+        assert drawn == ["loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "mem_peak_bytes",
+                         "time_split"]
+        assert out.stat().st_size > 10_000
+    assert (tmp_path / "m.svg").read_text().count("<g id=\"axes_") == 8  # one panel each

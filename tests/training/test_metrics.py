@@ -79,7 +79,7 @@ def test_writer_jsonl_and_progress_line(tmp_path):
     meter = M.ThroughputMeter(preset("tiny"), seq_length=128, micro_batch_size=2, dp=2, num_microbatches=2,
                               world_size=4, total_steps=1000, peak_tflops_per_gpu=989.0)
     path = tmp_path / "run" / "metrics.jsonl"
-    writer = M.MetricsWriter(str(path), tensorboard_dir=str(tmp_path / "tb"))
+    writer = M.MetricsWriter(str(path))
     for step in (1, 2):
         writer.write(meter.step(step, 0.5, loss=4.0 / step, lr=3e-4, grad_norm=1.0))
     with pytest.raises(ValueError, match="lacks"):

@@ -1,0 +1,186 @@
+"""Megatron-LM's flag names for megalite's settings, so a Megatron command line runs unedited.
+
+Three tables, read where the parser and the settings are generated (megalite.config, megalite.cli):
+
+- SYNONYMS: a megalite setting -> Megatron's other names for it, taking the same value
+  (`--tensor-model-parallel-size 2` is `--tp 2`); also accepted as config-file keys. Settings whose
+  flag already is Megatron's spelling (`--num-layers`, `--micro-batch-size`, `--lr`, ...) need none.
+- ALIASES: a Megatron switch that sets a megalite setting to one value
+  (`--use-distributed-optimizer` is `--zero 1`: the optimizer state sharded over dp).
+- ALWAYS: a Megatron flag for what megalite always does (`--use-flash-attn`, `--overlap-grad-reduce`):
+  accepted, changes nothing.
+- `--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M`: made into one tokenizer.json.
+- `--num-layers-per-virtual-pipeline-stage N`: converted to virtual stages (layers / pp / N);
+  `--recompute-method uniform` recomputes every block (--recompute-num-layers then only sizes Megatron's
+  groups), `block` the first --recompute-num-layers (megalite's own meaning).
+- LACKS: a Megatron flag for a feature megalite does not have -> one line saying so (exit 2), so a
+  command line is never half-understood.
+
+Settings Megatron's command lines carry that megalite declares under Megatron's own name
+(config_parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
+--lr-decay-iters, --untie-embeddings-and-output-weights, --disable-bias-linear,
+--position-embedding-type, --normalization, --swiglu, --group-query-attention, --norm-epsilon,
+--rotary-base, --make-vocab-size-divisible-by. `model_overrides` turns the model ones into
+GPTConfig fields and `lr_iters` the schedule ones into (warm-up, decay) steps.
+
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "tp": ("--tensor-model-parallel-size",),
+    "pp": ("--pipeline-model-parallel-size",),
+    "cp": ("--context-parallel-size",),
+    "virtual_stages": ("--virtual-pipeline-model-parallel-size",),
+    "decoder_first_stage_layers": ("--decoder-first-pipeline-num-layers",),
+    "decoder_last_stage_layers": ("--decoder-last-pipeline-num-layers",),
+    "recompute": ("--recompute-granularity",),  # full | selective, Megatron's values
+    "offload_optimizer": ("--optimizer-cpu-offload",),
+    "tokenizer": ("--tokenizer-model",),  # a HuggingFace tokenizer.json
+}
+
+ALIASES: dict[str, dict[str, Any]] = {
+    "zero": {"--use-distributed-optimizer": 1},
+}
+
+LACKS: dict[str, str] = {
+    "--rampup-batch-size": "a batch-size ramp-up; megalite keeps --global-batch-size from the first step "
+                           "(drop the flag)",
+    "--fp8-format": "FP8 training (drop the flag; --bf16 is the nearest)",
+    "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
+    "--mtp-num-layers": "multi-token prediction",
+    "--multi-latent-attention": "multi-latent attention",
+}
+
+# Megatron flags for what megalite always does: accepted and ignored -> (values taken, why)
+ALWAYS: dict[str, tuple[int, str]] = {
+    "--use-flash-attn": (0, "megalite picks its attention kernel by measurement (kernels/attention_dispatch.py)"),
+    "--attention-backend": (1, "megalite picks its attention kernel by measurement"),
+    "--transformer-impl": (1, "megalite has one transformer implementation"),
+    "--use-mcore-models": (0, "megalite has one model implementation"),
+    "--overlap-grad-reduce": (0, "megalite always overlaps the dp reduction with backward"),
+    "--moe-grouped-gemm": (0, "megalite's experts always run as one grouped GEMM"),
+    "--distributed-backend": (1, "megalite picks nccl on GPUs, gloo on CPUs"),
+}
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
+
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def lacks_problem(argv: list[str], known: set[str] = frozenset()) -> str | None:
+    """The first Megatron flag in argv whose feature megalite lacks, as one line; None if none.
+    `known`: the parser's own flags (a flag megalite gains stops being refused)."""
+    for word in argv:
+        flag = word.split("=", 1)[0]
+        if flag in LACKS and flag not in known:
+            return f"{flag} is a Megatron-LM flag for {LACKS[flag]}"
+    return None
+
+
+def model_overrides(model_settings) -> dict[str, Any]:
+    """GPTConfig fields from the Megatron-named model settings (ValueError naming a mix megalite has not):
+    rope + RMSNorm + SwiGLU is the llama flavour, learned positions + LayerNorm + GeLU the gpt2 one."""
+    m, out = model_settings, {}
+    markers = {"--position-embedding-type": None if m.position_embedding_type is None
+               else m.position_embedding_type == "rope",
+               "--normalization": None if m.normalization is None else m.normalization == "RMSNorm",
+               "--swiglu": m.swiglu}
+    given = {flag: llama for flag, llama in markers.items() if llama is not None}
+    if given and len(set(given.values())) > 1:
+        llama_like = sorted(flag for flag, llama in given.items() if llama)
+        raise ValueError(f"{', '.join(llama_like)} and {', '.join(sorted(set(given) - set(llama_like)))} mix the "
+                         f"two model flavours megalite has: rope + RMSNorm + --swiglu (llama) or learned_absolute + "
+                         f"LayerNorm + GeLU (gpt2); give all three of one")
+    if given:
+        out["flavour"] = "llama" if next(iter(given.values())) else "gpt2"
+    if m.init_method_std is not None:
+        out["init_std"] = m.init_method_std
+    if m.untie_embeddings_and_output_weights is not None:
+        out["tie_embeddings"] = not m.untie_embeddings_and_output_weights
+    if m.disable_bias_linear is not None:
+        out["add_bias"] = not m.disable_bias_linear
+    for setting_name, field_name in (("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"),
+                                     ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
+        if getattr(m, setting_name) is not None:
+            out[field_name] = getattr(m, setting_name)
+    if m.group_query_attention and m.num_query_groups is None:
+        out["num_query_groups"] = 1  # Megatron's default groups under --group-query-attention
+    return out
+
+
+def position_problem(model_settings, seq_length: int) -> str | None:
+    """--max-position-embeddings below the sequence: the positions would run out (Megatron refuses too)."""
+    limit = model_settings.max_position_embeddings
+    if limit is not None and limit < seq_length:
+        return (f"--max-position-embeddings {limit} is below --seq-length {seq_length}: raise it to at least "
+                f"{seq_length}")
+    return None
+
+
+def lr_iters(optimizer_settings, train_iters: int) -> tuple[int, int]:
+    """(warm-up steps, decay steps): --lr-decay-iters (default --train-iters), and the warm-up as
+    --lr-warmup-fraction of the decay steps when given (Megatron's rule), else --lr-warmup-iters."""
+    o = optimizer_settings
+    decay = o.lr_decay_iters if o.lr_decay_iters is not None else train_iters
+    warmup = int(o.lr_warmup_fraction * decay) if o.lr_warmup_fraction is not None else o.lr_warmup_iters
+    return warmup, decay
+
+
+def non_setting_dests() -> set[str]:
+    """The parser destinations add_megatron_flags adds (parse_args drops them from its actions)."""
+    return {"megatron_" + flag[2:].replace("-", "_") for flag in ALWAYS} | {"num_layers_per_virtual_pipeline_stage", "recompute_method", "tokenizer_type", "vocab_file",
+                                                                  "merge_file"}
+
+
+def add_megatron_flags(parser) -> None:
+    """The flags that are not settings: ALWAYS (accepted, no effect), LACKS (refused in one line) and
+    --num-layers-per-virtual-pipeline-stage (converted by `virtual_stages_from`)."""
+    group = parser.add_argument_group("Megatron-LM flags that are not megalite settings")
+    for flag, (values, why) in ALWAYS.items():
+        kwargs = {"action": "store_true"} if values == 0 else {"metavar": "VALUE"}
+        group.add_argument(flag, dest="megatron_" + flag[2:].replace("-", "_"), help=f"accepted, no effect: {why}",
+                           **kwargs)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
+                       help="Megatron's spelling of virtual stages: --virtual-stages = num_layers / pp / N")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                       help="GPT2BPETokenizer (with --vocab-file and --merge-file: made into a tokenizer.json) or "
+                            "HuggingFaceTokenizer (with --tokenizer-model FILE, a tokenizer.json)")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                       help="with --recompute full: block recomputes the first --recompute-num-layers blocks of each "
+                            "chunk (megalite's way); uniform recomputes every block (megalite: one block at a time, "
+                            "the same numbers)")
+
+
+def virtual_stages_from(layers_per_stage: int | None, num_layers: int, pp: int) -> int | None:
+    """--virtual-stages from --num-layers-per-virtual-pipeline-stage (None when not given);
+    ValueError when the layers do not split so."""
+    if layers_per_stage is None:
+        return None
+    if layers_per_stage < 1 or num_layers % (pp * layers_per_stage):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {layers_per_stage}: {num_layers} layers do not "
+                         f"split into pp {pp} x stages of {layers_per_stage}; pick N dividing num_layers / pp")
+    return num_layers // (pp * layers_per_stage)
+
+
+def tokenizer_from_megatron(tokenizer_type: str | None, vocab_file: str | None, merge_file: str | None,
+                            tokenizer: str | None) -> str | None:
+    """The --tokenizer a Megatron tokenizer choice means (None: leave it as it is); ValueError naming
+    what is missing. GPT2BPETokenizer's vocab.json + merges.txt become one tokenizer.json
+    (megalite.data.tokenizer.bpe_files_to_json: byte-level BPE, GPT-2's pre-tokenizer)."""
+    if (vocab_file or merge_file) and tokenizer_type not in (None, "GPT2BPETokenizer"):
+        raise ValueError(f"--vocab-file/--merge-file go with --tokenizer-type GPT2BPETokenizer, not {tokenizer_type}")
+    if tokenizer_type == "HuggingFaceTokenizer" and tokenizer is None:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model FILE (a tokenizer.json)")
+    if tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file:
+        if not (vocab_file and merge_file):
+            raise ValueError("GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file (merges.txt)")
+        from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
+
+        return bpe_files_to_json(vocab_file, merge_file)
+    return None

@@ -1,0 +1,54 @@
+"""The planner's figures (megalite.plan) for one simulated rank, in `Measured`'s terms.
+
+The planner reports the worst pipeline stage; here every term is the rank's own stage's:
+model states (`stage_model_states`: ZeRO-3's gathered units and transient unit gradients
+included), saved activations for the attention implementation the simulated blocks run (on the
+meta device, the Triton kernels' autograd functions with their launches skipped: "triton", what a
+GPU keeps; without the context-parallel ring's transient buffers, which the planner's activation
+term holds but autograd does not), the planner's four terms' sum as the peak (the planner leaves transient
+buffers to its headroom), and the step's communication bytes summed by group name.
+"""
+from __future__ import annotations
+
+import collections
+
+from megalite.config import RunConfig
+from megalite.plan.activations import activation_bytes, context_parallel_buffer_bytes
+from megalite.plan.communication import communication_bytes, step_scalar_collectives
+from megalite.plan.per_rank import stage_model_states
+
+SIMULATED_ATTENTION = "triton"  # rank_step runs the blocks under activation_probe.kernels_without_launch
+
+
+def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> dict:
+    """{param_bytes, grad_bytes, optimizer_state_bytes, activation_peak_bytes, peak_bytes,
+    comm_bytes: {group: bytes}} the planner counts for a rank of pipeline stage `stage`."""
+    model = cfg.gpt_config()
+    weights, grads, optimizer, _host = stage_model_states(model, cfg, stage)
+    activations = activation_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION)
+    # the ring's / all-to-all's transient buffers (cp > 1) are in the planner's activation term, but
+    # they are not kept for backward: the peak holds them, the saved-activation figure does not
+    transient = context_parallel_buffer_bytes(model, cfg)
+    by_group: dict[str, int] = collections.defaultdict(int)
+    for key, n in communication_bytes(model, cfg, stage).items():
+        by_group[key.split("/")[0]] += n
+    for group, nbytes in scalar_collective_bytes(cfg).items():
+        by_group[group] += nbytes
+    return {"param_bytes": weights, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
+            "activation_peak_bytes": activations - transient, "peak_bytes": weights + grads + optimizer + activations,
+            "comm_bytes": dict(by_group)}
+
+
+def scalar_collective_bytes(cfg: RunConfig) -> dict[str, int]:
+    """The one-element all-reduces of a step by group (`step_scalar_collectives` counts them), in
+    their dtypes: the target-token count and the mean loss in float64 (8 bytes), the loss's
+    finiteness flag and the gradient norm's square in float32 (4)."""
+    out = {}
+    for group, (_, count) in step_scalar_collectives(cfg).items():
+        if group == "world":  # finiteness flag (4) + mean loss (8), and the gradient norm (4) under ZeRO
+            out[group] = 4 + 8 + 4 * (count - 2)
+        elif group == "mp":
+            out[group] = 4 * count
+        else:  # the token count over dp x cp
+            out[group] = 8 * count
+    return out

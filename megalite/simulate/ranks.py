@@ -1,0 +1,123 @@
+"""Which ranks to simulate, and the group construction checked for every rank of the world.
+
+`check_groups` walks every group `init_mesh` creates (megalite.topology's lists, in creation
+order) and checks, for every global rank, from its coordinates alone (`rank_to_coords`): it is
+in exactly one group of each kind; a tp group is the tp ranks 0..tp-1 of one (cp, dp, pp) place
+in order, a cp ring the cp ranks of one (tp, dp, pp), a dp group the dp ranks of one (tp, cp,
+pp), a pipeline group the stages 0..pp-1 of one (tp, cp, dp) in order, the embedding group its
+first and last stage, an ep group ep consecutive (cp, dp) positions of one (tp, pp), and an
+expert-dp group the positions of one ep rank. A simulated rank's real groups are then compared
+with these (`compare_mesh`).
+"""
+from __future__ import annotations
+
+from megalite import comm
+from megalite.errors import UsageError
+from megalite.mesh import Mesh
+from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, embedding_group_ranks,
+                               ep_group_ranks, expert_dp_group_ranks, pp_group_ranks, rank_to_coords,
+                               rank_to_cp_rank, tp_group_ranks)
+
+
+def _coords(rank: int, tp: int, cp: int, dp: int, pp: int) -> dict[str, int]:
+    t, d, p = rank_to_coords(rank, tp, pp, dp, cp)
+    return {"tp": t, "cp": rank_to_cp_rank(rank, tp, cp), "dp": d, "pp": p}
+
+
+def expected_groups(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int) -> dict[str, list[list[int]]]:
+    """Every group of each kind `init_mesh` creates, by ledger name."""
+    groups = {"tp": tp_group_ranks(tp, pp, dp, cp), "dp": dp_group_ranks(tp, pp, dp, cp),
+              "pp": pp_group_ranks(tp, pp, dp, cp), "embedding": embedding_group_ranks(tp, pp, dp, cp)}
+    if cp > 1:
+        groups["cp"] = cp_group_ranks(tp, pp, dp, cp)
+        groups["dp_cp"] = dp_cp_group_ranks(tp, pp, dp, cp)
+    if ep > 1:
+        groups["ep"] = ep_group_ranks(tp, pp, dp, cp, ep)
+    if ep > 1 or etp < tp:
+        groups["edp"] = expert_dp_group_ranks(tp, pp, dp, cp, ep, etp)
+    return groups
+
+
+def _fixed_and_varying(kind: str, ep: int) -> tuple[tuple[str, ...], str | None]:
+    """(coordinates all members share, the coordinate that counts 0, 1, ... along the group)."""
+    return {"tp": (("cp", "dp", "pp"), "tp"), "cp": (("tp", "dp", "pp"), "cp"), "dp": (("tp", "cp", "pp"), "dp"),
+            "pp": (("tp", "cp", "dp"), "pp"), "embedding": (("tp", "cp", "dp"), None),
+            "dp_cp": (("tp", "pp"), None), "ep": (("tp", "pp"), None), "edp": (("pp",), None)}[kind]
+
+
+def check_groups(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int | None = None) -> list[str]:
+    """Problems with the group lists for every rank of the world (empty when all is well)."""
+    etp = tp if etp is None else etp
+    world = tp * cp * dp * pp
+    coords = [_coords(r, tp, cp, dp, pp) for r in range(world)]
+    problems = []
+    for kind, groups in expected_groups(tp, cp, dp, pp, ep, etp).items():
+        held = [0] * world
+        fixed, counting = _fixed_and_varying(kind, ep)
+        for members in groups:
+            for r in members:
+                held[r] += 1
+            if len({tuple(coords[r][c] for c in fixed) for r in members}) != 1:
+                problems.append(f"{kind} group {members[:8]}: members differ in {fixed}")
+            if counting is not None and [coords[r][counting] for r in members] != list(range(len(members))):
+                problems.append(f"{kind} group {members[:8]}: not {counting} ranks 0..{len(members) - 1} in order")
+            if kind == "embedding" and pp > 1 and [coords[r]["pp"] for r in members] != [0, pp - 1]:
+                problems.append(f"embedding group {members}: not the first and last stage")
+            if kind == "ep" and len({(coords[r]["dp"] * cp + coords[r]["cp"]) % ep for r in members}) != ep:
+                problems.append(f"ep group {members[:8]}: repeats an ep rank")
+            if kind == "edp" and len({(coords[r]["dp"] * cp + coords[r]["cp"]) % ep for r in members}) != 1:
+                problems.append(f"edp group {members[:8]}: mixes ep ranks (different experts)")
+        # the embedding group holds the first and last stage only
+        wanted = [0 if kind == "embedding" and 0 < coords[r]["pp"] < pp - 1 else 1 for r in range(world)]
+        problems += [f"rank {r} is in {n} {kind} groups ({wanted[r]} expected)"
+                     for r, n in enumerate(held) if n != wanted[r]][:4]
+    return problems
+
+
+def compare_mesh(mesh: Mesh, expected: dict[str, list[list[int]]]) -> list[str]:
+    """The simulated rank's real groups against the expected lists."""
+    fields = {"tp": mesh.tp_group, "dp": mesh.dp_group, "pp": mesh.pp_group, "embedding": mesh.embedding_group,
+              "cp": mesh.cp_group, "dp_cp": mesh.dp_cp_group, "ep": mesh.ep_group, "edp": mesh.expert_dp_group}
+    problems = []
+    for kind, groups in expected.items():
+        mine = next((g for g in groups if mesh.rank in g), None)
+        if mine is None:  # a middle stage is in no embedding group
+            if fields[kind] is not None:
+                problems.append(f"rank {mesh.rank}: holds a {kind} group the layout does not give it")
+            continue
+        real = comm.group_ranks(fields[kind])
+        if real != mine:
+            problems.append(f"rank {mesh.rank}: its {kind} group is {real[:8]}, the layout says {mine[:8]}")
+    return problems
+
+
+def representatives(tp: int, cp: int, dp: int, pp: int, ep: int = 1) -> list[int]:
+    """One rank of each distinct role: first, middle and last stage x first and last tp rank x
+    first and last ep rank (dp, cp position 0 otherwise: the ranks that differ only there hold and
+    send the same)."""
+    chosen = set()
+    for stage in sorted({0, pp // 2, pp - 1}):
+        for t in sorted({0, tp - 1}):
+            for e in sorted({0, ep - 1}):  # ep rank = (cp_rank + cp * dp_rank) % ep
+                position = e  # the e-th member of the dp x cp group
+                c, d = position % cp, position // cp
+                chosen.add(t + tp * (c + cp * (d + dp * stage)))
+    return sorted(chosen)
+
+
+def parse_ranks(spec: str, tp: int, cp: int, dp: int, pp: int, ep: int = 1) -> list[int]:
+    """`all`, `representatives`, or a comma-separated list of global ranks; UsageError otherwise."""
+    world = tp * cp * dp * pp
+    if spec == "all":
+        return list(range(world))
+    if spec == "representatives":
+        return representatives(tp, cp, dp, pp, ep)
+    try:
+        ranks = [int(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--simulate-ranks {spec!r}: give all, representatives or global ranks like 0,517") from None
+    outside = [r for r in ranks if not 0 <= r < world]
+    if outside or not ranks:
+        raise UsageError(f"--simulate-ranks: rank {outside[0] if outside else spec!r} is outside the world of {world} "
+                         f"ranks (0..{world - 1}); choose ranks in that range")
+    return sorted(set(ranks))
