@@ -134,7 +134,7 @@ LAYOUTS = [  # (tp, pp, dp, cp), [(model, settings), ...]; one mesh per layout, 
 def _world(references):
     checked = []
     for (tp, pp, dp, cp), runs in LAYOUTS:
-        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp)
+        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, cp=cp, replace=True)
         for name, settings in runs:
             cfg = _cfg(tp, pp, dp, cp, **settings)
             what = f"{name} tp={tp} pp={pp} dp={dp} cp={cp} {settings}"
