@@ -115,6 +115,7 @@ def _world(reference):
     return checked
 
 
+@pytest.mark.slow
 def test_moe_layouts_match_the_single_process_model(reference):
     ref_losses, _, _, ref_last = reference[()]
     assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last["moe_aux_loss"] > 0 and ref_last["moe_z_loss"] > 0

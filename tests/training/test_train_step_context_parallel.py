@@ -144,6 +144,7 @@ def _world(references):
     return checked
 
 
+@pytest.mark.slow
 def test_context_parallel_training_steps_match_cp1(references):
     ref_losses = references[("tiny", "fp32")][0]
     assert ref_losses[-1] < ref_losses[0]
