@@ -31,6 +31,8 @@ from datetime import datetime, timezone
 
 import torch
 
+from megalite.cpu_features import cpu_flags, has_native_bf16
+
 from megalite.plan.hardware import HardwareProfile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,12 +72,8 @@ def native_bf16(device: torch.device) -> bool:
     converts every bf16 element, and a 2048^3 GEMM takes seconds to minutes."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = {word for line in info if line.lower().startswith(("flags", "features")) for word in line.split()}
-    except OSError:  # not Linux: assume not (--calibrate-bf16 measures it anyway)
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    flags = cpu_flags()  # None where not Linux: assume not (--calibrate-bf16 measures it anyway)
+    return flags is not None and has_native_bf16(flags)
 
 
 def affordable_sizes(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], calls: int,

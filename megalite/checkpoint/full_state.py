@@ -53,9 +53,18 @@ def read_full_state(path: str | Path, step: int | None = None) -> tuple[GPTConfi
 def write_full_state(save_dir: str | Path, config: GPTConfig, full: dict[str, torch.Tensor], *, step: int = 0,
                      extra: dict | None = None) -> Path:
     """Publish `full` (logical names, unpadded) as checkpoint `step` of `save_dir`; returns its path."""
-    root = Path(save_dir)
-    tmp = storage.prepare_tmp_dir(root, step)
     items = [Item("model", name, whole_box(tuple(t.shape)), t.detach().cpu().contiguous()) for name, t in full.items()]
+    fields = {"consumed_samples": 0, "optimizer_step": 0, "loss_scaler": None, "has_optimizer": False,
+              "model_config": _jsonable(config), "train_config": None, "extra": _jsonable(extra or {})}
+    return write_one_process_checkpoint(save_dir, step, items, {name: list(t.shape) for name, t in full.items()},
+                                        fields)
+
+
+def write_one_process_checkpoint(save_dir: str | Path, step: int, items: list[Item], shapes: dict[str, list[int]],
+                                 fields: dict) -> Path:
+    """Publish whole-tensor `items` as checkpoint `step` of `save_dir`: one shard, the layout of one
+    process, `fields` (counters, configs, extra) in its metadata. Written atomically, with checksums."""
+    tmp = storage.prepare_tmp_dir(Path(save_dir), step)
     file = storage.shard_file_name(0)
     rows, offset = [], 0
     for item in items:
@@ -64,12 +73,10 @@ def write_full_state(save_dir: str | Path, config: GPTConfig, full: dict[str, to
     files = {file: storage.write_shard(tmp / file, [item.tensor for item in items])}
     rows, files = storage.attach_crcs(rows, files)
     dtype = storage.DTYPE_NAMES[items[0].tensor.dtype] if items else "float32"
-    metadata = {"format_version": FORMAT_VERSION, "step": step, "consumed_samples": 0, "optimizer_step": 0,
-                "loss_scaler": None, "has_optimizer": False, "model_config": _jsonable(config), "train_config": None,
+    metadata = {"format_version": FORMAT_VERSION, "step": step, **fields,
                 "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1, "virtual_stages": 1, "zero_stage": None,
                            "param_dtype": dtype},
-                "versions": {"torch": torch.__version__}, "extra": _jsonable(extra or {}),
-                "tensors": {name: list(t.shape) for name, t in full.items()}, "items": rows}
+                "versions": {"torch": torch.__version__}, "tensors": shapes, "items": rows}
     sha = storage.write_json_atomic(tmp / storage.METADATA, metadata)
     files[storage.METADATA] = {"sha256": sha, "bytes": len(json.dumps(metadata, indent=1, sort_keys=True).encode())}
     return storage.publish(tmp, files)

@@ -27,11 +27,9 @@ from pathlib import Path
 
 import torch
 
-from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import whole_box
-from megalite.checkpoint.full_state import resolve_checkpoint_dir
+from megalite.checkpoint.full_state import resolve_checkpoint_dir, write_one_process_checkpoint
 from megalite.checkpoint.reader import CheckpointReader
-from megalite.checkpoint.save import FORMAT_VERSION
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS, Item
 
 
@@ -101,32 +99,17 @@ def _empty_like_dcp(path: str | Path) -> dict:
 
 def _write_checkpoint(output: str | Path, model: dict, optimizer: dict | None, meta: dict) -> Path:
     """Publish `model` (and `optimizer`'s state) as a megalite checkpoint, one box per tensor."""
-    step = int(meta.get("step", 0))
-    tmp = storage.prepare_tmp_dir(Path(output), step)
     items = [Item("model", name, whole_box(tuple(t.shape)), t.detach().cpu().contiguous()) for name, t in model.items()]
     for name, entry in (optimizer or {}).get("state", {}).items():
         items += [Item(kind, name, whole_box(tuple(entry[kind].shape)), entry[kind].float().contiguous())
                   for kind in OPTIMIZER_KINDS]
-    file = storage.shard_file_name(0)
-    rows, offset = [], 0
-    for item in items:
-        rows.append(item.index_entry(file, offset))
-        offset += item.tensor.numel() * item.tensor.element_size()
-    files = {file: storage.write_shard(tmp / file, [item.tensor for item in items])}
-    rows, files = storage.attach_crcs(rows, files)
-    dtype = storage.DTYPE_NAMES[items[0].tensor.dtype] if items else "float32"
-    metadata = {"format_version": FORMAT_VERSION, "step": step,
-                "consumed_samples": int(meta.get("consumed_samples", 0)),
-                "optimizer_step": int(optimizer["step"]) if optimizer else 0,
-                "loss_scaler": meta.get("loss_scaler") if optimizer else None, "has_optimizer": optimizer is not None,
-                "model_config": meta.get("model_config"), "train_config": meta.get("train_config"),
-                "layout": {"tp": 1, "pp": 1, "dp": 1, "world_size": 1, "virtual_stages": 1, "zero_stage": None,
-                           "param_dtype": dtype},
-                "versions": {"torch": torch.__version__}, "extra": meta.get("extra") or {},
-                "tensors": {name: list(t.shape) for name, t in model.items()}, "items": rows}
-    sha = storage.write_json_atomic(tmp / storage.METADATA, metadata)
-    files[storage.METADATA] = {"sha256": sha, "bytes": len(json.dumps(metadata, indent=1, sort_keys=True).encode())}
-    return storage.publish(tmp, files)
+    fields = {"consumed_samples": int(meta.get("consumed_samples", 0)),
+              "optimizer_step": int(optimizer["step"]) if optimizer else 0,
+              "loss_scaler": meta.get("loss_scaler") if optimizer else None, "has_optimizer": optimizer is not None,
+              "model_config": meta.get("model_config"), "train_config": meta.get("train_config"),
+              "extra": meta.get("extra") or {}}
+    return write_one_process_checkpoint(output, int(meta.get("step", 0)), items,
+                                        {name: list(t.shape) for name, t in model.items()}, fields)
 
 
 def import_dcp(load: str | Path, output: str | Path) -> Path:

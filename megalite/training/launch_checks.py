@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.cpu_features import cpu_flags as read_cpu_flags, has_native_bf16
 from megalite.paths import output_dir_problem, output_file_problem
 from megalite.pipeline.schedules import check_pipeline_config
 from megalite.plan.validity import preflight
@@ -153,23 +154,11 @@ def machine_notes(cfg: RunConfig, cuda_available: bool, cpu_flags: set[str] | No
     bf16 arithmetic (avx512_bf16 / amx_bf16) runs emulated, several times slower than fp32."""
     if cuda_available or cfg.precision.precision != "bf16":
         return []
-    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
-    if flags is None or flags & {"avx512_bf16", "amx_bf16"}:
+    flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
+    if flags is None or has_native_bf16(flags):
         return []
     return ["note: this CPU has no native bf16 arithmetic (no avx512_bf16 / amx_bf16): bf16 runs emulated, several "
             "times slower than fp32; use --precision fp32 here unless bf16 itself is what you test"]
-
-
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags (Linux /proc/cpuinfo), or None where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
 
 
 def memory_per_rank() -> tuple[float, str]:
