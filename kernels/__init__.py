@@ -22,6 +22,7 @@ Differentiable ops (forward and backward kernels):
                                                           -> q [b, h, s, d], k, v [b, h_kv, s, d]
     bias_dropout_add(x, bias=None, residual=None, p=0.0, seed=0, offset=0) -> residual + dropout(x + bias)
     grouped_mm(x, weight, group_sizes)                    -> y [T, N]: x's rows of group g @ weight[g] [K, N]
+    grouped_mm_grads(x, weight, group_sizes, dy)          -> (dx, dweight): its backward, for an own autograd node
     permute_tokens(x, expert_ids, num_experts)            -> (rows of x sorted by expert, sorted_index, group_sizes)
     unpermute_tokens(y, sorted_index, weights, num_tokens) -> [T, H]: each token's routing-weighted rows
 Dropout masks are Philox words of (seed, offset + element index), regenerated in backward
@@ -39,7 +40,7 @@ from .cross_entropy import cross_entropy, cross_entropy_reference, vocab_paralle
 from .dispatch import BACKENDS, HAVE_TRITON, backend_name
 from .flash_attention import SUPPORTED_HEAD_DIMS, attention, attention_reference
 from .gelu import bias_gelu, bias_gelu_reference, gelu, gelu_reference
-from .grouped_gemm import grouped_mm, grouped_mm_reference
+from .grouped_gemm import grouped_mm, grouped_mm_grads, grouped_mm_reference
 from .layer_norm import layer_norm, layer_norm_reference, layer_norm_residual, layer_norm_residual_reference
 from .moe_permute import permute_tokens, permute_tokens_reference, unpermute_tokens, unpermute_tokens_reference
 from .rms_norm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
@@ -50,7 +51,7 @@ __all__ = [
     "BACKENDS", "HAVE_TRITON", "SUPPORTED_HEAD_DIMS", "adamw_step", "adamw_step_reference", "attention",
     "attention_backward_with_lse", "attention_forward_with_lse", "attention_reference", "backend_name",
     "bias_dropout_add", "bias_dropout_add_reference", "bias_gelu", "bias_gelu_reference", "cross_entropy",
-    "cross_entropy_reference", "gelu", "gelu_reference", "grouped_mm", "grouped_mm_reference", "layer_norm",
+    "cross_entropy_reference", "gelu", "gelu_reference", "grouped_mm", "grouped_mm_grads", "grouped_mm_reference", "layer_norm",
     "layer_norm_reference", "layer_norm_residual", "layer_norm_residual_reference", "permute_tokens",
     "permute_tokens_reference", "rms_norm", "rms_norm_reference", "rms_norm_residual", "rms_norm_residual_reference",
     "rope", "rope_reference", "swiglu", "swiglu_reference", "unpermute_tokens", "unpermute_tokens_reference",

@@ -225,10 +225,15 @@ class _GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, group_sizes = ctx.saved_tensors
-        dy = _unit_column_stride(dy)
-        dx = _launch_mm(dy, weight.transpose(1, 2), group_sizes) if ctx.needs_input_grad[0] else None
-        dweight = _launch_weight_grad(x, dy, group_sizes) if ctx.needs_input_grad[1] else None
+        dx, dweight = _triton_grads(x, weight, group_sizes, dy, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dx, dweight, None
+
+
+def _triton_grads(x, weight, group_sizes, dy, need_dx: bool, need_dweight: bool):
+    dy = _unit_column_stride(dy)
+    dx = _launch_mm(dy, weight.transpose(1, 2), group_sizes) if need_dx else None
+    dweight = _launch_weight_grad(_unit_column_stride(x), dy, group_sizes) if need_dweight else None
+    return dx, dweight
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -242,3 +247,29 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor)
     check_same_device("grouped_mm", x, weight, group_sizes)
     check_float_dtype("grouped_mm", x, "x")
     return _GroupedMMFunction.apply(x, weight, group_sizes)
+
+
+def grouped_mm_grads(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, dy: torch.Tensor,
+                     need_dx: bool = True, need_dweight: bool = True):
+    """grouped_mm's backward as a plain function, for callers that keep their own autograd node
+    (megalite/moe/expert_gemm.py saves the experts' weights uncopied and stacks them only here):
+    dy [T, N] -> (dx [T, K] or None, dweight [E, K, N] or None), the same numbers as
+    grouped_mm(x, weight, group_sizes).backward(dy) on the same path (Triton or reference)."""
+    _check_inputs(x, weight, group_sizes)
+    if min(x.shape) == 0 or weight.shape[2] == 0 or not use_triton(x):
+        return _reference_grads(x, weight, group_sizes, dy, need_dx, need_dweight)
+    return _triton_grads(x, weight, group_sizes, dy, need_dx, need_dweight)
+
+
+def _reference_grads(x, weight, group_sizes, dy, need_dx: bool, need_dweight: bool):
+    """What autograd computes through grouped_mm_reference: per group, in (at least) fp32."""
+    math_dtype = torch.promote_types(x.dtype, torch.float32)
+    dx = grouped_mm_reference(dy, weight.transpose(1, 2), group_sizes) if need_dx else None
+    if not need_dweight:
+        return dx, None
+    sizes = group_sizes.tolist()
+    dweight = weight.new_zeros(weight.shape)  # [E, K, N]; a group without rows keeps zeros
+    for g, (rows_x, rows_dy) in enumerate(zip(torch.split(x, sizes), torch.split(dy, sizes))):
+        if sizes[g]:
+            dweight[g] = (rows_x.to(math_dtype).t() @ rows_dy.to(math_dtype)).to(weight.dtype)
+    return dx, dweight

@@ -23,6 +23,7 @@ from torch import nn
 from megalite import comm, params
 from megalite.fp8.experts import fp8_experts_forward
 from megalite.model import functional as MF
+from megalite.moe.expert_gemm import expert_grouped_mm
 from megalite.tensor_parallel.sharding import ShardSpec
 
 
@@ -65,22 +66,18 @@ class LocalExperts(nn.ModuleDict):
             self[str(e)] = Expert(hidden_size, ffn, gated, expert_seed(base_seed, e), init_std, out_std, tp_rank,
                                   tp_size, dtype, device)
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fc1 [E_local, h, 2f/tp] and fc2 [E_local, f/tp, h]: the grouped GEMMs' [E, K, N] weights."""
-        experts = list(self.values())
-        return (torch.stack([e.fc1_weight.t() for e in experts]), torch.stack([e.fc2_weight.t() for e in experts]))
-
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return fp8_experts_forward(self, x, group_sizes)
-        fc1, fc2 = self.stacked()
-        y = MF.grouped_mm(x, fc1, group_sizes)  # [R, 2f/tp] = [gate_r | up_r] or [R, f/tp]
+        # the weights are stacked inside each GEMM and saved uncopied (expert_gemm): no per-microbatch copy
+        experts = list(self.values())
+        y = expert_grouped_mm(x, group_sizes, [e.fc1_weight for e in experts])  # [R, 2f/tp] or gpt2 [R, f/tp]
         if self.gated:
             gate, up = y.chunk(2, dim=-1)
             y = MF.swiglu(gate, up)
         else:
             y = MF.gelu(y)
-        return MF.grouped_mm(y, fc2, group_sizes)  # [R, h], partial over tp
+        return expert_grouped_mm(y, group_sizes, [e.fc2_weight for e in experts])  # [R, h], partial over tp
 
 
 def expert_seed(base_seed: int, expert: int) -> int:
