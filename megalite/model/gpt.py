@@ -33,14 +33,15 @@ from torch import nn
 from megalite import comm, params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.mesh import Mesh, current_mesh
-from megalite.model import functional as MF
 from megalite.model.config import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
-from megalite.model.transformer import Norm, TransformerBlock, normal_init
+from megalite.model.rope import rope_tables
+from megalite.model.transformer import Norm, TransformerBlock
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
+from megalite.tensor_parallel.mlp import normal_init
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -98,8 +99,8 @@ class GPTModel(nn.Module):
 
         self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
-            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
-                                        config.rope_scaling)
+            cos, sin = rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
+                                    config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -44,6 +44,7 @@ from megalite.moe.experts import LocalExperts
 from megalite.context_parallel.zigzag import position_ids
 from megalite.moe.router import Router
 from megalite.tensor_parallel import mappings
+from megalite.tensor_parallel.mlp import MLP
 
 
 def recomputing() -> bool:
@@ -71,8 +72,6 @@ class MoELayer(nn.Module):
     def __init__(self, config, tp_group, ep_group, sequence_parallel: bool, dispatcher_type: str = "alltoall",
                  dtype=None, device=None, cp_group=None, expert_tp: bool = True, token_group=None):
         super().__init__()
-        from megalite.model.transformer import MLP  # the shared expert is a dense MLP
-
         moe: MoEConfig = config.moe
         ep = comm.group_size(ep_group)
         if moe.num_experts % ep:

@@ -47,7 +47,7 @@ from megalite.kernels.dispatch import backend_name
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
-from megalite.model import functional as MF
+from megalite import ops
 from megalite.model.config import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, justify, recompute_fraction
@@ -222,7 +222,7 @@ def _attention_run(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device) -
     it keeps; None off CUDA, where the estimate is a GPU's (the planner's choice, as logged)."""
     if device.type != "cuda":
         return None
-    return MF.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+    return ops.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                                        model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout,
                                        cfg.parallel.cp, cfg.parallel.cp_comm_type, device)
 
@@ -248,7 +248,7 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
     log("layout: " + layout)
     p = cfg.parallel
-    log(MF.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+    log(ops.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
                               p.cp_comm_type, mesh.device))
 

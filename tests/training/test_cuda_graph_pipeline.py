@@ -21,7 +21,7 @@ from megalite.config import RunConfig
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.training import cuda_graph
-from megalite.training.host_reads import no_host_reads
+from megalite.host_reads import no_host_reads
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 

@@ -16,7 +16,7 @@ from megalite.model import preset
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.transformer import TransformerBlock
 from megalite.testing import RankFailed, run_distributed
-from megalite.training.host_reads import HostReadError, no_host_reads
+from megalite.host_reads import HostReadError, no_host_reads
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 SEQ, MICRO, GLOBAL = 8, 2, 8
