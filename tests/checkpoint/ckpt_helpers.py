@@ -43,7 +43,7 @@ def build(model, cfg, mesh):
 def train(chunks, optimizer, mesh, cfg, steps):
     """Train the given (1-based) steps; return their losses."""
     return [train_step(optimizer.model, optimizer, step_batches(s, chunks[0].config.vocab_size, mesh.dp_size, mesh.dp_rank),
-                       mesh, cfg, lr=1e-3 * (1 + 0.1 * s))["loss"] for s in steps]
+                       mesh, cfg, lr=1e-3 * (1 + 0.1 * s)).loss for s in steps]
 
 
 def full_params(chunks):

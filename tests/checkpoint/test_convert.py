@@ -79,7 +79,7 @@ def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     assert not optimizer.exp_avg.any() and not optimizer.exp_avg_sq.any()
     ids = torch.randint(0, 300, (2, 17))
     result = train_step(optimizer.model, optimizer, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], m, cfg, lr=1e-3)
-    assert torch.isfinite(torch.tensor(result["loss"])) and optimizer.step_count == 1
+    assert torch.isfinite(torch.tensor(result.loss)) and optimizer.step_count == 1
 
 
 def test_export_config_carries_the_dropout_probabilities():

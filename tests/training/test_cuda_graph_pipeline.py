@@ -91,7 +91,7 @@ def _train(m, schedule, v, graphs_class=None, steps=STEPS):
                           graphs=graphs) for s in range(steps)]
     params = [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
     step = lambda mbs: train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3, graphs=graphs)  # noqa: E731
-    return [(r["loss"], r["grad_norm"]) for r in results], params, graphs, step, model_cfg.vocab_size
+    return [(r.loss, r.grad_norm) for r in results], params, graphs, step, model_cfg.vocab_size
 
 
 def _refusal(step) -> str:

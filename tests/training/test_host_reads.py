@@ -39,7 +39,7 @@ def _steps(m, zero, steps=2, **extra):
     chunks = build_model_chunks(model_cfg, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     return [train_step(optimizer.model, optimizer, _microbatches(model_cfg.vocab_size, m.dp_size, m.dp_rank, s), m,
-                       cfg, lr=1e-3, check_host_reads=True)["loss"] for s in range(steps)]  # step 1 calibrates
+                       cfg, lr=1e-3, check_host_reads=True).loss for s in range(steps)]  # step 1 calibrates
 
 
 def _world():
