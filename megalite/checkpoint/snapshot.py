@@ -31,7 +31,7 @@ from megalite.checkpoint.boxes import (Box, box_numel, box_shape, box_slices, fl
 from megalite.checkpoint.compression_state import compression_items
 from megalite.checkpoint.storage import DTYPE_NAMES
 from megalite.mesh import Mesh
-from megalite.moe.training import expert_biases
+from megalite.moe.bookkeeping import expert_biases
 
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 

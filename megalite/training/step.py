@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megalite import comm
-from megalite.moe import training as moe_training
+from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
@@ -221,7 +221,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     model.train()
     # The balancing losses are averaged over every forward of the step (microbatches x dp ranks; the
     # cp ranks of one forward each hold a share of its losses)
-    moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
+    moe_bookkeeping.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
     phase = timer.phase if timer is not None else _no_timer
     loss_sum, pipeline = _forward_backward(model, microbatches, mesh, cfg, seq_length, lambda: tokens.loss_scale(scale),
                                            phase, check_host_reads, graphs)
@@ -230,8 +230,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     with phase("optimizer"):
         update = optimizer.step(lr, skip=not loss_finite)
         if not update["skipped"]:
-            moe_training.update_expert_biases(model.chunks, mesh)
-    moe_stats = moe_training.moe_stats(model.chunks, mesh)  # {} without experts
+            moe_bookkeeping.update_expert_biases(model.chunks, mesh)
+    moe_stats = moe_bookkeeping.moe_stats(model.chunks, mesh)  # {} without experts
     token_count = tokens.value()
     compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()

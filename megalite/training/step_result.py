@@ -24,7 +24,7 @@ class StepResult:
     exposed_grad_reduce_s: float
     exposed_param_gather_s: float
     exposed_token_count_s: float
-    # MoE layers' statistics (`moe.training.moe_stats`: 'moe_aux_loss', 'moe_layers', ...); {} without experts
+    # MoE layers' statistics (`moe.bookkeeping.moe_stats`: 'moe_aux_loss', 'moe_layers', ...); {} without experts
     moe: dict[str, Any] = field(default_factory=dict)
     # pp > 1: (PipelineSpec, this stage's median seconds per compute instruction), for the measured bubble
     pipeline: tuple | None = None

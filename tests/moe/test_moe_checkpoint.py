@@ -15,7 +15,7 @@ from megalite import params as P
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.mesh import single_process_mesh
 from megalite.model.gpt import GPTModel
-from megalite.moe.training import expert_biases
+from megalite.moe.bookkeeping import expert_biases
 from megalite.testing import assert_tensor_close, run_distributed
 from moe_helpers import cfg_for, train
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megalite import mesh
-from megalite.moe.training import expert_biases
+from megalite.moe.bookkeeping import expert_biases
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite import params as P
 from megalite.training.step import train_step
