@@ -30,7 +30,7 @@ import torch
 
 from megalite.config import RunConfig
 from megalite.model.activation_probe import TECHNIQUES, Technique, korthikanti_layer_bytes, measure_table
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.activations import layer_activation_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -29,7 +29,7 @@ import torch
 import megalite.kernels as kernels_package
 from megalite import comm
 from megalite.mesh import current_mesh, init_mesh
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.transformer import TransformerBlock
 from megalite.tensor_parallel.random import TensorParallelRNG

@@ -33,7 +33,7 @@ from torch import nn
 from megalite import comm, params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.mesh import Mesh, current_mesh
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.rope import rope_tables
 from megalite.model.transformer import Norm, TransformerBlock

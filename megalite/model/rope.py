@@ -1,6 +1,6 @@
-"""RoPE's cos/sin tables for a model config, with its frequency scaling (model/rope_scaling.py).
+"""RoPE's cos/sin tables for a model config, with its frequency scaling (config/rope_scaling.py).
 
-rope_scaling.py stays torch-free (GPTConfig checks its dict without loading torch); the torch
+config/rope_scaling.py stays torch-free (GPTConfig checks its dict without loading torch); the torch
 half of the rule lives here, next to the tables it feeds.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from megalite.model.rope_scaling import rope_type
+from megalite.config.rope_scaling import rope_type
 
 
 def scale_frequencies(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from megalite import comm, ops, params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
 from megalite.context_parallel.zigzag import logical_row_offsets
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers

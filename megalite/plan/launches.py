@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.activations import output_kept_once, planned_attention
 from megalite.plan.hardware import HardwareProfile
 from megalite.plan.layout import stage_layers

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import chunk_layer_counts
 
 if TYPE_CHECKING:

@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan import fp8, kernel_rates as rates
 from megalite.plan.activations import output_kept_once
 from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.plan.layout import DTYPE_BYTES, stage_layers
 from megalite.plan.params import layer_params

@@ -48,7 +48,7 @@ from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite import ops
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, justify, recompute_fraction
 from megalite.plan.hardware import builtin_for_device

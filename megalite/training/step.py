@@ -26,7 +26,7 @@ from megalite.data_parallel.wrapper import DataParallel
 from megalite.fp8.convert import convert_to_fp8
 from megalite.fp8.recipe import recipe_from
 from megalite.mesh import Mesh
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler

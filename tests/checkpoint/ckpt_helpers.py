@@ -65,7 +65,7 @@ def megalite_logits(checkpoint, ids):
     from megalite.checkpoint.full_state import resolve_checkpoint_dir
     from megalite.checkpoint.reader import CheckpointReader
     from megalite.mesh import single_process_mesh
-    from megalite.model.config import GPTConfig
+    from megalite.config.model import GPTConfig
     from megalite.model.gpt import GPTModel
 
     config = GPTConfig(**CheckpointReader(resolve_checkpoint_dir(checkpoint)).metadata["model_config"])

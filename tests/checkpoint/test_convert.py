@@ -83,7 +83,7 @@ def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
 
 
 def test_export_config_carries_the_dropout_probabilities():
-    from megalite.model.config import GPTConfig
+    from megalite.config.model import GPTConfig
 
     for flavour in ("gpt2", "llama"):
         config = GPTConfig(flavour, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300,

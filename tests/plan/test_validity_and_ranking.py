@@ -1,7 +1,7 @@
 """The planner's decisions: pre-flight errors with their fixes, layout suggestions, the reason line."""
 from megalite import plan as P
 from megalite.config import RunConfig
-from megalite.model.config import preset
+from megalite.config.model import preset
 
 
 def run(num_microbatches: int | None = None, **settings) -> RunConfig:
