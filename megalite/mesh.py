@@ -217,8 +217,11 @@ def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: 
 
 
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
-              timeout_s: float = 600.0, ep: int = 1, etp: int = 1) -> Mesh:
+              timeout_s: float = 600.0, ep: int = 1, etp: int = 1, replace: bool = False) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
+
+    A second call with another layout while this process's mesh is live is refused unless
+    `replace=True` (layers already built keep the first mesh's groups: silently mixing two layouts).
 
     Validates world == tp*cp*pp*dp (and ep, etp: see `Mesh`) before any process group exists.
     Backend: nccl when CUDA is available, gloo otherwise. Sets the CUDA device from LOCAL_RANK.
@@ -230,6 +233,7 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     dp = validate_layout(world_size, tp, pp, dp, cp)
     check_expert_parallel(ep, dp, cp)
     check_expert_tensor_parallel(etp, tp)
+    _refuse_another_layout(dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp), rank, world_size, replace)
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -256,6 +260,21 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     )
     _CURRENT_MESH = mesh
     return mesh
+
+
+def _refuse_another_layout(layout: dict[str, int], rank: int, world_size: int, replace: bool) -> None:
+    """ValueError when this process's live mesh has another layout and `replace` is not given.
+    A mesh of another rank or world (inherited by a forked process) is not this process's: ignored."""
+    mesh = _CURRENT_MESH
+    if replace or mesh is None or mesh.rank != rank or mesh.world_size != world_size:
+        return
+    current = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size, cp=mesh.cp_size, ep=mesh.ep_size,
+                   etp=mesh.etp_size)
+    if current != layout:
+        shown = ", ".join(f"{k}={v}" for k, v in current.items() if v != layout[k])
+        asked = ", ".join(f"{k}={v}" for k, v in layout.items() if v != current[k])
+        raise ValueError(f"init_mesh({asked}) while the mesh of {shown} is live: call destroy_mesh() first (layers "
+                         f"built on the first mesh keep its groups), or pass replace=True")
 
 
 def destroy_mesh() -> None:

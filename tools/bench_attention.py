@@ -14,7 +14,7 @@ kernels, run at the fastest speed there is). Not a test: it asserts no time.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import math
 import os
@@ -27,6 +27,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tune_attention  # noqa: E402  - the shapes, the timer and the sweep measured the same way
+from megalite.cli import OneLineParser  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
 
 SEQS = [1024, 2048, 4096, 8192, 16384]
 
@@ -52,8 +54,9 @@ def goal_line(rows: list[tuple[int, int, float]], label: str) -> str:
             f"{'met' if low[2] >= 1.0 else 'NOT met'}")
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--seqs", type=int, nargs="*", default=SEQS)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -16,7 +16,7 @@ and a memcpy of them into touched memory (the best an async snapshot can do). Me
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import shutil
 import statistics
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 
 def _ceilings(nbytes: int, directory: Path) -> dict:
@@ -87,8 +89,9 @@ def _bench_rank(args, directory: str) -> dict:
     return {"params": model.num_params(), "local_params": sizes, "bytes": written, **medians}
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--vocab-size", type=int, default=32000)

@@ -30,6 +30,8 @@ import torch
 
 from megalite import comm, mesh as mesh_lib
 from megalite.plan import bus_factor
+from megalite.errors import UsageError, reports_usage_errors
+from megalite.cli import OneLineParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -158,13 +160,30 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _check(args) -> None:
+    """UsageError naming the first argument the benchmark cannot run with (before any rank starts)."""
+    for name in ("tp", "pp", "iters"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be >= 1")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup}: must be >= 0")
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes or args.factor < 2:
+        raise UsageError(f"need 1 <= --min-bytes <= --max-bytes and --factor >= 2, got {args.min_bytes}, "
+                         f"{args.max_bytes}, {args.factor}")
+    world = int(os.environ.get("WORLD_SIZE", 0)) or args.world_size or args.tp * args.pp * 2
+    if world < 1 or world % (args.tp * args.pp):
+        raise UsageError(f"--world-size {world} is not a multiple of tp*pp = {args.tp * args.pp}; give a multiple "
+                         f"(default tp*pp*2)")
+
+
 def _forked_rank(kwargs: dict) -> dict:
     return benchmark(**kwargs)
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     parser.add_argument("--group", default="world", choices=["world", "tp", "dp", "pp"])
     parser.add_argument("--tp", type=int, default=1)
@@ -185,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         parser.error(f"unknown ops {unknown}; choose from {list(OPS)}")
+    _check(args)
     kwargs = dict(ops=ops, sizes=size_sweep(args.min_bytes, args.max_bytes, args.factor), group_name=args.group,
                   tp=args.tp, pp=args.pp, dtype=args.dtype, iters=args.iters, warmup=args.warmup)
     if "RANK" in os.environ:  # launched by torchrun: this process is one rank

@@ -22,7 +22,7 @@ which tools/plot_metrics.py draws.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import platform
@@ -43,6 +43,8 @@ from megalite.optim.lr_schedule import LRSchedule  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 from megalite.training.step import (build_data_parallel, build_model_chunks, build_optimizer, evaluate,  # noqa: E402
                                     global_target_tokens, train_step)
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 LAST = 20  # steps averaged into the final training loss
 
@@ -211,8 +213,9 @@ def _report(args, results: dict, params: int) -> None:
               f"{1e3 * statistics.median(r['times']):>8.1f}")
 
 
+@reports_usage_errors
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300, help="training steps (the lr schedule spans them)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4, 8])

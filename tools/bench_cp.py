@@ -25,7 +25,7 @@ probed on 2 gloo ranks first; on CPU it does not run (the reason is printed), so
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import platform
 import sys
@@ -41,6 +41,8 @@ from megalite.mesh import init_mesh  # noqa: E402
 from megalite.plan import activations  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 MB = 2 ** 20
 
@@ -135,8 +137,9 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--comm", nargs="+", default=["p2p", "a2a"], choices=["p2p", "a2a"])

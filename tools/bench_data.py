@@ -16,7 +16,7 @@
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import platform
@@ -32,6 +32,8 @@ from megalite.data.indexed_dataset import IndexedDataset, write_index  # noqa: E
 from megalite.data.preprocess import preprocess_files  # noqa: E402
 from megalite.data.sample_index import build_sample_index, cached_sample_index  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 
 def generate_corpus(path: str, megabytes: float, seed: int = 0) -> None:
@@ -186,8 +188,9 @@ def bench_reads(args, prefix: str) -> None:
           f"{per_step * 1e3:.2f} ms/step (best of 3 x {steps} steps), {gbs * seq / per_step / 1e6:.1f} M tokens/s")
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus-mb", type=float, default=300)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
     parser.add_argument("--hf-mb", type=float, default=20, help="MB for the BPE run (0 skips it)")

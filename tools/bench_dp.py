@@ -26,7 +26,7 @@ Timings are host wall-clock on shared CPUs: compare systems within one run only.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import platform
 import statistics
@@ -43,6 +43,8 @@ from megalite.model import GPTModel, preset  # noqa: E402
 from megalite.data_parallel import DataParallel  # noqa: E402
 from megalite.optim import DistributedOptimizer  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 LR = 1e-4
 
@@ -285,8 +287,9 @@ def _memory_rank(args, name):
     return info()["model_state_bytes"], peak
 
 
+@reports_usage_errors
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

@@ -29,7 +29,7 @@ Prints each count for both and the ratio megalite / baseline. Not a test: nothin
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import collections
 import contextlib
 import statistics
@@ -44,6 +44,8 @@ _METADATA = {"_local_scalar_dense", "is_nonzero", "lift_fresh", "set_", "detach"
              "record_stream", "_has_compatible_shallow_copy_type", "_unsafe_view"}
 _FILLS = {"zero_", "fill_", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full",
           "full_like", "new_full"}
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 
 def _is_view(func) -> bool:
@@ -199,7 +201,7 @@ def hf_phases(model_cfg, args, data):
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a gpt2-flavour preset (default: gpt2-124m's 12 blocks "
                                                       "at h=128, vocabulary 2048)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -214,6 +216,7 @@ KEYS = ("aten ops", "launches", "triton launches", "dtype copies", "memsets", "a
         "Function backwards")
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
     from megalite.model.activation_probe import kernels_without_launch
 

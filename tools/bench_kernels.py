@@ -33,7 +33,7 @@ timing harness on CPU with tiny shapes, both clocks being the wall clock.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import csv
 import math
 import os
@@ -53,6 +53,8 @@ from bench_kernel_timing import Timers, make_timer, make_timers, measure_ceiling
 
 __all__ = ["Case", "GOALS", "Goal", "attention_inputs", "build_cases", "goal_lines", "main", "make_timer",
            "run_case"]
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,8 +251,9 @@ CSV_COLUMNS = ["device", "torch", "triton", "command", "op", "shape", "dtype", "
                "error"]  # median_ms = gpu_ms, kept for readers of older CSVs
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one training shape per op, shorter timing")
     parser.add_argument("--csv", help="write all rows to this CSV file")
     parser.add_argument("--ops", default="rms_norm,layer_norm,gelu,swiglu,rope,cross_entropy,attention,adamw,"

@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 import time
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 
 def run_variant(args) -> dict:
@@ -69,8 +71,9 @@ def run_variant(args) -> dict:
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=50257)

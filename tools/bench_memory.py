@@ -20,7 +20,7 @@ paper's formula (Eqs. 1-6), as bytes / (s*b*h) and as ratios.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import os
 import sys
@@ -32,6 +32,8 @@ from megalite.config import RunConfig
 from megalite.model.activation_probe import TECHNIQUES, Technique, korthikanti_layer_bytes, measure_table
 from megalite.config.model import GPTConfig
 from megalite.plan.activations import layer_activation_bytes
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -129,8 +131,9 @@ def print_table(rows: list[MemoryRow], header: str) -> None:
               f"{r['measured/planner']:9.3f} {cuda}")
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)

@@ -17,7 +17,7 @@ rank holds E/ep experts) runs forward + backward of one `megalite.moe.MoELayer` 
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import platform
 import statistics
@@ -35,6 +35,8 @@ from megalite.tensor_parallel.mlp import MLP  # noqa: E402
 from megalite.moe.layer import MoELayer  # noqa: E402
 from megalite.plan.moe import dispatch_bytes  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 
 def run_config(args, ep: int, dispatcher: str) -> RunConfig:
@@ -106,8 +108,9 @@ def print_rows(args, rows: list[dict]) -> None:
               f"{r['moe_s'] / r['dense_s']:6.2f} {r['imbalance']:5.2f}x  {traffic}")
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--expert-ffn", type=int, default=512)

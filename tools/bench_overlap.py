@@ -20,7 +20,7 @@ one run only.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import os
 import statistics
 import sys
@@ -33,6 +33,8 @@ from megalite.training.metrics_file import read_records  # noqa: E402
 
 MODES = {"no overlap": [], "overlap": ["--overlap-param-gather"],
          "overlap, tokens first": ["--overlap-param-gather"]}
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 
 def _run_rank(argv: list[str], tokens_first: bool) -> int:
@@ -56,8 +58,9 @@ def _medians(path: str, warmup: int) -> dict[str, float]:
             "step_time_s": statistics.median(r["step_time_s"] for r in rows), "last_loss": rows[-1]["loss"]}
 
 
+@reports_usage_errors
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)

@@ -52,6 +52,8 @@ from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, SEN
 from megalite.pipeline.p2p import peer  # noqa: E402
 from megalite.tensor_parallel.weight_grad import deliver  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 
 BUBBLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", None), ("zb-h1", 1)]  # None: --virtual-stages
 
@@ -345,8 +347,9 @@ def _measure_step(chunks, step_fn, heap: HeapPeak):
     return slowest, cpu_total, peak, loss
 
 
+@reports_usage_errors
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--virtual-stages", type=int, default=2)

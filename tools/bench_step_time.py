@@ -29,7 +29,7 @@
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import dataclasses
 import json
 import os
@@ -60,6 +60,8 @@ NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1), (3.6, 32, 3072, 30,
 TORCH_DDP = {1.7, 3.6, 7.5, 18.4}
 LAYOUTS = {"default": [], "tp2_pp2_dp1": ["--tp", "2", "--pp", "2", "--dp", "1", "--global-batch-size", "32"],
            "tp1_pp1_dp4": ["--dp", "4"]}
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 
 def narayanan(hardware: str) -> list[dict]:
@@ -206,8 +208,9 @@ def cycles(count: int, iters: int, out: Path) -> None:
               f"({', '.join(f'{r:.2f}' for r in ratios)})")
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--narayanan", action="store_true", help="Table 1 of Narayanan et al. on --hardware")
     parser.add_argument("--h200", action="store_true", help="the H200 runs against the planner on the H200 profile")
     parser.add_argument("--measure", action="store_true", help="with --h200: run them again on this GPU")

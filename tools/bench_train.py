@@ -25,11 +25,13 @@ Not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import statistics
 import time
 
 import torch
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 
 def _sync(device):
@@ -37,6 +39,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
     args = _parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a megalite preset (gpt2 flavour); default: a small CPU model")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=256)

@@ -17,6 +17,8 @@ torch's formats (megalite/checkpoint/torch_formats.py): `--to dcp | safetensors 
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,11 +26,12 @@ import torch
 
 from megalite.checkpoint import CheckpointCorruptError, read_full_state, write_full_state
 from megalite.cli import OneLineParser
-from megalite.errors import UsageError, one_line
+from megalite.errors import UsageError, one_line, reports_usage_errors
 from megalite.extras import require
 from megalite.config.model import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 from megalite.model.hf_config import hf_config_from, special_token_ids
+from megalite.paths import output_dir_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,13 +72,36 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
         from safetensors.torch import save_file
     except ImportError:
         safe = False
+    weights = output / ("model.safetensors" if safe else "pytorch_model.bin")
     if safe:
-        save_file(state, str(output / "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, str(weights), metadata={"format": "pt"})
     else:
-        torch.save(state, output / "pytorch_model.bin")
+        torch.save(state, weights)
+    _readable_as_config(weights)
     print(f"exported {meta['model_config']['flavour']} step {meta['step']} (saved at tp={meta['layout']['tp']} "
           f"pp={meta['layout']['pp']} dp={meta['layout']['dp']}) to {output}")
     return output
+
+
+def _readable_as_config(path: Path) -> None:
+    """The weights with the permissions config.json got (the umask's), not a writer's private 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _check_hf_config(hf_dir: Path) -> None:
+    """UsageError unless hf_dir/config.json is a JSON object (transformers' own error is a traceback)."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise UsageError(f"--hf {hf_dir}: {path} not found; pass a directory written by save_pretrained")
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--hf {hf_dir}: {path} is not valid JSON ({exc}); pass a directory written by "
+                         f"save_pretrained") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UsageError(f"--hf {hf_dir}: {path} is not a transformers config (no model_type)")
 
 
 def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -98,8 +124,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
     import transformers
 
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").exists():
-        raise FileNotFoundError(f"{hf_dir}/config.json not found; pass a directory written by save_pretrained")
+    _check_hf_config(hf_dir)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     config = config_from_hf(hf_config)
     full = hf_to_full_state(_read_hf_weights(hf_dir), config)
@@ -136,6 +161,7 @@ def torch_formats_main(argv: list[str]) -> int:
     return 0
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -157,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     im.add_argument("--step", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        problem = output_dir_problem("--output", args.output)  # before reading a checkpoint
+        if problem:
+            raise UsageError(problem)
         require("transformers", f"convert_checkpoint.py {args.command}")  # missing: one line naming [hf]
         if args.command == "export":
             export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin,

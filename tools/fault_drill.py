@@ -12,8 +12,10 @@ What it does:
    (torchrun restarts the group) or SIGTERM (every rank saves after the current step and exits
    0, as under a scheduler's preemption; the drill then relaunches the same command, as the
    scheduler would). Moments: `random` (a seeded delay into the running attempt),
-   `during-async-write` (while a `step_N.tmp/` directory exists; the job writes through a
-   simulated slow file system, --write-delay, so the window is wide enough to hit) and
+   `during-async-write` (a shard written into `step_N.tmp/`, its done marker not yet: the drill
+   arms a hold file, MEGALITE_CHECKPOINT_WRITE_HOLD, that the writers wait on inside that window
+   until the signal is sent, so the moment is hit on a file, not on timing; --write-delay still
+   simulates a slow file system) and
    `after-save` (as soon as `latest` changes). Kinds, moments, victims and delays come from
    --seed; with N >= 2 both kinds and, with N >= 3, all three moments occur;
 3. compares every logged step of the drill (a step redone after a restart is logged again,
@@ -57,6 +59,7 @@ from fault_drill_plan import (MOMENTS, SCRIPT, Fault, compare_curves, job_flags,
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.training.metrics_file import read_records  # noqa: E402
+from megalite.errors import UsageError, reports_usage_errors  # noqa: E402
 
 __all__ = ["MOMENTS", "compare_curves", "job_flags", "main", "parse_args", "plan_faults", "shrink_worlds", "steps_lost"]
 
@@ -109,11 +112,19 @@ class Job:
     def launch(self, world_size: int) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MEGALITE_FAULT"))}
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-                   MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay))
+                   MEGALITE_CHECKPOINT_WRITE_DELAY_S=str(self.args.write_delay),
+                   MEGALITE_CHECKPOINT_WRITE_HOLD=str(self.hold_dir(self.launches)))
         with open(self.dir / f"launch{self.launches}.log", "w") as log:  # the child keeps its own descriptor
             self.process = subprocess.Popen(self.command(world_size), env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         self.launches += 1
+
+    def hold_dir(self, launch: int) -> Path:
+        """Launch `launch`'s write-window hold (megalite.checkpoint.save.hold_if_armed): armed before
+        that launch saves, so the window is waited for on a file, whatever the machine's load."""
+        path = self.dir / f"hold{launch}"
+        path.mkdir(exist_ok=True)
+        return path
 
     def finished(self) -> bool:
         logged = read_losses(self.metrics)
@@ -182,9 +193,13 @@ class Drill:
 
     def wait_for_moment(self, fault: Fault) -> str:
         latest = self.job.ckpt / "latest"
-        if fault.moment == "during-async-write":  # a shard file being written into a step_N.tmp/ directory
-            if self._poll(lambda: any(self.job.ckpt.glob("step_*.tmp/shard_r*.bin"))):
+        if fault.moment == "during-async-write":  # a shard written into step_N.tmp/, held before its marker
+            hold = self.job.hold_dir(self.job.launches - 1)
+            (hold / "arm").touch()  # normally armed already, before this launch (or restart) began
+            # the job cannot end while a writer is held: wait for the file even once the last step is logged
+            if self._poll(lambda: any(hold.glob("held_r*")), until_finished=False):
                 return fault.moment
+            self.disarm()
         elif fault.moment == "after-save":
             current = latest.read_text() if latest.exists() else ""
             if self._poll(lambda: latest.exists() and latest.read_text() != current):
@@ -194,20 +209,35 @@ class Drill:
             return fault.moment
         return "random (the moment did not come)"
 
-    def _poll(self, condition) -> bool:
+    def arm_for(self, fault: Fault | None, previous: Fault | None) -> None:
+        """Arm the write hold of the launch `fault` will hit, when its moment is a write: the running
+        launch after a SIGKILL that torchrun restarts in place, else the next launch."""
+        if fault is None or fault.moment != "during-async-write":
+            return
+        relaunched = previous is not None and (previous.kind == "SIGTERM" or self.args.shrink)
+        (self.job.hold_dir(self.job.launches if relaunched or previous is None else self.job.launches - 1)
+         / "arm").touch()
+
+    def disarm(self) -> None:
+        for hold in self.job.dir.glob("hold*"):
+            (hold / "arm").unlink(missing_ok=True)
+
+    def _poll(self, condition, until_finished: bool = True) -> bool:
         deadline = time.monotonic() + self.args.moment_timeout
-        while time.monotonic() < deadline and not self.job.finished():
+        while time.monotonic() < deadline and not (until_finished and self.job.finished()):
             if condition():
                 return True
             time.sleep(0.002)
         return False
 
-    def inject(self, fault: Fault, started: float) -> bool:
+    def inject(self, fault: Fault, started: float, next_fault: Fault | None = None) -> bool:
         """Wait for the moment, signal the victim, wait until training resumes. False if the job ended first."""
         _wait(lambda: self.training() or self.job.finished(), self.args.timeout, "training", poll_s=0.02)
         fault.moment_seen = self.wait_for_moment(fault)
         fault.world_before = self.world
         victims = self._signal(fault)
+        self.disarm()  # the held writers go on (the victim's signal is already sent)
+        self.arm_for(next_fault, fault)
         if not victims:
             return False
         self.lost_ranks = self.args.shrink
@@ -248,10 +278,11 @@ class Drill:
     def run(self, faults: list[Fault]) -> tuple[float, int]:
         """Run the job to the end with `faults`; return (wall seconds, faults injected)."""
         started, injected = time.monotonic(), 0
+        self.arm_for(faults[0] if faults else None, None)
         self.job.launch(self.next_launch_world_size())
         try:
-            for fault in faults:
-                if not self.inject(fault, started):
+            for i, fault in enumerate(faults):
+                if not self.inject(fault, started, faults[i + 1] if i + 1 < len(faults) else None):
                     break
                 injected += 1
             _wait(lambda: (self.ensure_running() or True) and self.job.finished() and self.job.process.poll() == 0,
@@ -259,6 +290,17 @@ class Drill:
         finally:
             self.job.stop()
         return time.monotonic() - started, injected
+
+
+def check_job(args) -> None:
+    """The job's own check of its flags on --nproc ranks (its --dry-run), before any launch: a flag the
+    job refuses is its one line and exit 2 here, not a failed reference run and a traceback."""
+    env = {**os.environ, "WORLD_SIZE": str(args.nproc)}
+    done = subprocess.run([sys.executable, str(SCRIPT), *job_flags(args), "--train-iters", str(args.train_iters),
+                           "--dry-run"], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
+        raise UsageError(f"the drilled job refuses its flags: {' '.join(line.strip() for line in lines)}")
 
 
 def run_reference(args) -> tuple[float, dict[int, float], float]:
@@ -332,8 +374,10 @@ def parse_args(argv):
     return args
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_job(args)  # before anything is made or launched
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="megalite-fault-drill-")  # made only by a drill that runs
     print(f"fault drill: {args.faults} faults, {args.nproc} workers, seed {args.seed}, in {args.workdir}", flush=True)
     drill = Drill(args, 0.0)

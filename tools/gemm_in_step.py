@@ -17,12 +17,14 @@ predicts (the planner's step time is then optimistic by that much on its GEMM pa
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import sys
 from pathlib import Path
 
 from megalite.plan.hardware import load_profile
+from megalite.errors import reports_usage_errors
+from megalite.cli import OneLineParser
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -72,8 +74,9 @@ def report(rows: list[dict], summary: dict, profile_name: str, precision: str) -
     return "\n".join(lines)
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ops", help="an ops_rank*_steps*.json that --profile-steps wrote")
     parser.add_argument("--hardware", default=None, help="a built-in profile name or a profile file "
                         "(default: the planner's default)")

@@ -19,12 +19,15 @@ never silent. Pure text processing: no torch, no GPU.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
 import re
 import statistics
 import sys
 from pathlib import Path
+
+from megalite.cli import OneLineParser
+from megalite.errors import reports_usage_errors
 
 LLMC_GPT2_TOKENS_PER_S = 460e3  # llm.c's published GPT-2 124M training speed on one H100 (issue 36)
 
@@ -123,8 +126,9 @@ def goals(step: str, out_dir: Path, mfu_goal: float | None = None) -> list[str]:
                      f"no figure) | NOT measured"]
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--mfu", type=float, default=None, help="MFU goal of a training step (0.5 = 50%%)")

@@ -34,7 +34,7 @@ import time
 from megalite.cli import build_parser, parse_args
 from megalite.config import RunConfig
 from megalite.plan import GB, estimate, estimate_model_states, predict_step_time, preflight, suggest
-from megalite.errors import ConfigError, UsageError, one_line
+from megalite.errors import ConfigError, UsageError, one_line, reports_usage_errors
 from megalite.plan.hardware import BUILTIN, DEFAULT, load_profile
 
 
@@ -182,6 +182,7 @@ def _model_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_args(argv, planner_parser())

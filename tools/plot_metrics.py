@@ -33,6 +33,7 @@ PANELS = [
     ("mfu", "model FLOPs utilisation", 100.0, "MFU %"),
     ("mem_peak_bytes", "peak memory (rank 0)", 1e-9, "GB"),
 ]
+from megalite.errors import reports_usage_errors
 
 
 # the time split panel: (label, the fields whose sum, divided by step_time_s, is the share; line style)
@@ -114,9 +115,10 @@ def _draw_time_split(ax, runs: list[tuple[str, list[dict]]]) -> None:
     ax.legend(fontsize=7)
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="metrics files written by --metrics-file")
     parser.add_argument("--labels", default=None, help="comma-separated, one per file (default: parent dir)")
     parser.add_argument("--out", default="metrics.png", help="PNG or SVG to write (by its suffix)")

@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from megalite.cli import OneLineParser
-from megalite.errors import UsageError, report_usage_error
+from megalite.errors import UsageError, report_usage_error, reports_usage_errors
 from megalite.extras import pyplot
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, format_schedule)
@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     name = f"{args.schedule}, pp {args.pp}, {args.microbatches} microbatches" + \

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 if not __package__:  # run as a script from a checkout (installed, it is megalite.tools.preprocess_data)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402
-from megalite.errors import UsageError, report_usage_error  # noqa: E402
+from megalite.errors import UsageError, report_usage_error, reports_usage_errors  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
+from megalite.paths import output_prefix_problem  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -46,14 +48,27 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
     """A mistake in the input (a missing file, a malformed line, a bad tokenizer) prints one line, exit 2."""
     args = parse_args(argv)
     try:
+        if args.workers is not None and args.workers < 1:
+            raise UsageError(f"--workers {args.workers}: give 1 or more tokenizer processes (or leave it out)")
+        problem = output_prefix_problem("--output-prefix", args.output_prefix, (".bin", ".idx"))
+        if problem:
+            raise UsageError(problem)
         tokenizer = load_tokenizer(args.tokenizer)
         workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
         stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,
                                  show_progress=not args.no_progress, megatron_index=args.megatron_index)
+        if stats.documents == 0:  # every document empty or undecodable: an empty dataset is no dataset
+            for prefix in stats.outputs.values():
+                for suffix in (".bin", ".idx"):
+                    Path(prefix + suffix).unlink(missing_ok=True)
+            raise UsageError(f"--input {' '.join(args.input)}: no document could be read ({stats.skipped_empty} "
+                             f"empty, {stats.skipped_not_utf8} not UTF-8); nothing written. Give UTF-8 text or "
+                             f"JSON lines with the --json-keys {' '.join(args.json_keys)}")
     except UsageError as exc:
         return report_usage_error(exc, rank=0)
     print(stats.summary(), file=sys.stderr)

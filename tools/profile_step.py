@@ -33,6 +33,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  - the same megalite step the throughput comparison runs
+from megalite.cli import OneLineParser  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
 
 CATEGORIES = [  # first match wins; kernel names of cuBLAS/CUTLASS, torch and our Triton kernels (kernels/*.py)
     ("GEMM", r"gemm|cutlass|xmma|nvjet|wgmma|grouped_mm|addmm|aten::mm|matmul|bmm"),
@@ -125,8 +127,9 @@ def report(rows, wall_ms: float, top: int, on_gpu: bool, label: str) -> float:
     return busy
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-llama", help="a megalite preset (dense)")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=2048)

@@ -19,16 +19,46 @@ reduction or PowerSGD), or ranks sharing too few cores/links.
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import json
+import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
 
+from megalite.cli import OneLineParser
+from megalite.errors import UsageError, reports_usage_errors
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIMIT = 0.80
+# the job's default (600 steps) is a training run, not a measurement: 20 steps unless the job flags say
+# otherwise (a flag given after `--` comes later on the command line and wins)
+DEFAULT_JOB = ("--train-iters", "20", "--eval-iters", "0")
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; UsageError naming the bad entry."""
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--sizes {text}: world sizes are whole numbers separated by commas, e.g. 1,2,4") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--sizes {text}: give one or more world sizes >= 1, e.g. 1,2,4")
+    return sizes
+
+
+def oversubscription_note(rows: list[dict], cores: int | None) -> str | None:
+    """A caveat when the largest world has more ranks than this machine has cores: the ranks then share
+    cores, so the smallest size's throughput (the baseline) is itself held back and efficiencies above
+    100% say more about the baseline than about scaling."""
+    largest = max(row["world"] for row in rows)
+    if cores is None or largest <= cores and all(row["efficiency"] <= 1.0 + 1e-9 for row in rows):
+        return None
+    return (f"note: {largest} ranks on {cores} CPU cores: ranks share cores (and torch threads), so these "
+            f"efficiencies (any above 100% especially) reflect contention, not scaling; measure on one "
+            f"device per rank")
 
 
 def world_sizes(max_world: int, model_parallel: int) -> list[int]:
@@ -62,7 +92,9 @@ def describe(rows: list[dict]) -> str:
 
 def job_command(world: int, args, job_flags: list[str], metrics: pathlib.Path) -> list[str]:
     model_parallel = args.tp * args.pp * args.cp
-    return ["torchrun", "--standalone", "--nproc_per_node", str(world), str(ROOT / args.script), *job_flags,
+    # this Python's torchrun (the one megalite is installed in), not whichever `torchrun` PATH finds first
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+            str(ROOT / args.script), *DEFAULT_JOB, *job_flags,
             "--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--dp", str(world // model_parallel),
             "--metrics-file", str(metrics), "--log-interval", "1"]
 
@@ -76,11 +108,12 @@ def measured_throughput(metrics: pathlib.Path) -> float:
     return statistics.median(rates)
 
 
+@reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     job_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-world", type=int, default=8)
     parser.add_argument("--sizes", default=None, help="world sizes, e.g. 1,2,4 (default: doubling to --max-world)")
     for name in ("tp", "pp", "cp"):
@@ -88,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--script", default="examples/pretrain_gpt.py", help="the job, relative to the repository")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(own)
+    bad = [f"--{name} {getattr(args, name)}" for name in ("tp", "pp", "cp", "max_world") if getattr(args, name) < 1]
+    if bad:
+        raise UsageError(f"{', '.join(bad).replace('_', '-')}: must be >= 1")
     model_parallel = args.tp * args.pp * args.cp
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else world_sizes(args.max_world, model_parallel)
+    sizes = parse_sizes(args.sizes) if args.sizes else world_sizes(args.max_world, model_parallel)
     if not sizes or any(s % model_parallel for s in sizes):
         print(f"scaling: every world size must be a multiple of tp*pp*cp = {model_parallel}; got {sizes}",
               file=sys.stderr)
@@ -105,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
             throughputs[world] = measured_throughput(metrics)
     rows = efficiency_rows(throughputs)
     print(json.dumps(rows, indent=1) if args.json else describe(rows))
+    note = oversubscription_note(rows, os.cpu_count()) if not _has_gpus() else None
+    if note:
+        print(note, file=sys.stderr)
     return 0
+
+
+def _has_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

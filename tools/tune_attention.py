@@ -53,6 +53,8 @@ CANDIDATES = {
          "dq": [(64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
                 (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]},
 }
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 SMOKE_CANDIDATES = {"fwd": [(32, 16, 1, 1)], "dkdv": [(16, 32, 1, 1)], "dq": [(32, 16, 1, 1)]}
 TOKENS = 16384  # per call: batch = TOKENS // seq
 
@@ -214,8 +216,9 @@ def load_tables(path: str) -> None:
     attention_dispatch._auto.cache_clear()
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="dispatch at s 1k, 4k, 16k only")
     parser.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -20,7 +20,7 @@ tables to paste into kernels/rms_norm.py, kernels/layer_norm.py and kernels/rope
 """
 from __future__ import annotations
 
-import argparse
+import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import dataclasses
 import importlib
 import json
@@ -53,6 +53,8 @@ FORWARD_CANDIDATES = {"wide": [(1, 8), (1, 16), (2, 16), (1, 32), (2, 8)],
                       "narrow": [(1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]}
 BACKWARD_CANDIDATES = {"wide": [(1, 16, 1), (1, 16, 2), (1, 8, 2), (2, 16, 1), (1, 32, 1), (1, 8, 3)],
                        "narrow": [(1, 4, 4), (2, 4, 4), (2, 8, 2), (2, 8, 4), (4, 8, 2), (4, 16, 1), (8, 16, 1)]}
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
 ROPE_WARPS = [1, 2, 4, 8]
 ELEMENTS_PER_THREAD = (4, 32)
 
@@ -261,8 +263,9 @@ def build_sweeps(kernels: list[str], device: str, dtype: torch.dtype, smoke: boo
     return sweeps
 
 
+@reports_usage_errors
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--kernels", nargs="*", default=KERNELS, choices=KERNELS, help="which kernels to sweep")
     parser.add_argument("--smoke", action="store_true", help="CPU self-test: tiny shapes, interpreter, wall clock")

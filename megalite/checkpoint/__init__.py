@@ -14,7 +14,9 @@ from megalite._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.checkpoint.full_state": ["read_full_state", "write_full_state"],
     "megalite.checkpoint.load": ["LoadedCheckpoint", "load_checkpoint"],
-    "megalite.checkpoint.preemption": ["PreemptionHandler", "maybe_inject_fault"],
+    "megalite.checkpoint.lock": ["CheckpointLock"],
+    "megalite.checkpoint.preemption": ["PreemptionHandler", "SetupInterrupted", "interrupt_during_setup",
+                                       "maybe_inject_fault"],
     "megalite.checkpoint.save": ["Checkpointer"],
     "megalite.checkpoint.storage": ["CheckpointCorruptError", "CheckpointMismatchError", "CheckpointNotFoundError"],
     "megalite.checkpoint.write_failure": ["CheckpointWriteError"],

@@ -1,10 +1,15 @@
-"""Preemption: SIGTERM / SIGUSR1 -> checkpoint at the next step boundary and exit 0.
+"""Preemption: SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) -> checkpoint at the next step boundary and exit 0.
 
 A signal usually reaches one rank first (or only one: a node being drained). The handler
 only sets a flag; at every step boundary `should_stop()` all-reduces the flag (max of one
 float over the world: 4 bytes, negligible next to a training step), so every rank stops
 after the same step, saves the same checkpoint, and exits cleanly. A second signal while
 stopping is ignored; the scheduler's SIGKILL after its grace period still ends the job.
+The flag is the signal's number, so rank 0 names the signal in its one stop line.
+
+Before the first step there is no step boundary to wait for: `interrupt_during_setup()` makes
+the same signals raise `SetupInterrupted` at once (the entry point prints one line and exits
+128 + the signal's number, as a shell reports a process killed by it; nothing was trained).
 
 Fault injection for restart tests: `MEGALITE_FAULT_AT_STEP=k` makes one rank
 (`MEGALITE_FAULT_RANK`, default the last) exit(1) (or, with `MEGALITE_FAULT_SIGNAL`, get a
@@ -14,6 +19,7 @@ faults attempt i at step k_i (repeated failures).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -25,37 +31,76 @@ from megalite import comm
 from megalite.mesh import Mesh
 
 FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_SIGNAL_ENV = "MEGALITE_FAULT_AT_STEP", "MEGALITE_FAULT_RANK", "MEGALITE_FAULT_SIGNAL"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class SetupInterrupted(Exception):
+    """A stop signal arrived before training started: the run ends now, having trained nothing."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} during set-up (before the first step): stopped, nothing "
+                         f"trained or saved")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def interrupt_during_setup(signals=STOP_SIGNALS):
+    """Within the block, `signals` raise SetupInterrupted (in the main thread; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise SetupInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, _raise) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class PreemptionHandler:
-    """Catch `signals` (default SIGTERM and SIGUSR1) and agree on a stop step across ranks.
+    """Catch `signals` (default SIGTERM, SIGUSR1 and SIGINT) and agree on a stop step across ranks.
 
-    check_interval: all-reduce the flag every K steps (1: every step). Use as a context
-    manager, or call `close()` to restore the previous handlers.
+    check_interval: all-reduce the flag every K steps (1: every step). install=False: the
+    handlers are set by `install()` later (the training loop: once set-up is over). Use as a
+    context manager, or call `close()` to restore the previous handlers.
     """
 
-    def __init__(self, mesh: Mesh, signals=(signal.SIGTERM, signal.SIGUSR1), check_interval: int = 1):
+    def __init__(self, mesh: Mesh, signals=STOP_SIGNALS, check_interval: int = 1, install: bool = True):
         if check_interval < 1:
             raise ValueError(f"check_interval must be >= 1, got {check_interval}")
-        self.mesh, self.check_interval = mesh, check_interval
+        self.mesh, self.check_interval, self.signals = mesh, check_interval, tuple(signals)
         self.requested_by: str | None = None  # name of the first signal received on this rank
+        self.agreed_signal: str | None = None  # after should_stop() is True: the signal named on every rank
         self._previous = {}
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for sig in signals:
+        if install:
+            self.install()
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread() and not self._previous:  # main thread only
+            for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:  # silent: rank 0 says once, at the stop, which signal
         if self.requested_by is None:
             self.requested_by = signal.Signals(signum).name
-            print(f"megalite: rank {self.mesh.rank} received {self.requested_by}; will save and stop after the "
-                  f"current step", file=sys.stderr, flush=True)
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once any rank has received a signal (checked every check_interval steps)."""
         if step % self.check_interval:
             return False
-        flag = torch.tensor([1.0 if self.requested_by else 0.0], device=self.mesh.device)
+        number = int(signal.Signals[self.requested_by]) if self.requested_by else 0
+        flag = torch.tensor([float(number)], device=self.mesh.device)
         comm.all_reduce(flag, comm.world_group(), op="max")
+        if flag.item() > 0:
+            self.agreed_signal = signal.Signals(int(flag.item())).name
         return bool(flag.item() > 0)
 
     def close(self) -> None:

@@ -46,6 +46,24 @@ CRASH_ENV = "MEGALITE_CHECKPOINT_CRASH_AFTER_BYTES"  # fault injection: rank 0 d
 # A slow file system, simulated (tools/fault_drill.py): each rank's shard stays unpublished this
 # many seconds longer, so a drill can reliably kill a worker while a background write is in flight.
 WRITE_DELAY_ENV = "MEGALITE_CHECKPOINT_WRITE_DELAY_S"
+# The drill's deterministic window (no timing): a directory. While DIR/arm exists, each rank that
+# has started a background write (its training thread), or written its shard but not yet its done
+# marker (the writer), says so in DIR/held_rN and waits for `arm` to go.
+WRITE_HOLD_ENV = "MEGALITE_CHECKPOINT_WRITE_HOLD"
+HOLD_LIMIT_S = 300.0  # a drill that died does not keep the run waiting for ever
+
+
+def hold_if_armed(rank: int) -> bool:
+    """Wait inside the write window while the drill's arm file exists; True if it held."""
+    hold = os.environ.get(WRITE_HOLD_ENV)
+    if not hold or not os.path.exists(os.path.join(hold, "arm")):
+        return False
+    with open(os.path.join(hold, f"held_r{rank}"), "w"):
+        pass
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while os.path.exists(os.path.join(hold, "arm")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return True
 
 
 def _jsonable(obj):
@@ -175,6 +193,7 @@ class Checkpointer:
             self.last_blocked_s = time.perf_counter() - started
             self.log(f"checkpoint: step {step} copied to memory in {self.last_blocked_s:.2f} s; writing to "
                      f"{final} in the background")
+            hold_if_armed(self.mesh.rank)  # a drill's window: training waits too, the write stays in flight
         else:
             self._write_shard(write)
             self.settle()  # rank 0 publishes once every rank's shard is written; errors raise on every rank
@@ -190,6 +209,7 @@ class Checkpointer:
             crash_after = int(crash) if crash is not None and rank == 0 else None
             record = storage.write_shard(write.tmp_dir / write.file, write.tensors, crash_after_bytes=crash_after)
             time.sleep(float(os.environ.get(WRITE_DELAY_ENV) or 0))
+            hold_if_armed(rank)
             storage.write_done_marker(write.tmp_dir, rank, {"file": write.file, **record})
         except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement in settle()
             write.shard_error = exc

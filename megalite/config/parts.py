@@ -249,6 +249,12 @@ class CheckpointSettings:
                                                              "or scale it with dp and rescale the learning rate")
     elastic_lr_rule: ElasticLRRule = setting(ElasticLRRule.LINEAR, "with --elastic-batch scale: the learning rate "
                                                                    "times the batch ratio r (linear) or sqrt(r)")
+    override_data_order: bool = setting(False, "resume although --seed, --data-path, --split, --tokenizer or "
+                                               "--seq-length differ from the checkpoint's run (the samples read "
+                                               "from here on are not the ones it would have read)")
+    override_opt_param_scheduler: bool = setting(False, "resume although --lr, --min-lr, --lr-warmup-iters, "
+                                                        "--lr-decay-style or --train-iters differ from the "
+                                                        "checkpoint's run (the learning-rate schedule changes)")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,12 @@ def _checked_params(params: Sequence[torch.nn.Parameter], zero_stage: int,
         raise ValueError("the same parameter was passed twice; pass each parameter once")
     return params
 
+# A backward after the step's reduction without zero_grad(): the buffers hold the previous step's
+# REDUCED gradient (summed over dp at ZeRO 0, a shard at ZeRO 1-2), so adding local gradients to it
+# would give another wrong result at every layout. torch would accumulate; megalite refuses.
+FORGOT_ZERO_GRAD = ("a backward after the optimizer step without zero_grad(): call optimizer.zero_grad() (or "
+                    "model.zero_grad()) before each step's first backward; gradients are not carried over steps")
+
 
 class GradBuffers:
     """Gradient buffers and bucketed, overlapped dp reduction for one model replica.
@@ -131,6 +137,7 @@ class GradBuffers:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.exposed_seconds = 0.0  # host time of the last finish_reduction(): communication not hidden by backward
         self._finished = False  # finish_reduction() ran and no gradient arrived since
+        self._stale = False  # finish_reduction() ran and zero_grad() did not since: a gradient now is a mistake
         self._hooks = []
         for index, p in enumerate(self.params):
             P.set_grad_destination(p, self._make_sink(index), P.main_grad(p))
@@ -205,6 +212,8 @@ class GradBuffers:
         return storage[slot.start - b.start:slot.end - b.start].view(self.params[param_index].shape)
 
     def _accumulate(self, index: int, grad: torch.Tensor) -> None:
+        if self._stale:
+            raise RuntimeError(FORGOT_ZERO_GRAD)
         bucket = self.layout.slots[index].bucket
         if self._launched[bucket]:
             raise RuntimeError(
@@ -310,6 +319,7 @@ class GradBuffers:
                 self._free_bucket(bucket)
         self._pending.clear()
         self._finished = True
+        self._stale = True  # reduced: the next step's backward must start from zero_grad()
         self.exposed_seconds = time.perf_counter() - started
         uncompressed = self._plain_bytes() if compressing and self._sent_bytes else self._sent_bytes
         self.last_reduction_bytes, self._sent_bytes = (self._sent_bytes, uncompressed), 0
@@ -370,6 +380,7 @@ class GradBuffers:
         for p in self.params:
             p.grad = None
         self._finished = False
+        self._stale = False
         self._reset_counters()
 
     # ------------------------------------------------------------------ metrics

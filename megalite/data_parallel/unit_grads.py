@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from megalite import comm, params as P
+from megalite.data_parallel.grad_buffers import FORGOT_ZERO_GRAD
 from megalite.data_parallel.layout import BufferLayout
 
 
@@ -45,6 +46,7 @@ class UnitGrads:
         self.groups = groups or (dp_group,)  # by unit kind: dense units over dp x cp, expert units over expert-dp
         self.shard_ranks = tuple(comm.group_rank(g) for g in self.groups)
         self._finished = False  # finish_reduction() ran and no gradient arrived since
+        self._stale = False  # finish_reduction() ran and zero_grad() did not since
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device)
         self._storage: list[torch.Tensor | None] = [None] * len(layout.buckets)
         self._unit_of = [slot.bucket for slot in layout.slots]
@@ -64,6 +66,8 @@ class UnitGrads:
 
     def _make_sink(self, index: int):
         def sink(param: torch.Tensor, grad: torch.Tensor) -> None:
+            if self._stale:
+                raise RuntimeError(FORGOT_ZERO_GRAD)
             self.main_grad(index).add_(grad)
         return sink
 
@@ -72,6 +76,8 @@ class UnitGrads:
             if param.grad is None:
                 return
             grad, param.grad = param.grad, None  # the fp32 storage is the only copy
+            if self._stale:
+                raise RuntimeError(FORGOT_ZERO_GRAD)
             self.main_grad(index).add_(grad)
         return hook
 
@@ -142,6 +148,7 @@ class UnitGrads:
             comm.all_reduce(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel], self.embedding_group)
         self.exposed_seconds = time.perf_counter() - started
         self._finished = True
+        self._stale = True  # the next step's backward must start from zero_grad() (grad_buffers.py)
 
     def reduction_pending(self) -> bool:
         """False once finish_reduction() has run and no gradient arrived since."""
@@ -152,6 +159,7 @@ class UnitGrads:
             raise RuntimeError("zero_grad() while dp reductions are in flight; call finish_reduction() first")
         self.grad_shard.zero_()
         self._finished = False
+        self._stale = False
         for unit in range(len(self._storage)):
             self._storage[unit] = None
         for p in self.params:

@@ -135,6 +135,11 @@ class MoELayer(nn.Module):
     def _forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """etp = 1: this tp rank routes and runs its own [s/tp, b, h] tokens through whole experts."""
         tp = self.tp_group
+        if not self.sequence_parallel and x.shape[0] % comm.group_size(tp):
+            raise ValueError(f"an MoE layer at etp 1 under tp {comm.group_size(tp)} gives each tp rank 1/"
+                             f"{comm.group_size(tp)} of the sequence, and {x.shape[0]} tokens do not split evenly: "
+                             f"pad the sequence to a multiple of {comm.group_size(tp)} tokens, or build the mesh "
+                             f"with etp=tp (init_mesh(..., etp={comm.group_size(tp)}))")
         mine = x if self.sequence_parallel else mappings.scatter_to_sequence_parallel_region(x, tp)  # [s/tp, b, h]
         out, routing = self._experts(mine, None, self.token_group)  # [s/(cp tp), b, h]
         if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my slice of its output

@@ -132,6 +132,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0, clip_grad: float = 0.0, offload_optimizer: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
                  no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay):
+        if not isinstance(model, DataParallel):  # a bare module has no gradient buffers or shards to update
+            raise TypeError(f"DistributedOptimizer takes the DataParallel wrapper, not a bare "
+                            f"{type(model).__name__}: model = DataParallel(my_model, mesh); "
+                            f"DistributedOptimizer(model, ...)")
         if clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip_grad}")
         if offload_optimizer and model.param_buffer.overlap:

@@ -230,3 +230,4 @@ def _rank(found: list[Suggestion]) -> list[Suggestion]:
                          f"{NEAR_BEST:.0%} of the best step time the lowest ZeRO stage wins (ZeRO-3 gathers the "
                          f"parameters every step: more communication, for memory this layout does not need)")
     return ranked
+

@@ -129,4 +129,9 @@ def memory_fix(model: GPTConfig, cfg: RunConfig, gpu_memory: float) -> str:
                                                            {"offload_optimizer": False})).total_bytes
                 return f"add {' '.join(kept)} (without {flag}: {without / GB:.2f} GB)"
             return f"add {' '.join(kept)}"
+    plan = estimate(model, combined)  # everything above applied: what is left is mostly weights or activations
+    if plan.activation_bytes > plan.total_bytes / 2:  # more GPUs per replica would not shrink a sequence's activations
+        return (f"activations ({plan.activation_bytes / GB:.2f} GB even with the changes above) dominate: shorten "
+                f"--seq-length, or split each sequence over more ranks with --cp; `tools/plan.py --suggest` lists "
+                f"layouts that fit")
     return "raise --tp/--pp (more GPUs per model replica); `tools/plan.py --suggest` lists layouts that fit"

@@ -11,6 +11,7 @@ parallelism when no mesh exists.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -28,10 +29,17 @@ InitMethod = Callable[[torch.Tensor], object]
 
 
 def resolve_tp_group(tp_group):
-    """The explicit group, else the current mesh's tp group, else None (no parallelism)."""
+    """The explicit group, else the current mesh's tp group, else None (no parallelism).
+
+    A layer made before `init_mesh` in a process of a multi-rank launch (WORLD_SIZE > 1) would
+    silently run at tp 1: refused (pass `tp_group=` to choose explicitly)."""
     if tp_group is not None:
         return tp_group
     mesh = current_mesh()
+    if mesh is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("a tensor-parallel layer built before init_mesh() under a multi-rank launch (WORLD_SIZE="
+                           f"{os.environ['WORLD_SIZE']}) would run at tp 1: call megalite.mesh.init_mesh(tp=...) "
+                           "before building the model, or pass tp_group= explicitly")
     return mesh.tp_group if mesh is not None else None
 
 
@@ -286,7 +294,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _make_param(full, spec, dtype, device)
 
     def local_lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial embedding [..., h]: rows it owns, zeros elsewhere (not yet summed)."""
+        """This rank's partial embedding [..., h]: rows it owns, zeros elsewhere (not yet summed).
+        An id outside [0, num_embeddings) fails as nn.Embedding's would (checked on the device: no host
+        sync), instead of reading a padding row or another rank's zeros."""
+        torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                            f"VocabParallelEmbedding: an input id is outside the vocabulary [0, {self.num_embeddings})")
         if comm.group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)

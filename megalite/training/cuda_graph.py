@@ -81,6 +81,16 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.slots: list[_Slot] = []
 
+    def check_shapes(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """UsageError when a microbatch cannot replay its captured slot: called before the step
+        communicates anything (its token count), not inside the replays after it."""
+        for i, (slot, mb) in enumerate(zip(self.slots, microbatches)):
+            for name, static in (("input_ids", slot.ids), ("labels", slot.labels)):
+                if mb[name].shape != static.shape:
+                    raise UsageError(f"--cuda-graph: microbatch {i}'s {name} has shape {tuple(mb[name].shape)} but "
+                                     f"its graph was captured for {tuple(static.shape)}; keep shapes static (e.g. "
+                                     f"no partial last batch) or drop --cuda-graph")
+
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch (replayed graphs); the loss sum, float64 on the device."""
         model = self.model

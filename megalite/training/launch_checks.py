@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.paths import output_dir_problem, output_file_problem
 from megalite.pipeline.schedules import check_pipeline_config
 from megalite.plan.validity import preflight
 
@@ -40,6 +41,8 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
     if tokenizer_vocab_size is not None and model.vocab_size < tokenizer_vocab_size:
         problems.append(f"--vocab-size {model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab_size}; "
                         f"drop --vocab-size or set it >= {tokenizer_vocab_size}")
+    if memory is not None:  # launching: the host memory of what each step reads (before building schedules)
+        problems += host_memory_problems(cfg, model.seq_length, host_ram_per_rank())
     if cfg.parallel.pp > 1 and not problems:
         try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
             p = cfg.parallel
@@ -47,10 +50,62 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
                                   p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
         except ValueError as exc:
             problems.append(str(exc))
-    problems = list(dict.fromkeys(problems + own))
+    problems = list(dict.fromkeys(problems + own + path_problems(cfg) + _accepted_nonsense(cfg, model.num_layers)))
     if not problems and memory is not None:
         problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
     return problems
+
+
+def _accepted_nonsense(cfg: RunConfig, num_layers: int) -> list[str]:
+    """Settings that ran as if not given: --recompute-num-layers beyond the blocks of a model chunk."""
+    p, problems = cfg.parallel, []  # (--virtual-stages at --pp 1: the planner's preflight names it)
+    if p.recompute_num_layers is not None and num_layers % (p.pp * p.virtual_stages) == 0:
+        per_chunk = num_layers // (p.pp * p.virtual_stages)
+        if p.recompute_num_layers > per_chunk:
+            problems.append(f"--recompute-num-layers {p.recompute_num_layers} is more than the {per_chunk} blocks of "
+                            f"each model chunk ({num_layers} layers / (pp {p.pp} x virtual stages "
+                            f"{p.virtual_stages})); choose 1..{per_chunk}")
+    return problems
+
+
+# Host bytes per sample a step holds: its index (a Python int in a list) and its input_ids and labels
+# rows (int64, seq tokens each) in the collated microbatches; load_microbatches reads a whole step.
+HOST_BYTES_PER_INDEX = 36
+
+
+def host_memory_problems(cfg: RunConfig, seq_length: int, ram_per_rank: float) -> list[str]:
+    """The step's samples against this rank's share of host RAM (a batch size that cannot fit grew the
+    process until the machine ran out, neither refusing nor training)."""
+    per_rank = cfg.global_batch_size // max(1, cfg.dp)
+    need = per_rank * (HOST_BYTES_PER_INDEX + 2 * 8 * seq_length)
+    if need <= 0.8 * ram_per_rank:
+        return []
+    return [f"--global-batch-size {cfg.global_batch_size}: each rank reads {per_rank} samples of {seq_length} tokens "
+            f"per step into host memory ({need / 1e9:.3g} GB of token ids), more than its share of this machine's RAM "
+            f"({ram_per_rank / 1e9:.3g} GB); lower --global-batch-size or spread it over more data-parallel ranks"]
+
+
+def host_ram_per_rank() -> float:
+    """This machine's RAM shared by the node's ranks (LOCAL_WORLD_SIZE)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def path_problems(cfg: RunConfig) -> list[str]:
+    """Every output path the run will write, checked now (a directory given as a file, a file as a
+    directory, or a path below a file ended in a traceback at its first write)."""
+    lg, ft = cfg.logging, cfg.fault_tolerance
+    checks = []
+    if lg.metrics_file:
+        checks += [output_file_problem("--metrics-file", lg.metrics_file),
+                   output_file_problem("--metrics-file", os.path.splitext(lg.metrics_file)[0] + ".config.toml")]
+    if lg.tensorboard_dir:
+        checks.append(output_dir_problem("--tensorboard-dir", lg.tensorboard_dir))
+    if lg.profile_steps:
+        checks.append(output_dir_problem("--profile-dir", lg.profile_dir))
+    if ft.hang_timeout and ft.hang_report_dir:
+        checks.append(output_dir_problem("--hang-report-dir", ft.hang_report_dir))
+    return list(dict.fromkeys(c for c in checks if c))
 
 
 def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) -> list[str]:
@@ -60,6 +115,15 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     problems = []
     if cfg.training.cuda_graph and not cuda_available:
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
+    if kernel_backend == "triton" and not cuda_available:  # the kernels would raise at the first op
+        from megalite.kernels.dispatch import HAVE_TRITON, interpreting
+
+        if not HAVE_TRITON:
+            problems.append("MEGALITE_KERNEL_BACKEND=triton but triton cannot be imported here; install triton "
+                            "(Linux) or set MEGALITE_KERNEL_BACKEND=auto")
+        elif not interpreting():
+            problems.append("MEGALITE_KERNEL_BACKEND=triton without a GPU needs Triton's CPU interpreter: set "
+                            "TRITON_INTERPRET=1 (slow: for checking kernels), or MEGALITE_KERNEL_BACKEND=auto")
     if cfg.precision.precision == "bf16" and not cuda_available and kernel_backend == "triton":
         problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
                         "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")
@@ -82,6 +146,30 @@ def _fp8_machine_problems(cuda_available: bool, kernel_backend: str) -> list[str
         return [f"--fp8-format needs an sm_89+ GPU (Ada, Hopper) for FP8 GEMMs; this one is sm_{major}{minor}: drop "
                 f"--fp8-format"]
     return []
+
+
+def machine_notes(cfg: RunConfig, cuda_available: bool, cpu_flags: set[str] | None = None) -> list[str]:
+    """What this machine will do slowly, said once at start (not refused): bf16 on a CPU without native
+    bf16 arithmetic (avx512_bf16 / amx_bf16) runs emulated, several times slower than fp32."""
+    if cuda_available or cfg.precision.precision != "bf16":
+        return []
+    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    if flags is None or flags & {"avx512_bf16", "amx_bf16"}:
+        return []
+    return ["note: this CPU has no native bf16 arithmetic (no avx512_bf16 / amx_bf16): bf16 runs emulated, several "
+            "times slower than fp32; use --precision fp32 here unless bf16 itself is what you test"]
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (Linux /proc/cpuinfo), or None where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
 
 
 def memory_per_rank() -> tuple[float, str]:

@@ -36,8 +36,12 @@ import torch
 
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
+from megalite.checkpoint.lock import CheckpointLock
+from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
 from megalite.checkpoint.storage import check_save_dir
-from megalite.checkpoint.elastic import STATE_KEY as ELASTIC_STATE_KEY, ResumePlan, elastic_fields, plan_resume
+from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
+                                         plan_resume)
+from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
@@ -58,7 +62,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
 from megalite.training.metrics_sinks import open_sinks, sink_problems
-from megalite.training.launch_checks import launch_problems, machine_problems, memory_per_rank
+from megalite.training.launch_checks import launch_problems, machine_notes, machine_problems, memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
 from megalite.training.dry_run import dry_run_report
@@ -83,32 +87,51 @@ def main(argv: list[str] | None = None, provided=None) -> int:
     `provided`: a user's model in place of GPTModel (megalite.training.provided.main builds it)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
-        if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
-            from megalite.simulate.run import run_from_flags
-            return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
-        launching = not (actions["dry_run"] or actions["print_config"])
-        # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
-        world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
-        # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
-        plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
-        cfg = plan.cfg
-        if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
-            provided.check(cfg, dry_run=actions["dry_run"])
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
-        cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
-        if actions["print_config"]:
-            print(to_toml(cfg, cfg.derived()), end="")
-            return 0
-        if actions["dry_run"]:
-            print(dry_run_report(cfg))
-            return 0
-        for line in plan.messages():
-            log(line)
-        return train(cfg, tokenizer, plan, provided=provided)
+        with interrupt_during_setup():  # no step boundary yet to stop at: a signal ends the run now
+            return _configure_and_train(argv, provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
+    except SetupInterrupted as exc:  # once per node, as a UsageError
+        if rank == 0 or int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            print(f"megalite: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+def _configure_and_train(argv: list[str] | None, provided=None) -> int:
+    """main's work: the configuration, --simulate / --print-config / --dry-run, or the run."""
+    cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
+    if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
+        from megalite.simulate.run import run_from_flags
+        return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
+    launching = not (actions["dry_run"] or actions["print_config"])
+    # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
+    world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
+    # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
+    plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
+    cfg = plan.cfg
+    if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
+        provided.check(cfg, dry_run=actions["dry_run"])
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
+    cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
+    if actions["print_config"]:
+        print(to_toml(cfg, cfg.derived()), end="")
+        return 0
+    if actions["dry_run"]:
+        print(dry_run_report(cfg))
+        return 0
+    for line in plan.messages() + _resumed_settings(cfg, plan):
+        log(line)
+    return train(cfg, tokenizer, plan, provided=provided)
+
+
+def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
+    """The differences from the checkpoint's run, named (ConfigError for the unaccepted ones)."""
+    if plan.metadata is None or not isinstance(plan.metadata.get("train_config"), dict):
+        return []
+    saved_state = ElasticState.from_metadata(plan.metadata)
+    return check_resumed_settings(cfg, plan.step, plan.metadata["train_config"], plan.state.lr_factor,
+                                  saved_state.lr_factor if saved_state else 1.0)
 
 
 def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None,
@@ -185,6 +208,10 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     etp = p.etp if cfg.gpt_config().moe is not None else p.tp  # no experts: no expert groups to create
     mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
     _on_exit(resources, lambda clean: destroy_mesh())
+    if cfg.checkpoint.save:  # one run per --save directory: every rank refuses when another run holds it
+        lock = CheckpointLock(cfg.checkpoint.save, log=log)
+        comm.agreed(lambda: lock.acquire() if mesh.rank == 0 else None, comm.world_group())
+        _on_exit(resources, lambda clean: lock.release())
     torch.manual_seed(cfg.training.seed)
     chunks = provided.build_chunks(cfg, mesh) if provided is not None else None  # the same seed on every rank
     model_cfg = chunks[0].config if provided is not None else cfg.gpt_config()
@@ -250,6 +277,8 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
         layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
     log("layout: " + layout)
     p = cfg.parallel
+    for note in machine_notes(cfg, mesh.device.type == "cuda"):
+        log(note)
     log(ops.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
                               p.cp_comm_type, mesh.device))
@@ -289,7 +318,7 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
                                 async_save=ck.async_save, log=log) if ck.save else None
     if checkpointer is not None:  # the last background write lands before the process ends
         _on_exit(resources, lambda clean: checkpointer.finish() if clean else checkpointer.abandon())
-    preemption = PreemptionHandler(mesh)  # SIGTERM/SIGUSR1: every rank stops after the same step
+    preemption = PreemptionHandler(mesh, install=False)  # SIGTERM/SIGUSR1/SIGINT: all stop after the same step
     _on_exit(resources, lambda clean: preemption.close())
     _on_exit(resources, lambda clean: comm.barrier(comm.world_group()) if clean else None)
     return dict(meter=meter, writer=writer, timer=TimeBreakdown(), profiler=profiler, guard=guard, watchdog=watchdog,
@@ -313,9 +342,11 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
         provided = ProvidedModel(model_provider, loss_fn or default_loss)
         provided.check(cfg)
     with contextlib.ExitStack() as resources:
-        job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
-        job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
-        start_step = resume(job)
+        with interrupt_during_setup():  # until the first step a signal ends the run at once
+            job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
+            job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
+            start_step = resume(job)
+        job.preemption.install()  # from here a signal saves at the next step boundary
         try:
             stopped = train_steps(job, start_step)
         except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
@@ -392,8 +423,8 @@ def train_steps(job: Job, start_step: int) -> bool:
             job.watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
         if job.preemption.should_stop(step):
             save(job, step)
-            log(f"stopping after step {step} on a signal"
-                + (f"; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else ""))
+            log(f"megalite: {job.preemption.agreed_signal}: stopped after step {step}"
+                + (f", saved; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " (no --save)"))
             return True
     return False
 

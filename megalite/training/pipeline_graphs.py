@@ -104,11 +104,21 @@ class PipelineGraphs:
         self.spec = None  # the pipeline the slots were captured for
         self.store = WeightGradStore()  # ZB-H1: the B captures queue here what the W captures run
 
+    def check_shapes(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """UsageError, before the step communicates, when its microbatches are not the captured ones'."""
+        if self.spec is None:
+            return
+        shapes = {tuple(mb["input_ids"].shape) for mb in microbatches}
+        if len(microbatches) != self.spec.num_microbatches or shapes != {self._input_shape}:
+            raise UsageError(f"--cuda-graph: this step has {len(microbatches)} microbatches of input_ids "
+                             f"{sorted(shapes)}, the captured pipeline {self.spec.num_microbatches} of "
+                             f"{self._input_shape}; keep shapes and batch sizes static or drop --cuda-graph")
+
     def begin_step(self, spec, microbatches: list[dict[str, torch.Tensor]]) -> None:
         """Before run_pipeline: the first step warms every chunk up; later steps must run the same pipeline."""
         if self.spec is None:
             self._warm_up(spec, microbatches[0])
-            self.spec = spec
+            self.spec, self._input_shape = spec, tuple(microbatches[0]["input_ids"].shape)
         elif spec != self.spec:
             raise ValueError(f"--cuda-graph: this step's pipeline ({spec.schedule}, {spec.num_microbatches} "
                              f"microbatches, activations {tuple(spec.activation_shape)}) is not the captured one "

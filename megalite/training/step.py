@@ -214,6 +214,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     _check_same_cp(mesh, cfg)
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
     microbatches = context_parallel_chunks(microbatches, mesh)
+    if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
+        graphs.check_shapes(microbatches)
     tokens = GlobalTokens(microbatches, mesh)  # in flight while the first forward runs
     microbatches = _to_device(microbatches, mesh.device)
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0

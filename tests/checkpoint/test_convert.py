@@ -107,3 +107,35 @@ def test_a_damaged_or_foreign_directory_is_one_line(tmp_path, capsys):
     except SystemExit as exc:
         code = exc.code
     assert code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_config_that_is_not_json_and_an_output_that_is_a_file_are_one_line(tmp_path, capsys):
+    """Issue 40: both ended in tracebacks (transformers' OSError; mkdir's FileExistsError)."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{not json")
+    assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "config.json is not valid JSON" in err, err
+    (tmp_path / "a_file").write_text("x")
+    assert convert.main(["export", "--load", str(tmp_path), "--output", str(tmp_path / "a_file")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"--output {tmp_path / 'a_file'} is a file" in err, err
+
+
+def test_exported_weights_are_readable_like_the_config(tmp_path):
+    import os
+    import stat
+
+    from ckpt_helpers import full_params
+    from megalite.checkpoint import write_full_state
+    from megalite.config import RunConfig
+    from megalite.mesh import single_process_mesh
+    from megalite.config.model import GPTConfig
+    from megalite.training.step import build_model_chunks
+
+    config = GPTConfig("gpt2", num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8)
+    chunks = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))
+    write_full_state(tmp_path / "ckpt", config, full_params(chunks))
+    assert convert.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
+    mode = lambda name: stat.S_IMODE(os.stat(tmp_path / "out" / name).st_mode)  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json")  # was 0600

@@ -85,6 +85,7 @@ LOADS = {
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_save_at_222_load_anywhere(flavour, tmp_path):
     ref_losses, ref_saved, ref_final = _reference(flavour)
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"

@@ -93,6 +93,7 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(RESTART_CASES))
+@pytest.mark.slow
 def test_torchrun_restarts_killed_workers_without_any_environment_variable(case, references, tmp_path):
     layout, launch, fault_step, fault_rank = RESTART_CASES[case]
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"

@@ -111,3 +111,24 @@ def test_hf_tokenizer_preprocessing_with_workers(tmp_path):
     assert ds.vocab_size == tokenizer.vocab_size and ds.eod == tokenizer.eod
     assert [ds[i].tolist() for i in range(len(ds))] == [tokenizer.encode(t) + [tokenizer.eod] for t in texts]
     assert (tmp_path / "w1.bin").read_bytes() == (tmp_path / "w2.bin").read_bytes()
+
+
+def test_the_tool_refuses_what_it_used_to_accept(tmp_path, capsys):
+    """Issue 40: --workers 0, an output prefix that is a directory, and input of which no document
+    could be read ended in exit 0 (or a traceback); each is one line, exit 2, and nothing written."""
+    tool = _load_tool()
+    (tmp_path / "good.txt").write_text("hello world\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (tmp_path / "outdir").mkdir()
+    cases = [(["--input", str(tmp_path / "good.txt"), "--workers", "0"], "--workers 0: give 1 or more"),
+             (["--input", str(tmp_path / "good.txt"), "--output-prefix", str(tmp_path / "outdir")],
+              f"--output-prefix {tmp_path / 'outdir'} is a directory"),
+             (["--input", str(tmp_path / "latin1.txt")], "no document could be read (0 empty, 1 not UTF-8); nothing "
+                                                         "written")]
+    for argv, needle in cases:
+        if "--output-prefix" not in argv:
+            argv = argv + ["--output-prefix", str(tmp_path / "o")]
+        code = tool.main(argv + ["--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, (argv, err)
+    assert not list(tmp_path.glob("o*.bin")) and not list(tmp_path.glob("o*.idx"))

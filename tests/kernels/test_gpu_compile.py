@@ -31,6 +31,7 @@ def _has_cuda_backend() -> bool:
 
 
 @pytest.mark.skipif(not HAVE_TRITON or not _has_cuda_backend(), reason="needs triton with its NVIDIA backend")
+@pytest.mark.slow
 def test_representative_kernels_compile_for_sm90(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))  # really compile, no cache
     command = [sys.executable, "-W", "ignore", "-m", "megalite.kernels.compile_check", "--arch", "90",

@@ -54,7 +54,7 @@ def _reference(kind):
 
 def _megalite_logits(kind, tp, hf, ref_logits, ref_loss, ep=1, etps=(1,)):
     for etp in etps:  # whole experts on each tp rank (1) or split over tp (tp); no experts: no difference
-        m = mesh.init_mesh(tp=tp, ep=ep, etp=etp)
+        m = mesh.init_mesh(tp=tp, ep=ep, etp=etp, replace=True)
         model = from_hf(hf, m).eval()
         ids = _inputs()
         with torch.no_grad():

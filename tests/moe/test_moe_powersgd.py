@@ -72,7 +72,7 @@ def _state(optimizer):
 
 def _world(ckpt_dir):
     out = {}
-    m = mesh_lib.init_mesh(dp=4, ep=2)
+    m = mesh_lib.init_mesh(dp=4, ep=2, replace=True)
     cfg = cfg_for(dp=4, ep=2, zero=1, **FULL_RANK)
     assert cfg.validate() == []
     ledgers = []
@@ -86,14 +86,14 @@ def _world(ckpt_dir):
     out["saved"] = _state(optimizer)
     out["rank4_dp4_ep2"] = [r.loss for r in results + _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
 
-    m = mesh_lib.init_mesh(dp=4)
+    m = mesh_lib.init_mesh(dp=4, replace=True)
     cfg = cfg_for(dp=4, **RANK4)
     chunks, optimizer, _ = train(m, cfg, steps=range(0))
     load_checkpoint(ckpt_dir, chunks, optimizer, m, **QUIET)
     out["loaded"] = _state(optimizer)
     out["resumed"] = [r.loss for r in _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
 
-    m = mesh_lib.init_mesh(dp=4, ep=4)  # expert-dp of one rank: the experts are neither reduced nor compressed
+    m = mesh_lib.init_mesh(dp=4, ep=4, replace=True)  # expert-dp of one rank: the experts are neither reduced nor compressed
     cfg = cfg_for(dp=4, ep=4, **FULL_RANK)
     _, optimizer, results = _run(m, cfg, range(1))
     names = [optimizer.model.names[i] for i in optimizer.model.compression.matrices]
@@ -101,7 +101,7 @@ def _world(ckpt_dir):
     assert optimizer.model.compression.state_bytes() == compression_state_bytes(cfg.gpt_config(), cfg, 0)
     out["full_dp4_ep4"] = [(r.loss, r.grad_norm) for r in results]
 
-    m = mesh_lib.init_mesh(tp=2, dp=2, ep=2, etp=1)
+    m = mesh_lib.init_mesh(tp=2, dp=2, ep=2, etp=1, replace=True)
     cfg = cfg_for(tp=2, dp=2, ep=2, etp=1, zero=1, sequence_parallel=True, **FULL_RANK)
     assert cfg.validate() == []
     ledgers = []

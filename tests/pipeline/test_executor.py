@@ -43,7 +43,7 @@ def rel_err(a, b):
 def _world():
     results = []
     for pp, dp in MESHES:
-        mesh = mesh_lib.init_mesh(tp=1, pp=pp, dp=dp)
+        mesh = mesh_lib.init_mesh(tp=1, pp=pp, dp=dp, replace=True)
         for tied in (True, False):
             for name, v, m in CASES:
                 if pp == 1 and v > 1:
@@ -122,7 +122,7 @@ class _WatchedChunk(torch.nn.Module):
 
 def _two_stage_chunk():
     """(mesh, 4 microbatches, this rank's ToyChunk) of a pp=2 world."""
-    mesh = mesh_lib.init_mesh(tp=1, pp=2, dp=1)
+    mesh = mesh_lib.init_mesh(tp=1, pp=2, dp=1, replace=True)
     full = ToyModel(VOCAB, HIDDEN, LAYERS)
     layers = stage_layers(LAYERS, 2, 1, mesh.pp_rank)[0]
     return mesh, make_microbatches(4), ToyChunk(full, layers, pre_process=mesh.is_first_stage,

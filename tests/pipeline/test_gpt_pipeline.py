@@ -52,7 +52,7 @@ def _reference(flavour):
 def _pipelined(layouts, references):
     report = []
     for tp, pp, dp, sequence_parallel in layouts:
-        mesh = mesh_lib.init_mesh(tp=tp, pp=pp, dp=dp)
+        mesh = mesh_lib.init_mesh(tp=tp, pp=pp, dp=dp, replace=True)
         for flavour, (ref_loss, ref_grads) in references.items():
             cfg = _config(flavour)
             microbatches = _microbatches(cfg.vocab_size)

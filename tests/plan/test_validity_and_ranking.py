@@ -1,4 +1,6 @@
 """The planner's decisions: pre-flight errors with their fixes, layout suggestions, the reason line."""
+import re
+
 from megalite import plan as P
 from megalite.config import RunConfig
 from megalite.config.model import preset
@@ -88,3 +90,14 @@ def test_suggest_takes_zero_3_where_stage_2_does_not_fit():
         assert s.estimate.fits(24e9) and "(ZeRO-2 would need" in s.reason
         assert not s.cfg.replace(zero=2).parallel.offload_optimizer
         assert not P.estimate(preset("llama-7b"), s.cfg.replace(zero=2)).fits(24e9)
+
+
+def test_a_small_moe_layout_line_counts_its_parameters_at_their_scale():
+    """Issue 40: moe-tiny's layout line said "0.00B parameters per rank"."""
+    from megalite.config import RunConfig
+    from megalite.plan import justify
+
+    cfg = RunConfig.build(model="moe-tiny", dp=2, ep=2).resolved(2, 257)
+    line = justify(cfg.gpt_config(), cfg, gpus_per_node=2)
+    assert "ep=2 shards the experts: " in line and "0.00B" not in line, line
+    assert re.search(r"shards the experts: \d+\.\d\d[MK] parameters per rank", line), line

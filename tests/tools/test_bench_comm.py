@@ -56,3 +56,18 @@ def test_benchmark_runs_every_op_through_megalite_comm():
     for op in ("all_gather", "reduce_scatter", "all_to_all", "send", "recv"):
         assert ledger[f"tp/{op}"] == 3 * 4096, op
     assert ledger["tp/all_reduce"] == 3 * 4096 + 8 * len(bench_comm.OPS)  # + one float64 max of the timings per op
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--world-size", "3", "--tp", "2"], "--world-size 3 is not a multiple of tp*pp = 2"),
+    (["--tp", "0"], "--tp 0: must be >= 1"),
+    (["--min-bytes", "1M", "--max-bytes", "4K"], "need 1 <= --min-bytes <= --max-bytes"),
+    (["--min-bytes", "lots"], "cannot read a size from 'lots'"),
+])
+def test_bad_arguments_are_one_line_before_any_rank_starts(argv, needle, capsys):
+    try:
+        code = bench_comm.main(argv)
+    except SystemExit as exc:  # argparse's own mistakes
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err

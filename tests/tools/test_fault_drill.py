@@ -6,6 +6,8 @@ import pathlib
 import re
 import sys
 
+import pytest
+
 _PATH = pathlib.Path(__file__).resolve().parents[2] / "tools" / "fault_drill.py"
 _spec = importlib.util.spec_from_file_location("fault_drill", _PATH)
 fault_drill = importlib.util.module_from_spec(_spec)
@@ -30,6 +32,7 @@ def test_curves_compare_exactly_and_redone_steps_count_as_lost():
     assert "steps [4] were never logged" in fault_drill.compare_curves(reference, resumed[:5], 4)
 
 
+@pytest.mark.slow
 def test_drill_with_three_faults_matches_the_uninterrupted_run(tmp_path, capsys):
     code = fault_drill.main(["--faults", "3", "--seed", "0", "--train-iters", "32", "--workdir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -53,6 +56,7 @@ def test_shrink_worlds_are_the_ones_the_kept_batch_fits():
     assert "rtol" in fault_drill.compare_curves({1: 2.0}, [(1, 2.0 + 5e-7)], 1, rtol=2e-7)
 
 
+@pytest.mark.slow
 def test_shrink_drill_loses_ranks_for_good_and_the_curve_continues(tmp_path, capsys):
     # Seed 7: a SIGKILL right after the first save (2 -> 1 rank, resumed from that checkpoint), then a
     # SIGTERM during a background write on the one rank left (the smallest world: relaunched as it is).

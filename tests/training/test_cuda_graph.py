@@ -111,3 +111,34 @@ def test_replayed_steps_equal_eager_steps(monkeypatch):
     for p, q in zip(params, eager_params):
         assert torch.equal(p, q)
     assert [slot.graph.replays for slot in graphs.slots] == [3, 3]  # captured once, replayed every step
+
+
+def test_a_later_step_of_another_shape_is_refused_before_anything_communicates(monkeypatch):
+    """Issue 40: the shape check ran inside the replays, after the step's token-count all-reduce."""
+    from megalite.training import cuda_graph, step as step_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graph, "capture", lambda fn, pool: (lambda out: (_RerunGraph(fn, out), out))(fn()))
+    counted = []
+    real_tokens = step_module.GlobalTokens
+    monkeypatch.setattr(step_module, "GlobalTokens", lambda mbs, mesh: counted.append(1) or real_tokens(mbs, mesh))
+    cfg = RunConfig.build(micro_batch_size=2, global_batch_size=4, lr=1e-3, cuda_graph=True)
+    mesh = single_process_mesh("cpu")
+    model_cfg = preset("tiny", num_layers=1, hidden_size=32, seq_length=8)
+    optimizer = build_optimizer(build_data_parallel(build_model_chunks(model_cfg, cfg, mesh), cfg, mesh), cfg)
+    graphs = cuda_graph.StepGraphs(optimizer.model)
+
+    def microbatches(seq):
+        ids = torch.randint(0, model_cfg.vocab_size, (4, seq + 1), generator=torch.Generator().manual_seed(seq))
+        return [{"input_ids": i, "labels": t} for i, t in zip(ids[:, :-1].split(2), ids[:, 1:].split(2))]
+
+    train_step(optimizer.model, optimizer, microbatches(8), mesh, cfg, lr=1e-3, graphs=graphs)
+    assert counted == [1]
+    with pytest.raises(UsageError, match=r"microbatch 0's input_ids has shape \(2, 7\) but its graph was captured for "
+                                         r"\(2, 8\)"):
+        train_step(optimizer.model, optimizer, microbatches(7), mesh, cfg, lr=1e-3, graphs=graphs)
+    assert counted == [1]  # refused before the step's first collective

@@ -82,7 +82,7 @@ def test_a_load_directory_whose_every_checkpoint_is_damaged_is_one_line(tmp_path
     assert shards
     for shard in shards:
         shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, wrong bytes: every checksum fails
-    code, err = _launch(small + ["--load", str(tmp_path), "--train-iters", "2"])
+    code, err = _launch(small + ["--load", str(tmp_path), "--train-iters", "2", "--override-opt-param-scheduler"])
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no intact checkpoint" in err, err
     assert "Traceback" not in err and "point --load at another directory" in err
 
@@ -106,6 +106,7 @@ def test_the_configuration_does_not_import_the_planner():
 def test_bf16_on_the_triton_interpreter_is_refused(monkeypatch):
     # numpy has no bfloat16: the interpreter's tl.dot gives attention outputs off by ~1e9 and no error
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter itself (without it: the test below)
     with pytest.raises(ConfigError, match="no bf16 matrix multiply; use --precision fp16 or fp32"):
         configure(RunConfig.build(precision="bf16"), 1, 257)
     assert configure(RunConfig.build(precision="fp16"), 1, 257).precision.precision == "fp16"
@@ -117,3 +118,51 @@ def test_a_kernel_backend_that_names_none_is_one_problem(monkeypatch):
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "cuda")
     with pytest.raises(ConfigError, match="MEGALITE_KERNEL_BACKEND='cuda' is not a backend; choose one of"):
         configure(RunConfig.build(), 1, 257)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU runs Triton without the interpreter")
+def test_triton_on_a_cpu_without_the_interpreter_is_one_problem(monkeypatch):
+    # was a ValueError traceback at the first kernel call
+    monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="without a GPU needs Triton's CPU interpreter: set TRITON_INTERPRET=1"):
+        configure(RunConfig.build(), 1, 257)
+
+
+def test_recompute_num_layers_beyond_a_chunk_and_output_paths_are_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError) as error:
+        configure(RunConfig.build(num_layers=2, recompute="full", recompute_num_layers=3,
+                                  metrics_file=str(tmp_path), profile_steps=(1, 1), profile_dir=str(tmp_path / "file"),
+                                  hang_timeout=60.0, hang_report_dir=str(tmp_path / "file" / "reports")), 1, 257)
+    problems = str(error.value)
+    assert "--recompute-num-layers 3 is more than the 2 blocks of each model chunk" in problems
+    assert f"--metrics-file {tmp_path} is a directory; --metrics-file takes a file name" in problems
+    assert f"--profile-dir {tmp_path / 'file'} is a file; --profile-dir takes a directory" in problems
+    assert f"--hang-report-dir {tmp_path / 'file' / 'reports'}: {tmp_path / 'file'} is a file, not a directory" \
+        in problems
+
+
+def test_a_batch_that_cannot_fit_in_host_memory_is_refused_before_reading_it():
+    # was neither a refusal nor training: 21 GB of RSS in 10 minutes (sample indices of a 10^12 batch)
+    with pytest.raises(ConfigError, match=r"--global-batch-size 1000000000000: each rank reads 1000000000000 samples "
+                                          r"of 16 tokens per step into host memory .* more than its share of this "
+                                          r"machine's RAM"):
+        configure(RunConfig.build(global_batch_size=10 ** 12, micro_batch_size=1, seq_length=16, train_iters=2), 1,
+                  257, memory=(1e18, "GPU 0's memory"))
+
+
+def test_a_memory_refusal_dominated_by_activations_points_at_the_sequence():
+    with pytest.raises(ConfigError, match=r"activations \(.* GB even with the changes above\) dominate: shorten "
+                                          r"--seq-length, or split each sequence over more ranks with --cp"):
+        configure(RunConfig.build(model="tiny-llama", seq_length=2 ** 20, micro_batch_size=1, train_iters=1), 1, 257,
+                  memory=(8e9, "GPU 0's memory"))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_gets_a_notice():
+    from megalite.training.launch_checks import machine_notes
+
+    bf16 = RunConfig.build(precision="bf16")
+    assert "no native bf16 arithmetic" in machine_notes(bf16, False, cpu_flags={"avx2", "fma"})[0]
+    assert machine_notes(bf16, False, cpu_flags={"avx512f", "avx512_bf16"}) == []
+    assert machine_notes(bf16, True) == [] and machine_notes(RunConfig.build(), False, cpu_flags={"avx2"}) == []

@@ -42,6 +42,7 @@ def _live_tensor_counts(train_kwargs, mesh_kwargs):
     (dict(pp=2, dp=2, zero=3, virtual_stages=2, pipeline_schedule="interleaved", recompute="selective"),
      dict(tp=1, pp=2)),
 ], ids=["tp2-sp-zero2-full-recompute-overlap-fused", "pp2-zb-h1-zero1", "pp2-interleaved-zero3"])
+@pytest.mark.slow
 def test_live_tensors_stay_constant_over_steps(train_kwargs, mesh_kwargs):
     for rank, counts in enumerate(run_distributed(_live_tensor_counts, 4, train_kwargs, mesh_kwargs, timeout_s=180)):
         assert len(set(counts[1:])) == 1, f"rank {rank}: live tensors per step {counts}"
