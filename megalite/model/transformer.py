@@ -18,6 +18,7 @@ from megalite import comm, ops, params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
 from megalite.context_parallel.zigzag import logical_row_offsets
+from megalite.layer_groups import LayerGroups
 from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.moe.layer import MoELayer
@@ -126,18 +127,18 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
-    With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a mixture of experts
-    (`megalite.moe.MoELayer`; its experts are sharded over `ep_group`, and split over tp when `expert_tp`;
-    `moe_token_group`: the ranks routing one microbatch's tokens between them, see MoELayer).
+    groups: the LayerGroups this block talks over (tp, cp; for an MoE block also ep, moe_tokens,
+    experts_whole). With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a
+    mixture of experts (`megalite.moe.MoELayer`, sharded over groups.ep).
 
     `layer_number` is the block's global index in the model: it names the block's dropout sites,
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
     """
 
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
-                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0, ep_group=None,
-                 moe_dispatcher: str = "alltoall", expert_tp: bool = True, moe_token_group=None):
+    def __init__(self, config: GPTConfig, groups: LayerGroups, sequence_parallel: bool, dtype=None, device=None,
+                 cp_comm_type: str = "p2p", layer_number: int = 0, moe_dispatcher: str = "alltoall"):
         super().__init__()
+        tp_group, cp_group = groups.tp, groups.cp
         self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
         self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
         self.cp_size, self.cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)  # this rank's tokens
@@ -147,9 +148,7 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
         if self.is_moe:
-            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device, cp_group,
-                                expert_tp, moe_token_group)
-            self.mlp.layer_number = layer_number
+            self.mlp = MoELayer(config, groups, sequence_parallel, moe_dispatcher, dtype, device, layer_number)
         else:
             self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward
