@@ -20,9 +20,8 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, params
+from megalite import comm, ops, params
 from megalite.fp8.experts import fp8_experts_forward
-from megalite.model import functional as MF
 from megalite.tensor_parallel.sharding import ShardSpec
 
 
@@ -74,13 +73,13 @@ class LocalExperts(nn.ModuleDict):
         if self.fp8 is not None:
             return fp8_experts_forward(self, x, group_sizes)
         fc1, fc2 = self.stacked()
-        y = MF.grouped_mm(x, fc1, group_sizes)  # [R, 2f/tp] = [gate_r | up_r] or [R, f/tp]
+        y = ops.grouped_mm(x, fc1, group_sizes)  # [R, 2f/tp] = [gate_r | up_r] or [R, f/tp]
         if self.gated:
             gate, up = y.chunk(2, dim=-1)
-            y = MF.swiglu(gate, up)
+            y = ops.swiglu(gate, up)
         else:
-            y = MF.gelu(y)
-        return MF.grouped_mm(y, fc2, group_sizes)  # [R, h], partial over tp
+            y = ops.gelu(y)
+        return ops.grouped_mm(y, fc2, group_sizes)  # [R, h], partial over tp
 
 
 def expert_seed(base_seed: int, expert: int) -> int:
