@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from megalite import config_megatron as megatron
+from megalite.config import megatron
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
 from megalite.errors import USAGE_EXIT_CODE, ConfigError, UsageError
 
@@ -95,7 +95,7 @@ def build_parser(description: str = "Train a GPT with tensor x pipeline x data p
     groups = {part: parser.add_argument_group(cls.__doc__.strip().splitlines()[0]) for part, cls in PARTS.items()}
     for spec in settings().values():
         _add_setting(groups[spec.part], spec)
-    megatron.add_megatron_flags(parser)  # Megatron flags that are not settings (config_megatron.py)
+    megatron.add_megatron_flags(parser)  # Megatron flags that are not settings (config/megatron.py)
     return parser
 
 

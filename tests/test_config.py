@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megalite.cli import ACTIONS, ConfigFileError, build_parser, parse_args, read_config_file, to_toml
-from megalite.config_megatron import non_setting_dests
+from megalite.config.megatron import non_setting_dests
 from megalite.config import PARTS, Precision, Recompute, RunConfig, Schedule, settings
 from megalite.errors import ConfigError
 from megalite.training.launch_checks import launch_problems
@@ -21,7 +21,7 @@ def test_generated_parser_is_exactly_the_declarations():
     declared = {f.name for cls in PARTS.values() for f in dataclasses.fields(cls)}
     assert set(settings()) == declared  # every field is a setting, names unique across parts
     parser = build_parser()
-    # every setting has a flag, and vice versa (besides the Megatron flags that are no setting: config_megatron.py)
+    # every setting has a flag, and vice versa (besides the Megatron flags that are no setting: config/megatron.py)
     assert _option_dests(parser) == declared | set(ACTIONS) | non_setting_dests()
     flags = {s for a in parser._actions for s in a.option_strings}
     for spec in settings().values():

@@ -1,6 +1,6 @@
 """Every declared setting refuses the invalid values its declaration implies: one line, exit 2.
 
-The cases are generated from RunConfig's declarations (config_bounds.Bounds of each setting), so
+The cases are generated from RunConfig's declarations (config.bounds.Bounds of each setting), so
 a setting added tomorrow is covered by these tests the day it is declared. Each case runs the
 training program's entry point in-process, the way examples/pretrain_gpt.py does
 (`sys.exit(main(argv))`); one subprocess checks the real script.

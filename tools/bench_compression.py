@@ -87,7 +87,7 @@ def _megalite(m, cfg: RunConfig, data: Data) -> dict:
         start = time.perf_counter()
         result = train_step(model, optimizer, microbatches, m, cfg, lr_at(step))
         times.append(time.perf_counter() - start)
-        losses.append(result["loss"])
+        losses.append(result.loss)
         dp_bytes.append(comm.ledger.total_bytes(group="dp") - 8)  # less the step's 8-byte token count
     state = model.compression.state_bytes() if model.compression is not None else 0
     return dict(losses=losses, dp_bytes=dp_bytes, times=times, state_bytes=state,

@@ -98,7 +98,7 @@ def _bench_rank(args, cp: int, comm_type: str) -> list[dict]:
             else:
                 result = train_step(optimizer.model, optimizer, batch, mesh, cfg, lr=1e-4)
             times.append(_largest(time.perf_counter() - start))
-            losses.append(result["loss"])
+            losses.append(result.loss)
         planned = activations.activation_bytes(model_cfg, cfg, 0, attention="triton") \
             - activations.context_parallel_buffer_bytes(model_cfg, cfg)
         rows.append(dict(seq=seq, cp=cp, comm=comm_type if cp > 1 else "-", saved=_largest(saved.total),

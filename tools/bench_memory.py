@@ -30,7 +30,7 @@ import torch
 
 from megalite.config import RunConfig
 from megalite.model.activation_probe import TECHNIQUES, Technique, korthikanti_layer_bytes, measure_table
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.activations import layer_activation_bytes
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
@@ -75,14 +75,16 @@ def cuda_layer_bytes(config: GPTConfig, technique: Technique, tp_group, seq: int
     """(kept bytes, forward peak bytes) of one block on the current CUDA device, by the allocator."""
     from megalite import comm
     from megalite.model.recompute import checkpoint_with_rng
+    from megalite.layer_groups import LayerGroups
     from megalite.model.transformer import TransformerBlock
     from megalite.tensor_parallel.random import TensorParallelRNG
 
     tp = comm.group_size(tp_group) if technique.tensor_parallel else 1
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    block = TransformerBlock(config, tp_group if technique.tensor_parallel else None, technique.sequence_parallel,
-                             dtype=dtype, device=device, layer_number=0).train()
+    groups = LayerGroups(tp=tp_group if technique.tensor_parallel else None)
+    block = TransformerBlock(config, groups, technique.sequence_parallel, dtype=dtype, device=device,
+                             layer_number=0).train()
     block.recompute_core = technique.recompute == "selective"
     rows = seq // tp if technique.sequence_parallel else seq
     x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, device=device, requires_grad=True)  # [s(/tp), b, h]

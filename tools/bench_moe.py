@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import comm  # noqa: E402
 from megalite.config import RunConfig  # noqa: E402
+from megalite.layer_groups import LayerGroups  # noqa: E402
 from megalite.mesh import init_mesh  # noqa: E402
-from megalite.model.transformer import MLP  # noqa: E402
+from megalite.tensor_parallel.mlp import MLP  # noqa: E402
 from megalite.moe.layer import MoELayer  # noqa: E402
 from megalite.plan.moe import dispatch_bytes  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
@@ -62,7 +63,7 @@ def _rank(args, ep: int, dispatcher: str) -> dict:
     cfg = run_config(args, ep, dispatcher)
     model = cfg.gpt_config()
     torch.manual_seed(0)
-    moe = MoELayer(model, None, mesh.ep_group, False, dispatcher)
+    moe = MoELayer(model, LayerGroups(ep=mesh.ep_group), False, dispatcher)
     dense = MLP(model.replace(moe=None), None, False)
     gen = torch.Generator().manual_seed(100 + mesh.rank)
     x = torch.randn(args.tokens, 1, args.hidden, generator=gen, requires_grad=True)

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from megalite.config import RunConfig
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.hardware import load_profile
 from megalite.plan.timing import MEGALITE, MEGATRON_2021, predict_step_time
 from megalite.training.metrics_file import read_records

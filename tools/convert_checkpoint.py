@@ -28,7 +28,7 @@ from megalite.checkpoint import CheckpointCorruptError, read_full_state, write_f
 from megalite.cli import OneLineParser
 from megalite.errors import UsageError, one_line, reports_usage_errors
 from megalite.extras import require
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem

@@ -98,14 +98,14 @@ def planned_operations(args, model_cfg, device) -> int:
     forward and backward, the embedding and loss, the optimizer and its buckets, with the attention
     implementation this device runs."""
     from megalite.config import RunConfig
-    from megalite.model import functional as MF
+    from megalite import ops
     from megalite.plan.launches import optimizer_launches, stage_launches
 
     precision = "bf16" if args.bf16 else "fp32"
     # the run's settings; the model itself is model_cfg (bench_train's: a preset, or its small CPU model)
     cfg = RunConfig.build(micro_batch_size=args.micro_batch_size, global_batch_size=args.micro_batch_size,
                           precision=precision).resolved(1, model_cfg.vocab_size)
-    attention = MF.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads,
+    attention = ops.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads,
                                             model_cfg.num_query_groups, args.seq_length, precision,
                                             model_cfg.attention_dropout, 1, "p2p", device)
     passes = stage_launches(model_cfg, cfg, 0, attention)

@@ -18,7 +18,7 @@ from megalite.checkpoint.boxes import whole_box
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.save import FORMAT_VERSION, _jsonable
 from megalite.checkpoint.snapshot import Item
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 
 
 def resolve_checkpoint_dir(path: str | Path, step: int | None = None) -> Path:

@@ -40,7 +40,7 @@ from megalite.checkpoint.storage import (CheckpointCorruptError, CheckpointMisma
                                          NoIntactCheckpointError)
 from megalite.errors import UsageError
 from megalite.mesh import Mesh
-from megalite.moe.training import expert_biases
+from megalite.moe.bookkeeping import expert_biases
 
 # GPTConfig fields that decide which parameters exist (and their shapes). seq_length is left out:
 # RoPE models have no position table (a longer context is a legitimate change), and GPT-2's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite import comm, ops
 from megalite.context_parallel.checks import CP_COMM_TYPES
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_parallel.ulysses import ulysses_attention
@@ -21,11 +21,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     so a user's block can call it at every layout.
     """
     if comm.group_size(cp_group) == 1:
-        from megalite.model import functional as MF  # the model's attention (kernels on CUDA)
-
         b, _, s, _ = q.shape
-        return MF.attention(q, k, v, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                            dropout_offset=head_start * b * s * s)
+        return ops.attention(q, k, v, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             dropout_offset=head_start * b * s * s)
     if comm_type == "p2p":
         if dropout_p > 0.0:
             raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention; set "

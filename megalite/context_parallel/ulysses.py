@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite import comm, ops
 from megalite.context_parallel.zigzag import chunk_ids
-from megalite.model import functional as MF
 
 
 class _AllToAll(torch.autograd.Function):
@@ -73,7 +72,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
 
     q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks (zigzag.split_sequence
     order). Returns this rank's rows [b, h, s/cp, d]; differentiable. The attention itself is
-    `megalite.model.functional.attention` (Triton flash attention on CUDA), dropout included:
+    `megalite.ops.attention` (Triton flash attention on CUDA), dropout included:
     after the all-to-all this rank holds heads [cp_rank*h/cp, (cp_rank+1)*h/cp) of q's heads over
     the whole sequence in order, so its part of the logical Philox mask (q's heads start at
     global head `head_start`) is at those heads' counters, the same as without cp.
@@ -96,7 +95,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     q_full, k_full, v_full = full.split([h // cp, h_kv // cp, h_kv // cp], dim=1)
     s_full = q_full.shape[2]
     first_head = head_start + comm.group_rank(cp_group) * (h // cp)
-    out = MF.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
+    out = ops.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
                        dropout_offset=first_head * b * s_full * s_full)  # [b, h/cp, s, d]
     pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d]
     returned = _AllToAll.apply(pieces, cp_group)  # piece r: head group r, my tokens

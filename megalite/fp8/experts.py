@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megalite.fp8.linear import fp8_linear
-from megalite.model import functional as MF
+from megalite import ops
 
 
 def fp8_experts_forward(experts, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -24,8 +24,8 @@ def fp8_experts_forward(experts, x: torch.Tensor, group_sizes: torch.Tensor) -> 
         y = fp8_linear(rows, expert.fc1_weight, None, recipe, group, "column")  # [R_e, 2f/tp] or [R_e, f/tp]
         if experts.gated:
             gate, up = y.chunk(2, dim=-1)
-            y = MF.swiglu(gate, up)
+            y = ops.swiglu(gate, up)
         else:
-            y = MF.gelu(y)
+            y = ops.gelu(y)
         outputs.append(fp8_linear(y, expert.fc2_weight, None, recipe, group, "row"))  # [R_e, h]
     return torch.cat(outputs, dim=0)

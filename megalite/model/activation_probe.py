@@ -28,8 +28,9 @@ import torch
 
 import megalite.kernels as kernels_package
 from megalite import comm
+from megalite.layer_groups import LayerGroups
 from megalite.mesh import current_mesh, init_mesh
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.transformer import TransformerBlock
 from megalite.tensor_parallel.random import TensorParallelRNG
@@ -157,7 +158,7 @@ def measure_layer_bytes(config: GPTConfig, technique: Technique, tp_group=None, 
         raise ValueError("the probe measures gpt2-flavour blocks (Korthikanti's GPT layer)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        block = TransformerBlock(config, tp_group if technique.tensor_parallel else None,
+        block = TransformerBlock(config, LayerGroups(tp=tp_group if technique.tensor_parallel else None),
                                  technique.sequence_parallel, dtype=dtype, layer_number=0).train()
         rows = seq // tp if technique.sequence_parallel else seq
         x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, requires_grad=True)  # [s(/tp), b, h]

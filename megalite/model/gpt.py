@@ -32,15 +32,17 @@ from torch import nn
 
 from megalite import comm, params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
+from megalite.layer_groups import LayerGroups
 from megalite.mesh import Mesh, current_mesh
-from megalite.model import functional as MF
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
-from megalite.model.transformer import Norm, TransformerBlock, normal_init
+from megalite.model.rope import rope_tables
+from megalite.model.transformer import Norm, TransformerBlock
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
+from megalite.tensor_parallel.mlp import normal_init
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -64,13 +66,11 @@ class GPTModel(nn.Module):
                  cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall"):
         super().__init__()
         mesh = mesh or current_mesh()
-        self.ep_group = mesh.ep_group if mesh is not None else None  # experts sharded over it (MoE layers)
-        # etp = 1 under tp > 1: whole experts, each tp rank routing its share of the tokens (moe/layer.py)
-        self._expert_tp = mesh is None or not mesh.experts_split_over_tp
-        self._moe_token_group = mesh.moe_token_group if mesh is not None else None
+        self.groups = LayerGroups.of(mesh)  # what the blocks talk over (their MoE layers: ep, moe_tokens too)
+        self.ep_group = self.groups.ep  # experts sharded over it (MoE layers)
         self._moe_dispatcher = moe_dispatcher
-        self.tp_group = mesh.tp_group if mesh is not None else None
-        self.cp_group = mesh.cp_group if mesh is not None else None  # this rank holds s/cp tokens of each sequence
+        self.tp_group = self.groups.tp
+        self.cp_group = self.groups.cp  # this rank holds s/cp tokens of each sequence
         self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
         tp_size = comm.group_size(self.tp_group)
         tp_rank = comm.group_rank(self.tp_group)
@@ -98,8 +98,8 @@ class GPTModel(nn.Module):
 
         self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
-            cos, sin = MF.rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
-                                        config.rope_scaling)
+            cos, sin = rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
+                                    config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -150,10 +150,8 @@ class GPTModel(nn.Module):
 
     def _build_block(self, layer_id: int, device) -> TransformerBlock:
         with seeded(self._seed, _LAYER_STREAM + layer_id):
-            return TransformerBlock(self.config, self.tp_group, self.sequence_parallel, self._dtype, device,
-                                    self.cp_group, self._cp_comm_type, layer_number=layer_id, ep_group=self.ep_group,
-                                    moe_dispatcher=self._moe_dispatcher, expert_tp=self._expert_tp,
-                                    moe_token_group=self._moe_token_group)
+            return TransformerBlock(self.config, self.groups, self.sequence_parallel, self._dtype, device,
+                                    self._cp_comm_type, layer_number=layer_id, moe_dispatcher=self._moe_dispatcher)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.model.hf_config import config_from_hf, hf_config_from  # noqa: F401 - the configs' one place
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite.model.config import GPTConfig
-from megalite.model.rope_scaling import rope_type
+from megalite.config.model import GPTConfig
+from megalite.config.rope_scaling import rope_type
 from megalite.moe.config import MoEConfig
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")

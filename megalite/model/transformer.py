@@ -14,24 +14,17 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, params
+from megalite import comm, ops, params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
 from megalite.context_parallel.zigzag import logical_row_offsets
-from megalite.model import functional as MF
-from megalite.model.config import GPTConfig
+from megalite.layer_groups import LayerGroups
+from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.mlp import MLP, normal_init, zeros_init
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
-
-
-def normal_init(std: float):
-    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
-
-
-def zeros_init(b: torch.Tensor):
-    return nn.init.zeros_(b)
 
 
 class Norm(nn.Module):
@@ -56,8 +49,8 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layer":
-            return MF.layer_norm(x, self.weight, self.bias, self.eps)
-        return MF.rms_norm(x, self.weight, self.eps)
+            return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class HeadNorm(nn.Module):
@@ -72,7 +65,7 @@ class HeadNorm(nn.Module):
                                      sequence_parallel_grad=partial_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return MF.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -114,11 +107,11 @@ class Attention(nn.Module):
         """[s, b, (nq + 2 nkv)/tp * d] -> [s, b, nq/tp * d]: the part selective recompute re-runs."""
         s, b, _ = qkv.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_groups
-        q, k, v = MF.split_heads(qkv, (hq, hkv, hkv), d)  # views [s, b, heads, d]
+        q, k, v = ops.split_heads(qkv, (hq, hkv, hkv), d)  # views [s, b, heads, d]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = MF.rope(q, *rope), MF.rope(k, *rope)
+            q, k = ops.rope(q, *rope), ops.rope(k, *rope)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
         p = self.config.attention_dropout if self.training else 0.0
         seed = rng.tensor_parallel.draw(dropout_site(self.layer_number, 0)) if p > 0.0 else 0
@@ -126,52 +119,26 @@ class Attention(nn.Module):
         if comm.group_size(self.cp_group) > 1:  # the other cp ranks hold the rest of the sequence
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, seed, head_start)
         else:
-            out = MF.attention(q, k, v, dropout_p=p, dropout_seed=seed,
+            out = ops.attention(q, k, v, dropout_p=p, dropout_seed=seed,
                                dropout_offset=head_start * b * s * s)  # [b, hq, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
-
-
-class MLP(nn.Module):
-    """gpt2: fc1 (h -> f) -> tanh-GeLU -> fc2 (f -> h). llama: gate_up (h -> [gate; up]) -> SwiGLU -> down."""
-
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None):
-        super().__init__()
-        h, f = config.hidden_size, config.ffn_hidden_size
-        self.gated = config.flavour == "llama"
-        init = normal_init(config.init_std)
-        out_init = normal_init(config.init_std / math.sqrt(2 * config.num_layers))
-        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, bias_init_method=zeros_init,
-                      dtype=dtype, device=device)
-        self.fc1 = ColumnParallelLinear(h, 2 * f if self.gated else f, bias=config.mlp_bias, init_method=init,
-                                        fused_blocks=(f, f) if self.gated else None, **common)
-        self.fc2 = RowParallelLinear(f, h, bias=config.mlp_bias, init_method=out_init, **common)
-
-    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        """add_bias=False leaves fc2's bias to the caller (the block's fused bias-dropout-add)."""
-        y = self.fc1(x)  # [s, b, f/tp] or [s, b, 2f/tp] = [gate_r; up_r]
-        if self.gated:
-            gate, up = y.chunk(2, dim=-1)
-            y = MF.swiglu(gate, up)
-        else:
-            y = MF.gelu(y)
-        return self.fc2(y, add_bias=add_bias)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
-    With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a mixture of experts
-    (`megalite.moe.MoELayer`; its experts are sharded over `ep_group`, and split over tp when `expert_tp`;
-    `moe_token_group`: the ranks routing one microbatch's tokens between them, see MoELayer).
+    groups: the LayerGroups this block talks over (tp, cp; for an MoE block also ep, moe_tokens,
+    experts_whole). With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a
+    mixture of experts (`megalite.moe.MoELayer`, sharded over groups.ep).
 
     `layer_number` is the block's global index in the model: it names the block's dropout sites,
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
     """
 
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
-                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0, ep_group=None,
-                 moe_dispatcher: str = "alltoall", expert_tp: bool = True, moe_token_group=None):
+    def __init__(self, config: GPTConfig, groups: LayerGroups, sequence_parallel: bool, dtype=None, device=None,
+                 cp_comm_type: str = "p2p", layer_number: int = 0, moe_dispatcher: str = "alltoall"):
         super().__init__()
+        tp_group, cp_group = groups.tp, groups.cp
         self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
         self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
         self.cp_size, self.cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)  # this rank's tokens
@@ -181,9 +148,7 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
         if self.is_moe:
-            self.mlp = MoELayer(config, tp_group, ep_group, sequence_parallel, moe_dispatcher, dtype, device, cp_group,
-                                expert_tp, moe_token_group)
-            self.mlp.layer_number = layer_number
+            self.mlp = MoELayer(config, groups, sequence_parallel, moe_dispatcher, dtype, device, layer_number)
         else:
             self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
-from megalite.model import functional as MF
+from megalite import comm, ops
 from megalite.tensor_parallel import mappings
 
 
@@ -49,7 +48,7 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // self.ep_size
 
     def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
-        permuted, sorted_index, group_sizes = MF.permute_tokens(tokens, expert_ids, self.num_experts)  # [R, h]
+        permuted, sorted_index, group_sizes = ops.permute_tokens(tokens, expert_ids, self.num_experts)  # [R, h]
         if self.ep_size == 1:
             return permuted, group_sizes, (tokens.shape[0], sorted_index, None)
         ep, local = self.ep_size, self.local_experts
@@ -80,7 +79,7 @@ class AllToAllDispatcher:
             order, send_splits, recv_splits = exchange
             source_major = expert_output[torch.argsort(order)]
             expert_output = _AllToAllVariable.apply(source_major, send_splits, recv_splits, self.ep_group)
-        return MF.unpermute_tokens(expert_output, sorted_index, weights.to(expert_output.dtype), num_tokens)
+        return ops.unpermute_tokens(expert_output, sorted_index, weights.to(expert_output.dtype), num_tokens)
 
 
 class AllGatherDispatcher:
@@ -96,13 +95,13 @@ class AllGatherDispatcher:
         first = self.ep_rank * self.local_experts
         mine = (all_ids >= first) & (all_ids < first + self.local_experts)
         local_ids = torch.where(mine, all_ids - first, torch.full_like(all_ids, -1))
-        permuted, sorted_index, group_sizes = MF.permute_tokens(gathered, local_ids, self.local_experts)
+        permuted, sorted_index, group_sizes = ops.permute_tokens(gathered, local_ids, self.local_experts)
         return permuted, group_sizes, (gathered.shape[0], sorted_index)
 
     def combine(self, expert_output: torch.Tensor, weights: torch.Tensor, state) -> torch.Tensor:
         num_tokens, sorted_index = state
         all_weights = mappings.gather_from_sequence_parallel_region(weights.to(expert_output.dtype), self.ep_group)
-        partial = MF.unpermute_tokens(expert_output, sorted_index, all_weights, num_tokens)  # [ep*T, h], my experts
+        partial = ops.unpermute_tokens(expert_output, sorted_index, all_weights, num_tokens)  # [ep*T, h], my experts
         return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)  # [T, h]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from megalite.kernels import grouped_mm_grads
-from megalite.model import functional as MF
+from megalite import ops
 
 
 def _stack(weights) -> torch.Tensor:
@@ -32,7 +32,7 @@ class _ExpertGroupedMM(torch.autograd.Function):
     def forward(ctx, x, group_sizes, *weights):
         ctx.save_for_backward(x, group_sizes, *weights)  # parameters: saved by reference, not copied
         with torch.no_grad():
-            return MF.grouped_mm(x, _stack(weights), group_sizes)
+            return ops.grouped_mm(x, _stack(weights), group_sizes)
 
     @staticmethod
     def backward(ctx, dy):

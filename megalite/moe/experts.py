@@ -20,9 +20,8 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, params
+from megalite import comm, ops, params
 from megalite.fp8.experts import fp8_experts_forward
-from megalite.model import functional as MF
 from megalite.moe.expert_gemm import expert_grouped_mm
 from megalite.tensor_parallel.sharding import ShardSpec
 
@@ -74,9 +73,9 @@ class LocalExperts(nn.ModuleDict):
         y = expert_grouped_mm(x, group_sizes, [e.fc1_weight for e in experts])  # [R, 2f/tp] or gpt2 [R, f/tp]
         if self.gated:
             gate, up = y.chunk(2, dim=-1)
-            y = MF.swiglu(gate, up)
+            y = ops.swiglu(gate, up)
         else:
-            y = MF.gelu(y)
+            y = ops.gelu(y)
         return expert_grouped_mm(y, group_sizes, [e.fc2_weight for e in experts])  # [R, h], partial over tp
 
 

@@ -2,21 +2,21 @@
 
     y = moe(x)          # x [s, b, h] ([s/tp, b, h] under sequence parallelism) -> same shape
 
-Two layouts of the experts over tp (`expert_tp`, the mesh's etp):
+Two layouts of the experts over tp (the mesh's etp; `LayerGroups.experts_whole` when etp = 1 < tp):
 
-etp = tp (`expert_tp=True`): experts split over tp like the dense MLP.
+etp = tp (experts_whole False): experts split over tp like the dense MLP.
 1. Under SP the sequence is gathered over tp first: every tp rank routes all s*b tokens alike.
 2. The router picks k experts per token ([T, h] -> expert_ids, weights [T, k]).
 3. The dispatcher moves each route's token to the ep rank holding its expert ([R_local, h]).
 4. The local experts run (grouped GEMMs, tensor-parallel inside: column then row), their outputs
    are summed over tp, sent back and combined with the routing weights ([T, h]).
 
-etp = 1 (`expert_tp=False`, tp > 1): whole experts on every tp rank, and each tp rank routes only
+etp = 1 (experts_whole, tp > 1): whole experts on every tp rank, and each tp rank routes only
 its own 1/tp of the tokens: under SP its [s/tp, b, h] shard as it is; without SP its slice of the
 replicated sequence (split on entry, the output all-gathered on exit). No tp collective touches
 the experts' activations; the tp ranks' replicas of an expert saw different tokens, so their
 gradients reduce over expert-dp x tp (the mesh's expert_dp_group) and the router's over tp. The
-router's per-microbatch statistics are over `token_group` (tp x cp).
+router's per-microbatch statistics are over the token group (groups.moe_tokens: tp x cp).
 
 Capacity drops (a capacity factor) are decided over a microbatch's tokens together, in the single
 process's token order, at every layout: the ranks routing parts of it (cp; tp x cp at etp 1) gather
@@ -42,8 +42,10 @@ from megalite.moe.config import MoEConfig
 from megalite.moe.dispatcher import make_dispatcher
 from megalite.moe.experts import LocalExperts
 from megalite.context_parallel.zigzag import position_ids
+from megalite.layer_groups import LayerGroups
 from megalite.moe.router import Router
 from megalite.tensor_parallel import mappings
+from megalite.tensor_parallel.mlp import MLP
 
 
 def recomputing() -> bool:
@@ -65,25 +67,26 @@ class _AttachLosses(torch.autograd.Function):
 
 
 class MoELayer(nn.Module):
-    """expert_tp: experts split over `tp_group` (etp = tp) or whole (False: etp = 1, see the module docstring);
-    token_group: at etp = 1 the ranks sharing a microbatch's tokens (tp x cp); else the cp group is."""
+    """groups: the LayerGroups it talks over: experts sharded over groups.ep, split over groups.tp unless
+    groups.experts_whole (etp = 1, see the module docstring), the tokens of a microbatch routed together
+    over groups.moe_tokens at etp = 1 (tp x cp), else over groups.cp. layer_number: the block's global index."""
 
-    def __init__(self, config, tp_group, ep_group, sequence_parallel: bool, dispatcher_type: str = "alltoall",
-                 dtype=None, device=None, cp_group=None, expert_tp: bool = True, token_group=None):
+    def __init__(self, config, groups: LayerGroups, sequence_parallel: bool, dispatcher_type: str = "alltoall",
+                 dtype=None, device=None, layer_number: int = 0):
         super().__init__()
-        from megalite.model.transformer import MLP  # the shared expert is a dense MLP
-
+        tp_group, ep_group, cp_group = groups.tp, groups.ep, groups.cp
+        self.layer_number = layer_number
         moe: MoEConfig = config.moe
         ep = comm.group_size(ep_group)
         if moe.num_experts % ep:
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by ep={ep}; choose --ep dividing it")
         self.moe, self.tp_group, self.sequence_parallel = moe, tp_group, sequence_parallel
-        self.split_tokens = not expert_tp and comm.group_size(tp_group) > 1  # etp = 1: my 1/tp of the tokens
-        if self.split_tokens and token_group is None:
-            raise ValueError("whole experts under tp (expert_tp=False) route each tp rank's own tokens: pass "
-                             "token_group, the ranks sharing a microbatch's tokens (the mesh's moe_token_group)")
+        self.split_tokens = groups.experts_whole and comm.group_size(tp_group) > 1  # etp = 1: my 1/tp of the tokens
+        if self.split_tokens and groups.moe_tokens is None:
+            raise ValueError("whole experts under tp (experts_whole) route each tp rank's own tokens: pass "
+                             "moe_tokens, the ranks sharing a microbatch's tokens (the mesh's moe_token_group)")
         # the ranks holding the other tokens of this microbatch's sequences (the losses are theirs together)
-        self.token_group = token_group if self.split_tokens else cp_group
+        self.token_group = groups.moe_tokens if self.split_tokens else cp_group
         self.cp_group = cp_group  # cp splits each sequence into zigzag chunks (the capacity's token order)
         self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
         if self.split_tokens:  # each tp rank's router gradient comes from its own tokens: summed over tp

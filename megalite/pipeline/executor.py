@@ -27,7 +27,7 @@ from megalite.pipeline import p2p
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
 from megalite.pipeline.schedules import verified_schedule
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
-from megalite.training.host_reads import no_host_reads
+from megalite.host_reads import no_host_reads
 
 
 class _OutputRoot(torch.autograd.Function):
@@ -138,7 +138,7 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       neighbour stage) and "compute_s" ({instruction kind: median host seconds of one, so an
       instruction descheduled on a busy host does not count}, for `replay.replay_bubble`).
     check_host_reads: the schedule's forwards, backwards and transfers run under
-      `training.host_reads.no_host_reads()` (a tensor value read into Python raises).
+      `host_reads.no_host_reads()` (a tensor value read into Python raises).
     graphs: a `training.pipeline_graphs.PipelineGraphs` (--cuda-graph): each chunk's forward and
       backward are its captured graphs, replayed (captured where the first step first runs them):
       graphs.forward(c, m, x[, labels]) -> output, graphs.backward(c, m, output grad or loss

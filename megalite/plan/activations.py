@@ -19,7 +19,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule, interleaved_compute
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.plan.compression import replace_dp_grad_bytes
-from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, dp_group_name, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
                                moe_tensor_parallel_bytes, stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
@@ -169,11 +169,6 @@ def context_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict
     unit = 2 * b * h_kv * s * d
     hops = forwards * (cp - 1) * unit * a + backwards * ((cp - 1) * unit * a + cp * unit * 4)
     return {"cp/send": hops, "cp/recv": hops}
-
-
-def dp_group_name(cfg: RunConfig) -> str:
-    """The ledger's name of the group parameters are replicated over: 'dp', or 'dp_cp' (dp x cp)."""
-    return "dp" if cfg.parallel.cp == 1 else "dp_cp"
 
 
 def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Iterable
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.layout import stage_layers
 from megalite.plan.moe import expert_dp_config, expert_tp, experts_apart, stage_moe_layers
 

@@ -20,7 +20,7 @@ communication), as the code issued them on the H200 trace of a gpt2-124m step
             parameter a sum, a cast and an add; attention's three kernels, its output gradient made
             contiguous (neither copy with the Triton kernels since issue 26: they write their output
             and read its gradient in the [s, b, h] layout, `output_in_place`), the q/k/v gradients
-            concatenated (one copy: `functional.split_heads`; the traces also copied each one no
+            concatenated (one copy: `ops.split_heads`; the traces also copied each one no
             RoPE wrote first, 3 launches per gpt2 block, 1 per llama block, gone since issue 26);
             the activation's kernel (SwiGLU: and the gate/up concatenation); RoPE on q and k; the
             residual gradients' two adds;
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.activations import output_kept_once, planned_attention
 from megalite.plan.hardware import HardwareProfile
 from megalite.plan.layout import stage_layers

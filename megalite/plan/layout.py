@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import chunk_layer_counts
 
 if TYPE_CHECKING:
@@ -56,3 +56,8 @@ def local_seq_length(model: GPTConfig, cfg: RunConfig) -> int:
 def recompute_fraction(model: GPTConfig, cfg: RunConfig) -> float:
     """Share of all blocks whose forward full recompute runs twice (0 without it)."""
     return sum(recomputed_stage_layers(model, cfg)) / model.num_layers
+
+
+def dp_group_name(cfg: RunConfig) -> str:
+    """The ledger's name of the group parameters are replicated over: 'dp', or 'dp_cp' (dp x cp)."""
+    return "dp" if cfg.parallel.cp == 1 else "dp_cp"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import stage_layers as partition_stage_layers
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
 
 def moe_replica_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     """Bytes per step one rank of `stage` all-reduces over its token replicas (dp x cp: ledger 'dp' or
-    'dp_cp') for the MoE blocks' bookkeeping, per block: the step's statistics (moe/training.moe_stats:
+    'dp_cp') for the MoE blocks' bookkeeping, per block: the step's statistics (moe/bookkeeping.moe_stats:
     E loads, aux and z losses, drops and forwards, E+4 float64) and, with an expert bias, its load
     (E fp32, router.update_expert_bias). 0 without replicas or MoE blocks on the stage."""
     layers = stage_moe_layers(model, cfg, stage)

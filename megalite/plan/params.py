@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.layout import stage_layers
 from megalite.plan.moe import dense_change_per_layer, expert_params_per_layer, stage_moe_layers
 

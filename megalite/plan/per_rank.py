@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes

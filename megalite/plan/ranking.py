@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import CPCommType, Recompute, RunConfig
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.per_rank import Estimate, estimate
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import GB

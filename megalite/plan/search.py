@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Iterable
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.hardware import HardwareProfile
 from megalite.plan.per_rank import Estimate, estimate, fits_memory, stage_total_bytes
 from megalite.plan.timing import predict_step_time, step_time_lower_bound

@@ -56,15 +56,15 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan import fp8, kernel_rates as rates
 from megalite.plan.activations import output_kept_once
-from megalite.plan.communication import bus_factor, communication_bytes, dp_group_name, step_scalar_collectives
+from megalite.plan.communication import bus_factor, communication_bytes, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
                                     uses_cuda_graph)
-from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, dp_group_name, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import expert_tp
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.context_parallel.checks import context_parallel_problems
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.pipeline.schedules import check_schedule_args
 from megalite.plan.per_rank import check_degrees, estimate
 from megalite.plan.layout import GB, stage_layers

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan import fp8
-from megalite.plan.layout import DTYPE_BYTES, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, dp_group_name, stage_layers
 from megalite.plan.params import layer_params
 
 if TYPE_CHECKING:
@@ -80,8 +80,6 @@ def transient_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 
 def add_zero3_dp_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, params: int) -> None:
     """ZeRO-3's dp traffic of one step (see the module docstring), into `add(key, bytes)`."""
-    from megalite.plan.communication import dp_group_name  # (communication.py imports this module)
-
     p, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
     m, par, group = cfg.num_microbatches, cfg.parallel, dp_group_name(cfg)
     add(f"{group}/reduce_scatter", m * params * g)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.model import functional as MF
+from megalite import ops
 from megalite.tensor_parallel.sequence_parallel import mark_sequence_parallel
 
 
@@ -38,7 +38,7 @@ class LayerNorm(nn.Module):
         mark_sequence_parallel(self, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return MF.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         mark_sequence_parallel(self, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return MF.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"

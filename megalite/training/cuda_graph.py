@@ -26,7 +26,7 @@ What is captured, per microbatch slot (`StepGraphs`, pp = 1):
   at capture only, so the graphed backward accumulates with synchronisation off), the token
   count's all-reduce and the float() of the loss sum after the last microbatch.
 
-Refused (config_checks.cuda_graph_problems): tp, cp or ep > 1 (their collectives run inside
+Refused (config.checks.cuda_graph_problems): tp, cp or ep > 1 (their collectives run inside
 forward and backward and the byte ledger counts on the host per call), ZeRO 2 and 3 (gradient
 or parameter storage allocated and freed inside the step), dropout (its Philox seeds are Python
 integers drawn per call: a replay would repeat the captured masks), recompute, offload, MoE
@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from megalite.training.host_reads import HostReadError, no_host_reads
+from megalite.host_reads import HostReadError, no_host_reads
 from megalite.errors import UsageError
 
 WARMUP_ITERATIONS = 3  # torch's make_graphed_callables warms up 3 times too: autotuning, allocator, lazy init

@@ -14,7 +14,7 @@ activation-saving change would leave per rank and cost in step time.
 from __future__ import annotations
 
 from megalite.config import RunConfig
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.hardware import DEFAULT, builtin_for_device, load_profile
 from megalite.plan.per_rank import estimate
 from megalite.plan.timing import predict_step_time

@@ -45,6 +45,7 @@ import torch
 
 from megalite import comm, params as P
 from megalite.mesh import Mesh
+from megalite.training.step_result import StepResult
 
 ON_NONFINITE_CHOICES = ("skip", "stop")
 NONFINITE_EXIT_CODE = 3  # suggested exit status of a run stopped by --on-nonfinite stop
@@ -122,24 +123,23 @@ class NonFiniteGuard:
         comm.all_reduce(bad, comm.world_group(), op="max")
         return bool(bad.item() == 0.0)
 
-    def check(self, step: int, result: dict[str, Any], sample_indices: Any) -> NonFiniteEvent | None:
+    def check(self, step: int, result: StepResult, sample_indices: Any) -> NonFiniteEvent | None:
         """After train_step: report a non-finite step and apply the policy.
 
-        `result` is train_step's dict: 'loss' (global mean, the same on every rank), 'grad_norm'
-        (global), 'skipped' (the optimizer skipped the update), optionally 'loss_finite' (the
-        pre-step hook's verdict). `sample_indices` is this rank's share of the step as the
+        `result` is train_step's StepResult: its loss (global mean, the same on every rank),
+        grad_norm (global) and loss_finite (the pre-step hook's verdict) are read. `sample_indices` is this rank's share of the step as the
         sampler gave it (a list of microbatches of global sample indices); it is gathered from
         every dp rank only when the step is bad. Returns the event (also kept in `events`), or
         None for a healthy step. Raises NonFiniteError on every rank under 'stop'.
         """
-        loss, grad_norm = float(result["loss"]), float(result["grad_norm"])
-        bad_loss = not math.isfinite(loss) or result.get("loss_finite") is False
+        loss, grad_norm = float(result.loss), float(result.grad_norm)
+        bad_loss = not math.isfinite(loss) or not result.loss_finite
         bad_grads = not math.isfinite(grad_norm)
         if not bad_loss and (not bad_grads or self.loss_scaling):
             return None
         gathered = comm.all_gather_object(sample_indices, self.mesh.dp_group)  # every rank agrees we are here
         event = NonFiniteEvent(step=step, loss=loss, grad_norm=grad_norm, bad_loss=bad_loss, bad_grads=bad_grads,
-                               update_applied=not bool(result.get("skipped", False)),
+                               update_applied=not result.skipped,
                                sample_indices=dict(enumerate(gathered)), action=self.policy)
         self.events.append(event)
         self.log(f"megalite: {event.describe()}")

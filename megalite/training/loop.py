@@ -51,8 +51,8 @@ from megalite.kernels.dispatch import backend_name
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
-from megalite.model import functional as MF
-from megalite.model.config import GPTConfig
+from megalite import ops
+from megalite.config.model import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, justify, recompute_fraction
 from megalite.plan.hardware import builtin_for_device
@@ -68,6 +68,7 @@ from megalite.training.advice import Advisor
 from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
+from megalite.training.step_result import StepResult
 from megalite.training.watchdog import HangWatchdog
 
 
@@ -236,8 +237,9 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
     lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
-    job = Job(cfg, model_cfg, mesh, train_set, valid_set, sampler, chunks, model, optimizer, lr_at,
-              *_services(cfg, model_cfg, mesh, resources), provided=provided)
+    job = Job(cfg=cfg, model_cfg=model_cfg, mesh=mesh, train_set=train_set, valid_set=valid_set, sampler=sampler,
+              chunks=chunks, model=model, optimizer=optimizer, lr_at=lr_at, provided=provided,
+              **_services(cfg, model_cfg, mesh, resources))
     job.scheduler = ScheduledLR(optimizer, lr_at)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
@@ -249,7 +251,7 @@ def _attention_run(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device) -
     it keeps; None off CUDA, where the estimate is a GPU's (the planner's choice, as logged)."""
     if device.type != "cuda":
         return None
-    return MF.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+    return ops.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                                        model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout,
                                        cfg.parallel.cp, cfg.parallel.cp_comm_type, device)
 
@@ -277,7 +279,7 @@ def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
     p = cfg.parallel
     for note in machine_notes(cfg, mesh.device.type == "cuda"):
         log(note)
-    log(MF.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
+    log(ops.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
                               p.cp_comm_type, mesh.device))
 
@@ -291,8 +293,9 @@ def _fp8_words(cfg: RunConfig, mesh: Mesh) -> str:
             + ("; FP8 parameter gathers" if prec.fp8_param_gather else ""))
 
 
-def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> tuple:
-    """(meter, writer, timer, profiler, guard, watchdog, checkpointer, preemption), each released on exit."""
+def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> dict[str, Any]:
+    """Job's fields meter, writer, timer, profiler, guard, watchdog, checkpointer, preemption, by name;
+    each released on exit."""
     lg, ft, ck = cfg.logging, cfg.fault_tolerance, cfg.checkpoint
     precision = cfg.precision.precision
     peak = lg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda" else None,
@@ -318,7 +321,8 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
     preemption = PreemptionHandler(mesh, install=False)  # SIGTERM/SIGUSR1/SIGINT: all stop after the same step
     _on_exit(resources, lambda clean: preemption.close())
     _on_exit(resources, lambda clean: comm.barrier(comm.world_group()) if clean else None)
-    return meter, writer, TimeBreakdown(), profiler, guard, watchdog, checkpointer, preemption
+    return dict(meter=meter, writer=writer, timer=TimeBreakdown(), profiler=profiler, guard=guard, watchdog=watchdog,
+                checkpointer=checkpointer, preemption=preemption)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +399,7 @@ def train_steps(job: Job, start_step: int) -> bool:
     cfg = job.cfg
     for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
         maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
-        result, step_time = _timed_step(job, step, indices)
+        result, cp_comm_bytes, step_time = _timed_step(job, step, indices)
         job.guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
         interval = cfg.fault_tolerance.check_replicas_interval
         if interval and step % interval == 0:
@@ -407,7 +411,7 @@ def train_steps(job: Job, start_step: int) -> bool:
         if step == start_step + 1 and job.provided is None:  # the planner models GPTModel
             planned = estimate(job.model_cfg, cfg, _attention_run(cfg, job.model_cfg, job.mesh.device))
             log(estimate_vs_measured(planned, job.mesh.device))
-        _record(job, step, step_time, result)
+        _record(job, step, step_time, result, cp_comm_bytes)
         if cfg.logging.straggler_interval and step % cfg.logging.straggler_interval == 0:
             times, hosts = gather_step_times(step_time)
             log(straggler_report(times, hosts).describe())
@@ -425,54 +429,53 @@ def train_steps(job: Job, start_step: int) -> bool:
     return False
 
 
-def _timed_step(job: Job, step: int, indices) -> tuple[dict[str, Any], float]:
+def _timed_step(job: Job, step: int, indices) -> tuple[StepResult, int, float]:
+    """The step, its bytes on the cp group (ring / all-to-all traffic) and its seconds."""
     job.profiler.before_step(step)
     start = time.perf_counter()
     job.timer.reset()
     cp_bytes_before = comm.ledger.total_bytes(group="cp")
     with job.timer.phase("data"):
         microbatches = load_microbatches(job.train_set, indices)
-    lr = job.optimizer.param_groups[0]["lr"]  # lr_at(step - 1), set by the scheduler
     result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, None, guard=job.guard,
                         timer=job.timer, graphs=job.graphs)
-    job.scheduler.step()
-    result["lr"] = lr
-    result["cp_comm_bytes"] = comm.ledger.total_bytes(group="cp") - cp_bytes_before  # ring / all-to-all traffic
+    job.scheduler.step()  # result.lr: lr_at(step - 1), set by the scheduler a step ago
+    cp_comm_bytes = comm.ledger.total_bytes(group="cp") - cp_bytes_before
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
     if job.mesh.device.type == "cuda":
         torch.cuda.synchronize()
     step_time = time.perf_counter() - start
     job.profiler.after_step(step)
-    return result, step_time
+    return result, cp_comm_bytes, step_time
 
 
-def _record(job: Job, step: int, step_time: float, result: dict[str, Any]) -> None:
+def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_bytes: int) -> None:
     """The metrics record and progress line of a logged step."""
     cfg = job.cfg
     if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
         return
-    record = job.meter.step(step, step_time, loss=result["loss"], lr=result["lr"], grad_norm=result["grad_norm"],
-                            skipped=result["skipped"], exposed_dp_comm_s=result["exposed_dp_comm_s"],
-                            exposed_grad_reduce_s=result["exposed_grad_reduce_s"],
-                            exposed_param_gather_s=result["exposed_param_gather_s"],
-                            exposed_token_count_s=result["exposed_token_count_s"],
+    record = job.meter.step(step, step_time, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+                            skipped=result.skipped, exposed_dp_comm_s=result.exposed_dp_comm_s,
+                            exposed_grad_reduce_s=result.exposed_grad_reduce_s,
+                            exposed_param_gather_s=result.exposed_param_gather_s,
+                            exposed_token_count_s=result.exposed_token_count_s,
                             **job.timer.summary(step_time), **memory_stats(job.mesh.device),
                             **job.optimizer.memory_report())
     if cfg.precision.precision == "fp16":
-        record["loss_scale"] = result["loss_scale"]
+        record["loss_scale"] = result.loss_scale
     record["cp"] = cfg.parallel.cp
-    record.update({k: v for k, v in result.items() if k.startswith("moe_")})  # aux/z loss, load, drops per layer
-    if "grad_compression_ratio" in result:  # dp gradient bytes: uncompressed / sent (this step)
-        record.update(grad_reduce_bytes=result["grad_reduce_bytes"],
-                      grad_compression_ratio=result["grad_compression_ratio"])
+    record.update(result.moe)  # aux/z loss, load, drops per layer
+    if result.grad_reduce_bytes is not None:  # dp gradient bytes: uncompressed / sent (this step)
+        record.update(grad_reduce_bytes=result.grad_reduce_bytes,
+                      grad_compression_ratio=result.grad_compression_ratio)
     if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
-        record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=result["cp_comm_bytes"])
-    bubble = measured_bubble(result["pipeline"][1], job.mesh, result["pipeline"][0]) if "pipeline" in result else None
+        record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=cp_comm_bytes)
+    bubble = measured_bubble(result.pipeline[1], job.mesh, result.pipeline[0]) if result.pipeline is not None else None
     if bubble is not None:  # the schedule's idle share with this step's measured op times (plot_metrics' time split)
         record["pipeline_bubble"] = bubble
     job.writer.write(record)
-    log(progress_line(record) + (" (skipped: non-finite gradients)" if result["skipped"] else ""))
-    job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result["exposed_dp_comm_s"],
+    log(progress_line(record) + (" (skipped: non-finite gradients)" if result.skipped else ""))
+    job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result.exposed_dp_comm_s,
                         pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from megalite import comm
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.plan.params import hardware_flops_per_token
 from megalite.training.metrics_file import drop_torn_tail
 

@@ -68,7 +68,7 @@ from megalite.errors import UsageError
 from megalite.pipeline import p2p
 from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.training import cuda_graph
-from megalite.training.host_reads import HostReadError, no_host_reads
+from megalite.host_reads import HostReadError, no_host_reads
 
 
 class _ChunkSlot:

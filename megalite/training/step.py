@@ -19,20 +19,21 @@ from typing import Any
 import torch
 
 from megalite import comm
-from megalite.moe import training as moe_training
+from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.fp8.convert import convert_to_fp8
 from megalite.fp8.recipe import recipe_from
 from megalite.mesh import Mesh
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
-from megalite.training.host_reads import no_host_reads
+from megalite.training.step_result import StepResult
+from megalite.host_reads import no_host_reads
 from megalite.config import RunConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -193,7 +194,7 @@ def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunCon
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
                mesh: Mesh, cfg: RunConfig, lr: float | None, guard=None, timer=None, *,
-               check_host_reads: bool = False, graphs=None) -> dict[str, Any]:
+               check_host_reads: bool = False, graphs=None) -> StepResult:
     """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
 
     microbatches: this dp rank's, whole sequences {"input_ids", "labels"} [b, s]; under context
@@ -208,14 +209,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     graphs: a `training.cuda_graph.StepGraphs` (--cuda-graph, pp = 1) or, at pp > 1, a
     `training.pipeline_graphs.PipelineGraphs`: the microbatches' forward and backward are replayed
     CUDA graphs (captured at the first step).
-    Returns {'loss': global mean loss, 'grad_norm', 'skipped', 'loss_scale', 'tokens', 'loss_finite',
-    'exposed_dp_comm_s', 'exposed_grad_reduce_s', 'exposed_param_gather_s', 'exposed_token_count_s'
-    (with MoE layers also `megalite.moe.training.moe_stats`' 'moe_*' entries; at pp > 1, 'pipeline':
-    (spec, this stage's median seconds per compute instruction))}: host
-    seconds blocked on dp communication, in total and by cause (the token count's wait is, with
-    --overlap-param-gather, a wait for the gathers queued before it on the dp group). With gradient
-    compression also 'grad_reduce_bytes' (sent on the dp group, and edp for experts kept apart) and
-    'grad_compression_ratio'.
+    Returns the step's StepResult (training/step_result.py).
     """
     _check_same_cp(mesh, cfg)
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
@@ -229,28 +223,27 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     model.train()
     # The balancing losses are averaged over every forward of the step (microbatches x dp ranks; the
     # cp ranks of one forward each hold a share of its losses)
-    moe_training.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
+    moe_bookkeeping.set_loss_scale(model.chunks, scale / (len(microbatches) * mesh.dp_size))
     phase = timer.phase if timer is not None else _no_timer
     loss_sum, pipeline = _forward_backward(model, microbatches, mesh, cfg, seq_length, lambda: tokens.loss_scale(scale),
                                            phase, check_host_reads, graphs)
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
-        result = optimizer.step(lr, skip=not loss_finite)
-        if not result["skipped"]:
-            moe_training.update_expert_biases(model.chunks, mesh)
-    result.update(moe_training.moe_stats(model.chunks, mesh))  # {} without experts
-    result["tokens"] = tokens.value()
-    if pipeline is not None:  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
-        result["pipeline"] = pipeline
-    result.update(model.compression_stats())  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
+        update = optimizer.step(lr, skip=not loss_finite)
+        if not update["skipped"]:
+            moe_bookkeeping.update_expert_biases(model.chunks, mesh)
+    moe_stats = moe_bookkeeping.moe_stats(model.chunks, mesh)  # {} without experts
+    token_count = tokens.value()
+    compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
-    result.update(exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
-                  exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
-                  exposed_token_count_s=tokens.wait_seconds, loss_finite=loss_finite)
-    result["loss"] = _global_loss(loss_sum, result["tokens"], mesh)
-    return result
-
+    return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update["grad_norm"],
+                      skipped=update["skipped"], loss_scale=update["loss_scale"], tokens=token_count,
+                      loss_finite=loss_finite, lr=optimizer.param_groups[0]["lr"], exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
+                      exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
+                      exposed_token_count_s=tokens.wait_seconds, moe=moe_stats,
+                      pipeline=pipeline,  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
+                      **compression)
 
 def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phase) -> torch.Tensor:
     """pp == 1: forward and backward of each microbatch; the dp reductions start, bucket by bucket,

@@ -43,7 +43,7 @@ def build(model, cfg, mesh):
 def train(chunks, optimizer, mesh, cfg, steps):
     """Train the given (1-based) steps; return their losses."""
     return [train_step(optimizer.model, optimizer, step_batches(s, chunks[0].config.vocab_size, mesh.dp_size, mesh.dp_rank),
-                       mesh, cfg, lr=1e-3 * (1 + 0.1 * s))["loss"] for s in steps]
+                       mesh, cfg, lr=1e-3 * (1 + 0.1 * s)).loss for s in steps]
 
 
 def full_params(chunks):
@@ -65,7 +65,7 @@ def megalite_logits(checkpoint, ids):
     from megalite.checkpoint.full_state import resolve_checkpoint_dir
     from megalite.checkpoint.reader import CheckpointReader
     from megalite.mesh import single_process_mesh
-    from megalite.model.config import GPTConfig
+    from megalite.config.model import GPTConfig
     from megalite.model.gpt import GPTModel
 
     config = GPTConfig(**CheckpointReader(resolve_checkpoint_dir(checkpoint)).metadata["model_config"])

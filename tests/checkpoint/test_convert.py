@@ -79,11 +79,11 @@ def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     assert not optimizer.exp_avg.any() and not optimizer.exp_avg_sq.any()
     ids = torch.randint(0, 300, (2, 17))
     result = train_step(optimizer.model, optimizer, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], m, cfg, lr=1e-3)
-    assert torch.isfinite(torch.tensor(result["loss"])) and optimizer.step_count == 1
+    assert torch.isfinite(torch.tensor(result.loss)) and optimizer.step_count == 1
 
 
 def test_export_config_carries_the_dropout_probabilities():
-    from megalite.model.config import GPTConfig
+    from megalite.config.model import GPTConfig
 
     for flavour in ("gpt2", "llama"):
         config = GPTConfig(flavour, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=300,
@@ -130,7 +130,7 @@ def test_exported_weights_are_readable_like_the_config(tmp_path):
     from megalite.checkpoint import write_full_state
     from megalite.config import RunConfig
     from megalite.mesh import single_process_mesh
-    from megalite.model.config import GPTConfig
+    from megalite.config.model import GPTConfig
     from megalite.training.step import build_model_chunks
 
     config = GPTConfig("gpt2", num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64, seq_length=8)

@@ -73,8 +73,8 @@ def _train(flavour, m, cfg, ref_params=None, poisoned=False):
         est = estimate(model, cfg)
         plan = dict(param_bytes=est.param_bytes, optimizer=est.optimizer_state_bytes,
                     comm=communication_bytes(model, cfg, m.pp_rank))
-    return dict(losses=[r["loss"] for r in results], skipped=[r["skipped"] for r in results], plan=plan,
-                scales=[r["loss_scale"] for r in results], params=params, ledger=ledger,
+    return dict(losses=[r.loss for r in results], skipped=[r.skipped for r in results], plan=plan,
+                scales=[r.loss_scale for r in results], params=params, ledger=ledger,
                 memory=memory, shard=dp.layout.shard_numel,
                 units=[b.numel for b in dp.layout.buckets], names=[u.name for u in dp.units])
 

@@ -55,7 +55,7 @@ def _run(m, cfg, name="tiny-llama"):
     chunks = build_model_chunks(model, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     comm.ledger.reset()
-    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)["loss"]
+    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3).loss
               for mbs in _batches(model.vocab_size, m.dp_size, m.dp_rank)]
     return losses, chunks, optimizer.model
 

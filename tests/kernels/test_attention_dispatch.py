@@ -72,7 +72,7 @@ def test_the_banner_names_the_choice_and_its_measured_margin(measured, monkeypat
 
 
 def test_the_model_names_the_attention_its_blocks_run_for_the_planner(measured, monkeypatch):
-    from megalite.model.functional import attention_implementation
+    from megalite.ops import attention_implementation
 
     from megalite.kernels import attention_tiles
 

@@ -114,20 +114,20 @@ def test_nothing_routed_gives_no_rows_zero_output_and_zero_gradients():
 
 
 def test_model_functional_entry_points_dispatch_to_the_moe_ops(monkeypatch):
-    """megalite.model.functional's grouped_mm / permute_tokens / unpermute_tokens are the kernels'
+    """megalite.ops' grouped_mm / permute_tokens / unpermute_tokens are the kernels'
     ops (here under MEGALITE_KERNEL_BACKEND=torch: the references)."""
     from megalite.kernels import grouped_mm_reference
-    from megalite.model import functional
+    from megalite import ops
 
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "torch")
     ids = _routing(tokens=5, top_k=2, num_experts=3, dropped=2)
     x, weights = torch.randn(5, 8, device=DEVICE), torch.rand(5, 2, device=DEVICE)
     weight = torch.randn(3, 8, 4, device=DEVICE)
-    permuted, sorted_index, group_sizes = functional.permute_tokens(x, ids, 3)
+    permuted, sorted_index, group_sizes = ops.permute_tokens(x, ids, 3)
     expected = permute_tokens_reference(x, ids, 3)
     for got, want in zip((permuted, sorted_index, group_sizes), expected):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-    y = functional.grouped_mm(permuted, weight, group_sizes)
+    y = ops.grouped_mm(permuted, weight, group_sizes)
     torch.testing.assert_close(y, grouped_mm_reference(permuted, weight, group_sizes), atol=0, rtol=0)
-    torch.testing.assert_close(functional.unpermute_tokens(y, sorted_index, weights, 5),
+    torch.testing.assert_close(ops.unpermute_tokens(y, sorted_index, weights, 5),
                                unpermute_tokens_reference(y, sorted_index, weights, 5), atol=0, rtol=0)

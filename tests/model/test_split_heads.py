@@ -1,8 +1,8 @@
-"""functional.split_heads: the fused QKV output split into q, k, v head views whose backward
+"""ops.split_heads: the fused QKV output split into q, k, v head views whose backward
 concatenates the three gradients in one copy, equal bit for bit to autograd's split + view."""
 import torch
 
-from megalite.model import functional as MF
+from megalite import ops
 
 
 def test_split_heads_matches_split_and_view_forward_and_backward():
@@ -12,7 +12,7 @@ def test_split_heads_matches_split_and_view_forward_and_backward():
     # not contiguous, which is what made autograd's view backward copy each one
     grads = [torch.randn(b, n, s, d, dtype=torch.float64).permute(2, 0, 1, 3) for n in heads]
 
-    ours = MF.split_heads(qkv, heads, d)
+    ours = ops.split_heads(qkv, heads, d)
     torch.autograd.backward(ours, grads)
     ours_grad, qkv.grad = qkv.grad, None
     blocks = qkv.split([n * d for n in heads], dim=-1)
@@ -25,6 +25,6 @@ def test_split_heads_matches_split_and_view_forward_and_backward():
     assert torch.equal(ours_grad, qkv.grad) and ours_grad.is_contiguous()
     # an unused output contributes zeros (as autograd's split does)
     qkv.grad = None
-    q, k, v = MF.split_heads(qkv, heads, d)
+    q, k, v = ops.split_heads(qkv, heads, d)
     (q * 2).sum().backward()
     assert torch.equal(qkv.grad[..., heads[0] * d:], torch.zeros(s, b, (heads[1] + heads[2]) * d, dtype=torch.float64))

@@ -6,7 +6,7 @@ saved that stack: one copy of the layer's expert weights per microbatch in fligh
 import pytest
 import torch
 
-from megalite.model import functional as MF
+from megalite import ops
 from megalite.moe.expert_gemm import expert_grouped_mm
 from megalite.moe.experts import LocalExperts
 
@@ -53,8 +53,8 @@ def _old_forward(experts: LocalExperts, x, group_sizes):
     members = list(experts.values())
     fc1 = torch.stack([e.fc1_weight.t() for e in members])
     fc2 = torch.stack([e.fc2_weight.t() for e in members])
-    gate, up = MF.grouped_mm(x, fc1, group_sizes).chunk(2, dim=-1)
-    return MF.grouped_mm(MF.swiglu(gate, up), fc2, group_sizes)
+    gate, up = ops.grouped_mm(x, fc1, group_sizes).chunk(2, dim=-1)
+    return ops.grouped_mm(ops.swiglu(gate, up), fc2, group_sizes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,7 @@ from megalite import params as P
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.mesh import single_process_mesh
 from megalite.model.gpt import GPTModel
-from megalite.moe.training import expert_biases
+from megalite.moe.bookkeeping import expert_biases
 from megalite.testing import assert_tensor_close, run_distributed
 from moe_helpers import cfg_for, train
 
@@ -28,7 +28,7 @@ def reference():
     chunks2, _, _ = train(single_process_mesh("cpu"), cfg_for(), steps=range(2))
     saved = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks2[0].logical_parameters()}
     final = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
-    return [r["loss"] for r in results], saved, final
+    return [r.loss for r in results], saved, final
 
 
 LOADS = [((2, 1, 2, 2), dict(etp=2)), ((1, 1, 4, 4), dict()), ((1, 2, 2, 2), dict(zero=1)),
@@ -40,7 +40,7 @@ def _world(directory, reference):
     m = mesh.init_mesh(tp=2, dp=2, ep=2, etp=1, replace=True)
     cfg = cfg_for(2, 1, 2, 2, zero=1, etp=1)
     chunks, optimizer, results = train(m, cfg, steps=range(2))
-    torch.testing.assert_close([r["loss"] for r in results], losses[:2], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r.loss for r in results], losses[:2], rtol=1e-5, atol=0)
     Checkpointer(directory, m, **QUIET).save(2, chunks, optimizer, consumed_samples=16,
                                              model_config=chunks[0].config)
     for (tp, pp, dp, ep), settings in LOADS:
@@ -50,7 +50,7 @@ def _world(directory, reference):
         assert load_checkpoint(directory, chunks, optimizer, m, **QUIET).step == 2
         _, _, results = train(m, cfg, steps=range(2, 3), chunks=chunks, optimizer=optimizer)
         what = f"loaded at tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
-        torch.testing.assert_close(results[0]["loss"], losses[2], rtol=1e-5, atol=0, msg=what)
+        torch.testing.assert_close(results[0].loss, losses[2], rtol=1e-5, atol=0, msg=what)
         with optimizer.model.gathered():
             for chunk in chunks:
                 for name, p in chunk.logical_parameters():
@@ -85,7 +85,7 @@ def bias_reference():
     assert len(biases) == 2 and all(b.any() for b in biases.values())  # 2 MoE layers, both biases moved
     _, _, more = train(single_process_mesh("cpu"), cfg_for(**BIAS), steps=range(1, 3), chunks=chunks,
                        optimizer=optimizer)
-    return [r["loss"] for r in results + more], biases
+    return [r.loss for r in results + more], biases
 
 
 def test_expert_bias_resumes_exactly(bias_reference, tmp_path):
@@ -100,7 +100,7 @@ def test_expert_bias_resumes_exactly(bias_reference, tmp_path):
     restored = _biases(chunks)
     assert restored.keys() == saved.keys() and all(torch.equal(restored[n], saved[n]) for n in saved)
     _, _, results = train(m, cfg, steps=range(1, 3), chunks=chunks, optimizer=optimizer)
-    assert [r["loss"] for r in results] == losses[1:]
+    assert [r.loss for r in results] == losses[1:]
     # A checkpoint without biases (saved with the bias off) loads with the biases at zero.
     plain, plain_optimizer, _ = train(m, cfg_for(), steps=range(0))
     Checkpointer(tmp_path / "plain", m, **QUIET).save(0, plain, plain_optimizer, consumed_samples=0,
@@ -114,7 +114,7 @@ def _bias_world(directory, bias_reference):
     losses, saved = bias_reference
     m = mesh.init_mesh(pp=2, replace=True)
     chunks, optimizer, results = train(m, cfg_for(1, 2, 1, 1, **BIAS), steps=range(1))
-    torch.testing.assert_close(results[0]["loss"], losses[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(results[0].loss, losses[0], rtol=1e-5, atol=0)
     mine = _biases(chunks)
     assert len(mine) == 1 and all(torch.equal(b, saved[n]) for n, b in mine.items())  # this stage's layer
     Checkpointer(directory, m, **QUIET).save(1, chunks, optimizer, consumed_samples=8, model_config=chunks[0].config)
@@ -125,7 +125,7 @@ def _bias_world(directory, bias_reference):
     restored = _biases(chunks)
     assert restored.keys() == saved.keys() and all(torch.equal(restored[n], saved[n]) for n in saved)
     _, _, results = train(m, cfg, steps=range(1, 3), chunks=chunks, optimizer=optimizer)
-    torch.testing.assert_close([r["loss"] for r in results], losses[1:], rtol=1e-5, atol=0)
+    torch.testing.assert_close([r.loss for r in results], losses[1:], rtol=1e-5, atol=0)
     return True
 
 

@@ -55,7 +55,7 @@ def reference():
         m = single_process_mesh("cpu")
         chunks, _, results = train(m, cfg_for(**dict(key)))
         params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
-        out[key] = [r["loss"] for r in results], [r["grad_norm"] for r in results], params, results[-1]
+        out[key] = [r.loss for r in results], [r.grad_norm for r in results], params, results[-1]
     return out
 
 
@@ -90,8 +90,8 @@ def _world(reference):
         what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
         chunks, optimizer, results = train(m, cfg)
         ledger = dict(comm.ledger.bytes)  # the last step's (check_replicas below gathers over tp)
-        torch.testing.assert_close([r["loss"] for r in results], ref_losses, rtol=1e-5, atol=0, msg=what)
-        torch.testing.assert_close([r["grad_norm"] for r in results], ref_norms, rtol=1e-5, atol=0, msg=what)
+        torch.testing.assert_close([r.loss for r in results], ref_losses, rtol=1e-5, atol=0, msg=what)
+        torch.testing.assert_close([r.grad_norm for r in results], ref_norms, rtol=1e-5, atol=0, msg=what)
         with optimizer.model.gathered():
             for chunk in chunks:
                 for logical, p in chunk.logical_parameters():
@@ -101,7 +101,7 @@ def _world(reference):
             check_replicas(optimizer.model.tp_replicated_pieces(), m, STEPS, shards=True)
         else:
             check_replicas([(n, p) for c in chunks for n, p in c.logical_parameters()], m, STEPS)
-        stats = {k: v for k, v in results[-1].items() if k.startswith("moe_")}
+        stats = results[-1].moe
         planned = communication_bytes(cfg.gpt_config(), cfg, m.pp_rank)
         dispatch = {k: (ledger.get(tuple(k.split("/")), 0), n) for k, n in planned.items()
                     if k.startswith("ep/")}  # the last step's bytes: measured and planned
@@ -118,9 +118,9 @@ def _world(reference):
 @pytest.mark.slow
 def test_moe_layouts_match_the_single_process_model(reference):
     ref_losses, _, _, ref_last = reference[()]
-    assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last["moe_aux_loss"] > 0 and ref_last["moe_z_loss"] > 0
+    assert ref_losses[-1] < ref_losses[0] + 0.5 and ref_last.moe["moe_aux_loss"] > 0 and ref_last.moe["moe_z_loss"] > 0
     for dropping in ({**DROPPING, **SHARED}, DROPPING, EARLIEST):  # the capacity bites
-        assert reference[_model_key(dropping)][3]["moe_dropped_tokens"] > 0, dropping
+        assert reference[_model_key(dropping)][3].moe["moe_dropped_tokens"] > 0, dropping
     ranks = run_distributed(_world, 4, reference, timeout_s=300)
     for i, ((tp, pp, dp, ep), settings) in enumerate(LAYOUTS):  # the planner's dispatch bytes: each rank's
         if "moe_expert_capacity_factor" in settings:
@@ -145,8 +145,8 @@ def test_moe_layouts_match_the_single_process_model(reference):
                 assert any(g.startswith("edp/") for g in groups), groups
             # the metrics are the step's, over every replica: the same as the reference's
             for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
-                assert stats[key] == pytest.approx(ref_last[key], rel=1e-5), (key, settings)
-            assert stats["moe_dropped_tokens"] == ref_last["moe_dropped_tokens"], settings
+                assert stats[key] == pytest.approx(ref_last.moe[key], rel=1e-5), (key, settings)
+            assert stats["moe_dropped_tokens"] == ref_last.moe["moe_dropped_tokens"], settings
 
 
 def _check_tensor_parallel_bytes(ranks):

@@ -61,7 +61,7 @@ def _check_plan(m, cfg, optimizer, ledgers, results):
         if dense:
             assert ledger[("dp", "all_reduce")] == planned["dp/all_reduce"] + others
         sent = planned["edp/all_reduce"] + (planned["dp/all_reduce"] - metrics if dense else 0)  # gradients only
-        assert result["grad_reduce_bytes"] == sent
+        assert result.grad_reduce_bytes == sent
 
 
 def _state(optimizer):
@@ -78,20 +78,20 @@ def _world(ckpt_dir):
     ledgers = []
     _, optimizer, results = _run(m, cfg, range(2), ledgers=ledgers)
     _check_plan(m, cfg, optimizer, ledgers, results)
-    out["full_dp4_ep2"] = [(r["loss"], r["grad_norm"]) for r in results]
+    out["full_dp4_ep2"] = [(r.loss, r.grad_norm) for r in results]
 
     cfg = cfg_for(dp=4, ep=2, zero=1, **RANK4)
     chunks, optimizer, results = _run(m, cfg, range(2))
     Checkpointer(ckpt_dir, m, **QUIET).save(2, chunks, optimizer, consumed_samples=16, model_config=chunks[0].config)
     out["saved"] = _state(optimizer)
-    out["rank4_dp4_ep2"] = [r["loss"] for r in results + _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
+    out["rank4_dp4_ep2"] = [r.loss for r in results + _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
 
     m = mesh_lib.init_mesh(dp=4, replace=True)
     cfg = cfg_for(dp=4, **RANK4)
     chunks, optimizer, _ = train(m, cfg, steps=range(0))
     load_checkpoint(ckpt_dir, chunks, optimizer, m, **QUIET)
     out["loaded"] = _state(optimizer)
-    out["resumed"] = [r["loss"] for r in _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
+    out["resumed"] = [r.loss for r in _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
 
     m = mesh_lib.init_mesh(dp=4, ep=4, replace=True)  # expert-dp of one rank: the experts are neither reduced nor compressed
     cfg = cfg_for(dp=4, ep=4, **FULL_RANK)
@@ -99,7 +99,7 @@ def _world(ckpt_dir):
     names = [optimizer.model.names[i] for i in optimizer.model.compression.matrices]
     assert names and not any(".experts." in name for name in names) and ("edp", "all_reduce") not in comm.ledger.bytes
     assert optimizer.model.compression.state_bytes() == compression_state_bytes(cfg.gpt_config(), cfg, 0)
-    out["full_dp4_ep4"] = [(r["loss"], r["grad_norm"]) for r in results]
+    out["full_dp4_ep4"] = [(r.loss, r.grad_norm) for r in results]
 
     m = mesh_lib.init_mesh(tp=2, dp=2, ep=2, etp=1, replace=True)
     cfg = cfg_for(tp=2, dp=2, ep=2, etp=1, zero=1, sequence_parallel=True, **FULL_RANK)
@@ -107,13 +107,13 @@ def _world(ckpt_dir):
     ledgers = []
     _, optimizer, results = _run(m, cfg, range(2), ledgers=ledgers)
     _check_plan(m, cfg, optimizer, ledgers, results)
-    out["full_tp2_etp1"] = [(r["loss"], r["grad_norm"]) for r in results]
+    out["full_tp2_etp1"] = [(r.loss, r.grad_norm) for r in results]
     return out
 
 
 def test_moe_powersgd_expert_group(tmp_path):
     _, _, results = train(single_process_mesh("cpu"), cfg_for(), steps=range(4))
-    reference = [(r["loss"], r["grad_norm"]) for r in results]
+    reference = [(r.loss, r.grad_norm) for r in results]
     plain = [loss for loss, _ in reference]
     reference = reference[:2]
     ranks = run_distributed(_world, 4, str(tmp_path / "ckpt"), timeout_s=300)

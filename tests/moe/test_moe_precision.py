@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megalite import mesh
-from megalite.moe.training import expert_biases
+from megalite.moe.bookkeeping import expert_biases
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite import params as P
 from megalite.training.step import train_step
@@ -46,7 +46,7 @@ def _train(m, precision: str):
         results.append(train_step(optimizer.model, optimizer, batch, m, cfg, lr=1e-2))
         if step == 0:  # unscaled by the optimizer (factor 1 / loss scale, in place)
             grads = {name: P.main_grad(p).clone() for c in chunks for name, p in c.logical_parameters()}
-    return [r["loss"] for r in results], [(r["loss_scale"], r["skipped"]) for r in results], grads
+    return [r.loss for r in results], [(r.loss_scale, r.skipped) for r in results], grads
 
 
 def _world():

@@ -32,7 +32,7 @@ def reference():
     m = single_process_mesh("cpu")
     chunks, _, results = train(m, cfg_for(num_layers=LAYERS))
     params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
-    return [r["loss"] for r in results], [r["grad_norm"] for r in results], params
+    return [r.loss for r in results], [r.grad_norm for r in results], params
 
 
 def _world(reference):
@@ -50,8 +50,8 @@ def _world(reference):
                     assert_tensor_close(p, P.shard_spec(p).shard(ref_params[logical]), rtol=1e-5,
                                         what=f"{what} {logical}")
         experts = sum(".experts." in n for c in chunks for n, _ in c.logical_parameters())
-        seen.append(([r["loss"] for r in results], [r["grad_norm"] for r in results], len(chunks), experts,
-                     sorted(results[-1]["pipeline"][1])))
+        seen.append(([r.loss for r in results], [r.grad_norm for r in results], len(chunks), experts,
+                     sorted(results[-1].pipeline[1])))
     return seen
 
 

@@ -13,7 +13,7 @@ from megalite.model import preset
 from megalite.model.gpt import GPTModel
 from megalite.moe.config import MoEConfig
 from megalite.moe.router import Router, capacity_keep_mask, top_k_deterministic, update_expert_bias
-from megalite.moe.training import moe_stats
+from megalite.moe.bookkeeping import moe_stats
 
 
 def _router(logits_weight, **moe):

@@ -16,7 +16,7 @@ import torch
 
 from megalite.mesh import init_mesh
 from megalite.model.activation_probe import kernels_without_launch
-from megalite.model.config import preset
+from megalite.config.model import preset
 from megalite.model.gpt import GPTModel
 from megalite.plan import activations as A
 from megalite.plan import suggest

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalite import comm
-from megalite.model.config import GPTConfig, preset
+from megalite.config.model import GPTConfig, preset
 from megalite.model.activation_probe import kernels_without_launch, saved_storage_bytes
 from megalite.model.gpt import GPTModel
 from megalite.pipeline.instructions import BWD, BWD_WEIGHT, FWD

@@ -9,7 +9,7 @@ Megatron-LM"), Table 1 with the layouts of Megatron-LM's examples/sc21/run_table
 import pytest
 
 from megalite.config import RunConfig
-from megalite.model.config import GPTConfig
+from megalite.config.model import GPTConfig
 from megalite.pipeline.instructions import BWD, FWD
 from megalite.pipeline.schedules import build_schedule
 from megalite.plan import activations as A

@@ -10,7 +10,7 @@ fits without it) and nothing fitting at all.
 import pytest
 
 from megalite.config import RunConfig
-from megalite.model.config import preset
+from megalite.config.model import preset
 from megalite.plan import search as search_module
 from megalite.plan.layout import recomputed_stage_layers, stage_layers
 from megalite.plan.per_rank import estimate

@@ -6,7 +6,7 @@ import pytest
 
 from megalite import plan as P
 from megalite.config import RunConfig
-from megalite.model.config import GPTConfig, preset
+from megalite.config.model import GPTConfig, preset
 from megalite.plan import communication as C
 from megalite.plan.hardware import (BUILTIN, HardwareProfile, HardwareProfileError, builtin_for_device,
                                     latency_bound_curve, load_profile)

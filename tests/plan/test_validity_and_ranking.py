@@ -3,7 +3,7 @@ import re
 
 from megalite import plan as P
 from megalite.config import RunConfig
-from megalite.model.config import preset
+from megalite.config.model import preset
 
 
 def run(num_microbatches: int | None = None, **settings) -> RunConfig:

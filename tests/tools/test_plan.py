@@ -95,7 +95,7 @@ def test_memory_and_count_parsing():
 
 
 def test_json_has_parameter_counts_and_the_step_time(capsys, tmp_path):
-    from megalite.model.config import preset
+    from megalite.config.model import preset
     from megalite.plan.hardware import BUILTIN
 
     argv = ["--model", "gpt2-350m", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--global-batch-size", "32",

@@ -9,7 +9,7 @@ import pytest
 
 from megalite.cli import build_parser
 from megalite.config import RunConfig
-from megalite.model.config import preset
+from megalite.config.model import preset
 from megalite.training import advice
 
 FLAG = re.compile(r"(--[a-z][a-z0-9-]*)(?:[ =]([^\s;,():]+))?")

@@ -96,7 +96,7 @@ def test_replayed_steps_equal_eager_steps(monkeypatch):
             labels = ids[:, 1:].clone()
             labels[step, :2] = -100
             mbs = [{"input_ids": i, "labels": t} for i, t in zip(ids[:, :-1].split(2), labels.split(2))]
-            losses.append(train_step(optimizer.model, optimizer, mbs, mesh, cfg, lr=1e-3, graphs=graphs)["loss"])
+            losses.append(train_step(optimizer.model, optimizer, mbs, mesh, cfg, lr=1e-3, graphs=graphs).loss)
         return losses, [p.detach().clone() for p in chunks[0].parameters()], graphs
 
     eager_losses, eager_params, _ = run(False)

@@ -21,7 +21,7 @@ from megalite.config import RunConfig
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.training import cuda_graph
-from megalite.training.host_reads import no_host_reads
+from megalite.host_reads import no_host_reads
 from megalite.errors import UsageError
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
@@ -92,7 +92,7 @@ def _train(m, schedule, v, graphs_class=None, steps=STEPS):
                           graphs=graphs) for s in range(steps)]
     params = [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
     step = lambda mbs: train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3, graphs=graphs)  # noqa: E731
-    return [(r["loss"], r["grad_norm"]) for r in results], params, graphs, step, model_cfg.vocab_size
+    return [(r.loss, r.grad_norm) for r in results], params, graphs, step, model_cfg.vocab_size
 
 
 def _refusal(step) -> str:

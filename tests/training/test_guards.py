@@ -16,6 +16,7 @@ from megalite.config import RunConfig
 from megalite.training.guards import (NonFiniteError, NonFiniteGuard, ReplicaMismatchError, check_replicas,
                                       describe_mismatch, parameter_checksums, tensor_checksum)
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+from megalite.training.step_result import StepResult
 
 MICRO, GLOBAL, SEQ = 2, 8, 8
 
@@ -90,7 +91,7 @@ def _guard_world():
         stop.check(3, result, indices)
         out["stop"] = None
     except NonFiniteError as exc:
-        out["stop"] = (str(exc), stop.events[-1].bad_loss, stop.events[-1].bad_grads, math.isnan(result["loss"]))
+        out["stop"] = (str(exc), stop.events[-1].bad_loss, stop.events[-1].bad_grads, math.isnan(result.loss))
 
     # 5. Replicas still agree after the skipped steps; then rank 3 drifts by one ulp in one
     #    element of a tp-sharded parameter: only its dp group {1, 3} can see it.
@@ -165,15 +166,22 @@ def test_mismatch_names_the_minority_when_there_is_a_majority():
                     "dp rank 2 (global 4) disagrees with the majority, dp ranks 0, 1, 3 (global 0, 2, 6)")
 
 
+def _result(loss: float, grad_norm: float, skipped: bool = False, loss_finite: bool = True) -> StepResult:
+    """A step's result with the numbers the guard reads; the rest zero."""
+    return StepResult(loss=loss, grad_norm=grad_norm, skipped=skipped, loss_scale=1.0, tokens=0, loss_finite=loss_finite,
+                      lr=0.0, exposed_dp_comm_s=0.0, exposed_grad_reduce_s=0.0, exposed_param_gather_s=0.0,
+                      exposed_token_count_s=0.0)
+
+
 def test_single_process_and_bad_policy():
     m = mesh.single_process_mesh("cpu")
     check_replicas([("w", torch.ones(2))], m, step=1)  # dp=1: nothing to compare, no error
     guard = NonFiniteGuard(m, "skip", loss_scaling=True, log=lambda s: None)
-    assert guard.check(1, {"loss": 2.0, "grad_norm": float("inf"), "skipped": True}, [[0]]) is None  # fp16 overflow
-    event = guard.check(2, {"loss": float("nan"), "grad_norm": 1.0, "skipped": False}, [[7, 8]])
+    assert guard.check(1, _result(2.0, float("inf"), skipped=True), [[0]]) is None  # fp16 overflow
+    event = guard.check(2, _result(float("nan"), 1.0), [[7, 8]])
     assert event.update_applied and event.sample_indices == {0: [[7, 8]]}
     assert "the optimizer update WAS applied" in event.describe()
-    assert guard.check(3, {"loss": 2.0, "grad_norm": 1.0, "skipped": False, "loss_finite": False}, [[9]]).bad_loss
+    assert guard.check(3, _result(2.0, 1.0, loss_finite=False), [[9]]).bad_loss
     with pytest.raises(ValueError, match="--on-nonfinite must be one of"):
         NonFiniteGuard(m, "ignore")
 

@@ -16,7 +16,7 @@ from megalite.model import preset
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.transformer import TransformerBlock
 from megalite.testing import RankFailed, run_distributed
-from megalite.training.host_reads import HostReadError, no_host_reads
+from megalite.host_reads import HostReadError, no_host_reads
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 SEQ, MICRO, GLOBAL = 8, 2, 8
@@ -39,7 +39,7 @@ def _steps(m, zero, steps=2, **extra):
     chunks = build_model_chunks(model_cfg, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     return [train_step(optimizer.model, optimizer, _microbatches(model_cfg.vocab_size, m.dp_size, m.dp_rank, s), m,
-                       cfg, lr=1e-3, check_host_reads=True)["loss"] for s in range(steps)]  # step 1 calibrates
+                       cfg, lr=1e-3, check_host_reads=True).loss for s in range(steps)]  # step 1 calibrates
 
 
 def _world():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megalite import comm
-from megalite.model.config import preset
+from megalite.config.model import preset
 from megalite.testing import run_distributed
 from megalite.training import metrics as M
 

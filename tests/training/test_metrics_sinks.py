@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megalite.model.config import preset
+from megalite.config.model import preset
 from megalite.training import metrics as M
 from megalite.training.metrics_sinks import TensorBoardSink, WandbSink
 

@@ -53,7 +53,7 @@ def _run(name, m, cfg):
     model = _model(name)
     chunks = build_model_chunks(model, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
-    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3)["loss"]
+    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3).loss
               for mbs in _batches(model.vocab_size, m.dp_size, m.dp_rank)]
     return losses, chunks
 

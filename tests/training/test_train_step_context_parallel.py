@@ -60,7 +60,7 @@ def _reference(name, precision="fp32"):
     results = [train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3) for mbs in _batches(257, 1, 0)]
     params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
     eval_loss = evaluate(chunks, _batches(257, 1, 0)[0], m, cfg)
-    return [r["loss"] for r in results], [r["grad_norm"] for r in results], params, eval_loss
+    return [r.loss for r in results], [r.grad_norm for r in results], params, eval_loss
 
 
 # Low precision: cp > 1 against cp = 1 in the same dtype, losses and grad norms to its rounding.
@@ -102,8 +102,8 @@ def _train_and_compare(m, name, cfg, reference, what):
             comm.ledger.reset()
         results.append(train_step(optimizer.model, optimizer, mbs, m, cfg, lr=1e-3))
     cp_keys = _ledger_matches_the_planner(m, cfg, optimizer.model, dict(comm.ledger.bytes))
-    torch.testing.assert_close([r["loss"] for r in results], ref_losses, rtol=rtol, atol=0, msg=what)
-    torch.testing.assert_close([float(r["grad_norm"]) for r in results], [float(n) for n in ref_norms], rtol=rtol,
+    torch.testing.assert_close([r.loss for r in results], ref_losses, rtol=rtol, atol=0, msg=what)
+    torch.testing.assert_close([float(r.grad_norm) for r in results], [float(n) for n in ref_norms], rtol=rtol,
                                atol=0, msg=what)
     torch.testing.assert_close(evaluate(chunks, batches[0], m, cfg), ref_eval, rtol=rtol, atol=0, msg=what)
     if rtol > 1e-5:

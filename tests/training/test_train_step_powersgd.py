@@ -69,7 +69,7 @@ def _train(chunks, optimizer, m, cfg, steps, ledgers=None):
 
 
 def _losses(results):
-    return [r["loss"] for r in results]
+    return [r.loss for r in results]
 
 
 def _state(optimizer):
@@ -88,8 +88,8 @@ def _check_ledger(m, cfg, ledgers, results, model):
     for ledger, result in zip(ledgers[1:], results[1:]):  # step 1 is the warm-up
         assert ledger[(group, "all_reduce")] == planned[f"{group}/all_reduce"] + 8
         assert (group, "reduce_scatter") not in ledger
-        assert result["grad_reduce_bytes"] == planned[f"{group}/all_reduce"]
-        assert result["grad_compression_ratio"] == 4 * model.layout.numel / planned[f"{group}/all_reduce"]
+        assert result.grad_reduce_bytes == planned[f"{group}/all_reduce"]
+        assert result.grad_compression_ratio == 4 * model.layout.numel / planned[f"{group}/all_reduce"]
 
 
 def _dp2_world(ckpt_dir):
@@ -188,7 +188,7 @@ def _fp16_world():
     untouched = not compressor.error.any() and all(
         torch.equal(compressor.q_of(i), first_q(x.m, x.r, cfg.training.seed)) for i, x in compressor.matrices.items())
     results += _train(chunks, optimizer, m, cfg, [2, 3])
-    return dict(skipped=[r["skipped"] for r in results], untouched=untouched, moved=bool(compressor.error.any()),
+    return dict(skipped=[r.skipped for r in results], untouched=untouched, moved=bool(compressor.error.any()),
                 losses=_losses(results))
 
 

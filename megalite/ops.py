@@ -1,50 +1,35 @@
-"""The model's elementwise, attention and mixture-of-experts math, in one place.
+"""The operations under every layer: elementwise, attention and mixture-of-experts math, in one place.
 
-Each function dispatches to `megalite.kernels` (Triton on CUDA tensors, the PyTorch reference
-elsewhere, per MEGALITE_KERNEL_BACKEND) when that package provides it, and otherwise to the
-plain PyTorch below. Both compute the same function; the model's parity tests run on either.
+Each function is `megalite.kernels`' op (Triton on CUDA tensors, the PyTorch reference elsewhere,
+per MEGALITE_KERNEL_BACKEND), with the layout the layers use. This module sits below
+tensor_parallel/, context_parallel/, moe/ and model/: it imports nothing else from megalite.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-try:  # the Triton kernels package; optional at this layer
-    from megalite import kernels as _kernels
-except ImportError:  # pragma: no cover
-    _kernels = None
-
-
-def _kernel(name: str):
-    return getattr(_kernels, name, None) if _kernels is not None else None
+from megalite import kernels
+from megalite.kernels import attention_dispatch, attention_tiles
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    fn = _kernel("layer_norm")
-    if fn is not None:
-        return fn(x, weight, bias, eps)
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    """LayerNorm over the last dim of x [..., h]; weight, bias [h]."""
+    return kernels.layer_norm(x, weight, bias, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight, statistics in fp32, result in x.dtype."""
-    fn = _kernel("rms_norm")
-    if fn is not None:
-        return fn(x, weight, eps)
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in fp32, rounded once to x.dtype."""
+    return kernels.rms_norm(x, weight, eps)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """GeLU, tanh approximation (GPT-2's gelu_new)."""
-    fn = _kernel("gelu")
-    return fn(x) if fn is not None else F.gelu(x, approximate="tanh")
+    return kernels.gelu(x)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    fn = _kernel("swiglu")
-    return fn(gate, up) if fn is not None else F.silu(gate) * up
+    """silu(gate) * up, elementwise."""
+    return kernels.swiglu(gate, up)
 
 
 class _SplitHeads(torch.autograd.Function):
@@ -73,28 +58,9 @@ def split_heads(qkv: torch.Tensor, heads: tuple[int, ...], head_dim: int) -> tup
     return _SplitHeads.apply(qkv, tuple(heads), head_dim)
 
 
-def rope_tables(seq_length: int, head_dim: int, theta: float, device=None,
-                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [s, d] in fp32 for rotate-half RoPE (each frequency's angle repeated in both halves);
-    `scaling`: GPTConfig.rope_scaling (model/rope_scaling.py), None for plain RoPE."""
-    from megalite.model.rope_scaling import scale_frequencies
-
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    inv_freq = scale_frequencies(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv_freq)  # [s, d/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [s, d]
-    return angles.cos(), angles.sin()
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [s, b, heads, d]; cos, sin: [s, d]."""
-    fn = _kernel("rope")
-    if fn is not None:
-        return fn(x, cos, sin)
-    cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return kernels.rope(x, cos, sin)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_seed: int = 0,
@@ -105,42 +71,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
     dropout_offset) (kernels/attention_torch.py: counters over [h, b, s, s], head-major), inside
     the flash kernel on CUDA and in the PyTorch path elsewhere; neither keeps anything per score.
     """
-    fn = _kernel("attention")
-    if fn is not None:
-        return fn(q, k, v, causal=True, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                  dropout_offset=dropout_offset)
-    if dropout_p > 0.0:  # pragma: no cover - the kernels package ships with megalite
-        raise RuntimeError("attention dropout needs megalite.kernels (Philox masks); reinstall megalite")
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def _moe_kernel(name: str):
-    fn = _kernel(name)
-    if fn is None:  # pragma: no cover - the kernels package ships with megalite
-        raise RuntimeError(f"{name} needs megalite.kernels (its PyTorch reference lives there); reinstall megalite")
-    return fn
+    return kernels.attention(q, k, v, causal=True, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """Per-expert matmul. x [T, K] rows sorted by expert, weight [E, K, N], group_sizes int64 [E]
     (on x's device, zeros allowed, sum == T) -> [T, N]; expert g's rows times weight[g]."""
-    return _moe_kernel("grouped_mm")(x, weight, group_sizes)
+    return kernels.grouped_mm(x, weight, group_sizes)
 
 
 def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     """x [T, H], expert_ids int64 [T, k] (-1: not routed here) -> (permuted [R, H] sorted by expert,
     stable; sorted_index int64 [R], the flat token*k + slot of each row; group_sizes int64 [E])."""
-    return _moe_kernel("permute_tokens")(x, expert_ids, num_experts)
+    return kernels.permute_tokens(x, expert_ids, num_experts)
 
 
 def unpermute_tokens(y: torch.Tensor, sorted_index: torch.Tensor, weights: torch.Tensor,
                      num_tokens: int) -> torch.Tensor:
     """y [R, H] as permute_tokens ordered it, weights [T, k] -> [T, H]: out[t] = sum over t's routed
     slots of weights[t, slot] * y[row of (t, slot)]."""
-    return _moe_kernel("unpermute_tokens")(y, sorted_index, weights, num_tokens)
+    return kernels.unpermute_tokens(y, sorted_index, weights, num_tokens)
 
 
 def attention_implementation(head_dim: int, num_heads: int, num_query_groups: int, seq_length: int, dtype: str,
@@ -148,11 +99,7 @@ def attention_implementation(head_dim: int, num_heads: int, num_query_groups: in
     """Which implementation this model's attention calls run on `device`: "triton", "sdpa",
     "sdpa_gqa" or "reference" (kernels/attention_dispatch.py's names); the planner's activation
     bytes depend on it (megalite/plan/activations.py). Arguments as `describe_attention`'s."""
-    if _kernels is None:  # pragma: no cover - the kernels package ships with megalite
-        return "reference"
-    from megalite.kernels import attention_dispatch, attention_tiles
-
-    backend = _kernels.backend_name()
+    backend = kernels.backend_name()
     if device.type != "cuda":
         return "triton" if backend == "triton" else "reference"
     if cp > 1 and cp_comm_type == "p2p":
@@ -170,11 +117,7 @@ def describe_attention(head_dim: int, num_heads: int, num_query_groups: int, seq
     dtype: "fp32" | "bf16" | "fp16". With cp > 1 ring attention ("p2p") runs the Triton kernels'
     log-sum-exp entry points; Ulysses ("a2a") calls `attention` on the whole sequence.
     """
-    if _kernels is None:  # pragma: no cover - the kernels package ships with megalite
-        return "attention: torch SDPA (megalite.kernels missing)"
-    from megalite.kernels import attention_dispatch, attention_tiles
-
-    backend = _kernels.backend_name()
+    backend = kernels.backend_name()
     if device.type != "cuda":
         if backend == "triton":
             return "attention: megalite Triton kernels in Triton's CPU interpreter (MEGALITE_KERNEL_BACKEND=triton)"

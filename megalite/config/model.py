@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megalite.config.rope_scaling import check_rope_scaling
 from megalite.moe.config import MoEConfig
 
 
@@ -61,7 +62,7 @@ class GPTConfig:
     """RMSNorm over each query and key head (weights [d], shared by the heads) before RoPE (Qwen3)."""
     rope_scaling: dict | None = None
     """None: plain RoPE. {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}: Llama 3.1's frequency scaling (model/rope_scaling.py)."""
+    "original_max_position_embeddings"}: Llama 3.1's frequency scaling (config/rope_scaling.py)."""
     make_vocab_size_divisible_by: int = 128
     moe: MoEConfig | None = None
     """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
@@ -86,8 +87,7 @@ class GPTConfig:
             if getattr(self, name) is None:
                 setattr(self, name, self.add_bias)
         if self.rope_scaling is not None:
-            from megalite.model.rope_scaling import check_rope_scaling  # one line naming what is unsupported
-            check_rope_scaling(self.rope_scaling)
+            check_rope_scaling(self.rope_scaling)  # one line naming what is unsupported
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}")

@@ -1,8 +1,8 @@
 """The parts of a RunConfig, each a frozen dataclass of settings declared with `setting(...)`.
 
 One field is one setting: its name (the flag is `--` + the name with dashes, Megatron-LM's
-spelling), its type (the annotation), its default, its choices (an enum from config_choices.py),
-its help and, for a number, the values it accepts (config_bounds.py). megalite.config assembles
+spelling), its type (the annotation), its default, its choices (an enum from config/choices.py),
+its help and, for a number, the values it accepts (config/bounds.py). megalite.config assembles
 the parts into RunConfig and generates the parser, the config files and validation from them.
 
 Pure Python: no torch.
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megalite.model.config import PRESETS
-from megalite.config_bounds import Bounds
-from megalite.config_choices import (
+from megalite.config.model import PRESETS
+from megalite.config.bounds import Bounds
+from megalite.config.choices import (
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe)
 
@@ -25,7 +25,7 @@ def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: s
     extra flags that set a value (e.g. Megatron's --bf16 for precision = bf16); `synonyms` are other
     names of the flag itself, taking the same value (Megatron's --expert-model-parallel-size for
     --ep), also accepted as config-file keys; `bounds`, for
-    numbers, the values it accepts (config_bounds.Bounds: minimum, maximum, above, below, finite,
+    numbers, the values it accepts (config.bounds.Bounds: minimum, maximum, above, below, finite,
     at_most=another setting, fix=advice), checked by `bound_problems` before anything uses them."""
     return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
                                             "aliases": aliases or {}, "synonyms": tuple(synonyms),
@@ -46,7 +46,7 @@ class ModelSettings:
     vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)", minimum=1)
     hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding", minimum=0, below=1)
     attention_dropout: float = setting(0.0, "dropout on the attention probabilities", minimum=0, below=1)
-    # Megatron-LM's names for architecture choices (config_megatron.model_overrides; unset: the preset's)
+    # Megatron-LM's names for architecture choices (config.megatron.model_overrides; unset: the preset's)
     init_method_std: float | None = setting(None, "std of the normal weight init (output projections: std / "
                                                   "sqrt(2 * layers)); default the preset's 0.02", above=0)
     max_position_embeddings: int | None = setting(None, "Megatron's position limit: at least --seq-length (the "

@@ -1,4 +1,4 @@
-"""What the training step does with a model's MoE layers:
+"""The training step's bookkeeping over a model's MoE layers (what a step does with them, besides running them):
 
 - `set_loss_scale(chunks, scale)` before the step's forwards: the factor of the balancing losses'
   gradient (see layer.py);

@@ -1,4 +1,4 @@
-"""RoPE frequency scaling for long contexts (Llama 3.1's "llama3" rule), as a pure function.
+"""RoPE frequency scaling for long contexts (Llama 3.1's "llama3" rule): its torch-free checks.
 
 `GPTConfig.rope_scaling` holds HF's dict (`rope_type` plus its numbers); plain RoPE is None.
 Only "llama3" is built: any other type is refused by name (check_rope_scaling), never approximated.
@@ -7,10 +7,9 @@ The llama3 rule (Meta's Llama 3.1 release) keeps the high frequencies, divides t
 `factor`, and blends linearly in between, judged by each frequency's wavelength 2*pi/f against
 the original context length L: wavelength < L/high_freq_factor -> f; wavelength > L/low_freq_factor
 -> f/factor; else (1 - t) * f/factor + t * f with t = (L/wavelength - low) / (high - low).
+The rule itself (torch) is model/rope.py's scale_frequencies.
 """
 from __future__ import annotations
-
-import math
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -35,18 +34,3 @@ def check_rope_scaling(scaling: dict) -> None:
     if not float(scaling["high_freq_factor"]) > float(scaling["low_freq_factor"]):
         raise ValueError(f"rope_scaling needs high_freq_factor > low_freq_factor, got {scaling}")
 
-
-def scale_frequencies(inv_freq, scaling: dict | None):
-    """inv_freq [d/2] (fp32 tensor) -> the frequencies RoPE uses under `scaling` (unchanged for plain RoPE).
-    (torch is imported here: GPTConfig checks its rope_scaling without loading torch.)"""
-    import torch
-
-    if rope_type(scaling) == "default":
-        return inv_freq
-    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-    context = float(scaling["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inv_freq
-    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
-    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
-    scaled = torch.where(wavelength > context / low, inv_freq / factor, scaled)
-    return torch.where(wavelength < context / high, inv_freq, scaled)

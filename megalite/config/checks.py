@@ -1,5 +1,5 @@
 """What training cannot run, beyond the layout arithmetic the planner checks (plan/validity.py)
-and each setting's declared bounds (config_bounds.py): combinations of settings, and the files
+and each setting's declared bounds (config/bounds.py): combinations of settings, and the files
 a run names (data, --load). Called by RunConfig.validate.
 """
 from __future__ import annotations

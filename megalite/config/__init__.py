@@ -1,11 +1,11 @@
 """RunConfig: every setting of a training run, declared once.
 
 A setting is a field of one part (model, parallel, moe, training, optimizer, precision, data,
-checkpoint, logging, fault_tolerance; the parts live in config_parts.py) declared with
+checkpoint, logging, fault_tolerance; the parts live in config/parts.py) declared with
 `setting(default, help, ...)`: its name
 (the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
-its default, its choices (an enum declared once in config_choices.py), its help and, for a
-number, the values it accepts (`minimum=1`, `below=1`, `at_most="lr"`: config_bounds.py). Everything
+its default, its choices (an enum declared once in config/choices.py), its help and, for a
+number, the values it accepts (`minimum=1`, `below=1`, `at_most="lr"`: config/bounds.py). Everything
 else is generated from these declarations: the argparse parser and the TOML/JSON config files
 (`megalite/cli.py`), the planner's view of the run (the planner reads a RunConfig), the
 configuration saved in checkpoints and beside the metrics.
@@ -28,18 +28,18 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from megalite.model.config import GPTConfig, preset
+from megalite.config.model import GPTConfig, preset
 from megalite.moe.config import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
-from megalite import config_megatron as megatron
-from megalite.config_bounds import NO_BOUNDS, Bounds, bound_problems
-from megalite.config_checks import data_problems, setting_problems
-from megalite.config_choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
+from megalite.config import megatron
+from megalite.config.bounds import NO_BOUNDS, Bounds, bound_problems
+from megalite.config.checks import data_problems, setting_problems
+from megalite.config.choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher)
 
 
-from megalite.config_parts import (  # noqa: F401  (re-exported: RunConfig's parts and how a setting is declared)
+from megalite.config.parts import (  # noqa: F401  (re-exported: RunConfig's parts and how a setting is declared)
     setting, ModelSettings, ParallelSettings, MoESettings, TrainingSettings, OptimizerSettings, PrecisionSettings,
     DataSettings, CheckpointSettings, LoggingSettings, FaultToleranceSettings, PARTS)
 
@@ -241,7 +241,7 @@ class RunConfig:
                      num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
                      seq_length=m.seq_length, vocab_size=m.vocab_size, hidden_dropout=m.hidden_dropout,
                      attention_dropout=m.attention_dropout)
-        # Megatron's names (--init-method-std, --swiglu, ...) over them: config_megatron.model_overrides
+        # Megatron's names (--init-method-std, --swiglu, ...) over them: config.megatron.model_overrides
         model = preset(m.model, **{**given, **megatron.model_overrides(m)})
         problem = megatron.position_problem(m, model.seq_length)
         if problem:
@@ -288,7 +288,7 @@ class RunConfig:
     # ------------------------------------------------------------------ validation
 
     def bound_problems(self) -> list[str]:
-        """The settings outside the values their declarations accept (config_bounds.py), one
+        """The settings outside the values their declarations accept (config/bounds.py), one
         message each naming the flag and the fix."""
         return bound_problems(settings().values(), self.flat())
 

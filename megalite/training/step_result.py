@@ -1,0 +1,33 @@
+"""What one training step reports: `train_step`'s result, typed (one field per fact, read by name)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepResult:
+    """One step's numbers, the same on every rank unless a field says otherwise.
+
+    exposed_*_s: host seconds blocked on dp communication, in total and by cause (the token count's
+    wait is, with --overlap-param-gather, a wait for the gathers queued before it on the dp group).
+    """
+
+    loss: float  # the global mean loss over every target token of the step (all dp and cp ranks)
+    grad_norm: float  # the global norm of the true (unscaled, unclipped) gradients
+    skipped: bool  # no update: a non-finite loss or gradient somewhere
+    loss_scale: float  # the fp16 loss scale this step ran with (1.0 without one)
+    tokens: int  # target tokens of the step over all dp ranks
+    loss_finite: bool
+    lr: float  # the learning rate of this step's update (the optimizer's first group)
+    exposed_dp_comm_s: float
+    exposed_grad_reduce_s: float
+    exposed_param_gather_s: float
+    exposed_token_count_s: float
+    # MoE layers' statistics (`moe.bookkeeping.moe_stats`: 'moe_aux_loss', 'moe_layers', ...); {} without experts
+    moe: dict[str, Any] = field(default_factory=dict)
+    # pp > 1: (PipelineSpec, this stage's median seconds per compute instruction), for the measured bubble
+    pipeline: tuple | None = None
+    # --grad-compression: bytes sent on the dp group (and edp), and uncompressed bytes / sent
+    grad_reduce_bytes: int | None = None
+    grad_compression_ratio: float | None = None
