@@ -118,6 +118,9 @@ class CheckpointLock:
     def release(self) -> None:
         """Remove the lock if this process holds it (idempotent)."""
         self._stop.set()
+        if self._thread is not None:  # it wakes at once; joined, so no lock thread outlives the run
+            self._thread.join(timeout=5)
+            self._thread = None
         if not self.held:
             return
         self.held = False
