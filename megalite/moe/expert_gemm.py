@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite.kernels import grouped_mm_grads
 from megalite import ops
+from megalite.kernels import grouped_mm_grads
 
 
 def _stack(weights) -> torch.Tensor:
