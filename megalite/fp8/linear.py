@@ -27,7 +27,7 @@ from megalite import comm, params as P
 from megalite.fp8 import gemm
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import quantize
-from megalite.tensor_parallel.weight_grad import bypasses_autograd, deliver
+from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
 
 
 def _gather_fp8(q: torch.Tensor, inv: torch.Tensor, group):
@@ -79,12 +79,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         wants_weight, wants_bias = needs[1], bias is not None and needs[2]
         args = (ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight, wants_bias)
         if bypasses_autograd(weight):
-            deferred = P.deferred(weight)
-            if deferred is not None:
-                store, key = deferred
-                store.put(key, lambda: _deliver(weight, bias, *_weight_grads(*args)))
-            else:
-                _deliver(weight, bias, *_weight_grads(*args))
+            route_weight_grads(weight, bias, _weight_grads, *args)
             return grad_input, None, None, None, None, None, None
         grad_weight, grad_bias = _weight_grads(*args)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
@@ -130,13 +125,6 @@ def _weight_grads(ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight: bool, wan
     a = g_q.t().contiguous()  # [N, T] row-major
     b = x_q.t().contiguous().t()  # [T, K] column-major
     return gemm.scaled_mm(a, b, g_inv, x_inv, torch.float32), grad_bias
-
-
-def _deliver(weight, bias, grad_weight, grad_bias) -> None:
-    if grad_weight is not None:
-        deliver(weight, grad_weight)
-    if grad_bias is not None:
-        deliver(bias, grad_bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe, tp_group=None,

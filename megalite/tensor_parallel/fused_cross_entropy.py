@@ -27,7 +27,8 @@ import torch
 from megalite import comm, params
 from megalite.kernels.cross_entropy import check_target_range, merge_stats, new_stats, shard_grad, shard_stats
 from megalite.kernels.dispatch import use_triton
-from megalite.tensor_parallel.layers import _route_weight_grads, resolve_tp_group
+from megalite.tensor_parallel.layers import resolve_tp_group
+from megalite.tensor_parallel.weight_grad import route_weight_grads
 from megalite.tensor_parallel.weight_grad import bypasses_autograd, deliver
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # one chunk's logits: bounds the transient, big enough for full-speed GEMMs
@@ -96,7 +97,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             return grad_hidden, None, None, None, None, None, None, None
         grad_weight = grad_weight.to(weight.dtype)
         if bypasses_autograd(weight):  # deferred: the weight pass delivers the finished gradient
-            _route_weight_grads(weight, None, lambda: (grad_weight, None))
+            route_weight_grads(weight, None, lambda: (grad_weight, None))
             return grad_hidden, None, None, None, None, None, None, None
         return grad_hidden, grad_weight, None, None, None, None, None, None
 

@@ -23,7 +23,7 @@ from megalite.fp8.linear import fp8_linear
 from megalite.mesh import current_mesh
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.sharding import ShardSpec, validate_blocks
-from megalite.tensor_parallel.weight_grad import bypasses_autograd, deliver
+from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -76,7 +76,7 @@ class _LinearFunction(torch.autograd.Function):
         grad_input = g2.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if needs[0] else None
         wants_bias = bias is not None and needs[2]
         if bypasses_autograd(weight):
-            _route_weight_grads(weight, bias, _weight_grads, g2, x, needs[1], wants_bias)
+            route_weight_grads(weight, bias, _weight_grads, g2, x, needs[1], wants_bias)
             return grad_input, None, None
         return (grad_input, *_weight_grads(g2, x, needs[1], wants_bias))
 
@@ -94,23 +94,6 @@ def _weight_grads(g2, x, wants_weight: bool, wants_bias: bool):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose weight gradients honour megalite's routing (sink, deferral)."""
     return _LinearFunction.apply(x, weight, bias)
-
-
-def _route_weight_grads(weight, bias, compute, *args) -> None:
-    """Deliver `compute(*args)`'s (grad_weight, grad_bias) now, or queue it under a deferral store."""
-    deferred = params.deferred(weight)
-    if deferred is not None:
-        store, key = deferred
-        store.put(key, lambda: _deliver_weight_grads(weight, bias, *compute(*args)))
-    else:
-        _deliver_weight_grads(weight, bias, *compute(*args))
-
-
-def _deliver_weight_grads(weight, bias, grad_weight, grad_bias) -> None:
-    if grad_weight is not None:
-        deliver(weight, grad_weight)
-    if grad_bias is not None:
-        deliver(bias, grad_bias)
 
 
 class _SequenceParallelLinearFunction(torch.autograd.Function):
@@ -139,7 +122,7 @@ class _SequenceParallelLinearFunction(torch.autograd.Function):
         wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out/tp]
         if bypasses_autograd(weight):
-            _route_weight_grads(weight, bias, _weight_grads, g2, x, wants_weight, wants_bias)
+            route_weight_grads(weight, bias, _weight_grads, g2, x, wants_weight, wants_bias)
             return grad_input, None, None, None
         return (grad_input, *_weight_grads(g2, x, wants_weight, wants_bias), None)
 

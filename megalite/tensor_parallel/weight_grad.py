@@ -77,6 +77,24 @@ def deliver(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def route_weight_grads(weight, bias, compute: Callable, *args) -> None:
+    """Deliver `compute(*args)`'s (grad_weight, grad_bias) now, or queue it under the weight's
+    deferral store (zero-bubble schedules run it later as the W pass)."""
+    deferred = P.deferred(weight)
+    if deferred is not None:
+        store, key = deferred
+        store.put(key, lambda: _deliver_both(weight, bias, *compute(*args)))
+    else:
+        _deliver_both(weight, bias, *compute(*args))
+
+
+def _deliver_both(weight, bias, grad_weight, grad_bias) -> None:
+    if grad_weight is not None:
+        deliver(weight, grad_weight)
+    if grad_bias is not None:
+        deliver(bias, grad_bias)
+
+
 def bypasses_autograd(param: torch.Tensor | None) -> bool:
     """True when this parameter's gradient must not be returned to autograd."""
     return param is not None and (P.deferred(param) is not None or P.grad_sink(param) is not None)
