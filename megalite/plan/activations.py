@@ -264,10 +264,16 @@ def _interleaved_head_at_peak(pp: int, m: int, v: int) -> int:
 
 
 def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
-    """An MoE block's routing buffers minus the dense MLP activations it does not keep."""
+    """An MoE block's routing buffers minus the dense MLP activations it does not keep: the MLP's
+    intermediates and its fc1 input (the norm output, a*sbh/sp): the router runs on an fp32 copy and the
+    experts on permuted copies (at etp 1 without SP on this rank's split copy), all counted in
+    `routing_activation_bytes`, so the norm output itself is not saved (a shared expert's input is
+    counted there too)."""
     a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
     tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size
     dense = (2 if model.flavour == "gpt2" else 3) * a * tokens * model.ffn_hidden_size // t
+    dense += a * tokens * model.hidden_size // sp  # the MLP-in linear's input
     return routing_activation_bytes(model, cfg) - dense
 
 
