@@ -97,6 +97,9 @@ def _gloo_world(port):
     stale = side.check([f"state/{m.rank}"])  # only this rank of an earlier world could have set it
     side.set(f"state/{m.rank}", "x")
     comm.barrier(comm.world_group())
+    # wait, not check: each rank's set travels on its own store connection, which the gloo barrier
+    # does not order (check raced it under load); a key that never arrives fails after 30 s
+    side.wait([f"state/{r}" for r in range(3)], datetime.timedelta(seconds=30))
     return x.tolist(), stale, side.check([f"state/{r}" for r in range(3)])
 
 
