@@ -5,6 +5,10 @@ The oracle for each dimension is megalite.comm over the Mesh's group of that nam
 import pytest
 import torch
 from torch import nn
+# imported here, before the ranks fork: a child importing them could block on an import lock that a
+# thread of the parent held at the fork (the suite's earlier tests leave threads behind)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from megalite import comm
 from megalite import mesh as mesh_lib
@@ -12,8 +16,6 @@ from megalite.testing import run_distributed
 
 
 def _dtensor_on_tp_and_dp():
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
     mesh = mesh_lib.init_mesh(tp=2, dp=2)
     dm = mesh.device_mesh
     assert dm.mesh_dim_names == ("pp", "dp", "cp", "tp") and tuple(dm.shape) == (1, 2, 1, 2)
@@ -32,8 +34,6 @@ def test_dtensor_on_device_mesh_equals_megalite_collectives_on_the_same_groups()
 
 
 def _fsdp2_on_dp():
-    from torch.distributed.fsdp import fully_shard
-
     mesh = mesh_lib.init_mesh(dp=2)
     torch.manual_seed(0)
     plain = nn.Linear(4, 3)
