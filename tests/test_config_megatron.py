@@ -52,6 +52,7 @@ def test_megatron_line_means_the_megalite_line():
     (["--max-position-embeddings", "64", "--seq-length", "128"], "raise it to at least 128"),
     (["--position-embedding-type", "rope", "--normalization", "LayerNorm"], "mix the two model flavours"),
     (["--lr-warmup-fraction", "1.5"], "lr-warmup-fraction"),
+    (["--kv-channels", "0"], "--kv-channels"),
 ])
 def test_megatron_mistakes_are_one_line(argv, needle, capsys):
     from megalite.training.loop import main
@@ -73,6 +74,26 @@ def test_megatron_architecture_flags_choose_the_flavour():
     assert (model.norm_eps, model.rope_theta, model.make_vocab_size_divisible_by) == (1e-6, 500000.0, 64)
     gpt2, _ = parse_args("--position-embedding-type learned_absolute --normalization LayerNorm --no-swiglu".split())
     assert gpt2.gpt_config() == RunConfig().gpt_config()
+
+
+def test_megatron_attention_shape_flags_reach_the_model():
+    from megalite.model import GPTModel
+
+    base, _ = parse_args("--num-layers 1 --disable-bias-linear".split())
+    qwen, _ = parse_args("--num-layers 1 --disable-bias-linear --add-qkv-bias --qk-layernorm --kv-channels 48".split())
+    before, after = base.gpt_config(), qwen.gpt_config()
+    assert (after.qkv_bias, after.proj_bias, after.mlp_bias) == (True, False, False)
+    assert (after.qk_layernorm, after.kv_channels, after.head_dim) == (True, 48, 48)
+    assert (before.qkv_bias, before.qk_layernorm, before.kv_channels, before.head_dim) == (False, False, None, 32)
+    h, heads, groups = after.hidden_size, after.num_attention_heads, after.num_query_groups
+    # one block: q/k/v [h, (heads + 2 groups) * d] and output [heads * d, h] widen by 16 per head, plus the
+    # q/k/v biases and the two [d] head norms
+    widened = h * (heads + 2 * groups) * 16 + heads * 16 * h + (heads + 2 * groups) * 48 + 2 * 48
+
+    def count(cfg):
+        return sum(p.numel() for p in GPTModel(cfg, seed=0).parameters())
+
+    assert count(after) - count(before) == widened
 
 
 def _train(argv):

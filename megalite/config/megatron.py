@@ -20,8 +20,8 @@ Settings Megatron's command lines carry that megalite declares under Megatron's 
 (config/parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
 --lr-decay-iters, --untie-embeddings-and-output-weights, --disable-bias-linear,
 --position-embedding-type, --normalization, --swiglu, --group-query-attention, --norm-epsilon,
---rotary-base, --make-vocab-size-divisible-by. `model_overrides` turns the model ones into
-GPTConfig fields and `lr_iters` the schedule ones into (warm-up, decay) steps.
+--rotary-base, --make-vocab-size-divisible-by, --add-qkv-bias, --qk-layernorm, --kv-channels.
+`model_overrides` turns the model ones into GPTConfig fields and `lr_iters` the schedule ones into (warm-up, decay) steps.
 
 Pure Python: no torch.
 """
@@ -103,7 +103,9 @@ def model_overrides(model_settings) -> dict[str, Any]:
     if m.disable_bias_linear is not None:
         out["add_bias"] = not m.disable_bias_linear
     for setting_name, field_name in (("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"),
-                                     ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by")):
+                                     ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by"),
+                                     ("add_qkv_bias", "qkv_bias"), ("qk_layernorm", "qk_layernorm"),
+                                     ("kv_channels", "kv_channels")):
         if getattr(m, setting_name) is not None:
             out[field_name] = getattr(m, setting_name)
     if m.group_query_attention and m.num_query_groups is None:

@@ -64,6 +64,12 @@ class ModelSettings:
     norm_epsilon: float | None = setting(None, "epsilon of the layer norms (default the preset's 1e-5)", above=0)
     rotary_base: float | None = setting(None, "RoPE base theta (llama flavour; default the preset's 10000)",
                                         above=0)
+    add_qkv_bias: bool | None = setting(None, "biases on the query/key/value projection alone (Qwen2; default: "
+                                              "as the other linears)")
+    qk_layernorm: bool | None = setting(None, "RMSNorm over each query and key head before RoPE (Qwen3; default: "
+                                              "the preset's)")
+    kv_channels: int | None = setting(None, "head dim d (default hidden / heads; heads * d may differ from "
+                                            "hidden, as in Qwen3)", minimum=1)
     make_vocab_size_divisible_by: int | None = setting(None, "pad the vocabulary to a multiple of this (times tp); "
                                                              "default 128", minimum=1)
 
