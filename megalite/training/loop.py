@@ -38,7 +38,6 @@ from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.lock import CheckpointLock
 from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
-from megalite.checkpoint.storage import check_save_dir
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
                                          plan_resume)
 from megalite.checkpoint.resume_settings import check_resumed_settings
@@ -46,25 +45,23 @@ from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
-from megalite.errors import ConfigError, UsageError, report_usage_error
-from megalite.kernels.dispatch import backend_name
+from megalite.errors import UsageError, report_usage_error
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
-from megalite import ops
 from megalite.config.model import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
-from megalite.plan import estimate, justify, recompute_fraction
-from megalite.plan.hardware import builtin_for_device
-from megalite.plan.layout import DTYPE_BYTES
+from megalite.plan import estimate, recompute_fraction
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
-from megalite.training.metrics_sinks import open_sinks, sink_problems
-from megalite.training.launch_checks import launch_problems, machine_notes, machine_problems, memory_per_rank
+from megalite.training.metrics_sinks import open_sinks
+from megalite.training.configure import configure
+from megalite.training.launch_checks import memory_per_rank
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
+from megalite.training.announce import announce, attention_run
 from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
@@ -134,34 +131,6 @@ def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
                                   saved_state.lr_factor if saved_state else 1.0)
 
 
-def configure(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None,
-              memory: tuple[float, str] | None = None) -> RunConfig:
-    """The configuration resolved for this world, or ConfigError listing every problem and its fix.
-    `memory`: (bytes, whose) each rank may use (`memory_per_rank()`), to refuse a layout that cannot fit."""
-    if cfg.bound_problems():  # before resolving, which divides by the degrees
-        raise ConfigError.listing(cfg.bound_problems())
-    cfg = cfg.resolved(world_size, tokenizer_vocab_size)
-    problems = launch_problems(cfg, world_size, tokenizer_vocab_size, memory)
-    try:
-        backend = backend_name()
-    except ValueError as exc:  # MEGALITE_KERNEL_BACKEND names no backend: one line, like a flag's mistake
-        problems, backend = problems + [str(exc)], "auto"
-    problems += machine_problems(cfg, torch.cuda.is_available(), backend)
-    problems += sink_problems(cfg.logging)  # --tensorboard-dir / --wandb-project without their package
-    if not problems and cfg.checkpoint.save is not None:  # found now, not at the first checkpoint hours in
-        problems += check_save_dir(cfg.checkpoint.save, _checkpoint_bytes_per_node(cfg, world_size))
-    if problems:
-        raise ConfigError.listing(problems)
-    return cfg
-
-
-def _checkpoint_bytes_per_node(cfg: RunConfig, world_size: int) -> int:
-    """Weights + fp32 master, exp_avg, exp_avg_sq, for this node's ranks' share (node-local disks)."""
-    per_param = DTYPE_BYTES[cfg.precision.precision] + 12
-    node_share = min(1.0, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) / max(1, world_size))
-    return int(cfg.gpt_config().num_params() * per_param * node_share)
-
-
 # ---------------------------------------------------------------------------------------------
 # Build
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +185,7 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     chunks = provided.build_chunks(cfg, mesh) if provided is not None else None  # the same seed on every rank
     model_cfg = chunks[0].config if provided is not None else cfg.gpt_config()
     if provided is None:
-        _announce(cfg, model_cfg, mesh)
+        announce(cfg, model_cfg, mesh, log)
     else:
         log(mesh.describe() + "\n" + model_cfg.describe())
     t = cfg.training
@@ -244,53 +213,6 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
-
-
-def _attention_run(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device) -> str | None:
-    """The attention implementation the model's blocks run on this GPU, for the planner to count what
-    it keeps; None off CUDA, where the estimate is a GPU's (the planner's choice, as logged)."""
-    if device.type != "cuda":
-        return None
-    return ops.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
-                                       model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout,
-                                       cfg.parallel.cp, cfg.parallel.cp_comm_type, device)
-
-
-def _announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh) -> None:
-    plan = estimate(model_cfg, cfg, _attention_run(cfg, model_cfg, mesh.device))
-    log(mesh.describe())
-    log(f"model: {model_cfg.flavour} {model_cfg.num_layers} layers, h={model_cfg.hidden_size}, "
-        f"heads={model_cfg.num_attention_heads}/{model_cfg.num_query_groups}, {model_cfg.num_params() / 1e6:.2f}M "
-        f"params, vocab {model_cfg.vocab_size} (padded {model_cfg.padded_vocab_size(cfg.parallel.tp)}), "
-        f"seq {model_cfg.seq_length}")
-    log(f"batch: global {cfg.global_batch_size} = micro {cfg.training.micro_batch_size} x dp {cfg.dp} x "
-        f"accumulation {cfg.num_microbatches}; "
-        + (f"cp {cfg.parallel.cp} ({cfg.parallel.cp_comm_type}): {model_cfg.seq_length // cfg.parallel.cp} tokens "
-           f"of each sequence per rank; " if cfg.parallel.cp > 1 else "")
-        + f"{cfg.precision.precision}{_fp8_words(cfg, mesh)}; schedule "
-        f"{cfg.schedule if cfg.parallel.pp > 1 else 'none'}; zero {cfg.parallel.zero}; estimated "
-        f"{plan.total_bytes / 1e9:.2f} GB per rank")
-    # the step time on the built-in profile of this GPU (H100-SXM where none matches, and on a CPU)
-    gpu = builtin_for_device(torch.cuda.get_device_name(mesh.device)) if mesh.device.type == "cuda" else None
-    layout = justify(model_cfg, cfg, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), hardware=gpu)
-    if gpu is None:  # the figure is a GPU profile's, not this machine's: say so (the steps below measure it)
-        layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
-    log("layout: " + layout)
-    p = cfg.parallel
-    for note in machine_notes(cfg, mesh.device.type == "cuda"):
-        log(note)
-    log(ops.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
-                              model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
-                              p.cp_comm_type, mesh.device))
-
-
-def _fp8_words(cfg: RunConfig, mesh: Mesh) -> str:
-    prec = cfg.precision
-    if prec.fp8_format is None:
-        return ""
-    where = " (torch._scaled_mm on a CPU: for testing, not speed)" if mesh.device.type == "cpu" else ""
-    return (f" + fp8 {prec.fp8_format} {prec.fp8_recipe} GEMMs{where}"
-            + ("; FP8 parameter gathers" if prec.fp8_param_gather else ""))
 
 
 def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> dict[str, Any]:
@@ -409,7 +331,7 @@ def train_steps(job: Job, start_step: int) -> bool:
             else:
                 check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
         if step == start_step + 1 and job.provided is None:  # the planner models GPTModel
-            planned = estimate(job.model_cfg, cfg, _attention_run(cfg, job.model_cfg, job.mesh.device))
+            planned = estimate(job.model_cfg, cfg, attention_run(cfg, job.model_cfg, job.mesh.device))
             log(estimate_vs_measured(planned, job.mesh.device))
         _record(job, step, step_time, result, cp_comm_bytes)
         if cfg.logging.straggler_interval and step % cfg.logging.straggler_interval == 0:

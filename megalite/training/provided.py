@@ -9,7 +9,7 @@
         return F.cross_entropy(output.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
     sys.exit(main(model_provider=model_provider, loss_fn=loss_fn))   # megalite's flags: --dp, --zero, ...
-    # or, with a RunConfig already resolved for this world (loop.configure):
+    # or, with a RunConfig already resolved for this world (training/configure.py: configure):
     megalite.train(cfg, model_provider=model_provider, loss_fn=loss_fn)
 
 The loop then gives the model what it gives GPTModel: the data pipeline (the flags' tokenizer and
