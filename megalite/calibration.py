@@ -299,6 +299,23 @@ def measure_host_overheads(min_seconds: float = 0.2, repeats: int = 9) -> dict[s
 SIZE_BUDGET_S = 10.0
 
 
+def _precisions_to_measure(device: torch.device, bf16: bool | None, log) -> tuple[str, ...]:
+    """fp32, and bf16 where native or asked for (bf16=True); bf16=False leaves it out."""
+    native = native_bf16(device)
+    if bf16 is None and not native:
+        log("  bf16: not measured (no native bf16 on this device; --calibrate-bf16 measures it anyway, slowly)")
+    return ("fp32", "bf16") if (native if bf16 is None else bf16) else ("fp32",)
+
+
+def _measure_and_log_gemms(device: torch.device, precision: str, sizes: tuple[int, ...], log) -> dict[int, float]:
+    """{n: TFLOP/s} of the sizes that fit SIZE_BUDGET_S each; the log names those left out."""
+    gemms = measure_gemms(device, precision, sizes, size_budget_s=SIZE_BUDGET_S)
+    left_out = [n for n in sizes if n not in gemms]
+    log(f"  GEMM {precision}: " + ", ".join(f"{n}: {v * 1e3:.1f}" for n, v in gemms.items())
+        + " GFLOP/s" + (f" (left out, over {SIZE_BUDGET_S:.0f} s each: {left_out})" if left_out else ""))
+    return gemms
+
+
 def calibrate(name: str | None = None, precisions: tuple[str, ...] | None = None, quick: bool = False,
               log=print, bf16: bool | None = None) -> HardwareProfile:
     """Measure this machine (its first GPU when CUDA is available, else its CPU) and return a profile.
@@ -315,16 +332,8 @@ def calibrate(name: str | None = None, precisions: tuple[str, ...] | None = None
     device_name = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine())
     log(f"calibrating {device_name}: {torch.get_num_threads()} threads, {cores} cores")
     if precisions is None:
-        native = native_bf16(device)
-        precisions = ("fp32", "bf16") if (native if bf16 is None else bf16) else ("fp32",)
-        if bf16 is None and not native:
-            log("  bf16: not measured (no native bf16 on this device; --calibrate-bf16 measures it anyway, slowly)")
-    gemms = {}
-    for precision in precisions:
-        gemms[precision] = measure_gemms(device, precision, sizes, size_budget_s=SIZE_BUDGET_S)
-        left_out = [n for n in sizes if n not in gemms[precision]]
-        log(f"  GEMM {precision}: " + ", ".join(f"{n}: {v * 1e3:.1f}" for n, v in gemms[precision].items())
-            + " GFLOP/s" + (f" (left out, over {SIZE_BUDGET_S:.0f} s each: {left_out})" if left_out else ""))
+        precisions = _precisions_to_measure(device, bf16, log)
+    gemms = {precision: _measure_and_log_gemms(device, precision, sizes, log) for precision in precisions}
     known = next((peaks for key, peaks in KNOWN_PEAKS.items() if cuda and key in device_name), None)
     peaks = {p: (known or {}).get(p) or max(gemms[p].values()) for p in precisions}
     main = precisions[0]
