@@ -18,6 +18,7 @@ register spills and are correct everywhere, not tuned anywhere.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -32,6 +33,12 @@ MEASURED: dict[tuple[str, int, str, bool, bool], dict[str, Tile]] = {
     ("sm_90", 128, "bf16", True, False): dict(fwd=(64, 64, 4, 3), dkdv=(32, 64, 4, 3), dq=(64, 32, 4, 3)),
     ("sm_90", 64, "bf16", True, False): dict(fwd=(128, 64, 8, 4), dkdv=(64, 64, 4, 3), dq=(64, 32, 4, 3)),
 }
+
+
+BACKWARDS = ("split", "fused")
+BACKWARD_ENV = "MEGALITE_ATTENTION_BACKWARD"
+# (arch, head_dim, dtype, causal, dropout) -> the backward variant measured faster (tools/tune_attention.py)
+MEASURED_BACKWARD: dict[tuple[str, int, str, bool, bool], str] = {}
 
 
 def safe_tiles(head_dim: int, dtype: torch.dtype, dropout: bool, causal: bool = True) -> dict[str, Tile]:
@@ -83,3 +90,20 @@ def table_line(arch: str, head_dim: int, dtype: torch.dtype, causal: bool, dropo
     """The line to paste into MEASURED for a tuned key."""
     entry = ", ".join(f"{kernel}={tiles[kernel]}" for kernel in KERNELS)
     return f"    ({arch!r}, {head_dim}, {dtype_name(dtype)!r}, {causal}, {dropout}): dict({entry}),"
+
+
+def forced_backward() -> str | None:
+    """MEGALITE_ATTENTION_BACKWARD's variant, if set (read on every call, like the kernel backend)."""
+    name = os.environ.get(BACKWARD_ENV, "").strip().lower()
+    if name and name not in BACKWARDS:
+        raise ValueError(f"{BACKWARD_ENV}={name!r} is not an attention backward; choose one of {BACKWARDS}")
+    return name or None
+
+
+def backward_for(device: torch.device, head_dim: int, dtype: torch.dtype, causal: bool, dropout: bool) -> str:
+    """The backward variant the launcher runs: forced, else measured faster, else "split"."""
+    forced = forced_backward()
+    if forced or device.type != "cuda":
+        return forced or "split"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return MEASURED_BACKWARD.get((cuda_arch(index), head_dim, dtype_name(dtype), causal, dropout), "split")

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from .attention_tiles import tiles_for
+from .attention_tiles import backward_for, tiles_for
 from .attention_torch import attention_dropout_reference, attention_dropout_torch
 from .attention_dispatch import choose, sdpa
 from .dispatch import HAVE_TRITON, backend_name, cdiv, check_float_dtype, check_same_device, new_output, runnable, \
@@ -143,10 +143,11 @@ def _config(head_dim: int, device: torch.device, dtype: torch.dtype, dropout: bo
     Tiles come from the measured table in kernels/attention_tiles.py (a safe choice for a GPU
     or shape nobody measured; small tiles in the interpreter, so that odd shapes cross many
     blocks). float32 dots run in full precision ("ieee") on the FMA units; tf32 is ignored for
-    16-bit inputs. tools/tune_attention.py overrides this function to time candidates.
+    16-bit inputs. "backward" names the backward variant (attention_tiles.backward_for). tools/tune_attention.py overrides this function to time candidates.
     """
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    return dict(tiles_for(device, head_dim, dtype, causal, dropout), precision=precision)
+    return dict(tiles_for(device, head_dim, dtype, causal, dropout), precision=precision,
+                backward=backward_for(device, head_dim, dtype, causal, dropout))
 
 
 def _padded_head_dim(head_dim: int) -> int:
