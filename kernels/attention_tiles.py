@@ -92,6 +92,12 @@ def table_line(arch: str, head_dim: int, dtype: torch.dtype, causal: bool, dropo
     return f"    ({arch!r}, {head_dim}, {dtype_name(dtype)!r}, {causal}, {dropout}): dict({entry}),"
 
 
+def fused_launch(tiles: dict[str, Tile]) -> tuple[int, int]:
+    """(num_warps, num_stages) of the fused backward: one kernel holds both programs, so the more
+    warps of the two and at most 2 stages (at 3, sm_90 d=128 bf16 spills 52 bytes: compile_check)."""
+    return max(tiles["dkdv"][2], tiles["dq"][2]), min(tiles["dkdv"][3], tiles["dq"][3], 2)
+
+
 def forced_backward() -> str | None:
     """MEGALITE_ATTENTION_BACKWARD's variant, if set (read on every call, like the kernel backend)."""
     name = os.environ.get(BACKWARD_ENV, "").strip().lower()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .attention_backward_steps import dkdv_program, dq_program
+from .attention_tiles import fused_launch
 from .dispatch import cdiv, new_output, runnable, tl, triton
 
 
@@ -67,7 +68,7 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
                  group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                  drop_threshold.to(tl.uint32), dropout_scale, tl.program_id(0), batch_kv_head // n_kv_heads,
                  batch_kv_head % n_kv_heads, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION,
-                 DROPOUT, False)
+                 DROPOUT)
 
 
 @triton.jit(do_not_specialize=ARGS)
@@ -102,8 +103,7 @@ def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stri
     """Fused variant: the dK/dV and dQ programs of one kv head in one grid (batch * n_kv_heads columns).
 
     Programs [0, cdiv(kv_len, BLOCK_N1)) are dK/dV programs (key block = program id; causal:
-    the first key blocks see the most queries, so the longest run first, unmasked past their
-    diagonal); the rest are dQ programs of the kv head's query heads, the group's heads of one
+    the first key blocks see the most queries, so the longest run first); the rest are dQ programs of the kv head's query heads, the group's heads of one
     query block side by side (they read the same k, v rows: L2 hits), causal: last block first."""
     pid = tl.program_id(0)
     batch_kv_head = tl.program_id(1).to(tl.int64)
@@ -115,7 +115,7 @@ def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stri
                      k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
                      group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                      drop_threshold.to(tl.uint32), dropout_scale, pid, batch, kv_head, CAUSAL, HEAD_DIM, BLOCK_M1,
-                     BLOCK_N1, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT, True)
+                     BLOCK_N1, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
     else:
         index = pid - n_kv_blocks  # = block * group_size + member
         block = index // group_size
@@ -146,8 +146,8 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     plain attention, over every key of the row for one block of a longer row (ring attention).
     config: flash_attention._config's {"dkdv": (BLOCK_M, BLOCK_N, warps, stages), "dq": ..., "precision":
     the dots' input precision, "backward": "split" (default) or "fused"}; the fused kernel takes its
-    dK/dV programs' blocks from "dkdv", its dQ programs' from "dq" and its warps and stages from
-    "dkdv" (one kernel: one launch configuration). dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
+    dK/dV programs' blocks from "dkdv", its dQ programs' from "dq", its warps and stages from
+    attention_tiles.fused_launch (one kernel: one launch configuration). dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -162,7 +162,8 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
               softmax_scale, softmax_scale * LOG2E, *dropout_args)
     meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout)
     if config.get("backward", "split") == "fused":
-        (m1, n1, warps, stages), (m2, n2, _, _) = config["dkdv"], config["dq"]
+        (m1, n1, _, _), (m2, n2, _, _) = config["dkdv"], config["dq"]
+        warps, stages = fused_launch(config)
         n_programs = cdiv(kv_len, n1) + cdiv(seq_len, m2) * (n_heads // n_kv_heads)
         runnable(_attention_backward_fused_kernel, q.device)[(n_programs, batch * n_kv_heads)](
             q, k, v, dout, lse2, delta, dq, dk, dv, *common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2,
