@@ -227,7 +227,8 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
                 yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}"
                               f"{label_suffix}", kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
-            yield _fused_backward_variant(chosen, common, causal, dropout, head_dim, strides, label_suffix)
+            if dtype != torch.float32:  # float32 always runs the split backward (attention_tiles.backward_for)
+                yield _fused_backward_variant(chosen, common, causal, dropout, head_dim, strides, label_suffix)
         yield Variant(f"attention delta d={head_dim}{label_suffix}", backward._attention_delta_kernel,
                       dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, strides)
 

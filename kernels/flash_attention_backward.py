@@ -102,9 +102,10 @@ def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stri
                                      DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
     """Fused variant: the dK/dV and dQ programs of one kv head in one grid (batch * n_kv_heads columns).
 
-    Programs [0, cdiv(kv_len, BLOCK_N1)) are dK/dV programs (key block = program id; causal:
-    the first key blocks see the most queries, so the longest run first); the rest are dQ programs of the kv head's query heads, the group's heads of one
-    query block side by side (they read the same k, v rows: L2 hits), causal: last block first."""
+    Programs [0, cdiv(kv_len, BLOCK_N1)) are dK/dV programs (key block = program id; causal: the
+    first key blocks see the most queries, so the longest run first); the rest are dQ programs of
+    the kv head's query heads, the group's heads of one query block side by side (they read the
+    same k, v rows: L2 hits), causal: the last query block first."""
     pid = tl.program_id(0)
     batch_kv_head = tl.program_id(1).to(tl.int64)
     n_kv_heads = n_heads // group_size
@@ -147,7 +148,8 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     config: flash_attention._config's {"dkdv": (BLOCK_M, BLOCK_N, warps, stages), "dq": ..., "precision":
     the dots' input precision, "backward": "split" (default) or "fused"}; the fused kernel takes its
     dK/dV programs' blocks from "dkdv", its dQ programs' from "dq", its warps and stages from
-    attention_tiles.fused_launch (one kernel: one launch configuration). dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
+    attention_tiles.fused_launch (one kernel: one launch configuration).
+    dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]

@@ -8,10 +8,10 @@ Shapes and timing are tune_attention's (its `attention_inputs`, `make_timer` and
 16384 tokens per call, 4096 / d query heads over a quarter as many kv heads, q, k, v as [b, h, s, d]
 views of [s, b, h, d] activations, `triton.testing.do_bench` medians), so the two tools cannot
 disagree on what they time. At every (d, s) the ratio is the faster SDPA's time (kv heads repeated,
-or `enable_gqa`) over ours: >= 1.0 is ours faster, for each of our backward variants (split: dK/dV then
-dQ launch; fused: one grid, kernels/flash_attention_backward.py). Prints the lowest ratio and the
-geometric mean and one GOAL line per variant (goal: >= 1.0 at every shape, so that dropout and ring attention, which always run our
-kernels, run at the fastest speed there is). Not a test: it asserts no time.
+or `enable_gqa`) over ours: >= 1.0 is ours faster, for each of our backward variants (split: a dK/dV
+then a dQ launch; fused: one grid; kernels/flash_attention_backward.py). Prints the lowest ratio
+and the geometric mean and one GOAL line per variant (goal: >= 1.0 at every shape, so that dropout
+and ring attention, which always run our kernels, run at the fastest speed there is). Not a test: it asserts no time.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from megalite.errors import reports_usage_errors  # noqa: E402
 SEQS = [1024, 2048, 4096, 8192, 16384]
 
 
-def ratios(table: dict[int, dict[str, dict[int, dict[str, float]]]], ours: str = "triton") -> list[tuple[int, int, float]]:
+def ratios(table: dict[int, dict[int, dict[str, float]]], ours: str = "triton") -> list[tuple[int, int, float]]:
     """[(head dim, seq, faster SDPA ms / ours ms)] from {d: {seq: {implementation: ms}}}; `ours` names
     our kernels' row ("triton": the split backward, "triton_fused": the fused one)."""
     rows = []

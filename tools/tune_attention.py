@@ -295,8 +295,8 @@ def main(argv=None) -> int:
         dispatch[json.dumps(key[:4])], backward[json.dumps(key)] = table, variant
         attention_tiles.MEASURED_BACKWARD[key] = variant
         lines += [f"    {key[:4]!r}: {table!r},", f"    {key!r}: {variant!r},  # MEASURED_BACKWARD"]
-    print("lines for kernels/attention_tiles.py MEASURED (and MEASURED_BACKWARD) and kernels/attention_dispatch.py MEASURED_MS "
-          f"({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}):")
+    print("lines for kernels/attention_tiles.py MEASURED and MEASURED_BACKWARD, kernels/attention_dispatch.py "
+          f"MEASURED_MS ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}):")
     print("\n".join(lines))
     if args.json:
         json.dump({"tiles": tuned, "dispatch_ms": dispatch, "backward": backward}, open(args.json, "w"), indent=1)
