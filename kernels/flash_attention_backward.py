@@ -6,12 +6,24 @@ Given the forward's output `out` and its per-row base-2 log-sum-exp lse2 [b, h, 
     p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
     ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
 
-Work split (no atomics, so the result does not depend on scheduling):
+Work split (no atomics, so the result does not depend on scheduling); the programs themselves
+are @triton.jit functions in kernels/attention_backward_steps.py:
 - dK/dV: one program per (key block of BLOCK_N rows, batch * kv_head). It keeps its k, v block
   and the dk, dv accumulators in registers and streams, for every query head of its group
   (GQA is summed here, not by a later reduction), the query blocks that can see its keys.
 - dQ: one program per (query block of BLOCK_M rows, batch * head); it streams the key blocks
-  its queries see, re-computing p (the price of no atomics: 7 matmuls instead of 5).
+  its queries see, re-computing p (the price of no atomics: 7 matmuls instead of 5), and keeps
+  dq in fp32 registers, converted once when stored.
+
+Two variants launch them (attention_tiles.backward_for picks; `auto` by measurement):
+- "split": a dK/dV launch, then a dQ launch (each with its own tile).
+- "fused" (FlexAttention's layout): one grid of batch * n_kv_heads columns, each holding the kv
+  head's dK/dV programs first, then its dQ programs, the group's query heads of one query block
+  side by side. One launch, no tail between the two kinds of program, k and v rows shared in L2
+  by the group's dQ programs; one register allocation for both (the larger), so fewer dQ
+  programs fit an SM than in "split". 16-bit inputs only (float32 runs "split").
+An "atomic" dQ (reduce-added from the dK/dV program, 5 matmuls) was measured on an H200 at 0.50x
+SDPA against the split backward's 0.82x (docs/benchmarks.md) and is not here.
 
 Causal block skipping: a dK/dV program starts at the first query block that reaches its keys
 and masks in every step (a separate unmasked loop held ~50 more registers per thread and
