@@ -227,25 +227,16 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
                 yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}"
                               f"{label_suffix}", kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
-            if dtype != torch.float32:  # float32 always runs the split backward (attention_tiles.backward_for)
-                yield _fused_backward_variant(chosen, common, causal, dropout, head_dim, strides, label_suffix)
+            if dtype != torch.float32:  # the fused backward from the same tiles (float32 always runs split)
+                (m1, n1, _, _), (m2, n2, _, _) = chosen["dkdv"], chosen["dq"]
+                launch = attention_tiles.fused_launch(chosen)
+                yield Variant(f"attention bwd_fused d={head_dim} causal={causal}{' dropout' if dropout else ''}"
+                              f"{label_suffix}", backward._attention_backward_fused_kernel,
+                              dict(common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, EVEN_M=causal,
+                                   EVEN_N=causal), dict(zip(("num_warps", "num_stages"), launch)), strides,
+                              memory_bound=False)
         yield Variant(f"attention delta d={head_dim}{label_suffix}", backward._attention_delta_kernel,
                       dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, strides)
-
-
-def _fused_backward_variant(chosen: dict, common: dict, causal: bool, dropout: bool, head_dim: int, strides: dict,
-                            label_suffix: str) -> Variant:
-    """The fused backward (dK/dV and dQ programs in one grid) as its launcher configures it from the
-    same tiles: dK/dV blocks from "dkdv", dQ blocks from "dq", warps and stages from
-    attention_tiles.fused_launch."""
-    from . import attention_tiles, flash_attention_backward as backward
-
-    (m1, n1, _, _), (m2, n2, _, _) = chosen["dkdv"], chosen["dq"]
-    warps, stages = attention_tiles.fused_launch(chosen)
-    return Variant(f"attention bwd_fused d={head_dim} causal={causal}{' dropout' if dropout else ''}{label_suffix}",
-                   backward._attention_backward_fused_kernel,
-                   dict(common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, EVEN_M=causal, EVEN_N=causal),
-                   {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
 
 
 # Mixtral-8x7B's experts: 8192 tokens top-2 (16384 routed rows), hidden 4096, expert ffn 14336, 8 experts

@@ -69,7 +69,8 @@ def test_fused_and_split_give_the_same_gradients_bit_for_bit(monkeypatch, causal
 def test_ring_attention_block_backward_runs_the_fused_variant(monkeypatch):
     from megalite.kernels import attention_backward_with_lse, attention_forward_with_lse
 
-    q, k, v = qkv(2, 1, 19, 16, torch.float16, batch=2)
+    q, _, _ = qkv(2, 1, 19, 16, torch.float16, batch=2)
+    _, k, v = qkv(2, 1, 37, 16, torch.float16, batch=2)  # a key block longer than the queries: more dK/dV programs
     out, lse = attention_forward_with_lse(q, k, v, False, 0.25)
     dout = torch.randn_like(out)
     grads = {}
