@@ -99,8 +99,8 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
     dq_program(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
                v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads, group_size,
                seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
-               drop_threshold.to(tl.uint32), dropout_scale, block, batch_head // n_heads, batch_head % n_heads, CAUSAL,
-               HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
+               drop_threshold.to(tl.uint32), dropout_scale, block, batch_head // n_heads, batch_head % n_heads,
+               batch_head, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
 
 
 @triton.jit(do_not_specialize=ARGS)
@@ -131,15 +131,14 @@ def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stri
                      BLOCK_N1, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
     else:
         index = pid - n_kv_blocks  # = block * group_size + member
-        block = index // group_size
+        block, head = index // group_size, kv_head * group_size + index % group_size
         if CAUSAL:
             block = tl.cdiv(seq_len, BLOCK_M2) - 1 - block
         dq_program(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                    k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
                    group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
-                   drop_threshold.to(tl.uint32), dropout_scale, block, batch,
-                   kv_head * group_size + index % group_size, CAUSAL, HEAD_DIM, BLOCK_M2, BLOCK_N2, EVEN_M, EVEN_N,
-                   DOT_PRECISION, DROPOUT)
+                   drop_threshold.to(tl.uint32), dropout_scale, block, batch, head, batch * n_heads + head, CAUSAL,
+                   HEAD_DIM, BLOCK_M2, BLOCK_N2, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
 
 
 LOG2E = 1.4426950408889634  # scores are taken in base 2: exp(x) = exp2(x * log2(e))
