@@ -119,9 +119,9 @@ def draw_zero(out: str, dp: int = 4) -> list[str]:
         shard = sum(b.chunk_numel for b in layout.buckets)
         held = [shard if s else layout.numel for s in kept[stage]]
         what = "units" if stage == 3 else "buckets"
+        owner = "each all-reduced whole" if stage == 0 else "rank r owns chunk r of each"
         title = (f"ZeRO {stage}: each rank keeps {held[0]} / {held[1]} / {held[2]} of {layout.numel} elements "
-                 f"(parameters / gradients / optimizer state; {len(layout.buckets)} {what}, rank r owns chunk r "
-                 f"of each)")
+                 f"(parameters / gradients / optimizer state; {len(layout.buckets)} {what}, {owner})")
         titles.append(f"ZeRO {stage}")
         ax.set_title(title, fontsize=8)
         ax.set_yticks([r * 4 + 1 for r in range(dp)], [f"dp rank {r}" for r in range(dp)], fontsize=7)
