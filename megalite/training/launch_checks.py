@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from megalite.config.rampup import microbatch_counts, rampup_problems
+from megalite.config.rampup import microbatch_counts
 from megalite.cpu_features import cpu_flags as read_cpu_flags, has_native_bf16
 from megalite.paths import output_dir_problem, output_file_problem
 from megalite.pipeline.schedules import check_pipeline_config
@@ -45,7 +45,6 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
                         f"drop --vocab-size or set it >= {tokenizer_vocab_size}")
     if memory is not None:  # launching: the host memory of what each step reads (before building schedules)
         problems += host_memory_problems(cfg, model.seq_length, host_ram_per_rank())
-    problems += rampup_problems(cfg)
     if cfg.parallel.pp > 1 and not problems:
         try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified (for
             p = cfg.parallel  # every number of microbatches a --rampup-batch-size step runs)
