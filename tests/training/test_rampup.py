@@ -45,10 +45,14 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
 
 
-def test_a_ramped_run_logs_each_batch_and_resumes_mid_ramp_exactly(tmp_path):
+def test_a_ramped_run_logs_each_batch_and_resumes_mid_ramp_exactly(tmp_path, capsys):
     argv = MODEL + RAMP + ["--metrics-file", str(tmp_path / "a.jsonl"), "--save", str(tmp_path / "ckpt"),
                            "--save-interval", "3"]
     assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "batch ramp-up: global 2 -> 8 by 2 over 12 samples (1 -> 4 microbatches); the full batch from step 5; " \
+           "30 samples in the run" in out
+    assert "| batch 6 |" in out  # the progress line of step 4
     run = _records(tmp_path / "a.jsonl")
     assert [r["effective_batch"] for r in run] == [r["global_batch_size"] for r in run] == [2, 2, 4, 6, 8, 8]
     assert all(r["tokens_per_step"] == 32 * r["effective_batch"] for r in run)
