@@ -57,8 +57,11 @@ def test_conversion_reads_with_a_bar_on_a_terminal(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert convert.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")]) == 0
     assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "back")]) == 0
+    assert convert.main(["--to", "safetensors", "--load", str(tmp_path / "ckpt"), "--output",
+                         str(tmp_path / "w.safetensors")]) == 0  # torch's formats read the same way
     lines = [line for line in terminal.getvalue().split("\r") if "100.0%" in line]
-    assert len(lines) == 2 and f"{len(full_params(chunks))} tensors" in lines[0] and "1 files" in lines[1]
+    tensors = f"{len(full_params(chunks))} tensors"
+    assert len(lines) == 3 and tensors in lines[0] and "1 files" in lines[1] and tensors in lines[2]
     log = io.StringIO()
     monkeypatch.setattr(sys, "stderr", log)
     assert convert.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf2")]) == 0

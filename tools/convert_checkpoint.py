@@ -160,14 +160,16 @@ def torch_formats_main(argv: list[str]) -> int:
     parser.add_argument("--load", required=True, help="the checkpoint (--to) or the DCP directory (--from)")
     parser.add_argument("--step", type=int, default=None, help="--to: this step instead of the latest")
     parser.add_argument("--output", required=True, help="DCP directory, .safetensors file, or checkpoint directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
+    bar = None if args.no_progress else ProgressBar(None, unit="MB", count_name="tensors", label="reading")
     try:
         if args.source == "dcp":
             path = tf.import_dcp(args.load, args.output)
         elif args.to == "dcp":
-            path = tf.export_dcp(args.load, args.output, step=args.step)
+            path = tf.export_dcp(args.load, args.output, step=args.step, progress=bar)
         else:
-            path = tf.export_safetensors(args.load, args.output, step=args.step)
+            path = tf.export_safetensors(args.load, args.output, step=args.step, progress=bar)
     except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"convert_checkpoint: error: {one_line(exc)}", file=sys.stderr)
         return 2
