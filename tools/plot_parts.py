@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Draw the pictures of the architecture pages from the code's own objects.
 
-    python tools/plot_parts.py --out-dir docs/architecture            # all four
+    python tools/plot_parts.py --out-dir docs/architecture            # all five
     python tools/plot_parts.py --part cp --out-dir /tmp/pictures        # one
 
 - layout (docs/architecture/layout.md): which ranks form each tp, cp, dp, pp, ep and dp x cp group
   of a 16-rank world (tp 2, cp 2, dp 2, pp 2, ep 2), from megalite.topology's group lists;
+- tp (tensor_parallel.md): which rows or columns of each full weight every tp rank holds at tp 2 (fused
+  [Q; K; V] and [gate; up] split block by block), from the parameters' declared ShardSpecs;
 - zero (data_parallel.md): what each dp rank holds of the parameters, gradients and optimizer state
   at ZeRO 0/1/2/3, from megalite.data_parallel.layout's buckets (ZeRO-3: its units) laid over a
   small GPT's real parameters in the wrapper's order;
@@ -28,8 +30,8 @@ from megalite.context_parallel.zigzag import chunk_ids
 from megalite.errors import reports_usage_errors
 from megalite.extras import pyplot
 
-PARTS = ("layout", "zero", "cp", "moe")
-FILES = {"layout": "layout_groups", "zero": "zero_stages", "cp": "cp_zigzag", "moe": "moe_dispatch"}
+PARTS = ("layout", "tp", "zero", "cp", "moe")
+FILES = {"layout": "layout_groups", "tp": "tp_shards", "zero": "zero_stages", "cp": "cp_zigzag", "moe": "moe_dispatch"}
 RANK_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
@@ -273,7 +275,74 @@ def _rows(ax, rank: int, rows: list[tuple[str, int]], width: int) -> None:
     ax.set_xlim(-2.2, max(width, len(rows), ax.get_xlim()[1]))
 
 
-DRAW = {"layout": draw_layout, "zero": draw_zero, "cp": draw_context_parallel, "moe": draw_moe}
+# ------------------------------------------------------------------------------------------ tensor parallel
+
+TP_PANELS = {"word_embeddings.weight": "embedding: vocabulary rows split", "layers.0.input_norm.weight":
+             "norm weight: whole on every rank", "layers.0.attention.qkv.weight": "qkv: column-parallel, [Q; K; V] "
+             "each split", "layers.0.attention.proj.weight": "proj: row-parallel (input columns split)",
+             "layers.0.mlp.fc1.weight": "fc1: column-parallel, [gate; up] each split",
+             "layers.0.mlp.fc2.weight": "fc2: row-parallel (input columns split)",
+             "output_weight": "output layer: vocabulary rows split"}
+BLOCK_NAMES = {"layers.0.attention.qkv.weight": ("Q", "K", "V"), "layers.0.mlp.fc1.weight": ("gate", "up")}
+
+
+def tensor_parallel_specs(tp: int = 2) -> dict:
+    """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.params), at `tp`."""
+    from dataclasses import replace
+
+    from megalite.config import RunConfig
+    from megalite.config.model import GPTConfig
+    from megalite.mesh import single_process_mesh
+    from megalite.params import shard_spec
+    from megalite.training.step import build_model_chunks
+
+    config = GPTConfig("llama", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       vocab_size=256, seq_length=8)  # (a vocabulary already a multiple of 128 * tp: no padding)
+    chunk = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))[0]
+    params = dict(chunk.named_parameters())
+    return {name: [replace(shard_spec(params[name]), tp_size=tp, tp_rank=r) for r in range(tp)] for name in TP_PANELS}
+
+
+def draw_tensor_parallel(out: str, tp: int = 2) -> list[str]:
+    """Each weight of a block (and the embedding, output layer) as its full tensor, every part coloured by
+    the tp rank holding it (its ShardSpec's pieces), fused blocks outlined."""
+    plt = pyplot("tools/plot_parts.py")
+    specs = tensor_parallel_specs(tp)
+    fig, axes = plt.subplots(1, len(specs), figsize=(12, 3.6))
+    titles = []
+    for ax, (name, ranks) in zip(axes, specs.items()):
+        rows, cols = ranks[0].full_shape if len(ranks[0].full_shape) == 2 else (1, ranks[0].full_shape[0])
+        dim = ranks[0].dim if len(ranks[0].full_shape) == 2 else (None if ranks[0].dim is None else 1)
+        if dim is None:
+            ax.add_patch(plt.Rectangle((0, 0), cols, rows, facecolor="#bbbbbb", hatch="//", edgecolor="white"))
+        for r, spec in enumerate(ranks if dim is not None else ()):
+            for _, start, length in spec.pieces():
+                box = (0, start, cols, length) if dim == 0 else (start, 0, length, rows)
+                ax.add_patch(plt.Rectangle(box[:2], box[2], box[3], color=_colour(r)))
+        start = 0
+        for block, label in zip(ranks[0].blocks or (), BLOCK_NAMES.get(name, ())):
+            ax.add_patch(plt.Rectangle((0, start), cols, block, fill=False, edgecolor="black", linewidth=1.2))
+            ax.text(cols / 2, start + block / 2, label, ha="center", va="center", color="white", fontsize=9)
+            start += block
+        ax.set_xlim(0, cols)
+        ax.set_ylim(rows, 0)
+        ax.set_xlabel(f"[{', '.join(map(str, ranks[0].full_shape))}]", fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        titles.append(TP_PANELS[name])
+        ax.set_title(titles[-1].replace(": ", ":\n").replace(", [", ",\n["), fontsize=7)
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=_colour(r), label=f"tp rank {r}") for r in range(tp)]
+               + [Patch(facecolor="#bbbbbb", hatch="//", label="every tp rank")], loc="lower center", ncol=tp + 1,
+               fontsize=8, frameon=False)
+    fig.suptitle(f"the full (layout-free) tensors at tp {tp}, each part coloured by the rank holding it", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return titles
+
+
+DRAW = {"layout": draw_layout, "tp": draw_tensor_parallel, "zero": draw_zero, "cp": draw_context_parallel, "moe": draw_moe}
 
 
 @reports_usage_errors

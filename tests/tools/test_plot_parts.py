@@ -15,6 +15,8 @@ _spec.loader.exec_module(plot_parts)
 PANELS = {  # what each picture's panels say, in order
     "layout": ["tp: 8 groups of 2", "cp: 8 groups of 2", "dp: 8 groups of 2", "pp: 8 groups of 2",
                "dp x cp (gradient reduction): 4 groups of 4", "ep 2 (experts' all-to-all): 8 groups of 2"],
+    "tp": ["embedding: vocabulary rows split", "norm weight: whole on every rank", "qkv: column-parallel",
+           "proj: row-parallel", "fc1: column-parallel", "fc2: row-parallel", "output layer: vocabulary rows split"],
     "zero": ["ZeRO 0", "ZeRO 1", "ZeRO 2", "ZeRO 3"],
     "cp": ["the sequence in 2*cp = 8 chunks", "causal blocks", "causal work per rank"],
     "moe": ["router: each token's top-2 of 4 experts", "each rank permutes its routes by expert", "all-to-all",
@@ -52,6 +54,9 @@ def test_the_pictures_are_the_codes_objects():
         assert sum(sizes) == len(row_token) == 12 and row_expert == sorted(row_expert)  # grouped by expert
         assert all(e in ids[t].tolist() for t, e in zip(row_token, row_expert))  # each row one of its routes
     assert {causal_work(rank_block_counts(r, 4)) for r in range(4)} == {8.0}  # the balance the picture shows
+    qkv = plot_parts.tensor_parallel_specs(tp=2)["layers.0.attention.qkv.weight"]
+    assert [spec.pieces() for spec in qkv] == [[(0, 0, 16), (16, 32, 8), (24, 48, 8)],  # Q_0 K_0 V_0
+                                                [(0, 16, 16), (16, 40, 8), (24, 56, 8)]]  # Q_1 K_1 V_1
 
 
 def test_main_writes_every_part_and_the_committed_pictures_stay_small(tmp_path, capsys):
