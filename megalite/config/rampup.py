@@ -19,6 +19,10 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megalite.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class BatchRampup:
     global_batch_size: int  # the batch after the ramp
 
     @classmethod
-    def of(cls, cfg) -> "BatchRampup | None":
+    def of(cls, cfg: RunConfig) -> "BatchRampup | None":
         """The ramp of a resolved RunConfig (None without --rampup-batch-size)."""
         given = cfg.training.rampup_batch_size
         return None if given is None else cls(*given, cfg.global_batch_size)
@@ -57,7 +61,7 @@ class BatchRampup:
         return out
 
 
-def rampup_problems(cfg) -> list[str]:
+def rampup_problems(cfg: RunConfig) -> list[str]:
     """What makes the ramp of a resolved RunConfig impossible, each naming its fix ([] when none)."""
     given = cfg.training.rampup_batch_size
     if given is None:
@@ -82,7 +86,7 @@ def rampup_problems(cfg) -> list[str]:
     return []
 
 
-def microbatch_counts(cfg) -> list[int]:
+def microbatch_counts(cfg: RunConfig) -> list[int]:
     """The distinct numbers of microbatches per step a resolved RunConfig runs (one without a ramp)."""
     ramp = BatchRampup.of(cfg)
     unit = cfg.training.micro_batch_size * cfg.dp

@@ -79,6 +79,9 @@ class GlobalBatchSampler:
         """Endless: one item per step; advances consumed_samples as it goes."""
         while True:
             batch = self.batch_size_at(self.consumed_samples)
+            if batch % (self.micro_batch_size * self.dp_size):
+                raise ValueError(f"a global batch of {batch} samples does not split into microbatches of "
+                                 f"{self.micro_batch_size} on {self.dp_size} dp ranks")
             microbatches = self.microbatches_at(self.consumed_samples, batch)
             self.consumed_samples += batch
             self.last_batch_size = batch

@@ -41,6 +41,20 @@ def test_the_ramp_is_megatrons_rule():
     assert BatchRampup(2, 2, 12, 8).batch_sizes(6) == [2, 2, 4, 6, 8, 8]  # consumed 0, 2, 4, 8, 14, 22
 
 
+def test_the_sampler_takes_each_batch_where_the_last_ended():
+    from megalite.data import GlobalBatchSampler
+
+    ramp = BatchRampup(2, 2, 12, 8)
+    sampler = GlobalBatchSampler(1000, 8, 1, dp_rank=1, dp_size=2, batch_size_at=ramp.batch_size_at)
+    steps = [next(iter(sampler)) for _ in range(5)]
+    starts = [0, 2, 4, 8, 14]  # consumed before each step: batches 2, 2, 4, 6, 8
+    for step, start, batch in zip(steps, starts, [2, 2, 4, 6, 8]):  # dp rank 1: the second half, one per microbatch
+        assert step == [[i] for i in range(start + batch // 2, start + batch)]
+    assert sampler.consumed_samples == 22 and sampler.last_batch_size == 8
+    resumed = GlobalBatchSampler(1000, 8, 1, dp_rank=1, dp_size=2, consumed_samples=8, batch_size_at=ramp.batch_size_at)
+    assert next(iter(resumed)) == steps[3]
+
+
 def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line]
 
