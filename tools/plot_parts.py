@@ -21,14 +21,24 @@ PNG or SVG by the suffix (--format); needs matplotlib (pip install 'megalite[plo
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from megalite import topology
+import torch
+
+from megalite import ops, topology
 from megalite.cli import OneLineParser
+from megalite.config import RunConfig
+from megalite.config.model import GPTConfig
 from megalite.context_parallel.blocks import DIAGONAL, FULL, block_kind, causal_work, rank_block_counts, ring_source
 from megalite.context_parallel.zigzag import chunk_ids
+from megalite.data_parallel.layout import build_layout, build_unit_layout
 from megalite.errors import reports_usage_errors
 from megalite.extras import pyplot
+from megalite.mesh import single_process_mesh
+from megalite.moe.router import top_k_deterministic
+from megalite.params import shard_spec
+from megalite.training.step import build_model_chunks
 
 PARTS = ("layout", "tp", "zero", "cp", "moe")
 FILES = {"layout": "layout_groups", "tp": "tp_shards", "zero": "zero_stages", "cp": "cp_zigzag", "moe": "moe_dispatch"}
@@ -84,12 +94,6 @@ def draw_layout(out: str, tp: int = 2, cp: int = 2, dp: int = 2, pp: int = 2, ep
 def zero_layouts(dp: int = 4):
     """(buckets' layout for ZeRO 0-2, units' layout for ZeRO 3) of a small GPT's parameters, laid out as
     the wrapper lays them (reverse order of use; ZeRO-3: the model's own units)."""
-    from megalite.config import RunConfig
-    from megalite.config.model import GPTConfig
-    from megalite.data_parallel.layout import build_layout, build_unit_layout
-    from megalite.mesh import single_process_mesh
-    from megalite.training.step import build_model_chunks
-
     config = GPTConfig("llama", num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=128, seq_length=8)
     chunk = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))[0]
     numels = [p.numel() for p in reversed(list(chunk.parameters()))]
@@ -200,11 +204,6 @@ def draw_context_parallel(out: str, cp: int = 4) -> list[str]:
 def moe_routes(ep: int = 2, experts: int = 4, tokens: int = 6, topk: int = 2, seed: int = 3):
     """Per ep rank: its tokens' top-k experts [T, k] and permute_tokens' (token of each row, expert of
     each row, group sizes [E]) for router logits drawn from `seed`."""
-    import torch
-
-    from megalite import ops
-    from megalite.moe.router import top_k_deterministic
-
     generator, out = torch.Generator().manual_seed(seed), []
     for _ in range(ep):
         ids = top_k_deterministic(torch.randn(tokens, experts, generator=generator), topk)
@@ -288,14 +287,6 @@ BLOCK_NAMES = {"layers.0.attention.qkv.weight": ("Q", "K", "V"), "layers.0.mlp.f
 
 def tensor_parallel_specs(tp: int = 2) -> dict:
     """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.params), at `tp`."""
-    from dataclasses import replace
-
-    from megalite.config import RunConfig
-    from megalite.config.model import GPTConfig
-    from megalite.mesh import single_process_mesh
-    from megalite.params import shard_spec
-    from megalite.training.step import build_model_chunks
-
     config = GPTConfig("llama", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                        vocab_size=256, seq_length=8)  # (a vocabulary already a multiple of 128 * tp: no padding)
     chunk = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))[0]
