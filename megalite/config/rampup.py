@@ -52,6 +52,15 @@ class BatchRampup:
         """Every global batch the ramp runs, smallest first (the last is global_batch_size)."""
         return list(range(self.start, self.global_batch_size + 1, self.increment))
 
+    def samples_in(self, steps: int, consumed_samples: int) -> int:
+        """Samples the next `steps` steps consume from `consumed_samples` on (the ramp's steps one by one,
+        then full batches)."""
+        total = 0
+        while steps > 0 and consumed_samples + total <= self.samples:
+            total += self.batch_size_at(consumed_samples + total)
+            steps -= 1
+        return total + max(steps, 0) * self.global_batch_size
+
     def batch_sizes(self, steps: int, consumed_samples: int = 0) -> list[int]:
         """The global batch of each of `steps` steps from `consumed_samples` on."""
         out = []

@@ -391,7 +391,9 @@ def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_b
     if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
         return
     batch = job.sampler.last_batch_size  # this step's global batch (it grows under --rampup-batch-size)
-    record = job.meter.step(step, step_time, samples=batch, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+    ramp = BatchRampup.of(cfg)
+    remaining = ramp.samples_in(cfg.training.train_iters - step, job.sampler.consumed_samples) if ramp else None
+    record = job.meter.step(step, step_time, samples=batch, remaining_samples=remaining, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                             skipped=result.skipped, exposed_dp_comm_s=result.exposed_dp_comm_s,
                             exposed_grad_reduce_s=result.exposed_grad_reduce_s,
                             exposed_param_gather_s=result.exposed_param_gather_s,

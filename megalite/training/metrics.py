@@ -87,19 +87,24 @@ class ThroughputMeter:
         self.peak_flops = peak_tflops_per_gpu * 1e12 if peak_tflops_per_gpu else None
         self.gpu_seconds = 0.0
         self._recent: list[float] = []  # last step times, for the ETA
+        self._recent_per_sample: list[float] = []  # and per sample (the ETA of a growing batch)
         self._start_step = start_step
 
-    def step(self, step: int, step_time_s: float, samples: int | None = None, **fields: Any) -> dict[str, Any]:
+    def step(self, step: int, step_time_s: float, samples: int | None = None, remaining_samples: int | None = None,
+             **fields: Any) -> dict[str, Any]:
         """The metrics record of optimizer step `step` that took `step_time_s` seconds.
 
-        `samples`: this step's global batch when it differs from the layout's (--rampup-batch-size).
+        `samples`: this step's global batch when it differs from the layout's (--rampup-batch-size);
+        `remaining_samples`: the samples of the steps still to run, when their batches differ (the ETA
+        then goes by seconds per sample instead of seconds per step).
         Extra keyword fields (loss, lr, grad_norm, ...) are copied into the record.
         """
         if step_time_s <= 0:
             raise ValueError(f"step_time_s must be positive, got {step_time_s}")
         self.gpu_seconds += step_time_s * self.world_size
-        self._recent = (self._recent + [step_time_s])[-20:]
         samples = samples or self.samples_per_step
+        self._recent = (self._recent + [step_time_s])[-20:]
+        self._recent_per_sample = (self._recent_per_sample + [step_time_s / samples])[-20:]
         tokens_per_step = samples * self.seq_length
         tokens_per_sec = tokens_per_step / step_time_s
         record: dict[str, Any] = {"step": step, **fields}
@@ -120,7 +125,8 @@ class ThroughputMeter:
         if self.total_steps is not None:
             remaining = max(0, self.total_steps - step)
             record["total_steps"] = self.total_steps
-            record["eta_s"] = remaining * statistics.median(self._recent)
+            record["eta_s"] = remaining * statistics.median(self._recent) if remaining_samples is None \
+                else remaining_samples * statistics.median(self._recent_per_sample)
         return record
 
 

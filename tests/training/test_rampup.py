@@ -39,6 +39,20 @@ def test_the_ramp_is_megatrons_rule():
             assert ramp.batch_size_at(consumed) == _megatron_batch(consumed, start, increment, samples, full), consumed
         assert ramp.sizes() == list(range(start, full + 1, increment))
     assert BatchRampup(2, 2, 12, 8).batch_sizes(6) == [2, 2, 4, 6, 8, 8]  # consumed 0, 2, 4, 8, 14, 22
+    ramp = BatchRampup(16, 16, 5_859_375, 1536)  # Megatron's GPT-3 175B ramp: the samples still to come (the ETA)
+    for steps, consumed in [(0, 0), (1, 0), (5000, 0), (20_000, 123_456), (50, 5_859_000), (7, 6_000_000)]:
+        assert ramp.samples_in(steps, consumed) == sum(ramp.batch_sizes(steps, consumed))
+
+
+def test_the_eta_of_a_growing_batch_goes_by_samples():
+    from megalite.config.model import GPTConfig
+    from megalite.training.metrics import ThroughputMeter
+
+    meter = ThroughputMeter(GPTConfig("gpt2", num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64,
+                                      seq_length=8), 8, 1, 1, 8, 1, total_steps=4)
+    record = meter.step(1, 2.0, samples=2, remaining_samples=20)  # 1 s per sample, 20 samples in 3 steps to come
+    assert (record["effective_batch"], record["tokens_per_step"], record["eta_s"]) == (2, 16, 20.0)
+    assert meter.step(2, 2.0)["eta_s"] == 2 * 2.0  # without a ramp: the remaining steps at the step time
 
 
 def test_the_sampler_takes_each_batch_where_the_last_ended():
