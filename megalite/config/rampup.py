@@ -61,6 +61,14 @@ class BatchRampup:
             steps -= 1
         return total + max(steps, 0) * self.global_batch_size
 
+    def ramp_steps(self) -> int:
+        """Steps run below the full batch (from no samples consumed)."""
+        steps = consumed = 0
+        while self.batch_size_at(consumed) < self.global_batch_size:
+            consumed += self.batch_size_at(consumed)
+            steps += 1
+        return steps
+
     def batch_sizes(self, steps: int, consumed_samples: int = 0) -> list[int]:
         """The global batch of each of `steps` steps from `consumed_samples` on."""
         out = []

@@ -64,15 +64,15 @@ def announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, log: Callable[...
 
 def rampup_line(cfg: RunConfig) -> str:
     """--rampup-batch-size in words: the batches, their microbatches, when the full batch is reached."""
-    ramp = BatchRampup.of(cfg)
-    sizes = ramp.batch_sizes(cfg.training.train_iters)
-    full = sizes.index(ramp.global_batch_size) + 1 if ramp.global_batch_size in sizes else None
+    ramp, iters = BatchRampup.of(cfg), cfg.training.train_iters
     unit = cfg.training.micro_batch_size * cfg.dp
+    full = ramp.ramp_steps() + 1  # the first step at the full batch
+    samples = ramp.samples_in(iters, 0)
     return (f"batch ramp-up: global {ramp.start} -> {ramp.global_batch_size} by {ramp.increment} over "
             f"{ramp.samples} samples ({ramp.start // unit} -> {cfg.num_microbatches} microbatches); "
-            + (f"the full batch from step {full}" if full else
-               f"--train-iters {cfg.training.train_iters} ends inside the ramp, at batch {sizes[-1]}")
-            + f"; {sum(sizes)} samples in the run; the learning rate follows the samples (warm-up and decay "
+            + (f"the full batch from step {full}" if full <= iters else
+               f"--train-iters {iters} ends inside the ramp, at batch {ramp.batch_sizes(iters)[-1]}")
+            + f"; {samples} samples in the run; the learning rate follows the samples (warm-up and decay "
               f"steps counted at the full batch); the layout and memory were planned at the full batch")
 
 
