@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draw the pictures of the architecture pages from the code's own objects.
 
-    python tools/plot_parts.py --out-dir docs/architecture            # all five
+    python tools/plot_parts.py --out-dir docs/architecture            # all of them
     python tools/plot_parts.py --part cp --out-dir /tmp/pictures        # one
 
 - layout (docs/architecture/layout.md): which ranks form each tp, cp, dp, pp, ep and dp x cp group
@@ -14,12 +14,15 @@
 - cp (context_parallel.md): the zigzag chunks of a sequence at cp 4 and the causal attention blocks
   each rank computes at each ring step, from megalite.context_parallel.zigzag and blocks;
 - moe (moe.md): top-2 routing of two ep ranks' tokens, their rows permuted by expert
-  (megalite.ops.permute_tokens), the all-to-all's per-rank counts and what each rank receives.
+  (megalite.ops.permute_tokens), the all-to-all's per-rank counts and what each rank receives;
+- checkpoint (checkpoints.md): one weight's optimizer state saved at (tp 2, dp 2, ZeRO 1) as boxes of the
+  full tensor (megalite.checkpoint.boxes), and the boxes readers at other layouts need.
 
 PNG or SVG by the suffix (--format); needs matplotlib (pip install 'megalite[plot]').
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from megalite import ops, topology
+from megalite.checkpoint.boxes import shard_boxes
 from megalite.cli import OneLineParser
 from megalite.config import RunConfig
 from megalite.config.model import GPTConfig
@@ -40,8 +44,9 @@ from megalite.moe.router import top_k_deterministic
 from megalite.params import shard_spec
 from megalite.training.step import build_model_chunks
 
-PARTS = ("layout", "tp", "zero", "cp", "moe")
-FILES = {"layout": "layout_groups", "tp": "tp_shards", "zero": "zero_stages", "cp": "cp_zigzag", "moe": "moe_dispatch"}
+PARTS = ("layout", "tp", "zero", "cp", "moe", "checkpoint")
+FILES = {"layout": "layout_groups", "tp": "tp_shards", "zero": "zero_stages", "cp": "cp_zigzag", "moe": "moe_dispatch",
+         "checkpoint": "checkpoint_boxes"}
 RANK_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
@@ -285,13 +290,15 @@ TP_PANELS = {"word_embeddings.weight": "embedding: vocabulary rows split", "laye
 BLOCK_NAMES = {"layers.0.attention.qkv.weight": ("Q", "K", "V"), "layers.0.mlp.fc1.weight": ("gate", "up")}
 
 
-def tensor_parallel_specs(tp: int = 2) -> dict:
-    """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.params), at `tp`."""
+def tensor_parallel_specs(tp: int = 2, names=tuple(TP_PANELS)) -> dict:
+    """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.params), at `tp`,
+    in model order (`names`: which; None: all)."""
     config = GPTConfig("llama", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                        vocab_size=256, seq_length=8)  # (a vocabulary already a multiple of 128 * tp: no padding)
     chunk = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))[0]
     params = dict(chunk.named_parameters())
-    return {name: [replace(shard_spec(params[name]), tp_size=tp, tp_rank=r) for r in range(tp)] for name in TP_PANELS}
+    return {name: [replace(shard_spec(params[name]), tp_size=tp, tp_rank=r) for r in range(tp)]
+            for name in (names or params)}
 
 
 def draw_tensor_parallel(out: str, tp: int = 2) -> list[str]:
@@ -333,7 +340,65 @@ def draw_tensor_parallel(out: str, tp: int = 2) -> list[str]:
     return titles
 
 
-DRAW = {"layout": draw_layout, "tp": draw_tensor_parallel, "zero": draw_zero, "cp": draw_context_parallel, "moe": draw_moe}
+# ------------------------------------------------------------------------------------------ checkpoints
+
+CKPT_PARAM = "layers.0.attention.qkv.weight"
+
+
+def optimizer_boxes(tp: int, dp: int, name: str = CKPT_PARAM) -> dict[tuple[int, int], list]:
+    """{(tp rank, dp rank): the full-tensor boxes of `name` whose optimizer state that rank holds} at ZeRO 1:
+    the wrapper's buckets over the tp shard's parameters (reverse order of use; one parameter each, as a large
+    model's are), each rank's owned flat range
+    of the parameter cut into boxes (megalite.checkpoint.boxes.shard_boxes)."""
+    specs = tensor_parallel_specs(tp, names=None)
+    names = list(reversed(list(specs)))
+    out = {}
+    for t in range(tp):
+        local = [specs[n][t].local_shape() for n in names]
+        # buckets of one parameter each (as for every parameter above --ddp-bucket-size): ZeRO splits it over dp
+        layout = build_layout([math.prod(shape) for shape in local], 1, dp)
+        for r in range(dp):
+            pieces = [p for p in layout.owned_pieces(r) if p.param == names.index(name)]
+            out[t, r] = [full for p in pieces for _, full in shard_boxes(specs[name][t], local[names.index(name)],
+                                                                         p.local_start, p.local_end)]
+    return out
+
+
+def draw_checkpoint(out: str) -> list[str]:
+    """The optimizer state of one weight saved at (tp 2, dp 2, ZeRO 1) as boxes of its full tensor, each
+    coloured by its writer, and the boxes readers at (tp 1, dp 3) and (tp 2, dp 1) need, outlined."""
+    plt = pyplot("tools/plot_parts.py")
+    saved = optimizer_boxes(2, 2)
+    shape = tensor_parallel_specs(1, names=(CKPT_PARAM,))[CKPT_PARAM][0].full_shape
+    fig, axes = plt.subplots(1, 3, figsize=(10, 4.2))
+    titles = [f"saved at tp 2, dp 2, ZeRO 1: {sum(map(len, saved.values()))} boxes, one colour per writer",
+              "read at tp 1, dp 3: each reader's boxes (outlined)", "read at tp 2, dp 1: each reader's boxes"]
+    for ax, title, readers in zip(axes, titles, (None, optimizer_boxes(1, 3), optimizer_boxes(2, 1))):
+        for (t, r), boxes in saved.items():
+            for (rows, cols) in boxes:
+                ax.add_patch(plt.Rectangle((cols[0], rows[0]), cols[1] - cols[0], rows[1] - rows[0],
+                                           color=_colour(t + 2 * r), alpha=1.0 if readers is None else 0.35))
+        for i, ((t, r), boxes) in enumerate((readers or {}).items()):
+            for (rows, cols) in boxes:
+                ax.add_patch(plt.Rectangle((cols[0], rows[0]), cols[1] - cols[0], rows[1] - rows[0], fill=False,
+                                           edgecolor="black", linewidth=1.4, linestyle=("-", "--", ":")[i % 3]))
+                ax.text((cols[0] + cols[1]) / 2, (rows[0] + rows[1]) / 2, f"t{t}d{r}", ha="center", va="center",
+                        fontsize=6)
+        ax.set_xlim(0, shape[1])
+        ax.set_ylim(shape[0], 0)
+        ax.set_title(title.replace(": ", ":\n"), fontsize=8)
+        ax.set_xlabel(f"qkv weight [{shape[0]}, {shape[1]}]: columns", fontsize=7)
+        ax.tick_params(labelsize=6)
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=_colour(t + 2 * r), label=f"written by tp {t}, dp {r}") for t in range(2)
+                        for r in range(2)], loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return titles
+
+
+DRAW = {"layout": draw_layout, "tp": draw_tensor_parallel, "checkpoint": draw_checkpoint, "zero": draw_zero, "cp": draw_context_parallel, "moe": draw_moe}
 
 
 @reports_usage_errors

@@ -17,6 +17,7 @@ PANELS = {  # what each picture's panels say, in order
                "dp x cp (gradient reduction): 4 groups of 4", "ep 2 (experts' all-to-all): 8 groups of 2"],
     "tp": ["embedding: vocabulary rows split", "norm weight: whole on every rank", "qkv: column-parallel",
            "proj: row-parallel", "fc1: column-parallel", "fc2: row-parallel", "output layer: vocabulary rows split"],
+    "checkpoint": ["saved at tp 2, dp 2, ZeRO 1: 6 boxes", "read at tp 1, dp 3", "read at tp 2, dp 1"],
     "zero": ["ZeRO 0", "ZeRO 1", "ZeRO 2", "ZeRO 3"],
     "cp": ["the sequence in 2*cp = 8 chunks", "causal blocks", "causal work per rank"],
     "moe": ["router: each token's top-2 of 4 experts", "each rank permutes its routes by expert", "all-to-all",
@@ -54,6 +55,11 @@ def test_the_pictures_are_the_codes_objects():
         assert sum(sizes) == len(row_token) == 12 and row_expert == sorted(row_expert)  # grouped by expert
         assert all(e in ids[t].tolist() for t, e in zip(row_token, row_expert))  # each row one of its routes
     assert {causal_work(rank_block_counts(r, 4)) for r in range(4)} == {8.0}  # the balance the picture shows
+    saved, read = plot_parts.optimizer_boxes(2, 2), plot_parts.optimizer_boxes(1, 3)
+    for boxes in (saved, read):  # each element of the [64, 32] weight in exactly one box
+        cells = [(i, j) for bs in boxes.values() for (rows, cols) in bs for i in range(*rows) for j in range(*cols)]
+        assert sorted(cells) == [(i, j) for i in range(64) for j in range(32)]
+    assert read[0, 1][0] == ((21, 22), (11, 32))  # reader 1's range (683 of 2049 padded elements) starts mid-row
     qkv = plot_parts.tensor_parallel_specs(tp=2)["layers.0.attention.qkv.weight"]
     assert [spec.pieces() for spec in qkv] == [[(0, 0, 16), (16, 32, 8), (24, 48, 8)],  # Q_0 K_0 V_0
                                                 [(0, 16, 16), (16, 40, 8), (24, 56, 8)]]  # Q_1 K_1 V_1
