@@ -102,24 +102,24 @@ class Mesh:
         return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
-    def experts_whole_over_tp(self) -> bool:
+    def experts_whole(self) -> bool:
         """etp = 1 under tp > 1: whole experts on every tp rank, each routing its own share of the tokens."""
         return self.etp_size < self.tp_size
 
     @property
     def expert_replicas_apart(self) -> bool:
         """Whether the experts' replica group differs from dp x cp (ep > 1, or whole experts over tp)."""
-        return self.ep_size > 1 or self.experts_whole_over_tp
+        return self.ep_size > 1 or self.experts_whole
 
     @property
     def expert_dp_rank(self) -> int:
         """This rank's place in `expert_dp_group` (ascending ranks: tp fastest when it spans tp)."""
         edp_rank = self.dp_cp_rank // self.ep_size
-        return edp_rank * self.tp_size + self.tp_rank if self.experts_whole_over_tp else edp_rank
+        return edp_rank * self.tp_size + self.tp_rank if self.experts_whole else edp_rank
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size * self.cp_size // self.ep_size * (self.tp_size if self.experts_whole_over_tp else 1)
+        return self.dp_size * self.cp_size // self.ep_size * (self.tp_size if self.experts_whole else 1)
 
     @property
     def is_first_stage(self) -> bool:

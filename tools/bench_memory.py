@@ -83,7 +83,7 @@ def cuda_layer_bytes(config: GPTConfig, technique: Technique, tp_group, seq: int
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     groups = LayerGroups(tp=tp_group if technique.tensor_parallel else None)
-    block = TransformerBlock(config, groups, technique.sequence_parallel, dtype=dtype, device=device,
+    block = TransformerBlock(config, groups, sequence_parallel=technique.sequence_parallel, dtype=dtype, device=device,
                              layer_number=0).train()
     block.recompute_core = technique.recompute == "selective"
     rows = seq // tp if technique.sequence_parallel else seq

@@ -150,8 +150,9 @@ class GPTModel(nn.Module):
 
     def _build_block(self, layer_id: int, device) -> TransformerBlock:
         with seeded(self._seed, _LAYER_STREAM + layer_id):
-            return TransformerBlock(self.config, self.groups, self.sequence_parallel, self._dtype, device,
-                                    self._cp_comm_type, layer_number=layer_id, moe_dispatcher=self._moe_dispatcher)
+            return TransformerBlock(self.config, self.groups, sequence_parallel=self.sequence_parallel,
+                                    cp_comm_type=self._cp_comm_type, layer_number=layer_id,
+                                    moe_dispatcher=self._moe_dispatcher, dtype=self._dtype, device=device)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
