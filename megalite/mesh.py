@@ -22,6 +22,7 @@ from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, check_expert_parallel, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
                                rank_to_cp_rank, tp_group_ranks, validate_layout, check_expert_tensor_parallel,
                                tp_cp_group_ranks)
+from megalite.torch_mesh import build_device_mesh, build_ep_device_mesh
 
 # ---------------------------------------------------------------------------------------------
 # The frozen mesh
@@ -81,8 +82,6 @@ class Mesh:
     @property
     def device_mesh(self):
         """torch's DeviceMesh over this mesh's groups, dims ("pp", "dp", "cp", "tp") (megalite/torch_mesh.py)."""
-        from megalite.torch_mesh import build_device_mesh
-
         if "main" not in self._torch_meshes:
             self._torch_meshes["main"] = build_device_mesh(self)
         return self._torch_meshes["main"]
@@ -90,8 +89,6 @@ class Mesh:
     @property
     def ep_device_mesh(self):
         """torch's DeviceMesh of the experts' layout, dims ("pp", "edp", "ep", "tp") (megalite/torch_mesh.py)."""
-        from megalite.torch_mesh import build_ep_device_mesh
-
         if "experts" not in self._torch_meshes:
             self._torch_meshes["experts"] = build_ep_device_mesh(self)
         return self._torch_meshes["experts"]

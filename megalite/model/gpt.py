@@ -32,6 +32,7 @@ from torch import nn
 
 from megalite import comm, params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
+from megalite.data_parallel.units import Unit
 from megalite.layer_groups import LayerGroups
 from megalite.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
@@ -171,8 +172,6 @@ class GPTModel(nn.Module):
         with the output layer.
         Each can materialise its tensors from its seeded stream on the real device, so a model
         built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
-        from megalite.data_parallel.units import Unit
-
         device, units = self._real_device, []
         if self.pre_process:
             tables = [self.word_embeddings.weight] + ([self.position_embeddings] if self.config.flavour == "gpt2" else [])

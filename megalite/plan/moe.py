@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import stage_layers as partition_stage_layers
+from megalite.plan.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -117,8 +118,6 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
     layers, ep = stage_moe_layers(model, cfg, stage), cfg.parallel.ep
     if not layers or ep == 1:
         return {}
-    from megalite.plan.layout import DTYPE_BYTES
-
     a, m, k, h = DTYPE_BYTES[cfg.precision.precision], cfg.num_microbatches, model.moe.topk, model.hidden_size
     tokens = routed_tokens(model, cfg)
     forwards = m * (layers + stage_moe_layers(model, cfg, stage, recomputed=True))  # full recompute dispatches again
@@ -133,8 +132,6 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
 
 def routing_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Bytes an MoE block keeps for backward beyond the attention part, per microbatch (one rank)."""
-    from megalite.plan.layout import DTYPE_BYTES
-
     moe, a, t, etp = model.moe, DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.etp_size
     tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
     mine = routed_tokens(model, cfg)  # routed on this rank (T/tp at etp = 1)
@@ -179,8 +176,6 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
     layers, p = stage_moe_layers(model, cfg, stage), cfg.parallel
     if not layers or (p.tp == 1 and (p.cp == 1 or model.moe.capacity_factor is None)):
         return {}
-    from megalite.plan.layout import DTYPE_BYTES
-
     moe, t, m, sp = model.moe, p.tp, cfg.num_microbatches, p.sequence_parallel
     a, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
     b, h, e = cfg.training.micro_batch_size, model.hidden_size, moe.num_experts
