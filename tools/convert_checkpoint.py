@@ -69,8 +69,8 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
                        eos_token_id=imported.get("eos")).save_pretrained(output)
     else:
         hf_config_for(config, target, tokenizer).save_pretrained(output)
-    try:  # optional: without safetensors the weights go out as pytorch_model.bin
-        from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file  # optional: without it the weights go out as pytorch_model.bin
     except ImportError:
         safe = False
     weights = output / ("model.safetensors" if safe else "pytorch_model.bin")
