@@ -2,7 +2,8 @@
 
 Per (chunk, microbatch) the executor keeps, only as long as an instruction still needs it:
   inputs[c, m]        received activation (leaf, requires grad) or the input ids
-  outputs[c, m]       the chunk's output until it is sent, or the scaled loss (last chunk)
+  outputs[c, m]       the chunk's output until it is sent (the last chunk's loss sum is added up
+                      at once; its backward root stays with the chunk calls)
   output_grads[c, m]  the received gradient w.r.t. the chunk's output
   input_grads[c, m]   inputs[c, m].grad, kept until it is sent
 Everything is popped by its last consumer, so a microbatch's activations are freed by its
