@@ -32,6 +32,7 @@ from megalite.config.model import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem
+from megalite.checkpoint import torch_formats as tf
 from megalite.progress import ProgressBar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,7 +73,7 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
     else:
         hf_config_for(config, target, tokenizer).save_pretrained(output)
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # optional: without it the weights go out as pytorch_model.bin
     except ImportError:
         safe = False
     weights = output / ("model.safetensors" if safe else "pytorch_model.bin")
@@ -120,8 +121,7 @@ def _read_hf_weights(directory: Path, progress: bool = True) -> dict[str, torch.
         if bar is not None:
             bar.update(0)  # (a file of several GB: the line shows before its read)
         if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
+            load_file = require("safetensors.torch", f"reading {file.name}").load_file  # the [hf] extra
             state.update(load_file(str(file)))
         else:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
@@ -135,8 +135,7 @@ def _read_hf_weights(directory: Path, progress: bool = True) -> dict[str, torch.
 def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0, progress: bool = True) -> Path:
     """Publish a megalite checkpoint (weights only) of the HF model in `hf_dir`; returns its path.
     `progress`: a progress bar on stderr while the weight files are read (megalite.progress)."""
-    import transformers
-
+    transformers = require("transformers", "convert_checkpoint.py import")  # the [hf] extra
     hf_dir = Path(hf_dir)
     _check_hf_config(hf_dir)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
@@ -151,8 +150,6 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0, pro
 
 def torch_formats_main(argv: list[str]) -> int:
     """--to dcp | safetensors, --from dcp (megalite/checkpoint/torch_formats.py)."""
-    from megalite.checkpoint import torch_formats as tf
-
     parser = OneLineParser(prog="convert_checkpoint.py", description="megalite checkpoint <-> torch formats")
     way = parser.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["dcp", "safetensors"], help="megalite checkpoint -> this format")
