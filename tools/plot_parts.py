@@ -139,7 +139,7 @@ def draw_zero(out: str, dp: int = 4) -> list[str]:
         ax.set_ylim(dp * 4 - 0.5, -0.6)
         ax.set_xlim(0, layout.numel)
         ax.tick_params(axis="x", labelsize=7)
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # matplotlib is the optional [plot] extra: after pyplot()'s check
     axes[-1].set_xlabel("position in the flat buffer (elements; ZeRO 0-2: parameters in reverse order of use, ZeRO 3: "
                         "its units in forward order)", fontsize=8)
     fig.legend(handles=[Patch(color=_colour(i), label=row) for i, row in enumerate(rows)], loc="lower center",
@@ -270,7 +270,7 @@ def draw_moe(out: str, ep: int = 2, experts: int = 4, tokens: int = 6, topk: int
 
 def _rows(ax, rank: int, rows: list[tuple[str, int]], width: int) -> None:
     """One line of labelled row boxes (colour: the row's expert) for ep rank `rank`."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # matplotlib is the optional [plot] extra: after pyplot()'s check
 
     for i, (label, expert) in enumerate(rows):
         ax.add_patch(Rectangle((i, rank), 0.94, 0.8, color=_colour(expert)))
@@ -329,7 +329,7 @@ def draw_tensor_parallel(out: str, tp: int = 2) -> list[str]:
         ax.set_yticks([])
         titles.append(TP_PANELS[name])
         ax.set_title(titles[-1].replace(": ", ":\n").replace(", [", ",\n["), fontsize=7)
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # matplotlib is the optional [plot] extra: after pyplot()'s check
     fig.legend(handles=[Patch(color=_colour(r), label=f"tp rank {r}") for r in range(tp)]
                + [Patch(facecolor="#bbbbbb", hatch="//", label="every tp rank")], loc="lower center", ncol=tp + 1,
                fontsize=8, frameon=False)
@@ -389,7 +389,7 @@ def draw_checkpoint(out: str) -> list[str]:
         ax.set_title(title.replace(": ", ":\n"), fontsize=8)
         ax.set_xlabel(f"qkv weight [{shape[0]}, {shape[1]}]: columns", fontsize=7)
         ax.tick_params(labelsize=6)
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # matplotlib is the optional [plot] extra: after pyplot()'s check
     fig.legend(handles=[Patch(color=_colour(t + 2 * r), label=f"written by tp {t}, dp {r}") for t in range(2)
                         for r in range(2)], loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
@@ -398,7 +398,8 @@ def draw_checkpoint(out: str) -> list[str]:
     return titles
 
 
-DRAW = {"layout": draw_layout, "tp": draw_tensor_parallel, "checkpoint": draw_checkpoint, "zero": draw_zero, "cp": draw_context_parallel, "moe": draw_moe}
+DRAW = {"layout": draw_layout, "tp": draw_tensor_parallel, "checkpoint": draw_checkpoint, "zero": draw_zero,
+        "cp": draw_context_parallel, "moe": draw_moe}
 
 
 @reports_usage_errors
