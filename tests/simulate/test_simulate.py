@@ -5,7 +5,8 @@ Quick: the fake world restores global state; groups of every rank at 512 ranks; 
 interleaved world simulated against the planner (communication and model states exact,
 activations within 3%); the interleaved m == pp case the simulation found wrong in the planner;
 bad input (a rank outside the world, a torchrun world) is one line and exit 2.
-Slow: the simulation equals a real gloo run of the same job at world 8 (dense, cp + SP, and MoE at ep 1).
+Slow: the simulation equals a real gloo run of the same job at world 8 (dense, cp + SP, MoE at ep 1, and
+MoE at ep 2 with the router forced to the planner's balanced routes).
 """
 import json
 
@@ -109,7 +110,10 @@ def _real(settings):
     dict(tp=2, pp=2, dp=2, zero=1, virtual_stages=2, global_batch_size=8),
     dict(tp=2, cp=2, dp=2, sequence_parallel=True, global_batch_size=4),
     dict(model="moe-tiny", tp=2, pp=2, dp=2, zero=3, global_batch_size=4),
-], ids=["tp2-pp2-dp2-zero1-interleaved", "tp2-cp2-dp2-sp", "moe-tp2-pp2-dp2-zero3"])
+    # expert parallelism: the real router forced to the planner's balanced routes, the routing the
+    # simulation answers the count exchange with (simulate/routing.py), so the all-to-alls match
+    dict(model="moe-tiny", tp=2, pp=2, dp=2, ep=2, zero=3, global_batch_size=4, moe_router_force_load_balancing=True),
+], ids=["tp2-pp2-dp2-zero1-interleaved", "tp2-cp2-dp2-sp", "moe-tp2-pp2-dp2-zero3", "moe-tp2-ep2-dp2-pp2-zero3"])
 def test_simulation_equals_a_real_gloo_run(settings):
     real = run_distributed(_real, 8, settings, timeout_s=300)
     cfg = layout(**settings)
