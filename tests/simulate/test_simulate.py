@@ -208,8 +208,8 @@ def test_a_rank_of_a_512_rank_world_holds_and_sends_what_the_planner_counts():
 def test_expert_parallel_world_sends_what_the_planner_counts():
     """ep 2 in a world of 16 (tp 2, pp 2, dp 4, ZeRO 1): the dispatcher's count exchange answered with
     the planner's balanced routing (simulate/routing.py), every group's bytes (the ep all-to-all, the
-    expert-dp reductions, ...) equal the planner's, the model states too. (No gloo grounding: a real run routes
-    by its data, and a router that balances exactly is not what any real step runs.)"""
+    expert-dp reductions, ...) equal the planner's, the model states too. (Grounded at world 8 against a real
+    gloo run whose router is forced to the same balanced routes: test_simulation_equals_a_real_gloo_run.)"""
     from megalite.moe.dispatcher import AllToAllDispatcher
 
     exchange = AllToAllDispatcher.exchange_counts
