@@ -94,6 +94,18 @@ def test_the_allgather_dispatcher_at_ep_2_moves_what_the_planner_counts():
     assert abs(measured.activation_peak_bytes / alltoall.activation_peak_bytes - 1) < 0.01
 
 
+def test_moe_under_zero3_holds_and_sends_what_the_planner_counts():
+    """An MoE block is two ZeRO-3 units (its experts apart, over expert-dp): the planner once counted one
+    dense-shaped unit per block and ZeRO-2's expert traffic (params x1.19, grads x0.94, edp bytes x3.0)."""
+    cfg = layout(model="moe-tiny", tp=2, pp=2, dp=2, ep=2, zero=3, global_batch_size=4)
+    for rank in (0, 4):
+        measured = simulate_rank(cfg, rank)
+        planned = planned_terms(cfg, measured.coords["pp"])
+        assert measured.comm_bytes == planned["comm_bytes"], rank
+        for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert getattr(measured, term) == planned[term], (rank, term)
+
+
 def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch):
     from megalite.training.loop import main
 
