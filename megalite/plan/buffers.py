@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length
-from megalite.plan.moe import expert_tp, stage_moe_layers
+from megalite.plan.moe import stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -43,7 +43,7 @@ def expert_gemm_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     moe, h = model.moe, model.hidden_size
     ffn = moe.expert_ffn(model.ffn_hidden_size)
     mlp_in = ffn if model.flavour == "gpt2" else 2 * ffn
-    widest = moe.num_experts // cfg.parallel.ep * h * max(mlp_in, ffn) // expert_tp(cfg)
+    widest = moe.num_experts // cfg.parallel.ep * h * max(mlp_in, ffn) // cfg.etp_size
     return 2 * DTYPE_BYTES[cfg.precision.precision] * widest
 
 
