@@ -165,6 +165,9 @@ class MoESettings:
                                                              "routes per rank and layer (default: dropless)", above=0)
     moe_token_drop_policy: MoEDropPolicy | None = setting(None, "over capacity keep the highest-probability routes "
                                                                 "(probs, default) or the earliest tokens (position)")
+    moe_router_force_load_balancing: bool | None = setting(None, "benchmarking and testing only: route every rank's "
+                                                                 "tokens exactly balanced over the experts (the "
+                                                                 "planner's routing), whatever the scores choose")
 
 
 @dataclass(frozen=True)
