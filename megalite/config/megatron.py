@@ -20,7 +20,8 @@ Settings Megatron's command lines carry that megalite declares under Megatron's 
 (config/parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
 --lr-decay-iters, --untie-embeddings-and-output-weights, --disable-bias-linear,
 --position-embedding-type, --normalization, --swiglu, --group-query-attention, --norm-epsilon,
---rotary-base, --make-vocab-size-divisible-by, --add-qkv-bias, --qk-layernorm, --kv-channels.
+--rotary-base, --make-vocab-size-divisible-by, --add-qkv-bias, --qk-layernorm, --kv-channels,
+--rampup-batch-size (config/rampup.py).
 `model_overrides` turns the model ones into GPTConfig fields and `lr_iters` the schedule ones into (warm-up, decay) steps.
 
 Pure Python: no torch.
@@ -28,6 +29,8 @@ Pure Python: no torch.
 from __future__ import annotations
 
 from typing import Any
+
+from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
 
 SYNONYMS: dict[str, tuple[str, ...]] = {
     "tp": ("--tensor-model-parallel-size",),
@@ -46,8 +49,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 }
 
 LACKS: dict[str, str] = {
-    "--rampup-batch-size": "a batch-size ramp-up; megalite keeps --global-batch-size from the first step "
-                           "(drop the flag)",
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
     "--mtp-num-layers": "multi-token prediction",
     "--multi-latent-attention": "multi-latent attention",
@@ -181,7 +182,5 @@ def tokenizer_from_megatron(tokenizer_type: str | None, vocab_file: str | None, 
     if tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file:
         if not (vocab_file and merge_file):
             raise ValueError("GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file (merges.txt)")
-        from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
-
         return bpe_files_to_json(vocab_file, merge_file)
     return None

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from megalite import comm
+from megalite.kernels import fp8_cast
+from megalite.kernels.dispatch import use_triton
 
 _EPS = 1e-12  # an all-zero tensor (a fresh bias-free layer's gradient) gets scale max/1e-12, casts to 0
 
@@ -59,15 +61,11 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None
 
 
 def _kernel_applies(t: torch.Tensor, rowwise_dim: int | None) -> bool:
-    from megalite.kernels.dispatch import use_triton
-
     last = rowwise_dim is None or rowwise_dim % t.dim() == t.dim() - 1
     return last and t.dim() >= 2 and t.numel() > 0 and t.is_contiguous() and use_triton(t)
 
 
 def _quantize_by_kernel(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, group):
-    from megalite.kernels import fp8_cast
-
     rows = t.view(-1, t.shape[-1])  # [M, K]
     a = fp8_cast.amax(rows, rowwise)  # [] or [M, 1]
     if comm.group_size(group) > 1:

@@ -10,13 +10,16 @@ verified, and, when the device's memory is given, the planner's memory estimate 
 the changes that would make it fit. Keeping these here lets the configuration stay below the
 planner: megalite.plan imports megalite.config, never the reverse.
 
-Pure Python: torch is imported only by `memory_per_rank()`, to ask for the GPU's memory.
+Pure Python: torch is imported only where a check asks the device (`memory_per_rank()`: the GPU's
+memory; the FP8 check: its compute capability; the Triton check: the kernels' dispatch), inside
+those functions, so the checks of the settings load without torch.
 """
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
+from megalite.config.rampup import microbatch_counts
 from megalite.cpu_features import cpu_flags as read_cpu_flags, has_native_bf16
 from megalite.paths import output_dir_problem, output_file_problem
 from megalite.pipeline.schedules import check_pipeline_config
@@ -45,16 +48,24 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
     if memory is not None:  # launching: the host memory of what each step reads (before building schedules)
         problems += host_memory_problems(cfg, model.seq_length, host_ram_per_rank())
     if cfg.parallel.pp > 1 and not problems:
-        try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
-            p = cfg.parallel
-            check_pipeline_config(cfg.schedule, model.num_layers, p.pp, cfg.num_microbatches, p.virtual_stages,
-                                  p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+        try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified (for
+            p = cfg.parallel  # every number of microbatches a --rampup-batch-size step runs)
+            for m in microbatch_counts(cfg):
+                check_pipeline_config(cfg.schedule, model.num_layers, p.pp, m, p.virtual_stages,
+                                      p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
         except ValueError as exc:
-            problems.append(str(exc))
+            problems.append(str(exc) + _during_rampup(cfg, m))
     problems = list(dict.fromkeys(problems + own + path_problems(cfg) + _accepted_nonsense(cfg, model.num_layers)))
     if not problems and memory is not None:
         problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
     return problems
+
+
+def _during_rampup(cfg: RunConfig, m: int) -> str:
+    if cfg.training.rampup_batch_size is None or m == cfg.num_microbatches:
+        return ""
+    return (f" (a --rampup-batch-size step of {m * cfg.training.micro_batch_size * cfg.dp} samples: choose START and "
+            f"INCREMENT so that every batch of the ramp runs)")
 
 
 def _accepted_nonsense(cfg: RunConfig, num_layers: int) -> list[str]:
@@ -117,7 +128,7 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     if cfg.training.cuda_graph and not cuda_available:
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
     if kernel_backend == "triton" and not cuda_available:  # the kernels would raise at the first op
-        from megalite.kernels.dispatch import HAVE_TRITON, interpreting
+        from megalite.kernels.dispatch import HAVE_TRITON, interpreting  # torch: see the module docstring
 
         if not HAVE_TRITON:
             problems.append("MEGALITE_KERNEL_BACKEND=triton but triton cannot be imported here; install triton "
@@ -140,7 +151,7 @@ def _fp8_machine_problems(cuda_available: bool, kernel_backend: str) -> list[str
         return ["--fp8-format on Triton's CPU interpreter: it has no float8 types; use "
                 "MEGALITE_KERNEL_BACKEND=auto (torch._scaled_mm runs FP8 on a CPU, for testing)"] \
             if kernel_backend == "triton" else []
-    import torch
+    import torch  # asks the device: see the module docstring
 
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
@@ -164,7 +175,7 @@ def machine_notes(cfg: RunConfig, cuda_available: bool, cpu_flags: set[str] | No
 def memory_per_rank() -> tuple[float, str]:
     """(bytes, whose) this rank may fill: its GPU's memory, or on a CPU the machine's RAM shared by
     the node's ranks (LOCAL_WORLD_SIZE). Asked before any process group exists."""
-    import torch
+    import torch  # asks the device: see the module docstring
 
     if torch.cuda.is_available():
         device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
