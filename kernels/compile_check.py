@@ -40,6 +40,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
+
+# The package's __init__ (run before this module) has imported triton through dispatch, in the
+# mode TRITON_INTERPRET asks for; compile_all refuses an interpreter-mode one.
+from . import attention_tiles, column_sum, flash_attention, fp8_cast
+from . import flash_attention_backward as backward
+from .dispatch import interpreter_ready, next_power_of_2
 
 FP32_POINTERS = {"AMAX", "SCALE", "RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
                  "EXP_AVG_SQ", "ROUTING_WEIGHTS", "DROUTING_WEIGHTS"}
@@ -96,9 +106,6 @@ class Variant:
 
 def _specialize(kernel, dtype: torch.dtype, variant: Variant):
     """(signature, constexprs, attrs) as Triton's launcher would build them for a typical call."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import native_specialize_impl
-
     signature, constexprs, attrs = {}, dict(variant.constexprs), {}
     ints = dict(TYPICAL_INTS, **variant.ints)
     for index, param in enumerate(kernel.params):
@@ -127,9 +134,6 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
 def _norm_variants(rms_norm, layer_norm, cuda: torch.device):
     """The norms' kernels as their config functions launch them on an H100, and the column sum of
     their weight-gradient partials; hidden 768 (GPT-2) too. Statistics must be correctly rounded."""
-    from . import column_sum
-    from .dispatch import next_power_of_2
-
     for hidden in (768, 4096, 8192):
         block, rows = next_power_of_2(hidden), _typical_row_ints(hidden)
         for module, name in ((rms_norm, "rms_norm"), (layer_norm, "layer_norm")):
@@ -194,8 +198,6 @@ def fp8_variants(arch: int = 90):
     """The FP8 casts (sm_89+: FP8 needs Ada or Hopper), on an [8192, 4096] activation, both recipes."""
     if arch < 89:
         return
-    from . import fp8_cast
-
     shape = {"n_rows": TOKENS, "n_cols": HIDDEN, "x_row_stride": HIDDEN}
     tiles = dict(BLOCK_M=fp8_cast.BLOCK_M, BLOCK_K=fp8_cast.BLOCK_K)
     mant, min_exp, limit = fp8_cast.FORMATS[torch.float8_e4m3fn]
@@ -210,8 +212,6 @@ def fp8_variants(arch: int = 90):
 def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles=None, label_suffix: str = ""):
     """The flash-attention kernels with the tiles the launchers pick on `arch` (attention_tiles:
     the measured entry, else the safe choice), or with `tiles` ({"fwd": tile, ...}) when given."""
-    from . import attention_tiles, flash_attention, flash_attention_backward as backward
-
     precision = "ieee" if dtype == torch.float32 else "tf32"
     for head_dim in head_dims or flash_attention.SUPPORTED_HEAD_DIMS:
         strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in ("q", "k", "v", "o", "do") for a in "bhs"
@@ -307,7 +307,7 @@ class Report:
 def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None]:
     """(registers, spill-store bytes) from `ptxas -v` on the PTX; (None, None) if it cannot run."""
     try:
-        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.backends.nvidia.compiler import get_ptxas  # in the try: a triton without its NVIDIA backend
 
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
             source.write(ptx)
@@ -341,12 +341,6 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
                 only: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """Compile every variant (or those whose label contains one of `only`); return
     (failures, warnings) as 'label: detail' lines."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from .dispatch import interpreter_ready
-
     if interpreter_ready():
         raise RuntimeError("triton was imported in interpreter mode; run the compile check in a fresh process "
                            "with TRITON_INTERPRET=0")

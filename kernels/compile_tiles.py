@@ -14,17 +14,16 @@ import sys
 import time
 
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import attention_tiles
+from .compile_check import _specialize, analyse, attention_variants
 
 
 def compile_measured(verbose: bool = True) -> list[str]:
     """Compile every MEASURED entry; return its problems as 'label: detail' lines."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from . import attention_tiles
-    from .compile_check import _specialize, analyse, attention_variants
-
     problems = []
     for (arch, head_dim, dtype_name, causal, dropout), tiles in attention_tiles.MEASURED.items():
         arch_number = int(arch.removeprefix("sm_"))

@@ -39,15 +39,15 @@ def _import_triton():
     explicit TRITON_INTERPRET (e.g. =0 for `compile_check`) is respected as it is.
     """
     if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
-        import triton
-        import triton.language
+        import triton  # this function is the import: its mode (interpreter or compiler) is the point
+        import triton.language  # (as above)
 
         return triton, triton.language
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import triton
-        import triton.language
+        import triton  # imported here in interpreter mode, see the docstring
+        import triton.language  # (as above)
 
         return triton, triton.language
     finally:
@@ -124,7 +124,7 @@ def interpreter_ready() -> bool:
     """Was triton imported with TRITON_INTERPRET=1, so its language functions can be interpreted?"""
     if not HAVE_TRITON:
         return False
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction  # triton is optional here (HAVE_TRITON)
 
     return isinstance(tl.standard.sum, InterpretedFunction)
 
@@ -137,7 +137,7 @@ def runnable(kernel, device: torch.device):
     """
     if device.type == "cuda":  # before the import below: this runs once per launch
         return kernel
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction  # triton is optional here (HAVE_TRITON)
 
     if isinstance(kernel, InterpretedFunction):
         return kernel
@@ -159,8 +159,8 @@ def _interpret_device_functions(namespace: dict, seen: set | None = None) -> Non
     function decorated while TRITON_INTERPRET was unset is a compiled-only JITFunction (calling it
     raises); in a process whose triton is in interpreter mode nothing can be compiled anyway, so
     each is swapped for its interpreted twin, once per namespace."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.interpreter import InterpretedFunction  # triton is optional here (HAVE_TRITON)
+    from triton.runtime.jit import JITFunction  # triton is optional here (HAVE_TRITON)
 
     seen = set() if seen is None else seen
     if id(namespace) in seen:
