@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import collections
-import contextlib
 import statistics
 import time
 

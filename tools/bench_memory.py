@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megalite.config import RunConfig
-from megalite.model.activation_probe import TECHNIQUES, Technique, korthikanti_layer_bytes, measure_table
+from megalite.model.activation_probe import TECHNIQUES, Technique, measure_table
 from megalite.config.model import GPTConfig
 from megalite.plan.activations import layer_activation_bytes
 from megalite.errors import reports_usage_errors

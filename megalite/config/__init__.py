@@ -212,6 +212,12 @@ class RunConfig:
         return etp if etp in (1, tp) else tp
 
     @property
+    def mesh_etp(self) -> int:
+        """The etp `init_mesh` is built with: `etp_size` for an MoE model; --tp for a dense one, whose
+        experts' groups would be the tp groups, so the mesh creates no expert groups at all."""
+        return self.etp_size if self.gpt_config().moe is not None else self.parallel.tp
+
+    @property
     def experts_whole(self) -> bool:
         """etp = 1 under tp > 1: whole experts on every tp rank, each routing its own 1/tp of the tokens
         (the mesh's and `LayerGroups`' `experts_whole`); False: experts split over tp like the dense MLP."""

@@ -154,7 +154,7 @@ def _tokens(model: GPTConfig, cfg: RunConfig) -> tuple[int, int]:
 
 def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Kernels = MEGALITE) -> _Pass:
     """Device seconds of one block, one microbatch, one tp rank: forward and backward (no recompute)."""
-    precision, a = cfg.precision.precision, DTYPE_BYTES[cfg.precision.precision]
+    a = DTYPE_BYTES[cfg.precision.precision]
     t, b = cfg.parallel.tp, cfg.training.micro_batch_size
     sp = t if cfg.parallel.sequence_parallel else 1
     tokens, local = _tokens(model, cfg)
@@ -413,7 +413,7 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     puts every rank on one node). See the module docstring for the model.
     """
     hw = load_profile(hardware)
-    world, m, pp = cfg.world_size, cfg.num_microbatches, cfg.parallel.pp
+    world, pp = cfg.world_size, cfg.parallel.pp
     per_node = min(world, ranks_per_node or hw.devices_per_node or world)
     slowdown = hw.compute_slowdown(per_node)
     block = block_pass(model, cfg, hw, kernels)

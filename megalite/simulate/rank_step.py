@@ -10,7 +10,6 @@ reset after the set-up, so its bytes are the step's.
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -71,8 +70,7 @@ def coords_of(mesh: Mesh) -> dict[str, int]:
 def build_mesh(cfg: RunConfig) -> Mesh:
     """The mesh as the training loop builds it (`loop.build_job`)."""
     p = cfg.parallel
-    etp = p.etp if cfg.gpt_config().moe is not None else p.tp
-    return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=etp)
+    return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp)
 
 
 def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:

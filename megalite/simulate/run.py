@@ -67,7 +67,7 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     """Check every rank's groups, simulate the chosen ranks; the report (also written to json_path)."""
     refuse_real_world()
     p = cfg.parallel
-    etp = p.etp if cfg.gpt_config().moe is not None else p.tp
+    etp = cfg.mesh_etp
     layout = (p.tp, p.cp, cfg.dp, p.pp)
     ranks = parse_ranks(ranks_spec, *layout, ep=p.ep)
     started = time.perf_counter()
