@@ -68,13 +68,11 @@ class GPTModel(nn.Module):
         super().__init__()
         mesh = mesh or current_mesh()
         self.groups = LayerGroups.of(mesh)  # what the blocks talk over (their MoE layers: ep, moe_tokens too)
-        self.ep_group = self.groups.ep  # experts sharded over it (MoE layers)
         self._moe_dispatcher = moe_dispatcher
-        self.tp_group = self.groups.tp
-        self.cp_group = self.groups.cp  # this rank holds s/cp tokens of each sequence
-        self.cp_size, self.cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
-        tp_size = comm.group_size(self.tp_group)
-        tp_rank = comm.group_rank(self.tp_group)
+        # cp: this rank holds s/cp tokens of each sequence
+        self.cp_size, self.cp_rank = comm.group_size(self.groups.cp), comm.group_rank(self.groups.cp)
+        tp_size = comm.group_size(self.groups.tp)
+        tp_rank = comm.group_rank(self.groups.tp)
         pp_size = mesh.pp_size if mesh is not None else 1
         device = device if device is not None else (mesh.device if mesh is not None else None)
         # device="meta": parameters without memory (ZeRO-3 materialises them one unit at a time,
@@ -138,7 +136,7 @@ class GPTModel(nn.Module):
 
     def _build_word_embeddings(self, device) -> VocabParallelEmbedding:
         with seeded(self._seed, _WORD_EMBEDDING_STREAM):
-            return VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size, self.tp_group,
+            return VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size, self.groups.tp,
                                           padded_num_embeddings=self.padded_vocab_size,
                                           init_method=normal_init(self.config.init_std), dtype=self._dtype,
                                           device=device)
@@ -209,21 +207,21 @@ class GPTModel(nn.Module):
         s = input_ids.shape[1]
         partial = self.word_embeddings.local_lookup(input_ids).transpose(0, 1).contiguous()  # [s, b, h] partial
         if self.sequence_parallel:
-            x = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s/tp, b, h]
+            x = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.groups.tp)  # [s/tp, b, h]
         else:
-            x = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
+            x = mappings.reduce_from_tensor_parallel_region(partial, self.groups.tp)
         if self.config.flavour == "gpt2":
             table = self.position_embeddings
             table = table[:s] if self.cp_size == 1 else table[self._global_positions(s, table.device)]
             positions = table.unsqueeze(1)  # [s, 1, h]
             if self.sequence_parallel:
-                tp, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+                tp, r = comm.group_size(self.groups.tp), comm.group_rank(self.groups.tp)
                 positions = positions.chunk(tp, dim=0)[r]
             x = x + positions
         # the [s, b, h] embedding output's mask; under SP this rank's rows of it
-        shards = comm.group_size(self.tp_group) if self.sequence_parallel else 1
+        shards = comm.group_size(self.groups.tp) if self.sequence_parallel else 1
         offset = logical_row_offsets(x.shape[0], math.prod(x.shape[1:]),  # a size read without an aten op
-                                     comm.group_rank(self.tp_group) if shards > 1 else 0, shards, self.cp_rank,
+                                     comm.group_rank(self.groups.tp) if shards > 1 else 0, shards, self.cp_rank,
                                      self.cp_size)
         return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
                        offset)
@@ -232,8 +230,8 @@ class GPTModel(nn.Module):
         """[s(/tp), b, h] final hidden -> [s, b, V_pad/tp] logits shard."""
         x = self.final_norm(x)
         if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, V/tp]; backward re-gathers the shard
-            return sequence_parallel_linear(x, self.head_weight(), None, self.tp_group)
-        return linear(mappings.copy_to_tensor_parallel_region(x, self.tp_group), self.head_weight())
+            return sequence_parallel_linear(x, self.head_weight(), None, self.groups.tp)
+        return linear(mappings.copy_to_tensor_parallel_region(x, self.groups.tp), self.head_weight())
 
     def _global_positions(self, s: int, device) -> torch.Tensor:
         """Positions in the whole sequence of this cp rank's s local tokens (its zigzag chunks)."""
@@ -259,7 +257,7 @@ class GPTModel(nn.Module):
             s = x.shape[1]
             x = self.embed(x)
         else:
-            s = x.shape[0] * (comm.group_size(self.tp_group) if self.sequence_parallel else 1)
+            s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
         rope = self._rope(s)
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
         for index, block in enumerate(self.layers):
@@ -271,13 +269,13 @@ class GPTModel(nn.Module):
             return x
         if labels is not None and self.fused_linear_cross_entropy:
             losses = vocab_parallel_linear_cross_entropy(
-                self.final_norm(x), self.head_weight(), labels.transpose(0, 1), self.tp_group,
+                self.final_norm(x), self.head_weight(), labels.transpose(0, 1), self.groups.tp,
                 sequence_parallel=self.sequence_parallel, vocab_size=self.config.vocab_size)  # [s, b]
         else:
             logits = self.logits(x)  # [s, b, V/tp]
             if labels is None:
                 return logits.transpose(0, 1)  # [b, s, V/tp]
-            losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+            losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.groups.tp,
                                                   vocab_size=self.config.vocab_size)  # [s, b]
         if reduction == "sum":
             return losses.sum()

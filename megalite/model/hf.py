@@ -161,7 +161,7 @@ def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
     if not (model.pre_process and model.post_process and len(model.layer_ids) == model.config.num_layers):
         raise ValueError("to_hf needs the whole model on this rank (pp=1); export a pipelined run's checkpoint "
                          "with tools/convert_checkpoint.py export")
-    if comm.group_size(model.ep_group) > 1:
+    if comm.group_size(model.groups.ep) > 1:
         raise ValueError("to_hf needs every expert on this rank (ep=1); export the run's checkpoint with "
                          "tools/convert_checkpoint.py export")
     full = {}
@@ -169,7 +169,7 @@ def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
         spec = params.shard_spec(param)
         shards = [param.detach().float()]
         if spec.is_tp_sharded:
-            gathered = comm.all_gather(shards[0].contiguous(), model.tp_group, dim=spec.dim)
+            gathered = comm.all_gather(shards[0].contiguous(), model.groups.tp, dim=spec.dim)
             shards = list(gathered.chunk(spec.tp_size, dim=spec.dim))  # rank order
         full[name] = spec.assemble(shards)  # vocabulary padding dropped
     return full
