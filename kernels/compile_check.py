@@ -202,9 +202,17 @@ def fp8_variants(arch: int = 90):
     for rowwise in (False, True):
         yield Variant(f"fp8 amax rowwise={rowwise}", fp8_cast._amax_kernel, dict(ROWWISE=rowwise, **tiles),
                       {"num_warps": 4}, shape)
-        yield Variant(f"fp8 cast_transpose rowwise={rowwise}", fp8_cast._cast_transpose_kernel,
-                      dict(ROWWISE=rowwise, WRITE_T=True, MANT=mant, MIN_EXP=min_exp, LIMIT=limit, **tiles),
-                      {"num_warps": 4}, shape, exact_math=True)
+    yield Variant("fp8 amax per column", fp8_cast._column_amax_kernel, tiles, {"num_warps": 4}, shape)
+    # what the FP8 linear launches: tensorwise both copies (x, g) or the transposed one alone (W for
+    # dgrad); per row, the row-major copy; per column, the transposed copy
+    for scales, rowwise, colwise, write_q, write_t in (("tensor", False, False, True, True),
+                                                       ("tensor", False, False, False, True),
+                                                       ("row", True, False, True, False),
+                                                       ("column", False, True, False, True)):
+        label = f"fp8 cast_transpose {scales} q={int(write_q)} qT={int(write_t)}"
+        yield Variant(label, fp8_cast._cast_transpose_kernel,
+                      dict(ROWWISE=rowwise, COLWISE=colwise, WRITE_Q=write_q, WRITE_T=write_t, MANT=mant,
+                           MIN_EXP=min_exp, LIMIT=limit, **tiles), {"num_warps": 4}, shape, exact_math=True)
 
 
 def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles=None, label_suffix: str = ""):

@@ -58,6 +58,34 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None
     return cast(t, scale, dtype), scale.reciprocal()
 
 
+def quantize_2d(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None, group=None,
+                rowmajor: bool = True, transpose: bool = False):
+    """(t_q [M, K] or None, t_q^T [K, M] contiguous or None, inv_scale) of a 2-D t [M, K], scaled per
+    tensor (rowwise_dim None: inv []), per row (-1 or 1: [M, 1]) or per column (0: [1, K]).
+
+    `rowmajor` / `transpose` say which copies the caller's GEMMs read. On the Triton backend one
+    cast pass writes both (kernels/fp8_cast.py); on torch the transposed copy is `t_q.t().contiguous()`,
+    the same bits."""
+    per_column = rowwise_dim is not None and rowwise_dim % 2 == 0
+    if t.dim() == 2 and _kernel_applies(t, None):
+        from megalite.kernels import fp8_cast
+
+        a = fp8_cast.column_amax(t) if per_column else fp8_cast.amax(t, rowwise_dim is not None)  # [1, K], [M, 1], []
+        return _cast_by_kernel(t, a, dtype, group, rowmajor, transpose)
+    q, inv = quantize(t, dtype, rowwise_dim, group)
+    return (q if rowmajor else None), (q.t().contiguous() if transpose else None), inv
+
+
+def _cast_by_kernel(t: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, group, rowmajor: bool, transpose: bool):
+    from megalite.kernels import fp8_cast
+
+    if comm.group_size(group) > 1:
+        a = comm.all_reduce(a.contiguous(), group, op="max")
+    scale = scale_of(a, dtype)
+    q, qt = fp8_cast.cast_transpose(t, scale, dtype, transpose=transpose, rowmajor=rowmajor)
+    return q, qt, scale.reciprocal()
+
+
 def _kernel_applies(t: torch.Tensor, rowwise_dim: int | None) -> bool:
     from megalite.kernels.dispatch import use_triton
 
