@@ -51,6 +51,7 @@ def fp8_problems(cfg: RunConfig) -> list[str]:
     prec, p = cfg.precision, cfg.parallel
     if prec.fp8_format is None:
         given = [flag for flag, on in (("--fp8-recipe rowwise", prec.fp8_recipe == "rowwise"),
+                                       ("--fp8-scales exact", prec.fp8_scales == "exact"),
                                        ("--fp8-param-gather", prec.fp8_param_gather)) if on]
         return [f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --fp8-format e4m3|hybrid"] if given else []
     problems = []

@@ -32,6 +32,13 @@ class Fp8ScalingRecipe(enum.StrEnum):
     ROWWISE = "rowwise"
 
 
+class Fp8Scales(enum.StrEnum):
+    """--fp8-scales: each scale rounded down to a power of two (layout-free to the bit), or max / amax."""
+
+    POW2 = "pow2"
+    EXACT = "exact"
+
+
 class Recompute(enum.StrEnum):
     NONE = "none"
     SELECTIVE = "selective"

@@ -4,7 +4,7 @@ Converted: every ColumnParallelLinear / RowParallelLinear inside the transformer
 attention projections, the MLP) and every MoE layer's local experts. Left in the training dtype:
 the embedding, the output layer and the norms (the issue's rule: unless measured better), and
 the router. Each converted weight is declared with the group its tensorwise amax spans
-(`params.fp8_amax_group`), which ZeRO-3's FP8 parameter gather reads.
+and its scale rounding (`params.fp8_amax_group`), which ZeRO-3's FP8 parameter gather reads.
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None) -> int:
     for module in (blocks.modules() if blocks is not None else model.modules()):
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.fp8 = recipe
-            params.declare(module.weight, fp8_amax_group=(module.tp_group,))
+            params.declare(module.weight, fp8_amax_group=(module.tp_group, recipe.pow2_scales))
             count += 1
         elif isinstance(module, LocalExperts):
             module.fp8 = recipe
             for expert in module.values():
                 for weight in (expert.fc1_weight, expert.fc2_weight):
-                    params.declare(weight, fp8_amax_group=(module.tp_group,))
+                    params.declare(weight, fp8_amax_group=(module.tp_group, recipe.pow2_scales))
             count += 1
     return count

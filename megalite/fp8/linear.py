@@ -49,10 +49,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         k_group = group if (tp and kind == "row") else None
         n_group = group if (tp and kind == "column") else None
         sp = sequence_parallel and tp
-        fwd = recipe.forward_dtype
+        fwd, pow2 = recipe.forward_dtype, recipe.pow2_scales
         if recipe.rowwise:
-            x_q, x_inv = quantize(x, fwd, -1, k_group)  # [.., K], [.., 1]
-            w_q, w_inv = quantize(weight, fwd, -1, k_group)  # [N, K], [N, 1]
+            x_q, x_inv = quantize(x, fwd, -1, k_group, pow2)  # [.., K], [.., 1]
+            w_q, w_inv = quantize(weight, fwd, -1, k_group, pow2)  # [N, K], [N, 1]
             w_inv = w_inv.t()  # [1, N]
             saved_x = x  # its wgrad scales run along T: cast again in backward
         else:
@@ -61,9 +61,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # one cast writes x_q [T, K] for this GEMM and, unless SP re-gathers the shard in backward,
             # x_q^T [K, T], the weight gradient's right operand: what backward keeps (1 byte per element)
             x2 = x.reshape(-1, x.shape[-1])
-            x_q, saved_x, x_inv = quantize_2d(x2, fwd, None, x_group, transpose=not sp and ctx.needs_input_grad[1])
+            x_q, saved_x, x_inv = quantize_2d(x2, fwd, None, x_group, transpose=not sp and ctx.needs_input_grad[1],
+                                              pow2=pow2)
             x_q = x_q.view(x.shape)
-            w_q, w_inv = _weight_tensorwise(weight, fwd, group if tp else None)
+            w_q, w_inv = _weight_tensorwise(weight, fwd, group if tp else None, pow2)
             if sp:
                 saved_x = x_q  # the shard [s/tp, b, K]: backward re-gathers it in FP8
         if sp:
@@ -86,7 +87,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # casts it along N, then along T)
         g_tensorwise = None
         if not recipe.rowwise and (needs[0] or needs[1]):
-            g_tensorwise = quantize_2d(g2, recipe.grad_dtype, None, ctx.n_group, rowmajor=needs[0], transpose=needs[1])
+            g_tensorwise = quantize_2d(g2, recipe.grad_dtype, None, ctx.n_group, rowmajor=needs[0], transpose=needs[1],
+                                       pow2=recipe.pow2_scales)
         grad_input = _dgrad(ctx, g2, g_tensorwise, weight, grad_out.dtype) if needs[0] else None
         if grad_input is not None:
             grad_input = grad_input.view(*grad_out.shape[:-1], weight.shape[1])
@@ -102,10 +104,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _weight_tensorwise(weight: torch.Tensor, dtype: torch.dtype, tp_group):
+def _weight_tensorwise(weight: torch.Tensor, dtype: torch.dtype, tp_group, pow2: bool):
     """(W_q, 1/scale): ZeRO-3's FP8-gathered copy when there is one (--fp8-param-gather), else cast here."""
     gathered = P.fp8_gathered(weight)
-    return gathered if gathered is not None else quantize(weight, dtype, None, tp_group)
+    return gathered if gathered is not None else quantize(weight, dtype, None, tp_group, pow2)
 
 
 def _dgrad(ctx, g2: torch.Tensor, g_tensorwise, weight: torch.Tensor, out_dtype) -> torch.Tensor:
@@ -113,9 +115,9 @@ def _dgrad(ctx, g2: torch.Tensor, g_tensorwise, weight: torch.Tensor, out_dtype)
     W_q^T [K, N] (the right operand, column-major)."""
     recipe = ctx.recipe
     if recipe.rowwise:
-        g_q, g_inv = quantize(g2, recipe.grad_dtype, -1, ctx.n_group)  # [T, N], [T, 1]
+        g_q, g_inv = quantize(g2, recipe.grad_dtype, -1, ctx.n_group, recipe.pow2_scales)  # [T, N], [T, 1]
         _, w_t, w_inv = quantize_2d(weight, recipe.forward_dtype, 0, ctx.n_group, rowmajor=False,
-                                    transpose=True)  # [K, N], [1, K]
+                                    transpose=True, pow2=recipe.pow2_scales)  # [K, N], [1, K]
     else:
         tp_group = ctx.group if comm.group_size(ctx.group) > 1 else None
         g_q, _, g_inv = g_tensorwise
@@ -123,7 +125,8 @@ def _dgrad(ctx, g2: torch.Tensor, g_tensorwise, weight: torch.Tensor, out_dtype)
         if gathered is not None:
             w_t, w_inv = gathered[0].t().contiguous(), gathered[1]
         else:
-            _, w_t, w_inv = quantize_2d(weight, recipe.forward_dtype, None, tp_group, rowmajor=False, transpose=True)
+            _, w_t, w_inv = quantize_2d(weight, recipe.forward_dtype, None, tp_group, rowmajor=False, transpose=True,
+                                        pow2=recipe.pow2_scales)
     return gemm.scaled_mm(g_q, w_t.t(), g_inv, w_inv, out_dtype)
 
 
@@ -138,8 +141,8 @@ def _weight_grads(ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight: bool, wan
         x = comm.all_gather(saved_x, ctx.group, dim=0) if ctx.sp else saved_x  # [s, b, K] in the training dtype
         x2 = x.reshape(-1, x.shape[-1])
         # per feature over T: per-column scales, cast straight into the transposed copies
-        _, g_t, g_inv = quantize_2d(g2, recipe.grad_dtype, 0, None, rowmajor=False, transpose=True)  # [N, T], [1, N]
-        _, x_t, x_inv = quantize_2d(x2, recipe.forward_dtype, 0, None, rowmajor=False, transpose=True)  # [K, T], [1, K]
+        _, g_t, g_inv = quantize_2d(g2, recipe.grad_dtype, 0, None, False, True, recipe.pow2_scales)  # [N, T], [1, N]
+        _, x_t, x_inv = quantize_2d(x2, recipe.forward_dtype, 0, None, False, True, recipe.pow2_scales)  # [K, T], [1, K]
         g_inv = g_inv.t()  # [N, 1]
     elif ctx.sp:  # re-gathered in FP8; the gathered copy is transposed here (no cast to fuse it with)
         x_q = _gather_fp8(saved_x, x_inv, ctx.group)[0]  # [s, b, K]

@@ -169,6 +169,22 @@ def test_tp2_sequence_parallel_model_gradients_match_on_one_microbatch():
     run_distributed(_grads_of_one_microbatch, 2, (loss.item(), grads))
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tp2_sequence_parallel_whole_steps_match_the_fp8_single_process(recipe):
+    """Power-of-two scales (the default): the row-parallel GEMMs' other summation order moves amaxes
+    by an ulp, which leaves the scales, and so the casts, unchanged (docs/fp8.md)."""
+    ref = _reference(recipe)
+    run_distributed(_parallel, 2, 2, 1, 1, {"fp8_recipe": recipe, "sequence_parallel": True}, *ref, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tp2_pp2_dp2_matches_the_fp8_single_process(recipe):
+    ref = _reference(recipe)
+    run_distributed(_parallel, 8, 2, 2, 2, {"fp8_recipe": recipe, "zero": 1, "sequence_parallel": True}, *ref,
+                    timeout_s=600)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_pp2_dp2_matches_the_fp8_single_process(recipe):
