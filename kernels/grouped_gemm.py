@@ -95,12 +95,15 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: tor
 
 
 @triton.jit
-def _grouped_mm_kernel(X, W, Y, ROW_OFFSETS, TILE_OFFSETS, n_groups, k_dim, n_cols, x_stride_t, w_stride_e,
-                       w_stride_k, w_stride_n, y_stride_t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_BLOCK: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_mm_kernel(X, W, Y, X_SCALE, W_SCALE, ROW_OFFSETS, TILE_OFFSETS, n_groups, k_dim, n_cols, x_stride_t,
+                       w_stride_e, w_stride_k, w_stride_n, y_stride_t, w_scale_stride_e, w_scale_stride_n,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_BLOCK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """Y[rows of g] = X[rows of g] @ W[g] for one [BLOCK_M, BLOCK_N] tile. X [T, K] (unit column
-    stride), W [E, K, N] by strides (W^T's for dx), Y [T, N]; offsets int32 [E + 1]."""
+    stride), W [E, K, N] by strides (W^T's for dx), Y [T, N]; offsets int32 [E + 1].
+    SCALED (FP8 operands): Y[t, n] = acc[t, n] * X_SCALE[t] * W_SCALE[g, n] (fp32 inverse scales; a
+    per-group scale has w_scale_stride_n 0)."""
     pid = tl.program_id(0)
     col_tiles = tl.cdiv(n_cols, BLOCK_N)
     row_tiles = tl.load(TILE_OFFSETS + n_groups)  # the real count; the grid holds an upper bound
@@ -136,16 +139,23 @@ def _grouped_mm_kernel(X, W, Y, ROW_OFFSETS, TILE_OFFSETS, n_groups, k_dim, n_co
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
+    if SCALED:
+        x_scale = tl.load(X_SCALE + rows, mask=row_mask, other=0.0)  # [BLOCK_M]
+        w_scale = tl.load(W_SCALE + group * w_scale_stride_e + cols * w_scale_stride_n, mask=col_mask, other=0.0)
+        acc = acc * x_scale[:, None] * w_scale[None, :]
     y_ptrs = Y + rows[:, None].to(tl.int64) * y_stride_t + cols[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _grouped_mm_weight_grad_kernel(X, DY, DW, ROW_OFFSETS, k_dim, n_cols, x_stride_t, dy_stride_t, dw_stride_e,
-                                   dw_stride_k, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_mm_weight_grad_kernel(X, DY, DW, X_SCALE, DY_SCALE, ROW_OFFSETS, k_dim, n_cols, x_stride_t, dy_stride_t,
+                                   dw_stride_e, dw_stride_k, x_scale_stride_e, x_scale_stride_k, dy_scale_stride_e,
+                                   dy_scale_stride_n, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """DW[g] = X[rows of g]^T @ DY[rows of g] for one [BLOCK_K, BLOCK_N] tile of one group.
-    X [T, K], DY [T, N] (unit column strides), DW [E, K, N] (unit column stride)."""
+    X [T, K], DY [T, N] (unit column strides), DW [E, K, N] (unit column stride).
+    SCALED (FP8 operands): DW[g, k, n] = acc * X_SCALE[g, k] * DY_SCALE[g, n] (per-group scales:
+    strides 0 along k / n)."""
     pid = tl.program_id(0)
     k_tiles, col_tiles = tl.cdiv(k_dim, BLOCK_K), tl.cdiv(n_cols, BLOCK_N)
     group = pid // (k_tiles * col_tiles)
@@ -164,6 +174,10 @@ def _grouped_mm_weight_grad_kernel(X, DY, DW, ROW_OFFSETS, k_dim, n_cols, x_stri
         dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :],
                      mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(x_t, dy, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        x_scale = tl.load(X_SCALE + group * x_scale_stride_e + ks * x_scale_stride_k, mask=k_mask, other=0.0)
+        dy_scale = tl.load(DY_SCALE + group * dy_scale_stride_e + cols * dy_scale_stride_n, mask=col_mask, other=0.0)
+        acc = acc * x_scale[:, None] * dy_scale[None, :]
     dw_ptrs = DW + group.to(tl.int64) * dw_stride_e + ks[:, None] * dw_stride_k + cols[None, :]
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
@@ -178,36 +192,42 @@ def _schedule(group_sizes: torch.Tensor, block_m: int) -> tuple[torch.Tensor, to
     return row_offsets, torch.cat([zero, tiles.cumsum(0, dtype=torch.int32)])
 
 
-def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (unit column stride) times weight [E, K, N] (any strides: a transposed view for dx)."""
+def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, scales=None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] (unit column stride) times weight [E, K, N] (any strides: a transposed view for dx).
+    FP8 operands: `scales` = (x's fp32 [T], weight's fp32 [E, N] (any strides)), output `out_dtype`."""
     tokens, k_dim = x.shape
     n_groups, _, n_cols = weight.shape
-    tiles = gemm_tiles(x.device, x.dtype)
+    tiles = gemm_tiles(x.device, torch.bfloat16 if scales is not None else x.dtype)  # FP8: the 16-bit tiles
     row_offsets, tile_offsets = _schedule(group_sizes, tiles.block_m)
-    y = new_output((tokens, n_cols), x.dtype, x.device)
+    y = new_output((tokens, n_cols), out_dtype or x.dtype, x.device)
+    x_scale, w_scale = scales if scales is not None else (y, y)  # (never read unscaled)
     row_tile_bound = triton.cdiv(tokens, tiles.block_m) + n_groups  # each group's last tile may be partial
     grid = (row_tile_bound * triton.cdiv(n_cols, tiles.block_n),)
     runnable(_grouped_mm_kernel, x.device)[grid](
-        x, weight, y, row_offsets, tile_offsets, n_groups, k_dim, n_cols, x.stride(0), weight.stride(0),
-        weight.stride(1), weight.stride(2), y.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, GROUP_BLOCK=next_power_of_2(n_groups), GROUP_M=tiles.group_m,
-        EVEN_K=k_dim % tiles.block_k == 0, DOT_PRECISION=dot_precision(x.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        x, weight, y, x_scale, w_scale, row_offsets, tile_offsets, n_groups, k_dim, n_cols, x.stride(0),
+        weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), w_scale.stride(0), w_scale.stride(1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_BLOCK=next_power_of_2(n_groups),
+        GROUP_M=tiles.group_m, EVEN_K=k_dim % tiles.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
+        SCALED=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
-def _launch_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """dweight [E, K, N] from x [T, K] and dy [T, N], both with unit column strides."""
+def _launch_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor, scales=None) -> torch.Tensor:
+    """dweight [E, K, N] from x [T, K] and dy [T, N], both with unit column strides. FP8 operands:
+    `scales` = (x's fp32 [E, K], dy's fp32 [E, N], any strides), dweight in fp32."""
     (_, k_dim), n_cols, n_groups = x.shape, dy.shape[1], group_sizes.shape[0]
-    tiles = gemm_tiles(x.device, x.dtype)
+    tiles = gemm_tiles(x.device, torch.bfloat16 if scales is not None else x.dtype)
     row_offsets, _ = _schedule(group_sizes, tiles.block_m)
-    dweight = new_output((n_groups, k_dim, n_cols), x.dtype, x.device)
+    dweight = new_output((n_groups, k_dim, n_cols), torch.float32 if scales is not None else x.dtype, x.device)
+    x_scale, dy_scale = scales if scales is not None else (dweight, dweight)
     block_k = tiles.block_m  # the K side of the tile plays the forward's row side
     grid = (n_groups * triton.cdiv(k_dim, block_k) * triton.cdiv(n_cols, tiles.block_n),)
     runnable(_grouped_mm_weight_grad_kernel, x.device)[grid](
-        x, dy, dweight, row_offsets, k_dim, n_cols, x.stride(0), dy.stride(0), dweight.stride(0),
-        dweight.stride(1), BLOCK_K=block_k, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        x, dy, dweight, x_scale, dy_scale, row_offsets, k_dim, n_cols, x.stride(0), dy.stride(0), dweight.stride(0),
+        dweight.stride(1), x_scale.stride(0), x_scale.stride(-1), dy_scale.stride(0), dy_scale.stride(-1),
+        BLOCK_K=block_k, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t, DOT_PRECISION=dot_precision(x.dtype),
+        SCALED=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return dweight
 
 
