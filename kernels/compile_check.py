@@ -239,13 +239,15 @@ def fp8_grouped_variants(arch: int):
                                DOT_PRECISION="tf32", SCALED=True), options,
                           dict(common, k_dim=k, n_cols=n, x_stride_t=k, y_stride_t=n, w_stride_k=1, w_stride_n=k),
                           memory_bound=False, pointers={"X": x_type, "W": e4m3})
-        # dW_g [N, K] = g_g^T @ x_g: the kernel's X is the gradient [T, N], its DY the input [T, K]
+        # dW_g [N, K] = g_g^T @ x_g: the kernel's X is the gradient, its DY the input, both read from
+        # their transposed copies g_q^T [N, T], x_q^T [K, T] (contiguous along T, the contraction)
         yield Variant(f"fp8 grouped_mm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
                       dict(BLOCK_K=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t, DOT_PRECISION="tf32",
                            SCALED=True), options,
-                      dict(k_dim=n_cols, n_cols=k_dim, x_stride_t=n_cols, dy_stride_t=k_dim, dw_stride_e=k_dim * n_cols,
-                           dw_stride_k=k_dim, x_scale_stride_e=1, x_scale_stride_k=0, dy_scale_stride_e=1,
-                           dy_scale_stride_n=0), memory_bound=False, pointers={"X": e5m2, "DY": e4m3, "DW": "*fp32"})
+                      dict(k_dim=n_cols, n_cols=k_dim, x_stride_t=1, x_stride_k=TOKENS, dy_stride_t=1,
+                           dy_stride_n=TOKENS, dw_stride_e=k_dim * n_cols, dw_stride_k=k_dim, x_scale_stride_e=1,
+                           x_scale_stride_k=0, dy_scale_stride_e=1, dy_scale_stride_n=0), memory_bound=False,
+                      pointers={"X": e5m2, "DY": e4m3, "DW": "*fp32"})
 
 
 def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles=None, label_suffix: str = ""):
@@ -296,8 +298,8 @@ def moe_variants(dtype: torch.dtype, arch: int = 90):
         yield Variant(f"grouped_mm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
                       dict(BLOCK_K=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t,
                            DOT_PRECISION=precision, SCALED=False), options,
-                      dict(k_dim=k_dim, n_cols=n_cols, x_stride_t=k_dim, dy_stride_t=n_cols,
-                           dw_stride_e=k_dim * n_cols, dw_stride_k=n_cols, x_scale_stride_e=0, x_scale_stride_k=0,
+                      dict(k_dim=k_dim, n_cols=n_cols, x_stride_t=k_dim, x_stride_k=1, dy_stride_t=n_cols,
+                           dy_stride_n=1, dw_stride_e=k_dim * n_cols, dw_stride_k=n_cols, x_scale_stride_e=0, x_scale_stride_k=0,
                            dy_scale_stride_e=0, dy_scale_stride_n=0), memory_bound=False)
     rows = dict(n_cols=HIDDEN, top_k=MOE_TOP_K, src_stride=HIDDEN, out_stride=HIDDEN, y_stride=HIDDEN)
     block_h = moe_permute._block_h(HIDDEN, torch.device("cuda"))

@@ -148,12 +148,15 @@ def _grouped_mm_kernel(X, W, Y, X_SCALE, W_SCALE, ROW_OFFSETS, TILE_OFFSETS, n_g
 
 
 @triton.jit
-def _grouped_mm_weight_grad_kernel(X, DY, DW, X_SCALE, DY_SCALE, ROW_OFFSETS, k_dim, n_cols, x_stride_t, dy_stride_t,
-                                   dw_stride_e, dw_stride_k, x_scale_stride_e, x_scale_stride_k, dy_scale_stride_e,
-                                   dy_scale_stride_n, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
+def _grouped_mm_weight_grad_kernel(X, DY, DW, X_SCALE, DY_SCALE, ROW_OFFSETS, n_rows, k_dim, n_cols, x_stride_t, x_stride_k,
+                                   dy_stride_t, dy_stride_n, dw_stride_e, dw_stride_k, x_scale_stride_e,
+                                   x_scale_stride_k, dy_scale_stride_e, dy_scale_stride_n, BLOCK_K: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                   SCALED: tl.constexpr):
     """DW[g] = X[rows of g]^T @ DY[rows of g] for one [BLOCK_K, BLOCK_N] tile of one group.
-    X [T, K], DY [T, N] (unit column strides), DW [E, K, N] (unit column stride).
+    X [T, K], DY [T, N] by strides (unit column strides in 16 bits; FP8 passes the transposed
+    copies, unit row strides, so both operands are contiguous along T, the contraction, as
+    Hopper's FP8 tensor cores want), DW [E, K, N] (unit column stride).
     SCALED (FP8 operands): DW[g, k, n] = acc * X_SCALE[g, k] * DY_SCALE[g, n] (per-group scales:
     strides 0 along k / n)."""
     pid = tl.program_id(0)
@@ -165,15 +168,30 @@ def _grouped_mm_weight_grad_kernel(X, DY, DW, X_SCALE, DY_SCALE, ROW_OFFSETS, k_
     k_mask, col_mask = ks < k_dim, cols < n_cols
     row_start, row_end = tl.load(ROW_OFFSETS + group), tl.load(ROW_OFFSETS + group + 1)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for t in range(row_start, row_end, BLOCK_T):
-        rows = t + tl.arange(0, BLOCK_T)
-        row_mask = rows < row_end
-        # x^T [BLOCK_K, BLOCK_T] read straight from x's rows (its contiguous dimension is K)
-        x_t = tl.load(X + rows[None, :].to(tl.int64) * x_stride_t + ks[:, None],
-                      mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-        dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :],
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(x_t, dy, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        # FP8 operands are the transposed copies, contiguous along T: loads of BLOCK_T-aligned row
+        # blocks masked only at the end of the tensor (n_rows) vectorise; the rows outside the group
+        # are zeroed after the load
+        for t in range((row_start // BLOCK_T) * BLOCK_T, row_end, BLOCK_T):
+            rows = t + tl.arange(0, BLOCK_T)
+            inside = (rows >= row_start) & (rows < row_end)
+            x_t = tl.load(X + rows[None, :].to(tl.int64) * x_stride_t + ks[:, None].to(tl.int64) * x_stride_k,
+                          mask=k_mask[:, None] & (rows < n_rows)[None, :], other=0.0)
+            dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :].to(tl.int64) * dy_stride_n,
+                         mask=(rows < n_rows)[:, None] & col_mask[None, :], other=0.0)
+            x_t = tl.where(inside[None, :], x_t, tl.zeros_like(x_t))
+            dy = tl.where(inside[:, None], dy, tl.zeros_like(dy))  # (another group's inf or NaN must not leak in)
+            acc = tl.dot(x_t, dy, acc)
+    else:
+        for t in range(row_start, row_end, BLOCK_T):
+            rows = t + tl.arange(0, BLOCK_T)
+            row_mask = rows < row_end
+            # x^T [BLOCK_K, BLOCK_T] read straight from x's rows (its contiguous dimension is K)
+            x_t = tl.load(X + rows[None, :].to(tl.int64) * x_stride_t + ks[:, None],
+                          mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+            dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :],
+                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(x_t, dy, acc, input_precision=DOT_PRECISION)
     if SCALED:
         x_scale = tl.load(X_SCALE + group * x_scale_stride_e + ks * x_scale_stride_k, mask=k_mask, other=0.0)
         dy_scale = tl.load(DY_SCALE + group * dy_scale_stride_e + cols * dy_scale_stride_n, mask=col_mask, other=0.0)
@@ -214,8 +232,9 @@ def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
 
 
 def _launch_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor, scales=None) -> torch.Tensor:
-    """dweight [E, K, N] from x [T, K] and dy [T, N], both with unit column strides. FP8 operands:
-    `scales` = (x's fp32 [E, K], dy's fp32 [E, N], any strides), dweight in fp32."""
+    """dweight [E, K, N] from x [T, K] and dy [T, N], both with unit column strides, or (FP8) views
+    of the transposed copies (unit row strides). FP8 operands: `scales` = (x's fp32 [E, K], dy's fp32
+    [E, N], any strides), dweight in fp32."""
     (_, k_dim), n_cols, n_groups = x.shape, dy.shape[1], group_sizes.shape[0]
     tiles = gemm_tiles(x.device, torch.bfloat16 if scales is not None else x.dtype)
     row_offsets, _ = _schedule(group_sizes, tiles.block_m)
@@ -224,8 +243,8 @@ def _launch_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Te
     block_k = tiles.block_m  # the K side of the tile plays the forward's row side
     grid = (n_groups * triton.cdiv(k_dim, block_k) * triton.cdiv(n_cols, tiles.block_n),)
     runnable(_grouped_mm_weight_grad_kernel, x.device)[grid](
-        x, dy, dweight, x_scale, dy_scale, row_offsets, k_dim, n_cols, x.stride(0), dy.stride(0), dweight.stride(0),
-        dweight.stride(1), x_scale.stride(0), x_scale.stride(-1), dy_scale.stride(0), dy_scale.stride(-1),
+        x, dy, dweight, x_scale, dy_scale, row_offsets, x.shape[0], k_dim, n_cols, x.stride(0), x.stride(1), dy.stride(0),
+        dy.stride(1), dweight.stride(0), dweight.stride(1), x_scale.stride(0), x_scale.stride(-1), dy_scale.stride(0), dy_scale.stride(-1),
         BLOCK_K=block_k, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t, DOT_PRECISION=dot_precision(x.dtype),
         SCALED=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return dweight

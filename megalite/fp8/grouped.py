@@ -49,15 +49,17 @@ def _segment_amax(t: torch.Tensor, gid: torch.Tensor, groups: int, per_column: b
     return comm.all_reduce(out, group, op="max") if comm.group_size(group) > 1 else out
 
 
-def _cast_rows(t: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast t [R, C] with one scale per row [R, 1]: the FP8 cast kernel where it runs, torch else."""
+def _cast_rows(t: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
+    """(t_q [R, C], t_q^T [C, R] contiguous or None): t cast with one scale per row [R, 1]; one pass
+    of the FP8 cast kernel writes both where it runs, torch's `.t().contiguous()` else (same bits)."""
     from megalite.kernels.dispatch import use_triton
 
     if t.numel() and t.is_contiguous() and use_triton(t):
         from megalite.kernels import fp8_cast
 
-        return fp8_cast.cast_transpose(t, scale_rows, dtype, transpose=False)[0]
-    return cast(t, scale_rows, dtype)
+        return fp8_cast.cast_transpose(t, scale_rows, dtype, transpose=transpose)
+    q = cast(t, scale_rows, dtype)
+    return q, (q.t().contiguous() if transpose else None)
 
 
 def _cast_weights(w: torch.Tensor, dtype: torch.dtype, dims, group, pow2: bool):
@@ -70,13 +72,13 @@ def _cast_weights(w: torch.Tensor, dtype: torch.dtype, dims, group, pow2: bool):
 
 
 def _cast_tokens(t: torch.Tensor, gid: torch.Tensor, groups: int, dtype: torch.dtype, per_token: bool, group,
-                 pow2: bool):
-    """(t_q [R, C], inverse scales [R, 1] per token or [E] per group) of activations t [R, C]."""
+                 pow2: bool, transpose: bool = False):
+    """(t_q [R, C], t_q^T [C, R] or None, inverse scales [R, 1] per token or [E] per group) of t [R, C]."""
     if per_token:
         scale = scale_of(amax(t, -1, group), dtype, pow2)  # [R, 1]
-        return _cast_rows(t, scale, dtype), scale.reciprocal()
+        return (*_cast_rows(t, scale, dtype, transpose), scale.reciprocal())
     scale = scale_of(_segment_amax(t, gid, groups, False, group), dtype, pow2)  # [E]
-    return _cast_rows(t, scale[gid][:, None], dtype), scale.reciprocal()
+    return (*_cast_rows(t, scale[gid][:, None], dtype, transpose), scale.reciprocal())
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
@@ -107,23 +109,23 @@ def grouped_scaled_mm(a_q, b_q, inv_a, inv_b, group_sizes, gid, out_dtype, per_t
     return out
 
 
-def grouped_scaled_wgrad(a_q, b_q, inv_a, inv_b, group_sizes, per_feature: bool):
-    """dW [E, P, Q] fp32 = (a_q[rows of g] * inv_a[g])^T @ (b_q[rows of g] * inv_b[g]) for each group.
-
-    a_q [R, P], b_q [R, Q] row-major; inv_a [E, P] and inv_b [E, Q] (per_feature) or [E] each."""
-    groups, p, q = group_sizes.numel(), a_q.shape[1], b_q.shape[1]
-    if _use_kernels(a_q):
+def grouped_scaled_wgrad(a_t, b_t, inv_a, inv_b, group_sizes, per_feature: bool):
+    """dW [E, P, Q] fp32 = (a[rows of g] * inv_a[g])^T @ (b[rows of g] * inv_b[g]) for each group, from
+    the transposed copies a_t [P, R], b_t [Q, R] (contiguous along the tokens, the contraction);
+    inv_a [E, P] and inv_b [E, Q] (per_feature) or [E] each."""
+    groups, p, q = group_sizes.numel(), a_t.shape[0], b_t.shape[0]
+    if _use_kernels(a_t):
         from megalite.kernels.grouped_gemm import _launch_weight_grad
 
         scales = (inv_a, inv_b) if per_feature else (inv_a[:, None].expand(-1, p), inv_b[:, None].expand(-1, q))
-        return _launch_weight_grad(a_q, b_q, group_sizes, scales)
-    out = torch.zeros(groups, p, q, dtype=torch.float32, device=a_q.device)
+        return _launch_weight_grad(a_t.t(), b_t.t(), group_sizes, scales)
+    out = torch.zeros(groups, p, q, dtype=torch.float32, device=a_t.device)
     start = 0
     for g, size in enumerate(group_sizes.tolist()):
         if size:  # the loop's operands: a^T row-major [P, R_g], b column-major [R_g, Q]
-            a_t, b_t = a_q[start:start + size].t().contiguous(), b_q[start:start + size].t().contiguous()
+            a_g, b_g = a_t[:, start:start + size].contiguous(), b_t[:, start:start + size].contiguous()
             scale_a, scale_b = (inv_a[g][:, None], inv_b[g][None, :]) if per_feature else (inv_a[g], inv_b[g])
-            out[g] = gemm.scaled_mm(a_t, b_t.t(), scale_a, scale_b, torch.float32)
+            out[g] = gemm.scaled_mm(a_g, b_g.t(), scale_a, scale_b, torch.float32)
         start += size
     return out
 
@@ -139,10 +141,12 @@ class _Fp8GroupedMM(torch.autograd.Function):
         gid = _group_ids(group_sizes, x.shape[0])
         fwd, pow2, rw = recipe.forward_dtype, recipe.pow2_scales, recipe.rowwise
         # x is split along K in a row layer (both recipes reduce over tp), replicated in a column layer
-        x_q, x_inv = _cast_tokens(x, gid, len(weights), fwd, rw, ctx.k_group, pow2)
+        # tensorwise: the same pass writes x_q^T [K, R], the weight gradient's operand, kept for backward
+        x_q, x_t, x_inv = _cast_tokens(x, gid, len(weights), fwd, rw, ctx.k_group, pow2,
+                                       transpose=not rw and any(ctx.needs_input_grad[5:]))
         w_q, w_inv = _cast_weights(torch.stack(weights), fwd, -1 if rw else (1, 2), ctx.w_group, pow2)  # [E, N, K]
         y = grouped_scaled_mm(x_q, w_q.transpose(1, 2), x_inv, w_inv.transpose(1, 2), group_sizes, gid, x.dtype, rw)
-        ctx.save_for_backward(x if rw else x_q, None if rw else x_inv, group_sizes, gid, *weights)
+        ctx.save_for_backward(x if rw else x_t, None if rw else x_inv, group_sizes, gid, *weights)
         return y
 
     @staticmethod
@@ -151,24 +155,26 @@ class _Fp8GroupedMM(torch.autograd.Function):
         recipe, needs, groups = ctx.recipe, ctx.needs_input_grad, ctx.groups
         pow2, rw = recipe.pow2_scales, recipe.rowwise
         g = grad_out.contiguous()  # [R, N]
-        # tensorwise: one cast of g (per group) serves both GEMMs
-        g_q, g_inv = _cast_tokens(g, gid, groups, recipe.grad_dtype, rw, ctx.n_group, pow2)
+        # tensorwise: one cast of g (per group) writes g_q for dgrad and g_q^T [N, R] for wgrad
+        wants_w = any(needs[5:])
+        g_q, g_t, g_inv = _cast_tokens(g, gid, groups, recipe.grad_dtype, rw, ctx.n_group, pow2, not rw and wants_w)
         grad_x = None
         if needs[0]:  # dx [R, K] = g @ W_g, contracting N; W's transposed copy [E, K, N] column-major
             w_q, w_inv = _cast_weights(torch.stack(weights), recipe.forward_dtype, 1 if rw else (1, 2),
                                        ctx.n_group if rw else ctx.w_group, pow2)  # inv [E, 1, K] or [E, 1, 1]
             w_t = w_q.transpose(1, 2).contiguous()  # [E, K, N]
             grad_x = grouped_scaled_mm(g_q, w_t.transpose(1, 2), g_inv, w_inv, group_sizes, gid, grad_out.dtype, rw)
-        if not any(needs[5:]):
+        if not wants_w:
             return grad_x, None, None, None, None, *([None] * groups)
         if rw:  # per feature over each group's tokens: [E, N] and [E, K] scales, cast per element
             g_scale = scale_of(_segment_amax(g, gid, groups, True), recipe.grad_dtype, pow2)
             x_scale = scale_of(_segment_amax(saved_x, gid, groups, True), recipe.forward_dtype, pow2)
-            g_q, x_q = cast(g, g_scale[gid], recipe.grad_dtype), cast(saved_x, x_scale[gid], recipe.forward_dtype)
+            g_t = cast(g, g_scale[gid], recipe.grad_dtype).t().contiguous()  # [N, R]
+            x_t = cast(saved_x, x_scale[gid], recipe.forward_dtype).t().contiguous()  # [K, R]
             g_inv, x_inv = g_scale.reciprocal(), x_scale.reciprocal()
         else:
-            x_q = saved_x
-        dw = grouped_scaled_wgrad(g_q, x_q, g_inv, x_inv, group_sizes, rw)  # [E, N, K] fp32
+            x_t = saved_x  # [K, R], from the forward's cast
+        dw = grouped_scaled_wgrad(g_t, x_t, g_inv, x_inv, group_sizes, rw)  # [E, N, K] fp32
         grads = []
         for e, weight in enumerate(weights):
             if bypasses_autograd(weight):
