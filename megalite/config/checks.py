@@ -57,8 +57,6 @@ def fp8_problems(cfg: RunConfig) -> list[str]:
     problems = []
     if prec.precision == "fp16":
         problems.append("--fp8-format with --fp16: FP8 training keeps bf16 (or fp32) outside its GEMMs; use --bf16")
-    if p.cp > 1:
-        problems.append(f"--fp8-format with --cp {p.cp}: FP8 is not built for context parallelism yet; use --cp 1")
     if prec.fp8_param_gather and (p.zero != 3 or prec.fp8_recipe != "tensorwise"):
         problems.append("--fp8-param-gather needs --zero 3 (it is ZeRO-3's parameter all-gather) and --fp8-recipe "
                         "tensorwise (one scale per weight)")

@@ -13,19 +13,24 @@ from torch import nn
 from megalite import params
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.moe.experts import LocalExperts
+from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
-def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None) -> int:
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None, cp_group=None) -> int:
     """Set `fp8 = recipe` on the linears of `model`'s transformer blocks; return how many modules.
-    recipe None converts nothing. Safe on a meta-built model (ZeRO-3): only attributes change."""
+    recipe None converts nothing. Safe on a meta-built model (ZeRO-3): only attributes change.
+    `cp_group`: the ranks holding the other tokens of each sequence (the linears' amaxes span it);
+    the experts' amaxes span their MoE layer's token group (cp, or tp x cp with whole experts)."""
     if recipe is None:
         return 0
     blocks = getattr(model, "layers", None)
     count = 0
     for module in (blocks.modules() if blocks is not None else model.modules()):
+        if isinstance(module, MoELayer):
+            module.experts.fp8_tokens = module.token_group
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.fp8 = recipe
+            module.fp8, module.fp8_tokens = recipe, cp_group
             params.declare(module.weight, fp8_amax_group=(module.tp_group, recipe.pow2_scales))
             count += 1
         elif isinstance(module, LocalExperts):

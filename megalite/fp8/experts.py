@@ -20,26 +20,26 @@ from megalite import ops
 
 def fp8_experts_forward(experts, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """`experts`: a moe.experts.LocalExperts with `fp8` set. Returns [R, h], partial over tp."""
-    recipe, group, local = experts.fp8, experts.tp_group, list(experts.values())
-    y = fp8_grouped_mm(x, group_sizes, [e.fc1_weight for e in local], recipe, group, "column")  # [R, 2f/tp] or [R, f/tp]
+    recipe, group, local, tokens = experts.fp8, experts.tp_group, list(experts.values()), experts.fp8_tokens
+    y = fp8_grouped_mm(x, group_sizes, [e.fc1_weight for e in local], recipe, group, "column", tokens)  # [R, 2f/tp]|[R, f/tp]
     if experts.gated:
         gate, up = y.chunk(2, dim=-1)
         y = ops.swiglu(gate, up)
     else:
         y = ops.gelu(y)
-    return fp8_grouped_mm(y, group_sizes, [e.fc2_weight for e in local], recipe, group, "row")  # [R, h]
+    return fp8_grouped_mm(y, group_sizes, [e.fc2_weight for e in local], recipe, group, "row", tokens)  # [R, h]
 
 
 def per_expert_reference(experts, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """The same, one expert after another through the FP8 linear (reads the group sizes on the host)."""
-    recipe, group = experts.fp8, experts.tp_group
+    recipe, group, tokens = experts.fp8, experts.tp_group, experts.fp8_tokens
     outputs = []
     for expert, rows in zip(experts.values(), x.split(group_sizes.tolist(), dim=0)):
-        y = fp8_linear(rows, expert.fc1_weight, None, recipe, group, "column")  # [R_e, 2f/tp] or [R_e, f/tp]
+        y = fp8_linear(rows, expert.fc1_weight, None, recipe, group, "column", tokens=tokens)  # [R_e, 2f/tp]|[R_e, f/tp]
         if experts.gated:
             gate, up = y.chunk(2, dim=-1)
             y = ops.swiglu(gate, up)
         else:
             y = ops.gelu(y)
-        outputs.append(fp8_linear(y, expert.fc2_weight, None, recipe, group, "row"))  # [R_e, h]
+        outputs.append(fp8_linear(y, expert.fc2_weight, None, recipe, group, "row", tokens=tokens))  # [R_e, h]
     return torch.cat(outputs, dim=0)

@@ -8,9 +8,10 @@ megalite.fp8.linear scales one linear (`kind` "column" or "row" over `tp_group`)
 
     tensorwise  x_g, W_g, g_g one scale each: the amaxes of all groups at once, [E], by a segment
                 max on the device (scatter_reduce over the rows' group ids), MAX-reduced over tp
-                where the linear's rules say so: one all-reduce of E numbers, not E all-reduces
+                where the linear's rules say so (and x_g, g_g over `tokens`, the ranks routing
+                the rest of the microbatch): one all-reduce of E numbers, not E all-reduces
     rowwise     forward: x per token, W_g per output row; dgrad: g per token, W_g per input column;
-                wgrad: g_g and x_g per feature over the group's tokens ([E, N], [E, K])
+                wgrad: g_g and x_g per feature over the group's tokens ([E, N], [E, K], over `tokens` too)
 
 Every cast gives the bits the per-expert loop (one fp8_linear per expert: `per_expert_reference`
 in megalite.fp8.experts) casts. The GEMMs: on the Triton backend the grouped kernels of
@@ -26,7 +27,7 @@ import torch
 from megalite import comm
 from megalite.fp8 import gemm
 from megalite.fp8.recipe import Fp8Recipe
-from megalite.fp8.scaling import amax, cast, scale_of
+from megalite.fp8.scaling import amax, cast, reduce_max, scale_of
 from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
 
 
@@ -46,7 +47,7 @@ def _segment_amax(t: torch.Tensor, gid: torch.Tensor, groups: int, per_column: b
     else:
         out = torch.zeros(groups, dtype=torch.float32, device=t.device)
         out.scatter_reduce_(0, gid, a.amax(dim=1), reduce="amax")
-    return comm.all_reduce(out, group, op="max") if comm.group_size(group) > 1 else out
+    return reduce_max(out, group)
 
 
 def _cast_rows(t: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
@@ -132,8 +133,9 @@ def grouped_scaled_wgrad(a_t, b_t, inv_a, inv_b, group_sizes, per_feature: bool)
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group_sizes, recipe: Fp8Recipe, group, kind: str, *weights):
+    def forward(ctx, x, group_sizes, recipe: Fp8Recipe, group, kind: str, tokens, *weights):
         tp = comm.group_size(group) > 1
+        ctx.tokens = tokens if comm.group_size(tokens) > 1 else None
         ctx.k_group = group if (tp and kind == "row") else None
         ctx.n_group = group if (tp and kind == "column") else None
         ctx.w_group = (ctx.k_group if recipe.rowwise else group) if tp else None
@@ -142,8 +144,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
         fwd, pow2, rw = recipe.forward_dtype, recipe.pow2_scales, recipe.rowwise
         # x is split along K in a row layer (both recipes reduce over tp), replicated in a column layer
         # tensorwise: the same pass writes x_q^T [K, R], the weight gradient's operand, kept for backward
-        x_q, x_t, x_inv = _cast_tokens(x, gid, len(weights), fwd, rw, ctx.k_group, pow2,
-                                       transpose=not rw and any(ctx.needs_input_grad[5:]))
+        # (tensorwise: and over the ranks holding the group's other tokens)
+        x_q, x_t, x_inv = _cast_tokens(x, gid, len(weights), fwd, rw, ctx.k_group if rw else (ctx.k_group, ctx.tokens),
+                                       pow2, transpose=not rw and any(ctx.needs_input_grad[6:]))
         w_q, w_inv = _cast_weights(torch.stack(weights), fwd, -1 if rw else (1, 2), ctx.w_group, pow2)  # [E, N, K]
         y = grouped_scaled_mm(x_q, w_q.transpose(1, 2), x_inv, w_inv.transpose(1, 2), group_sizes, gid, x.dtype, rw)
         ctx.save_for_backward(x if rw else x_t, None if rw else x_inv, group_sizes, gid, *weights)
@@ -156,8 +159,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
         pow2, rw = recipe.pow2_scales, recipe.rowwise
         g = grad_out.contiguous()  # [R, N]
         # tensorwise: one cast of g (per group) writes g_q for dgrad and g_q^T [N, R] for wgrad
-        wants_w = any(needs[5:])
-        g_q, g_t, g_inv = _cast_tokens(g, gid, groups, recipe.grad_dtype, rw, ctx.n_group, pow2, not rw and wants_w)
+        wants_w = any(needs[6:])
+        g_group = ctx.n_group if rw else (ctx.n_group, ctx.tokens)
+        g_q, g_t, g_inv = _cast_tokens(g, gid, groups, recipe.grad_dtype, rw, g_group, pow2, not rw and wants_w)
         grad_x = None
         if needs[0]:  # dx [R, K] = g @ W_g, contracting N; W's transposed copy [E, K, N] column-major
             w_q, w_inv = _cast_weights(torch.stack(weights), recipe.forward_dtype, 1 if rw else (1, 2),
@@ -165,10 +169,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
             w_t = w_q.transpose(1, 2).contiguous()  # [E, K, N]
             grad_x = grouped_scaled_mm(g_q, w_t.transpose(1, 2), g_inv, w_inv, group_sizes, gid, grad_out.dtype, rw)
         if not wants_w:
-            return grad_x, None, None, None, None, *([None] * groups)
+            return grad_x, None, None, None, None, None, *([None] * groups)
         if rw:  # per feature over each group's tokens: [E, N] and [E, K] scales, cast per element
-            g_scale = scale_of(_segment_amax(g, gid, groups, True), recipe.grad_dtype, pow2)
-            x_scale = scale_of(_segment_amax(saved_x, gid, groups, True), recipe.forward_dtype, pow2)
+            g_scale = scale_of(_segment_amax(g, gid, groups, True, ctx.tokens), recipe.grad_dtype, pow2)
+            x_scale = scale_of(_segment_amax(saved_x, gid, groups, True, ctx.tokens), recipe.forward_dtype, pow2)
             g_t = cast(g, g_scale[gid], recipe.grad_dtype).t().contiguous()  # [N, R]
             x_t = cast(saved_x, x_scale[gid], recipe.forward_dtype).t().contiguous()  # [K, R]
             g_inv, x_inv = g_scale.reciprocal(), x_scale.reciprocal()
@@ -182,10 +186,12 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 grads.append(None)
             else:
                 grads.append(dw[e].to(weight.dtype))
-        return grad_x, None, None, None, None, *grads
+        return grad_x, None, None, None, None, None, *grads
 
 
 def fp8_grouped_mm(x: torch.Tensor, group_sizes: torch.Tensor, weights: list[torch.Tensor], recipe: Fp8Recipe,
-                   tp_group=None, kind: str = "column") -> torch.Tensor:
-    """x [R, K] sorted by expert, group_sizes int64 [E], weights E x [N, K] -> [R, N] (module docstring)."""
-    return _Fp8GroupedMM.apply(x, group_sizes, recipe, tp_group, kind, *weights)
+                   tp_group=None, kind: str = "column", tokens=None) -> torch.Tensor:
+    """x [R, K] sorted by expert, group_sizes int64 [E], weights E x [N, K] -> [R, N] (module docstring).
+    `tokens`: the ranks routing the other tokens of the same microbatches to these experts (the MoE
+    layer's token group: cp, or tp x cp with whole experts), None when this rank has them all."""
+    return _Fp8GroupedMM.apply(x, group_sizes, recipe, tp_group, kind, tokens, *weights)

@@ -20,6 +20,9 @@ process (`kind` = "column": W and g sharded along N; "row": W and x sharded alon
     tensorwise   x: unless replicated (column, no SP);  W: always;  g: column only
     rowwise      forward (along K): row only;  dgrad (along N): column only;  wgrad (along T): never
 
+and under context parallelism (`tokens`, the cp group: x and g hold s/cp of each sequence's
+tokens) also over cp: tensorwise x and g, rowwise's wgrad scales (along T); W never.
+
 Tensorwise keeps x_q^T (1 byte per element; the FP8 shard x_q under SP) for backward; rowwise keeps x (its wgrad scales run
 along T, another direction). The weight is re-cast in backward rather than held (ZeRO-3 frees
 it between forward and backward).
@@ -44,8 +47,9 @@ def _gather_fp8(q: torch.Tensor, inv: torch.Tensor, group):
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, kind: str, sequence_parallel: bool):
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, group, kind: str, sequence_parallel: bool, tokens=None):
         tp = comm.group_size(group) > 1
+        ctx.tokens = tokens if comm.group_size(tokens) > 1 else None  # cp: the ranks holding the other tokens
         k_group = group if (tp and kind == "row") else None
         n_group = group if (tp and kind == "column") else None
         sp = sequence_parallel and tp
@@ -57,7 +61,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             saved_x = x  # its wgrad scales run along T: cast again in backward
         else:
             replicated = kind == "column" and not sequence_parallel
-            x_group = None if replicated else (group if tp else None)
+            x_group = (None if replicated else (group if tp else None), ctx.tokens)
             # one cast writes x_q [T, K] for this GEMM and, unless SP re-gathers the shard in backward,
             # x_q^T [K, T], the weight gradient's right operand: what backward keeps (1 byte per element)
             x2 = x.reshape(-1, x.shape[-1])
@@ -87,7 +91,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # casts it along N, then along T)
         g_tensorwise = None
         if not recipe.rowwise and (needs[0] or needs[1]):
-            g_tensorwise = quantize_2d(g2, recipe.grad_dtype, None, ctx.n_group, rowmajor=needs[0], transpose=needs[1],
+            g_tensorwise = quantize_2d(g2, recipe.grad_dtype, None, (ctx.n_group, ctx.tokens), rowmajor=needs[0],
+                                       transpose=needs[1],
                                        pow2=recipe.pow2_scales)
         grad_input = _dgrad(ctx, g2, g_tensorwise, weight, grad_out.dtype) if needs[0] else None
         if grad_input is not None:
@@ -98,10 +103,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         args = (ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight, wants_bias)
         if bypasses_autograd(weight):
             route_weight_grads(weight, bias, _weight_grads, *args)
-            return grad_input, None, None, None, None, None, None
+            return grad_input, None, None, None, None, None, None, None
         grad_weight, grad_bias = _weight_grads(*args)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _weight_tensorwise(weight: torch.Tensor, dtype: torch.dtype, tp_group, pow2: bool):
@@ -141,8 +146,8 @@ def _weight_grads(ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight: bool, wan
         x = comm.all_gather(saved_x, ctx.group, dim=0) if ctx.sp else saved_x  # [s, b, K] in the training dtype
         x2 = x.reshape(-1, x.shape[-1])
         # per feature over T: per-column scales, cast straight into the transposed copies
-        _, g_t, g_inv = quantize_2d(g2, recipe.grad_dtype, 0, None, False, True, recipe.pow2_scales)  # [N, T], [1, N]
-        _, x_t, x_inv = quantize_2d(x2, recipe.forward_dtype, 0, None, False, True, recipe.pow2_scales)  # [K, T], [1, K]
+        _, g_t, g_inv = quantize_2d(g2, recipe.grad_dtype, 0, ctx.tokens, False, True, recipe.pow2_scales)  # [N, T], [1, N]
+        _, x_t, x_inv = quantize_2d(x2, recipe.forward_dtype, 0, ctx.tokens, False, True, recipe.pow2_scales)  # [K, T], [1, K]
         g_inv = g_inv.t()  # [N, 1]
     elif ctx.sp:  # re-gathered in FP8; the gathered copy is transposed here (no cast to fuse it with)
         x_q = _gather_fp8(saved_x, x_inv, ctx.group)[0]  # [s, b, K]
@@ -155,6 +160,7 @@ def _weight_grads(ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight: bool, wan
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe, tp_group=None,
-               kind: str = "column", sequence_parallel: bool = False) -> torch.Tensor:
-    """The FP8 linear (see the module docstring); `kind` says how W is sharded over `tp_group`."""
-    return _Fp8LinearFunction.apply(x, weight, bias, recipe, tp_group, kind, sequence_parallel)
+               kind: str = "column", sequence_parallel: bool = False, tokens=None) -> torch.Tensor:
+    """The FP8 linear (see the module docstring); `kind` says how W is sharded over `tp_group`;
+    `tokens`: the group holding the other tokens of x's sequences (cp), None without cp."""
+    return _Fp8LinearFunction.apply(x, weight, bias, recipe, tp_group, kind, sequence_parallel, tokens)

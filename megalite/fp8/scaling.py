@@ -31,17 +31,25 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def reduce_max(a: torch.Tensor, group) -> torch.Tensor:
+    """a MAX-reduced over `group`: one process group, None, or a tuple of them (tp, then cp: the
+    ranks holding other shards of the same logical tensor along different dims)."""
+    for g in (group if isinstance(group, tuple) else (group,)):
+        if comm.group_size(g) > 1:
+            a = comm.all_reduce(a.contiguous(), g, op="max")
+    return a
+
+
 def amax(t: torch.Tensor, rowwise_dim: int | None, group=None) -> torch.Tensor:
     """fp32 amax of |t|: over everything (rowwise_dim None) -> [], or along `rowwise_dim` -> keepdim;
-    MAX-reduced over `group` (the ranks holding the other shards of the same logical tensor)."""
+    MAX-reduced over `group` (the ranks holding the other shards of the same logical tensor; a
+    group, None or a tuple of groups)."""
     if t.numel() == 0:  # an expert without tokens: nothing to scale, but the all-reduce is still joined
         shape = () if rowwise_dim is None else tuple(1 if d == rowwise_dim % t.dim() else n for d, n in enumerate(t.shape))
         a = torch.zeros(shape, dtype=torch.float32, device=t.device)
     else:
         a = (t.abs().amax() if rowwise_dim is None else t.abs().amax(dim=rowwise_dim, keepdim=True)).float()
-    if comm.group_size(group) > 1:
-        a = comm.all_reduce(a.contiguous(), group, op="max")
-    return a
+    return reduce_max(a, group)
 
 
 def scale_of(a: torch.Tensor, dtype: torch.dtype, pow2: bool = True) -> torch.Tensor:
@@ -94,8 +102,7 @@ def _cast_by_kernel(t: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, group,
                     pow2: bool):
     from megalite.kernels import fp8_cast
 
-    if comm.group_size(group) > 1:
-        a = comm.all_reduce(a.contiguous(), group, op="max")
+    a = reduce_max(a, group)
     scale = scale_of(a, dtype, pow2)
     q, qt = fp8_cast.cast_transpose(t, scale, dtype, transpose=transpose, rowmajor=rowmajor)
     return q, qt, scale.reciprocal()
@@ -113,8 +120,7 @@ def _quantize_by_kernel(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, grou
 
     rows = t.view(-1, t.shape[-1])  # [M, K]
     a = fp8_cast.amax(rows, rowwise)  # [] or [M, 1]
-    if comm.group_size(group) > 1:
-        a = comm.all_reduce(a.contiguous(), group, op="max")
+    a = reduce_max(a, group)
     scale = scale_of(a, dtype, pow2)
     q, _ = fp8_cast.cast_transpose(rows, scale, dtype, transpose=False)
     inv = scale.reciprocal()

@@ -68,7 +68,7 @@ def _reference(recipe, name="tiny-llama"):
 
 
 def _parallel(tp, pp, dp, extra, ref_losses, ref_params, name="tiny-llama"):
-    m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=extra.get("ep", 1))
+    m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=extra.get("ep", 1), cp=extra.get("cp", 1))
     losses, chunks, dp_model = _run(m, _cfg(tp, pp, dp, fp8_format="hybrid", **extra), name)
     ledger = dict(comm.ledger.bytes)
     if dp_model.zero_stage == 3:  # bytes of one gather of every unit, from the run's own layout
@@ -175,6 +175,26 @@ def test_tp2_sequence_parallel_whole_steps_match_the_fp8_single_process(recipe):
     by an ulp, which leaves the scales, and so the casts, unchanged (docs/fp8.md)."""
     ref = _reference(recipe)
     run_distributed(_parallel, 2, 2, 1, 1, {"fp8_recipe": recipe, "sequence_parallel": True}, *ref, timeout_s=300)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cp2_matches_the_fp8_single_process(recipe):
+    """Context parallelism: each rank's linears see its zigzag chunks of every sequence; the
+    tensorwise amaxes of x and g (and rowwise's weight-gradient ones, along the tokens) span cp."""
+    ref = _reference(recipe)
+    run_distributed(_parallel, 2, 1, 1, 1, {"fp8_recipe": recipe, "cp": 2}, *ref, timeout_s=300)
+
+
+@pytest.mark.slow
+def test_tp2_cp2_and_moe_at_cp2_match_the_fp8_single_process():
+    """(tp 2, SP, cp 2): the linears' amaxes over tp and cp; moe-tiny at cp 2: the experts' amaxes
+    over the MoE layer's token group (cp)."""
+    ref = _reference("tensorwise")
+    run_distributed(_parallel, 4, 2, 1, 1, {"cp": 2, "sequence_parallel": True}, *ref, timeout_s=300)
+    ref = _reference("rowwise", "moe-tiny")
+    run_distributed(_parallel, 2, 1, 1, 1, {"fp8_recipe": "rowwise", "cp": 2}, *ref, "moe-tiny", timeout_s=300)
+    ref = _reference("tensorwise", "moe-tiny")
+    run_distributed(_parallel, 2, 1, 1, 1, {"cp": 2}, *ref, "moe-tiny", timeout_s=300)
 
 
 @pytest.mark.slow
