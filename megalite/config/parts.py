@@ -218,7 +218,8 @@ class PrecisionSettings:
     fp8_format: Fp8Format | None = setting(None, "FP8 GEMMs in every transformer-block linear and expert (off by "
                                                  "default): e4m3, or hybrid (e5m2 gradients); docs/fp8.md")
     fp8_recipe: Fp8ScalingRecipe = setting(Fp8ScalingRecipe.TENSORWISE, "with --fp8-format: one scale per tensor "
-                                                                         "(tensorwise) or per row (rowwise)")
+                                                                         "(tensorwise), per row (rowwise), or per "
+                                                                         "1x128 / 128x128 tile (blockwise)")
     fp8_scales: Fp8Scales = setting(Fp8Scales.POW2, "with --fp8-format: scales rounded down to a power of two "
                                                     "(pow2) or fp8 max / amax as it comes (exact); docs/fp8.md")
     fp8_param_gather: bool = setting(False, "with --fp8-format and --zero 3: all-gather the FP8 layers' weights in "

@@ -21,6 +21,8 @@ from megalite import ops
 def fp8_experts_forward(experts, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """`experts`: a moe.experts.LocalExperts with `fp8` set. Returns [R, h], partial over tp."""
     recipe, group, local, tokens = experts.fp8, experts.tp_group, list(experts.values()), experts.fp8_tokens
+    if recipe.blockwise:  # its scales change along each contraction: one expert after another
+        return per_expert_reference(experts, x, group_sizes)
     y = fp8_grouped_mm(x, group_sizes, [e.fc1_weight for e in local], recipe, group, "column", tokens)  # [R, 2f/tp]|[R, f/tp]
     if experts.gated:
         gate, up = y.chunk(2, dim=-1)

@@ -33,6 +33,7 @@ import torch
 
 from megalite import comm, params as P
 from megalite.fp8 import gemm
+from megalite.fp8.blockwise import blockwise_linear
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import quantize, quantize_2d
 from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
@@ -163,4 +164,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                kind: str = "column", sequence_parallel: bool = False, tokens=None) -> torch.Tensor:
     """The FP8 linear (see the module docstring); `kind` says how W is sharded over `tp_group`;
     `tokens`: the group holding the other tokens of x's sequences (cp), None without cp."""
+    if recipe.blockwise:  # tp = cp = 1 (megalite.config.checks): its tiles need no amax reduction
+        if comm.group_size(tp_group) > 1 or comm.group_size(tokens) > 1:
+            raise ValueError("--fp8-recipe blockwise is built for --tp 1 and --cp 1")
+        return blockwise_linear(x, weight, bias, recipe)
     return _Fp8LinearFunction.apply(x, weight, bias, recipe, tp_group, kind, sequence_parallel, tokens)

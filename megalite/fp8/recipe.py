@@ -6,7 +6,8 @@ format   e4m3: every GEMM operand in float8_e4m3fn (max 448, 3 mantissa bits);
 recipe   tensorwise: one scale per tensor, 448 / amax of the *whole logical tensor* (a shard over
          tp or sp takes its amax over the tp group, so every layout casts the same numbers);
          rowwise: one scale per row of each GEMM operand along the contraction dimension
-         (torchao's rowwise: an outlier spoils one row, not the tensor).
+         (torchao's rowwise: an outlier spoils one row, not the tensor);
+         blockwise: 1 x 128 activation tiles and 128 x 128 weight blocks (DeepSeek-V3; megalite.fp8.blockwise).
 scales   pow2 (default): each scale rounded down to a power of two, so an amax that moves by an
          ulp (another tp layout's summation order) leaves the cast unchanged (megalite.fp8.scaling);
          exact: max / amax as it comes (Transformer Engine's current scaling).
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise")
 SCALES = ("pow2", "exact")
 
 
@@ -51,6 +52,10 @@ class Fp8Recipe:
     @property
     def rowwise(self) -> bool:
         return self.recipe == "rowwise"
+
+    @property
+    def blockwise(self) -> bool:
+        return self.recipe == "blockwise"
 
     @property
     def pow2_scales(self) -> bool:
