@@ -23,6 +23,7 @@ The planner itself never imports torch; this module does.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -31,9 +32,14 @@ from datetime import datetime, timezone
 
 import torch
 
+from megalite import comm
+from megalite.config import RunConfig
 from megalite.cpu_features import cpu_flags, has_native_bf16
-
+from megalite.mesh import init_mesh
 from megalite.plan.hardware import HardwareProfile
+from megalite.tensor_parallel.random import TensorParallelRNG
+from megalite.testing import run_distributed
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # datasheet dense peaks of known GPUs (TFLOP/s): a calibrated GPU profile reports efficiency against them
@@ -136,8 +142,6 @@ def measure_rank_slowdown(counts: tuple[int, ...], n: int = 256, seconds: float 
     The processes compute with this process's thread count. They are started once and reused. With
     more than one thread they are spawned, not forked: a child forked after the parent has used
     OpenMP's thread pool hangs in its first multi-threaded GEMM (libgomp is not fork-safe)."""
-    import multiprocessing as mp
-
     threads = torch.get_num_threads()
     a, b = torch.randn(n, n), torch.randn(n, n)
     once = _median_seconds(lambda: torch.mm(a, b), torch.device("cpu"), min_seconds=0.05, repeats=3)
@@ -204,9 +208,6 @@ def measure_attention_efficiency(device: torch.device, precision: str, peak_tflo
 
 
 def _allreduce_world(sizes: tuple[int, ...], device_type: str, repeats: int) -> dict[int, float]:
-    from megalite import comm
-    from megalite.mesh import init_mesh
-
     mesh = init_mesh()
     device = mesh.device if device_type == "cuda" else torch.device("cpu")
     group = mesh.dp_group
@@ -229,8 +230,6 @@ def _allreduce_world(sizes: tuple[int, ...], device_type: str, repeats: int) -> 
 
 def measure_allreduce(world_size: int, device: torch.device, sizes: tuple[int, ...], repeats: int = 5) -> dict[int, float]:
     """bytes -> seconds of one all-reduce over `world_size` forked ranks (the slowest rank's median)."""
-    from megalite.testing import run_distributed
-
     env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     per_rank = run_distributed(_allreduce_world, world_size, sizes, device.type, repeats, timeout_s=600.0, env=env)
     return {n: max(r[n] for r in per_rank) for n in sizes}
@@ -251,11 +250,6 @@ def _overhead_world(min_seconds: float, repeats: int) -> dict[str, float]:
     """Median seconds, on one rank, of megalite's pieces at negligible size (hidden 16, 8 tokens): one
     block's forward + backward, the whole model's (embedding, 1 block, head, loss), the optimizer
     step, and a whole training step."""
-    from megalite.config import RunConfig
-    from megalite.mesh import init_mesh
-    from megalite.tensor_parallel.random import TensorParallelRNG
-    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
-
     mesh = init_mesh()
     cfg = RunConfig.build(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8, micro_batch_size=1,
                           global_batch_size=1).resolved(1, 64)
@@ -285,8 +279,6 @@ def _overhead_world(min_seconds: float, repeats: int) -> dict[str, float]:
 def measure_host_overheads(min_seconds: float = 0.2, repeats: int = 9) -> dict[str, float]:
     """Seconds megalite's step costs on this host besides arithmetic: per block (forward + backward),
     per microbatch outside the blocks, per step outside the microbatches."""
-    from megalite.testing import run_distributed
-
     env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     raw = run_distributed(_overhead_world, 1, min_seconds, repeats, env=env, timeout_s=600.0)[0]
     return {"block": raw["block"], "microbatch": max(0.0, raw["model"] - raw["block"]),

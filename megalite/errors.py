@@ -17,8 +17,12 @@ Subclasses keep a built-in base where callers used to catch that one (e.g.
 """
 from __future__ import annotations
 
+import functools
+import glob
 import os
 import sys
+import tempfile
+import time
 
 USAGE_EXIT_CODE = 2
 
@@ -74,8 +78,6 @@ REPORT_WAIT_S = 10.0
 def _report_marker() -> str | None:
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
         return None
-    import tempfile
-
     key = (f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}-"
            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     return os.path.join(tempfile.gettempdir(), f"megalite-reported-{key}")
@@ -85,9 +87,6 @@ def _mark_reported() -> None:
     marker = _report_marker()
     if marker is None:
         return
-    import glob
-    import time
-
     for old in glob.glob(os.path.join(os.path.dirname(marker), "megalite-reported-*")):
         try:  # earlier launches' markers (their waiters are long gone)
             if time.time() - os.path.getmtime(old) > 10 * REPORT_WAIT_S:
@@ -105,8 +104,6 @@ def _wait_for_report() -> None:
     marker = _report_marker()
     if marker is None:
         return
-    import time
-
     deadline = time.monotonic() + REPORT_WAIT_S
     while not os.path.exists(marker) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -120,8 +117,6 @@ PATH_ERRORS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, FileExi
 def reports_usage_errors(main):
     """Decorate a tool's `main(argv) -> int` so that a UsageError, or an OSError naming a path the
     file system refused, is one line on stderr (once per node) and exit code 2, as the trainer does."""
-    import functools
-
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         rank = int(os.environ.get("RANK", "0"))

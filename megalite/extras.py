@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "transformers": ("hf", "transformers"),
     "tokenizers": ("hf", "tokenizers"),
     "safetensors": ("hf", "safetensors"),
+    "safetensors.torch": ("hf", "safetensors"),
     "tensorboard": ("tensorboard", "tensorboard"),
     "torch.utils.tensorboard": ("tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb"),

@@ -24,4 +24,4 @@ class LayerGroups:
         if mesh is None:
             return cls()
         return cls(tp=mesh.tp_group, cp=mesh.cp_group, ep=mesh.ep_group, moe_tokens=mesh.moe_token_group,
-                   experts_whole=mesh.experts_whole_over_tp)
+                   experts_whole=mesh.experts_whole)

@@ -22,6 +22,7 @@ from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, check_expert_parallel, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
                                rank_to_cp_rank, tp_group_ranks, validate_layout, check_expert_tensor_parallel,
                                tp_cp_group_ranks)
+from megalite.torch_mesh import build_device_mesh, build_ep_device_mesh
 
 # ---------------------------------------------------------------------------------------------
 # The frozen mesh
@@ -81,8 +82,6 @@ class Mesh:
     @property
     def device_mesh(self):
         """torch's DeviceMesh over this mesh's groups, dims ("pp", "dp", "cp", "tp") (megalite/torch_mesh.py)."""
-        from megalite.torch_mesh import build_device_mesh
-
         if "main" not in self._torch_meshes:
             self._torch_meshes["main"] = build_device_mesh(self)
         return self._torch_meshes["main"]
@@ -90,8 +89,6 @@ class Mesh:
     @property
     def ep_device_mesh(self):
         """torch's DeviceMesh of the experts' layout, dims ("pp", "edp", "ep", "tp") (megalite/torch_mesh.py)."""
-        from megalite.torch_mesh import build_ep_device_mesh
-
         if "experts" not in self._torch_meshes:
             self._torch_meshes["experts"] = build_ep_device_mesh(self)
         return self._torch_meshes["experts"]
@@ -102,24 +99,24 @@ class Mesh:
         return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
-    def experts_whole_over_tp(self) -> bool:
+    def experts_whole(self) -> bool:
         """etp = 1 under tp > 1: whole experts on every tp rank, each routing its own share of the tokens."""
         return self.etp_size < self.tp_size
 
     @property
     def expert_replicas_apart(self) -> bool:
         """Whether the experts' replica group differs from dp x cp (ep > 1, or whole experts over tp)."""
-        return self.ep_size > 1 or self.experts_whole_over_tp
+        return self.ep_size > 1 or self.experts_whole
 
     @property
     def expert_dp_rank(self) -> int:
         """This rank's place in `expert_dp_group` (ascending ranks: tp fastest when it spans tp)."""
         edp_rank = self.dp_cp_rank // self.ep_size
-        return edp_rank * self.tp_size + self.tp_rank if self.experts_whole_over_tp else edp_rank
+        return edp_rank * self.tp_size + self.tp_rank if self.experts_whole else edp_rank
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size * self.cp_size // self.ep_size * (self.tp_size if self.experts_whole_over_tp else 1)
+        return self.dp_size * self.cp_size // self.ep_size * (self.tp_size if self.experts_whole else 1)
 
     @property
     def is_first_stage(self) -> bool:

@@ -18,6 +18,10 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
+from megalite import comm, mesh
+
 
 class RankFailed(RuntimeError):
     pass
@@ -33,8 +37,6 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, conn, env):
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
-
     torch.set_num_threads(1)
     try:
         result = fn(*args, **kwargs)
@@ -44,8 +46,6 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, conn, env):
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         try:
-            from megalite import mesh
-
             mesh.destroy_mesh()
         except Exception:
             pass
@@ -119,8 +119,6 @@ def assert_tensor_close(actual, expected, rtol: float = 1e-5, what: str = "") ->
     summation-order noise (1e-7 relative) into update differences of 1e-4 relative for that
     element alone. The tensor-relative error stays at the 1e-7 level unless something is wrong.
     """
-    import torch
-
     actual, expected = actual.detach().double(), expected.detach().double()
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
@@ -157,8 +155,6 @@ def gathers_land_at_wait():
     output earlier is a race that a lucky schedule hides. Under this context every such read
     reads NaN, so a test of overlapped gathers fails every time instead of sometimes.
     """
-    from megalite import comm
-
     real = comm.all_gather_into
 
     def land_at_wait(output, input, group, async_op=False):

@@ -28,6 +28,12 @@ from pathlib import Path
 import torch
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
+from megalite import mesh as mesh_mod
+from megalite.checkpoint import Checkpointer, load_checkpoint
+from megalite.model import preset
+from megalite.config import RunConfig
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
+from megalite.testing import run_distributed
 
 
 def _ceilings(nbytes: int, directory: Path) -> dict:
@@ -48,12 +54,6 @@ def _ceilings(nbytes: int, directory: Path) -> dict:
 
 
 def _bench_rank(args, directory: str) -> dict:
-    from megalite import mesh as mesh_mod
-    from megalite.checkpoint import Checkpointer, load_checkpoint
-    from megalite.model import preset
-    from megalite.config import RunConfig
-    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     mesh = mesh_mod.init_mesh(tp=1, pp=1, dp=args.world)
     model = preset("tiny", num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=12,
@@ -107,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.world == 1:
             rank_results = [_bench_rank(args, str(directory))]
         else:
-            from megalite.testing import run_distributed
-
             rank_results = run_distributed(_bench_rank, args.world, args, str(directory), timeout_s=3600)
         r = rank_results[0]
         nbytes = r["bytes"]  # on disk: weights fp32 + master + exp_avg + exp_avg_sq (+ index, RNG)

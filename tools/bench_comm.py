@@ -32,6 +32,7 @@ from megalite import comm, mesh as mesh_lib
 from megalite.plan import bus_factor
 from megalite.errors import UsageError, reports_usage_errors
 from megalite.cli import OneLineParser
+from megalite.testing import run_distributed
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -213,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         if result["rank"] != 0:
             return 0
     else:
-        from megalite.testing import run_distributed
-
         world = args.world_size or args.tp * args.pp * 2
         result = run_distributed(_forked_rank, world, kwargs, timeout_s=600)[0]
     print(json.dumps(result, indent=1) if args.json else format_report(result))

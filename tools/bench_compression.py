@@ -31,6 +31,9 @@ import sys
 import time
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,10 +120,6 @@ class _CountingAllReduce:
 
 def _torch_ddp(m, cfg: RunConfig, data: Data, rank: int | None, warmup: int) -> dict:
     """torch DDP over the same model and data: powerSGD_hook at `rank`, or allreduce_hook (None)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    from torch.nn.parallel import DistributedDataParallel
-
     model = build_model_chunks(cfg.gpt_config(), cfg, m)[0]  # the same seeded weights as megalite's
     # One bucket, as megalite's (its default 40M elements hold this model): with DDP's default 1 MiB first
     # bucket, two buckets' PowerSGD hooks issue their chained all-reduces from two threads, and on gloo the

@@ -32,6 +32,9 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -109,10 +112,6 @@ def _bench_rank(args, cp: int, comm_type: str) -> list[dict]:
 
 def _torch_cp_probe() -> str:
     """Run torch's context_parallel on one causal SDPA call; '' when it works, else why not."""
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-
     init_mesh(cp=2)  # the process group; torch's DeviceMesh is built on it
     device_mesh = init_device_mesh("cpu", (2,))
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))

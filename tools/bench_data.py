@@ -34,6 +34,7 @@ from megalite.data.sample_index import build_sample_index, cached_sample_index  
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
 from megalite.errors import reports_usage_errors  # noqa: E402
 from megalite.cli import OneLineParser  # noqa: E402
+from megalite.data import GlobalBatchSampler, build_gpt_datasets, load_microbatches
 
 
 def generate_corpus(path: str, megabytes: float, seed: int = 0) -> None:
@@ -86,7 +87,7 @@ def bench_preprocess(args, corpus: str, baseline_s: float) -> str:
 
 def bench_hf(args, corpus: str) -> None:
     try:
-        from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders  # optional: skipped without it
     except ImportError:
         print("(tokenizers not installed: BPE benchmark skipped)")
         return
@@ -170,8 +171,6 @@ def bench_index(args) -> None:
 
 
 def bench_reads(args, prefix: str) -> None:
-    from megalite.data import GlobalBatchSampler, build_gpt_datasets, load_microbatches
-
     seq, mbs, gbs = 1024, 4, 32
     train, _, _ = build_gpt_datasets([prefix], "969,30,1", seq, 1234, "byte",
                                      cache_dir=os.path.join(args.workdir, "cache"))

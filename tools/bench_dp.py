@@ -34,6 +34,11 @@ import sys
 import time
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -143,9 +148,6 @@ def _torch_model_states(model, opt) -> int:
 
 
 def _torch_ddp(m, args, cfg, zero: bool):
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
     model = GPTModel(cfg, m, seed=1, dtype=_dtype(args))
     ddp = DistributedDataParallel(model, process_group=m.dp_group, bucket_cap_mb=args.bucket_size * 4 / 2 ** 20)
     if zero:
@@ -178,9 +180,6 @@ def _fsdp2(m, args, cfg):
     """torch FSDP2: fully_shard on every transformer block, then on the root (embedding, final norm,
     tied head), with megalite's ZeRO-3 defaults: reshard after forward (FSDP2 keeps its root
     gathered from forward to backward, its own heuristic), fp32 reduction, every microbatch."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     model = GPTModel(cfg, m, seed=1)  # fp32 shards; the policy casts for compute, as megalite's gathers do
     mesh = DeviceMesh.from_group(m.dp_group, "cpu")
     policy = MixedPrecisionPolicy(param_dtype=_dtype(args), reduce_dtype=torch.float32)
@@ -263,8 +262,6 @@ def _step_peak_bytes(run_step, step) -> int:
     """Most bytes allocated through torch's CPU allocator above the level at the step's start, during
     one step (the profiler's memory events in time order: gathered parameters, full gradients,
     communication buffers, activations; storage resizes included)."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run_step(step)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")

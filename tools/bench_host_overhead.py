@@ -46,6 +46,13 @@ _FILLS = {"zero_", "fill_", "zeros", "zeros_like", "new_zeros", "ones", "ones_li
           "full_like", "new_full"}
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
+from megalite.extras import require
+from megalite.model import preset
+from megalite.config import RunConfig
+from megalite.mesh import single_process_mesh
+from megalite.training import step as step_module
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
+from megalite.model.activation_probe import kernels_without_launch
 
 
 def _is_view(func) -> bool:
@@ -131,8 +138,6 @@ def host_seconds(phases, steps: int) -> float:
 
 
 def _model_config(args):
-    from megalite.model import preset
-
     if args.model:
         return preset(args.model, seq_length=args.seq_length)
     # GPT-2 small's structure (12 blocks) at a width and vocabulary the CPU does not notice: the
@@ -142,11 +147,6 @@ def _model_config(args):
 
 def megalite_phases(model_cfg, args, data):
     """(forward_backward, optimizer) of megalite's real step, split where train_step splits it."""
-    from megalite.config import RunConfig
-    from megalite.mesh import single_process_mesh
-    from megalite.training import step as step_module
-    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
-
     b = args.micro_batch_size
     batch = [{"input_ids": data[:, :-1], "labels": data[:, 1:]}]
     mesh = single_process_mesh(torch.device("cpu"))
@@ -177,8 +177,7 @@ def megalite_phases(model_cfg, args, data):
 
 
 def hf_phases(model_cfg, args, data):
-    import transformers
-
+    transformers = require("transformers", "tools/bench_host_overhead.py (the HF baseline)")  # the [hf] extra
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=args.seq_length,
                                      n_embd=model_cfg.hidden_size, n_layer=model_cfg.num_layers,
@@ -218,8 +217,6 @@ KEYS = ("aten ops", "launches", "triton launches", "dtype copies", "memsets", "a
 
 @reports_usage_errors
 def main(argv=None) -> int:
-    from megalite.model.activation_probe import kernels_without_launch
-
     args = _parse_args(argv)
     torch.manual_seed(0)
     model_cfg = _model_config(args)

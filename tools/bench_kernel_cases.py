@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -20,24 +19,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import megalite.kernels as K  # noqa: E402
-
-
-@dataclass
-class Case:
-    op: str
-    shape: str
-    make_inputs: Callable[[], list]  # fresh inputs; floating ones require grad when differentiable
-    providers: dict[str, Callable]
-    fwd_units: float  # bytes moved (memory-bound ops) or FLOPs (attention) by the forward
-    fwd_bwd_units: float
-    flops: bool = False  # units are FLOPs (report TFLOP/s vs matmul) instead of bytes (GB/s vs copy)
-    differentiable: bool = True
-    extra: dict = field(default_factory=dict)
-    memory_bytes: float = 0.0  # peak device memory of its hungriest provider; 0: not estimated
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        return ("fwd", "fwd+bwd") if self.differentiable else ("step",)
+from bench_case import Case  # noqa: E402,F401 - bench_kernels and the tests take it from here
+from bench_moe_kernel_cases import moe_cases  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,8 +70,6 @@ def build_cases(ops: set[str], quick: bool, device: str, dtype: torch.dtype, use
     if "adamw" in ops:
         cases.append(_adamw_case(device, smoke))
     if ops & {"grouped_mm", "moe_permute"}:
-        from bench_moe_kernel_cases import moe_cases  # it imports Case from here
-
         cases += moe_cases(ops, quick, device, dtype, use_compile, smoke)
     return cases
 

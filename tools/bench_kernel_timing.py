@@ -66,7 +66,7 @@ def make_timer(smoke: bool, quick: bool):
     """
     if smoke:
         return _wall_clock
-    import triton.testing
+    import triton.testing  # optional (Linux only, setup.py): only the GPU timers need it
 
     warmup, rep = (10, 50) if quick else (25, 100)
 
@@ -85,7 +85,7 @@ def make_graph_timer(smoke: bool, quick: bool):
     """
     if smoke:
         return _wall_clock
-    import triton.testing
+    import triton.testing  # optional (Linux only, setup.py): only the GPU timers need it
 
     bench = triton.testing.do_bench_cudagraph
     # capture repeats fn about rep / (its eager time) times and the graph is replayed 10 times:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
 import csv
+import json
 import math
 import os
 import sys
@@ -55,6 +56,8 @@ __all__ = ["Case", "GOALS", "Goal", "attention_inputs", "build_cases", "goal_lin
            "run_case"]
 from megalite.errors import reports_usage_errors  # noqa: E402
 from megalite.cli import OneLineParser  # noqa: E402
+import tune_attention  # noqa: E402
+import tune_norms  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
         load_tables(path)
 
     on_gpu = torch.cuda.is_available()
-    import triton
+    import triton  # optional (Linux only, setup.py): the kernels run their references without it
 
     run_info = dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", torch=torch.__version__,
                     triton=triton.__version__, command=" ".join(sys.argv))
@@ -310,11 +313,6 @@ def main(argv=None) -> int:
 
 def load_tables(path: str) -> None:
     """Put a tuning tool's measured tables in effect in this process (tools/ is the script's directory)."""
-    import json
-
-    import tune_attention
-    import tune_norms
-
     saved = json.load(open(path))
     (tune_norms.load_tables if "norm_tables" in saved else tune_attention.load_tables)(path)
     print(f"tables from {path} in effect: {', '.join(saved)}")

@@ -18,17 +18,17 @@ import statistics
 import subprocess
 import sys
 import time
+
+import torch
+
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
+from megalite.tensor_parallel.layers import linear
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
 
 
 def run_variant(args) -> dict:
-    import torch
-
-    from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy
-    from megalite.tensor_parallel.layers import linear
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     padded = -(-args.vocab // 128) * 128

@@ -34,6 +34,12 @@ from megalite.config.model import GPTConfig
 from megalite.plan.activations import layer_activation_bytes
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
+from megalite import comm
+from megalite.model.recompute import checkpoint_with_rng
+from megalite.layer_groups import LayerGroups
+from megalite.model.transformer import TransformerBlock
+from megalite.tensor_parallel.random import TensorParallelRNG
+from megalite.mesh import init_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -73,17 +79,11 @@ def memory_table(config: GPTConfig, seq: int, batch: int, tp: int, precision: st
 def cuda_layer_bytes(config: GPTConfig, technique: Technique, tp_group, seq: int, batch: int,
                      dtype: torch.dtype) -> tuple[int, int]:
     """(kept bytes, forward peak bytes) of one block on the current CUDA device, by the allocator."""
-    from megalite import comm
-    from megalite.model.recompute import checkpoint_with_rng
-    from megalite.layer_groups import LayerGroups
-    from megalite.model.transformer import TransformerBlock
-    from megalite.tensor_parallel.random import TensorParallelRNG
-
     tp = comm.group_size(tp_group) if technique.tensor_parallel else 1
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     groups = LayerGroups(tp=tp_group if technique.tensor_parallel else None)
-    block = TransformerBlock(config, groups, technique.sequence_parallel, dtype=dtype, device=device,
+    block = TransformerBlock(config, groups, sequence_parallel=technique.sequence_parallel, dtype=dtype, device=device,
                              layer_number=0).train()
     block.recompute_core = technique.recompute == "selective"
     rows = seq // tp if technique.sequence_parallel else seq
@@ -107,7 +107,6 @@ def add_cuda_column(rows: list[MemoryRow], config: GPTConfig, seq: int, batch: i
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = None
     if world == tp and tp > 1:
-        from megalite.mesh import init_mesh
         mesh = init_mesh(tp=tp)
     out = []
     for technique, row in zip(TECHNIQUES, rows):

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 import megalite.kernels as K
-from bench_kernel_cases import Case
+from bench_case import Case
 from megalite.kernels.moe_permute import sort_by_expert
 
 # (label, tokens, hidden, expert ffn, experts, top-k, skew), 8192 tokens each: Mixtral-8x7B's experts,

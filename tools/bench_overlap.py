@@ -35,11 +35,10 @@ MODES = {"no overlap": [], "overlap": ["--overlap-param-gather"],
          "overlap, tokens first": ["--overlap-param-gather"]}
 from megalite.errors import reports_usage_errors  # noqa: E402
 from megalite.cli import OneLineParser  # noqa: E402
+from megalite.training import loop, step
 
 
 def _run_rank(argv: list[str], tokens_first: bool) -> int:
-    from megalite.training import loop, step
-
     if tokens_first:  # the previous train step: the token count waited for before the first forward
         real_init = step.GlobalTokens.__init__
 

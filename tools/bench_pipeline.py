@@ -39,6 +39,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -244,8 +246,6 @@ class _LogitsLoss:
 
 
 def _compare_world(args, v_interleaved):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
-
     # The first stage's input is token ids: its block hooks see no input gradient (harmless).
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
@@ -297,8 +297,6 @@ def _build_gpt_chunks(cfg, mesh, pp: int, v: int, heap: HeapPeak) -> list[GPTMod
 
 def _torch_pipelining_step(torch_cls, chunks, mesh, args, vocab_size: int, v: int, ids, labels, scale: float):
     """A step function running torch.distributed.pipelining's schedule over `chunks`; returns the summed loss."""
-    from torch.distributed.pipelining import PipelineStage
-
     stages = [PipelineStage(chunk, c * args.pp + mesh.pp_rank, args.pp * v, mesh.device, group=mesh.pp_group)
               for c, chunk in enumerate(chunks)]
     loss_fn = _LogitsLoss(vocab_size, scale)

@@ -39,9 +39,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from megalite.calibration import calibrate
 from megalite.config import RunConfig
 from megalite.config.model import GPTConfig
-from megalite.plan.hardware import load_profile
+from megalite.plan.hardware import builtin_for_device, load_profile
 from megalite.plan.timing import MEGALITE, MEGATRON_2021, predict_step_time
 from megalite.training.metrics_file import read_records
 
@@ -125,10 +128,6 @@ def h200(hardware: str = "H200") -> None:
 
 def measure_gpu(iters: int, out: Path) -> None:
     """The H200_RUNS rows of examples/pretrain_gpt.py measured on this GPU against the planner on its profile."""
-    import torch
-
-    from megalite.plan.hardware import builtin_for_device
-
     if not torch.cuda.is_available():
         raise SystemExit("bench_step_time --measure needs a CUDA GPU")
     device = torch.cuda.get_device_name(0)
@@ -178,10 +177,6 @@ def predicted(name: str, extra: list[str], profile) -> float:
 
 
 def cycles(count: int, iters: int, out: Path) -> None:
-    import torch
-
-    from megalite.calibration import calibrate
-
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     results = {name: [] for name in LAYOUTS}

@@ -26,12 +26,19 @@ Not a test: nothing here asserts a time.
 from __future__ import annotations
 
 import argparse  # noqa: F401  (tests reach argparse.Namespace through the module)
+import gc
 import statistics
 import time
 
 import torch
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
+from megalite.extras import require
+from megalite.model import preset
+from megalite.config import RunConfig
+from megalite.mesh import single_process_mesh
+from megalite.training.cuda_graph import StepGraphs
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 
 def _sync(device):
@@ -86,8 +93,6 @@ def _parse_args(argv):
 
 def _model_config(args):
     """The GPTConfig both systems train: a megalite preset, or a small gpt2-flavour model for CPU."""
-    from megalite.model import preset
-
     if args.model:
         model_cfg = preset(args.model, seq_length=args.seq_length)
     else:
@@ -100,11 +105,6 @@ def _model_config(args):
 
 def _megalite_step(model_cfg, args, device, data):
     """One optimizer step of megalite's real training path (chunks, DP buffers, optimizer) on `data`."""
-    from megalite.config import RunConfig
-    from megalite.mesh import single_process_mesh
-    from megalite.training.cuda_graph import StepGraphs
-    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
-
     b = args.micro_batch_size
     batch = [{"input_ids": data[:, :-1], "labels": data[:, 1:]}]
     mesh = single_process_mesh(device)
@@ -125,8 +125,7 @@ def _megalite_step(model_cfg, args, device, data):
 
 def _hf_model(model_cfg, args):
     """transformers' model of the same architecture (dropout off, SDPA attention), on the CPU in fp32."""
-    import transformers
-
+    transformers = require("transformers", "tools/bench_train.py (the HF baseline)")  # the [hf] extra
     if model_cfg.flavour == "gpt2":
         hf_cfg = transformers.GPT2Config(vocab_size=model_cfg.vocab_size, n_positions=args.seq_length,
                                          n_embd=model_cfg.hidden_size, n_layer=model_cfg.num_layers,
@@ -191,8 +190,6 @@ def _trials(step_fn, args, device, tokens_per_step: int) -> list[float]:
 
 def _free(device) -> None:
     """Return the memory of a system whose step function is no longer referenced."""
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -211,8 +208,7 @@ def _alternating_trials(megalite_step, baseline_step, args, device, tokens_per_s
 
 
 def _report(model_cfg, args, device, ours, theirs) -> None:
-    import transformers
-
+    transformers = require("transformers", "tools/bench_train.py (the HF baseline)")
     m, t = statistics.median(ours), statistics.median(theirs)
     params = model_cfg.num_params() / 1e6
     b, s = args.micro_batch_size, args.seq_length

@@ -32,6 +32,7 @@ from megalite.config.model import GPTConfig
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem
+from megalite.checkpoint import torch_formats as tf
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,7 +70,7 @@ def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = Non
     else:
         hf_config_for(config, target, tokenizer).save_pretrained(output)
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # optional: without it the weights go out as pytorch_model.bin
     except ImportError:
         safe = False
     weights = output / ("model.safetensors" if safe else "pytorch_model.bin")
@@ -111,8 +112,7 @@ def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     state = {}
     for file in files:
         if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
+            load_file = require("safetensors.torch", f"reading {file.name}").load_file  # the [hf] extra
             state.update(load_file(str(file)))
         else:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
@@ -121,8 +121,7 @@ def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> Path:
     """Publish a megalite checkpoint (weights only) of the HF model in `hf_dir`; returns its path."""
-    import transformers
-
+    transformers = require("transformers", "convert_checkpoint.py import")  # the [hf] extra
     hf_dir = Path(hf_dir)
     _check_hf_config(hf_dir)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
@@ -137,8 +136,6 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> 
 
 def torch_formats_main(argv: list[str]) -> int:
     """--to dcp | safetensors, --from dcp (megalite/checkpoint/torch_formats.py)."""
-    from megalite.checkpoint import torch_formats as tf
-
     parser = OneLineParser(prog="convert_checkpoint.py", description="megalite checkpoint <-> torch formats")
     way = parser.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["dcp", "safetensors"], help="megalite checkpoint -> this format")

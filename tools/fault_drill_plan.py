@@ -11,6 +11,7 @@ import dataclasses
 import random
 from pathlib import Path
 
+from megalite.cli import parse_args  # pure Python: no torch in the drill's own process
 from megalite.training.metrics_file import read_records
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
@@ -84,8 +85,6 @@ def job_flags(args) -> list[str]:
     """examples/pretrain_gpt.py's flags of the drilled job (the reference's and the drill's)."""
     if not args.shrink:
         return [*TINY_JOB, *args.job_args]
-    from megalite.cli import parse_args  # pure Python: no torch in the drill's own process
-
     at = TINY_JOB.index("--global-batch-size")
     flags = [*TINY_JOB[:at], *TINY_JOB[at + 2:], *SHRINK_JOB]
     cfg, _ = parse_args(flags + args.job_args)
@@ -96,8 +95,6 @@ def job_flags(args) -> list[str]:
 def shrink_worlds(args) -> list[int]:
     """The worlds the job can run on under --elastic-batch keep, from --nproc down: a multiple of
     one replica's ranks (tp*pp) whose dp divides the first world's global batch into microbatches."""
-    from megalite.cli import parse_args
-
     cfg, _ = parse_args(job_flags(args))
     if cfg.checkpoint.elastic_batch != "keep":
         raise SystemExit("fault drill: --shrink compares with the uninterrupted run, so it needs --elastic-batch keep")

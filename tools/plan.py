@@ -26,16 +26,21 @@ Exit status: 0 when the layout is valid (and fits, when --gpu-memory is given), 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
 import time
+from pathlib import Path
 
 from megalite.cli import build_parser, parse_args
 from megalite.config import RunConfig
 from megalite.plan import GB, estimate, estimate_model_states, predict_step_time, preflight, suggest
 from megalite.errors import ConfigError, UsageError, one_line, reports_usage_errors
 from megalite.plan.hardware import BUILTIN, DEFAULT, load_profile
+from megalite.pipeline.instructions import format_schedule
+from megalite.pipeline.schedules import verified_schedule
+from megalite.pipeline.timeline import schedule_timeline, text_timeline
 
 
 def parse_bytes(text: str) -> float:
@@ -151,9 +156,6 @@ def step_time_fields(model, cfg: RunConfig, args: dict) -> dict:
 
 def _plot_tool():
     """tools/plot_plan.py, found beside this file (a script here, megalite.tools.plan when installed)."""
-    import importlib.util
-    from pathlib import Path
-
     spec = importlib.util.spec_from_file_location("plot_plan", Path(__file__).with_name("plot_plan.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -162,10 +164,6 @@ def _plot_tool():
 
 def print_schedule(cfg: RunConfig) -> None:
     """The layout's verified pipeline schedule (the executor's), then its timeline (forward = 1, backward = 2)."""
-    from megalite.pipeline.instructions import format_schedule
-    from megalite.pipeline.schedules import verified_schedule
-    from megalite.pipeline.timeline import schedule_timeline, text_timeline
-
     p = cfg.parallel
     ops = [list(s) for s in verified_schedule(str(cfg.schedule), p.pp, cfg.num_microbatches, p.virtual_stages)]
     print(f"schedule {cfg.schedule}: pp {p.pp}, {cfg.num_microbatches} microbatches, v {p.virtual_stages}")

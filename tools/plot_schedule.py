@@ -44,8 +44,8 @@ def timeline_for(schedule: str, pp: int, microbatches: int, v: int, backward_cos
 def draw(blocks: list[Block], pp: int, v: int, title: str, out: str) -> list[str]:
     """The timeline into `out`; returns the legend's entries (what the picture shows)."""
     plt = pyplot("tools/plot_schedule.py")
-    from matplotlib.patches import Patch
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # the [plot] extra: pyplot() above has checked it is installed
+    from matplotlib.patches import Patch  # (the same)
 
     compute = [b for b in blocks if not b.is_transfer]
     makespan = max(b.end for b in compute)

@@ -30,11 +30,15 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile as torch_profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  - the same megalite step the throughput comparison runs
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.config import RunConfig
+from megalite import ops
+from megalite.plan.launches import optimizer_launches, stage_launches
 
 CATEGORIES = [  # first match wins; kernel names of cuBLAS/CUTLASS, torch and our Triton kernels (kernels/*.py)
     ("GEMM", r"gemm|cutlass|xmma|nvjet|wgmma|grouped_mm|addmm|aten::mm|matmul|bmm"),
@@ -73,8 +77,6 @@ def wall_ms_per_step(step, steps: int, device) -> float:
 
 def profile(step, steps: int, device, trace: str | None) -> list[tuple[str, int, float]]:
     """[(name, calls per step, self ms per step)] of kernels (GPU) or aten ops (CPU), largest first."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         for _ in range(steps):
@@ -97,10 +99,6 @@ def planned_operations(args, model_cfg, device) -> int:
     """GPU operations of this step as the planner counts them (megalite/plan/launches.py): the blocks'
     forward and backward, the embedding and loss, the optimizer and its buckets, with the attention
     implementation this device runs."""
-    from megalite.config import RunConfig
-    from megalite import ops
-    from megalite.plan.launches import optimizer_launches, stage_launches
-
     precision = "bf16" if args.bf16 else "fp32"
     # the run's settings; the model itself is model_cfg (bench_train's: a preset, or its small CPU model)
     cfg = RunConfig.build(micro_batch_size=args.micro_batch_size, global_batch_size=args.micro_batch_size,

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 from megalite.cli import OneLineParser
 from megalite.errors import UsageError, reports_usage_errors
 
@@ -148,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_gpus() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 

@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import time
+import subprocess
 
 import torch
 
@@ -78,7 +79,7 @@ def make_timer(smoke: bool):
             fn()
             return 1e3 * (time.perf_counter() - start)
         return wall_clock
-    import triton.testing
+    import triton.testing  # optional (Linux only, setup.py): only the GPU timers need it
 
     return lambda fn, grad_to_none=None: triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none,
                                                                  return_mode="median")
@@ -176,8 +177,6 @@ def measure_dispatch(head_dim: int, seqs: list[int], dtype: torch.dtype, device:
 def precompile(head_dims: list[int], dtype: torch.dtype, jobs: int) -> None:
     """Compile every candidate in `jobs` processes first (Triton's on-disk cache is shared; the
     same shapes give the same cache keys), so the sweep times instead of compiling serially."""
-    import subprocess
-
     start = time.perf_counter()
     workers = [subprocess.Popen([sys.executable, __file__, "--precompile-shard", str(shard), str(jobs), "--dtype",
                                  str(dtype).removeprefix("torch."), "--head-dims", *map(str, head_dims)])

@@ -141,7 +141,7 @@ def make_timer(smoke: bool) -> Callable:
                 times.append(time.perf_counter() - start)
             return 1e3 * sorted(times)[1], "wall clock"
         return wall_clock
-    import triton.testing
+    import triton.testing  # optional (Linux only, setup.py): only the GPU timers need it
 
     def graph_replay(fn, grad_to_none=None):
         try:
@@ -163,7 +163,7 @@ def copy_ceiling(timer, device: str, smoke: bool) -> float:
     if not smoke:
         # a copy_ captured in a graph ran at 2.77 TB/s on an H200 against 4.25 eagerly, while an SM
         # elementwise copy reached 4.29 in the graph: the ceiling is the faster of the two clocks
-        import triton.testing
+        import triton.testing  # optional (Linux only, setup.py): only the GPU timers need it
 
         eager_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
         ms, how = min((ms, how), (eager_ms, "events"))

@@ -170,17 +170,9 @@ class Checkpointer:
             raise failure_error(step, self.root, [(0, gathered[0]["setup"])], needed, storage.latest_step(self.root))
         metadata = None
         if self.mesh.rank == 0:
-            metadata = {
-                "format_version": FORMAT_VERSION, "step": step, "consumed_samples": int(consumed_samples),
-                "optimizer_step": optimizer_extras["step"], "loss_scaler": optimizer_extras["loss_scaler"],
-                "has_optimizer": optimizer is not None, "model_config": _jsonable(model_config),
-                "train_config": _jsonable(train_config), "layout": layout_of(self.mesh, chunks, optimizer),
-                "versions": {"megalite": _megalite_version(), "torch": torch.__version__,
-                             "python": sys.version.split()[0]},
-                "saved_at_unix": time.time(), "extra": _jsonable(extra or {}),
-                "tensors": {name: shape for g in gathered for name, shape in g["shapes"].items()},
-                "items": [row for g in gathered for row in g["items"]],
-            }
+            metadata = self._metadata(step, chunks, optimizer, optimizer_extras, gathered,
+                                      consumed_samples=consumed_samples, model_config=model_config,
+                                      train_config=train_config, extra=extra)
         tensors = [item.tensor for item in items]
         del items
         final = self.root / storage.step_dir_name(step)
@@ -200,6 +192,22 @@ class Checkpointer:
             self.last_blocked_s = time.perf_counter() - started
             self.log(f"checkpoint: saved step {step} to {final} in {self.last_blocked_s:.2f} s")
         return final
+
+    def _metadata(self, step: int, chunks, optimizer, optimizer_extras: dict, gathered: list[dict], *,
+                  consumed_samples: int, model_config, train_config, extra: dict | None) -> dict:
+        """The checkpoint's metadata.json (rank 0): the run's state and configs, the layout it was saved
+        at, every rank's index rows (`gathered`: each rank's {"items", "shapes", ...}) and full shapes."""
+        return {
+            "format_version": FORMAT_VERSION, "step": step, "consumed_samples": int(consumed_samples),
+            "optimizer_step": optimizer_extras["step"], "loss_scaler": optimizer_extras["loss_scaler"],
+            "has_optimizer": optimizer is not None, "model_config": _jsonable(model_config),
+            "train_config": _jsonable(train_config), "layout": layout_of(self.mesh, chunks, optimizer),
+            "versions": {"megalite": _megalite_version(), "torch": torch.__version__,
+                         "python": sys.version.split()[0]},
+            "saved_at_unix": time.time(), "extra": _jsonable(extra or {}),
+            "tensors": {name: shape for g in gathered for name, shape in g["shapes"].items()},
+            "items": [row for g in gathered for row in g["items"]],
+        }
 
     def _write_shard(self, write: _Write) -> None:
         """Write this rank's shard file and its done marker; record an error instead of raising."""

@@ -108,7 +108,7 @@ def optimizer_param_specs(chunks, mesh: Mesh) -> dict[str, object]:
     stores. Whole experts on every tp rank (etp = 1) are ZeRO-sharded over expert-dp x tp, so each tp rank
     stores its own pieces (at ZeRO 0 only their first replica stores them: `optimizer_items`)."""
     return {chunk.logical_name(n): params.shard_spec(p) for chunk in chunks for n, p in chunk.named_parameters()
-            if writes(chunk, n, p, mesh) or (mesh.experts_whole_over_tp and params.is_expert_parallel(p))}
+            if writes(chunk, n, p, mesh) or (mesh.experts_whole and params.is_expert_parallel(p))}
 
 
 def _range_items(flats: dict[str, torch.Tensor], name: str, spec, shape: tuple[int, ...], start: int,

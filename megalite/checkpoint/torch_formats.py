@@ -26,11 +26,15 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalite.checkpoint.boxes import whole_box
 from megalite.checkpoint.full_state import resolve_checkpoint_dir, write_one_process_checkpoint
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS, Item
+from megalite.extras import require
 
 
 @contextlib.contextmanager
@@ -59,8 +63,6 @@ def read_plain_state(path: str | Path, step: int | None = None) -> dict:
 
 def export_dcp(load: str | Path, output: str | Path, *, step: int | None = None) -> Path:
     """Write the checkpoint as a DCP directory (one process, no process group needed)."""
-    import torch.distributed.checkpoint as dcp
-
     state = read_plain_state(load, step)
     with _one_process():
         dcp.save(state, checkpoint_id=str(output), no_dist=True)
@@ -69,8 +71,7 @@ def export_dcp(load: str | Path, output: str | Path, *, step: int | None = None)
 
 def export_safetensors(load: str | Path, output: str | Path, *, step: int | None = None) -> Path:
     """Write the checkpoint's weights (logical names, saved dtype) as one safetensors file."""
-    from safetensors.torch import save_file
-
+    save_file = require("safetensors.torch", "--to safetensors").save_file  # the [hf] extra
     state = read_plain_state(load, step)
     meta = json.loads(state["megalite"]["metadata"])
     save_file({name: t.contiguous() for name, t in state["model"].items()}, str(output),
@@ -80,9 +81,6 @@ def export_safetensors(load: str | Path, output: str | Path, *, step: int | None
 
 def _empty_like_dcp(path: str | Path) -> dict:
     """A nested dict of empty tensors (and placeholders for objects) shaped as the DCP directory's own."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     metadata = FileSystemReader(str(path)).read_metadata()
     nested: dict = {}
     for fqn, entry in metadata.state_dict_metadata.items():
@@ -114,8 +112,6 @@ def _write_checkpoint(output: str | Path, model: dict, optimizer: dict | None, m
 
 def import_dcp(load: str | Path, output: str | Path) -> Path:
     """A DCP directory holding {"model": {...}} (+ "optimizer", "megalite") -> a megalite checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
     state = _empty_like_dcp(load)
     if not isinstance(state.get("model"), dict) or not state["model"]:
         raise ValueError(f"{load} holds no 'model' state dict; save {{'model': model.state_dict()}} with dcp.save")

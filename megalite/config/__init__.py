@@ -205,6 +205,19 @@ class RunConfig:
         return self.parallel.tp * self.parallel.cp * self.parallel.pp * self.dp
 
     @property
+    def etp_size(self) -> int:
+        """The expert tensor-parallel size the experts run with: --etp when it is 1 or --tp (validate()
+        refuses anything else, read here as --tp). The mesh's `etp_size` for an MoE model."""
+        etp, tp = self.parallel.etp, self.parallel.tp
+        return etp if etp in (1, tp) else tp
+
+    @property
+    def experts_whole(self) -> bool:
+        """etp = 1 under tp > 1: whole experts on every tp rank, each routing its own 1/tp of the tokens
+        (the mesh's and `LayerGroups`' `experts_whole`); False: experts split over tp like the dense MLP."""
+        return self.etp_size < self.parallel.tp
+
+    @property
     def schedule(self) -> Schedule:
         return self.parallel.pipeline_schedule or self._schedule_name()
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
+
 SYNONYMS: dict[str, tuple[str, ...]] = {
     "tp": ("--tensor-model-parallel-size",),
     "pp": ("--pipeline-model-parallel-size",),
@@ -181,7 +183,5 @@ def tokenizer_from_megatron(tokenizer_type: str | None, vocab_file: str | None, 
     if tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file:
         if not (vocab_file and merge_file):
             raise ValueError("GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file (merges.txt)")
-        from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
-
         return bpe_files_to_json(vocab_file, merge_file)
     return None

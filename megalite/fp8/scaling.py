@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from megalite import comm
+from megalite.kernels import fp8_cast
+from megalite.kernels.dispatch import use_triton
 
 _EPS = 1e-12  # an all-zero tensor (a fresh bias-free layer's gradient) gets scale max/1e-12, casts to 0
 
@@ -90,8 +92,6 @@ def quantize_2d(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = N
     the same bits."""
     per_column = rowwise_dim is not None and rowwise_dim % 2 == 0
     if t.dim() == 2 and _kernel_applies(t, None):
-        from megalite.kernels import fp8_cast
-
         a = fp8_cast.column_amax(t) if per_column else fp8_cast.amax(t, rowwise_dim is not None)  # [1, K], [M, 1], []
         return _cast_by_kernel(t, a, dtype, group, rowmajor, transpose, pow2)
     q, inv = quantize(t, dtype, rowwise_dim, group, pow2)
@@ -100,8 +100,6 @@ def quantize_2d(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = N
 
 def _cast_by_kernel(t: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, group, rowmajor: bool, transpose: bool,
                     pow2: bool):
-    from megalite.kernels import fp8_cast
-
     a = reduce_max(a, group)
     scale = scale_of(a, dtype, pow2)
     q, qt = fp8_cast.cast_transpose(t, scale, dtype, transpose=transpose, rowmajor=rowmajor)
@@ -109,15 +107,11 @@ def _cast_by_kernel(t: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, group,
 
 
 def _kernel_applies(t: torch.Tensor, rowwise_dim: int | None) -> bool:
-    from megalite.kernels.dispatch import use_triton
-
     last = rowwise_dim is None or rowwise_dim % t.dim() == t.dim() - 1
     return last and t.dim() >= 2 and t.numel() > 0 and t.is_contiguous() and use_triton(t)
 
 
 def _quantize_by_kernel(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, group, pow2: bool):
-    from megalite.kernels import fp8_cast
-
     rows = t.view(-1, t.shape[-1])  # [M, K]
     a = fp8_cast.amax(rows, rowwise)  # [] or [M, 1]
     a = reduce_max(a, group)

@@ -159,7 +159,7 @@ def measure_layer_bytes(config: GPTConfig, technique: Technique, tp_group=None, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         block = TransformerBlock(config, LayerGroups(tp=tp_group if technique.tensor_parallel else None),
-                                 technique.sequence_parallel, dtype=dtype, layer_number=0).train()
+                                 sequence_parallel=technique.sequence_parallel, dtype=dtype, layer_number=0).train()
         rows = seq // tp if technique.sequence_parallel else seq
         x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, requires_grad=True)  # [s(/tp), b, h]
     block.recompute_core = technique.recompute == "selective"

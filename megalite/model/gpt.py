@@ -32,6 +32,7 @@ from torch import nn
 
 from megalite import comm, params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
+from megalite.data_parallel.units import Unit
 from megalite.layer_groups import LayerGroups
 from megalite.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
@@ -150,8 +151,9 @@ class GPTModel(nn.Module):
 
     def _build_block(self, layer_id: int, device) -> TransformerBlock:
         with seeded(self._seed, _LAYER_STREAM + layer_id):
-            return TransformerBlock(self.config, self.groups, self.sequence_parallel, self._dtype, device,
-                                    self._cp_comm_type, layer_number=layer_id, moe_dispatcher=self._moe_dispatcher)
+            return TransformerBlock(self.config, self.groups, sequence_parallel=self.sequence_parallel,
+                                    cp_comm_type=self._cp_comm_type, layer_number=layer_id,
+                                    moe_dispatcher=self._moe_dispatcher, dtype=self._dtype, device=device)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
@@ -170,8 +172,6 @@ class GPTModel(nn.Module):
         with the output layer.
         Each can materialise its tensors from its seeded stream on the real device, so a model
         built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
-        from megalite.data_parallel.units import Unit
-
         device, units = self._real_device, []
         if self.pre_process:
             tables = [self.word_embeddings.weight] + ([self.position_embeddings] if self.config.flavour == "gpt2" else [])

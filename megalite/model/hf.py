@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from megalite import comm, params
 from megalite.config.model import GPTConfig
+from megalite.extras import require
 from megalite.model.gpt import GPTModel
 from megalite.model.hf_config import config_from_hf, hf_config_from  # noqa: F401 - the configs' one place
 
@@ -156,8 +158,6 @@ def from_hf(hf_model, mesh=None, **model_kwargs):
 @torch.no_grad()
 def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
     """The full logical tensors of a whole model (pp 1, ep 1), each gathered over its tp shards."""
-    from megalite import comm, params
-
     if not (model.pre_process and model.post_process and len(model.layer_ids) == model.config.num_layers):
         raise ValueError("to_hf needs the whole model on this rank (pp=1); export a pipelined run's checkpoint "
                          "with tools/convert_checkpoint.py export")
@@ -177,8 +177,7 @@ def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
 
 def to_hf(model: GPTModel, *, bos_token_id: int | None = None, eos_token_id: int | None = None):
     """The transformers model (float32) equal to megalite's `model` (whole on this rank, any tp)."""
-    import transformers
-
+    transformers = require("transformers", "to_hf")  # the [hf] extra
     config = model.config
     hf_config = hf_config_from(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float()

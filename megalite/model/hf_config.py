@@ -16,6 +16,8 @@ import torch
 
 from megalite.config.model import GPTConfig
 from megalite.config.rope_scaling import rope_type
+from megalite.data.tokenizer import load_tokenizer
+from megalite.extras import require
 from megalite.moe.config import MoEConfig
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
@@ -210,8 +212,7 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
                    eos_token_id: int | None = None):
     """The transformers config of the same model, with the tokenizer's bos/eos ids (each an int or a list;
     None: the last vocabulary id, megalite's end-of-document token by default). Checked by reading it back."""
-    import transformers
-
+    transformers = require("transformers", "a transformers config (hf_config_from)")  # the [hf] extra
     family = family_of(config)
     problems = _unexpressible(config, family)
     if problems:
@@ -264,8 +265,6 @@ BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|im_start|>", "[CLS]")
 def special_token_ids(tokenizer_spec: str) -> tuple[int, int]:
     """(bos, eos) ids of a run's tokenizer ("byte" or a tokenizer.json path). eos is its end-of-document
     id; bos the first of BOS_NAMES it holds, else eos (GPT-2's convention: one id for both)."""
-    from megalite.data.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_spec)
     eos = int(tokenizer.eod)
     hf_tokenizer = getattr(tokenizer, "_tokenizer", None)

@@ -75,14 +75,18 @@ class Attention(nn.Module):
     so rank r owns query heads [r*nq/tp, (r+1)*nq/tp) and the key/value groups they use.
     With a cp group of more than one rank the core is ring attention (cp_comm_type "p2p") or
     Ulysses ("a2a") over the cp ranks' chunks of the sequence.
+
+    groups: the LayerGroups it talks over (groups.tp: heads split; groups.cp: the sequence's other
+    chunks); layer_number: the block's global index (its dropout sites).
     """
 
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype=None, device=None,
-                 cp_group=None, cp_comm_type: str = "p2p", layer_number: int = 0):
+    def __init__(self, config: GPTConfig, groups: LayerGroups, *, sequence_parallel: bool,
+                 cp_comm_type: str = "p2p", layer_number: int = 0, dtype=None, device=None):
         super().__init__()
+        tp_group = groups.tp
         tp = comm.group_size(tp_group)
-        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
-        check_attention(comm.group_size(cp_group), cp_comm_type, config.num_attention_heads, config.num_query_groups,
+        self.cp_group, self.cp_comm_type = groups.cp, cp_comm_type
+        check_attention(comm.group_size(groups.cp), cp_comm_type, config.num_attention_heads, config.num_query_groups,
                         tp, config.attention_dropout)
         d, nq, nkv = config.head_dim, config.num_attention_heads, config.num_query_groups
         self.config, self.layer_number, self.tp_rank = config, layer_number, comm.group_rank(tp_group)
@@ -135,20 +139,21 @@ class TransformerBlock(nn.Module):
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
     """
 
-    def __init__(self, config: GPTConfig, groups: LayerGroups, sequence_parallel: bool, dtype=None, device=None,
-                 cp_comm_type: str = "p2p", layer_number: int = 0, moe_dispatcher: str = "alltoall"):
+    def __init__(self, config: GPTConfig, groups: LayerGroups, *, sequence_parallel: bool, cp_comm_type: str = "p2p",
+                 layer_number: int = 0, moe_dispatcher: str = "alltoall", dtype=None, device=None):
         super().__init__()
         tp_group, cp_group = groups.tp, groups.cp
         self.config, self.sequence_parallel, self.layer_number = config, sequence_parallel, layer_number
         self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
         self.cp_size, self.cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)  # this rank's tokens
         self.input_norm = Norm(config, sequence_parallel, dtype, device)
-        self.attention = Attention(config, tp_group, sequence_parallel, dtype, device, cp_group, cp_comm_type,
-                                   layer_number)
+        self.attention = Attention(config, groups, sequence_parallel=sequence_parallel, cp_comm_type=cp_comm_type,
+                                   layer_number=layer_number, dtype=dtype, device=device)
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
         if self.is_moe:
-            self.mlp = MoELayer(config, groups, sequence_parallel, moe_dispatcher, dtype, device, layer_number)
+            self.mlp = MoELayer(config, groups, sequence_parallel=sequence_parallel, moe_dispatcher=moe_dispatcher,
+                                layer_number=layer_number, dtype=dtype, device=device)
         else:
             self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward

@@ -35,7 +35,7 @@ def set_loss_scale(chunks, scale: float) -> None:
 def update_expert_biases(chunks, mesh) -> None:
     for _, layer in moe_layers(chunks):
         if layer.router.expert_bias is not None:
-            if layer.split_tokens:  # etp = 1: each tp rank counted the routes of its own tokens
+            if layer.experts_whole:  # etp = 1: each tp rank counted the routes of its own tokens
                 comm.all_reduce(layer.router.step_tokens_per_expert, mesh.tp_group)
             update_expert_bias(layer.router, mesh.dp_cp_group, layer.moe.bias_update_rate)
 
@@ -68,7 +68,7 @@ def moe_stats(chunks, mesh) -> dict:
                                                 for k in ("aux_loss", "z_loss", "dropped")]),
                             torch.tensor([float(st["forwards"])], dtype=torch.float64, device=loads.device)])
         comm.all_reduce(packed, mesh.dp_cp_group)  # replicas route different tokens
-        if layer.split_tokens:  # etp = 1: so do the tp ranks
+        if layer.experts_whole:  # etp = 1: so do the tp ranks
             comm.all_reduce(packed, mesh.tp_group)
         loads, (aux, z, dropped, forwards) = packed[:-4], packed[-4:].tolist()
         mine[number] = {"tokens_per_expert_max": float(loads.max()), "tokens_per_expert_mean": float(loads.mean()),

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from megalite import comm, ops
+from megalite.layer_groups import LayerGroups
+from megalite.moe.config import MoEConfig
 from megalite.tensor_parallel import mappings
 
 
@@ -42,10 +44,12 @@ class _AllToAllVariable(torch.autograd.Function):
 
 
 class AllToAllDispatcher:
-    def __init__(self, num_experts: int, ep_group):
-        self.num_experts, self.ep_group = num_experts, ep_group
-        self.ep_size, self.ep_rank = comm.group_size(ep_group), comm.group_rank(ep_group)
-        self.local_experts = num_experts // self.ep_size
+    """moe: the layer's MoEConfig (its num_experts); groups: the LayerGroups it talks over (groups.ep)."""
+
+    def __init__(self, moe: MoEConfig, groups: LayerGroups):
+        self.num_experts, self.ep_group = moe.num_experts, groups.ep
+        self.ep_size, self.ep_rank = comm.group_size(groups.ep), comm.group_rank(groups.ep)
+        self.local_experts = moe.num_experts // self.ep_size
 
     def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
         permuted, sorted_index, group_sizes = ops.permute_tokens(tokens, expert_ids, self.num_experts)  # [R, h]
@@ -83,10 +87,12 @@ class AllToAllDispatcher:
 
 
 class AllGatherDispatcher:
-    def __init__(self, num_experts: int, ep_group):
-        self.num_experts, self.ep_group = num_experts, ep_group
-        self.ep_size, self.ep_rank = comm.group_size(ep_group), comm.group_rank(ep_group)
-        self.local_experts = num_experts // self.ep_size
+    """moe: the layer's MoEConfig (its num_experts); groups: the LayerGroups it talks over (groups.ep)."""
+
+    def __init__(self, moe: MoEConfig, groups: LayerGroups):
+        self.num_experts, self.ep_group = moe.num_experts, groups.ep
+        self.ep_size, self.ep_rank = comm.group_size(groups.ep), comm.group_rank(groups.ep)
+        self.local_experts = moe.num_experts // self.ep_size
 
     def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
         # [T, h] -> [ep*T, h]; backward: the gradients of every rank's copy summed onto its owner
@@ -105,9 +111,10 @@ class AllGatherDispatcher:
         return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)  # [T, h]
 
 
-def make_dispatcher(kind: str, num_experts: int, ep_group):
+def make_dispatcher(kind: str, moe: MoEConfig, groups: LayerGroups):
+    """The dispatcher `kind` (--moe-token-dispatcher-type) for a layer of config `moe` over `groups`."""
     if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, ep_group)
+        return AllToAllDispatcher(moe, groups)
     if kind == "allgather":
-        return AllGatherDispatcher(num_experts, ep_group)
+        return AllGatherDispatcher(moe, groups)
     raise ValueError(f"--moe-token-dispatcher-type must be alltoall or allgather, got {kind!r}")

@@ -67,12 +67,14 @@ class _AttachLosses(torch.autograd.Function):
 
 
 class MoELayer(nn.Module):
-    """groups: the LayerGroups it talks over: experts sharded over groups.ep, split over groups.tp unless
-    groups.experts_whole (etp = 1, see the module docstring), the tokens of a microbatch routed together
-    over groups.moe_tokens at etp = 1 (tp x cp), else over groups.cp. layer_number: the block's global index."""
+    """config: the model's GPTConfig (its .moe); groups: the LayerGroups it talks over: experts sharded over
+    groups.ep, split over groups.tp unless groups.experts_whole (etp = 1, see the module docstring), the
+    tokens of a microbatch routed together over groups.moe_tokens at etp = 1 (tp x cp), else over groups.cp.
+    sequence_parallel: x is the [s/tp, b, h] shard; moe_dispatcher: --moe-token-dispatcher-type;
+    layer_number: the block's global index."""
 
-    def __init__(self, config, groups: LayerGroups, sequence_parallel: bool, dispatcher_type: str = "alltoall",
-                 dtype=None, device=None, layer_number: int = 0):
+    def __init__(self, config, groups: LayerGroups, *, sequence_parallel: bool, moe_dispatcher: str = "alltoall",
+                 layer_number: int = 0, dtype=None, device=None):
         super().__init__()
         tp_group, ep_group, cp_group = groups.tp, groups.ep, groups.cp
         self.layer_number = layer_number
@@ -81,22 +83,24 @@ class MoELayer(nn.Module):
         if moe.num_experts % ep:
             raise ValueError(f"--num-experts {moe.num_experts} is not divisible by ep={ep}; choose --ep dividing it")
         self.moe, self.tp_group, self.sequence_parallel = moe, tp_group, sequence_parallel
-        self.split_tokens = groups.experts_whole and comm.group_size(tp_group) > 1  # etp = 1: my 1/tp of the tokens
-        if self.split_tokens and groups.moe_tokens is None:
+        # etp = 1 under tp > 1: whole experts, each tp rank routing its own 1/tp of the tokens (over a tp group
+        # of one rank whole experts are the split layout)
+        self.experts_whole = groups.experts_whole and comm.group_size(tp_group) > 1
+        if self.experts_whole and groups.moe_tokens is None:
             raise ValueError("whole experts under tp (experts_whole) route each tp rank's own tokens: pass "
                              "moe_tokens, the ranks sharing a microbatch's tokens (the mesh's moe_token_group)")
         # the ranks holding the other tokens of this microbatch's sequences (the losses are theirs together)
-        self.token_group = groups.moe_tokens if self.split_tokens else cp_group
+        self.token_group = groups.moe_tokens if self.experts_whole else cp_group
         self.cp_group = cp_group  # cp splits each sequence into zigzag chunks (the capacity's token order)
         self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
-        if self.split_tokens:  # each tp rank's router gradient comes from its own tokens: summed over tp
+        if self.experts_whole:  # each tp rank's router gradient comes from its own tokens: summed over tp
             params.declare(self.router.weight, sequence_parallel_grad=True)
         base_seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())  # this block's stream: the same on every rank
         local = moe.num_experts // ep
         first = comm.group_rank(ep_group) * local
         self.experts = LocalExperts(config.hidden_size, moe.expert_ffn(config.ffn_hidden_size),
                                     config.flavour == "llama", range(first, first + local), base_seed,
-                                    config.init_std, config.num_layers, None if self.split_tokens else tp_group,
+                                    config.init_std, config.num_layers, None if self.experts_whole else tp_group,
                                     dtype, device)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
@@ -108,7 +112,7 @@ class MoELayer(nn.Module):
             gate = torch.empty(1, config.hidden_size)
             nn.init.normal_(gate, std=config.init_std)
             self.shared_expert_gate = nn.Parameter(gate.to(device=device, dtype=dtype or gate.dtype))
-        self.dispatcher = make_dispatcher(dispatcher_type, moe.num_experts, ep_group)
+        self.dispatcher = make_dispatcher(moe_dispatcher, moe, groups)
         self.loss_scale = 1.0
         self.reset_stats()
 
@@ -117,7 +121,7 @@ class MoELayer(nn.Module):
                       "tokens_per_expert": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_tokens:
+        if self.experts_whole:
             return self._forward_own_tokens(x)
         full = mappings.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False) \
             if self.sequence_parallel else x  # [s, b, h]: every tp rank sees (and routes) the same tokens
@@ -155,19 +159,19 @@ class MoELayer(nn.Module):
             out = mappings.gather_from_sequence_parallel_region(out, tp, grad_is_partial=False)  # [s, b, h]
         return out.to(x.dtype)
 
-    def _experts(self, x: torch.Tensor, expert_tp_group, capacity_group):
+    def _experts(self, x: torch.Tensor, etp_group, capacity_group):
         """Route x [s', b, h], run the routes through the experts, combine: ([s', b, h], its Routing).
 
-        expert_tp_group: the group the experts are split over (None: whole experts); capacity_group: the
+        etp_group: the group the experts are split over (None: whole experts); capacity_group: the
         ranks whose tokens, taken together, an expert's capacity is counted over (None: this rank's)."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         order = self._token_order(s, b, x.device) if self.moe.capacity_factor is not None else None
         routing = self.router(tokens, b, self.token_group, capacity_group, order)
-        expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, expert_tp_group)  # experts: tp inside
+        expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, etp_group)  # experts: tp inside
         expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
-        expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over expert_tp_group
-        expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, expert_tp_group)
+        expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over etp_group
+        expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, etp_group)
         return self.dispatcher.combine(expert_output, routing.weights, state).view(s, b, h), routing
 
     def _token_order(self, rows: int, b: int, device) -> torch.Tensor | None:
@@ -176,9 +180,9 @@ class MoELayer(nn.Module):
         cp = comm.group_size(self.cp_group)
         if cp == 1:
             return None
-        tp = comm.group_size(self.tp_group) if self.split_tokens else 1
+        tp = comm.group_size(self.tp_group) if self.experts_whole else 1
         positions = position_ids(rows * tp * cp, comm.group_rank(self.cp_group), cp, device=device)  # [s/cp]
-        if self.split_tokens:  # my tp rank's contiguous slice of this cp rank's tokens
+        if self.experts_whole:  # my tp rank's contiguous slice of this cp rank's tokens
             first = comm.group_rank(self.tp_group) * rows
             positions = positions[first:first + rows]
         return (positions.view(rows, 1) * b + torch.arange(b, device=device).view(1, b)).reshape(-1)

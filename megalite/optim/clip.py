@@ -46,7 +46,7 @@ def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = F
     the gradient (disjoint over the parameter's replica group)."""
     if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False  # the first stage's copy stands for the tied embedding
-    if sharded and mesh.experts_whole_over_tp and P.is_expert_parallel(param):
+    if sharded and mesh.experts_whole and P.is_expert_parallel(param):
         return True  # whole experts (etp = 1) are sharded over expert-dp x tp: the tp ranks hold disjoint pieces
     if not P.shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
         return False  # replicated across tp: tp_rank 0 stands for every copy

@@ -60,15 +60,11 @@ from typing import Callable
 import torch
 
 from megalite.data_parallel.wrapper import DataParallel
-from megalite.optim import param_groups as G
+from megalite.kernels.adamw import adamw_step as fused_adamw_step
 from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
+from megalite.optim.param_groups import as_group_list, check_cover, clip_runs, default_groups, group_runs, same_update
 from megalite.optim.state_dict import full_state_dict, load_full_state_dict
-
-try:  # one fused Triton pass on GPUs; the plain torch ops below are the same math
-    from megalite.kernels.adamw import adamw_step as fused_adamw_step
-except ImportError:  # pragma: no cover - kernels are optional at import time
-    fused_adamw_step = None
 
 
 def default_no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -96,7 +92,7 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     Same operation order as torch.optim.AdamW's single-tensor path, so float32 results agree.
     On CUDA it runs megalite.kernels.adamw_step (fused, same math) instead.
     """
-    if fused_adamw_step is not None and master.is_cuda:
+    if master.is_cuda:  # one fused Triton pass on GPUs; the torch ops below are the same math
         fused_adamw_step(master, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, 0.0, step)
         return
     exp_avg.lerp_(grad, 1 - beta1)
@@ -145,12 +141,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.clip_grad = clip_grad
         self.loss_scaler, self.offload = loss_scaler, offload_optimizer
         self.params, self.names = model.params, model.names  # buffer order (reverse of model order)
-        groups = G.default_groups(self.names, self.params, weight_decay, no_weight_decay) if params is None \
-            else G.as_group_list(params)
-        G.check_cover(groups, self.names, self.params)
+        groups = default_groups(self.names, self.params, weight_decay, no_weight_decay) if params is None \
+            else as_group_list(params)
+        check_cover(groups, self.names, self.params)
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.pieces = model.owned_pieces()
-        self._group_runs = G.group_runs(self.param_groups, self.params, self.pieces)
+        self._group_runs = group_runs(self.param_groups, self.params, self.pieces)
         over_replicas = self.zero_stage == 0 and self.mesh.ep_size > 1  # ep > 1 sums the norm over the world
         counted = [counts_in_grad_norm(self.params[x.param], self.mesh, over_replicas, sharded=self.zero_stage > 0)
                    for x in self.pieces]
@@ -179,7 +175,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._shard_offsets = [b.shard_offset for b in buckets]
         # per bucket, per group: views of the master chunk that the group's weight decay scales, made
         # once: the step then decays them with one foreach op per group instead of a slice and a mul_ per run
-        self._group_views = [[[self._masters[b.index][a:z] for a, z in G.clip_runs(runs, *self._bounds(b.index))]
+        self._group_views = [[[self._masters[b.index][a:z] for a, z in clip_runs(runs, *self._bounds(b.index))]
                               for runs in self._group_runs] for b in buckets]
         self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()
         self.step_count = 0
@@ -257,7 +253,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if grad.device != self.model.grad_shard.device:
                 torch.cuda.synchronize()
         self.step_count += 1
-        one_pass = G.same_update(self.param_groups)
+        one_pass = same_update(self.param_groups)
         for bucket in self.model.gather_order:  # the next forward's order: its first gathers land first
             self._update_bucket(bucket, grad, one_pass)
             self.model.publish(bucket, self._masters[bucket])
@@ -279,7 +275,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._adam(master, grad[lo:hi], lo, hi, self.param_groups[0])
             return
         for group, runs in zip(self.param_groups, self._group_runs):
-            for a, z in G.clip_runs(runs, lo, hi):
+            for a, z in clip_runs(runs, lo, hi):
                 self._adam(master[a:z], grad[lo + a:lo + z], lo + a, lo + z, group)
 
     def _adam(self, master: torch.Tensor, grad: torch.Tensor, start: int, end: int, group: dict) -> None:

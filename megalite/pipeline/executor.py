@@ -2,14 +2,18 @@
 
 Per (chunk, microbatch) the executor keeps, only as long as an instruction still needs it:
   inputs[c, m]        received activation (leaf, requires grad) or the input ids
-  outputs[c, m]       the chunk's output until it is sent, or the scaled loss (last chunk)
-  roots[c, m]         a scalar standing for a sent output in autograd (see _OutputRoot)
+  outputs[c, m]       the chunk's output until it is sent (the last chunk's loss sum is added up
+                      at once; its backward root stays with the chunk calls)
   output_grads[c, m]  the received gradient w.r.t. the chunk's output
   input_grads[c, m]   inputs[c, m].grad, kept until it is sent
 Everything is popped by its last consumer, so a microbatch's activations are freed by its
 backward (BWD), or by its weight pass (BWD_WEIGHT) under zero-bubble schedules, whose
 deferred weight-gradient work holds the layer inputs until then. A sent output [s, b, h] is
 freed at once, not kept until its backward: on stage 0 of 1F1B that is pp of them.
+
+The chunk calls are the one place eager and --cuda-graph steps differ (chunk_calls.py): a
+chunk's forward, backward and weight pass are either the module and autograd (`ModuleCalls`,
+which keeps the root of each microbatch's backward) or its captured graphs replayed.
 """
 from __future__ import annotations
 
@@ -24,31 +28,10 @@ import torch
 from megalite import comm, params
 from megalite.mesh import Mesh
 from megalite.pipeline import p2p
+from megalite.pipeline.chunk_calls import ChunkCalls, ModuleCalls
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
 from megalite.pipeline.schedules import verified_schedule
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.host_reads import no_host_reads
-
-
-class _OutputRoot(torch.autograd.Function):
-    """A scalar that stands for a chunk's output as the root of its backward.
-
-    The backward needs the output's graph, not its values (the last op of a chunk, a residual
-    add, saves nothing). Rooting the backward at this scalar lets the executor drop the output
-    [s, b, h] once it is sent; backward(root) feeds the received gradient, put in `slot`, into
-    the output's graph. (Megatron frees the output's .data and calls the autograd engine
-    directly to skip its shape check; this stays on public API.)
-    """
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, slot: list) -> torch.Tensor:
-        ctx.slot = slot
-        return output.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _unused: torch.Tensor):
-        return ctx.slot.pop(), None
-
 
 
 @dataclass(frozen=True)
@@ -114,7 +97,8 @@ def allreduce_shared_embedding_grads(model_chunks: list[torch.nn.Module], mesh: 
 def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microbatches: list[dict[str, Any]],
                  mesh: Mesh, loss_scale: float | torch.Tensor | Callable[[], Any] = 1.0, *,
                  forward_only: bool = False, grad_sync: GradSync | None = None,
-                 stats: dict[str, Any] | None = None, check_host_reads: bool = False, graphs=None) -> float:
+                 stats: dict[str, Any] | None = None, check_host_reads: bool = False,
+                 graphs: ChunkCalls | None = None) -> float:
     """Run forward and backward of every microbatch on this rank under `spec.schedule`.
 
     model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
@@ -123,7 +107,7 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
     microbatches: the same list on every rank, each {"input_ids": [b, s], "labels": [b, s]};
       only the first and last model chunk read it.
     loss_scale: the executor backpropagates loss_sum * loss_scale (e.g. 1 / global target
-      tokens); a callable is called once, when the first loss is computed (so a token count
+      tokens); a callable is called once, at the first backward of a loss (so a token count
       still being all-reduced is waited for only then).
     forward_only: evaluation. Forwards and activation transfers only, under no_grad; each
       output is freed once sent; no gradients, no embedding all-reduce.
@@ -139,10 +123,10 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       instruction descheduled on a busy host does not count}, for `replay.replay_bubble`).
     check_host_reads: the schedule's forwards, backwards and transfers run under
       `host_reads.no_host_reads()` (a tensor value read into Python raises).
-    graphs: a `training.pipeline_graphs.PipelineGraphs` (--cuda-graph): each chunk's forward and
-      backward are its captured graphs, replayed (captured where the first step first runs them):
-      graphs.forward(c, m, x[, labels]) -> output, graphs.backward(c, m, output grad or loss
-      scale) -> input grad, with no autograd across the chunk boundary. grad_sync's
+    graphs: the chunk calls in place of the modules (`chunk_calls.ChunkCalls`; --cuda-graph's
+      `training.pipeline_graphs.PipelineGraphs`): each chunk's forward and backward are its
+      captured graphs, replayed (captured where the first step first runs them), with no
+      autograd across the chunk boundary. The step logic is the same; grad_sync's
       before_last_backward is then not called (a replay runs no bucket hooks; every bucket is
       reduced after the step).
     Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
@@ -169,19 +153,17 @@ class _Executor:
     microbatch) only what a later instruction still needs (see the module docstring)."""
 
     def __init__(self, spec: PipelineSpec, chunks, microbatches, mesh: Mesh, loss_scale, forward_only: bool,
-                 graphs=None):
-        self.spec, self.chunks, self.microbatches, self.mesh = spec, chunks, microbatches, mesh
-        self.graphs = graphs  # --cuda-graph: chunk forwards and backwards are replayed graphs
+                 graphs: ChunkCalls | None = None):
+        self.spec, self.microbatches, self.mesh = spec, microbatches, mesh
+        self.calls: ChunkCalls = graphs if graphs is not None else ModuleCalls(chunks)
         self.forward_only, self._loss_scale = forward_only, loss_scale
         self.pp, self.stage, self.v = mesh.pp_size, mesh.pp_rank, spec.virtual_stages
         self.ops = verified_schedule(spec.schedule, self.pp, spec.num_microbatches, self.v, forward_only)[self.stage]
         self.shape = torch.Size(spec.activation_shape)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.roots: dict[tuple[int, int], tuple[torch.Tensor, list]] = {}
         self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.store = WeightGradStore()
         self.live: set[tuple[int, int]] = set()
         self.peak_live = self.deferred_weight_grads = 0
         self.transfer_wait_s = 0.0
@@ -194,7 +176,7 @@ class _Executor:
         with torch.no_grad() if self.forward_only else torch.enable_grad():
             for step in split_steps(list(self.ops)):
                 op = step[0]
-                if grad_sync is not None and self.graphs is None and last_grad_op.get(op.chunk) == op:
+                if grad_sync is not None and self.calls.runs_bucket_hooks and last_grad_op.get(op.chunk) == op:
                     grad_sync.before_last_backward(op.chunk)
                 if op.is_transfer:
                     self.transfer(step)
@@ -202,10 +184,11 @@ class _Executor:
                     start = time.perf_counter()
                     self.compute(op, grad_sync)
                     self.compute_seconds.setdefault(op.kind, []).append(time.perf_counter() - start)
-        if self.outputs or self.roots or self.inputs or self.output_grads or self.input_grads or self.store.pending():
+        left_over = self.calls.left_over()
+        if self.outputs or self.inputs or self.output_grads or self.input_grads or left_over:
             raise RuntimeError(f"pipeline ended with state left over on stage {self.stage}: outputs "
-                               f"{sorted(self.outputs)}, inputs {sorted(self.inputs)}, pending weight grads "
-                               f"{self.store.pending()}")
+                               f"{sorted(self.outputs)}, inputs {sorted(self.inputs)}, in the chunk calls "
+                               f"(backward roots, pending weight grads) {left_over}")
 
     def compute(self, op: Instr, grad_sync: GradSync | None) -> None:
         if op.kind == FWD:
@@ -213,10 +196,7 @@ class _Executor:
         elif op.kind in (BWD, BWD_INPUT):
             self.backward(op.chunk, op.microbatch, deferred=op.kind == BWD_INPUT)
         elif op.kind == BWD_WEIGHT:
-            if self.graphs is not None:
-                self.graphs.weight(op.chunk, op.microbatch)  # the captured W pass
-            else:
-                self.deferred_weight_grads += self.store.run((op.chunk, op.microbatch))
+            self.deferred_weight_grads += self.calls.weight(op.chunk, op.microbatch)
             self.live.discard((op.chunk, op.microbatch))
             if grad_sync is not None and hasattr(grad_sync, "after_weight_grads"):
                 grad_sync.after_weight_grads(op.chunk)  # ZeRO-3 reduces the delivered weight grads
@@ -263,75 +243,36 @@ class _Executor:
         return self._loss_scale
 
     def forward(self, c: int, mb: int) -> None:
-        if self.graphs is not None:
-            return self._replay_forward(c, mb)
+        """FWD(c, mb): the chunk's output kept until sent; on the last chunk the loss sum added up
+        (its backward root stays with the chunk calls)."""
         key = (c, mb)
         if p2p.is_first_chunk(self.pp, self.stage, c):
             self.inputs[key] = self.microbatches[mb]["input_ids"].to(self.mesh.device)
-        x = self.inputs[key]
         if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
-            loss = self.chunks[c](x, labels=self.microbatches[mb]["labels"].to(self.mesh.device), reduction="sum")
+            labels = self.microbatches[mb]["labels"].to(self.mesh.device)
+            loss = self.calls.forward(c, mb, self.inputs[key], labels)
             self._loss_sum = self._loss_sum + loss.detach().double()
             if self.forward_only:
                 self.inputs.pop(key)
                 return
-            self.outputs[key] = loss * self._scale()
         else:
-            self.outputs[key] = self.chunks[c](x)
-            if not self.forward_only:
-                slot: list = []
-                self.roots[key] = (_OutputRoot.apply(self.outputs[key], slot), slot)
-        if self.forward_only:
-            self.inputs.pop(key)
+            self.outputs[key] = self.calls.forward(c, mb, self.inputs[key])
+            if self.forward_only:
+                self.inputs.pop(key)
         self.live.add(key)
         self.peak_live = max(self.peak_live, len(self.live))
 
     def backward(self, c: int, mb: int, deferred: bool) -> None:
-        if self.graphs is not None:
-            return self._replay_backward(c, mb, deferred)
-        key = (c, mb)
-        if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
-            root = self.outputs.pop(key)  # the scaled loss
-        else:
-            root, slot = self.roots.pop(key)
-            slot.append(self.output_grads.pop(key))
-        if deferred:  # ZB-H1's B pass: the chunk's linear layers queue their weight gradients
-            with defer_weight_grads(self.store, key, self.chunks[c].parameters()):
-                torch.autograd.backward(root)
-        else:
-            torch.autograd.backward(root)
-        x = self.inputs.pop(key)
-        if not p2p.is_first_chunk(self.pp, self.stage, c):
-            if x.grad is None:
-                raise RuntimeError(f"chunk {c} microbatch {mb}: the input activation got no gradient; the chunk's "
-                                   f"output must depend on its input")
-            self.input_grads[key] = x.grad
-        if not deferred:
-            self.live.discard(key)
-
-    def _replay_forward(self, c: int, mb: int) -> None:
-        """--cuda-graph: (c, mb)'s forward graph replayed; its output is static (the graphs' own buffer),
-        sent as an eager output is; the last chunk's loss waits as a loss sum, its scale for the backward."""
-        key, device = (c, mb), self.mesh.device
-        if p2p.is_first_chunk(self.pp, self.stage, c):
-            self.inputs[key] = self.microbatches[mb]["input_ids"].to(device)
-        if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
-            loss = self.graphs.forward(c, mb, self.inputs[key], self.microbatches[mb]["labels"].to(device))
-            self._loss_sum = self._loss_sum + loss.double()
-        else:
-            self.outputs[key] = self.graphs.forward(c, mb, self.inputs[key])
-        self.live.add(key)
-        self.peak_live = max(self.peak_live, len(self.live))
-
-    def _replay_backward(self, c: int, mb: int, deferred: bool) -> None:
-        """--cuda-graph: (c, mb)'s backward graph replayed on the received output gradient (the loss
-        scale on the last chunk): parameter gradients into the DP buffers (ZB-H1's B: all but the linear
-        layers', left to W's graph), the input gradient kept to send."""
+        """BWD(c, mb), or ZB-H1's B pass (deferred: the linear layers' weight gradients wait for W):
+        from the received output gradient (the loss scale on the last chunk) to the input's, kept to send."""
         key = (c, mb)
         last = p2p.is_last_chunk(self.pp, self.v, self.stage, c)
-        input_grad = self.graphs.backward(c, mb, self._scale() if last else self.output_grads.pop(key), deferred)
+        input_grad = self.calls.backward(c, mb, self._scale() if last else self.output_grads.pop(key), deferred)
         self.inputs.pop(key)
         if not p2p.is_first_chunk(self.pp, self.stage, c):
+            if input_grad is None:
+                raise RuntimeError(f"chunk {c} microbatch {mb}: the input activation got no gradient; the chunk's "
+                                   f"output must depend on its input")
             self.input_grads[key] = input_grad
         if not deferred:  # ZB-H1's B: the microbatch stays live until its W
             self.live.discard(key)

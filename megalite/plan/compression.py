@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import stage_layers
-from megalite.plan.moe import expert_dp_config, expert_tp, experts_apart, stage_moe_layers
+from megalite.plan.moe import expert_dp_config, experts_apart, stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -118,7 +118,7 @@ def stage_expert_shapes(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tu
     if not layers:
         return []
     per_block = model.moe.num_experts // cfg.parallel.ep
-    return layers * per_block * _mlp_shapes(model, model.moe.expert_ffn(model.ffn_hidden_size), expert_tp(cfg))
+    return layers * per_block * _mlp_shapes(model, model.moe.expert_ffn(model.ffn_hidden_size), cfg.etp_size)
 
 
 def compression_groups(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tuple[str, list[tuple[int, ...]]]]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
+from megalite.plan.layout import stage_layers
+from megalite.plan.moe import stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -67,9 +69,6 @@ def param_gather_bytes(model: GPTConfig, cfg: RunConfig, params: int, stage: int
     --fp8-param-gather the blocks' linear weights count 1 byte (MoE experts: not modelled yet)."""
     if not (enabled(cfg) and cfg.precision.fp8_param_gather):
         return params * p
-    from megalite.plan.layout import stage_layers
-    from megalite.plan.moe import stage_moe_layers
-
     layers, moe_layers, tp = stage_layers(model, cfg)[stage], stage_moe_layers(model, cfg, stage), cfg.parallel.tp
     fp8 = (layers - moe_layers) * linear_weight_elements(model, tp) + moe_layers * linear_weight_elements(model, tp,
                                                                                                        mlp=False)

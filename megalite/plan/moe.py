@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import stage_layers as partition_stage_layers
+from megalite.plan.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -61,24 +62,18 @@ def expert_params_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
     """One MoE block's expert parameters on one rank: E/ep experts, each /etp."""
     moe = model.moe
     return moe.num_experts // cfg.parallel.ep * _mlp_params(model, moe.expert_ffn(model.ffn_hidden_size),
-                                                           expert_tp(cfg), False)
-
-
-def expert_tp(cfg: RunConfig) -> int:
-    """The tp degree inside an expert: --etp when it is 1 or --tp (anything else is refused by validate())."""
-    etp, tp = getattr(cfg.parallel, "etp", cfg.parallel.tp), cfg.parallel.tp
-    return etp if etp in (1, tp) else tp
+                                                           cfg.etp_size, False)
 
 
 def experts_apart(model: GPTConfig, cfg: RunConfig) -> bool:
     """Whether the experts have a replica group of their own (ep > 1, or whole experts over tp > 1)."""
-    return model.moe is not None and (cfg.parallel.ep > 1 or expert_tp(cfg) < cfg.parallel.tp)
+    return model.moe is not None and (cfg.parallel.ep > 1 or cfg.experts_whole)
 
 
 def routed_tokens(model: GPTConfig, cfg: RunConfig) -> int:
     """Tokens of a microbatch one rank routes: s/cp * b, split over tp at etp = 1."""
     tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
-    return tokens // (cfg.parallel.tp // expert_tp(cfg))
+    return tokens // (cfg.parallel.tp // cfg.etp_size)
 
 
 def dense_change_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
@@ -99,7 +94,7 @@ def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 def expert_dp_config(cfg: RunConfig) -> RunConfig:
     """The layout the experts' replicas see: dp*cp/ep replicas (x tp at etp = 1), no cp (for
     model_state_bytes, add_dp_bytes)."""
-    return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep * (cfg.parallel.tp // expert_tp(cfg)), cp=1)
+    return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep * (cfg.parallel.tp // cfg.etp_size), cp=1)
 
 
 def balanced_routes(routes: int, num_experts: int, ep: int, source: int, dest: int) -> list[int]:
@@ -123,8 +118,6 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
     layers, ep = stage_moe_layers(model, cfg, stage), cfg.parallel.ep
     if not layers or ep == 1:
         return {}
-    from megalite.plan.layout import DTYPE_BYTES
-
     a, m, k, h = DTYPE_BYTES[cfg.precision.precision], cfg.num_microbatches, model.moe.topk, model.hidden_size
     tokens = routed_tokens(model, cfg)
     forwards = m * (layers + stage_moe_layers(model, cfg, stage, recomputed=True))  # full recompute dispatches again
@@ -139,14 +132,12 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
 
 def routing_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Bytes an MoE block keeps for backward beyond the attention part, per microbatch (one rank)."""
-    from megalite.plan.layout import DTYPE_BYTES
-
-    moe, a, t, et = model.moe, DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, expert_tp(cfg)
+    moe, a, t, etp = model.moe, DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.etp_size
     tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
     mine = routed_tokens(model, cfg)  # routed on this rank (T/tp at etp = 1)
     routes, f = mine * moe.topk, moe.expert_ffn(model.ffn_hidden_size)
     mlp_in = f if model.flavour == "gpt2" else 2 * f
-    total = 2 * a * routes * model.hidden_size + a * routes * (model.hidden_size + mlp_in // et + f // et)
+    total = 2 * a * routes * model.hidden_size + a * routes * (model.hidden_size + mlp_in // etp + f // etp)
     total += 8 * mine * moe.num_experts
     if moe.shared_expert_intermediate_size:
         s_f = moe.shared_expert_intermediate_size
@@ -185,8 +176,6 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
     layers, p = stage_moe_layers(model, cfg, stage), cfg.parallel
     if not layers or (p.tp == 1 and (p.cp == 1 or model.moe.capacity_factor is None)):
         return {}
-    from megalite.plan.layout import DTYPE_BYTES
-
     moe, t, m, sp = model.moe, p.tp, cfg.num_microbatches, p.sequence_parallel
     a, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
     b, h, e = cfg.training.micro_batch_size, model.hidden_size, moe.num_experts
@@ -205,9 +194,9 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
         return out
     if moe.shared_expert_intermediate_size:
         add("tp/all_reduce", (whole + m * layers) * u)
-        if expert_tp(cfg) == 1:
+        if cfg.etp_size == 1:
             add("tp/all_gather", (forwards if sp else 0) * u + m * layers * u)
-    if expert_tp(cfg) == t:
+    if cfg.etp_size == t:
         add("cp/all_gather", capacity if p.cp > 1 else 0)
         add("tp/all_gather", (forwards + m * layers) * u if sp else 0)
         add("tp/all_reduce", forwards * tokens * moe.topk * h * a + m * layers * u)

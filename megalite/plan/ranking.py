@@ -121,7 +121,7 @@ def _expert_parallel_choices(model: GPTConfig, replicas: int) -> list[int]:
     return [d for d in _divisors(replicas) if model.moe.num_experts % d == 0]
 
 
-def _expert_tensor_parallel_choices(model: GPTConfig, tp: int, cp: int) -> list[int]:
+def _etp_choices(model: GPTConfig, tp: int, cp: int) -> list[int]:
     """etp to try: 1 for a dense model or at tp 1; for experts under tp both 1 (whole experts, each tp
     rank routing its own s/(tp*cp) tokens: the sequence must divide) and tp (experts split like the MLP)."""
     if model.moe is None or tp == 1:
@@ -144,7 +144,7 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
             for cp, cp_comm_type in _context_parallel_choices(model, plain):
                 dp = ranks // cp
                 for ep, etp, v in [(ep, etp, v) for ep in _expert_parallel_choices(model, dp * cp)
-                                   for etp in _expert_tensor_parallel_choices(model, tp, cp)
+                                   for etp in _etp_choices(model, tp, cp)
                                    for v in ((1, 2) if pp > 1 else (1,))]:
                     for zero in (0, 1, 3) if dp * cp > 1 else (0,):  # megalite's ZeRO-2 peaks like ZeRO-1
                         for recompute in Recompute:

@@ -65,7 +65,6 @@ from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
                                     uses_cuda_graph)
 from megalite.plan.layout import DTYPE_BYTES, dp_group_name, recomputed_stage_layers, stage_layers
-from megalite.plan.moe import expert_tp
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
 from megalite.plan.zero3 import stage_units
@@ -266,7 +265,7 @@ def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
     """(size, stride in ranks) of a process group in megalite's order tp -> cp -> dp -> pp."""
     tp, cp, dp, pp = cfg.parallel.tp, getattr(cfg.parallel, "cp", 1), cfg.dp, cfg.parallel.pp
     ep = getattr(cfg.parallel, "ep", 1)  # expert parallelism folds into dp x cp: ep consecutive, then expert-dp
-    whole = tp // expert_tp(cfg)  # etp 1: expert-dp spans the tp ranks too (tp consecutive, blocks ep*tp apart)
+    whole = tp // cfg.etp_size  # etp 1: expert-dp spans the tp ranks too (tp consecutive, blocks ep*tp apart)
     return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp), "pp": (pp, tp * cp * dp),
             "ep": (ep, tp), "edp": (dp * cp // ep * whole, tp * ep // whole),
             "embedding": (2, tp * cp * dp * max(1, pp - 1))}[group]

@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megalite import comm, mesh as mesh_module
 
@@ -53,8 +54,6 @@ def fake_rank(rank: int, world_size: int):
     """Be global rank `rank` of a fake world of `world_size` processes until the block ends."""
     if comm.is_initialized():
         raise RuntimeError("a process group already exists in this process: the fake world needs its own")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     comm.ledger.reset()

@@ -13,6 +13,8 @@ activation-saving change would leave per rank and cost in step time.
 """
 from __future__ import annotations
 
+import torch
+
 from megalite.config import RunConfig
 from megalite.config.model import GPTConfig
 from megalite.plan.hardware import DEFAULT, builtin_for_device, load_profile
@@ -29,8 +31,6 @@ HEADROOM = 0.1  # Estimate.fits' default
 
 def target_device() -> tuple[float, str, str]:
     """(memory bytes, whose memory in words, hardware profile name) the dry run judges against."""
-    import torch
-
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         memory = float(torch.cuda.get_device_properties(0).total_memory)

@@ -10,7 +10,9 @@ verified, and, when the device's memory is given, the planner's memory estimate 
 the changes that would make it fit. Keeping these here lets the configuration stay below the
 planner: megalite.plan imports megalite.config, never the reverse.
 
-Pure Python: torch is imported only by `memory_per_rank()`, to ask for the GPU's memory.
+Pure Python: torch is imported only where a check asks the device (`memory_per_rank()`: the GPU's
+memory; the FP8 check: its compute capability; the Triton check: the kernels' dispatch), inside
+those functions, so the checks of the settings load without torch.
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     if cfg.training.cuda_graph and not cuda_available:
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
     if kernel_backend == "triton" and not cuda_available:  # the kernels would raise at the first op
-        from megalite.kernels.dispatch import HAVE_TRITON, interpreting
+        from megalite.kernels.dispatch import HAVE_TRITON, interpreting  # torch: see the module docstring
 
         if not HAVE_TRITON:
             problems.append("MEGALITE_KERNEL_BACKEND=triton but triton cannot be imported here; install triton "
@@ -140,7 +142,7 @@ def _fp8_machine_problems(cuda_available: bool, kernel_backend: str) -> list[str
         return ["--fp8-format on Triton's CPU interpreter: it has no float8 types; use "
                 "MEGALITE_KERNEL_BACKEND=auto (torch._scaled_mm runs FP8 on a CPU, for testing)"] \
             if kernel_backend == "triton" else []
-    import torch
+    import torch  # asks the device: see the module docstring
 
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
@@ -164,7 +166,7 @@ def machine_notes(cfg: RunConfig, cuda_available: bool, cpu_flags: set[str] | No
 def memory_per_rank() -> tuple[float, str]:
     """(bytes, whose) this rank may fill: its GPU's memory, or on a CPU the machine's RAM shared by
     the node's ranks (LOCAL_WORLD_SIZE). Asked before any process group exists."""
-    import torch
+    import torch  # asks the device: see the module docstring
 
     if torch.cuda.is_available():
         device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()

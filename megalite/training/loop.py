@@ -52,6 +52,7 @@ from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.config.model import GPTConfig
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate, recompute_fraction
+from megalite.simulate.run import run_from_flags
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
@@ -64,6 +65,7 @@ from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
 from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
+from megalite.training.provided_model import ProvidedModel, default_loss
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
 from megalite.training.step_result import StepResult
 from megalite.training.watchdog import HangWatchdog
@@ -98,7 +100,6 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     """main's work: the configuration, --simulate / --print-config / --dry-run, or the run."""
     cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
     if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
-        from megalite.simulate.run import run_from_flags
         return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
     launching = not (actions["dry_run"] or actions["print_config"])
     # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
@@ -162,7 +163,7 @@ class Job:
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
-    provided: Any = None  # training.provided.ProvidedModel: a user's model in place of GPTModel
+    provided: Any = None  # training.provided_model.ProvidedModel: a user's model in place of GPTModel
     scheduler: ScheduledLR | None = None  # lr_at driving the optimizer's param groups (torch's LR scheduler)
 
 
@@ -259,8 +260,6 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
     `model_provider`, `loss_fn`: a user's model in place of GPTModel (docs/own_model.md,
     megalite/training/provided.py); `provided`: both, already checked (provided.main makes it)."""
     if model_provider is not None:
-        from megalite.training.provided import ProvidedModel, default_loss
-
         provided = ProvidedModel(model_provider, loss_fn or default_loss)
         provided.check(cfg)
     with contextlib.ExitStack() as resources:

@@ -77,6 +77,7 @@ class _ChunkSlot:
     def __init__(self, x: torch.Tensor, labels: torch.Tensor | None):
         self.x, self.labels = x, labels  # static inputs of the forward graph
         self.forward_graph = self.backward_graph = self.weight_graph = None  # weight_graph: ZB-H1's W
+        self.weight_closures = 0  # the weight-gradient closures the W graph holds (as an eager W runs them)
         self.root: torch.Tensor | None = None  # the captured forward's output, the root of its backward
         self.out: torch.Tensor | None = None  # static output of the forward graph
         self.grad_out: torch.Tensor | None = None  # static input of the backward graph
@@ -90,10 +91,13 @@ def _same_shape(what: str, given: torch.Tensor, static: torch.Tensor) -> None:
 
 
 class PipelineGraphs:
-    """This stage's captured (chunk, microbatch) slots (see the module docstring).
+    """This stage's captured (chunk, microbatch) slots (see the module docstring): the executor's chunk
+    calls (`pipeline.chunk_calls.ChunkCalls`) as graph replays.
 
     model: the DataParallel wrapper holding this rank's v chunks; mesh: its mesh (which chunk is
     the model's first and last)."""
+
+    runs_bucket_hooks = False  # a replay runs no backward hooks: every bucket is reduced after the step
 
     def __init__(self, model, mesh):
         if not torch.cuda.is_available():
@@ -161,15 +165,21 @@ class PipelineGraphs:
         slot.backward_graph.replay()
         return slot.grad_in
 
-    def weight(self, chunk: int, microbatch: int) -> None:
-        """ZB-H1's W pass of (chunk, microbatch): the weight gradients its B pass left, a graph replayed."""
+    def weight(self, chunk: int, microbatch: int) -> int:
+        """ZB-H1's W pass of (chunk, microbatch): the weight gradients its B pass left, a graph replayed;
+        returns how many weight-gradient closures the graph holds."""
         slot = self.slots[(chunk, microbatch)]
         if slot.weight_graph is None:  # first step: the closures the B capture queued, captured
             def weight_grads() -> None:
-                self.store.run((chunk, microbatch))
+                slot.weight_closures = self.store.run((chunk, microbatch))
 
             slot.weight_graph, _ = cuda_graph.capture(weight_grads, self.pool)
         slot.weight_graph.replay()
+        return slot.weight_closures
+
+    def left_over(self) -> list:
+        """What a step left queued (nothing, once every W capture ran the closures its B capture queued)."""
+        return self.store.pending()
 
     # ------------------------------------------------------------------ capture
 

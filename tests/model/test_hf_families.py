@@ -185,7 +185,7 @@ def _check_family(family, references, mesh):
         grad = param.grad
         if P.is_sequence_parallel_grad(param):  # q/k norms, the router: each tp rank's heads / tokens give part
             grad = comm.all_reduce(grad.clone(), mesh.tp_group)
-        if P.info(param).expert_parallel and mesh.experts_whole_over_tp:  # etp 1: each tp rank routes its tokens
+        if P.info(param).expert_parallel and mesh.experts_whole:  # etp 1: each tp rank routes its tokens
             grad = comm.all_reduce(grad.clone(), mesh.expert_dp_group)
         want = P.shard_spec(param).shard(expected[name])
         torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-5, msg=lambda s: f"{family} {name}: {s}")
