@@ -288,6 +288,20 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor)
     return _GroupedMMFunction.apply(x, weight, group_sizes)
 
 
+def fp8_grouped_mm(x_q: torch.Tensor, weight_q: torch.Tensor, group_sizes: torch.Tensor, x_scale: torch.Tensor,
+                   w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 operands (megalite/fp8/grouped.py): y [T, N] in out_dtype = (x_q [T, K] @ weight_q[g] [K, N], by
+    strides) * x_scale [T] (per row) * w_scale [E, N] (any strides), the inverse scales on the fp32 accumulator."""
+    return _launch_mm(x_q, weight_q, group_sizes, (x_scale, w_scale), out_dtype)
+
+
+def fp8_grouped_mm_weight_grad(x_q: torch.Tensor, dy_q: torch.Tensor, group_sizes: torch.Tensor,
+                               x_scale: torch.Tensor, dy_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 operands: dweight [E, K, N] fp32 = x_q[g]^T @ dy_q[g] * x_scale[g, k] * dy_scale[g, n]; x_q [T, K] and
+    dy_q [T, N] are views of transposed copies (unit row strides: contiguous along T, the contraction)."""
+    return _launch_weight_grad(x_q, dy_q, group_sizes, (x_scale, dy_scale))
+
+
 def grouped_mm_grads(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, dy: torch.Tensor,
                      need_dx: bool = True, need_dweight: bool = True):
     """grouped_mm's backward as a plain function, for callers that keep their own autograd node

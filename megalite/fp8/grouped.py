@@ -26,6 +26,8 @@ import torch
 
 from megalite import comm
 from megalite.fp8 import gemm
+from megalite.kernels import fp8_cast, grouped_gemm
+from megalite.kernels.dispatch import use_triton
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import amax, cast, reduce_max, scale_of
 from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
@@ -53,11 +55,7 @@ def _segment_amax(t: torch.Tensor, gid: torch.Tensor, groups: int, per_column: b
 def _cast_rows(t: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
     """(t_q [R, C], t_q^T [C, R] contiguous or None): t cast with one scale per row [R, 1]; one pass
     of the FP8 cast kernel writes both where it runs, torch's `.t().contiguous()` else (same bits)."""
-    from megalite.kernels.dispatch import use_triton
-
     if t.numel() and t.is_contiguous() and use_triton(t):
-        from megalite.kernels import fp8_cast
-
         return fp8_cast.cast_transpose(t, scale_rows, dtype, transpose=transpose)
     q = cast(t, scale_rows, dtype)
     return q, (q.t().contiguous() if transpose else None)
@@ -83,8 +81,6 @@ def _cast_tokens(t: torch.Tensor, gid: torch.Tensor, groups: int, dtype: torch.d
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    from megalite.kernels.dispatch import use_triton
-
     return x.numel() > 0 and use_triton(x)
 
 
@@ -94,11 +90,9 @@ def grouped_scaled_mm(a_q, b_q, inv_a, inv_b, group_sizes, gid, out_dtype, per_t
     a_q [R, C] row-major; b_q [E, C, N] by strides (a column-major b_q[g] is what _scaled_mm wants);
     inv_a [R, 1] (per_token) or [E]; inv_b [E, 1, N] or [E, 1, 1] (fp32)."""
     if _use_kernels(a_q):
-        from megalite.kernels.grouped_gemm import _launch_mm
-
         rows = inv_a.reshape(-1) if per_token else inv_a[gid]  # [R]
-        return _launch_mm(a_q, b_q, group_sizes, (rows.contiguous(), inv_b[:, 0, :].expand(-1, b_q.shape[2])),
-                          out_dtype)
+        return grouped_gemm.fp8_grouped_mm(a_q, b_q, group_sizes, rows.contiguous(),
+                                           inv_b[:, 0, :].expand(-1, b_q.shape[2]), out_dtype)
     out = a_q.new_empty(a_q.shape[0], b_q.shape[2], dtype=out_dtype)
     start = 0
     for g, size in enumerate(group_sizes.tolist()):
@@ -116,10 +110,8 @@ def grouped_scaled_wgrad(a_t, b_t, inv_a, inv_b, group_sizes, per_feature: bool)
     inv_a [E, P] and inv_b [E, Q] (per_feature) or [E] each."""
     groups, p, q = group_sizes.numel(), a_t.shape[0], b_t.shape[0]
     if _use_kernels(a_t):
-        from megalite.kernels.grouped_gemm import _launch_weight_grad
-
         scales = (inv_a, inv_b) if per_feature else (inv_a[:, None].expand(-1, p), inv_b[:, None].expand(-1, q))
-        return _launch_weight_grad(a_t.t(), b_t.t(), group_sizes, scales)
+        return grouped_gemm.fp8_grouped_mm_weight_grad(a_t.t(), b_t.t(), group_sizes, *scales)
     out = torch.zeros(groups, p, q, dtype=torch.float32, device=a_t.device)
     start = 0
     for g, size in enumerate(group_sizes.tolist()):
