@@ -233,7 +233,7 @@ def fp8_grouped_variants(arch: int):
         common = dict(n_groups=MOE_EXPERTS, w_stride_e=k_dim * n_cols, **per_group)
         # forward reads W_q [E, N, K] as [E, K, N] (K-major); dx reads the transposed copy [E, K, N] likewise
         for stage, k, n, x_type in (("fwd", k_dim, n_cols, e4m3), ("dx", n_cols, k_dim, e5m2)):
-            yield Variant(f"fp8 grouped_mm {stage} {name}", grouped_gemm._grouped_mm_kernel,
+            yield Variant(f"fp8 grouped gemm {stage} {name}", grouped_gemm._grouped_mm_kernel,
                           dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                                GROUP_BLOCK=MOE_EXPERTS, GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0,
                                DOT_PRECISION="tf32", SCALED=True), options,
@@ -241,7 +241,7 @@ def fp8_grouped_variants(arch: int):
                           memory_bound=False, pointers={"X": x_type, "W": e4m3})
         # dW_g [N, K] = g_g^T @ x_g: the kernel's X is the gradient, its DY the input, both read from
         # their transposed copies g_q^T [N, T], x_q^T [K, T] (contiguous along T, the contraction)
-        yield Variant(f"fp8 grouped_mm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
+        yield Variant(f"fp8 grouped gemm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
                       dict(BLOCK_K=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t, DOT_PRECISION="tf32",
                            SCALED=True), options,
                       dict(k_dim=n_cols, n_cols=k_dim, x_stride_t=1, x_stride_k=TOKENS, dy_stride_t=1,
