@@ -270,6 +270,14 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
                 yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}"
                               f"{label_suffix}", kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
+            if dtype != torch.float32:  # the fused backward from the same tiles (float32 always runs split)
+                (m1, n1, _, _), (m2, n2, _, _) = chosen["dkdv"], chosen["dq"]
+                launch = attention_tiles.fused_launch(chosen)
+                yield Variant(f"attention bwd_fused d={head_dim} causal={causal}{' dropout' if dropout else ''}"
+                              f"{label_suffix}", backward._attention_backward_fused_kernel,
+                              dict(common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, EVEN_M=causal,
+                                   EVEN_N=causal), dict(zip(("num_warps", "num_stages"), launch)), strides,
+                              memory_bound=False)
         yield Variant(f"attention delta d={head_dim}{label_suffix}", backward._attention_delta_kernel,
                       dict(HEAD_DIM=head_dim, BLOCK_M=64), {}, strides)
 

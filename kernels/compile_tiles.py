@@ -3,9 +3,10 @@
     TRITON_INTERPRET=0 python -m megalite.kernels.compile_tiles        # exit 1 on a failure or a spill
 
 Each entry of `attention_tiles.MEASURED` is a (arch, head dim, dtype, causal, dropout) key with
-a tile per kernel; this compiles the three kernels with those tiles for that architecture (no
-GPU needed, as kernels/compile_check.py) and fails on a compile error or a register spill, so a
-table line pasted from tools/tune_attention.py on one Triton version is checked on ours.
+a tile per kernel; this compiles the three kernels with those tiles for that architecture, and the
+fused backward built from them (no GPU needed, as kernels/compile_check.py), and fails on a
+compile error or a register spill, so a table line pasted from tools/tune_attention.py on one
+Triton version is checked on ours.
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def compile_measured(verbose: bool = True) -> list[str]:
         for variant in attention_variants(dtype, arch_number, head_dims=[head_dim], tiles=tiles):
             if not variant.label.endswith(wanted) or "delta" in variant.label:
                 continue
-            label = f"{variant.label} [{dtype_name}, {arch}] {variant.constexprs['BLOCK_M'], variant.constexprs['BLOCK_N']}"
+            blocks = tuple(variant.constexprs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
+                                                                  "BLOCK_M2", "BLOCK_N2") if name in variant.constexprs)
+            label = f"{variant.label} [{dtype_name}, {arch}] {blocks}"
             start = time.perf_counter()
             try:
                 signature, constexprs, attrs = _specialize(variant.kernel, dtype, variant)

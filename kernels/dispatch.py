@@ -147,8 +147,29 @@ def runnable(kernel, device: torch.device):
                            "imports triton (or megalite.kernels) to run the kernels on CPU")
     twin = _INTERPRETED_TWINS.get(id(kernel))
     if twin is None:
+        _interpret_device_functions(kernel.fn.__globals__)
         twin = _INTERPRETED_TWINS[id(kernel)] = InterpretedFunction(kernel.fn)
     return twin
+
+
+def _interpret_device_functions(namespace: dict, seen: set | None = None) -> None:
+    """Make the @triton.jit functions a kernel calls (its module's globals, and theirs) interpretable.
+
+    A kernel's interpreted twin runs its Python source in its module's namespace, where a device
+    function decorated while TRITON_INTERPRET was unset is a compiled-only JITFunction (calling it
+    raises); in a process whose triton is in interpreter mode nothing can be compiled anyway, so
+    each is swapped for its interpreted twin, once per namespace."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    seen = set() if seen is None else seen
+    if id(namespace) in seen:
+        return
+    seen.add(id(namespace))
+    for name, value in list(namespace.items()):
+        if isinstance(value, JITFunction):
+            namespace[name] = InterpretedFunction(value.fn)
+            _interpret_device_functions(value.fn.__globals__, seen)
 
 
 def check_float_dtype(op: str, tensor: torch.Tensor, name: str = "input",

@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from .attention_tiles import tiles_for
+from .attention_backward_steps import philox_keep
+from .attention_tiles import backward_for, tiles_for
 from .attention_torch import attention_dropout_reference, attention_dropout_torch
 from .attention_dispatch import choose, sdpa
 from .dispatch import HAVE_TRITON, backend_name, cdiv, check_float_dtype, check_same_device, new_output, runnable, \
@@ -54,6 +55,41 @@ def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | Non
     return sdpa(q, k, v, causal, softmax_scale, native_gqa=False)
 
 
+@triton.jit
+def _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, start, end,
+                   kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+    """The online softmax over key blocks [start, end): acc [BLOCK_M, D], row_sum, row_max [BLOCK_M]
+    (fp32, base 2). MASKED: the blocks cross the diagonal (CAUSAL) or the end of the keys."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + cols[None, :] * k_stride_s + offs_d[:, None]
+        v_ptrs = v_base + cols[:, None] * v_stride_s + offs_d[None, :]
+        if MASKED:
+            k_t = tl.load(k_ptrs, mask=cols[None, :] < kv_len, other=0.0)  # [HEAD_DIM, BLOCK_N]
+        else:
+            k_t = tl.load(k_ptrs)
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], base 2
+        if MASKED:
+            valid = cols[None, :] < kv_len
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= cols[None, :])
+            scores = tl.where(valid, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        alpha = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        if DROPOUT:  # the normaliser sums every p; only the kept ones reach v
+            p = tl.where(philox_keep(dropout_seed, row_lo[:, None], row_hi[:, None], cols[None, :], threshold), p, 0.0)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=cols[:, None] < kv_len, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+    return acc, row_sum, row_max
+
+
 @triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                               k_stride_s, v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
@@ -68,7 +104,6 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     batch, head = batch_head // n_heads, batch_head % n_heads
     kv_head = head // group_size
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + batch * q_stride_b + head * q_stride_h + offs_m[:, None] * q_stride_s + offs_d[None, :],
                 mask=offs_m[:, None] < seq_len, other=0.0)
@@ -90,43 +125,12 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     else:
         unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
         end_n = kv_len
-    for start_n in range(0, unmasked_end, BLOCK_N):
-        cols = start_n + offs_n
-        k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N], base 2
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        if DROPOUT:  # the normaliser sums every p; only the kept ones reach v
-            lo = row_lo[:, None] + cols[None, :].to(tl.uint32)
-            hi = row_hi[:, None] + (lo < row_lo[:, None]).to(tl.uint32)  # carry
-            word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)  # = tl.randint(seed, counter)
-            p = tl.where(word >= threshold, p, 0.0)
-        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
-    for start_n in range(unmasked_end, end_n, BLOCK_N):
-        cols = start_n + offs_n
-        k_t = tl.load(k_base + cols[None, :] * k_stride_s + offs_d[:, None], mask=cols[None, :] < kv_len,
-                      other=0.0)
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
-        valid = cols[None, :] < kv_len
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= cols[None, :])
-        scores = tl.where(valid, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        if DROPOUT:
-            lo = row_lo[:, None] + cols[None, :].to(tl.uint32)
-            hi = row_hi[:, None] + (lo < row_lo[:, None]).to(tl.uint32)
-            word, _, _, _ = tl.philox(dropout_seed, lo, hi, lo * 0, lo * 0)
-            p = tl.where(word >= threshold, p, 0.0)
-        v = tl.load(v_base + cols[:, None] * v_stride_s + offs_d[None, :], mask=cols[:, None] < kv_len, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+    acc, row_sum, row_max = _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s, offs_m,
+                                           offs_d, 0, unmasked_end, kv_len, scale_log2, dropout_seed, row_lo, row_hi,
+                                           threshold, BLOCK_N, False, CAUSAL, DOT_PRECISION, DROPOUT)
+    acc, row_sum, row_max = _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s, offs_m,
+                                           offs_d, unmasked_end, end_n, kv_len, scale_log2, dropout_seed, row_lo,
+                                           row_hi, threshold, BLOCK_N, True, CAUSAL, DOT_PRECISION, DROPOUT)
     acc = acc / row_sum[:, None]
     if DROPOUT:
         acc = acc * dropout_scale
@@ -143,10 +147,11 @@ def _config(head_dim: int, device: torch.device, dtype: torch.dtype, dropout: bo
     Tiles come from the measured table in kernels/attention_tiles.py (a safe choice for a GPU
     or shape nobody measured; small tiles in the interpreter, so that odd shapes cross many
     blocks). float32 dots run in full precision ("ieee") on the FMA units; tf32 is ignored for
-    16-bit inputs. tools/tune_attention.py overrides this function to time candidates.
+    16-bit inputs. "backward" names the backward variant (attention_tiles.backward_for). tools/tune_attention.py overrides this function to time candidates.
     """
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    return dict(tiles_for(device, head_dim, dtype, causal, dropout), precision=precision)
+    return dict(tiles_for(device, head_dim, dtype, causal, dropout), precision=precision,
+                backward=backward_for(device, head_dim, dtype, causal, dropout))
 
 
 def _padded_head_dim(head_dim: int) -> int:

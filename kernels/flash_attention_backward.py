@@ -6,12 +6,24 @@ Given the forward's output `out` and its per-row base-2 log-sum-exp lse2 [b, h, 
     p = exp2(scale*log2e * q k^T - lse2);  dv = p^T dout;  dp = dout v^T
     ds = p * (dp - delta);  dq = scale * ds k;  dk = scale * ds^T q
 
-Work split (no atomics, so the result does not depend on scheduling):
+Work split (no atomics, so the result does not depend on scheduling); the programs themselves
+are @triton.jit functions in kernels/attention_backward_steps.py:
 - dK/dV: one program per (key block of BLOCK_N rows, batch * kv_head). It keeps its k, v block
   and the dk, dv accumulators in registers and streams, for every query head of its group
   (GQA is summed here, not by a later reduction), the query blocks that can see its keys.
 - dQ: one program per (query block of BLOCK_M rows, batch * head); it streams the key blocks
-  its queries see, re-computing p (the price of no atomics: 7 matmuls instead of 5).
+  its queries see, re-computing p (the price of no atomics: 7 matmuls instead of 5), and keeps
+  dq in fp32 registers, converted once when stored.
+
+Two variants launch them (attention_tiles.backward_for picks; `auto` by measurement):
+- "split": a dK/dV launch, then a dQ launch (each with its own tile).
+- "fused" (FlexAttention's layout): one grid of batch * n_kv_heads columns, each holding the kv
+  head's dK/dV programs first, then its dQ programs, the group's query heads of one query block
+  side by side. One launch, no tail between the two kinds of program, k and v rows shared in L2
+  by the group's dQ programs; one register allocation for both (the larger), so fewer dQ
+  programs fit an SM than in "split". 16-bit inputs only (float32 runs "split").
+An "atomic" dQ (reduce-added from the dK/dV program, 5 matmuls) was measured on an H200 at 0.50x
+SDPA against the split backward's 0.82x (docs/benchmarks.md) and is not here.
 
 Causal block skipping: a dK/dV program starts at the first query block that reaches its keys
 and masks in every step (a separate unmasked loop held ~50 more registers per thread and
@@ -28,6 +40,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_backward_steps import dkdv_program, dq_program
+from .attention_tiles import fused_launch
 from .dispatch import cdiv, new_output, runnable, tl, triton
 
 
@@ -47,7 +61,10 @@ def _attention_delta_kernel(O, DO, DELTA, o_stride_b, o_stride_h, o_stride_s, do
     tl.store(DELTA + batch_head * seq_len + offs_m, tl.sum(o * do, axis=1), mask=offs_m < seq_len)
 
 
-@triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
+ARGS = ("n_batch", "dropout_seed", "dropout_offset", "drop_threshold")  # not specialised: one kernel for any batch
+
+
+@triton.jit(do_not_specialize=ARGS)
 def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
                            k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h,
                            do_stride_s, n_heads, group_size, seq_len,
@@ -55,72 +72,18 @@ def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride
                            dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
+    """Split variant, dK/dV: one program per (key block, batch * kv_head); every step masks."""
     batch_kv_head = tl.program_id(1).to(tl.int64)  # = batch * n_kv_heads + kv_head
     n_kv_heads = n_heads // group_size
-    batch, kv_head = batch_kv_head // n_kv_heads, batch_kv_head % n_kv_heads
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_ok = offs_n[:, None] < kv_len
-    k_ptrs = K + batch * k_stride_b + kv_head * k_stride_h + offs_n[:, None] * k_stride_s + offs_d[None, :]
-    v_ptrs = V + batch * v_stride_b + kv_head * v_stride_h + offs_n[:, None] * v_stride_s + offs_d[None, :]
-    if EVEN_N:
-        k, v = tl.load(k_ptrs), tl.load(v_ptrs)  # [BLOCK_N, HEAD_DIM]
-    else:
-        k, v = tl.load(k_ptrs, mask=kv_ok, other=0.0), tl.load(v_ptrs, mask=kv_ok, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    # Causal: query blocks before the one holding start_n see none of these keys.
-    first_m = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    threshold = drop_threshold.to(tl.uint32)
-    for group_member in range(0, group_size):
-        head = kv_head * group_size + group_member
-        q_base = Q + batch * q_stride_b + head * q_stride_h
-        row_base = (batch * n_heads + head) * seq_len  # into lse, delta [b, h, s]
-        do_base = DO + batch * do_stride_b + head * do_stride_h
-        for start_m in range(first_m, seq_len, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_ptrs = q_base + offs_m[None, :] * q_stride_s + offs_d[:, None]
-            do_ptrs = do_base + offs_m[:, None] * do_stride_s + offs_d[None, :]
-            if EVEN_M:
-                q_t, do = tl.load(q_ptrs), tl.load(do_ptrs)  # [HEAD_DIM, BLOCK_M], [BLOCK_M, HEAD_DIM]
-                lse, delta = tl.load(LSE + row_base + offs_m), tl.load(DELTA + row_base + offs_m)
-            else:
-                row_ok = offs_m < seq_len
-                q_t = tl.load(q_ptrs, mask=row_ok[None, :], other=0.0)
-                do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
-                lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
-            p_t = tl.exp2(tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2 - lse[None, :])  # [N, M]
-            if CAUSAL:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            if not EVEN_M:
-                p_t = tl.where(offs_m[None, :] < seq_len, p_t, 0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-            if DROPOUT:  # the forward's mask, regenerated (counters as in the forward, transposed)
-                row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len
-                row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
-                lo_word = row_lo[None, :] + offs_n[:, None].to(tl.uint32)
-                hi_word = row_hi[None, :] + (lo_word < row_lo[None, :]).to(tl.uint32)  # carry
-                word, _, _, _ = tl.philox(dropout_seed, lo_word, hi_word, lo_word * 0, lo_word * 0)
-                keep_t = word >= threshold  # dv from the kept p, dp through the mask
-                dv += tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do,
-                             input_precision=DOT_PRECISION)
-                dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
-            else:
-                dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    out_ptrs = (batch_kv_head * kv_len + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
-    if EVEN_N:
-        tl.store(DK + out_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty))
-        tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(DK + out_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_ok)
-        tl.store(DV + out_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+    dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+                 k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
+                 group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
+                 drop_threshold.to(tl.uint32), dropout_scale, tl.program_id(0), batch_kv_head // n_kv_heads,
+                 batch_kv_head % n_kv_heads, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION,
+                 DROPOUT)
 
 
-@triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=ARGS)
 def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                          k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
                          n_heads, group_size, seq_len, kv_len,
@@ -128,69 +91,54 @@ def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_
                          dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+    """Split variant, dQ: one program per (query block, batch * head); causal: longest rows first."""
     block = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first
         block = tl.num_programs(0) - 1 - block
-    start_m = block * BLOCK_M
     batch_head = tl.program_id(1).to(tl.int64)
-    batch, head = batch_head // n_heads, batch_head % n_heads
-    kv_head = head // group_size
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < seq_len
-    q_ptrs = Q + batch * q_stride_b + head * q_stride_h + offs_m[:, None] * q_stride_s + offs_d[None, :]
-    do_ptrs = DO + batch * do_stride_b + head * do_stride_h + offs_m[:, None] * do_stride_s + offs_d[None, :]
-    if EVEN_M:
-        q, do = tl.load(q_ptrs), tl.load(do_ptrs)  # [BLOCK_M, HEAD_DIM]
-        lse, delta = tl.load(LSE + batch_head * seq_len + offs_m), tl.load(DELTA + batch_head * seq_len + offs_m)
+    dq_program(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
+               v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads, group_size,
+               seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
+               drop_threshold.to(tl.uint32), dropout_scale, block, batch_head // n_heads, batch_head % n_heads,
+               batch_head, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
+
+
+@triton.jit(do_not_specialize=ARGS)
+def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stride_b, q_stride_h, q_stride_s,
+                                     k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
+                                     do_stride_b, do_stride_h, do_stride_s, n_heads, group_size, seq_len, kv_len,
+                                     softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
+                                     drop_threshold, dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
+                                     BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                                     DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+    """Fused variant: the dK/dV and dQ programs of one kv head in one grid (batch * n_kv_heads columns).
+
+    Programs [0, cdiv(kv_len, BLOCK_N1)) are dK/dV programs (key block = program id; causal: the
+    first key blocks see the most queries, so the longest run first); the rest are dQ programs of
+    the kv head's query heads, the group's heads of one query block side by side (they read the
+    same k, v rows: L2 hits), causal: the last query block first."""
+    pid = tl.program_id(0)
+    batch_kv_head = tl.program_id(1).to(tl.int64)
+    n_kv_heads = n_heads // group_size
+    batch, kv_head = batch_kv_head // n_kv_heads, batch_kv_head % n_kv_heads
+    n_kv_blocks = tl.cdiv(kv_len, BLOCK_N1)
+    if pid < n_kv_blocks:
+        dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+                     k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
+                     group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
+                     drop_threshold.to(tl.uint32), dropout_scale, pid, batch, kv_head, CAUSAL, HEAD_DIM, BLOCK_M1,
+                     BLOCK_N1, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
     else:
-        q, do = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0), tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + batch_head * seq_len + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + batch_head * seq_len + offs_m, mask=row_ok, other=0.0)
-    k_base = K + batch * k_stride_b + kv_head * k_stride_h
-    v_base = V + batch * v_stride_b + kv_head * v_stride_h
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    row_start = dropout_offset + ((head * n_batch + batch) * seq_len + offs_m) * seq_len  # as in the forward
-    row_lo, row_hi = row_start.to(tl.uint32), (row_start >> 32).to(tl.uint32)
-    threshold = drop_threshold.to(tl.uint32)
-    # Causal: key blocks before diag_start are seen by every query of the block (phase 0,
-    # unmasked); [diag_start, end of the block's rows) cross the diagonal (phase 1, masked).
-    diag_start = (start_m // BLOCK_N) * BLOCK_N
-    diag_end = tl.minimum(start_m + BLOCK_M, seq_len)
-    for phase in tl.static_range(2 if CAUSAL else 1):
-        if CAUSAL and phase == 0:
-            lo, hi = 0, diag_start
-        elif CAUSAL:
-            lo, hi = diag_start, diag_end
-        else:
-            lo, hi = 0, kv_len
-        for start_n in range(lo, hi, BLOCK_N):
-            cols = start_n + tl.arange(0, BLOCK_N)
-            k_ptrs = k_base + cols[:, None] * k_stride_s + offs_d[None, :]
-            v_ptrs = v_base + cols[:, None] * v_stride_s + offs_d[None, :]
-            if EVEN_N:
-                k, v = tl.load(k_ptrs), tl.load(v_ptrs)  # [BLOCK_N, HEAD_DIM]
-            else:
-                col_ok = cols[:, None] < kv_len
-                k, v = tl.load(k_ptrs, mask=col_ok, other=0.0), tl.load(v_ptrs, mask=col_ok, other=0.0)
-            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 - lse[:, None])  # [M, N]
-            if CAUSAL and phase == 1:
-                p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
-            if not EVEN_N:
-                p = tl.where(cols[None, :] < kv_len, p, 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            if DROPOUT:
-                lo_word = row_lo[:, None] + cols[None, :].to(tl.uint32)
-                hi_word = row_hi[:, None] + (lo_word < row_lo[:, None]).to(tl.uint32)
-                word, _, _, _ = tl.philox(dropout_seed, lo_word, hi_word, lo_word * 0, lo_word * 0)
-                dp = tl.where(word >= threshold, dp * dropout_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    out_ptrs = DQ + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
-    if EVEN_M:
-        tl.store(out_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty))
-    else:
-        tl.store(out_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        index = pid - n_kv_blocks  # = block * group_size + member
+        block, head = index // group_size, kv_head * group_size + index % group_size
+        if CAUSAL:
+            block = tl.cdiv(seq_len, BLOCK_M2) - 1 - block
+        dq_program(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+                   k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
+                   group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
+                   drop_threshold.to(tl.uint32), dropout_scale, block, batch, head, batch * n_heads + head, CAUSAL,
+                   HEAD_DIM, BLOCK_M2, BLOCK_N2, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
 
 
 LOG2E = 1.4426950408889634  # scores are taken in base 2: exp(x) = exp2(x * log2(e))
@@ -209,7 +157,10 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     `out` and `lse2` are those of the softmax the block belongs to: over these keys only for
     plain attention, over every key of the row for one block of a longer row (ring attention).
     config: flash_attention._config's {"dkdv": (BLOCK_M, BLOCK_N, warps, stages), "dq": ..., "precision":
-    the dots' input precision}; dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
+    the dots' input precision, "backward": "split" (default) or "fused"}; the fused kernel takes its
+    dK/dV programs' blocks from "dkdv", its dQ programs' from "dq", its warps and stages from
+    attention_tiles.fused_launch (one kernel: one launch configuration).
+    dropout_args: the kernels' (n_batch, seed, offset, drop threshold, 1 / (1 - p)).
     """
     batch, n_heads, seq_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -223,6 +174,15 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     common = (*strides(q), *strides(k), *strides(v), *strides(dout), n_heads, n_heads // n_kv_heads, seq_len, kv_len,
               softmax_scale, softmax_scale * LOG2E, *dropout_args)
     meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout)
+    if config.get("backward", "split") == "fused":
+        (m1, n1, _, _), (m2, n2, _, _) = config["dkdv"], config["dq"]
+        warps, stages = fused_launch(config)
+        n_programs = cdiv(kv_len, n1) + cdiv(seq_len, m2) * (n_heads // n_kv_heads)
+        runnable(_attention_backward_fused_kernel, q.device)[(n_programs, batch * n_kv_heads)](
+            q, k, v, dout, lse2, delta, dq, dk, dv, *common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2,
+            EVEN_M=seq_len % m1 == 0 and seq_len % m2 == 0, EVEN_N=kv_len % n1 == 0 and kv_len % n2 == 0,
+            num_warps=warps, num_stages=stages, **meta)
+        return dq, dk, dv
     block_m, block_n, warps, stages = config["dkdv"]
     runnable(_attention_dkdv_kernel, q.device)[(cdiv(kv_len, block_n), batch * n_kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n,

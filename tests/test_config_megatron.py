@@ -9,8 +9,8 @@ from megalite.cli import parse_args
 from megalite.config import RunConfig
 from megalite.testing import run_distributed
 
-# Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh's groups, scaled down (no --rampup-batch-size,
-# which megalite lacks; the default byte tokenizer instead of --vocab-file/--merge-file, which
+# Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh's groups, scaled down (the ramp-up
+# is tests/training/test_rampup.py's; the default byte tokenizer instead of --vocab-file/--merge-file, which
 # test_gpt2_bpe_files_become_the_same_tokenizer covers)
 GPT_MODEL_ARGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
                   "--max-position-embeddings 64 --attention-backend auto")
@@ -44,7 +44,8 @@ def test_megatron_line_means_the_megalite_line():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size is a Megatron-LM flag for a batch-size"),
+    (["--rampup-batch-size", "16", "16", "5859375", "--global-batch-size", "64", "--micro-batch-size", "32"],
+     "the ramp's global batch 16 is not a multiple of micro_batch_size*dp"),
     (["--vocab-file", "gpt2-vocab.json"], "GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file"),
     (["--mtp-num-layers", "1"], "--mtp-num-layers is a Megatron-LM flag for multi-token prediction"),
     (["--num-layers-per-virtual-pipeline-stage", "3", "--pp", "2"], "do not split into pp 2"),

@@ -8,9 +8,10 @@ Shapes and timing are tune_attention's (its `attention_inputs`, `make_timer` and
 16384 tokens per call, 4096 / d query heads over a quarter as many kv heads, q, k, v as [b, h, s, d]
 views of [s, b, h, d] activations, `triton.testing.do_bench` medians), so the two tools cannot
 disagree on what they time. At every (d, s) the ratio is the faster SDPA's time (kv heads repeated,
-or `enable_gqa`) over ours: >= 1.0 is ours faster. Prints the lowest ratio and the geometric mean and
-one GOAL line (goal: >= 1.0 at every shape, so that dropout and ring attention, which always run our
-kernels, run at the fastest speed there is). Not a test: it asserts no time.
+or `enable_gqa`) over ours: >= 1.0 is ours faster, for each of our backward variants (split: a dK/dV
+then a dQ launch; fused: one grid; kernels/flash_attention_backward.py). Prints the lowest ratio
+and the geometric mean and one GOAL line per variant (goal: >= 1.0 at every shape, so that dropout
+and ring attention, which always run our kernels, run at the fastest speed there is). Not a test: it asserts no time.
 """
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ from megalite.errors import reports_usage_errors  # noqa: E402
 SEQS = [1024, 2048, 4096, 8192, 16384]
 
 
-def ratios(table: dict[int, dict[str, dict[int, dict[str, float]]]]) -> list[tuple[int, int, float]]:
-    """[(head dim, seq, faster SDPA ms / ours ms)] from {d: {seq: {implementation: ms}}}."""
+def ratios(table: dict[int, dict[int, dict[str, float]]], ours: str = "triton") -> list[tuple[int, int, float]]:
+    """[(head dim, seq, faster SDPA ms / ours ms)] from {d: {seq: {implementation: ms}}}; `ours` names
+    our kernels' row ("triton": the split backward, "triton_fused": the fused one)."""
     rows = []
     for head_dim, by_seq in table.items():
         for seq, times in by_seq.items():
             sdpa = [ms for name, ms in times.items() if name.startswith("sdpa")]
-            if "triton" in times and sdpa:
-                rows.append((head_dim, seq, min(sdpa) / times["triton"]))
+            if ours in times and sdpa:
+                rows.append((head_dim, seq, min(sdpa) / times[ours]))
     return rows
 
 
@@ -77,14 +79,19 @@ def main(argv=None) -> int:
     print(f"{name}, torch {torch.__version__}; {str(dtype).removeprefix('torch.')} causal GQA 4:1, fwd+bwd")
     timer = tune_attention.make_timer(args.smoke)
     table = {d: tune_attention.measure_dispatch(d, seqs, dtype, device, timer, args.smoke) for d in head_dims}
-    rows = ratios(table)
-    print("faster SDPA / ours (>= 1.0: ours faster):")
-    for head_dim, seq, ratio in rows:
-        print(f"  d={head_dim:4d} s={seq:6d} {ratio:5.2f}x")
     dims = ",".join(map(str, head_dims))
-    print(goal_line(rows, "smoke" if args.smoke else f"{str(dtype).removeprefix('torch.')} d{dims} s{seqs[0]}-{seqs[-1]}"))
+    label = "smoke" if args.smoke else f"{str(dtype).removeprefix('torch.')} d{dims} s{seqs[0]}-{seqs[-1]}"
+    by_variant = {}
+    for ours, variant in tune_attention.BACKWARD_OF.items():
+        rows = by_variant[variant] = ratios(table, ours)
+        print(f"faster SDPA / ours, {variant} backward (>= 1.0: ours faster):")
+        for head_dim, seq, ratio in rows:
+            print(f"  d={head_dim:4d} s={seq:6d} {ratio:5.2f}x")
+    for variant, rows in by_variant.items():  # the split backward's line first: the one every record has
+        print(goal_line(rows, label if variant == "split" else f"{label} fused-backward"))
     if args.json:
-        json.dump({"ms": table, "ratios": rows}, open(args.json, "w"), indent=1)
+        json.dump({"ms": table, "ratios": by_variant["split"], "ratios_by_backward": by_variant}, open(args.json, "w"),
+                  indent=1)
     return 0
 
 

@@ -33,6 +33,7 @@ from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem
 from megalite.checkpoint import torch_formats as tf
+from megalite.progress import ProgressBar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,9 +52,11 @@ def _within(ids, vocab_size: int) -> bool:
 
 
 def export_to_hf(load: str | Path, output: str | Path, *, step: int | None = None, dtype: str | None = None,
-                 safe: bool = True, tokenizer: str | None = None) -> Path:
-    """Write `output`/config.json and the weights of a megalite checkpoint; returns `output`."""
-    config, full, meta = read_full_state(load, step)
+                 safe: bool = True, tokenizer: str | None = None, progress: bool = True) -> Path:
+    """Write `output`/config.json and the weights of a megalite checkpoint; returns `output`.
+    `progress`: a progress bar on stderr while the checkpoint's tensors are read (megalite.progress)."""
+    bar = ProgressBar(None, unit="MB", count_name="tensors", label="reading") if progress else None
+    config, full, meta = read_full_state(load, step, progress=bar)
     target = DTYPES[dtype] if dtype else next(iter(full.values())).dtype
     state = full_state_to_hf(full, config)
     if config.tie_embeddings:
@@ -105,28 +108,39 @@ def _check_hf_config(hf_dir: Path) -> None:
         raise UsageError(f"--hf {hf_dir}: {path} is not a transformers config (no model_type)")
 
 
-def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+def _read_hf_weights(directory: Path, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Every weight file of `directory` (safetensors, else pytorch_model*.bin), with a progress bar over
+    their bytes (a large model's files are shards of a few GB each)."""
     files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
     if not files:
         raise FileNotFoundError(f"{directory} holds no *.safetensors or pytorch_model*.bin weights")
     state = {}
+    bar = ProgressBar(sum(f.stat().st_size for f in files), unit="MB", count_name="files",
+                      label="reading") if progress else None
     for file in files:
+        if bar is not None:
+            bar.update(0)  # (a file of several GB: the line shows before its read)
         if file.suffix == ".safetensors":
             load_file = require("safetensors.torch", f"reading {file.name}").load_file  # the [hf] extra
             state.update(load_file(str(file)))
         else:
             state.update(torch.load(file, map_location="cpu", weights_only=True))
+        if bar is not None:
+            bar.update(file.stat().st_size, 1)
+    if bar is not None:
+        bar.update(0, final=True)
     return state
 
 
-def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0) -> Path:
-    """Publish a megalite checkpoint (weights only) of the HF model in `hf_dir`; returns its path."""
+def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0, progress: bool = True) -> Path:
+    """Publish a megalite checkpoint (weights only) of the HF model in `hf_dir`; returns its path.
+    `progress`: a progress bar on stderr while the weight files are read (megalite.progress)."""
     transformers = require("transformers", "convert_checkpoint.py import")  # the [hf] extra
     hf_dir = Path(hf_dir)
     _check_hf_config(hf_dir)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     config = config_from_hf(hf_config)
-    full = hf_to_full_state(_read_hf_weights(hf_dir), config)
+    full = hf_to_full_state(_read_hf_weights(hf_dir, progress), config)
     ids = {"bos": getattr(hf_config, "bos_token_id", None), "eos": getattr(hf_config, "eos_token_id", None)}
     path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir),
                                                                     "special_token_ids": ids})  # kept by export
@@ -143,14 +157,16 @@ def torch_formats_main(argv: list[str]) -> int:
     parser.add_argument("--load", required=True, help="the checkpoint (--to) or the DCP directory (--from)")
     parser.add_argument("--step", type=int, default=None, help="--to: this step instead of the latest")
     parser.add_argument("--output", required=True, help="DCP directory, .safetensors file, or checkpoint directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
+    bar = None if args.no_progress else ProgressBar(None, unit="MB", count_name="tensors", label="reading")
     try:
         if args.source == "dcp":
             path = tf.import_dcp(args.load, args.output)
         elif args.to == "dcp":
-            path = tf.export_dcp(args.load, args.output, step=args.step)
+            path = tf.export_dcp(args.load, args.output, step=args.step, progress=bar)
         else:
-            path = tf.export_safetensors(args.load, args.output, step=args.step)
+            path = tf.export_safetensors(args.load, args.output, step=args.step, progress=bar)
     except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"convert_checkpoint: error: {one_line(exc)}", file=sys.stderr)
         return 2
@@ -178,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     im.add_argument("--hf", required=True, help="local directory with config.json and weights")
     im.add_argument("--output", required=True, help="checkpoint directory (use it as --load)")
     im.add_argument("--step", type=int, default=0)
+    for command in (ex, im):  # on a terminal a bar with rate and ETA; in a log a line every 10 s
+        command.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     try:
         problem = output_dir_problem("--output", args.output)  # before reading a checkpoint
@@ -186,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         require("transformers", f"convert_checkpoint.py {args.command}")  # missing: one line naming [hf]
         if args.command == "export":
             export_to_hf(args.load, args.output, step=args.step, dtype=args.dtype, safe=not args.bin,
-                         tokenizer=args.tokenizer)
+                         tokenizer=args.tokenizer, progress=not args.no_progress)
         else:
-            import_from_hf(args.hf, args.output, step=args.step)
+            import_from_hf(args.hf, args.output, step=args.step, progress=not args.no_progress)
     except (UsageError, CheckpointCorruptError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"convert_checkpoint: error: {one_line(exc)}", file=sys.stderr)  # a user's input, not a bug: one line
         return 2

@@ -2,7 +2,7 @@
 """Pictures of the planner's answers (`tools/plan.py --plot FILE` draws them; PNG or SVG by suffix).
 
 - one layout: the memory of one rank of every pipeline stage, stacked (parameters, gradients,
-  optimizer state, activations), the activations' per-layer share written on them, the GPU's memory
+  optimizer state, activations, transient buffers: plan/buffers.py), the activations' per-layer share written on them, the GPU's memory
   (--gpu-memory) and its 90% usable line drawn across;
 - --suggest: the top candidates side by side, predicted step time on the left and per-rank memory
   (stacked as above) on the right, each labelled with its layout.
@@ -16,20 +16,22 @@ from megalite.config import RunConfig
 from megalite.extras import pyplot
 from megalite.plan import GB
 from megalite.plan.activations import activation_bytes
+from megalite.plan.buffers import buffer_bytes
 from megalite.plan.per_rank import stage_layers, stage_model_states
 
 PARTS = (("parameters", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer state", "#55A868"),
-         ("activations", "#C44E52"))
+         ("activations", "#C44E52"), ("buffers", "#937860"))
 
 
 def stage_breakdown(model, cfg: RunConfig) -> list[dict]:
-    """Per pipeline stage: {parameters, gradients, optimizer state, activations} bytes of one rank, and
-    the stage's layers."""
+    """Per pipeline stage: {parameters, gradients, optimizer state, activations, buffers} bytes of one
+    rank, and the stage's layers."""
     rows = []
     for stage, layers in enumerate(stage_layers(model, cfg)):
         weights, grads, optimizer, _ = stage_model_states(model, cfg, stage)
         rows.append({"parameters": weights, "gradients": grads, "optimizer state": optimizer,
-                     "activations": activation_bytes(model, cfg, stage), "layers": layers})
+                     "activations": activation_bytes(model, cfg, stage), "buffers": buffer_bytes(model, cfg, stage),
+                     "layers": layers})
     return rows
 
 
@@ -85,7 +87,8 @@ def plot_candidates(found: list, out: str, gpu_memory: float | None = None) -> l
     time_ax.set_xlabel("predicted seconds per step")
     time_ax.grid(axis="x", alpha=0.3)
     rows = [{"parameters": s.estimate.param_bytes, "gradients": s.estimate.grad_bytes,
-             "optimizer state": s.estimate.optimizer_state_bytes, "activations": s.estimate.activation_bytes}
+             "optimizer state": s.estimate.optimizer_state_bytes, "activations": s.estimate.activation_bytes,
+             "buffers": s.estimate.buffer_bytes}
             for s in found]
     _stacked(memory_ax, labels, rows, gpu_memory)
     memory_ax.invert_yaxis()  # shared y: _stacked inverted it a second time

@@ -16,7 +16,10 @@ The candidates are compiled first in --jobs processes (8), then timed one at a t
 2. Dispatch. At each sequence length (16384 tokens per call, GQA 4:1, heads = 4096 / d, q, k, v
    as [b, h, s, d] views of [s, b, h, d] activations, as the model passes them) forward +
    backward of the tuned Triton kernels, SDPA with repeated kv heads and SDPA with enable_gqa
-   (where torch has it); prints the `attention_dispatch.MEASURED_MS` rows and each ratio.
+   (where torch has it); prints the `attention_dispatch.MEASURED_MS` rows and each ratio. Our
+   kernels run twice, once per backward variant ("triton": split, "triton_fused": fused, at the
+   tiles just tuned with the split one); the variant with the lower geometric mean becomes the
+   `attention_tiles.MEASURED_BACKWARD` entry and its times the table's "triton".
 
 Without a GPU, `--smoke` runs everything on CPU in Triton's interpreter with tiny shapes and a
 wall clock: it tests this script, nothing else.
@@ -24,6 +27,7 @@ wall clock: it tests this script, nothing else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -141,8 +145,27 @@ def tune_tiles(head_dim: int, seq: int, dtype: torch.dtype, device: str, timer, 
     return {k: chosen[k] for k in attention_tiles.KERNELS}, rows
 
 
+# our kernels, once per backward variant: "triton" is the split backward, "triton_fused" the fused one
+BACKWARD_OF = {"triton": "split", "triton_fused": "fused"}
+
+
+@contextlib.contextmanager
+def backward_variant(variant: str | None):
+    """Run our kernels' backward as `variant` (attention_tiles.BACKWARD_ENV) inside the block."""
+    previous = os.environ.get(attention_tiles.BACKWARD_ENV)
+    if variant:
+        os.environ[attention_tiles.BACKWARD_ENV] = variant
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(attention_tiles.BACKWARD_ENV, None)
+        else:
+            os.environ[attention_tiles.BACKWARD_ENV] = previous
+
+
 def _implementations():
-    impls = {"triton": lambda v: K.attention(*v)}
+    impls = {name: lambda v: K.attention(*v) for name in BACKWARD_OF}
     impls["sdpa"] = lambda v: attention_dispatch.sdpa(*v, True, v[0].shape[-1] ** -0.5, native_gqa=False)
     if attention_dispatch.SDPA_HAS_GQA:
         impls["sdpa_gqa"] = lambda v: attention_dispatch.sdpa(*v, True, v[0].shape[-1] ** -0.5, native_gqa=True)
@@ -159,19 +182,32 @@ def measure_dispatch(head_dim: int, seqs: list[int], dtype: torch.dtype, device:
         grad = torch.randn_like(views[0])
         times = {}
         for name, fn in _implementations().items():
-            def step(fn=fn):
-                fn(views).backward(grad)
+            def step(fn=fn, variant=BACKWARD_OF.get(name)):
+                with backward_variant(variant):
+                    fn(views).backward(grad)
             try:
                 times[name] = timer(step, grad_to_none=leaves)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 16k with repeated heads
                 print(f"  s={seq:6d} {name:9s} ERROR {type(exc).__name__}: {str(exc)[:80]}")
         fastest = min(times.values())
         for name, ms in times.items():
-            print(f"  s={seq:6d} {name:9s} {ms:9.3f} ms {3.5 * flops / ms / 1e9:7.1f} TFLOP/s {ms / fastest:5.2f}x"
+            print(f"  s={seq:6d} {name:12s} {ms:9.3f} ms {3.5 * flops / ms / 1e9:7.1f} TFLOP/s {ms / fastest:5.2f}x"
                   f"{'  <- fastest' if ms == fastest else ''}")
         table[seq] = {name: round(ms, 4) for name, ms in times.items()}
         del views, leaves, grad
     return table
+
+
+def faster_backward(table: dict[int, dict[str, float]]) -> tuple[str, dict[int, dict[str, float]]]:
+    """(the backward variant with the lower geometric-mean time over the lengths, the dispatch rows
+    with "triton" = that variant's time): what `auto` runs is what the dispatch table holds."""
+    both = [times for times in table.values() if "triton" in times and "triton_fused" in times]
+    log_ratio = sum(math.log(t["triton_fused"] / t["triton"]) for t in both)
+    variant = "fused" if both and log_ratio < 0 else "split"
+    name = "triton_fused" if variant == "fused" else "triton"
+    rows = {seq: {**{k: ms for k, ms in times.items() if k not in BACKWARD_OF},
+                  **({"triton": times[name]} if name in times else {})} for seq, times in table.items()}
+    return variant, rows
 
 
 def precompile(head_dims: list[int], dtype: torch.dtype, jobs: int) -> None:
@@ -212,6 +248,8 @@ def load_tables(path: str) -> None:
     for key, rows in saved["dispatch_ms"].items():
         arch, head_dim, dtype, causal = json.loads(key)
         attention_dispatch.MEASURED_MS[(arch, head_dim, dtype, causal)] = {int(s): ms for s, ms in rows.items()}
+    for key, variant in saved.get("backward", {}).items():
+        attention_tiles.MEASURED_BACKWARD[tuple(json.loads(key))] = variant
     attention_dispatch._auto.cache_clear()
 
 
@@ -243,7 +281,7 @@ def main(argv=None) -> int:
     if device == "cuda" and args.jobs > 1:
         precompile(args.head_dims, dtype, args.jobs)
     seqs = [24] if args.smoke else ([1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384])
-    tuned, dispatch, lines, wrong = {}, {}, [], False
+    tuned, dispatch, backward, lines, wrong = {}, {}, {}, [], False
     for head_dim in ([16] if args.smoke else args.head_dims):
         candidates = SMOKE_CANDIDATES if args.smoke else CANDIDATES[head_dim]
         tiles, rows = tune_tiles(head_dim, 24 if args.smoke else 4096, dtype, device, timer, candidates, args.smoke)
@@ -252,14 +290,15 @@ def main(argv=None) -> int:
         tuned[json.dumps(key)] = tiles
         attention_tiles.MEASURED[key] = tiles  # the dispatch sweep times the tuned kernels
         lines.append(attention_tiles.table_line(arch, head_dim, dtype, True, False, tiles))
-        table = measure_dispatch(head_dim, seqs, dtype, device, timer, args.smoke)
-        dispatch[json.dumps(key[:4])] = table
-        lines.append(f"    {key[:4]!r}: {table!r},")
-    print("lines for kernels/attention_tiles.py MEASURED and kernels/attention_dispatch.py MEASURED_MS "
-          f"({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}):")
+        variant, table = faster_backward(measure_dispatch(head_dim, seqs, dtype, device, timer, args.smoke))
+        dispatch[json.dumps(key[:4])], backward[json.dumps(key)] = table, variant
+        attention_tiles.MEASURED_BACKWARD[key] = variant
+        lines += [f"    {key[:4]!r}: {table!r},", f"    {key!r}: {variant!r},  # MEASURED_BACKWARD"]
+    print("lines for kernels/attention_tiles.py MEASURED and MEASURED_BACKWARD, kernels/attention_dispatch.py "
+          f"MEASURED_MS ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}):")
     print("\n".join(lines))
     if args.json:
-        json.dump({"tiles": tuned, "dispatch_ms": dispatch}, open(args.json, "w"), indent=1)
+        json.dump({"tiles": tuned, "dispatch_ms": dispatch, "backward": backward}, open(args.json, "w"), indent=1)
     return 1 if wrong else 0
 
 

@@ -9,6 +9,7 @@ atomic protocol as a training run's.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -40,12 +41,23 @@ def resolve_checkpoint_dir(path: str | Path, step: int | None = None) -> Path:
     return found
 
 
-def read_full_state(path: str | Path, step: int | None = None) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
-    """(model config, {logical name: full tensor in the saved dtype}, metadata); every file read is verified."""
+def read_full_state(path: str | Path, step: int | None = None,
+                    progress=None) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
+    """(model config, {logical name: full tensor in the saved dtype}, metadata); every file read is verified.
+    `progress`: a megalite.progress.ProgressBar counting bytes (its total set here) and tensors."""
     reader = CheckpointReader(resolve_checkpoint_dir(path, step))
     meta = reader.metadata
     config = GPTConfig(**meta["model_config"])
-    full = {name: reader.read_full("model", name, tuple(shape)).clone() for name, shape in meta["tensors"].items()}
+    if progress is not None:
+        progress.total = sum(math.prod(shape) * reader.items[("model", name)][0][1].itemsize
+                             for name, shape in meta["tensors"].items())
+    full = {}
+    for name, shape in meta["tensors"].items():
+        full[name] = reader.read_full("model", name, tuple(shape)).clone()
+        if progress is not None:
+            progress.update(full[name].numel() * full[name].element_size(), 1)
+    if progress is not None:
+        progress.update(0, final=True)
     reader.close()
     return config, full, meta
 

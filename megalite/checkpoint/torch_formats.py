@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -45,34 +46,51 @@ def _one_process():
         yield
 
 
-def read_plain_state(path: str | Path, step: int | None = None) -> dict:
-    """The plain state dict (module docstring) of a megalite checkpoint saved at any layout."""
+def read_plain_state(path: str | Path, step: int | None = None, progress=None) -> dict:
+    """The plain state dict (module docstring) of a megalite checkpoint saved at any layout.
+    `progress`: a megalite.progress.ProgressBar counting the bytes read (its total set here) and tensors."""
     reader = CheckpointReader(resolve_checkpoint_dir(path, step))
     meta = reader.metadata
     shapes = {name: tuple(shape) for name, shape in meta["tensors"].items()}
-    state = {"model": {name: reader.read_full("model", name, shape).clone() for name, shape in shapes.items()}}
+    reads = [("model", name, shape, None) for name, shape in shapes.items()]
+    if meta["has_optimizer"]:
+        reads += [(kind, name, shape, torch.float32) for name, shape in shapes.items() if reader.has("exp_avg", name)
+                  for kind in OPTIMIZER_KINDS]
+    if progress is not None:
+        progress.total = sum(math.prod(shape) * (dtype or reader.items[(kind, name)][0][1]).itemsize
+                             for kind, name, shape, dtype in reads)
+    read = {}
+    for kind, name, shape, dtype in reads:
+        read[kind, name] = reader.read_full(kind, name, shape, dtype).clone()
+        if progress is not None:
+            progress.update(read[kind, name].numel() * read[kind, name].element_size(), 1)
+    if progress is not None:
+        progress.update(0, final=True)
+    state = {"model": {name: read["model", name] for name in shapes}}
     if meta["has_optimizer"]:
         state["optimizer"] = {"step": int(meta["optimizer_step"]), "state": {
-            name: {kind: reader.read_full(kind, name, shape, torch.float32).clone() for kind in OPTIMIZER_KINDS}
-            for name, shape in shapes.items() if reader.has("exp_avg", name)}}
+            name: {kind: read[kind, name] for kind in OPTIMIZER_KINDS}
+            for name in shapes if ("exp_avg", name) in read}}
     reader.close()
     kept = {k: v for k, v in meta.items() if k not in ("items", "tensors")}
     state["megalite"] = {"metadata": json.dumps(kept, sort_keys=True)}
     return state
 
 
-def export_dcp(load: str | Path, output: str | Path, *, step: int | None = None) -> Path:
-    """Write the checkpoint as a DCP directory (one process, no process group needed)."""
-    state = read_plain_state(load, step)
+def export_dcp(load: str | Path, output: str | Path, *, step: int | None = None, progress=None) -> Path:
+    """Write the checkpoint as a DCP directory (one process, no process group needed); `progress`: a
+    ProgressBar while the checkpoint is read."""
+    state = read_plain_state(load, step, progress)
     with _one_process():
         dcp.save(state, checkpoint_id=str(output), no_dist=True)
     return Path(output)
 
 
-def export_safetensors(load: str | Path, output: str | Path, *, step: int | None = None) -> Path:
-    """Write the checkpoint's weights (logical names, saved dtype) as one safetensors file."""
+def export_safetensors(load: str | Path, output: str | Path, *, step: int | None = None, progress=None) -> Path:
+    """Write the checkpoint's weights (logical names, saved dtype) as one safetensors file; `progress`: a
+    ProgressBar while the checkpoint is read."""
     save_file = require("safetensors.torch", "--to safetensors").save_file  # the [hf] extra
-    state = read_plain_state(load, step)
+    state = read_plain_state(load, step, progress)
     meta = json.loads(state["megalite"]["metadata"])
     save_file({name: t.contiguous() for name, t in state["model"].items()}, str(output),
               metadata={"format": "pt", "megalite_step": str(meta["step"])})

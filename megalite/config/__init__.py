@@ -279,7 +279,8 @@ class RunConfig:
                  "moe_router_enable_expert_bias": "enable_expert_bias",
                  "moe_router_bias_update_rate": "bias_update_rate",
                  "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
-                 "moe_expert_capacity_factor": "capacity_factor", "moe_token_drop_policy": "token_drop_policy"}
+                 "moe_expert_capacity_factor": "capacity_factor", "moe_token_drop_policy": "token_drop_policy",
+                 "moe_router_force_load_balancing": "force_load_balancing"}
         given = {names[k]: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
         return {k: (str(v) if isinstance(v, enum.Enum) else v) for k, v in given.items()}
 

@@ -20,7 +20,8 @@ Settings Megatron's command lines carry that megalite declares under Megatron's 
 (config/parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
 --lr-decay-iters, --untie-embeddings-and-output-weights, --disable-bias-linear,
 --position-embedding-type, --normalization, --swiglu, --group-query-attention, --norm-epsilon,
---rotary-base, --make-vocab-size-divisible-by, --add-qkv-bias, --qk-layernorm, --kv-channels.
+--rotary-base, --make-vocab-size-divisible-by, --add-qkv-bias, --qk-layernorm, --kv-channels,
+--rampup-batch-size (config/rampup.py).
 `model_overrides` turns the model ones into GPTConfig fields and `lr_iters` the schedule ones into (warm-up, decay) steps.
 
 Pure Python: no torch.
@@ -48,8 +49,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 }
 
 LACKS: dict[str, str] = {
-    "--rampup-batch-size": "a batch-size ramp-up; megalite keeps --global-batch-size from the first step "
-                           "(drop the flag)",
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
     "--mtp-num-layers": "multi-token prediction",
     "--multi-latent-attention": "multi-latent attention",

@@ -165,6 +165,9 @@ class MoESettings:
                                                              "routes per rank and layer (default: dropless)", above=0)
     moe_token_drop_policy: MoEDropPolicy | None = setting(None, "over capacity keep the highest-probability routes "
                                                                 "(probs, default) or the earliest tokens (position)")
+    moe_router_force_load_balancing: bool | None = setting(None, "benchmarking and testing only: route every rank's "
+                                                                 "tokens exactly balanced over the experts (the "
+                                                                 "planner's routing), whatever the scores choose")
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,11 @@ class TrainingSettings:
     micro_batch_size: int = setting(8, "sequences per microbatch and dp rank", minimum=1)
     global_batch_size: int | None = setting(None, "sequences per optimizer step (default: micro-batch-size * dp)",
                                                   minimum=1)
+    rampup_batch_size: tuple[int, int, int] | None = setting(None, "Megatron's batch-size ramp-up: the global batch "
+                                                                   "starts at START and grows by INCREMENT in equal "
+                                                                   "shares of the first SAMPLES samples up to "
+                                                                   "--global-batch-size (config/rampup.py)",
+                                                             metavar=("START", "INCREMENT", "SAMPLES"), minimum=1)
     seed: int = setting(1234, "seed of the weights, the data order and dropout", minimum=0, maximum=2**32 - 1)
     eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)", minimum=0)
     eval_iters: int = setting(4, "global batches per evaluation", minimum=0)

@@ -18,7 +18,6 @@ import collections
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -28,6 +27,7 @@ import numpy as np
 from megalite.data.indexed_dataset import DataError, DataFileNotFoundError, IndexedDatasetWriter, token_dtype_for
 from megalite.data.tokenizer import load_tokenizer
 from megalite.extras import require
+from megalite.progress import ProgressBar
 
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -139,48 +139,6 @@ def _encode_batch(batch, tokenizer=None):
         pieces += [ids, eod]
         lengths[i] = ids.size + 1
     return keys, lengths, np.concatenate(pieces, dtype=dtype, casting="unsafe"), nbytes
-
-
-class ProgressBar:
-    """Progress on stderr: bar (when the total is known), MB, MB/s, documents.
-
-    On a terminal one self-overwriting line, redrawn 4 times a second; in a log file (not a
-    tty) a plain line every 10 seconds, so logs stay readable.
-    """
-
-    def __init__(self, total_bytes: int | None, stream=None):
-        self.total, self.stream = total_bytes, stream or sys.stderr
-        self.start = self.last = time.perf_counter()
-        self.done_bytes = self.docs = 0
-        self.live = getattr(self.stream, "isatty", lambda: False)()
-        self.interval = 0.25 if self.live else 10.0
-
-    def update(self, nbytes: int, docs: int, final: bool = False) -> None:
-        self.done_bytes += nbytes
-        self.docs += docs
-        now = time.perf_counter()
-        if not final and now - self.last < self.interval:
-            return
-        self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.done_bytes / 1e6 / elapsed
-        tail = ""
-        if self.total:
-            fraction = 1.0 if final else min(self.done_bytes / self.total, 1.0)
-            bar = "#" * int(30 * fraction) + "." * (30 - int(30 * fraction))
-            head = f"[{bar}] {100 * fraction:5.1f}% "
-            if not final and rate > 0:
-                tail = f" eta {_clock(max(0.0, self.total - self.done_bytes) / 1e6 / rate)}"
-        else:
-            head = ""
-        line = f"\r{head}{self.done_bytes / 1e6:8.1f} MB {rate:7.1f} MB/s {self.docs:9d} docs{tail}"
-        self.stream.write(line + ("\n" if final else "") if self.live else line[1:] + "\n")
-        self.stream.flush()
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{secs:02d}s"
 
 
 def _json_documents(path: str, json_keys: tuple[str, ...]) -> Iterator[tuple[str, str, int]]:

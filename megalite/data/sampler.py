@@ -19,11 +19,14 @@ import torch
 class GlobalBatchSampler:
     """Yields, per training step, this dp rank's microbatches: a list of lists of sample indices.
 
-    `consumed_samples` advances by `global_batch_size` per step (store it in checkpoints).
+    `consumed_samples` advances by the step's global batch (store it in checkpoints): `global_batch_size`,
+    or `batch_size_at(consumed_samples)` under a batch-size ramp-up (config/rampup.py: each of its
+    batches divides by micro_batch_size * dp_size, checked before the run), so where a resumed run
+    continues, and with which batch, follows from consumed_samples alone.
     """
 
     def __init__(self, dataset_len: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, consumed_samples: int = 0, seed: int = 0):
+                 dp_size: int, consumed_samples: int = 0, seed: int = 0, batch_size_at=None):
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                             ("dp_size", dp_size)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -45,6 +48,8 @@ class GlobalBatchSampler:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.consumed_samples = int(consumed_samples)
         self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.batch_size_at = batch_size_at or (lambda consumed: self.global_batch_size)
+        self.last_batch_size = global_batch_size  # the global batch of the step last yielded
         self._epoch_cache: tuple[int, np.ndarray | None] = (-1, None)
 
     def epoch_permutation(self, epoch: int) -> np.ndarray | None:
@@ -61,9 +66,10 @@ class GlobalBatchSampler:
         permutation = self.epoch_permutation(epoch)
         return offset if permutation is None else int(permutation[offset])
 
-    def microbatches_at(self, consumed_samples: int) -> list[list[int]]:
-        """This rank's microbatches of the global batch starting at `consumed_samples`."""
-        per_rank = self.global_batch_size // self.dp_size
+    def microbatches_at(self, consumed_samples: int, global_batch_size: int | None = None) -> list[list[int]]:
+        """This rank's microbatches of the global batch (default `global_batch_size`) starting at
+        `consumed_samples`."""
+        per_rank = (global_batch_size or self.global_batch_size) // self.dp_size
         start = consumed_samples + self.dp_rank * per_rank
         indices = [self.sample_index(p) for p in range(start, start + per_rank)]
         mbs = self.micro_batch_size
@@ -72,8 +78,13 @@ class GlobalBatchSampler:
     def __iter__(self) -> Iterator[list[list[int]]]:
         """Endless: one item per step; advances consumed_samples as it goes."""
         while True:
-            microbatches = self.microbatches_at(self.consumed_samples)
-            self.consumed_samples += self.global_batch_size
+            batch = self.batch_size_at(self.consumed_samples)
+            if batch % (self.micro_batch_size * self.dp_size):
+                raise ValueError(f"a global batch of {batch} samples does not split into microbatches of "
+                                 f"{self.micro_batch_size} on {self.dp_size} dp ranks")
+            microbatches = self.microbatches_at(self.consumed_samples, batch)
+            self.consumed_samples += batch
+            self.last_batch_size = batch
             yield microbatches
 
     def state_dict(self) -> dict:

@@ -69,6 +69,10 @@ class _Pass:
     prefetched: dict[int, int] = field(default_factory=dict)  # unit -> prefetch holds not yet consumed
     cursor: int = -1  # position in the chunk's execution order
     callback_queued: bool = False
+    # its multi-grad hooks, removed when its backward ends: each holds the grad_fn of the tensors it
+    # watches, which (through the graph's edges) holds the stage's received input: a reference cycle
+    # through autograd's C++ nodes that kept every microbatch's input alive after its backward
+    grad_hooks: list = field(default_factory=list)
 
     def current(self) -> _Entry | None:
         return self.entries[-1] if self.entries and self.entries[-1].state == "forward" else None
@@ -238,7 +242,8 @@ class Zero3Schedule:
         outputs = _grad_tensors(output) if p.grad else []
         if outputs and p.entries:
             last = len(p.entries) - 1
-            torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: self._pre_backward(p, last))
+            p.grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grads: self._pre_backward(p, last)))
             self._passes.append(p)
         else:  # no backward will come: nothing stays gathered for it
             for entry in p.entries:
@@ -258,7 +263,7 @@ class Zero3Schedule:
             if index > 0:
                 self._pre_backward(p, index - 1)
         if index > 0 or not leaf:
-            torch.autograd.graph.register_multi_grad_hook(inputs, boundary)
+            p.grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(inputs, boundary))
 
     # ------------------------------------------------------------------ backward
 
@@ -303,7 +308,14 @@ class Zero3Schedule:
             self._reduce(unit)
         if p in self._passes:
             self._passes.remove(p)
+        self._remove_grad_hooks(p)
         self._release_fallback()
+
+    @staticmethod
+    def _remove_grad_hooks(p: _Pass) -> None:
+        for handle in p.grad_hooks:
+            handle.remove()
+        p.grad_hooks.clear()
 
     def _backward_read(self, unit: int) -> None:
         """A unit's forward (recompute) or parameter read inside a backward: make sure it is gathered."""
@@ -335,6 +347,7 @@ class Zero3Schedule:
                 if entry.state != "done":
                     self._finish_entry(entry, reduce=False)
             self._release_prefetched(p)
+            self._remove_grad_hooks(p)
         self._passes.clear()
         self._release_fallback()
         for unit in self._step_held:

@@ -52,6 +52,10 @@ class MoEConfig:
     are dropped by `token_drop_policy`."""
     token_drop_policy: str = "probs"
     """Over capacity: keep the highest-probability routes (probs) or the earliest tokens (position)."""
+    force_load_balancing: bool = False
+    """Benchmarking and testing only (Megatron's --moe-router-force-load-balancing): the router ignores
+    its scores' choice and sends each rank's routes exactly as the planner's balanced routing counts
+    them (`plan.moe.balanced_routes`); the weights are still the scores' at those experts."""
 
     def __post_init__(self):
         problems = moe_problems(self)

@@ -92,7 +92,8 @@ class MoELayer(nn.Module):
         # the ranks holding the other tokens of this microbatch's sequences (the losses are theirs together)
         self.token_group = groups.moe_tokens if self.experts_whole else cp_group
         self.cp_group = cp_group  # cp splits each sequence into zigzag chunks (the capacity's token order)
-        self.router = Router(config.hidden_size, moe, config.init_std, dtype, device)
+        self.router = Router(config.hidden_size, moe, config.init_std, dtype, device,
+                             ep_place=(comm.group_rank(ep_group), ep))
         if self.experts_whole:  # each tp rank's router gradient comes from its own tokens: summed over tp
             params.declare(self.router.weight, sequence_parallel_grad=True)
         base_seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())  # this block's stream: the same on every rank

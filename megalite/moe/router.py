@@ -35,6 +35,7 @@ from torch import nn
 
 from megalite import comm
 from megalite.moe.config import MoEConfig
+from megalite.plan.moe import balanced_routes
 
 
 @dataclass
@@ -54,6 +55,17 @@ class Routing:
 def top_k_deterministic(selection: torch.Tensor, k: int) -> torch.Tensor:
     """[T, E] -> [T, k] indices of the k largest per row; ties go to the lower index."""
     return torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def balanced_expert_ids(num_tokens: int, k: int, num_experts: int, ep: int, ep_rank: int, device) -> torch.Tensor:
+    """--moe-router-force-load-balancing: [T, k] expert ids whose counts are the planner's balanced
+    routing (`plan.moe.balanced_routes` of the T*k routes of ep rank `ep_rank`, to every ep rank's
+    experts). The ids sorted by expert fill the slots column by column (slot j of token t: the
+    (j*T + t)-th), so a token's k experts differ: no expert gets more than T routes, as k <= E."""
+    counts = [n for dest in range(ep) for n in balanced_routes(num_tokens * k, num_experts, ep, ep_rank, dest)]
+    ids = torch.repeat_interleave(torch.arange(num_experts, device=device),
+                                  torch.tensor(counts, device=device), output_size=num_tokens * k)
+    return ids.view(k, num_tokens).t()
 
 
 def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
@@ -109,9 +121,11 @@ class Router(nn.Module):
     """tokens [T, h] -> Routing. Weight [E, h], replicated over tp (etp = tp: every tp rank routes alike;
     etp = 1: each its own tokens, the gradient summed over tp)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, init_std: float, dtype=None, device=None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, init_std: float, dtype=None, device=None,
+                 ep_place: tuple[int, int] = (0, 1)):
         super().__init__()
         self.moe = moe
+        self.ep_rank, self.ep_size = ep_place  # force_load_balancing: the routes this ep rank sends
         full = torch.empty(moe.num_experts, hidden_size)
         nn.init.normal_(full, mean=0.0, std=init_std)
         self.weight = nn.Parameter(full.to(device=device, dtype=dtype))
@@ -140,6 +154,9 @@ class Router(nn.Module):
         if self.expert_bias is None and moe.score_function == "softmax":
             selection = logits.detach()  # the same order as the probabilities, and exact ties stay ties
         expert_ids = top_k_deterministic(selection.detach(), k)  # [T, k]
+        if moe.force_load_balancing:  # benchmarking / testing: the planner's balanced routes, whatever the scores
+            expert_ids = balanced_expert_ids(tokens.shape[0], k, moe.num_experts, self.ep_size, self.ep_rank,
+                                             tokens.device)
         if moe.score_function == "sigmoid":
             weights = scores.gather(1, expert_ids)
             weights = weights / weights.sum(-1, keepdim=True) if k > 1 else weights

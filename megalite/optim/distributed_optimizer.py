@@ -209,11 +209,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _global_norm_of_shard(self, grad: torch.Tensor) -> torch.Tensor:
         """Global L2 norm of the (loss-scaled) gradients; non-finite if any rank overflowed."""
+        # vector_norm reduces in one pass: `run.square().sum()` would allocate a square of the run, at
+        # worst a second fp32 copy of this rank's gradients at the step's peak (what --simulate found)
         square = torch.zeros((), dtype=torch.float32, device=grad.device)
         for start, end in self._norm_runs:
-            square += grad[start:end].square().sum()
+            square += torch.linalg.vector_norm(grad[start:end]).square()
         for start, end in self._other_runs:  # not counted, but an inf/nan there must still show up
-            square += grad[start:end].square().sum() * 0.0
+            square += torch.linalg.vector_norm(grad[start:end]).square() * 0.0
         return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
 
     @torch.no_grad()

@@ -22,10 +22,11 @@ class LRSchedule:
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
 
-    def __call__(self, step: int) -> float:
-        """Learning rate for optimizer step `step` (0-based)."""
+    def __call__(self, step: float) -> float:
+        """Learning rate for optimizer step `step` (0-based). A fractional `step` (full global batches
+        consumed, under --rampup-batch-size) lies between its neighbours; the warm-up stops at lr."""
         if self.warmup_iters > 0 and step < self.warmup_iters:
-            return self.lr * (step + 1) / self.warmup_iters
+            return self.lr * min(step + 1, self.warmup_iters) / self.warmup_iters
         if self.style == "constant":
             return self.lr
         span = max(1, self.decay_iters - self.warmup_iters)

@@ -23,7 +23,7 @@ from megalite.plan.layout import DTYPE_BYTES, dp_group_name, local_seq_length, r
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
                                moe_tensor_parallel_bytes, stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
-from megalite.plan.zero3 import add_zero3_dp_bytes
+from megalite.plan.zero3 import add_zero3_dp_bytes, add_zero3_expert_bytes
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -57,12 +57,15 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     params = stage_params(model, cfg, stage)
     for key, n in dispatch_bytes(model, cfg, stage).items():  # MoE token dispatch over ep
         add(key, n)
-    if experts_apart(model, cfg):  # experts reduce over their own replicas (ZeRO-3: their units, ~the same bytes)
+    if experts_apart(model, cfg):  # experts reduce over their own replicas (ZeRO-3: their own units)
         experts = stage_expert_params(model, cfg, stage)
         params -= experts
         edp = expert_dp_config(cfg)
-        add_dp_bytes(lambda key, n: add("edp/" + key.split("/", 1)[1], n), experts,
-                     edp.replace(zero=min(cfg.parallel.zero, 2)))
+        to_edp = lambda key, n: add("edp/" + key.split("/", 1)[1], n)  # noqa: E731
+        if cfg.parallel.zero == 3:
+            add_zero3_expert_bytes(to_edp, cfg, experts)
+        else:
+            add_dp_bytes(to_edp, experts, edp)
     if cfg.parallel.zero == 3 and cfg.dp * cfg.parallel.cp > 1:
         add_zero3_dp_bytes(add, model, cfg, stage, params)
     else:

@@ -28,8 +28,9 @@ storage in the manner of Korthikanti et al. 2022 ("Reducing Activation Recomputa
 Transformer Models"; see `layer_activation_bytes`) and checked against the real model on CPU
 (tests/training/test_estimate.py), times the microbatches in flight on the stage (1F1B:
 pp - stage; interleaved: Megatron's warmup + 1 chunks; GPipe: all; ZB-H1: counted on the
-schedule). The estimate is for the worst stage. Transient buffers (gradients in flight,
-communication buffers, allocator fragmentation) are left to `Estimate.fits`' headroom.
+schedule). The estimate is for the worst stage. Transient buffers: one block's working tensors
+live at the peak (`buffer_bytes`, plan/buffers.py, measured by --simulate); the rest (NCCL's own
+buffers, allocator fragmentation) is left to `Estimate.fits`' headroom.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.plan.activations import activation_bytes, inflight_microbatches
+from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
@@ -80,10 +82,13 @@ class Estimate:
     """Bytes kept in host memory per rank (offloaded optimizer state)."""
     stage_totals: list[int] = field(default_factory=list)
     """total_bytes of every pipeline stage (the estimate reports the largest)."""
+    buffer_bytes: int = 0
+    """Transient tensors live at the peak beside the other four terms (plan/buffers.py)."""
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+        return (self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+                + self.buffer_bytes)
 
     def fits(self, gpu_memory: float, headroom: float = 0.1) -> bool:
         """True when total_bytes fits in (1 - headroom) of gpu_memory bytes (the rest: CUDA
@@ -99,7 +104,7 @@ class Estimate:
         """A readable per-rank table in GB (1e9 bytes)."""
         rows = [("parameters", self.param_bytes), ("gradients", self.grad_bytes),
                 ("optimizer state", self.optimizer_state_bytes), ("activations", self.activation_bytes),
-                ("total", self.total_bytes)]
+                ("buffers", self.buffer_bytes), ("total", self.total_bytes)]
         lines = [f"per rank (pipeline stage {self.stage}, {self.layers_on_stage} layers, "
                  f"{self.inflight_microbatches} of {self.num_microbatches} microbatches in flight):"]
         lines += [f"  {name:<16} {n / GB:10.3f} GB" for name, n in rows]
@@ -194,14 +199,16 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
         comm_bytes=communication_bytes(model, cfg, worst),
         flops_per_step=model.flops_per_token(seq) * tokens,
         hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
-        tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage])
+        tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage],
+        buffer_bytes=buffer_bytes(model, cfg, worst))
 
 
 def stage_total_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
-    """Device bytes of one rank of `stage` at its peak: model states and saved activations (the
-    estimate's total_bytes is the largest of these over the stages)."""
+    """Device bytes of one rank of `stage` at its peak: model states, saved activations and transient
+    buffers (the estimate's total_bytes is the largest of these over the stages)."""
     weights, grads, optimizer, _ = stage_model_states(model, cfg, stage)
-    return weights + grads + optimizer + activation_bytes(model, cfg, stage, attention)
+    return (weights + grads + optimizer + activation_bytes(model, cfg, stage, attention)
+            + buffer_bytes(model, cfg, stage))
 
 
 def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[int, int, int, int]:

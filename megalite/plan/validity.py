@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.rampup import rampup_problems
 from megalite.context_parallel.checks import context_parallel_problems
 from megalite.config.model import GPTConfig
 from megalite.pipeline.schedules import check_schedule_args
@@ -76,6 +77,7 @@ def _batch_errors(cfg: RunConfig) -> list[str]:
     if cfg.global_batch_size % (mb * dp):
         errors.append(f"global_batch_size={cfg.global_batch_size} is not divisible by micro_batch_size*dp = "
                       f"{mb}*{dp} = {mb * dp}; choose a multiple of {mb * dp}")
+    errors += rampup_problems(cfg)  # --rampup-batch-size: every batch of the ramp, not only the last
     m = cfg.num_microbatches
     if pp > 1 and m < pp:
         errors.append(f"{m} microbatches < pp={pp} stages: the pipeline never fills; set --global-batch-size "

@@ -5,8 +5,8 @@ model states (`stage_model_states`: ZeRO-3's gathered units and transient unit g
 included), saved activations for the attention implementation the simulated blocks run (on the
 meta device, the Triton kernels' autograd functions with their launches skipped: "triton", what a
 GPU keeps; without the context-parallel ring's transient buffers, which the planner's activation
-term holds but autograd does not), the planner's four terms' sum as the peak (the planner leaves transient
-buffers to its headroom), and the step's communication bytes summed by group name.
+term holds but autograd does not), the planner's peak (the four terms and its transient buffers,
+plan/buffers.py), and the step's communication bytes summed by group name.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import collections
 
 from megalite.config import RunConfig
 from megalite.plan.activations import activation_bytes, context_parallel_buffer_bytes
+from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import communication_bytes, step_scalar_collectives
 from megalite.plan.per_rank import stage_model_states
 
@@ -34,8 +35,10 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> d
         by_group[key.split("/")[0]] += n
     for group, nbytes in scalar_collective_bytes(cfg).items():
         by_group[group] += nbytes
+    buffers = buffer_bytes(model, cfg, stage)  # one block's working tensors at the peak (plan/buffers.py)
     return {"param_bytes": weights, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
-            "activation_peak_bytes": activations - transient, "peak_bytes": weights + grads + optimizer + activations,
+            "activation_peak_bytes": activations - transient,
+            "peak_bytes": weights + grads + optimizer + activations + buffers,
             "comm_bytes": dict(by_group)}
 
 

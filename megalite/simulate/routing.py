@@ -9,8 +9,11 @@ receives as many as it sends). The bytes the simulated rank then sends and keeps
 perfectly balanced router: what the planner counts, and the figure to book a cluster with; a
 real run's routing follows its data and moves more on its busiest rank.
 
-The all-gather dispatcher's routed rows are a host read inside the permutation kernel (how many
-gathered routes are this rank's): not answered here, so `--simulate` refuses it at ep > 1.
+The all-gather dispatcher gathers every ep rank's routes and permutes those to its own experts: how
+many they are is a host read inside the permutation (`moe_permute.sort_by_expert`, the routed slots).
+Inside `planned_routing()` that count is the balanced routing's too: every rank receives as many
+routes as it sends (T*k), the rest of the ep*T*k gathered slots are other ranks'. The sort's index
+is cut there, a view of the same storage, as the real code cuts it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import contextlib
 import torch
 
 from megalite import comm
-from megalite.moe.dispatcher import AllToAllDispatcher
+from megalite.kernels import moe_permute
+from megalite.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from megalite.plan.moe import balanced_routes
 
 
@@ -35,13 +39,39 @@ def planned_counts(dispatcher: AllToAllDispatcher, send_counts: torch.Tensor, ro
     return recv_counts, send_splits, recv_splits
 
 
+_GATHER_DISPATCH = AllGatherDispatcher.dispatch
+
+
+def planned_gather_dispatch(dispatcher: AllGatherDispatcher, tokens: torch.Tensor, expert_ids: torch.Tensor):
+    """AllGatherDispatcher.dispatch in the fake world: the real one, with the number of gathered routes
+    that are this rank's (a host read in the permutation) the balanced routing's."""
+    ep, me, experts = dispatcher.ep_size, dispatcher.ep_rank, dispatcher.num_experts
+    routes = expert_ids.numel()  # T*k, the same on every ep rank
+    mine = sum(sum(balanced_routes(routes, experts, ep, source, me)) for source in range(ep))
+    sort = moe_permute.sort_by_expert
+
+    def planned_sort(ids: torch.Tensor, num_experts: int):
+        order, group_sizes = sort(ids, num_experts)  # a meta read answers "none dropped": every slot
+        return order[:mine], group_sizes
+
+    with _patched(moe_permute, "sort_by_expert", planned_sort):
+        return _GATHER_DISPATCH(dispatcher, tokens, expert_ids)
+
+
 @contextlib.contextmanager
-def planned_routing():
-    """Every AllToAllDispatcher's count exchange answered with the planner's balanced counts until
-    the block ends (the method is put back after)."""
-    saved = AllToAllDispatcher.exchange_counts
-    AllToAllDispatcher.exchange_counts = planned_counts
+def _patched(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        AllToAllDispatcher.exchange_counts = saved
+        setattr(owner, name, saved)
+
+
+@contextlib.contextmanager
+def planned_routing():
+    """Every AllToAllDispatcher's count exchange, and every AllGatherDispatcher's count of its own routes,
+    answered with the planner's balanced routing until the block ends (the methods are put back after)."""
+    with _patched(AllToAllDispatcher, "exchange_counts", planned_counts), \
+            _patched(AllGatherDispatcher, "dispatch", planned_gather_dispatch):
+        yield

@@ -66,11 +66,6 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
              print_fn=print) -> dict:
     """Check every rank's groups, simulate the chosen ranks; the report (also written to json_path)."""
     refuse_real_world()
-    if cfg.gpt_config().moe is not None and cfg.parallel.ep > 1 and cfg.parallel.moe_token_dispatcher_type != "alltoall":
-        # the all-gather dispatcher's routed rows are a host read inside the permutation (simulate/routing.py)
-        raise UsageError(f"--simulate runs expert parallelism with the all-to-all dispatcher only (--ep {cfg.parallel.ep} "
-                         f"--moe-token-dispatcher-type {cfg.parallel.moe_token_dispatcher_type}): use alltoall, or plan "
-                         f"with --dry-run")
     p = cfg.parallel
     etp = p.etp if cfg.gpt_config().moe is not None else p.tp
     layout = (p.tp, p.cp, cfg.dp, p.pp)

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from megalite import ops
+from megalite.config.rampup import BatchRampup
 from megalite.config import RunConfig
 from megalite.config.model import GPTConfig
 from megalite.mesh import Mesh
@@ -51,12 +52,28 @@ def announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, log: Callable[...
     if gpu is None:  # the figure is a GPU profile's, not this machine's: say so (the steps below measure it)
         layout += " (a GPU profile's estimate, not this machine's; the step lines below measure this one)"
     log("layout: " + layout)
+    if cfg.training.rampup_batch_size is not None:
+        log(rampup_line(cfg))
     p = cfg.parallel
     for note in machine_notes(cfg, mesh.device.type == "cuda"):
         log(note)
     log(ops.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
                               p.cp_comm_type, mesh.device))
+
+
+def rampup_line(cfg: RunConfig) -> str:
+    """--rampup-batch-size in words: the batches, their microbatches, when the full batch is reached."""
+    ramp, iters = BatchRampup.of(cfg), cfg.training.train_iters
+    unit = cfg.training.micro_batch_size * cfg.dp
+    full = ramp.ramp_steps() + 1  # the first step at the full batch
+    samples = ramp.samples_in(iters, 0)
+    return (f"batch ramp-up: global {ramp.start} -> {ramp.global_batch_size} by {ramp.increment} over "
+            f"{ramp.samples} samples ({ramp.start // unit} -> {cfg.num_microbatches} microbatches); "
+            + (f"the full batch from step {full}" if full <= iters else
+               f"--train-iters {iters} ends inside the ramp, at batch {ramp.batch_sizes(iters)[-1]}")
+            + f"; {samples} samples in the run; the learning rate follows the samples (warm-up and decay "
+              f"steps counted at the full batch); the layout and memory were planned at the full batch")
 
 
 def _fp8_words(cfg: RunConfig, mesh: Mesh) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.config.rampup import microbatch_counts
 from megalite.cpu_features import cpu_flags as read_cpu_flags, has_native_bf16
 from megalite.paths import output_dir_problem, output_file_problem
 from megalite.pipeline.schedules import check_pipeline_config
@@ -47,16 +48,24 @@ def launch_problems(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int |
     if memory is not None:  # launching: the host memory of what each step reads (before building schedules)
         problems += host_memory_problems(cfg, model.seq_length, host_ram_per_rank())
     if cfg.parallel.pp > 1 and not problems:
-        try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified
-            p = cfg.parallel
-            check_pipeline_config(cfg.schedule, model.num_layers, p.pp, cfg.num_microbatches, p.virtual_stages,
-                                  p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+        try:  # the pipeline's own check: layer split, schedule rules, the schedule built and verified (for
+            p = cfg.parallel  # every number of microbatches a --rampup-batch-size step runs)
+            for m in microbatch_counts(cfg):
+                check_pipeline_config(cfg.schedule, model.num_layers, p.pp, m, p.virtual_stages,
+                                      p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
         except ValueError as exc:
-            problems.append(str(exc))
+            problems.append(str(exc) + _during_rampup(cfg, m))
     problems = list(dict.fromkeys(problems + own + path_problems(cfg) + _accepted_nonsense(cfg, model.num_layers)))
     if not problems and memory is not None:
         problems = preflight(model, cfg, world_size, gpu_memory=memory[0], memory_of=memory[1])
     return problems
+
+
+def _during_rampup(cfg: RunConfig, m: int) -> str:
+    if cfg.training.rampup_batch_size is None or m == cfg.num_microbatches:
+        return ""
+    return (f" (a --rampup-batch-size step of {m * cfg.training.micro_batch_size * cfg.dp} samples: choose START and "
+            f"INCREMENT so that every batch of the ramp runs)")
 
 
 def _accepted_nonsense(cfg: RunConfig, num_layers: int) -> list[str]:

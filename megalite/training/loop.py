@@ -43,6 +43,7 @@ from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, Elastic
 from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
+from megalite.config.rampup import BatchRampup
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
 from megalite.errors import UsageError, report_usage_error
@@ -197,8 +198,9 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
         train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
             list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
             tokenizer), comm.world_group())
+    ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
-                                 mesh.dp_size, seed=t.seed)
+                                 mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)
     log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
         + (f", {len(valid_set)} validation" if valid_set is not None else "")
         + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
@@ -294,7 +296,7 @@ def resume(job: Job) -> int:
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
-    job.scheduler.jump_to(start_step)  # the lr of step start_step + 1
+    job.scheduler.jump_to(_lr_position(job, start_step))  # the lr of step start_step + 1
     if job.watchdog:
         job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     if start_step >= job.cfg.training.train_iters:
@@ -360,7 +362,10 @@ def _timed_step(job: Job, step: int, indices) -> tuple[StepResult, int, float]:
         microbatches = load_microbatches(job.train_set, indices)
     result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, None, guard=job.guard,
                         timer=job.timer, graphs=job.graphs)
-    job.scheduler.step()  # result.lr: lr_at(step - 1), set by the scheduler a step ago
+    if job.cfg.training.rampup_batch_size is None:
+        job.scheduler.step()  # result.lr: lr_at(step - 1), set by the scheduler a step ago
+    else:  # the schedule follows the samples consumed
+        job.scheduler.jump_to(_lr_position(job, step))
     cp_comm_bytes = comm.ledger.total_bytes(group="cp") - cp_bytes_before
     job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
     if job.mesh.device.type == "cuda":
@@ -370,12 +375,24 @@ def _timed_step(job: Job, step: int, indices) -> tuple[StepResult, int, float]:
     return result, cp_comm_bytes, step_time
 
 
+def _lr_position(job: Job, steps_done: int) -> float:
+    """Where the learning-rate schedule stands after `steps_done` steps: that step count, or under
+    --rampup-batch-size the samples consumed in full global batches (Megatron's rule: the schedule counts
+    samples, its warm-up and decay steps taken at the full batch; without a ramp the two are equal)."""
+    if job.cfg.training.rampup_batch_size is None:
+        return steps_done
+    return job.sampler.consumed_samples / job.cfg.global_batch_size
+
+
 def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_bytes: int) -> None:
     """The metrics record and progress line of a logged step."""
     cfg = job.cfg
     if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
         return
-    record = job.meter.step(step, step_time, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+    batch = job.sampler.last_batch_size  # this step's global batch (it grows under --rampup-batch-size)
+    ramp = BatchRampup.of(cfg)
+    remaining = ramp.samples_in(cfg.training.train_iters - step, job.sampler.consumed_samples) if ramp else None
+    record = job.meter.step(step, step_time, samples=batch, remaining_samples=remaining, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                             skipped=result.skipped, exposed_dp_comm_s=result.exposed_dp_comm_s,
                             exposed_grad_reduce_s=result.exposed_grad_reduce_s,
                             exposed_param_gather_s=result.exposed_param_gather_s,
@@ -385,6 +402,8 @@ def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_b
     if cfg.precision.precision == "fp16":
         record["loss_scale"] = result.loss_scale
     record["cp"] = cfg.parallel.cp
+    if cfg.training.rampup_batch_size is not None:
+        record["global_batch_size"] = batch
     record.update(result.moe)  # aux/z loss, load, drops per layer
     if result.grad_reduce_bytes is not None:  # dp gradient bytes: uncompressed / sent (this step)
         record.update(grad_reduce_bytes=result.grad_reduce_bytes,

@@ -79,6 +79,7 @@ class ThroughputMeter:
         self.world_size = world_size
         self.total_steps = total_steps
         self.samples_per_step = effective_batch(micro_batch_size, dp, num_microbatches)
+        self.seq_length = seq_length
         self.tokens_per_step = self.samples_per_step * seq_length
         self.model_flops_per_token = model.flops_per_token(seq_length)
         self.hardware_flops_per_token = hardware_flops_per_token(model, recompute, seq_length, recompute_fraction)
@@ -86,26 +87,34 @@ class ThroughputMeter:
         self.peak_flops = peak_tflops_per_gpu * 1e12 if peak_tflops_per_gpu else None
         self.gpu_seconds = 0.0
         self._recent: list[float] = []  # last step times, for the ETA
+        self._recent_per_sample: list[float] = []  # and per sample (the ETA of a growing batch)
         self._start_step = start_step
 
-    def step(self, step: int, step_time_s: float, **fields: Any) -> dict[str, Any]:
+    def step(self, step: int, step_time_s: float, samples: int | None = None, remaining_samples: int | None = None,
+             **fields: Any) -> dict[str, Any]:
         """The metrics record of optimizer step `step` that took `step_time_s` seconds.
 
+        `samples`: this step's global batch when it differs from the layout's (--rampup-batch-size);
+        `remaining_samples`: the samples of the steps still to run, when their batches differ (the ETA
+        then goes by seconds per sample instead of seconds per step).
         Extra keyword fields (loss, lr, grad_norm, ...) are copied into the record.
         """
         if step_time_s <= 0:
             raise ValueError(f"step_time_s must be positive, got {step_time_s}")
         self.gpu_seconds += step_time_s * self.world_size
+        samples = samples or self.samples_per_step
         self._recent = (self._recent + [step_time_s])[-20:]
-        tokens_per_sec = self.tokens_per_step / step_time_s
+        self._recent_per_sample = (self._recent_per_sample + [step_time_s / samples])[-20:]
+        tokens_per_step = samples * self.seq_length
+        tokens_per_sec = tokens_per_step / step_time_s
         record: dict[str, Any] = {"step": step, **fields}
         record.update(
             step_time_s=step_time_s,
-            tokens_per_step=self.tokens_per_step,
-            effective_batch=self.samples_per_step,
+            tokens_per_step=tokens_per_step,
+            effective_batch=samples,
             tokens_per_sec=tokens_per_sec,
             tokens_per_sec_per_rank=tokens_per_sec / self.world_size,
-            samples_per_sec=self.samples_per_step / step_time_s,
+            samples_per_sec=samples / step_time_s,
             tflops_per_rank=self.model_flops_per_token * tokens_per_sec / self.world_size / 1e12,
             gpu_hours=self.gpu_seconds / 3600.0,
         )
@@ -116,7 +125,8 @@ class ThroughputMeter:
         if self.total_steps is not None:
             remaining = max(0, self.total_steps - step)
             record["total_steps"] = self.total_steps
-            record["eta_s"] = remaining * statistics.median(self._recent)
+            record["eta_s"] = remaining * statistics.median(self._recent) if remaining_samples is None \
+                else remaining_samples * statistics.median(self._recent_per_sample)
         return record
 
 
@@ -292,6 +302,8 @@ def progress_line(record: dict[str, Any]) -> str:
         parts.append(f"lr {record['lr']:.2e}")
     if record.get("grad_norm") is not None:
         parts.append(f"gnorm {record['grad_norm']:.3f}")
+    if "global_batch_size" in record:  # under --rampup-batch-size: the step's batch
+        parts.append(f"batch {record['global_batch_size']}")
     parts.append(f"{_si(record['tokens_per_sec'])} tok/s ({_si(record['tokens_per_sec_per_rank'])}/rank)")
     parts.append(f"{1e3 * record['step_time_s']:.0f} ms/step")
     if "mfu" in record:

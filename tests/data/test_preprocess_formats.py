@@ -87,7 +87,7 @@ def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_progress_lines_carry_rate_and_eta():
     stream = io.StringIO()  # not a terminal: plain lines
-    bar = ProgressBar(total_bytes=4_000_000, stream=stream)
+    bar = ProgressBar(total=4_000_000, stream=stream)
     bar.interval = 0.0
     bar.update(1_000_000, 10)
     bar.update(3_000_000, 30, final=True)

@@ -18,7 +18,7 @@ SUBSET = ["attention fwd d=128 causal=True [bf16]", "attention dkdv d=64 causal=
           "cross_entropy grad V=50257 [bf16]", "rms_norm bwd h=4096 dsum=True [bf16]",
           "layer_norm fwd h=4096 residual=True [bf16]", "rope transposed=True [bf16]",
           "attention dkdv d=128 causal=True dropout [bf16]", "bias_dropout_add fwd dropout=True [bf16]",
-          "grouped_mm dx up [bf16]", "grouped_mm dweight up [bf16]"]
+          "grouped_mm dx up [bf16]", "grouped_mm dweight up [bf16]", "attention bwd_fused d=128 causal=True [bf16]"]
 
 
 def _has_cuda_backend() -> bool:
@@ -45,6 +45,10 @@ def test_representative_kernels_compile_for_sm90(tmp_path):
                            result.stdout, re.MULTILINE)
     assert len(gemm_rows) == 2 and all(int(mma) > 0 and int(copies) > 0 for _, mma, copies in gemm_rows), \
         result.stdout
+    # so do the fused attention backward's (one kernel holding the dK/dV and dQ programs)
+    row = r"^\s+attention bwd_fused d=128 causal=True \[bf16\]\s+\d+\s+0\s+[\d.]+\s+\d+/\d+\s+(\d+)\s+(\d+)"
+    fused = re.findall(row, result.stdout, re.MULTILINE)
+    assert len(fused) == 1 and int(fused[0][0]) > 0 and int(fused[0][1]) > 0, result.stdout
 
 
 # every norm kernel at a training shape, both flags: rows of compile_check's report

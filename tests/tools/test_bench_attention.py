@@ -32,6 +32,8 @@ def test_ratio_is_the_faster_sdpa_over_ours_and_the_goal_names_the_lowest(bench)
              64: {1024: {"triton": 1.0, "sdpa_gqa": 1.25}, 2048: {"sdpa": 3.0}}}  # ours failed at 2048: no row
     rows = bench.ratios(table)
     assert rows == [(128, 1024, 0.75), (128, 4096, 0.8), (64, 1024, 1.25)]
+    table[128][1024]["triton_fused"] = 1.5  # the fused backward's row, where it ran
+    assert bench.ratios(table, "triton_fused") == [(128, 1024, 1.0)]
     line = bench.goal_line(rows, "bf16")
     geomean = math.exp((math.log(0.75) + math.log(0.8) + math.log(1.25)) / 3)
     assert line.startswith("GOAL bench_attention bf16: ours fwd+bwd >= 1.0x")

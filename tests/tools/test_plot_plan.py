@@ -33,8 +33,10 @@ def test_stage_breakdown_is_the_planners():
     totals = [sum(row[part] for part, _ in plot_plan.PARTS) for row in rows]
     assert totals == est.stage_totals  # the same numbers estimate() takes its worst stage from
     worst = rows[est.stage]
-    assert (worst["parameters"], worst["gradients"], worst["optimizer state"], worst["activations"]) == \
-        (est.param_bytes, est.grad_bytes, est.optimizer_state_bytes, est.activation_bytes)
+    assert (worst["parameters"], worst["gradients"], worst["optimizer state"], worst["activations"],
+            worst["buffers"]) == (est.param_bytes, est.grad_bytes, est.optimizer_state_bytes, est.activation_bytes,
+                                  est.buffer_bytes)
+    assert est.buffer_bytes > 0
     assert sum(row["layers"] for row in rows) == model.num_layers
 
 

@@ -45,6 +45,7 @@ def test_sweep_rejects_a_wrong_tile_and_keeps_the_fastest_correct_one(tune):
 def test_dispatch_sweep_and_json_tables_round_trip(tune, tmp_path, monkeypatch):
     monkeypatch.setattr(attention_tiles, "MEASURED", dict(attention_tiles.MEASURED))
     monkeypatch.setattr(attention_dispatch, "MEASURED_MS", dict(attention_dispatch.MEASURED_MS))
+    monkeypatch.setattr(attention_tiles, "MEASURED_BACKWARD", dict(attention_tiles.MEASURED_BACKWARD))
     path = tmp_path / "tables.json"
     monkeypatch.setattr(tune, "CANDIDATES", {})
     monkeypatch.setattr(tune, "SMOKE_CANDIDATES", {"fwd": [], "dkdv": [], "dq": []})
@@ -52,8 +53,21 @@ def test_dispatch_sweep_and_json_tables_round_trip(tune, tmp_path, monkeypatch):
     saved = json.loads(path.read_text())
     (key, times), = saved["dispatch_ms"].items()
     assert set(times["24"]) >= {"triton", "sdpa"} and all(ms > 0 for ms in times["24"].values())
+    assert "triton_fused" not in times["24"]  # the dispatch table holds what auto can run
+    (backward_key, variant), = saved["backward"].items()
+    attention_tiles.MEASURED_BACKWARD.clear()
     attention_dispatch.MEASURED_MS.clear()
     tune.load_tables(str(path))
     assert attention_dispatch.MEASURED_MS == {tuple(json.loads(key)): {24: times["24"]}}
+    assert attention_tiles.MEASURED_BACKWARD == {tuple(json.loads(backward_key)): variant}
     tile_key = tuple(json.loads(next(iter(saved["tiles"]))))
     assert attention_tiles.MEASURED[tile_key] == {"fwd": (16, 16, 1, 1), "dkdv": (16, 16, 1, 1), "dq": (16, 16, 1, 1)}
+
+
+def test_the_faster_backward_by_geometric_mean_becomes_the_tables_triton(tune):
+    table = {1024: {"triton": 2.0, "triton_fused": 1.0, "sdpa": 1.5}, 2048: {"triton": 4.0, "triton_fused": 5.0}}
+    variant, rows = tune.faster_backward(table)  # fused / split: 0.5 and 1.25, geomean 0.79
+    assert variant == "fused"
+    assert rows == {1024: {"sdpa": 1.5, "triton": 1.0}, 2048: {"triton": 5.0}}
+    table[2048]["triton_fused"] = 9.0  # geomean 1.06: split
+    assert tune.faster_backward(table) == ("split", {1024: {"sdpa": 1.5, "triton": 2.0}, 2048: {"triton": 4.0}})
