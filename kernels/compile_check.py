@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -51,7 +51,7 @@ from . import attention_tiles, column_sum, flash_attention, fp8_cast
 from . import flash_attention_backward as backward
 from .dispatch import interpreter_ready, next_power_of_2
 
-FP32_POINTERS = {"AMAX", "SCALE", "RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
+FP32_POINTERS = {"AMAX", "SCALE", "X_SCALE", "W_SCALE", "DY_SCALE", "RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
                  "EXP_AVG_SQ", "ROUTING_WEIGHTS", "DROUTING_WEIGHTS"}
 INTEGER_POINTERS = {"TARGETS": "*i64", "SORTED_INDEX": "*i64", "ROW_OF_SLOT": "*i64", "ROW_OFFSETS": "*i32",
                     "TILE_OFFSETS": "*i32"}
@@ -102,6 +102,7 @@ class Variant:
     ints: dict  # overrides of TYPICAL_INTS for this variant
     memory_bound: bool = True
     exact_math: bool = False  # statistics that must be correctly rounded: no approximate sqrt / division
+    pointers: dict = field(default_factory=dict)  # pointer types by name where the name alone does not say (FP8)
 
 
 def _specialize(kernel, dtype: torch.dtype, variant: Variant):
@@ -112,6 +113,9 @@ def _specialize(kernel, dtype: torch.dtype, variant: Variant):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
+        elif name in variant.pointers:
+            signature[name] = variant.pointers[name]
+            attrs[(index,)] = [["tt.divisibility", 16]]
         elif name in INTEGER_POINTERS or name in FP8_POINTERS:
             signature[name] = INTEGER_POINTERS.get(name) or FP8_POINTERS[name]
             attrs[(index,)] = [["tt.divisibility", 16]]
@@ -204,9 +208,48 @@ def fp8_variants(arch: int = 90):
     for rowwise in (False, True):
         yield Variant(f"fp8 amax rowwise={rowwise}", fp8_cast._amax_kernel, dict(ROWWISE=rowwise, **tiles),
                       {"num_warps": 4}, shape)
-        yield Variant(f"fp8 cast_transpose rowwise={rowwise}", fp8_cast._cast_transpose_kernel,
-                      dict(ROWWISE=rowwise, WRITE_T=True, MANT=mant, MIN_EXP=min_exp, LIMIT=limit, **tiles),
-                      {"num_warps": 4}, shape, exact_math=True)
+    yield Variant("fp8 amax per column", fp8_cast._column_amax_kernel, tiles, {"num_warps": 4}, shape)
+    # what the FP8 linear launches: tensorwise both copies (x, g) or the transposed one alone (W for
+    # dgrad); per row, the row-major copy; per column, the transposed copy
+    for scales, rowwise, colwise, write_q, write_t in (("tensor", False, False, True, True),
+                                                       ("tensor", False, False, False, True),
+                                                       ("row", True, False, True, False),
+                                                       ("column", False, True, False, True)):
+        label = f"fp8 cast_transpose {scales} q={int(write_q)} qT={int(write_t)}"
+        yield Variant(label, fp8_cast._cast_transpose_kernel,
+                      dict(ROWWISE=rowwise, COLWISE=colwise, WRITE_Q=write_q, WRITE_T=write_t, MANT=mant,
+                           MIN_EXP=min_exp, LIMIT=limit, **tiles), {"num_warps": 4}, shape, exact_math=True)
+    yield from fp8_grouped_variants(arch)
+
+
+def fp8_grouped_variants(arch: int):
+    """The experts' grouped GEMM with FP8 operands (megalite/fp8/grouped.py), per-expert tensorwise
+    scales, the 16-bit tiles: forward (e4m3 x e4m3), dx (e5m2 gradient x e4m3 weight^T), dweight."""
+    from . import grouped_gemm
+
+    tiles = grouped_gemm.TILES[(min(arch // 10, 9), True)]
+    options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    e4m3, e5m2 = "*fp8e4nv", "*fp8e5"
+    per_group = dict(w_scale_stride_e=1, w_scale_stride_n=0)
+    for name, k_dim, n_cols in (("up", HIDDEN, FFN), ("down", FFN, HIDDEN)):
+        common = dict(n_groups=MOE_EXPERTS, w_stride_e=k_dim * n_cols, **per_group)
+        # forward reads W_q [E, N, K] as [E, K, N] (K-major); dx reads the transposed copy [E, K, N] likewise
+        for stage, k, n, x_type in (("fwd", k_dim, n_cols, e4m3), ("dx", n_cols, k_dim, e5m2)):
+            yield Variant(f"fp8 grouped gemm {stage} {name}", grouped_gemm._grouped_mm_kernel,
+                          dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                               GROUP_BLOCK=MOE_EXPERTS, GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0,
+                               DOT_PRECISION="tf32", SCALED=True), options,
+                          dict(common, k_dim=k, n_cols=n, x_stride_t=k, y_stride_t=n, w_stride_k=1, w_stride_n=k),
+                          memory_bound=False, pointers={"X": x_type, "W": e4m3})
+        # dW_g [N, K] = g_g^T @ x_g: the kernel's X is the gradient, its DY the input, both read from
+        # their transposed copies g_q^T [N, T], x_q^T [K, T] (contiguous along T, the contraction)
+        yield Variant(f"fp8 grouped gemm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
+                      dict(BLOCK_K=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t, DOT_PRECISION="tf32",
+                           SCALED=True), options,
+                      dict(k_dim=n_cols, n_cols=k_dim, x_stride_t=1, x_stride_k=TOKENS, dy_stride_t=1,
+                           dy_stride_n=TOKENS, dw_stride_e=k_dim * n_cols, dw_stride_k=k_dim, x_scale_stride_e=1,
+                           x_scale_stride_k=0, dy_scale_stride_e=1, dy_scale_stride_n=0), memory_bound=False,
+                      pointers={"X": e5m2, "DY": e4m3, "DW": "*fp32"})
 
 
 def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles=None, label_suffix: str = ""):
@@ -252,19 +295,20 @@ def moe_variants(dtype: torch.dtype, arch: int = 90):
     precision = "ieee" if dtype == torch.float32 else "tf32"
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     for name, k_dim, n_cols in (("up", HIDDEN, FFN), ("down", FFN, HIDDEN)):
-        common = dict(n_groups=MOE_EXPERTS, w_stride_e=k_dim * n_cols)
+        common = dict(n_groups=MOE_EXPERTS, w_stride_e=k_dim * n_cols, w_scale_stride_e=0, w_scale_stride_n=0)
         for stage, k, n, strides in (("fwd", k_dim, n_cols, dict(w_stride_k=n_cols, w_stride_n=1)),
                                      ("dx", n_cols, k_dim, dict(w_stride_k=1, w_stride_n=n_cols))):
             yield Variant(f"grouped_mm {stage} {name}", grouped_gemm._grouped_mm_kernel,
                           dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                                GROUP_BLOCK=MOE_EXPERTS, GROUP_M=tiles.group_m, EVEN_K=k % tiles.block_k == 0,
-                               DOT_PRECISION=precision), options,
+                               DOT_PRECISION=precision, SCALED=False), options,
                           dict(common, k_dim=k, n_cols=n, x_stride_t=k, y_stride_t=n, **strides), memory_bound=False)
         yield Variant(f"grouped_mm dweight {name}", grouped_gemm._grouped_mm_weight_grad_kernel,
                       dict(BLOCK_K=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t,
-                           DOT_PRECISION=precision), options,
-                      dict(k_dim=k_dim, n_cols=n_cols, x_stride_t=k_dim, dy_stride_t=n_cols,
-                           dw_stride_e=k_dim * n_cols, dw_stride_k=n_cols), memory_bound=False)
+                           DOT_PRECISION=precision, SCALED=False), options,
+                      dict(k_dim=k_dim, n_cols=n_cols, x_stride_t=k_dim, x_stride_k=1, dy_stride_t=n_cols,
+                           dy_stride_n=1, dw_stride_e=k_dim * n_cols, dw_stride_k=n_cols, x_scale_stride_e=0, x_scale_stride_k=0,
+                           dy_scale_stride_e=0, dy_scale_stride_n=0), memory_bound=False)
     rows = dict(n_cols=HIDDEN, top_k=MOE_TOP_K, src_stride=HIDDEN, out_stride=HIDDEN, y_stride=HIDDEN)
     block_h = moe_permute._block_h(HIDDEN, torch.device("cuda"))
     for label, weighted, weight_grad in (("permute fwd", False, False), ("unpermute bwd", True, True)):

@@ -1,13 +1,19 @@
-"""FP8 casts for the FP8 linear (megalite/fp8): amax per tensor or per row, and the saturating cast
-that writes the FP8 tensor and its transposed copy in the same pass.
+"""FP8 casts for the FP8 linear (megalite/fp8): amax per tensor, per row or per column, and the
+saturating cast that writes the FP8 tensor and/or its transposed copy in the same pass.
 
-    amax(x [M, K], rowwise)               -> [] fp32 (tensorwise) or [M, 1] (rowwise), one read of x
-    cast_transpose(x [M, K], scale, dtype) -> q [M, K] and q^T [K, M] in `dtype`, one read of x
+    amax(x [M, K], rowwise)                -> [] fp32 (tensorwise) or [M, 1] (rowwise), one read of x
+    column_amax(x [M, K])                  -> [1, K] fp32, one read of x
+    cast_transpose(x [M, K], scale, dtype) -> q [M, K] and/or q^T [K, M] in `dtype`, one read of x;
+                                              scale [] (tensorwise), [M, 1] (per row) or [1, K] (per column)
 
-The weight gradient's GEMM wants x_q as its right operand in column-major order and the input
-gradient's wants W_q that way: the transposed copy comes from the tile already in registers, so
-a cast costs one read and two writes of one byte instead of a cast plus a transpose pass. The
-scale between the two kernels is computed (and, across tp, all-reduced) by the caller.
+torch._scaled_mm wants its right operand column-major and its left row-major. The weight
+gradient's GEMM (g^T @ x) wants g_q^T row-major and x_q column-major (= x_q^T row-major); the
+input gradient's (g @ W) wants W_q column-major (= W_q^T row-major): the transposed copy comes from
+the tile already in registers, so a cast costs one read and one or two writes of one byte instead
+of a cast plus a transpose pass. Per-column scales (rowwise's weight gradient and W's input-gradient
+cast, whose contraction dims run down the columns) are cast straight into the transposed copy,
+where they are per-row scales of the GEMM operand. The scale between the two kernels is computed
+(and, across tp, all-reduced) by the caller.
 
 Rounding: round to nearest even on the FP8 grid is done here in fp32 arithmetic (the grid's
 spacing from the exponent bits, the 1.5 * 2^23 trick), so the final conversion is exact. The same
@@ -44,14 +50,32 @@ def _amax_kernel(X, AMAX, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr, B
 
 
 @triton.jit
+def _column_amax_kernel(X, AMAX, n_rows, n_cols, x_row_stride, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """AMAX[k] = max_m |x[m, k]|: one program per block of columns walks down all rows."""
+    cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for first in range(0, n_rows, BLOCK_M):
+        rows = first + tl.arange(0, BLOCK_M)[:, None]
+        x = tl.load(X + rows.to(tl.int64) * x_row_stride + cols, mask=(rows < n_rows) & (cols < n_cols), other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    offsets = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(AMAX + offsets, tl.max(acc, axis=0), mask=offsets < n_cols)
+
+
+@triton.jit
 def _cast_transpose_kernel(X, SCALE, FP8_OUT, FP8_OUT_T, n_rows, n_cols, x_row_stride, ROWWISE: tl.constexpr,
-                           WRITE_T: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, LIMIT: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                           COLWISE: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, MANT: tl.constexpr,
+                           MIN_EXP: tl.constexpr, LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
     mask = (rows < n_rows) & (cols < n_cols)
     x = tl.load(X + rows.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(SCALE + rows, mask=rows < n_rows, other=1.0) if ROWWISE else tl.load(SCALE)
+    if ROWWISE:
+        scale = tl.load(SCALE + rows, mask=rows < n_rows, other=1.0)  # [BLOCK_M, 1]
+    elif COLWISE:
+        scale = tl.load(SCALE + cols, mask=cols < n_cols, other=1.0)  # [1, BLOCK_K]
+    else:
+        scale = tl.load(SCALE)
     y = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
     # round to nearest even on the FP8 grid: spacing 2^(max(exponent, MIN_EXP) - MANT) (subnormals below)
     exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
@@ -61,7 +85,8 @@ def _cast_transpose_kernel(X, SCALE, FP8_OUT, FP8_OUT_T, n_rows, n_cols, x_row_s
     magnitude = ((tl.abs(y) * per_spacing + 12582912.0) - 12582912.0) * spacing  # < 2^(MANT+2) steps: exact RNE
     y = tl.where(y < 0, -magnitude, magnitude)  # a negative that rounds to zero stays -0, as torch casts it
     q = y.to(FP8_OUT.dtype.element_ty)
-    tl.store(FP8_OUT + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
+    if WRITE_Q:
+        tl.store(FP8_OUT + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
     if WRITE_T:
         tl.store(FP8_OUT_T + cols.to(tl.int64) * n_rows + rows, q, mask=mask)
 
@@ -76,16 +101,31 @@ def amax(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     return out.view(n_rows, 1) if rowwise else out.max()
 
 
-def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = True):
-    """(q [M, K], q^T [K, M] or None): saturating round-to-nearest-even cast of x * scale, where
-    scale is [] (tensorwise) or [M, 1] (rowwise) fp32."""
+def column_amax(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (unit column stride) -> fp32 [1, K], the amax of each column."""
+    n_rows, n_cols = x.shape
+    out = torch.empty(n_cols, dtype=torch.float32, device=x.device)
+    runnable(_column_amax_kernel, x.device)[(cdiv(n_cols, BLOCK_K),)](x, out, n_rows, n_cols, x.stride(0),
+                                                                     BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
+    return out.view(1, n_cols)
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = True,
+                   rowmajor: bool = True):
+    """(q [M, K] or None, q^T [K, M] or None): saturating round-to-nearest-even cast of x * scale,
+    where scale is fp32 [] (tensorwise), [M, 1] (per row) or [1, K] (per column); `rowmajor` and
+    `transpose` say which of the two copies to write."""
     n_rows, n_cols = x.shape
     mant, min_exp, limit = FORMATS[dtype]
-    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device)
-    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else q
-    rowwise = scale.dim() > 0
+    if not (rowmajor or transpose):
+        raise ValueError("cast_transpose writes nothing: ask for the row-major copy, the transposed one or both")
+    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device) if rowmajor else None
+    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else None
+    colwise = scale.dim() > 0 and tuple(scale.shape) == (1, n_cols)  # (M = 1 or K = 1: the same either way)
+    rowwise = scale.dim() > 0 and not colwise
     grid = (cdiv(n_rows, BLOCK_M), cdiv(n_cols, BLOCK_K))
     runnable(_cast_transpose_kernel, x.device)[grid](
-        x, scale.contiguous(), q, qt, n_rows, n_cols, x.stride(0), ROWWISE=rowwise, WRITE_T=transpose, MANT=mant,
-        MIN_EXP=min_exp, LIMIT=limit, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
-    return q, (qt if transpose else None)
+        x, scale.contiguous(), q if rowmajor else qt, qt if transpose else q, n_rows, n_cols, x.stride(0),
+        ROWWISE=rowwise, COLWISE=colwise, WRITE_Q=rowmajor, WRITE_T=transpose, MANT=mant, MIN_EXP=min_exp,
+        LIMIT=limit, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
+    return q, qt

@@ -95,12 +95,15 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, group_sizes: tor
 
 
 @triton.jit
-def _grouped_mm_kernel(X, W, Y, ROW_OFFSETS, TILE_OFFSETS, n_groups, k_dim, n_cols, x_stride_t, w_stride_e,
-                       w_stride_k, w_stride_n, y_stride_t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_BLOCK: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_mm_kernel(X, W, Y, X_SCALE, W_SCALE, ROW_OFFSETS, TILE_OFFSETS, n_groups, k_dim, n_cols, x_stride_t,
+                       w_stride_e, w_stride_k, w_stride_n, y_stride_t, w_scale_stride_e, w_scale_stride_n,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_BLOCK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """Y[rows of g] = X[rows of g] @ W[g] for one [BLOCK_M, BLOCK_N] tile. X [T, K] (unit column
-    stride), W [E, K, N] by strides (W^T's for dx), Y [T, N]; offsets int32 [E + 1]."""
+    stride), W [E, K, N] by strides (W^T's for dx), Y [T, N]; offsets int32 [E + 1].
+    SCALED (FP8 operands): Y[t, n] = acc[t, n] * X_SCALE[t] * W_SCALE[g, n] (fp32 inverse scales; a
+    per-group scale has w_scale_stride_n 0)."""
     pid = tl.program_id(0)
     col_tiles = tl.cdiv(n_cols, BLOCK_N)
     row_tiles = tl.load(TILE_OFFSETS + n_groups)  # the real count; the grid holds an upper bound
@@ -136,16 +139,26 @@ def _grouped_mm_kernel(X, W, Y, ROW_OFFSETS, TILE_OFFSETS, n_groups, k_dim, n_co
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
+    if SCALED:
+        x_scale = tl.load(X_SCALE + rows, mask=row_mask, other=0.0)  # [BLOCK_M]
+        w_scale = tl.load(W_SCALE + group * w_scale_stride_e + cols * w_scale_stride_n, mask=col_mask, other=0.0)
+        acc = acc * x_scale[:, None] * w_scale[None, :]
     y_ptrs = Y + rows[:, None].to(tl.int64) * y_stride_t + cols[None, :]
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _grouped_mm_weight_grad_kernel(X, DY, DW, ROW_OFFSETS, k_dim, n_cols, x_stride_t, dy_stride_t, dw_stride_e,
-                                   dw_stride_k, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_mm_weight_grad_kernel(X, DY, DW, X_SCALE, DY_SCALE, ROW_OFFSETS, n_rows, k_dim, n_cols, x_stride_t, x_stride_k,
+                                   dy_stride_t, dy_stride_n, dw_stride_e, dw_stride_k, x_scale_stride_e,
+                                   x_scale_stride_k, dy_scale_stride_e, dy_scale_stride_n, BLOCK_K: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                   SCALED: tl.constexpr):
     """DW[g] = X[rows of g]^T @ DY[rows of g] for one [BLOCK_K, BLOCK_N] tile of one group.
-    X [T, K], DY [T, N] (unit column strides), DW [E, K, N] (unit column stride)."""
+    X [T, K], DY [T, N] by strides (unit column strides in 16 bits; FP8 passes the transposed
+    copies, unit row strides, so both operands are contiguous along T, the contraction, as
+    Hopper's FP8 tensor cores want), DW [E, K, N] (unit column stride).
+    SCALED (FP8 operands): DW[g, k, n] = acc * X_SCALE[g, k] * DY_SCALE[g, n] (per-group scales:
+    strides 0 along k / n)."""
     pid = tl.program_id(0)
     k_tiles, col_tiles = tl.cdiv(k_dim, BLOCK_K), tl.cdiv(n_cols, BLOCK_N)
     group = pid // (k_tiles * col_tiles)
@@ -155,15 +168,34 @@ def _grouped_mm_weight_grad_kernel(X, DY, DW, ROW_OFFSETS, k_dim, n_cols, x_stri
     k_mask, col_mask = ks < k_dim, cols < n_cols
     row_start, row_end = tl.load(ROW_OFFSETS + group), tl.load(ROW_OFFSETS + group + 1)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for t in range(row_start, row_end, BLOCK_T):
-        rows = t + tl.arange(0, BLOCK_T)
-        row_mask = rows < row_end
-        # x^T [BLOCK_K, BLOCK_T] read straight from x's rows (its contiguous dimension is K)
-        x_t = tl.load(X + rows[None, :].to(tl.int64) * x_stride_t + ks[:, None],
-                      mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-        dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :],
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(x_t, dy, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        # FP8 operands are the transposed copies, contiguous along T: loads of BLOCK_T-aligned row
+        # blocks masked only at the end of the tensor (n_rows) vectorise; the rows outside the group
+        # are zeroed after the load
+        for t in range((row_start // BLOCK_T) * BLOCK_T, row_end, BLOCK_T):
+            rows = t + tl.arange(0, BLOCK_T)
+            inside = (rows >= row_start) & (rows < row_end)
+            x_t = tl.load(X + rows[None, :].to(tl.int64) * x_stride_t + ks[:, None].to(tl.int64) * x_stride_k,
+                          mask=k_mask[:, None] & (rows < n_rows)[None, :], other=0.0)
+            dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :].to(tl.int64) * dy_stride_n,
+                         mask=(rows < n_rows)[:, None] & col_mask[None, :], other=0.0)
+            x_t = tl.where(inside[None, :], x_t, tl.zeros_like(x_t))
+            dy = tl.where(inside[:, None], dy, tl.zeros_like(dy))  # (another group's inf or NaN must not leak in)
+            acc = tl.dot(x_t, dy, acc)
+    else:
+        for t in range(row_start, row_end, BLOCK_T):
+            rows = t + tl.arange(0, BLOCK_T)
+            row_mask = rows < row_end
+            # x^T [BLOCK_K, BLOCK_T] read straight from x's rows (its contiguous dimension is K)
+            x_t = tl.load(X + rows[None, :].to(tl.int64) * x_stride_t + ks[:, None],
+                          mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+            dy = tl.load(DY + rows[:, None].to(tl.int64) * dy_stride_t + cols[None, :],
+                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(x_t, dy, acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        x_scale = tl.load(X_SCALE + group * x_scale_stride_e + ks * x_scale_stride_k, mask=k_mask, other=0.0)
+        dy_scale = tl.load(DY_SCALE + group * dy_scale_stride_e + cols * dy_scale_stride_n, mask=col_mask, other=0.0)
+        acc = acc * x_scale[:, None] * dy_scale[None, :]
     dw_ptrs = DW + group.to(tl.int64) * dw_stride_e + ks[:, None] * dw_stride_k + cols[None, :]
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
@@ -178,36 +210,43 @@ def _schedule(group_sizes: torch.Tensor, block_m: int) -> tuple[torch.Tensor, to
     return row_offsets, torch.cat([zero, tiles.cumsum(0, dtype=torch.int32)])
 
 
-def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (unit column stride) times weight [E, K, N] (any strides: a transposed view for dx)."""
+def _launch_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, scales=None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] (unit column stride) times weight [E, K, N] (any strides: a transposed view for dx).
+    FP8 operands: `scales` = (x's fp32 [T], weight's fp32 [E, N] (any strides)), output `out_dtype`."""
     tokens, k_dim = x.shape
     n_groups, _, n_cols = weight.shape
-    tiles = gemm_tiles(x.device, x.dtype)
+    tiles = gemm_tiles(x.device, torch.bfloat16 if scales is not None else x.dtype)  # FP8: the 16-bit tiles
     row_offsets, tile_offsets = _schedule(group_sizes, tiles.block_m)
-    y = new_output((tokens, n_cols), x.dtype, x.device)
+    y = new_output((tokens, n_cols), out_dtype or x.dtype, x.device)
+    x_scale, w_scale = scales if scales is not None else (y, y)  # (never read unscaled)
     row_tile_bound = triton.cdiv(tokens, tiles.block_m) + n_groups  # each group's last tile may be partial
     grid = (row_tile_bound * triton.cdiv(n_cols, tiles.block_n),)
     runnable(_grouped_mm_kernel, x.device)[grid](
-        x, weight, y, row_offsets, tile_offsets, n_groups, k_dim, n_cols, x.stride(0), weight.stride(0),
-        weight.stride(1), weight.stride(2), y.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, GROUP_BLOCK=next_power_of_2(n_groups), GROUP_M=tiles.group_m,
-        EVEN_K=k_dim % tiles.block_k == 0, DOT_PRECISION=dot_precision(x.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        x, weight, y, x_scale, w_scale, row_offsets, tile_offsets, n_groups, k_dim, n_cols, x.stride(0),
+        weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), w_scale.stride(0), w_scale.stride(1),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_BLOCK=next_power_of_2(n_groups),
+        GROUP_M=tiles.group_m, EVEN_K=k_dim % tiles.block_k == 0, DOT_PRECISION=dot_precision(x.dtype),
+        SCALED=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
-def _launch_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """dweight [E, K, N] from x [T, K] and dy [T, N], both with unit column strides."""
+def _launch_weight_grad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor, scales=None) -> torch.Tensor:
+    """dweight [E, K, N] from x [T, K] and dy [T, N], both with unit column strides, or (FP8) views
+    of the transposed copies (unit row strides). FP8 operands: `scales` = (x's fp32 [E, K], dy's fp32
+    [E, N], any strides), dweight in fp32."""
     (_, k_dim), n_cols, n_groups = x.shape, dy.shape[1], group_sizes.shape[0]
-    tiles = gemm_tiles(x.device, x.dtype)
+    tiles = gemm_tiles(x.device, torch.bfloat16 if scales is not None else x.dtype)
     row_offsets, _ = _schedule(group_sizes, tiles.block_m)
-    dweight = new_output((n_groups, k_dim, n_cols), x.dtype, x.device)
+    dweight = new_output((n_groups, k_dim, n_cols), torch.float32 if scales is not None else x.dtype, x.device)
+    x_scale, dy_scale = scales if scales is not None else (dweight, dweight)
     block_k = tiles.block_m  # the K side of the tile plays the forward's row side
     grid = (n_groups * triton.cdiv(k_dim, block_k) * triton.cdiv(n_cols, tiles.block_n),)
     runnable(_grouped_mm_weight_grad_kernel, x.device)[grid](
-        x, dy, dweight, row_offsets, k_dim, n_cols, x.stride(0), dy.stride(0), dweight.stride(0),
-        dweight.stride(1), BLOCK_K=block_k, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        x, dy, dweight, x_scale, dy_scale, row_offsets, x.shape[0], k_dim, n_cols, x.stride(0), x.stride(1), dy.stride(0),
+        dy.stride(1), dweight.stride(0), dweight.stride(1), x_scale.stride(0), x_scale.stride(-1), dy_scale.stride(0), dy_scale.stride(-1),
+        BLOCK_K=block_k, BLOCK_N=tiles.block_n, BLOCK_T=tiles.block_t, DOT_PRECISION=dot_precision(x.dtype),
+        SCALED=scales is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return dweight
 
 
@@ -247,6 +286,20 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor)
     check_same_device("grouped_mm", x, weight, group_sizes)
     check_float_dtype("grouped_mm", x, "x")
     return _GroupedMMFunction.apply(x, weight, group_sizes)
+
+
+def fp8_grouped_mm(x_q: torch.Tensor, weight_q: torch.Tensor, group_sizes: torch.Tensor, x_scale: torch.Tensor,
+                   w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 operands (megalite/fp8/grouped.py): y [T, N] in out_dtype = (x_q [T, K] @ weight_q[g] [K, N], by
+    strides) * x_scale [T] (per row) * w_scale [E, N] (any strides), the inverse scales on the fp32 accumulator."""
+    return _launch_mm(x_q, weight_q, group_sizes, (x_scale, w_scale), out_dtype)
+
+
+def fp8_grouped_mm_weight_grad(x_q: torch.Tensor, dy_q: torch.Tensor, group_sizes: torch.Tensor,
+                               x_scale: torch.Tensor, dy_scale: torch.Tensor) -> torch.Tensor:
+    """FP8 operands: dweight [E, K, N] fp32 = x_q[g]^T @ dy_q[g] * x_scale[g, k] * dy_scale[g, n]; x_q [T, K] and
+    dy_q [T, N] are views of transposed copies (unit row strides: contiguous along T, the contraction)."""
+    return _launch_weight_grad(x_q, dy_q, group_sizes, (x_scale, dy_scale))
 
 
 def grouped_mm_grads(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, dy: torch.Tensor,

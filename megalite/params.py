@@ -64,7 +64,8 @@ class ParamInfo:
     deferred: tuple[Any, Hashable] | None = None
     """Set by the pipeline executor during a zero-bubble B pass: (WeightGradStore, key)."""
     fp8_amax_group: tuple | None = None
-    """A weight its layer casts to FP8 tensorwise: (the group its amax spans, the tp group or None);
+    """A weight its layer casts to FP8 tensorwise: (the group its amax spans, the tp group or None;
+    whether its scale is rounded to a power of two, the recipe's `pow2_scales`);
     None for every other parameter. ZeRO-3 may then gather it in FP8 (--fp8-param-gather)."""
     fp8_gathered: tuple | None = None
     """Set by ZeRO-3's FP8 gather while the weight is gathered: (FP8 values [shape], 1/scale []),

@@ -26,10 +26,19 @@ class Fp8Format(enum.StrEnum):
 
 
 class Fp8ScalingRecipe(enum.StrEnum):
-    """--fp8-recipe: one scale per tensor, or one per row along each GEMM's contraction dim."""
+    """--fp8-recipe: one scale per tensor, one per row along each GEMM's contraction dim, or per
+    1 x 128 activation tile and 128 x 128 weight block (DeepSeek-V3)."""
 
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+
+
+class Fp8Scales(enum.StrEnum):
+    """--fp8-scales: each scale rounded down to a power of two (layout-free to the bit), or max / amax."""
+
+    POW2 = "pow2"
+    EXACT = "exact"
 
 
 class Recompute(enum.StrEnum):

@@ -16,7 +16,7 @@ from megalite.config.model import PRESETS
 from megalite.config.bounds import Bounds
 from megalite.config.choices import (
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
-    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe)
+    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales)
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -226,7 +226,10 @@ class PrecisionSettings:
     fp8_format: Fp8Format | None = setting(None, "FP8 GEMMs in every transformer-block linear and expert (off by "
                                                  "default): e4m3, or hybrid (e5m2 gradients); docs/fp8.md")
     fp8_recipe: Fp8ScalingRecipe = setting(Fp8ScalingRecipe.TENSORWISE, "with --fp8-format: one scale per tensor "
-                                                                         "(tensorwise) or per row (rowwise)")
+                                                                         "(tensorwise), per row (rowwise), or per "
+                                                                         "1x128 / 128x128 tile (blockwise)")
+    fp8_scales: Fp8Scales = setting(Fp8Scales.POW2, "with --fp8-format: scales rounded down to a power of two "
+                                                    "(pow2) or fp8 max / amax as it comes (exact); docs/fp8.md")
     fp8_param_gather: bool = setting(False, "with --fp8-format and --zero 3: all-gather the FP8 layers' weights in "
                                             "FP8 (1 byte per element on the wire); tensorwise only")
 

@@ -39,6 +39,7 @@ class Fp8UnitGather:
             if group is not None:
                 weight_of[slot.start - bucket.start:slot.end - bucket.start] = len(self.amax_groups)
                 self.amax_groups.append(group[0])
+                self.pow2_scales = group[1]  # the run's recipe: the same for every FP8 weight
                 self.weights.append((p, slot.start - bucket.start, slot.end - bucket.start))
         chunks = weight_of.view(n, c)
         fp8_local = [torch.nonzero(chunks[q] >= 0).flatten() for q in range(n)]  # chunk-relative positions
@@ -68,7 +69,7 @@ class Fp8UnitGather:
             members = torch.tensor([k for k, g in enumerate(self.amax_groups) if g is tp_group], device=chunk.device)
             part = local[members].contiguous()
             local[members] = comm.all_reduce(part, tp_group, op="max")
-        return scale_of(local, FP8)
+        return scale_of(local, FP8, self.pow2_scales)
 
     def pack(self, chunk: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """This rank's wire [K + O*esize] uint8 from its chunk (training dtype, [c])."""

@@ -6,7 +6,11 @@ format   e4m3: every GEMM operand in float8_e4m3fn (max 448, 3 mantissa bits);
 recipe   tensorwise: one scale per tensor, 448 / amax of the *whole logical tensor* (a shard over
          tp or sp takes its amax over the tp group, so every layout casts the same numbers);
          rowwise: one scale per row of each GEMM operand along the contraction dimension
-         (torchao's rowwise: an outlier spoils one row, not the tensor).
+         (torchao's rowwise: an outlier spoils one row, not the tensor);
+         blockwise: 1 x 128 activation tiles and 128 x 128 weight blocks (DeepSeek-V3; megalite.fp8.blockwise).
+scales   pow2 (default): each scale rounded down to a power of two, so an amax that moves by an
+         ulp (another tp layout's summation order) leaves the cast unchanged (megalite.fp8.scaling);
+         exact: max / amax as it comes (Transformer Engine's current scaling).
 
 Current scaling only (the scale from this tensor's own amax, no history): nothing to checkpoint.
 """
@@ -17,19 +21,23 @@ from dataclasses import dataclass
 import torch
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+SCALES = ("pow2", "exact")
 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
     format: str = "e4m3"
     recipe: str = "tensorwise"
+    scales: str = "pow2"
 
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ValueError(f"--fp8-format {self.format!r} is not one of {', '.join(FORMATS)}")
         if self.recipe not in RECIPES:
             raise ValueError(f"--fp8-recipe {self.recipe!r} is not one of {', '.join(RECIPES)}")
+        if self.scales not in SCALES:
+            raise ValueError(f"--fp8-scales {self.scales!r} is not one of {', '.join(SCALES)}")
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -45,11 +53,21 @@ class Fp8Recipe:
     def rowwise(self) -> bool:
         return self.recipe == "rowwise"
 
+    @property
+    def blockwise(self) -> bool:
+        return self.recipe == "blockwise"
+
+    @property
+    def pow2_scales(self) -> bool:
+        return self.scales == "pow2"
+
     def describe(self) -> str:
-        return f"fp8 {self.format} {self.recipe}"
+        return f"fp8 {self.format} {self.recipe}" + ("" if self.pow2_scales else " (exact scales)")
 
 
 def recipe_from(cfg) -> Fp8Recipe | None:
     """The run's recipe from a RunConfig's precision settings; None without --fp8-format."""
     prec = cfg.precision
-    return None if prec.fp8_format is None else Fp8Recipe(str(prec.fp8_format), str(prec.fp8_recipe))
+    if prec.fp8_format is None:
+        return None
+    return Fp8Recipe(str(prec.fp8_format), str(prec.fp8_recipe), str(prec.fp8_scales))

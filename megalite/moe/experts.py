@@ -49,11 +49,12 @@ class LocalExperts(nn.ModuleDict):
     index (so a layer's parameters are `experts.{e}.fc1_weight`).
 
     forward(x [R, h] rows sorted by local expert, group_sizes [E_local] int64) -> [R, h], partial over tp.
-    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): each expert's two GEMMs run in FP8, one expert
-    after another (megalite.fp8.experts), instead of the grouped GEMM.
+    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the experts' GEMMs run as grouped FP8 GEMMs
+    (megalite.fp8.experts); `fp8_tokens`: the ranks routing the rest of each microbatch (their amaxes span it).
     """
 
     fp8 = None
+    fp8_tokens = None
 
     def __init__(self, hidden_size: int, ffn: int, gated: bool, expert_ids: range, base_seed: int, init_std: float,
                  num_layers: int, tp_group, dtype=None, device=None):

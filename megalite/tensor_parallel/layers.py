@@ -146,10 +146,12 @@ class ColumnParallelLinear(nn.Module):
     `sequence_parallel=True` the sequence shard [s/tp, b, in] (gathered here along dim 0; only the
     shard is kept for backward, which re-gathers it).
     Output: [..., out/tp], or [..., out] with `gather_output=True`.
-    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the GEMMs run in FP8, the SP gather too.
+    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the GEMMs run in FP8, the SP gather too;
+    `fp8_tokens`: the cp group (the other tokens of x's sequences: the amaxes span it).
     """
 
     fp8 = None
+    fp8_tokens = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  tp_group=None, sequence_parallel: bool = False, *, init_method: InitMethod | None = None,
@@ -180,7 +182,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:  # the same regions, the GEMMs (and the SP all-gather) in FP8
             x = x if self.sequence_parallel else mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-            y = fp8_linear(x, self.weight, self.bias, self.fp8, self.tp_group, "column", self.sequence_parallel)
+            y = fp8_linear(x, self.weight, self.bias, self.fp8, self.tp_group, "column", self.sequence_parallel,
+                           self.fp8_tokens)
         elif self.sequence_parallel:  # [s/tp, b, in] -> [s, b, out/tp], keeping only the shard for backward
             y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
         else:
@@ -205,10 +208,11 @@ class RowParallelLinear(nn.Module):
     once after the reduction. Input: [..., in/tp] (`input_is_parallel=True`, the output of a
     ColumnParallelLinear) or [..., in] (scattered here). Output: [..., out] summed over tp, or
     with `sequence_parallel=True` the reduce-scattered sequence shard [s/tp, b, out].
-    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the GEMMs run in FP8.
+    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the GEMMs run in FP8; `fp8_tokens`: the cp group.
     """
 
     fp8 = None
+    fp8_tokens = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  tp_group=None, sequence_parallel: bool = False, *, init_method: InitMethod | None = None,
@@ -238,7 +242,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)  # [..., in] -> [..., in/tp]
         y = linear(x, self.weight, None) if self.fp8 is None else \
-            fp8_linear(x, self.weight, None, self.fp8, self.tp_group, "row")  # partial sums [..., out]
+            fp8_linear(x, self.weight, None, self.fp8, self.tp_group, "row", tokens=self.fp8_tokens)  # partial sums
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [s, b, out] -> [s/tp, b, out]
         else:

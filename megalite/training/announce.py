@@ -81,5 +81,8 @@ def _fp8_words(cfg: RunConfig, mesh: Mesh) -> str:
     if prec.fp8_format is None:
         return ""
     where = " (torch._scaled_mm on a CPU: for testing, not speed)" if mesh.device.type == "cpu" else ""
-    return (f" + fp8 {prec.fp8_format} {prec.fp8_recipe} GEMMs{where}"
+    if prec.fp8_recipe == "blockwise":  # no scaled GEMM computes per-128 scales: fp32 on dequantised tiles
+        where = " (a torch reference: numerics, not speed)"
+    scales = "" if prec.fp8_scales == "pow2" else " (exact scales)"
+    return (f" + fp8 {prec.fp8_format} {prec.fp8_recipe}{scales} GEMMs{where}"
             + ("; FP8 parameter gathers" if prec.fp8_param_gather else ""))

@@ -58,7 +58,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
                                moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
-        convert_to_fp8(chunks[-1], recipe_from(cfg))  # --fp8-format: the blocks' linears compute in FP8
+        convert_to_fp8(chunks[-1], recipe_from(cfg), mesh.cp_group)  # --fp8-format: the blocks' linears in FP8
     return chunks
 
 

@@ -7,18 +7,24 @@ from megalite.fp8.linear import fp8_linear
 from megalite.fp8.scaling import quantize
 
 
-def _dq(t, dtype, dim=None):
-    """Quantise-dequantise with an independent computation of the scale (max / amax)."""
+def _dq(t, dtype, dim=None, pow2=True):
+    """Quantise-dequantise with an independent computation of the scale (max / amax, or the power of
+    two at or below it)."""
     limit = torch.finfo(dtype).max
     a = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
     scale = limit / a.clamp(min=1e-12)
+    if pow2:
+        scale = 2.0 ** torch.floor(torch.log2(scale.double())).float()
     return (t * scale).clamp(-limit, limit).to(dtype).float() / scale
 
 
-@pytest.mark.parametrize("fmt,recipe", [("e4m3", "tensorwise"), ("hybrid", "tensorwise"), ("hybrid", "rowwise")])
-def test_fp8_linear_matches_the_dequantised_reference(fmt, recipe):
+@pytest.mark.parametrize("fmt,recipe,scales", [("e4m3", "tensorwise", "pow2"), ("hybrid", "tensorwise", "pow2"),
+                                               ("hybrid", "rowwise", "pow2"), ("hybrid", "tensorwise", "exact"),
+                                               ("e4m3", "rowwise", "exact")])
+def test_fp8_linear_matches_the_dequantised_reference(fmt, recipe, scales):
     torch.manual_seed(0)
-    r = Fp8Recipe(fmt, recipe)
+    r = Fp8Recipe(fmt, recipe, scales)
+    dq = lambda t, dtype, dim=None: _dq(t, dtype, dim, r.pow2_scales)  # noqa: E731
     x = torch.randn(3, 5, 32, requires_grad=True)  # [s, b, K]
     w = torch.randn(24, 32, requires_grad=True)  # [N, K]
     b = torch.randn(24, requires_grad=True)
@@ -27,9 +33,9 @@ def test_fp8_linear_matches_the_dequantised_reference(fmt, recipe):
     y.backward(g)
     rw = r.rowwise
     x2, g2 = x.detach().reshape(-1, 32), g.reshape(-1, 24)
-    y_ref = _dq(x2, r.forward_dtype, -1 if rw else None) @ _dq(w.detach(), r.forward_dtype, -1 if rw else None).t()
-    dx_ref = _dq(g2, r.grad_dtype, -1 if rw else None) @ _dq(w.detach(), r.forward_dtype, 0 if rw else None)
-    dw_ref = _dq(g2, r.grad_dtype, 0 if rw else None).t() @ _dq(x2, r.forward_dtype, 0 if rw else None)
+    y_ref = dq(x2, r.forward_dtype, -1 if rw else None) @ dq(w.detach(), r.forward_dtype, -1 if rw else None).t()
+    dx_ref = dq(g2, r.grad_dtype, -1 if rw else None) @ dq(w.detach(), r.forward_dtype, 0 if rw else None)
+    dw_ref = dq(g2, r.grad_dtype, 0 if rw else None).t() @ dq(x2, r.forward_dtype, 0 if rw else None)
     torch.testing.assert_close(y.detach().reshape(-1, 24), y_ref + b.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.reshape(-1, 32), dx_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad, dw_ref, rtol=1e-5, atol=1e-5)
@@ -53,6 +59,20 @@ def test_scaled_mm_fallback_computes_the_same():
         gemm._UNSUPPORTED.clear()
     assert gemm.fallbacks == before + 1
     torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+
+
+def test_power_of_two_scales_ignore_an_ulp_of_amax():
+    """The scale is 2^floor(log2(max / amax)): amax moved by an ulp keeps it (unless a power of two is
+    crossed), where the exact scale moves with it and re-rounds every element of the cast."""
+    from megalite.fp8.scaling import scale_of
+
+    a = torch.tensor([3.0, 1e-3, 449.0, 1e-12, 7e5])
+    pow2 = scale_of(a, torch.float8_e4m3fn)
+    assert torch.equal(pow2, 2.0 ** torch.floor(torch.log2(448.0 / a.double())).float())
+    assert scale_of(torch.tensor(448.0), torch.float8_e4m3fn) == 1.0  # (an amax at a power of two's boundary)
+    assert torch.equal(pow2, scale_of(a.nextafter(torch.full_like(a, 1e9)), torch.float8_e4m3fn))
+    assert not torch.equal(scale_of(a, torch.float8_e4m3fn, pow2=False),
+                           scale_of(a.nextafter(torch.full_like(a, 1e9)), torch.float8_e4m3fn, pow2=False))
 
 
 def test_an_all_zero_tensor_casts_to_zeros():

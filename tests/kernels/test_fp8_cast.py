@@ -46,3 +46,54 @@ def test_quantize_runs_the_kernels_where_they_apply_with_the_same_result(rowwise
     assert launched == ([] if rowwise_dim == 0 else [1])  # per column (along the tokens): torch's path
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
     assert torch.equal(got[1], expected[1]) and got[1].shape == expected[1].shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_per_column_scales_cast_straight_into_the_transposed_copy(dtype, monkeypatch):
+    """column_amax and a [1, K] scale (rowwise's weight gradient, W's input-gradient cast): the
+    transposed copy alone, the same bits as torch's per-column cast transposed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(2)
+    x = torch.randn(130, 70) * torch.logspace(-5, 2, 130)[:, None]  # rows from 1e-5 to 1e2
+    a = fp8_cast.column_amax(x)
+    assert torch.equal(a, torch_amax(x, 0))
+    scale = scale_of(a, dtype)
+    q, qt = fp8_cast.cast_transpose(x, scale, dtype, rowmajor=False)
+    assert q is None
+    assert torch.equal(qt.view(torch.uint8), cast(x, scale, dtype).t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_on_the_kernels_equals_its_torch_path_bit_for_bit(recipe, monkeypatch):
+    """The FP8 linear with every cast by the kernel (one pass writing the row-major and/or the
+    transposed copy each GEMM reads) against the same linear on torch's casts and transposes:
+    output and all three gradients bit-equal; and no cast is followed by a separate transpose."""
+    from megalite.fp8 import Fp8Recipe
+    from megalite.fp8.linear import fp8_linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    r = Fp8Recipe("hybrid", recipe)
+
+    def run(backend):
+        monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", backend)
+        torch.manual_seed(0)
+        x = torch.randn(6, 5, 40, requires_grad=True)  # [s, b, K]
+        w = torch.randn(24, 40, requires_grad=True)  # [N, K]
+        b = torch.randn(24, requires_grad=True)
+        y = fp8_linear(x, w, b, r)
+        y.backward(torch.randn(6, 5, 24))
+        return [y.detach(), x.grad, w.grad, b.grad]
+
+    expected = run("torch")
+    writes = []
+    real = fp8_cast.cast_transpose
+    monkeypatch.setattr(fp8_cast, "cast_transpose",
+                        lambda x, s, d, transpose=True, rowmajor=True: writes.append((rowmajor, transpose))
+                        or real(x, s, d, transpose, rowmajor))
+    got = run("triton")
+    for what, a, e in zip(("y", "dx", "dW", "db"), got, expected):
+        assert torch.equal(a, e), what
+    if recipe == "tensorwise":  # x: forward + wgrad; W: forward, then its transposed copy; g: both copies
+        assert sorted(writes) == sorted([(True, True), (True, False), (False, True), (True, True)])
+    else:  # x, W forward (per row); g per row, W per column (transposed); wgrad: g, x per column (transposed)
+        assert sorted(writes) == sorted([(True, False)] * 3 + [(False, True)] * 3)
