@@ -47,7 +47,7 @@ from triton.runtime.jit import native_specialize_impl
 
 # The package's __init__ (run before this module) has imported triton through dispatch, in the
 # mode TRITON_INTERPRET asks for; compile_all refuses an interpreter-mode one.
-from . import attention_tiles, column_sum, flash_attention, fp8_cast
+from . import attention_tiles, column_sum, flash_attention, fp8_cast, grouped_gemm, moe_permute
 from . import flash_attention_backward as backward
 from .dispatch import interpreter_ready, next_power_of_2
 
@@ -225,8 +225,6 @@ def fp8_variants(arch: int = 90):
 def fp8_grouped_variants(arch: int):
     """The experts' grouped GEMM with FP8 operands (megalite/fp8/grouped.py), per-expert tensorwise
     scales, the 16-bit tiles: forward (e4m3 x e4m3), dx (e5m2 gradient x e4m3 weight^T), dweight."""
-    from . import grouped_gemm
-
     tiles = grouped_gemm.TILES[(min(arch // 10, 9), True)]
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     e4m3, e5m2 = "*fp8e4nv", "*fp8e5"
@@ -289,8 +287,6 @@ MOE_EXPERTS, MOE_TOP_K = 8, 2
 def moe_variants(dtype: torch.dtype, arch: int = 90):
     """The grouped GEMM (forward, dx on weight^T's strides, dweight) with the tiles gemm_tiles picks on
     `arch`, for the up projection [4096 -> 14336] and the down one; the permute row moves."""
-    grouped_gemm, moe_permute = (importlib.import_module(f"{__package__}.{name}")
-                                 for name in ("grouped_gemm", "moe_permute"))
     tiles = grouped_gemm.TILES[(min(arch // 10, 9), dtype != torch.float32)]
     precision = "ieee" if dtype == torch.float32 else "tf32"
     options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
