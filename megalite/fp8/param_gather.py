@@ -31,7 +31,8 @@ class Fp8UnitGather:
     def __init__(self, params, slots, bucket, shard_rank: int, dtype: torch.dtype, device):
         n, c = bucket.shard_count, bucket.chunk_numel
         self.n, self.c, self.shard_rank, self.dtype = n, c, shard_rank, dtype
-        weight_of = torch.full((bucket.numel,), -1, dtype=torch.long)  # [N]: FP8 weight index or -1
+        # the index maps are built on the host (static, from the layout; under --simulate the default device is meta)
+        weight_of = torch.full((bucket.numel,), -1, dtype=torch.long, device="cpu")  # [N]: FP8 weight index or -1
         self.amax_groups = []  # per FP8 weight: the group its amax also spans (tp), or None
         self.weights = []  # per FP8 weight: (parameter, [start, end) in the unit's buffer)
         for p, slot in zip(params, slots):
@@ -52,10 +53,10 @@ class Fp8UnitGather:
         self.mine_fp8, self.mine_other = mine_fp8.to(device), mine_other.to(device)
         self.mine_weight = chunks[shard_rank][mine_fp8].to(device)  # [k_r] weight index of each FP8 element
         # unpacking: (position in the gathered [n, K] / [n, O] parts) -> (position in the full buffer)
-        self.fp8_src = torch.cat([q * self.K + torch.arange(len(i)) for q, i in enumerate(fp8_local)]).to(device)
+        self.fp8_src = torch.cat([q * self.K + torch.arange(len(i), device="cpu") for q, i in enumerate(fp8_local)]).to(device)
         self.fp8_dst = torch.cat([q * c + i for q, i in enumerate(fp8_local)]).to(device)
         self.fp8_weight = weight_of[self.fp8_dst.cpu()].to(device)
-        self.other_src = torch.cat([q * self.O + torch.arange(len(i)) for q, i in enumerate(other_local)]).to(device)
+        self.other_src = torch.cat([q * self.O + torch.arange(len(i), device="cpu") for q, i in enumerate(other_local)]).to(device)
         self.other_dst = torch.cat([q * c + i for q, i in enumerate(other_local)]).to(device)
 
     def scales(self, chunk: torch.Tensor, group) -> torch.Tensor:
