@@ -79,6 +79,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x_inv2 = x_inv.reshape(-1, 1) if recipe.rowwise else x_inv
         y = gemm.scaled_mm(x_q2, w_q.t(), x_inv2, w_inv, x.dtype).view(*lead, weight.shape[0])
         ctx.recipe, ctx.group, ctx.kind, ctx.sp = recipe, group, kind, sp
+        # the parameter itself: a saved-tensor hook (activation offloading, --simulate's memory count)
+        # hands backward another Python object for it, without ZeRO-3's gathered FP8 copy
+        ctx.parameter = weight
         ctx.k_group, ctx.n_group = k_group, n_group
         ctx.save_for_backward(saved_x, None if recipe.rowwise else x_inv, weight, bias)
         return y + bias if bias is not None else y
@@ -127,7 +130,7 @@ def _dgrad(ctx, g2: torch.Tensor, g_tensorwise, weight: torch.Tensor, out_dtype)
     else:
         tp_group = ctx.group if comm.group_size(ctx.group) > 1 else None
         g_q, _, g_inv = g_tensorwise
-        gathered = P.fp8_gathered(weight)  # --fp8-param-gather: ZeRO-3 gathered W_q, nothing to cast
+        gathered = P.fp8_gathered(ctx.parameter)  # --fp8-param-gather: ZeRO-3 gathered W_q, nothing to cast
         if gathered is not None:
             w_t, w_inv = gathered[0].t().contiguous(), gathered[1]
         else:

@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
+from megalite.plan import fp8
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule, interleaved_compute
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
@@ -133,7 +134,9 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
         total += 3 * a * s * b * f // t
     if ulysses and recompute == "none":
         total += 2 * 8 * 2 * cfg.parallel.cp                            # int64 chunk orders of its two reorderings
-    return total
+    # FP8 tensorwise keeps the linears' inputs in 1 byte (plan/fp8.py)
+    total += fp8.attention_saved_change(model, cfg, recompute, output_kept_once(cfg, attention))
+    return total + fp8.mlp_saved_change(model, cfg)
 
 
 def embedding_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
@@ -274,7 +277,8 @@ def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
     tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size
     dense = (2 if model.flavour == "gpt2" else 3) * a * tokens * model.ffn_hidden_size // t
     dense += a * tokens * model.hidden_size // sp  # the MLP-in linear's input
-    return routing_activation_bytes(model, cfg) - dense
+    dense += fp8.mlp_saved_change(model, cfg)  # as layer_activation_bytes counted the dense MLP under FP8
+    return routing_activation_bytes(model, cfg) + fp8.expert_saved_change(model, cfg) - dense
 
 
 def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:

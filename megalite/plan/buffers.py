@@ -14,13 +14,18 @@ training dtype, T = s/cp * b tokens of a microbatch, h the hidden size:
   handing each expert its slice: 2*a*(E/ep)*h*max(mlp_in, f_e)/etp for the widest GEMM (fc1:
   h x mlp_in, mlp_in = 2 f_e for SwiGLU). At Mixtral 8x7B, ep 1, etp 1, that is 3.76 GB.
 
-The larger of the two is the stage's buffer term: the blocks run one at a time.
+- FP8 (--fp8-format): tensorwise keeps the MLP-out linear's input only as FP8, but the input lives
+  beside the output until the MLP returns; and its forward GEMM holds the FP8 operands beside the
+  output (plan/fp8.forward_buffer_bytes).
+
+The larger of these is the stage's buffer term: the blocks run one at a time.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
+from megalite.plan import fp8
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length
 from megalite.plan.moe import stage_moe_layers
 
@@ -50,6 +55,7 @@ def expert_gemm_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
 def buffer_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     """Transient bytes live at the peak of a rank of pipeline stage `stage` (module docstring)."""
     dense = block_output_bytes(model, cfg)
+    dense = max(dense, fp8.forward_buffer_bytes(model, cfg, dense))  # FP8: the MLP-out linear's working set
     if model.moe is None or not stage_moe_layers(model, cfg, stage):
         return dense
     return max(dense, expert_gemm_buffer_bytes(model, cfg))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
-from megalite.plan import fp8
+from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, dp_group_name, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
@@ -54,6 +54,8 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
 
     for key, n in context_parallel_bytes(model, cfg, stage).items():
         add(key, n)
+    for group, (_, n) in fp8_amax.amax_all_reduces(model, cfg, stage).items():  # FP8's scales (plan/fp8_amax.py)
+        add(f"{group}/all_reduce", n)
     params = stage_params(model, cfg, stage)
     for key, n in dispatch_bytes(model, cfg, stage).items():  # MoE token dispatch over ep
         add(key, n)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
-from megalite.plan.layout import stage_layers
-from megalite.plan.moe import stage_moe_layers
+from megalite.plan.layout import DTYPE_BYTES, local_seq_length, stage_layers
+from megalite.plan.moe import routed_tokens, stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -62,6 +62,74 @@ def sp_input_gather_bytes(cfg: RunConfig, u: int, a: int, tokens: int) -> int:
     if cfg.precision.fp8_recipe == "rowwise":  # FP8 + fp32 scales forward, the training dtype again
         return u // a + 4 * tokens + u
     return 2 * (u // a)
+
+
+def _saves_fp8_inputs(cfg: RunConfig) -> bool:
+    """Tensorwise keeps each linear's input as FP8 (x_q^T, or the SP shard x_q) and its scale for
+    backward; rowwise and blockwise keep the input itself (their weight-gradient scales run along
+    the tokens, another direction), as the training-dtype linear does."""
+    return enabled(cfg) and cfg.precision.fp8_recipe == "tensorwise"
+
+
+def attention_saved_change(model: GPTConfig, cfg: RunConfig, recompute: str, kept_once: bool) -> int:
+    """Bytes one block keeps for backward beyond plan/activations' count, per microbatch, from its
+    attention's two FP8 linears (tensorwise): the QKV input in 1 byte instead of a (the norm output
+    [s, b, h]/sp is then not kept), the out-projection's input x_q^T [h/tp, s*b] in 1 byte, and a 4-byte
+    scale each. The attention output stays where the core keeps it for its own backward (the Triton
+    kernels without recompute: `kept_once`); else its copy is no longer kept (a -> 1 byte)."""
+    if not _saves_fp8_inputs(cfg):
+        return 0
+    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
+    sbh = local_seq_length(model, cfg) * cfg.training.micro_batch_size * model.hidden_size
+    out_input = sbh // model.hidden_size * model.num_attention_heads * model.head_dim // t
+    out_change = out_input if (kept_once and recompute == "none") else -(a - 1) * out_input
+    return -(a - 1) * sbh // sp + out_change + 2 * 4
+
+
+def mlp_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
+    """The same for a dense MLP's two FP8 linears: fc1's input (the norm output) and fc2's (the
+    activation's output [s, b, f/tp], which nothing else keeps) in 1 byte instead of a, and two scales."""
+    if not _saves_fp8_inputs(cfg):
+        return 0
+    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    sp = t if cfg.parallel.sequence_parallel else 1
+    tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size
+    return -(a - 1) * (tokens * model.hidden_size // sp + tokens * model.ffn_hidden_size // t) + 2 * 4
+
+
+def expert_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
+    """Bytes an MoE block's grouped FP8 experts keep beyond plan/moe's routing count, per microbatch:
+    each of the two grouped GEMMs keeps its rows' group ids (int64 [R], R = the rows this rank's experts
+    receive) and, tensorwise, its input as x_q^T in 1 byte instead of a ([R, h] into fc1, [R, f_e/etp]
+    into fc2) with the [E] per-expert scales. Blockwise runs the experts through the FP8 linear one
+    after another (views of the rows: nothing more)."""
+    if not enabled(cfg) or cfg.precision.fp8_recipe == "blockwise":
+        return 0
+    moe, a = model.moe, DTYPE_BYTES[cfg.precision.precision]
+    rows, experts = routed_tokens(model, cfg) * moe.topk, moe.num_experts // cfg.parallel.ep
+    n = 2 * 8 * rows
+    if _saves_fp8_inputs(cfg):
+        n += -(a - 1) * rows * (model.hidden_size + moe.expert_ffn(model.ffn_hidden_size) // cfg.etp_size)
+        n += 2 * 4 * experts
+    return n
+
+
+def forward_buffer_bytes(model: GPTConfig, cfg: RunConfig, output_bytes: int) -> int:
+    """A dense block's working set at its MLP-out linear in FP8 (`output_bytes`: the training dtype's,
+    its output and the output's tp reduction, plan/buffers.py): tensorwise keeps only the FP8 copy of
+    the linear's input for backward, but the input itself [T, f/tp] (the activation's output) lives
+    until the MLP's forward returns, beside the larger of that reduction and the GEMM's own operands:
+    the FP8 copy x_q [T, f/tp], W_q [h, f/tp] and the output [T, h] (rowwise and blockwise keep the
+    input, an activation, and add fp32 scales). Found by --simulate (docs/fp8.md)."""
+    if not enabled(cfg):
+        return 0
+    a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
+    tokens, h, f = local_seq_length(model, cfg) * cfg.training.micro_batch_size, model.hidden_size, model.ffn_hidden_size
+    gemm = tokens * f // t + h * f // t + a * tokens * h
+    if not _saves_fp8_inputs(cfg):
+        return max(output_bytes, gemm + 4 * (tokens + h))
+    return a * tokens * f // t + max(output_bytes, gemm)
 
 
 def param_gather_bytes(model: GPTConfig, cfg: RunConfig, params: int, stage: int, p: int) -> int:
