@@ -42,7 +42,8 @@ other down (the profile's measured `rank_slowdown`, or ranks x threads over the 
 transfers, being the cores' work too, slow down with them. Every step also waits for a few
 one-element all-reduces (token count, loss, finiteness, gradient norm) at their groups' fixed cost:
 microseconds on a GPU, milliseconds where ranks outnumber a CPU's cores (the profile's
-`collective_ranks`, measured per group size).
+`collective_ranks`, measured per group size). FP8's amax all-reduces (plan/fp8_amax.py: several
+per linear and microbatch) each pay their group's fixed cost too, exposed with the tp (or cp) time.
 
 `Kernels` says what the modelled software runs where that changes time: megalite (flash attention,
 plain p2p) or, to check the model against Narayanan et al. 2021's measured iterations, Megatron-LM
@@ -57,7 +58,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
-from megalite.plan import fp8, kernel_rates as rates
+from megalite.plan import fp8, fp8_amax, kernel_rates as rates
 from megalite.plan.activations import output_kept_once
 from megalite.plan.communication import bus_factor, communication_bytes, step_scalar_collectives
 from megalite.plan.compression import compressed_matrices, compression_enabled
@@ -267,7 +268,7 @@ def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
     ep = getattr(cfg.parallel, "ep", 1)  # expert parallelism folds into dp x cp: ep consecutive, then expert-dp
     whole = tp // cfg.etp_size  # etp 1: expert-dp spans the tp ranks too (tp consecutive, blocks ep*tp apart)
     return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp), "pp": (pp, tp * cp * dp),
-            "ep": (ep, tp), "edp": (dp * cp // ep * whole, tp * ep // whole),
+            "ep": (ep, tp), "tp_cp": (tp * cp, 1), "edp": (dp * cp // ep * whole, tp * ep // whole),
             "embedding": (2, tp * cp * dp * max(1, pp - 1))}[group]
 
 
@@ -291,8 +292,13 @@ def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, at
     out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_reduce": _compression_seconds(model, cfg, hw, stage), "dp_gather": 0.0,
            "dp_first_unit": 0.0, "embedding": 0.0}
     buckets = max(1, math.ceil(stage_params(model, cfg, stage) / cfg.parallel.ddp_bucket_size))
+    amaxes = fp8_amax.amax_all_reduces(model, cfg, stage)  # FP8's scales: many tiny all-reduces, timed apart
+    for group, (count, nbytes) in amaxes.items():
+        part = {"cp": "cp", "dp": "dp_gather", "dp_cp": "dp_gather"}.get(group, "tp")
+        out[part] += _transfer_seconds(cfg, hw, ranks_per_node, group, "all_reduce", nbytes, nbytes / count)
     for key, nbytes in communication_bytes(model, cfg, stage, kernels.reentrant_recompute).items():
         group, op = key.split("/")
+        nbytes -= amaxes.get(group, (0, 0))[1] if op == "all_reduce" else 0
         if op == "recv":
             continue                                                     # a transfer is one send and one receive
         if group == "pp":
