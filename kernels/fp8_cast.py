@@ -83,12 +83,68 @@ def _cast_transpose_kernel(X, SCALE, FP8_OUT, FP8_OUT_T, n_rows, n_cols, x_row_s
     per_spacing = ((MANT - exponent + 127) << 23).to(tl.float32, bitcast=True)  # 1 / spacing: a power of two,
     # so the product is exact (a division would compile to an approximate one)
     magnitude = ((tl.abs(y) * per_spacing + 12582912.0) - 12582912.0) * spacing  # < 2^(MANT+2) steps: exact RNE
-    y = tl.where(y < 0, -magnitude, magnitude)  # a negative that rounds to zero stays -0, as torch casts it
+    # the sign bit: a negative that rounds to zero, and -0 itself, stay -0, as torch casts them
+    y = tl.where(y.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)
     q = y.to(FP8_OUT.dtype.element_ty)
     if WRITE_Q:
         tl.store(FP8_OUT + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
     if WRITE_T:
         tl.store(FP8_OUT_T + cols.to(tl.int64) * n_rows + rows, q, mask=mask)
+
+
+@triton.jit
+def _scaled_cast_kernel(X, SCALE, FP8_OUT, FP8_OUT_T, n_rows, n_cols, x_row_stride, COLWISE: tl.constexpr,
+                        POW2: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, MANT: tl.constexpr,
+                        MIN_EXP: tl.constexpr, LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rowwise scaling in one launch: each program owns BLOCK_M rows (COLWISE: BLOCK_K columns), walks
+    them once for their amaxes, makes the scales (LIMIT / amax, to a power of two when POW2; stored in
+    SCALE [M] or [K]), then walks them again to cast: the second read of the program's own lines, just
+    read, comes from L2 rather than from another launch."""
+    if COLWISE:
+        lines = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+        n_lines, length = n_cols, n_rows
+    else:
+        lines = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+        n_lines, length = n_rows, n_cols
+    step = BLOCK_M if COLWISE else BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for first in range(0, length, step):
+        if COLWISE:
+            rows, cols = first + tl.arange(0, BLOCK_M)[:, None], lines
+        else:
+            rows, cols = lines, first + tl.arange(0, BLOCK_K)[None, :]
+        x = tl.load(X + rows.to(tl.int64) * x_row_stride + cols, mask=(rows < n_rows) & (cols < n_cols), other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    if COLWISE:
+        line_amax = tl.max(acc, axis=0)[None, :]  # [1, BLOCK_K]
+    else:
+        line_amax = tl.max(acc, axis=1)[:, None]  # [BLOCK_M, 1]
+    # as scaling.scale_of computes max / amax in torch: `max * amax.reciprocal()` (Tensor.__rtruediv__),
+    # the reciprocal correctly rounded (div_rn: not the approximate division `/` would compile to)
+    one = tl.full(line_amax.shape, 1.0, tl.float32)
+    scale = LIMIT * tl.math.div_rn(one, tl.maximum(line_amax, 1e-12))
+    if POW2:  # 2^floor(log2(scale)): the mantissa bits cleared, the exponent kept in the normal range
+        exponent = tl.minimum(tl.maximum((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, 1), 254)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+    tl.store(SCALE + lines, scale, mask=lines < n_lines)
+    for first in range(0, length, step):
+        if COLWISE:
+            rows, cols = first + tl.arange(0, BLOCK_M)[:, None], lines
+        else:
+            rows, cols = lines, first + tl.arange(0, BLOCK_K)[None, :]
+        mask = (rows < n_rows) & (cols < n_cols)
+        x = tl.load(X + rows.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
+        # round to nearest even on the FP8 grid, as _cast_transpose_kernel (kernels call no helper of ours)
+        exp = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+        spacing = ((exp - MANT + 127) << 23).to(tl.float32, bitcast=True)
+        per_spacing = ((MANT - exp + 127) << 23).to(tl.float32, bitcast=True)
+        magnitude = ((tl.abs(y) * per_spacing + 12582912.0) - 12582912.0) * spacing
+        q = tl.where(y.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude).to(FP8_OUT.dtype.element_ty)  # -0 kept
+        if WRITE_Q:
+            tl.store(FP8_OUT + rows.to(tl.int64) * n_cols + cols, q, mask=mask)
+        if WRITE_T:
+            tl.store(FP8_OUT_T + cols.to(tl.int64) * n_rows + rows, q, mask=mask)
 
 
 def amax(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -129,3 +185,31 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
         ROWWISE=rowwise, COLWISE=colwise, WRITE_Q=rowmajor, WRITE_T=transpose, MANT=mant, MIN_EXP=min_exp,
         LIMIT=limit, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
     return q, qt
+
+
+ROW_TILE = (16, 256)  # scaled_cast per row: a program's 16 rows of K = 4096 bf16 are 128 KiB (L2-resident)
+COLUMN_TILE = (64, 64)  # per column: the [64, 64] tile of cast_transpose (its transposed write)
+
+
+def scaled_cast(x: torch.Tensor, dtype: torch.dtype, per_column: bool = False, pow2: bool = True,
+                rowmajor: bool = True, transpose: bool = False):
+    """(q [M, K] or None, q^T [K, M] or None, inv_scale [M, 1] or [1, K] fp32): x [M, K] (unit
+    column stride) cast with one scale per row (per column when `per_column`) from that line's own
+    amax, in one launch (`_scaled_cast_kernel`): for rowwise scales no other rank's amax is needed.
+    The same bits as amax, scale_of and cast_transpose in three steps."""
+    n_rows, n_cols = x.shape
+    mant, min_exp, limit = FORMATS[dtype]
+    if not (rowmajor or transpose):
+        raise ValueError("scaled_cast writes nothing: ask for the row-major copy, the transposed one or both")
+    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device) if rowmajor else None
+    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else None
+    scale = torch.empty(n_cols if per_column else n_rows, dtype=torch.float32, device=x.device)
+    block_m, block_k = COLUMN_TILE if per_column else ROW_TILE
+    grid = (cdiv(n_cols, block_k) if per_column else cdiv(n_rows, block_m),)
+    runnable(_scaled_cast_kernel, x.device)[grid](
+        x, scale, q if rowmajor else qt, qt if transpose else q, n_rows, n_cols, x.stride(0), COLWISE=per_column,
+        POW2=pow2, WRITE_Q=rowmajor, WRITE_T=transpose, MANT=mant, MIN_EXP=min_exp, LIMIT=limit, BLOCK_M=block_m,
+        BLOCK_K=block_k, num_warps=4)
+    # the inverse by torch, on [M] or [K] numbers: bit for bit what scaling.py's torch path multiplies back
+    # in (torch's CPU reciprocal is not the correctly rounded 1 / scale a kernel's div_rn would give)
+    return q, qt, (scale.view(1, n_cols) if per_column else scale.view(n_rows, 1)).reciprocal()
