@@ -219,6 +219,14 @@ def fp8_variants(arch: int = 90):
         yield Variant(label, fp8_cast._cast_transpose_kernel,
                       dict(ROWWISE=rowwise, COLWISE=colwise, WRITE_Q=write_q, WRITE_T=write_t, MANT=mant,
                            MIN_EXP=min_exp, LIMIT=limit, **tiles), {"num_warps": 4}, shape, exact_math=True)
+    # rowwise in one launch (amax, scale, cast): per token (row-major), per column (transposed copy)
+    for scales, colwise, write_q, write_t, pow2 in (("row", False, True, False, True), ("row", False, True, False, False),
+                                                    ("row", False, True, True, True), ("column", True, False, True, True)):
+        block_m, block_k = fp8_cast.COLUMN_TILE if colwise else fp8_cast.ROW_TILE
+        label = f"fp8 scaled_cast {scales} q={int(write_q)} qT={int(write_t)} pow2={int(pow2)}"
+        yield Variant(label, fp8_cast._scaled_cast_kernel,
+                      dict(COLWISE=colwise, POW2=pow2, WRITE_Q=write_q, WRITE_T=write_t, MANT=mant, MIN_EXP=min_exp,
+                           LIMIT=limit, BLOCK_M=block_m, BLOCK_K=block_k), {"num_warps": 4}, shape, exact_math=True)
     yield from fp8_grouped_variants(arch)
 
 

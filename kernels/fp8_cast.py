@@ -5,12 +5,18 @@ saturating cast that writes the FP8 tensor and/or its transposed copy in the sam
     column_amax(x [M, K])                  -> [1, K] fp32, one read of x
     cast_transpose(x [M, K], scale, dtype) -> q [M, K] and/or q^T [K, M] in `dtype`, one read of x;
                                               scale [] (tensorwise), [M, 1] (per row) or [1, K] (per column)
+    scaled_cast(x [M, K], dtype, per_column) -> q and/or q^T, 1/scale [M, 1] or [1, K]: rowwise in ONE
+                                              launch: each program reads its lines for their amaxes,
+                                              scales them and casts them (the second read from L2)
 
 torch._scaled_mm wants its right operand column-major and its left row-major. The weight
 gradient's GEMM (g^T @ x) wants g_q^T row-major and x_q column-major (= x_q^T row-major); the
 input gradient's (g @ W) wants W_q column-major (= W_q^T row-major): the transposed copy comes from
 the tile already in registers, so a cast costs one read and one or two writes of one byte instead
-of a cast plus a transpose pass. Per-column scales (rowwise's weight gradient and W's input-gradient
+of a cast plus a transpose pass. A tensorwise scale needs the amax of the whole tensor (all-reduced
+over the ranks holding its shards) before any element is cast: two launches with the reduction between
+them are inherent to current scaling (delayed scaling, from earlier steps' amaxes, would avoid it). A
+rowwise line's scale needs only that line: `scaled_cast`. Per-column scales (rowwise's weight gradient and W's input-gradient
 cast, whose contraction dims run down the columns) are cast straight into the transposed copy,
 where they are per-row scales of the GEMM operand. The scale between the two kernels is computed
 (and, across tp, all-reduced) by the caller.

@@ -29,7 +29,7 @@ from megalite.fp8 import gemm
 from megalite.kernels import fp8_cast, grouped_gemm
 from megalite.kernels.dispatch import use_triton
 from megalite.fp8.recipe import Fp8Recipe
-from megalite.fp8.scaling import amax, cast, reduce_max, scale_of
+from megalite.fp8.scaling import cast, quantize_2d, reduce_max, scale_of
 from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
 
 
@@ -73,9 +73,8 @@ def _cast_weights(w: torch.Tensor, dtype: torch.dtype, dims, group, pow2: bool):
 def _cast_tokens(t: torch.Tensor, gid: torch.Tensor, groups: int, dtype: torch.dtype, per_token: bool, group,
                  pow2: bool, transpose: bool = False):
     """(t_q [R, C], t_q^T [C, R] or None, inverse scales [R, 1] per token or [E] per group) of t [R, C]."""
-    if per_token:
-        scale = scale_of(amax(t, -1, group), dtype, pow2)  # [R, 1]
-        return (*_cast_rows(t, scale, dtype, transpose), scale.reciprocal())
+    if per_token:  # as the FP8 linear casts per token (one kernel launch where no rank shares the rows' amaxes)
+        return quantize_2d(t, dtype, -1, group, rowmajor=True, transpose=transpose, pow2=pow2)
     scale = scale_of(_segment_amax(t, gid, groups, False, group), dtype, pow2)  # [E]
     return (*_cast_rows(t, scale[gid][:, None], dtype, transpose), scale.reciprocal())
 

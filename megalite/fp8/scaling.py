@@ -75,7 +75,9 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None
 
     On a GPU (and with MEGALITE_KERNEL_BACKEND=triton) a contiguous tensor scaled per tensor or per
     row of its last dim is cast by kernels/fp8_cast.py (the same bits: tests/kernels/test_fp8_cast.py):
-    one pass for the amax, one for the cast, instead of torch's abs, amax, multiply, clamp and cast."""
+    one pass for the amax, one for the cast, instead of torch's abs, amax, multiply, clamp and cast; a
+    rowwise scale that spans no other rank, one launch for both (a tensorwise scale needs the whole
+    tensor's amax, all-reduced over the ranks holding it, before its first element is cast)."""
     if _kernel_applies(t, rowwise_dim):
         return _quantize_by_kernel(t, dtype, rowwise_dim is not None, group, pow2)
     scale = scale_of(amax(t, rowwise_dim, group), dtype, pow2)
@@ -91,11 +93,19 @@ def quantize_2d(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = N
     cast pass writes both (kernels/fp8_cast.py); on torch the transposed copy is `t_q.t().contiguous()`,
     the same bits."""
     per_column = rowwise_dim is not None and rowwise_dim % 2 == 0
+    if t.dim() == 2 and _kernel_applies(t, None) and rowwise_dim is not None and not _spans_ranks(group):
+        # each line's scale from its own amax: one launch reads, scales and casts (kernels/fp8_cast.py)
+        return fp8_cast.scaled_cast(t, dtype, per_column, pow2, rowmajor, transpose)
     if t.dim() == 2 and _kernel_applies(t, None):
         a = fp8_cast.column_amax(t) if per_column else fp8_cast.amax(t, rowwise_dim is not None)  # [1, K], [M, 1], []
         return _cast_by_kernel(t, a, dtype, group, rowmajor, transpose, pow2)
     q, inv = quantize(t, dtype, rowwise_dim, group, pow2)
     return (q if rowmajor else None), (q.t().contiguous() if transpose else None), inv
+
+
+def _spans_ranks(group) -> bool:
+    """Whether a scale's amax must be MAX-reduced over other ranks first (see reduce_max)."""
+    return any(comm.group_size(g) > 1 for g in (group if isinstance(group, tuple) else (group,)))
 
 
 def _cast_by_kernel(t: torch.Tensor, a: torch.Tensor, dtype: torch.dtype, group, rowmajor: bool, transpose: bool,
@@ -113,6 +123,9 @@ def _kernel_applies(t: torch.Tensor, rowwise_dim: int | None) -> bool:
 
 def _quantize_by_kernel(t: torch.Tensor, dtype: torch.dtype, rowwise: bool, group, pow2: bool):
     rows = t.view(-1, t.shape[-1])  # [M, K]
+    if rowwise and not _spans_ranks(group):  # each row's own amax: one launch (kernels/fp8_cast.scaled_cast)
+        q, _, inv = fp8_cast.scaled_cast(rows, dtype, False, pow2)
+        return q.view(t.shape), inv.view(*t.shape[:-1], 1)
     a = fp8_cast.amax(rows, rowwise)  # [] or [M, 1]
     a = reduce_max(a, group)
     scale = scale_of(a, dtype, pow2)

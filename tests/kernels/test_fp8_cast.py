@@ -40,11 +40,13 @@ def test_quantize_runs_the_kernels_where_they_apply_with_the_same_result(rowwise
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "torch")
     expected = quantize(x, torch.float8_e4m3fn, rowwise_dim)
     launched = []
-    real = fp8_cast.cast_transpose
-    monkeypatch.setattr(fp8_cast, "cast_transpose", lambda *a, **k: launched.append(1) or real(*a, **k))
+    for name in ("amax", "cast_transpose", "scaled_cast"):
+        real = getattr(fp8_cast, name)
+        monkeypatch.setattr(fp8_cast, name, lambda *a, _n=name, _r=real, **k: launched.append(_n) or _r(*a, **k))
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", "triton")
     got = quantize(x, torch.float8_e4m3fn, rowwise_dim)
-    assert launched == ([] if rowwise_dim == 0 else [1])  # per column (along the tokens): torch's path
+    # tensorwise: the amax pass, then the cast; per row: one launch; per column (along the tokens): torch's path
+    assert launched == {None: ["amax", "cast_transpose"], -1: ["scaled_cast"], 0: []}[rowwise_dim]
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
     assert torch.equal(got[1], expected[1]) and got[1].shape == expected[1].shape
 
@@ -86,11 +88,16 @@ def test_fp8_linear_on_the_kernels_equals_its_torch_path_bit_for_bit(recipe, mon
         return [y.detach(), x.grad, w.grad, b.grad]
 
     expected = run("torch")
-    writes = []
+    writes, one_launch = [], []
     real = fp8_cast.cast_transpose
     monkeypatch.setattr(fp8_cast, "cast_transpose",
                         lambda x, s, d, transpose=True, rowmajor=True: writes.append((rowmajor, transpose))
                         or real(x, s, d, transpose, rowmajor))
+    real_scaled = fp8_cast.scaled_cast
+    monkeypatch.setattr(fp8_cast, "scaled_cast",
+                        lambda x, d, per_column=False, pow2=True, rowmajor=True, transpose=False:
+                        writes.append((rowmajor, transpose)) or one_launch.append(1)
+                        or real_scaled(x, d, per_column, pow2, rowmajor, transpose))
     got = run("triton")
     for what, a, e in zip(("y", "dx", "dW", "db"), got, expected):
         assert torch.equal(a, e), what
@@ -98,6 +105,7 @@ def test_fp8_linear_on_the_kernels_equals_its_torch_path_bit_for_bit(recipe, mon
         assert sorted(writes) == sorted([(True, True), (True, False), (False, True), (True, True)])
     else:  # x, W forward (per row); g per row, W per column (transposed); wgrad: g, x per column (transposed)
         assert sorted(writes) == sorted([(True, False)] * 3 + [(False, True)] * 3)
+        assert len(one_launch) == 6  # each its amax, scale and cast in one launch (no rank to reduce over)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
