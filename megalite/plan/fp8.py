@@ -13,7 +13,12 @@ Bytes on the wire (comm.ledger conventions):
 - sequence parallelism: the all-gather of a linear's input sends FP8 (1 byte per element instead
   of a) forward and again for the weight gradient (tensorwise); rowwise sends its per-token fp32
   scales along forward and re-gathers the training dtype for the weight gradient;
-- --fp8-param-gather (ZeRO-3): the blocks' linear weights go over dp in 1 byte per element.
+- --fp8-param-gather (ZeRO-3): the blocks' linear weights go over dp in 1 byte per element;
+- the amax all-reduces of the scales: plan/fp8_amax.py.
+
+Memory: what tensorwise keeps for backward (the linears' inputs in 1 byte: attention_saved_change,
+mlp_saved_change, expert_saved_change, added by plan/activations.py) and the MLP-out linear's
+working set (forward_buffer_bytes, plan/buffers.py); docs/fp8.md compares them with --simulate.
 
 Pure arithmetic, no torch.
 """
