@@ -13,7 +13,7 @@ Four packages need to know things about a parameter that its tensor does not say
 |                        |                                     | grad norm, checkpoints                       |
 | grad_sink, main_grad   | the DP wrapper                      | linear layers' backward, executor, tests     |
 | deferred               | the pipeline executor (ZB-H1's B)   | linear layers' backward                      |
-| fp8_amax_group         | megalite.fp8.convert                | ZeRO-3's FP8 parameter gather                |
+| fp8_amax_group         | megalite.model.fp8_convert                | ZeRO-3's FP8 parameter gather                |
 | fp8_gathered           | ZeRO-3's FP8 parameter gather       | the FP8 linear (its weight's cast)           |
 
 They live in one typed object, `ParamInfo`, stored on the parameter as a single attribute
@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 
 _ATTRIBUTE = "_megalite_info"
 

@@ -52,7 +52,7 @@ from megalite.pipeline import PipelineSpec, build_schedule, post_and_wait, run_p
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, SEND_KINDS,  # noqa: E402
                                             split_steps)
 from megalite.pipeline.p2p import peer  # noqa: E402
-from megalite.tensor_parallel.weight_grad import deliver  # noqa: E402
+from megalite.weight_grad import deliver  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 from megalite.errors import reports_usage_errors  # noqa: E402
 from megalite.cli import OneLineParser  # noqa: E402

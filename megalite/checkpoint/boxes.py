@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 
 Box = tuple[tuple[int, int], ...]
 

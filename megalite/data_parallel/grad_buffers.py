@@ -7,7 +7,7 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
   (reverse order of use), whatever the parameters' dtype (bf16/fp16 training keeps fp32
   grads). megalite's Column/Row-parallel linears hand their weight gradients straight to
   the sink attached with `megalite.params.set_grad_destination` (see
-  `tensor_parallel/weight_grad.py`); every other parameter's `.grad` is moved into the
+  `weight_grad.py`); every other parameter's `.grad` is moved into the
   buffer by a post-accumulate-grad hook and freed.
 - While the last microbatch runs backward, a bucket's reduction starts asynchronously the
   moment all of its gradients are final: an all-reduce (zero_stage 0) or a reduce-scatter

@@ -30,7 +30,7 @@ from megalite.kernels import fp8_cast, grouped_gemm
 from megalite.kernels.dispatch import use_triton
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import cast, quantize_2d, reduce_max, scale_of
-from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.weight_grad import bypasses_autograd, route_weight_grads
 
 
 def _group_ids(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from megalite.fp8 import gemm
 from megalite.fp8.blockwise import blockwise_linear
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import quantize, quantize_2d
-from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.weight_grad import bypasses_autograd, route_weight_grads
 
 
 def _gather_fp8(q: torch.Tensor, inv: torch.Tensor, group):

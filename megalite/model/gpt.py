@@ -45,7 +45,7 @@ from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_c
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
 from megalite.tensor_parallel.mlp import normal_init
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 
 # Seed-stream offsets of the components (layer i uses _LAYER_STREAM + i).
 _WORD_EMBEDDING_STREAM, _POSITION_STREAM, _OUTPUT_STREAM, _LAYER_STREAM = 0, 1, 2, 1000

@@ -23,7 +23,7 @@ from torch import nn
 from megalite import comm, ops, params
 from megalite.fp8.experts import fp8_experts_forward
 from megalite.moe.expert_gemm import expert_grouped_mm
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 
 
 class Expert(nn.Module):
@@ -49,7 +49,7 @@ class LocalExperts(nn.ModuleDict):
     index (so a layer's parameters are `experts.{e}.fc1_weight`).
 
     forward(x [R, h] rows sorted by local expert, group_sizes [E_local] int64) -> [R, h], partial over tp.
-    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the experts' GEMMs run as grouped FP8 GEMMs
+    `fp8` (an Fp8Recipe, set by megalite.model.fp8_convert): the experts' GEMMs run as grouped FP8 GEMMs
     (megalite.fp8.experts); `fp8_tokens`: the ranks routing the rest of each microbatch (their amaxes span it).
     """
 

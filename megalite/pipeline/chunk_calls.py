@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.weight_grad import WeightGradStore, defer_weight_grads
 
 
 class ChunkCalls(Protocol):

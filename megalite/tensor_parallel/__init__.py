@@ -1,6 +1,6 @@
 """Tensor parallelism: region functions, parallel layers, vocab-parallel cross entropy, TP-aware RNG.
 
-Names load lazily (PEP 562), so `megalite.tensor_parallel.sharding` (pure) is importable alone.
+Names load lazily (PEP 562): importing one module of the package loads none of the others.
 """
 from megalite._lazy import lazy_exports
 

@@ -22,8 +22,8 @@ from megalite import comm, params
 from megalite.fp8.linear import fp8_linear
 from megalite.mesh import current_mesh
 from megalite.tensor_parallel import mappings
-from megalite.tensor_parallel.sharding import ShardSpec, validate_blocks
-from megalite.tensor_parallel.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.sharding import ShardSpec, validate_blocks
+from megalite.weight_grad import bypasses_autograd, route_weight_grads
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -146,7 +146,7 @@ class ColumnParallelLinear(nn.Module):
     `sequence_parallel=True` the sequence shard [s/tp, b, in] (gathered here along dim 0; only the
     shard is kept for backward, which re-gathers it).
     Output: [..., out/tp], or [..., out] with `gather_output=True`.
-    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the GEMMs run in FP8, the SP gather too;
+    `fp8` (an Fp8Recipe, set by megalite.model.fp8_convert): the GEMMs run in FP8, the SP gather too;
     `fp8_tokens`: the cp group (the other tokens of x's sequences: the amaxes span it).
     """
 
@@ -208,7 +208,7 @@ class RowParallelLinear(nn.Module):
     once after the reduction. Input: [..., in/tp] (`input_is_parallel=True`, the output of a
     ColumnParallelLinear) or [..., in] (scattered here). Output: [..., out] summed over tp, or
     with `sequence_parallel=True` the reduce-scattered sequence shard [s/tp, b, out].
-    `fp8` (an Fp8Recipe, set by megalite.fp8.convert): the GEMMs run in FP8; `fp8_tokens`: the cp group.
+    `fp8` (an Fp8Recipe, set by megalite.model.fp8_convert): the GEMMs run in FP8; `fp8_tokens`: the cp group.
     """
 
     fp8 = None

@@ -49,7 +49,7 @@ from torch import nn
 from megalite import comm, params
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ a collective inside the graph, and a replay runs no hooks); `finish_reduction` l
 bucket after the step, the tied embedding's sum over its two stages included.
 
 ZB-H1 splits the backward: its B pass queues each linear layer's weight-gradient closure on the
-host (tensor_parallel/weight_grad.py) and its W pass runs them. A replayed B queues nothing, so W
+host (weight_grad.py) and its W pass runs them. A replayed B queues nothing, so W
 is a third graph per slot, `weight(c, m)`: captured at the first step's W(c, m) from the closures
 B's capture queued (`self.store`), which hold the layer inputs and output gradients W reads until
 then (in the pool, as they stay alive in the eager schedule), replayed at every later W(c, m).
@@ -66,7 +66,7 @@ import torch
 
 from megalite.errors import UsageError
 from megalite.pipeline import p2p
-from megalite.tensor_parallel.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.training import cuda_graph
 from megalite.host_reads import HostReadError, no_host_reads
 

@@ -23,7 +23,7 @@ from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
-from megalite.fp8.convert import convert_to_fp8
+from megalite.model.fp8_convert import convert_to_fp8
 from megalite.fp8.recipe import recipe_from
 from megalite.mesh import Mesh
 from megalite.config.model import GPTConfig

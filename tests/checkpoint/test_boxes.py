@@ -4,7 +4,7 @@ import math
 import torch
 
 from megalite.checkpoint.boxes import box_slices, flat_range_boxes, shard_boxes
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 
 
 def test_flat_range_boxes_cover_the_range_in_order():

@@ -6,7 +6,7 @@ import torch
 from megalite import params as P
 from megalite import mesh as mesh_lib
 from megalite.optim.clip import (allreduce_sequence_parallel_grads, clip_grad_norm, global_grad_norm)
-from megalite.tensor_parallel.sharding import ShardSpec
+from megalite.sharding import ShardSpec
 from megalite.testing import run_distributed
 
 H, V, F = 6, 8, 8  # hidden, vocab, ffn
