@@ -25,46 +25,58 @@ FP8 = torch.float8_e4m3fn  # weights are forward operands: e4m3 in both formats
 
 
 class Fp8UnitGather:
-    """Index maps of one unit (bucket) and its FP8 gather. `params`/`slots`: the unit's parameters
-    and their ParamSlots; `bucket`: its layout.Bucket; `shard_rank`: this rank's chunk."""
+    """Run tables of one unit (bucket) and its FP8 gather. `params`/`slots`: the unit's parameters
+    and their ParamSlots; `bucket`: its layout.Bucket; `shard_rank`: this rank's chunk.
+
+    Each FP8 weight is one contiguous run of the unit's buffer, so chunk q's FP8 elements are a few
+    runs (a weight cut by the chunk's ends), each with one scale, and its other elements the runs
+    between: held as Python tuples (a handful per chunk), not as an index per element on the device,
+    which cost 24 to 40 bytes per parameter of every unit (docs/fp8.md)."""
 
     def __init__(self, params, slots, bucket, shard_rank: int, dtype: torch.dtype, device):
         n, c = bucket.shard_count, bucket.chunk_numel
         self.n, self.c, self.shard_rank, self.dtype = n, c, shard_rank, dtype
-        # the index maps are built on the host (static, from the layout; under --simulate the default device is meta)
-        weight_of = torch.full((bucket.numel,), -1, dtype=torch.long, device="cpu")  # [N]: FP8 weight index or -1
         self.amax_groups = []  # per FP8 weight: the group its amax also spans (tp), or None
         self.weights = []  # per FP8 weight: (parameter, [start, end) in the unit's buffer)
         for p, slot in zip(params, slots):
             group = P.info(p).fp8_amax_group
             if group is not None:
-                weight_of[slot.start - bucket.start:slot.end - bucket.start] = len(self.amax_groups)
                 self.amax_groups.append(group[0])
                 self.pow2_scales = group[1]  # the run's recipe: the same for every FP8 weight
                 self.weights.append((p, slot.start - bucket.start, slot.end - bucket.start))
-        chunks = weight_of.view(n, c)
-        fp8_local = [torch.nonzero(chunks[q] >= 0).flatten() for q in range(n)]  # chunk-relative positions
-        other_local = [torch.nonzero(chunks[q] < 0).flatten() for q in range(n)]
-        self.K = max(len(i) for i in fp8_local)
-        self.O = max(len(i) for i in other_local)
+        spans = sorted((start, end, k) for k, (_, start, end) in enumerate(self.weights))
+        # per chunk q, chunk-relative: FP8 runs (start, end, weight) and other runs (start, end), in order
+        self.fp8_runs, self.other_runs = [], []
+        for q in range(n):
+            low, high = q * c, (q + 1) * c
+            fp8, other, at = [], [], low
+            for start, end, k in spans:
+                start, end = max(start, low), min(end, high)
+                if start < end:
+                    if at < start:
+                        other.append((at - low, start - low))
+                    fp8.append((start - low, end - low, k))
+                    at = end
+            if at < high:
+                other.append((at - low, high - low))
+            self.fp8_runs.append(fp8)
+            self.other_runs.append(other)
+        self.K = max(sum(e - s for s, e, _ in runs) for runs in self.fp8_runs)
+        self.O = max(sum(e - s for s, e in runs) for runs in self.other_runs)
         self.esize = torch.empty((), dtype=dtype).element_size()
         self.wire_bytes = self.K + self.O * self.esize  # per rank
-        mine_fp8, mine_other = fp8_local[shard_rank], other_local[shard_rank]
-        self.mine_fp8, self.mine_other = mine_fp8.to(device), mine_other.to(device)
-        self.mine_weight = chunks[shard_rank][mine_fp8].to(device)  # [k_r] weight index of each FP8 element
-        # unpacking: (position in the gathered [n, K] / [n, O] parts) -> (position in the full buffer)
-        self.fp8_src = torch.cat([q * self.K + torch.arange(len(i), device="cpu") for q, i in enumerate(fp8_local)]).to(device)
-        self.fp8_dst = torch.cat([q * c + i for q, i in enumerate(fp8_local)]).to(device)
-        self.fp8_weight = weight_of[self.fp8_dst.cpu()].to(device)
-        self.other_src = torch.cat([q * self.O + torch.arange(len(i), device="cpu") for q, i in enumerate(other_local)]).to(device)
-        self.other_dst = torch.cat([q * c + i for q, i in enumerate(other_local)]).to(device)
+        mine = self.fp8_runs[shard_rank]
+        self.mine_weight = torch.tensor([k for _, _, k in mine], dtype=torch.long, device="cpu").to(device)
 
     def scales(self, chunk: torch.Tensor, group) -> torch.Tensor:
         """[weights] fp32 cast-scales from this rank's chunk (training dtype, [c]): amax MAX-reduced
         over the gather `group`, then over each weight's tp group."""
         count = len(self.amax_groups)
         local = torch.zeros(count, dtype=torch.float32, device=chunk.device)
-        local.scatter_reduce_(0, self.mine_weight, chunk[self.mine_fp8].abs().float(), reduce="amax")
+        mine = self.fp8_runs[self.shard_rank]
+        if mine:  # each run's amax into its weight's slot (a weight cut by the chunk's ends: one run)
+            runs = torch.stack([chunk[s:e].abs().amax() for s, e, _ in mine]).float()
+            local.scatter_reduce_(0, self.mine_weight, runs, reduce="amax")
         comm.all_reduce(local, group, op="max")
         for tp_group in dict.fromkeys(g for g in self.amax_groups if comm.group_size(g) > 1):
             members = torch.tensor([k for k, g in enumerate(self.amax_groups) if g is tp_group], device=chunk.device)
@@ -75,10 +87,14 @@ class Fp8UnitGather:
     def pack(self, chunk: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """This rank's wire [K + O*esize] uint8 from its chunk (training dtype, [c])."""
         wire = torch.zeros(self.wire_bytes, dtype=torch.uint8, device=chunk.device)
-        fp8 = cast(chunk[self.mine_fp8], scales[self.mine_weight], FP8)
-        wire[:len(fp8)] = fp8.view(torch.uint8)
-        other = chunk[self.mine_other].contiguous().view(torch.uint8)
-        wire[self.K:self.K + other.numel()] = other
+        at = 0
+        for s, e, k in self.fp8_runs[self.shard_rank]:
+            wire[at:at + e - s] = cast(chunk[s:e], scales[k], FP8).view(torch.uint8)
+            at += e - s
+        at = self.K
+        for s, e in self.other_runs[self.shard_rank]:
+            wire[at:at + (e - s) * self.esize] = chunk[s:e].contiguous().view(torch.uint8)
+            at += (e - s) * self.esize
         return wire
 
     def unpack(self, gathered: torch.Tensor, scales: torch.Tensor, full: torch.Tensor) -> None:
@@ -88,14 +104,20 @@ class Fp8UnitGather:
         process would (a re-cast of the dequantised weight can round its scale by an ulp, and one
         ulp in a GEMM's output flips later casts)."""
         rows = gathered.view(self.n, self.wire_bytes)
-        fp8 = rows[:, :self.K].contiguous().view(FP8).reshape(-1)  # [n * K]
-        other = rows[:, self.K:].contiguous().view(self.dtype).reshape(-1)  # [n * O]
+        other = rows[:, self.K:].contiguous().view(self.dtype)  # [n, O]
         inv = scales.reciprocal()
-        values = fp8[self.fp8_src]
-        full[self.fp8_dst] = (values.float() * inv[self.fp8_weight]).to(self.dtype)
-        full[self.other_dst] = other[self.other_src]
         full_q = torch.zeros(full.numel(), dtype=torch.uint8, device=full.device)  # [N], FP8 bits where FP8
-        full_q[self.fp8_dst] = values.view(torch.uint8)
+        for q in range(self.n):
+            base, at = q * self.c, 0
+            for s, e, k in self.fp8_runs[q]:
+                values = rows[q, at:at + e - s]
+                full_q[base + s:base + e] = values
+                full[base + s:base + e] = (values.view(FP8).float() * inv[k]).to(self.dtype)
+                at += e - s
+            at = 0
+            for s, e in self.other_runs[q]:
+                full[base + s:base + e] = other[q, at:at + e - s]
+                at += e - s
         for k, (p, start, end) in enumerate(self.weights):
             P.set_fp8_gathered(p, (full_q[start:end].view(FP8).view(p.shape), inv[k]))
 
