@@ -31,7 +31,8 @@ class Fp8UnitGather:
     Each FP8 weight is one contiguous run of the unit's buffer, so chunk q's FP8 elements are a few
     runs (a weight cut by the chunk's ends), each with one scale, and its other elements the runs
     between: held as Python tuples (a handful per chunk), not as an index per element on the device,
-    which cost 24 to 40 bytes per parameter of every unit (docs/fp8.md)."""
+    which cost 24 to 40 bytes per parameter of every unit (docs/fp8.md). The price: a gather copies
+    run by run, a few small copies per chunk (n x runs, then one dequantisation per weight)."""
 
     def __init__(self, params, slots, bucket, shard_rank: int, dtype: torch.dtype, device):
         n, c = bucket.shard_count, bucket.chunk_numel
@@ -109,17 +110,17 @@ class Fp8UnitGather:
         full_q = torch.zeros(full.numel(), dtype=torch.uint8, device=full.device)  # [N], FP8 bits where FP8
         for q in range(self.n):
             base, at = q * self.c, 0
-            for s, e, k in self.fp8_runs[q]:
-                values = rows[q, at:at + e - s]
-                full_q[base + s:base + e] = values
-                full[base + s:base + e] = (values.view(FP8).float() * inv[k]).to(self.dtype)
+            for s, e, _ in self.fp8_runs[q]:
+                full_q[base + s:base + e] = rows[q, at:at + e - s]
                 at += e - s
             at = 0
             for s, e in self.other_runs[q]:
                 full[base + s:base + e] = other[q, at:at + e - s]
                 at += e - s
-        for k, (p, start, end) in enumerate(self.weights):
-            P.set_fp8_gathered(p, (full_q[start:end].view(FP8).view(p.shape), inv[k]))
+        for k, (p, start, end) in enumerate(self.weights):  # each weight whole now: dequantised at once
+            values = full_q[start:end].view(FP8)
+            full[start:end] = (values.float() * inv[k]).to(self.dtype)
+            P.set_fp8_gathered(p, (values.view(p.shape), inv[k]))
 
     def forget(self) -> None:
         """The unit is freed: its weights' FP8 copies go with it."""
