@@ -41,15 +41,19 @@ def _group_ids(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _segment_amax(t: torch.Tensor, gid: torch.Tensor, groups: int, per_column: bool, group=None) -> torch.Tensor:
     """fp32 amax of each group's rows of t [R, C]: [E] (tensorwise) or [E, C] (per column); MAX-reduced
-    over `group`. A group without rows gets 0 (its scale then casts nothing)."""
-    a = t.abs().float()
-    if per_column:
-        out = torch.zeros(groups, t.shape[1], dtype=torch.float32, device=t.device)
-        out.scatter_reduce_(0, gid[:, None].expand_as(a), a, reduce="amax")
-    else:
-        out = torch.zeros(groups, dtype=torch.float32, device=t.device)
-        out.scatter_reduce_(0, gid, a.amax(dim=1), reduce="amax")
-    return reduce_max(out, group)
+    over `group`. A group without rows gets 0 (its scale then casts nothing).
+
+    max |t| = max(max t, -min t), from t itself: no [R, C] copy of |t| (in the training dtype and
+    again in fp32) at the block's peak, where --simulate found it (docs/fp8.md); the same numbers."""
+    if per_column:  # maxima and minima per (group, column), with 0 included: max(hi, -lo) = max |t| (or 0)
+        index = gid[:, None].expand_as(t)
+        hi = torch.zeros(groups, t.shape[1], dtype=t.dtype, device=t.device).scatter_reduce_(0, index, t, "amax")
+        lo = torch.zeros(groups, t.shape[1], dtype=t.dtype, device=t.device).scatter_reduce_(0, index, t, "amin")
+    else:  # per row [R], then per group
+        rows_hi, rows_lo = (t.amax(dim=1), t.amin(dim=1)) if t.numel() else (t.new_zeros(t.shape[0]),) * 2
+        hi = torch.zeros(groups, dtype=t.dtype, device=t.device).scatter_reduce_(0, gid, rows_hi, "amax")
+        lo = torch.zeros(groups, dtype=t.dtype, device=t.device).scatter_reduce_(0, gid, rows_lo, "amin")
+    return reduce_max(torch.maximum(hi, -lo).float(), group)
 
 
 def _cast_rows(t: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype, transpose: bool = False):

@@ -67,7 +67,10 @@ def scale_of(a: torch.Tensor, dtype: torch.dtype, pow2: bool = True) -> torch.Te
 def cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Saturating cast of t * scale (fp32 maths; float8_e4m3fn has no infinity to overflow into)."""
     limit = fp8_max(dtype)
-    return (t.float() * scale).clamp_(-limit, limit).to(dtype)
+    wide = t.float()  # a copy unless t is fp32 already: then scaled into a new tensor, else in place
+    scaled = wide * scale if wide is t or wide.shape != torch.broadcast_shapes(wide.shape, scale.shape) \
+        else wide.mul_(scale)  # one fp32 temporary, not two, at the grouped experts' peak (docs/fp8.md)
+    return scaled.clamp_(-limit, limit).to(dtype)
 
 
 def quantize(t: torch.Tensor, dtype: torch.dtype, rowwise_dim: int | None = None, group=None, pow2: bool = True):
