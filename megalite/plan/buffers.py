@@ -16,7 +16,8 @@ training dtype, T = s/cp * b tokens of a microbatch, h the hidden size:
 
 - FP8 (--fp8-format): tensorwise keeps the MLP-out linear's input only as FP8, but the input lives
   beside the output until the MLP returns; and its forward GEMM holds the FP8 operands beside the
-  output (plan/fp8.forward_buffer_bytes).
+  output (plan/fp8.forward_buffer_bytes); the grouped experts' weight cast for the input gradient,
+  in torch: stacked weights, an fp32 copy and two FP8 copies (plan/fp8.expert_weight_cast_bytes).
 
 The larger of these is the stage's buffer term: the blocks run one at a time.
 """
@@ -58,4 +59,4 @@ def buffer_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     dense = max(dense, fp8.forward_buffer_bytes(model, cfg, dense))  # FP8: the MLP-out linear's working set
     if model.moe is None or not stage_moe_layers(model, cfg, stage):
         return dense
-    return max(dense, expert_gemm_buffer_bytes(model, cfg))
+    return max(dense, expert_gemm_buffer_bytes(model, cfg), fp8.expert_weight_cast_bytes(model, cfg))

@@ -120,6 +120,18 @@ def expert_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
     return n
 
 
+def expert_weight_cast_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """The grouped experts' input-gradient weight cast (megalite/fp8/grouped.py, in torch): the local
+    experts' weights stacked [E, K, N] in the training dtype, their fp32 scaled copy, the FP8 cast and
+    its transposed copy, for the widest GEMM: (a + 4 + 2) E h max(mlp_in, f_e)/etp bytes."""
+    if not enabled(cfg) or model.moe is None or cfg.precision.fp8_recipe == "blockwise":
+        return 0
+    moe, h = model.moe, model.hidden_size
+    ffn = moe.expert_ffn(model.ffn_hidden_size)
+    widest = moe.num_experts // cfg.parallel.ep * h * max(ffn if model.flavour == "gpt2" else 2 * ffn, ffn)
+    return (DTYPE_BYTES[cfg.precision.precision] + 4 + 2) * widest // cfg.etp_size
+
+
 def forward_buffer_bytes(model: GPTConfig, cfg: RunConfig, output_bytes: int) -> int:
     """A dense block's working set at its MLP-out linear in FP8 (`output_bytes`: the training dtype's,
     its output and the output's tp reduction, plan/buffers.py): tensorwise keeps only the FP8 copy of
