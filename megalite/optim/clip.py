@@ -73,8 +73,9 @@ def reduce_square_sum(local_square_sum: torch.Tensor, mesh: Mesh, sharded_over_d
 # CPU's norm kernel accumulates float32 lane by lane: at 1e8 elements its squared norm is 2% off (and
 # torch.dot 0.3%), while .sum() adds in a cascade. Squaring a whole gradient for .sum() would cost a
 # copy of it at the step's peak, so on CPU the squares are summed SQUARE_CHUNK elements at a time (a
-# 1 MiB temporary) and the chunks added in float64. CUDA's norm reduces as a tree, accurate in one pass
-# with no temporary; so does the meta device --simulate runs on, where only the bytes matter.
+# 1 MiB temporary) and the chunks added in float64. On CUDA the norm runs on the same reduction as
+# .sum() (per-thread partials, then a tree), one pass with no temporary; --simulate's meta device
+# takes that path too, where only the bytes matter.
 SQUARE_CHUNK = 1 << 18
 
 
