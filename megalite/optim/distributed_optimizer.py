@@ -61,7 +61,7 @@ import torch
 
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.kernels.adamw import adamw_step as fused_adamw_step
-from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum
+from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum, square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.param_groups import as_group_list, check_cover, clip_runs, default_groups, group_runs, same_update
 from megalite.optim.state_dict import full_state_dict, load_full_state_dict
@@ -209,13 +209,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _global_norm_of_shard(self, grad: torch.Tensor) -> torch.Tensor:
         """Global L2 norm of the (loss-scaled) gradients; non-finite if any rank overflowed."""
-        # vector_norm reduces in one pass: `run.square().sum()` would allocate a square of the run, at
+        # square_sum squares no whole run: `run.square().sum()` would allocate a square of the run, at
         # worst a second fp32 copy of this rank's gradients at the step's peak (what --simulate found)
         square = torch.zeros((), dtype=torch.float32, device=grad.device)
         for start, end in self._norm_runs:
-            square += torch.linalg.vector_norm(grad[start:end]).square()
+            square += square_sum(grad[start:end])
         for start, end in self._other_runs:  # not counted, but an inf/nan there must still show up
-            square += torch.linalg.vector_norm(grad[start:end]).square() * 0.0
+            square += square_sum(grad[start:end]) * 0.0
         return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
 
     @torch.no_grad()
