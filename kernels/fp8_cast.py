@@ -172,6 +172,16 @@ def column_amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(1, n_cols)
 
 
+def _fp8_outputs(x: torch.Tensor, dtype: torch.dtype, rowmajor: bool, transpose: bool, caller: str):
+    """(q [M, K] or None, q^T [K, M] or None): the copies a cast of x [M, K] is asked to write."""
+    if not (rowmajor or transpose):
+        raise ValueError(f"{caller} writes nothing: ask for the row-major copy, the transposed one or both")
+    n_rows, n_cols = x.shape
+    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device) if rowmajor else None
+    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else None
+    return q, qt
+
+
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transpose: bool = True,
                    rowmajor: bool = True):
     """(q [M, K] or None, q^T [K, M] or None): saturating round-to-nearest-even cast of x * scale,
@@ -179,10 +189,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, tra
     `transpose` say which of the two copies to write."""
     n_rows, n_cols = x.shape
     mant, min_exp, limit = FORMATS[dtype]
-    if not (rowmajor or transpose):
-        raise ValueError("cast_transpose writes nothing: ask for the row-major copy, the transposed one or both")
-    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device) if rowmajor else None
-    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else None
+    q, qt = _fp8_outputs(x, dtype, rowmajor, transpose, "cast_transpose")
     colwise = scale.dim() > 0 and tuple(scale.shape) == (1, n_cols)  # (M = 1 or K = 1: the same either way)
     rowwise = scale.dim() > 0 and not colwise
     grid = (cdiv(n_rows, BLOCK_M), cdiv(n_cols, BLOCK_K))
@@ -205,10 +212,7 @@ def scaled_cast(x: torch.Tensor, dtype: torch.dtype, per_column: bool = False, p
     The same bits as amax, scale_of and cast_transpose in three steps."""
     n_rows, n_cols = x.shape
     mant, min_exp, limit = FORMATS[dtype]
-    if not (rowmajor or transpose):
-        raise ValueError("scaled_cast writes nothing: ask for the row-major copy, the transposed one or both")
-    q = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device) if rowmajor else None
-    qt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else None
+    q, qt = _fp8_outputs(x, dtype, rowmajor, transpose, "scaled_cast")
     scale = torch.empty(n_cols if per_column else n_rows, dtype=torch.float32, device=x.device)
     block_m, block_k = COLUMN_TILE if per_column else ROW_TILE
     grid = (cdiv(n_cols, block_k) if per_column else cdiv(n_rows, block_m),)
