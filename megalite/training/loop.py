@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,18 +56,18 @@ from megalite.simulate.run import run_from_flags
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
-                                       gather_step_times, memory_stats, peak_tflops, progress_line, straggler_report)
+                                       gather_step_times, peak_tflops, progress_line, straggler_report)
 from megalite.training.metrics_sinks import open_sinks
 from megalite.training.configure import configure
 from megalite.training.launch_checks import memory_per_rank
-from megalite.pipeline.stages import measured_bubble
 from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
 from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
 from megalite.training.provided_model import ProvidedModel, default_loss
-from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate, train_step
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate
 from megalite.training.step_result import StepResult
+from megalite.training.step_run import lr_position, step_record, timed_step
 from megalite.training.watchdog import HangWatchdog
 
 
@@ -295,7 +294,7 @@ def resume(job: Job) -> int:
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
-    job.scheduler.jump_to(_lr_position(job, start_step))  # the lr of step start_step + 1
+    job.scheduler.jump_to(lr_position(job, start_step))  # the lr of step start_step + 1
     if job.watchdog:
         job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     if start_step >= job.cfg.training.train_iters:
@@ -321,7 +320,7 @@ def train_steps(job: Job, start_step: int) -> bool:
     cfg = job.cfg
     for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
         maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
-        result, cp_comm_bytes, step_time = _timed_step(job, step, indices)
+        result, cp_comm_bytes, step_time = timed_step(job, step, indices)
         job.guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
         interval = cfg.fault_tolerance.check_replicas_interval
         if interval and step % interval == 0:
@@ -351,71 +350,17 @@ def train_steps(job: Job, start_step: int) -> bool:
     return False
 
 
-def _timed_step(job: Job, step: int, indices) -> tuple[StepResult, int, float]:
-    """The step, its bytes on the cp group (ring / all-to-all traffic) and its seconds."""
-    job.profiler.before_step(step)
-    start = time.perf_counter()
-    job.timer.reset()
-    cp_bytes_before = comm.ledger.total_bytes(group="cp")
-    with job.timer.phase("data"):
-        microbatches = load_microbatches(job.train_set, indices)
-    result = train_step(job.model, job.optimizer, microbatches, job.mesh, job.cfg, None, guard=job.guard,
-                        timer=job.timer, graphs=job.graphs)
-    if job.cfg.training.rampup_batch_size is None:
-        job.scheduler.step()  # result.lr: lr_at(step - 1), set by the scheduler a step ago
-    else:  # the schedule follows the samples consumed
-        job.scheduler.jump_to(_lr_position(job, step))
-    cp_comm_bytes = comm.ledger.total_bytes(group="cp") - cp_bytes_before
-    job.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
-    if job.mesh.device.type == "cuda":
-        torch.cuda.synchronize()
-    step_time = time.perf_counter() - start
-    job.profiler.after_step(step)
-    return result, cp_comm_bytes, step_time
-
-
-def _lr_position(job: Job, steps_done: int) -> float:
-    """Where the learning-rate schedule stands after `steps_done` steps: that step count, or under
-    --rampup-batch-size the samples consumed in full global batches (Megatron's rule: the schedule counts
-    samples, its warm-up and decay steps taken at the full batch; without a ramp the two are equal)."""
-    if job.cfg.training.rampup_batch_size is None:
-        return steps_done
-    return job.sampler.consumed_samples / job.cfg.global_batch_size
-
-
 def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_bytes: int) -> None:
     """The metrics record and progress line of a logged step."""
     cfg = job.cfg
     if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
         return
-    batch = job.sampler.last_batch_size  # this step's global batch (it grows under --rampup-batch-size)
-    ramp = BatchRampup.of(cfg)
-    remaining = ramp.samples_in(cfg.training.train_iters - step, job.sampler.consumed_samples) if ramp else None
-    record = job.meter.step(step, step_time, samples=batch, remaining_samples=remaining, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                            skipped=result.skipped, exposed_dp_comm_s=result.exposed_dp_comm_s,
-                            exposed_grad_reduce_s=result.exposed_grad_reduce_s,
-                            exposed_param_gather_s=result.exposed_param_gather_s,
-                            exposed_token_count_s=result.exposed_token_count_s,
-                            **job.timer.summary(step_time), **memory_stats(job.mesh.device),
-                            **job.optimizer.memory_report())
-    if cfg.precision.precision == "fp16":
-        record["loss_scale"] = result.loss_scale
-    record["cp"] = cfg.parallel.cp
-    if cfg.training.rampup_batch_size is not None:
-        record["global_batch_size"] = batch
-    record.update(result.moe)  # aux/z loss, load, drops per layer
-    if result.grad_reduce_bytes is not None:  # dp gradient bytes: uncompressed / sent (this step)
-        record.update(grad_reduce_bytes=result.grad_reduce_bytes,
-                      grad_compression_ratio=result.grad_compression_ratio)
-    if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
-        record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=cp_comm_bytes)
-    bubble = measured_bubble(result.pipeline[1], job.mesh, result.pipeline[0]) if result.pipeline is not None else None
-    if bubble is not None:  # the schedule's idle share with this step's measured op times (plot_metrics' time split)
-        record["pipeline_bubble"] = bubble
+    record = step_record(job, step, step_time, result, cp_comm_bytes)
     job.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result.skipped else ""))
-    job.advisor.observe(step_time, pipeline_bubble=bubble, exposed_dp_comm_s=result.exposed_dp_comm_s,
-                        pp=job.mesh.pp_size, dp=job.mesh.dp_size * job.mesh.cp_size)
+    job.advisor.observe(step_time, pipeline_bubble=record.get("pipeline_bubble"),
+                        exposed_dp_comm_s=result.exposed_dp_comm_s, pp=job.mesh.pp_size,
+                        dp=job.mesh.dp_size * job.mesh.cp_size)
 
 
 def save(job: Job, step: int) -> None:

@@ -44,7 +44,7 @@ def _run(argv, stop_after=None):
     """loop.main on this rank; a SIGTERM during step `stop_after` (every rank then saves after it and
     exits 0). Returns (exit code, this rank's output, {step: this dp rank's microbatches})."""
     seen = {}
-    timed_step, inject = loop._timed_step, loop.maybe_inject_fault
+    timed_step, inject = loop.timed_step, loop.maybe_inject_fault
 
     def recording_step(job, step, indices):
         if job.mesh.tp_rank == 0:  # tp ranks read the same samples
@@ -56,7 +56,7 @@ def _run(argv, stop_after=None):
             os.kill(os.getpid(), signal.SIGTERM)
         inject(step, rank)
 
-    loop._timed_step, loop.maybe_inject_fault = recording_step, stop_during
+    loop.timed_step, loop.maybe_inject_fault = recording_step, stop_during
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = loop.main(argv)

@@ -133,9 +133,9 @@ def test_save_directory_without_room_for_one_checkpoint_fails_early(tmp_path, mo
 def _failing_run(tmp_path, exception):
     """Run the loop with every service on; step 3 raises `exception`. Returns what is left behind."""
     from megalite import comm
-    from megalite.training import loop
+    from megalite.training import loop, step_run
 
-    real_step, calls = loop.train_step, []
+    real_step, calls = step_run.train_step, []
 
     def failing_step(*args, **kwargs):
         calls.append(1)
@@ -143,7 +143,7 @@ def _failing_run(tmp_path, exception):
             raise exception
         return real_step(*args, **kwargs)
 
-    loop.train_step = failing_step
+    step_run.train_step = failing_step  # what loop's timed_step calls
     sigterm_before = signal.getsignal(signal.SIGTERM)
     argv = ["--dp", "2", "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16", "--micro-batch-size", "2",
             "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0", "--save", str(tmp_path / "ckpt"),
