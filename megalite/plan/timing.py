@@ -53,22 +53,21 @@ logits, and the "local" DDP's all-reduce after the backward).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
-from megalite.plan import fp8, fp8_amax, kernel_rates as rates
+from megalite.plan import fp8, kernel_rates as rates
 from megalite.plan.activations import output_kept_once
-from megalite.plan.communication import bus_factor, communication_bytes, step_scalar_collectives
-from megalite.plan.compression import compressed_matrices, compression_enabled
+from megalite.plan.comm_time import stage_communication, step_tokens
+from megalite.plan.communication import step_scalar_collectives
+from megalite.plan.compression import compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
                                     uses_cuda_graph)
-from megalite.plan.layout import DTYPE_BYTES, dp_group_name, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
-from megalite.plan.zero3 import stage_units
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -146,19 +145,12 @@ class _Pass:
     attention_forward: float = 0.0
 
 
-def _tokens(model: GPTConfig, cfg: RunConfig) -> tuple[int, int]:
-    """(tokens of one microbatch on this rank, local sequence length): s / cp per sequence."""
-    cp = getattr(cfg.parallel, "cp", 1)
-    local = model.seq_length // cp
-    return local * cfg.training.micro_batch_size, local
-
-
 def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Kernels = MEGALITE) -> _Pass:
     """Device seconds of one block, one microbatch, one tp rank: forward and backward (no recompute)."""
     a = DTYPE_BYTES[cfg.precision.precision]
     t, b = cfg.parallel.tp, cfg.training.micro_batch_size
     sp = t if cfg.parallel.sequence_parallel else 1
-    tokens, local = _tokens(model, cfg)
+    tokens, local = step_tokens(model, cfg)
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
     nq, nkv = model.num_attention_heads // t, model.num_query_groups // t
     llama = model.flavour == "llama"
@@ -200,7 +192,7 @@ def block_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: K
 def embedding_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile) -> _Pass:
     """The first stage's embedding: rows gathered (+ positions, dropout); backward adds into fp32 grads."""
     a = DTYPE_BYTES[cfg.precision.precision]
-    tokens, _ = _tokens(model, cfg)
+    tokens, _ = step_tokens(model, cfg)
     h = model.hidden_size
     return _Pass(hw.memory_seconds(4 * a * tokens * h), hw.memory_seconds((a + 8) * tokens * h))
 
@@ -210,7 +202,7 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
     precision, a = cfg.precision.precision, DTYPE_BYTES[cfg.precision.precision]
     t = cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
-    tokens, _ = _tokens(model, cfg)
+    tokens, _ = step_tokens(model, cfg)
     h, vocab = model.hidden_size, model.padded_vocab_size(t) // t
     gemm = hw.matmul_seconds(tokens, vocab, h, precision)
     logits = a * tokens * vocab
@@ -227,7 +219,7 @@ def head_pass(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, kernels: Ke
     return _Pass(forward, backward)
 
 
-def _stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = None) -> tuple[
+def stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = None) -> tuple[
         float, tuple[float, float], float, float]:
     """(device seconds, host seconds (forward, backward), backward device seconds, attention forward
     seconds) of one stage over all its chunks, per microbatch, from `block` (block_pass, the same on
@@ -260,96 +252,6 @@ def _stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = No
     rerun_launches = rerun * block_launches(model, in_place).forward + selective     # attention; its copy
     host_passes = (1, 0) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
     return device, tuple(host_seconds(hw, n) for n in host_passes), backward, layers * block.attention_forward
-
-
-def _group_shape(cfg: RunConfig, group: str) -> tuple[int, int]:
-    """(size, stride in ranks) of a process group in megalite's order tp -> cp -> dp -> pp."""
-    tp, cp, dp, pp = cfg.parallel.tp, getattr(cfg.parallel, "cp", 1), cfg.dp, cfg.parallel.pp
-    ep = getattr(cfg.parallel, "ep", 1)  # expert parallelism folds into dp x cp: ep consecutive, then expert-dp
-    whole = tp // cfg.etp_size  # etp 1: expert-dp spans the tp ranks too (tp consecutive, blocks ep*tp apart)
-    return {"tp": (tp, 1), "cp": (cp, tp), "dp": (dp, tp * cp), "dp_cp": (dp * cp, tp), "pp": (pp, tp * cp * dp),
-            "ep": (ep, tp), "tp_cp": (tp * cp, 1), "edp": (dp * cp // ep * whole, tp * ep // whole),
-            "embedding": (2, tp * cp * dp * max(1, pp - 1))}[group]
-
-
-def _transfer_seconds(cfg, hw, ranks_per_node, group: str, op: str, nbytes: int, unit: int) -> float:
-    """Seconds of `nbytes` (ledger convention) of `op` on `group`, in transfers of `unit` bytes each."""
-    size, stride = _group_shape(cfg, group)
-    if size <= 1 or nbytes <= 0:
-        return 0.0
-    factor = 1.0 if op in ("send", "recv") else bus_factor(op, size)
-    link = hw.busbw(2 if op in ("send", "recv") else size, stride, ranks_per_node)
-    count = max(1, math.ceil(nbytes / max(unit, 1)))
-    return nbytes * factor / link + count * hw.collective_latency_s(2 if op in ("send", "recv") else size)
-
-
-def _stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, attention: float) -> dict[str, float]:
-    """Exposed tp, cp and pp seconds of one stage per step, and its dp/embedding transfer seconds."""
-    a, t, m = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.num_microbatches
-    tokens, _ = _tokens(model, cfg)
-    unit = a * tokens * model.hidden_size                                # one [s, b, h] activation
-    sp = cfg.parallel.sequence_parallel
-    out = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp_reduce": _compression_seconds(model, cfg, hw, stage), "dp_gather": 0.0,
-           "dp_first_unit": 0.0, "embedding": 0.0}
-    buckets = max(1, math.ceil(stage_params(model, cfg, stage) / cfg.parallel.ddp_bucket_size))
-    amaxes = fp8_amax.amax_all_reduces(model, cfg, stage)  # FP8's scales: many tiny all-reduces, timed apart
-    for group, (count, nbytes) in amaxes.items():
-        part = {"cp": "cp", "dp": "dp_gather", "dp_cp": "dp_gather"}.get(group, "tp")
-        out[part] += _transfer_seconds(cfg, hw, ranks_per_node, group, "all_reduce", nbytes, nbytes / count)
-    for key, nbytes in communication_bytes(model, cfg, stage, kernels.reentrant_recompute).items():
-        group, op = key.split("/")
-        nbytes -= amaxes.get(group, (0, 0))[1] if op == "all_reduce" else 0
-        if op == "recv":
-            continue                                                     # a transfer is one send and one receive
-        if group == "pp":
-            if kernels.p2p_scatter_gather and not sp and t > 1:          # 1/tp on the link, all-gather over tp
-                out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "pp", op, nbytes // t, unit // t)
-                out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "tp", "all_gather", nbytes, unit)
-            else:
-                out["pp"] += _transfer_seconds(cfg, hw, ranks_per_node, "pp", op, nbytes, unit // (t if sp else 1))
-        elif group == "ep":  # MoE token dispatch: on the critical path like tp's, counted with it
-            out["tp"] += _transfer_seconds(cfg, hw, ranks_per_node, "ep", op, nbytes, unit)
-        elif group in ("dp", "dp_cp", "edp"):
-            part = "dp_gather" if op == "all_gather" else "dp_reduce"
-            per_op = _dp_transfer_bytes(model, cfg, stage, op, nbytes, buckets)
-            out[part] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, per_op)
-        elif group == "cp":
-            seconds = _transfer_seconds(cfg, hw, ranks_per_node, "cp", op, nbytes, unit)
-            if op == "send":                                             # ring: the next K/V travels during a block
-                seconds = max(0.0, seconds - m * attention)
-            out["cp"] += seconds
-        elif group in ("tp", "embedding"):
-            out[group] += _transfer_seconds(cfg, hw, ranks_per_node, group, op, nbytes, unit)
-    if cfg.parallel.zero == 3 and cfg.dp * getattr(cfg.parallel, "cp", 1) > 1:  # nothing precedes a pass's first unit
-        first = max(stage_units(model, cfg, stage)) * a
-        passes = 2 * m * cfg.parallel.virtual_stages                     # every forward and backward
-        out["dp_first_unit"] = passes * _transfer_seconds(cfg, hw, ranks_per_node, dp_group_name(cfg), "all_gather",
-                                                          first, first)
-    return out
-
-
-def _dp_transfer_bytes(model, cfg, stage: int, op: str, nbytes: int, buckets: int) -> int:
-    """Bytes of one dp collective: a bucket; ZeRO-3: one unit (the stage's mean), gathered in the
-    parameter dtype, reduce-scattered in the gradient's; PowerSGD: half of a step's (P, then Q)."""
-    if cfg.parallel.zero == 3:
-        units = stage_units(model, cfg, stage)
-        dtype = cfg.precision.precision if op == "all_gather" else cfg.precision.grad_reduce_dtype
-        return DTYPE_BYTES[dtype] * sum(units) // len(units)
-    if compression_enabled(model, cfg) and op == "all_reduce":
-        return nbytes // 2
-    return nbytes // buckets
-
-
-def _compression_seconds(model, cfg, hw, stage: int) -> float:
-    """PowerSGD's arithmetic on a rank of `stage` per step: per compressed n x m gradient (rank r),
-    P = M Q, Q = M^T P^ and the decompression P^ Q^T (fp32 GEMMs), and 28 bytes per element of
-    fp32 passes (M = G + residual: read 8, write 4; the new residual: read M and P^ Q^T, write 4;
-    the decompressed sum written: 4). The orthogonalisation of the thin P is left out."""
-    seconds = 0.0
-    for n, m, r in compressed_matrices(model, cfg, stage):
-        seconds += hw.matmul_seconds(n, r, m, "fp32") + hw.matmul_seconds(m, r, n, "fp32")
-        seconds += hw.matmul_seconds(n, m, r, "fp32") + hw.memory_seconds(28 * n * m)
-    return seconds
 
 
 def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, float]:
@@ -385,14 +287,14 @@ def _stage_time(model, cfg, hw, kernels, per_node: int, stage: int, block: _Pass
     """(busy seconds of the step: m microbatches, its communication seconds by part, backward and
     forward seconds of one microbatch) of one stage, at the slowdown of `per_node` ranks on a node."""
     slowdown = hw.compute_slowdown(per_node)
-    device, host, backward, attention = _stage_compute(model, cfg, hw, kernels, stage, block)
+    device, host, backward, attention = stage_compute(model, cfg, hw, kernels, stage, block)
     if hw.host_synchronous:
         busy = (device + sum(host)) * slowdown
     elif hw.launch_host_us:   # the host queues work ahead of the GPU; neither pass syncs
         busy = queued_seconds([(host[0], device - backward), (host[1], backward)]) * slowdown
     else:
         busy = max(device, sum(host)) * slowdown
-    comm = _stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
+    comm = stage_communication(model, cfg, hw, kernels, per_node, stage, attention * slowdown)
     if hw.host_synchronous:  # a CPU's collectives are work of its cores too
         comm = {key: seconds * slowdown for key, seconds in comm.items()}
     return cfg.num_microbatches * busy, comm, backward * slowdown, (device - backward) * slowdown

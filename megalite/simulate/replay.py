@@ -19,7 +19,8 @@ from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule
 from megalite.plan.hardware import load_profile
 from megalite.training.advice import BUBBLE_LIMIT, EXPOSED_DP_LIMIT, bubble_advice, exposed_dp_advice
-from megalite.plan.timing import MEGALITE, _stage_communication, _stage_compute, predict_step_time
+from megalite.plan.comm_time import stage_communication
+from megalite.plan.timing import MEGALITE, predict_step_time, stage_compute
 
 
 
@@ -62,13 +63,13 @@ def _stage_costs(cfg: RunConfig, hw, per_node: int) -> list[tuple[float, float, 
     slowdown = hw.compute_slowdown(per_node)
     out = []
     for stage in range(cfg.parallel.pp):
-        device, host, backward, attention = _stage_compute(model, cfg, hw, MEGALITE, stage)
+        device, host, backward, attention = stage_compute(model, cfg, hw, MEGALITE, stage)
         forward = device - backward
         if hw.host_synchronous:
             forward, backward = forward + host[0], backward + host[1]
         else:  # the host queues ahead of the device: the slower of the two sets each pass
             forward, backward = max(forward, host[0]), max(backward, host[1])
-        comm = _stage_communication(model, cfg, hw, MEGALITE, per_node, stage, attention * slowdown)
+        comm = stage_communication(model, cfg, hw, MEGALITE, per_node, stage, attention * slowdown)
         inline = (comm["tp"] + comm["cp"]) / m  # exposed in each microbatch, split like its compute
         share = forward / max(forward + backward, 1e-30)
         sends = 2 * m * v - (m if stage in (0, cfg.parallel.pp - 1) else 0)
