@@ -96,5 +96,10 @@ def _deliver_both(weight, bias, grad_weight, grad_bias) -> None:
 
 
 def bypasses_autograd(param: torch.Tensor | None) -> bool:
-    """True when this parameter's gradient must not be returned to autograd."""
+    """True when this parameter's gradient must not be returned to autograd.
+
+    Ask it of the parameter itself, kept on the autograd node's ctx, never of the saved tensor that
+    `ctx.saved_tensors` returns: under a saved-tensor hook (activation offloading, `--simulate`'s
+    memory count) that is another Python object, without the sink or deferral declared on the
+    parameter, and the gradient would go to `.grad` instead of the data-parallel engine."""
     return param is not None and (P.deferred(param) is not None or P.grad_sink(param) is not None)

@@ -55,6 +55,7 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
         y = (dequantize(x_q, x_inv, 1, BLOCK) @ dequantize(w_q, w_inv, BLOCK, BLOCK).t()).to(x.dtype)
         ctx.recipe = recipe
         ctx.save_for_backward(x2, weight, bias)  # wgrad tiles x along T: cast again there
+        ctx.params = (weight, bias)  # the parameters themselves: where their gradients go (bypasses_autograd)
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y + bias if bias is not None else y
 
@@ -70,8 +71,8 @@ class _BlockwiseLinearFunction(torch.autograd.Function):
             grad_input = (dequantize(g_q, g_inv, 1, BLOCK) @ dequantize(w_q, w_inv, BLOCK, BLOCK))
             grad_input = grad_input.to(grad_out.dtype).view(*grad_out.shape[:-1], weight.shape[1])
         args = (recipe, g2, x2, needs[1], bias is not None and needs[2])
-        if bypasses_autograd(weight):
-            route_weight_grads(weight, bias, _weight_grads, *args)
+        if bypasses_autograd(ctx.params[0]):
+            route_weight_grads(*ctx.params, _weight_grads, *args)
             return grad_input, None, None, None
         grad_weight, grad_bias = _weight_grads(*args)
         return grad_input, (grad_weight.to(weight.dtype) if grad_weight is not None else None), grad_bias, None

@@ -145,6 +145,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         w_q, w_inv = _cast_weights(torch.stack(weights), fwd, -1 if rw else (1, 2), ctx.w_group, pow2)  # [E, N, K]
         y = grouped_scaled_mm(x_q, w_q.transpose(1, 2), x_inv, w_inv.transpose(1, 2), group_sizes, gid, x.dtype, rw)
         ctx.save_for_backward(x if rw else x_t, None if rw else x_inv, group_sizes, gid, *weights)
+        ctx.params = weights  # the parameters themselves: where their gradients go (bypasses_autograd)
         return y
 
     @staticmethod
@@ -175,7 +176,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             x_t = saved_x  # [K, R], from the forward's cast
         dw = grouped_scaled_wgrad(g_t, x_t, g_inv, x_inv, group_sizes, rw)  # [E, N, K] fp32
         grads = []
-        for e, weight in enumerate(weights):
+        for e, weight in enumerate(ctx.params):
             if bypasses_autograd(weight):
                 route_weight_grads(weight, None, lambda d=dw[e]: (d, None))
                 grads.append(None)

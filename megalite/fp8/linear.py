@@ -81,7 +81,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.recipe, ctx.group, ctx.kind, ctx.sp = recipe, group, kind, sp
         # the parameter itself: a saved-tensor hook (activation offloading, --simulate's memory count)
         # hands backward another Python object for it, without ZeRO-3's gathered FP8 copy
-        ctx.parameter = weight
+        ctx.parameter, ctx.bias = weight, bias  # routing and the gathered copy: bypasses_autograd
         ctx.k_group, ctx.n_group = k_group, n_group
         ctx.save_for_backward(saved_x, None if recipe.rowwise else x_inv, weight, bias)
         return y + bias if bias is not None else y
@@ -105,8 +105,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_input = comm.reduce_scatter(grad_input, ctx.group, dim=0)
         wants_weight, wants_bias = needs[1], bias is not None and needs[2]
         args = (ctx, g2, g_tensorwise, saved_x, x_inv, wants_weight, wants_bias)
-        if bypasses_autograd(weight):
-            route_weight_grads(weight, bias, _weight_grads, *args)
+        if bypasses_autograd(ctx.parameter):
+            route_weight_grads(ctx.parameter, ctx.bias, _weight_grads, *args)
             return grad_input, None, None, None, None, None, None, None
         grad_weight, grad_bias = _weight_grads(*args)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None

@@ -61,6 +61,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         comm.all_reduce(stats, group)  # the only forward communication
         lse, losses = merge_stats(stats, flat_targets, ignore_index)
         ctx.save_for_backward(hidden, weight, flat_targets, lse)
+        ctx.parameter = weight  # itself: where its gradient goes (bypasses_autograd)
         ctx.meta = (group, gather, vocab_start, n_valid, ignore_index, chunk_tokens, use_kernels)
         return losses.view(targets.shape)
 
@@ -74,7 +75,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         grad_rows = torch.empty_like(rows)  # [tokens, h], this shard's partial contribution
         # With a gradient sink (the DP engine's fp32 main grad) each chunk's dW goes straight in;
         # otherwise (plain autograd, or a deferred weight pass) an fp32 accumulator [V/tp, h].
-        to_sink = bypasses_autograd(weight) and params.deferred(weight) is None
+        to_sink = bypasses_autograd(ctx.parameter) and params.deferred(ctx.parameter) is None
         grad_weight = None if to_sink else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, rows.shape[0], chunk_tokens):
             end = min(start + chunk_tokens, rows.shape[0])
@@ -85,7 +86,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             grad_rows[start:end] = dlogits @ weight
             chunk_grad_weight = dlogits.t() @ rows[start:end]  # [V/tp, h]
             if to_sink:
-                deliver(weight, chunk_grad_weight)
+                deliver(ctx.parameter, chunk_grad_weight)
             else:
                 grad_weight += chunk_grad_weight.float()
         grad_hidden = grad_rows.view(full.shape)  # the input was replicated (or gathered) across tp:
@@ -96,8 +97,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         if to_sink:
             return grad_hidden, None, None, None, None, None, None, None
         grad_weight = grad_weight.to(weight.dtype)
-        if bypasses_autograd(weight):  # deferred: the weight pass delivers the finished gradient
-            route_weight_grads(weight, None, lambda: (grad_weight, None))
+        if bypasses_autograd(ctx.parameter):  # deferred: the weight pass delivers the finished gradient
+            route_weight_grads(ctx.parameter, None, lambda: (grad_weight, None))
             return grad_hidden, None, None, None, None, None, None, None
         return grad_hidden, grad_weight, None, None, None, None, None, None
 

@@ -64,6 +64,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight, bias)
+        ctx.params = (weight, bias)  # the parameters themselves: where their gradients go (bypasses_autograd)
         out = torch.matmul(x, weight.t())
         return out + bias if bias is not None else out
 
@@ -75,8 +76,8 @@ class _LinearFunction(torch.autograd.Function):
         # the GEMM grad_out.matmul(weight) ran (matmul folds grad_out to g2 itself), one view op fewer
         grad_input = g2.mm(weight).view(*grad_out.shape[:-1], weight.shape[1]) if needs[0] else None
         wants_bias = bias is not None and needs[2]
-        if bypasses_autograd(weight):
-            route_weight_grads(weight, bias, _weight_grads, g2, x, needs[1], wants_bias)
+        if bypasses_autograd(ctx.params[0]):
+            route_weight_grads(*ctx.params, _weight_grads, g2, x, needs[1], wants_bias)
             return grad_input, None, None
         return (grad_input, *_weight_grads(g2, x, needs[1], wants_bias))
 
@@ -109,6 +110,7 @@ class _SequenceParallelLinearFunction(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, group):
         ctx.group = group
         ctx.save_for_backward(x_shard, weight, bias)
+        ctx.params = (weight, bias)  # the parameters themselves: where their gradients go (bypasses_autograd)
         x = comm.all_gather(x_shard, group, dim=0)  # [s/tp, b, in] -> [s, b, in]
         out = torch.matmul(x, weight.t())
         return out + bias if bias is not None else out
@@ -121,8 +123,8 @@ class _SequenceParallelLinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0] else None  # [s, b, in] partial sums -> [s/tp, b, in]
         wants_weight, wants_bias = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out/tp]
-        if bypasses_autograd(weight):
-            route_weight_grads(weight, bias, _weight_grads, g2, x, wants_weight, wants_bias)
+        if bypasses_autograd(ctx.params[0]):
+            route_weight_grads(*ctx.params, _weight_grads, g2, x, wants_weight, wants_bias)
             return grad_input, None, None, None
         return (grad_input, *_weight_grads(g2, x, wants_weight, wants_bias), None)
 
