@@ -82,6 +82,7 @@ def _has_cuda_backend() -> bool:
         return False
 
 
+@pytest.mark.slow  # ~9 s on 2 cores: a subprocess compiles every measured entry, the fused backward's too
 @pytest.mark.skipif(not HAVE_TRITON or not _has_cuda_backend() or ON_GPU, reason="needs triton's NVIDIA backend")
 def test_every_measured_entry_compiles_for_its_architecture_without_spills(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
