@@ -27,6 +27,8 @@ def scaled_mm(a_q: torch.Tensor, b_q: torch.Tensor, inv_a: torch.Tensor, inv_b: 
               out_dtype: torch.dtype) -> torch.Tensor:
     """[M, K] x [K, N] -> [M, N] (see the module docstring)."""
     global fallbacks
+    if a_q.shape[1] == 0:  # an expert without tokens: CPU's _scaled_mm leaves a K = 0 output uninitialised
+        return torch.zeros(a_q.shape[0], b_q.shape[1], dtype=out_dtype, device=a_q.device)
     key = _key(a_q, b_q, inv_a, inv_b, out_dtype)
     aligned = a_q.device.type == "cpu" or all(d % 16 == 0 for d in (*a_q.shape, b_q.shape[1]))
     if aligned and key not in _UNSUPPORTED:

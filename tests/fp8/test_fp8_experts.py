@@ -53,3 +53,16 @@ def test_grouped_kernels_match_the_per_expert_loop(recipe, monkeypatch):
     assert len(launches) == 4  # forward and dx of fc1 and fc2
     for i, (a, b) in enumerate(zip(got, expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"output {i}")
+
+
+def test_a_gemm_over_no_rows_is_zero_not_uninitialised_memory():
+    """torch 2.13's CPU _scaled_mm returns uninitialised memory when K = 0 (an expert that got no token
+    computes its weight gradient over zero rows); scaled_mm must return zeros."""
+    from megalite.fp8.gemm import scaled_mm
+
+    a = torch.zeros(4, 0).to(torch.float8_e4m3fn)
+    b = torch.zeros(8, 0).to(torch.float8_e4m3fn).t()
+    for _ in range(3):
+        torch.randn(4096).mul_(1e3)  # leave garbage where the next allocation may land
+        out = scaled_mm(a, b, torch.tensor(1.0), torch.tensor(1.0), torch.float32)
+        assert out.shape == (4, 8) and torch.equal(out, torch.zeros(4, 8))
