@@ -40,6 +40,8 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
     if ck.load_step is not None and ck.load is None:
         problems.append("--load-step needs --load DIR")
+    if ck.finetune and ck.load is None:
+        problems.append("--finetune needs --load DIR (the checkpoint, or an HF import, whose weights it starts from)")
     if ck.load is not None and os.path.exists(ck.load) and not os.path.isdir(ck.load):
         problems.append(f"--load {ck.load} is a file; --load takes the checkpoint directory (the --save DIR of the "
                         f"run to resume)")

@@ -260,6 +260,9 @@ class CheckpointSettings:
     keep_every: int = setting(0, "also keep every step that is a multiple of M", minimum=0)
     async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
     no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
+    finetune: bool = setting(False, "start a fine-tune from --load's checkpoint (or HF import): its weights and "
+                                    "model only; a fresh optimizer, step 0, the data from its start, fresh RNG "
+                                    "(a restart resumes from --save once that holds a checkpoint)")
     elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
                                                              "kept): keep the checkpoint's global batch (more or "
                                                              "fewer accumulation steps; the loss curve continues), "
