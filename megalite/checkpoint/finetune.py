@@ -1,6 +1,8 @@
 """Where a --finetune run starts: the weights of --load, or, once it has saved, its own last checkpoint.
 
-    cfg, notes = finetune_start(cfg)   # every rank, before the resume plan and any process group
+    # every rank, before the resume plan and any process group: finetune_start, then the model from
+    # the checkpoint (model_shape.py)
+    cfg, notes = checkpoint_start(cfg, given_settings(argv), own_model=False)
 
 Megatron-LM's --finetune: the model weights of --load's checkpoint (a training run's or an HF import's),
 a fresh optimizer, step 0, the data from its first sample, fresh RNG streams. The command line of a
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 
 from megalite.checkpoint.elastic import find_checkpoint
+from megalite.checkpoint.model_shape import adopt_checkpoint_model
 from megalite.config import RunConfig
 from megalite.errors import ConfigError
 
@@ -36,3 +39,13 @@ def finetune_start(cfg: RunConfig) -> tuple[RunConfig, list[str]]:
     return (cfg.replace(load=ck.save, load_step=None, finetune=False),
             [f"megalite: --finetune: {ck.save} already holds this fine-tune's step {found[0]}; resuming from it "
              f"(not from {ck.load})"])
+
+
+def checkpoint_start(cfg: RunConfig, given: frozenset[str], *, own_model: bool) -> tuple[RunConfig, list[str]]:
+    """`finetune_start`, then (for GPTModel; a user's own model builds its own shape) the model of the
+    checkpoint --load names (model_shape.adopt_checkpoint_model); with rank 0's notes."""
+    cfg, notes = finetune_start(cfg)
+    if own_model:
+        return cfg, notes
+    cfg, shape_notes = adopt_checkpoint_model(cfg, given)
+    return cfg, notes + shape_notes

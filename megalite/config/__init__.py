@@ -37,7 +37,7 @@ from megalite.config.bounds import NO_BOUNDS, Bounds, bound_problems
 from megalite.config.checks import data_problems, setting_problems
 from megalite.config.choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
-    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher)
+    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, SFTOverlong)
 
 
 from megalite.config.parts import (  # noqa: F401  (re-exported: RunConfig's parts and how a setting is declared)

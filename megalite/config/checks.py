@@ -156,6 +156,9 @@ def cp_dp(cfg: RunConfig) -> str:
 
 
 def data_problems(data: DataSettings) -> list[str]:
+    if data.sft and (data.data_path is None or data.mock_data):
+        return ["--sft trains on SFT samples: give --data-path PREFIX written by tools/preprocess_data.py --sft "
+                "(and no --mock-data)"]
     if data.mock_data and (data.data_path is not None or data.tokenizer is not None):
         return ["--mock-data trains on synthetic token ids: drop --data-path/--tokenizer, or drop --mock-data"]
     if data.data_path is None:

@@ -49,8 +49,8 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, model: GPTModel
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompts: list[list[int]], *, max_new_tokens: int, params: SamplingParams = SamplingParams(),
-             eos_token_id: int | None = None, pad_token_id: int = 0,
+def generate(model: GPTModel, prompts: list[list[int]], *, max_new_tokens: int,
+             params: SamplingParams = SamplingParams(), eos_token_id: int | None = None, pad_token_id: int = 0,
              on_tokens: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> list[list[int]]:
     """The new tokens of each prompt (at most max_new_tokens; through its eos when one comes).
     on_tokens(step, tokens [b], live [b]): called after each step (streaming); live marks the rows that
