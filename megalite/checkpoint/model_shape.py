@@ -16,6 +16,7 @@ line does not set them, so a resume compares settings as before (checkpoint/resu
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable
 
@@ -81,6 +82,24 @@ def _contradictions(flags_model: GPTConfig, saved: GPTConfig, given: frozenset[s
     return out
 
 
+def _flags_model(cfg: RunConfig, saved: GPTConfig, given: frozenset[str]) -> GPTConfig:
+    """The model the flags describe: the preset with the flags; where that is no model (a flag fits the
+    checkpoint's shape, not the preset's), the checkpoint's with the given plainly named fields over it;
+    where that is none either, the given fields over a config that is not checked (they differ anyway)."""
+    try:
+        return cfg.gpt_config()
+    except ValueError:
+        pass
+    direct = {name: getattr(cfg.model, name) for name in _FIELD if name in given}
+    try:
+        return saved.replace(**direct)
+    except ValueError:
+        unchecked = dataclasses.replace(saved)  # a copy, its fields then set without __post_init__'s checks
+        for name, value in direct.items():
+            setattr(unchecked, name, value)
+        return unchecked
+
+
 def _saved_model_settings(metadata: dict, given: frozenset[str]) -> dict[str, Any]:
     """The model and MoE settings of the checkpoint's run that this command line leaves unset."""
     train = metadata.get("train_config")
@@ -103,16 +122,11 @@ def adopt_checkpoint_model(cfg: RunConfig, given: frozenset[str]) -> tuple[RunCo
         return cfg, []
     step, metadata = found
     saved = GPTConfig(**metadata["model_config"])
-    try:
-        flags_model = cfg.gpt_config()
-    except ValueError:
-        flags_model = None  # the flags' own mistake: validation names it
-    if flags_model is not None:
-        problems = _contradictions(flags_model, saved, given)
-        if problems:
-            raise ConfigError(f"--load {ck.load} (step {step}) holds the model its checkpoint was saved from, and "
-                              f"{'; '.join(problems)} contradicts it: drop the shape flags (the model comes from the "
-                              f"checkpoint) or point --load at the model you mean")
+    problems = _contradictions(_flags_model(cfg, saved, given), saved, given)
+    if problems:
+        raise ConfigError(f"--load {ck.load} (step {step}) holds the model its checkpoint was saved from, and "
+                          f"{'; '.join(problems)} contradicts it: drop the shape flags (the model comes from the "
+                          f"checkpoint) or point --load at the model you mean")
     cfg = cfg.replace(**_saved_model_settings(metadata, given))
     cfg = cfg.with_checkpoint_model(json.dumps(metadata["model_config"], sort_keys=True))
     model = cfg.gpt_config()

@@ -89,6 +89,7 @@ def test_finetune_of_a_trained_checkpoint_starts_at_step_0_and_restarts_from_its
     (["--hidden-size", "48"], "--hidden-size (hidden_size 48 vs the checkpoint's 32)"),
     (["--kv-channels", "8", "--num-layers", "2"], "--kv-channels (head_dim 8 vs the checkpoint's 12)"),
     (["--model", "tiny"], "--model (flavour gpt2 vs the checkpoint's llama, "),
+    (["--num-attention-heads", "3"], "--num-attention-heads (num_attention_heads 3 vs the checkpoint's 4)"),  # no model
 ])
 def test_a_shape_flag_that_contradicts_the_checkpoint_is_one_line(imported, flags, needle, tmp_path):
     code, out, err = _main(["--load", imported, *RUN, *flags])
