@@ -94,3 +94,20 @@ def test_eos_ends_a_row_and_sampling_is_seeded():
                                                                                   seed=s)) for s in (1, 1, 2)]
     assert sampled[0] == sampled[1] != sampled[2]
     assert generate(model, PROMPTS, max_new_tokens=NEW, params=SamplingParams(temperature=1.0, top_k=1)) == greedy
+
+
+def test_gpt2_positions_start_at_each_rows_first_token():
+    """GPT-2's learned position table is absolute: the padded row reads rows 0.. of it from its first real
+    token, as transformers' generate does with an attention mask."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=301, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=None, bos_token_id=None)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() >= 2:
+                param.mul_(8.0)
+    expected = transformers_tokens(hf, PROMPTS)
+    model = from_hf(hf)
+    assert generate(model, PROMPTS, max_new_tokens=NEW) == expected
+    assert generate(model, PROMPTS[1:], max_new_tokens=NEW) == expected[1:]
