@@ -63,6 +63,7 @@ def _tp2(argv):
     return _run(argv)
 
 
+@pytest.mark.slow  # tp 2 generation itself is in the quick tier (tests/generation/test_generate.py)
 def test_tp2_prints_the_same_text(sources):
     hf_dir, ckpt, expected = sources
     results = run_distributed(_tp2, 2, ["--load", str(ckpt), "--prompt", "Hello", "--prompt", "ab",
