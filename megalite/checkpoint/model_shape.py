@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, Callable
 
 from megalite.checkpoint.elastic import find_checkpoint
@@ -118,6 +119,9 @@ def adopt_checkpoint_model(cfg: RunConfig, given: frozenset[str]) -> tuple[RunCo
     if not ck.load:
         return cfg, []
     found = find_checkpoint(ck.load, ck.load_step)
+    if found is None and os.path.isfile(os.path.join(ck.load, "config.json")):  # else: trained from scratch
+        raise ConfigError(f"--load {ck.load} is a transformers directory, not a megalite checkpoint; import it once "
+                          f"with tools/convert_checkpoint.py import --hf {ck.load} --output CKPT, then --load CKPT")
     if found is None or not isinstance(found[1].get("model_config"), dict):
         return cfg, []
     step, metadata = found

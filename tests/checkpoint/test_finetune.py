@@ -114,6 +114,8 @@ def test_agreeing_shape_flags_are_accepted_and_the_checkpoint_decides_the_rest(i
     (["--finetune"], "--finetune needs --load DIR"),
     (["--finetune", "--load", "{tmp}/empty"], "holds no complete checkpoint to start from"),
     (["--finetune", "--load", "{ckpt}", "--save", "{ckpt}"], "a restart would fine-tune its own checkpoint again"),
+    (["--load", "{ckpt}/../hf"], "is a transformers directory, not a megalite checkpoint; import it once with "
+                                 "tools/convert_checkpoint.py import --hf"),
 ])
 def test_finetune_mistakes_are_one_line(imported, tmp_path, argv, needle):
     (tmp_path / "empty").mkdir()
