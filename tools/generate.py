@@ -17,15 +17,18 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
+if not __package__:  # run as a script from a checkout (installed, it is megalite.tools.generate)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megalite.cli import OneLineParser
-from megalite.data.tokenizer import load_tokenizer
-from megalite.errors import UsageError, reports_usage_errors
-from megalite.generation import SamplingParams, generate
-from megalite.generation.generate import check_prompts
-from megalite.generation.load import load_for_generation
-from megalite.mesh import destroy_mesh, init_mesh
+import torch  # noqa: E402
+
+from megalite.cli import OneLineParser  # noqa: E402
+from megalite.data.tokenizer import load_tokenizer  # noqa: E402
+from megalite.errors import UsageError, reports_usage_errors  # noqa: E402
+from megalite.generation import SamplingParams, generate  # noqa: E402
+from megalite.generation.generate import check_prompts  # noqa: E402
+from megalite.generation.load import load_for_generation  # noqa: E402
+from megalite.mesh import destroy_mesh, init_mesh  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -125,7 +125,10 @@ def adopt_checkpoint_model(cfg: RunConfig, given: frozenset[str]) -> tuple[RunCo
     if found is None or not isinstance(found[1].get("model_config"), dict):
         return cfg, []
     step, metadata = found
-    saved = GPTConfig(**metadata["model_config"])
+    try:
+        saved = GPTConfig(**metadata["model_config"])
+    except (TypeError, ValueError):  # a user's own model's config (training/provided.py): the load names it
+        return cfg, []
     problems = _contradictions(_flags_model(cfg, saved, given), saved, given)
     if problems:
         raise ConfigError(f"--load {ck.load} (step {step}) holds the model its checkpoint was saved from, and "
