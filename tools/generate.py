@@ -10,7 +10,8 @@ draws the same token). Several prompts run as one batch (left-padded; each gives
 One prompt streams its tokens to the terminal as they come; a batch prints each completion when done.
 Under torchrun the world is the tensor-parallel group (tp = WORLD_SIZE); pipeline parallelism is
 refused. The tokenizer is --tokenizer, else an HF directory's tokenizer.json, else megalite's byte
-tokenizer; a row ends at the end-of-sequence id (--ignore-eos: never).
+tokenizer; --chat renders each prompt as a user turn through the tokenizer's chat template. A row ends
+at the end-of-sequence id (--ignore-eos: never).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ if not __package__:  # run as a script from a checkout (installed, it is megalit
 import torch  # noqa: E402
 
 from megalite.cli import OneLineParser  # noqa: E402
+from megalite.data.sft_preprocess import ChatTemplate  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
 from megalite.errors import UsageError, reports_usage_errors  # noqa: E402
 from megalite.generation import SamplingParams, generate  # noqa: E402
@@ -46,13 +48,20 @@ def parser() -> OneLineParser:
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
-    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json")
+    p.add_argument("--tokenizer", default=None, help="'byte', a tokenizer.json, or the directory transformers saved")
+    p.add_argument("--chat", action="store_true", help="each prompt as a user turn through the tokenizer's chat "
+                                                       "template (transformers; the --hf or --tokenizer directory)")
     p.add_argument("--eos-id", type=int, default=None, help="end-of-sequence id (default: the model's or the "
                                                              "tokenizer's)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: 1 only (refused otherwise)")
     return p
+
+
+def _tokenizer_file(spec: str | None) -> str | None:
+    """--tokenizer as load_tokenizer takes it: a directory means its tokenizer.json."""
+    return os.path.join(spec, "tokenizer.json") if spec is not None and os.path.isdir(spec) else spec
 
 
 def _prompts(args) -> list[str]:
@@ -112,6 +121,25 @@ class Streamer:
         self.say()
 
 
+def _encoded(args, prompts: list[str], tokenizer, model) -> list[list[int]]:
+    """The prompts' ids (--chat: each as a user turn through the chat template of the tokenizer's directory),
+    checked against the model (UsageError: too long, ids outside its vocabulary) before any output."""
+    texts = prompts
+    if args.chat:
+        where = args.tokenizer or args.hf
+        if where in (None, "byte"):
+            raise UsageError("--chat needs a tokenizer with a chat template: --hf DIR or --tokenizer DIR (a directory "
+                             "saved by transformers)")
+        chat = ChatTemplate(where)
+        texts = [chat.prompt(p) for p in prompts]
+    encoded = [tokenizer.encode(t) for t in texts]
+    try:
+        check_prompts(encoded, args.max_new_tokens, model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return encoded
+
+
 @reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
@@ -121,14 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     mesh = init_mesh(tp=world, etp=world)  # experts split over tp like the dense MLP
     try:
         loaded = load_for_generation(mesh, load=args.load, hf=args.hf, step=args.step, dtype=DTYPES[args.dtype])
-        tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer_path)
+        tokenizer = load_tokenizer(_tokenizer_file(args.tokenizer) or loaded.tokenizer_path)
+        encoded = _encoded(args, prompts, tokenizer, loaded.model)
         eos = None if args.ignore_eos else (args.eos_id if args.eos_id is not None else
                                             loaded.eos_token_id if loaded.eos_token_id is not None else tokenizer.eod)
-        encoded = [tokenizer.encode(p) for p in prompts]
-        try:  # a prompt too long, an id outside the vocabulary: the input's mistake, before any output
-            check_prompts(encoded, args.max_new_tokens, loaded.model)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
         streamer = Streamer(tokenizer, say) if len(prompts) == 1 else None
         if streamer is not None:
             say(prompts[0], end="", flush=True)

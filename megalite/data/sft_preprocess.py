@@ -77,6 +77,10 @@ class ChatTemplate:
     def _render(self, messages: list, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
+    def prompt(self, text: str) -> str:
+        """`text` as one user turn, with the template's opening of the assistant's answer (for sampling)."""
+        return self._render([{"role": "user", "content": text}], generation_prompt=True)
+
     def encode(self, messages: list, where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids int64, mask uint8) of the rendered conversation."""
         full = self._render(messages)

@@ -14,9 +14,11 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "generation"))
+sys.path.insert(0, str(ROOT / "tests" / "data"))
 from test_generate import hf_model, transformers_tokens  # noqa: E402
+from test_sft import TEMPLATE, _chat_tokenizer  # noqa: E402
 
-from megalite.data.tokenizer import ByteTokenizer  # noqa: E402
+from megalite.data.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 
 
@@ -87,3 +89,22 @@ def test_no_prompt_and_no_checkpoint_are_one_line(tmp_path):
     assert code == 2 and "holds no megalite checkpoint" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = _run(["--load", tmp_path])
     assert code == 2 and "no prompt" in err, err
+
+
+def test_chat_prompts_go_through_the_template(tmp_path):
+    """--chat: the prompt as a user turn, rendered by the directory's chat template (its special tokens
+    read as such), then transformers' greedy tokens; a tokenizer without a template is one line."""
+    hf = hf_model("llama3")
+    hf.save_pretrained(tmp_path)
+    fast = _chat_tokenizer(tmp_path, TEMPLATE)
+    rendered = fast.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False,
+                                        add_generation_prompt=True)
+    tokenizer = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    ids = tokenizer.encode(rendered)
+    assert ids == fast(rendered, add_special_tokens=False)["input_ids"]
+    assert fast.convert_tokens_to_ids("<|im_start|>") in ids  # the template's special tokens read as such
+    expected = transformers_tokens(hf, [ids], new=6)[0]
+    code, out, err = _run(["--hf", tmp_path, "--chat", "--prompt", "hi there", "--max-new-tokens", 6, "--ignore-eos"])
+    assert code == 0 and out == "hi there" + _tool().text_of(tokenizer, expected) + "\n", err
+    code, out, err = _run(["--hf", tmp_path, "--chat", "--prompt", "hi", "--tokenizer", "byte"])
+    assert code == 2 and "--chat needs a tokenizer with a chat template" in err, err
