@@ -39,5 +39,6 @@ setup(
         "megalite-plan = megalite.tools.plan:main",
         "megalite-convert = megalite.tools.convert_checkpoint:main",
         "megalite-preprocess = megalite.tools.preprocess_data:main",
+        "megalite-generate = megalite.tools.generate:main",
     ]},
 )

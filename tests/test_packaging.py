@@ -128,7 +128,7 @@ def test_wheel_installs_and_trains_in_a_fresh_venv(tmp_path):
     dash_m = subprocess.run([str(python), "-m", "megalite.training.loop", "--train-iters", "0"], cwd=work, env=env,
                             capture_output=True, text=True, timeout=300)
     assert dash_m.returncode == 2 and "--train-iters" in dash_m.stderr, dash_m.stderr[-500:]
-    for script in ("megalite-plan", "megalite-convert", "megalite-preprocess"):
+    for script in ("megalite-plan", "megalite-convert", "megalite-preprocess", "megalite-generate"):
         helped = subprocess.run([str(bin_dir / script), "--help"], cwd=work, env=env, capture_output=True,
                                 text=True, timeout=120)
         assert helped.returncode == 0 and "usage" in helped.stdout, (script, helped.stderr[-500:])

@@ -10,7 +10,8 @@ order), JSON-lines files (.jsonl/.json, one document per line and key) and Parqu
 (.parquet, one document per row and --json-keys column; pip install 'megalite[parquet]').
 Every document ends with the tokenizer's end-of-document id. With several --json-keys, one pair
 per key is written to {output-prefix}_{key}. --megatron-index writes Megatron-LM's own MMIDIDX
-.idx, so the same pair serves both frameworks. A progress bar (rate, ETA) goes to stderr; plain
+.idx, so the same pair serves both frameworks. --sft reads SFT records (prompt/completion, or chat
+messages) and writes a per-token loss mask beside the tokens (docs/finetuning.md). A progress bar (rate, ETA) goes to stderr; plain
 lines every 10 s when stderr is not a terminal.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ if not __package__:  # run as a script from a checkout (installed, it is megalit
 
 from megalite.cli import OneLineParser  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402
+from megalite.data.sft_preprocess import preprocess_sft  # noqa: E402
 from megalite.errors import UsageError, report_usage_error, reports_usage_errors  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402
 from megalite.paths import output_prefix_problem  # noqa: E402
@@ -44,6 +46,10 @@ def parse_args(argv=None):
     parser.add_argument("--megatron-index", action="store_true",
                         help="write the .idx in Megatron-LM's MMIDIDX layout: the pair then serves Megatron-LM and "
                              "megalite alike (megalite reads both layouts)")
+    parser.add_argument("--sft", action="store_true",
+                        help="SFT records (JSON lines of prompt/completion, or chat messages rendered by the "
+                             "tokenizer's chat template): also writes PREFIX_loss_mask.{bin,idx}, 1 on the tokens "
+                             "trained on (megalite/data/sft_preprocess.py); train with --sft --data-path PREFIX")
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     return parser.parse_args(argv)
 
@@ -58,6 +64,12 @@ def main(argv=None) -> int:
         problem = output_prefix_problem("--output-prefix", args.output_prefix, (".bin", ".idx"))
         if problem:
             raise UsageError(problem)
+        if args.sft:  # its own mode: records, not documents; one process (the chat template is Python)
+            stats = preprocess_sft(args.input, args.output_prefix, args.tokenizer)
+            print(f"{stats.documents} SFT samples, {stats.tokens} tokens", file=sys.stderr)
+            print(f"sft: {args.output_prefix}.bin {args.output_prefix}.idx; loss mask: "
+                  f"{stats.outputs['loss_mask']}.bin {stats.outputs['loss_mask']}.idx")
+            return 0
         tokenizer = load_tokenizer(args.tokenizer)
         workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
         stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,

@@ -204,7 +204,7 @@ def plan_resume(cfg: RunConfig, world_size: int, given: frozenset[str] = frozens
     ranks; `given` names the settings set on the command line or in a config file. Raises
     ConfigError (every rank alike) when the resize cannot work."""
     ck = cfg.checkpoint
-    if not ck.load or ck.no_load_optim:  # nothing to resume, or weights only (a new run)
+    if not ck.load or ck.no_load_optim or ck.finetune:  # nothing to resume, or weights only (a new run)
         return ResumePlan.fresh(cfg)
     found = find_checkpoint(ck.load, ck.load_step)
     if found is None or not isinstance(found[1].get("train_config"), dict):

@@ -25,7 +25,7 @@ from megalite.errors import ConfigError
 DATA_ORDER = ("seed", "data_path", "split", "tokenizer", "seq_length")
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "train_iters")
 # where the run reads and writes, how it resumes, and what ResumePlan decides and logs: not compared
-NOT_COMPARED = ("save", "load", "load_step", "no_load_optim", "elastic_batch", "elastic_lr_rule",
+NOT_COMPARED = ("save", "load", "load_step", "no_load_optim", "finetune", "elastic_batch", "elastic_lr_rule",
                 "override_data_order", "override_opt_param_scheduler", "global_batch_size", "dp")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,12 +37,17 @@ from megalite.config.bounds import NO_BOUNDS, Bounds, bound_problems
 from megalite.config.checks import data_problems, setting_problems
 from megalite.config.choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
-    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher)
+    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, SFTOverlong)
 
 
 from megalite.config.parts import (  # noqa: F401  (re-exported: RunConfig's parts and how a setting is declared)
     setting, ModelSettings, ParallelSettings, MoESettings, TrainingSettings, OptimizerSettings, PrecisionSettings,
     DataSettings, CheckpointSettings, LoggingSettings, FaultToleranceSettings, PARTS)
+
+
+# MoEConfig fields a run may change over a checkpoint's experts (the rest are the model's shape)
+MOE_TRAINING_FIELDS = ("load_balancing_type", "aux_loss_coeff", "z_loss_coeff", "enable_expert_bias",
+                       "bias_update_rate", "capacity_factor", "token_drop_policy", "force_load_balancing")
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,9 @@ class RunConfig:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
     fault_tolerance: FaultToleranceSettings = field(default_factory=FaultToleranceSettings)
+    # Not a setting: the GPTConfig (as JSON) of the checkpoint --load names, which is then the model
+    # (megalite.checkpoint.model_shape.adopt_checkpoint_model sets it; gpt_config reads it)
+    checkpoint_model: str | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -253,9 +262,16 @@ class RunConfig:
     def training_dtype(self) -> str:
         return self.precision.precision.value
 
+    def with_checkpoint_model(self, model_json: str | None) -> "RunConfig":
+        """A copy whose model is `model_json` (a checkpoint's GPTConfig as JSON; None: the settings')."""
+        return dataclasses.replace(self, checkpoint_model=model_json)
+
     def gpt_config(self) -> GPTConfig:
-        """The model architecture: the preset with the explicit model settings (ValueError if invalid)."""
+        """The model architecture: the preset with the explicit model settings (ValueError if invalid), or
+        the checkpoint's model with the settings that are no part of its shape (`checkpoint_model`)."""
         m = self.model
+        if self.checkpoint_model is not None:
+            return self._checkpoint_gpt_config()
         given = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                      num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
                      seq_length=m.seq_length, vocab_size=m.vocab_size, hidden_dropout=m.hidden_dropout,
@@ -274,6 +290,21 @@ class RunConfig:
                 raise ValueError(f"{flags} configure experts but the model has none: add --num-experts N (or a "
                                  f"preset with experts, e.g. --model moe-tiny)")
             model = model.replace(moe=MoEConfig(**{**base, **moe}))
+        return model
+
+    def _checkpoint_gpt_config(self) -> GPTConfig:
+        """The checkpoint's model with this run's dropouts, --seq-length (when given) and MoE training
+        settings (megalite.checkpoint.model_shape refused any shape flag that contradicts it)."""
+        m = self.model
+        model = GPTConfig(**json.loads(self.checkpoint_model))
+        model = model.replace(hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                              seq_length=m.seq_length or model.seq_length)
+        training_moe = {k: v for k, v in self.moe_settings_given().items() if k in MOE_TRAINING_FIELDS}
+        if model.moe is not None and training_moe:
+            model = model.replace(moe=model.moe.replace(**training_moe))
+        problem = megatron.position_problem(m, model.seq_length)
+        if problem:
+            raise ValueError(problem)
         return model
 
     def moe_settings_given(self) -> dict[str, Any]:

@@ -40,6 +40,8 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--save-interval needs --save DIR (where to write the checkpoints)")
     if ck.load_step is not None and ck.load is None:
         problems.append("--load-step needs --load DIR")
+    if ck.finetune and ck.load is None:
+        problems.append("--finetune needs --load DIR (the checkpoint, or an HF import, whose weights it starts from)")
     if ck.load is not None and os.path.exists(ck.load) and not os.path.isdir(ck.load):
         problems.append(f"--load {ck.load} is a file; --load takes the checkpoint directory (the --save DIR of the "
                         f"run to resume)")
@@ -154,6 +156,9 @@ def cp_dp(cfg: RunConfig) -> str:
 
 
 def data_problems(data: DataSettings) -> list[str]:
+    if data.sft and (data.data_path is None or data.mock_data):
+        return ["--sft trains on SFT samples: give --data-path PREFIX written by tools/preprocess_data.py --sft "
+                "(and no --mock-data)"]
     if data.mock_data and (data.data_path is not None or data.tokenizer is not None):
         return ["--mock-data trains on synthetic token ids: drop --data-path/--tokenizer, or drop --mock-data"]
     if data.data_path is None:

@@ -79,6 +79,13 @@ class OnNonFinite(enum.StrEnum):
     STOP = "stop"
 
 
+class SFTOverlong(enum.StrEnum):
+    """--sft-overlong: an SFT sample longer than the sequence is refused (naming it) or truncated to fit."""
+
+    REFUSE = "refuse"
+    TRUNCATE = "truncate"
+
+
 class CPCommType(enum.StrEnum):
     """How context-parallel attention talks (megalite.context_parallel.checks.CP_COMM_TYPES)."""
 

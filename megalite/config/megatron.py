@@ -63,6 +63,7 @@ ALWAYS: dict[str, tuple[int, str]] = {
     "--overlap-grad-reduce": (0, "megalite always overlaps the dp reduction with backward"),
     "--moe-grouped-gemm": (0, "megalite's experts always run as one grouped GEMM"),
     "--distributed-backend": (1, "megalite picks nccl on GPUs, gloo on CPUs"),
+    "--use-checkpoint-args": (0, "megalite always takes the model's shape from --load's checkpoint"),
 }
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")

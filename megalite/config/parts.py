@@ -16,7 +16,8 @@ from megalite.config.model import PRESETS
 from megalite.config.bounds import Bounds
 from megalite.config.choices import (
     Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
-    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales)
+    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales,
+    SFTOverlong)
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -244,6 +245,13 @@ class DataSettings:
     mock_data: bool = setting(False, "synthetic token ids over the model's vocabulary (deterministic per seed and "
                                      "sample), no corpus: for speed and memory runs of a real-vocabulary model")
     split: str = setting("969,30,1", "train,valid,test weights of the documents")
+    sft: bool = setting(False, "--data-path holds SFT samples (tools/preprocess_data.py --sft: tokens and a loss "
+                               "mask): sequences of whole samples, position ids restarting per sample, labels "
+                               "-100 on prompt tokens and padding (megalite/data/sft_dataset.py)")
+    sft_packing: bool = setting(True, "with --sft: pack several samples into each sequence (in a seeded order, "
+                                      "none cut); --no-sft-packing: one sample per sequence, padded")
+    sft_overlong: SFTOverlong = setting(SFTOverlong.REFUSE, "with --sft: a sample longer than --seq-length is "
+                                                            "refused, naming it, or truncated to fit")
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,9 @@ class CheckpointSettings:
     keep_every: int = setting(0, "also keep every step that is a multiple of M", minimum=0)
     async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
     no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
+    finetune: bool = setting(False, "start a fine-tune from --load's checkpoint (or HF import): its weights and "
+                                    "model only; a fresh optimizer, step 0, the data from its start, fresh RNG "
+                                    "(a restart resumes from --save once that holds a checkpoint)")
     elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
                                                              "kept): keep the checkpoint's global batch (more or "
                                                              "fewer accumulation steps; the loss curve continues), "

@@ -39,10 +39,12 @@ from megalite.checkpoint.lock import CheckpointLock
 from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
                                          plan_resume)
+from megalite.checkpoint.finetune import checkpoint_start
 from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
-from megalite.config import RunConfig
+from megalite.config import RunConfig, SFTOverlong
 from megalite.config.rampup import BatchRampup
+from megalite.data.sft_dataset import build_sft_datasets
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
 from megalite.errors import UsageError, report_usage_error
@@ -104,8 +106,11 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     launching = not (actions["dry_run"] or actions["print_config"])
     # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
     world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
+    given = given_settings(argv)
+    # --finetune's start; --load's checkpoint decides the model's shape (a shape flag must agree with it)
+    cfg, notes = checkpoint_start(cfg, given, own_model=provided is not None)
     # --load's checkpoint decides the batch (and, on another world, the layout) before any process group
-    plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given_settings(argv))
+    plan = ResumePlan.fresh(cfg) if actions["dry_run"] else plan_resume(cfg, world_size, given)
     cfg = plan.cfg
     if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
         provided.check(cfg, dry_run=actions["dry_run"])
@@ -118,7 +123,7 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     if actions["dry_run"]:
         print(dry_run_report(cfg))
         return 0
-    for line in plan.messages() + _resumed_settings(cfg, plan):
+    for line in notes + plan.messages() + _resumed_settings(cfg, plan):
         log(line)
     return train(cfg, tokenizer, plan, provided=provided)
 
@@ -193,9 +198,11 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
         train_set, valid_set, _ = build_mock_datasets(model_cfg.vocab_size, model_cfg.seq_length, t.seed,
                                                       cfg.data.split)
     else:  # data may sit on node-local disks: every rank learns if any rank cannot read it
-        train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
-            list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
-            tokenizer), comm.world_group())
+        path, d = list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data
+        train_set, valid_set, _ = comm.agreed(lambda: build_sft_datasets(
+            path, d.split, model_cfg.seq_length, t.seed, tokenizer, packing=d.sft_packing,
+            truncate=d.sft_overlong == SFTOverlong.TRUNCATE) if d.sft else build_gpt_datasets(
+            path, d.split, model_cfg.seq_length, t.seed, tokenizer), comm.world_group())
     ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)
@@ -286,10 +293,11 @@ def resume(job: Job) -> int:
     ck = job.cfg.checkpoint
     if not ck.load:
         return 0
+    weights_only = ck.no_load_optim or ck.finetune  # --finetune: fresh RNG streams too (Megatron's)
     resumed = load_checkpoint(ck.load, job.chunks, job.optimizer, job.mesh, step=ck.load_step,
-                              load_optimizer=not ck.no_load_optim, log=log)
+                              load_optimizer=not weights_only, load_rng=not ck.finetune, log=log)
     start_step = 0
-    if resumed is not None and not ck.no_load_optim:
+    if resumed is not None and not weights_only:
         start_step = resumed.step
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)

@@ -1,0 +1,119 @@
+"""A KV cache and the incremental forward that fills it, over GPTModel's own layers and weights.
+
+    cache = KVCache.empty(model, batch=2, capacity=64)
+    logits = forward_step(model, ids, positions, valid, cache)   # [b, V]: the last position's logits
+
+This is a separate forward path, not a flag of the training one: it calls each block's modules (the
+norms, the fused QKV column-parallel linear, the q/k head norms, the row-parallel projection, the MLP
+or mixture of experts, the final norm and the vocab-parallel head) in the block's order, and keeps the
+attention core to itself: new queries against every cached key, the keys and values of each step
+appended to the cache. Training's attention (kernels, context parallelism, dropout) is untouched.
+
+Tensor parallelism falls out of the layers: each rank caches its own kv heads [b, hkv/tp, capacity, d]
+and the head's logits shards are gathered over tp (comm.all_gather), so every rank sees the same
+logits and draws the same token. Pipeline parallelism is not supported (tools/generate.py refuses it).
+
+Rows of a batch may be left-padded: `valid` [b, s] marks the real tokens and `positions` [b, s] gives
+each real token its position in its own row (transformers' cumsum of the attention mask). A slot that
+holds padding is never attended to; a padding query attends to itself only (no row of scores is all
+masked, so nothing turns NaN).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite import comm, ops
+from megalite.model.gpt import GPTModel
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer, [b, hkv/tp, capacity, d] each, the slots filled so far
+    (`length`, the same for every row) and which filled slots hold real tokens (`valid` [b, capacity])."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    valid: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, model: GPTModel, batch: int, capacity: int) -> "KVCache":
+        attention = model.layers[0].attention
+        ref = model.layers[0].input_norm.weight
+        shape = (batch, attention.local_groups, capacity, attention.head_dim)
+        make = lambda: [torch.zeros(shape, dtype=ref.dtype, device=ref.device) for _ in model.layers]  # noqa: E731
+        return cls(make(), make(), torch.zeros(batch, capacity, dtype=torch.bool, device=ref.device))
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with a position per (token, row): x [s, b, heads, d]; cos, sin [s, b, 1, d]."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def _embed(model: GPTModel, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """ids, positions [b, s] -> [s, b, h]: the vocab-parallel lookup summed over tp, plus GPT-2's table."""
+    x = model.word_embeddings(ids)  # [b, s, h], reduced over tp
+    if model.config.flavour == "gpt2":
+        x = x + model.position_embeddings[positions]
+    return x.transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q [b, hq, s, d] against keys/values [b, hkv, L, d] (grouped queries); allowed [b, 1, s, L] -> [b, hq, s, d]."""
+    repeat = q.shape[1] // keys.shape[1]  # query head j reads kv group j // repeat, as in training
+    keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+
+
+def _block_step(block, x: torch.Tensor, rope, cache: KVCache, index: int, allowed: torch.Tensor) -> torch.Tensor:
+    """One block on the new tokens x [s, b, h], their keys and values written into `cache` layer `index`."""
+    attention = block.attention
+    s, b, _ = x.shape
+    d, hq, hkv = attention.head_dim, attention.local_heads, attention.local_groups
+    q, k, v = ops.split_heads(attention.qkv(block.input_norm(x)), (hq, hkv, hkv), d)  # [s, b, heads, d]
+    if attention.q_norm is not None:
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    if rope is not None:
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+    start, end = cache.length, cache.length + s
+    cache.keys[index][:, :, start:end] = k.permute(1, 2, 0, 3)  # [s, b, hkv, d] -> [b, hkv, s, d]
+    cache.values[index][:, :, start:end] = v.permute(1, 2, 0, 3)
+    out = _attend(q.permute(1, 2, 0, 3), cache.keys[index][:, :, :end], cache.values[index][:, :, :end], allowed)
+    x = x + attention.proj(out.permute(2, 0, 1, 3).reshape(s, b, hq * d))
+    return x + block.mlp(block.post_attention_norm(x))
+
+
+@torch.no_grad()
+def forward_step(model: GPTModel, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                 cache: KVCache) -> torch.Tensor:
+    """Run the new tokens ids [b, s] (at `positions` [b, s]; `valid` [b, s] False on padding) through the
+    whole model, appending their keys and values to `cache`; returns the last position's logits [b, V]
+    (fp32, the true vocabulary, the same on every tp rank)."""
+    s = ids.shape[1]
+    start, end = cache.length, cache.length + s
+    if end > cache.capacity:
+        raise ValueError(f"the KV cache holds {cache.capacity} positions; {end} asked")
+    cache.valid[:, start:end] = valid
+    slots = torch.arange(end, device=ids.device)
+    causal = slots[None, :] <= (start + torch.arange(s, device=ids.device))[:, None]  # [s, L]
+    own = slots[None, :] == (start + torch.arange(s, device=ids.device))[:, None]  # a padding query's one key
+    allowed = ((causal[None] & cache.valid[:, None, :end]) | own[None]).unsqueeze(1)  # [b, 1, s, L]
+    rope = None
+    if model.config.flavour == "llama":
+        rope = tuple(table[positions].transpose(0, 1).unsqueeze(2) for table in (model.rope_cos, model.rope_sin))
+    x = _embed(model, ids, positions)
+    for index, block in enumerate(model.layers):
+        x = _block_step(block, x, rope, cache, index, allowed)
+    cache.length = end
+    shard = model.logits(x[-1:])[0].float()  # [b, V_pad/tp]
+    full = comm.all_gather(shard, model.groups.tp, dim=-1)  # [b, V_pad], rank-major = vocabulary order
+    return full[:, :model.config.vocab_size]
