@@ -36,8 +36,6 @@ from megalite.training.step_result import StepResult
 from megalite.host_reads import no_host_reads
 from megalite.config import RunConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPTModel]:
     """This rank's model chunks: local chunk c holds model chunk c*pp + pp_rank (one chunk without interleaving)."""
@@ -55,7 +53,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
-                               dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               dtype=cfg.precision.precision.torch_dtype, cp_comm_type=str(cfg.parallel.cp_comm_type),
                                moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
         convert_to_fp8(chunks[-1], recipe_from(cfg), mesh.cp_group)  # --fp8-format: the blocks' linears in FP8
@@ -69,7 +67,7 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
     compression = PowerSGDConfig(p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression,
                                  seed=cfg.training.seed) if p.grad_compression == "powersgd" else None
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
-                        grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
+                        grad_reduce_dtype=cfg.precision.grad_reduce_dtype.torch_dtype,
                         overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
                         reshard_after_forward=p.zero3_reshard_after_forward,
                         keep_gathered_in_step=p.zero3_keep_gathered_in_step,
@@ -268,7 +266,7 @@ def pipeline_spec(model: GPTConfig, cfg: RunConfig, num_microbatches: int, seq_l
     """The pipeline of one step over sequences of `seq_length` tokens (the whole sequence: under
     context parallelism the stages exchange each cp rank's [s/cp, b, h])."""
     return PipelineSpec(cfg.schedule, num_microbatches, activation_shape(model, cfg, seq_length),
-                        DTYPES[cfg.precision.precision], cfg.parallel.virtual_stages)
+                        cfg.precision.precision.torch_dtype, cfg.parallel.virtual_stages)
 
 
 @torch.no_grad()
