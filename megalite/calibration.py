@@ -268,7 +268,7 @@ def _overhead_world(min_seconds: float, repeats: int) -> dict[str, float]:
     model_pass()
     seconds = {name: _median_seconds(fn, mesh.device, min_seconds, repeats)
                for name, fn in (("block", block_pass), ("model", model_pass),
-                                ("optimizer", lambda: optimizer.step(1e-4)))}
+                                ("optimizer", lambda: optimizer.step(lr=1e-4)))}
     seconds["train_step"] = _median_seconds(
         lambda: train_step(model, optimizer, [{"input_ids": ids, "labels": ids}], mesh, cfg, 1e-4), mesh.device,
         min_seconds, repeats)

@@ -64,7 +64,7 @@ def _rank(args, ep: int, dispatcher: str) -> dict:
     model = cfg.gpt_config()
     torch.manual_seed(0)
     moe = MoELayer(model, LayerGroups(ep=mesh.ep_group), sequence_parallel=False, moe_dispatcher=dispatcher)
-    dense = MLP(model.replace(moe=None), None, False)
+    dense = MLP(model.replace(moe=None), None, sequence_parallel=False)
     gen = torch.Generator().manual_seed(100 + mesh.rank)
     x = torch.randn(args.tokens, 1, args.hidden, generator=gen, requires_grad=True)
 

@@ -155,7 +155,7 @@ class TransformerBlock(nn.Module):
             self.mlp = MoELayer(config, groups, sequence_parallel=sequence_parallel, moe_dispatcher=moe_dispatcher,
                                 layer_number=layer_number, dtype=dtype, device=device)
         else:
-            self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
+            self.mlp = MLP(config, tp_group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward
 
     def _bias_dropout_add(self, bias: torch.Tensor | None, y: torch.Tensor, residual: torch.Tensor,

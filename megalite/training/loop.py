@@ -223,9 +223,10 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
     precision = cfg.precision.precision
     peak = lg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda" else None,
                                          precision)
-    meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.training.micro_batch_size, cfg.dp,
-                            cfg.num_microbatches, mesh.world_size, cfg.parallel.recompute, cfg.training.train_iters,
-                            peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
+    meter = ThroughputMeter(model_cfg, model_cfg.seq_length, micro_batch_size=cfg.training.micro_batch_size,
+                            dp=cfg.dp, num_microbatches=cfg.num_microbatches, world_size=mesh.world_size,
+                            recompute=cfg.parallel.recompute, total_steps=cfg.training.train_iters,
+                            peak_tflops_per_gpu=peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
     sinks = open_sinks(lg, run_config=cfg.to_dict()) if mesh.rank == 0 else []  # TensorBoard, W&B
     writer = MetricsWriter(lg.metrics_file, sinks, enabled=mesh.rank == 0)
     _on_exit(resources, lambda clean: writer.close())

@@ -73,7 +73,7 @@ def effective_batch(micro_batch_size: int, dp: int, num_microbatches: int) -> in
 class ThroughputMeter:
     """Per-step throughput, MFU/HFU, GPU-hours and ETA for a fixed model and layout."""
 
-    def __init__(self, model: GPTConfig, seq_length: int, micro_batch_size: int, dp: int, num_microbatches: int,
+    def __init__(self, model: GPTConfig, seq_length: int, *, micro_batch_size: int, dp: int, num_microbatches: int,
                  world_size: int, recompute: str = "none", total_steps: int | None = None,
                  peak_tflops_per_gpu: float | None = None, start_step: int = 0, recompute_fraction: float = 1.0):
         self.world_size = world_size

@@ -32,7 +32,7 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
-from megalite.training.step_result import StepResult
+from megalite.training.step_result import PipelineTiming, StepResult
 from megalite.host_reads import no_host_reads
 from megalite.config import RunConfig
 
@@ -168,10 +168,10 @@ def _to_device(microbatches, device):
 
 
 def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunConfig, seq_length: int,
-                      loss_scale, phase, check_host_reads: bool, graphs) -> tuple[Any, tuple | None]:
+                      loss_scale, phase, check_host_reads: bool, graphs) -> tuple[Any, PipelineTiming | None]:
     """Every microbatch's forward and backward: replayed graphs (pp = 1), the plain loop, or (pp > 1)
-    the pipeline schedule (its chunks' graphs replayed under --cuda-graph). Returns (the loss sum, a device scalar or 0.0; (spec, median seconds per
-    compute instruction) at pp > 1, else None)."""
+    the pipeline schedule (its chunks' graphs replayed under --cuda-graph). Returns (the loss sum, a
+    device scalar or 0.0; at pp > 1 the schedule run and its instructions' seconds, else None)."""
     if graphs is not None and mesh.pp_size == 1:
         with phase("forward_backward"):  # one replayed graph per microbatch
             return graphs.run(microbatches, loss_scale), None
@@ -187,7 +187,7 @@ def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunCon
         loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, loss_scale, grad_sync=model,
                                 stats=stats, check_host_reads=check_host_reads, graphs=graphs)
     model.set_last_microbatch(True)
-    return loss_sum, (spec, stats["compute_s"])
+    return loss_sum, PipelineTiming(spec, stats["compute_s"])
 
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
@@ -228,15 +228,16 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
-        update = optimizer.step(lr, skip=not loss_finite)
-        if not update["skipped"]:
+        optimizer.step(lr=lr, skip=not loss_finite)
+        update = optimizer.last_step
+        if not update.skipped:
             moe_bookkeeping.update_expert_biases(model.chunks, mesh)
     moe_stats = moe_bookkeeping.moe_stats(model.chunks, mesh)  # {} without experts
     token_count = tokens.value()
     compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
-    return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update["grad_norm"],
-                      skipped=update["skipped"], loss_scale=update["loss_scale"], tokens=token_count,
+    return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update.grad_norm,
+                      skipped=update.skipped, loss_scale=update.loss_scale, tokens=token_count,
                       loss_finite=loss_finite, lr=optimizer.param_groups[0]["lr"], exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
                       exposed_token_count_s=tokens.wait_seconds, moe=moe_stats,

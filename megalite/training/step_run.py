@@ -79,7 +79,7 @@ def step_record(job: Job, step: int, step_time: float, result: StepResult, cp_co
                       grad_compression_ratio=result.grad_compression_ratio)
     if cfg.parallel.cp > 1:  # this rank's bytes on its cp group in this step (comm.ledger's convention)
         record.update(cp_comm_type=str(cfg.parallel.cp_comm_type), cp_comm_bytes=cp_comm_bytes)
-    bubble = measured_bubble(result.pipeline[1], job.mesh, result.pipeline[0]) if result.pipeline is not None else None
+    bubble = measured_bubble(result.pipeline.compute_s, job.mesh, result.pipeline.spec) if result.pipeline is not None else None
     if bubble is not None:  # the schedule's idle share with this step's measured op times (plot_metrics' time split)
         record["pipeline_bubble"] = bubble
     return record
