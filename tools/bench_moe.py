@@ -1,7 +1,7 @@
 """The MoE layer at ep 1/2/4 against a dense MLP of the same active parameters, with its token traffic.
 
 For each ep (and dispatcher: alltoall, allgather) a forked world of ep ranks (dp = ep, so each
-rank holds E/ep experts) runs forward + backward of one `megalite.moe.MoELayer` on its own
+rank holds E/ep experts) runs forward + backward of one `megalite.moe.layer.MoELayer` on its own
 [s, b, h] tokens; the baseline is a dense SwiGLU MLP whose inner width is topk * the expert width
 (the FLOPs a token pays in the MoE layer), run in the same world. Printed per row:
 

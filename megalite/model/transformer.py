@@ -133,7 +133,7 @@ class TransformerBlock(nn.Module):
 
     groups: the LayerGroups this block talks over (tp, cp; for an MoE block also ep, moe_tokens,
     experts_whole). With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a
-    mixture of experts (`megalite.moe.MoELayer`, sharded over groups.ep).
+    mixture of experts (`megalite.moe.layer.MoELayer`, sharded over groups.ep).
 
     `layer_number` is the block's global index in the model: it names the block's dropout sites,
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).

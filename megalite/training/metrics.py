@@ -202,7 +202,7 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
 def estimate_vs_measured(estimate, device: torch.device | str) -> str:
     """One log line after the first step: the planner's per-rank bytes beside the measured peak.
 
-    `estimate` is a megalite.training.estimate.Estimate for this rank's layout. On CUDA the
+    `estimate` is a megalite.plan.per_rank.Estimate for this rank's layout. On CUDA the
     measured figure is torch.cuda.max_memory_allocated (it also holds transient buffers the
     estimate leaves to its 10% headroom); on CPU, the process's peak RSS (not comparable).
     """
