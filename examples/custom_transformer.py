@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             model.finish_grad_sync()  # every param.grad is now the gradient of the whole global batch
             optimizer.step()
         else:
-            optimizer.step(LR)
+            optimizer.step(lr=LR)
         total = comm.all_reduce(torch.tensor(local, dtype=torch.float64), mesh.dp_cp_group)  # last stage: all tokens
         losses.append(float(comm.all_reduce(total, mesh.pp_group)) / (GLOBAL_BATCH * SEQ))  # other stages add 0
         advisor.observe(step_s=time.perf_counter() - start, pipeline_bubble=stats["bubble_fraction"],

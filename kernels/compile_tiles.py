@@ -19,7 +19,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import attention_tiles
-from .compile_check import _specialize, analyse, attention_variants
+from .compile_check import analyse
+from .compile_variants import attention_variants, specialize
 
 
 def compile_measured(verbose: bool = True) -> list[str]:
@@ -37,7 +38,7 @@ def compile_measured(verbose: bool = True) -> list[str]:
             label = f"{variant.label} [{dtype_name}, {arch}] {blocks}"
             start = time.perf_counter()
             try:
-                signature, constexprs, attrs = _specialize(variant.kernel, dtype, variant)
+                signature, constexprs, attrs = specialize(variant.kernel, dtype, variant)
                 source = ASTSource(fn=variant.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
                 report = analyse(triton.compile(source, target=GPUTarget("cuda", arch_number, 32),
                                                 options=variant.options), arch_number)

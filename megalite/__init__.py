@@ -8,7 +8,7 @@ The public names load on first use (PEP 562), so `import megalite` is cheap and
     up = megalite.ColumnParallelLinear(1024, 4096)
     model = megalite.DataParallel(my_model, mesh, zero_stage=1)
     optimizer = megalite.DistributedOptimizer(model, lr=3e-4, weight_decay=0.1)   # a torch.optim.Optimizer:
-    # param_groups, state_dict, any torch LR scheduler; optimizer.step() (or step(lr)) per step
+    # param_groups, state_dict, any torch LR scheduler; optimizer.step() (or step(lr=...)) per step
     megalite.train(cfg, model_provider=..., loss_fn=...)   # your own nn.Module in the loop (docs/own_model.md)
 
 Your own model also gets megalite.LayerNorm / RMSNorm (sequence_parallel=True) and

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 import torch
 
 from megalite import comm
-from megalite.config import RunConfig
+from megalite.config import Precision, RunConfig
 from megalite.cpu_features import cpu_flags, has_native_bf16
 from megalite.mesh import init_mesh
 from megalite.plan.hardware import HardwareProfile
@@ -41,7 +41,6 @@ from megalite.tensor_parallel.random import TensorParallelRNG
 from megalite.testing import run_distributed
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # datasheet dense peaks of known GPUs (TFLOP/s): a calibrated GPU profile reports efficiency against them
 KNOWN_PEAKS = {"A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}}
@@ -111,7 +110,7 @@ def measure_gemms(device: torch.device, precision: str, sizes: tuple[int, ...], 
     (round-robin, so a burst of another process's load hits every size alike, not one). With
     `size_budget_s`, only the sizes whose passes take at most that long each (`affordable_sizes`;
     a pass is at least three products: warm-up, probe, one timed)."""
-    dtype = DTYPES[precision]
+    dtype = Precision(precision).torch_dtype
     if size_budget_s is not None:
         sizes = affordable_sizes(device, dtype, sizes, 3 * rounds, size_budget_s)
     operands = {n: (torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype))
@@ -196,8 +195,8 @@ def measure_attention_efficiency(device: torch.device, precision: str, peak_tflo
     """Fraction of `peak_tflops` that causal scaled_dot_product_attention forward + backward reaches,
     its FLOPs counted as 3.5 x 4 b h s (s/2) d (the planner's convention)."""
     b, h, s, d = (4, 16, 2048, 128) if device.type == "cuda" else (4, 4, 256, 32)
-    q, k, v = (torch.randn(b, h, s, d, device=device).to(DTYPES[precision]).requires_grad_() for _ in range(3))
-    dout = torch.randn(b, h, s, d, device=device).to(DTYPES[precision])
+    q, k, v = (torch.randn(b, h, s, d, device=device).to(Precision(precision).torch_dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, s, d, device=device).to(Precision(precision).torch_dtype)
 
     def step():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
@@ -269,7 +268,7 @@ def _overhead_world(min_seconds: float, repeats: int) -> dict[str, float]:
     model_pass()
     seconds = {name: _median_seconds(fn, mesh.device, min_seconds, repeats)
                for name, fn in (("block", block_pass), ("model", model_pass),
-                                ("optimizer", lambda: optimizer.step(1e-4)))}
+                                ("optimizer", lambda: optimizer.step(lr=1e-4)))}
     seconds["train_step"] = _median_seconds(
         lambda: train_step(model, optimizer, [{"input_ids": ids, "labels": ids}], mesh, cfg, 1e-4), mesh.device,
         min_seconds, repeats)

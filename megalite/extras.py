@@ -9,6 +9,7 @@ code 2, instead of a traceback or a silent skip. setup.py's extras_require lists
 from __future__ import annotations
 
 import importlib
+import re
 from types import ModuleType
 
 from megalite.errors import UsageError
@@ -60,3 +61,20 @@ def pyplot(wanted_by: str):
     matplotlib = require("matplotlib", wanted_by)
     matplotlib.use("Agg")
     return require("matplotlib.pyplot", wanted_by)
+
+
+_SKIPPED_IMPORT = re.compile(r"could not import '([\w.]+)'")  # pytest.importorskip's skip reason
+
+
+def extras_behind_skips(reasons: list[str]) -> dict[str, set[str]]:
+    """{extra: the modules of it} behind skip reasons of pytest.importorskip ("could not import
+    'transformers': ..."), for the test suite's report of what a missing extra left untested;
+    a module no extra installs is listed under "" (a plain dependency, or a typo in the test)."""
+    found: dict[str, set[str]] = {}
+    for reason in reasons:
+        match = _SKIPPED_IMPORT.search(reason)
+        if match:
+            module = match.group(1)
+            extra = EXTRAS.get(module, EXTRAS.get(module.split(".")[0], ("", module)))[0]
+            found.setdefault(extra, set()).add(module)
+    return found

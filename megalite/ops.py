@@ -2,13 +2,15 @@
 
 Each function is `megalite.kernels`' op (Triton on CUDA tensors, the PyTorch reference elsewhere,
 per MEGALITE_KERNEL_BACKEND), with the layout the layers use. This module sits below
-tensor_parallel/, context_parallel/, moe/ and model/: it imports nothing else from megalite.
+tensor_parallel/, context_parallel/, moe/ and model/: it imports nothing else from megalite but the
+choices' enums (config/choices.py, pure Python).
 """
 from __future__ import annotations
 
 import torch
 
 from megalite import kernels
+from megalite.config.choices import Precision
 from megalite.kernels import attention_dispatch, attention_tiles
 
 
@@ -104,7 +106,7 @@ def attention_implementation(head_dim: int, num_heads: int, num_query_groups: in
         return "triton" if backend == "triton" else "reference"
     if cp > 1 and cp_comm_type == "p2p":
         return "triton"
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch_dtype = Precision(dtype).torch_dtype
     arch = attention_tiles.cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
     return attention_dispatch.implementation(arch, head_dim, torch_dtype, seq_length, True, dropout_p,
                                              num_query_groups != num_heads, backend)
@@ -124,7 +126,7 @@ def describe_attention(head_dim: int, num_heads: int, num_query_groups: int, seq
         return "attention: PyTorch reference (no GPU)"
     if cp > 1 and cp_comm_type == "p2p":
         return f"attention: megalite Triton kernels (ring attention over cp={cp} merges their log-sum-exp)"
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch_dtype = Precision(dtype).torch_dtype
     arch = attention_tiles.cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
     return attention_dispatch.describe(arch, head_dim, torch_dtype, seq_length, True, dropout_p,
                                        num_query_groups != num_heads, backend)

@@ -1,16 +1,19 @@
-"""The style guide's two countable habits, checked on the source (docs/architecture/decisions.md):
+"""The style guide's countable habits, checked on the source (docs/architecture/decisions.md):
 
 - every import at module top (megalite/, tools/ and kernels/): an import inside a function or class names its reason in a comment on
   its own line (an optional package such as triton, a probe of the device in a torch-free module);
   type-hint-only imports sit under `if TYPE_CHECKING:` and are not counted;
-- no function over 60 lines outside the Triton kernels (kernels/).
+- no function over 60 lines outside the Triton kernels (kernels/);
+- the FP8 and pipeline-schedule choices compared as enums, never as their strings.
 
-Both read the files' syntax trees; nothing is imported.
+All read the files' syntax trees; nothing of what they check is imported.
 """
 import ast
 import io
 import tokenize
 from pathlib import Path
+
+from megalite.config.choices import Fp8Format, Fp8Scales, Fp8ScalingRecipe, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
@@ -69,3 +72,29 @@ def test_no_function_is_over_60_lines_outside_the_kernels():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} has {lines} lines")
     assert not long, f"split these functions (at most {MAX_FUNCTION_LINES} lines):\n" + "\n".join(long)
+
+
+def _string_compares(tree: ast.AST, words: set[str]):
+    """(line, word) of each `==`, `!=`, `in` or `not in` whose operand is a string literal in `words`
+    (or a tuple of them)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                literals = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                for lit in literals:
+                    if isinstance(lit, ast.Constant) and lit.value in words:
+                        yield node.lineno, lit.value
+
+
+def test_fp8_and_schedule_choices_are_compared_as_enums():
+    """The FP8 vocabulary and the pipeline schedules are declared once (megalite/config/choices.py);
+    the code compares members, so a misspelt choice fails on import instead of comparing false."""
+    words = {str(c) for kind in (Fp8Format, Fp8ScalingRecipe, Fp8Scales, Schedule) for c in kind}
+    found = [f"{path.relative_to(ROOT)}:{line}: {word!r}" for path in _sources("megalite")
+             for line, word in _string_compares(ast.parse(path.read_text()), words)]
+    assert not found, "compare with the enum member (megalite/config/choices.py):\n" + "\n".join(found)
+
+
+def test_the_compare_scan_sees_a_string_choice():
+    tree = ast.parse('if r == "rowwise" or s in ("1f1b", "x"):\n    pass\n')
+    assert list(_string_compares(tree, {"rowwise", "1f1b"})) == [(1, "rowwise"), (1, "1f1b")]

@@ -72,12 +72,12 @@ def test_a_loop_without_zero_grad_is_refused_at_every_zero_stage(zero):
     optimizer = DistributedOptimizer(model)
     x = torch.randn(3, 4)
     model(x).sum().backward()
-    optimizer.step(1e-2)
+    optimizer.step(lr=1e-2)
     with pytest.raises(RuntimeError, match=r"without zero_grad\(\): call optimizer.zero_grad\(\)"):
         model(x).sum().backward()  # the reduced gradient of step 1 would be counted again
     optimizer.zero_grad()
     model(x).sum().backward()  # with zero_grad: fine
-    optimizer.step(1e-2)
+    optimizer.step(lr=1e-2)
 
 
 def _moe_at_etp1_on(tokens):

@@ -2,6 +2,8 @@
 
 - setup.py's extras are the ones megalite/extras.py names in its refusals, `[dev]` holds them all;
 - a flag whose optional package is missing stops with one line naming the extra (exit 2);
+- a test skipped for a missing extra is named in the summary, and fails the run under CI=true
+  (tests/conftest.py);
 - (slow) the wheel, built from this tree and installed into a fresh venv, trains two steps with the
   `megalite-train` console script, and the other console scripts answer --help; the venv sees the
   system's site-packages (torch) and the install takes no dependencies, so no network is needed.
@@ -58,6 +60,31 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
     message = str(caught.value)
     assert "\n" not in message and "--wandb-project" in message and "megalite[wandb]" in message
     assert not extras.available("wandb")
+
+
+def test_skips_for_a_missing_package_name_its_extra():
+    reasons = ["could not import 'transformers': No module named 'transformers'",
+               "could not import 'matplotlib.pyplot': No module named 'matplotlib'",
+               "could not import 'tokenizers': ...", "could not import 'einops': ...", "needs a GPU"]
+    assert extras.extras_behind_skips(reasons) == {"hf": {"transformers", "tokenizers"}, "plot": {"matplotlib.pyplot"},
+                                                   "": {"einops"}}
+
+
+@pytest.mark.slow
+def test_a_test_file_skipped_for_a_missing_extra_is_reported_and_fails_ci(tmp_path):
+    """transformers hidden (a package that raises ModuleNotFoundError, first on the path): the file
+    that importorskips it at module level, and the test that does so inside, are named with the [hf]
+    extra; with CI=true the run fails."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("raise ModuleNotFoundError('hidden by the test')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/checkpoint/test_convert.py",
+               "tests/test_progress.py"]
+    for ci, code in (("", 0), ("true", 1)):
+        run = subprocess.run(command, cwd=ROOT, env={**env, "CI": ci}, capture_output=True, text=True, timeout=300)
+        assert run.returncode == code, run.stdout + run.stderr
+        assert ("missing extra [hf] (transformers): 2 tests or files skipped (tests/checkpoint/test_convert.py, "
+                "tests/test_progress.py::test_conversion_reads_with_a_bar_on_a_terminal)") in run.stdout, run.stdout
 
 
 def test_train_refuses_a_sink_without_its_package(monkeypatch, tmp_path, capsys):

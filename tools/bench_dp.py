@@ -218,7 +218,7 @@ def _megalite(m, args, cfg, zero_stage: int):
         for i in range(args.microbatches):
             model.set_last_microbatch(i == args.microbatches - 1)
             (model(ids[i], labels[i], reduction="sum") / tokens).backward()
-        opt.step(LR)
+        opt.step(lr=LR)
         exposed.append(sum(model.exposed_comm_seconds().values()))
 
     def info():

@@ -166,7 +166,7 @@ def megalite_phases(model_cfg, args, data):
                                                              step_module._no_timer)
 
     def optimizer_step():
-        optimizer.step(1e-4)
+        optimizer.step(lr=1e-4)
 
     def finite_grads():  # the skipped launches leave gradients unset: an update must not be skipped
         model.grad_shard.uniform_(-1e-3, 1e-3)

@@ -1,7 +1,7 @@
 """The MoE layer at ep 1/2/4 against a dense MLP of the same active parameters, with its token traffic.
 
 For each ep (and dispatcher: alltoall, allgather) a forked world of ep ranks (dp = ep, so each
-rank holds E/ep experts) runs forward + backward of one `megalite.moe.MoELayer` on its own
+rank holds E/ep experts) runs forward + backward of one `megalite.moe.layer.MoELayer` on its own
 [s, b, h] tokens; the baseline is a dense SwiGLU MLP whose inner width is topk * the expert width
 (the FLOPs a token pays in the MoE layer), run in the same world. Printed per row:
 
@@ -64,7 +64,7 @@ def _rank(args, ep: int, dispatcher: str) -> dict:
     model = cfg.gpt_config()
     torch.manual_seed(0)
     moe = MoELayer(model, LayerGroups(ep=mesh.ep_group), sequence_parallel=False, moe_dispatcher=dispatcher)
-    dense = MLP(model.replace(moe=None), None, False)
+    dense = MLP(model.replace(moe=None), None, sequence_parallel=False)
     gen = torch.Generator().manual_seed(100 + mesh.rank)
     x = torch.randn(args.tokens, 1, args.hidden, generator=gen, requires_grad=True)
 

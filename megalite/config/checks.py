@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe
+
 if TYPE_CHECKING:
     from megalite.config import DataSettings, RunConfig
 
@@ -52,17 +54,17 @@ def fp8_problems(cfg: RunConfig) -> list[str]:
     """--fp8-*: what FP8 training does not combine with (the machine's own limits: launch_checks)."""
     prec, p = cfg.precision, cfg.parallel
     if prec.fp8_format is None:
-        given = [flag for flag, on in ((f"--fp8-recipe {prec.fp8_recipe}", prec.fp8_recipe != "tensorwise"),
-                                       ("--fp8-scales exact", prec.fp8_scales == "exact"),
+        given = [flag for flag, on in ((f"--fp8-recipe {prec.fp8_recipe}", prec.fp8_recipe != Fp8ScalingRecipe.TENSORWISE),
+                                       ("--fp8-scales exact", prec.fp8_scales == Fp8Scales.EXACT),
                                        ("--fp8-param-gather", prec.fp8_param_gather)) if on]
         return [f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --fp8-format e4m3|hybrid"] if given else []
     problems = []
     if prec.precision == "fp16":
         problems.append("--fp8-format with --fp16: FP8 training keeps bf16 (or fp32) outside its GEMMs; use --bf16")
-    if prec.fp8_recipe == "blockwise" and (p.tp > 1 or p.cp > 1):
+    if prec.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE and (p.tp > 1 or p.cp > 1):
         problems.append(f"--fp8-recipe blockwise with --tp {p.tp} --cp {p.cp}: built for --tp 1 --cp 1 so far (a tile "
                         f"is local to a shard only at multiples of 128); use tensorwise or rowwise there")
-    if prec.fp8_param_gather and (p.zero != 3 or prec.fp8_recipe != "tensorwise"):
+    if prec.fp8_param_gather and (p.zero != 3 or prec.fp8_recipe != Fp8ScalingRecipe.TENSORWISE):
         problems.append("--fp8-param-gather needs --zero 3 (it is ZeRO-3's parameter all-gather) and --fp8-recipe "
                         "tensorwise (one scale per weight)")
     return problems

@@ -1,6 +1,9 @@
 """The choices of RunConfig's settings, each an enum declared once: argparse's `choices`, the
-config files' accepted strings and the code's comparisons all come from these (a StrEnum member
-equals its string, so `cfg.parallel.recompute == "full"` reads as well as `Recompute.FULL`).
+config files' accepted strings and the code's comparisons all come from these. The strings are
+what users type and what config files and checkpoints store; the code compares members
+(`cfg.precision.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE`), so a misspelt choice is an
+AttributeError, not a comparison that is quietly false. A StrEnum member still equals its
+string, so a caller may pass either (megalite.fp8.recipe.Fp8Recipe("hybrid", "rowwise")).
 
 Pure Python, no torch.
 """
@@ -16,6 +19,13 @@ class Precision(enum.StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+
+    @property
+    def torch_dtype(self):
+        """torch.float32, torch.bfloat16 or torch.float16: the one map from a precision to its dtype
+        (`Precision(name).torch_dtype` for a plain string)."""
+        import torch  # here, not at the top: config/ stays torch-free for the planner and tools/plan.py
+        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[self]
 
 
 class Fp8Format(enum.StrEnum):

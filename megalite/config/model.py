@@ -5,7 +5,7 @@ Flavours:
 - "llama": RMSNorm, SwiGLU MLP, rotary positions (rotate-half), grouped-query attention,
            no biases, untied output layer.
 
-Either flavour may replace its MLPs by mixtures of experts (`moe`, a `megalite.moe.MoEConfig`):
+Either flavour may replace its MLPs by mixtures of experts (`moe`, a `megalite.moe.config.MoEConfig`):
 SwiGLU experts for llama, GeLU experts for gpt2 (experts carry no biases).
 """
 from __future__ import annotations

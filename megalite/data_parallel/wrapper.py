@@ -4,7 +4,8 @@
     optimizer = DistributedOptimizer(model, weight_decay=0.1)   # updates the shard the wrapper hands it
     # or, at zero_stage 0, any torch optimizer: torch.optim.AdamW(model.parameters())
 
-It decides where bytes live and when they move (ARCHITECTURE.md, decision 7):
+It decides where bytes live and when they move (docs/architecture/decisions.md, "Data parallelism owns
+parameters and gradients"):
 - gradients (`GradBuffers`): fp32 main-grad buffers in buckets, each reduced over dp as soon
   as its gradients are final in the last microbatch's backward (all-reduce at ZeRO 0,
   reduce-scatter into this rank's shard at ZeRO 1/2; ZeRO-2 frees a bucket's full storage

@@ -20,24 +20,29 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise", "blockwise")
-SCALES = ("pow2", "exact")
+from megalite.config.choices import Fp8Format, Fp8Scales, Fp8ScalingRecipe
+
+
+def _choice(kind, value, flag: str):
+    """`value` as the enum `kind` (a member, or its string as a user types it); ValueError naming the flag."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{flag} {value!r} is not one of {', '.join(kind)}") from None
 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    format: str = "e4m3"
-    recipe: str = "tensorwise"
-    scales: str = "pow2"
+    """One run's FP8 choices (module docstring); strings are accepted and kept as the enums."""
+
+    format: Fp8Format = Fp8Format.E4M3
+    recipe: Fp8ScalingRecipe = Fp8ScalingRecipe.TENSORWISE
+    scales: Fp8Scales = Fp8Scales.POW2
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ValueError(f"--fp8-format {self.format!r} is not one of {', '.join(FORMATS)}")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"--fp8-recipe {self.recipe!r} is not one of {', '.join(RECIPES)}")
-        if self.scales not in SCALES:
-            raise ValueError(f"--fp8-scales {self.scales!r} is not one of {', '.join(SCALES)}")
+        object.__setattr__(self, "format", _choice(Fp8Format, self.format, "--fp8-format"))
+        object.__setattr__(self, "recipe", _choice(Fp8ScalingRecipe, self.recipe, "--fp8-recipe"))
+        object.__setattr__(self, "scales", _choice(Fp8Scales, self.scales, "--fp8-scales"))
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -47,19 +52,19 @@ class Fp8Recipe:
     @property
     def grad_dtype(self) -> torch.dtype:
         """Output gradients (the backward GEMMs' left operand)."""
-        return torch.float8_e5m2 if self.format == "hybrid" else torch.float8_e4m3fn
+        return torch.float8_e5m2 if self.format is Fp8Format.HYBRID else torch.float8_e4m3fn
 
     @property
     def rowwise(self) -> bool:
-        return self.recipe == "rowwise"
+        return self.recipe is Fp8ScalingRecipe.ROWWISE
 
     @property
     def blockwise(self) -> bool:
-        return self.recipe == "blockwise"
+        return self.recipe is Fp8ScalingRecipe.BLOCKWISE
 
     @property
     def pow2_scales(self) -> bool:
-        return self.scales == "pow2"
+        return self.scales is Fp8Scales.POW2
 
     def describe(self) -> str:
         return f"fp8 {self.format} {self.recipe}" + ("" if self.pow2_scales else " (exact scales)")
@@ -70,4 +75,4 @@ def recipe_from(cfg) -> Fp8Recipe | None:
     prec = cfg.precision
     if prec.fp8_format is None:
         return None
-    return Fp8Recipe(str(prec.fp8_format), str(prec.fp8_recipe), str(prec.fp8_scales))
+    return Fp8Recipe(prec.fp8_format, prec.fp8_recipe, prec.fp8_scales)

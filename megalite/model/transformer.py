@@ -133,7 +133,7 @@ class TransformerBlock(nn.Module):
 
     groups: the LayerGroups this block talks over (tp, cp; for an MoE block also ep, moe_tokens,
     experts_whole). With `config.moe` and `config.moe.is_moe_layer(layer_number)` the MLP is a
-    mixture of experts (`megalite.moe.MoELayer`, sharded over groups.ep).
+    mixture of experts (`megalite.moe.layer.MoELayer`, sharded over groups.ep).
 
     `layer_number` is the block's global index in the model: it names the block's dropout sites,
     so its masks are the same on whichever pipeline stage it runs (tensor_parallel/random.py).
@@ -155,7 +155,7 @@ class TransformerBlock(nn.Module):
             self.mlp = MoELayer(config, groups, sequence_parallel=sequence_parallel, moe_dispatcher=moe_dispatcher,
                                 layer_number=layer_number, dtype=dtype, device=device)
         else:
-            self.mlp = MLP(config, tp_group, sequence_parallel, dtype, device)
+            self.mlp = MLP(config, tp_group, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
         self.recompute_core = False  # selective recompute: re-run the attention core in backward
 
     def _bias_dropout_add(self, bias: torch.Tensor | None, y: torch.Tensor, residual: torch.Tensor,

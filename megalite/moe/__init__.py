@@ -4,7 +4,7 @@
 - dispatcher.py  tokens to their experts' ep ranks and back: all-to-all (per-rank counts) or all-gather
 - experts.py     this rank's experts (SwiGLU or GeLU), grouped GEMMs over [E_local, K, N] weights
 - layer.py       MoELayer: the block's MLP made of the three (+ an optional shared expert)
-- training.py    what a train step does with MoE layers (loss scale, expert-bias update, metrics)
+- bookkeeping.py what a train step does with MoE layers (loss scale, expert-bias update, metrics)
 - config.py      MoEConfig (pure Python: the planner and RunConfig import it without torch)
 
 Kept import-light: `megalite.moe.config` must not pull in torch.

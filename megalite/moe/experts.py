@@ -27,7 +27,10 @@ from megalite.sharding import ShardSpec
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden_size: int, ffn: int, gated: bool, seed: int, init_std: float, out_std: float,
+    """One expert's fc1 and fc2 weights, drawn whole from `seed` (std init_std, out_std) and sliced for
+    tp rank `tp_rank` of `tp_size` (module docstring)."""
+
+    def __init__(self, hidden_size: int, ffn: int, *, gated: bool, seed: int, init_std: float, out_std: float,
                  tp_rank: int, tp_size: int, dtype=None, device=None):
         super().__init__()
         rows = 2 * ffn if gated else ffn
@@ -56,15 +59,15 @@ class LocalExperts(nn.ModuleDict):
     fp8 = None
     fp8_tokens = None
 
-    def __init__(self, hidden_size: int, ffn: int, gated: bool, expert_ids: range, base_seed: int, init_std: float,
-                 num_layers: int, tp_group, dtype=None, device=None):
+    def __init__(self, hidden_size: int, ffn: int, *, gated: bool, expert_ids: range, base_seed: int,
+                 init_std: float, num_layers: int, tp_group, dtype=None, device=None):
         super().__init__()
         self.gated, self.first, self.tp_group = gated, expert_ids.start, tp_group
         tp_rank, tp_size = comm.group_rank(tp_group), comm.group_size(tp_group)
         out_std = init_std / math.sqrt(2 * num_layers)
         for e in expert_ids:
-            self[str(e)] = Expert(hidden_size, ffn, gated, expert_seed(base_seed, e), init_std, out_std, tp_rank,
-                                  tp_size, dtype, device)
+            self[str(e)] = Expert(hidden_size, ffn, gated=gated, seed=expert_seed(base_seed, e), init_std=init_std,
+                                  out_std=out_std, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:

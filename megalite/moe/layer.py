@@ -100,14 +100,15 @@ class MoELayer(nn.Module):
         local = moe.num_experts // ep
         first = comm.group_rank(ep_group) * local
         self.experts = LocalExperts(config.hidden_size, moe.expert_ffn(config.ffn_hidden_size),
-                                    config.flavour == "llama", range(first, first + local), base_seed,
-                                    config.init_std, config.num_layers, None if self.experts_whole else tp_group,
-                                    dtype, device)
+                                    gated=config.flavour == "llama", expert_ids=range(first, first + local),
+                                    base_seed=base_seed, init_std=config.init_std, num_layers=config.num_layers,
+                                    tp_group=None if self.experts_whole else tp_group, dtype=dtype, device=device)
         self.shared_expert = None
         if moe.shared_expert_intermediate_size:
             shared = config.replace(ffn_hidden_size=moe.shared_expert_intermediate_size, moe=None, add_bias=False,
                                     mlp_bias=False)
-            self.shared_expert = MLP(shared, tp_group, False, dtype, device)  # runs on the gathered sequence
+            # runs on the gathered sequence
+            self.shared_expert = MLP(shared, tp_group, sequence_parallel=False, dtype=dtype, device=device)
         self.shared_expert_gate = None
         if moe.shared_expert_gate:  # [1, h]: a per-token sigmoid weight of the shared expert's output
             gate = torch.empty(1, config.hidden_size)

@@ -18,7 +18,8 @@ its tp shard of its pipeline stage; padding: each bucket rounded up to a multipl
     | 3          | 4Ψ/dp (fp32 shard) +    | 4Ψ/dp + a unit or two while | 8Ψ/dp                           |
     |            | the units gathered      | they are reduce-scattered   |                                 |
 
-One step (`step()`, each group's lr; or `step(lr)`, every group at lr):
+One step (`step()`, each group's lr; or `step(lr=...)`, every group at lr; `step(closure)` returns the
+closure's loss, as torch.optim does; what the step did is `last_step`, an `OptimizerStep`):
 1. `DataParallel.finish_grad_sync()`: the bucketed dp reductions (most already started
    during the last microbatch's backward) complete. zero 0: all-reduce, every rank holds all
    summed gradients; zero 1/2: reduce-scatter, each rank holds the sum for its shard only.
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -65,6 +67,20 @@ from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_sq
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.param_groups import as_group_list, check_cover, clip_runs, default_groups, group_runs, same_update
 from megalite.optim.state_dict import full_state_dict, load_full_state_dict
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What one `DistributedOptimizer.step` did (its `last_step`).
+
+    grad_norm: the global norm of the true (unscaled, unclipped) gradients; skipped: no update (a
+    non-finite norm, or the caller's `skip`); loss_scale: the fp16 loss scale the gradients carried
+    (1.0 without a scaler), before this step's update of it.
+    """
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
 
 
 def default_no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -179,6 +195,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               for runs in self._group_runs] for b in buckets]
         self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()
         self.step_count = 0
+        self.last_step: OptimizerStep | None = None  # what the latest step() did
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_group_runs", None) is not None:  # after construction the shard's runs are fixed
@@ -219,18 +236,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
 
     @torch.no_grad()
-    def step(self, lr: float | Callable | None = None, skip: bool = False) -> dict:
-        """Finish the dp reduction, clip, update, publish. Returns {'grad_norm', 'skipped', 'loss_scale'}.
+    def step(self, closure: Callable | None = None, *, lr: float | None = None, skip: bool = False):
+        """Finish the dp reduction, clip, update, publish; returns the closure's loss (None without one),
+        as torch.optim's step does. What the step did (grad norm, skipped, loss scale) is `last_step`.
 
         Each group's update reads its own "lr" (set by an LR scheduler); `lr`, when given, is first
-        written into every group (`step(lr)`); a callable is torch's closure (called, its loss not kept).
-        `grad_norm` is the global norm of the true (unscaled, unclipped) gradients. `skip`: the
-        caller saw a non-finite loss (all ranks agree): no update.
+        written into every group. `skip`: the caller saw a non-finite loss (all ranks agree): no update.
         """
-        if callable(lr):
+        loss = None
+        if closure is not None:
             with torch.enable_grad():
-                lr()
-            lr = None
+                loss = closure()
+        self.last_step = self._update(lr, skip)
+        return loss
+
+    def _update(self, lr: float | None, skip: bool) -> OptimizerStep:
+        """The step itself (module docstring, steps 1-5)."""
         if lr is not None:
             for group in self.param_groups:
                 group["lr"] = lr
@@ -242,7 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         found_inf = skip or not math.isfinite(grad_norm)
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
-        result = {"grad_norm": grad_norm, "skipped": found_inf, "loss_scale": scale}
+        result = OptimizerStep(grad_norm=grad_norm, skipped=found_inf, loss_scale=scale)
         if found_inf:
             return result
         factor = 1.0 / scale

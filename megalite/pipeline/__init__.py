@@ -4,7 +4,7 @@
     build_schedule(name, pp, num_microbatches, v=1) -> list[list[Instr]]
     verify_schedule(schedule, pp, v, num_microbatches)            # raises ScheduleError
     check_pipeline_config(name, num_layers, pp, num_microbatches, v=1, first=None, last=None, layout=None)
-    run_pipeline(chunks, microbatches, mesh, spec, loss_scale, ...) -> float
+    run_pipeline(spec, model_chunks, microbatches, mesh, loss_scale=1.0, *, grad_sync=None, ...) -> float
     Pipeline(stages, mesh, loss_fn, ...).step(microbatches, loss_scale, grad_sync=...)   # a user's own stages
 
 Everything but the executor is pure arithmetic (no torch); names load lazily (PEP 562), so the

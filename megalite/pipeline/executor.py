@@ -30,7 +30,7 @@ from megalite.mesh import Mesh
 from megalite.pipeline import p2p
 from megalite.pipeline.chunk_calls import ChunkCalls, ModuleCalls
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
-from megalite.pipeline.schedules import verified_schedule
+from megalite.pipeline.schedules import ScheduleName, schedule_name, verified_schedule
 from megalite.host_reads import no_host_reads
 
 
@@ -38,17 +38,20 @@ from megalite.host_reads import no_host_reads
 class PipelineSpec:
     """What every rank of a pipeline agrees on before running a step.
 
-    schedule: a name from `schedules.SCHEDULES`; num_microbatches per step (and dp rank);
+    schedule: one of `schedules.SCHEDULES` (a string as a user types it is kept as the enum); num_microbatches per step (and dp rank);
     virtual_stages: model chunks per rank; activation_shape, dtype: what crosses every chunk
     boundary (e.g. [s, b, h], or [s/tp, b, h] under sequence parallelism): receive buffers are
     allocated from them, so no shape handshake is needed.
     """
 
-    schedule: str
+    schedule: ScheduleName
     num_microbatches: int
     activation_shape: tuple[int, ...]
     dtype: torch.dtype
     virtual_stages: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "schedule", schedule_name(self.schedule))
 
 
 class GradSync(Protocol):

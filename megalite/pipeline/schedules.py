@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+from megalite.config.choices import Schedule as ScheduleName
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, Instr, Schedule)
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk
@@ -25,7 +26,7 @@ from megalite.pipeline.partition import chunk_layer_counts
 from megalite.pipeline.placement import place_transfers
 from megalite.pipeline.verifier import repair_receive_order, verify_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = tuple(ScheduleName)  # the names --pipeline-schedule takes, declared once in config/choices.py
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ def interleaved_compute(pp: int, m: int, v: int, r: int) -> list[Instr]:
     """Rank r's forwards and backwards of the interleaved schedule, in the order build_schedule runs
     them (it places transfers around them without reordering them), without building every stage
     and placing transfers: the planner counts activations in flight on one stage."""
-    check_schedule_args("interleaved", pp, m, v)
+    check_schedule_args(ScheduleName.INTERLEAVED, pp, m, v)
     return _interleaved_stage(pp, m, v, r, _interleaved_order(pp, m, v, backward=False),
                               _interleaved_order(pp, m, v, backward=True))
 
@@ -136,58 +137,66 @@ def _with_transfers(compute: list[list[Instr]], pp: int, v: int) -> Schedule:
     return schedule
 
 
-def check_schedule_args(name: str, pp: int, num_microbatches: int, v: int = 1) -> None:
+def schedule_name(name: ScheduleName | str) -> ScheduleName:
+    """`name` as the enum (a member, or the string a user types); ValueError naming the choices."""
+    try:
+        return ScheduleName(name)
+    except ValueError:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose from {[str(s) for s in SCHEDULES]}") from None
+
+
+def check_schedule_args(name: ScheduleName | str, pp: int, num_microbatches: int, v: int = 1) -> None:
     """Raise ValueError naming the fix when `name` cannot run with (pp, microbatches, v)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose from {SCHEDULES}")
+    name = schedule_name(name)
     for label, value in (("pp", pp), ("num_microbatches", num_microbatches), ("virtual stages v", v)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
     if v > 1 and pp == 1:
         raise ValueError(f"virtual stages (v={v}) need pp >= 2; with pp=1 set --virtual-stages 1")
-    if name in ("1f1b", "zb-h1") and v != 1:
-        raise ValueError(f"schedule {name!r} runs one chunk per rank but v={v}; use 'interleaved' for "
+    if name in (ScheduleName.ONE_F_ONE_B, ScheduleName.ZB_H1) and v != 1:
+        raise ValueError(f"schedule '{name}' runs one chunk per rank but v={v}; use 'interleaved' for "
                          f"virtual stages or set --virtual-stages 1")
-    if name == "interleaved":
+    if name == ScheduleName.INTERLEAVED:
         if v < 2:
             raise ValueError("schedule 'interleaved' needs --virtual-stages >= 2; with v=1 use '1f1b'")
         if num_microbatches % pp != 0:
             raise ValueError(f"interleaved schedule needs num_microbatches ({num_microbatches}) to be a multiple "
                              f"of pp ({pp}); choose a global batch giving one of "
                              f"{[pp * k for k in range(1, 5)]}... microbatches")
-    if name == "gpipe" and v > 1 and num_microbatches % pp != 0:
+    if name == ScheduleName.GPIPE and v > 1 and num_microbatches % pp != 0:
         raise ValueError(f"gpipe with v={v} virtual stages needs num_microbatches ({num_microbatches}) to be a "
                          f"multiple of pp ({pp}); or set --virtual-stages 1")
 
 
 @functools.lru_cache(maxsize=64)
-def _build(name: str, pp: int, m: int, v: int, forward_only: bool) -> tuple[tuple[Instr, ...], ...]:
+def _build(name: ScheduleName, pp: int, m: int, v: int, forward_only: bool) -> tuple[tuple[Instr, ...], ...]:
     if forward_only:  # evaluation: every forward in the interleaved order, no backward
         order = _interleaved_order(pp, m, v, backward=False)
         compute = [[Instr(FWD, c, mb) for c, mb in order] for _ in range(pp)]
-    elif name == "gpipe":
+    elif name == ScheduleName.GPIPE:
         compute = _gpipe(pp, m, v)
-    elif name == "1f1b":
+    elif name == ScheduleName.ONE_F_ONE_B:
         compute = _one_f_one_b(pp, m)
-    elif name == "interleaved":
+    elif name == ScheduleName.INTERLEAVED:
         compute = _interleaved(pp, m, v)
     else:
         compute = _zb_h1(pp, m)
     return tuple(tuple(ops) for ops in repair_receive_order(place_transfers(compute, pp, v), pp, v))
 
 
-def build_schedule(name: str, pp: int, num_microbatches: int, v: int = 1, forward_only: bool = False) -> Schedule:
+def build_schedule(name: ScheduleName | str, pp: int, num_microbatches: int, v: int = 1, forward_only: bool = False) -> Schedule:
     """The instruction list of every stage (index = pp rank) for schedule `name`.
 
     forward_only=True gives the evaluation schedule (forwards and activation transfers only)
     for the same (pp, microbatches, v); `name` is still validated.
     """
+    name = schedule_name(name)
     check_schedule_args(name, pp, num_microbatches, v)
     return [list(ops) for ops in _build(name, pp, num_microbatches, v, forward_only)]
 
 
 @functools.lru_cache(maxsize=32)
-def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1,
+def verified_schedule(name: ScheduleName | str, pp: int, num_microbatches: int, v: int = 1,
                       forward_only: bool = False) -> tuple[tuple[Instr, ...], ...]:
     """build_schedule + verify_schedule, once per process and configuration."""
     schedule = build_schedule(name, pp, num_microbatches, v, forward_only)
@@ -195,7 +204,7 @@ def verified_schedule(name: str, pp: int, num_microbatches: int, v: int = 1,
     return tuple(tuple(ops) for ops in schedule)
 
 
-def check_pipeline_config(schedule_name: str, num_layers: int, pp: int, num_microbatches: int, v: int = 1,
+def check_pipeline_config(schedule: ScheduleName | str, num_layers: int, pp: int, num_microbatches: int, v: int = 1,
                           first: int | None = None, last: int | None = None, layout=None) -> None:
     """Validate a pipeline configuration before any process group exists (for start-up checks).
 
@@ -204,4 +213,4 @@ def check_pipeline_config(schedule_name: str, num_layers: int, pp: int, num_micr
     the schedule once (cached), so a broken schedule fails here rather than hanging later.
     """
     chunk_layer_counts(num_layers, pp, v, first, last, layout)
-    verified_schedule(schedule_name, pp, num_microbatches, v)
+    verified_schedule(schedule, pp, num_microbatches, v)

@@ -30,7 +30,7 @@ from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.instructions import COMPUTE_KINDS
 from megalite.pipeline.partition import model_chunk_id
 from megalite.pipeline.replay import replay_bubble
-from megalite.pipeline.schedules import check_schedule_args, verified_schedule
+from megalite.pipeline.schedules import ScheduleName, check_schedule_args, verified_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last chunk's output, labels) -> loss sum
 
@@ -83,7 +83,7 @@ class Pipeline:
     """
 
     def __init__(self, stages: Sequence[nn.Module] | Callable[[int], nn.Module], mesh: Mesh, loss_fn: LossFn, *,
-                 num_microbatches: int, activation_shape: Sequence[int], schedule: str = "1f1b",
+                 num_microbatches: int, activation_shape: Sequence[int], schedule: ScheduleName | str = ScheduleName.ONE_F_ONE_B,
                  virtual_stages: int = 1, dtype: torch.dtype = torch.float32):
         pp, v = mesh.pp_size, virtual_stages
         check_schedule_args(schedule, pp, num_microbatches, v)

@@ -1,6 +1,6 @@
 """The planner: pure arithmetic on a model (GPTConfig) and a run (RunConfig); no torch.
 
-    estimate(model, cfg)                 per-rank memory, communication, bubble, FLOPs (estimate.py)
+    estimate(model, cfg)                 per-rank memory, communication, bubble, FLOPs (per_rank.py)
     estimate_model_states(n, cfg)        model states from a parameter count (the ZeRO paper's accounting)
     preflight(model, cfg, world_size)    every configuration error with its fix (validity.py)
     suggest(model, gpus, gpu_memory)     layouts that fit, ranked by step_time() (ranking.py)

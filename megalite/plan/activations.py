@@ -19,6 +19,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
@@ -205,7 +206,7 @@ def context_parallel_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
 def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
     """ZB-H1 keeps a microbatch's linear inputs until its deferred weight-gradient pass (W)."""
     live = peak = 0
-    for op in build_schedule("zb-h1", pp, m)[stage]:
+    for op in build_schedule(Schedule.ZB_H1, pp, m)[stage]:
         live += (op.kind == FWD) - (op.kind == BWD_WEIGHT)
         peak = max(peak, live)
     return peak
@@ -214,9 +215,9 @@ def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
 def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
     m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
-    if cfg.schedule == "gpipe":
+    if cfg.schedule == Schedule.GPIPE:
         return m * v
-    if cfg.schedule == "zb-h1":                           # counted on the schedule itself
+    if cfg.schedule == Schedule.ZB_H1:                           # counted on the schedule itself
         return _zero_bubble_peak(pp, m, stage)
     if v == 1:                                                      # 1f1b: warmup + 1
         return min(pp - stage, m)
@@ -234,7 +235,7 @@ def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     inflight = inflight_microbatches(cfg, stage)
     if v == 1:
         return min(inflight, m)
-    if cfg.schedule == "gpipe":
+    if cfg.schedule == Schedule.GPIPE:
         return m
     return sum(1 for k in range(inflight) if (k // pp) % v == 0)
 
@@ -244,9 +245,9 @@ def head_inflight_microbatches(cfg: RunConfig) -> int:
     GPipe, one under 1F1B; interleaved, counted on the schedule: the last chunk's forwards not yet
     backward at the stage's peak (more than one when every forward is warm-up, m == pp)."""
     m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
-    if cfg.schedule == "gpipe":
+    if cfg.schedule == Schedule.GPIPE:
         return m
-    if cfg.schedule != "interleaved" or v == 1:
+    if cfg.schedule != Schedule.INTERLEAVED or v == 1:
         return 1
     return _interleaved_head_at_peak(pp, m, v)
 

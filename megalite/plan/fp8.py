@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Fp8ScalingRecipe
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, stage_layers
 from megalite.plan.moe import routed_tokens, stage_moe_layers
@@ -64,7 +65,7 @@ def sp_input_gather_bytes(cfg: RunConfig, u: int, a: int, tokens: int) -> int:
     one [s, b, h] activation of u bytes in the training dtype (a per element; `tokens` = s*b)."""
     if not enabled(cfg):
         return 2 * u
-    if cfg.precision.fp8_recipe == "rowwise":  # FP8 + fp32 scales forward, the training dtype again
+    if cfg.precision.fp8_recipe == Fp8ScalingRecipe.ROWWISE:  # FP8 + fp32 scales forward, the training dtype again
         return u // a + 4 * tokens + u
     return 2 * (u // a)
 
@@ -73,7 +74,7 @@ def _saves_fp8_inputs(cfg: RunConfig) -> bool:
     """Tensorwise keeps each linear's input as FP8 (x_q^T, or the SP shard x_q) and its scale for
     backward; rowwise and blockwise keep the input itself (their weight-gradient scales run along
     the tokens, another direction), as the training-dtype linear does."""
-    return enabled(cfg) and cfg.precision.fp8_recipe == "tensorwise"
+    return enabled(cfg) and cfg.precision.fp8_recipe == Fp8ScalingRecipe.TENSORWISE
 
 
 def attention_saved_change(model: GPTConfig, cfg: RunConfig, recompute: str, kept_once: bool) -> int:
@@ -109,7 +110,7 @@ def expert_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
     receive) and, tensorwise, its input as x_q^T in 1 byte instead of a ([R, h] into fc1, [R, f_e/etp]
     into fc2) with the [E] per-expert scales. Blockwise runs the experts through the FP8 linear one
     after another (views of the rows: nothing more)."""
-    if not enabled(cfg) or cfg.precision.fp8_recipe == "blockwise":
+    if not enabled(cfg) or cfg.precision.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE:
         return 0
     moe, a = model.moe, DTYPE_BYTES[cfg.precision.precision]
     rows, experts = routed_tokens(model, cfg) * moe.topk, moe.num_experts // cfg.parallel.ep
@@ -124,7 +125,7 @@ def expert_weight_cast_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """The grouped experts' input-gradient weight cast (megalite/fp8/grouped.py, in torch): the local
     experts' weights stacked [E, K, N] in the training dtype, their fp32 scaled copy, the FP8 cast and
     its transposed copy, for the widest GEMM: (a + 4 + 2) E h max(mlp_in, f_e)/etp bytes."""
-    if not enabled(cfg) or model.moe is None or cfg.precision.fp8_recipe == "blockwise":
+    if not enabled(cfg) or model.moe is None or cfg.precision.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE:
         return 0
     moe, h = model.moe, model.hidden_size
     ffn = moe.expert_ffn(model.ffn_hidden_size)

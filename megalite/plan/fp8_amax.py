@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Fp8ScalingRecipe
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import dp_group_name, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import routed_tokens, stage_moe_layers
@@ -74,7 +75,7 @@ def _dense(tally: _Tally, cfg: RunConfig, linears, tokens: int, forwards: int, b
     gathered = p.zero == 3 and bool(cfg.precision.fp8_param_gather)  # the weight arrives cast: no W amax
     for kind, n, k, sp in linears:
         column = kind == "column"
-        if cfg.precision.fp8_recipe == "rowwise":
+        if cfg.precision.fp8_recipe == Fp8ScalingRecipe.ROWWISE:
             tally.add(tp, forwards * (not column), 4 * (tokens + n))
             tally.add(tp, backwards * column, 4 * (tokens + k))
             tally.add(cp, backwards, 4 * (n + k))
@@ -99,7 +100,7 @@ def _experts(tally: _Tally, model: GPTConfig, cfg: RunConfig, forwards: int, bac
     gemms = [("column", (f if model.flavour == "gpt2" else 2 * f) // etp, h), ("row", h, f // etp)]
     for kind, n, k in gemms:
         column = kind == "column"
-        if cfg.precision.fp8_recipe == "rowwise":
+        if cfg.precision.fp8_recipe == Fp8ScalingRecipe.ROWWISE:
             tally.add(expert_tp, forwards * (not column), 4 * (rows + experts * n))
             tally.add(expert_tp, backwards * column, 4 * (rows + experts * k))
             tally.add(token_group, backwards, 4 * experts * (n + k))
@@ -128,7 +129,7 @@ def _parameter_gathers(tally: _Tally, model: GPTConfig, cfg: RunConfig, stage: i
 def amax_all_reduces(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, tuple[int, int]]:
     """ledger group -> (all-reduces, bytes) of FP8's scales per step on a rank of stage `stage`
     (module docstring); {} without --fp8-format and under blockwise (tp = cp = 1)."""
-    if cfg.precision.fp8_format is None or cfg.precision.fp8_recipe == "blockwise":
+    if cfg.precision.fp8_format is None or cfg.precision.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE:
         return {}
     m = cfg.num_microbatches
     layers, rerun = stage_layers(model, cfg)[stage], recomputed_stage_layers(model, cfg)[stage]

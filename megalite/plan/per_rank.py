@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes
@@ -174,7 +175,7 @@ def bubble_fraction(cfg: RunConfig) -> float:
     """Idle fraction of a step: (p-1)/(v*m + p-1) for 1F1B/interleaved/GPipe, (p-1)/(3m + p-1)
     for ZB-H1 (its F, B and W passes each fill a third of a 1F1B slot)."""
     p, m = cfg.parallel.pp, cfg.num_microbatches
-    slots = 3 * m if cfg.schedule == "zb-h1" else cfg.parallel.virtual_stages * m
+    slots = 3 * m if cfg.schedule == Schedule.ZB_H1 else cfg.parallel.virtual_stages * m
     return (p - 1) / (slots + p - 1)
 
 

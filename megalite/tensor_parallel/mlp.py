@@ -30,7 +30,7 @@ class MLP(nn.Module):
     x [s, b, h] ([s/tp, b, h] under sequence parallelism) -> the same shape.
     """
 
-    def __init__(self, config, tp_group, sequence_parallel: bool, dtype=None, device=None):
+    def __init__(self, config, tp_group, *, sequence_parallel: bool, dtype=None, device=None):
         super().__init__()
         h, f = config.hidden_size, config.ffn_hidden_size
         self.gated = config.flavour == "llama"

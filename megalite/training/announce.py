@@ -14,6 +14,7 @@ import torch
 from megalite import ops
 from megalite.config.rampup import BatchRampup
 from megalite.config import RunConfig
+from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe
 from megalite.config.model import GPTConfig
 from megalite.mesh import Mesh
 from megalite.plan import estimate, justify
@@ -81,8 +82,8 @@ def _fp8_words(cfg: RunConfig, mesh: Mesh) -> str:
     if prec.fp8_format is None:
         return ""
     where = " (torch._scaled_mm on a CPU: for testing, not speed)" if mesh.device.type == "cpu" else ""
-    if prec.fp8_recipe == "blockwise":  # no scaled GEMM computes per-128 scales: fp32 on dequantised tiles
+    if prec.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE:  # no scaled GEMM computes per-128 scales: fp32 on dequantised tiles
         where = " (a torch reference: numerics, not speed)"
-    scales = "" if prec.fp8_scales == "pow2" else " (exact scales)"
+    scales = "" if prec.fp8_scales == Fp8Scales.POW2 else " (exact scales)"
     return (f" + fp8 {prec.fp8_format} {prec.fp8_recipe}{scales} GEMMs{where}"
             + ("; FP8 parameter gathers" if prec.fp8_param_gather else ""))

@@ -28,13 +28,12 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from megalite import comm
-from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
+from megalite.checkpoint import load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.lock import CheckpointLock
 from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
@@ -47,30 +46,31 @@ from megalite.config.rampup import BatchRampup
 from megalite.data.sft_dataset import build_sft_datasets
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
+from megalite.data.gpt_dataset import BlendedDataset, GPTDataset
+from megalite.data.mock_dataset import MockDataset
+from megalite.data_parallel.wrapper import DataParallel
 from megalite.errors import UsageError, report_usage_error
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.config.model import GPTConfig
+from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
-from megalite.plan import estimate, recompute_fraction
+from megalite.plan import estimate
 from megalite.simulate.run import run_from_flags
-from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError, NonFiniteGuard,
+from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError,
                                       ReplicaMismatchError, check_replicas)
-from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
-                                       gather_step_times, peak_tflops, progress_line, straggler_report)
-from megalite.training.metrics_sinks import open_sinks
+from megalite.training.metrics import estimate_vs_measured, gather_step_times, progress_line, straggler_report
 from megalite.training.configure import configure
 from megalite.training.launch_checks import memory_per_rank
 from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
 from megalite.training.dry_run import dry_run_report
-from megalite.training.profiling import StepProfiler
 from megalite.training.provided_model import ProvidedModel, default_loss
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate
 from megalite.training.step_result import StepResult
-from megalite.training.step_run import lr_position, step_record, timed_step
-from megalite.training.watchdog import HangWatchdog
+from megalite.training.services import Services, on_exit, open_services
+from megalite.training.step_run import advance_lr, lr_position, step_record, timed_step
 
 
 def log(*parts, rank0_only: bool = True) -> None:
@@ -142,6 +142,9 @@ def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+Samples = GPTDataset | BlendedDataset | MockDataset  # what load_microbatches reads a step's samples from
+
+
 @dataclass
 class Job:
     """Everything one rank's training job holds (built by `build_job`)."""
@@ -149,43 +152,31 @@ class Job:
     cfg: RunConfig
     model_cfg: GPTConfig
     mesh: Mesh
-    train_set: Any
-    valid_set: Any
+    train_set: Samples
+    valid_set: Samples | None
     sampler: GlobalBatchSampler
-    chunks: list
-    model: Any  # DataParallel
-    optimizer: Any  # DistributedOptimizer
+    chunks: list[nn.Module]  # this rank's model chunks (GPTModel, or a provided model's)
+    model: DataParallel
+    optimizer: DistributedOptimizer
     lr_at: LRSchedule
-    meter: ThroughputMeter
-    writer: MetricsWriter
-    timer: TimeBreakdown
-    profiler: StepProfiler
-    guard: NonFiniteGuard
-    watchdog: HangWatchdog | None
-    checkpointer: Checkpointer | None
-    preemption: PreemptionHandler
+    scheduler: ScheduledLR  # lr_at driving the optimizer's param groups (torch's LR scheduler)
+    services: Services  # metrics, profiler, guard, watchdog, checkpointer, preemption
     last_saved: int = 0
     resume_plan: ResumePlan | None = None  # what --load's checkpoint decided (elastic resize)
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
-    provided: Any = None  # training.provided_model.ProvidedModel: a user's model in place of GPTModel
-    scheduler: ScheduledLR | None = None  # lr_at driving the optimizer's param groups (torch's LR scheduler)
-
-
-def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -> None:
-    """Register `release(clean)`: clean is True when the job ends without an exception."""
-    resources.push(lambda exc_type, exc, tb: release(exc_type is None))
+    provided: ProvidedModel | None = None  # a user's model in place of GPTModel
 
 
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
     mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp)
-    _on_exit(resources, lambda clean: destroy_mesh())
+    on_exit(resources, lambda clean: destroy_mesh())
     if cfg.checkpoint.save:  # one run per --save directory: every rank refuses when another run holds it
         lock = CheckpointLock(cfg.checkpoint.save, log=log)
         comm.agreed(lambda: lock.acquire() if mesh.rank == 0 else None, comm.world_group())
-        _on_exit(resources, lambda clean: lock.release())
+        on_exit(resources, lambda clean: lock.release())
     torch.manual_seed(cfg.training.seed)
     chunks = provided.build_chunks(cfg, mesh) if provided is not None else None  # the same seed on every rank
     model_cfg = chunks[0].config if provided is not None else cfg.gpt_config()
@@ -215,44 +206,11 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     o = cfg.optimizer
     lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
     job = Job(cfg=cfg, model_cfg=model_cfg, mesh=mesh, train_set=train_set, valid_set=valid_set, sampler=sampler,
-              chunks=chunks, model=model, optimizer=optimizer, lr_at=lr_at, provided=provided,
-              **_services(cfg, model_cfg, mesh, resources))
-    job.scheduler = ScheduledLR(optimizer, lr_at)
+              chunks=chunks, model=model, optimizer=optimizer, lr_at=lr_at, scheduler=ScheduledLR(optimizer, lr_at),
+              services=open_services(cfg, model_cfg, mesh, resources, log=log), provided=provided)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
-
-
-def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: contextlib.ExitStack) -> dict[str, Any]:
-    """Job's fields meter, writer, timer, profiler, guard, watchdog, checkpointer, preemption, by name;
-    each released on exit."""
-    lg, ft, ck = cfg.logging, cfg.fault_tolerance, cfg.checkpoint
-    precision = cfg.precision.precision
-    peak = lg.peak_tflops or peak_tflops(torch.cuda.get_device_name() if mesh.device.type == "cuda" else None,
-                                         precision)
-    meter = ThroughputMeter(model_cfg, model_cfg.seq_length, cfg.training.micro_batch_size, cfg.dp,
-                            cfg.num_microbatches, mesh.world_size, cfg.parallel.recompute, cfg.training.train_iters,
-                            peak, recompute_fraction=recompute_fraction(model_cfg, cfg))
-    sinks = open_sinks(lg, run_config=cfg.to_dict()) if mesh.rank == 0 else []  # TensorBoard, W&B
-    writer = MetricsWriter(lg.metrics_file, sinks, enabled=mesh.rank == 0)
-    _on_exit(resources, lambda clean: writer.close())
-    if mesh.rank == 0 and lg.metrics_file:  # the resolved configuration beside the metrics
-        Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
-    profiler = StepProfiler(lg.profile_steps, lg.profile_dir, mesh.rank, mesh.device, log=log)
-    _on_exit(resources, lambda clean: profiler.close())  # stopped inside the profiled window: nothing written
-    guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == "fp16", log=log)
-    watchdog = HangWatchdog(ft.hang_timeout, ft.hang_report_dir, mesh=mesh).start() if ft.hang_timeout else None
-    if watchdog is not None:
-        _on_exit(resources, lambda clean: watchdog.stop())
-    checkpointer = Checkpointer(ck.save, mesh, keep_last=ck.keep_last, keep_every=ck.keep_every,
-                                async_save=ck.async_save, log=log) if ck.save else None
-    if checkpointer is not None:  # the last background write lands before the process ends
-        _on_exit(resources, lambda clean: checkpointer.finish() if clean else checkpointer.abandon())
-    preemption = PreemptionHandler(mesh, install=False)  # SIGTERM/SIGUSR1/SIGINT: all stop after the same step
-    _on_exit(resources, lambda clean: preemption.close())
-    _on_exit(resources, lambda clean: comm.barrier(comm.world_group()) if clean else None)
-    return dict(meter=meter, writer=writer, timer=TimeBreakdown(), profiler=profiler, guard=guard, watchdog=watchdog,
-                checkpointer=checkpointer, preemption=preemption)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +232,7 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
             job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
             job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
             start_step = resume(job)
-        job.preemption.install()  # from here a signal saves at the next step boundary
+        job.services.preemption.install()  # from here a signal saves at the next step boundary
         try:
             stopped = train_steps(job, start_step)
         except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
@@ -302,9 +260,9 @@ def resume(job: Job) -> int:
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
-    job.scheduler.jump_to(lr_position(job, start_step))  # the lr of step start_step + 1
-    if job.watchdog:
-        job.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
+    job.scheduler.jump_to(lr_position(job.cfg, job.sampler, start_step))  # the lr of step start_step + 1
+    if job.services.watchdog:
+        job.services.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
     if start_step >= job.cfg.training.train_iters:
         log(f"the checkpoint is at step {start_step} >= --train-iters {job.cfg.training.train_iters}: nothing to "
             f"train")
@@ -320,7 +278,7 @@ def _record_resize(job: Job, resumed) -> None:
                          f"to was saved on another world or batch, which this run was not planned for; relaunch "
                          f"with --load-step {resumed.step}")
     if plan.resize is not None:
-        job.writer.write_event(dataclasses.replace(plan.resize, step=resumed.step).record())
+        job.services.writer.write_event(dataclasses.replace(plan.resize, step=resumed.step).record())
 
 
 def train_steps(job: Job, start_step: int) -> bool:
@@ -328,8 +286,11 @@ def train_steps(job: Job, start_step: int) -> bool:
     cfg = job.cfg
     for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
         maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
-        result, cp_comm_bytes, step_time = timed_step(job, step, indices)
-        job.guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
+        result, cp_comm_bytes, step_time = timed_step(step, indices, train_set=job.train_set, model=job.model,
+                                                      optimizer=job.optimizer, mesh=job.mesh, cfg=cfg,
+                                                      services=job.services, graphs=job.graphs)
+        advance_lr(job.scheduler, cfg, job.sampler, step)
+        job.services.guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
         interval = cfg.fault_tolerance.check_replicas_interval
         if interval and step % interval == 0:
             job.model.wait_for_params()  # --overlap-param-gather leaves the gathers in flight
@@ -348,11 +309,11 @@ def train_steps(job: Job, start_step: int) -> bool:
             run_evaluation(job, step)
         if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
             save(job, step)
-        if job.watchdog:
-            job.watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
-        if job.preemption.should_stop(step):
+        if job.services.watchdog:
+            job.services.watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
+        if job.services.preemption.should_stop(step):
             save(job, step)
-            log(f"megalite: {job.preemption.agreed_signal}: stopped after step {step}"
+            log(f"megalite: {job.services.preemption.agreed_signal}: stopped after step {step}"
                 + (f", saved; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " (no --save)"))
             return True
     return False
@@ -363,8 +324,9 @@ def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_b
     cfg = job.cfg
     if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
         return
-    record = step_record(job, step, step_time, result, cp_comm_bytes)
-    job.writer.write(record)
+    record = step_record(step, step_time, result, cp_comm_bytes, cfg=cfg, mesh=job.mesh, sampler=job.sampler,
+                         services=job.services, optimizer_memory=job.optimizer.memory_report())
+    job.services.writer.write(record)
     log(progress_line(record) + (" (skipped: non-finite gradients)" if result.skipped else ""))
     job.advisor.observe(step_time, pipeline_bubble=record.get("pipeline_bubble"),
                         exposed_dp_comm_s=result.exposed_dp_comm_s, pp=job.mesh.pp_size,
@@ -373,10 +335,10 @@ def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_b
 
 def save(job: Job, step: int) -> None:
     """Checkpoint the state after `step` (once per step), with the resolved configuration inside."""
-    if job.checkpointer is None or job.last_saved == step:
+    if job.services.checkpointer is None or job.last_saved == step:
         return
     job.model.wait_for_params()
-    job.checkpointer.save(step, job.chunks, job.optimizer, consumed_samples=job.sampler.consumed_samples,
+    job.services.checkpointer.save(step, job.chunks, job.optimizer, consumed_samples=job.sampler.consumed_samples,
                           model_config=job.model_cfg, train_config=job.cfg.to_dict(),
                           extra={ELASTIC_STATE_KEY: (job.resume_plan or ResumePlan.fresh(job.cfg)).state.to_dict()})
     job.last_saved = step
@@ -393,7 +355,7 @@ def run_evaluation(job: Job, step: int) -> None:
         return
     loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
     log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
-    job.writer.write_eval(step, loss)
+    job.services.writer.write_eval(step, loss)
 
 
 if __name__ == "__main__":  # python -m megalite.training.loop: the same job as megalite-train

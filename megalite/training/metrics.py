@@ -73,7 +73,7 @@ def effective_batch(micro_batch_size: int, dp: int, num_microbatches: int) -> in
 class ThroughputMeter:
     """Per-step throughput, MFU/HFU, GPU-hours and ETA for a fixed model and layout."""
 
-    def __init__(self, model: GPTConfig, seq_length: int, micro_batch_size: int, dp: int, num_microbatches: int,
+    def __init__(self, model: GPTConfig, seq_length: int, *, micro_batch_size: int, dp: int, num_microbatches: int,
                  world_size: int, recompute: str = "none", total_steps: int | None = None,
                  peak_tflops_per_gpu: float | None = None, start_step: int = 0, recompute_fraction: float = 1.0):
         self.world_size = world_size
@@ -202,7 +202,7 @@ def memory_stats(device: torch.device | str | None = None) -> dict[str, float]:
 def estimate_vs_measured(estimate, device: torch.device | str) -> str:
     """One log line after the first step: the planner's per-rank bytes beside the measured peak.
 
-    `estimate` is a megalite.training.estimate.Estimate for this rank's layout. On CUDA the
+    `estimate` is a megalite.plan.per_rank.Estimate for this rank's layout. On CUDA the
     measured figure is torch.cuda.max_memory_allocated (it also holds transient buffers the
     estimate leaves to its 10% headroom); on CPU, the process's peak RSS (not comparable).
     """

@@ -64,6 +64,7 @@ import contextlib
 
 import torch
 
+from megalite.config.choices import Schedule
 from megalite.errors import UsageError
 from megalite.pipeline import p2p
 from megalite.weight_grad import WeightGradStore, defer_weight_grads
@@ -233,7 +234,7 @@ class PipelineGraphs:
                         spec.activation_shape, dtype=spec.dtype, device=self.mesh.device, requires_grad=True)
                     for _ in range(cuda_graph.WARMUP_ITERATIONS):
                         out = self._call(c, x, microbatch["labels"] if last else None)
-                        with self._deferral(c, "warm-up", spec.schedule == "zb-h1"):
+                        with self._deferral(c, "warm-up", spec.schedule == Schedule.ZB_H1):
                             torch.autograd.backward(out, torch.ones_like(out))
                         self.store.run("warm-up")
         except HostReadError as error:

@@ -53,7 +53,7 @@ from megalite.training.provided_model import LossFn, ModelProvider, ProvidedMode
 
 def train(cfg: RunConfig, model_provider: ModelProvider, loss_fn: LossFn | None = None, tokenizer=None,
           resume_plan=None) -> int:
-    """megalite.training.train with the user's model (see the module docstring); a resolved configuration."""
+    """megalite.training.loop.train with the user's model (see the module docstring); a resolved configuration."""
     return loop.train(cfg, tokenizer, resume_plan, model_provider=model_provider, loss_fn=loss_fn)
 
 

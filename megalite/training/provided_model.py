@@ -23,7 +23,6 @@ from megalite.tensor_parallel.random import TensorParallelRNG
 
 ModelProvider = Callable[..., nn.Module]
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ class ProvidedModel:
             raise UsageError(f"--cp {mesh.cp_size}: {type(module).__name__} does not declare context_parallel = True "
                              f"(it would see zigzag chunks of each sequence as if whole); use --cp 1, or handle them "
                              f"(megalite.context_parallel) and set module.context_parallel = True")
-        module = module.to(device=mesh.device, dtype=DTYPES[cfg.precision.precision])
+        module = module.to(device=mesh.device, dtype=cfg.precision.precision.torch_dtype)
         if cfg.parallel.recompute == "full":
             for _, block in _blocks(module)[:cfg.parallel.recompute_num_layers]:
                 _recompute(block)

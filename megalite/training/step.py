@@ -32,11 +32,9 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
-from megalite.training.step_result import StepResult
+from megalite.training.step_result import PipelineTiming, StepResult
 from megalite.host_reads import no_host_reads
 from megalite.config import RunConfig
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPTModel]:
@@ -55,7 +53,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
-                               dtype=DTYPES[cfg.precision.precision], cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               dtype=cfg.precision.precision.torch_dtype, cp_comm_type=str(cfg.parallel.cp_comm_type),
                                moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
         convert_to_fp8(chunks[-1], recipe_from(cfg), mesh.cp_group)  # --fp8-format: the blocks' linears in FP8
@@ -69,7 +67,7 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
     compression = PowerSGDConfig(p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression,
                                  seed=cfg.training.seed) if p.grad_compression == "powersgd" else None
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
-                        grad_reduce_dtype=DTYPES[cfg.precision.grad_reduce_dtype],
+                        grad_reduce_dtype=cfg.precision.grad_reduce_dtype.torch_dtype,
                         overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
                         reshard_after_forward=p.zero3_reshard_after_forward,
                         keep_gathered_in_step=p.zero3_keep_gathered_in_step,
@@ -170,10 +168,10 @@ def _to_device(microbatches, device):
 
 
 def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunConfig, seq_length: int,
-                      loss_scale, phase, check_host_reads: bool, graphs) -> tuple[Any, tuple | None]:
+                      loss_scale, phase, check_host_reads: bool, graphs) -> tuple[Any, PipelineTiming | None]:
     """Every microbatch's forward and backward: replayed graphs (pp = 1), the plain loop, or (pp > 1)
-    the pipeline schedule (its chunks' graphs replayed under --cuda-graph). Returns (the loss sum, a device scalar or 0.0; (spec, median seconds per
-    compute instruction) at pp > 1, else None)."""
+    the pipeline schedule (its chunks' graphs replayed under --cuda-graph). Returns (the loss sum, a
+    device scalar or 0.0; at pp > 1 the schedule run and its instructions' seconds, else None)."""
     if graphs is not None and mesh.pp_size == 1:
         with phase("forward_backward"):  # one replayed graph per microbatch
             return graphs.run(microbatches, loss_scale), None
@@ -189,7 +187,7 @@ def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunCon
         loss_sum = run_pipeline(spec, list(model.chunks), microbatches, mesh, loss_scale, grad_sync=model,
                                 stats=stats, check_host_reads=check_host_reads, graphs=graphs)
     model.set_last_microbatch(True)
-    return loss_sum, (spec, stats["compute_s"])
+    return loss_sum, PipelineTiming(spec, stats["compute_s"])
 
 
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
@@ -230,15 +228,16 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
     with phase("optimizer"):
-        update = optimizer.step(lr, skip=not loss_finite)
-        if not update["skipped"]:
+        optimizer.step(lr=lr, skip=not loss_finite)
+        update = optimizer.last_step
+        if not update.skipped:
             moe_bookkeeping.update_expert_biases(model.chunks, mesh)
     moe_stats = moe_bookkeeping.moe_stats(model.chunks, mesh)  # {} without experts
     token_count = tokens.value()
     compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
-    return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update["grad_norm"],
-                      skipped=update["skipped"], loss_scale=update["loss_scale"], tokens=token_count,
+    return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update.grad_norm,
+                      skipped=update.skipped, loss_scale=update.loss_scale, tokens=token_count,
                       loss_finite=loss_finite, lr=optimizer.param_groups[0]["lr"], exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
                       exposed_token_count_s=tokens.wait_seconds, moe=moe_stats,
@@ -268,7 +267,7 @@ def pipeline_spec(model: GPTConfig, cfg: RunConfig, num_microbatches: int, seq_l
     """The pipeline of one step over sequences of `seq_length` tokens (the whole sequence: under
     context parallelism the stages exchange each cp rank's [s/cp, b, h])."""
     return PipelineSpec(cfg.schedule, num_microbatches, activation_shape(model, cfg, seq_length),
-                        DTYPES[cfg.precision.precision], cfg.parallel.virtual_stages)
+                        cfg.precision.precision.torch_dtype, cfg.parallel.virtual_stages)
 
 
 @torch.no_grad()

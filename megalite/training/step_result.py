@@ -2,7 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megalite.pipeline.executor import PipelineSpec
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """What a pp > 1 step's pipeline ran on this stage, for the measured bubble
+    (megalite.pipeline.stages.measured_bubble)."""
+
+    spec: PipelineSpec  # the schedule, microbatches and chunks every stage ran
+    compute_s: dict[str, float]  # this stage's median seconds per compute instruction kind ("F", "B", ...)
 
 
 @dataclass
@@ -26,8 +38,8 @@ class StepResult:
     exposed_token_count_s: float
     # MoE layers' statistics (`moe.bookkeeping.moe_stats`: 'moe_aux_loss', 'moe_layers', ...); {} without experts
     moe: dict[str, Any] = field(default_factory=dict)
-    # pp > 1: (PipelineSpec, this stage's median seconds per compute instruction), for the measured bubble
-    pipeline: tuple | None = None
+    # pp > 1: the schedule this stage ran and its instructions' seconds, for the measured bubble
+    pipeline: PipelineTiming | None = None
     # --grad-compression: bytes sent on the dp group (and edp), and uncompressed bytes / sent
     grad_reduce_bytes: int | None = None
     grad_compression_ratio: float | None = None

@@ -46,10 +46,10 @@ def _run(argv, stop_after=None):
     seen = {}
     timed_step, inject = loop.timed_step, loop.maybe_inject_fault
 
-    def recording_step(job, step, indices):
-        if job.mesh.tp_rank == 0:  # tp ranks read the same samples
-            seen[step] = (job.mesh.dp_rank, indices)
-        return timed_step(job, step, indices)
+    def recording_step(step, indices, **parts):
+        if parts["mesh"].tp_rank == 0:  # tp ranks read the same samples
+            seen[step] = (parts["mesh"].dp_rank, indices)
+        return timed_step(step, indices, **parts)
 
     def stop_during(step, rank):
         if step == stop_after and rank == 0:

@@ -45,7 +45,7 @@ def _train(m, flavour, zero, overlap):
         ids, labels = _batch(step, m.dp_rank, config.vocab_size)
         loss = model(ids, labels, reduction="sum") / (2 * MICRO * SEQ)  # right after the last step()
         loss.backward()
-        optimizer.step(1e-2)
+        optimizer.step(lr=1e-2)
         in_flight.append(len(model.param_buffer.pending))
         losses.append(float(loss))
     model.wait_for_params()
@@ -105,7 +105,7 @@ def _pipeline_world():
                 microbatches = [{"input_ids": ids, "labels": labels}] * 4
                 losses.append(run_pipeline(spec, list(model.chunks), microbatches, m, 1.0 / (8 * MICRO * SEQ),
                                            grad_sync=model))
-                optimizer.step(1e-2)
+                optimizer.step(lr=1e-2)
                 in_flight = len(model.param_buffer.pending)
         model.wait_for_params()
         results[overlap] = (losses, [p.detach().clone() for p in model.params], in_flight)

@@ -76,7 +76,7 @@ def _train(m, zero_stage, torch_optimizer, units=None):
             model.finish_grad_sync()  # every param.grad is now the dp-summed gradient
             opt.step()
         else:
-            opt.step(LR)
+            opt.step(lr=LR)
     with model.gathered():  # ZeRO-3: the full values exist only while gathered
         return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}
 
@@ -98,7 +98,8 @@ def _train_ddp_style(m, zero_stage):
             norms.append(_grad_norm(model.parameters()))
             opt.step()
         else:
-            norms.append(opt.step(LR)["grad_norm"])
+            opt.step(lr=LR)
+            norms.append(opt.last_step.grad_norm)
     with model.gathered():
         return {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}, norms
 

@@ -32,7 +32,7 @@ def _mlp(recipe, x, g, cp_group=None):
 
 
 def _experts(recipe, x, sizes, g, cp_group=None):
-    experts = LocalExperts(32, 48, True, range(3), base_seed=5, init_std=0.05, num_layers=2, tp_group=None)
+    experts = LocalExperts(32, 48, gated=True, expert_ids=range(3), base_seed=5, init_std=0.05, num_layers=2, tp_group=None)
     experts.fp8, experts.fp8_tokens = recipe, cp_group
     x = x.clone().requires_grad_()
     y = fp8_experts_forward(experts, x, torch.tensor(sizes))

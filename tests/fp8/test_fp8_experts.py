@@ -15,7 +15,7 @@ SIZES = [5, 0, 9, 2]  # rows per local expert; one expert without tokens
 
 def _run(forward, recipe, gated, backend, monkeypatch):
     monkeypatch.setenv("MEGALITE_KERNEL_BACKEND", backend)
-    experts = LocalExperts(24, 32, gated, range(4), base_seed=7, init_std=0.05, num_layers=2, tp_group=None)
+    experts = LocalExperts(24, 32, gated=gated, expert_ids=range(4), base_seed=7, init_std=0.05, num_layers=2, tp_group=None)
     experts.fp8 = recipe
     torch.manual_seed(3)
     x = torch.randn(sum(SIZES), 24, requires_grad=True)

@@ -95,17 +95,47 @@ def test_fp8_differs_from_fp32_but_trains(tensorwise):
     torch.testing.assert_close(tensorwise[0], fp32_losses, rtol=0.02, atol=0)
 
 
+SKEW = 2.0 ** -16  # one half of each sharded tensor against the other (see _skewed_inputs)
+
+
+def _skew(weight: torch.Tensor, dim: int, half: int) -> None:
+    """Scale half `half` (0 or 1) of the logical `weight` along `dim` (its tp-sharded dim) by SKEW,
+    whatever shard of it this rank holds."""
+    spec = P.shard_spec(weight)
+    full = torch.ones(spec.full_shape)
+    n = spec.full_shape[dim] // 2
+    full.narrow(dim, half * n, n).mul_(SKEW)
+    with torch.no_grad():
+        weight.mul_(spec.shard(full))
+
+
 def _mlp(tp_group, sp, recipe, x, g):
-    """Column -> GeLU -> Row at tp = size(tp_group): output and gradients, in this rank's shards."""
+    """Column -> GeLU -> Row at tp = size(tp_group): output and gradients, in this rank's shards.
+
+    Skewed across the tp halves of the hidden units (f): fc1's first half, so tp rank 0's
+    activations are SKEW of rank 1's, and fc2's second half, so rank 1's output gradients are SKEW
+    of rank 0's. Crossed, every product of a small and a large half still adds O(1) to the output
+    and the gradients: each depends on a cast whose amax lies on the other rank."""
     torch.manual_seed(0)
     fc1 = ColumnParallelLinear(32, 64, tp_group=tp_group, sequence_parallel=sp)
     fc2 = RowParallelLinear(64, 32, tp_group=tp_group, sequence_parallel=sp)
+    _skew(fc1.weight, 0, half=0)  # [64/tp, 32]
+    _skew(fc2.weight, 1, half=1)  # [32, 64/tp]
     fc1.fp8 = fc2.fp8 = recipe
     n, r = comm.group_size(tp_group), comm.group_rank(tp_group)
     x = (x.chunk(n, 0)[r] if sp else x).clone().requires_grad_()
     y = fc2(torch.nn.functional.gelu(fc1(x)))
     y.backward(g.chunk(n, 0)[r] if sp else g)
     return [y.detach(), x.grad, fc1.weight.grad, fc1.bias.grad, fc2.weight.grad, fc2.bias.grad]
+
+
+def _skewed_inputs():
+    """x, g [s, b, h], their first half of the sequence (tp rank 0's under SP) SKEW of the second."""
+    torch.manual_seed(5)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    x[:4] *= SKEW
+    g[:4] *= SKEW
+    return x, g
 
 
 def _mlp_at_tp2(cases):
@@ -122,26 +152,33 @@ def _mlp_at_tp2(cases):
     return comm.ledger.bytes.get(("tp", "all_gather"), 0)
 
 
-def test_tp2_casts_what_the_single_process_casts():
+@pytest.mark.parametrize("recipe", [Fp8Recipe("hybrid", "tensorwise"), Fp8Recipe("e4m3", "rowwise")],
+                         ids=["tensorwise", "rowwise"])
+def test_tp2_casts_what_the_single_process_casts(recipe):
     """Tensorwise and rowwise, with and without SP (whose all-gather sends FP8 bytes and the rowwise
-    scales): the MLP's output and all gradients equal one process's to 1e-6."""
-    torch.manual_seed(5)
-    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)  # [s, b, h]
-    cases = []
-    for recipe in (Fp8Recipe("hybrid", "tensorwise"), Fp8Recipe("e4m3", "rowwise")):
-        ref = _mlp(None, False, recipe, x, g)
-        cases += [(sp, recipe, x, g, ref) for sp in (False, True)]
+    scales): the MLP's output and all gradients equal one process's to 1e-6.
+
+    What makes the casts equal is the amax's MAX all-reduce over tp (fp8/scaling.py), and the data
+    is chosen so that leaving it out fails: with power-of-two scales a shard's own amax casts every
+    FP8-normal number of it exactly as the whole tensor's amax does (another power of two moves
+    the exponent, not the mantissa), so only values that the whole tensor's scale puts among FP8's
+    subnormals tell the two apart. The tp halves of every sharded tensor are therefore 2^16 apart
+    (SKEW, crossed between the two linears: _mlp); without the all-reduce every case here fails
+    (the output and the input gradient of each recipe, with and without SP)."""
+    x, g = _skewed_inputs()
+    ref = _mlp(None, False, recipe, x, g)
+    cases = [(sp, recipe, x, g, ref) for sp in (False, True)]
     gathered = run_distributed(_mlp_at_tp2, 2, cases)[0]
-    # SP all-gathers over tp, bytes of the gathered [s, b, 32] = 512 elements:
-    # tensorwise: x_q forward and again for the weight gradient (1 byte each);
-    # rowwise: x_q and its scales [s, b, 1] fp32 forward, x in fp32 for the weight gradient (its
-    #   scales run along the tokens, across the shards);
+    # SP all-gathers over tp, bytes of the gathered [s, b, 32] = 512 elements: tensorwise x_q forward
+    # and again for the weight gradient (1 byte each); rowwise x_q and its scales [s, b, 1] fp32
+    # forward, x in fp32 for the weight gradient (its scales run along the tokens, across the shards);
     # both: fc2's output gradient in fp32 (the backward of its reduce-scatter).
     tokens = 16
-    fp8_bytes = 2 * tokens * 32 + tokens * 32
-    rowwise_scales, rowwise_x = tokens * 4, tokens * 32 * 4
-    fp32_grads = 2 * tokens * 32 * 4
-    assert gathered == fp8_bytes + rowwise_scales + rowwise_x + fp32_grads, gathered
+    if recipe.rowwise:
+        expected = tokens * 32 + tokens * 4 + tokens * 32 * 4
+    else:
+        expected = 2 * tokens * 32
+    assert gathered == expected + tokens * 32 * 4, gathered
 
 
 def _grads_of_one_microbatch(ref):

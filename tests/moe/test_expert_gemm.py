@@ -15,7 +15,7 @@ SIZES = [3, 0, 2, 1]  # an expert without rows too
 
 
 def _experts(dtype=torch.float32) -> LocalExperts:
-    return LocalExperts(HIDDEN, FFN, True, range(EXPERTS), base_seed=5, init_std=0.02, num_layers=2, tp_group=None,
+    return LocalExperts(HIDDEN, FFN, gated=True, expert_ids=range(EXPERTS), base_seed=5, init_std=0.02, num_layers=2, tp_group=None,
                         dtype=dtype)
 
 

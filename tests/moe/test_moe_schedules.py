@@ -51,7 +51,7 @@ def _world(reference):
                                         what=f"{what} {logical}")
         experts = sum(".experts." in n for c in chunks for n, _ in c.logical_parameters())
         seen.append(([r.loss for r in results], [r.grad_norm for r in results], len(chunks), experts,
-                     sorted(results[-1].pipeline[1])))
+                     sorted(results[-1].pipeline.compute_s)))
     return seen
 
 

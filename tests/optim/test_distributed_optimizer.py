@@ -6,6 +6,7 @@ loss, the global grad norm and every parameter must match a single-process model
 with torch.optim.AdamW + clip_grad_norm_. Memory and dp communication bytes are checked
 against their formulas.
 """
+import dataclasses
 import math
 
 import pytest
@@ -69,7 +70,8 @@ def _train(m, zero_stage, microbatches, *, steps=STEPS, bucket_size=64, offload=
             (scaler.scale_loss(loss) if scaler else loss).backward()
             total += loss.detach().float()
         dp_bytes_during_backward = comm.ledger.total_bytes(group="dp")
-        result = opt.step(LR)
+        opt.step(lr=LR)
+        result = dataclasses.asdict(opt.last_step)
         in_flight.append(len(dp.param_buffer.pending))
         dp_bytes = {o: n for (g, o), n in comm.ledger.bytes.items() if g == "dp"}  # one step's dp traffic
         results.append(result)

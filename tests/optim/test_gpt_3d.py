@@ -80,10 +80,10 @@ def _pipeline_step(m, model, opt, ids, labels, tokens):
             loss.backward()
             total += loss.detach()
             comm.wait_all(comm.batch_isend_irecv([comm.P2P("send", hidden.grad.contiguous(), first)], m.pp_group))
-    result = opt.step(LR)  # the wrapper sums the tied embedding's two copies over the embedding group
+    opt.step(lr=LR)  # the wrapper sums the tied embedding's two copies over the embedding group
     comm.all_reduce(total, m.dp_group)
     comm.all_reduce(total, m.pp_group)  # only the last stage had a loss
-    return float(total), result
+    return float(total), opt.last_step
 
 
 def _world(zero_stages):
@@ -104,7 +104,7 @@ def _world(zero_stages):
             sl = slice(m.dp_rank * rows, (m.dp_rank + 1) * rows)
             loss, result = _pipeline_step(m, model, opt, ids[sl], labels[sl], tokens)
             losses.append(loss)
-            norms.append(result["grad_norm"])
+            norms.append(result.grad_norm)
         out[zero_stage] = dict(losses=losses, norms=norms, memory=opt.memory_report(),
                                numel=opt.model.layout.numel,
                                params={n: (P.shard_spec(p), p.detach().numpy().copy()) for n, p in model.logical_parameters()})

@@ -1,6 +1,7 @@
 """dp=2: fp16 with the dynamic loss scaler (an overflow on one rank skips the step everywhere),
 bf16 params with fp32 master weights, and the layout-free optimizer state loaded into another
 zero stage / bucket layout."""
+import dataclasses
 import math
 
 import torch
@@ -23,7 +24,8 @@ def _step(m, model, opt, step, poison=False, scaler=None):
     if poison:
         loss = loss * float("inf")
     (scaler.scale_loss(loss) if scaler else loss).backward()
-    result = opt.step(LR)
+    opt.step(lr=LR)
+    result = dataclasses.asdict(opt.last_step)
     result["dp_bytes"] = {o: n for (g, o), n in comm.ledger.bytes.items() if g == "dp"}  # before the loss's own
     total = comm.all_reduce(loss.detach().float().clone(), m.dp_group)
     return float(total), result

@@ -3,11 +3,13 @@
 The oracle is torch.optim.AdamW with the same groups, driven by the same torch scheduler, on a
 single-process copy of the model; the state dict is taken at one layout and loaded at another.
 """
+import copy
+
 import pytest
 import torch
 
 from megalite import mesh as mesh_lib
-from megalite.optim import LRSchedule, ScheduledLR
+from megalite.optim import LRSchedule, OptimizerStep, ScheduledLR
 from megalite.testing import run_distributed
 from optim_helpers import GLOBAL_BATCH, ToyGPT, portable, sharded_adamw, toy_batch
 
@@ -151,3 +153,30 @@ def test_scheduled_lr_is_the_schedule_and_jumps_on_resume():
     assert [b for _, b in seen] == pytest.approx([0.5 * schedule(k) for k in range(6)], rel=1e-12)
     scheduler.jump_to(4)
     assert opt.param_groups[0]["lr"] == schedule(4)
+
+
+def test_step_returns_the_closures_loss_and_reports_in_last_step():
+    """torch.optim's contract: step(closure) returns what the closure returned (None without one); the
+    step's own facts are `last_step`, its grad norm that of the gradients the closure made."""
+    torch.manual_seed(0)
+    model = ToyGPT()
+    reference = copy.deepcopy(model)
+    opt = sharded_adamw(model, mesh_lib.single_process_mesh("cpu"), zero_stage=0, lr=1e-2, clip_grad=0.0)
+    ids, targets = toy_batch(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = opt.model(ids, targets) / targets.numel()
+        loss.backward()
+        return loss
+
+    assert opt.last_step is None
+    loss = opt.step(closure)
+    (reference(ids, targets) / targets.numel()).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    assert isinstance(loss, torch.Tensor) and loss.grad_fn is not None  # the closure's own tensor, graph and all
+    assert opt.last_step == OptimizerStep(grad_norm=pytest.approx(norm, rel=1e-5), skipped=False, loss_scale=1.0)
+    assert opt.last_step.grad_norm > 0
+    opt.zero_grad()
+    (opt.model(ids, targets) / targets.numel()).backward()
+    assert opt.step() is None and not opt.last_step.skipped

@@ -161,7 +161,7 @@ def _zero_bubble_with_optimizer_world():
         model.set_last_microbatch(False)
         run_pipeline(PipelineSpec("zb-h1", m, (SEQ, MICRO, HIDDEN), torch.float32), [chunk], microbatches, mesh,
                      grad_sync=model)
-        opt.step(1e-3)
+        opt.step(lr=1e-3)
         gc.collect()
         live.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
     return live, opt.master_range(0, 1).requires_grad, model.grad_shard.requires_grad

@@ -3,7 +3,8 @@
 The oracle is `suggest(..., exhaustive=True)`: every valid candidate's full estimate, and the step
 time of every one that fits. Rows are small enough for the exhaustive search to run in the quick
 tier, and chosen so that each bound is exercised: many layouts fit (the step-time cut-off stops
-early), a deep pipeline with uneven stages (the stage-by-stage memory check), context parallelism
+early), a deep pipeline with uneven stages, a last stage over the memory its first stage fits in
+(the stage-by-stage memory check: a check of stage 0 alone fails the last row), context parallelism
 (long sequences), experts (ep, etp), the ZeRO near-best preference, the optimizer offload (nothing
 fits without it) and nothing fitting at all.
 """
@@ -32,6 +33,11 @@ ROWS = [  # (model, suggest's keywords)
     (preset("gpt2-124m"), dict(gpus=8, gpu_memory=80e9, top_k=3)),
     (preset("llama-13b"), dict(gpus=2, gpu_memory=80e9, top_k=5, global_batch_size=8)),
     (preset("llama-70b"), dict(gpus=1, gpu_memory=80e9)),
+    # stages that differ where it matters: two (tp 4, pp 2) layouts fit on stage 0 (21.5 GB) but not on
+    # the last (22.3 GB: the 256k-vocabulary output layer and its logits), and would rank in the
+    # top 5; a fit check that read stage 0 alone would print them
+    (preset("llama3-8b").replace(vocab_size=256000, seq_length=4096),
+     dict(gpus=8, gpu_memory=24e9, top_k=5, global_batch_size=32, precision="bf16")),
 ]
 
 

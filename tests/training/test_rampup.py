@@ -49,7 +49,8 @@ def test_the_eta_of_a_growing_batch_goes_by_samples():
     from megalite.training.metrics import ThroughputMeter
 
     meter = ThroughputMeter(GPTConfig("gpt2", num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=64,
-                                      seq_length=8), 8, 1, 1, 8, 1, total_steps=4)
+                                      seq_length=8), 8, micro_batch_size=1, dp=1,
+                            num_microbatches=8, world_size=1, total_steps=4)
     record = meter.step(1, 2.0, samples=2, remaining_samples=20)  # 1 s per sample, 20 samples in 3 steps to come
     assert (record["effective_batch"], record["tokens_per_step"], record["eta_s"]) == (2, 16, 20.0)
     assert meter.step(2, 2.0)["eta_s"] == 2 * 2.0  # without a ramp: the remaining steps at the step time
