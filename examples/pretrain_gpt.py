@@ -4,9 +4,10 @@
     torchrun --nproc_per_node 8 examples/pretrain_gpt.py --tp 2 --pp 2 --dp 2
     torchrun ... examples/pretrain_gpt.py --model gpt2-124m --data-path my_corpus_text_document --bf16
     python examples/pretrain_gpt.py --config run.toml --print-config  # the resolved configuration
+    python examples/pretrain_gpt.py --model llama-70b --tp 8 --pp 8 --dp 16 --simulate  # docs/simulate.md
 
-The job itself lives in the library (`megalite.training.loop`), so it is the same whether you
-run this script or call `megalite.training.loop.train(cfg)` from your own code:
+The job itself lives in the library (`megalite.training.loop`; `megalite.commands` sends
+--simulate to megalite.simulate instead), so it is the same whether you run this script or call `megalite.training.loop.train(cfg)` from your own code:
 
 1. the flags (Megatron-LM's names; `--config FILE` for a TOML/JSON file, flags override it)
    become a `megalite.config.RunConfig`, resolved for this world and validated on every rank
@@ -22,7 +23,7 @@ One command line serves the first start and every restart:
 """
 import sys
 
-from megalite.training.loop import main
+from megalite.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

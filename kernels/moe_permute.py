@@ -42,17 +42,20 @@ def _check_permute_inputs(x: torch.Tensor, expert_ids: torch.Tensor, num_experts
         raise ValueError(f"permute_tokens: num_experts={num_experts} must be >= 1")
 
 
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int,
+                   routed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_index [R], group_sizes [E]) of expert_ids [T, k]: routed slots ordered by expert,
     ties in flat (token, slot) order. R = number of slots with an id >= 0: reading it is this
-    module's one host synchronisation (the output's row count depends on the routing)."""
+    module's one host synchronisation (the output's row count depends on the routing), skipped when
+    the caller gives it as `routed`."""
     flat = expert_ids.reshape(-1)
     keys = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)  # dropped slots sort last
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, keys, torch.ones_like(keys))
     group_sizes = counts[:num_experts]
     order = torch.sort(keys, stable=True).indices
-    routed = flat.numel() - int(counts[num_experts])  # host sync: R
+    if routed is None:
+        routed = flat.numel() - int(counts[num_experts])  # host sync: R
     return order[:routed], group_sizes
 
 
@@ -63,10 +66,10 @@ def row_of_slot(sorted_index: torch.Tensor, num_slots: int) -> torch.Tensor:
     return rows
 
 
-def permute_tokens_reference(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+def permute_tokens_reference(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, routed: int | None = None):
     """Plain PyTorch: index x's rows by the stable sort of the expert ids."""
     _check_permute_inputs(x, expert_ids, num_experts)
-    sorted_index, group_sizes = sort_by_expert(expert_ids, num_experts)
+    sorted_index, group_sizes = sort_by_expert(expert_ids, num_experts, routed)
     top_k = expert_ids.shape[1]
     return x[sorted_index // top_k], sorted_index, group_sizes
 
@@ -204,18 +207,19 @@ class _UnpermuteFunction(torch.autograd.Function):
         return dy, d_weights, None, None
 
 
-def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, routed: int | None = None):
     """x [T, H] -> (permuted [R, H] sorted by expert, sorted_index int64 [R], group_sizes int64 [E]).
 
     Differentiable in x (dx[t] sums the gradients of t's routed rows). See the module docstring.
-    Reads R on the host (one synchronisation: the output's size depends on the routing).
+    Reads R on the host (one synchronisation: the output's size depends on the routing) unless the
+    caller knows it (`routed`).
     """
     _check_permute_inputs(x, expert_ids, num_experts)
     if x.numel() == 0 or not use_triton(x):
-        return permute_tokens_reference(x, expert_ids, num_experts)
+        return permute_tokens_reference(x, expert_ids, num_experts, routed)
     check_same_device("permute_tokens", x, expert_ids)
     check_float_dtype("permute_tokens", x, "x")
-    sorted_index, group_sizes = sort_by_expert(expert_ids, num_experts)
+    sorted_index, group_sizes = sort_by_expert(expert_ids, num_experts, routed)
     top_k = expert_ids.shape[1]
     permuted = _PermuteFunction.apply(x, sorted_index, row_of_slot(sorted_index, expert_ids.numel()), top_k)
     return permuted, sorted_index, group_sizes

@@ -24,6 +24,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.context_parallel.attention": ["context_parallel_attention"],
     "megalite.data_parallel.wrapper": ["DataParallel"],
     "megalite.errors": ["ConfigError", "UsageError"],
+    "megalite.layout": ["Layout", "LayoutError"],
     "megalite.mesh": ["Mesh", "destroy_mesh", "init_mesh"],
     "megalite.config.model": ["GPTConfig"],
     "megalite.model.gpt": ["GPTModel"],

@@ -18,11 +18,8 @@ Conventions:
 """
 from __future__ import annotations
 
-import collections
 import datetime
 import os
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -30,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import errors, rendezvous
+from megalite.ledger import Ledger, OpRecord  # noqa: F401  (OpRecord: the ring's records, read as comm.OpRecord)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch >= 2.10 names the tensor collectives *_single (the *_tensor names warn); older torch lacks them.
@@ -38,70 +36,8 @@ _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 # ---------------------------------------------------------------------------------------------
-# Accounting: bytes per (group, op) and a ring buffer of recent ops
+# Accounting: bytes per (group, op) and a ring buffer of recent ops (megalite/ledger.py)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class OpRecord:
-    seq: int
-    op: str
-    group: str
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    start: float
-    end: float | None = None  # None while the call has not returned (or an async op is pending)
-    cuda: bool = False  # the op's tensor is on a GPU: the call returns once enqueued, long before completion
-    done_event: Any = None  # CUDA ops: an event recorded after the op; query() tells whether it completed
-
-    def describe(self) -> str:
-        state = "in progress" if self.end is None else f"done in {1e3 * (self.end - self.start):.2f} ms"
-        return f"#{self.seq} {self.op} group={self.group} shape={list(self.shape)} {self.dtype} ({state})"
-
-
-class Ledger:
-    """Bytes, call counts and host-side seconds per (group name, op) since the last reset."""
-
-    def __init__(self, ring_size: int = 128):
-        self._lock = threading.Lock()
-        self.bytes: dict[tuple[str, str], int] = collections.defaultdict(int)
-        self.calls: dict[tuple[str, str], int] = collections.defaultdict(int)
-        self.seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
-        self.ring: collections.deque[OpRecord] = collections.deque(maxlen=ring_size)
-        self._seq = 0
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bytes.clear()
-            self.calls.clear()
-            self.seconds.clear()
-
-    def begin(self, op: str, group_name: str, tensor: torch.Tensor, nbytes: int) -> OpRecord:
-        with self._lock:
-            self._seq += 1
-            record = OpRecord(self._seq, op, group_name, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                              nbytes, time.perf_counter(), cuda=tensor.is_cuda)
-            self.ring.append(record)
-            self.bytes[(group_name, op)] += nbytes
-            self.calls[(group_name, op)] += 1
-            return record
-
-    def end(self, record: OpRecord) -> None:
-        if record.cuda:  # the current stream waits for the op from here: the event fires when it is done
-            record.done_event = torch.cuda.Event()
-            record.done_event.record()
-        record.end = time.perf_counter()
-        with self._lock:
-            self.seconds[(record.group, record.op)] += record.end - record.start
-
-    def total_bytes(self, group: str | None = None, op: str | None = None) -> int:
-        return sum(n for (g, o), n in self.bytes.items() if (group is None or g == group) and (op is None or o == op))
-
-    def snapshot(self) -> dict[str, int]:
-        """{'group/op': bytes} for metrics files."""
-        return {f"{g}/{o}": n for (g, o), n in sorted(self.bytes.items())}
-
 
 ledger = Ledger()
 
@@ -123,21 +59,43 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+class Transport:
+    """How comm's point-to-point transfers reach the backend: torch.distributed's batch_isend_irecv.
+
+    The world's process group is made with one (`init_process_group(transport=...)`) and every
+    `batch_isend_irecv` below sends through it until the group is destroyed. --simulate's fake world
+    passes one that moves nothing (megalite/simulate/fake_world.py); the ledger counts the same bytes."""
+
+    def batch_isend_irecv(self, ops: list) -> list:
+        """ops: torch.distributed.P2POp; one handle per op, or one for the batch (NCCL)."""
+        return dist.batch_isend_irecv(ops)
+
+
+_TRANSPORT = Transport()
+
+
 def init_process_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta,
-                       device: torch.device | None = None) -> None:
+                       device: torch.device | None = None, *, transport: Transport | None = None) -> None:
     """Create the world process group over a key namespace of this start of the job only.
 
     The store at MASTER_ADDR:MASTER_PORT can outlive a failed attempt (torchrun's agent holds
     it), so the group is built under a prefix the ranks agree on afresh every time
-    (`megalite.rendezvous`): a restarted attempt never reads the dead one's addresses.
+    (`megalite.rendezvous`): a restarted attempt never reads the dead one's addresses. torch's
+    "fake" backend (one simulated rank in this process: collectives return at once and move
+    nothing) needs no store. `transport`: what point-to-point transfers go through (default
+    torch.distributed's).
     """
-    global _NAMESPACE
-    store = _job_store(rank, world_size, timeout)
-    _NAMESPACE = rendezvous.attempt_namespace(store, rank, world_size, timeout.total_seconds())
+    global _NAMESPACE, _TRANSPORT
     kwargs = {"device_id": device} if device is not None else {}
-    dist.init_process_group(backend, store=dist.PrefixStore(_NAMESPACE + "pg/", store), rank=rank,
-                            world_size=world_size, timeout=timeout, **kwargs)
+    if backend == "fake":  # torch registers its fake backend and store itself (a public backend name)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    else:
+        store = _job_store(rank, world_size, timeout)
+        _NAMESPACE = rendezvous.attempt_namespace(store, rank, world_size, timeout.total_seconds())
+        dist.init_process_group(backend, store=dist.PrefixStore(_NAMESPACE + "pg/", store), rank=rank,
+                                world_size=world_size, timeout=timeout, **kwargs)
     _GROUP_NAMES[dist.group.WORLD] = "world"
+    _TRANSPORT = transport or Transport()
 
 
 def _master_address() -> tuple[str, int]:
@@ -158,11 +116,11 @@ def _job_store(rank: int, world_size: int, timeout: datetime.timedelta):
 
 
 def destroy_process_group() -> None:
-    global _NAMESPACE
+    global _NAMESPACE, _TRANSPORT
     if is_initialized():
         dist.destroy_process_group()
     _GROUP_NAMES.clear()
-    _NAMESPACE = None
+    _NAMESPACE, _TRANSPORT = None, Transport()
 
 
 def new_group(ranks: list[int], name: str):
@@ -415,7 +373,7 @@ def batch_isend_irecv(transfers: Iterable[P2P], group) -> list[_TrackedWork]:
         fn = dist.isend if t.op == "send" else dist.irecv
         ops.append(dist.P2POp(fn, t.tensor, t.peer, group))
         records.append(ledger.begin(t.op, group_name(group), t.tensor, t.tensor.numel() * t.tensor.element_size()))
-    works = dist.batch_isend_irecv(ops)
+    works = _TRANSPORT.batch_isend_irecv(ops)
     # torch returns one handle per op on gloo and possibly one for the whole batch on NCCL.
     if len(works) != len(records):
         return [_TrackedWork(w, None) for w in works] + [_TrackedWork(None, r) for r in records]

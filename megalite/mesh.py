@@ -1,7 +1,8 @@
 """The device mesh: `Mesh`, the frozen object holding this process's place and process groups.
 
-The rank arithmetic (Megatron order with context parallelism: tp fastest, then cp, dp, pp) is
-pure and lives in `megalite.topology`, re-exported here. `init_mesh` is the only function here
+The sizes and the rules between them are a `megalite.layout.Layout` (validated once, where it is
+built); the rank arithmetic (Megatron order with context parallelism: tp fastest, then cp, dp, pp)
+is pure and lives in `megalite.topology`, re-exported here. `init_mesh` is the only function here
 that touches `torch.distributed`, and it does so through `megalite.comm` (the communication
 choke point).
 """
@@ -18,10 +19,10 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.layout import Layout
 from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
-                               embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, check_expert_parallel, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
-                               rank_to_cp_rank, tp_group_ranks, validate_layout, check_expert_tensor_parallel,
-                               tp_cp_group_ranks)
+                               embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, model_parallel_group_ranks,
+                               pp_group_ranks, rank_to_coords, rank_to_cp_rank, tp_group_ranks, tp_cp_group_ranks)
 from megalite.torch_mesh import build_device_mesh, build_ep_device_mesh
 
 # ---------------------------------------------------------------------------------------------
@@ -47,20 +48,16 @@ class Mesh:
     the tokens, so the ranks holding the same experts are the expert-dp members of every tp rank:
     `expert_dp_group` is then (dp*cp/ep) x tp ranks, and `moe_token_group` (the ranks whose tokens
     make up one replica's microbatch: the router's losses and counts are theirs together) is tp x cp
-    instead of the cp group.
+    instead of the cp group. A dense model (`layout.num_experts` 0) has none of these expert groups.
     """
 
     rank: int
-    world_size: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
+    layout: Layout  # the sizes: tp, cp, dp, pp, vp, ep, etp, dp_shard, the world, the model's experts
     tp_rank: int
     pp_rank: int
     dp_rank: int
     device: torch.device
     backend: str | None
-    cp_size: int = 1
     cp_rank: int = 0
     tp_group: Any = field(default=None, repr=False)
     pp_group: Any = field(default=None, repr=False)
@@ -71,11 +68,9 @@ class Mesh:
     embedding_group: Any = field(default=None, repr=False)
     pp_ranks: tuple[int, ...] = ()  # global ranks of this rank's pipeline group, by stage
     placements: tuple[tuple[str, int, str], ...] = ()  # per global rank: (host, local rank, device)
-    ep_size: int = 1
     ep_rank: int = 0
     ep_group: Any = field(default=None, repr=False)  # experts sharded over it; tokens travel all-to-all
     expert_dp_group: Any = field(default=None, repr=False)  # same experts: expert gradients reduce here
-    etp_size: int = 1  # experts tensor-parallel over tp (etp = tp) or whole on every tp rank (etp = 1)
     moe_token_group: Any = field(default=None, repr=False)  # cp, or tp x cp at etp = 1: a microbatch's routed tokens
     _torch_meshes: dict = field(default_factory=dict, repr=False, compare=False)  # torch_mesh's cache
 
@@ -94,19 +89,47 @@ class Mesh:
         return self._torch_meshes["experts"]
 
     @property
+    def world_size(self) -> int:
+        return self.layout.world
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp_size(self) -> int:
+        return self.layout.etp
+
+    @property
     def dp_cp_rank(self) -> int:
         """This rank's place in its dp x cp group (cp fastest)."""
         return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
     def experts_whole(self) -> bool:
-        """etp = 1 under tp > 1: whole experts on every tp rank, each routing its own share of the tokens."""
-        return self.etp_size < self.tp_size
+        """Experts under tp > 1 kept whole on every tp rank (etp = 1), each routing its own share of the tokens."""
+        return self.layout.experts_whole
 
     @property
     def expert_replicas_apart(self) -> bool:
         """Whether the experts' replica group differs from dp x cp (ep > 1, or whole experts over tp)."""
-        return self.ep_size > 1 or self.experts_whole
+        return self.layout.expert_groups_apart
 
     @property
     def expert_dp_rank(self) -> int:
@@ -116,7 +139,7 @@ class Mesh:
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size * self.cp_size // self.ep_size * (self.tp_size if self.experts_whole else 1)
+        return self.layout.expert_dp
 
     @property
     def is_first_stage(self) -> bool:
@@ -155,11 +178,11 @@ def current_mesh() -> Mesh | None:
     return _CURRENT_MESH
 
 
-def single_process_mesh(device: torch.device | str | None = None) -> Mesh:
-    """A tp=pp=dp=1 mesh that needs no process group."""
+def single_process_mesh(device: torch.device | str | None = None, layout: Layout | None = None) -> Mesh:
+    """A mesh of one process (every size 1; `layout` for the model's experts) that needs no process group."""
     device = torch.device(device) if device is not None else default_device()
-    return Mesh(rank=0, world_size=1, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                device=device, backend=None, pp_ranks=(0,), placements=(_placement(device),))
+    return Mesh(rank=0, layout=layout or Layout(world=1), tp_rank=0, pp_rank=0, dp_rank=0, device=device,
+                backend=None, pp_ranks=(0,), placements=(_placement(device),))
 
 
 def _placement(device: torch.device) -> tuple[str, int, str]:
@@ -187,8 +210,9 @@ def _my_group(rank: int, name: str, all_ranks: list[list[int]]):
     return chosen
 
 
-def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: int) -> dict[str, Any]:
+def _create_groups(rank: int, layout: Layout) -> dict[str, Any]:
     """This rank's process groups, by Mesh field name, created in the same order on every rank."""
+    tp, pp, dp, cp, ep = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep
     groups = {
         "tp_group": _my_group(rank, "tp", tp_group_ranks(tp, pp, dp, cp)),
         "dp_group": _my_group(rank, "dp", dp_group_ranks(tp, pp, dp, cp)),
@@ -200,58 +224,70 @@ def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: 
     groups["cp_group"] = _my_group(rank, "cp", cp_group_ranks(tp, pp, dp, cp)) if cp > 1 else None
     groups["dp_cp_group"] = (_my_group(rank, "dp_cp", dp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1
                              else groups["dp_group"])
-    # At ep = 1 no expert groups exist: experts are replicated like every other parameter.
+    # At ep = 1 no expert-parallel group exists; a dense model has no expert groups at all.
     groups["ep_group"] = _my_group(rank, "ep", ep_group_ranks(tp, pp, dp, cp, ep)) if ep > 1 else None
-    # etp = 1 under tp > 1: whole experts on every tp rank, so their replicas span tp too (always an
-    # "edp" group then, even where it has the tp group's ranks: the ledger names the experts' traffic).
-    groups["expert_dp_group"] = (_my_group(rank, "edp", expert_dp_group_ranks(tp, pp, dp, cp, ep, etp))
-                                 if ep > 1 or etp < tp else groups["dp_cp_group"])
+    # Whole experts under tp (etp = 1): their replicas span tp too (always an "edp" group then, even
+    # where it has the tp group's ranks: the ledger names the experts' traffic).
+    groups["expert_dp_group"] = (_my_group(rank, "edp", expert_dp_group_ranks(tp, pp, dp, cp, ep, layout.etp))
+                                 if layout.expert_groups_apart else groups["dp_cp_group"])
     groups["moe_token_group"] = groups["cp_group"]  # the ranks routing one replica's microbatch between them
-    if etp < tp:
+    if layout.experts_whole:
         groups["moe_token_group"] = (_my_group(rank, "tp_cp", tp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1
                                      else groups["tp_group"])
     return groups
 
 
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
-              timeout_s: float = 600.0, ep: int = 1, etp: int = 1, replace: bool = False) -> Mesh:
+              timeout_s: float = 600.0, ep: int = 1, etp: int = 1, replace: bool = False, *, num_experts: int = 0,
+              layout: Layout | None = None, device: torch.device | str | None = None) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
+    The sizes: `layout` (a `megalite.layout.Layout`), or tp, pp, dp (None: inferred from the world),
+    cp, ep, etp and the model's `num_experts` (0: a dense model, no expert groups), from which one is
+    built on WORLD_SIZE ranks; either way a bad layout is refused (LayoutError, the configuration
+    check's line) before any process group exists. `device`: what this rank's tensors live on
+    (default: cuda:LOCAL_RANK when CUDA is available, else the CPU; --simulate passes the meta device).
     A second call with another layout while this process's mesh is live is refused unless
     `replace=True` (layers already built keep the first mesh's groups: silently mixing two layouts).
 
-    Validates world == tp*cp*pp*dp (and ep, etp: see `Mesh`) before any process group exists.
-    Backend: nccl when CUDA is available, gloo otherwise. Sets the CUDA device from LOCAL_RANK.
-    Every rank creates every group in the same order (torch.distributed requires it) and keeps its own.
+    Backend: nccl on a CUDA device, gloo otherwise. Every rank creates every group in the same order
+    (torch.distributed requires it) and keeps its own.
     """
     global _CURRENT_MESH
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp = validate_layout(world_size, tp, pp, dp, cp)
-    check_expert_parallel(ep, dp, cp)
-    check_expert_tensor_parallel(etp, tp)
-    _refuse_another_layout(dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp), rank, world_size, replace)
-    device = default_device()
+    sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, num_experts=num_experts)
+    if layout is None:
+        layout = Layout(world=world_size, **sizes)
+    elif sizes != dict(tp=1, pp=1, dp=None, cp=1, ep=1, etp=1, num_experts=0):
+        raise TypeError("init_mesh takes the sizes or a layout, not both")
+    elif layout.world != world_size:
+        layout = Layout(**{**layout.sizes(), "world": world_size})  # refused in the layout's words
+    _refuse_another_layout(layout, rank, replace)
+    device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size == 1 and not comm.is_initialized():
-        _CURRENT_MESH = single_process_mesh(device)
+        _CURRENT_MESH = single_process_mesh(device, layout)
         return _CURRENT_MESH
+    return _mesh_of_world(rank, layout, device, backend or ("nccl" if device.type == "cuda" else "gloo"), timeout_s)
 
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+
+def _mesh_of_world(rank: int, layout: Layout, device: torch.device, backend: str, timeout_s: float) -> Mesh:
+    """init_mesh for a world of several processes: the process group (unless one exists) and the groups."""
+    global _CURRENT_MESH
     if not comm.is_initialized():
         _register_exit_teardown()
-        comm.init_process_group(backend, rank, world_size, datetime.timedelta(seconds=timeout_s),
+        comm.init_process_group(backend, rank, layout.world, datetime.timedelta(seconds=timeout_s),
                                 device=device if device.type == "cuda" else None)
+    tp, pp, dp, cp = layout.tp, layout.pp, layout.dp, layout.cp
     tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
-    pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)
-    groups = _create_groups(rank, tp, pp, dp, cp, ep, etp)
+    cp_rank = rank_to_cp_rank(rank, tp, cp)
     mesh = Mesh(
-        rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
-        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
-        cp_size=cp, cp_rank=rank_to_cp_rank(rank, tp, cp), **groups,
-        ep_size=ep, ep_rank=(rank_to_cp_rank(rank, tp, cp) + cp * dp_rank) % ep, etp_size=etp,
-        pp_ranks=tuple(pp_ranks),
+        rank=rank, layout=layout, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device,
+        backend=backend, cp_rank=cp_rank, **_create_groups(rank, layout),
+        ep_rank=(cp_rank + cp * dp_rank) % layout.ep,
+        pp_ranks=tuple(next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)),
         # One small gather at start-up, so the rank table names every rank's node and device.
         placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),
     )
@@ -259,19 +295,19 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     return mesh
 
 
-def _refuse_another_layout(layout: dict[str, int], rank: int, world_size: int, replace: bool) -> None:
+def _refuse_another_layout(layout: Layout, rank: int, replace: bool) -> None:
     """ValueError when this process's live mesh has another layout and `replace` is not given.
     A mesh of another rank or world (inherited by a forked process) is not this process's: ignored."""
     mesh = _CURRENT_MESH
-    if replace or mesh is None or mesh.rank != rank or mesh.world_size != world_size:
+    if replace or mesh is None or mesh.rank != rank or mesh.world_size != layout.world or mesh.layout == layout:
         return
-    current = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size, cp=mesh.cp_size, ep=mesh.ep_size,
-                   etp=mesh.etp_size)
-    if current != layout:
-        shown = ", ".join(f"{k}={v}" for k, v in current.items() if v != layout[k])
-        asked = ", ".join(f"{k}={v}" for k, v in layout.items() if v != current[k])
-        raise ValueError(f"init_mesh({asked}) while the mesh of {shown} is live: call destroy_mesh() first (layers "
-                         f"built on the first mesh keep its groups), or pass replace=True")
+    current, asked = mesh.layout.sizes(), layout.sizes()
+    if current["dp_shard"] == current["dp"] and asked["dp_shard"] == asked["dp"]:  # ZeRO over all of dp: not named
+        del current["dp_shard"], asked["dp_shard"]
+    shown = ", ".join(f"{k}={v}" for k, v in current.items() if v != asked[k])
+    wanted = ", ".join(f"{k}={v}" for k, v in asked.items() if v != current[k])
+    raise ValueError(f"init_mesh({wanted}) while the mesh of {shown} is live: call destroy_mesh() first (layers "
+                     f"built on the first mesh keep its groups), or pass replace=True")
 
 
 def destroy_mesh() -> None:

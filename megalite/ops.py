@@ -83,10 +83,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor)
     return kernels.grouped_mm(x, weight, group_sizes)
 
 
-def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, routed: int | None = None):
     """x [T, H], expert_ids int64 [T, k] (-1: not routed here) -> (permuted [R, H] sorted by expert,
-    stable; sorted_index int64 [R], the flat token*k + slot of each row; group_sizes int64 [E])."""
-    return kernels.permute_tokens(x, expert_ids, num_experts)
+    stable; sorted_index int64 [R], the flat token*k + slot of each row; group_sizes int64 [E]).
+    routed: R when the caller knows it (no host read); None: counted from expert_ids."""
+    return kernels.permute_tokens(x, expert_ids, num_experts, routed)
 
 
 def unpermute_tokens(y: torch.Tensor, sorted_index: torch.Tensor, weights: torch.Tensor,

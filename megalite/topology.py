@@ -12,42 +12,10 @@ dp * pp_rank)`: every layout without context parallelism keeps its ranks.
 
 Parameters are replicated across cp (each cp rank holds different tokens of the same
 sequences), so gradients are reduced over the combined data x context group, `dp_cp`.
-`megalite.mesh` builds the process groups from these lists; the planner validates layouts
-with them.
+`megalite.mesh` builds the process groups from these lists, for sizes a `megalite.layout.Layout`
+has validated (the rules between the sizes live there, not here).
 """
 from __future__ import annotations
-
-
-def validate_layout(world_size: int, tp: int, pp: int, dp: int | None, cp: int = 1) -> int:
-    """Check the degrees against the world size and return dp (inferred when None).
-
-    Raises ValueError naming what to change; never touches a process group.
-    """
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {value!r}")
-    model_ranks = tp * cp * pp
-    if dp is None:
-        if world_size % model_ranks != 0:
-            what, flags = ("tp*pp", "--tp/--pp") if cp == 1 else ("tp*cp*pp", "--tp/--cp/--pp")
-            degrees = f"{tp}*{pp}" if cp == 1 else f"{tp}*{cp}*{pp}"
-            raise ValueError(
-                f"world size {world_size} is not divisible by {what} = {degrees} = {model_ranks}; "
-                f"launch a multiple of {model_ranks} processes or change {flags}"
-            )
-        return world_size // model_ranks
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"--dp must be a positive integer, got {dp!r}")
-    if model_ranks * dp != world_size:
-        if cp == 1:
-            what, degrees, flags = "tp*pp*dp", f"{tp}*{pp}*{dp}", "--tp/--pp/--dp"
-        else:
-            what, degrees, flags = "tp*cp*pp*dp", f"{tp}*{cp}*{pp}*{dp}", "--tp/--cp/--pp/--dp"
-        raise ValueError(
-            f"world size {world_size} != {what} = {degrees} = {model_ranks * dp}; "
-            f"launch {model_ranks * dp} processes (torchrun --nproc_per_node ...) or change {flags}"
-        )
-    return dp
 
 
 def rank_to_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
@@ -153,44 +121,24 @@ def embedding_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[i
 # ---------------------------------------------------------------------------------------------
 
 
-def check_expert_parallel(ep: int, dp: int, cp: int = 1) -> None:
-    """ep must divide dp x cp (the ranks holding one replica's tokens); ValueError naming the fix."""
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"--ep must be a positive integer, got {ep!r}")
-    if (dp * cp) % ep:
-        choices = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
-        raise ValueError(f"--ep {ep} does not divide dp*cp = {dp}*{cp} = {dp * cp} (experts are sharded over the "
-                         f"data x context ranks); choose --ep in {choices}")
-
-
 def ep_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1) -> list[list[int]]:
     """Every expert-parallel group: `ep` consecutive members of a dp x cp group (ascending ranks).
 
-    Its members hold different experts of the same layers and exchange tokens (all-to-all)."""
-    check_expert_parallel(ep, dp, cp)
+    Its members hold different experts of the same layers and exchange tokens (all-to-all). ep divides
+    dp*cp (megalite.layout checks it)."""
     return [members[i:i + ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(0, dp * cp, ep)]
 
 
-def check_expert_tensor_parallel(etp: int, tp: int) -> None:
-    """etp must be 1 (whole experts on every tp rank) or tp (experts split like the dense MLP); ValueError."""
-    if etp not in (1, tp):
-        raise ValueError(f"--etp {etp} must be 1 (whole experts, each tp rank routes its share of the tokens) or "
-                         f"--tp {tp} (experts tensor-parallel like the dense MLP); choose --etp 1 or --etp {tp}")
-
-
-def expert_dp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, ep: int = 1, etp: int | None = None
-                          ) -> list[list[int]]:
+def expert_dp_group_ranks(tp: int, pp: int, dp: int, cp: int, ep: int, etp: int) -> list[list[int]]:
     """Every expert-data-parallel group: the ranks of one pipeline stage holding the same experts.
 
-    etp = tp (the default when None): the dp*cp/ep members of a dp x cp group with the same ep rank
-    (one group per tp rank, each holding its own slices). etp = 1 (tp > 1): whole experts on every
-    tp rank, so those members of every tp rank together (tp*dp*cp/ep ranks, ascending). Expert
-    gradients reduce (and ZeRO shards them) over it."""
-    check_expert_parallel(ep, dp, cp)
+    etp = tp: the dp*cp/ep members of a dp x cp group with the same ep rank (one group per tp rank,
+    each holding its own slices). etp = 1 (tp > 1): whole experts on every tp rank, so those members of
+    every tp rank together (tp*dp*cp/ep ranks, ascending). Expert gradients reduce (and ZeRO shards
+    them) over it. The sizes are a valid `megalite.layout.Layout`'s."""
     groups = [members[i::ep] for members in dp_cp_group_ranks(tp, pp, dp, cp) for i in range(ep)]
-    if etp is None or etp == tp:
+    if etp == tp:
         return groups
-    check_expert_tensor_parallel(etp, tp)
     per_tp = len(groups) // (pp * tp)  # groups per (stage, tp rank): one per ep rank
     merged = []
     for stage in range(pp):

@@ -61,7 +61,7 @@ def build_ep_device_mesh(mesh) -> DeviceMesh:
     """DeviceMesh with dims ("pp", "edp", "ep", "tp") of the experts' layout: ep consecutive members of
     dp x cp hold different experts, the edp = dp*cp/ep members the same ones (etp = tp only)."""
     _check_distributed(mesh)
-    if mesh.tp_size > 1 and mesh.etp_size != mesh.tp_size:
+    if mesh.experts_whole:
         raise ValueError(f"ep_device_mesh needs experts split over tp like the dense layers (etp = tp = "
                          f"{mesh.tp_size}); at etp = 1 the expert-dp group spans tp and is not a mesh dimension")
     edp = mesh.dp_size * mesh.cp_size // mesh.ep_size

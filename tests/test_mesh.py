@@ -1,6 +1,5 @@
 """Mesh: pure rank arithmetic over many layouts, then real gloo groups."""
 import itertools
-import re
 
 import pytest
 import torch
@@ -39,20 +38,6 @@ def test_known_layout_matches_megatron_table():
     assert mesh.tp_group_ranks(2, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert mesh.dp_group_ranks(2, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.pp_group_ranks(2, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-
-
-@pytest.mark.parametrize("world,tp,pp,dp,needle", [
-    (8, 3, 1, None, "not divisible by tp*pp"),
-    (8, 2, 2, 4, "world size 8 != tp*pp*dp"),
-    (8, 0, 1, None, "--tp must be a positive integer"),
-])
-def test_validate_layout_errors_name_the_fix(world, tp, pp, dp, needle):
-    with pytest.raises(ValueError, match=re.escape(needle)):
-        mesh.validate_layout(world, tp, pp, dp)
-
-
-def test_validate_layout_infers_dp():
-    assert mesh.validate_layout(16, 2, 4, None) == 2
 
 
 def _groups_in_world(tp, pp):
@@ -142,16 +127,6 @@ def test_known_context_parallel_layout():
     assert mesh.cp_group_ranks(2, 1, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.dp_group_ranks(2, 1, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert mesh.dp_cp_group_ranks(2, 1, 2, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
-
-
-@pytest.mark.parametrize("world,tp,pp,dp,cp,needle", [
-    (8, 2, 1, None, 3, "not divisible by tp*cp*pp = 2*3*1 = 6"),
-    (8, 2, 1, 4, 2, "world size 8 != tp*cp*pp*dp = 2*2*1*4 = 16"),
-    (8, 1, 1, None, 0, "--cp must be a positive integer"),
-])
-def test_validate_layout_with_cp_names_the_fix(world, tp, pp, dp, cp, needle):
-    with pytest.raises(ValueError, match=re.escape(needle)):
-        mesh.validate_layout(world, tp, pp, dp, cp)
 
 
 def _context_parallel_groups_in_world(tp, cp):

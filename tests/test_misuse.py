@@ -89,7 +89,7 @@ def _moe_at_etp1_on(tokens):
     from moe_helpers import cfg_for
 
     cfg = cfg_for(tp=2, num_layers=1, seq_length=32)
-    mesh = init_mesh(tp=2, ep=1, etp=1)
+    mesh = init_mesh(layout=cfg.layout())
     try:
         model = build_model_chunks(cfg.gpt_config(), cfg, mesh)[0]
         ids = torch.randint(0, 257, (1, tokens))

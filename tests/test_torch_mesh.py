@@ -54,7 +54,7 @@ def test_fsdp2_over_the_dp_dimension_averages_gradients_like_megalite_dp():
 
 
 def _ep_mesh():
-    mesh = mesh_lib.init_mesh(dp=4, ep=2)
+    mesh = mesh_lib.init_mesh(dp=4, ep=2, num_experts=2)
     em = mesh.ep_device_mesh
     return (tuple(em.shape), em["ep"].get_group() is mesh.ep_group, em["edp"].get_group() is mesh.expert_dp_group,
             em["ep"].get_local_rank() == mesh.ep_rank)

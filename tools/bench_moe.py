@@ -59,9 +59,9 @@ def _time(fn, steps: int) -> float:
 
 
 def _rank(args, ep: int, dispatcher: str) -> dict:
-    mesh = init_mesh(dp=ep, ep=ep)
     cfg = run_config(args, ep, dispatcher)
     model = cfg.gpt_config()
+    mesh = init_mesh(dp=ep, ep=ep, num_experts=model.moe.num_experts)
     torch.manual_seed(0)
     moe = MoELayer(model, LayerGroups(ep=mesh.ep_group), sequence_parallel=False, moe_dispatcher=dispatcher)
     dense = MLP(model.replace(moe=None), None, sequence_parallel=False)

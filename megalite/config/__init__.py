@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megalite.config.model import GPTConfig, preset
+from megalite.layout import Layout
 from megalite.moe.config import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.config import megatron
@@ -220,11 +221,13 @@ class RunConfig:
         etp, tp = self.parallel.etp, self.parallel.tp
         return etp if etp in (1, tp) else tp
 
-    @property
-    def mesh_etp(self) -> int:
-        """The etp `init_mesh` is built with: `etp_size` for an MoE model; --tp for a dense one, whose
-        experts' groups would be the tp groups, so the mesh creates no expert groups at all."""
-        return self.etp_size if self.gpt_config().moe is not None else self.parallel.tp
+    def layout(self, world_size: int | None = None, model: GPTConfig | None = None) -> Layout:
+        """The run's parallel sizes as one validated `Layout` (LayoutError naming the fix): on `world_size`
+        ranks when given (dp inferred from it when --dp is unset), for `model`'s experts (default: this
+        configuration's model; ValueError if that cannot be built)."""
+        p, model = self.parallel, model if model is not None else self.gpt_config()
+        return Layout(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, vp=p.virtual_stages, ep=p.ep, etp=p.etp, world=world_size,
+                      num_experts=model.moe.num_experts if model.moe is not None else 0)
 
     @property
     def experts_whole(self) -> bool:

@@ -1,4 +1,4 @@
-"""What training cannot run, beyond the layout arithmetic the planner checks (plan/validity.py)
+"""What training cannot run, beyond the world size the planner checks (plan/validity.py)
 and each setting's declared bounds (config/bounds.py): combinations of settings, and the files
 a run names (data, --load). Called by RunConfig.validate.
 """
@@ -8,6 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe
+from megalite.layout import LayoutError
 
 if TYPE_CHECKING:
     from megalite.config import DataSettings, RunConfig
@@ -32,7 +33,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
-    problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
+    problems += _compression_problems(cfg) + layout_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
@@ -123,38 +124,21 @@ def _compression_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
-    """--ep and the experts: what the layout needs (the MoE settings' own ranges: MoEConfig)."""
-    p, problems = cfg.parallel, []
+def layout_problems(cfg: RunConfig) -> list[str]:
+    """The parallel sizes against each other (megalite.layout: one rule, one message, wherever a layout is
+    met) and, for whole experts under tp, the sequence against tp x cp."""
     try:
-        model = cfg.gpt_config()
+        layout = cfg.layout()
+    except LayoutError as exc:
+        return [str(exc)]
     except ValueError:
-        return []  # reported by validate() itself
-    moe = model.moe
-    replicas = cfg.dp * p.cp
-    if p.ep < 1:
-        return [f"--ep must be >= 1, got {p.ep}"]
-    if p.ep > 1 and moe is None:
-        problems.append(f"--ep {p.ep} shards experts but the model has none: add --num-experts N (a multiple of "
-                        f"{p.ep}) or drop --ep")
-    if moe is not None and moe.num_experts % p.ep:
-        problems.append(f"--num-experts {moe.num_experts} is not divisible by --ep {p.ep}; choose --ep in "
-                        f"{[d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0 and replicas % d == 0]}")
-    if replicas % p.ep:
-        problems.append(f"--ep {p.ep} does not divide dp*cp = {cp_dp(cfg)} (experts are sharded over the data x "
-                        f"context ranks); choose --ep in {[d for d in range(1, replicas + 1) if replicas % d == 0]}")
-    if p.etp not in (1, p.tp):
-        problems.append(f"--etp {p.etp} must be 1 (whole experts on every tp rank) or --tp {p.tp} (experts split "
-                        f"over tp); choose --etp 1 or --etp {p.tp}")
-    elif moe is not None and p.etp < p.tp and model.seq_length % (p.tp * p.cp):
-        problems.append(f"--etp 1 under --tp {p.tp} splits each rank's s/cp tokens of a sequence over tp: "
-                        f"--seq-length {model.seq_length} must be divisible by tp*cp = {p.tp * p.cp}; change "
-                        f"--seq-length or use --etp {p.tp}")
-    return problems
-
-
-def cp_dp(cfg: RunConfig) -> str:
-    return f"{cfg.dp}*{cfg.parallel.cp} = {cfg.dp * cfg.parallel.cp}"
+        return []  # the model cannot be built: reported by validate() itself
+    model = cfg.gpt_config()
+    if layout.experts_whole and model.seq_length % (layout.tp * layout.cp):
+        return [f"--etp 1 under --tp {layout.tp} splits each rank's s/cp tokens of a sequence over tp: --seq-length "
+                f"{model.seq_length} must be divisible by tp*cp = {layout.tp * layout.cp}; change --seq-length or use "
+                f"--etp {layout.tp}"]
+    return []
 
 
 def data_problems(data: DataSettings) -> list[str]:

@@ -16,6 +16,9 @@ Ep rank r holds experts [r*E/ep, (r+1)*E/ep). Two strategies (Megatron's
   sums the experts' contributions back onto each rank's tokens. Simpler; ep*T*h per way.
 
 The counts are read on the host to size the all-to-all (as in Megatron): one sync per MoE layer.
+How a dispatcher learns them is its `route_counts` (a `RouteCounts`: read from the router's output);
+--simulate, whose tensors hold no values, hands every dispatcher the planner's balanced counts
+(megalite/simulate/routing.py) through `use_route_counts`.
 """
 from __future__ import annotations
 
@@ -43,11 +46,34 @@ class _AllToAllVariable(torch.autograd.Function):
         return comm.all_to_all_variable(out, grad.contiguous(), input_splits, output_splits, ctx.group), None, None, None
 
 
-class AllToAllDispatcher:
-    """moe: the layer's MoEConfig (its num_experts); groups: the LayerGroups it talks over (groups.ep)."""
+class RouteCounts:
+    """The route counts that size a dispatcher's transfers, read on the host from the routing itself.
 
-    def __init__(self, moe: MoEConfig, groups: LayerGroups):
-        self.num_experts, self.ep_group = moe.num_experts, groups.ep
+    Asked by the dispatchers with this rank's place: `ep_rank` of `ep_size` ranks, `num_experts` in all
+    (E/ep on each rank), `routes` the rows this rank sends (T*k)."""
+
+    def splits(self, send_counts: torch.Tensor, recv_counts: torch.Tensor, *, routes: int, ep_rank: int,
+               ep_size: int, num_experts: int) -> tuple[list[int], list[int]]:
+        """send_counts [destination rank, its local expert], recv_counts [source rank, my local expert]
+        (int64) -> (rows to each ep rank, rows from each): one host read."""
+        counts = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        return counts[0], counts[1]
+
+    def gathered_own(self, *, routes: int, ep_rank: int, ep_size: int, num_experts: int) -> int | None:
+        """Of the ep*T*k slots every ep rank gathered, how many route to this rank's experts; None: the
+        permutation counts them (its host read, moe_permute.sort_by_expert)."""
+        return None
+
+
+READ_ON_HOST = RouteCounts()
+
+
+class AllToAllDispatcher:
+    """moe: the layer's MoEConfig (its num_experts); groups: the LayerGroups it talks over (groups.ep);
+    route_counts: how the per-rank counts are learnt (default: read on the host)."""
+
+    def __init__(self, moe: MoEConfig, groups: LayerGroups, route_counts: RouteCounts = READ_ON_HOST):
+        self.num_experts, self.ep_group, self.route_counts = moe.num_experts, groups.ep, route_counts
         self.ep_size, self.ep_rank = comm.group_size(groups.ep), comm.group_rank(groups.ep)
         self.local_experts = moe.num_experts // self.ep_size
 
@@ -70,12 +96,14 @@ class AllToAllDispatcher:
     def exchange_counts(self, send_counts: torch.Tensor, routes: int):
         """send_counts [destination rank, its local expert] (int64) -> (recv_counts [source rank, my
         local expert], send_splits, recv_splits: rows to / from each ep rank, read on the host).
-        routes: the rows this rank sends (= send_counts.sum()); unused here, but the one fact a
-        simulated rank (meta tensors, no counts) has to answer from (megalite/simulate/routing.py)."""
+        routes: the rows this rank sends (= send_counts.sum()); the one fact a simulated rank (meta
+        tensors, no counts) answers from (megalite/simulate/routing.py)."""
         recv_counts = torch.empty_like(send_counts)
         comm.all_to_all(recv_counts, send_counts.contiguous(), self.ep_group)
-        counts = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # one host read
-        return recv_counts, counts[0], counts[1]
+        send_splits, recv_splits = self.route_counts.splits(send_counts, recv_counts, routes=routes,
+                                                            ep_rank=self.ep_rank, ep_size=self.ep_size,
+                                                            num_experts=self.num_experts)
+        return recv_counts, send_splits, recv_splits
 
     def combine(self, expert_output: torch.Tensor, weights: torch.Tensor, state) -> torch.Tensor:
         num_tokens, sorted_index, exchange = state
@@ -87,10 +115,11 @@ class AllToAllDispatcher:
 
 
 class AllGatherDispatcher:
-    """moe: the layer's MoEConfig (its num_experts); groups: the LayerGroups it talks over (groups.ep)."""
+    """moe: the layer's MoEConfig (its num_experts); groups: the LayerGroups it talks over (groups.ep);
+    route_counts: how the number of gathered routes to this rank's experts is learnt (default: counted)."""
 
-    def __init__(self, moe: MoEConfig, groups: LayerGroups):
-        self.num_experts, self.ep_group = moe.num_experts, groups.ep
+    def __init__(self, moe: MoEConfig, groups: LayerGroups, route_counts: RouteCounts = READ_ON_HOST):
+        self.num_experts, self.ep_group, self.route_counts = moe.num_experts, groups.ep, route_counts
         self.ep_size, self.ep_rank = comm.group_size(groups.ep), comm.group_rank(groups.ep)
         self.local_experts = moe.num_experts // self.ep_size
 
@@ -101,7 +130,9 @@ class AllGatherDispatcher:
         first = self.ep_rank * self.local_experts
         mine = (all_ids >= first) & (all_ids < first + self.local_experts)
         local_ids = torch.where(mine, all_ids - first, torch.full_like(all_ids, -1))
-        permuted, sorted_index, group_sizes = ops.permute_tokens(gathered, local_ids, self.local_experts)
+        routed = self.route_counts.gathered_own(routes=expert_ids.numel(), ep_rank=self.ep_rank,
+                                                ep_size=self.ep_size, num_experts=self.num_experts)
+        permuted, sorted_index, group_sizes = ops.permute_tokens(gathered, local_ids, self.local_experts, routed)
         return permuted, group_sizes, (gathered.shape[0], sorted_index)
 
     def combine(self, expert_output: torch.Tensor, weights: torch.Tensor, state) -> torch.Tensor:
@@ -109,6 +140,15 @@ class AllGatherDispatcher:
         all_weights = mappings.gather_from_sequence_parallel_region(weights.to(expert_output.dtype), self.ep_group)
         partial = ops.unpermute_tokens(expert_output, sorted_index, all_weights, num_tokens)  # [ep*T, h], my experts
         return mappings.reduce_scatter_to_sequence_parallel_region(partial, self.ep_group)  # [T, h]
+
+
+def use_route_counts(modules, route_counts: RouteCounts) -> None:
+    """Every dispatcher in `modules` (e.g. a model's chunks) learns its route counts from `route_counts`."""
+    for module in modules:
+        for child in module.modules():
+            dispatcher = getattr(child, "dispatcher", None)
+            if isinstance(dispatcher, (AllToAllDispatcher, AllGatherDispatcher)):
+                dispatcher.route_counts = route_counts
 
 
 def make_dispatcher(kind: str, moe: MoEConfig, groups: LayerGroups):

@@ -43,6 +43,7 @@ from megalite.moe.dispatcher import make_dispatcher
 from megalite.moe.experts import LocalExperts
 from megalite.context_parallel.zigzag import position_ids
 from megalite.layer_groups import LayerGroups
+from megalite.layout import LayoutError, expert_count_problem
 from megalite.moe.router import Router
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.mlp import MLP
@@ -80,8 +81,9 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         moe: MoEConfig = config.moe
         ep = comm.group_size(ep_group)
-        if moe.num_experts % ep:
-            raise ValueError(f"--num-experts {moe.num_experts} is not divisible by ep={ep}; choose --ep dividing it")
+        problem = expert_count_problem(moe.num_experts, ep)  # the layout's rule, for an ep group of another mesh
+        if problem:
+            raise LayoutError(problem)
         self.moe, self.tp_group, self.sequence_parallel = moe, tp_group, sequence_parallel
         # etp = 1 under tp > 1: whole experts, each tp rank routing its own 1/tp of the tokens (over a tp group
         # of one rank whole experts are the split layout)

@@ -161,14 +161,13 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
     return weights, grads, optimizer, 0
 
 
-def check_degrees(cfg: RunConfig) -> None:
-    """Raise ValueError when a degree or the micro batch is not a positive integer (choices are
-    checked where the RunConfig is built)."""
-    for name, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp), ("dp", cfg.dp), ("cp", cfg.parallel.cp),
-                        ("virtual_stages", cfg.parallel.virtual_stages),
-                        ("micro_batch_size", cfg.training.micro_batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+def check_degrees(cfg: RunConfig, model: GPTConfig | None = None) -> None:
+    """Raise ValueError when the layout breaks a rule (megalite.layout: the same line the configuration
+    check and init_mesh give; `model`: whose experts, default the configuration's) or the micro batch is not a positive
+    integer (choices are checked where the RunConfig is built)."""
+    cfg.layout(model=model)
+    if not isinstance(cfg.training.micro_batch_size, int) or cfg.training.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be a positive integer, got {cfg.training.micro_batch_size!r}")
 
 
 def bubble_fraction(cfg: RunConfig) -> float:
@@ -182,7 +181,7 @@ def bubble_fraction(cfg: RunConfig) -> float:
 def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> Estimate:
     """Per-rank memory, communication, bubble and FLOPs for the worst pipeline stage; `attention`:
     the implementation the blocks' attention runs, where the caller knows it (activations.py)."""
-    check_degrees(cfg)
+    check_degrees(cfg, model)
     seq = model.seq_length
     per_stage = [(stage_total_bytes(model, cfg, stage, attention), stage) for stage in range(cfg.parallel.pp)]
     _, worst = max(per_stage)

@@ -13,9 +13,9 @@ from megalite.config.rampup import rampup_problems
 from megalite.context_parallel.checks import context_parallel_problems
 from megalite.config.model import GPTConfig
 from megalite.pipeline.schedules import check_schedule_args
-from megalite.plan.per_rank import check_degrees, estimate
+from megalite.layout import LayoutError
+from megalite.plan.per_rank import estimate
 from megalite.plan.layout import GB, stage_layers
-from megalite.topology import validate_layout
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -28,11 +28,16 @@ def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: flo
     Memory is checked (when gpu_memory bytes are given) only once the layout itself is valid;
     `memory_of` says whose memory that is in the message (e.g. "this machine's RAM / 8 ranks").
     """
-    try:
-        check_degrees(cfg)
-    except ValueError as exc:
-        return [str(exc)]
-    errors = _layout_errors(model, cfg, world_size) + _batch_errors(cfg) + _context_parallel_errors(model, cfg)
+    try:  # the sizes first (megalite.layout): a bad layout is one line, the same as init_mesh's
+        cfg.layout(world_size, model)
+        errors = []
+    except LayoutError as exc:
+        errors = [str(exc)]
+    p = cfg.parallel
+    if not all(isinstance(n, int) and n >= 1 for n in (p.tp, p.pp, p.cp, cfg.dp, p.virtual_stages,
+                                                        cfg.training.micro_batch_size)):
+        return errors or [f"--micro-batch-size must be a positive integer, got {cfg.training.micro_batch_size!r}"]
+    errors += _layout_errors(model, cfg) + _batch_errors(cfg) + _context_parallel_errors(model, cfg)
     tp, seq = cfg.parallel.tp, model.seq_length
     if cfg.parallel.sequence_parallel and tp == 1:
         errors.append("sequence parallelism shards along the tensor-parallel group; drop --sequence-parallel "
@@ -50,11 +55,10 @@ def preflight(model: GPTConfig, cfg: RunConfig, world_size: int, gpu_memory: flo
     return errors
 
 
-def _layout_errors(model: GPTConfig, cfg: RunConfig, world_size: int) -> list[str]:
-    """World size, tp divisibility of the model, and the pipeline split."""
+def _layout_errors(model: GPTConfig, cfg: RunConfig) -> list[str]:
+    """tp divisibility of the model, and the pipeline split (the world size: the layout, checked before)."""
     errors = []
-    for check in (lambda: validate_layout(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.dp, cfg.parallel.cp),
-                  lambda: model.check_tensor_parallel(cfg.parallel.tp),
+    for check in (lambda: model.check_tensor_parallel(cfg.parallel.tp),
                   lambda: stage_layers(model, cfg)):
         try:
             check()
@@ -82,7 +86,7 @@ def _batch_errors(cfg: RunConfig) -> list[str]:
     if pp > 1 and m < pp:
         errors.append(f"{m} microbatches < pp={pp} stages: the pipeline never fills; set --global-batch-size "
                       f">= micro_batch_size*dp*pp = {mb * dp * pp} (more microbatches also shrink the bubble)")
-    if pp > 1 or v > 1:
+    if pp > 1:  # (virtual stages at pp 1: the layout's rule)
         try:
             check_schedule_args(cfg.schedule, pp, m, v)
         except ValueError as exc:

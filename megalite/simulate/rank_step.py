@@ -20,9 +20,10 @@ from megalite.config import RunConfig
 from megalite.data import GlobalBatchSampler, load_microbatches
 from megalite.mesh import Mesh, init_mesh
 from megalite.model.activation_probe import kernels_without_launch
-from megalite.simulate.fake_world import fake_rank
+from megalite.moe.dispatcher import RouteCounts, use_route_counts
+from megalite.simulate.fake_world import META, fake_rank
 from megalite.simulate.memory import MemoryTracker
-from megalite.simulate.routing import planned_routing
+from megalite.simulate.routing import BalancedRoutes
 from megalite.training.guards import NonFiniteGuard
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
@@ -67,10 +68,10 @@ def coords_of(mesh: Mesh) -> dict[str, int]:
     return {"tp": mesh.tp_rank, "cp": mesh.cp_rank, "dp": mesh.dp_rank, "pp": mesh.pp_rank, "ep": mesh.ep_rank}
 
 
-def build_mesh(cfg: RunConfig) -> Mesh:
-    """The mesh as the training loop builds it (`loop.build_job`)."""
-    p = cfg.parallel
-    return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp)
+def build_mesh(cfg: RunConfig, device: torch.device | None = None) -> Mesh:
+    """The mesh as the training loop builds it (`loop.build_job`), its tensors on `device` (default: the
+    machine's)."""
+    return init_mesh(layout=cfg.layout(), device=device)
 
 
 def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
@@ -84,23 +85,26 @@ def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:
     tracker = MemoryTracker()
     # meta the default device too: ZeRO-3 materialises each unit from its seeded stream on the default
     # device, full size (a 70B block on the CPU, initialised: minutes per rank)
-    with kernels_without_launch(), fake_rank(rank, cfg.world_size), planned_routing(), torch.device("meta"), \
-            tracker.active():
-        mesh = build_mesh(cfg)
+    with kernels_without_launch(), fake_rank(rank, cfg.world_size), torch.device(META), tracker.active():
+        mesh = build_mesh(cfg, META)
         problems = check_mesh(mesh) if check_mesh is not None else []
         if problems:
             raise RuntimeError("; ".join(problems))
-        measured = set_up_and_step(cfg, mesh, tracker)
+        measured = set_up_and_step(cfg, mesh, tracker, BalancedRoutes())
     measured.seconds = time.perf_counter() - started
     return measured
 
 
-def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker) -> Measured:
+def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker,
+                    route_counts: RouteCounts | None = None) -> Measured:
     """On `mesh` (fake or real), under an active `tracker`: the training loop's builders, the first
-    step's data position, one `train_step`; this rank's bytes held and sent in the step."""
+    step's data position, one `train_step`; this rank's bytes held and sent in the step.
+    route_counts: what the MoE dispatchers size their transfers by (default: the routing's own counts)."""
     torch.manual_seed(cfg.training.seed)
     model_cfg = cfg.gpt_config()
     chunks = build_model_chunks(model_cfg, cfg, mesh)
+    if route_counts is not None:
+        use_route_counts(chunks, route_counts)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     t = cfg.training

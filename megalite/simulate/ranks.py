@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from megalite import comm
 from megalite.errors import UsageError
+from megalite.layout import Layout
 from megalite.mesh import Mesh
 from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, embedding_group_ranks,
                                ep_group_ranks, expert_dp_group_ranks, pp_group_ranks, rank_to_coords,
@@ -24,8 +25,9 @@ def _coords(rank: int, tp: int, cp: int, dp: int, pp: int) -> dict[str, int]:
     return {"tp": t, "cp": rank_to_cp_rank(rank, tp, cp), "dp": d, "pp": p}
 
 
-def expected_groups(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int) -> dict[str, list[list[int]]]:
+def expected_groups(layout: Layout) -> dict[str, list[list[int]]]:
     """Every group of each kind `init_mesh` creates, by ledger name."""
+    tp, cp, dp, pp, ep = layout.tp, layout.cp, layout.dp, layout.pp, layout.ep
     groups = {"tp": tp_group_ranks(tp, pp, dp, cp), "dp": dp_group_ranks(tp, pp, dp, cp),
               "pp": pp_group_ranks(tp, pp, dp, cp), "embedding": embedding_group_ranks(tp, pp, dp, cp)}
     if cp > 1:
@@ -33,8 +35,8 @@ def expected_groups(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int) -> di
         groups["dp_cp"] = dp_cp_group_ranks(tp, pp, dp, cp)
     if ep > 1:
         groups["ep"] = ep_group_ranks(tp, pp, dp, cp, ep)
-    if ep > 1 or etp < tp:
-        groups["edp"] = expert_dp_group_ranks(tp, pp, dp, cp, ep, etp)
+    if layout.expert_groups_apart:
+        groups["edp"] = expert_dp_group_ranks(tp, pp, dp, cp, ep, layout.etp)
     return groups
 
 
@@ -45,13 +47,12 @@ def _fixed_and_varying(kind: str, ep: int) -> tuple[tuple[str, ...], str | None]
             "dp_cp": (("tp", "pp"), None), "ep": (("tp", "pp"), None), "edp": (("pp",), None)}[kind]
 
 
-def check_groups(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int | None = None) -> list[str]:
+def check_groups(layout: Layout) -> list[str]:
     """Problems with the group lists for every rank of the world (empty when all is well)."""
-    etp = tp if etp is None else etp
-    world = tp * cp * dp * pp
+    tp, cp, dp, pp, ep, world = layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.world
     coords = [_coords(r, tp, cp, dp, pp) for r in range(world)]
     problems = []
-    for kind, groups in expected_groups(tp, cp, dp, pp, ep, etp).items():
+    for kind, groups in expected_groups(layout).items():
         held = [0] * world
         fixed, counting = _fixed_and_varying(kind, ep)
         for members in groups:
@@ -91,10 +92,11 @@ def compare_mesh(mesh: Mesh, expected: dict[str, list[list[int]]]) -> list[str]:
     return problems
 
 
-def representatives(tp: int, cp: int, dp: int, pp: int, ep: int = 1) -> list[int]:
+def representatives(layout: Layout) -> list[int]:
     """One rank of each distinct role: first, middle and last stage x first and last tp rank x
     first and last ep rank (dp, cp position 0 otherwise: the ranks that differ only there hold and
     send the same)."""
+    tp, cp, dp, pp, ep = layout.tp, layout.cp, layout.dp, layout.pp, layout.ep
     chosen = set()
     for stage in sorted({0, pp // 2, pp - 1}):
         for t in sorted({0, tp - 1}):
@@ -105,13 +107,13 @@ def representatives(tp: int, cp: int, dp: int, pp: int, ep: int = 1) -> list[int
     return sorted(chosen)
 
 
-def parse_ranks(spec: str, tp: int, cp: int, dp: int, pp: int, ep: int = 1) -> list[int]:
+def parse_ranks(spec: str, layout: Layout) -> list[int]:
     """`all`, `representatives`, or a comma-separated list of global ranks; UsageError otherwise."""
-    world = tp * cp * dp * pp
+    world = layout.world
     if spec == "all":
         return list(range(world))
     if spec == "representatives":
-        return representatives(tp, cp, dp, pp, ep)
+        return representatives(layout)
     try:
         ranks = [int(part) for part in spec.split(",") if part.strip()]
     except ValueError:

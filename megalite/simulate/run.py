@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 
 from megalite.config import RunConfig
-from megalite.errors import UsageError
+from megalite.data import load_tokenizer
+from megalite.errors import UsageError, report_usage_error
 from megalite.simulate.planned import planned_terms
 from megalite.simulate.ranks import check_groups, compare_mesh, expected_groups, parse_ranks
 from megalite.simulate.rank_step import simulate_rank
 from megalite.simulate.replay import replay_step_time
+from megalite.training.configure import configure
 
 TOLERANCE = 0.03
 TERMS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_peak_bytes", "peak_bytes")
@@ -66,17 +68,15 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
              print_fn=print) -> dict:
     """Check every rank's groups, simulate the chosen ranks; the report (also written to json_path)."""
     refuse_real_world()
-    p = cfg.parallel
-    etp = cfg.mesh_etp
-    layout = (p.tp, p.cp, cfg.dp, p.pp)
-    ranks = parse_ranks(ranks_spec, *layout, ep=p.ep)
+    p, layout = cfg.parallel, cfg.layout()
+    ranks = parse_ranks(ranks_spec, layout)
     started = time.perf_counter()
-    problems = check_groups(*layout, ep=p.ep, etp=etp)
+    problems = check_groups(layout)
     if problems:
         raise RuntimeError("the layout's groups are wrong: " + "; ".join(problems[:5]))
     print_fn(f"simulate: world {cfg.world_size} (tp {p.tp} cp {p.cp} dp {cfg.dp} pp {p.pp} ep {p.ep}): groups of "
              f"every rank checked; simulating {len(ranks)} rank(s)")
-    expected = expected_groups(*layout, ep=p.ep, etp=etp)
+    expected = expected_groups(layout)
     entries = []
     for rank in ranks:
         measured = simulate_rank(cfg, rank, check_mesh=lambda mesh: compare_mesh(mesh, expected))
@@ -100,10 +100,14 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     return report
 
 
-def run_from_flags(cfg: RunConfig, actions: dict, tokenizer, configure) -> int:
-    """The --simulate action of `training.loop.main`: the configuration resolved and validated for the
-    layout's world (`configure`, as for a real launch, less the memory check), then `simulate`."""
-    refuse_real_world()
-    cfg = configure(cfg, cfg.world_size, tokenizer.vocab_size)
-    simulate(cfg, actions["simulate_ranks"], actions["simulate_json"])
+def main(cfg: RunConfig, actions: dict) -> int:
+    """The --simulate action (megalite.commands): the configuration resolved and validated for the
+    layout's world (`configure`, as for a real launch, less the memory check), then `simulate`; a
+    mistake is one line and exit code 2."""
+    try:
+        refuse_real_world()
+        cfg = configure(cfg, cfg.world_size, load_tokenizer(cfg.data.tokenizer).vocab_size)
+        simulate(cfg, actions["simulate_ranks"], actions["simulate_json"])
+    except UsageError as exc:
+        return report_usage_error(exc, 0)
     return 0

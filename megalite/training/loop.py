@@ -57,7 +57,6 @@ from megalite.config.model import GPTConfig
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate
-from megalite.simulate.run import run_from_flags
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import estimate_vs_measured, gather_step_times, progress_line, straggler_report
@@ -99,10 +98,11 @@ def main(argv: list[str] | None = None, provided=None) -> int:
 
 
 def _configure_and_train(argv: list[str] | None, provided=None) -> int:
-    """main's work: the configuration, --simulate / --print-config / --dry-run, or the run."""
+    """main's work: the configuration, --print-config / --dry-run, or the run."""
     cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
-    if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
-        return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
+    if actions["simulate"]:  # chosen above the loop, where the simulator is (megalite/commands.py)
+        raise UsageError("--simulate is an action of examples/pretrain_gpt.py (megalite.commands.main), which runs "
+                         "the GPT of the flags on a fake world; run it there")
     launching = not (actions["dry_run"] or actions["print_config"])
     # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
     world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
@@ -171,7 +171,7 @@ class Job:
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
-    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp)
+    mesh = init_mesh(layout=cfg.layout())
     on_exit(resources, lambda clean: destroy_mesh())
     if cfg.checkpoint.save:  # one run per --save directory: every rank refuses when another run holds it
         lock = CheckpointLock(cfg.checkpoint.save, log=log)
@@ -358,5 +358,5 @@ def run_evaluation(job: Job, step: int) -> None:
     job.services.writer.write_eval(step, loss)
 
 
-if __name__ == "__main__":  # python -m megalite.training.loop: the same job as megalite-train
+if __name__ == "__main__":  # python -m megalite.training.loop: a training run (--simulate is megalite.commands')
     sys.exit(main())

@@ -39,6 +39,7 @@ from megalite.config import RunConfig
 
 def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPTModel]:
     """This rank's model chunks: local chunk c holds model chunk c*pp + pp_rank (one chunk without interleaving)."""
+    _check_same_experts(mesh, cfg, model)
     if mesh.pp_size == 1:
         ranges = [range(model.num_layers)]
     else:
@@ -101,6 +102,17 @@ def context_parallel_chunks(microbatches: list[dict[str, torch.Tensor]], mesh: M
         return microbatches
     return [{key: split_sequence(value, mesh.cp_rank, mesh.cp_size, dim=1) if key in ("input_ids", "labels")
              else value for key, value in mb.items()} for mb in microbatches]
+
+
+def _check_same_experts(mesh: Mesh, cfg: RunConfig, model: GPTConfig) -> None:
+    """The mesh's expert groups are the ones the configuration's experts need (a mesh built from sizes
+    without the model's num_experts has none: its MoE layers would run another layout than the planned one)."""
+    whole = model.moe is not None and cfg.parallel.etp < cfg.parallel.tp
+    if (mesh.ep_size, mesh.experts_whole) != (cfg.parallel.ep, whole):
+        raise ValueError(f"the mesh has ep={mesh.ep_size} and {'whole' if mesh.experts_whole else 'no whole'} experts "
+                         f"under tp, the configuration ep={cfg.parallel.ep} and {'whole' if whole else 'no whole'} "
+                         f"experts (--etp {cfg.parallel.etp}, --tp {cfg.parallel.tp}); build the mesh from the "
+                         f"configuration: init_mesh(layout=cfg.layout())")
 
 
 def _check_same_cp(mesh: Mesh, cfg: RunConfig) -> None:

@@ -68,8 +68,9 @@ def _reference(recipe, name="tiny-llama"):
 
 
 def _parallel(tp, pp, dp, extra, ref_losses, ref_params, name="tiny-llama"):
-    m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=extra.get("ep", 1), cp=extra.get("cp", 1))
-    losses, chunks, dp_model = _run(m, _cfg(tp, pp, dp, fp8_format="hybrid", **extra), name)
+    cfg = _cfg(tp, pp, dp, fp8_format="hybrid", **extra)
+    m = mesh.init_mesh(layout=cfg.layout(model=_model(name)))
+    losses, chunks, dp_model = _run(m, cfg, name)
     ledger = dict(comm.ledger.bytes)
     if dp_model.zero_stage == 3:  # bytes of one gather of every unit, from the run's own layout
         units = dp_model.param_buffer

@@ -194,7 +194,8 @@ def _check_family(family, references, mesh):
 
 
 def _all_families_tp2_pp2(references):
-    mesh = mesh_lib.init_mesh(tp=2, pp=2)
+    # the MoE families' experts (4 each): the mesh holds their groups, whole experts (etp 1) on each tp rank
+    mesh = mesh_lib.init_mesh(tp=2, pp=2, num_experts=4)
     return {family: _check_family(family, references, mesh) for family in references}
 
 

@@ -54,7 +54,8 @@ def _reference(kind):
 
 def _megalite_logits(kind, tp, hf, ref_logits, ref_loss, ep=1, etps=(1,)):
     for etp in etps:  # whole experts on each tp rank (1) or split over tp (tp); no experts: no difference
-        m = mesh.init_mesh(tp=tp, ep=ep, etp=etp, replace=True)
+        experts = getattr(hf.config, "num_local_experts", None) or getattr(hf.config, "num_experts", None) or 0
+        m = mesh.init_mesh(tp=tp, ep=ep, etp=etp, num_experts=experts, replace=True)
         model = from_hf(hf, m).eval()
         ids = _inputs()
         with torch.no_grad():

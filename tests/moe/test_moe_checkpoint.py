@@ -37,15 +37,15 @@ LOADS = [((2, 1, 2, 2), dict(etp=2)), ((1, 1, 4, 4), dict()), ((1, 2, 2, 2), dic
 
 def _world(directory, reference):
     losses, _, final = reference
-    m = mesh.init_mesh(tp=2, dp=2, ep=2, etp=1, replace=True)
     cfg = cfg_for(2, 1, 2, 2, zero=1, etp=1)
+    m = mesh.init_mesh(layout=cfg.layout(), replace=True)
     chunks, optimizer, results = train(m, cfg, steps=range(2))
     torch.testing.assert_close([r.loss for r in results], losses[:2], rtol=1e-5, atol=0)
     Checkpointer(directory, m, **QUIET).save(2, chunks, optimizer, consumed_samples=16,
                                              model_config=chunks[0].config)
     for (tp, pp, dp, ep), settings in LOADS:
         cfg = cfg_for(tp, pp, dp, ep, **settings)
-        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, etp=cfg.parallel.etp, replace=True)
+        m = mesh.init_mesh(layout=cfg.layout(), replace=True)
         chunks, optimizer, _ = train(m, cfg, steps=range(0))
         assert load_checkpoint(directory, chunks, optimizer, m, **QUIET).step == 2
         _, _, results = train(m, cfg, steps=range(2, 3), chunks=chunks, optimizer=optimizer)
@@ -118,8 +118,8 @@ def _bias_world(directory, bias_reference):
     mine = _biases(chunks)
     assert len(mine) == 1 and all(torch.equal(b, saved[n]) for n, b in mine.items())  # this stage's layer
     Checkpointer(directory, m, **QUIET).save(1, chunks, optimizer, consumed_samples=8, model_config=chunks[0].config)
-    m = mesh.init_mesh(dp=2, ep=2, replace=True)
     cfg = cfg_for(1, 1, 2, 2, **BIAS)
+    m = mesh.init_mesh(layout=cfg.layout(), replace=True)
     chunks, optimizer, _ = train(m, cfg, steps=range(0))
     load_checkpoint(directory, chunks, optimizer, m, **QUIET)
     restored = _biases(chunks)

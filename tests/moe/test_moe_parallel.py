@@ -85,7 +85,7 @@ def _world(reference):
     for (tp, pp, dp, ep), settings in LAYOUTS:
         ref_losses, ref_norms, ref_params, _ = reference[_model_key(settings)]
         cfg = cfg_for(tp, pp, dp, ep, **settings)
-        m = mesh.init_mesh(tp=tp, pp=pp, dp=dp, ep=ep, cp=cfg.parallel.cp, etp=cfg.parallel.etp, replace=True)
+        m = mesh.init_mesh(layout=cfg.layout(), replace=True)
         assert launch_problems(cfg.resolved(4), 4) == []
         what = f"tp={tp} pp={pp} dp={dp} ep={ep} {settings}"
         chunks, optimizer, results = train(m, cfg)

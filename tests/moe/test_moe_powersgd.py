@@ -72,8 +72,8 @@ def _state(optimizer):
 
 def _world(ckpt_dir):
     out = {}
-    m = mesh_lib.init_mesh(dp=4, ep=2, replace=True)
     cfg = cfg_for(dp=4, ep=2, zero=1, **FULL_RANK)
+    m = mesh_lib.init_mesh(layout=cfg.layout(), replace=True)
     assert cfg.validate() == []
     ledgers = []
     _, optimizer, results = _run(m, cfg, range(2), ledgers=ledgers)
@@ -93,16 +93,16 @@ def _world(ckpt_dir):
     out["loaded"] = _state(optimizer)
     out["resumed"] = [r.loss for r in _run(m, cfg, range(2, 4), chunks, optimizer)[2]]
 
-    m = mesh_lib.init_mesh(dp=4, ep=4, replace=True)  # expert-dp of one rank: the experts are neither reduced nor compressed
     cfg = cfg_for(dp=4, ep=4, **FULL_RANK)
+    m = mesh_lib.init_mesh(layout=cfg.layout(), replace=True)  # expert-dp of one rank: the experts are neither reduced nor compressed
     _, optimizer, results = _run(m, cfg, range(1))
     names = [optimizer.model.names[i] for i in optimizer.model.compression.matrices]
     assert names and not any(".experts." in name for name in names) and ("edp", "all_reduce") not in comm.ledger.bytes
     assert optimizer.model.compression.state_bytes() == compression_state_bytes(cfg.gpt_config(), cfg, 0)
     out["full_dp4_ep4"] = [(r.loss, r.grad_norm) for r in results]
 
-    m = mesh_lib.init_mesh(tp=2, dp=2, ep=2, etp=1, replace=True)
     cfg = cfg_for(tp=2, dp=2, ep=2, etp=1, zero=1, sequence_parallel=True, **FULL_RANK)
+    m = mesh_lib.init_mesh(layout=cfg.layout(), replace=True)
     assert cfg.validate() == []
     ledgers = []
     _, optimizer, results = _run(m, cfg, range(2), ledgers=ledgers)

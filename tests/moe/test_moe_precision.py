@@ -50,7 +50,7 @@ def _train(m, precision: str):
 
 
 def _world():
-    return {precision: _train(mesh.init_mesh(dp=2, ep=2), precision) for precision in ("fp32", "bf16", "fp16")}
+    return {precision: _train(mesh.init_mesh(dp=2, ep=2, num_experts=4), precision) for precision in ("fp32", "bf16", "fp16")}
 
 
 def test_moe_trains_in_bf16_and_fp16_and_its_first_gradients_are_fp32s():

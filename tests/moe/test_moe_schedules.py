@@ -39,8 +39,8 @@ def _world(reference):
     ref_params = reference[2]
     seen = []
     for ep, settings in SCHEDULES:
-        m = mesh.init_mesh(pp=2, dp=2, ep=ep, replace=True)
         cfg = cfg_for(1, 2, 2, ep, num_layers=LAYERS, **settings)
+        m = mesh.init_mesh(layout=cfg.layout(), replace=True)
         assert launch_problems(cfg.resolved(4), 4) == []
         what = f"ep={ep} {settings}"
         chunks, optimizer, results = train(m, cfg)

@@ -6,14 +6,14 @@ from torch import nn
 from megalite import params
 from megalite.data_parallel import DataParallel
 from megalite.errors import UsageError
+from megalite.layout import Layout
 from megalite.mesh import Mesh
 from megalite.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
                                       mark_sequence_parallel, unmarked_norm_problem)
 
 
 def _tp2_mesh() -> Mesh:  # the refusal is decided before any collective: a mesh without groups suffices
-    return Mesh(rank=0, world_size=2, tp_size=2, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                device=torch.device("cpu"), backend=None)
+    return Mesh(rank=0, layout=Layout(tp=2), tp_rank=0, pp_rank=0, dp_rank=0, device=torch.device("cpu"), backend=None)
 
 
 class UserBlock(nn.Module):
