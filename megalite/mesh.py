@@ -21,7 +21,8 @@ from megalite import comm
 from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, check_expert_parallel, model_parallel_group_ranks, pp_group_ranks, rank_to_coords,
                                rank_to_cp_rank, tp_group_ranks, validate_layout, check_expert_tensor_parallel,
-                               tp_cp_group_ranks)
+                               tp_cp_group_ranks, check_dp_shard, dp_shard_group_ranks, dp_replicate_group_ranks,
+                               expert_dp_shard_group_ranks)
 from megalite.torch_mesh import build_device_mesh, build_ep_device_mesh
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +78,11 @@ class Mesh:
     expert_dp_group: Any = field(default=None, repr=False)  # same experts: expert gradients reduce here
     etp_size: int = 1  # experts tensor-parallel over tp (etp = tp) or whole on every tp rank (etp = 1)
     moe_token_group: Any = field(default=None, repr=False)  # cp, or tp x cp at etp = 1: a microbatch's routed tokens
+    # Hybrid sharding (--dp-shard S < dp): ZeRO shards over S dp ranks (x cp), replicated dp/S times.
+    dp_replicate_size: int = 1  # dp / S; 1: flat ZeRO over all of dp x cp (the groups below are unused)
+    dp_shard_group: Any = field(default=None, repr=False)  # S x cp ranks: reduce-scatter and gather here
+    dp_replicate_group: Any = field(default=None, repr=False)  # dp/S ranks holding the same shard: all-reduce
+    expert_dp_shard_group: Any = field(default=None, repr=False)  # expert-dp members of this replica group
     _torch_meshes: dict = field(default_factory=dict, repr=False, compare=False)  # torch_mesh's cache
 
     @property
@@ -97,6 +103,31 @@ class Mesh:
     def dp_cp_rank(self) -> int:
         """This rank's place in its dp x cp group (cp fastest)."""
         return self.cp_rank + self.cp_size * self.dp_rank
+
+    @property
+    def dp_shard_size(self) -> int:
+        """S: the data-parallel ranks ZeRO shards over (dp at flat ZeRO)."""
+        return self.dp_size // self.dp_replicate_size
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        """Which replica group this rank is in (0 at flat ZeRO): dp_rank = shard index + S * this."""
+        return self.dp_rank // self.dp_shard_size
+
+    @property
+    def zero_group(self):
+        """The group ZeRO shards dense parameters over: dp x cp, or the shard group under hybrid sharding."""
+        return self.dp_shard_group if self.dp_replicate_size > 1 else self.dp_cp_group
+
+    @property
+    def expert_zero_group(self):
+        """The group ZeRO shards the experts over: expert-dp, or its members of this replica group."""
+        return self.expert_dp_shard_group if self.dp_replicate_size > 1 else self.expert_dp_group
+
+    @property
+    def replicate_group(self):
+        """The ranks holding this rank's shard (None at flat ZeRO): sharded gradients all-reduce here."""
+        return self.dp_replicate_group if self.dp_replicate_size > 1 else None
 
     @property
     def experts_whole(self) -> bool:
@@ -133,6 +164,8 @@ class Mesh:
         order = "tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" if with_cp else \
             "tp_rank + tp*(dp_rank + dp*pp_rank)"
         cp_degree = (f" cp={cp}" if with_cp else "") + (f" ep={self.ep_size}" if self.ep_size > 1 else "")
+        if self.dp_replicate_size > 1:  # hybrid sharding: dp = shard x replicate, the shard index fastest
+            cp_degree += f" (dp = dp_shard {self.dp_shard_size} x dp_replicate {self.dp_replicate_size})"
         cp_column = f" {'cp':>3}" if with_cp else ""
         lines = [
             f"mesh: world={self.world_size} tp={tp}{cp_degree} pp={pp} dp={dp} "
@@ -187,7 +220,7 @@ def _my_group(rank: int, name: str, all_ranks: list[list[int]]):
     return chosen
 
 
-def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: int) -> dict[str, Any]:
+def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: int, dp_shard: int) -> dict[str, Any]:
     """This rank's process groups, by Mesh field name, created in the same order on every rank."""
     groups = {
         "tp_group": _my_group(rank, "tp", tp_group_ranks(tp, pp, dp, cp)),
@@ -210,17 +243,27 @@ def _create_groups(rank: int, tp: int, pp: int, dp: int, cp: int, ep: int, etp: 
     if etp < tp:
         groups["moe_token_group"] = (_my_group(rank, "tp_cp", tp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1
                                      else groups["tp_group"])
+    if dp_shard < dp:  # hybrid sharding; created last, so flat layouts create the same groups as ever
+        groups["dp_shard_group"] = _my_group(rank, "dp_shard", dp_shard_group_ranks(tp, pp, dp, cp, dp_shard))
+        groups["dp_replicate_group"] = _my_group(rank, "dp_replicate",
+                                                 dp_replicate_group_ranks(tp, pp, dp, cp, dp_shard))
+        groups["expert_dp_shard_group"] = (
+            _my_group(rank, "edp_shard", expert_dp_shard_group_ranks(tp, pp, dp, cp, ep, etp, dp_shard))
+            if ep > 1 or etp < tp else groups["dp_shard_group"])
     return groups
 
 
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
-              timeout_s: float = 600.0, ep: int = 1, etp: int = 1, replace: bool = False) -> Mesh:
+              timeout_s: float = 600.0, ep: int = 1, etp: int = 1, replace: bool = False,
+              dp_shard: int | None = None) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
     A second call with another layout while this process's mesh is live is refused unless
     `replace=True` (layers already built keep the first mesh's groups: silently mixing two layouts).
 
     Validates world == tp*cp*pp*dp (and ep, etp: see `Mesh`) before any process group exists.
+    dp_shard (default dp): hybrid sharding, ZeRO over groups of dp_shard dp ranks (x cp), replicated
+    dp/dp_shard times (`Mesh.zero_group`, `Mesh.replicate_group`).
     Backend: nccl when CUDA is available, gloo otherwise. Sets the CUDA device from LOCAL_RANK.
     Every rank creates every group in the same order (torch.distributed requires it) and keeps its own.
     """
@@ -230,7 +273,10 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     dp = validate_layout(world_size, tp, pp, dp, cp)
     check_expert_parallel(ep, dp, cp)
     check_expert_tensor_parallel(etp, tp)
-    _refuse_another_layout(dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp), rank, world_size, replace)
+    dp_shard = dp if dp_shard is None else dp_shard
+    check_dp_shard(dp_shard, dp, cp, ep)
+    _refuse_another_layout(dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, dp_replicate=dp // dp_shard), rank,
+                           world_size, replace)
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -245,12 +291,13 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
                                 device=device if device.type == "cuda" else None)
     tp_rank, dp_rank, pp_rank = rank_to_coords(rank, tp, pp, dp, cp)
     pp_ranks = next(r for r in pp_group_ranks(tp, pp, dp, cp) if rank in r)
-    groups = _create_groups(rank, tp, pp, dp, cp, ep, etp)
+    groups = _create_groups(rank, tp, pp, dp, cp, ep, etp, dp_shard)
     mesh = Mesh(
         rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device, backend=backend,
         cp_size=cp, cp_rank=rank_to_cp_rank(rank, tp, cp), **groups,
         ep_size=ep, ep_rank=(rank_to_cp_rank(rank, tp, cp) + cp * dp_rank) % ep, etp_size=etp,
+        dp_replicate_size=dp // dp_shard,
         pp_ranks=tuple(pp_ranks),
         # One small gather at start-up, so the rank table names every rank's node and device.
         placements=tuple(comm.all_gather_object(_placement(device), comm.world_group())),
@@ -266,7 +313,7 @@ def _refuse_another_layout(layout: dict[str, int], rank: int, world_size: int, r
     if replace or mesh is None or mesh.rank != rank or mesh.world_size != world_size:
         return
     current = dict(tp=mesh.tp_size, pp=mesh.pp_size, dp=mesh.dp_size, cp=mesh.cp_size, ep=mesh.ep_size,
-                   etp=mesh.etp_size)
+                   etp=mesh.etp_size, dp_replicate=mesh.dp_replicate_size)
     if current != layout:
         shown = ", ".join(f"{k}={v}" for k, v in current.items() if v != layout[k])
         asked = ", ".join(f"{k}={v}" for k, v in layout.items() if v != current[k])

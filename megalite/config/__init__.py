@@ -201,6 +201,16 @@ class RunConfig:
         return self.parallel.dp or 1
 
     @property
+    def dp_shard(self) -> int:
+        """S, the data-parallel ranks ZeRO shards over: --dp-shard, or dp / --num-distributed-optimizer-instances,
+        else dp (flat ZeRO). `checks.dp_shard_problems` refuses a value that does not divide dp."""
+        p = self.parallel
+        if p.dp_shard is not None:
+            return p.dp_shard
+        instances = p.num_distributed_optimizer_instances
+        return self.dp // instances if instances and self.dp % instances == 0 else self.dp
+
+    @property
     def world_size(self) -> int:
         return self.parallel.tp * self.parallel.cp * self.parallel.pp * self.dp
 

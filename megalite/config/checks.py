@@ -30,7 +30,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
-    problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
+    problems += _compression_problems(cfg) + _expert_parallel_problems(cfg) + dp_shard_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
@@ -147,6 +147,34 @@ def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
                         f"--seq-length {model.seq_length} must be divisible by tp*cp = {p.tp * p.cp}; change "
                         f"--seq-length or use --etp {p.tp}")
     return problems
+
+
+def dp_shard_problems(cfg: RunConfig) -> list[str]:
+    """SIZE RULE (hybrid sharding; for issue 50's layout object): --dp-shard S divides dp (and ep divides
+    S*cp), given once; PowerSGD reduces over all of dp. Checked when dp is known (a resolved config)."""
+    p = cfg.parallel
+    if p.dp_shard is None and p.num_distributed_optimizer_instances is None:
+        return []
+    if p.dp_shard is not None and p.num_distributed_optimizer_instances is not None:
+        return [f"--dp-shard {p.dp_shard} and --num-distributed-optimizer-instances "
+                f"{p.num_distributed_optimizer_instances} say the same thing twice (instances = dp/S); give one"]
+    dp, instances = cfg.dp, p.num_distributed_optimizer_instances
+    if p.dp is None:
+        return []  # dp comes from the world size: launch_checks asks again on the resolved config
+    choices = [s for s in range(1, dp + 1) if dp % s == 0]
+    if instances is not None and dp % instances:
+        return [f"--num-distributed-optimizer-instances {instances} does not divide dp = {dp}; choose it in {choices}"]
+    shard = cfg.dp_shard
+    if dp % shard:
+        return [f"--dp-shard {shard} does not divide dp = {dp} (ZeRO shards over groups of S data-parallel ranks, "
+                f"replicated dp/S times); choose --dp-shard in {choices}"]
+    if shard < dp and (shard * p.cp) % p.ep:
+        return [f"--ep {p.ep} does not divide dp_shard*cp = {shard}*{p.cp} (an expert-parallel group must lie inside "
+                f"one shard group); choose --dp-shard in {[s for s in choices if (s * p.cp) % p.ep == 0]}"]
+    if shard < dp and p.grad_compression != "none":
+        return [f"--grad-compression {p.grad_compression} with --dp-shard {shard} < dp {dp}: PowerSGD reduces over "
+                f"all of dp x cp; drop one of them"]
+    return []
 
 
 def cp_dp(cfg: RunConfig) -> str:

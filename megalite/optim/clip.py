@@ -25,6 +25,9 @@ one all-reduce sums them:
   counts them (the rank 0 of their expert-dp x tp group is a tp rank 0); under ZeRO their shards
   are disjoint over expert-dp x tp, so every tp rank counts its own.
 
+- hybrid sharding (--dp-shard S < dp): ZeRO shards are disjoint within a shard group only and
+  repeat in each of the dp/S replica groups: only replica group 0's ranks count theirs.
+
 An inf/nan anywhere in a rank's gradients makes the global norm inf/nan on every rank
 (the all-reduced sum propagates it), which is how callers skip a step everywhere.
 """
@@ -46,6 +49,8 @@ def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = F
     the gradient (disjoint over the parameter's replica group)."""
     if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False  # the first stage's copy stands for the tied embedding
+    if sharded and mesh.dp_replicate_rank != 0:
+        return False  # hybrid sharding: the shards repeat in every replica group; the first one counts them
     if sharded and mesh.experts_whole and P.is_expert_parallel(param):
         return True  # whole experts (etp = 1) are sharded over expert-dp x tp: the tp ranks hold disjoint pieces
     if not P.shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:

@@ -70,7 +70,7 @@ def coords_of(mesh: Mesh) -> dict[str, int]:
 def build_mesh(cfg: RunConfig) -> Mesh:
     """The mesh as the training loop builds it (`loop.build_job`)."""
     p = cfg.parallel
-    return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp)
+    return init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp, dp_shard=cfg.dp_shard)
 
 
 def simulate_rank(cfg: RunConfig, rank: int, check_mesh=None) -> Measured:

@@ -175,7 +175,7 @@ def _on_exit(resources: contextlib.ExitStack, release: Callable[[bool], None]) -
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
     """Mesh, data, model, optimizer and the run's services; each registered on `resources`."""
     p = cfg.parallel
-    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp)
+    mesh = init_mesh(tp=p.tp, pp=p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.mesh_etp, dp_shard=cfg.dp_shard)
     _on_exit(resources, lambda clean: destroy_mesh())
     if cfg.checkpoint.save:  # one run per --save directory: every rank refuses when another run holds it
         lock = CheckpointLock(cfg.checkpoint.save, log=log)
