@@ -129,6 +129,7 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
         context = f" --cp {p.cp} --cp-comm-type {p.cp_comm_type}" if p.cp > 1 else ""
         context += f" --ep {p.ep}" if p.ep > 1 else ""
         context += f" --etp {p.etp}" if p.tp > 1 and s.cfg.gpt_config().moe is not None else ""
+        context += f" --dp-shard {s.cfg.dp_shard}" if s.cfg.dp_shard < s.cfg.dp else ""  # hybrid sharding
         print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp}{context} --virtual-stages {p.virtual_stages} "
               f"--zero {p.zero} --recompute {p.recompute} --micro-batch-size {s.cfg.training.micro_batch_size}"
               f"{' --sequence-parallel' if p.sequence_parallel else ''}"

@@ -14,18 +14,21 @@ from __future__ import annotations
 from megalite import comm
 from megalite.errors import UsageError
 from megalite.mesh import Mesh
-from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, embedding_group_ranks,
-                               ep_group_ranks, expert_dp_group_ranks, pp_group_ranks, rank_to_coords,
-                               rank_to_cp_rank, tp_group_ranks)
+from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, dp_replicate_group_ranks,
+                               dp_shard_group_ranks, embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks,
+                               expert_dp_shard_group_ranks, pp_group_ranks, rank_to_coords, rank_to_cp_rank,
+                               tp_group_ranks)
 
 
-def _coords(rank: int, tp: int, cp: int, dp: int, pp: int) -> dict[str, int]:
+def _coords(rank: int, tp: int, cp: int, dp: int, pp: int, dp_shard: int | None = None) -> dict[str, int]:
     t, d, p = rank_to_coords(rank, tp, pp, dp, cp)
-    return {"tp": t, "cp": rank_to_cp_rank(rank, tp, cp), "dp": d, "pp": p}
+    s = dp if dp_shard is None else dp_shard  # hybrid sharding: dp rank = shard index + S * replica index
+    return {"tp": t, "cp": rank_to_cp_rank(rank, tp, cp), "dp": d, "pp": p, "replica": d // s, "shard_dp": d % s}
 
 
-def expected_groups(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int) -> dict[str, list[list[int]]]:
-    """Every group of each kind `init_mesh` creates, by ledger name."""
+def expected_groups(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int,
+                    dp_shard: int | None = None) -> dict[str, list[list[int]]]:
+    """Every group of each kind `init_mesh` creates, by ledger name (hybrid sharding's three last)."""
     groups = {"tp": tp_group_ranks(tp, pp, dp, cp), "dp": dp_group_ranks(tp, pp, dp, cp),
               "pp": pp_group_ranks(tp, pp, dp, cp), "embedding": embedding_group_ranks(tp, pp, dp, cp)}
     if cp > 1:
@@ -35,6 +38,11 @@ def expected_groups(tp: int, cp: int, dp: int, pp: int, ep: int, etp: int) -> di
         groups["ep"] = ep_group_ranks(tp, pp, dp, cp, ep)
     if ep > 1 or etp < tp:
         groups["edp"] = expert_dp_group_ranks(tp, pp, dp, cp, ep, etp)
+    if dp_shard is not None and dp_shard < dp:
+        groups["dp_shard"] = dp_shard_group_ranks(tp, pp, dp, cp, dp_shard)
+        groups["dp_replicate"] = dp_replicate_group_ranks(tp, pp, dp, cp, dp_shard)
+        if ep > 1 or etp < tp:
+            groups["edp_shard"] = expert_dp_shard_group_ranks(tp, pp, dp, cp, ep, etp, dp_shard)
     return groups
 
 
@@ -42,16 +50,19 @@ def _fixed_and_varying(kind: str, ep: int) -> tuple[tuple[str, ...], str | None]
     """(coordinates all members share, the coordinate that counts 0, 1, ... along the group)."""
     return {"tp": (("cp", "dp", "pp"), "tp"), "cp": (("tp", "dp", "pp"), "cp"), "dp": (("tp", "cp", "pp"), "dp"),
             "pp": (("tp", "cp", "dp"), "pp"), "embedding": (("tp", "cp", "dp"), None),
-            "dp_cp": (("tp", "pp"), None), "ep": (("tp", "pp"), None), "edp": (("pp",), None)}[kind]
+            "dp_cp": (("tp", "pp"), None), "ep": (("tp", "pp"), None), "edp": (("pp",), None),
+            "dp_shard": (("tp", "pp", "replica"), None), "dp_replicate": (("tp", "cp", "pp", "shard_dp"), "replica"),
+            "edp_shard": (("pp", "replica"), None)}[kind]
 
 
-def check_groups(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int | None = None) -> list[str]:
+def check_groups(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int | None = None,
+                 dp_shard: int | None = None) -> list[str]:
     """Problems with the group lists for every rank of the world (empty when all is well)."""
     etp = tp if etp is None else etp
     world = tp * cp * dp * pp
-    coords = [_coords(r, tp, cp, dp, pp) for r in range(world)]
+    coords = [_coords(r, tp, cp, dp, pp, dp_shard) for r in range(world)]
     problems = []
-    for kind, groups in expected_groups(tp, cp, dp, pp, ep, etp).items():
+    for kind, groups in expected_groups(tp, cp, dp, pp, ep, etp, dp_shard).items():
         held = [0] * world
         fixed, counting = _fixed_and_varying(kind, ep)
         for members in groups:
@@ -77,7 +88,9 @@ def check_groups(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int | Non
 def compare_mesh(mesh: Mesh, expected: dict[str, list[list[int]]]) -> list[str]:
     """The simulated rank's real groups against the expected lists."""
     fields = {"tp": mesh.tp_group, "dp": mesh.dp_group, "pp": mesh.pp_group, "embedding": mesh.embedding_group,
-              "cp": mesh.cp_group, "dp_cp": mesh.dp_cp_group, "ep": mesh.ep_group, "edp": mesh.expert_dp_group}
+              "cp": mesh.cp_group, "dp_cp": mesh.dp_cp_group, "ep": mesh.ep_group, "edp": mesh.expert_dp_group,
+              "dp_shard": mesh.dp_shard_group, "dp_replicate": mesh.dp_replicate_group,
+              "edp_shard": mesh.expert_dp_shard_group}
     problems = []
     for kind, groups in expected.items():
         mine = next((g for g in groups if mesh.rank in g), None)

@@ -5,7 +5,7 @@ hybrid layouts' losses and final parameters match it to 1e-5 relative, as flat d
 0.5 clips every step, so a grad norm that counted a replicated shard twice would change the update.
 Exact: the bytes per group of one step, from the ledger (the shard group reduce-scatters the whole
 buffer and gathers it; only the rank's 1/S shard crosses the replica group; nothing is reduced or
-gathered over all of dp).
+gathered over all of dp), and the planner's count of them (megalite/plan/communication.py).
 """
 import pytest
 import torch
@@ -14,6 +14,7 @@ from megalite import comm, mesh as mesh_lib, params as P, topology
 from megalite.config import RunConfig
 from megalite.mesh import single_process_mesh
 from megalite.model import preset
+from megalite.plan import communication_bytes
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.loop import main
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
@@ -57,7 +58,8 @@ def _train(m, cfg, ref_params=None):
         for name, (spec, value) in params.items():
             expected = ref_params[name][1] if isinstance(ref_params[name], tuple) else spec.shard(ref_params[name])
             assert_tensor_close(value, expected, rtol=1e-5, what=f"{cfg.parallel} {name}")
-    return dict(losses=[r.loss for r in results], norms=[r.grad_norm for r in results], ledger=ledger,
+    plan = communication_bytes(_model(), cfg, m.pp_rank)  # the planner's bytes of the same step
+    return dict(losses=[r.loss for r in results], norms=[r.grad_norm for r in results], ledger=ledger, plan=plan,
                 numel=dp.layout.numel, shard=dp.layout.shard_numel, params=None if ref_params is not None else params)
 
 
@@ -175,6 +177,10 @@ def _check(per_rank, reference, dp_shard):
             torch.testing.assert_close(run["losses"], reference[0], rtol=1e-5, atol=0, msg=lambda s: f"zero {zero}: {s}")
             torch.testing.assert_close(run["norms"], reference[1], rtol=1e-5, atol=0, msg=lambda s: f"zero {zero}: {s}")
             assert min(run["norms"]) > 0.5  # clipping is on in every step: the norm decides the update
+            for (group, op), n in run["ledger"].items():  # the planner counts what ran (padding aside)
+                if group in ("dp_shard", "dp_replicate"):
+                    assert abs(run["plan"][f"{group}/{op}"] - n) <= 1e-3 * n, (zero, group, op, run["plan"], n)
+            assert not {k for k in run["plan"] if k.startswith(("dp/", "dp_cp/"))}, run["plan"]
             if zero == 3:  # per microbatch reduce-scatters and gathers in the shard group; the step's shard
                 assert run["ledger"][("dp_replicate", "all_reduce")] == 4 * run["shard"]  # crosses replicas once
                 assert ("dp", "reduce_scatter") not in run["ledger"] and ("dp", "all_gather") not in run["ledger"]
