@@ -154,7 +154,7 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
     S*cp), given once; PowerSGD reduces over all of dp. Checked when dp is known (a resolved config)."""
     p = cfg.parallel
     if p.dp_shard is None and p.num_distributed_optimizer_instances is None:
-        return []
+        return [_diloco_problem(cfg)] if p.diloco_inner_steps and _diloco_problem(cfg) else []
     if p.dp_shard is not None and p.num_distributed_optimizer_instances is not None:
         return [f"--dp-shard {p.dp_shard} and --num-distributed-optimizer-instances "
                 f"{p.num_distributed_optimizer_instances} say the same thing twice (instances = dp/S); give one"]
@@ -171,10 +171,25 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
     if shard < dp and (shard * p.cp) % p.ep:
         return [f"--ep {p.ep} does not divide dp_shard*cp = {shard}*{p.cp} (an expert-parallel group must lie inside "
                 f"one shard group); choose --dp-shard in {[s for s in choices if (s * p.cp) % p.ep == 0]}"]
+    if p.diloco_inner_steps:
+        problem = _diloco_problem(cfg)
+        if problem:
+            return [problem]
     if shard < dp and p.grad_compression != "none":
         return [f"--grad-compression {p.grad_compression} with --dp-shard {shard} < dp {dp}: PowerSGD reduces over "
                 f"all of dp x cp; drop one of them"]
     return []
+
+
+def _diloco_problem(cfg: RunConfig) -> str | None:
+    """--diloco-inner-steps: what the outer step over the replica groups does not cover yet."""
+    p = cfg.parallel
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        return "--diloco-inner-steps does not checkpoint its outer state yet: drop --save/--load, or DiLoCo"
+    if p.grad_compression != "none" or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
+        return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
+                "far: drop --grad-compression, experts, --pp and --offload-optimizer")
+    return None
 
 
 def cp_dp(cfg: RunConfig) -> str:

@@ -141,6 +141,12 @@ class ParallelSettings:
     powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
                                                    "factor (and every 1-D parameter) are reduced uncompressed",
                                               minimum=0, fix="0 compresses every matrix; 2 is the default")
+    diloco_inner_steps: int = setting(0, "DiLoCo across the replica groups of --dp-shard: each group trains H steps "
+                                         "on its own (no replica all-reduce), then one outer step on the "
+                                         "pseudo-gradients (0: off)", metavar="H", minimum=0)
+    diloco_outer_lr: float = setting(0.7, "DiLoCo: the outer SGD's learning rate (1 with no momentum: the groups' "
+                                          "mean)", minimum=0)
+    diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer SGD's Nesterov momentum", minimum=0, below=1)
 
 
 @dataclass(frozen=True)

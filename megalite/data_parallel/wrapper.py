@@ -110,8 +110,12 @@ class DataParallel(nn.Module):
                  overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
                  prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
                  grad_compression: PowerSGDConfig | None = None, dp_reduction: str = "mean",
-                 fp8_param_gather: bool = False):
+                 fp8_param_gather: bool = False, replicas_apart: bool = False):
         super().__init__()
+        # DiLoCo (data_parallel/diloco.py): each replica group trains on its own between outer steps, so
+        # gradients reduce within the shard group only and a step's tokens are the group's
+        self.replicas_apart = replicas_apart
+        self.data_group = mesh.zero_group if replicas_apart else mesh.dp_cp_group
         if fp8_param_gather and zero_stage != 3:
             raise ValueError(f"fp8_param_gather is ZeRO-3's parameter all-gather in FP8; zero_stage is {zero_stage}")
         self._fp8_param_gather = fp8_param_gather
@@ -145,7 +149,7 @@ class DataParallel(nn.Module):
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
                                  compression=grad_compression, skip_group=comm.world_group(),
                                  expert_group=mesh.expert_zero_group if mesh.expert_replicas_apart else None,
-                                 replicate_group=mesh.replicate_group)
+                                 replicate_group=None if replicas_apart else mesh.replicate_group)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
@@ -184,7 +188,7 @@ class DataParallel(nn.Module):
         self.grads = UnitGrads(self.params, self.layout, group, grad_reduce_dtype=grad_reduce_dtype,
                                tp_group=mesh.tp_group,
                                embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None, groups=groups,
-                               replicate_group=mesh.replicate_group)
+                               replicate_group=None if self.replicas_apart else mesh.replicate_group)
         self.gather_order = list(range(len(self.layout.buckets)))
         self.schedule = Zero3Schedule(self.units, self.chunks, self.param_buffer, self.grads, prefetch=prefetch,
                                       reshard_after_forward=reshard_after_forward,
@@ -268,7 +272,7 @@ class DataParallel(nn.Module):
                 self.grads.finish_reduction()
             else:
                 self.grads.finish_reduction(grad_scale, skip)
-            replicas = comm.group_size(self.mesh.dp_cp_group)
+            replicas = comm.group_size(self.data_group)
             if self.dp_reduction == "mean" and replicas > 1:  # summed over the replicas -> their mean
                 self.grads.grad_shard.div_(replicas)  # every gradient this rank's optimizer reads (zero 0: all)
         if self.schedule is not None:
