@@ -224,7 +224,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     microbatches = context_parallel_chunks(microbatches, mesh)
     if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
         graphs.check_shapes(microbatches)
-    tokens = GlobalTokens(microbatches, mesh, getattr(model, "data_group", None))  # in flight during the 1st forward
+    # in flight while the first forward runs; under DiLoCo one replica group's tokens
+    tokens = GlobalTokens(microbatches, mesh, group=model.data_group) if getattr(model, "replicas_apart", False) \
+        else GlobalTokens(microbatches, mesh)
     microbatches = _to_device(microbatches, mesh.device)
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
