@@ -186,6 +186,9 @@ def _diloco_problem(cfg: RunConfig) -> str | None:
     p = cfg.parallel
     if cfg.checkpoint.save or cfg.checkpoint.load:
         return "--diloco-inner-steps does not checkpoint its outer state yet: drop --save/--load, or DiLoCo"
+    if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
+        return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
+                "steps: drop one of them")
     if p.grad_compression != "none" or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
         return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
                 "far: drop --grad-compression, experts, --pp and --offload-optimizer")
