@@ -120,9 +120,15 @@ class Layout:
         return None
 
     def _shard_problem(self) -> str | None:
+        """dp_shard divides dp; under hybrid sharding each replica group holds every expert (ep | dp_shard*cp)."""
         if self.dp % self.dp_shard:
             return (f"--dp-shard {self.dp_shard} does not divide dp = {self.dp} (ZeRO shards over dp-shard ranks "
                     f"and replicates across dp/dp-shard of them); choose --dp-shard in {divisors(self.dp)}")
+        if self.dp_shard < self.dp and (self.dp_shard * self.cp) % self.ep:
+            choices = [s for s in divisors(self.dp) if (s * self.cp) % self.ep == 0]
+            return (f"--ep {self.ep} does not divide dp_shard*cp = {self.dp_shard}*{self.cp} (an expert-parallel group "
+                    f"must lie inside one shard group, so every replica group holds every expert); choose --dp-shard "
+                    f"in {choices}")
         return None
 
     # ------------------------------------------------------------------ derived sizes

@@ -22,7 +22,8 @@ from megalite import comm
 from megalite.layout import Layout
 from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, model_parallel_group_ranks,
-                               pp_group_ranks, rank_to_coords, rank_to_cp_rank, tp_group_ranks, tp_cp_group_ranks)
+                               pp_group_ranks, rank_to_coords, rank_to_cp_rank, tp_group_ranks, tp_cp_group_ranks,
+                               dp_shard_group_ranks, dp_replicate_group_ranks, expert_dp_shard_group_ranks)
 from megalite.torch_mesh import build_device_mesh, build_ep_device_mesh
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +73,10 @@ class Mesh:
     ep_group: Any = field(default=None, repr=False)  # experts sharded over it; tokens travel all-to-all
     expert_dp_group: Any = field(default=None, repr=False)  # same experts: expert gradients reduce here
     moe_token_group: Any = field(default=None, repr=False)  # cp, or tp x cp at etp = 1: a microbatch's routed tokens
+    # Hybrid sharding (--dp-shard S < dp): ZeRO shards over S dp ranks (x cp), replicated dp/S times.
+    dp_shard_group: Any = field(default=None, repr=False)  # S x cp ranks: reduce-scatter and gather here
+    dp_replicate_group: Any = field(default=None, repr=False)  # dp/S ranks holding the same shard: all-reduce
+    expert_dp_shard_group: Any = field(default=None, repr=False)  # expert-dp members of this replica group
     _torch_meshes: dict = field(default_factory=dict, repr=False, compare=False)  # torch_mesh's cache
 
     @property
@@ -122,6 +127,36 @@ class Mesh:
         return self.cp_rank + self.cp_size * self.dp_rank
 
     @property
+    def dp_shard_size(self) -> int:
+        """S: the data-parallel ranks ZeRO shards over (dp at flat ZeRO)."""
+        return self.layout.dp_shard
+
+    @property
+    def dp_replicate_size(self) -> int:
+        """dp / S: replicas of each ZeRO shard group; 1 at flat ZeRO over all of dp x cp."""
+        return self.layout.dp_replicate
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        """Which replica group this rank is in (0 at flat ZeRO): dp_rank = shard index + S * this."""
+        return self.dp_rank // self.dp_shard_size
+
+    @property
+    def zero_group(self):
+        """The group ZeRO shards dense parameters over: dp x cp, or the shard group under hybrid sharding."""
+        return self.dp_shard_group if self.dp_replicate_size > 1 else self.dp_cp_group
+
+    @property
+    def expert_zero_group(self):
+        """The group ZeRO shards the experts over: expert-dp, or its members of this replica group."""
+        return self.expert_dp_shard_group if self.dp_replicate_size > 1 else self.expert_dp_group
+
+    @property
+    def replicate_group(self):
+        """The ranks holding this rank's shard (None at flat ZeRO): sharded gradients all-reduce here."""
+        return self.dp_replicate_group if self.dp_replicate_size > 1 else None
+
+    @property
     def experts_whole(self) -> bool:
         """Experts under tp > 1 kept whole on every tp rank (etp = 1), each routing its own share of the tokens."""
         return self.layout.experts_whole
@@ -156,6 +191,8 @@ class Mesh:
         order = "tp_rank + tp*(cp_rank + cp*(dp_rank + dp*pp_rank))" if with_cp else \
             "tp_rank + tp*(dp_rank + dp*pp_rank)"
         cp_degree = (f" cp={cp}" if with_cp else "") + (f" ep={self.ep_size}" if self.ep_size > 1 else "")
+        if self.dp_replicate_size > 1:  # hybrid sharding: dp = shard x replicate, the shard index fastest
+            cp_degree += f" (dp = dp_shard {self.dp_shard_size} x dp_replicate {self.dp_replicate_size})"
         cp_column = f" {'cp':>3}" if with_cp else ""
         lines = [
             f"mesh: world={self.world_size} tp={tp}{cp_degree} pp={pp} dp={dp} "
@@ -234,11 +271,20 @@ def _create_groups(rank: int, layout: Layout) -> dict[str, Any]:
     if layout.experts_whole:
         groups["moe_token_group"] = (_my_group(rank, "tp_cp", tp_cp_group_ranks(tp, pp, dp, cp)) if cp > 1
                                      else groups["tp_group"])
+    dp_shard = layout.dp_shard
+    if dp_shard < dp:  # hybrid sharding; created last, so flat layouts create the same groups as ever
+        groups["dp_shard_group"] = _my_group(rank, "dp_shard", dp_shard_group_ranks(tp, pp, dp, cp, dp_shard))
+        groups["dp_replicate_group"] = _my_group(rank, "dp_replicate",
+                                                 dp_replicate_group_ranks(tp, pp, dp, cp, dp_shard))
+        groups["expert_dp_shard_group"] = (
+            _my_group(rank, "edp_shard", expert_dp_shard_group_ranks(tp, pp, dp, cp, ep, layout.etp, dp_shard))
+            if layout.expert_groups_apart else groups["dp_shard_group"])
     return groups
 
 
 def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, backend: str | None = None,
               timeout_s: float = 600.0, ep: int = 1, etp: int = 1, replace: bool = False, *, num_experts: int = 0,
+              dp_shard: int | None = None,
               layout: Layout | None = None, device: torch.device | str | None = None) -> Mesh:
     """Build the mesh for this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
 
@@ -250,16 +296,18 @@ def init_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, back
     A second call with another layout while this process's mesh is live is refused unless
     `replace=True` (layers already built keep the first mesh's groups: silently mixing two layouts).
 
+    dp_shard (default dp): hybrid sharding, ZeRO over groups of dp_shard dp ranks (x cp), replicated
+    dp/dp_shard times (`Mesh.zero_group`, `Mesh.replicate_group`).
     Backend: nccl on a CUDA device, gloo otherwise. Every rank creates every group in the same order
     (torch.distributed requires it) and keeps its own.
     """
     global _CURRENT_MESH
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, num_experts=num_experts)
+    sizes = dict(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, num_experts=num_experts, dp_shard=dp_shard)
     if layout is None:
         layout = Layout(world=world_size, **sizes)
-    elif sizes != dict(tp=1, pp=1, dp=None, cp=1, ep=1, etp=1, num_experts=0):
+    elif sizes != dict(tp=1, pp=1, dp=None, cp=1, ep=1, etp=1, num_experts=0, dp_shard=None):
         raise TypeError("init_mesh takes the sizes or a layout, not both")
     elif layout.world != world_size:
         layout = Layout(**{**layout.sizes(), "world": world_size})  # refused in the layout's words

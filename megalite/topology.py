@@ -151,3 +151,55 @@ def tp_cp_group_ranks(tp: int, pp: int, dp: int, cp: int = 1) -> list[list[int]]
     """Every tp x cp group: ranks sharing (dp_rank, pp_rank), ascending. With whole experts (etp = 1)
     its members route different tokens of the same sequences: the router's losses are theirs together."""
     return _ranks(tp, pp, dp, cp, "ct")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid sharding: dp = dp_shard x dp_replicate (torchtitan's dp_shard / dp_replicate, Megatron's
+# --num-distributed-optimizer-instances = dp_replicate). ZeRO shards over S = dp_shard consecutive
+# dp ranks (x cp, as flat ZeRO shards over dp x cp) and replicates across the dp / S groups:
+#
+#     dp_rank = shard_index + S * replica_index        (the shard index varies fastest)
+#
+# so a shard group's ranks are neighbours (a node, a rack) and only the replicas' all-reduce
+# crosses the far links. Experts split the same way: ep must divide S*cp, so every ep group lies
+# inside one shard group and a replica group holds whole copies of every expert (megalite.layout's rule).
+# ---------------------------------------------------------------------------------------------
+
+
+def _replica_index(rank: int, tp: int, pp: int, dp: int, cp: int, dp_shard: int) -> int:
+    return rank_to_coords(rank, tp, pp, dp, cp)[1] // dp_shard
+
+
+def _split_by_replica(groups: list[list[int]], tp: int, pp: int, dp: int, cp: int, dp_shard: int) -> list[list[int]]:
+    """Each group cut into its members of one replica index (order kept; groups in replica order)."""
+    out = []
+    for members in groups:
+        for replica in range(dp // dp_shard):
+            part = [r for r in members if _replica_index(r, tp, pp, dp, cp, dp_shard) == replica]
+            if part:
+                out.append(part)
+    return out
+
+
+def dp_shard_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, dp_shard: int | None = None) -> list[list[int]]:
+    """Every ZeRO shard group: the dp x cp members of one (tp_rank, pp_rank) with dp ranks
+    [k*S, (k+1)*S), ascending. At S = dp (the default) it is the dp x cp group."""
+    dp_shard = dp if dp_shard is None else dp_shard
+    return _split_by_replica(dp_cp_group_ranks(tp, pp, dp, cp), tp, pp, dp, cp, dp_shard)
+
+
+def dp_replicate_group_ranks(tp: int, pp: int, dp: int, cp: int = 1, dp_shard: int | None = None
+                             ) -> list[list[int]]:
+    """Every replica group: the ranks that hold the same shard (same tp, cp, pp rank and dp_rank % S),
+    by replica index; dp / S members each."""
+    dp_shard = dp if dp_shard is None else dp_shard
+    span = dp_shard * cp  # members of one shard group inside a dp x cp group
+    return [members[q::span] for members in dp_cp_group_ranks(tp, pp, dp, cp) for q in range(span)]
+
+
+def expert_dp_shard_group_ranks(tp: int, pp: int, dp: int, cp: int, ep: int, etp: int,
+                                dp_shard: int | None = None) -> list[list[int]]:
+    """Every expert shard group: the expert-dp members of one replica index (order kept). The experts'
+    replicas across shard groups are the dense replica groups' ranks (`dp_replicate_group_ranks`)."""
+    dp_shard = dp if dp_shard is None else dp_shard  # a valid size: megalite.layout.Layout checked it
+    return _split_by_replica(expert_dp_group_ranks(tp, pp, dp, cp, ep, etp), tp, pp, dp, cp, dp_shard)

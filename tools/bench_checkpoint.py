@@ -3,6 +3,7 @@
     python tools/bench_checkpoint.py                          # ~67M-param GPT (270 MB fp32 weights), 1 rank
     python tools/bench_checkpoint.py --world 2 --zero 1       # 2 forked gloo ranks (dp=2, ZeRO-1)
     python tools/bench_checkpoint.py --hidden-size 1024 --num-layers 12 --trials 3 --dir /fast/disk
+    python tools/bench_checkpoint.py --world 4 --zero 3 --dp-shard 2 --num-layers 2   # a hybrid layout
 
 A checkpoint holds the weights (param dtype) and the fp32 master weights and both Adam
 moments, so an fp32 model writes 16 bytes per parameter. Per trial (sync and async,
@@ -13,6 +14,7 @@ in alternating order, so drift on a shared machine hits both alike):
   right after a save; a cold read adds the disk's read time).
 Ceilings measured in the same run: a plain buffered write + fsync of the same bytes (disk)
 and a memcpy of them into touched memory (the best an async snapshot can do). Medians over the trials.
+The last line gives the seconds as tools/plan.py --goodput takes them (--checkpoint-save-s, -load-s).
 """
 from __future__ import annotations
 
@@ -55,10 +57,11 @@ def _ceilings(nbytes: int, directory: Path) -> dict:
 
 def _bench_rank(args, directory: str) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
-    mesh = mesh_mod.init_mesh(tp=1, pp=1, dp=args.world)
+    mesh = mesh_mod.init_mesh(tp=1, pp=1, dp=args.world, dp_shard=args.dp_shard)
     model = preset("tiny", num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=12,
                    vocab_size=args.vocab_size, seq_length=args.seq_length)
-    cfg = RunConfig.build(dp=args.world, zero=args.zero, micro_batch_size=1, global_batch_size=args.world)
+    cfg = RunConfig.build(dp=args.world, zero=args.zero, micro_batch_size=1, global_batch_size=args.world,
+                          dp_shard=args.dp_shard)
     chunks = build_model_chunks(model, cfg, mesh)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, mesh), cfg)
     quiet = dict(log=lambda *_: None)
@@ -97,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--world", type=int, default=1, help="forked gloo ranks (dp)")
-    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2])
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--dp-shard", type=int, default=None, help="hybrid sharding: ZeRO over groups of S ranks "
+                        "(replica group 0 writes the shards)")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -127,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{ceiling / seconds:.0%}" if ceiling else "-"
         blocked = f"{seconds / r['sync_blocked_s']:.2f}x" if is_blocked else "-"
         print(f"{name:34} {seconds:8.2f} {gb / seconds:7.2f} {vs:>11} {blocked:>16}")
+    print(f"for tools/plan.py --goodput: --checkpoint-save-s {r['async_blocked_s']:.3g} (async; sync "
+          f"{r['sync_blocked_s']:.3g}) --checkpoint-load-s {r['load_s']:.3g}")
     return 0
 
 

@@ -6,6 +6,7 @@
     python tools/plan.py --model llama-70b --suggest --gpus 64 --nodes 8 --gpu-memory 80 --bf16
     python tools/plan.py --config run.toml --gpu-memory 80        # the same file the run reads
     python tools/plan.py --model llama-7b --tp 8 --bf16 --hardware A100-80GB   # step time on a built-in profile
+    python tools/plan.py --goodput --gpus 16384 --mtbf-hours 50700 --checkpoint-save-s 30 --restart-s 300 --dp 16384
     python tools/plan.py --calibrate this-machine.json            # measure this machine (imports torch)
     python tools/plan.py --calibrate cpu.json --calibrate-bf16    # bf16 too, on a CPU without native bf16
     python tools/plan.py --hardware this-machine.json --tp 2 --pp 2 --global-batch-size 32
@@ -41,6 +42,9 @@ from megalite.plan.hardware import BUILTIN, DEFAULT, load_profile
 from megalite.pipeline.instructions import format_schedule
 from megalite.pipeline.schedules import verified_schedule
 from megalite.pipeline.timeline import schedule_timeline, text_timeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
+from plan_goodput import add_goodput_arguments, goodput_problems, run_goodput  # noqa: E402
 
 
 def parse_bytes(text: str) -> float:
@@ -88,6 +92,7 @@ def planner_parser() -> argparse.ArgumentParser:
     group.add_argument("--calibrate-bf16", action="store_true",
                        help="with --calibrate: measure bf16 GEMMs even where the device has no native bf16 "
                             "(measured by default only where it has; each size within the calibration's time cap)")
+    add_goodput_arguments(parser)
     return parser
 
 
@@ -105,7 +110,7 @@ def planner_problems(cfg: RunConfig, args: dict) -> list[str]:
         problems.append("--calibrate-bf16 only applies to --calibrate OUT.json (it measures bf16 there)")
     if args["suggest"] and not args["gpu_memory"]:
         problems.append("--suggest needs --gpu-memory G (the memory of one GPU, e.g. 80 for 80 GB) to know what fits")
-    return problems
+    return problems + goodput_problems(args)
 
 
 def run_suggest(cfg: RunConfig, args: dict) -> int:
@@ -129,6 +134,7 @@ def run_suggest(cfg: RunConfig, args: dict) -> int:
         context = f" --cp {p.cp} --cp-comm-type {p.cp_comm_type}" if p.cp > 1 else ""
         context += f" --ep {p.ep}" if p.ep > 1 else ""
         context += f" --etp {p.etp}" if p.tp > 1 and s.cfg.gpt_config().moe is not None else ""
+        context += f" --dp-shard {s.cfg.dp_shard}" if s.cfg.dp_shard < s.cfg.dp else ""  # hybrid sharding
         print(f"{i + 1:>2}. --tp {p.tp} --pp {p.pp} --dp {s.cfg.dp}{context} --virtual-stages {p.virtual_stages} "
               f"--zero {p.zero} --recompute {p.recompute} --micro-batch-size {s.cfg.training.micro_batch_size}"
               f"{' --sequence-parallel' if p.sequence_parallel else ''}"
@@ -198,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_calibrate(args["calibrate"], args["calibrate_bf16"])
     if args["suggest"]:
         return run_suggest(cfg, args)
+    if args["goodput"]:
+        return run_goodput(cfg.resolved(args["gpus"] or cfg.world_size, cfg.model.vocab_size), args)
     cfg = cfg.resolved(args["gpus"] or cfg.world_size, cfg.model.vocab_size)
     model, timing = None, {}
     if args["num_params"] is not None:

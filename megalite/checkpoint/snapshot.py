@@ -128,6 +128,8 @@ def _range_items(flats: dict[str, torch.Tensor], name: str, spec, shape: tuple[i
 
 def sharded_model_items(chunks, model, mesh: Mesh, pin: bool = False) -> list[Item]:
     """ZeRO-3: every dp rank stores the parameter pieces its shard holds (each element once over dp)."""
+    if mesh.dp_replicate_rank != 0:  # hybrid sharding: replica group 0's shards stand for every copy
+        return []
     specs = optimizer_param_specs(chunks, mesh)
     items = []
     for piece in model.owned_pieces():
@@ -145,6 +147,8 @@ def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
     state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
     extras = {"step": state["step"], "loss_scaler": state["loss_scaler"]}
     specs = optimizer_param_specs(chunks, mesh)
+    if optimizer.zero_stage > 0 and mesh.dp_replicate_rank != 0:  # hybrid sharding: replica group 0 stores
+        specs = {}
     if optimizer.zero_stage == 0:  # replicas store nothing (ZeRO: disjoint shards, each stores its own)
         replicas = {chunk.logical_name(n): first_replica(p, mesh) for chunk in chunks for n, p in chunk.named_parameters()}
         specs = {name: spec for name, spec in specs.items() if replicas[name]}

@@ -211,6 +211,16 @@ class RunConfig:
         return self.parallel.dp or 1
 
     @property
+    def dp_shard(self) -> int:
+        """S, the data-parallel ranks ZeRO shards over: --dp-shard, or dp / --num-distributed-optimizer-instances,
+        else dp (flat ZeRO). `checks.dp_shard_problems` refuses a value that does not divide dp."""
+        p = self.parallel
+        if p.dp_shard is not None:
+            return p.dp_shard
+        instances = p.num_distributed_optimizer_instances
+        return self.dp // instances if instances and self.dp % instances == 0 else self.dp
+
+    @property
     def world_size(self) -> int:
         return self.parallel.tp * self.parallel.cp * self.parallel.pp * self.dp
 
@@ -226,8 +236,10 @@ class RunConfig:
         ranks when given (dp inferred from it when --dp is unset), for `model`'s experts (default: this
         configuration's model; ValueError if that cannot be built)."""
         p, model = self.parallel, model if model is not None else self.gpt_config()
+        # --dp-shard as given; from --num-distributed-optimizer-instances only once dp is known
+        dp_shard = p.dp_shard if p.dp_shard is not None or p.dp is None else self.dp_shard
         return Layout(tp=p.tp, cp=p.cp, dp=p.dp, pp=p.pp, vp=p.virtual_stages, ep=p.ep, etp=p.etp, world=world_size,
-                      num_experts=model.moe.num_experts if model.moe is not None else 0)
+                      dp_shard=dp_shard, num_experts=model.moe.num_experts if model.moe is not None else 0)
 
     @property
     def experts_whole(self) -> bool:

@@ -33,7 +33,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
-    problems += _compression_problems(cfg) + layout_problems(cfg)
+    problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
@@ -139,6 +139,46 @@ def layout_problems(cfg: RunConfig) -> list[str]:
                 f"{model.seq_length} must be divisible by tp*cp = {layout.tp * layout.cp}; change --seq-length or use "
                 f"--etp {layout.tp}"]
     return []
+
+
+def dp_shard_problems(cfg: RunConfig) -> list[str]:
+    """--dp-shard S or --num-distributed-optimizer-instances (dp/S), given once, and what hybrid sharding does
+    not compose with (PowerSGD reduces over all of dp; DiLoCo's limits). S's sizes: megalite.layout."""
+    p = cfg.parallel
+    if p.dp_shard is None and p.num_distributed_optimizer_instances is None:
+        return [_diloco_problem(cfg)] if p.diloco_inner_steps and _diloco_problem(cfg) else []
+    if p.dp_shard is not None and p.num_distributed_optimizer_instances is not None:
+        return [f"--dp-shard {p.dp_shard} and --num-distributed-optimizer-instances "
+                f"{p.num_distributed_optimizer_instances} say the same thing twice (instances = dp/S); give one"]
+    dp, instances = cfg.dp, p.num_distributed_optimizer_instances
+    if p.dp is None:
+        return []  # dp comes from the world size: launch_checks asks again on the resolved config
+    choices = [s for s in range(1, dp + 1) if dp % s == 0]
+    if instances is not None and dp % instances:
+        return [f"--num-distributed-optimizer-instances {instances} does not divide dp = {dp}; choose it in {choices}"]
+    shard = cfg.dp_shard
+    if p.diloco_inner_steps:
+        problem = _diloco_problem(cfg)
+        if problem:
+            return [problem]
+    if shard < dp and p.grad_compression != "none":
+        return [f"--grad-compression {p.grad_compression} with --dp-shard {shard} < dp {dp}: PowerSGD reduces over "
+                f"all of dp x cp; drop one of them"]
+    return []
+
+
+def _diloco_problem(cfg: RunConfig) -> str | None:
+    """--diloco-inner-steps: what the outer step over the replica groups does not cover yet."""
+    p = cfg.parallel
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        return "--diloco-inner-steps does not checkpoint its outer state yet: drop --save/--load, or DiLoCo"
+    if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
+        return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
+                "steps: drop one of them")
+    if p.grad_compression != "none" or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
+        return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
+                "far: drop --grad-compression, experts, --pp and --offload-optimizer")
+    return None
 
 
 def data_problems(data: DataSettings) -> list[str]:

@@ -107,6 +107,13 @@ class ParallelSettings:
     sequence_parallel: bool = setting(False, "shard norms, dropouts and residuals along the sequence over tp")
     zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over dp, 2 also the gradients, 3 also the "
                            "parameters (gathered unit by unit: embedding, each block, head)", choices=(0, 1, 2, 3))
+    dp_shard: int | None = setting(None, "hybrid sharding: ZeRO shards over groups of S data-parallel ranks (x cp) "
+                                         "and replicates across the dp/S groups: gradients reduce-scatter in a "
+                                         "group, then the shard is all-reduced across the replicas (default dp: "
+                                         "flat ZeRO)", metavar="S", minimum=1)
+    num_distributed_optimizer_instances: int | None = setting(None, "Megatron's name for hybrid sharding: dp/S "
+                                                                    "replicas of the sharded optimizer (--dp-shard "
+                                                                    "dp/N)", metavar="N", minimum=1)
     zero3_prefetch: int = setting(1, "zero 3: units whose all-gather is started ahead of the running one",
                                   metavar="N", minimum=0)
     zero3_reshard_after_forward: bool = setting(True, "zero 3: free a unit's parameters after its forward and gather "
@@ -135,6 +142,12 @@ class ParallelSettings:
     powersgd_min_compression: float = setting(2.0, "PowerSGD: matrices that would not shrink by at least this "
                                                    "factor (and every 1-D parameter) are reduced uncompressed",
                                               minimum=0, fix="0 compresses every matrix; 2 is the default")
+    diloco_inner_steps: int = setting(0, "DiLoCo across the replica groups of --dp-shard: each group trains H steps "
+                                         "on its own (no replica all-reduce), then one outer step on the "
+                                         "pseudo-gradients (0: off)", metavar="H", minimum=0)
+    diloco_outer_lr: float = setting(0.7, "DiLoCo: the outer SGD's learning rate (1 with no momentum: the groups' "
+                                          "mean)", minimum=0)
+    diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer SGD's Nesterov momentum", minimum=0, below=1)
 
 
 @dataclass(frozen=True)

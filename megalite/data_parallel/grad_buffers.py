@@ -95,13 +95,17 @@ class GradBuffers:
             skip_group: the group a non-finite gradient skips the step over (the world).
         expert_group: the expert-data-parallel group of `expert_parallel` parameters (ep > 1);
             None: every parameter reduces over dp_group.
+        replicate_group: hybrid sharding: the ranks holding the same shard of dp_group's (and
+            expert_group's) buckets; each reduced shard (zero 0: bucket) is then all-reduced over it.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dp_group, *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
                  embedding_group=None, compression: PowerSGDConfig | None = None, skip_group=None,
-                 expert_group=None):
+                 expert_group=None, replicate_group=None):
         params = _checked_params(params, zero_stage, grad_reduce_dtype)
+        # Hybrid sharding: dp_group (and expert_group) is a shard group; its replicas sum there after.
+        self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
         self.params = list(reversed(params))  # reverse order of use: backward fills bucket 0 first
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
@@ -308,7 +312,7 @@ class GradBuffers:
                 self._launch(bucket)
         if compressing:
             self._reduce_compressed(grad_scale, skip)
-        for bucket, handle, send, out in self._pending:
+        for bucket, handle, send, out in self._across_replicas(self._pending):
             handle.wait()
             b = self.layout.buckets[bucket]
             if self.zero_stage == 0 and send is not self._bucket_grads[bucket]:
@@ -328,6 +332,20 @@ class GradBuffers:
         if self._expected is None and any(self._arrived):  # a step that synchronised no backward teaches nothing
             self._expected = list(self._arrived)
         self._reset_counters()
+
+    def _across_replicas(self, pending: list) -> list:
+        """Hybrid sharding's second stage: as each bucket's shard-group reduction lands, start the
+        all-reduce of its result (zero 0: the bucket, else this rank's chunk) over the replicas;
+        returns the entries to wait for. Only the 1/S shard crosses the replica links."""
+        if self.replicate_group is None:
+            return pending
+        second = []
+        for bucket, handle, send, out in pending:
+            handle.wait()
+            result = send if self.zero_stage == 0 else out
+            self._sent_bytes += result.numel() * result.element_size()
+            second.append((bucket, comm.all_reduce(result, self.replicate_group, async_op=True), send, out))
+        return second
 
     def _plain_bytes(self) -> int:
         """Bytes the uncompressed reduction sends per step: every bucket over a group of several ranks, fp32."""

@@ -14,6 +14,9 @@
   until the step's last microbatch would hold 4Ψ bytes, ZeRO-1's gradient memory, which is
   what ZeRO-3 exists to avoid. At most `max_in_flight` reductions are pending at a time, so
   full-size gradients never pile up.
+- Hybrid sharding (`replicate_group`): the reduce-scatters run within the shard group; the
+  step's accumulated shard is all-reduced over the replicas once, in `finish_reduction()`
+  (per microbatch would send the same bytes m times).
 - Units holding a parameter tied across pipeline stages (one per stage, same layout) sum
   their gradient SHARD over the embedding group in `finish_reduction()`: 1/dp of ZeRO-1's bytes.
 """
@@ -35,13 +38,15 @@ class UnitGrads:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], layout: BufferLayout, dp_group, *,
                  grad_reduce_dtype: torch.dtype = torch.float32, tp_group=None, embedding_group=None,
-                 max_in_flight: int = 1, groups: tuple = ()):
+                 max_in_flight: int = 1, groups: tuple = (), replicate_group=None):
         if grad_reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_reduce_dtype must be torch.float32 or torch.bfloat16, got {grad_reduce_dtype}")
         self.params, self.layout = list(params), layout
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.grad_reduce_dtype, self.max_in_flight = grad_reduce_dtype, max_in_flight
         self.device = self.params[0].device
+        # hybrid sharding: the ranks holding this rank's shard of every unit (dense and expert alike)
+        self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
         self.shard_rank = comm.group_rank(dp_group)
         self.groups = groups or (dp_group,)  # by unit kind: dense units over dp x cp, expert units over expert-dp
         self.shard_ranks = tuple(comm.group_rank(g) for g in self.groups)
@@ -143,6 +148,8 @@ class UnitGrads:
         self.reduce_all()
         while self._pending:
             self._complete(self._pending.popleft())
+        if self.replicate_group is not None:  # hybrid sharding: the step's shard summed over the replicas, once
+            comm.all_reduce(self.grad_shard, self.replicate_group)
         for unit in self.tied_units:
             b = self.layout.buckets[unit]
             comm.all_reduce(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel], self.embedding_group)

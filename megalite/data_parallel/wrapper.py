@@ -78,7 +78,11 @@ class DataParallel(nn.Module):
 
     Parameters are replicated over data and context parallelism alike (cp ranks hold other
     tokens of the same sequences), so gradients reduce, and ZeRO shards, over dp x cp; at cp = 1
-    that group is `mesh.dp_group` itself. "dp" below means that group. Under expert parallelism
+    that group is `mesh.dp_group` itself. "dp" below means that group. Under hybrid sharding
+    (mesh.dp_replicate_size > 1, --dp-shard S) ZeRO shards over `mesh.zero_group` (S dp ranks x cp)
+    instead: gradients reduce-scatter there, then the shard (zero 0: the whole gradient) is
+    all-reduced over `mesh.replicate_group` (the dp/S ranks holding the same shard), and parameters
+    gather within the shard group only. Under expert parallelism
     (mesh.ep_size > 1), or with whole experts on every tp rank (etp = 1), the experts are replicated over
     `mesh.expert_dp_group` (expert-dp, x tp at etp = 1): their buckets reduce, shard and gather there
     (grad_buffers.py; ZeRO 0-2; ZeRO-3's expert units likewise).
@@ -107,8 +111,12 @@ class DataParallel(nn.Module):
                  overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
                  prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
                  grad_compression: PowerSGDConfig | None = None, dp_reduction: str = "mean",
-                 fp8_param_gather: bool = False):
+                 fp8_param_gather: bool = False, replicas_apart: bool = False):
         super().__init__()
+        # DiLoCo (data_parallel/diloco.py): each replica group trains on its own between outer steps, so
+        # gradients reduce within the shard group only and a step's tokens are the group's
+        self.replicas_apart = replicas_apart
+        self.data_group = mesh.zero_group if replicas_apart else mesh.dp_cp_group
         if fp8_param_gather and zero_stage != 3:
             raise ValueError(f"fp8_param_gather is ZeRO-3's parameter all-gather in FP8; zero_stage is {zero_stage}")
         self._fp8_param_gather = fp8_param_gather
@@ -121,6 +129,9 @@ class DataParallel(nn.Module):
         if grad_compression is not None and zero_stage not in (0, 1, 2):
             raise ValueError(f"gradient compression composes with zero_stage 0, 1 or 2, not {zero_stage}: ZeRO-3 "
                              f"never holds a whole accumulated gradient to factor; use zero_stage=2")
+        if grad_compression is not None and mesh.dp_replicate_size > 1:
+            raise ValueError(f"gradient compression does not compose with hybrid sharding (dp_shard "
+                             f"{mesh.dp_shard_size} < dp {mesh.dp_size}) yet: PowerSGD reduces over all of dp x cp")
         if overlap_param_gather and zero_stage in (0, 3):
             raise ValueError("overlap_param_gather needs zero_stage 1 or 2 (at zero 0 nothing is gathered; ZeRO-3 "
                              "gathers each unit right before its forward, never after the step)")
@@ -133,12 +144,13 @@ class DataParallel(nn.Module):
             self._init_zero3(units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step)
             return
         named = [(n, p) for n, p in named_parameters_of(self.chunks) if p.requires_grad]
-        replica_group = mesh.dp_cp_group  # every rank holding these same parameters (dp x cp)
+        replica_group = mesh.zero_group  # dp x cp, or the shard group under hybrid sharding
         self.grads = GradBuffers([p for _, p in named], replica_group, bucket_size=bucket_size,
                                  grad_reduce_dtype=grad_reduce_dtype, zero_stage=zero_stage, tp_group=mesh.tp_group,
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
                                  compression=grad_compression, skip_group=comm.world_group(),
-                                 expert_group=mesh.expert_dp_group if mesh.expert_replicas_apart else None)
+                                 expert_group=mesh.expert_zero_group if mesh.expert_replicas_apart else None,
+                                 replicate_group=None if replicas_apart else mesh.replicate_group)
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]
@@ -156,10 +168,10 @@ class DataParallel(nn.Module):
     def _init_zero3(self, units, grad_reduce_dtype, prefetch, reshard_after_forward, keep_gathered_in_step) -> None:
         """Units, their flat layout (one bucket each), sharded storage, gradients and the schedule."""
         mesh = self.mesh
-        group = mesh.dp_cp_group  # the shards span every rank holding these parameters (dp x cp), as ZeRO 1/2
+        group = mesh.zero_group  # the shards span dp x cp (or a shard group: hybrid sharding), as ZeRO 1/2
         tied_split = mesh.pp_size > 1  # the tied embedding: one unit per stage, same layout on both
         self.units = split_tied(resolve_units(self.chunks, units), tied_split)
-        expert_group = mesh.expert_dp_group  # expert units (kind 1) shard over the ranks holding the same experts
+        expert_group = mesh.expert_zero_group  # expert units (kind 1) shard over the ranks holding the same experts
         groups = (group, expert_group)
         self.layout = build_unit_layout([[p.numel() for p in u.params] for u in self.units], comm.group_size(group),
                                         [u.kind for u in self.units], (comm.group_size(expert_group),))
@@ -176,7 +188,8 @@ class DataParallel(nn.Module):
         self.names = [name_of[id(p)] for p in self.params]
         self.grads = UnitGrads(self.params, self.layout, group, grad_reduce_dtype=grad_reduce_dtype,
                                tp_group=mesh.tp_group,
-                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None, groups=groups)
+                               embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None, groups=groups,
+                               replicate_group=None if self.replicas_apart else mesh.replicate_group)
         self.gather_order = list(range(len(self.layout.buckets)))
         self.schedule = Zero3Schedule(self.units, self.chunks, self.param_buffer, self.grads, prefetch=prefetch,
                                       reshard_after_forward=reshard_after_forward,
@@ -260,7 +273,7 @@ class DataParallel(nn.Module):
                 self.grads.finish_reduction()
             else:
                 self.grads.finish_reduction(grad_scale, skip)
-            replicas = comm.group_size(self.mesh.dp_cp_group)
+            replicas = comm.group_size(self.data_group)
             if self.dp_reduction == "mean" and replicas > 1:  # summed over the replicas -> their mean
                 self.grads.grad_shard.div_(replicas)  # every gradient this rank's optimizer reads (zero 0: all)
         if self.schedule is not None:

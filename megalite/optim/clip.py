@@ -25,6 +25,9 @@ one all-reduce sums them:
   counts them (the rank 0 of their expert-dp x tp group is a tp rank 0); under ZeRO their shards
   are disjoint over expert-dp x tp, so every tp rank counts its own.
 
+- hybrid sharding (--dp-shard S < dp): ZeRO shards are disjoint within a shard group only and
+  repeat in each of the dp/S replica groups: only replica group 0's ranks count theirs.
+
 An inf/nan anywhere in a rank's gradients makes the global norm inf/nan on every rank
 (the all-reduced sum propagates it), which is how callers skip a step everywhere.
 """
@@ -38,7 +41,8 @@ from megalite import comm, params as P
 from megalite.mesh import Mesh
 
 
-def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = False, sharded: bool = False) -> bool:
+def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = False, sharded: bool = False,
+                        replicas_apart: bool = False) -> bool:
     """True when this rank's copy of `param` contributes to the global gradient norm.
 
     over_replicas: the sum runs over the replicas too (ep > 1 without ZeRO sharding): only the
@@ -46,6 +50,8 @@ def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = F
     the gradient (disjoint over the parameter's replica group)."""
     if P.is_tied_across_stages(param) and not mesh.is_first_stage:
         return False  # the first stage's copy stands for the tied embedding
+    if sharded and mesh.dp_replicate_rank != 0 and not replicas_apart:  # (DiLoCo: each group its own norm)
+        return False  # hybrid sharding: the shards repeat in every replica group; the first one counts them
     if sharded and mesh.experts_whole and P.is_expert_parallel(param):
         return True  # whole experts (etp = 1) are sharded over expert-dp x tp: the tp ranks hold disjoint pieces
     if not P.shard_spec(param).is_tp_sharded and mesh.tp_rank != 0:
@@ -55,12 +61,19 @@ def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = F
     return True
 
 
-def reduce_square_sum(local_square_sum: torch.Tensor, mesh: Mesh, sharded_over_dp: bool = False) -> torch.Tensor:
+def reduce_square_sum(local_square_sum: torch.Tensor, mesh: Mesh, sharded_over_dp: bool = False,
+                      replicas_apart: bool = False) -> torch.Tensor:
     """All-reduce a rank's float32 sum of squares into the global one (in place; returned).
 
     Sums over the model-parallel group (tp x pp); also over dp x cp when every rank of it holds
-    a disjoint shard of the gradients (ZeRO).
+    a disjoint shard of the gradients (ZeRO). replicas_apart (DiLoCo): each replica group's own
+    norm: one world all-reduce of a slot per replica group, each rank reading its group's.
     """
+    if replicas_apart and sharded_over_dp and mesh.dp_replicate_size > 1:
+        slots = torch.zeros(mesh.dp_replicate_size, dtype=local_square_sum.dtype, device=local_square_sum.device)
+        slots[mesh.dp_replicate_rank] = local_square_sum
+        comm.all_reduce(slots, comm.world_group())
+        return local_square_sum.copy_(slots[mesh.dp_replicate_rank])
     if (sharded_over_dp and mesh.dp_size * mesh.cp_size > 1) or mesh.ep_size > 1:
         # dp x cp x tp x pp is the whole world: one all-reduce instead of two (ep > 1: experts differ
         # across the ep ranks, replicas counted once by `counts_in_grad_norm(..., over_replicas)`).

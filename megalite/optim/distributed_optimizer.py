@@ -164,8 +164,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.pieces = model.owned_pieces()
         self._group_runs = group_runs(self.param_groups, self.params, self.pieces)
         over_replicas = self.zero_stage == 0 and self.mesh.ep_size > 1  # ep > 1 sums the norm over the world
-        counted = [counts_in_grad_norm(self.params[x.param], self.mesh, over_replicas, sharded=self.zero_stage > 0)
-                   for x in self.pieces]
+        self.replicas_apart = model.replicas_apart  # DiLoCo: each replica group clips by its own norm
+        counted = [counts_in_grad_norm(self.params[x.param], self.mesh, over_replicas, sharded=self.zero_stage > 0,
+                                       replicas_apart=self.replicas_apart) for x in self.pieces]
         self._norm_runs = _runs(self.pieces, counted)
         self._other_runs = _runs(self.pieces, [not c for c in counted])
         self.device = model.param_buffer.device
@@ -212,6 +213,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lo, hi = self._bounds(bucket)
         return state[lo:hi]
 
+    def master_chunks(self) -> list[torch.Tensor]:
+        """Per bucket, this rank's fp32 master chunk (updated in place; `publish_params` spreads it)."""
+        return list(self._masters)
+
     def master_range(self, start: int, end: int) -> torch.Tensor:
         """The fp32 master of shard elements [start, end) (within one bucket's chunk)."""
         bucket = bisect.bisect_right(self._shard_offsets, start) - 1
@@ -233,7 +238,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             square += square_sum(grad[start:end])
         for start, end in self._other_runs:  # not counted, but an inf/nan there must still show up
             square += square_sum(grad[start:end]) * 0.0
-        return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0).sqrt()
+        return reduce_square_sum(square, self.mesh, sharded_over_dp=self.zero_stage > 0,
+                                 replicas_apart=self.replicas_apart).sqrt()
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None, *, lr: float | None = None, skip: bool = False):

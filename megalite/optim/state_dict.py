@@ -49,7 +49,7 @@ def _local_state(optimizer, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
     if optimizer.zero_stage > 0:  # each element is owned by exactly one rank of dp x cp: the sum is the whole
         for kind in kinds:
             flats[kind] = flats[kind].to(optimizer.device)
-            comm.all_reduce(flats[kind], optimizer.mesh.dp_cp_group)
+            comm.all_reduce(flats[kind], optimizer.mesh.zero_group)  # hybrid sharding: one replica's shards
     return flats
 
 

@@ -7,6 +7,10 @@ attention adds the cp group's own traffic ('cp/send' + 'cp/recv' for ring attent
 'cp/all_to_all' for Ulysses); parameters are replicated over dp x cp, whose group the ledger
 names 'dp_cp' (at cp = 1 it is the dp group, 'dp').
 
+Hybrid sharding (--dp-shard S < dp): the ZeRO traffic above runs over the shard group, S x cp
+ranks, named 'dp_shard' ('edp_shard' for the experts' members of it), and each step adds one
+all-reduce of the reduced shard over the dp/S replicas, 'dp_replicate' (`add_replica_bytes`).
+
 Gradient compression (--grad-compression powersgd): the dp gradient reduction (all-reduce at
 ZeRO 0, reduce-scatter at ZeRO 1/2) becomes all-reduces of 4 * (R*(n+m) per compressed n x m
 matrix + numel per other gradient) bytes (plan/compression.py), per replica group (dp or dp_cp,
@@ -19,7 +23,8 @@ from typing import TYPE_CHECKING
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
-from megalite.plan.layout import DTYPE_BYTES, dp_group_name, local_seq_length, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, is_hybrid, local_seq_length, recomputed_stage_layers,
+                                  stage_layers, zero_group_name, zero_shard_ranks)
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
                                moe_tensor_parallel_bytes, stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
@@ -62,14 +67,14 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     if experts_apart(model, cfg):  # experts reduce over their own replicas (ZeRO-3: their own units)
         experts = stage_expert_params(model, cfg, stage)
         params -= experts
-        edp = expert_dp_config(cfg)
-        to_edp = lambda key, n: add("edp/" + key.split("/", 1)[1], n)  # noqa: E731
+        edp, to_edp = expert_dp_config(cfg), lambda key, n: add(_expert_group(key), n)  # noqa: E731
         if cfg.parallel.zero == 3:
             add_zero3_expert_bytes(to_edp, cfg, experts)
         else:
             add_dp_bytes(to_edp, experts, edp)
     if cfg.parallel.zero == 3 and cfg.dp * cfg.parallel.cp > 1:
         add_zero3_dp_bytes(add, model, cfg, stage, params)
+        add_replica_bytes(add, params, cfg)
     else:
         add_dp_bytes(add, params, cfg)
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
@@ -89,6 +94,14 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
         add("pp/recv", chunk * (fwd_recv + fwd_send))
     return out
+
+
+def _expert_group(key: str) -> str:
+    """The experts' ledger key for a dense one: their shard group 'edp_shard' under hybrid sharding, the
+    same replica groups ('dp_replicate'), else 'edp'."""
+    group, op = key.split("/", 1)
+    return {"dp_shard": "edp_shard", "edp_shard": "edp_shard", "dp_replicate": "dp_replicate"}.get(group, "edp") \
+        + "/" + op
 
 
 def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u: int,
@@ -177,11 +190,15 @@ def context_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict
 
 
 def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:
-    """Data-parallel traffic for `params` parameters on this rank (over dp x cp: its replicas)."""
+    """Data-parallel traffic for `params` parameters on this rank (over dp x cp: its replicas; under
+    hybrid sharding over the shard group, then `add_replica_bytes`)."""
     if cfg.dp * cfg.parallel.cp == 1:
         return
+    add_replica_bytes(add, params, cfg)
+    if zero_shard_ranks(cfg) == 1:  # S = 1, cp = 1: a shard group of one rank sends nothing
+        return
     p, g, m = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype], cfg.num_microbatches
-    group = dp_group_name(cfg)
+    group = zero_group_name(cfg)
     if cfg.parallel.zero == 0:
         add(f"{group}/all_reduce", params * g)
     elif cfg.parallel.zero == 1:
@@ -193,6 +210,18 @@ def add_dp_bytes(add, params: int, cfg: RunConfig) -> None:
     else:  # ZeRO-3 from a parameter count alone: plan/zero3.py has the full accounting
         add(f"{group}/reduce_scatter", m * params * g)
         add(f"{group}/all_gather", 2 * m * params * p)    # params gathered for forward and backward
+
+
+def add_replica_bytes(add, params: int, cfg: RunConfig) -> None:
+    """Hybrid sharding's all-reduce across the dp/S replica groups, once per step, into
+    `add("dp_replicate/all_reduce", bytes)`: the reduced shard of `params` (ZeRO 1/2: in
+    --grad-reduce-dtype, bucket by bucket; ZeRO-3: the step's fp32 gradient shard; ZeRO 0: the
+    whole gradient, nothing being sharded)."""
+    if not is_hybrid(cfg):
+        return
+    g, shard = DTYPE_BYTES[cfg.precision.grad_reduce_dtype], -(-params // zero_shard_ranks(cfg))
+    zero = cfg.parallel.zero
+    add("dp_replicate/all_reduce", params * g if zero == 0 else shard * (4 if zero == 3 else g))
 
 
 def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import Fp8ScalingRecipe
 from megalite.config.model import GPTConfig
-from megalite.plan.layout import dp_group_name, local_seq_length, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import local_seq_length, recomputed_stage_layers, stage_layers, zero_group_name, zero_shard_ranks
 from megalite.plan.moe import routed_tokens, stage_moe_layers
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def _parameter_gathers(tally: _Tally, model: GPTConfig, cfg: RunConfig, stage: i
     """--fp8-param-gather: each gather of a block's unit all-reduces its FP8 weights' amaxes over
     the gather group, then over tp (the experts' units: not modelled)."""
     p, m = cfg.parallel, cfg.num_microbatches
-    if not (p.zero == 3 and cfg.precision.fp8_param_gather and cfg.dp * p.cp > 1):
+    if not (p.zero == 3 and cfg.precision.fp8_param_gather and zero_shard_ranks(cfg) > 1):
         return
     if p.zero3_keep_gathered_in_step:
         gathers = 1
@@ -122,7 +122,7 @@ def _parameter_gathers(tally: _Tally, model: GPTConfig, cfg: RunConfig, stage: i
     layers, moe_layers = stage_layers(model, cfg)[stage], stage_moe_layers(model, cfg, stage)
     for count, mlp in ((layers - moe_layers, True), (moe_layers, False)):
         weights = len(_linears(model, cfg, mlp)) if count else 0
-        tally.add(dp_group_name(cfg), gathers * count, 4 * weights)
+        tally.add(zero_group_name(cfg), gathers * count, 4 * weights)
         tally.add("tp" if p.tp > 1 else None, gathers * count, 4 * weights)
 
 

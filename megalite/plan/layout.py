@@ -61,3 +61,19 @@ def recompute_fraction(model: GPTConfig, cfg: RunConfig) -> float:
 def dp_group_name(cfg: RunConfig) -> str:
     """The ledger's name of the group parameters are replicated over: 'dp', or 'dp_cp' (dp x cp)."""
     return "dp" if cfg.parallel.cp == 1 else "dp_cp"
+
+
+def is_hybrid(cfg: RunConfig) -> bool:
+    """Hybrid sharding: ZeRO over --dp-shard S < dp ranks (x cp), replicated dp/S times."""
+    return cfg.dp_shard < cfg.dp
+
+
+def zero_group_name(cfg: RunConfig) -> str:
+    """The ledger's name of the group ZeRO shards over: 'dp_shard' under hybrid sharding, else
+    `dp_group_name` (over which the gradients are then reduced whole)."""
+    return "dp_shard" if is_hybrid(cfg) else dp_group_name(cfg)
+
+
+def zero_shard_ranks(cfg: RunConfig) -> int:
+    """Ranks ZeRO spreads one replica's shards over: S x cp (dp x cp without hybrid sharding)."""
+    return cfg.dp_shard * cfg.parallel.cp

@@ -94,7 +94,11 @@ def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 def expert_dp_config(cfg: RunConfig) -> RunConfig:
     """The layout the experts' replicas see: dp*cp/ep replicas (x tp at etp = 1), no cp (for
     model_state_bytes, add_dp_bytes)."""
-    return cfg.replace(dp=cfg.dp * cfg.parallel.cp // cfg.parallel.ep * (cfg.parallel.tp // cfg.etp_size), cp=1)
+    whole = cfg.parallel.tp // cfg.etp_size
+    edp = cfg.dp * cfg.parallel.cp // cfg.parallel.ep * whole
+    # hybrid sharding: the experts' shard group is the expert-dp members of one replica group
+    shard = cfg.dp_shard * cfg.parallel.cp // cfg.parallel.ep * whole if cfg.dp_shard < cfg.dp else None
+    return cfg.replace(dp=edp, cp=1, dp_shard=shard, num_distributed_optimizer_instances=None)
 
 
 def balanced_routes(routes: int, num_experts: int, ep: int, source: int, dest: int) -> list[int]:

@@ -46,7 +46,7 @@ from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes
-from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers, zero_shard_ranks
 from megalite.plan.moe import expert_dp_config, stage_expert_params
 from megalite.plan.params import hardware_flops_per_token, stage_params
 from megalite.plan.zero3 import gathered_peak_elements, transient_grad_bytes
@@ -143,7 +143,7 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
     (fp32) optimizer bytes, ZeRO-1/2/3 partition optimizer / + grads / + params over dp.
     """
     p = DTYPE_BYTES[cfg.precision.precision]
-    z, shard = cfg.parallel.zero, math.ceil(params / (cfg.dp * cfg.parallel.cp))  # ZeRO shards over dp x cp
+    z, shard = cfg.parallel.zero, math.ceil(params / zero_shard_ranks(cfg))  # dp x cp, or S x cp (hybrid)
     if convention == "zero-paper":
         g = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
         optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == "fp32" else 12)

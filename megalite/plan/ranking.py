@@ -13,7 +13,7 @@ from megalite.config.model import GPTConfig
 from megalite.plan.per_rank import Estimate, estimate
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.layout import GB
-from megalite.plan.search import search
+from megalite.plan.search import fits, search
 from megalite.plan.timing import predict_step_time
 from megalite.plan.units import human_bytes, human_count
 from megalite.plan.validity import preflight
@@ -80,6 +80,9 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
     if par.zero:
         sharded = ("optimizer", "optimizer+grads", "all states")[par.zero - 1]
         over = f"dp={cfg.dp}" if par.cp == 1 else f"dp x cp = {cfg.dp * par.cp}"
+        if cfg.dp_shard < cfg.dp:  # hybrid sharding
+            over = (f"dp_shard={cfg.dp_shard}" + (" x cp" if par.cp > 1 else "")
+                    + f", replicated x{cfg.dp // cfg.dp_shard}")
         bits.append(f"ZeRO-{par.zero} shards {sharded} over {over}" + _why_not_earlier(model, cfg, gpu_memory, "zero3"))
     if par.recompute != "none":
         bits.append(f"{par.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
@@ -158,6 +161,30 @@ def _candidates(model: GPTConfig, base: RunConfig, gpus: int, gpus_per_node: int
                                                    micro_batch_size=mb, pipeline_schedule=None)
 
 
+def _dp_shard_choices(cfg: RunConfig, gpus_per_node: int) -> list[int]:
+    """Hybrid sharding's S to try for a ZeRO layout: every S < dp dividing dp whose shard group (S dp
+    ranks x cp, tp*cp ranks apart) fills whole nodes, with the ep groups inside it."""
+    p, dp = cfg.parallel, cfg.dp
+    if p.zero == 0:
+        return []
+    return [s for s in _divisors(dp) if 2 <= s < dp and (s * p.tp * p.cp) % gpus_per_node == 0 and (s * p.cp) % p.ep == 0]
+
+
+def _with_best_shard(model: GPTConfig, cfg: RunConfig, est, parts: dict, gpus: int, gpu_memory: float,
+                     gpus_per_node: int, hardware) -> tuple[RunConfig, object, dict]:
+    """The layout at the S that predicts fastest and fits (flat ZeRO unless a hybrid S is faster by more
+    than the ranking's rounding): --suggest's search of S, layout by layout, after the pruned search."""
+    best = (cfg, est, parts)
+    for shard in _dp_shard_choices(cfg, gpus_per_node):
+        other = cfg.replace(dp_shard=shard, num_distributed_optimizer_instances=None)
+        if preflight(model, other, gpus) or not fits(model, other, gpu_memory):
+            continue
+        other_parts = predict_step_time(model, other, hardware, ranks_per_node=gpus_per_node).breakdown()
+        if round(other_parts["total"], 4) < round(best[2]["total"], 4):
+            best = (other, estimate(model, other), other_parts)
+    return best
+
+
 # "ZeRO-3 only when stage 2 does not fit: it adds communication": among layouts whose predicted
 # step times differ by less than the model's own error, the lower ZeRO stage is the better bet.
 NEAR_BEST = 0.02
@@ -192,6 +219,7 @@ def suggest(model: GPTConfig, gpus: int, gpu_memory: float, nodes: int = 1, gpus
     for offload in (False, True):
         for cfg, est, parts in search(model, _candidates(model, base, gpus, gpus_per_node, offload), gpus,
                                       gpu_memory, gpus_per_node, hardware, top_k, NEAR_BEST, exhaustive):
+            cfg, est, parts = _with_best_shard(model, cfg, est, parts, gpus, gpu_memory, gpus_per_node, hardware)
             found.append(Suggestion(cfg, est, parts["total"],
                                     _reason(model, cfg, est, parts, gpu_memory, gpus_per_node, hardware)))
         if found:
@@ -210,7 +238,8 @@ def _model_settings(model: GPTConfig) -> dict:
 
 
 def _rank(found: list[Suggestion]) -> list[Suggestion]:
-    """Fastest first, except that within NEAR_BEST of the fastest the lowest ZeRO stage comes first;
+    """Fastest first, except that within NEAR_BEST of the fastest the lowest ZeRO stage (then flat ZeRO
+    over hybrid sharding) comes first;
     the first suggestion's reason then names the faster-on-paper layout it was preferred to."""
     if not found:
         return found
@@ -219,8 +248,9 @@ def _rank(found: list[Suggestion]) -> list[Suggestion]:
 
     def key(c: Suggestion):
         p, near = c.cfg.parallel, c.step_time_s <= best * (1 + NEAR_BEST)
-        return (not near, p.zero if near else 0, round(c.step_time_s, 4), p.tp * p.pp, p.cp, p.zero,
-                rank[p.recompute], p.virtual_stages)
+        hybrid = c.cfg.dp_shard < c.cfg.dp  # near the best, flat ZeRO first too: less memory, fewer bytes
+        return (not near, p.zero if near else 0, near and hybrid, round(c.step_time_s, 4), p.tp * p.pp, p.cp, p.zero,
+                rank[p.recompute], p.virtual_stages, -c.cfg.dp_shard)
 
     ranked = sorted(found, key=key)
     first, fastest = ranked[0], min(found, key=lambda c: (c.step_time_s, c.cfg.parallel.zero))

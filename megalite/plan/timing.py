@@ -65,7 +65,7 @@ from megalite.plan.compression import compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
                                     uses_cuda_graph)
-from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers, zero_shard_ranks
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
 
@@ -265,7 +265,7 @@ def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, 
     its measured rate, the publish (4 + a); and the host's launches (launches.py) overlap that GPU
     time after the norm's sync, or else the step overhead adds."""
     a = DTYPE_BYTES[cfg.precision.precision]
-    shard = params / (cfg.dp * getattr(cfg.parallel, "cp", 1)) if cfg.parallel.zero else params
+    shard = params / zero_shard_ranks(cfg) if cfg.parallel.zero else params
     offload = 0.0
     measured = "adamw" in hw.memory_fractions
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
@@ -346,6 +346,8 @@ def predict_step_time(model: GPTConfig, cfg: RunConfig, hardware: str | Hardware
     else:
         dp = max(0.0, dp) + max(c["dp_gather"] for _, c, _, _ in stages)
     dp += max(c["embedding"] for _, c, _, _ in stages)
+    # hybrid sharding: the replicas' all-reduce starts as the step's reduction is waited for: exposed
+    dp += max(c["dp_replicate"] for _, c, _, _ in stages)
     biggest = max(range(pp), key=lambda s: stage_params(model, cfg, s))
     update, offload = _optimizer_seconds(model, cfg, hw, stage_params(model, cfg, biggest), biggest)
     sync = sum(count * hw.collective_latency_s(ranks) for ranks, count in step_scalar_collectives(cfg).values())

@@ -16,7 +16,9 @@ expert parameters). Per rank of a pipeline stage, with
     optimizer    8·Ψ/dp in fp32 (the parameter shard is the master), 12·Ψ/dp otherwise
 
     dp traffic per step (comm.ledger sizes, group "dp", or "dp_cp" with context parallelism, over
-    which the shards are spread; unit sizes padded to a multiple of dp at run time):
+    which the shards are spread, or "dp_shard" under hybrid sharding, which then adds the step's
+    fp32 gradient shard all-reduced once over "dp_replicate"; unit sizes padded to a multiple of dp
+    at run time):
       all_gather      2·m·Ψ·p  reshard after forward (forward and backward of every microbatch)
                         m·Ψ·p  --no-zero3-reshard-after-forward
                                (--fp8-param-gather: the blocks' linear weights count 1 byte, plan/fp8.py) (at most: microbatches in flight
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
-from megalite.plan.layout import DTYPE_BYTES, dp_group_name, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, is_hybrid, stage_layers, zero_group_name, zero_shard_ranks
 from megalite.plan.moe import dense_change_per_layer, expert_dp_config, expert_params_per_layer, stage_moe_layers
 from megalite.plan.params import layer_params
 from megalite.pipeline.partition import stage_layers as partition_stage_layers
@@ -114,7 +116,9 @@ def transient_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
 def add_zero3_dp_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, params: int) -> None:
     """ZeRO-3's dp traffic of one step (see the module docstring), into `add(key, bytes)`."""
     p, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-    m, par, group = cfg.num_microbatches, cfg.parallel, dp_group_name(cfg)
+    m, par, group = cfg.num_microbatches, cfg.parallel, zero_group_name(cfg)
+    if zero_shard_ranks(cfg) == 1:  # hybrid sharding at S = 1, cp = 1: nothing sharded, nothing gathered
+        return
     add(f"{group}/reduce_scatter", m * params * g)
     if par.zero3_keep_gathered_in_step:
         add(f"{group}/all_gather", fp8.param_gather_bytes(model, cfg, params, stage, p))
@@ -129,13 +133,19 @@ def add_zero3_expert_bytes(add, cfg: RunConfig, experts: int) -> None:
     """ZeRO-3's traffic of a stage's expert units (`experts` elements per rank) over the expert-data-
     parallel group, into `add("edp/<op>", bytes)`: as the dense units', every microbatch reduce-
     scatters their gradients and gathers them for forward and backward (see the module docstring)."""
-    if expert_dp_config(cfg).dp == 1:  # one replica: nothing to gather or reduce
+    edp = expert_dp_config(cfg)
+    if edp.dp == 1:  # one replica: nothing to gather or reduce
         return
     p, g = DTYPE_BYTES[cfg.precision.precision], DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
     m, par = cfg.num_microbatches, cfg.parallel
-    add("edp/reduce_scatter", m * experts * g)
+    if is_hybrid(edp):  # the step's fp32 expert shard across the replicas, once
+        add("dp_replicate/all_reduce", 4 * -(-experts // edp.dp_shard))
+    group = "edp_shard" if is_hybrid(edp) else "edp"
+    if edp.dp_shard == 1:
+        return
+    add(f"{group}/reduce_scatter", m * experts * g)
     if par.zero3_keep_gathered_in_step:
         gathers = 1
     else:
         gathers = 2 * m if par.zero3_reshard_after_forward else m
-    add("edp/all_gather", gathers * experts * p)
+    add(f"{group}/all_gather", gathers * experts * p)

@@ -15,18 +15,20 @@ from megalite import comm
 from megalite.errors import UsageError
 from megalite.layout import Layout
 from megalite.mesh import Mesh
-from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, embedding_group_ranks,
-                               ep_group_ranks, expert_dp_group_ranks, pp_group_ranks, rank_to_coords,
-                               rank_to_cp_rank, tp_group_ranks)
+from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, dp_replicate_group_ranks,
+                               dp_shard_group_ranks, embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks,
+                               expert_dp_shard_group_ranks, pp_group_ranks, rank_to_coords, rank_to_cp_rank,
+                               tp_group_ranks)
 
 
-def _coords(rank: int, tp: int, cp: int, dp: int, pp: int) -> dict[str, int]:
+def _coords(rank: int, tp: int, cp: int, dp: int, pp: int, dp_shard: int | None = None) -> dict[str, int]:
     t, d, p = rank_to_coords(rank, tp, pp, dp, cp)
-    return {"tp": t, "cp": rank_to_cp_rank(rank, tp, cp), "dp": d, "pp": p}
+    s = dp if dp_shard is None else dp_shard  # hybrid sharding: dp rank = shard index + S * replica index
+    return {"tp": t, "cp": rank_to_cp_rank(rank, tp, cp), "dp": d, "pp": p, "replica": d // s, "shard_dp": d % s}
 
 
 def expected_groups(layout: Layout) -> dict[str, list[list[int]]]:
-    """Every group of each kind `init_mesh` creates, by ledger name."""
+    """Every group of each kind `init_mesh` creates, by ledger name (hybrid sharding's three last)."""
     tp, cp, dp, pp, ep = layout.tp, layout.cp, layout.dp, layout.pp, layout.ep
     groups = {"tp": tp_group_ranks(tp, pp, dp, cp), "dp": dp_group_ranks(tp, pp, dp, cp),
               "pp": pp_group_ranks(tp, pp, dp, cp), "embedding": embedding_group_ranks(tp, pp, dp, cp)}
@@ -37,6 +39,11 @@ def expected_groups(layout: Layout) -> dict[str, list[list[int]]]:
         groups["ep"] = ep_group_ranks(tp, pp, dp, cp, ep)
     if layout.expert_groups_apart:
         groups["edp"] = expert_dp_group_ranks(tp, pp, dp, cp, ep, layout.etp)
+    if layout.dp_shard < dp:  # hybrid sharding's groups, created last
+        groups["dp_shard"] = dp_shard_group_ranks(tp, pp, dp, cp, layout.dp_shard)
+        groups["dp_replicate"] = dp_replicate_group_ranks(tp, pp, dp, cp, layout.dp_shard)
+        if layout.expert_groups_apart:
+            groups["edp_shard"] = expert_dp_shard_group_ranks(tp, pp, dp, cp, ep, layout.etp, layout.dp_shard)
     return groups
 
 
@@ -44,13 +51,15 @@ def _fixed_and_varying(kind: str, ep: int) -> tuple[tuple[str, ...], str | None]
     """(coordinates all members share, the coordinate that counts 0, 1, ... along the group)."""
     return {"tp": (("cp", "dp", "pp"), "tp"), "cp": (("tp", "dp", "pp"), "cp"), "dp": (("tp", "cp", "pp"), "dp"),
             "pp": (("tp", "cp", "dp"), "pp"), "embedding": (("tp", "cp", "dp"), None),
-            "dp_cp": (("tp", "pp"), None), "ep": (("tp", "pp"), None), "edp": (("pp",), None)}[kind]
+            "dp_cp": (("tp", "pp"), None), "ep": (("tp", "pp"), None), "edp": (("pp",), None),
+            "dp_shard": (("tp", "pp", "replica"), None), "dp_replicate": (("tp", "cp", "pp", "shard_dp"), "replica"),
+            "edp_shard": (("pp", "replica"), None)}[kind]
 
 
 def check_groups(layout: Layout) -> list[str]:
     """Problems with the group lists for every rank of the world (empty when all is well)."""
     tp, cp, dp, pp, ep, world = layout.tp, layout.cp, layout.dp, layout.pp, layout.ep, layout.world
-    coords = [_coords(r, tp, cp, dp, pp) for r in range(world)]
+    coords = [_coords(r, tp, cp, dp, pp, layout.dp_shard) for r in range(world)]
     problems = []
     for kind, groups in expected_groups(layout).items():
         held = [0] * world
@@ -78,7 +87,9 @@ def check_groups(layout: Layout) -> list[str]:
 def compare_mesh(mesh: Mesh, expected: dict[str, list[list[int]]]) -> list[str]:
     """The simulated rank's real groups against the expected lists."""
     fields = {"tp": mesh.tp_group, "dp": mesh.dp_group, "pp": mesh.pp_group, "embedding": mesh.embedding_group,
-              "cp": mesh.cp_group, "dp_cp": mesh.dp_cp_group, "ep": mesh.ep_group, "edp": mesh.expert_dp_group}
+              "cp": mesh.cp_group, "dp_cp": mesh.dp_cp_group, "ep": mesh.ep_group, "edp": mesh.expert_dp_group,
+              "dp_shard": mesh.dp_shard_group, "dp_replicate": mesh.dp_replicate_group,
+              "edp_shard": mesh.expert_dp_shard_group}
     problems = []
     for kind, groups in expected.items():
         mine = next((g for g in groups if mesh.rank in g), None)

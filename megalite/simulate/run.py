@@ -19,6 +19,7 @@ from megalite.config import RunConfig
 from megalite.data import load_tokenizer
 from megalite.errors import UsageError, report_usage_error
 from megalite.simulate.planned import planned_terms
+from megalite.plan.links import describe as describe_links, link_uses
 from megalite.simulate.ranks import check_groups, compare_mesh, expected_groups, parse_ranks
 from megalite.simulate.rank_step import simulate_rank
 from megalite.simulate.replay import replay_step_time
@@ -74,7 +75,8 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     problems = check_groups(layout)
     if problems:
         raise RuntimeError("the layout's groups are wrong: " + "; ".join(problems[:5]))
-    print_fn(f"simulate: world {cfg.world_size} (tp {p.tp} cp {p.cp} dp {cfg.dp} pp {p.pp} ep {p.ep}): groups of "
+    shard = f" as dp_shard {cfg.dp_shard} x {cfg.dp // cfg.dp_shard}" if cfg.dp_shard < cfg.dp else ""
+    print_fn(f"simulate: world {cfg.world_size} (tp {p.tp} cp {p.cp} dp {cfg.dp}{shard} pp {p.pp} ep {p.ep}): groups of "
              f"every rank checked; simulating {len(ranks)} rank(s)")
     expected = expected_groups(layout)
     entries = []
@@ -95,6 +97,9 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     replay = replay_step_time(cfg)  # on the planner's default GPU profile
     print_fn(replay.describe())
     report["replay"] = replay.as_dict()  # beside the keys: the step time, per stage
+    uses = link_uses(cfg.gpt_config(), cfg)  # per group of stage 0: bytes, link, seconds, exposed (plan/links.py)
+    print_fn(f"per link, a rank of stage 0 (the planner's seconds; bytes as simulated above):\n{describe_links(uses)}")
+    report["links"] = [u.as_dict() for u in uses]
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,7 @@ from megalite.config.model import GPTConfig
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR
 from megalite.plan import estimate
+from megalite.training.goodput import GoodputLedger
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import estimate_vs_measured, gather_step_times, progress_line, straggler_report
@@ -166,6 +168,7 @@ class Job:
     graphs: StepGraphs | PipelineGraphs | None = None  # --cuda-graph: the captured microbatches (chunks at pp > 1)
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
     provided: ProvidedModel | None = None  # a user's model in place of GPTModel
+    goodput: GoodputLedger = field(default_factory=lambda: GoodputLedger(None, write=False))  # training/goodput.py
 
 
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
@@ -231,6 +234,7 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
         with interrupt_during_setup():  # until the first step a signal ends the run at once
             job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
             job.resume_plan = resume_plan or ResumePlan.fresh(cfg)
+            job.goodput = GoodputLedger(cfg.checkpoint.save, write=job.mesh.rank == 0)  # the job's history so far
             start_step = resume(job)
         job.services.preemption.install()  # from here a signal saves at the next step boundary
         try:
@@ -252,14 +256,17 @@ def resume(job: Job) -> int:
     if not ck.load:
         return 0
     weights_only = ck.no_load_optim or ck.finetune  # --finetune: fresh RNG streams too (Megatron's)
+    started = time.perf_counter()
     resumed = load_checkpoint(ck.load, job.chunks, job.optimizer, job.mesh, step=ck.load_step,
                               load_optimizer=not weights_only, load_rng=not ck.finetune, log=log)
+    job.goodput.add_lost("reload", time.perf_counter() - started)
     start_step = 0
     if resumed is not None and not weights_only:
         start_step = resumed.step
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
     job.last_saved = start_step
+    job.goodput.resumed_at(start_step)  # the previous run's steps after it are replayed
     job.scheduler.jump_to(lr_position(job.cfg, job.sampler, start_step))  # the lr of step start_step + 1
     if job.services.watchdog:
         job.services.watchdog.progress(start_step)  # loading a large checkpoint is progress, not a hang
@@ -289,6 +296,7 @@ def train_steps(job: Job, start_step: int) -> bool:
         result, cp_comm_bytes, step_time = timed_step(step, indices, train_set=job.train_set, model=job.model,
                                                       optimizer=job.optimizer, mesh=job.mesh, cfg=cfg,
                                                       services=job.services, graphs=job.graphs)
+        job.goodput.step_done(step, step_time)
         advance_lr(job.scheduler, cfg, job.sampler, step)
         job.services.guard.check(step, result, indices)  # logs the step's global sample indices; raises under 'stop'
         interval = cfg.fault_tolerance.check_replicas_interval
@@ -324,10 +332,12 @@ def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_b
     cfg = job.cfg
     if not (step % cfg.logging.log_interval == 0 or step == 1 or step == cfg.training.train_iters):
         return
-    record = step_record(step, step_time, result, cp_comm_bytes, cfg=cfg, mesh=job.mesh, sampler=job.sampler,
-                         services=job.services, optimizer_memory=job.optimizer.memory_report())
+    record = {**step_record(step, step_time, result, cp_comm_bytes, cfg=cfg, mesh=job.mesh, sampler=job.sampler,
+                            services=job.services, optimizer_memory=job.optimizer.memory_report()),
+              **job.goodput.fields()}
     job.services.writer.write(record)
-    log(progress_line(record) + (" (skipped: non-finite gradients)" if result.skipped else ""))
+    log(progress_line(record) + job.goodput.describe() + (" (skipped: non-finite gradients)" if result.skipped else ""))
+    job.goodput.persist()
     job.advisor.observe(step_time, pipeline_bubble=record.get("pipeline_bubble"),
                         exposed_dp_comm_s=result.exposed_dp_comm_s, pp=job.mesh.pp_size,
                         dp=job.mesh.dp_size * job.mesh.cp_size)
@@ -337,11 +347,13 @@ def save(job: Job, step: int) -> None:
     """Checkpoint the state after `step` (once per step), with the resolved configuration inside."""
     if job.services.checkpointer is None or job.last_saved == step:
         return
+    started = time.perf_counter()
     job.model.wait_for_params()
     job.services.checkpointer.save(step, job.chunks, job.optimizer, consumed_samples=job.sampler.consumed_samples,
-                          model_config=job.model_cfg, train_config=job.cfg.to_dict(),
-                          extra={ELASTIC_STATE_KEY: (job.resume_plan or ResumePlan.fresh(job.cfg)).state.to_dict()})
+                                   model_config=job.model_cfg, train_config=job.cfg.to_dict(),
+                                   extra={ELASTIC_STATE_KEY: (job.resume_plan or ResumePlan.fresh(job.cfg)).state.to_dict()})
     job.last_saved = step
+    job.goodput.add_lost("save", time.perf_counter() - started)  # training blocked (async: the snapshot)
 
 
 def run_evaluation(job: Job, step: int) -> None:
@@ -353,7 +365,9 @@ def run_evaluation(job: Job, step: int) -> None:
     microbatches = [mb for indices in batches for mb in load_microbatches(job.valid_set, indices)]
     if not microbatches:
         return
+    started = time.perf_counter()
     loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
+    job.goodput.add_lost("eval", time.perf_counter() - started)
     log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
     job.services.writer.write_eval(step, loss)
 

@@ -21,6 +21,7 @@ import torch
 from megalite import comm
 from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
+from megalite.data_parallel.diloco import DiLoCo
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.model.fp8_convert import convert_to_fp8
@@ -73,7 +74,8 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
                         reshard_after_forward=p.zero3_reshard_after_forward,
                         keep_gathered_in_step=p.zero3_keep_gathered_in_step,
                         grad_compression=compression, dp_reduction="sum",  # the loss: / global tokens
-                        fp8_param_gather=cfg.precision.fp8_param_gather)
+                        fp8_param_gather=cfg.precision.fp8_param_gather,
+                        replicas_apart=p.diloco_inner_steps > 0)  # DiLoCo: no replica all-reduce per step
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
@@ -82,9 +84,14 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
     scaler = DynamicLossScaler(initial_scale=prec.initial_loss_scale, growth_interval=prec.loss_scale_window,
                                hysteresis=prec.hysteresis, backoff_factor=prec.loss_scale_backoff) \
         if prec.precision == "fp16" else None
-    return DistributedOptimizer(model, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
-                                offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler)
+    optimizer = DistributedOptimizer(model, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                     weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
+                                     offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler)
+    p = cfg.parallel
+    if p.diloco_inner_steps:  # the outer step across replica groups, run by train_step
+        optimizer.outer = DiLoCo(optimizer, inner_steps=p.diloco_inner_steps, outer_lr=p.diloco_outer_lr,
+                                 outer_momentum=p.diloco_outer_momentum)
+    return optimizer
 
 
 def activation_shape(model: GPTConfig, cfg: RunConfig, seq_length: int) -> tuple[int, int, int]:
@@ -132,10 +139,11 @@ class GlobalTokens:
     would wait for every gather and hide none of them behind the forward.
     """
 
-    def __init__(self, microbatches: list[dict[str, torch.Tensor]], mesh: Mesh):
+    def __init__(self, microbatches: list[dict[str, torch.Tensor]], mesh: Mesh, group=None):
         local = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)  # on the loader's CPU tensors
         self._count = torch.tensor([float(local)], dtype=torch.float64, device=mesh.device)
-        self._handle = comm.all_reduce(self._count, mesh.dp_cp_group, async_op=True)
+        # group: dp x cp, or under DiLoCo one replica group's ranks (DataParallel.data_group)
+        self._handle = comm.all_reduce(self._count, mesh.dp_cp_group if group is None else group, async_op=True)
         self.wait_seconds = 0.0  # host time blocked in the wait: mostly gathers queued before it
 
     def _wait(self) -> torch.Tensor:
@@ -226,7 +234,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     microbatches = context_parallel_chunks(microbatches, mesh)
     if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
         graphs.check_shapes(microbatches)
-    tokens = GlobalTokens(microbatches, mesh)  # in flight while the first forward runs
+    # in flight while the first forward runs; under DiLoCo one replica group's tokens
+    tokens = GlobalTokens(microbatches, mesh, group=model.data_group) if getattr(model, "replicas_apart", False) \
+        else GlobalTokens(microbatches, mesh)
     microbatches = _to_device(microbatches, mesh.device)
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
@@ -246,6 +256,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
             moe_bookkeeping.update_expert_biases(model.chunks, mesh)
     moe_stats = moe_bookkeeping.moe_stats(model.chunks, mesh)  # {} without experts
     token_count = tokens.value()
+    outer = getattr(optimizer, "outer", None)  # DiLoCo: the outer step every H steps (data_parallel/diloco.py)
+    if outer is not None:
+        token_count = outer.after_step(token_count)  # the loss below: over every replica group's tokens
     compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
     return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update.grad_norm,

@@ -60,7 +60,8 @@ def test_sigterm_saves_and_the_same_command_resumes(reference, tmp_path):
     # First start: no checkpoint yet. Rank 1 alone gets SIGTERM during step 3: both stop after step 3.
     assert run_distributed(_main, 2, argv, signal_at_step=3, signal_rank=1, timeout_s=120) == [0, 0]
     assert json.loads((ckpt / "latest").read_text())["step_dir"] == "step_000003"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000003"]  # --keep-last 1 pruned step 2
+    assert sorted(p.name for p in ckpt.iterdir()) == ["goodput.json", "latest", "step_000003"]  # --keep-last 1
+    # pruned step 2; goodput.json is the job's goodput ledger (megalite/training/goodput.py)
     assert [s for s, _ in _losses(metrics)] == [1, 2, 3]
     # The same command line resumes from step 3 and finishes.
     assert run_distributed(_main, 2, argv, timeout_s=120) == [0, 0]

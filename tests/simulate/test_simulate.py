@@ -241,7 +241,8 @@ def test_json_schema(tmp_path):
     out = tmp_path / "sim.json"
     simulate(layout(tp=2, dp=2), "representatives", str(out), print_fn=lambda *a: None)
     report = json.loads(out.read_text())
-    assert set(report) == {"world_size", "seconds", "ranks", "replay"} and report["world_size"] == 4
+    assert set(report) == {"world_size", "seconds", "ranks", "replay", "links"} and report["world_size"] == 4
+    assert {u["group"] for u in report["links"]} == {"tp", "dp"}  # per link (plan/links.py): tp 2 x dp 2
     for entry in report["ranks"]:
         assert set(entry) == {"rank", "coords", "measured", "planned"}
         for side in ("measured", "planned"):
