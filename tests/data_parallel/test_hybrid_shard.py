@@ -223,8 +223,9 @@ def _versus_flat(cases):
     for name, layout, settings, dp_shard in cases:
         runs = []
         for s in (None, dp_shard):
-            m = mesh_lib.init_mesh(**layout, dp_shard=s, replace=True)
             model = _moe_model() if layout.get("ep", 1) > 1 else _model()
+            experts = model.moe.num_experts if model.moe is not None else 0
+            m = mesh_lib.init_mesh(**layout, dp_shard=s, num_experts=experts, replace=True)
             cfg = _cfg(**{k: v for k, v in layout.items() if k != "etp"}, dp=m.dp_size, dp_shard=s, **settings)
             chunks = build_model_chunks(model, cfg, m)
             optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
