@@ -34,9 +34,8 @@ def test_replay_gives_the_known_bubbles():
     assert replay_bubble(build_schedule("1f1b", 4, 8), 4, 1, slow_last) > 0.5
 
 
-def _measure(num_microbatches: int, steps: int = 2) -> list[str]:
-    """pp = 2 stages of equal work under 1F1B (the last stage's loss is small beside its linears); the
-    advice rank 0 (stage 0) would print."""
+def _measure(num_microbatches: int, steps: int = 2) -> list[dict]:
+    """pp = 2 stages under 1F1B: each step's measured stats (step seconds, replayed bubble fraction)."""
     from megalite.mesh import init_mesh
 
     mesh = init_mesh(pp=2)
@@ -45,16 +44,34 @@ def _measure(num_microbatches: int, steps: int = 2) -> list[str]:
     pipe = Pipeline(stages, mesh, lambda y, target: F.mse_loss(y, target, reduction="sum"),
                     num_microbatches=num_microbatches, activation_shape=(SEQ, MICRO, HIDDEN))
     data = [(torch.randn(SEQ, MICRO, HIDDEN), torch.randn(SEQ, MICRO, HIDDEN)) for _ in range(num_microbatches)]
-    advisor = Advisor(print_fn=None)
+    measured = []
     for _ in range(steps):
         stats = {}
         pipe.step(data, stats=stats, measure_bubble=True)
-        advisor.observe(step_s=stats["step_s"], pipeline_bubble=stats["bubble_fraction"], pp=2)
-    return advisor.given
+        measured.append({"step_s": stats["step_s"], "bubble_fraction": stats["bubble_fraction"]})
+    return measured
+
+
+def test_the_pipeline_measures_a_bubble_the_advisor_reads():
+    """The plumbing: Pipeline.step(measure_bubble=True) hands the advisor a fraction of a real step. Its
+    value depends on the machine's timings (a loaded machine skews the stages), so it is not compared."""
+    for per_step in run_distributed(_measure, 2, 2):
+        for stats in per_step:
+            assert stats["step_s"] > 0 and 0.0 <= stats["bubble_fraction"] < 1.0, stats
 
 
 def test_bubble_advice_fires_on_few_microbatches_and_not_on_many():
-    few = run_distributed(_measure, 2, 2)  # 1F1B bubble (pp-1)/(m+pp-1) = 1/3 of the step
-    many = run_distributed(_measure, 2, 16)  # 1/17
-    assert all(len(given) == 1 and "increase microbatches or interleave" in given[0] for given in few), few
-    assert many == [[], []], many
+    """The decision, on the bubbles the schedule gives equal stages: 1F1B's (pp-1)/(m+pp-1) replayed."""
+    from megalite.pipeline import build_schedule
+    from megalite.pipeline.replay import replay_bubble
+
+    equal = [{"FWD": 1.0, "BWD": 2.0}] * 2
+    given = {}
+    for m in (2, 16):  # 1/3 and 1/17 of the step
+        advisor = Advisor(print_fn=None)
+        bubble = replay_bubble(build_schedule("1f1b", 2, m), 2, 1, equal)
+        for _ in range(2):
+            advisor.observe(step_s=1.0, pipeline_bubble=bubble, pp=2)
+        given[m] = advisor.given
+    assert len(given[2]) == 1 and "increase microbatches or interleave" in given[2][0], given
+    assert given[16] == [], given
