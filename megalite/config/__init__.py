@@ -286,8 +286,11 @@ class RunConfig:
                  "moe_router_bias_update_rate": "bias_update_rate",
                  "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
                  "moe_expert_capacity_factor": "capacity_factor", "moe_token_drop_policy": "token_drop_policy",
-                 "moe_router_force_load_balancing": "force_load_balancing"}
+                 "moe_router_force_load_balancing": "force_load_balancing", "moe_router_num_groups": "num_groups",
+                 "moe_router_group_topk": "group_topk", "moe_router_topk_scaling_factor": "topk_scaling_factor"}
         given = {names[k]: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
+        if "layer_freq" in given and len(given["layer_freq"]) == 1:  # one number: a frequency, not a list
+            given["layer_freq"] = given["layer_freq"][0]
         return {k: (str(v) if isinstance(v, enum.Enum) else v) for k, v in given.items()}
 
     def chunk_layer_counts(self, num_layers: int) -> list[int]:

@@ -86,6 +86,10 @@ class GPTConfig:
         for name in ("qkv_bias", "proj_bias", "mlp_bias"):
             if getattr(self, name) is None:
                 setattr(self, name, self.add_bias)
+        if self.moe is not None and isinstance(self.moe.layer_freq, tuple) \
+                and len(self.moe.layer_freq) != self.num_layers:
+            raise ValueError(f"--moe-layer-freq lists {len(self.moe.layer_freq)} blocks but the model has "
+                             f"{self.num_layers}; give one 0 or 1 per block")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)  # one line naming what is unsupported
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:

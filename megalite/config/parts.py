@@ -144,8 +144,10 @@ class MoESettings:
                                             "experts)", minimum=1)
     moe_router_topk: int | None = setting(None, "experts per token (default 2)", minimum=1)
     moe_ffn_hidden_size: int | None = setting(None, "each expert's inner width (default: --ffn-hidden-size)", minimum=1)
-    moe_layer_freq: int | None = setting(None, "every N-th block (from block 0) is an MoE block (default 1: all)",
-                                         metavar="N", minimum=1)
+    moe_layer_freq: tuple[int, ...] | None = setting(None, "one number N: every N-th block (from block 0) is an MoE "
+                                                         "block (default 1: all); several: one 0 (dense) or 1 (MoE) "
+                                                         "per block, e.g. 0 0 1 1 (DeepSeek's first dense blocks)",
+                                                   metavar="N", minimum=0)
     moe_router_score_function: MoEScoreFunction | None = setting(None, "router scores (default softmax)")
     moe_router_pre_softmax: bool | None = setting(None, "softmax over all experts before the top-k (default off: a "
                                                         "softmax over the k chosen logits, Mixtral's renormalised "
@@ -159,6 +161,12 @@ class MoESettings:
                                                                "per-expert score bias for the choice, stepped toward "
                                                                "the mean load after each step")
     moe_router_bias_update_rate: float | None = setting(None, "step of the expert bias (default 1e-3)", minimum=0)
+    moe_router_num_groups: int | None = setting(None, "group-limited routing (DeepSeek-V2/V3's n_group): the experts "
+                                                      "in this many groups; a token picks --moe-router-group-topk "
+                                                      "groups first, then its experts in them", minimum=1)
+    moe_router_group_topk: int | None = setting(None, "groups a token may route to (DeepSeek's topk_group)", minimum=1)
+    moe_router_topk_scaling_factor: float | None = setting(None, "multiply the routing weights by this (DeepSeek's "
+                                                                 "routed_scaling_factor; default 1)", above=0)
     moe_shared_expert_intermediate_size: int | None = setting(None, "inner width of an always-active shared expert "
                                                                     "(default none)", minimum=1)
     moe_expert_capacity_factor: float | None = setting(None, "cap each expert at factor * tokens * topk / experts "
