@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from megalite.config.mla import latent_attention
 from megalite.config.model import GPTConfig, preset
 from megalite.moe.config import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
@@ -265,6 +266,7 @@ class RunConfig:
         problem = megatron.position_problem(m, model.seq_length)
         if problem:
             raise ValueError(problem)
+        model = latent_attention(model, m)
         moe = self.moe_settings_given()
         if moe:  # the preset's experts (if any) with the explicit MoE settings over them
             base = dataclasses.asdict(model.moe) if model.moe is not None else {}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.config.mla import layout_problems as mla_layout_problems
+
 if TYPE_CHECKING:
     from megalite.config import DataSettings, RunConfig
 
@@ -32,6 +34,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
+    problems += _latent_attention_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
         problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
@@ -168,3 +171,11 @@ def data_problems(data: DataSettings) -> list[str]:
     if data.tokenizer is not None and not os.path.exists(data.tokenizer):
         return [f"--tokenizer {data.tokenizer}: no such file; give a tokenizer.json or omit it for byte level"]
     return []
+
+
+def _latent_attention_problems(cfg: RunConfig) -> list[str]:
+    try:
+        model = cfg.gpt_config()
+    except ValueError:
+        return []  # RunConfig.validate reports the model's own problem
+    return mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megalite.config.mla import MLAConfig
 from megalite.config.rope_scaling import check_rope_scaling
 from megalite.moe.config import MoEConfig
 
@@ -66,14 +67,25 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     moe: MoEConfig | None = None
     """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3: an MLAConfig, or its keywords as a dict; llama flavour);
+    None: the fused-QKV attention. num_query_groups is then the number of heads (each has its own key)."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
         if self.flavour not in ("gpt2", "llama"):
             raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
-        if self.num_query_groups is None:
+        if self.num_query_groups is None or self.mla is not None:
             self.num_query_groups = self.num_attention_heads
+        if self.mla is not None:
+            problems = self.mla.problems(self.hidden_size) + (
+                [] if self.flavour == "llama" else ["--multi-latent-attention needs the llama flavour (RMSNorm, "
+                                                    "SwiGLU, RoPE)"])
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.ffn_hidden_size is None:
             if self.flavour == "gpt2":
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -103,6 +115,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    @property
+    def rope_head_dim(self) -> int:
+        """The channels RoPE rotates per head: all of them, or MLA's decoupled position part."""
+        return self.head_dim if self.mla is None else self.mla.qk_pos_emb_head_dim
+
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
         multiple = self.make_vocab_size_divisible_by * tp
@@ -121,10 +138,12 @@ class GPTConfig:
         qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * d
         norm = 2 * h if self.flavour == "gpt2" else h
         per_layer = h * qkv_out + self.num_attention_heads * d * h + 2 * norm + 2 * d * self.qk_layernorm
+        if self.mla is not None:  # latent attention instead of the fused QKV (no biases)
+            per_layer = self.mla.params(h, self.num_attention_heads) + 2 * norm
         dense_mlp = (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
         per_layer += dense_mlp
         mlp_biases = ((f if self.flavour == "gpt2" else 2 * f) + h) * self.mlp_bias
-        per_layer += qkv_out * self.qkv_bias + h * self.proj_bias + mlp_biases
+        per_layer += (qkv_out * self.qkv_bias + h * self.proj_bias) * (self.mla is None) + mlp_biases
         total = self.num_layers * per_layer + norm  # + final norm
         if self.moe is not None:
             total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - mlp_biases)
@@ -156,7 +175,10 @@ class GPTConfig:
         n_matmul = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size  # + lm head
         if self.moe is not None:
             n_matmul -= self.moe_layer_count() * (self.moe_mlp_params(False) - self.moe_mlp_params(True))
-        return 6.0 * n_matmul + 12.0 * self.num_layers * self.hidden_size * s
+        scores_width = 2 * self.hidden_size  # q.k and p.v channels per token over all heads (d * heads = h)
+        if self.mla is not None:
+            scores_width = self.num_attention_heads * (self.mla.qk_dim + self.mla.v_head_dim)
+        return 6.0 * n_matmul + 6.0 * self.num_layers * scores_width * s
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError, naming valid choices, when the model cannot be split tp ways."""

@@ -70,6 +70,17 @@ class ModelSettings:
                                               "the preset's)")
     kv_channels: int | None = setting(None, "head dim d (default hidden / heads; heads * d may differ from "
                                             "hidden, as in Qwen3)", minimum=1)
+    multi_latent_attention: bool = setting(False, "DeepSeek's multi-head latent attention: low-rank query and "
+                                                  "key/value projections, a RoPE key shared by the heads (llama "
+                                                  "flavour; docs/deepseek.md)")
+    q_lora_rank: int | None = setting(None, "MLA: width of the query latent (default the preset's; none: a full "
+                                            "query projection)", minimum=1)
+    kv_lora_rank: int | None = setting(None, "MLA: width of the key/value latent (default 512)", minimum=1)
+    qk_head_dim: int | None = setting(None, "MLA: each head's query/key channels without position (default 128)",
+                                      minimum=1)
+    qk_pos_emb_head_dim: int | None = setting(None, "MLA: each head's RoPE channels, the key's shared by the heads "
+                                                    "(default 64)", minimum=2)
+    v_head_dim: int | None = setting(None, "MLA: each head's value channels (default 128)", minimum=1)
     make_vocab_size_divisible_by: int | None = setting(None, "pad the vocabulary to a multiple of this (times tp); "
                                                              "default 128", minimum=1)
 

@@ -97,7 +97,7 @@ class GPTModel(nn.Module):
 
         self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
-            cos, sin = rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
+            cos, sin = rope_tables(config.seq_length, config.rope_head_dim, config.rope_theta, self._real_device,
                                     config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)

@@ -21,6 +21,9 @@ def layer_params(model: GPTConfig, tp: int) -> int:
     n += (h * mlp_in + f * h) // tp
     # column-parallel biases are sharded, row-parallel biases replicated; q/k norms [d] replicated
     n += qkv // tp * model.qkv_bias + h * model.proj_bias + (mlp_in // tp + h) * model.mlp_bias
+    if model.mla is not None:  # latent attention instead of the fused QKV, output and their biases
+        n -= h * qkv // tp + model.num_attention_heads * d * h // tp + qkv // tp * model.qkv_bias + h * model.proj_bias
+        n += model.mla.params(h, model.num_attention_heads, tp)
     return n + 2 * d * model.qk_layernorm
 
 
