@@ -86,7 +86,7 @@ def latent_attention(model, model_settings):
     if model.mla is None and not model_settings.multi_latent_attention:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(f"{flags} configure latent attention but the model has none: add --multi-latent-attention "
-                         f"(or a preset with it)")
+                         f"(or a preset with it, e.g. --model deepseek-tiny)")
     base = dataclasses.asdict(model.mla) if model.mla is not None else {}
     return model.replace(mla=MLAConfig(**{**base, **given}))
 

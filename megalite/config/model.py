@@ -201,6 +201,19 @@ class GPTConfig:
 _LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position_embeddings=8192)
 
+
+
+def _yarn(factor: float, mscale: float) -> dict:
+    """DeepSeek's YaRN over its 4k pretraining context (mscale = mscale_all_dim, as its configs have it)."""
+    return dict(rope_type="yarn", factor=factor, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                mscale=mscale, mscale_all_dim=mscale)
+
+
+_DEEPSEEK_MLA = dict(kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+# sigmoid scores with the correction bias (bias speed 1e-3) and the small sequence-wise loss (alpha 1e-4)
+_DEEPSEEK_ROUTER = dict(score_function="sigmoid", enable_expert_bias=True, load_balancing_type="seq_aux_loss",
+                        aux_loss_coeff=1e-4)
+
 # Presets are keyword sets, so an override (say hidden_size) re-derives what depends on it.
 PRESETS: dict[str, dict] = {
     "tiny": dict(flavour="gpt2", num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=257,
@@ -262,6 +275,34 @@ PRESETS: dict[str, dict] = {
     "llama-405b": dict(flavour="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
                        num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192,
                        rope_theta=5e5, rope_scaling=_LLAMA31_SCALING),
+    # DeepSeek's family (HF config.json; megalite/model/hf_deepseek.py): latent attention, group-limited sigmoid
+    # routing with the correction bias, shared experts, dense first blocks. V3's 671B (37B active) without its
+    # MTP module; V2-Lite (15.7B, no query latent, softmax experts); Moonlight (16B, 3B active: V3's design)
+    "deepseek-v3": dict(flavour="llama", num_layers=61, hidden_size=7168, num_attention_heads=128,
+                        ffn_hidden_size=18432, vocab_size=129280, seq_length=4096, norm_eps=1e-6,
+                        rope_scaling=_yarn(40.0, 1.0), mla=dict(q_lora_rank=1536, **_DEEPSEEK_MLA),
+                        moe=dict(num_experts=256, topk=8, ffn_hidden_size=2048, layer_freq=(0,) * 3 + (1,) * 58,
+                                 num_groups=8, group_topk=4, topk_scaling_factor=2.5,
+                                 shared_expert_intermediate_size=2048, **_DEEPSEEK_ROUTER)),
+    "deepseek-v2-lite": dict(flavour="llama", num_layers=27, hidden_size=2048, num_attention_heads=16,
+                             ffn_hidden_size=10944, vocab_size=102400, seq_length=4096, norm_eps=1e-6,
+                             rope_scaling=_yarn(40.0, 0.707), mla=_DEEPSEEK_MLA,
+                             moe=dict(num_experts=64, topk=6, ffn_hidden_size=1408, layer_freq=(0,) + (1,) * 26,
+                                      pre_softmax=True, shared_expert_intermediate_size=2816, aux_loss_coeff=1e-3)),
+    "moonlight-16b-a3b": dict(flavour="llama", num_layers=27, hidden_size=2048, num_attention_heads=16,
+                              ffn_hidden_size=11264, vocab_size=163840, seq_length=4096, norm_eps=1e-5,
+                              rope_theta=50000.0, mla=_DEEPSEEK_MLA,
+                              moe=dict(num_experts=64, topk=6, ffn_hidden_size=1408, layer_freq=(0,) + (1,) * 26,
+                                       topk_scaling_factor=2.446, shared_expert_intermediate_size=2816,
+                                       **_DEEPSEEK_ROUTER)),
+    # a tiny DeepSeek-V3-shaped model for tests and CPU runs: every piece above at small widths
+    "deepseek-tiny": dict(flavour="llama", num_layers=3, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352,
+                          vocab_size=257, seq_length=64, norm_eps=1e-6,
+                          mla=dict(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                                   v_head_dim=32),
+                          moe=dict(num_experts=8, topk=2, ffn_hidden_size=64, layer_freq=(0, 1, 1), num_groups=4,
+                                   group_topk=2, topk_scaling_factor=2.5, shared_expert_intermediate_size=64,
+                                   **_DEEPSEEK_ROUTER)),
 }
 
 

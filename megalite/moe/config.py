@@ -68,6 +68,8 @@ class MoEConfig:
     them (`plan.moe.balanced_routes`); the weights are still the scores' at those experts."""
 
     def __post_init__(self):
+        if isinstance(self.layer_freq, list):  # a config read back from JSON
+            object.__setattr__(self, "layer_freq", tuple(self.layer_freq))
         problems = moe_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
