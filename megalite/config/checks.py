@@ -174,8 +174,19 @@ def data_problems(data: DataSettings) -> list[str]:
 
 
 def _latent_attention_problems(cfg: RunConfig) -> list[str]:
+    """DeepSeek's latent attention and multi-token prediction: what they do not run yet (docs/deepseek.md)."""
     try:
         model = cfg.gpt_config()
     except ValueError:
         return []  # RunConfig.validate reports the model's own problem
-    return mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)
+    problems = mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)
+    p = cfg.parallel
+    if model.mtp_num_layers and p.pp > 1:
+        problems.append(f"--mtp-num-layers {model.mtp_num_layers} needs the embedding and the output layer on one "
+                        f"stage; the last of --pp {p.pp} stages has no embedding (MTP under pp is not built): drop "
+                        f"--pp or --mtp-num-layers")
+    for bad, what in ((p.cp > 1, f"--cp {p.cp}"), (p.zero == 3, "--zero 3"),
+                      (cfg.training.cuda_graph, "--cuda-graph")):
+        if model.mtp_num_layers and bad:
+            problems.append(f"--mtp-num-layers runs without {what} (not built yet); drop one of them")
+    return problems

@@ -67,6 +67,11 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     moe: MoEConfig | None = None
     """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction (DeepSeek-V3): D sequential modules after the last block, depth k predicting the
+    token k+1 ahead of the next one, sharing the embedding and the output layer (model/mtp.py)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """lambda: the MTP losses add lambda / D times their sum to the training loss."""
     mla: MLAConfig | None = None
     """Multi-head latent attention (DeepSeek-V2/V3: an MLAConfig, or its keywords as a dict; llama flavour);
     None: the fused-QKV attention. num_query_groups is then the number of heads (each has its own key)."""
@@ -80,6 +85,9 @@ class GPTConfig:
             raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
         if self.num_query_groups is None or self.mla is not None:
             self.num_query_groups = self.num_attention_heads
+        if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} and --mtp-loss-scaling-factor "
+                             f"{self.mtp_loss_scaling_factor} must be >= 0")
         if self.mla is not None:
             problems = self.mla.problems(self.hidden_size) + (
                 [] if self.flavour == "llama" else ["--multi-latent-attention needs the llama flavour (RMSNorm, "
@@ -145,8 +153,10 @@ class GPTConfig:
         mlp_biases = ((f if self.flavour == "gpt2" else 2 * f) + h) * self.mlp_bias
         per_layer += (qkv_out * self.qkv_bias + h * self.proj_bias) * (self.mla is None) + mlp_biases
         total = self.num_layers * per_layer + norm  # + final norm
-        if self.moe is not None:
-            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - mlp_biases)
+        moe_change = self.moe_mlp_params(active=False) - dense_mlp - mlp_biases if self.moe is not None else 0
+        total += self.moe_layer_count() * moe_change
+        for k in range(self.mtp_num_layers):  # DeepSeek's MTP depths: a block, three norms, M_k [h, 2h]
+            total += per_layer + 3 * norm + 2 * h * h + moe_change * self.is_moe_block(self.num_layers + k)
         if include_embedding:
             total += self.vocab_size * h
             if not self.tie_embeddings:
@@ -154,6 +164,10 @@ class GPTConfig:
             if self.flavour == "gpt2":
                 total += self.seq_length * h
         return total
+
+    def is_moe_block(self, layer_id: int) -> bool:
+        """Block `layer_id` (an MTP depth's past num_layers) has experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer_id)
 
     def moe_layer_count(self) -> int:
         """Blocks whose MLP is a mixture of experts."""
@@ -315,4 +329,9 @@ def preset(name: str, **overrides) -> GPTConfig:
             and kwargs.get("flavour") == "gpt2":
         kwargs.pop("ffn_hidden_size", None)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    moe = kwargs.get("moe")
+    if isinstance(moe, dict) and isinstance(moe.get("layer_freq"), tuple):  # DeepSeek's first dense blocks, kept
+        dense = moe["layer_freq"].index(1) if 1 in moe["layer_freq"] else len(moe["layer_freq"])
+        layers = kwargs["num_layers"]
+        kwargs["moe"] = {**moe, "layer_freq": (0,) * min(dense, layers) + (1,) * max(layers - dense, 0)}
     return GPTConfig(**kwargs)

@@ -81,6 +81,11 @@ class ModelSettings:
     qk_pos_emb_head_dim: int | None = setting(None, "MLA: each head's RoPE channels, the key's shared by the heads "
                                                     "(default 64)", minimum=2)
     v_head_dim: int | None = setting(None, "MLA: each head's value channels (default 128)", minimum=1)
+    mtp_num_layers: int | None = setting(None, "multi-token prediction (DeepSeek-V3): D modules after the last "
+                                               "block, depth k predicting k more tokens ahead (default 0: none)",
+                                         metavar="D", minimum=0)
+    mtp_loss_scaling_factor: float | None = setting(None, "weight lambda of the MTP losses: lambda / D times their "
+                                                          "sum joins the loss (default 0.1)", minimum=0)
     make_vocab_size_divisible_by: int | None = setting(None, "pad the vocabulary to a multiple of this (times tp); "
                                                              "default 128", minimum=1)
 

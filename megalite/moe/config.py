@@ -78,8 +78,8 @@ class MoEConfig:
         return dataclasses.replace(self, **changes)
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        if isinstance(self.layer_freq, tuple):
-            return bool(self.layer_freq[layer_id])
+        if isinstance(self.layer_freq, tuple):  # blocks past the list (MTP's) repeat its last kind
+            return bool(self.layer_freq[min(layer_id, len(self.layer_freq) - 1)])
         return layer_id % self.layer_freq == 0
 
     def group_score_experts(self) -> int:

@@ -27,6 +27,17 @@ def layer_params(model: GPTConfig, tp: int) -> int:
     return n + 2 * d * model.qk_layernorm
 
 
+def mtp_params(model: GPTConfig, cfg: RunConfig) -> int:
+    """DeepSeek's MTP depths on one rank of the last stage: each a block, three norms and M_k [h/tp, 2h]."""
+    h, tp = model.hidden_size, cfg.parallel.tp
+    n = 0
+    for k in range(model.mtp_num_layers):
+        n += layer_params(model, tp) + 3 * h + 2 * h * h // tp
+        if model.is_moe_block(model.num_layers + k):
+            n += dense_change_per_layer(model, cfg) + expert_params_per_layer(model, cfg)
+    return n
+
+
 def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     """Parameters held by one rank of pipeline stage `stage` (padded vocabulary included)."""
     h, tp, pp = model.hidden_size, cfg.parallel.tp, cfg.parallel.pp
@@ -39,7 +50,7 @@ def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     if stage == 0:
         n += vocab_shard + (model.seq_length * h if model.flavour == "gpt2" else 0)
     if stage == pp - 1:
-        n += final_norm
+        n += final_norm + mtp_params(model, cfg)
         # untied: an output layer; tied with pp > 1: the last stage keeps its own copy of the
         # word embedding, kept in sync by an all-reduce of its gradient over the embedding group
         if not model.tie_embeddings or pp > 1:
