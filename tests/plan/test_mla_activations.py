@@ -10,6 +10,7 @@ from megalite.config.model import GPTConfig
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.gpt import GPTModel
 from megalite.plan import activations as A
+from megalite.testing import run_distributed
 from test_estimate import run, saved_tensor_bytes
 
 MLA = dict(q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=24)
@@ -35,3 +36,31 @@ def test_latent_attention_bytes_match_what_the_block_keeps(q_lora_rank):
                 planned = A.layer_activation_bytes(_config(2, q_lora_rank), layout, attention="sdpa")
                 cpu_layout_copy = 0 if recompute == "full" else dtype.itemsize * BATCH * SEQ * HEADS * MLA["v_head_dim"]
                 assert kept[1] - kept[0] == planned - cpu_layout_copy, (recompute, precision)
+
+
+def _tensor_parallel_world(layouts):
+    from megalite.mesh import init_mesh
+
+    mesh = init_mesh(tp=2)
+    out = []
+    with kernels_without_launch():
+        for sequence_parallel in layouts:
+            kept = []
+            for layers in (1, 2):
+                torch.manual_seed(0)
+                model = GPTModel(_config(layers, 48), mesh, sequence_parallel=sequence_parallel)
+                kept.append(saved_tensor_bytes(model, BATCH, SEQ)[0])
+            out.append(kept[1] - kept[0])
+    return out
+
+
+def test_latent_attention_bytes_under_tp_and_sp():
+    """At tp 2 the heads' terms halve; under SP the norms', latents' and linear inputs' do too (the
+    replicated down-projections see this rank's tokens only), and the RoPE key's gather is not kept."""
+    layouts = (False, True)
+    ranks = run_distributed(_tensor_parallel_world, 2, layouts)
+    assert ranks[0] == ranks[1]
+    for sequence_parallel, kept in zip(layouts, ranks[0]):
+        layout = run(tp=2, sequence_parallel=sequence_parallel, micro_batch_size=BATCH)
+        planned = A.layer_activation_bytes(_config(2, 48), layout, attention="sdpa")
+        assert kept == planned - 4 * BATCH * SEQ * HEADS * MLA["v_head_dim"] // 2, sequence_parallel
