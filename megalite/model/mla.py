@@ -1,8 +1,8 @@
 """Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value projections, a RoPE key
 shared by the heads, d_qk != d_v. The shapes and names: megalite/config/mla.py.
 
-It is a block's attention like model/transformer.py's `Attention`: `qkv(x)` (the projections),
-`core(qkv, rope, rng)` (what selective recompute re-runs) and `proj` (the row-parallel output).
+It is a block's attention like model/transformer.py's `Attention`: `qkv(x)` (the projections, a tuple),
+`core(q, kv, k_pe, rope, rng)` (what selective recompute re-runs) and `proj` (the row-parallel output).
 
 Under tp the heads split: the up-projections W_qb, W_kvb (and W_q without a query latent) are
 column-parallel over the heads, the output projection row-parallel; the down-projections W_qa, W_kva
@@ -114,10 +114,10 @@ class MultiLatentAttention(nn.Module):
         return (q.view(s, b, heads, mla.qk_dim), kv.view(s, b, heads, mla.qk_head_dim + mla.v_head_dim),
                 k_pe.reshape(s, b, 1, mla.qk_pos_emb_head_dim))
 
-    def core(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
              rope: tuple[torch.Tensor, torch.Tensor] | None, rng: TensorParallelRNG) -> torch.Tensor:
-        """(q, kv, k_pe) -> [s, b, n/tp * d_v]: RoPE on the position channels, the heads' keys, attention."""
-        q, kv, k_pe = qkv
+        """qkv()'s (q, kv, k_pe) -> [s, b, n/tp * d_v]: RoPE on the position channels, the heads' keys,
+        attention."""
         mla, heads = self.mla, self.local_heads
         s, b = q.shape[:2]
         q_nope, q_pe = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], dim=-1)

@@ -180,10 +180,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 rng: TensorParallelRNG) -> torch.Tensor:
         qkv = self.attention.qkv(self.input_norm(x))
-        if self.recompute_core and self.training:
-            core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)
+        qkv = qkv if isinstance(qkv, tuple) else (qkv,)  # latent attention's core takes three tensors
+        if self.recompute_core and self.training:  # (as tensors, which the checkpoint keeps visibly)
+            core = checkpoint_with_rng(self.attention.core, rng, *qkv, rope, rng)
         else:
-            core = self.attention.core(qkv, rope, rng)
+            core = self.attention.core(*qkv, rope, rng)
         proj = self.attention.proj
         x = self._bias_dropout_add(proj.bias, proj(core, add_bias=False), x, rng, 1)
         if self.is_moe:  # experts carry no biases

@@ -47,3 +47,37 @@ def latent_layer_bytes(model: GPTConfig, *, a: int, tokens: int, batch: int, seq
     total += a * tokens * n * (mla.qk_head_dim + mla.v_head_dim) // t  # the key/value up-projection's output
     total += core_output + 4 * batch * n * seq // t                    # SDPA's output and log-sum-exp
     return total + core_output                                         # the out-projection's input copy
+
+
+def _latent_widths(model: GPTConfig) -> tuple[int, int]:
+    """(channels of the column-parallel up-projections' inputs: the query latent (or x) and the key/value
+    latent, the RoPE key's channels)."""
+    mla = model.mla
+    return (mla.q_lora_rank or model.hidden_size) + mla.kv_lora_rank, mla.qk_pos_emb_head_dim
+
+
+def latent_tp_bytes(model: GPTConfig, *, u: int, per_token: int, microbatches: int, layers: int, rerun: int,
+                    sequence_parallel: bool) -> dict[str, int]:
+    """The change of one stage's tp bytes per step when its `layers` blocks have latent attention instead of
+    a fused QKV (plan/communication.py counts the fused block). u: an [s, b, h] activation's bytes;
+    per_token: a * s * b (bytes of one channel over the microbatch's tokens); rerun: blocks full recompute
+    re-runs. The up-projections' inputs replace x where the fused QKV gathered or reduced it:
+    without SP their gradients are all-reduced in backward (the latents' and the RoPE key's) instead of
+    x's; under SP the latents are gathered (forward, and again in backward for the two up-projections),
+    their gradients reduce-scattered, the RoPE key gathered once (not kept)."""
+    up, rope = _latent_widths(model)
+    if not sequence_parallel:
+        return {"tp/all_reduce": microbatches * layers * ((up + rope) * per_token - u)}
+    forward = (up + rope) * per_token
+    return {"tp/all_gather": microbatches * (layers * (forward + up * per_token - 2 * u) + rerun * (forward - u)),
+            "tp/reduce_scatter": microbatches * layers * (forward - u)}
+
+
+def latent_sequence_parallel_grads(model: GPTConfig, layers: int) -> int:
+    """Elements whose gradient is partial per tp rank under SP in `layers` MLA blocks: the latent norms and
+    the replicated down-projections (their tokens are this rank's)."""
+    mla, h = model.mla, model.hidden_size
+    per_layer = mla.kv_lora_rank + h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+    if mla.q_lora_rank is not None:
+        per_layer += mla.q_lora_rank + h * mla.q_lora_rank
+    return layers * per_layer

@@ -67,7 +67,7 @@ def test_latent_attention_equals_transformers(version, q_lora_rank):
     expected, _ = hf(x_hf, position_embeddings=rotary(x_hf, positions), attention_mask=mask)
     x_ours = x.clone().requires_grad_(True)
     cos, sin = rope_tables(32, config.rope_head_dim, config.rope_theta, scaling=config.rope_scaling)
-    got = ours.proj(ours.core(ours.qkv(x_ours), (cos[:S], sin[:S]), TensorParallelRNG(0)))
+    got = ours.proj(ours.core(*ours.qkv(x_ours), (cos[:S], sin[:S]), TensorParallelRNG(0)))
     assert_tensor_close(got, expected.transpose(0, 1), rtol=1e-5, what="output")
     got.square().sum().backward()
     expected.square().sum().backward()
