@@ -265,3 +265,50 @@ def test_deepseek_v3_through_a_megalite_checkpoint_and_back(tmp_path):
         assert torch.equal(exported.state_dict()[name], tensor), name
     with torch.no_grad():
         assert torch.equal(exported(H.inputs()).logits, hf(H.inputs()).logits)
+
+
+def _deepseek_tp2_pp2_ep2(hf, ids, logits, loss, hf_grads):
+    """This rank's check at (tp 2, pp 2, dp 2, ep 2): dp rank r runs samples [2r, 2r+2) (one microbatch
+    each); the experts see both dp ranks' tokens through the all-to-all, every other gradient is summed
+    over dp here as the data-parallel engine would."""
+    mesh = mesh_lib.init_mesh(tp=2, pp=2, dp=2, ep=2)
+    config, model = _stage_models(hf, mesh)
+    mine = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    got = _pipelined_logits(model.eval(), mesh, ids[mine])
+    if mesh.is_last_stage:
+        torch.testing.assert_close(got, logits[mine], rtol=1e-4, atol=1e-4)
+    labels = H.megalite_labels(ids)
+    tokens = int((labels != -100).sum())
+    microbatches = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1]} for i in range(mine.start, mine.stop)]
+    spec = PipelineSpec("1f1b", 2, (H.SEQ, 1, config.hidden_size), torch.float32, 1)
+    total = torch.tensor([run_pipeline(spec, [model.train()], microbatches, mesh, 1.0 / tokens)], dtype=torch.float64)
+    if mesh.is_last_stage:
+        comm.all_reduce(total, mesh.dp_group)
+        torch.testing.assert_close(total[0] / tokens, loss.double(), rtol=1e-4, atol=0)
+    expected, names = hf_to_full_state(hf_grads, config), set()
+    for name, param in model.logical_parameters():
+        grad = param.grad.clone()
+        if P.is_sequence_parallel_grad(param):  # the router at etp 1: each tp rank's tokens give part
+            grad = comm.all_reduce(grad, mesh.tp_group)
+        if P.info(param).expert_parallel:  # etp 1: each tp rank's replica of the expert saw its own tokens
+            grad = comm.all_reduce(grad, mesh.expert_dp_group)
+        else:
+            grad = comm.all_reduce(grad, mesh.dp_group)
+        torch.testing.assert_close(grad, P.shard_spec(param).shard(expected[name]), rtol=1e-4, atol=1e-5,
+                                   msg=lambda s, name=name: f"{name}: {s}")
+        names.add(name)
+    return names
+
+
+@pytest.mark.slow  # 8 ranks
+def test_deepseek_v3_at_tp2_pp2_ep2_equals_transformers():
+    hf = H.hf_model("deepseek-v3")
+    ids = torch.randint(0, H.VOCAB, (4, H.SEQ), generator=torch.Generator().manual_seed(5))
+    logits = hf(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, H.VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in hf.named_parameters()}
+    reports = run_distributed(_deepseek_tp2_pp2_ep2, 8, hf, ids, logits.detach(), loss.detach(), grads,
+                              timeout_s=600)
+    names = {n for n, _ in GPTModel(config_from_hf(hf.config), device="meta").logical_parameters()}
+    assert set().union(*reports) == names
