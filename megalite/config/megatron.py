@@ -50,8 +50,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 
 LACKS: dict[str, str] = {
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
-    "--mtp-num-layers": "multi-token prediction",
-    "--multi-latent-attention": "multi-latent attention",
 }
 
 # Megatron flags for what megalite always does: accepted and ignored -> (values taken, why)
