@@ -121,7 +121,8 @@ def _world(reference, layouts, steps):
     return out
 
 
-@pytest.mark.parametrize("layouts, steps", [(QUICK, 1), pytest.param(LAYOUTS, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layouts, steps", [pytest.param(QUICK, 1, marks=pytest.mark.slow),  # ~4 s
+                                            pytest.param(LAYOUTS, 2, marks=pytest.mark.slow)])
 def test_mtp_under_tp_sp_and_dp_equals_the_single_process(layouts, steps):
     depths = layouts[0][2].get("mtp_num_layers", 2)
     results, final = _train(single_process_mesh("cpu"), _cfg(mtp_num_layers=depths), steps=steps)
