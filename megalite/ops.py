@@ -77,6 +77,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
                              dropout_offset=dropout_offset)
 
 
+def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Causal attention whose values are narrower than its queries and keys (multi-head latent attention):
+    q, k [b, h, s, d_qk], v [b, h, s, d_v] -> [b, h, s, d_v]. megalite's Triton kernel takes one head dim
+    of at most 128 for q, k and v, so this is torch's SDPA on every device (docs/deepseek.md)."""
+    return attention_dispatch.sdpa(q, k, v, True, softmax_scale, native_gqa=False)
+
+
+def describe_latent_attention(qk_head_dim: int, v_head_dim: int) -> str:
+    """The start banner's line for a model with multi-head latent attention (`latent_attention`)."""
+    return (f"attention: torch SDPA (multi-latent attention, d_qk {qk_head_dim} / d_v {v_head_dim}: megalite's "
+            f"Triton kernel takes one head dim <= 128 for q, k and v)")
+
+
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """Per-expert matmul. x [T, K] rows sorted by expert, weight [E, K, N], group_sizes int64 [E]
     (on x's device, zeros allowed, sum == T) -> [T, N]; expert g's rows times weight[g]."""

@@ -47,7 +47,7 @@ def test_megatron_line_means_the_megalite_line():
     (["--rampup-batch-size", "16", "16", "5859375", "--global-batch-size", "64", "--micro-batch-size", "32"],
      "the ramp's global batch 16 is not a multiple of micro_batch_size*dp"),
     (["--vocab-file", "gpt2-vocab.json"], "GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers is a Megatron-LM flag for multi-token prediction"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2 is a Megatron-LM flag for torch FSDP2"),
     (["--num-layers-per-virtual-pipeline-stage", "3", "--pp", "2"], "do not split into pp 2"),
     (["--num-layers-per-virtual-pipeline-stage", "1", "--pp", "2", "--virtual-stages", "3"], "give one of the two"),
     (["--max-position-embeddings", "64", "--seq-length", "128"], "raise it to at least 128"),

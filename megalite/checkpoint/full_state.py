@@ -41,6 +41,9 @@ def resolve_checkpoint_dir(path: str | Path, step: int | None = None) -> Path:
     return found
 
 
+EXPERT_BIAS = "expert_bias"  # the item kind of a router's expert bias (checkpoint/load.py reads it so too)
+
+
 def read_full_state(path: str | Path, step: int | None = None,
                     progress=None) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
     """(model config, {logical name: full tensor in the saved dtype}, metadata); every file read is verified.
@@ -56,6 +59,9 @@ def read_full_state(path: str | Path, step: int | None = None,
         full[name] = reader.read_full("model", name, tuple(shape)).clone()
         if progress is not None:
             progress.update(full[name].numel() * full[name].element_size(), 1)
+    for (kind, name), entries in list(reader.items.items()):  # DeepSeek-V3's correction biases (buffers)
+        if kind == EXPERT_BIAS:
+            full[name] = reader.read_full(kind, name, tuple(hi - lo for lo, hi in entries[0][0])).clone()
     if progress is not None:
         progress.update(0, final=True)
     reader.close()
@@ -65,11 +71,13 @@ def read_full_state(path: str | Path, step: int | None = None,
 def write_full_state(save_dir: str | Path, config: GPTConfig, full: dict[str, torch.Tensor], *, step: int = 0,
                      extra: dict | None = None) -> Path:
     """Publish `full` (logical names, unpadded) as checkpoint `step` of `save_dir`; returns its path."""
-    items = [Item("model", name, whole_box(tuple(t.shape)), t.detach().cpu().contiguous()) for name, t in full.items()]
+    kind_of = {name: EXPERT_BIAS if name.endswith("." + EXPERT_BIAS) else "model" for name in full}
+    items = [Item(kind_of[name], name, whole_box(tuple(t.shape)), t.detach().cpu().contiguous())
+             for name, t in full.items()]
     fields = {"consumed_samples": 0, "optimizer_step": 0, "loss_scaler": None, "has_optimizer": False,
               "model_config": _jsonable(config), "train_config": None, "extra": _jsonable(extra or {})}
-    return write_one_process_checkpoint(save_dir, step, items, {name: list(t.shape) for name, t in full.items()},
-                                        fields)
+    shapes = {name: list(t.shape) for name, t in full.items() if kind_of[name] == "model"}
+    return write_one_process_checkpoint(save_dir, step, items, shapes, fields)
 
 
 def write_one_process_checkpoint(save_dir: str | Path, step: int, items: list[Item], shapes: dict[str, list[int]],

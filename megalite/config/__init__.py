@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from megalite.config.mla import latent_attention
 from megalite.config.model import GPTConfig, preset
 from megalite.layout import Layout
 from megalite.moe.config import MoEConfig
@@ -296,6 +297,7 @@ class RunConfig:
         problem = megatron.position_problem(m, model.seq_length)
         if problem:
             raise ValueError(problem)
+        model = latent_attention(model, m)
         moe = self.moe_settings_given()
         if moe:  # the preset's experts (if any) with the explicit MoE settings over them
             base = dataclasses.asdict(model.moe) if model.moe is not None else {}
@@ -332,8 +334,11 @@ class RunConfig:
                  "moe_router_bias_update_rate": "bias_update_rate",
                  "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
                  "moe_expert_capacity_factor": "capacity_factor", "moe_token_drop_policy": "token_drop_policy",
-                 "moe_router_force_load_balancing": "force_load_balancing"}
+                 "moe_router_force_load_balancing": "force_load_balancing", "moe_router_num_groups": "num_groups",
+                 "moe_router_group_topk": "group_topk", "moe_router_topk_scaling_factor": "topk_scaling_factor"}
         given = {names[k]: v for k, v in dataclasses.asdict(self.moe).items() if v is not None}
+        if "layer_freq" in given and len(given["layer_freq"]) == 1:  # one number: a frequency, not a list
+            given["layer_freq"] = given["layer_freq"][0]
         return {k: (str(v) if isinstance(v, enum.Enum) else v) for k, v in given.items()}
 
     def chunk_layer_counts(self, num_layers: int) -> list[int]:

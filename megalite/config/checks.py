@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe
 from megalite.layout import LayoutError
+from megalite.config.mla import layout_problems as mla_layout_problems
 
 if TYPE_CHECKING:
     from megalite.config import DataSettings, RunConfig
@@ -35,6 +36,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
+    problems += _latent_attention_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
         problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
@@ -199,3 +201,22 @@ def data_problems(data: DataSettings) -> list[str]:
     if data.tokenizer is not None and not os.path.exists(data.tokenizer):
         return [f"--tokenizer {data.tokenizer}: no such file; give a tokenizer.json or omit it for byte level"]
     return []
+
+
+def _latent_attention_problems(cfg: RunConfig) -> list[str]:
+    """DeepSeek's latent attention and multi-token prediction: what they do not run yet (docs/deepseek.md)."""
+    try:
+        model = cfg.gpt_config()
+    except ValueError:
+        return []  # RunConfig.validate reports the model's own problem
+    problems = mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)
+    p = cfg.parallel
+    if model.mtp_num_layers and p.pp > 1:
+        problems.append(f"--mtp-num-layers {model.mtp_num_layers} needs the embedding and the output layer on one "
+                        f"stage; the last of --pp {p.pp} stages has no embedding (MTP under pp is not built): drop "
+                        f"--pp or --mtp-num-layers")
+    for bad, what in ((p.cp > 1, f"--cp {p.cp}"), (p.zero == 3, "--zero 3"),
+                      (cfg.training.cuda_graph, "--cuda-graph")):
+        if model.mtp_num_layers and bad:
+            problems.append(f"--mtp-num-layers runs without {what} (not built yet); drop one of them")
+    return problems

@@ -50,8 +50,6 @@ ALIASES: dict[str, dict[str, Any]] = {
 
 LACKS: dict[str, str] = {
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
-    "--mtp-num-layers": "multi-token prediction",
-    "--multi-latent-attention": "multi-latent attention",
 }
 
 # Megatron flags for what megalite always does: accepted and ignored -> (values taken, why)
@@ -107,7 +105,8 @@ def model_overrides(model_settings) -> dict[str, Any]:
     for setting_name, field_name in (("norm_epsilon", "norm_eps"), ("rotary_base", "rope_theta"),
                                      ("make_vocab_size_divisible_by", "make_vocab_size_divisible_by"),
                                      ("add_qkv_bias", "qkv_bias"), ("qk_layernorm", "qk_layernorm"),
-                                     ("kv_channels", "kv_channels")):
+                                     ("kv_channels", "kv_channels"), ("mtp_num_layers", "mtp_num_layers"),
+                                     ("mtp_loss_scaling_factor", "mtp_loss_scaling_factor")):
         if getattr(m, setting_name) is not None:
             out[field_name] = getattr(m, setting_name)
     if m.group_query_attention and m.num_query_groups is None:

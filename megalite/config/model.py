@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megalite.config.mla import MLAConfig
 from megalite.config.rope_scaling import check_rope_scaling
 from megalite.moe.config import MoEConfig
 
@@ -66,14 +67,33 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     moe: MoEConfig | None = None
     """Mixture of experts (a MoEConfig, or its keywords as a dict); None: dense MLPs."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction (DeepSeek-V3): D sequential modules after the last block, depth k predicting the
+    token k+1 ahead of the next one, sharing the embedding and the output layer (model/mtp.py)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """lambda: the MTP losses add lambda / D times their sum to the training loss."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3: an MLAConfig, or its keywords as a dict; llama flavour);
+    None: the fused-QKV attention. num_query_groups is then the number of heads (each has its own key)."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
         if self.flavour not in ("gpt2", "llama"):
             raise ValueError(f"flavour must be 'gpt2' or 'llama', got {self.flavour!r}")
-        if self.num_query_groups is None:
+        if self.num_query_groups is None or self.mla is not None:
             self.num_query_groups = self.num_attention_heads
+        if self.mtp_num_layers < 0 or self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"--mtp-num-layers {self.mtp_num_layers} and --mtp-loss-scaling-factor "
+                             f"{self.mtp_loss_scaling_factor} must be >= 0")
+        if self.mla is not None:
+            problems = self.mla.problems(self.hidden_size) + (
+                [] if self.flavour == "llama" else ["--multi-latent-attention needs the llama flavour (RMSNorm, "
+                                                    "SwiGLU, RoPE)"])
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.ffn_hidden_size is None:
             if self.flavour == "gpt2":
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -86,6 +106,10 @@ class GPTConfig:
         for name in ("qkv_bias", "proj_bias", "mlp_bias"):
             if getattr(self, name) is None:
                 setattr(self, name, self.add_bias)
+        if self.moe is not None and isinstance(self.moe.layer_freq, tuple) \
+                and len(self.moe.layer_freq) != self.num_layers:
+            raise ValueError(f"--moe-layer-freq lists {len(self.moe.layer_freq)} blocks but the model has "
+                             f"{self.num_layers}; give one 0 or 1 per block")
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)  # one line naming what is unsupported
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads != 0:
@@ -98,6 +122,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The channels RoPE rotates per head: all of them, or MLA's decoupled position part."""
+        return self.head_dim if self.mla is None else self.mla.qk_pos_emb_head_dim
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Megatron's padding: the next multiple of make_vocab_size_divisible_by * tp."""
@@ -117,13 +146,17 @@ class GPTConfig:
         qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * d
         norm = 2 * h if self.flavour == "gpt2" else h
         per_layer = h * qkv_out + self.num_attention_heads * d * h + 2 * norm + 2 * d * self.qk_layernorm
+        if self.mla is not None:  # latent attention instead of the fused QKV (no biases)
+            per_layer = self.mla.params(h, self.num_attention_heads) + 2 * norm
         dense_mlp = (h * f + f * h) if self.flavour == "gpt2" else 3 * h * f
         per_layer += dense_mlp
         mlp_biases = ((f if self.flavour == "gpt2" else 2 * f) + h) * self.mlp_bias
-        per_layer += qkv_out * self.qkv_bias + h * self.proj_bias + mlp_biases
+        per_layer += (qkv_out * self.qkv_bias + h * self.proj_bias) * (self.mla is None) + mlp_biases
         total = self.num_layers * per_layer + norm  # + final norm
-        if self.moe is not None:
-            total += self.moe_layer_count() * (self.moe_mlp_params(active=False) - dense_mlp - mlp_biases)
+        moe_change = self.moe_mlp_params(active=False) - dense_mlp - mlp_biases if self.moe is not None else 0
+        total += self.moe_layer_count() * moe_change
+        for k in range(self.mtp_num_layers):  # DeepSeek's MTP depths: a block, three norms, M_k [h, 2h]
+            total += per_layer + 3 * norm + 2 * h * h + moe_change * self.is_moe_block(self.num_layers + k)
         if include_embedding:
             total += self.vocab_size * h
             if not self.tie_embeddings:
@@ -131,6 +164,10 @@ class GPTConfig:
             if self.flavour == "gpt2":
                 total += self.seq_length * h
         return total
+
+    def is_moe_block(self, layer_id: int) -> bool:
+        """Block `layer_id` (an MTP depth's past num_layers) has experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer_id)
 
     def moe_layer_count(self) -> int:
         """Blocks whose MLP is a mixture of experts."""
@@ -152,7 +189,10 @@ class GPTConfig:
         n_matmul = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size  # + lm head
         if self.moe is not None:
             n_matmul -= self.moe_layer_count() * (self.moe_mlp_params(False) - self.moe_mlp_params(True))
-        return 6.0 * n_matmul + 12.0 * self.num_layers * self.hidden_size * s
+        scores_width = 2 * self.hidden_size  # q.k and p.v channels per token over all heads (d * heads = h)
+        if self.mla is not None:
+            scores_width = self.num_attention_heads * (self.mla.qk_dim + self.mla.v_head_dim)
+        return 6.0 * n_matmul + 6.0 * self.num_layers * scores_width * s
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError, naming valid choices, when the model cannot be split tp ways."""
@@ -174,6 +214,19 @@ class GPTConfig:
 
 _LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position_embeddings=8192)
+
+
+
+def _yarn(factor: float, mscale: float) -> dict:
+    """DeepSeek's YaRN over its 4k pretraining context (mscale = mscale_all_dim, as its configs have it)."""
+    return dict(rope_type="yarn", factor=factor, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                mscale=mscale, mscale_all_dim=mscale)
+
+
+_DEEPSEEK_MLA = dict(kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+# sigmoid scores with the correction bias (bias speed 1e-3) and the small sequence-wise loss (alpha 1e-4)
+_DEEPSEEK_ROUTER = dict(score_function="sigmoid", enable_expert_bias=True, load_balancing_type="seq_aux_loss",
+                        aux_loss_coeff=1e-4)
 
 # Presets are keyword sets, so an override (say hidden_size) re-derives what depends on it.
 PRESETS: dict[str, dict] = {
@@ -236,6 +289,34 @@ PRESETS: dict[str, dict] = {
     "llama-405b": dict(flavour="llama", num_layers=126, hidden_size=16384, num_attention_heads=128,
                        num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256, seq_length=8192,
                        rope_theta=5e5, rope_scaling=_LLAMA31_SCALING),
+    # DeepSeek's family (HF config.json; megalite/model/hf_deepseek.py): latent attention, group-limited sigmoid
+    # routing with the correction bias, shared experts, dense first blocks. V3's 671B (37B active) without its
+    # MTP module; V2-Lite (15.7B, no query latent, softmax experts); Moonlight (16B, 3B active: V3's design)
+    "deepseek-v3": dict(flavour="llama", num_layers=61, hidden_size=7168, num_attention_heads=128,
+                        ffn_hidden_size=18432, vocab_size=129280, seq_length=4096, norm_eps=1e-6,
+                        rope_scaling=_yarn(40.0, 1.0), mla=dict(q_lora_rank=1536, **_DEEPSEEK_MLA),
+                        moe=dict(num_experts=256, topk=8, ffn_hidden_size=2048, layer_freq=(0,) * 3 + (1,) * 58,
+                                 num_groups=8, group_topk=4, topk_scaling_factor=2.5,
+                                 shared_expert_intermediate_size=2048, **_DEEPSEEK_ROUTER)),
+    "deepseek-v2-lite": dict(flavour="llama", num_layers=27, hidden_size=2048, num_attention_heads=16,
+                             ffn_hidden_size=10944, vocab_size=102400, seq_length=4096, norm_eps=1e-6,
+                             rope_scaling=_yarn(40.0, 0.707), mla=_DEEPSEEK_MLA,
+                             moe=dict(num_experts=64, topk=6, ffn_hidden_size=1408, layer_freq=(0,) + (1,) * 26,
+                                      pre_softmax=True, shared_expert_intermediate_size=2816, aux_loss_coeff=1e-3)),
+    "moonlight-16b-a3b": dict(flavour="llama", num_layers=27, hidden_size=2048, num_attention_heads=16,
+                              ffn_hidden_size=11264, vocab_size=163840, seq_length=4096, norm_eps=1e-5,
+                              rope_theta=50000.0, mla=_DEEPSEEK_MLA,
+                              moe=dict(num_experts=64, topk=6, ffn_hidden_size=1408, layer_freq=(0,) + (1,) * 26,
+                                       topk_scaling_factor=2.446, shared_expert_intermediate_size=2816,
+                                       **_DEEPSEEK_ROUTER)),
+    # a tiny DeepSeek-V3-shaped model for tests and CPU runs: every piece above at small widths
+    "deepseek-tiny": dict(flavour="llama", num_layers=3, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352,
+                          vocab_size=257, seq_length=64, norm_eps=1e-6,
+                          mla=dict(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                                   v_head_dim=32),
+                          moe=dict(num_experts=8, topk=2, ffn_hidden_size=64, layer_freq=(0, 1, 1), num_groups=4,
+                                   group_topk=2, topk_scaling_factor=2.5, shared_expert_intermediate_size=64,
+                                   **_DEEPSEEK_ROUTER)),
 }
 
 
@@ -248,4 +329,9 @@ def preset(name: str, **overrides) -> GPTConfig:
             and kwargs.get("flavour") == "gpt2":
         kwargs.pop("ffn_hidden_size", None)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    moe = kwargs.get("moe")
+    if isinstance(moe, dict) and isinstance(moe.get("layer_freq"), tuple):  # DeepSeek's first dense blocks, kept
+        dense = moe["layer_freq"].index(1) if 1 in moe["layer_freq"] else len(moe["layer_freq"])
+        layers = kwargs["num_layers"]
+        kwargs["moe"] = {**moe, "layer_freq": (0,) * min(dense, layers) + (1,) * max(layers - dense, 0)}
     return GPTConfig(**kwargs)

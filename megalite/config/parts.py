@@ -71,6 +71,22 @@ class ModelSettings:
                                               "the preset's)")
     kv_channels: int | None = setting(None, "head dim d (default hidden / heads; heads * d may differ from "
                                             "hidden, as in Qwen3)", minimum=1)
+    multi_latent_attention: bool = setting(False, "DeepSeek's multi-head latent attention: low-rank query and "
+                                                  "key/value projections, a RoPE key shared by the heads (llama "
+                                                  "flavour; docs/deepseek.md)")
+    q_lora_rank: int | None = setting(None, "MLA: width of the query latent (default the preset's; none: a full "
+                                            "query projection)", minimum=1)
+    kv_lora_rank: int | None = setting(None, "MLA: width of the key/value latent (default 512)", minimum=1)
+    qk_head_dim: int | None = setting(None, "MLA: each head's query/key channels without position (default 128)",
+                                      minimum=1)
+    qk_pos_emb_head_dim: int | None = setting(None, "MLA: each head's RoPE channels, the key's shared by the heads "
+                                                    "(default 64)", minimum=2)
+    v_head_dim: int | None = setting(None, "MLA: each head's value channels (default 128)", minimum=1)
+    mtp_num_layers: int | None = setting(None, "multi-token prediction (DeepSeek-V3): D modules after the last "
+                                               "block, depth k predicting k more tokens ahead (default 0: none)",
+                                         metavar="D", minimum=0)
+    mtp_loss_scaling_factor: float | None = setting(None, "weight lambda of the MTP losses: lambda / D times their "
+                                                          "sum joins the loss (default 0.1)", minimum=0)
     make_vocab_size_divisible_by: int | None = setting(None, "pad the vocabulary to a multiple of this (times tp); "
                                                              "default 128", minimum=1)
 
@@ -158,8 +174,10 @@ class MoESettings:
                                             "experts)", minimum=1)
     moe_router_topk: int | None = setting(None, "experts per token (default 2)", minimum=1)
     moe_ffn_hidden_size: int | None = setting(None, "each expert's inner width (default: --ffn-hidden-size)", minimum=1)
-    moe_layer_freq: int | None = setting(None, "every N-th block (from block 0) is an MoE block (default 1: all)",
-                                         metavar="N", minimum=1)
+    moe_layer_freq: tuple[int, ...] | None = setting(None, "one number N: every N-th block (from block 0) is an MoE "
+                                                         "block (default 1: all); several: one 0 (dense) or 1 (MoE) "
+                                                         "per block, e.g. 0 0 1 1 (DeepSeek's first dense blocks)",
+                                                   metavar="N", minimum=0)
     moe_router_score_function: MoEScoreFunction | None = setting(None, "router scores (default softmax)")
     moe_router_pre_softmax: bool | None = setting(None, "softmax over all experts before the top-k (default off: a "
                                                         "softmax over the k chosen logits, Mixtral's renormalised "
@@ -173,6 +191,12 @@ class MoESettings:
                                                                "per-expert score bias for the choice, stepped toward "
                                                                "the mean load after each step")
     moe_router_bias_update_rate: float | None = setting(None, "step of the expert bias (default 1e-3)", minimum=0)
+    moe_router_num_groups: int | None = setting(None, "group-limited routing (DeepSeek-V2/V3's n_group): the experts "
+                                                      "in this many groups; a token picks --moe-router-group-topk "
+                                                      "groups first, then its experts in them", minimum=1)
+    moe_router_group_topk: int | None = setting(None, "groups a token may route to (DeepSeek's topk_group)", minimum=1)
+    moe_router_topk_scaling_factor: float | None = setting(None, "multiply the routing weights by this (DeepSeek's "
+                                                                 "routed_scaling_factor; default 1)", above=0)
     moe_shared_expert_intermediate_size: int | None = setting(None, "inner width of an always-active shared expert "
                                                                     "(default none)", minimum=1)
     moe_expert_capacity_factor: float | None = setting(None, "cap each expert at factor * tokens * topk / experts "

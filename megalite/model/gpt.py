@@ -37,6 +37,7 @@ from megalite.layer_groups import LayerGroups
 from megalite.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
+from megalite.model.mtp import MTPDepth, MultiTokenPrediction, mtp_losses
 from megalite.model.rope import rope_tables
 from megalite.model.transformer import Norm, TransformerBlock
 from megalite.tensor_parallel import mappings
@@ -97,7 +98,7 @@ class GPTModel(nn.Module):
 
         self._build_parameters(device, on_meta, pp_size)
         if config.flavour == "llama":
-            cos, sin = rope_tables(config.seq_length, config.head_dim, config.rope_theta, self._real_device,
+            cos, sin = rope_tables(config.seq_length, config.rope_head_dim, config.rope_theta, self._real_device,
                                     config.rope_scaling)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -119,6 +120,7 @@ class GPTModel(nn.Module):
                 block = self._build_block(i, device)
                 block.recompute_core = self.recompute == "selective"
                 self.layers.append(block)
+            self.mtp = self._build_mtp(device) if self.post_process and self.config.mtp_num_layers else None
             if self.post_process:
                 self.final_norm = Norm(self.config, self.sequence_parallel, self._dtype, device)
                 if self.config.tie_embeddings and self.pre_process:
@@ -152,6 +154,17 @@ class GPTModel(nn.Module):
             return TransformerBlock(self.config, self.groups, sequence_parallel=self.sequence_parallel,
                                     cp_comm_type=self._cp_comm_type, layer_number=layer_id,
                                     moe_dispatcher=self._moe_dispatcher, dtype=self._dtype, device=device)
+
+    def _build_mtp(self, device) -> MultiTokenPrediction:
+        """DeepSeek's MTP depths, each from the seed stream after the model's blocks (model/mtp.py)."""
+        depths = []
+        for k in range(1, self.config.mtp_num_layers + 1):
+            layer_id = self.config.num_layers + k - 1
+            with seeded(self._seed, _LAYER_STREAM + layer_id):
+                depths.append(MTPDepth(self.config, self.groups, sequence_parallel=self.sequence_parallel,
+                                       layer_number=layer_id, moe_dispatcher=self._moe_dispatcher, dtype=self._dtype,
+                                       device=device))
+        return MultiTokenPrediction(depths, self.config.mtp_loss_scaling_factor)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
@@ -226,9 +239,22 @@ class GPTModel(nn.Module):
         return dropout(x, self.config.hidden_dropout, self.rng.replicated, dropout_site(None, 0), self.training,
                        offset)
 
+    def head_losses(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """normed [s(/tp), b, h] (after a final norm), labels [b, s] -> per-token losses [s, b] of the output
+        layer (the model's head, shared by the MTP depths)."""
+        if self.fused_linear_cross_entropy:  # the logits [tokens, V/tp] never held
+            return vocab_parallel_linear_cross_entropy(normed, self.head_weight(), labels.transpose(0, 1),
+                                                       self.groups.tp, sequence_parallel=self.sequence_parallel,
+                                                       vocab_size=self.config.vocab_size)
+        return vocab_parallel_cross_entropy(self._project(normed), labels.transpose(0, 1), self.groups.tp,
+                                            vocab_size=self.config.vocab_size)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s(/tp), b, h] final hidden -> [s, b, V_pad/tp] logits shard."""
-        x = self.final_norm(x)
+        return self._project(self.final_norm(x))
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """[s(/tp), b, h] normed hidden -> [s, b, V_pad/tp] logits shard."""
         if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, V/tp]; backward re-gathers the shard
             return sequence_parallel_linear(x, self.head_weight(), None, self.groups.tp)
         return linear(mappings.copy_to_tensor_parallel_region(x, self.groups.tp), self.head_weight())
@@ -254,7 +280,7 @@ class GPTModel(nn.Module):
             if x.shape[1] * self.cp_size > self.config.seq_length:
                 raise ValueError(f"sequence length {x.shape[1] * self.cp_size} exceeds "
                                  f"seq_length={self.config.seq_length}")
-            s = x.shape[1]
+            s, input_ids = x.shape[1], x
             x = self.embed(x)
         else:
             s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
@@ -267,23 +293,23 @@ class GPTModel(nn.Module):
                 x = block(x, rope, self.rng)
         if not self.post_process:
             return x
-        if labels is not None and self.fused_linear_cross_entropy:
-            losses = vocab_parallel_linear_cross_entropy(
-                self.final_norm(x), self.head_weight(), labels.transpose(0, 1), self.groups.tp,
-                sequence_parallel=self.sequence_parallel, vocab_size=self.config.vocab_size)  # [s, b]
-        else:
-            logits = self.logits(x)  # [s, b, V/tp]
-            if labels is None:
-                return logits.transpose(0, 1)  # [b, s, V/tp]
-            losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.groups.tp,
-                                                  vocab_size=self.config.vocab_size)  # [s, b]
+        if labels is None:
+            return self.logits(x).transpose(0, 1)  # [b, s, V/tp]
+        losses = self.head_losses(self.final_norm(x), labels)  # [s, b]
+        extra = 0.0  # DeepSeek's MTP: its losses' gradient joins the loss's, the value stays the model's
+        if self.mtp is not None and reduction != "none":
+            depth_losses = mtp_losses(self, x, input_ids, labels, rope)
+            if self.training and torch.is_grad_enabled():
+                self.mtp.record(depth_losses)
+            term = self.mtp.loss_term(depth_losses)
+            extra = term - term.detach()
         if reduction == "sum":
-            return losses.sum()
+            return losses.sum() + extra
         if reduction == "mean":
             if self.cp_size > 1:
                 raise ValueError("reduction='mean' under context parallelism would average this rank's tokens "
                                  "only; use reduction='sum' and divide by the target tokens of all cp ranks")
-            return losses.sum() / (labels != -100).sum().clamp(min=1)
+            return (losses.sum() + extra) / (labels != -100).sum().clamp(min=1)
         if reduction == "none":
             return losses.transpose(0, 1)
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")

@@ -20,6 +20,7 @@ from megalite import comm, params
 from megalite.config.model import GPTConfig
 from megalite.extras import require
 from megalite.model.gpt import GPTModel
+from megalite.model.hf_deepseek import deepseek_rows, expert_bias_names, load_expert_biases
 from megalite.model.hf_config import config_from_hf, hf_config_from  # noqa: F401 - the configs' one place
 
 
@@ -27,6 +28,8 @@ from megalite.model.hf_config import config_from_hf, hf_config_from  # noqa: F40
 # tensor; "transpose": GPT-2's Conv1D [in, out] <-> [out, in]; ("cat", sizes): HF's separate
 # tensors stacked along dim 0 into a fused megalite weight ([Q; K; V], [gate; up]).
 def _name_table(config: GPTConfig) -> list[tuple[tuple[str, ...], str, object]]:
+    if config.mla is not None:  # DeepSeek-V2/V3: latent attention, dense first blocks, shared experts
+        return deepseek_rows(config)
     rows: list[tuple[tuple[str, ...], str, object]] = []
     if config.flavour == "gpt2":
         rows += [(("transformer.wte.weight",), "word_embeddings.weight", "copy"),
@@ -83,7 +86,7 @@ def _shared_expert_rows(config: GPTConfig, p: str, q: str) -> list:
 def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Mixtral's experts (either HF layout) -> megalite's per-expert logical tensors."""
     out = {}
-    for i in range(config.num_layers):
+    for i in (i for i in range(config.num_layers) if config.moe.is_moe_layer(i)):
         p = f"model.layers.{i}."
         stacked = p + "mlp.experts.gate_up_proj" in hf_state
         if p + "block_sparse_moe.gate.weight" in hf_state:  # transformers < 5 names the router here
@@ -107,7 +110,7 @@ def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> di
 def _experts_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """megalite's per-expert tensors -> Mixtral's stacked experts (transformers >= 5 layout)."""
     out = {}
-    for i in range(config.num_layers):
+    for i in (i for i in range(config.num_layers) if config.moe.is_moe_layer(i)):
         q = f"layers.{i}.mlp.experts."
         experts = range(config.moe.num_experts)
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack([full[f"{q}{e}.fc1_weight"] for e in experts])
@@ -120,6 +123,7 @@ def hf_to_full_state(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> di
     out: dict[str, torch.Tensor] = _experts_from_hf(dict(hf_state), config) if config.moe is not None else {}
     if config.moe is not None:  # transformers < 5 names the router block_sparse_moe.gate
         hf_state = {k.replace(".block_sparse_moe.gate.", ".mlp.gate."): v for k, v in hf_state.items()}
+    out.update((name, hf_state[hf_name]) for hf_name, name in expert_bias_names(config) if hf_name in hf_state)
     for hf_names, name, how in _name_table(config):
         tensors = [hf_state[n] for n in hf_names]
         if how == "transpose":
@@ -134,6 +138,7 @@ def hf_to_full_state(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> di
 def full_state_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """megalite logical full tensors -> HF state dict (the inverse of `hf_to_full_state`)."""
     out: dict[str, torch.Tensor] = _experts_to_hf(full, config) if config.moe is not None else {}
+    out.update((hf_name, full[name]) for hf_name, name in expert_bias_names(config) if name in full)
     for hf_names, name, how in _name_table(config):
         if how == "transpose":
             out[hf_names[0]] = full[name].t().contiguous()
@@ -151,7 +156,9 @@ def from_hf(hf_model, mesh=None, **model_kwargs):
     config = config_from_hf(hf_model.config)
     model = GPTModel(config, mesh, **model_kwargs)
     hf_state = {k: v.detach().to(torch.float32) for k, v in hf_model.state_dict().items()}
-    model.load_full_state_dict(hf_to_full_state(hf_state, config))
+    full = hf_to_full_state(hf_state, config)
+    model.load_full_state_dict(full)
+    load_expert_biases(model, full)  # DeepSeek-V3's correction bias: a buffer
     return model
 
 
@@ -172,6 +179,9 @@ def full_state_of(model: GPTModel) -> dict[str, torch.Tensor]:
             gathered = comm.all_gather(shards[0].contiguous(), model.groups.tp, dim=spec.dim)
             shards = list(gathered.chunk(spec.tp_size, dim=spec.dim))  # rank order
         full[name] = spec.assemble(shards)  # vocabulary padding dropped
+    biases = dict(model.named_buffers())
+    for _, name in expert_bias_names(model.config):  # the same on every rank
+        full[name] = biases[name].detach().float()
     return full
 
 

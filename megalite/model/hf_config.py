@@ -3,8 +3,8 @@
 Families (HF `model_type`): gpt2; llama (Llama 2/3.x: rope scaling "llama3", tied embeddings for
 3.2 1B/3B, attention/MLP biases, head_dim); mistral (as llama; a sliding window shorter than the
 context is refused); qwen2 (q/k/v biases); qwen3 (q/k RMSNorms, head_dim); mixtral, qwen3_moe and
-qwen2_moe (softmax top-k experts in every block; Qwen2-MoE adds a sigmoid-gated shared expert).
-deepseek_v2/v3 are refused by name: their multi-head latent attention is not built.
+qwen2_moe (softmax top-k experts in every block; Qwen2-MoE adds a sigmoid-gated shared expert);
+deepseek_v2 and deepseek_v3 (latent attention, group-limited routing: megalite/model/hf_deepseek.py).
 
 `config_from_hf` reads one; `hf_config_from` writes the family that expresses a GPTConfig and
 checks that reading it back reproduces the model. Anything megalite would have to approximate
@@ -18,12 +18,11 @@ from megalite.config.model import GPTConfig
 from megalite.config.rope_scaling import rope_type
 from megalite.data.tokenizer import load_tokenizer
 from megalite.extras import require
+from megalite.model import hf_deepseek
 from megalite.moe.config import MoEConfig
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
-REFUSED = {"deepseek_v2": "DeepSeek-V2's multi-head latent attention (MLA) is not built",
-           "deepseek_v3": "DeepSeek-V3's multi-head latent attention (MLA) is not built"}
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", *hf_deepseek.FAMILIES)
+_ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM"}
 
@@ -103,12 +102,12 @@ def _experts(hf, family: str) -> MoEConfig:
 def config_from_hf(hf_config) -> GPTConfig:
     """The GPTConfig of a transformers config (dropout probabilities included); refuses in one line."""
     family = getattr(hf_config, "model_type", "")
-    if family in REFUSED:
-        raise ValueError(f"HF model_type {family!r} is not supported: {REFUSED[family]}")
     if family not in SUPPORTED:
         raise ValueError(f"unsupported HF model_type {family!r}; megalite converts {', '.join(SUPPORTED)}")
     if family == "gpt2":
         return _gpt2_config(hf_config)
+    if family in hf_deepseek.FAMILIES:
+        return hf_deepseek.deepseek_config(hf_config, family, *_rope(hf_config))
     config = _decoder_config(hf_config, family)
     if family in ("mixtral", "qwen3_moe", "qwen2_moe"):
         config = config.replace(moe=_experts(hf_config, family))
@@ -119,6 +118,8 @@ def family_of(config: GPTConfig) -> str:
     """The transformers family that expresses `config` exactly (Mistral models export as llama)."""
     if config.flavour == "gpt2":
         return "gpt2"
+    if config.mla is not None:
+        return hf_deepseek.family_of(config)
     if config.moe is not None:
         if config.moe.shared_expert_gate:
             return "qwen2_moe"
@@ -133,6 +134,8 @@ def family_of(config: GPTConfig) -> str:
 def _unexpressible(config: GPTConfig, family: str) -> list[str]:
     """What `family` cannot express of `config` (each a phrase)."""
     problems = []
+    if family in hf_deepseek.FAMILIES:
+        return hf_deepseek.unexpressible(config)
     if family == "gpt2":
         if not config.tie_embeddings or not config.add_bias:
             problems.append(f"untied embeddings or no biases (tie_embeddings={config.tie_embeddings}, "
@@ -219,10 +222,13 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
         raise ValueError(f"{_ARCHITECTURES[family]} cannot express {', '.join(problems)}; export a model without it")
     class_name = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
-                  "qwen2_moe": "Qwen2MoeConfig"}[family]
+                  "qwen2_moe": "Qwen2MoeConfig", "deepseek_v2": "DeepseekV2Config",
+                  "deepseek_v3": "DeepseekV3Config"}[family]
     hf_class = getattr(transformers, class_name)
     if family == "gpt2":
         keywords = _gpt2_keywords(config)
+    elif family in hf_deepseek.FAMILIES:
+        keywords = {**hf_deepseek.deepseek_keywords(config), **_rope_keywords(config, hf_class)}
     else:
         keywords = {**_decoder_keywords(config, family), **_rope_keywords(config, hf_class)}
     default_id = config.vocab_size - 1
@@ -248,8 +254,12 @@ def _expert_shape(config: GPTConfig) -> tuple:
 
 
 def _check_round_trip(config: GPTConfig, back: GPTConfig) -> None:
-    fields = list(_CHECKED_FIELDS)
-    if config.moe is None:
+    fields = list(_CHECKED_FIELDS) + ["mla"]
+    if config.mla is not None:  # DeepSeek: the experts as its config has them, the dense blocks' width
+        fields = [f for f in fields if f != "head_dim"] + ["ffn_hidden_size"]
+        if hf_deepseek.expert_structure(back) != hf_deepseek.expert_structure(config):
+            raise ValueError(f"the transformers config does not reproduce the experts: {back.moe} != {config.moe}")
+    elif config.moe is None:
         fields.append("ffn_hidden_size")
     elif _expert_shape(back) != _expert_shape(config):
         raise ValueError(f"the transformers config does not reproduce the experts: {back.moe} != {config.moe}")

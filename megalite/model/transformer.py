@@ -20,6 +20,7 @@ from megalite.context_parallel.checks import check_attention
 from megalite.context_parallel.zigzag import logical_row_offsets
 from megalite.layer_groups import LayerGroups
 from megalite.config.model import GPTConfig
+from megalite.model.mla import MultiLatentAttention
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -147,8 +148,13 @@ class TransformerBlock(nn.Module):
         self.tp_group, self.tp_rank = tp_group, comm.group_rank(tp_group)
         self.cp_size, self.cp_rank = comm.group_size(cp_group), comm.group_rank(cp_group)  # this rank's tokens
         self.input_norm = Norm(config, sequence_parallel, dtype, device)
-        self.attention = Attention(config, groups, sequence_parallel=sequence_parallel, cp_comm_type=cp_comm_type,
-                                   layer_number=layer_number, dtype=dtype, device=device)
+        if config.mla is not None:  # DeepSeek's latent attention: the same qkv / core / proj steps
+            self.attention = MultiLatentAttention(config, groups, sequence_parallel=sequence_parallel,
+                                                  layer_number=layer_number, dtype=dtype, device=device)
+        else:
+            self.attention = Attention(config, groups, sequence_parallel=sequence_parallel,
+                                       cp_comm_type=cp_comm_type, layer_number=layer_number, dtype=dtype,
+                                       device=device)
         self.post_attention_norm = Norm(config, sequence_parallel, dtype, device)
         self.is_moe = config.moe is not None and config.moe.is_moe_layer(layer_number)
         if self.is_moe:
@@ -174,10 +180,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 rng: TensorParallelRNG) -> torch.Tensor:
         qkv = self.attention.qkv(self.input_norm(x))
-        if self.recompute_core and self.training:
-            core = checkpoint_with_rng(self.attention.core, rng, qkv, rope, rng)
+        qkv = qkv if isinstance(qkv, tuple) else (qkv,)  # latent attention's core takes three tensors
+        if self.recompute_core and self.training:  # (as tensors, which the checkpoint keeps visibly)
+            core = checkpoint_with_rng(self.attention.core, rng, *qkv, rope, rng)
         else:
-            core = self.attention.core(qkv, rope, rng)
+            core = self.attention.core(*qkv, rope, rng)
         proj = self.attention.proj
         x = self._bias_dropout_add(proj.bias, proj(core, add_bias=False), x, rng, 1)
         if self.is_moe:  # experts carry no biases

@@ -8,6 +8,11 @@ Scores are computed in fp32 from `logits = tokens @ W^T` ([T, E]):
   the chosen probabilities are the weights as they are.
 - sigmoid (DeepSeek-V3): sigmoid(logits); the chosen scores, divided by their sum when k > 1.
 
+Group-limited routing (DeepSeek-V2/V3, `num_groups` and `group_topk`): the E experts are G groups of
+E/G consecutive ids; a group's score is its best selection score (softmax, V2) or the sum of its two
+best (sigmoid, V3); each token keeps its `group_topk` best groups and picks its k experts among
+theirs. `topk_scaling_factor` (DeepSeek's routed_scaling_factor) multiplies the final weights.
+
 Ties choose the lower expert index (a stable sort), so routing is deterministic whatever the
 layout. With `enable_expert_bias` a per-expert bias (a buffer, not trained by gradients) is added
 to the scores for the choice only; `update_expert_bias` moves it each step toward the mean load.
@@ -55,6 +60,18 @@ class Routing:
 def top_k_deterministic(selection: torch.Tensor, k: int) -> torch.Tensor:
     """[T, E] -> [T, k] indices of the k largest per row; ties go to the lower index."""
     return torch.sort(selection, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def group_limited_selection(selection: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """[T, E] selection scores -> the same with the experts outside each token's `group_topk` best groups
+    set to -inf (ties between groups go to the lower group)."""
+    tokens, experts = selection.shape
+    grouped = selection.view(tokens, moe.num_groups, experts // moe.num_groups)  # [T, G, E/G]
+    best = torch.sort(grouped, dim=-1, descending=True).values[..., :moe.group_score_experts()]
+    chosen = top_k_deterministic(best.sum(-1), moe.group_topk)  # [T, group_topk]
+    keep = torch.zeros(tokens, moe.num_groups, dtype=torch.bool, device=selection.device)
+    keep.scatter_(1, chosen, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 def balanced_expert_ids(num_tokens: int, k: int, num_experts: int, ep: int, ep_rank: int, device) -> torch.Tensor:
@@ -153,6 +170,8 @@ class Router(nn.Module):
         selection = scores if self.expert_bias is None else scores.detach() + self.expert_bias
         if self.expert_bias is None and moe.score_function == "softmax":
             selection = logits.detach()  # the same order as the probabilities, and exact ties stay ties
+        if moe.num_groups is not None:  # DeepSeek's group-limited routing: the groups first
+            selection = group_limited_selection(selection.detach(), moe)
         expert_ids = top_k_deterministic(selection.detach(), k)  # [T, k]
         if moe.force_load_balancing:  # benchmarking / testing: the planner's balanced routes, whatever the scores
             expert_ids = balanced_expert_ids(tokens.shape[0], k, moe.num_experts, self.ep_size, self.ep_rank,
@@ -165,6 +184,8 @@ class Router(nn.Module):
             weights, balance_scores = scores.gather(1, expert_ids), scores
         else:
             weights, balance_scores = torch.softmax(logits.gather(1, expert_ids), dim=-1), scores
+        if moe.topk_scaling_factor is not None:
+            weights = weights * moe.topk_scaling_factor
         tokens_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=moe.num_experts)
         if self.expert_bias is not None and self.training and torch._C._current_graph_task_id() == -1:  # not recompute
             self.step_tokens_per_expert += tokens_per_expert.to(self.step_tokens_per_expert.dtype)

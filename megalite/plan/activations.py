@@ -24,6 +24,7 @@ from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule, interleaved_compute
+from megalite.plan.mla import latent_layer_bytes
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
 
@@ -119,6 +120,8 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     f, nq = model.ffn_hidden_size, model.num_attention_heads
     if recompute == "full":
         return a * s * b * h // sp
+    if model.mla is not None:  # DeepSeek's latent attention (plan/mla.py); its FP8 terms are not counted
+        return latent_layer_bytes(model, a=a, tokens=s * b, batch=b, seq=s, t=t, sp=sp, recompute=recompute)
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
     total += _attention_inputs_bytes(model, a, s * b, t, recompute, ulysses)

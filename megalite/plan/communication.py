@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
+from megalite.plan.mla import latent_sequence_parallel_grads, latent_tp_bytes
 from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, is_hybrid, local_seq_length, recomputed_stage_layers,
                                   stage_layers, zero_group_name, zero_shard_ranks)
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
@@ -131,6 +132,11 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
         add("tp/all_reduce", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)  # Megatron's 4 per layer
     for key, n in moe_tensor_parallel_bytes(model, cfg, stage, whole_forward_rerun).items():
         add(key, n)
+    if model.mla is not None:  # DeepSeek's latent attention moves its latents, not x (plan/mla.py)
+        per_token = DTYPE_BYTES[cfg.precision.precision] * s * b
+        for key, n in latent_tp_bytes(model, u=u, per_token=per_token, microbatches=m, layers=layers, rerun=rerun,
+                                      sequence_parallel=sp).items():
+            add(key, n)
     if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
         add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
         add("tp/all_gather", m * u if sp else 0)
@@ -155,6 +161,8 @@ def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -
     layers = stage_layers(model, cfg)[stage]
     mlps = layers - stage_moe_layers(model, cfg, stage)  # an MoE block's MLP has no row bias
     n = 2 * norm * layers + (h * (layers + mlps) if model.add_bias else 0)  # attention and MLP output biases
+    if model.mla is not None:  # the latent norms and the replicated down-projections
+        n += latent_sequence_parallel_grads(model, layers)
     if stage == cfg.parallel.pp - 1:
         n += norm
     if stage == 0 and model.flavour == "gpt2":

@@ -1,5 +1,5 @@
 """Goodput you can plan: the checkpoint interval and the share of wall time that trains, for restart-only
-recovery against in-place recovery of replica groups (ARCHITECTURE.md decision 16).
+recovery against in-place recovery of replica groups (the blueprint's decision 16: replica groups fail alone; docs/goodput.md).
 
 Failures arrive as a Poisson process at the job's rate λ = GPUs / MTBF per GPU (or nodes / MTBF per
 node); M = 1/λ is the job's mean time between failures. Times in seconds.

@@ -21,7 +21,21 @@ def layer_params(model: GPTConfig, tp: int) -> int:
     n += (h * mlp_in + f * h) // tp
     # column-parallel biases are sharded, row-parallel biases replicated; q/k norms [d] replicated
     n += qkv // tp * model.qkv_bias + h * model.proj_bias + (mlp_in // tp + h) * model.mlp_bias
+    if model.mla is not None:  # latent attention instead of the fused QKV, output and their biases
+        n -= h * qkv // tp + model.num_attention_heads * d * h // tp + qkv // tp * model.qkv_bias + h * model.proj_bias
+        n += model.mla.params(h, model.num_attention_heads, tp)
     return n + 2 * d * model.qk_layernorm
+
+
+def mtp_params(model: GPTConfig, cfg: RunConfig) -> int:
+    """DeepSeek's MTP depths on one rank of the last stage: each a block, three norms and M_k [h/tp, 2h]."""
+    h, tp = model.hidden_size, cfg.parallel.tp
+    n = 0
+    for k in range(model.mtp_num_layers):
+        n += layer_params(model, tp) + 3 * h + 2 * h * h // tp
+        if model.is_moe_block(model.num_layers + k):
+            n += dense_change_per_layer(model, cfg) + expert_params_per_layer(model, cfg)
+    return n
 
 
 def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
@@ -36,7 +50,7 @@ def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     if stage == 0:
         n += vocab_shard + (model.seq_length * h if model.flavour == "gpt2" else 0)
     if stage == pp - 1:
-        n += final_norm
+        n += final_norm + mtp_params(model, cfg)
         # untied: an output layer; tied with pp > 1: the last stage keeps its own copy of the
         # word embedding, kept in sync by an all-reduce of its gradient over the embedding group
         if not model.tie_embeddings or pp > 1:

@@ -27,6 +27,8 @@ def attention_run(cfg: RunConfig, model_cfg: GPTConfig, device: torch.device) ->
     it keeps; None off CUDA, where the estimate is a GPU's (the planner's choice, as logged)."""
     if device.type != "cuda":
         return None
+    if model_cfg.mla is not None:  # ops.latent_attention: SDPA on every device
+        return "sdpa"
     return ops.attention_implementation(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                                        model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout,
                                        cfg.parallel.cp, cfg.parallel.cp_comm_type, device)
@@ -58,6 +60,9 @@ def announce(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, log: Callable[...
     p = cfg.parallel
     for note in machine_notes(cfg, mesh.device.type == "cuda"):
         log(note)
+    if model_cfg.mla is not None:
+        log(ops.describe_latent_attention(model_cfg.mla.qk_dim, model_cfg.mla.v_head_dim))
+        return
     log(ops.describe_attention(model_cfg.head_dim, model_cfg.num_attention_heads, model_cfg.num_query_groups,
                               model_cfg.seq_length, cfg.training_dtype, model_cfg.attention_dropout, p.cp,
                               p.cp_comm_type, mesh.device))

@@ -311,6 +311,8 @@ def progress_line(record: dict[str, Any]) -> str:
     if "moe_aux_loss" in record:  # mixture of experts: balancing loss, load max/mean, dropped routes
         parts.append(f"moe aux {record['moe_aux_loss']:.4f} load {record['moe_load_imbalance']:.2f}x"
                      + (f" dropped {record['moe_dropped_tokens']}" if record.get("moe_dropped_tokens") else ""))
+    if "mtp_loss_1" in record:  # DeepSeek's multi-token prediction: each depth's loss
+        parts.append("mtp " + " ".join(f"{record[k]:.4f}" for k in sorted(record) if k.startswith("mtp_loss_")))
     if "mem_peak_bytes" in record:
         parts.append(f"mem peak {record['mem_peak_bytes'] / 1e9:.2f} GB")
     if "eta_s" in record:

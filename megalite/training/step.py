@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megalite import comm
+from megalite.model.mtp import mtp_stats
 from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.diloco import DiLoCo
@@ -256,6 +257,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
             moe_bookkeeping.update_expert_biases(model.chunks, mesh)
     moe_stats = moe_bookkeeping.moe_stats(model.chunks, mesh)  # {} without experts
     token_count = tokens.value()
+    mtp = mtp_stats(model.chunks, token_count, mesh)  # {} without MTP
     outer = getattr(optimizer, "outer", None)  # DiLoCo: the outer step every H steps (data_parallel/diloco.py)
     if outer is not None:
         token_count = outer.after_step(token_count)  # the loss below: over every replica group's tokens
@@ -265,7 +267,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
                       skipped=update.skipped, loss_scale=update.loss_scale, tokens=token_count,
                       loss_finite=loss_finite, lr=optimizer.param_groups[0]["lr"], exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
-                      exposed_token_count_s=tokens.wait_seconds, moe=moe_stats,
+                      exposed_token_count_s=tokens.wait_seconds, moe=moe_stats, mtp=mtp,
                       pipeline=pipeline,  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
                       **compression)
 

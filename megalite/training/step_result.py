@@ -38,6 +38,8 @@ class StepResult:
     exposed_token_count_s: float
     # MoE layers' statistics (`moe.bookkeeping.moe_stats`: 'moe_aux_loss', 'moe_layers', ...); {} without experts
     moe: dict[str, Any] = field(default_factory=dict)
+    # DeepSeek's multi-token prediction: {'mtp_loss_1': depth 1's mean loss, ...}; {} without it
+    mtp: dict[str, float] = field(default_factory=dict)
     # pp > 1: the schedule this stage ran and its instructions' seconds, for the measured bubble
     pipeline: PipelineTiming | None = None
     # --grad-compression: bytes sent on the dp group (and edp), and uncompressed bytes / sent

@@ -87,6 +87,7 @@ def step_record(step: int, step_time: float, result: StepResult, cp_comm_bytes: 
     if cfg.training.rampup_batch_size is not None:
         record["global_batch_size"] = batch
     record.update(result.moe)  # aux/z loss, load, drops per layer
+    record.update(result.mtp)  # each MTP depth's loss
     if result.grad_reduce_bytes is not None:  # dp gradient bytes: uncompressed / sent (this step)
         record.update(grad_reduce_bytes=result.grad_reduce_bytes,
                       grad_compression_ratio=result.grad_compression_ratio)

@@ -11,6 +11,12 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidde
 _LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=64)  # head_dim 8: one frequency in each of its 3 regions
 
+_DEEPSEEK = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                 tie_word_embeddings=False)
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+             beta_slow=1, mscale=0.9, mscale_all_dim=0.7)
+
 
 def _configs():
     return {
@@ -32,6 +38,15 @@ def _configs():
         "qwen2-moe": transformers.Qwen2MoeConfig(**_COMMON, num_experts=4, num_experts_per_tok=2,
                                                  moe_intermediate_size=48, shared_expert_intermediate_size=64,
                                                  router_aux_loss_coef=0.0, tie_word_embeddings=False),
+        # latent attention (a query latent, YaRN with mscale), a dense first block, sigmoid group routing with
+        # the correction bias, scaled weights, a shared expert
+        "deepseek-v3": transformers.DeepseekV3Config(**{**_COMMON, "num_key_value_heads": 8}, **_DEEPSEEK,
+                                                     q_lora_rank=32, n_group=4, topk_group=2,
+                                                     routed_scaling_factor=2.5, rope_parameters=_YARN),
+        # V2: no query latent, softmax scores without renormalising, a group scored by its best expert
+        "deepseek-v2": transformers.DeepseekV2Config(**{**_COMMON, "num_key_value_heads": 8}, **_DEEPSEEK,
+                                                     q_lora_rank=None, n_group=4, topk_group=2,
+                                                     topk_method="group_limited_greedy", routed_scaling_factor=1.5),
     }
 
 
@@ -45,6 +60,9 @@ def hf_model(family: str):
     with torch.no_grad():
         for param in model.parameters():  # biases and norm weights too (they start at 0 / 1)
             param.add_(0.05 * torch.randn(param.shape, generator=gen))
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's correction bias (it moves the choice)
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(0.05 * torch.randn(buffer.shape, generator=gen))
     return model
 
 

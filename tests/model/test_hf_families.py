@@ -47,13 +47,20 @@ def test_the_checks_can_fail():
     """Each family feature matters: megalite without it is far from transformers' logits."""
     for family, change in (("llama3", dict(rope_scaling=None)), ("qwen3", dict(qk_layernorm=False)),
                            ("qwen2", dict(qkv_bias=False)), ("qwen3-moe", "renormalised top-k"),
-                           ("qwen2-moe", "no shared expert gate")):
+                           ("qwen2-moe", "no shared expert gate"), ("deepseek-v3", "no groups"),
+                           ("deepseek-v3", "no correction bias"), ("deepseek-v2", "no scaling factor")):
         hf, logits, _, _ = H.reference(family)
         config = config_from_hf(hf.config)
         if change == "renormalised top-k":
             config = config.replace(moe=config.moe.replace(pre_softmax=False))
         elif change == "no shared expert gate":
             config = config.replace(moe=config.moe.replace(shared_expert_gate=False))
+        elif change == "no groups":
+            config = config.replace(moe=config.moe.replace(num_groups=None, group_topk=None))
+        elif change == "no correction bias":
+            config = config.replace(moe=config.moe.replace(enable_expert_bias=False))
+        elif change == "no scaling factor":
+            config = config.replace(moe=config.moe.replace(topk_scaling_factor=None))
         else:
             config = config.replace(**change)
         model = GPTModel(config).eval()
@@ -85,7 +92,7 @@ def _refusal(hf_config):
 def test_unsupported_families_and_options_are_refused_by_name():
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=256)
-    assert "multi-head latent attention" in _refusal(transformers.DeepseekV2Config(**small))
+    assert "rope_interleave=False" in _refusal(transformers.DeepseekV3Config(**small, rope_interleave=False))
     assert "sliding_window=128" in _refusal(transformers.MistralConfig(**small, sliding_window=128))
     assert config_from_hf(transformers.MistralConfig(**small, sliding_window=256)).seq_length == 256  # covers all
     assert "sliding_window=64" in _refusal(transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=64))
@@ -209,7 +216,8 @@ def test_every_family_at_tp2_pp2_equals_transformers_logits_loss_and_gradients()
         assert set().union(*(report[family] for report in reports)) == names, family
 
 
-@pytest.mark.parametrize("family", ["llama3", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("family", ["llama3", "llama-bias", "qwen2", "qwen3", "qwen3-moe", "qwen2-moe", "deepseek-v3",
+                                    "deepseek-v2"])
 def test_the_planner_counts_the_family_parameters(family):
     """Biases per layer kind, q/k norms, a head dim apart from hidden/heads, a gated shared expert: the
     planner's parameters per rank (tp 1, pp 1 and 2) equal the real model's."""
@@ -224,3 +232,84 @@ def test_the_planner_counts_the_family_parameters(family):
     for stage, model in enumerate(stages):
         assert sum(p.numel() for p in model.parameters()) == \
             plan_params.stage_params(config, RunConfig.build(pp=2, global_batch_size=2), stage)
+
+
+@pytest.mark.parametrize("name, billions, active", [("deepseek-v3", 671.026, 37.552), ("deepseek-v2-lite", 15.706, 2.661),
+                                                    ("moonlight-16b-a3b", 15.960, 2.915)])
+def test_deepseek_presets_are_the_published_models(name, billions, active):
+    """DeepSeek-V3 (671B, 37B active; its MTP module not counted, as transformers' model), V2-Lite and
+    Moonlight: the preset's count equals transformers' meta model of its exported config and the
+    planner's; the active count (the top-k experts a token uses, embeddings included) the published one."""
+    from megalite.config import RunConfig
+    from megalite.plan import params as plan_params
+
+    config = preset(name)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config_from(config))
+    assert config.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(config.num_params() / 1e9, 3) == billions
+    routed = config.moe_layer_count() * (config.moe_mlp_params(False) - config.moe_mlp_params(True))
+    assert round((config.num_params() - routed) / 1e9, 3) == active
+    padding = (config.padded_vocab_size() - config.vocab_size) * config.hidden_size * 2  # embedding and head
+    assert plan_params.stage_params(config, RunConfig.build(model=name), 0) == config.num_params() + padding
+
+
+def test_deepseek_v3_through_a_megalite_checkpoint_and_back(tmp_path):
+    """tools/convert_checkpoint.py import then export: the dense first block, the correction biases (buffers,
+    stored as the checkpoint's expert biases) and the latent attention come back as transformers reads them."""
+    convert, hf = _convert_tool(), H.hf_model("deepseek-v3")
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
+    assert convert.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+    with torch.no_grad():
+        assert torch.equal(exported(H.inputs()).logits, hf(H.inputs()).logits)
+
+
+def _deepseek_tp2_pp2_ep2(hf, ids, logits, loss, hf_grads):
+    """This rank's check at (tp 2, pp 2, dp 2, ep 2): dp rank r runs samples [2r, 2r+2) (one microbatch
+    each); the experts see both dp ranks' tokens through the all-to-all, every other gradient is summed
+    over dp here as the data-parallel engine would."""
+    mesh = mesh_lib.init_mesh(tp=2, pp=2, dp=2, ep=2, num_experts=hf.config.n_routed_experts)
+    config, model = _stage_models(hf, mesh)
+    mine = slice(2 * mesh.dp_rank, 2 * mesh.dp_rank + 2)
+    got = _pipelined_logits(model.eval(), mesh, ids[mine])
+    if mesh.is_last_stage:
+        torch.testing.assert_close(got, logits[mine], rtol=1e-4, atol=1e-4)
+    labels = H.megalite_labels(ids)
+    tokens = int((labels != -100).sum())
+    microbatches = [{"input_ids": ids[i:i + 1], "labels": labels[i:i + 1]} for i in range(mine.start, mine.stop)]
+    spec = PipelineSpec("1f1b", 2, (H.SEQ, 1, config.hidden_size), torch.float32, 1)
+    total = torch.tensor([run_pipeline(spec, [model.train()], microbatches, mesh, 1.0 / tokens)], dtype=torch.float64)
+    if mesh.is_last_stage:
+        comm.all_reduce(total, mesh.dp_group)
+        torch.testing.assert_close(total[0] / tokens, loss.double(), rtol=1e-4, atol=0)
+    expected, names = hf_to_full_state(hf_grads, config), set()
+    for name, param in model.logical_parameters():
+        grad = param.grad.clone()
+        if P.is_sequence_parallel_grad(param):  # the router at etp 1: each tp rank's tokens give part
+            grad = comm.all_reduce(grad, mesh.tp_group)
+        if P.info(param).expert_parallel:  # etp 1: each tp rank's replica of the expert saw its own tokens
+            grad = comm.all_reduce(grad, mesh.expert_dp_group)
+        else:
+            grad = comm.all_reduce(grad, mesh.dp_group)
+        torch.testing.assert_close(grad, P.shard_spec(param).shard(expected[name]), rtol=1e-4, atol=1e-5,
+                                   msg=lambda s, name=name: f"{name}: {s}")
+        names.add(name)
+    return names
+
+
+@pytest.mark.slow  # 8 ranks
+def test_deepseek_v3_at_tp2_pp2_ep2_equals_transformers():
+    hf = H.hf_model("deepseek-v3")
+    ids = torch.randint(0, H.VOCAB, (4, H.SEQ), generator=torch.Generator().manual_seed(5))
+    logits = hf(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, H.VOCAB), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in hf.named_parameters()}
+    reports = run_distributed(_deepseek_tp2_pp2_ep2, 8, hf, ids, logits.detach(), loss.detach(), grads,
+                              timeout_s=600)
+    names = {n for n, _ in GPTModel(config_from_hf(hf.config), device="meta").logical_parameters()}
+    assert set().union(*reports) == names

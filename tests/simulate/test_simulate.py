@@ -370,3 +370,16 @@ def test_the_simulator_replaces_nothing_of_megalite():
                 if isinstance(target, ast.Attribute) and isinstance(root, ast.Name) and root.id in imported:
                     replaced.append(f"{path.name}: {ast.unparse(target)}")
     assert replaced == ["memory.py: torch.UntypedStorage.resize_", "memory.py: torch.UntypedStorage.resize_"], replaced
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_deepseek_shaped_rank_moves_and_keeps_what_the_planner_counts(sequence_parallel):
+    """Latent attention moves its latents over tp, not x (plan/mla.py): the tp bytes are the planner's to
+    the byte, with and without SP; group-limited routing, shared experts and a dense first block beside it."""
+    cfg = layout(model="deepseek-tiny", tp=2, dp=2, ep=2, sequence_parallel=sequence_parallel, global_batch_size=4)
+    measured = simulate_rank(cfg, 0)
+    planned = planned_terms(cfg, 0)
+    assert measured.comm_bytes == planned["comm_bytes"] and measured.comm_bytes["tp"] > 0
+    for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+        assert getattr(measured, term) == planned[term], term
+    assert abs(measured.activation_peak_bytes / planned["activation_peak_bytes"] - 1) < 0.03

@@ -1,0 +1,118 @@
+"""Multi-token prediction (DeepSeek-V3 report, section 2.2): D sequential modules after the last block.
+
+Depth k (1..D) combines the previous depth's hidden state h^{k-1}_i (h^0: the last block's output,
+before the final norm) with the embedding of token t_{i+k}, and predicts t_{i+k+1}:
+
+    h'_i = M_k [RMSNorm_e(Emb(t_{i+k})); RMSNorm_h(h^{k-1}_i)]       M_k [h, 2h]
+    h^k  = Block_k(h')                                                a transformer block of its own
+    P^k  = softmax(OutHead(RMSNorm_k(h^k)))                           the model's embedding and head, shared
+    L^k  = -(1/T) sum_i log P^k_i[t_{i+k+1}],  loss += (lambda / D) sum_k L^k
+
+The report runs depth k on the T-k positions that have both tokens; megalite keeps the whole sequence
+(the ids and the labels rolled k to the left, the last k labels masked): causal attention makes the
+first T-k positions the report's, and every layout keeps its shapes. T is the step's target-token
+count, the main loss's normaliser (decision 4).
+
+The MTP terms join the loss's gradient without changing its value (Megatron's MTPLossAutoScaler):
+the forward returns main + (mtp - mtp.detach()), so the step's reported loss stays the language
+model's and each depth's loss is reported on its own (`MultiTokenPrediction.step_sums`).
+Built on the stage that holds the embedding and the head: at pp 1 (pp > 1 and cp > 1 are refused,
+config/checks.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.config.model import GPTConfig
+from megalite.layer_groups import LayerGroups
+from megalite.model.transformer import Norm, TransformerBlock
+from megalite.tensor_parallel import mappings
+from megalite.tensor_parallel.layers import ColumnParallelLinear
+from megalite.tensor_parallel.mlp import normal_init
+
+
+class MTPDepth(nn.Module):
+    """One depth: enorm, hnorm [h], eh_proj M_k [h, 2h] (column-parallel, its output gathered), block, norm [h]."""
+
+    def __init__(self, config: GPTConfig, groups: LayerGroups, *, sequence_parallel: bool, layer_number: int,
+                 moe_dispatcher: str, dtype=None, device=None):
+        super().__init__()
+        h = config.hidden_size
+        self.tp_group, self.sequence_parallel = groups.tp, sequence_parallel
+        self.enorm = Norm(config, sequence_parallel, dtype, device)
+        self.hnorm = Norm(config, sequence_parallel, dtype, device)
+        self.eh_proj = ColumnParallelLinear(2 * h, h, bias=False, tp_group=groups.tp,
+                                            sequence_parallel=sequence_parallel,
+                                            init_method=normal_init(config.init_std), dtype=dtype, device=device)
+        self.block = TransformerBlock(config, groups, sequence_parallel=sequence_parallel, layer_number=layer_number,
+                                      moe_dispatcher=moe_dispatcher, dtype=dtype, device=device)
+        self.final_norm = Norm(config, sequence_parallel, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, rng) -> torch.Tensor:
+        """hidden, embedded [s', b, h] (s' = s/tp under SP) -> this depth's hidden state, the same shape."""
+        combined = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)  # [s', b, 2h]
+        x = self.eh_proj(combined)  # [s, b, h/tp]
+        x = mappings.gather_from_tensor_parallel_region(x, self.tp_group)  # [s, b, h], every rank alike
+        if self.sequence_parallel:
+            x = mappings.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
+        return self.block(x, rope, rng)
+
+
+def rolled(t: torch.Tensor, k: int, fill: int | None = None) -> torch.Tensor:
+    """[b, s] -> [b, s] shifted k to the left: position i holds t[:, i + k]; the last k positions wrap
+    around, or hold `fill` when given (labels: -100, no target there)."""
+    out = torch.roll(t, -k, dims=1)
+    if fill is not None and k > 0:
+        out[:, -k:] = fill
+    return out
+
+
+class MultiTokenPrediction(nn.Module):
+    """The D depths of a model (GPTModel.mtp). `depth_losses(...)` runs them; `step_sums` holds each depth's
+    summed cross entropy over this step's forwards (device tensors, read once per step)."""
+
+    def __init__(self, depths: list[MTPDepth], scaling_factor: float):
+        super().__init__()
+        self.depths = nn.ModuleList(depths)
+        self.scaling_factor = scaling_factor
+        self.step_sums: list[torch.Tensor | float] = [0.0] * len(depths)
+
+    def loss_term(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """lambda / D * sum_k L^k (each L^k a sum over this rank's targets)."""
+        return sum(losses) * (self.scaling_factor / len(self.depths))
+
+    @torch.no_grad()
+    def record(self, losses: list[torch.Tensor]) -> None:
+        self.step_sums = [total + loss.detach().double() for total, loss in zip(self.step_sums, losses)]
+
+    def take_step_sums(self) -> list[float]:
+        """Each depth's summed loss since the last call (host floats: once per step), then reset."""
+        sums = [float(t) for t in self.step_sums]
+        self.step_sums = [0.0] * len(self.depths)
+        return sums
+
+
+def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope) -> list:
+    """Each depth's summed cross entropy over this rank's targets: hidden [s', b, h] the last block's output,
+    input_ids and labels [b, s]. `model`: the GPTModel (its embedding, head and cross entropy)."""
+    losses = []
+    for k, depth in enumerate(model.mtp.depths, start=1):
+        embedded = model.embed(rolled(input_ids, k))  # Emb(t_{i+k}) [s', b, h]
+        hidden = depth(hidden, embedded, rope, model.rng)
+        losses.append(model.head_losses(depth.final_norm(hidden), rolled(labels, k, fill=-100)).sum())
+    return losses
+
+
+def mtp_stats(chunks, token_count: float, mesh) -> dict[str, float]:
+    """{"mtp_loss_k": depth k's mean loss over the step's targets, every dp rank's} for the metrics; {} without
+    MTP. The sums live on the tp rank 0 of the stage holding MTP (one scalar all-reduce each)."""
+    holders = [c.mtp for c in chunks if getattr(c, "mtp", None) is not None]
+    depths = chunks[0].config.mtp_num_layers
+    if depths == 0:
+        return {}
+    sums = holders[0].take_step_sums() if holders and comm.group_rank(mesh.tp_group) == 0 else [0.0] * depths
+    total = torch.tensor(sums, dtype=torch.float64, device=mesh.device)
+    comm.all_reduce(total, comm.world_group())
+    return {f"mtp_loss_{k + 1}": float(v) / max(token_count, 1.0) for k, v in enumerate(total.tolist())}

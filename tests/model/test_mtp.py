@@ -1,0 +1,165 @@
+"""DeepSeek-V3's multi-token prediction (megalite/model/mtp.py) against a hand-written single-process
+reference that follows the report (each depth on the T-k positions that have both tokens, the loss
+1/T * sum, lambda/D times their sum added), and under tp + SP and dp against the single process."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite import params as P
+from megalite.checkpoint import Checkpointer, load_checkpoint
+from megalite.config import RunConfig
+from megalite.mesh import init_mesh, single_process_mesh
+from megalite.model.gpt import GPTModel
+from megalite.plan.params import stage_params
+from megalite.testing import assert_tensor_close, run_distributed
+from megalite.training.launch_checks import launch_problems
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+
+SEQ, VOCAB = 16, 257
+
+
+def _cfg(tp=1, dp=1, **kw):
+    settings = dict(model="deepseek-tiny", num_layers=2, moe_layer_freq=(0, 1), hidden_size=64, ffn_hidden_size=96,
+                    seq_length=SEQ, mtp_num_layers=2, mtp_loss_scaling_factor=0.3, micro_batch_size=2,
+                    global_batch_size=4, lr=1e-3, seed=11,
+                    moe_aux_loss_coeff=0.0)  # an MTP block's balancing loss counts its k rolled-in positions too
+    return RunConfig.build(tp=tp, dp=dp, **{**settings, **kw})
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _reference(model: GPTModel, ids, labels):
+    """(loss the report trains on, the language model's loss, [each depth's summed cross entropy]), all / T."""
+    config, (b, t) = model.config, ids.shape
+    eps, weight = config.norm_eps, model.word_embeddings.weight[:VOCAB]
+    head = model.head_weight()[:VOCAB]
+    rope = (model.rope_cos, model.rope_sin)
+
+    def embed(tokens):  # [b, n] -> [n, b, h]
+        return F.embedding(tokens, weight).transpose(0, 1)
+
+    def cross_entropy(hidden, norm, targets):  # hidden [n, b, h], targets [b, n]; summed over the targets
+        logits = _rms(hidden, norm.weight, eps) @ head.t()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.t().reshape(-1), ignore_index=-100, reduction="sum")
+
+    hidden = embed(ids)
+    for block in model.layers:
+        hidden = block(hidden, (rope[0][:t], rope[1][:t]), model.rng)
+    main = cross_entropy(hidden, model.final_norm, labels)
+    depths = []
+    for k, depth in enumerate(model.mtp.depths, start=1):
+        n = t - k  # positions i with t_{i+k} and t_{i+k+1}
+        combined = torch.cat([_rms(embed(ids[:, k:]), depth.enorm.weight, eps),
+                              _rms(hidden[:n], depth.hnorm.weight, eps)], dim=-1)
+        hidden = depth.block(combined @ depth.eh_proj.weight.t(), (rope[0][:n], rope[1][:n]), model.rng)
+        depths.append(cross_entropy(hidden, depth.final_norm, labels[:, k:]))  # target t_{i+k+1} = labels[i+k]
+    count = (labels != -100).sum()
+    lam, d = config.mtp_loss_scaling_factor, config.mtp_num_layers
+    return (main + lam / d * sum(depths)) / count, main / count, [x / count for x in depths]
+
+
+def test_mtp_equals_the_reports_formulation():
+    config = _cfg().gpt_config()
+    model = GPTModel(config, single_process_mesh("cpu")).train()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, :3], labels[:, -1] = -100, -100  # a masked prefix, no target after the end
+    count = (labels != -100).sum()
+    loss = model(ids, labels, reduction="sum") / count
+    got_depths = [x / float(count) for x in model.mtp.take_step_sums()]
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    objective, main, depths = _reference(model, ids, labels)
+    objective.backward()
+    torch.testing.assert_close(loss, main, rtol=1e-6, atol=0)  # the reported loss is the language model's
+    torch.testing.assert_close(torch.tensor(got_depths, dtype=torch.float64), torch.stack(depths).detach().double(),
+                               rtol=1e-5, atol=0)
+    assert len(ours) == len([p for p in model.parameters() if p.grad is not None])
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            assert_tensor_close(ours[name], param.grad, rtol=1e-5, what=name)
+    assert ours["mtp.depths.1.eh_proj.weight"].abs().sum() > 0  # the deepest depth was trained
+
+
+def _batches(dp, dp_rank, steps=2):  # two steps: the second runs on the first's update
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(60 + step))
+        mine = ids[dp_rank * 4 // dp:(dp_rank + 1) * 4 // dp]
+        out.append([{"input_ids": i[:, :-1], "labels": i[:, 1:]} for i in mine.split(2)])
+    return out
+
+
+def _train(m, cfg, reference=None, steps=2):
+    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
+    assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank)
+    results = [train_step(optimizer.model, optimizer, b, m, cfg, lr=1e-3) for b in _batches(m.dp_size, m.dp_rank, steps)]
+    final = {}
+    with optimizer.model.gathered():
+        for name, p in chunks[0].logical_parameters():
+            if reference is None:
+                final[name] = P.shard_spec(p).assemble([p.detach()])
+            elif not P.info(p).expert_parallel or name in reference:
+                assert_tensor_close(p, P.shard_spec(p).shard(reference[name]), rtol=1e-5, what=name)
+    return [(r.loss, r.grad_norm, r.mtp) for r in results], final
+
+
+QUICK = [(2, 1, dict(sequence_parallel=True, mtp_num_layers=1))]
+LAYOUTS = [(2, 1, dict(sequence_parallel=True)), (1, 2, dict(zero=1)), (2, 1, dict(recompute="full"))]
+
+
+def _world(reference, layouts, steps):
+    out = []
+    for tp, dp, settings in layouts:
+        cfg = _cfg(tp, dp, **settings)
+        assert launch_problems(cfg.resolved(2), 2) == []
+        out.append(_train(init_mesh(tp=tp, dp=dp, replace=True), cfg, reference, steps)[0])
+    return out
+
+
+@pytest.mark.parametrize("layouts, steps", [pytest.param(QUICK, 1, marks=pytest.mark.slow),  # ~4 s
+                                            pytest.param(LAYOUTS, 2, marks=pytest.mark.slow)])
+def test_mtp_under_tp_sp_and_dp_equals_the_single_process(layouts, steps):
+    depths = layouts[0][2].get("mtp_num_layers", 2)
+    results, final = _train(single_process_mesh("cpu"), _cfg(mtp_num_layers=depths), steps=steps)
+    assert set(results[0][2]) == {f"mtp_loss_{k + 1}" for k in range(depths)}
+    for rank in run_distributed(_world, 2, final, layouts, steps, timeout_s=300):
+        for (tp, dp, settings), got in zip(layouts, rank):
+            for (loss, norm, mtp), (ref_loss, ref_norm, ref_mtp) in zip(got, results):
+                assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+                assert mtp == pytest.approx(ref_mtp, rel=1e-5), settings
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(pp=2, global_batch_size=4), "MTP under pp is not built"),
+    (dict(zero=3, dp=2), "--mtp-num-layers runs without --zero 3"),
+])
+def test_mtp_layouts_not_built_are_refused_in_one_line(settings, message):
+    cfg = _cfg(**{k: v for k, v in settings.items() if k not in ("pp", "dp")}, pp=settings.get("pp", 1),
+               dp=settings.get("dp", 1))
+    world = settings.get("pp", 1) * settings.get("dp", 1)
+    problems = launch_problems(cfg.resolved(world), world)
+    assert any(message in p for p in problems), problems
+
+
+@pytest.mark.slow  # ~3 s: an optimizer and a checkpoint round trip
+def test_a_checkpoint_carries_the_mtp_depths_and_the_expert_biases(tmp_path):
+    cfg = _cfg(mtp_num_layers=1, moe_router_bias_update_rate=0.05)
+    m = single_process_mesh("cpu")
+    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
+    train_step(optimizer.model, optimizer, _batches(1, 0, 1)[0], m, cfg, lr=1e-3)
+    Checkpointer(tmp_path, m, log=lambda *_: None).save(1, chunks, optimizer, consumed_samples=4,
+                                                        model_config=chunks[0].config)
+    fresh = build_model_chunks(cfg.gpt_config(), cfg, m)
+    fresh_optimizer = build_optimizer(build_data_parallel(fresh, cfg, m), cfg)
+    assert load_checkpoint(tmp_path, fresh, fresh_optimizer, m, log=lambda *_: None).step == 1
+    saved = dict(chunks[0].state_dict())
+    assert any(name.startswith("mtp.depths.0.") for name in saved)
+    assert any(name.endswith("expert_bias") and saved[name].abs().sum() > 0 for name in saved)
+    for name, tensor in fresh[0].state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
