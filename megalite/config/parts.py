@@ -19,6 +19,9 @@ from megalite.config.choices import (
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales)
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the largest loss scale the loss's dtype holds
+
+
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
             aliases: dict[str, Any] | None = None, synonyms: tuple[str, ...] = (), **bounds: Any) -> Any:
     """Declare one setting. `choices` for plain types (enums carry their own); `aliases` are
@@ -219,7 +222,9 @@ class PrecisionSettings:
                                                    "weights and gradients)",
                                    aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
     grad_reduce_dtype: Precision = setting(Precision.FP32, "dtype of the data-parallel gradient reduction")
-    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale", above=0)
+    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale", above=0, maximum=FLOAT32_MAX,
+                                        fix="the loss is scaled in float32: e.g. --initial-loss-scale 65536 (the "
+                                            "default; Megatron's is 4294967296)")
     loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow", minimum=1)
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off", minimum=1)
     loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff", above=0, below=1)
@@ -260,6 +265,9 @@ class CheckpointSettings:
     keep_every: int = setting(0, "also keep every step that is a multiple of M", minimum=0)
     async_save: bool = setting(False, "copy to CPU memory, write in a background thread")
     no_load_optim: bool = setting(False, "load weights only (fresh optimizer, step 0)")
+    overwrite_checkpoints: bool = setting(False, "write into a --save directory although it holds checkpoints this "
+                                                 "run does not resume (a fresh run, another --load, or an older "
+                                                 "--load-step): they are replaced or pruned")
     elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
                                                              "kept): keep the checkpoint's global batch (more or "
                                                              "fewer accumulation steps; the loss curve continues), "
@@ -306,6 +314,9 @@ class FaultToleranceSettings:
                                                 "shared file system gives one summary across nodes)")
     on_nonfinite: OnNonFinite = setting(OnNonFinite.SKIP, "a non-finite loss or gradient: skip the update and log "
                                                           "the step's samples, or stop (exit code 3)")
+    max_skipped_steps: int = setting(50, "stop (exit code 3) after N steps in a row whose update was skipped (a "
+                                         "non-finite loss or gradient, an fp16 overflow): a run that trains nothing "
+                                         "must not end as if it had; 0: never", minimum=0)
     check_replicas_interval: int = setting(0, "every K steps compare parameter checksums across replicas and stop "
                                               "(exit code 4) naming the first that differs; 0: off", minimum=0)
 

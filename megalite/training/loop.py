@@ -35,10 +35,10 @@ import torch
 
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
-from megalite.checkpoint.lock import CheckpointLock
+from megalite.checkpoint.lock import CheckpointLock, foreign_checkpoints_problem
 from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
-                                         plan_resume)
+                                         find_checkpoint, plan_resume)
 from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
@@ -118,18 +118,22 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     if actions["dry_run"]:
         print(dry_run_report(cfg))
         return 0
-    for line in plan.messages() + _resumed_settings(cfg, plan):
+    _resumed_settings(cfg, plan.step, plan.metadata, plan, provided is None)  # refusals now; the notice at load
+    for line in plan.messages():
         log(line)
     return train(cfg, tokenizer, plan, provided=provided)
 
 
-def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
-    """The differences from the checkpoint's run, named (ConfigError for the unaccepted ones)."""
-    if plan.metadata is None or not isinstance(plan.metadata.get("train_config"), dict):
+def _resumed_settings(cfg: RunConfig, step: int | None, metadata: dict | None, plan: ResumePlan,
+                      gpt: bool = True) -> list[str]:
+    """The differences from the run of checkpoint `step`, named (ConfigError for the unaccepted ones);
+    `gpt`: the run trains GPTModel (a user's model is not described by the model flags)."""
+    if metadata is None or not isinstance(metadata.get("train_config"), dict):
         return []
-    saved_state = ElasticState.from_metadata(plan.metadata)
-    return check_resumed_settings(cfg, plan.step, plan.metadata["train_config"], plan.state.lr_factor,
-                                  saved_state.lr_factor if saved_state else 1.0)
+    saved_state = ElasticState.from_metadata(metadata)
+    return check_resumed_settings(cfg, step, metadata["train_config"], plan.state.lr_factor,
+                                  saved_state.lr_factor if saved_state else 1.0,
+                                  saved_model=metadata.get("model_config") if gpt else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +237,8 @@ def _services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: conte
         Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
     profiler = StepProfiler(lg.profile_steps, lg.profile_dir, mesh.rank, mesh.device, log=log)
     _on_exit(resources, lambda clean: profiler.close())  # stopped inside the profiled window: nothing written
-    guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == "fp16", log=log)
+    guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == "fp16", log=log,
+                           max_skipped=ft.max_skipped_steps)
     watchdog = HangWatchdog(ft.hang_timeout, ft.hang_report_dir, mesh=mesh).start() if ft.hang_timeout else None
     if watchdog is not None:
         _on_exit(resources, lambda clean: watchdog.stop())
@@ -262,6 +267,7 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
     if model_provider is not None:
         provided = ProvidedModel(model_provider, loss_fn or default_loss)
         provided.check(cfg)
+    _refuse_foreign_checkpoints(cfg, resume_plan)  # every rank, before any process group
     with contextlib.ExitStack() as resources:
         with interrupt_during_setup():  # until the first step a signal ends the run at once
             job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
@@ -281,6 +287,21 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
         return 0
 
 
+def _refuse_foreign_checkpoints(cfg: RunConfig, plan: ResumePlan | None) -> None:
+    """A UsageError when --save holds checkpoints this run would write over without having loaded them."""
+    ck = cfg.checkpoint
+    if not ck.save:
+        return
+    resumed = plan.step if plan is not None else None
+    if resumed is None and plan is None and ck.load and not ck.no_load_optim:  # train(cfg) called without a plan
+        found = find_checkpoint(ck.load, ck.load_step)
+        resumed = found[0] if found else None
+    problem = foreign_checkpoints_problem(ck.save, load_dir=None if ck.no_load_optim else ck.load,
+                                          resumed_step=resumed, overwrite=ck.overwrite_checkpoints)
+    if problem:
+        raise UsageError(problem)
+
+
 def resume(job: Job) -> int:
     """Load the newest intact checkpoint of --load (any layout); returns the step to continue after."""
     ck = job.cfg.checkpoint
@@ -293,6 +314,9 @@ def resume(job: Job) -> int:
         start_step = resumed.step
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
+        # the notice names the step that loaded (an older one when the newest was damaged)
+        for line in _resumed_settings(job.cfg, resumed.step, resumed.metadata, job.resume_plan, job.provided is None):
+            log(line)
     job.last_saved = start_step
     job.scheduler.jump_to(lr_position(job, start_step))  # the lr of step start_step + 1
     if job.watchdog:
