@@ -6,8 +6,8 @@ A `UsageError` is something the person running the job must fix (a flag, a confi
 file, a directory, a checkpoint), not a bug in megalite. Its message names what is wrong (the
 file, the flag, the parameter) and the fix: one line, or one line per problem when a
 configuration has several (`ConfigError`). Entry points catch it, print it once per node
-(global rank 0 and each node's local rank 0) without a traceback, and exit with
-`USAGE_EXIT_CODE`.
+(the first local rank of the node to fail; without a launcher, global rank 0 and each node's
+local rank 0) without a traceback, and exit with `USAGE_EXIT_CODE`.
 
 The library raises it on every rank with the same message, before training starts wherever it
 can (the configuration before any process group exists, data at dataset build time,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import sys
 import tempfile
@@ -48,30 +49,56 @@ def one_line(text: str) -> str:
 def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: int | None = None) -> int:
     """What an entry point does with a UsageError: print it once per node, return the exit code.
 
-    Printed by global rank 0 and by each node's local rank 0 (`local_rank`, default LOCAL_RANK or
-    `rank`), since a problem with a node-local file shows on that node. A ConfigError keeps its
+    Printed once per node, since a problem with a node-local file shows on that node: by the node's
+    first failing rank where several local ranks share it (LOCAL_WORLD_SIZE > 1), else by global
+    rank 0 and each node's local rank 0 (`local_rank`, default LOCAL_RANK or `rank`). A ConfigError keeps its
     one line per problem; any other is folded onto one line."""
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if rank != 0 and local_rank != 0:  # silent here: stay until this node's printer has printed
-        _wait_for_report()
+    text = usage_text(error)
+    write_error_file(text)  # torchrun's report shows this line as the failure's root cause
+    marker = _report_marker()
+    if marker is None:  # one process per node (or no launcher): global rank 0 and each node's first print
+        printer = rank == 0 or local_rank == 0
+    else:  # several local ranks: the first of them to fail prints (rank 0 may have no error at all)
+        printer = _claim(marker)
+    if not printer:  # silent here: stay until this node's printer has printed
+        _wait_for_report(marker)
         return USAGE_EXIT_CODE
-    if rank == 0 or local_rank == 0:
-        if isinstance(error, ConfigError) and len(str(error).strip().splitlines()) > 1:
-            print(f"megalite: configuration error:\n{error}", file=stream or sys.stderr, flush=True)
-        elif isinstance(error, ConfigError):  # one problem: one line
-            problem = one_line(error).removeprefix("- ")
-            print(f"megalite: configuration error: {problem}", file=stream or sys.stderr, flush=True)
-        else:
-            print(f"megalite: {one_line(error)}", file=stream or sys.stderr, flush=True)
-        _mark_reported()
+    print(text, file=stream or sys.stderr, flush=True)
+    _mark_reported(marker)
     return USAGE_EXIT_CODE
 
 
-# A rank that exits at once makes torchrun stop the others, and it could kill local rank 0 before
-# that one printed: the line never reached the user. The silent ranks of a node therefore wait (at
-# most REPORT_WAIT_S) for a marker its local rank 0 writes once it has printed. The marker is named
-# by the launching process (torchrun's agent: every local rank's parent), the port and the attempt.
+def usage_text(error: UsageError) -> str:
+    """What the person sees of a UsageError: one line (a ConfigError of several problems: one per problem)."""
+    if isinstance(error, ConfigError) and len(str(error).strip().splitlines()) > 1:
+        return f"megalite: configuration error:\n{error}"
+    if isinstance(error, ConfigError):  # one problem: one line
+        return f"megalite: configuration error: {one_line(error).removeprefix('- ')}"
+    return f"megalite: {one_line(error)}"
+
+
+def write_error_file(text: str) -> None:
+    """Fill torchrun's error file (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's reply file) with
+    `text`, so that its ChildFailedError report names megalite's line as the root cause instead of
+    'To enable traceback see ...'. Nothing without torchrun; an unwritable file is left alone."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass
+
+
+# A rank that exits at once makes torchrun stop the others, and it could kill the rank about to
+# print before it printed: the line never reached the user. Under a launcher with several local
+# ranks, the first rank of a node to fail claims the report (an exclusive file named by the
+# launching process, torchrun's agent: every local rank's parent, the port and the attempt), prints
+# it and marks it done; the node's other failing ranks wait (at most REPORT_WAIT_S) for that mark.
 REPORT_WAIT_S = 10.0
 
 
@@ -83,10 +110,8 @@ def _report_marker() -> str | None:
     return os.path.join(tempfile.gettempdir(), f"megalite-reported-{key}")
 
 
-def _mark_reported() -> None:
-    marker = _report_marker()
-    if marker is None:
-        return
+def _claim(marker: str) -> bool:
+    """True for the one rank of the node that creates the claim first (its error is the one printed)."""
     for old in glob.glob(os.path.join(os.path.dirname(marker), "megalite-reported-*")):
         try:  # earlier launches' markers (their waiters are long gone)
             if time.time() - os.path.getmtime(old) > 10 * REPORT_WAIT_S:
@@ -94,14 +119,25 @@ def _mark_reported() -> None:
         except OSError:
             pass
     try:
+        os.close(os.open(marker + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    except OSError:  # no temp directory to share: every failing rank prints
+        return True
+    return True
+
+
+def _mark_reported(marker: str | None) -> None:
+    if marker is None:
+        return
+    try:
         with open(marker, "w"):
             pass
     except OSError:
         pass
 
 
-def _wait_for_report() -> None:
-    marker = _report_marker()
+def _wait_for_report(marker: str | None) -> None:
     if marker is None:
         return
     deadline = time.monotonic() + REPORT_WAIT_S

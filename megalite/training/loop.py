@@ -36,7 +36,7 @@ import torch
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.lock import CheckpointLock, foreign_checkpoints_problem
-from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
+from megalite.checkpoint.preemption import SetupInterrupted, end_with_the_launcher, interrupt_during_setup
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
                                          find_checkpoint, plan_resume)
 from megalite.checkpoint.resume_settings import check_resumed_settings
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None, provided=None) -> int:
     `provided`: a user's model in place of GPTModel (megalite.training.provided.main builds it)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        with interrupt_during_setup():  # no step boundary yet to stop at: a signal ends the run now
+        # no step boundary yet to stop at: a signal ends the run now; an orphaned worker stops itself
+        with interrupt_during_setup(), end_with_the_launcher():
             return _configure_and_train(argv, provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
