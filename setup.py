@@ -35,7 +35,7 @@ setup(
     ],
     extras_require=EXTRAS,
     entry_points={"console_scripts": [
-        "megalite-train = megalite.training.loop:main",
+        "megalite-train = megalite.training.entry:main",
         "megalite-plan = megalite.tools.plan:main",
         "megalite-convert = megalite.tools.convert_checkpoint:main",
         "megalite-preprocess = megalite.tools.preprocess_data:main",

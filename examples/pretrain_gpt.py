@@ -22,7 +22,7 @@ One command line serves the first start and every restart:
 """
 import sys
 
-from megalite.training.loop import main
+from megalite.training.entry import main  # the stop signals handled before torch is imported
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import numbers
 import os
 import sys
 import tempfile
@@ -41,6 +42,23 @@ class ConfigError(UsageError, ValueError):
         return cls("\n".join(f"  - {p}" for p in problems))
 
 
+class ArgumentTypeError(UsageError, TypeError):
+    """A library call given an argument of the wrong type: names the argument and what it takes."""
+
+
+class ArgumentValueError(UsageError, ValueError):
+    """A library call given an argument outside the values it takes: names the argument and those values."""
+
+
+def positive_int(owner: str, name: str, value) -> int:
+    """`value` when it is an int >= 1; else the one-line error naming `owner`'s argument `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy's ints are Integral
+        raise ArgumentTypeError(f"{owner}: {name} takes a positive int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ArgumentValueError(f"{owner}: {name} takes a positive int, got {value}")
+    return int(value)
+
+
 def one_line(text: str) -> str:
     """`text` folded onto one line (messages built from several parts, e.g. per-rank reports)."""
     return " ".join(str(text).split())
@@ -60,8 +78,8 @@ def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: in
     marker = _report_marker()
     if marker is None:  # one process per node (or no launcher): global rank 0 and each node's first print
         printer = rank == 0 or local_rank == 0
-    else:  # several local ranks: the first of them to fail prints (rank 0 may have no error at all)
-        printer = _claim(marker)
+    else:  # several local ranks: local rank 0 prints, or the first other one to fail when it has not within
+        printer = _claim(marker, wait_s=0.0 if local_rank == 0 else CLAIM_GRACE_S)  # the grace (it may have no error)
     if not printer:  # silent here: stay until this node's printer has printed
         _wait_for_report(marker)
         return USAGE_EXIT_CODE
@@ -96,10 +114,13 @@ def write_error_file(text: str) -> None:
 
 # A rank that exits at once makes torchrun stop the others, and it could kill the rank about to
 # print before it printed: the line never reached the user. Under a launcher with several local
-# ranks, the first rank of a node to fail claims the report (an exclusive file named by the
-# launching process, torchrun's agent: every local rank's parent, the port and the attempt), prints
-# it and marks it done; the node's other failing ranks wait (at most REPORT_WAIT_S) for that mark.
+# ranks, one rank of a node claims the report (an exclusive file named by the launching process,
+# torchrun's agent: every local rank's parent, the port and the attempt), prints it and marks it
+# done; the node's other failing ranks wait (at most REPORT_WAIT_S) for that mark. Local rank 0
+# claims at once; another rank claims only when none did within CLAIM_GRACE_S (rank 0 may have no
+# error at all: a node-local file only one rank reads), so its line is not lost.
 REPORT_WAIT_S = 10.0
+CLAIM_GRACE_S = 2.0  # what the other local ranks leave local rank 0 to claim the report first
 
 
 def _report_marker() -> str | None:
@@ -110,8 +131,12 @@ def _report_marker() -> str | None:
     return os.path.join(tempfile.gettempdir(), f"megalite-reported-{key}")
 
 
-def _claim(marker: str) -> bool:
-    """True for the one rank of the node that creates the claim first (its error is the one printed)."""
+def _claim(marker: str, wait_s: float = 0.0) -> bool:
+    """True for the one rank of the node that creates the claim first (its error is the one printed),
+    after waiting `wait_s` for another rank's claim to appear."""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(marker + ".claim") and time.monotonic() < deadline:
+        time.sleep(0.02)
     for old in glob.glob(os.path.join(os.path.dirname(marker), "megalite-reported-*")):
         try:  # earlier launches' markers (their waiters are long gone)
             if time.time() - os.path.getmtime(old) > 10 * REPORT_WAIT_S:
