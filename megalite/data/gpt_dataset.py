@@ -11,6 +11,7 @@ that asks for index i gets the same tokens.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import numpy as np
@@ -219,7 +220,8 @@ def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq
                        f"{split!r} or use more data")
             if name == "train":
                 raise DataError(message)
-            warnings.warn(message)
+            if int(os.environ.get("RANK", "0")) == 0:  # every rank builds the same splits: one notice, not one per rank
+                warnings.warn(message)
             parts = [ds for ds in parts if len(ds) > 0]
             weights = [w for (w, _), ds in zip(pairs, per_split[s]) if len(ds) > 0]
         else:

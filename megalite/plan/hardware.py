@@ -98,6 +98,9 @@ class HardwareProfile:
     """CPU, measured: (n, how much slower each of n processes computing at once is than one alone);
     it includes whatever else loads the machine. Empty: the `cores` rule."""
     source: str = ""
+    device_memory_gb: float | None = None
+    """Memory of one device in GB (1e9 bytes): what `plan.py --suggest` fits layouts into when
+    --gpu-memory is not given; None: not known (a CPU profile)."""
     """Where the numbers come from (datasheets, benchmarks, or the calibration's command and date)."""
     measurements: dict = field(default_factory=dict, compare=False)
     """Calibration only: the raw measurements behind the fields (sizes, times), for the record."""
@@ -313,6 +316,7 @@ A100_80GB = HardwareProfile(
     name="A100-80GB", peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     matmul_efficiency=latency_bound_curve(0.805, 312.0, 6.0),
     memory_bandwidth_gbs=0.88 * 2039, intra_node_busbw_gbs=230.0, inter_node_busbw_gbs=23.75, devices_per_node=8,
+    device_memory_gb=80.0,
     attention_efficiency=0.55,
     collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
     source="A100 SXM4 80GB datasheet (312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 2039 GB/s HBM2e, NVLink 3, "
@@ -322,6 +326,7 @@ H100_SXM = HardwareProfile(
     name="H100-SXM", peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
     matmul_efficiency=latency_bound_curve(0.80, 989.0, 6.0),
     memory_bandwidth_gbs=0.88 * 3350, intra_node_busbw_gbs=360.0, inter_node_busbw_gbs=47.5, devices_per_node=8,
+    device_memory_gb=80.0,
     attention_efficiency=0.35,
     collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
     source="H100 SXM5 80GB datasheet (989 TFLOP/s bf16 dense, 67 fp32, 3350 GB/s HBM3, NVLink 4, NDR 400 Gb/s "
@@ -356,7 +361,7 @@ H200_MEASURED_ATTENTION_MS = {   # (head_dim, precision, causal) -> {seq_len: {i
                          16384: {"triton": 21.2314, "sdpa": 18.1031, "sdpa_gqa": 17.6596}},
 }
 H200 = dataclasses.replace(
-    H100_SXM, name="H200", memory_bandwidth_gbs=4248.0,
+    H100_SXM, name="H200", memory_bandwidth_gbs=4248.0, device_memory_gb=141.0,
     attention_ms=tuple((d, p, c, seq, impl, ms) for (d, p, c), rows in H200_MEASURED_ATTENTION_MS.items()
                        for seq, row in rows.items() for impl, ms in row.items()),
     memory_fractions={"rms_norm": (0.911, 0.702), "layer_norm": (0.910, 0.567), "rope": (0.893, 0.881),

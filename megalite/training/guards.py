@@ -113,6 +113,7 @@ class NonFiniteGuard:
         self.events: list[NonFiniteEvent] = []
         self.max_skipped = max_skipped  # --max-skipped-steps: consecutive skipped updates that stop the run (0: never)
         self.skipped_in_a_row = 0
+        self.skipped_total = 0  # updates skipped in this run (the fp16 console line shows it, as Megatron's does)
 
     def loss_is_finite(self, local_loss_sum: float | torch.Tensor) -> bool:
         """Before the optimizer step: True on every rank iff every rank's local loss is finite.
@@ -155,6 +156,7 @@ class NonFiniteGuard:
         """Raise NonFiniteError (every rank) once --max-skipped-steps updates in a row were skipped:
         a run that trains nothing must not end as if it had trained."""
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.skipped else 0
+        self.skipped_total += int(result.skipped)
         if not self.max_skipped or self.skipped_in_a_row < self.max_skipped:
             return
         first = step - self.skipped_in_a_row + 1

@@ -204,9 +204,13 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)
-    log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
-        + (f", {len(valid_set)} validation" if valid_set is not None else "")
-        + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
+    if cfg.data.mock_data:  # an unbounded stream (2^40 indices): what the run reads, not the index space
+        log(f"data: --mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size}, samples of "
+            f"{model_cfg.seq_length} tokens ({t.train_iters * cfg.global_batch_size} read by --train-iters "
+            f"{t.train_iters})")
+    else:
+        log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
+            + (f", {len(valid_set)} validation" if valid_set is not None else ""))
     chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)

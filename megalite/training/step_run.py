@@ -69,7 +69,7 @@ def step_record(job: Job, step: int, step_time: float, result: StepResult, cp_co
                             **job.timer.summary(step_time), **memory_stats(job.mesh.device),
                             **job.optimizer.memory_report())
     if cfg.precision.precision == "fp16":
-        record["loss_scale"] = result.loss_scale
+        record.update(loss_scale=result.loss_scale, skipped_steps=job.guard.skipped_total)
     record["cp"] = cfg.parallel.cp
     if cfg.training.rampup_batch_size is not None:
         record["global_batch_size"] = batch
