@@ -58,7 +58,7 @@ from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT
 from megalite.training.metrics import (MetricsWriter, ThroughputMeter, TimeBreakdown, estimate_vs_measured,
                                        gather_step_times, peak_tflops, progress_line, straggler_report)
 from megalite.training.metrics_sinks import open_sinks
-from megalite.training.configure import configure
+from megalite.training.configure import configure, training_vocabulary
 from megalite.training.launch_checks import memory_per_rank
 from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
@@ -101,7 +101,7 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     """main's work: the configuration, --simulate / --print-config / --dry-run, or the run."""
     cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
     if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
-        return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=configure)
+        return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=_planned)
     launching = not (actions["dry_run"] or actions["print_config"])
     # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
     world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
@@ -111,7 +111,8 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
         provided.check(cfg, dry_run=actions["dry_run"])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
+    vocab = None if cfg.data.mock_data or not launching else tokenizer.vocab_size  # else the model's own vocabulary
+    vocab, note = training_vocabulary(cfg, vocab, preset_given="model" in given_settings(argv))
     cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
     if actions["print_config"]:
         print(to_toml(cfg, cfg.derived()), end="")
@@ -120,9 +121,15 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
         print(dry_run_report(cfg))
         return 0
     _resumed_settings(cfg, plan.step, plan.metadata, plan, provided is None)  # refusals now; the notice at load
-    for line in plan.messages():
+    for line in plan.messages() + ([note] if note else []):
         log(line)
     return train(cfg, tokenizer, plan, provided=provided)
+
+
+def _planned(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None, memory=None) -> RunConfig:
+    """configure() for --simulate, a planning action: the model's own vocabulary (the preset's, or
+    --vocab-size), not the tokenizer's, as for --dry-run and --print-config."""
+    return configure(cfg, world_size, None, memory=memory)
 
 
 def _resumed_settings(cfg: RunConfig, step: int | None, metadata: dict | None, plan: ResumePlan,
