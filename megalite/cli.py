@@ -73,7 +73,12 @@ def _shown(value: Any) -> Any:
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a mistake on the command line is one line naming the flag (not the usage of
-    every setting), exit code 2."""
+    every setting), exit code 2, and no abbreviations: a prefix (`--loss-scale` for
+    `--loss-scale-window`) is an unknown flag, never silently another one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(USAGE_EXIT_CODE, f"megalite: {self.prog}: {message} (see --help)\n")
@@ -199,6 +204,9 @@ def parse_args(argv: list[str] | None = None,
     values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
     cfg = RunConfig.build(**values)
     cfg = _virtual_stages_from_layers(cfg, megatron_only.get("num_layers_per_virtual_pipeline_stage"))
+    if megatron_only.get("profile"):  # Megatron's --profile: steps START .. END-1 (its defaults 10 and 12)
+        start = megatron_only.get("profile_step_start") or 10
+        cfg = cfg.replace(profile_steps=(start, max(start, (megatron_only.get("profile_step_end") or 12) - 1)))
     if megatron_only.get("recompute_method") == "uniform":  # every block recomputed (N only sized the groups)
         cfg = cfg.replace(recompute_num_layers=None)
     try:  # --tokenizer-type/--vocab-file/--merge-file: Megatron's tokenizer as a tokenizer.json

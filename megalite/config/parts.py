@@ -15,7 +15,8 @@ from typing import Any
 from megalite.config.model import PRESETS
 from megalite.config.bounds import Bounds
 from megalite.config.choices import (
-    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
+    Precision, Recompute, Schedule, LRDecay, LRWSDDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType,
+    GradCompression,
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales)
 
 
@@ -193,6 +194,11 @@ class TrainingSettings:
                                       "replay it (per pipeline chunk at pp > 1; static shapes; tp = cp = ep "
                                       "= 1, zero 0/1, no dropout, recompute, offload or MoE; "
                                       "training/cuda_graph.py, pipeline_graphs.py)")
+    exit_interval: int | None = setting(None, "save (with --save) and stop after every step that is a multiple of N "
+                                              "(Megatron's --exit-interval)", minimum=1)
+    exit_duration_in_mins: float | None = setting(None, "save (with --save) and stop after the first step that ends "
+                                                        "M minutes after the run started (every rank agrees on the "
+                                                        "step)", above=0)
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,10 @@ class OptimizerSettings:
     lr_decay_iters: int | None = setting(None, "steps over which the learning rate decays to --min-lr (default "
                                                "--train-iters); constant at --min-lr after", minimum=1)
     lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
+    lr_wsd_decay_style: LRWSDDecay = setting(LRWSDDecay.EXPONENTIAL, "--lr-decay-style WSD: how the last "
+                                                                      "--lr-wsd-decay-iters steps anneal to --min-lr")
+    lr_wsd_decay_iters: int | None = setting(None, "--lr-decay-style WSD: the final steps of the decay that anneal "
+                                                   "(before them the peak --lr holds)", minimum=1)
     weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", minimum=0)
     adam_beta1: float = setting(0.9, "AdamW beta1", minimum=0, below=1)
     adam_beta2: float = setting(0.95, "AdamW beta2", minimum=0, below=1)

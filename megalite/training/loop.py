@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -35,10 +36,10 @@ import torch
 
 from megalite import comm
 from megalite.checkpoint import Checkpointer, PreemptionHandler, load_checkpoint, maybe_inject_fault
-from megalite.checkpoint.lock import CheckpointLock, foreign_checkpoints_problem
+from megalite.checkpoint.lock import CheckpointLock
 from megalite.checkpoint.preemption import SetupInterrupted, end_with_the_launcher, interrupt_during_setup
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
-                                         find_checkpoint, plan_resume)
+                                         plan_resume)
 from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
@@ -64,6 +65,7 @@ from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
 from megalite.training.dry_run import dry_run_report
 from megalite.training.profiling import StepProfiler
+from megalite.training.run_limits import exit_reason, refuse_foreign_checkpoints
 from megalite.training.provided_model import ProvidedModel, default_loss
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate
 from megalite.training.step_result import StepResult
@@ -222,7 +224,8 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
-    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
+    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style,  # (warm-up, decay) steps
+                       wsd_decay_iters=o.lr_wsd_decay_iters or 0, wsd_style=o.lr_wsd_decay_style)
     job = Job(cfg=cfg, model_cfg=model_cfg, mesh=mesh, train_set=train_set, valid_set=valid_set, sampler=sampler,
               chunks=chunks, model=model, optimizer=optimizer, lr_at=lr_at, provided=provided,
               **_services(cfg, model_cfg, mesh, resources))
@@ -279,7 +282,7 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
     if model_provider is not None:
         provided = ProvidedModel(model_provider, loss_fn or default_loss)
         provided.check(cfg)
-    _refuse_foreign_checkpoints(cfg, resume_plan)  # every rank, before any process group
+    refuse_foreign_checkpoints(cfg, resume_plan)  # every rank, before any process group
     with contextlib.ExitStack() as resources:
         with interrupt_during_setup():  # until the first step a signal ends the run at once
             job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
@@ -297,21 +300,6 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
             if not (every and cfg.training.train_iters % every == 0):  # else just evaluated
                 run_evaluation(job, cfg.training.train_iters)
         return 0
-
-
-def _refuse_foreign_checkpoints(cfg: RunConfig, plan: ResumePlan | None) -> None:
-    """A UsageError when --save holds checkpoints this run would write over without having loaded them."""
-    ck = cfg.checkpoint
-    if not ck.save:
-        return
-    resumed = plan.step if plan is not None else None
-    if resumed is None and plan is None and ck.load and not ck.no_load_optim:  # train(cfg) called without a plan
-        found = find_checkpoint(ck.load, ck.load_step)
-        resumed = found[0] if found else None
-    problem = foreign_checkpoints_problem(ck.save, load_dir=None if ck.no_load_optim else ck.load,
-                                          resumed_step=resumed, overwrite=ck.overwrite_checkpoints)
-    if problem:
-        raise UsageError(problem)
 
 
 def resume(job: Job) -> int:
@@ -353,7 +341,7 @@ def _record_resize(job: Job, resumed) -> None:
 
 def train_steps(job: Job, start_step: int) -> bool:
     """Steps start_step+1 .. train_iters; True when a signal stopped the run early (after saving)."""
-    cfg = job.cfg
+    cfg, started = job.cfg, time.monotonic()  # --exit-duration-in-mins counts from here
     for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
         maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
         result, cp_comm_bytes, step_time = timed_step(job, step, indices)
@@ -378,9 +366,11 @@ def train_steps(job: Job, start_step: int) -> bool:
             save(job, step)
         if job.watchdog:
             job.watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
-        if job.preemption.should_stop(step):
+        reason = job.preemption.agreed_signal if job.preemption.should_stop(step) else \
+            exit_reason(cfg, step, started, job.mesh)
+        if reason:
             save(job, step)
-            log(f"megalite: {job.preemption.agreed_signal}: stopped after step {step}"
+            log(f"megalite: {reason}: stopped after step {step}"
                 + (f", saved; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " (no --save)"))
             return True
     return False
