@@ -103,7 +103,9 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     """main's work: the configuration, --simulate / --print-config / --dry-run, or the run."""
     cfg, actions = parse_args(argv)  # refuses values outside their declared bounds
     if actions["simulate"]:  # the layout's world, rank by rank, in this process (megalite.simulate)
-        return run_from_flags(cfg, actions, tokenizer=load_tokenizer(cfg.data.tokenizer), configure=_planned)
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        vocab, _ = _vocabulary(cfg, tokenizer, argv)  # the run's: a named preset's own, not the tokenizer's
+        return run_from_flags(cfg, actions, tokenizer=tokenizer, configure=lambda c, w, _v: configure(c, w, vocab))
     launching = not (actions["dry_run"] or actions["print_config"])
     # a dry run or --print-config on one process shows the layout the flags name (its world: tp*cp*pp*dp)
     world_size = int(os.environ.get("WORLD_SIZE", "0")) or (1 if launching else cfg.world_size)
@@ -113,8 +115,7 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
         provided.check(cfg, dry_run=actions["dry_run"])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = None if cfg.data.mock_data or not launching else tokenizer.vocab_size  # else the model's own vocabulary
-    vocab, note = training_vocabulary(cfg, vocab, preset_given="model" in given_settings(argv))
+    vocab, note = _vocabulary(cfg, tokenizer, argv)
     cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
     if actions["print_config"]:
         print(to_toml(cfg, cfg.derived()), end="")
@@ -128,10 +129,11 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     return train(cfg, tokenizer, plan, provided=provided)
 
 
-def _planned(cfg: RunConfig, world_size: int, tokenizer_vocab_size: int | None, memory=None) -> RunConfig:
-    """configure() for --simulate, a planning action: the model's own vocabulary (the preset's, or
-    --vocab-size), not the tokenizer's, as for --dry-run and --print-config."""
-    return configure(cfg, world_size, None, memory=memory)
+def _vocabulary(cfg: RunConfig, tokenizer, argv: list[str] | None) -> tuple[int | None, str | None]:
+    """The vocabulary the run (and --simulate, --dry-run, --print-config, which plan it) is built with,
+    and the line saying a preset named with --model keeps its own (configure.training_vocabulary)."""
+    vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
+    return training_vocabulary(cfg, vocab, preset_given="model" in given_settings(argv))
 
 
 def _resumed_settings(cfg: RunConfig, step: int | None, metadata: dict | None, plan: ResumePlan,
