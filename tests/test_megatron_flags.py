@@ -88,12 +88,14 @@ def _outcome(flag, value):
     return "ok", ""
 
 
-@pytest.mark.parametrize("flag", sorted(MEGATRON_FLAGS))
-def test_every_megatron_flag_is_known_mapped_or_refused_by_name(flag):
-    outcome, text = _outcome(flag, MEGATRON_FLAGS[flag])
-    assert outcome != "unrecognized", text
-    if outcome == "refused":
-        assert flag in text and "Megatron-LM flag for" in text and len(text.strip().splitlines()) == 1, text
+def test_every_megatron_flag_is_known_mapped_or_refused_by_name():
+    wrong = []
+    for flag, value in sorted(MEGATRON_FLAGS.items()):
+        outcome, text = _outcome(flag, value)
+        if outcome == "unrecognized" or (outcome == "refused" and not (
+                flag in text and "Megatron-LM flag for" in text and len(text.strip().splitlines()) == 1)):
+            wrong.append((flag, text.strip()))
+    assert wrong == []
 
 
 def test_no_parser_accepts_an_abbreviation():
