@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import zlib
 
 USAGE_EXIT_CODE = 2
 
@@ -78,8 +79,9 @@ def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: in
     marker = _report_marker()
     if marker is None:  # one process per node (or no launcher): global rank 0 and each node's first print
         printer = rank == 0 or local_rank == 0
-    else:  # several local ranks: local rank 0 prints, or the first other one to fail when it has not within
-        printer = _claim(marker, wait_s=0.0 if local_rank == 0 else CLAIM_GRACE_S)  # the grace (it may have no error)
+    else:  # several local ranks: local rank 0 prints; another prints an error no rank claimed within the grace
+        claim = f"{marker}-{zlib.crc32(text.encode()):08x}.claim"  # per error: a process may report several
+        printer = _claim(claim, wait_s=0.0 if local_rank == 0 else CLAIM_GRACE_S) or local_rank == 0
     if not printer:  # silent here: stay until this node's printer has printed
         _wait_for_report(marker)
         return USAGE_EXIT_CODE
@@ -131,20 +133,21 @@ def _report_marker() -> str | None:
     return os.path.join(tempfile.gettempdir(), f"megalite-reported-{key}")
 
 
-def _claim(marker: str, wait_s: float = 0.0) -> bool:
-    """True for the one rank of the node that creates the claim first (its error is the one printed),
-    after waiting `wait_s` for another rank's claim to appear."""
+def _claim(claim: str, wait_s: float = 0.0) -> bool:
+    """True for the one rank of the node that creates the claim file first (its error is the one printed),
+    after waiting `wait_s` for local rank 0's claim to appear (rank 0 itself waits for nothing; it may
+    have no error at all, so the others claim once the grace is over)."""
     deadline = time.monotonic() + wait_s
-    while not os.path.exists(marker + ".claim") and time.monotonic() < deadline:
+    while not os.path.exists(claim) and time.monotonic() < deadline:
         time.sleep(0.02)
-    for old in glob.glob(os.path.join(os.path.dirname(marker), "megalite-reported-*")):
+    for old in glob.glob(os.path.join(os.path.dirname(claim), "megalite-reported-*")):
         try:  # earlier launches' markers (their waiters are long gone)
             if time.time() - os.path.getmtime(old) > 10 * REPORT_WAIT_S:
                 os.unlink(old)
         except OSError:
             pass
     try:
-        os.close(os.open(marker + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
         return False
     except OSError:  # no temp directory to share: every failing rank prints
