@@ -17,6 +17,7 @@ EXTRAS = {
     "wandb": ["wandb"],  # --wandb-project
     "plot": ["matplotlib"],  # tools/plot_*.py, plan.py --plot
     "parquet": ["pyarrow"],  # preprocess_data.py on .parquet files
+    "liger": ["liger-kernel"],  # tools/bench_kernels.py's optional Liger-Kernel column
 }
 EXTRAS["dev"] = sorted({"pytest", *[p for extra in EXTRAS.values() for p in extra]})
 

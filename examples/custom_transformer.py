@@ -138,7 +138,7 @@ def counting_sequences(steps: int) -> torch.Tensor:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     for name, help_text in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size"),
                             ("cp", "context-parallel size (splits every sequence)"),
                             ("dp", "data-parallel size (splits the fixed global batch)")):

@@ -23,7 +23,7 @@ One command line serves the first start and every restart:
 """
 import sys
 
-from megalite.commands import main
+from megalite.commands import main  # the stop signals handled before torch is imported
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -153,7 +153,7 @@ def compile_all(arch: int = 90, dtypes=(torch.bfloat16, torch.float32), verbose:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Compile every megalite kernel for a GPU target, no GPU needed")
+    parser = argparse.ArgumentParser(allow_abbrev=False, description="Compile every megalite kernel for a GPU target, no GPU needed")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10: 80 (A100), 90 (H100)")
     parser.add_argument("--only", nargs="*", default=(), help="compile only variants whose label contains one")
     parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"], choices=["bfloat16", "float16",

@@ -26,6 +26,7 @@ from typing import Any
 from megalite.config import megatron
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
 from megalite.errors import USAGE_EXIT_CODE, ConfigError, UsageError
+from megalite.paths import output_file_problem
 
 ACTIONS = ("config", "print_config", "dry_run", "simulate", "simulate_ranks", "simulate_json")  # flags that are not settings
 
@@ -72,7 +73,12 @@ def _shown(value: Any) -> Any:
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a mistake on the command line is one line naming the flag (not the usage of
-    every setting), exit code 2."""
+    every setting), exit code 2, and no abbreviations: a prefix (`--loss-scale` for
+    `--loss-scale-window`) is an unknown flag, never silently another one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(USAGE_EXIT_CODE, f"megalite: {self.prog}: {message} (see --help)\n")
@@ -89,8 +95,9 @@ def build_parser(description: str = "Train a GPT with tensor x pipeline x data p
     parser.add_argument("--simulate", action="store_true",
                         help="set up and run one step of the layout's ranks in this process on a fake process group "
                              "with data-less tensors; report each rank beside the planner (docs/simulate.md)")
-    parser.add_argument("--simulate-ranks", metavar="all|representatives|R,R,...", default="representatives",
-                        help="which ranks --simulate runs (default: one of each role; every rank's groups are checked)")
+    parser.add_argument("--simulate-ranks", metavar="all|representatives|R,R,...", default=None,
+                        help="which ranks --simulate runs (default representatives: one of each role; every rank's "
+                             "groups are checked)")
     parser.add_argument("--simulate-json", metavar="FILE", default=None, help="write --simulate's report as JSON")
     groups = {part: parser.add_argument_group(cls.__doc__.strip().splitlines()[0]) for part, cls in PARTS.items()}
     for spec in settings().values():
@@ -192,10 +199,14 @@ def parse_args(argv: list[str] | None = None,
     args = vars(parser.parse_args(argv))
     megatron_only = {name: args.pop(name) for name in megatron.non_setting_dests() if name in args}
     others = {name: args.pop(name) for name in list(args) if name not in settings()}
+    _check_simulate_flags(others)
     values = read_config_file(others["config"]) if others.get("config") else {}
     values.update(args)  # only the settings actually given (their argparse default is SUPPRESS)
     cfg = RunConfig.build(**values)
     cfg = _virtual_stages_from_layers(cfg, megatron_only.get("num_layers_per_virtual_pipeline_stage"))
+    if megatron_only.get("profile"):  # Megatron's --profile: steps START .. END-1 (its defaults 10 and 12)
+        start = megatron_only.get("profile_step_start") or 10
+        cfg = cfg.replace(profile_steps=(start, max(start, (megatron_only.get("profile_step_end") or 12) - 1)))
     if megatron_only.get("recompute_method") == "uniform":  # every block recomputed (N only sized the groups)
         cfg = cfg.replace(recompute_num_layers=None)
     try:  # --tokenizer-type/--vocab-file/--merge-file: Megatron's tokenizer as a tokenizer.json
@@ -209,6 +220,22 @@ def parse_args(argv: list[str] | None = None,
     if problems:
         raise ConfigError.listing(problems)
     return cfg, others
+
+
+def _check_simulate_flags(others: dict[str, Any]) -> None:
+    """--simulate-ranks and --simulate-json only mean something with --simulate (ignored, they hid a mistake);
+    the JSON's path is checked before the simulation runs. Fills --simulate-ranks' default."""
+    given = [flag for flag, name in (("--simulate-ranks", "simulate_ranks"), ("--simulate-json", "simulate_json"))
+             if others.get(name) is not None]
+    if given and not others.get("simulate"):
+        raise ConfigError(f"{' and '.join(given)}: only used by --simulate; add --simulate, or drop "
+                          f"{' and '.join(given)}")
+    if others.get("simulate_json") is not None:
+        problem = output_file_problem("--simulate-json", others["simulate_json"])
+        if problem:
+            raise ConfigError(problem)
+    if "simulate_ranks" in others and others["simulate_ranks"] is None:
+        others["simulate_ranks"] = "representatives"
 
 
 def _virtual_stages_from_layers(cfg: RunConfig, layers_per_stage: int | None) -> RunConfig:

@@ -6,8 +6,8 @@ A `UsageError` is something the person running the job must fix (a flag, a confi
 file, a directory, a checkpoint), not a bug in megalite. Its message names what is wrong (the
 file, the flag, the parameter) and the fix: one line, or one line per problem when a
 configuration has several (`ConfigError`). Entry points catch it, print it once per node
-(global rank 0 and each node's local rank 0) without a traceback, and exit with
-`USAGE_EXIT_CODE`.
+(the first local rank of the node to fail; without a launcher, global rank 0 and each node's
+local rank 0) without a traceback, and exit with `USAGE_EXIT_CODE`.
 
 The library raises it on every rank with the same message, before training starts wherever it
 can (the configuration before any process group exists, data at dataset build time,
@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
+import numbers
 import os
 import sys
 import tempfile
 import time
+import zlib
 
 USAGE_EXIT_CODE = 2
 
@@ -40,6 +43,23 @@ class ConfigError(UsageError, ValueError):
         return cls("\n".join(f"  - {p}" for p in problems))
 
 
+class ArgumentTypeError(UsageError, TypeError):
+    """A library call given an argument of the wrong type: names the argument and what it takes."""
+
+
+class ArgumentValueError(UsageError, ValueError):
+    """A library call given an argument outside the values it takes: names the argument and those values."""
+
+
+def positive_int(owner: str, name: str, value) -> int:
+    """`value` when it is an int >= 1; else the one-line error naming `owner`'s argument `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy's ints are Integral
+        raise ArgumentTypeError(f"{owner}: {name} takes a positive int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ArgumentValueError(f"{owner}: {name} takes a positive int, got {value}")
+    return int(value)
+
+
 def one_line(text: str) -> str:
     """`text` folded onto one line (messages built from several parts, e.g. per-rank reports)."""
     return " ".join(str(text).split())
@@ -48,31 +68,61 @@ def one_line(text: str) -> str:
 def report_usage_error(error: UsageError, rank: int, stream=None, local_rank: int | None = None) -> int:
     """What an entry point does with a UsageError: print it once per node, return the exit code.
 
-    Printed by global rank 0 and by each node's local rank 0 (`local_rank`, default LOCAL_RANK or
-    `rank`), since a problem with a node-local file shows on that node. A ConfigError keeps its
+    Printed once per node, since a problem with a node-local file shows on that node: by the node's
+    first failing rank where several local ranks share it (LOCAL_WORLD_SIZE > 1), else by global
+    rank 0 and each node's local rank 0 (`local_rank`, default LOCAL_RANK or `rank`). A ConfigError keeps its
     one line per problem; any other is folded onto one line."""
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if rank != 0 and local_rank != 0:  # silent here: stay until this node's printer has printed
-        _wait_for_report()
+    text = usage_text(error)
+    write_error_file(text)  # torchrun's report shows this line as the failure's root cause
+    marker = _report_marker()
+    if marker is None:  # one process per node (or no launcher): global rank 0 and each node's first print
+        printer = rank == 0 or local_rank == 0
+    else:  # several local ranks: local rank 0 prints; another prints an error no rank claimed within the grace
+        claim = f"{marker}-{zlib.crc32(text.encode()):08x}.claim"  # per error: a process may report several
+        printer = _claim(claim, wait_s=0.0 if local_rank == 0 else CLAIM_GRACE_S) or local_rank == 0
+    if not printer:  # silent here: stay until this node's printer has printed
+        _wait_for_report(marker)
         return USAGE_EXIT_CODE
-    if rank == 0 or local_rank == 0:
-        if isinstance(error, ConfigError) and len(str(error).strip().splitlines()) > 1:
-            print(f"megalite: configuration error:\n{error}", file=stream or sys.stderr, flush=True)
-        elif isinstance(error, ConfigError):  # one problem: one line
-            problem = one_line(error).removeprefix("- ")
-            print(f"megalite: configuration error: {problem}", file=stream or sys.stderr, flush=True)
-        else:
-            print(f"megalite: {one_line(error)}", file=stream or sys.stderr, flush=True)
-        _mark_reported()
+    print(text, file=stream or sys.stderr, flush=True)
+    _mark_reported(marker)
     return USAGE_EXIT_CODE
 
 
-# A rank that exits at once makes torchrun stop the others, and it could kill local rank 0 before
-# that one printed: the line never reached the user. The silent ranks of a node therefore wait (at
-# most REPORT_WAIT_S) for a marker its local rank 0 writes once it has printed. The marker is named
-# by the launching process (torchrun's agent: every local rank's parent), the port and the attempt.
+def usage_text(error: UsageError) -> str:
+    """What the person sees of a UsageError: one line (a ConfigError of several problems: one per problem)."""
+    if isinstance(error, ConfigError) and len(str(error).strip().splitlines()) > 1:
+        return f"megalite: configuration error:\n{error}"
+    if isinstance(error, ConfigError):  # one problem: one line
+        return f"megalite: configuration error: {one_line(error).removeprefix('- ')}"
+    return f"megalite: {one_line(error)}"
+
+
+def write_error_file(text: str) -> None:
+    """Fill torchrun's error file (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's reply file) with
+    `text`, so that its ChildFailedError report names megalite's line as the root cause instead of
+    'To enable traceback see ...'. Nothing without torchrun; an unwritable file is left alone."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        pass
+
+
+# A rank that exits at once makes torchrun stop the others, and it could kill the rank about to
+# print before it printed: the line never reached the user. Under a launcher with several local
+# ranks, one rank of a node claims the report (an exclusive file named by the launching process,
+# torchrun's agent: every local rank's parent, the port and the attempt), prints it and marks it
+# done; the node's other failing ranks wait (at most REPORT_WAIT_S) for that mark. Local rank 0
+# claims at once; another rank claims only when none did within CLAIM_GRACE_S (rank 0 may have no
+# error at all: a node-local file only one rank reads), so its line is not lost.
 REPORT_WAIT_S = 10.0
+CLAIM_GRACE_S = 2.0  # what the other local ranks leave local rank 0 to claim the report first
 
 
 def _report_marker() -> str | None:
@@ -83,16 +133,31 @@ def _report_marker() -> str | None:
     return os.path.join(tempfile.gettempdir(), f"megalite-reported-{key}")
 
 
-def _mark_reported() -> None:
-    marker = _report_marker()
-    if marker is None:
-        return
-    for old in glob.glob(os.path.join(os.path.dirname(marker), "megalite-reported-*")):
+def _claim(claim: str, wait_s: float = 0.0) -> bool:
+    """True for the one rank of the node that creates the claim file first (its error is the one printed),
+    after waiting `wait_s` for local rank 0's claim to appear (rank 0 itself waits for nothing; it may
+    have no error at all, so the others claim once the grace is over)."""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(claim) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for old in glob.glob(os.path.join(os.path.dirname(claim), "megalite-reported-*")):
         try:  # earlier launches' markers (their waiters are long gone)
             if time.time() - os.path.getmtime(old) > 10 * REPORT_WAIT_S:
                 os.unlink(old)
         except OSError:
             pass
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    except OSError:  # no temp directory to share: every failing rank prints
+        return True
+    return True
+
+
+def _mark_reported(marker: str | None) -> None:
+    if marker is None:
+        return
     try:
         with open(marker, "w"):
             pass
@@ -100,8 +165,7 @@ def _mark_reported() -> None:
         pass
 
 
-def _wait_for_report() -> None:
-    marker = _report_marker()
+def _wait_for_report(marker: str | None) -> None:
     if marker is None:
         return
     deadline = time.monotonic() + REPORT_WAIT_S

@@ -5,8 +5,8 @@
     problem = output_prefix_problem("--output-prefix", "data/corpus", (".bin", ".idx"))
 
 A file the run writes must not be a directory, and a directory must not be a file; neither may
-sit below a file, and what already exists must be writable. Nothing is created here (a directory
-that does not exist yet is made when it is first written, as before). Pure file-system queries:
+sit below a file, what already exists must be writable, and a missing directory must be creatable
+(probed: made, then removed again, so nothing is left here; it is made when first written). Pure file-system queries:
 every rank answers alike for a shared file system, and each rank answers for its own disk.
 """
 from __future__ import annotations
@@ -34,6 +34,24 @@ def _unwritable(path: Path) -> bool:
     return not os.access(_nearest_existing(path), os.W_OK)
 
 
+def _creation_problem(directory: Path) -> str | None:
+    """Why the missing `directory` cannot be made (a file system that refuses it, e.g. /proc), or None.
+    The directories made to find out are removed again, innermost first."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    if not missing:
+        return None
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {exc.filename or directory} ({exc.strerror or exc})"
+    for made in missing:  # innermost first; another rank may be probing too: ignore what it removed or filled
+        try:
+            made.rmdir()
+        except OSError:
+            break
+    return None
+
+
 def output_file_problem(flag: str, path: str | os.PathLike) -> str | None:
     """Why `path` cannot be written as a file (named by `flag`), or None."""
     p = Path(path)
@@ -44,7 +62,8 @@ def output_file_problem(flag: str, path: str | os.PathLike) -> str | None:
         return f"{flag} {path} is a directory; {flag} takes a file name (e.g. {p / 'out'})"
     if _unwritable(p):
         return f"{flag} {path}: {_nearest_existing(p)} is not writable by this user; choose another path"
-    return None
+    created = _creation_problem(p.parent)
+    return f"{flag} {path}: {created}; choose another path" if created else None
 
 
 def output_dir_problem(flag: str, path: str | os.PathLike) -> str | None:
@@ -57,7 +76,8 @@ def output_dir_problem(flag: str, path: str | os.PathLike) -> str | None:
         return f"{flag} {path} is a file; {flag} takes a directory (it is created when missing)"
     if _unwritable(p):
         return f"{flag} {path}: {_nearest_existing(p)} is not writable by this user; choose another directory"
-    return None
+    created = _creation_problem(p)
+    return f"{flag} {path}: {created}; choose another directory" if created else None
 
 
 def output_prefix_problem(flag: str, prefix: str | os.PathLike, suffixes: tuple[str, ...]) -> str | None:

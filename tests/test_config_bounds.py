@@ -44,8 +44,8 @@ def _outside(spec) -> list:
         values += [kind(b.above), kind(b.above - step)]
     if b.below is not None:
         values += [kind(b.below), kind(b.below + step)]
-    if b.maximum is not None:
-        values.append(kind(b.maximum + step))
+    if b.maximum is not None:  # (next to a large float maximum, + 0.5 is the same float)
+        values.append(kind(b.maximum + step) if kind is int else max(b.maximum + step, math.nextafter(b.maximum, math.inf)))
     if kind is float and b.finite:
         values += [math.nan, math.inf, -math.inf]
     elif kind is float:

@@ -6,9 +6,12 @@
   (tests/conftest.py);
 - (slow) the wheel, built from this tree and installed into a fresh venv, trains two steps with the
   `megalite-train` console script, and the other console scripts answer --help; the venv sees the
-  system's site-packages (torch) and the install takes no dependencies, so no network is needed.
+  site-packages of the interpreter running the tests (torch), whether that is a venv, a conda env or a
+  system install, and the install takes no dependencies, so no network is needed.
 """
 import ast
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -130,16 +133,65 @@ def _copy_sources(to: Path) -> None:
         shutil.copytree(ROOT / name, to / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
+def _builds_wheels_here() -> bool:
+    """Whether this interpreter's setuptools builds a wheel by itself (bdist_wheel is built into setuptools
+    70.1 and later; before, the `wheel` package adds it). A venv made by `python -m venv` on Python 3.11
+    carries setuptools 65 without `wheel`: there the build runs isolated, setuptools from pip's index."""
+    spec = importlib.util.find_spec("setuptools")
+    if spec is None:
+        return False
+    version = next(importlib.metadata.distributions(name="setuptools", path=[str(Path(spec.origin).parents[1])]))
+    major, minor = (int(part) for part in version.version.split(".")[:2])
+    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
+def _outer_site_dirs() -> list[str]:
+    """The site directories this interpreter imports from, in order: its own venv's, the ones a
+    --system-site-packages venv reaches through its base (the venv chain), a conda env's, the user's."""
+    return [p for p in dict.fromkeys(sys.path)
+            if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+
+
+def _see_this_interpreters_packages(python: Path) -> None:
+    """Make the venv of `python` import what this interpreter imports (torch, numpy, triton), after its own
+    site-packages: venv's system_site_packages would reach the *base* interpreter's, which has no torch
+    when this one is itself a venv. A .pth of `site.addsitedir` lines also runs those directories' .pth files."""
+    inner = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    lines = [f"import site; site.addsitedir({path!r})" for path in _outer_site_dirs() if path != inner]
+    (Path(inner) / "_megalite_test_outer_site.pth").write_text("\n".join(lines) + "\n")
+
+
+def test_the_inner_venv_sees_this_interpreters_torch(tmp_path):
+    """The README's test command in a venv (or conda env, or a system install): the wheel's venv imports
+    the torch this interpreter imports, and the wheel's own files before any other megalite."""
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "venv")
+    python = tmp_path / "venv" / "bin" / "python"
+    _see_this_interpreters_packages(python)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    seen = subprocess.run([str(python), "-c", "import importlib.util, sys; print(importlib.util.find_spec('torch')"
+                           ".origin); print(sys.path)"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)  # found, not imported: the slow wheel test imports it
+    torch_file = importlib.util.find_spec("torch").origin
+    assert seen.returncode == 0 and seen.stdout.splitlines()[0] == torch_file, seen.stderr[-1000:]
+    inner = str(tmp_path / "venv")
+    paths = eval(seen.stdout.splitlines()[1])  # noqa: S307 - our own child's repr of sys.path
+    first_outer = min(i for i, p in enumerate(paths) if p in _outer_site_dirs())
+    assert any(p.startswith(inner) and p.endswith("site-packages") for p in paths[:first_outer]), paths
+
+
 @pytest.mark.slow
 def test_wheel_installs_and_trains_in_a_fresh_venv(tmp_path):
     source, env_dir, work = tmp_path / "src", tmp_path / "venv", tmp_path / "work"
     source.mkdir(), work.mkdir()
     _copy_sources(source)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path / "dist")], check=True, timeout=300)
+    isolation = ["--no-build-isolation"] if _builds_wheels_here() else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", *isolation,
+                    "-q", "-w", str(tmp_path / "dist")], check=True, timeout=600)
     wheel = next((tmp_path / "dist").glob("megalite-*.whl"))
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python, bin_dir = env_dir / "bin" / "python", env_dir / "bin"
+    _see_this_interpreters_packages(python)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
                     "--ignore-installed", "-q", str(wheel)], check=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}

@@ -89,7 +89,7 @@ def _goal(what: str, ratio: float, goal: float, device) -> None:
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--gemm", type=int, default=8192 if cuda else 512)
     parser.add_argument("--stack", nargs="*", default=["llama-8b-shaped", "llama-1b"] if cuda else ["tiny-llama"])
     parser.add_argument("--layers", type=int, default=4)

@@ -7,7 +7,8 @@
 
 Each (op, shape) is timed forward and forward+backward for every provider: `megalite` (the
 Triton kernels), `eager` (the plain-PyTorch reference beside each kernel), `compile`
-(torch.compile of that reference) and `liger` (when liger_kernel is importable and has the op).
+(torch.compile of that reference) and `liger` (when liger_kernel is importable and has the op:
+`pip install 'megalite[liger]'`).
 Attention instead has `megalite`, `auto` (megalite.kernels.attention under the default dispatch:
 what training calls), `sdpa` (torch's SDPA with k, v heads repeated), `sdpa-gqa` (SDPA's
 enable_gqa, where this torch has it) and, with --quick only, `compile`; its inputs are laid out

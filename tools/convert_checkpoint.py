@@ -17,6 +17,7 @@ torch's formats (megalite/checkpoint/torch_formats.py): `--to dcp | safetensors 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -176,7 +177,13 @@ def torch_formats_main(argv: list[str]) -> int:
 
 @reports_usage_errors
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="torch's formats (no subcommand):\n"
+                                  "  --to {dcp,safetensors} --load CHECKPOINT --output OUT [--step N]   megalite -> "
+                                  "torch.distributed.checkpoint or one .safetensors file\n"
+                                  "  --from dcp --load DCP_DIR --output CHECKPOINT                      "
+                                  "torch.distributed.checkpoint -> megalite\n"
+                                  "(`convert_checkpoint.py --to dcp --help` lists their flags)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--to" in argv or "--from" in argv:  # torch's formats (DCP, safetensors) rather than transformers'
         return torch_formats_main(argv)
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                     "bos/eos ids go into config.json (default: an imported model's own ids, else the last "
                     "vocabulary id for both)")
     im = sub.add_parser("import", help="transformers directory -> megalite checkpoint")
-    im.add_argument("--hf", required=True, help="local directory with config.json and weights")
+    im.add_argument("--hf", "--load", dest="hf", required=True, help="local directory with config.json and weights "
+                    "(--load, as export and --from name their input, is the same flag)")
     im.add_argument("--output", required=True, help="checkpoint directory (use it as --load)")
     im.add_argument("--step", type=int, default=0)
     for command in (ex, im):  # on a terminal a bar with rate and ETA; in a log a line every 10 s

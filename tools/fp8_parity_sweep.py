@@ -53,7 +53,7 @@ def _at_layout(args, seed: int) -> list[float]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tp")
     parser.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
     parser.add_argument("--scales", choices=("pow2", "exact"), default="pow2")

@@ -109,7 +109,8 @@ def planner_problems(cfg: RunConfig, args: dict) -> list[str]:
     if args["calibrate_bf16"] and not args["calibrate"]:
         problems.append("--calibrate-bf16 only applies to --calibrate OUT.json (it measures bf16 there)")
     if args["suggest"] and not args["gpu_memory"]:
-        problems.append("--suggest needs --gpu-memory G (the memory of one GPU, e.g. 80 for 80 GB) to know what fits")
+        problems.append("--suggest needs --gpu-memory G (the memory of one GPU, e.g. 80 for 80 GB) or a --hardware "
+                        f"profile that names it ({', '.join(BUILTIN)}) to know what fits")
     return problems + goodput_problems(args)
 
 
@@ -191,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_args(argv, planner_parser())
         if args["hardware"] is not None:
-            load_profile(args["hardware"])  # a bad name or file fails here, before any output
+            profile = load_profile(args["hardware"])  # a bad name or file fails here, before any output
+            if args["gpu_memory"] is None and profile.device_memory_gb:  # the hardware names its memory
+                args["gpu_memory"] = profile.device_memory_gb * GB
         problems = planner_problems(cfg, args) + ([] if args["num_params"] is not None else _model_problems(cfg))
         if problems:
             raise ConfigError.listing(problems)

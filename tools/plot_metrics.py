@@ -88,7 +88,9 @@ def plot(paths: list[str], labels: list[str], out: str, smooth: int = 1) -> list
         for label, records in runs:
             steps, values = series(records, key, scale)
             if steps:
-                ax.plot(steps, smoothed(values, smooth), label=label, linewidth=1.2)
+                # a marker where a curve is a point or two (one validation at the end): a line alone is invisible
+                ax.plot(steps, smoothed(values, smooth), label=label, linewidth=1.2,
+                        marker="o" if len(steps) < 3 else None)
         ax.set_title(title + (f" (trailing mean of {smooth})" if smooth > 1 else ""), fontsize=10)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)

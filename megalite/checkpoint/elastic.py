@@ -123,7 +123,8 @@ class Resize:
         head = (f"megalite: ELASTIC RESIZE after step {self.step}: world {self.old_world_size} -> "
                 f"{self.new_world_size} ranks (tp {self.tp}, pp {self.pp}{cp}; dp {self.old_dp} -> {self.new_dp}{ep})")
         if self.batch_rule == "flags":
-            batch = f"global batch {self.old_global_batch_size} -> {self.new_global_batch_size} set by the batch flags"
+            batch = (f"global batch {_change(self.old_global_batch_size, self.new_global_batch_size)} set by the batch "
+                     f"flags")
         elif self.new_global_batch_size == self.old_global_batch_size:
             batch = f"--elastic-batch {self.batch_rule}: global batch {self.new_global_batch_size} kept"
         else:
@@ -228,7 +229,7 @@ def plan_resume(cfg: RunConfig, world_size: int, given: frozenset[str] = frozens
         new_batch = cfg.training.global_batch_size or cfg.training.micro_batch_size * new_dp
         rule, lr_rule, factor, total = "flags", None, 1.0, 1.0
         notes.append(f"megalite: the batch flags differ from checkpoint step {step}'s run: global batch "
-                     f"{old_batch} -> {new_batch} from the flags, learning rate from --lr (no elastic factor)")
+                     f"{_change(old_batch, new_batch)} from the flags, learning rate from --lr (no elastic factor)")
     else:
         rule, lr_rule = str(cfg.checkpoint.elastic_batch), None
         new_batch, factor = old_batch, 1.0
@@ -343,6 +344,11 @@ def _batch_problem(step: int, rule: str, batch: int, micro: int, dp: int, per_re
             "flags": f"the global batch {batch}"}[rule]
     return (f"  - {what}, which is not divisible by micro {micro} x dp {dp} = {micro * dp}; use "
             + ", or ".join(fixes))
+
+
+def _change(old: int, new: int) -> str:
+    """'16 -> 32', or '16 (unchanged)' where a change was expected but the numbers agree."""
+    return f"{old} -> {new}" if old != new else f"{new} (unchanged)"
 
 
 def _either(values: list[int]) -> str:

@@ -11,6 +11,12 @@ there belongs to another run unless it is stale:
     job after a failure), or
   - it names another host and was not refreshed for STALE_S seconds (that host is gone).
 A stale lock is replaced (and said so); a live one is a UsageError naming its holder and the fix.
+
+A run also refuses (`foreign_checkpoints_problem`, every rank, before any process group) to write
+into a --save directory whose published checkpoints it did not load: a fresh run over an earlier
+run's `step_N`, a run that loads elsewhere (or weights only), or one that resumes an older step
+than the directory's newest. Its step directories would be replaced, `latest` moved and the
+pruning would count them; the fix is --load DIR (resume them) or --overwrite-checkpoints.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from megalite.checkpoint import storage
 from megalite.errors import UsageError
 
 LOCK_NAME = "megalite.lock"
@@ -129,3 +136,31 @@ class CheckpointLock:
                 self.path.unlink()
         except (OSError, ValueError):
             pass
+
+
+def _same_directory(load_dir: str | None, save_dir: str) -> bool:
+    """Whether --load names --save itself (or one of its step directories)."""
+    if not load_dir:
+        return False
+    load, save = Path(load_dir).resolve(), Path(save_dir).resolve()
+    return load == save or (load.parent == save and storage.STEP_DIR.match(load.name) is not None)
+
+
+def foreign_checkpoints_problem(save_dir: str, *, load_dir: str | None, resumed_step: int | None,
+                                overwrite: bool) -> str | None:
+    """The one line refusing a run that would write over checkpoints of `save_dir` it did not load,
+    or None. `resumed_step`: the step this run resumes from `load_dir` (None: it starts at step 0).
+    Only published checkpoints count (`latest` names them or a newer one): a step directory `latest`
+    does not reach was never finished, and a resume writes over it as a crash left it."""
+    root = Path(save_dir)
+    latest = storage.latest_step(root)
+    published = [s for s in storage.complete_steps(root) if latest is None or s <= latest]
+    loaded_here = resumed_step is not None and _same_directory(load_dir, save_dir)
+    foreign = [s for s in published if not loaded_here or s > resumed_step]
+    if not foreign or overwrite:
+        return None
+    steps = ", ".join(str(s) for s in foreign[:4]) + (f" ... ({len(foreign)} in all)" if len(foreign) > 4 else "")
+    what = (f"this run resumes step {resumed_step}, so it would write over the newer step {steps}" if loaded_here
+            else f"this run {'loads ' + str(load_dir) if load_dir else 'starts fresh'} and would write over them")
+    return (f"--save {save_dir} holds checkpoints this run did not load (step {steps}): {what}; resume them with "
+            f"--load {save_dir}, give another --save directory, or pass --overwrite-checkpoints to replace them")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -47,9 +48,18 @@ class SetupInterrupted(Exception):
         return 128 + self.signum
 
 
+# Python runs a signal handler only between bytecodes of the main thread: one blocked in C (a
+# rendezvous waiting for a rank that already exited, a collective, a large read) would not see the
+# signal until that call returns, and the launcher kills it after its grace period. The C-level
+# handler still writes the signal's number to the wakeup fd at once: a thread reading it ends the
+# process itself when the main thread has not stopped within SETUP_STOP_GRACE_S.
+SETUP_STOP_GRACE_S = 1.0
+
+
 @contextlib.contextmanager
 def interrupt_during_setup(signals=STOP_SIGNALS):
-    """Within the block, `signals` raise SetupInterrupted (in the main thread; elsewhere a no-op)."""
+    """Within the block, `signals` raise SetupInterrupted (in the main thread; elsewhere a no-op); a
+    main thread blocked in C is ended by a watcher thread (its one line, exit 128 + the signal)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -58,11 +68,44 @@ def interrupt_during_setup(signals=STOP_SIGNALS):
         raise SetupInterrupted(signum)
 
     previous = {sig: signal.signal(sig, _raise) for sig in signals}
+    left = threading.Event()
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    watcher = threading.Thread(target=_end_if_blocked, args=(reader, left, _raise), daemon=True,
+                               name="megalite-setup-signals")
+    watcher.start()
     try:
         yield
     finally:
+        left.set()
+        signal.set_wakeup_fd(previous_fd)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        writer.close()  # wakes the watcher: it sees `left` and returns
+        watcher.join(timeout=5)
+        reader.close()
+
+
+def _end_if_blocked(reader: socket.socket, left: threading.Event, handler) -> None:
+    """The watcher: for each stop signal that reached this process while `handler` (set-up's) handles it,
+    give the main thread SETUP_STOP_GRACE_S to raise SetupInterrupted, then print its line and exit."""
+    while not left.is_set():
+        try:
+            received = reader.recv(64)
+        except OSError:
+            return
+        if not received:
+            return
+        for signum in received:
+            if signum not in [int(s) for s in STOP_SIGNALS] or signal.getsignal(signum) is not handler:
+                continue
+            if left.wait(SETUP_STOP_GRACE_S):
+                return
+            stopped = SetupInterrupted(signum)
+            if os.environ.get("RANK", "0") == "0" or os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"megalite: {stopped}", file=sys.stderr, flush=True)
+            os._exit(stopped.exit_code)
 
 
 class PreemptionHandler:
@@ -113,6 +156,44 @@ class PreemptionHandler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# A worker whose launcher died (torchrun's agent killed with SIGKILL, its node's session gone) would
+# train on unsupervised and hold the --save lock, so the restart is refused. The watcher sees the
+# parent change (the orphan is re-parented) and sends this process SIGTERM: a preemption, saved at
+# the next step boundary; one that cannot reach it (a peer gone mid-collective) ends after the grace.
+LAUNCHER_POLL_S, LAUNCHER_GONE_GRACE_S = 0.5, 120.0
+
+
+@contextlib.contextmanager
+def end_with_the_launcher(poll_s: float = LAUNCHER_POLL_S, grace_s: float = LAUNCHER_GONE_GRACE_S):
+    """Within the block, a process started by a launcher (LOCAL_RANK set: torchrun, or a forked test world)
+    gets SIGTERM when its parent dies, and exits after `grace_s` more if it has not stopped by then."""
+    parent = os.getppid()
+    if "LOCAL_RANK" not in os.environ or parent == 1:
+        yield
+        return
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_parent, args=(parent, done, poll_s, grace_s), daemon=True,
+                               name="megalite-launcher-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+
+
+def _watch_parent(parent: int, done: threading.Event, poll_s: float, grace_s: float) -> None:
+    while not done.wait(poll_s):
+        if os.getppid() == parent:
+            continue
+        print(f"megalite (rank {os.environ.get('RANK', '0')}): the launcher (pid {parent}) is gone: stopping "
+              f"(a checkpoint is saved at the next step boundary when --save is given)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if not done.wait(grace_s):
+            os._exit(128 + signal.SIGTERM)
+        return
 
 
 def _per_attempt(name: str) -> list[str]:

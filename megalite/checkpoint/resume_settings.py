@@ -16,17 +16,19 @@ batch and dp, which the resume plan decides and logs itself, are left to it.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any
 
+from megalite.checkpoint.load import ARCHITECTURE_FIELDS
 from megalite.config import RunConfig, settings
 from megalite.errors import ConfigError
 
 DATA_ORDER = ("seed", "data_path", "split", "tokenizer", "seq_length")
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "train_iters")
 # where the run reads and writes, how it resumes, and what ResumePlan decides and logs: not compared
-NOT_COMPARED = ("save", "load", "load_step", "no_load_optim", "finetune", "elastic_batch", "elastic_lr_rule",
-                "override_data_order", "override_opt_param_scheduler", "global_batch_size", "dp")
+NOT_COMPARED = ("save", "load", "load_step", "no_load_optim", "finetune", "overwrite_checkpoints", "elastic_batch",
+                "elastic_lr_rule", "override_data_order", "override_opt_param_scheduler", "global_batch_size", "dp")
 
 
 def _plain(value: Any) -> Any:
@@ -66,14 +68,34 @@ def _shown(name: str, old: Any, new: Any) -> str:
     return f"{settings()[name].flag} {old} -> {new}"
 
 
-def check_resumed_settings(cfg: RunConfig, step: int, saved_config: dict, lr_factor: float = 1.0,
-                           saved_lr_factor: float = 1.0) -> list[str]:
-    """Lines naming every difference (empty: none); ConfigError for a change to the data order or the
-    schedule that its override flag does not accept."""
-    diff = differences(cfg, saved_config, lr_factor, saved_lr_factor)
-    if not diff:
+def model_differences(cfg: RunConfig, saved_model: Any) -> list[str]:
+    """'--hidden-size 64 -> 32' for each architecture field (load.ARCHITECTURE_FIELDS) in which the
+    checkpoint's model (metadata["model_config"]) and this run's differ; [] when either is unknown."""
+    if not isinstance(saved_model, dict) or "flavour" not in saved_model:  # not a GPTModel (a user's model)
         return []
+    try:
+        now = dataclasses.asdict(cfg.gpt_config())
+    except ValueError:  # the model settings themselves are wrong: validation names that
+        return []
+    declared = settings()
+    return [f"{declared[name].flag if name in declared else name} {_plain(saved_model[name])} -> {_plain(now[name])}"
+            for name in ARCHITECTURE_FIELDS if name in saved_model and name in now
+            and _plain(saved_model[name]) != _plain(now[name])]
+
+
+def check_resumed_settings(cfg: RunConfig, step: int, saved_config: dict, lr_factor: float = 1.0,
+                           saved_lr_factor: float = 1.0, *, saved_model: Any = None) -> list[str]:
+    """Lines naming every difference (empty: none); ConfigError listing every refused change at once,
+    the model's shape first (`saved_model`: the checkpoint's model_config), then the data order and the
+    schedule where their override flags do not accept them."""
+    diff = differences(cfg, saved_config, lr_factor, saved_lr_factor)
+    model = model_differences(cfg, saved_model)
     problems = []
+    if model:  # no override: the weights cannot load into another shape
+        problems.append(f"resuming checkpoint step {step}: it holds another model ({', '.join(model)}); resume it "
+                        f"with the model settings it was saved with, or start a new run (another --save, no --load)")
+    if not diff and not problems:
+        return []
     ck = cfg.checkpoint
     for names, override, what in ((DATA_ORDER, ck.override_data_order, "the order of the samples read"),
                                   (SCHEDULE, ck.override_opt_param_scheduler, "the learning-rate schedule")):
@@ -85,5 +107,7 @@ def check_resumed_settings(cfg: RunConfig, step: int, saved_config: dict, lr_fac
                             f"changes {what}; resume with {back} as its run had, or pass {flag} to accept it")
     if problems:
         raise ConfigError.listing(problems)
+    if not diff:
+        return []
     listed = ", ".join(_shown(name, *values) for name, values in diff.items())
     return [f"megalite: resuming checkpoint step {step} with settings that differ from its run: {listed}"]

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from megalite.checkpoint.write_failure import human_bytes
 from megalite.errors import UsageError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -105,7 +106,7 @@ def check_save_dir(path: str, needed_bytes: int) -> list[str]:
         probe.unlink(missing_ok=True)
     free = shutil.disk_usage(directory).free
     if free < needed_bytes:
-        return [f"--save {path}: {free / 1e9:.2f} GB free, but this node's ranks write {needed_bytes / 1e9:.2f} GB "
+        return [f"--save {path}: {human_bytes(free)} free, but this node's ranks write {human_bytes(needed_bytes)} "
                 f"per checkpoint (weights + fp32 optimizer state); free space there or choose another directory"]
     return []
 

@@ -15,6 +15,23 @@ if TYPE_CHECKING:
     from megalite.config import DataSettings, RunConfig
 
 
+def _wsd_problems(cfg: RunConfig) -> list[str]:
+    """--lr-decay-style WSD anneals over its last --lr-wsd-decay-iters steps: they must be given and fit
+    after the warm-up (Megatron's rule)."""
+    o = cfg.optimizer
+    if o.lr_decay_style != "WSD":
+        return (["--lr-wsd-decay-iters and --lr-wsd-decay-style go with --lr-decay-style WSD: add it, or drop them"]
+                if o.lr_wsd_decay_iters is not None else [])
+    warmup, decay = cfg.lr_schedule_iters
+    if o.lr_wsd_decay_iters is None:
+        return [f"--lr-decay-style WSD needs --lr-wsd-decay-iters N: the last N of its {decay} decay steps anneal "
+                f"to --min-lr (e.g. {max(1, (decay - warmup) // 10)})"]
+    if o.lr_wsd_decay_iters > decay - warmup:
+        return [f"--lr-wsd-decay-iters {o.lr_wsd_decay_iters} is more than the {decay - warmup} steps after the "
+                f"warm-up; give at most {decay - warmup}"]
+    return []
+
+
 def setting_problems(cfg: RunConfig) -> list[str]:
     """Combinations of settings that training cannot run."""
     p, t, log, ck = cfg.parallel, cfg.training, cfg.logging, cfg.checkpoint
@@ -35,7 +52,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
-    problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
+    problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg)
     problems += _latent_attention_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps

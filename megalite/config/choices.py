@@ -68,6 +68,16 @@ class LRDecay(enum.StrEnum):
     COSINE = "cosine"
     LINEAR = "linear"
     CONSTANT = "constant"
+    WSD = "WSD"  # warmup-stable-decay (Megatron's name): --lr-wsd-decay-iters, --lr-wsd-decay-style
+
+
+class LRWSDDecay(enum.StrEnum):
+    """How WSD's final --lr-wsd-decay-iters steps anneal to --min-lr (optim/lr_schedule.py)."""
+
+    EXPONENTIAL = "exponential"
+    LINEAR = "linear"
+    COSINE = "cosine"
+    MINUS_SQRT = "minus_sqrt"
 
 
 class ElasticBatch(enum.StrEnum):

@@ -28,6 +28,7 @@ Pure Python: no torch.
 """
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
@@ -46,10 +47,31 @@ SYNONYMS: dict[str, tuple[str, ...]] = {
 
 ALIASES: dict[str, dict[str, Any]] = {
     "zero": {"--use-distributed-optimizer": 1},
+    "grad_reduce_dtype": {"--grad-reduce-in-bf16": "bf16"},
 }
 
 LACKS: dict[str, str] = {
     "--use-torch-fsdp2": "torch FSDP2; megalite's own fully sharded mode is --zero 3",
+    "--apply-layernorm-1p": "zero-centred LayerNorm weights (1 + gamma)",
+    "--train-samples": "a schedule in samples (give --train-iters: samples / --global-batch-size)",
+    "--lr-decay-samples": "a schedule in samples (give --lr-decay-iters: samples / --global-batch-size)",
+    "--lr-warmup-samples": "a schedule in samples (give --lr-warmup-iters: samples / --global-batch-size)",
+    "--decoupled-lr": "a separate learning rate for the embedding and output layer",
+    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer",
+    "--fp8-amax-history-len": "delayed FP8 scaling (megalite's scales are current: --fp8-recipe)",
+    "--fp8-amax-compute-algo": "delayed FP8 scaling (megalite's scales are current: --fp8-recipe)",
+    "--tiktoken-pattern": "TikTokenizer (give a HuggingFace tokenizer.json with --tokenizer-model)",
+    "--distributed-timeout-minutes": "a collective timeout (megalite keeps torch's; --hang-timeout SECONDS "
+                                     "reports where every rank waits)",
+    "--no-load-rng": "skipping the RNG restore (megalite restores RNG states only at the layout that saved them)",
+    "--loss-scale": "a static loss scale (megalite's fp16 scale is dynamic: --initial-loss-scale, "
+                    "--loss-scale-window, --hysteresis)",
+    "--min-loss-scale": "a floor for the dynamic loss scale other than 1",
+    "--no-save-optim": "checkpoints without the optimizer (megalite's always hold it; load with --no-load-optim)",
+    "--no-save-rng": "checkpoints without RNG states (megalite's always hold them)",
+    "--log-params-norm": "logging the parameter norm",
+    "--log-num-zeros-in-grad": "logging the zeros in the gradients",
+    "--data-parallel-random-init": "per-replica initialisation (every dp replica starts from the same weights)",
 }
 
 # Megatron flags for what megalite always does: accepted and ignored -> (values taken, why)
@@ -62,9 +84,39 @@ ALWAYS: dict[str, tuple[int, str]] = {
     "--moe-grouped-gemm": (0, "megalite's experts always run as one grouped GEMM"),
     "--distributed-backend": (1, "megalite picks nccl on GPUs, gloo on CPUs"),
     "--use-checkpoint-args": (0, "megalite always takes the model's shape from --load's checkpoint"),
+    "--log-throughput": (0, "every progress line has tokens/s and MFU"),
+    "--ckpt-format": (1, "megalite writes its own layout-free format (tools/convert_checkpoint.py --to dcp exports "
+                         "torch_dist)"),
+    "--num-workers": (1, "megalite reads memory-mapped samples in the training process"),
+    "--data-cache-path": (1, "megalite keeps its sample-index cache beside the data (data/cache.py)"),
+    "--tensorboard-log-interval": (1, "TensorBoard gets every --log-interval step"),
+    "--log-timers-to-tensorboard": (0, "the step's time split goes to every metrics sink"),
+    "--log-validation-ppl-to-tensorboard": (0, "the validation loss and perplexity go to every metrics sink"),
+    "--log-memory-to-tensorboard": (0, "the memory peaks go to every metrics sink"),
+    "--timing-log-level": (1, "the step's time split is always measured"),
+    "--accumulate-allreduce-grads-in-fp32": (0, "gradients accumulate and reduce in fp32 unless --grad-reduce-dtype "
+                                                "says otherwise"),
+    "--cross-entropy-loss-fusion": (0, "megalite's (vocab-parallel) cross entropy is one fused function"),
+    "--calculate-per-token-loss": (0, "the loss is normalised by the global count of target tokens"),
+    "--manual-gc": (0, "a step holds no Python garbage to collect on the host"),
+    "--empty-unused-memory-level": (1, "megalite never empties the CUDA cache during a step"),
+    "--no-create-attention-mask-in-dataloader": (0, "megalite builds no attention mask in the data loader"),
+    "--no-mmap-bin-files": (0, "megalite memory-maps the .bin files"),
+    "--no-masked-softmax-fusion": (0, "megalite's attention kernels apply the causal mask themselves"),
+    "--no-position-embedding": (0, "a rope model has no position table (--position-embedding-type)"),
+    "--bias-gelu-fusion": (0, "megalite's kernels choose their own fusions"),
+    "--no-bias-gelu-fusion": (0, "megalite's kernels choose their own fusions"),
+    "--no-bias-dropout-fusion": (0, "megalite's kernels choose their own fusions"),
+    "--no-gradient-accumulation-fusion": (0, "megalite's kernels choose their own fusions"),
+    "--dataloader-type": (1, "megalite's sampler reads a seeded order of the samples, Megatron's 'single'"),
 }
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
+# Megatron flags accepted for one value only -> (that value, what megalite does); another value is refused
+ONLY: dict[str, tuple[float, str]] = {
+    "--rotary-percent": (1.0, "megalite's rope rotates every dimension of a head"),
+}
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")  # Null: ids as they are (--vocab-size)
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -73,10 +125,19 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 def lacks_problem(argv: list[str], known: set[str] = frozenset()) -> str | None:
     """The first Megatron flag in argv whose feature megalite lacks, as one line; None if none.
     `known`: the parser's own flags (a flag megalite gains stops being refused)."""
-    for word in argv:
+    for i, word in enumerate(argv):
         flag = word.split("=", 1)[0]
         if flag in LACKS and flag not in known:
             return f"{flag} is a Megatron-LM flag for {LACKS[flag]}"
+        if flag in ONLY:
+            value = word.split("=", 1)[1] if "=" in word else (argv[i + 1] if i + 1 < len(argv) else "")
+            accepted, why = ONLY[flag]
+            try:
+                same = float(value) == accepted
+            except ValueError:
+                same = False
+            if not same:
+                return f"{flag} {value}: megalite takes only {accepted:g} ({why})"
     return None
 
 
@@ -134,8 +195,9 @@ def lr_iters(optimizer_settings, train_iters: int) -> tuple[int, int]:
 
 def non_setting_dests() -> set[str]:
     """The parser destinations add_megatron_flags adds (parse_args drops them from its actions)."""
-    return {"megatron_" + flag[2:].replace("-", "_") for flag in ALWAYS} | {"num_layers_per_virtual_pipeline_stage", "recompute_method", "tokenizer_type", "vocab_file",
-                                                                  "merge_file"}
+    return ({"megatron_" + flag[2:].replace("-", "_") for flag in (*ALWAYS, *ONLY)}
+            | {"num_layers_per_virtual_pipeline_stage", "recompute_method", "tokenizer_type", "vocab_file",
+               "merge_file", "profile", "profile_step_start", "profile_step_end"})
 
 
 def add_megatron_flags(parser) -> None:
@@ -146,11 +208,22 @@ def add_megatron_flags(parser) -> None:
         kwargs = {"action": "store_true"} if values == 0 else {"metavar": "VALUE"}
         group.add_argument(flag, dest="megatron_" + flag[2:].replace("-", "_"), help=f"accepted, no effect: {why}",
                            **kwargs)
+    for flag, (value, why) in ONLY.items():
+        group.add_argument(flag, dest="megatron_" + flag[2:].replace("-", "_"), metavar="VALUE",
+                           help=f"accepted as {value:g} only: {why}")
+    group.add_argument("--profile", action="store_true", default=None,
+                       help="Megatron's profiling switch: --profile-steps START END-1 (default steps 10..11)")
+    group.add_argument("--profile-step-start", type=int, default=None, metavar="N", help="with --profile: first step")
+    group.add_argument("--profile-step-end", type=int, default=None, metavar="N",
+                       help="with --profile: the step profiling stops at (not profiled)")
+    group.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_const",
+                       const=True, default=argparse.SUPPRESS, help="Megatron's spelling of --override-opt-param-scheduler")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
                        help="Megatron's spelling of virtual stages: --virtual-stages = num_layers / pp / N")
     group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                       help="GPT2BPETokenizer (with --vocab-file and --merge-file: made into a tokenizer.json) or "
-                            "HuggingFaceTokenizer (with --tokenizer-model FILE, a tokenizer.json)")
+                       help="GPT2BPETokenizer (with --vocab-file and --merge-file: made into a tokenizer.json), "
+                            "HuggingFaceTokenizer (with --tokenizer-model FILE, a tokenizer.json) or NullTokenizer "
+                            "(pre-tokenized data or --mock-data; the vocabulary from --vocab-size)")
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None,

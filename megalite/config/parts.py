@@ -15,9 +15,13 @@ from typing import Any
 from megalite.config.model import PRESETS
 from megalite.config.bounds import Bounds
 from megalite.config.choices import (
-    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, GradCompression,
+    Precision, Recompute, Schedule, LRDecay, LRWSDDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType,
+    GradCompression,
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales,
     SFTOverlong)
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the largest loss scale the loss's dtype holds
 
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None,
@@ -228,6 +232,11 @@ class TrainingSettings:
                                       "replay it (per pipeline chunk at pp > 1; static shapes; tp = cp = ep "
                                       "= 1, zero 0/1, no dropout, recompute, offload or MoE; "
                                       "training/cuda_graph.py, pipeline_graphs.py)")
+    exit_interval: int | None = setting(None, "save (with --save) and stop after every step that is a multiple of N "
+                                              "(Megatron's --exit-interval)", minimum=1)
+    exit_duration_in_mins: float | None = setting(None, "save (with --save) and stop after the first step that ends "
+                                                        "M minutes after the run started (every rank agrees on the "
+                                                        "step)", above=0)
 
 
 @dataclass(frozen=True)
@@ -242,6 +251,10 @@ class OptimizerSettings:
     lr_decay_iters: int | None = setting(None, "steps over which the learning rate decays to --min-lr (default "
                                                "--train-iters); constant at --min-lr after", minimum=1)
     lr_decay_style: LRDecay = setting(LRDecay.COSINE, "decay after warm-up")
+    lr_wsd_decay_style: LRWSDDecay = setting(LRWSDDecay.EXPONENTIAL, "--lr-decay-style WSD: how the last "
+                                                                      "--lr-wsd-decay-iters steps anneal to --min-lr")
+    lr_wsd_decay_iters: int | None = setting(None, "--lr-decay-style WSD: the final steps of the decay that anneal "
+                                                   "(before them the peak --lr holds)", minimum=1)
     weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", minimum=0)
     adam_beta1: float = setting(0.9, "AdamW beta1", minimum=0, below=1)
     adam_beta2: float = setting(0.95, "AdamW beta2", minimum=0, below=1)
@@ -257,7 +270,9 @@ class PrecisionSettings:
                                                    "weights and gradients)",
                                    aliases={"--bf16": Precision.BF16, "--fp16": Precision.FP16})
     grad_reduce_dtype: Precision = setting(Precision.FP32, "dtype of the data-parallel gradient reduction")
-    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale", above=0)
+    initial_loss_scale: float = setting(2.0 ** 16, "fp16: first loss scale", above=0, maximum=FLOAT32_MAX,
+                                        fix="the loss is scaled in float32: e.g. --initial-loss-scale 65536 (the "
+                                            "default; Megatron's is 4294967296)")
     loss_scale_window: int = setting(1000, "fp16: steps without overflow to grow", minimum=1)
     hysteresis: int = setting(2, "fp16: overflows tolerated before the scale backs off", minimum=1)
     loss_scale_backoff: float = setting(0.5, "fp16: factor applied on backoff", above=0, below=1)
@@ -308,6 +323,9 @@ class CheckpointSettings:
     finetune: bool = setting(False, "start a fine-tune from --load's checkpoint (or HF import): its weights and "
                                     "model only; a fresh optimizer, step 0, the data from its start, fresh RNG "
                                     "(a restart resumes from --save once that holds a checkpoint)")
+    overwrite_checkpoints: bool = setting(False, "write into a --save directory although it holds checkpoints this "
+                                                 "run does not resume (a fresh run, another --load, or an older "
+                                                 "--load-step): they are replaced or pruned")
     elastic_batch: ElasticBatch = setting(ElasticBatch.KEEP, "resuming on another world (dp re-derived, tp/pp "
                                                              "kept): keep the checkpoint's global batch (more or "
                                                              "fewer accumulation steps; the loss curve continues), "
@@ -354,6 +372,9 @@ class FaultToleranceSettings:
                                                 "shared file system gives one summary across nodes)")
     on_nonfinite: OnNonFinite = setting(OnNonFinite.SKIP, "a non-finite loss or gradient: skip the update and log "
                                                           "the step's samples, or stop (exit code 3)")
+    max_skipped_steps: int = setting(50, "stop (exit code 3) after N steps in a row whose update was skipped (a "
+                                         "non-finite loss or gradient, an fp16 overflow): a run that trains nothing "
+                                         "must not end as if it had; 0: never", minimum=0)
     check_replicas_interval: int = setting(0, "every K steps compare parameter checksums across replicas and stop "
                                               "(exit code 4) naming the first that differs; 0: off", minimum=0)
 

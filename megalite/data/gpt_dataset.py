@@ -10,6 +10,8 @@ that asks for index i gets the same tokens.
 """
 from __future__ import annotations
 
+import math
+import os
 import warnings
 
 import numpy as np
@@ -133,8 +135,9 @@ def parse_data_path(data_path: list[str] | str | None) -> list[tuple[float, str]
         except ValueError:
             raise DataError(f"--data-path: {weight!r} should be a weight (a number) before prefix "
                              f"{prefix!r}; use '--data-path 0.7 a 0.3 b'") from None
-        if not value > 0:
-            raise DataError(f"--data-path: weight {weight} of {prefix!r} must be positive")
+        if not 0 < value < math.inf:  # (NaN fails both)
+            raise DataError(f"--data-path: weight {weight} of {prefix!r} must be a finite positive number, like "
+                             f"'--data-path 0.7 a 0.3 b'")
         pairs.append((value, prefix))
     return pairs
 
@@ -145,8 +148,8 @@ def parse_split(split: str) -> list[float]:
         parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
     except ValueError:
         raise DataError(f"--split {split!r}: expected up to three numbers like '969,30,1'") from None
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise DataError(f"--split {split!r}: expected up to three non-negative numbers with a positive "
+    if not 1 <= len(parts) <= 3 or not all(0 <= p < math.inf for p in parts) or sum(parts) <= 0:  # NaN: refused
+        raise DataError(f"--split {split!r}: expected up to three finite non-negative numbers with a positive "
                          f"sum, like '969,30,1'")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]
@@ -217,7 +220,8 @@ def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq
                        f"{split!r} or use more data")
             if name == "train":
                 raise DataError(message)
-            warnings.warn(message)
+            if int(os.environ.get("RANK", "0")) == 0:  # every rank builds the same splits: one notice, not one per rank
+                warnings.warn(message)
             parts = [ds for ds in parts if len(ds) > 0]
             weights = [w for (w, _), ds in zip(pairs, per_split[s]) if len(ds) > 0]
         else:

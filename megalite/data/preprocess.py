@@ -143,17 +143,17 @@ def _encode_batch(batch, tokenizer=None):
 
 def _json_documents(path: str, json_keys: tuple[str, ...]) -> Iterator[tuple[str, str, int]]:
     """(key, text, bytes) of each JSON line's keys; DataError naming the line of a malformed one."""
-    with open(path, "r", encoding="utf-8") as f:
-        line_number = 0
-        try:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                for key, text in _json_record(path, line_number, line, json_keys):
-                    yield key, text, len(line)
-        except UnicodeDecodeError:
-            raise DataError(f"{path}:{line_number + 1}: not UTF-8 text; JSON-lines input is UTF-8, one object "
-                            f"per line") from None
+    with open(path, "rb") as f:  # each line decoded alone: a decoder reading ahead would name a later line
+        for line_number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}:{line_number}: not UTF-8 text (byte {exc.start + 1} of the line); "
+                                f"JSON-lines input is UTF-8, one object per line") from None
+            if not line.strip():
+                continue
+            for key, text in _json_record(path, line_number, line, json_keys):
+                yield key, text, len(line)
 
 
 def _parquet_file(path: str):

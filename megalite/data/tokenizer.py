@@ -56,6 +56,12 @@ class HFTokenizer:
     EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 
     def __init__(self, path: str):
+        if os.path.isdir(path):  # a saved HuggingFace tokenizer directory (Megatron's HuggingFaceTokenizer takes one)
+            if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+                raise DataFileNotFoundError(f"tokenizer directory {path!r} holds no tokenizer.json; save the tokenizer "
+                                            f"with save_pretrained (fast tokenizers write tokenizer.json), or pass "
+                                            f"'byte' for the byte tokenizer")
+            path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
             raise DataFileNotFoundError(f"tokenizer file {path!r} does not exist; pass a path to a "
                                         f"HuggingFace tokenizer.json, or 'byte' for the byte tokenizer")

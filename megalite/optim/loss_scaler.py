@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import torch
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 class DynamicLossScaler:
     def __init__(self, initial_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 1, min_scale: float = 1.0,
                  max_scale: float = 2.0 ** 24):
-        if initial_scale <= 0:
-            raise ValueError(f"--initial-loss-scale must be positive, got {initial_scale}")
+        if not 0 < initial_scale <= FLOAT32_MAX:  # NaN fails both comparisons
+            raise ValueError(f"--initial-loss-scale must be > 0 and at most float32's largest {FLOAT32_MAX:.6g} (the "
+                             f"loss is scaled in float32), got {initial_scale}")
         if growth_factor <= 1.0:
             raise ValueError(f"loss-scale growth factor must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:

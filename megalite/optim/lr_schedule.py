@@ -1,5 +1,7 @@
-"""Learning-rate schedules: linear warmup, then cosine (or linear, or constant) decay to min_lr; and the
-same schedule as a torch LR scheduler driving an optimizer's param groups (`ScheduledLR`)."""
+"""Learning-rate schedules: linear warmup, then cosine (or linear, or constant) decay to min_lr, or
+warmup-stable-decay (WSD: the peak held until the last `wsd_decay_iters` decay steps, which anneal to
+min_lr by `wsd_style`, as Megatron-LM's --lr-decay-style WSD); and the same schedule as a torch LR
+scheduler driving an optimizer's param groups (`ScheduledLR`)."""
 from __future__ import annotations
 
 import math
@@ -8,17 +10,30 @@ from dataclasses import dataclass
 import torch
 
 
+# WSD's anneal: the share of (lr - min_lr) left at `ratio` of the anneal (1 at its start, 0 at its end)
+WSD_ANNEALS = {
+    "exponential": lambda ratio: 2.0 * 0.5 ** ratio - 1.0,
+    "linear": lambda ratio: 1.0 - ratio,
+    "cosine": lambda ratio: 0.5 * (math.cos(math.pi * ratio) + 1.0),
+    "minus_sqrt": lambda ratio: 1.0 - math.sqrt(ratio),
+}
+
+
 @dataclass(frozen=True)
 class LRSchedule:
     lr: float
     min_lr: float = 0.0
     warmup_iters: int = 0
     decay_iters: int = 1
-    style: str = "cosine"  # "cosine" | "linear" | "constant"
+    style: str = "cosine"  # "cosine" | "linear" | "constant" | "WSD"
+    wsd_decay_iters: int = 0  # WSD: the final steps of the decay span that anneal (before them: the peak)
+    wsd_style: str = "exponential"  # WSD's anneal: "exponential" | "linear" | "cosine" | "minus_sqrt"
 
     def __post_init__(self):
-        if self.style not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr decay style must be cosine, linear or constant, got {self.style!r}")
+        if self.style not in ("cosine", "linear", "constant", "WSD"):
+            raise ValueError(f"lr decay style must be cosine, linear, constant or WSD, got {self.style!r}")
+        if self.style == "WSD" and self.wsd_style not in WSD_ANNEALS:
+            raise ValueError(f"WSD's decay style must be one of {sorted(WSD_ANNEALS)}, got {self.wsd_style!r}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
 
@@ -29,6 +44,13 @@ class LRSchedule:
             return self.lr * min(step + 1, self.warmup_iters) / self.warmup_iters
         if self.style == "constant":
             return self.lr
+        if self.style == "WSD":  # stable at the peak, then the last wsd_decay_iters steps anneal
+            anneal = max(1, self.wsd_decay_iters)
+            start = self.decay_iters - anneal
+            if step < start:
+                return self.lr
+            ratio = min(1.0, (step - start) / anneal)
+            return self.min_lr + (self.lr - self.min_lr) * WSD_ANNEALS[self.wsd_style](ratio)
         span = max(1, self.decay_iters - self.warmup_iters)
         progress = min(1.0, (step - self.warmup_iters) / span)
         if self.style == "linear":

@@ -98,6 +98,9 @@ class HardwareProfile:
     """CPU, measured: (n, how much slower each of n processes computing at once is than one alone);
     it includes whatever else loads the machine. Empty: the `cores` rule."""
     source: str = ""
+    device_memory_gb: float | None = None
+    """Memory of one device in GB (1e9 bytes): what `plan.py --suggest` fits layouts into when
+    --gpu-memory is not given; None: not known (a CPU profile)."""
     """Where the numbers come from (datasheets, benchmarks, or the calibration's command and date)."""
     measurements: dict = field(default_factory=dict, compare=False)
     """Calibration only: the raw measurements behind the fields (sizes, times), for the record."""
@@ -248,10 +251,48 @@ class HardwareProfile:
                          f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         if missing:
             raise HardwareProfileError(f"{where}: missing field(s) {missing}")
+        for name, value in data.items():
+            problem = _scalar_problem(name, _FIELD_TYPES.get(name), value)
+            if problem:
+                raise HardwareProfileError(f"{where}: {problem}")
         try:
             return cls(**data)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # a table of the wrong shape or with text where numbers belong
             raise HardwareProfileError(f"{where}: {exc}") from None
+
+
+def _scalar_problem(name: str, kind: str | None, value) -> str | None:
+    """'memory_bandwidth_gbs takes a number, got "fast"' for a JSON value of the wrong type, or None.
+    kind: the field's annotation as written (`float`, `int | None`, ...); tables are checked as they are read."""
+    if kind is None:
+        return None
+    optional = kind.endswith("| None")
+    base = kind.removesuffix("| None").strip()
+    if value is None:
+        return None if optional else f"{name} takes {_WORDS.get(base, base)}, got null"
+    if base == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        return f"{name} takes a number, got {value!r}"
+    if base == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"{name} takes an integer, got {value!r}"
+    if base in ("bool", "str") and not isinstance(value, {"bool": bool, "str": str}[base]):
+        return f"{name} takes {_WORDS[base]}, got {value!r}"
+    if base.startswith("tuple[tuple[") and base.endswith("], ...]"):  # a table: rows of typed columns
+        columns = base[len("tuple[tuple["):-len("], ...]")].split(", ")
+        rows = value if isinstance(value, list) else [None]
+        if any(not isinstance(row, list) or len(row) != len(columns)
+               or any(_scalar_problem(name, column, cell) for column, cell in zip(columns, row)) for row in rows):
+            return f"{name} takes a list of rows [{', '.join(columns)}], got {value!r}"
+        return None
+    if base.startswith("dict[str, float]") and not (isinstance(value, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())):
+        return f"{name} takes an object of numbers (e.g. {{\"bf16\": 312.0}}), got {value!r}"
+    return None
+
+
+_WORDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(HardwareProfile)}
 
 
 def latency_bound_curve(plateau: float, peak_tflops: float, fixed_us: float) -> tuple[tuple[float, float], ...]:
@@ -275,6 +316,7 @@ A100_80GB = HardwareProfile(
     name="A100-80GB", peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     matmul_efficiency=latency_bound_curve(0.805, 312.0, 6.0),
     memory_bandwidth_gbs=0.88 * 2039, intra_node_busbw_gbs=230.0, inter_node_busbw_gbs=23.75, devices_per_node=8,
+    device_memory_gb=80.0,
     attention_efficiency=0.55,
     collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
     source="A100 SXM4 80GB datasheet (312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 2039 GB/s HBM2e, NVLink 3, "
@@ -284,6 +326,7 @@ H100_SXM = HardwareProfile(
     name="H100-SXM", peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
     matmul_efficiency=latency_bound_curve(0.80, 989.0, 6.0),
     memory_bandwidth_gbs=0.88 * 3350, intra_node_busbw_gbs=360.0, inter_node_busbw_gbs=47.5, devices_per_node=8,
+    device_memory_gb=80.0,
     attention_efficiency=0.35,
     collective_latency_us=15.0, block_overhead_us=200.0, microbatch_overhead_us=300.0, step_overhead_us=5000.0,
     source="H100 SXM5 80GB datasheet (989 TFLOP/s bf16 dense, 67 fp32, 3350 GB/s HBM3, NVLink 4, NDR 400 Gb/s "
@@ -318,7 +361,7 @@ H200_MEASURED_ATTENTION_MS = {   # (head_dim, precision, causal) -> {seq_len: {i
                          16384: {"triton": 21.2314, "sdpa": 18.1031, "sdpa_gqa": 17.6596}},
 }
 H200 = dataclasses.replace(
-    H100_SXM, name="H200", memory_bandwidth_gbs=4248.0,
+    H100_SXM, name="H200", memory_bandwidth_gbs=4248.0, device_memory_gb=141.0,
     attention_ms=tuple((d, p, c, seq, impl, ms) for (d, p, c), rows in H200_MEASURED_ATTENTION_MS.items()
                        for seq, row in rows.items() for impl, ms in row.items()),
     memory_fractions={"rms_norm": (0.911, 0.702), "layer_norm": (0.910, 0.567), "rope": (0.893, 0.881),

@@ -23,7 +23,7 @@ from megalite.plan.links import describe as describe_links, link_uses
 from megalite.simulate.ranks import check_groups, compare_mesh, expected_groups, parse_ranks
 from megalite.simulate.rank_step import simulate_rank
 from megalite.simulate.replay import replay_step_time
-from megalite.training.configure import configure
+from megalite.training.configure import configure, training_vocabulary
 
 TOLERANCE = 0.03
 TERMS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_peak_bytes", "peak_bytes")
@@ -105,13 +105,16 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     return report
 
 
-def main(cfg: RunConfig, actions: dict) -> int:
+def main(cfg: RunConfig, actions: dict, *, preset_given: bool = False) -> int:
     """The --simulate action (megalite.commands): the configuration resolved and validated for the
     layout's world (`configure`, as for a real launch, less the memory check), then `simulate`; a
-    mistake is one line and exit code 2."""
+    mistake is one line and exit code 2. `preset_given`: --model named on the command line, whose
+    vocabulary the run keeps (`training_vocabulary`)."""
     try:
         refuse_real_world()
-        cfg = configure(cfg, cfg.world_size, load_tokenizer(cfg.data.tokenizer).vocab_size)
+        tokens = None if cfg.data.mock_data else load_tokenizer(cfg.data.tokenizer).vocab_size
+        vocab, _ = training_vocabulary(cfg, tokens, preset_given=preset_given)
+        cfg = configure(cfg, cfg.world_size, vocab)
         simulate(cfg, actions["simulate_ranks"], actions["simulate_json"])
     except UsageError as exc:
         return report_usage_error(exc, 0)

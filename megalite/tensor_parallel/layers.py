@@ -15,10 +15,12 @@ import os
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megalite import comm, params
+from megalite.errors import ArgumentTypeError, positive_int
 from megalite.fp8.linear import fp8_linear
 from megalite.mesh import current_mesh
 from megalite.tensor_parallel import mappings
@@ -28,11 +30,15 @@ from megalite.weight_grad import bypasses_autograd, route_weight_grads
 InitMethod = Callable[[torch.Tensor], object]
 
 
-def resolve_tp_group(tp_group):
+def resolve_tp_group(tp_group, owner: str = "a tensor-parallel layer"):
     """The explicit group, else the current mesh's tp group, else None (no parallelism).
 
     A layer made before `init_mesh` in a process of a multi-rank launch (WORLD_SIZE > 1) would
-    silently run at tp 1: refused (pass `tp_group=` to choose explicitly)."""
+    silently run at tp 1: refused (pass `tp_group=` to choose explicitly). Anything but a process
+    group or None is an ArgumentTypeError naming `owner`."""
+    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+        raise ArgumentTypeError(f"{owner}: tp_group takes a torch.distributed ProcessGroup (e.g. init_mesh(tp=2)"
+                                f".tp_group) or None (the current mesh's), got {tp_group!r} ({type(tp_group).__name__})")
     if tp_group is not None:
         return tp_group
     mesh = current_mesh()
@@ -160,7 +166,9 @@ class ColumnParallelLinear(nn.Module):
                  bias_init_method: InitMethod | None = None, fused_blocks: tuple[int, ...] | None = None,
                  dtype: torch.dtype | None = None, device=None):
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
+        positive_int("ColumnParallelLinear", "in_features", in_features)
+        positive_int("ColumnParallelLinear", "out_features", out_features)
+        self.tp_group = resolve_tp_group(tp_group, "ColumnParallelLinear")
         tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
         blocks = tuple(fused_blocks) if fused_blocks else (out_features,)
         if sum(blocks) != out_features:
@@ -220,7 +228,9 @@ class RowParallelLinear(nn.Module):
                  tp_group=None, sequence_parallel: bool = False, *, init_method: InitMethod | None = None,
                  bias_init_method: InitMethod | None = None, dtype: torch.dtype | None = None, device=None):
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
+        positive_int("RowParallelLinear", "in_features", in_features)
+        positive_int("RowParallelLinear", "out_features", out_features)
+        self.tp_group = resolve_tp_group(tp_group, "RowParallelLinear")
         tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
         validate_blocks((in_features,), tp_size, f"RowParallelLinear(in_features={in_features})")
         self.in_features, self.out_features = in_features, out_features
@@ -269,7 +279,9 @@ class VocabParallelEmbedding(nn.Module):
                  padded_num_embeddings: int | None = None, init_method: InitMethod | None = None,
                  dtype: torch.dtype | None = None, device=None):
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
+        positive_int("VocabParallelEmbedding", "num_embeddings", num_embeddings)
+        positive_int("VocabParallelEmbedding", "embedding_dim", embedding_dim)
+        self.tp_group = resolve_tp_group(tp_group, "VocabParallelEmbedding")
         tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
         padded = padded_num_embeddings or tp_size * math.ceil(num_embeddings / tp_size)
         if padded < num_embeddings or padded % tp_size != 0:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from megalite import comm, params
+from megalite.errors import ArgumentTypeError
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear
 from megalite.sharding import ShardSpec
@@ -321,6 +322,14 @@ def parallelize(module: nn.Module, mesh, plan: dict) -> nn.Module:
     """Apply `plan` ({glob: style}) to `module` in place over `mesh.tp_group` (None: no mesh, tp 1); returns it.
 
     No collective runs here, so a refusal (ValueError, one line) on any rank cannot hang the others."""
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"parallelize: module takes an nn.Module, got {type(module).__name__}")
+    if mesh is not None and not hasattr(mesh, "tp_group"):
+        raise ArgumentTypeError(f"parallelize: mesh takes a megalite Mesh (init_mesh(tp=...)) or None (tp 1), got "
+                                f"{mesh!r} ({type(mesh).__name__})")
+    if not isinstance(plan, dict) or not all(isinstance(pattern, str) for pattern in plan):
+        raise ArgumentTypeError(f"parallelize: plan takes a dict {{glob: style}} (e.g. {{'*.q_proj': 'colwise', "
+                                f"'*.o_proj': 'rowwise'}}), got {plan!r} ({type(plan).__name__})")
     group = mesh.tp_group if mesh is not None else None
     matched = match_plan(module, plan)
     shared: dict[int, nn.Parameter] = {}

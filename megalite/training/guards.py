@@ -105,12 +105,15 @@ class NonFiniteGuard:
     """
 
     def __init__(self, mesh: Mesh, policy: str = "skip", *, loss_scaling: bool = False,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, max_skipped: int = 0):
         if policy not in ON_NONFINITE_CHOICES:
             raise ValueError(f"--on-nonfinite must be one of {ON_NONFINITE_CHOICES}, got {policy!r}")
         self.mesh, self.policy, self.loss_scaling = mesh, policy, loss_scaling
         self.log = log or _log_rank0
         self.events: list[NonFiniteEvent] = []
+        self.max_skipped = max_skipped  # --max-skipped-steps: consecutive skipped updates that stop the run (0: never)
+        self.skipped_in_a_row = 0
+        self.skipped_total = 0  # updates skipped in this run (the fp16 console line shows it, as Megatron's does)
 
     def loss_is_finite(self, local_loss_sum: float | torch.Tensor) -> bool:
         """Before the optimizer step: True on every rank iff every rank's local loss is finite.
@@ -135,6 +138,7 @@ class NonFiniteGuard:
         loss, grad_norm = float(result.loss), float(result.grad_norm)
         bad_loss = not math.isfinite(loss) or not result.loss_finite
         bad_grads = not math.isfinite(grad_norm)
+        self._count_skipped(step, result, bad_loss)  # the same on every rank: the step's global verdict
         if not bad_loss and (not bad_grads or self.loss_scaling):
             return None
         gathered = comm.all_gather_object(sample_indices, self.mesh.dp_group)  # every rank agrees we are here
@@ -146,6 +150,25 @@ class NonFiniteGuard:
         if self.policy == "stop":
             raise NonFiniteError(event.describe())
         return event
+
+
+    def _count_skipped(self, step: int, result: StepResult, bad_loss: bool) -> None:
+        """Raise NonFiniteError (every rank) once --max-skipped-steps updates in a row were skipped:
+        a run that trains nothing must not end as if it had trained."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if result.skipped else 0
+        self.skipped_total += int(result.skipped)
+        if not self.max_skipped or self.skipped_in_a_row < self.max_skipped:
+            return
+        first = step - self.skipped_in_a_row + 1
+        if bad_loss:
+            why = "the loss was not finite; look at the data and the learning rate (--lr)"
+        elif self.loss_scaling:
+            why = (f"the gradients overflowed at every fp16 loss scale down to {result.loss_scale:g}; lower "
+                   f"--initial-loss-scale (e.g. 65536) or use --bf16")
+        else:
+            why = "the gradients were not finite; lower --lr or look at the data"
+        raise NonFiniteError(f"steps {first}..{step}: {self.skipped_in_a_row} updates in a row skipped (nothing "
+                             f"trained): {why}; --max-skipped-steps {self.max_skipped} stops the run here (0: never)")
 
 
 # ---------------------------------------------------------------------------------------------

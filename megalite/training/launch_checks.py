@@ -108,11 +108,13 @@ def path_problems(cfg: RunConfig) -> list[str]:
     directory, or a path below a file ended in a traceback at its first write)."""
     lg, ft = cfg.logging, cfg.fault_tolerance
     checks = []
-    if lg.metrics_file:
-        checks += [output_file_problem("--metrics-file", lg.metrics_file),
-                   output_file_problem("--metrics-file", os.path.splitext(lg.metrics_file)[0] + ".config.toml")]
+    if lg.metrics_file:  # the configuration beside it: its own problem only when the metrics file has none
+        checks.append(output_file_problem("--metrics-file", lg.metrics_file)
+                      or output_file_problem("--metrics-file", os.path.splitext(lg.metrics_file)[0] + ".config.toml"))
     if lg.tensorboard_dir:
         checks.append(output_dir_problem("--tensorboard-dir", lg.tensorboard_dir))
+    if lg.wandb_save_dir:
+        checks.append(output_dir_problem("--wandb-save-dir", lg.wandb_save_dir))
     if lg.profile_steps:
         checks.append(output_dir_problem("--profile-dir", lg.profile_dir))
     if ft.hang_timeout and ft.hang_report_dir:

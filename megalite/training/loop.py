@@ -36,7 +36,7 @@ from torch import nn
 from megalite import comm
 from megalite.checkpoint import load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.lock import CheckpointLock
-from megalite.checkpoint.preemption import SetupInterrupted, interrupt_during_setup
+from megalite.checkpoint.preemption import SetupInterrupted, end_with_the_launcher, interrupt_during_setup
 from megalite.checkpoint.elastic import (STATE_KEY as ELASTIC_STATE_KEY, ElasticState, ResumePlan, elastic_fields,
                                          plan_resume)
 from megalite.checkpoint.finetune import checkpoint_start
@@ -62,7 +62,7 @@ from megalite.training.goodput import GoodputLedger
 from megalite.training.guards import (NONFINITE_EXIT_CODE, REPLICA_MISMATCH_EXIT_CODE, NonFiniteError,
                                       ReplicaMismatchError, check_replicas)
 from megalite.training.metrics import estimate_vs_measured, gather_step_times, progress_line, straggler_report
-from megalite.training.configure import configure
+from megalite.training.configure import configure, training_vocabulary
 from megalite.training.launch_checks import memory_per_rank
 from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
@@ -70,6 +70,7 @@ from megalite.training.dry_run import dry_run_report
 from megalite.training.provided_model import ProvidedModel, default_loss
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate
 from megalite.training.step_result import StepResult
+from megalite.training.run_limits import exit_reason, refuse_foreign_checkpoints
 from megalite.training.services import Services, on_exit, open_services
 from megalite.training.step_run import advance_lr, lr_position, step_record, timed_step
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None, provided=None) -> int:
     `provided`: a user's model in place of GPTModel (megalite.training.provided.main builds it)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
-        with interrupt_during_setup():  # no step boundary yet to stop at: a signal ends the run now
+        # no step boundary yet to stop at: a signal ends the run now; an orphaned worker stops itself
+        with interrupt_during_setup(), end_with_the_launcher():
             return _configure_and_train(argv, provided)
     except UsageError as exc:  # raised on every rank together (before any collective, or agreed)
         return report_usage_error(exc, rank)
@@ -117,7 +119,8 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     if provided is not None:  # before the GPT-shaped checks, which would name GPT's flags
         provided.check(cfg, dry_run=actions["dry_run"])
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = None if cfg.data.mock_data else tokenizer.vocab_size  # mock data: the model's own vocabulary
+    vocab, note = training_vocabulary(cfg, None if cfg.data.mock_data else tokenizer.vocab_size,
+                                      preset_given="model" in given)  # mock data: the model's own vocabulary
     cfg = configure(cfg, world_size, vocab, memory=memory_per_rank() if launching else None)
     if actions["print_config"]:
         print(to_toml(cfg, cfg.derived()), end="")
@@ -125,18 +128,22 @@ def _configure_and_train(argv: list[str] | None, provided=None) -> int:
     if actions["dry_run"]:
         print(dry_run_report(cfg))
         return 0
-    for line in notes + plan.messages() + _resumed_settings(cfg, plan):
+    _resumed_settings(cfg, plan.step, plan.metadata, plan, provided is None)  # refusals now; the notice at load
+    for line in notes + plan.messages() + ([note] if note else []):
         log(line)
     return train(cfg, tokenizer, plan, provided=provided)
 
 
-def _resumed_settings(cfg: RunConfig, plan: ResumePlan) -> list[str]:
-    """The differences from the checkpoint's run, named (ConfigError for the unaccepted ones)."""
-    if plan.metadata is None or not isinstance(plan.metadata.get("train_config"), dict):
+def _resumed_settings(cfg: RunConfig, step: int | None, metadata: dict | None, plan: ResumePlan,
+                      gpt: bool = True) -> list[str]:
+    """The differences from the run of checkpoint `step`, named (ConfigError for the unaccepted ones);
+    `gpt`: the run trains GPTModel (a user's model is not described by the model flags)."""
+    if metadata is None or not isinstance(metadata.get("train_config"), dict):
         return []
-    saved_state = ElasticState.from_metadata(plan.metadata)
-    return check_resumed_settings(cfg, plan.step, plan.metadata["train_config"], plan.state.lr_factor,
-                                  saved_state.lr_factor if saved_state else 1.0)
+    saved_state = ElasticState.from_metadata(metadata)
+    return check_resumed_settings(cfg, step, metadata["train_config"], plan.state.lr_factor,
+                                  saved_state.lr_factor if saved_state else 1.0,
+                                  saved_model=metadata.get("model_config") if gpt else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,14 +207,19 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)
-    log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
-        + (f", {len(valid_set)} validation" if valid_set is not None else "")
-        + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
+    if cfg.data.mock_data:  # an unbounded stream (2^40 indices): what the run reads, not the index space
+        log(f"data: --mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size}, samples of "
+            f"{model_cfg.seq_length} tokens ({t.train_iters * cfg.global_batch_size} read by --train-iters "
+            f"{t.train_iters})")
+    else:
+        log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
+            + (f", {len(valid_set)} validation" if valid_set is not None else ""))
     chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
-    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style)  # (warm-up, decay) steps
+    lr_at = LRSchedule(o.lr, o.min_lr, *cfg.lr_schedule_iters, o.lr_decay_style,  # (warm-up, decay) steps
+                       wsd_decay_iters=o.lr_wsd_decay_iters or 0, wsd_style=o.lr_wsd_decay_style)
     job = Job(cfg=cfg, model_cfg=model_cfg, mesh=mesh, train_set=train_set, valid_set=valid_set, sampler=sampler,
               chunks=chunks, model=model, optimizer=optimizer, lr_at=lr_at, scheduler=ScheduledLR(optimizer, lr_at),
               services=open_services(cfg, model_cfg, mesh, resources, log=log), provided=provided)
@@ -230,6 +242,7 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
     if model_provider is not None:
         provided = ProvidedModel(model_provider, loss_fn or default_loss)
         provided.check(cfg)
+    refuse_foreign_checkpoints(cfg, resume_plan)  # every rank, before any process group
     with contextlib.ExitStack() as resources:
         with interrupt_during_setup():  # until the first step a signal ends the run at once
             job = build_job(cfg, tokenizer or load_tokenizer(cfg.data.tokenizer), resources, provided)
@@ -265,6 +278,9 @@ def resume(job: Job) -> int:
         start_step = resumed.step
         job.sampler.load_state_dict({"consumed_samples": resumed.consumed_samples})
         _record_resize(job, resumed)
+        # the notice names the step that loaded (an older one when the newest was damaged)
+        for line in _resumed_settings(job.cfg, resumed.step, resumed.metadata, job.resume_plan, job.provided is None):
+            log(line)
     job.last_saved = start_step
     job.goodput.resumed_at(start_step)  # the previous run's steps after it are replayed
     job.scheduler.jump_to(lr_position(job.cfg, job.sampler, start_step))  # the lr of step start_step + 1
@@ -290,7 +306,7 @@ def _record_resize(job: Job, resumed) -> None:
 
 def train_steps(job: Job, start_step: int) -> bool:
     """Steps start_step+1 .. train_iters; True when a signal stopped the run early (after saving)."""
-    cfg = job.cfg
+    cfg, started = job.cfg, time.monotonic()  # --exit-duration-in-mins counts from here
     for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
         maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
         result, cp_comm_bytes, step_time = timed_step(step, indices, train_set=job.train_set, model=job.model,
@@ -319,9 +335,11 @@ def train_steps(job: Job, start_step: int) -> bool:
             save(job, step)
         if job.services.watchdog:
             job.services.watchdog.progress(step)  # a finished step (evaluation and checkpoint included)
-        if job.services.preemption.should_stop(step):
+        preemption = job.services.preemption
+        reason = preemption.agreed_signal if preemption.should_stop(step) else exit_reason(cfg, step, started, job.mesh)
+        if reason:
             save(job, step)
-            log(f"megalite: {job.services.preemption.agreed_signal}: stopped after step {step}"
+            log(f"megalite: {reason}: stopped after step {step}"
                 + (f", saved; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " (no --save)"))
             return True
     return False

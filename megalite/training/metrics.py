@@ -302,6 +302,8 @@ def progress_line(record: dict[str, Any]) -> str:
         parts.append(f"lr {record['lr']:.2e}")
     if record.get("grad_norm") is not None:
         parts.append(f"gnorm {record['grad_norm']:.3f}")
+    if "loss_scale" in record:  # fp16: the dynamic scale and the updates skipped so far (as Megatron's line)
+        parts.append(f"loss scale {record['loss_scale']:g} | skipped {record.get('skipped_steps', 0)}")
     if "global_batch_size" in record:  # under --rampup-batch-size: the step's batch
         parts.append(f"batch {record['global_batch_size']}")
     parts.append(f"{_si(record['tokens_per_sec'])} tok/s ({_si(record['tokens_per_sec_per_rank'])}/rank)")

@@ -11,7 +11,9 @@ group exists (one line, exit 2), so a run never silently writes nothing.
 """
 from __future__ import annotations
 
+import netrc
 import os
+import urllib.parse
 from typing import Any, Protocol
 
 from megalite.extras import MissingExtraError, require
@@ -70,7 +72,24 @@ def sink_problems(logging_settings) -> list[str]:
                 require(module, flag)
             except MissingExtraError as exc:
                 problems.append(str(exc))
+    if logging_settings.wandb_project and not problems and not wandb_can_log():
+        problems.append(f"--wandb-project {logging_settings.wandb_project}: no W&B API key here (WANDB_API_KEY, or "
+                        f"`wandb login`); log in, or set WANDB_MODE=offline to log locally and `wandb sync` later")
     return problems
+
+
+def wandb_can_log() -> bool:
+    """Whether wandb.init would find what it needs: an offline or disabled mode, an API key in the
+    environment, or a login (`wandb login` writes the key into ~/.netrc for the W&B host)."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def open_sinks(logging_settings, run_config: dict[str, Any] | None = None) -> list[MetricsSink]:

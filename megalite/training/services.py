@@ -66,7 +66,8 @@ def open_services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: c
         Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
     profiler = StepProfiler(lg.profile_steps, lg.profile_dir, mesh.rank, mesh.device, log=log)
     on_exit(resources, lambda clean: profiler.close())  # stopped inside the profiled window: nothing written
-    guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == Precision.FP16, log=log)
+    guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == Precision.FP16, log=log,
+                           max_skipped=ft.max_skipped_steps)
     watchdog = HangWatchdog(ft.hang_timeout, ft.hang_report_dir, mesh=mesh).start() if ft.hang_timeout else None
     if watchdog is not None:
         on_exit(resources, lambda clean: watchdog.stop())

@@ -82,7 +82,7 @@ def step_record(step: int, step_time: float, result: StepResult, cp_comm_bytes: 
                                  exposed_token_count_s=result.exposed_token_count_s,
                                  **services.timer.summary(step_time), **memory_stats(mesh.device), **optimizer_memory)
     if cfg.precision.precision == Precision.FP16:
-        record["loss_scale"] = result.loss_scale
+        record.update(loss_scale=result.loss_scale, skipped_steps=services.guard.skipped_total)
     record["cp"] = cfg.parallel.cp
     if cfg.training.rampup_batch_size is not None:
         record["global_batch_size"] = batch

@@ -57,7 +57,9 @@ def _run(argv):
 def test_print_config_and_dry_run_use_the_presets_vocabulary():
     code, out, _ = _run(["--model", "llama3-1b", "--mock-data", "--print-config"])
     assert code == 0 and "#   vocab_size = 128256" in out and "#   params = 1235814400" in out
-    code, out, _ = _run(["--model", "llama3-1b", "--print-config"])  # a corpus: its tokenizer's vocabulary
+    code, out, _ = _run(["--model", "llama3-1b", "--print-config"])  # a corpus: the named preset's vocabulary
+    assert code == 0 and "#   vocab_size = 128256" in out  # (issue 49: the byte tokenizer's 257 ids pad up to it)
+    code, out, _ = _run(["--print-config"])  # the default preset: the tokenizer's, as before
     assert code == 0 and "#   vocab_size = 257" in out
     code, out, _ = _run(["--model", "llama3-1b", "--mock-data", "--bf16", "--micro-batch-size", "4", "--dry-run"])
     assert code == 0 and "parameters            2.472 GB" in out  # 1.236e9 bf16 parameters, the head tied

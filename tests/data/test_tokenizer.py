@@ -41,3 +41,18 @@ def test_tokenizer_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # simulate the package being absent
     with pytest.raises(ImportError, match="pip install tokenizers"):
         load_tokenizer(str(tmp_path / "t.json"))
+
+
+def test_a_tokenizer_directory_is_read_like_its_tokenizer_json(tmp_path):
+    """Megatron's HuggingFaceTokenizer takes a saved tokenizer directory (issue 49, item 11); a directory
+    that exists was 'does not exist'."""
+    from megalite.data.tokenizer import HFTokenizer
+
+    (tmp_path / "tok").mkdir()
+    tiny_tokenizer_json(tmp_path / "tok" / "tokenizer.json", with_eos=True)
+    from_dir, from_file = HFTokenizer(str(tmp_path / "tok")), HFTokenizer(str(tmp_path / "tok" / "tokenizer.json"))
+    assert from_dir.vocab_size == from_file.vocab_size and from_dir.eod == from_file.eod
+    assert from_dir.encode("hello world") == from_file.encode("hello world")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer.json"):
+        HFTokenizer(str(tmp_path / "empty"))

@@ -123,7 +123,8 @@ def test_save_directory_without_room_for_one_checkpoint_fails_early(tmp_path, mo
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 ** 6))  # 1 MB free
     cfg, _ = parse_args(["--save", str(tmp_path / "ckpt")])
-    with pytest.raises(ConfigError, match=r"--save .*ckpt: 0\.00 GB free, but this node's ranks write 0\.0\d GB"):
+    with pytest.raises(ConfigError, match=r"--save .*ckpt: 1\.00 MB \(1000000 bytes\) free, but this node's ranks "
+                                          r"write \d+\.\d\d MB \(\d+ bytes\)"):
         configure(cfg, 1, 256)
     assert list((tmp_path / "ckpt").iterdir()) == []  # the write probe left nothing behind
     monkeypatch.setattr(shutil, "disk_usage", real)
