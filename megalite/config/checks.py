@@ -31,7 +31,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
-    problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
+    problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + document_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
         problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "
@@ -147,6 +147,25 @@ def _expert_parallel_problems(cfg: RunConfig) -> list[str]:
                         f"--seq-length {model.seq_length} must be divisible by tp*cp = {p.tp * p.cp}; change "
                         f"--seq-length or use --etp {p.tp}")
     return problems
+
+
+def document_problems(cfg: RunConfig) -> list[str]:
+    """--reset-position-ids / --reset-attention-mask: the documents travel as restarting position ids, so
+    the two go together; the layouts that do not carry them yet are refused."""
+    data, p = cfg.data, cfg.parallel
+    if data.eod_mask_loss and data.mock_data:
+        return ["--eod-mask-loss needs documents: --mock-data has no end-of-document token; drop one of them"]
+    if data.reset_position_ids != data.reset_attention_mask:
+        return ["pass --reset-position-ids and --reset-attention-mask together: megalite reads each sample's "
+                "documents from its restarting position ids"]
+    if not data.reset_attention_mask:
+        return []
+    unsupported = [name for name, on in (("--cp > 1", p.cp > 1), ("--pp > 1", p.pp > 1),
+                                         ("--cuda-graph", cfg.training.cuda_graph),
+                                         ("--mock-data (no end-of-document token)", data.mock_data)) if on]
+    if unsupported:
+        return [f"--reset-attention-mask does not run with {', '.join(unsupported)} yet; drop one or the other"]
+    return []
 
 
 def cp_dp(cfg: RunConfig) -> str:

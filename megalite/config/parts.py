@@ -244,6 +244,12 @@ class DataSettings:
     mock_data: bool = setting(False, "synthetic token ids over the model's vocabulary (deterministic per seed and "
                                      "sample), no corpus: for speed and memory runs of a real-vocabulary model")
     split: str = setting("969,30,1", "train,valid,test weights of the documents")
+    # Megatron's document flags (data/documents.py, docs/documents.md): from the end-of-document token
+    reset_position_ids: bool = setting(False, "positions restart at 0 after each end-of-document token (with "
+                                              "--reset-attention-mask)")
+    reset_attention_mask: bool = setting(False, "no token attends to another document of its sample (with "
+                                                "--reset-position-ids: the documents are read from the positions)")
+    eod_mask_loss: bool = setting(False, "no loss on the end-of-document tokens' targets")
 
 
 @dataclass(frozen=True)

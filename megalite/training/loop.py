@@ -43,6 +43,7 @@ from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig
 from megalite.config.rampup import BatchRampup
+from megalite.data.documents import DocumentFields
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
 from megalite.errors import UsageError, report_usage_error
@@ -193,9 +194,10 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
         train_set, valid_set, _ = build_mock_datasets(model_cfg.vocab_size, model_cfg.seq_length, t.seed,
                                                       cfg.data.split)
     else:  # data may sit on node-local disks: every rank learns if any rank cannot read it
+        documents = DocumentFields(cfg.data.reset_position_ids, cfg.data.eod_mask_loss)  # data/documents.py
         train_set, valid_set, _ = comm.agreed(lambda: build_gpt_datasets(
             list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data.split, model_cfg.seq_length, t.seed,
-            tokenizer), comm.world_group())
+            tokenizer, documents=documents), comm.world_group())
     ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)

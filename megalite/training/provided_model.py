@@ -96,8 +96,10 @@ class ProvidedChunk(nn.Module):
         self.module, self.loss_fn, self.config = module, loss_fn, config
         self.rng = TensorParallelRNG(seed)  # checkpoints store each chunk's streams; nothing here draws from them
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
-        output = self.module(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean",
+                position_ids: torch.Tensor | None = None):
+        # packed documents: the module gets the restarting position_ids (transformers' padding-free packing)
+        output = self.module(input_ids) if position_ids is None else self.module(input_ids, position_ids=position_ids)
         if labels is None:
             return output
         loss_sum = self.loss_fn(output, labels)

@@ -21,6 +21,7 @@ import torch
 from megalite import comm
 from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
+from megalite.data.documents import check_position_ids
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.model.fp8_convert import convert_to_fp8
@@ -103,6 +104,18 @@ def context_parallel_chunks(microbatches: list[dict[str, torch.Tensor]], mesh: M
         return microbatches
     return [{key: split_sequence(value, mesh.cp_rank, mesh.cp_size, dim=1) if key in ("input_ids", "labels")
              else value for key, value in mb.items()} for mb in microbatches]
+
+
+def document_inputs(microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword for packed documents: {"position_ids": [b, s]} when the microbatch has them."""
+    return {"position_ids": microbatch["position_ids"]} if "position_ids" in microbatch else {}
+
+
+def check_documents(microbatches: list[dict[str, torch.Tensor]]) -> None:
+    """Restarting position ids, checked on the loader's host tensors before any collective (DataError)."""
+    for microbatch in microbatches:
+        if "position_ids" in microbatch:
+            check_position_ids(microbatch["position_ids"])
 
 
 def _check_same_cp(mesh: Mesh, cfg: RunConfig) -> None:
@@ -212,6 +225,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     Returns the step's StepResult (training/step_result.py).
     """
     _check_same_cp(mesh, cfg)
+    check_documents(microbatches)
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
     microbatches = context_parallel_chunks(microbatches, mesh)
     if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
@@ -255,7 +269,7 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
     for i, mb in enumerate(microbatches):
         model.set_last_microbatch(i == len(microbatches) - 1)
         with phase("forward"):
-            loss = model(mb["input_ids"], mb["labels"], reduction="sum")
+            loss = model(mb["input_ids"], mb["labels"], reduction="sum", **document_inputs(mb))
         if i == 0:
             loss_scale = loss_scale()  # the token count's all-reduce, overlapped with this forward
         with phase("backward"):
@@ -287,7 +301,8 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
     for chunk in chunks:
         chunk.eval()
     if mesh.pp_size == 1:
-        loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum")) for mb in microbatches)
+        loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum", **document_inputs(mb)))
+                       for mb in microbatches)
     else:
         spec = pipeline_spec(chunks[0].config, cfg, len(microbatches), seq_length)
         loss_sum = run_pipeline(spec, chunks, microbatches, mesh, forward_only=True)

@@ -54,8 +54,14 @@ def test_the_per_document_reference_equals_a_dense_mask(window):
                                atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("window", [None, 7])
+SLOW = pytest.mark.slow  # the interpreter takes 3-8 s a case: one case stays in the quick tier
+
+
+CASES = [(torch.float32, 7)] + [pytest.param(dtype, window, marks=SLOW) for dtype, window in
+                                ((torch.float32, None), *((d, w) for d in FLOAT_DTYPES[1:] for w in (None, 7)))]
+
+
+@pytest.mark.parametrize("dtype, window", CASES)
 def test_varlen_kernels_match_the_reference(dtype, window):
     q, k, v = qkv(2, 4, 2, 37, 32, dtype)
     mask = DocumentMask.from_position_ids(positions(*DOCUMENTS), window)
@@ -64,6 +70,7 @@ def test_varlen_kernels_match_the_reference(dtype, window):
                            tolerance(dtype, fp32=2e-5, **HALF_TOL), ref_dtype=torch.float32)
 
 
+@SLOW
 def test_dropout_within_documents_and_a_forced_fused_backward(monkeypatch):
     """Dropout draws the Philox mask of the whole [s, s] scores and keeps it where the documents are;
     a forced fused backward runs split with documents (fused spilled at d=128)."""
@@ -86,6 +93,7 @@ def test_dropout_within_documents_and_a_forced_fused_backward(monkeypatch):
                            tolerance(torch.float16, **HALF_TOL), ref_dtype=torch.float32)
 
 
+@SLOW
 def test_sliding_window_without_documents_and_a_document_longer_than_a_block():
     q, k, v = qkv(1, 2, 1, 45, 16, torch.float32)
     window = DocumentMask.sliding_window(1, 45, 19, device=DEVICE)

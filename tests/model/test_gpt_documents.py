@@ -73,7 +73,8 @@ def _packed(name, tp, sequence_parallel, expected):
     return checked
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny"])  # RoPE, and the learned position table
+# RoPE, and the learned position table (slow tier: the same code but the embedding)
+@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("tiny", marks=pytest.mark.slow)])
 def test_packed_documents_equal_documents_run_one_by_one(name):
     expected = _one_by_one(name)
     assert _packed(name, 1, False, expected) == len(expected[2])
