@@ -85,6 +85,9 @@ class GPTModel(nn.Module):
         on_meta = device is not None and torch.device(device).type == "meta"
         self._real_device = (mesh.device if mesh is not None else None) if on_meta else device
         config.check_tensor_parallel(tp_size)
+        if config.window_size is not None and self.cp_size > 1:
+            raise ValueError("a sliding window (window_size) under context parallelism is not supported yet; "
+                             "run it at cp=1")
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
         if sequence_parallel and config.seq_length % tp_size != 0:
@@ -274,8 +277,7 @@ class GPTModel(nn.Module):
             s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
             self._check_position_ids(position_ids, x.shape[1], s)
         rope = self._rope(s, position_ids)
-        # the documents' mask: once per microbatch, for every block
-        documents = DocumentMask.from_position_ids(position_ids) if position_ids is not None else None
+        documents = self._document_mask(position_ids, x.shape[1], s, x.device)  # once per microbatch
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
         for index, block in enumerate(self.layers):
             if self.recompute == "full" and self.training and index < recomputed:
@@ -304,6 +306,15 @@ class GPTModel(nn.Module):
         if reduction == "none":
             return losses.transpose(0, 1)
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+
+    def _document_mask(self, position_ids: torch.Tensor | None, batch: int, s: int, device) -> DocumentMask | None:
+        """The attention mask every block shares: packed documents and/or the sliding window; None
+        for plain causal attention (a window as long as the sequence is no window)."""
+        window = self.config.window_size
+        window = window if window is not None and window < s else None
+        if position_ids is not None:
+            return DocumentMask.from_position_ids(position_ids, window)
+        return DocumentMask.sliding_window(batch, s, window, device) if window is not None else None
 
     def _check_position_ids(self, position_ids: torch.Tensor | None, batch: int, s: int) -> None:
         """Shapes only (a value check would read the device): the data side checks the restarts."""

@@ -37,12 +37,14 @@ class ProvidedModelConfig:
     tie_embeddings: bool = False  # the checkpoint's rule for GPT's tied copy: a provided model has none
     hidden_size: int = 0  # unknown: no attention term in the FLOP counts
     moe: None = None  # no megalite experts (MoE flags are refused)
+    window_size: None = None  # no megalite attention (no attention FLOPs counted)
     vocab_size: int = 0  # the flags' (--mock-data draws ids below it); the module's own may be larger
 
     def num_params(self, include_embedding: bool = True) -> int:
         return self.total_params
 
-    def flops_per_token(self, seq_length: int | None = None) -> float:
+    def flops_per_token(self, seq_length: int | None = None, mean_document_length: float | None = None, *,
+                        span: float | None = None) -> float:
         return 6.0 * self.total_params
 
     def describe(self) -> str:

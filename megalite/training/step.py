@@ -33,6 +33,7 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
+from megalite.training.metrics import measured_attention_span
 from megalite.training.step_result import StepResult
 from megalite.host_reads import no_host_reads
 from megalite.config import RunConfig
@@ -226,6 +227,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     """
     _check_same_cp(mesh, cfg)
     check_documents(microbatches)
+    span = measured_attention_span(microbatches, model.chunks[0].config.window_size)  # the MFU's attention work
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
     microbatches = context_parallel_chunks(microbatches, mesh)
     if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
@@ -257,7 +259,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
                       exposed_token_count_s=tokens.wait_seconds, moe=moe_stats,
                       pipeline=pipeline,  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
-                      **compression)
+                      attention_span=span, **compression)
 
 def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phase) -> torch.Tensor:
     """pp == 1: forward and backward of each microbatch; the dp reductions start, bucket by bucket,

@@ -61,7 +61,9 @@ def step_record(job: Job, step: int, step_time: float, result: StepResult, cp_co
     batch = job.sampler.last_batch_size  # this step's global batch (it grows under --rampup-batch-size)
     ramp = BatchRampup.of(cfg)
     remaining = ramp.samples_in(cfg.training.train_iters - step, job.sampler.consumed_samples) if ramp else None
-    record = job.meter.step(step, step_time, samples=batch, remaining_samples=remaining, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+    record = job.meter.step(step, step_time, samples=batch, remaining_samples=remaining,
+                            attention_span=result.attention_span, loss=result.loss, lr=result.lr,
+                            grad_norm=result.grad_norm,
                             skipped=result.skipped, exposed_dp_comm_s=result.exposed_dp_comm_s,
                             exposed_grad_reduce_s=result.exposed_grad_reduce_s,
                             exposed_param_gather_s=result.exposed_param_gather_s,
