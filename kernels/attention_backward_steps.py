@@ -107,8 +107,8 @@ def dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 - lse[:, None])  # [M, N]
         if CAUSAL_MASK:
             p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
-        if KEY_MASK:
-            row_key_start = tl.load(key_start_base + offs_m, mask=offs_m < seq_len, other=0)
+        if KEY_MASK:  # rows past the end read the last row's (never stored): no predicate held (sm_80 spilled)
+            row_key_start = tl.load(key_start_base + tl.minimum(offs_m, seq_len - 1))
             p = tl.where(cols[None, :] >= row_key_start[:, None], p, 0.0)
         if not EVEN_N:
             p = tl.where(cols[None, :] < kv_len, p, 0.0)
@@ -205,15 +205,11 @@ def dq_program(Q, K, V, DO, LSE, DELTA, DQ, KEY_START, q_stride_b, q_stride_h, q
     diag_start = (start_m // BLOCK_N) * BLOCK_N if CAUSAL else kv_len
     begin = 0
     key_start_base = KEY_START + batch * seq_len
-    if VARLEN:
-        begin, inner = document_key_range(KEY_START, batch, seq_len, start_m, diag_start, BLOCK_M, BLOCK_N)
-        dq = dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, begin, inner,
-                      kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, dropout_scale, key_start_base,
-                      seq_len, BLOCK_N, False, EVEN_N, DOT_PRECISION, DROPOUT, True)
-        begin = inner
+    if VARLEN:  # from the rows' first document on, every step masks: a third loop spilled 8 bytes (sm_80, fp32 d=64)
+        begin, _ = document_key_range(KEY_START, batch, seq_len, start_m, diag_start, BLOCK_M, BLOCK_N)
     dq = dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, begin, diag_start,
                   kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, dropout_scale, key_start_base, seq_len,
-                  BLOCK_N, False, EVEN_N, DOT_PRECISION, DROPOUT, False)
+                  BLOCK_N, False, EVEN_N, DOT_PRECISION, DROPOUT, VARLEN)
     if CAUSAL:
         dq = dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, diag_start,
                       tl.minimum(start_m + BLOCK_M, seq_len), kv_len, scale_log2, dropout_seed, row_lo, row_hi,
