@@ -88,13 +88,11 @@ def dkdv_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, q_stride_s, 
 
 @triton.jit
 def dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, start, end, kv_len,
-             scale_log2, dropout_seed, row_lo, row_hi, threshold, dropout_scale, key_start_base, seq_len,
+             scale_log2, dropout_seed, row_lo, row_hi, threshold, dropout_scale, row_key_start,
              BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
              DROPOUT: tl.constexpr, KEY_MASK: tl.constexpr):
     """dq [BLOCK_M, D] fp32 += the key blocks [start, end) of one query block; KEY_MASK: keys before
-    each row's first key (documents; key_start_base: this sample's row of key_start) are masked. The
-    rows' first keys are loaded in each masked step, not held across the loops (held, they spilled:
-    compile_check, d=64 float32)."""
+    each row's first key, row_key_start [BLOCK_M] (documents), are masked."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = k_base + cols[:, None] * k_stride_s + offs_d[None, :]
@@ -107,8 +105,7 @@ def dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 - lse[:, None])  # [M, N]
         if CAUSAL_MASK:
             p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
-        if KEY_MASK:  # rows past the end read the last row's (never stored): no predicate held (sm_80 spilled)
-            row_key_start = tl.load(key_start_base + tl.minimum(offs_m, seq_len - 1))
+        if KEY_MASK:
             p = tl.where(cols[None, :] >= row_key_start[:, None], p, 0.0)
         if not EVEN_N:
             p = tl.where(cols[None, :] < kv_len, p, 0.0)
@@ -204,17 +201,19 @@ def dq_program(Q, K, V, DO, LSE, DELTA, DQ, KEY_START, q_stride_b, q_stride_h, q
     # [diag_start, end of the block's rows) cross the diagonal (masked).
     diag_start = (start_m // BLOCK_N) * BLOCK_N if CAUSAL else kv_len
     begin = 0
-    key_start_base = KEY_START + batch * seq_len
-    if VARLEN:  # from the rows' first document on, every step masks: a third loop spilled 8 bytes (sm_80, fp32 d=64)
+    row_key_start = offs_m  # unused without documents
+    # Documents: each row's first key [BLOCK_M] (rows past the end take the last row's, never stored); from
+    # the rows' first document on every step masks (a third, unmasked loop spilled: compile_check, fp32)
+    if VARLEN:
+        row_key_start = tl.load(KEY_START + batch * seq_len + tl.minimum(offs_m, seq_len - 1))
         begin, _ = document_key_range(KEY_START, batch, seq_len, start_m, diag_start, BLOCK_M, BLOCK_N)
     dq = dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, begin, diag_start,
-                  kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, dropout_scale, key_start_base, seq_len,
+                  kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, dropout_scale, row_key_start,
                   BLOCK_N, False, EVEN_N, DOT_PRECISION, DROPOUT, VARLEN)
     if CAUSAL:
         dq = dq_steps(dq, q, do, lse, delta, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, diag_start,
                       tl.minimum(start_m + BLOCK_M, seq_len), kv_len, scale_log2, dropout_seed, row_lo, row_hi,
-                      threshold, dropout_scale, key_start_base, seq_len, BLOCK_N, True, EVEN_N, DOT_PRECISION, DROPOUT,
-                      VARLEN)
+                      threshold, dropout_scale, row_key_start, BLOCK_N, True, EVEN_N, DOT_PRECISION, DROPOUT, VARLEN)
     out_ptrs = DQ + (batch_head * seq_len + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     if EVEN_M:
         tl.store(out_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty))

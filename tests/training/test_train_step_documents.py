@@ -1,5 +1,5 @@
 """Training steps on packed documents (microbatches with restarting position_ids, as
---reset-position-ids --reset-attention-mask make them) at (dp 2) and (tp 2, SP) equal the single
+--reset-position-ids --reset-attention-mask make them) at (dp 2), (tp 2, SP) and (pp 2) equal the single
 process: every step's loss and every parameter after the last step (float32, 1e-5 relative). The
 flags' refusals are one line each."""
 import pytest
@@ -46,11 +46,13 @@ def _run(m, cfg, documents=True):
 
 
 def _parallel(tp, dp, extra, ref_losses, ref_params):
-    m = mesh.init_mesh(tp=tp, dp=dp)
-    losses, chunks = _run(m, _cfg(tp, dp, **extra))
+    pp = extra.pop("pp", 1)
+    m = mesh.init_mesh(tp=tp, dp=dp, pp=pp)
+    losses, chunks = _run(m, _cfg(tp, dp, pp=pp, **extra))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
-    for name, p in chunks[0].logical_parameters():
-        assert_tensor_close(p, P.shard_spec(p).shard(ref_params[name]), rtol=1e-5, what=name)
+    for chunk in chunks:
+        for name, p in chunk.logical_parameters():
+            assert_tensor_close(p, P.shard_spec(p).shard(ref_params[name]), rtol=1e-5, what=name)
     return len(losses)
 
 
@@ -59,8 +61,9 @@ def test_packed_training_matches_single_process():
     losses, chunks = _run(single_process_mesh("cpu"), _cfg(1, 1))
     params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
     assert _run(single_process_mesh("cpu"), _cfg(1, 1), documents=False)[0][0] != pytest.approx(losses[0], rel=1e-4)
-    for tp, dp, extra in ((1, 2, {"zero": 1}), (2, 1, {"sequence_parallel": True})):
-        assert run_distributed(_parallel, tp * dp, tp, dp, extra, losses, params) == [STEPS] * (tp * dp)
+    for tp, dp, extra in ((1, 2, {"zero": 1}), (2, 1, {"sequence_parallel": True}), (1, 1, {"pp": 2})):
+        world = tp * dp * extra.get("pp", 1)
+        assert run_distributed(_parallel, world, tp, dp, extra, losses, params) == [STEPS] * world
 
 
 @pytest.mark.parametrize("flags, message", [
