@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megalite.kernels import attention
 from megalite.kernels.attention_documents import DocumentMask
@@ -87,7 +88,6 @@ def _candidates(q, k, v, mask: DocumentMask, lengths: list[int], backward: bool)
     found = {"megalite": run(lambda: attention(q, k, v, documents=mask)),
              "per-document SDPA": run(per_document),
              "dense mask SDPA": run(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense))}
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     block = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (ki >= key_start[qi]), None, None, q.shape[2],
                               q.shape[2], device=q.device.type)
     flex = torch.compile(flex_attention) if q.is_cuda else flex_attention
