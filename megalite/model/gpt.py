@@ -279,11 +279,12 @@ class GPTModel(nn.Module):
         rope = self._rope(s, position_ids)
         documents = self._document_mask(position_ids, x.shape[1], s, x.device)  # once per microbatch
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
+        masked = (documents,) if documents is not None else ()  # a block is called as before without a mask
         for index, block in enumerate(self.layers):
             if self.recompute == "full" and self.training and index < recomputed:
-                x = checkpoint_with_rng(block, self.rng, x, rope, self.rng, documents)
+                x = checkpoint_with_rng(block, self.rng, x, rope, self.rng, *masked)
             else:
-                x = block(x, rope, self.rng, documents)
+                x = block(x, rope, self.rng, *masked)
         if not self.post_process:
             return x
         if labels is not None and self.fused_linear_cross_entropy:
