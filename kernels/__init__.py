@@ -18,8 +18,9 @@ Differentiable ops (forward and backward kernels):
     cross_entropy(logits, targets, ignore_index=-100)     -> per-token float32 losses
     vocab_parallel_cross_entropy(logits_shard, targets, vocab_start_index, tp_group,
                                  ignore_index=-100, vocab_size=None) -> per-token float32 losses
-    attention(q, k, v, causal=True, softmax_scale=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0)
-                                                          -> q [b, h, s, d], k, v [b, h_kv, s, d]
+    attention(q, k, v, causal=True, softmax_scale=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+              documents=None)                             -> q [b, h, s, d], k, v [b, h_kv, s, d]
+        documents: a DocumentMask (packed documents, sliding window; attention_documents.py)
     bias_dropout_add(x, bias=None, residual=None, p=0.0, seed=0, offset=0) -> residual + dropout(x + bias)
     grouped_mm(x, weight, group_sizes)                    -> y [T, N]: x's rows of group g @ weight[g] [K, N]
     grouped_mm_grads(x, weight, group_sizes, dy)          -> (dx, dweight): its backward, for an own autograd node
@@ -35,6 +36,7 @@ In-place optimizer step:
 """
 from .adamw import adamw_step, adamw_step_reference
 from .attention_block import attention_backward_with_lse, attention_forward_with_lse
+from .attention_documents import DocumentMask
 from .bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from .cross_entropy import cross_entropy, cross_entropy_reference, vocab_parallel_cross_entropy
 from .dispatch import BACKENDS, HAVE_TRITON, backend_name
@@ -48,7 +50,7 @@ from .rope import rope, rope_reference
 from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
-    "BACKENDS", "HAVE_TRITON", "SUPPORTED_HEAD_DIMS", "adamw_step", "adamw_step_reference", "attention",
+    "BACKENDS", "DocumentMask", "HAVE_TRITON", "SUPPORTED_HEAD_DIMS", "adamw_step", "adamw_step_reference", "attention",
     "attention_backward_with_lse", "attention_forward_with_lse", "attention_reference", "backend_name",
     "bias_dropout_add", "bias_dropout_add_reference", "bias_gelu", "bias_gelu_reference", "cross_entropy",
     "cross_entropy_reference", "gelu", "gelu_reference", "grouped_mm", "grouped_mm_grads", "grouped_mm_reference", "layer_norm",

@@ -22,7 +22,7 @@ from .dispatch import next_power_of_2
 FP32_POINTERS = {"AMAX", "SCALE", "X_SCALE", "W_SCALE", "DY_SCALE", "RSTD", "MEAN", "DW_PARTIAL", "PARTIALS", "STATS", "LSE", "DLOSS", "DELTA", "PARAM", "EXP_AVG",
                  "EXP_AVG_SQ", "ROUTING_WEIGHTS", "DROUTING_WEIGHTS"}
 INTEGER_POINTERS = {"TARGETS": "*i64", "SORTED_INDEX": "*i64", "ROW_OF_SLOT": "*i64", "ROW_OFFSETS": "*i32",
-                    "TILE_OFFSETS": "*i32"}
+                    "TILE_OFFSETS": "*i32", "KEY_START": "*i32", "QUERY_END": "*i32"}
 FLOAT_SCALARS = {"eps", "scale_log2", "softmax_scale", "decay_factor", "one_minus_beta1", "beta2", "step_size",
                  "bias_correction2_sqrt", "dropout_scale"}
 TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -40,6 +40,7 @@ TYPICAL_INTS = {
     # rope reads q or k straight out of the fused qkv projection, [s, b, h, d] strided views
     "x_stride_s": 2 * (HEADS + 2 * KV_HEADS) * HEAD_DIM, "x_stride_b": (HEADS + 2 * KV_HEADS) * HEAD_DIM,
     "x_stride_h": HEAD_DIM, "x_stride_d": 1, "cos_stride_s": HEAD_DIM, "sin_stride_s": HEAD_DIM,
+    "cos_stride_b": 0, "sin_stride_b": 0,
     # attention takes [b, h, s, d] views of [s, b, h, d] activations
     "q_stride_b": HEADS * HEAD_DIM, "q_stride_h": HEAD_DIM, "q_stride_s": 2 * HEADS * HEAD_DIM,
     "k_stride_b": KV_HEADS * HEAD_DIM, "k_stride_h": HEAD_DIM, "k_stride_s": 2 * KV_HEADS * HEAD_DIM,
@@ -233,22 +234,26 @@ def attention_variants(dtype: torch.dtype, arch: int = 90, head_dims=None, tiles
     for head_dim in head_dims or flash_attention.SUPPORTED_HEAD_DIMS:
         strides = {f"{t}_stride_{a}": v * head_dim // HEAD_DIM for t in ("q", "k", "v", "o", "do") for a in "bhs"
                    for v in [TYPICAL_INTS[f"{t}_stride_{a}"]]}
-        for causal, dropout in ((True, False), (False, False), (True, True)):
+        # varlen: packed documents / a sliding window (kernels/attention_documents.py), causal
+        for causal, dropout, varlen in ((True, False, False), (False, False, False), (True, True, False),
+                                        (True, False, True)):
             chosen = tiles or attention_tiles.lookup(f"sm_{arch}", head_dim, dtype, causal, dropout)[0]
-            common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=precision, DROPOUT=dropout)
+            common = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=precision, DROPOUT=dropout, VARLEN=varlen)
+            kind = f"causal={causal}{' dropout' if dropout else ''}{' varlen' if varlen else ''}"
             for stage, kernel in (("fwd", flash_attention._attention_forward_kernel),
                                   ("dkdv", backward._attention_dkdv_kernel), ("dq", backward._attention_dq_kernel)):
                 block_m, block_n, warps, stages = chosen[stage]
                 # causal: training lengths, whole blocks; non-causal: a ring block of any length
                 even = {} if stage == "fwd" else dict(EVEN_M=causal, EVEN_N=causal)
-                yield Variant(f"attention {stage} d={head_dim} causal={causal}{' dropout' if dropout else ''}"
-                              f"{label_suffix}", kernel, dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
+                yield Variant(f"attention {stage} d={head_dim} {kind}{label_suffix}", kernel,
+                              dict(common, BLOCK_M=block_m, BLOCK_N=block_n, **even),
                               {"num_warps": warps, "num_stages": stages}, strides, memory_bound=False)
-            if dtype != torch.float32:  # the fused backward from the same tiles (float32 always runs split)
+            if dtype != torch.float32 and not varlen:  # the fused backward from the same tiles (float32 and
+                # packed documents always run split)
                 (m1, n1, _, _), (m2, n2, _, _) = chosen["dkdv"], chosen["dq"]
                 launch = attention_tiles.fused_launch(chosen)
-                yield Variant(f"attention bwd_fused d={head_dim} causal={causal}{' dropout' if dropout else ''}"
-                              f"{label_suffix}", backward._attention_backward_fused_kernel,
+                yield Variant(f"attention bwd_fused d={head_dim} {kind}{label_suffix}",
+                              backward._attention_backward_fused_kernel,
                               dict(common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, EVEN_M=causal,
                                    EVEN_N=causal), dict(zip(("num_warps", "num_stages"), launch)), strides,
                               memory_bound=False)

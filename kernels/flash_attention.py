@@ -35,10 +35,11 @@ import math
 
 import torch
 
-from .attention_backward_steps import philox_keep
+from .attention_backward_steps import document_key_range, philox_keep
 from .attention_tiles import backward_for, tiles_for
 from .attention_torch import attention_dropout_reference, attention_dropout_torch
 from .attention_dispatch import choose, sdpa
+from .attention_documents import DocumentMask, attention_documents_reference
 from .dispatch import HAVE_TRITON, backend_name, cdiv, check_float_dtype, check_same_device, new_output, runnable, \
     tl, triton, use_triton
 from .flash_attention_backward import LOG2E, launch_backward, strides
@@ -57,10 +58,13 @@ def attention_reference(q, k, v, causal: bool = True, softmax_scale: float | Non
 
 @triton.jit
 def _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s, offs_m, offs_d, start, end,
-                   kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, BLOCK_N: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                   kv_len, scale_log2, dropout_seed, row_lo, row_hi, threshold, row_key_start, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+                   KEY_MASK: tl.constexpr):
     """The online softmax over key blocks [start, end): acc [BLOCK_M, D], row_sum, row_max [BLOCK_M]
-    (fp32, base 2). MASKED: the blocks cross the diagonal (CAUSAL) or the end of the keys."""
+    (fp32, base 2). MASKED: the blocks cross the diagonal (CAUSAL) or the end of the keys. KEY_MASK:
+    they cross a document's (or the window's) first key, row_key_start [BLOCK_M] (attention_documents);
+    a row may then see none of a block's keys, so the running max is kept finite for the exponentials."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = k_base + cols[None, :] * k_stride_s + offs_d[:, None]
@@ -75,9 +79,14 @@ def _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_strid
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             scores = tl.where(valid, scores, float("-inf"))
+        if KEY_MASK:
+            scores = tl.where(cols[None, :] >= row_key_start[:, None], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        alpha = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
+        reference = new_max
+        if KEY_MASK:  # a row with no key yet: exp2(-inf - 0) = 0, never exp2(-inf - -inf)
+            reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp2(row_max - reference)
+        p = tl.exp2(scores - reference[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         if DROPOUT:  # the normaliser sums every p; only the kept ones reach v
             p = tl.where(philox_keep(dropout_seed, row_lo[:, None], row_hi[:, None], cols[None, :], threshold), p, 0.0)
@@ -91,12 +100,13 @@ def _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_strid
 
 
 @triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
-def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+def _attention_forward_kernel(Q, K, V, O, LSE, KEY_START, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                               k_stride_s, v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
                               n_heads, group_size, seq_len,
                               kv_len, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
                               dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                              BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr,
+                              VARLEN: tl.constexpr):
     start_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first
         start_m = tl.num_programs(0) - 1 - start_m
@@ -119,18 +129,33 @@ def _attention_forward_kernel(Q, K, V, O, LSE, q_stride_b, q_stride_h, q_stride_
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # Stage 1: key blocks that need no mask (every key < every query of this block, and < kv_len).
     # Stage 2: the blocks that cross the diagonal or the end of the sequence, masked.
+    # Documents (VARLEN, causal): the key blocks before `begin` belong to no row's document (skipped),
+    # [begin, inner) cross some row's first key (masked).
     if CAUSAL:  # kv_len == seq_len
         unmasked_end = start_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0, so this is a block boundary
         end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len)
     else:
         unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
         end_n = kv_len
+    begin = 0
+    row_key_start = offs_m  # unused without documents
+    if VARLEN:
+        row_key_start = tl.load(KEY_START + batch * seq_len + offs_m, mask=offs_m < seq_len, other=0)
+        begin, inner = document_key_range(KEY_START, batch, seq_len, start_m * BLOCK_M, unmasked_end, BLOCK_M,
+                                          BLOCK_N)
+        acc, row_sum, row_max = _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s,
+                                               offs_m, offs_d, begin, inner, kv_len, scale_log2, dropout_seed, row_lo,
+                                               row_hi, threshold, row_key_start, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+                                               DROPOUT, True)
+        begin = inner
     acc, row_sum, row_max = _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s, offs_m,
-                                           offs_d, 0, unmasked_end, kv_len, scale_log2, dropout_seed, row_lo, row_hi,
-                                           threshold, BLOCK_N, False, CAUSAL, DOT_PRECISION, DROPOUT)
+                                           offs_d, begin, unmasked_end, kv_len, scale_log2, dropout_seed, row_lo,
+                                           row_hi, threshold, row_key_start, BLOCK_N, False, CAUSAL, DOT_PRECISION,
+                                           DROPOUT, False)
     acc, row_sum, row_max = _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_stride_s, offs_m,
                                            offs_d, unmasked_end, end_n, kv_len, scale_log2, dropout_seed, row_lo,
-                                           row_hi, threshold, BLOCK_N, True, CAUSAL, DOT_PRECISION, DROPOUT)
+                                           row_hi, threshold, row_key_start, BLOCK_N, True, CAUSAL, DOT_PRECISION,
+                                           DROPOUT, VARLEN)
     acc = acc / row_sum[:, None]
     if DROPOUT:
         acc = acc * dropout_scale
@@ -186,11 +211,12 @@ def _dropout_args(batch: int, dropout: tuple[float, int, int]) -> tuple:
 
 
 def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[float, int, int] = NO_DROPOUT,
-                    out_like_q: bool = False):
+                    out_like_q: bool = False, documents: DocumentMask | None = None):
     """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D] -> (out [b, h, sq, D], lse2 fp32 [b, h, sq], base 2).
 
     dropout: (p, seed, offset) of the Philox mask (p = 0: none; needs sk == sq). out is contiguous,
-    or with `out_like_q` laid out in memory as q is (see `_output_like`)."""
+    or with `out_like_q` laid out in memory as q is (see `_output_like`). documents: causal attention
+    within packed documents (and a window), kernels/attention_documents.py."""
     batch, n_heads, seq_len, head_dim = q.shape
     group_size = n_heads // k.shape[1]
     cfg = _config(head_dim, q.device, q.dtype, dropout[0] > 0.0, causal)
@@ -198,31 +224,34 @@ def _launch_forward(q, k, v, causal: bool, softmax_scale: float, dropout: tuple[
     lse2 = new_output((batch, n_heads, seq_len), torch.float32, q.device)
     block_m, block_n, warps, stages = cfg["fwd"]
     runnable(_attention_forward_kernel, q.device)[(cdiv(seq_len, block_m), batch * n_heads)](
-        q, k, v, out, lse2, *strides(q), *strides(k), *strides(v), *strides(out), n_heads, group_size, seq_len,
+        q, k, v, out, lse2, documents.key_start if documents is not None else lse2,  # lse2: never read
+        *strides(q), *strides(k), *strides(v), *strides(out), n_heads, group_size, seq_len,
         k.shape[2],
         softmax_scale * LOG2E, *_dropout_args(batch, dropout), CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0, num_warps=warps,
-        num_stages=stages)
+        BLOCK_N=block_n, DOT_PRECISION=cfg["precision"], DROPOUT=dropout[0] > 0.0, VARLEN=documents is not None,
+        num_warps=warps, num_stages=stages)
     return out, lse2
 
 
 def _launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float,
-                     dropout: tuple[float, int, int] = NO_DROPOUT):
+                     dropout: tuple[float, int, int] = NO_DROPOUT, documents: DocumentMask | None = None):
     """Padded inputs, out and dout [b, h, sq, D] with unit last stride, lse2 contiguous fp32 [b, h, sq] -> dq, dk, dv
     (kernels/flash_attention_backward.py)."""
     cfg = _config(q.shape[-1], q.device, q.dtype, dropout[0] > 0.0, causal)
+    if documents is not None:  # the fused grid with documents spilled 28 bytes at d=128 (sm_90 compile_check)
+        cfg["backward"] = "split"
     return launch_backward(q, k, v, out, dout, lse2, causal, softmax_scale, cfg, _dropout_args(q.shape[0], dropout),
-                           dropout[0] > 0.0)
+                           dropout[0] > 0.0, documents)
 
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, dropout):
+    def forward(ctx, q, k, v, causal, softmax_scale, dropout, documents):
         ctx.head_dim = q.shape[-1]
         q, k, v = _pad_head_dim(ctx.head_dim, q, k, v)
-        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale, dropout, out_like_q=True)
+        out, lse2 = _launch_forward(q, k, v, causal, softmax_scale, dropout, out_like_q=True, documents=documents)
         ctx.save_for_backward(q, k, v, out, lse2)  # the dropout mask is regenerated from (seed, offset)
-        ctx.causal, ctx.softmax_scale, ctx.dropout = causal, softmax_scale, dropout
+        ctx.causal, ctx.softmax_scale, ctx.dropout, ctx.documents = causal, softmax_scale, dropout, documents
         return out if out.shape[-1] == ctx.head_dim else out[..., :ctx.head_dim].contiguous()
 
     @staticmethod
@@ -231,10 +260,10 @@ class _FlashAttentionFunction(torch.autograd.Function):
         (dout,) = _pad_head_dim(ctx.head_dim, dout)
         (dout,) = _unit_stride(dout)  # the model's dout is a view of [s, b, h, d]: no copy needed
         dq, dk, dv = _launch_backward(q, k, v, out, dout, lse2, ctx.causal, ctx.softmax_scale,
-                                      ctx.dropout)
+                                      ctx.dropout, ctx.documents)
         if q.shape[-1] != ctx.head_dim:
             dq, dk, dv = (t[..., :ctx.head_dim] for t in (dq, dk, dv))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _check_shapes(q, k, v) -> None:
@@ -262,13 +291,21 @@ def _check_kernel_inputs(q, k, v, causal: bool) -> None:
                          f"{k.shape[2]} (or set MEGALITE_KERNEL_BACKEND=torch)")
 
 
+def _check_documents(q, k, causal: bool, documents: DocumentMask) -> None:
+    if not causal or k.shape[2] != q.shape[2]:
+        raise ValueError("attention: packed documents need causal attention with equal q and kv lengths")
+    if tuple(documents.key_start.shape) != (q.shape[0], q.shape[2]) or documents.key_start.device != q.device:
+        raise ValueError(f"attention: the document mask is [{', '.join(map(str, documents.key_start.shape))}] on "
+                         f"{documents.key_start.device}; q needs [{q.shape[0]}, {q.shape[2]}] on {q.device}")
+
+
 def _unit_stride(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               softmax_scale: float | None = None, dropout_p: float = 0.0, dropout_seed: int = 0,
-              dropout_offset: int = 0) -> torch.Tensor:
+              dropout_offset: int = 0, documents: DocumentMask | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [causal]) v with grouped-query heads; q [b, h, s, d], k, v [b, h_kv, s_kv, d].
 
     Same function as F.scaled_dot_product_attention with k, v heads repeated (repeat_interleave).
@@ -279,8 +316,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     score is kept); the PyTorch path computes the same mask. The Triton path needs d <= 128 (16,
     32, 64, 128 natively, others zero-padded), one dtype among float16/bfloat16/float32 and, when
     causal or with dropout, equal q and kv sequence lengths.
+
+    documents: packed documents and/or a sliding window (kernels/attention_documents.py; causal, equal
+    lengths): the Triton kernels skip the tiles outside them wherever they can run (SDPA cannot, so
+    `auto` picks them on CUDA); the PyTorch path runs SDPA once per document (no dropout there).
     """
     _check_shapes(q, k, v)
+    if documents is not None:
+        _check_documents(q, k, causal, documents)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     dropout = (float(dropout_p), int(dropout_seed), int(dropout_offset))
@@ -291,12 +334,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if dropout_p > 0.0 and k.shape[2] != q.shape[2]:
         raise ValueError(f"attention: dropout needs equal q and kv lengths, got {q.shape[2]} and {k.shape[2]}")
     impl = "reference" if q.numel() == 0 else choose(q, k, causal, dropout_p, backend_name(), HAVE_TRITON)[0]
+    if documents is not None and impl in ("sdpa", "sdpa_gqa"):  # SDPA would compute every masked tile
+        impl = "triton" if q.shape[-1] <= max(SUPPORTED_HEAD_DIMS) else "reference"
     if impl in ("sdpa", "sdpa_gqa"):  # auto, where torch's kernels measured faster (attention_dispatch)
         return sdpa(q, k, v, bool(causal), float(softmax_scale), native_gqa=impl == "sdpa_gqa")
     if impl == "reference" or not use_triton(q):  # use_triton raises where forced Triton cannot run
+        if documents is not None:
+            if dropout_p > 0.0:
+                raise ValueError("attention: dropout within packed documents runs on the Triton kernels only; "
+                                 "set the attention dropout to 0 or MEGALITE_KERNEL_BACKEND=triton")
+            return attention_documents_reference(q, k, v, documents, softmax_scale)
         if dropout_p > 0.0:
             return attention_dropout_torch(q, k, v, causal, softmax_scale, *dropout)
         return attention_reference(q, k, v, causal, softmax_scale)
     _check_kernel_inputs(q, k, v, causal)
     q, k, v = _unit_stride(q, k, v)
-    return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale), dropout)
+    return _FlashAttentionFunction.apply(q, k, v, bool(causal), float(softmax_scale), dropout, documents)

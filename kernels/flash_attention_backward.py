@@ -65,53 +65,58 @@ ARGS = ("n_batch", "dropout_seed", "dropout_offset", "drop_threshold")  # not sp
 
 
 @triton.jit(do_not_specialize=ARGS)
-def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
+def _attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_START, QUERY_END, q_stride_b, q_stride_h, q_stride_s,
+                           k_stride_b,
                            k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h,
                            do_stride_s, n_heads, group_size, seq_len,
                            kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
                            dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                           DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
     """Split variant, dK/dV: one program per (key block, batch * kv_head); every step masks."""
     batch_kv_head = tl.program_id(1).to(tl.int64)  # = batch * n_kv_heads + kv_head
     n_kv_heads = n_heads // group_size
-    dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+    dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_START, QUERY_END, q_stride_b, q_stride_h, q_stride_s,
+                 k_stride_b, k_stride_h,
                  k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
                  group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                  drop_threshold.to(tl.uint32), dropout_scale, tl.program_id(0), batch_kv_head // n_kv_heads,
                  batch_kv_head % n_kv_heads, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION,
-                 DROPOUT)
+                 DROPOUT, VARLEN)
 
 
 @triton.jit(do_not_specialize=ARGS)
-def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+def _attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KEY_START, q_stride_b, q_stride_h, q_stride_s, k_stride_b,
+                         k_stride_h,
                          k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
                          n_heads, group_size, seq_len, kv_len,
                          softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset, drop_threshold,
                          dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
     """Split variant, dQ: one program per (query block, batch * head); causal: longest rows first."""
     block = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first
         block = tl.num_programs(0) - 1 - block
     batch_head = tl.program_id(1).to(tl.int64)
-    dq_program(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
+    dq_program(Q, K, V, DO, LSE, DELTA, DQ, KEY_START, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+               k_stride_s,
                v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads, group_size,
                seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                drop_threshold.to(tl.uint32), dropout_scale, block, batch_head // n_heads, batch_head % n_heads,
-               batch_head, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
+               batch_head, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT, VARLEN)
 
 
 @triton.jit(do_not_specialize=ARGS)
-def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stride_b, q_stride_h, q_stride_s,
+def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, KEY_START, QUERY_END,
+                                     q_stride_b, q_stride_h, q_stride_s,
                                      k_stride_b, k_stride_h, k_stride_s, v_stride_b, v_stride_h, v_stride_s,
                                      do_stride_b, do_stride_h, do_stride_s, n_heads, group_size, seq_len, kv_len,
                                      softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                                      drop_threshold, dropout_scale, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
                                      BLOCK_N2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                                     DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr):
+                                     DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
     """Fused variant: the dK/dV and dQ programs of one kv head in one grid (batch * n_kv_heads columns).
 
     Programs [0, cdiv(kv_len, BLOCK_N1)) are dK/dV programs (key block = program id; causal: the
@@ -124,21 +129,22 @@ def _attention_backward_fused_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, q_stri
     batch, kv_head = batch_kv_head // n_kv_heads, batch_kv_head % n_kv_heads
     n_kv_blocks = tl.cdiv(kv_len, BLOCK_N1)
     if pid < n_kv_blocks:
-        dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+        dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, KEY_START, QUERY_END, q_stride_b, q_stride_h, q_stride_s,
+                     k_stride_b, k_stride_h,
                      k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
                      group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                      drop_threshold.to(tl.uint32), dropout_scale, pid, batch, kv_head, CAUSAL, HEAD_DIM, BLOCK_M1,
-                     BLOCK_N1, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
+                     BLOCK_N1, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT, VARLEN)
     else:
         index = pid - n_kv_blocks  # = block * group_size + member
         block, head = index // group_size, kv_head * group_size + index % group_size
         if CAUSAL:
             block = tl.cdiv(seq_len, BLOCK_M2) - 1 - block
-        dq_program(Q, K, V, DO, LSE, DELTA, DQ, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
+        dq_program(Q, K, V, DO, LSE, DELTA, DQ, KEY_START, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                    k_stride_s, v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s, n_heads,
                    group_size, seq_len, kv_len, softmax_scale, scale_log2, n_batch, dropout_seed, dropout_offset,
                    drop_threshold.to(tl.uint32), dropout_scale, block, batch, head, batch * n_heads + head, CAUSAL,
-                   HEAD_DIM, BLOCK_M2, BLOCK_N2, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT)
+                   HEAD_DIM, BLOCK_M2, BLOCK_N2, EVEN_M, EVEN_N, DOT_PRECISION, DROPOUT, VARLEN)
 
 
 LOG2E = 1.4426950408889634  # scores are taken in base 2: exp(x) = exp2(x * log2(e))
@@ -150,7 +156,7 @@ def strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float, config: dict,
-                    dropout_args: tuple, dropout: bool):
+                    dropout_args: tuple, dropout: bool, documents=None):
     """Padded q [b, h, sq, D], k, v [b, h_kv, sk, D], out and dout [b, h, sq, D] (all with unit last
     stride, any other strides), lse2 contiguous fp32 [b, h, sq] -> contiguous (dq, dk, dv) like q, k, v.
 
@@ -173,22 +179,26 @@ def launch_backward(q, k, v, out, dout, lse2, causal: bool, softmax_scale: float
     dv = new_output(v.shape, v.dtype, v.device)
     common = (*strides(q), *strides(k), *strides(v), *strides(dout), n_heads, n_heads // n_kv_heads, seq_len, kv_len,
               softmax_scale, softmax_scale * LOG2E, *dropout_args)
-    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout)
+    meta = dict(CAUSAL=causal, HEAD_DIM=head_dim, DOT_PRECISION=config["precision"], DROPOUT=dropout,
+                VARLEN=documents is not None)
+    # without documents the two pointers are never read: lse2 stands in
+    key_start, query_end = (documents.key_start, documents.query_end) if documents is not None else (lse2, lse2)
     if config.get("backward", "split") == "fused":
         (m1, n1, _, _), (m2, n2, _, _) = config["dkdv"], config["dq"]
         warps, stages = fused_launch(config)
         n_programs = cdiv(kv_len, n1) + cdiv(seq_len, m2) * (n_heads // n_kv_heads)
         runnable(_attention_backward_fused_kernel, q.device)[(n_programs, batch * n_kv_heads)](
-            q, k, v, dout, lse2, delta, dq, dk, dv, *common, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2,
+            q, k, v, dout, lse2, delta, dq, dk, dv, key_start, query_end, *common, BLOCK_M1=m1, BLOCK_N1=n1,
+            BLOCK_M2=m2, BLOCK_N2=n2,
             EVEN_M=seq_len % m1 == 0 and seq_len % m2 == 0, EVEN_N=kv_len % n1 == 0 and kv_len % n2 == 0,
             num_warps=warps, num_stages=stages, **meta)
         return dq, dk, dv
     block_m, block_n, warps, stages = config["dkdv"]
     runnable(_attention_dkdv_kernel, q.device)[(cdiv(kv_len, block_n), batch * n_kv_heads)](
-        q, k, v, dout, lse2, delta, dk, dv, *common, BLOCK_M=block_m, BLOCK_N=block_n,
+        q, k, v, dout, lse2, delta, dk, dv, key_start, query_end, *common, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=seq_len % block_m == 0, EVEN_N=kv_len % block_n == 0, num_warps=warps, num_stages=stages, **meta)
     block_m, block_n, warps, stages = config["dq"]
     runnable(_attention_dq_kernel, q.device)[(cdiv(seq_len, block_m), batch * n_heads)](
-        q, k, v, dout, lse2, delta, dq, *common, BLOCK_M=block_m, BLOCK_N=block_n,
+        q, k, v, dout, lse2, delta, dq, key_start, *common, BLOCK_M=block_m, BLOCK_N=block_n,
         EVEN_M=seq_len % block_m == 0, EVEN_N=kv_len % block_n == 0, num_warps=warps, num_stages=stages, **meta)
     return dq, dk, dv

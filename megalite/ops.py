@@ -61,20 +61,23 @@ def split_heads(qkv: torch.Tensor, heads: tuple[int, ...], head_dim: int) -> tup
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [s, b, heads, d]; cos, sin: [s, d]."""
+    """Rotate-half RoPE. x: [s, b, heads, d]; cos, sin: [s, d], or [s, b, d] (each sample's positions)."""
     return kernels.rope(x, cos, sin)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, dropout_seed: int = 0,
-              dropout_offset: int = 0) -> torch.Tensor:
+              dropout_offset: int = 0, documents: kernels.DocumentMask | None = None) -> torch.Tensor:
     """Causal attention. q: [b, h, s, d]; k, v: [b, h_kv, s, d] (grouped-query); out [b, h, s, d].
+
+    documents: each query sees only its own packed document (and window), built once per microbatch
+    (kernels/attention_documents.py); None: the whole causal sequence.
 
     With dropout the probabilities are dropped with the Philox mask of (dropout_seed,
     dropout_offset) (kernels/attention_torch.py: counters over [h, b, s, s], head-major), inside
     the flash kernel on CUDA and in the PyTorch path elsewhere; neither keeps anything per score.
     """
     return kernels.attention(q, k, v, causal=True, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             dropout_offset=dropout_offset)
+                             dropout_offset=dropout_offset, documents=documents)
 
 
 def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:

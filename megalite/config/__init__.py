@@ -291,7 +291,7 @@ class RunConfig:
         given = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                      num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
                      seq_length=m.seq_length, vocab_size=m.vocab_size, hidden_dropout=m.hidden_dropout,
-                     attention_dropout=m.attention_dropout)
+                     attention_dropout=m.attention_dropout, window_size=m.window_size)
         # Megatron's names (--init-method-std, --swiglu, ...) over them: config.megatron.model_overrides
         model = preset(m.model, **{**given, **megatron.model_overrides(m)})
         problem = megatron.position_problem(m, model.seq_length)

@@ -52,7 +52,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
-    problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg)
+    problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg) + document_problems(cfg)
     problems += _latent_attention_problems(cfg)
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
@@ -198,6 +198,35 @@ def _diloco_problem(cfg: RunConfig) -> str | None:
         return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
                 "far: drop --grad-compression, experts, --pp and --offload-optimizer")
     return None
+
+
+def document_problems(cfg: RunConfig) -> list[str]:
+    """--reset-position-ids / --reset-attention-mask: the documents travel as restarting position ids, so
+    the two go together; the layouts that do not carry them yet are refused."""
+    data, p = cfg.data, cfg.parallel
+    if cfg.model.window_size is not None and p.cp > 1:
+        return ["--window-size under --cp > 1 is not supported yet (ring and Ulysses attention see whole "
+                "chunks); drop one of them"]
+    if data.eod_mask_loss and data.mock_data:
+        return ["--eod-mask-loss needs documents: --mock-data has no end-of-document token; drop one of them"]
+    if data.reset_position_ids != data.reset_attention_mask:
+        return ["pass --reset-position-ids and --reset-attention-mask together: megalite reads each sample's "
+                "documents from its restarting position ids"]
+    packed = data.reset_attention_mask or data.sft  # SFT samples carry their restarting position ids
+    model = cfg.model
+    if (packed or model.window_size is not None) and (model.multi_latent_attention or model.mtp_num_layers):
+        return ["packed documents and --window-size run with the fused-QKV attention and no MTP so far: drop "
+                "--multi-latent-attention / --mtp-num-layers, or the documents"]
+    if data.sft and p.cp > 1:
+        return ["--sft packs samples as documents, which --cp > 1 does not carry yet: drop --cp or --sft"]
+    if not data.reset_attention_mask:
+        return []
+    unsupported = [name for name, on in (("--cp > 1", p.cp > 1), ("--cuda-graph", cfg.training.cuda_graph),
+                                         ("--mock-data (no end-of-document token)", data.mock_data)) if on]
+    if unsupported:
+        return [f"--reset-attention-mask does not run with {', '.join(unsupported)} yet; drop one or the other"]
+    return []
+
 
 
 def data_problems(data: DataSettings) -> list[str]:

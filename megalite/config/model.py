@@ -18,6 +18,20 @@ from megalite.config.rope_scaling import check_rope_scaling
 from megalite.moe.config import MoEConfig
 
 
+def attention_span(seq_length: float, mean_document_length: float | None = None, window: int | None = None) -> float:
+    """The keys per query that attention's FLOP term counts, in PaLM's convention (a causal sequence of s
+    tokens counts s): 2 * (pairs a query block computes per token) - 1, over documents of
+    `mean_document_length` tokens (None: one document of seq_length) and a sliding `window` (None: none).
+    A document of n tokens computes sum_i min(i + 1, window) pairs; without a window n (n + 1) / 2, so the
+    span is n: the work Σ len^2 / s per token that the kernels do (docs/documents.md)."""
+    n = min(float(mean_document_length or seq_length), float(seq_length))
+    if window is None or window >= n:
+        pairs = n * (n + 1) / 2
+    else:
+        pairs = window * (window + 1) / 2 + (n - window) * window
+    return 2 * pairs / n - 1
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -75,6 +89,9 @@ class GPTConfig:
     mla: MLAConfig | None = None
     """Multi-head latent attention (DeepSeek-V2/V3: an MLAConfig, or its keywords as a dict; llama flavour);
     None: the fused-QKV attention. num_query_groups is then the number of heads (each has its own key)."""
+    window_size: int | None = None
+    """Sliding-window attention (Mistral, Qwen2): each query sees its last window_size keys, itself
+    included; None: the whole causal context (kernels/attention_documents.py)."""
 
     def __post_init__(self):
         if isinstance(self.moe, dict):
@@ -118,6 +135,9 @@ class GPTConfig:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
                              f"num_query_groups={self.num_query_groups}")
+        if self.window_size is not None and self.window_size < 1:
+            raise ValueError(f"window_size={self.window_size}: a sliding window holds at least the query itself; "
+                             f"give --window-size >= 1, or none for full causal attention")
 
     @property
     def head_dim(self) -> int:
@@ -182,10 +202,14 @@ class GPTConfig:
         shared_params = (2 if self.flavour == "gpt2" else 3) * h * shared + h * moe.shared_expert_gate
         return moe.num_experts * h + (moe.topk if active else moe.num_experts) * per_expert + shared_params
 
-    def flops_per_token(self, seq_length: int | None = None) -> float:
-        """Training FLOPs per token: 6N (dense matmuls, forward + backward) + 12*L*h*s (attention).
-        With experts N counts the topk experts a token passes through, not all of them."""
-        s = seq_length or self.seq_length
+    def flops_per_token(self, seq_length: int | None = None, mean_document_length: float | None = None, *,
+                        span: float | None = None) -> float:
+        """Training FLOPs per token: 6N (dense matmuls, forward + backward) + 12*L*h*s (attention), s the
+        attention span over packed documents of `mean_document_length` and the window (`attention_span`),
+        or `span` as measured on a step's documents. With experts N counts the topk experts a token passes
+        through, not all of them."""
+        s = span if span is not None else attention_span(seq_length or self.seq_length, mean_document_length,
+                                                          self.window_size)
         n_matmul = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size  # + lm head
         if self.moe is not None:
             n_matmul -= self.moe_layer_count() * (self.moe_mlp_params(False) - self.moe_mlp_params(True))

@@ -51,6 +51,9 @@ class ModelSettings:
     vocab_size: int | None = setting(None, "vocabulary (default: the tokenizer's)", minimum=1)
     hidden_dropout: float = setting(0.0, "dropout on the residual branches and the embedding", minimum=0, below=1)
     attention_dropout: float = setting(0.0, "dropout on the attention probabilities", minimum=0, below=1)
+    window_size: int | None = setting(None, "sliding-window attention (Mistral, Qwen2): each token sees its last N "
+                                            "tokens, itself included (default: the whole causal context)",
+                                      minimum=1)
     # Megatron-LM's names for architecture choices (config.megatron.model_overrides; unset: the preset's)
     init_method_std: float | None = setting(None, "std of the normal weight init (output projections: std / "
                                                   "sqrt(2 * layers)); default the preset's 0.02", above=0)
@@ -304,6 +307,15 @@ class DataSettings:
                                       "none cut); --no-sft-packing: one sample per sequence, padded")
     sft_overlong: SFTOverlong = setting(SFTOverlong.REFUSE, "with --sft: a sample longer than --seq-length is "
                                                             "refused, naming it, or truncated to fit")
+    # Megatron's document flags (data/documents.py, docs/documents.md): from the end-of-document token
+    reset_position_ids: bool = setting(False, "positions restart at 0 after each end-of-document token (with "
+                                              "--reset-attention-mask)")
+    reset_attention_mask: bool = setting(False, "no token attends to another document of its sample (with "
+                                                "--reset-position-ids: the documents are read from the positions)")
+    eod_mask_loss: bool = setting(False, "no loss on the end-of-document tokens' targets")
+    mean_document_length: float | None = setting(None, "with --reset-attention-mask: the planner's and "
+                                                       "--simulate's mean tokens per document (attention FLOPs "
+                                                       "and time; training counts its real documents)", above=0)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 weight/prefix pairs), `--split 969,30,1`, and the stdlib default corpus when no path is given.
 
 A sample is a dict of two LongTensors of `seq_length` tokens: `input_ids` and `labels`,
-with `labels[i]` the token following `input_ids[i]` (already shifted). Sample i depends only
+with `labels[i]` the token following `input_ids[i]` (already shifted); with document fields
+(data/documents.py) also `position_ids` restarting per document, and/or masked targets. Sample i depends only
 on the data, the split, seq_length and the seed, never on the parallel layout, so every rank
 that asks for index i gets the same tokens.
 """
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from megalite.data.default_corpus import build_default_corpus
+from megalite.data.documents import DocumentFields
 from megalite.data.indexed_dataset import DataError, IndexedDataset
 from megalite.data.sample_index import cached_sample_index
 from megalite.data.tokenizer import load_tokenizer
@@ -29,8 +31,9 @@ class GPTDataset:
     """Samples of `seq_length + 1` tokens from documents [doc_begin, doc_end) of an IndexedDataset."""
 
     def __init__(self, indexed: IndexedDataset, doc_begin: int, doc_end: int, seq_length: int, seed: int,
-                 split: str = "train", cache_dir: str | None = None):
+                 split: str = "train", cache_dir: str | None = None, documents: DocumentFields | None = None):
         self.indexed, self.doc_begin, self.doc_end = indexed, doc_begin, doc_end
+        self.documents = documents  # position ids / loss mask from the index's end-of-document token
         self.seq_length, self.seed, self.split = seq_length, seed, split
         lengths = indexed.doc_lengths[doc_begin:doc_end]
         identity = f"{indexed.fingerprint()}|{doc_begin}:{doc_end}"
@@ -59,7 +62,8 @@ class GPTDataset:
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         tokens = torch.from_numpy(self.tokens(int(idx)))
-        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        sample = {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        return self.documents.apply(sample, self.indexed.eod) if self.documents is not None else sample
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.indexed.prefix!r}, split={self.split}, docs={self.doc_end - self.doc_begin}, "
@@ -176,7 +180,8 @@ def split_documents(doc_lengths: np.ndarray, fractions: list[float]) -> list[tup
 
 
 def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq_length: int | None = None,
-                       seed: int = 0, tokenizer=None, cache_dir: str | None = None):
+                       seed: int = 0, tokenizer=None, cache_dir: str | None = None,
+                       documents: DocumentFields | None = None):
     """Return (train, valid, test) datasets; a split with weight 0 is None.
 
     data_path: None/[] for the stdlib default corpus, [prefix], or [w1, prefix1, w2, prefix2, ...]
@@ -186,6 +191,7 @@ def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq
         preprocessed with a tokenizer of at most its vocab size.
     cache_dir: where the default corpus and sample indices are cached (default $MEGALITE_CACHE
         or ~/.cache/megalite). Safe to call from many ranks at once.
+    documents: what each sample gains from its end-of-document tokens (data/documents.py), or None.
     """
     if seq_length is None or int(seq_length) < 1:
         raise ValueError(f"build_gpt_datasets needs seq_length >= 1, got {seq_length!r}")
@@ -205,7 +211,7 @@ def build_gpt_datasets(data_path: list[str] | None, split: str = "969,30,1", seq
                              f"tools/preprocess_data.py (--tokenizer)")
         ranges = split_documents(indexed.doc_lengths, fractions)
         for s, (name, (begin, end)) in enumerate(zip(SPLIT_NAMES, ranges)):
-            per_split[s].append(GPTDataset(indexed, begin, end, seq_length, seed, name, cache_dir)
+            per_split[s].append(GPTDataset(indexed, begin, end, seq_length, seed, name, cache_dir, documents)
                                 if fractions[s] > 0 else None)
     result = []
     for s, name in enumerate(SPLIT_NAMES):

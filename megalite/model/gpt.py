@@ -14,6 +14,10 @@ forward(x, labels=None, reduction="mean"):
 - last stage without labels: this rank's logits shard [b, s, V_pad/tp].
 - last stage with labels [b, s] (labels[:, i] is the target of x[:, i]; -100 ignored): the loss,
   the mean over target tokens (equal on every tp rank) or, with reduction="sum", the sum.
+- position_ids [b, s] int64 (optional, every stage): packed documents, positions restarting at 0
+  at each document's first token. The document mask is built from them once per forward and
+  handed to every block (no token attends to another document); RoPE and the learned position
+  table read them. Without them: one causal sequence, positions 0..s-1 (docs/documents.md).
 
 Context parallelism (the mesh's cp group, cp > 1): each cp rank is handed its zigzag chunks
 of the ids and labels (`context_parallel.split_sequence`, [b, s] -> [b, s/cp]) and s above is
@@ -33,6 +37,7 @@ from torch import nn
 from megalite import comm, params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.data_parallel.units import Unit
+from megalite.kernels import DocumentMask
 from megalite.layer_groups import LayerGroups
 from megalite.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
@@ -81,6 +86,9 @@ class GPTModel(nn.Module):
         on_meta = device is not None and torch.device(device).type == "meta"
         self._real_device = (mesh.device if mesh is not None else None) if on_meta else device
         config.check_tensor_parallel(tp_size)
+        if config.window_size is not None and self.cp_size > 1:
+            raise ValueError("a sliding window (window_size) under context parallelism is not supported yet; "
+                             "run it at cp=1")
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
         if sequence_parallel and config.seq_length % tp_size != 0:
@@ -215,8 +223,9 @@ class GPTModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.output_weight if self.output_weight is not None else self.word_embeddings.weight
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[b, s] ids -> [s, b, h] (or the sequence shard [s/tp, b, h] under SP)."""
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, s] ids -> [s, b, h] (or the sequence shard [s/tp, b, h] under SP); position_ids [b, s]: the
+        learned positions' rows (gpt2), by default 0..s-1."""
         s = input_ids.shape[1]
         partial = self.word_embeddings.local_lookup(input_ids).transpose(0, 1).contiguous()  # [s, b, h] partial
         if self.sequence_parallel:
@@ -225,8 +234,11 @@ class GPTModel(nn.Module):
             x = mappings.reduce_from_tensor_parallel_region(partial, self.groups.tp)
         if self.config.flavour == "gpt2":
             table = self.position_embeddings
-            table = table[:s] if self.cp_size == 1 else table[self._global_positions(s, table.device)]
-            positions = table.unsqueeze(1)  # [s, 1, h]
+            if position_ids is not None:  # [b, s] -> [s, b, h]: each sample's own positions
+                positions = table[position_ids].transpose(0, 1)
+            else:
+                table = table[:s] if self.cp_size == 1 else table[self._global_positions(s, table.device)]
+                positions = table.unsqueeze(1)  # [s, 1, h]
             if self.sequence_parallel:
                 tp, r = comm.group_size(self.groups.tp), comm.group_rank(self.groups.tp)
                 positions = positions.chunk(tp, dim=0)[r]
@@ -263,9 +275,12 @@ class GPTModel(nn.Module):
         """Positions in the whole sequence of this cp rank's s local tokens (its zigzag chunks)."""
         return position_ids(s * self.cp_size, self.cp_rank, self.cp_size, device=device)
 
-    def _rope(self, s: int):
+    def _rope(self, s: int, position_ids: torch.Tensor | None = None):
+        """RoPE's (cos, sin): [s, d], or [s, b, d] gathered by each sample's position_ids [b, s]."""
         if self.config.flavour != "llama":
             return None
+        if position_ids is not None:
+            return self.rope_cos[position_ids].transpose(0, 1), self.rope_sin[position_ids].transpose(0, 1)
         if self.cp_size > 1:
             positions = self._global_positions(s, self.rope_cos.device)
             return self.rope_cos[positions], self.rope_sin[positions]
@@ -273,7 +288,8 @@ class GPTModel(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean",
+                position_ids: torch.Tensor | None = None):
         if self.pre_process:
             if x.dim() != 2:
                 raise ValueError(f"the first stage takes input ids [b, s], got shape {tuple(x.shape)}")
@@ -281,16 +297,20 @@ class GPTModel(nn.Module):
                 raise ValueError(f"sequence length {x.shape[1] * self.cp_size} exceeds "
                                  f"seq_length={self.config.seq_length}")
             s, input_ids = x.shape[1], x
-            x = self.embed(x)
+            self._check_position_ids(position_ids, x.shape[0], s)
+            x = self.embed(x, position_ids)
         else:
             s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
-        rope = self._rope(s)
+            self._check_position_ids(position_ids, x.shape[1], s)
+        rope = self._rope(s, position_ids)
+        documents = self._document_mask(position_ids, x.shape[1], s, x.device)  # once per microbatch
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
+        masked = (documents,) if documents is not None else ()  # a block is called as before without a mask
         for index, block in enumerate(self.layers):
             if self.recompute == "full" and self.training and index < recomputed:
-                x = checkpoint_with_rng(block, self.rng, x, rope, self.rng)
+                x = checkpoint_with_rng(block, self.rng, x, rope, self.rng, *masked)
             else:
-                x = block(x, rope, self.rng)
+                x = block(x, rope, self.rng, *masked)
         if not self.post_process:
             return x
         if labels is None:
@@ -313,6 +333,25 @@ class GPTModel(nn.Module):
         if reduction == "none":
             return losses.transpose(0, 1)
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+
+    def _document_mask(self, position_ids: torch.Tensor | None, batch: int, s: int, device) -> DocumentMask | None:
+        """The attention mask every block shares: packed documents and/or the sliding window; None
+        for plain causal attention (a window as long as the sequence is no window)."""
+        window = self.config.window_size
+        window = window if window is not None and window < s else None
+        if position_ids is not None:
+            return DocumentMask.from_position_ids(position_ids, window)
+        return DocumentMask.sliding_window(batch, s, window, device) if window is not None else None
+
+    def _check_position_ids(self, position_ids: torch.Tensor | None, batch: int, s: int) -> None:
+        """Shapes only (a value check would read the device): the data side checks the restarts."""
+        if position_ids is None:
+            return
+        if self.cp_size > 1:
+            raise ValueError("position_ids (packed documents) under context parallelism are not supported yet; "
+                             "run them at cp=1")
+        if tuple(position_ids.shape) != (batch, s):
+            raise ValueError(f"position_ids have shape {tuple(position_ids.shape)}; the microbatch is [{batch}, {s}]")
 
     # --- layout-free names and full tensors ---------------------------------------------------
 

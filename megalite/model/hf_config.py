@@ -1,10 +1,11 @@
 """transformers config <-> GPTConfig, for every family megalite converts, in one place.
 
 Families (HF `model_type`): gpt2; llama (Llama 2/3.x: rope scaling "llama3", tied embeddings for
-3.2 1B/3B, attention/MLP biases, head_dim); mistral (as llama; a sliding window shorter than the
-context is refused); qwen2 (q/k/v biases); qwen3 (q/k RMSNorms, head_dim); mixtral, qwen3_moe and
-qwen2_moe (softmax top-k experts in every block; Qwen2-MoE adds a sigmoid-gated shared expert);
-deepseek_v2 and deepseek_v3 (latent attention, group-limited routing: megalite/model/hf_deepseek.py).
+3.2 1B/3B, attention/MLP biases, head_dim); mistral (as llama, with its sliding window); qwen2 (q/k/v
+biases; a window on some layers only is refused); qwen3 (q/k RMSNorms, head_dim); mixtral (and its
+window), qwen3_moe and qwen2_moe (softmax top-k experts in every block; Qwen2-MoE adds a sigmoid-gated
+shared expert); deepseek_v2 and deepseek_v3 (latent attention, group-limited routing:
+megalite/model/hf_deepseek.py).
 
 `config_from_hf` reads one; `hf_config_from` writes the family that expresses a GPTConfig and
 checks that reading it back reproduces the model. Anything megalite would have to approximate
@@ -24,7 +25,7 @@ from megalite.moe.config import MoEConfig
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", *hf_deepseek.FAMILIES)
 _ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "qwen2_moe": "Qwen2MoeForCausalLM"}
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def _gpt2_config(hf) -> GPTConfig:
@@ -52,19 +53,24 @@ def _rope(hf) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def _refuse_sliding_window(hf, family: str) -> None:
+def _sliding_window(hf, family: str) -> int | None:
+    """Mistral's and Mixtral's window (every layer; None when it covers the context). Qwen's windows
+    apply to some layers only (max_window_layers): refused."""
     window = getattr(hf, "sliding_window", None)
     used = getattr(hf, "use_sliding_window", True)  # Qwen keeps a window size it does not use
-    if used and window and window < hf.max_position_embeddings:
-        raise ValueError(f"{family} sliding_window={window} < max_position_embeddings={hf.max_position_embeddings} "
-                         f"is not supported (full causal attention only); set sliding_window=None")
+    if not (used and window and window < hf.max_position_embeddings):
+        return None
+    if family in ("mistral", "mixtral"):
+        return int(window)
+    raise ValueError(f"{family} sliding_window={window} < max_position_embeddings={hf.max_position_embeddings} "
+                     f"is not supported (a window on some layers only); set use_sliding_window=False")
 
 
 def _decoder_config(hf, family: str) -> GPTConfig:
     """The attention, norms and dense MLP shared by the llama-flavour families."""
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"{family} hidden_act={hf.hidden_act!r} is not supported; megalite's gated MLP is SwiGLU")
-    _refuse_sliding_window(hf, family)
+    window = _sliding_window(hf, family)
     attention_bias = bool(getattr(hf, "attention_bias", False))
     qkv_bias, proj_bias = (attention_bias, attention_bias)
     if family == "qwen2":
@@ -82,7 +88,8 @@ def _decoder_config(hf, family: str) -> GPTConfig:
                      qkv_bias=qkv_bias, proj_bias=proj_bias, mlp_bias=bool(getattr(hf, "mlp_bias", False)),
                      kv_channels=head_dim if head_dim * nq != hf.hidden_size else None,
                      qk_layernorm=family in ("qwen3", "qwen3_moe"),
-                     attention_dropout=float(getattr(hf, "attention_dropout", 0.0)))  # no hidden dropout
+                     attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),  # no hidden dropout
+                     window_size=window)
 
 
 def _experts(hf, family: str) -> MoEConfig:
@@ -115,7 +122,8 @@ def config_from_hf(hf_config) -> GPTConfig:
 
 
 def family_of(config: GPTConfig) -> str:
-    """The transformers family that expresses `config` exactly (Mistral models export as llama)."""
+    """The transformers family that expresses `config` exactly (Mistral models export as llama, but for
+    a sliding window)."""
     if config.flavour == "gpt2":
         return "gpt2"
     if config.mla is not None:
@@ -128,7 +136,7 @@ def family_of(config: GPTConfig) -> str:
         return "qwen3"
     if config.qkv_bias and not config.proj_bias and not config.mlp_bias:
         return "qwen2"
-    return "llama"
+    return "mistral" if config.window_size is not None else "llama"
 
 
 def _unexpressible(config: GPTConfig, family: str) -> list[str]:
@@ -149,6 +157,8 @@ def _unexpressible(config: GPTConfig, family: str) -> list[str]:
         problems.append("MLP biases")
     if family != "llama" and config.rope_scaling:
         problems.append(f"rope_scaling {config.rope_scaling}")
+    if family not in ("mistral", "mixtral") and config.window_size is not None:
+        problems.append(f"a sliding window (window_size={config.window_size})")
     moe = config.moe
     if moe is not None:
         problems += [what for what, bad in (
@@ -176,9 +186,11 @@ def _decoder_keywords(config: GPTConfig, family: str) -> dict:
         kw["mlp_bias"] = config.mlp_bias
     if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         kw.update(use_sliding_window=False, sliding_window=None)
+    if family == "mistral":
+        kw["sliding_window"] = config.window_size
     if family == "mixtral":
         moe = config.moe
-        kw.update(sliding_window=None, num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
+        kw.update(sliding_window=config.window_size, num_local_experts=moe.num_experts, num_experts_per_tok=moe.topk,
                   router_aux_loss_coef=moe.aux_loss_coeff, intermediate_size=moe.expert_ffn(config.ffn_hidden_size))
     if family in ("qwen3_moe", "qwen2_moe"):
         moe = config.moe
@@ -221,7 +233,7 @@ def hf_config_from(config: GPTConfig, dtype: torch.dtype = torch.float32, *, bos
     if problems:
         raise ValueError(f"{_ARCHITECTURES[family]} cannot express {', '.join(problems)}; export a model without it")
     class_name = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
+                  "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "mistral": "MistralConfig",
                   "qwen2_moe": "Qwen2MoeConfig", "deepseek_v2": "DeepseekV2Config",
                   "deepseek_v3": "DeepseekV3Config"}[family]
     hf_class = getattr(transformers, class_name)

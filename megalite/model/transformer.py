@@ -18,6 +18,7 @@ from megalite import comm, ops, params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
 from megalite.context_parallel.zigzag import logical_row_offsets
+from megalite.kernels import DocumentMask
 from megalite.layer_groups import LayerGroups
 from megalite.config.model import GPTConfig
 from megalite.model.mla import MultiLatentAttention
@@ -108,8 +109,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def core(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-             rng: TensorParallelRNG) -> torch.Tensor:
-        """[s, b, (nq + 2 nkv)/tp * d] -> [s, b, nq/tp * d]: the part selective recompute re-runs."""
+             rng: TensorParallelRNG, documents: DocumentMask | None = None) -> torch.Tensor:
+        """[s, b, (nq + 2 nkv)/tp * d] -> [s, b, nq/tp * d]: the part selective recompute re-runs.
+        documents: the microbatch's packed documents (GPTModel.forward builds it once), or None."""
         s, b, _ = qkv.shape
         d, hq, hkv = self.head_dim, self.local_heads, self.local_groups
         q, k, v = ops.split_heads(qkv, (hq, hkv, hkv), d)  # views [s, b, heads, d]
@@ -125,7 +127,7 @@ class Attention(nn.Module):
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, seed, head_start)
         else:
             out = ops.attention(q, k, v, dropout_p=p, dropout_seed=seed,
-                               dropout_offset=head_start * b * s * s)  # [b, hq, s, d]
+                               dropout_offset=head_start * b * s * s, documents=documents)  # [b, hq, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
 
 
@@ -178,13 +180,14 @@ class TransformerBlock(nn.Module):
                        self.training, offset, bias=bias, residual=residual)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                rng: TensorParallelRNG) -> torch.Tensor:
+                rng: TensorParallelRNG, documents: DocumentMask | None = None) -> torch.Tensor:
         qkv = self.attention.qkv(self.input_norm(x))
         qkv = qkv if isinstance(qkv, tuple) else (qkv,)  # latent attention's core takes three tensors
+        masked = (documents,) if documents is not None else ()  # packed documents (not with latent attention)
         if self.recompute_core and self.training:  # (as tensors, which the checkpoint keeps visibly)
-            core = checkpoint_with_rng(self.attention.core, rng, *qkv, rope, rng)
+            core = checkpoint_with_rng(self.attention.core, rng, *qkv, rope, rng, *masked)
         else:
-            core = self.attention.core(*qkv, rope, rng)
+            core = self.attention.core(*qkv, rope, rng, *masked)
         proj = self.attention.proj
         x = self._bias_dropout_add(proj.bias, proj(core, add_bias=False), x, rng, 1)
         if self.is_moe:  # experts carry no biases

@@ -4,7 +4,8 @@ The executor (executor.py) runs one step logic for both; only these three calls 
 
     out = calls.forward(c, m, x, labels)      # x: [s, b, h] activation or ids [b, s] (first chunk);
                                               # out: [s, b, h], or the loss sum (a scalar) when labels
-                                              # are given (the last model chunk)
+                                              # are given (the last model chunk); packed documents add
+                                              # position_ids=[b, s] for every chunk
     grad_in = calls.backward(c, m, grad, deferred)
                                               # grad: the output's gradient [s, b, h], or the loss
                                               # scale on the last chunk; grad_in = d/dx [s, b, h]
@@ -31,7 +32,7 @@ class ChunkCalls(Protocol):
     runs_bucket_hooks: bool  # False for replayed graphs: no bucket is launched from a backward hook
 
     def forward(self, chunk: int, microbatch: int, x: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor: ...
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def backward(self, chunk: int, microbatch: int, grad: torch.Tensor | float,
                  deferred: bool = False) -> torch.Tensor | None: ...
@@ -76,13 +77,14 @@ class ModuleCalls:
         self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list | None]] = {}
 
     def forward(self, chunk: int, microbatch: int, x: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        documents = {"position_ids": position_ids} if position_ids is not None else {}  # packed documents
         if labels is not None:
-            out = self.chunks[chunk](x, labels=labels, reduction="sum")
+            out = self.chunks[chunk](x, labels=labels, reduction="sum", **documents)
             if torch.is_grad_enabled():
                 self.pending[(chunk, microbatch)] = (x, out, None)
             return out
-        out = self.chunks[chunk](x)
+        out = self.chunks[chunk](x, **documents)
         if torch.is_grad_enabled():  # the root keeps the graph; the output itself can go once sent
             slot: list = []
             self.pending[(chunk, microbatch)] = (x, _OutputRoot.apply(out, slot), slot)

@@ -251,15 +251,18 @@ class _Executor:
         key = (c, mb)
         if p2p.is_first_chunk(self.pp, self.stage, c):
             self.inputs[key] = self.microbatches[mb]["input_ids"].to(self.mesh.device)
+        # packed documents: every chunk builds its blocks' mask from the microbatch's position ids
+        documents = {"position_ids": self.microbatches[mb]["position_ids"].to(self.mesh.device)} \
+            if "position_ids" in self.microbatches[mb] else {}
         if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
             labels = self.microbatches[mb]["labels"].to(self.mesh.device)
-            loss = self.calls.forward(c, mb, self.inputs[key], labels)
+            loss = self.calls.forward(c, mb, self.inputs[key], labels, **documents)
             self._loss_sum = self._loss_sum + loss.detach().double()
             if self.forward_only:
                 self.inputs.pop(key)
                 return
         else:
-            self.outputs[key] = self.calls.forward(c, mb, self.inputs[key])
+            self.outputs[key] = self.calls.forward(c, mb, self.inputs[key], **documents)
             if self.forward_only:
                 self.inputs.pop(key)
         self.live.add(key)

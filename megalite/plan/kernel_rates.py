@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from megalite.config.model import GPTConfig
+from megalite.config.model import GPTConfig, attention_span
 from megalite.plan.hardware import HardwareProfile
 from megalite.plan.layout import DTYPE_BYTES
+from megalite.plan.params import mean_document_length
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -122,6 +123,9 @@ def attention_products(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, at
     fwd+bwd time), else fused flash at `attention_efficiency`, else two batched GEMMs on the curve."""
     precision, d, s = cfg.precision.precision, model.head_dim, model.seq_length
     causal = 0.5 if attention == "flash" else 1.0
+    # packed documents and a window: the share of the causal work flash still does (it skips the rest)
+    kept = attention_span(s, mean_document_length(cfg), model.window_size) / s if attention == "flash" else 1.0
+    causal *= kept
     if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", "p2p") == "p2p":
         backend = "triton"                                           # ring attention merges Triton's blocks
     if attention == "flash":
@@ -129,7 +133,7 @@ def attention_products(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, at
                                      model.num_query_groups < model.num_attention_heads, model.attention_dropout > 0,
                                      backend)
         if measured:
-            return (measured[0] * FORWARD_SHARE / 2,) * 2
+            return (measured[0] * kept * FORWARD_SHARE / 2,) * 2
         if hw.attention_efficiency:                                  # a fused kernel at its measured rate
             return (2 * heads * local * s * causal * d / (hw.peak_flops(precision) * hw.attention_efficiency),) * 2
     # heads products of [s_local, d] x [d, s] and [s_local, s] x [s, d]

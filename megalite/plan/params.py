@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.config.model import GPTConfig
+from megalite.config.model import GPTConfig, attention_span
 from megalite.plan.layout import stage_layers
 from megalite.plan.moe import dense_change_per_layer, expert_params_per_layer, stage_moe_layers
 
@@ -58,8 +58,15 @@ def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     return n
 
 
+def mean_document_length(cfg: RunConfig) -> float | None:
+    """The documents attention is counted over: --mean-document-length under --reset-attention-mask, else
+    None (each sequence one document)."""
+    return cfg.data.mean_document_length if cfg.data.reset_attention_mask else None
+
+
 def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int | None = None,
-                             recompute_fraction: float = 1.0) -> float:
+                             recompute_fraction: float = 1.0, mean_document_length: float | None = None, *,
+                             span: float | None = None) -> float:
     """FLOPs executed per token including recomputation (HFU's numerator).
 
     Model FLOPs are 6N + 12*L*h*s; selective recompute re-runs the attention core forward
@@ -68,8 +75,10 @@ def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int |
     reduction), or that `recompute_fraction` of the blocks (--recompute-num-layers).
     """
     s = seq_length or model.seq_length
-    flops = model.flops_per_token(s)
-    attention_forward = 4.0 * model.num_layers * model.hidden_size * s
+    if span is None:  # documents and window: keys per query (measured on a step's documents when given)
+        span = attention_span(s, mean_document_length, model.window_size)
+    flops = model.flops_per_token(s, span=span)
+    attention_forward = 4.0 * model.num_layers * model.hidden_size * span
     if recompute == "selective":
         flops += attention_forward
     elif recompute == "full":

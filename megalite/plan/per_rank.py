@@ -48,7 +48,7 @@ from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers, zero_shard_ranks
 from megalite.plan.moe import expert_dp_config, stage_expert_params
-from megalite.plan.params import hardware_flops_per_token, stage_params
+from megalite.plan.params import hardware_flops_per_token, mean_document_length, stage_params
 from megalite.plan.zero3 import gathered_peak_elements, transient_grad_bytes
 
 if TYPE_CHECKING:
@@ -189,7 +189,9 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
     weights, grads, optimizer, host = stage_model_states(model, cfg, worst)
     m = cfg.num_microbatches
     tokens = cfg.global_batch_size * seq
-    hardware_flops = hardware_flops_per_token(model, cfg.parallel.recompute, seq, recompute_fraction(model, cfg)) * tokens
+    documents = mean_document_length(cfg)
+    hardware_flops = hardware_flops_per_token(model, cfg.parallel.recompute, seq, recompute_fraction(model, cfg),
+                                              documents) * tokens
     return Estimate(
         param_bytes=weights, grad_bytes=grads, optimizer_state_bytes=optimizer,
         activation_bytes=activation_bytes(model, cfg, worst, attention), params_per_rank=params, stage=worst,
@@ -197,7 +199,7 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
         inflight_microbatches=inflight_microbatches(cfg, worst), num_microbatches=m,
         bubble_fraction=bubble_fraction(cfg),
         comm_bytes=communication_bytes(model, cfg, worst),
-        flops_per_step=model.flops_per_token(seq) * tokens,
+        flops_per_step=model.flops_per_token(seq, documents) * tokens,
         hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage],
         buffer_bytes=buffer_bytes(model, cfg, worst))

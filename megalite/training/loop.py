@@ -45,6 +45,7 @@ from megalite.cli import given_settings, parse_args, to_toml
 from megalite.config import RunConfig, SFTOverlong
 from megalite.config.rampup import BatchRampup
 from megalite.data.sft_dataset import build_sft_datasets
+from megalite.data.documents import DocumentFields
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset
@@ -200,10 +201,11 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
                                                       cfg.data.split)
     else:  # data may sit on node-local disks: every rank learns if any rank cannot read it
         path, d = list(cfg.data.data_path) if cfg.data.data_path else None, cfg.data
+        documents = DocumentFields(d.reset_position_ids, d.eod_mask_loss)  # data/documents.py
         train_set, valid_set, _ = comm.agreed(lambda: build_sft_datasets(
             path, d.split, model_cfg.seq_length, t.seed, tokenizer, packing=d.sft_packing,
             truncate=d.sft_overlong == SFTOverlong.TRUNCATE) if d.sft else build_gpt_datasets(
-            path, d.split, model_cfg.seq_length, t.seed, tokenizer), comm.world_group())
+            path, d.split, model_cfg.seq_length, t.seed, tokenizer, documents=documents), comm.world_group())
     ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
     sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
                                  mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)

@@ -65,6 +65,21 @@ def peak_tflops(device_name: str | None = None, precision: str = "bf16") -> floa
     return None
 
 
+def measured_attention_span(microbatches: list[dict[str, torch.Tensor]], window: int | None) -> float | None:
+    """The keys per query of these microbatches' packed documents and window, in the FLOP count's
+    convention (config.model.attention_span: 2 * pairs / tokens - 1); token i of a document sees
+    min(position_i + 1, window) keys. None without position_ids and window (the sequence length)."""
+    if window is None and not any("position_ids" in mb for mb in microbatches):
+        return None
+    pairs, tokens = 0, 0
+    for mb in microbatches:
+        ids = mb["input_ids"]
+        positions = mb["position_ids"] if "position_ids" in mb else torch.arange(ids.shape[1]).expand(ids.shape)
+        seen = positions + 1 if window is None else (positions + 1).clamp(max=window)
+        pairs, tokens = pairs + int(seen.sum()), tokens + ids.numel()
+    return 2 * pairs / tokens - 1
+
+
 def effective_batch(micro_batch_size: int, dp: int, num_microbatches: int) -> int:
     """Sequences per optimizer step: micro x data-parallel replicas x accumulation steps."""
     return micro_batch_size * dp * num_microbatches
@@ -83,7 +98,7 @@ class ThroughputMeter:
         self.tokens_per_step = self.samples_per_step * seq_length
         self.model_flops_per_token = model.flops_per_token(seq_length)
         self.hardware_flops_per_token = hardware_flops_per_token(model, recompute, seq_length, recompute_fraction)
-        self.recompute = recompute
+        self.model, self.recompute, self.recompute_fraction = model, recompute, recompute_fraction
         self.peak_flops = peak_tflops_per_gpu * 1e12 if peak_tflops_per_gpu else None
         self.gpu_seconds = 0.0
         self._recent: list[float] = []  # last step times, for the ETA
@@ -91,12 +106,14 @@ class ThroughputMeter:
         self._start_step = start_step
 
     def step(self, step: int, step_time_s: float, samples: int | None = None, remaining_samples: int | None = None,
-             **fields: Any) -> dict[str, Any]:
+             attention_span: float | None = None, **fields: Any) -> dict[str, Any]:
         """The metrics record of optimizer step `step` that took `step_time_s` seconds.
 
         `samples`: this step's global batch when it differs from the layout's (--rampup-batch-size);
         `remaining_samples`: the samples of the steps still to run, when their batches differ (the ETA
         then goes by seconds per sample instead of seconds per step).
+        `attention_span`: the keys per query of this step's packed documents / window (StepResult's), so the
+        FLOPs (and MFU) count only the attention computed; None: the layout's sequence length.
         Extra keyword fields (loss, lr, grad_norm, ...) are copied into the record.
         """
         if step_time_s <= 0:
@@ -107,6 +124,11 @@ class ThroughputMeter:
         self._recent_per_sample = (self._recent_per_sample + [step_time_s / samples])[-20:]
         tokens_per_step = samples * self.seq_length
         tokens_per_sec = tokens_per_step / step_time_s
+        model_flops, hardware_flops = self.model_flops_per_token, self.hardware_flops_per_token
+        if attention_span is not None:
+            model_flops = self.model.flops_per_token(span=attention_span)
+            hardware_flops = hardware_flops_per_token(self.model, self.recompute, self.seq_length,
+                                                      self.recompute_fraction, span=attention_span)
         record: dict[str, Any] = {"step": step, **fields}
         record.update(
             step_time_s=step_time_s,
@@ -115,13 +137,13 @@ class ThroughputMeter:
             tokens_per_sec=tokens_per_sec,
             tokens_per_sec_per_rank=tokens_per_sec / self.world_size,
             samples_per_sec=samples / step_time_s,
-            tflops_per_rank=self.model_flops_per_token * tokens_per_sec / self.world_size / 1e12,
+            tflops_per_rank=model_flops * tokens_per_sec / self.world_size / 1e12,
             gpu_hours=self.gpu_seconds / 3600.0,
         )
         if self.peak_flops:
-            record["mfu"] = self.model_flops_per_token * tokens_per_sec / (self.world_size * self.peak_flops)
+            record["mfu"] = model_flops * tokens_per_sec / (self.world_size * self.peak_flops)
             if self.recompute != "none":
-                record["hfu"] = self.hardware_flops_per_token * tokens_per_sec / (self.world_size * self.peak_flops)
+                record["hfu"] = hardware_flops * tokens_per_sec / (self.world_size * self.peak_flops)
         if self.total_steps is not None:
             remaining = max(0, self.total_steps - step)
             record["total_steps"] = self.total_steps

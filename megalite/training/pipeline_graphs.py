@@ -133,8 +133,12 @@ class PipelineGraphs:
 
     # ------------------------------------------------------------------ what the executor calls
 
-    def forward(self, chunk: int, microbatch: int, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The chunk's output [s, b, h] (or the loss sum on the last chunk): its forward graph replayed."""
+    def forward(self, chunk: int, microbatch: int, x: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk's output [s, b, h] (or the loss sum on the last chunk): its forward graph replayed.
+        Packed documents (position_ids) are not captured: --cuda-graph refuses --reset-attention-mask."""
+        if position_ids is not None:
+            raise ValueError("--cuda-graph does not capture packed documents (position_ids); drop one of them")
         slot = self.slots.get((chunk, microbatch))
         if slot is None:  # first step: captured here, in schedule order
             slot = self.slots[(chunk, microbatch)] = self._capture_forward(chunk, x, labels)

@@ -36,12 +36,14 @@ class ProvidedModelConfig:
     tie_embeddings: bool = False  # the checkpoint's rule for GPT's tied copy: a provided model has none
     hidden_size: int = 0  # unknown: no attention term in the FLOP counts
     moe: None = None  # no megalite experts (MoE flags are refused)
+    window_size: None = None  # no megalite attention (no attention FLOPs counted)
     vocab_size: int = 0  # the flags' (--mock-data draws ids below it); the module's own may be larger
 
     def num_params(self, include_embedding: bool = True) -> int:
         return self.total_params
 
-    def flops_per_token(self, seq_length: int | None = None) -> float:
+    def flops_per_token(self, seq_length: int | None = None, mean_document_length: float | None = None, *,
+                        span: float | None = None) -> float:
         return 6.0 * self.total_params
 
     def describe(self) -> str:
@@ -95,8 +97,10 @@ class ProvidedChunk(nn.Module):
         self.module, self.loss_fn, self.config = module, loss_fn, config
         self.rng = TensorParallelRNG(seed)  # checkpoints store each chunk's streams; nothing here draws from them
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean"):
-        output = self.module(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean",
+                position_ids: torch.Tensor | None = None):
+        # packed documents: the module gets the restarting position_ids (transformers' padding-free packing)
+        output = self.module(input_ids) if position_ids is None else self.module(input_ids, position_ids=position_ids)
         if labels is None:
             return output
         loss_sum = self.loss_fn(output, labels)

@@ -23,6 +23,7 @@ from megalite.model.mtp import mtp_stats
 from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.diloco import DiLoCo
+from megalite.data.documents import check_position_ids
 from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.model.fp8_convert import convert_to_fp8
@@ -34,6 +35,7 @@ from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
+from megalite.training.metrics import measured_attention_span
 from megalite.training.step_result import PipelineTiming, StepResult
 from megalite.host_reads import no_host_reads
 from megalite.config import RunConfig
@@ -121,6 +123,18 @@ def _check_same_experts(mesh: Mesh, cfg: RunConfig, model: GPTConfig) -> None:
                          f"under tp, the configuration ep={cfg.parallel.ep} and {'whole' if whole else 'no whole'} "
                          f"experts (--etp {cfg.parallel.etp}, --tp {cfg.parallel.tp}); build the mesh from the "
                          f"configuration: init_mesh(layout=cfg.layout())")
+
+
+def document_inputs(microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword for packed documents: {"position_ids": [b, s]} when the microbatch has them."""
+    return {"position_ids": microbatch["position_ids"]} if "position_ids" in microbatch else {}
+
+
+def check_documents(microbatches: list[dict[str, torch.Tensor]]) -> None:
+    """Restarting position ids, checked on the loader's host tensors before any collective (DataError)."""
+    for microbatch in microbatches:
+        if "position_ids" in microbatch:
+            check_position_ids(microbatch["position_ids"])
 
 
 def _check_same_cp(mesh: Mesh, cfg: RunConfig) -> None:
@@ -231,13 +245,14 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     Returns the step's StepResult (training/step_result.py).
     """
     _check_same_cp(mesh, cfg)
+    check_documents(microbatches)
+    span = measured_attention_span(microbatches, model.chunks[0].config.window_size)  # the MFU's attention work
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
     microbatches = context_parallel_chunks(microbatches, mesh)
     if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
         graphs.check_shapes(microbatches)
     # in flight while the first forward runs; under DiLoCo one replica group's tokens
-    tokens = GlobalTokens(microbatches, mesh, group=model.data_group) if getattr(model, "replicas_apart", False) \
-        else GlobalTokens(microbatches, mesh)
+    tokens = GlobalTokens(microbatches, mesh, group=model.data_group if getattr(model, "replicas_apart", False) else None)
     microbatches = _to_device(microbatches, mesh.device)
     scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     optimizer.zero_grad()
@@ -269,7 +284,8 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
                       exposed_token_count_s=tokens.wait_seconds, moe=moe_stats, mtp=mtp,
                       pipeline=pipeline,  # for the measured bubble (pipeline.stages.measured_bubble), read when logging
-                      **compression)
+                      attention_span=span, **compression)
+
 
 def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phase) -> torch.Tensor:
     """pp == 1: forward and backward of each microbatch; the dp reductions start, bucket by bucket,
@@ -281,7 +297,7 @@ def _accumulate_microbatches(model: DataParallel, microbatches, loss_scale, phas
     for i, mb in enumerate(microbatches):
         model.set_last_microbatch(i == len(microbatches) - 1)
         with phase("forward"):
-            loss = model(mb["input_ids"], mb["labels"], reduction="sum")
+            loss = model(mb["input_ids"], mb["labels"], reduction="sum", **document_inputs(mb))
         if i == 0:
             loss_scale = loss_scale()  # the token count's all-reduce, overlapped with this forward
         with phase("backward"):
@@ -313,7 +329,8 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
     for chunk in chunks:
         chunk.eval()
     if mesh.pp_size == 1:
-        loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum")) for mb in microbatches)
+        loss_sum = sum(float(chunks[0](mb["input_ids"], mb["labels"], reduction="sum", **document_inputs(mb)))
+                       for mb in microbatches)
     else:
         spec = pipeline_spec(chunks[0].config, cfg, len(microbatches), seq_length)
         loss_sum = run_pipeline(spec, chunks, microbatches, mesh, forward_only=True)

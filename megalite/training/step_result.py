@@ -45,3 +45,6 @@ class StepResult:
     # --grad-compression: bytes sent on the dp group (and edp), and uncompressed bytes / sent
     grad_reduce_bytes: int | None = None
     grad_compression_ratio: float | None = None
+    # packed documents or a sliding window: the keys per query this rank's microbatches attend to, in
+    # the FLOP count's convention (config.model.attention_span; the meter's MFU); None: the sequence length
+    attention_span: float | None = None

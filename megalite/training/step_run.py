@@ -74,7 +74,8 @@ def step_record(step: int, step_time: float, result: StepResult, cp_comm_bytes: 
     batch = sampler.last_batch_size  # this step's global batch (it grows under --rampup-batch-size)
     ramp = BatchRampup.of(cfg)
     remaining = ramp.samples_in(cfg.training.train_iters - step, sampler.consumed_samples) if ramp else None
-    record = services.meter.step(step, step_time, samples=batch, remaining_samples=remaining, loss=result.loss,
+    record = services.meter.step(step, step_time, samples=batch, remaining_samples=remaining,
+                                 attention_span=result.attention_span, loss=result.loss,
                                  lr=result.lr, grad_norm=result.grad_norm, skipped=result.skipped,
                                  exposed_dp_comm_s=result.exposed_dp_comm_s,
                                  exposed_grad_reduce_s=result.exposed_grad_reduce_s,

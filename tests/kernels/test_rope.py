@@ -49,3 +49,19 @@ def test_rope_accepts_megatron_table_layout_and_rejects_wrong_tables():
         rope(x, cos[:3], sin[:3])
     with pytest.raises(ValueError, match="even head dim"):
         rope(torch.randn(4, 1, 2, 7, device=DEVICE), cos, sin)
+
+
+def test_rope_with_a_table_per_sample_rotates_each_sample_by_its_own_positions():
+    """Packed documents: [s, b, d] tables, gathered by each sample's restarting positions; forward and
+    backward equal each sample rotated alone by its rows of the shared table."""
+    seq, batch, heads, dim = 9, 2, 3, 16
+    cos, sin = rotary_tables(seq, dim)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))], device=DEVICE)  # [b, s]
+    per_cos, per_sin = cos[position_ids].transpose(0, 1), sin[position_ids].transpose(0, 1)  # [s, b, d]
+    x = torch.randn(seq, batch, heads, dim, device=DEVICE, requires_grad=True)
+    out = rope(x, per_cos, per_sin)
+    for b in range(batch):
+        alone = rope_reference(x[:, b:b + 1].detach(), cos[position_ids[b]], sin[position_ids[b]])
+        torch.testing.assert_close(out[:, b:b + 1], alone, atol=1e-6, rtol=1e-6)
+    compare_with_reference(lambda t: rope(t, per_cos, per_sin), lambda t: rope_reference(t, per_cos, per_sin), [x],
+                           tolerance(torch.float32))

@@ -93,7 +93,7 @@ def test_unsupported_families_and_options_are_refused_by_name():
     small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=256)
     assert "rope_interleave=False" in _refusal(transformers.DeepseekV3Config(**small, rope_interleave=False))
-    assert "sliding_window=128" in _refusal(transformers.MistralConfig(**small, sliding_window=128))
+    assert config_from_hf(transformers.MistralConfig(**small, sliding_window=128)).window_size == 128  # converted
     assert config_from_hf(transformers.MistralConfig(**small, sliding_window=256)).seq_length == 256  # covers all
     assert "sliding_window=64" in _refusal(transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=64))
     assert "'linear' is not supported" in _refusal(transformers.LlamaConfig(
