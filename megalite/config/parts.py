@@ -219,11 +219,13 @@ class OptimizerSettings:
     muon_nesterov: bool = setting(True, "--optimizer muon: Nesterov momentum (--no-muon-nesterov: plain)")
     muon_ns_steps: int = setting(5, "--optimizer muon: Newton-Schulz iterations", minimum=1, maximum=99)
     muon_ns_coefficients: tuple[float, float, float] = setting((3.4445, -4.7750, 2.0315),
-                                                               "--optimizer muon: the quintic's a b c")
+                                                               "--optimizer muon: the quintic's a b c", minimum=-100, maximum=100)
     muon_adjust_lr: MuonAdjustLR = setting(MuonAdjustLR.MATCH_RMS_ADAMW, "--optimizer muon: update scale of an "
                                                                           "[A, B] matrix: 0.2*sqrt(max(A, B)) "
                                                                           "(AdamW's lr carries over) or "
                                                                           "sqrt(max(1, A/B))")
+    muon_ns_dtype: str = setting("bf16", "--optimizer muon: Newton-Schulz in bf16 (torch's, the recipes') or fp32 "
+                                         "(slower; what the layout tests compare)", choices=("bf16", "fp32"))
     muon_owners: MuonOwners = setting(MuonOwners.BALANCED, "--optimizer muon: which rank orthogonalises which "
                                                            "matrix (balanced: the FLOPs spread)")
 

@@ -53,7 +53,8 @@ class _ZeroHop:
         self.shards, self.me = shards, me
 
         def pieces_of(rank: int) -> list[OwnedPiece]:
-            ranks = tuple(rank if k == kind else 0 for k in range(kind + 1))
+            kinds = 1 + max(b.kind for b in layout.buckets)  # owned_pieces takes one rank per kind in the layout
+            ranks = tuple(rank if k == kind else 0 for k in range(max(kinds, kind + 1)))
             return [x for x in layout.owned_pieces(ranks)
                     if x.param in params and layout.buckets[layout.slots[x.param].bucket].kind == kind]
 

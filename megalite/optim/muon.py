@@ -33,7 +33,7 @@ import torch
 from megalite import comm, errors, params as P
 from megalite.config.choices import MuonAdjustLR, MuonOwners
 from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
-from megalite.plan.muon import assign_owners, describe_owners, ns_flops
+from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads
 from megalite.sharding import ShardSpec
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
@@ -185,8 +185,7 @@ class ShardedMuon:
                                    optimizer.param_groups[self.group_of[i]]["ns_steps"])
                           for b in matrix_blocks(P.shard_spec(params[i]))) for i in self.matrices]
         self.candidates = [_candidates(model, i) for i in self.matrices]
-        self.chosen = assign_owners(self.costs, [[c for c, _ in choices] for choices in self.candidates],
-                                    policy=owners)
+        self.chosen = self._assign(model, owners)
         self.owners = {i: choices[c][1] for i, choices, c in zip(self.matrices, self.candidates, self.chosen)}
         self.exchange = exchange or model.whole_matrices(self.owners)
         pieces = {g: [] for g in self.groups}
@@ -198,6 +197,21 @@ class ShardedMuon:
         # NS casts its input first: cast on the shard, and send half the bytes, when every group runs in bfloat16
         self.wire_dtype = torch.bfloat16 if all(optimizer.param_groups[g]["ns_dtype"] == torch.bfloat16
                                                 for g in self.groups) else torch.float32
+
+    def _assign(self, model, policy: MuonOwners) -> list[int]:
+        """Owners of the dense matrices, then of the experts starting from the dense load. In two passes
+        because ranks of other ep ranks hold other experts: a joint pass would let their experts move the
+        dense owners apart (every rank of the stage must agree on those)."""
+        ranks = [[c for c, _ in choices] for choices in self.candidates]
+        expert = [P.is_expert_parallel(model.params[i]) for i in self.matrices]
+        chosen, start = [0] * len(self.matrices), None
+        for experts in (False, True):
+            part = [k for k in range(len(self.matrices)) if expert[k] == experts]
+            picked = assign_owners([self.costs[k] for k in part], [ranks[k] for k in part], policy=policy, start=start)
+            for k, c in zip(part, picked):
+                chosen[k] = c
+            start = owner_loads([self.costs[k] for k in part], [ranks[k] for k in part], picked)
+        return chosen
 
     def _apply_runs(self, pieces, rule: str) -> list[tuple[int, int, float]]:
         """(shard start, shard end, r) of this rank's pieces of a group's matrices."""

@@ -87,7 +87,9 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
         if prec.precision == "fp16" else None
     muon = MuonSettings(momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps,
                         ns_coefficients=tuple(opt.muon_ns_coefficients), adjust_lr=opt.muon_adjust_lr,
-                        owners=opt.muon_owners, lr=opt.muon_lr) if opt.optimizer == OptimizerKind.MUON else None
+                        owners=opt.muon_owners, lr=opt.muon_lr,
+                        ns_dtype=torch.float32 if opt.muon_ns_dtype == "fp32" else torch.bfloat16) \
+        if opt.optimizer == OptimizerKind.MUON else None
     return DistributedOptimizer(model, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                 weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
                                 offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler, muon=muon)

@@ -73,3 +73,40 @@ def reference(steps=STEPS, cfg=None, clip=CLIP, **muon_kwargs):
         losses.append(float(loss.detach()))
     full = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in model.logical_parameters()}
     return losses, norms, full
+
+
+def run_cfg(**kw):
+    """A RunConfig of a tiny MoE Llama (both blocks MoE) under Muon, Newton-Schulz in fp32; `kw`: the layout."""
+    from megalite.config import RunConfig
+    settings = dict(micro_batch_size=2, global_batch_size=8, lr=LR, muon_lr=MUON_LR, weight_decay=WEIGHT_DECAY,
+                    clip_grad=CLIP, seed=3, adam_eps=EPS, model="moe-tiny", num_layers=2, hidden_size=32,
+                    num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, seq_length=SEQ, vocab_size=257,
+                    num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2,
+                    optimizer="muon", muon_ns_dtype="fp32", lr_warmup_iters=0, lr_decay_style="constant")
+    return RunConfig.build(**{**settings, **kw})
+
+
+def cfg_batches(cfg, dp, dp_rank, steps):
+    """Every step's microbatches for this dp rank (the global batch split like GlobalBatchSampler)."""
+    out, micro, per_rank = [], cfg.training.micro_batch_size, cfg.global_batch_size // dp
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(900 + step)
+        ids = torch.randint(0, 257, (cfg.global_batch_size, SEQ + 1), generator=gen)
+        inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+        labels[step, :3] = -100
+        mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        out.append([{"input_ids": i, "labels": t} for i, t in zip(inputs[mine].split(micro), labels[mine].split(micro))])
+    return out
+
+
+def train_cfg(m, cfg, steps):
+    """(losses, {name: (spec, this rank's tensor)}, optimizer) after `steps` steps of the real train step."""
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
+    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, None).loss  # each group at its own lr
+              for mbs in cfg_batches(cfg, m.dp_size, m.dp_rank, steps)]
+    optimizer.wait_for_params()
+    with optimizer.model.gathered():
+        params = {n: (P.shard_spec(p), p.detach().float().clone()) for c in chunks for n, p in c.logical_parameters()}
+    return losses, params, optimizer

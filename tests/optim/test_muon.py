@@ -76,6 +76,7 @@ def test_newton_schulz_is_torchs():
         assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)), shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adjust", list(MuonAdjustLR))
 def test_single_process_equals_torch_muon_and_adamw(adjust):
     """Bit for bit over 5 steps, in bfloat16 as torch runs NS. Unclipped: megalite's global norm and
@@ -86,11 +87,15 @@ def test_single_process_equals_torch_muon_and_adamw(adjust):
     check(out, ref, f"single process {adjust}", rtol=0.0)
 
 
+def _single(steps=STEPS):
+    """The oracle of the layouts: the single process, clipped, Newton-Schulz in float32."""
+    out = train(mesh_lib.single_process_mesh(), steps=steps)
+    return out["losses"], out["norms"], {n: spec.assemble([torch.from_numpy(v)]) for n, (spec, v) in out["params"].items()}
+
+
 @pytest.fixture(scope="module")
 def single():
-    """The oracle of the layouts: the single process, clipped, Newton-Schulz in float32."""
-    out = train(mesh_lib.single_process_mesh())
-    return out["losses"], out["norms"], {n: spec.assemble([torch.from_numpy(v)]) for n, (spec, v) in out["params"].items()}
+    return _single()
 
 
 class ShardAlone:
@@ -118,6 +123,7 @@ def _tp2_dp2_world():
     return runs
 
 
+@pytest.mark.slow
 def test_tp2_dp2_zero_stages_and_owners_equal_single_process(single):
     per_rank = run_distributed(_tp2_dp2_world, 4, timeout_s=240)
     for rank, runs in enumerate(per_rank):
@@ -128,3 +134,26 @@ def test_tp2_dp2_zero_stages_and_owners_equal_single_process(single):
                 continue
             check(out, single, f"rank {rank} {what}")
     print(per_rank[0]["zero1 balanced"]["owners"])
+
+
+def _two_rank_world():
+    """tp 2 (the tp hop), then dp 2 at ZeRO 2 (the ZeRO hop), two steps each."""
+    runs = {"tp2 zero0": train(mesh_lib.init_mesh(tp=2), steps=2, sp=True)}
+    runs["dp2 zero2"] = train(mesh_lib.init_mesh(dp=2, replace=True), zero_stage=2, steps=2, owners=MuonOwners.FIRST)
+    return runs
+
+
+def test_two_ranks_equal_single_process():
+    ref = _single(steps=2)
+    for rank, runs in enumerate(run_distributed(_two_rank_world, 2)):
+        for what, out in runs.items():
+            check(out, ref, f"rank {rank} {what}")
+
+
+def test_bad_muon_settings_are_one_line():
+    for kwargs in (dict(momentum=1.0), dict(ns_steps=0), dict(ns_coefficients=(1.0, 2.0))):
+        with pytest.raises(ValueError):
+            MuonSettings(**kwargs)
+    model = DataParallel(torch.nn.Sequential(torch.nn.LayerNorm(4)), mesh_lib.single_process_mesh())
+    with pytest.raises(errors.UsageError, match="no 2-D hidden matrices"):
+        DistributedOptimizer(model, muon=MuonSettings())
