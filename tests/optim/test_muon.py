@@ -157,3 +157,43 @@ def test_bad_muon_settings_are_one_line():
     model = DataParallel(torch.nn.Sequential(torch.nn.LayerNorm(4)), mesh_lib.single_process_mesh())
     with pytest.raises(errors.UsageError, match="no 2-D hidden matrices"):
         DistributedOptimizer(model, muon=MuonSettings())
+
+
+@pytest.mark.slow
+def test_state_dict_loads_into_a_fresh_optimizer():
+    """torch's shape (a Muon matrix: momentum_buffer, no second moment); 2 steps, save, a fresh model and
+    optimizer load it, 2 more steps: the uninterrupted run's losses and parameters, bit for bit."""
+    m, cfg = mesh_lib.single_process_mesh(), config()
+
+    def build():
+        model = GPTModel(cfg, m, seed=7)
+        dp = DataParallel(model, m, dp_reduction="sum")
+        return model, DistributedOptimizer(dp, lr=LR, weight_decay=WEIGHT_DECAY, eps=EPS, clip_grad=CLIP,
+                                           muon=MuonSettings(lr=MUON_LR, ns_dtype=torch.float32))
+
+    def steps(model, opt, which):
+        losses = []
+        for step in which:
+            opt.zero_grad()
+            ids, labels, tokens = batch(step, cfg.vocab_size)
+            model.zero_grad()
+            loss = opt.model(ids, labels, reduction="sum") / tokens
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    model, opt = build()
+    whole = steps(model, opt, range(4))
+    model, opt = build()
+    steps(model, opt, range(2))
+    saved, weights = opt.state_dict(), {n: p.detach().clone() for n, p in model.logical_parameters()}
+    hidden = saved["state"]["layers.0.attention.qkv.weight"]
+    assert set(hidden) == {"step", "momentum_buffer"} and hidden["momentum_buffer"].abs().max() > 0
+    assert set(saved["state"]["word_embeddings.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert saved["param_groups"][0]["use_muon"] and saved["param_groups"][0]["lr"] == MUON_LR
+    model, opt = build()
+    model.load_full_state_dict({n: P.shard_spec(p).assemble([w]) for (n, p), w in
+                                zip(model.logical_parameters(), weights.values())})
+    opt.load_state_dict(saved)
+    assert steps(model, opt, range(2, 4)) == whole[2:]

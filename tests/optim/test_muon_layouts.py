@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megalite import mesh as mesh_lib
+from megalite import mesh as mesh_lib, params as P
 from megalite.testing import assert_tensor_close, run_distributed
 from muon_helpers import run_cfg, train_cfg
 
@@ -51,3 +51,40 @@ def test_muon_layouts_equal_the_single_process(single):
             for n, (spec, value) in params.items():
                 assert_tensor_close(torch.from_numpy(value), spec.shard(ref_full[n]), rtol=1e-5,
                                     what=f"{name} rank {rank} {n}")
+
+
+def _resume_world(ckpt_dir):
+    """2 steps at (dp 4, ep 2, ZeRO 2), saved; loaded at (tp 2, dp 2, ZeRO 3, SP): 2 more steps."""
+    from megalite.checkpoint import Checkpointer, load_checkpoint
+    from muon_helpers import cfg_batches
+    from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+    quiet = dict(log=lambda *_: None)
+    m = mesh_lib.init_mesh(dp=4, ep=2, replace=True)
+    cfg = run_cfg(dp=4, ep=2, zero=2)
+    _, _, optimizer = train_cfg(m, cfg, 2)
+    chunks = optimizer.model.chunks
+    Checkpointer(ckpt_dir, m, **quiet).save(2, list(chunks), optimizer, consumed_samples=16,
+                                            model_config=chunks[0].config)
+    m = mesh_lib.init_mesh(tp=2, replace=True)
+    cfg = run_cfg(tp=2, dp=2, zero=3, sequence_parallel=True)
+    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
+    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
+    load_checkpoint(ckpt_dir, chunks, optimizer, m, **quiet)
+    losses = [train_step(optimizer.model, optimizer, mbs, m, cfg, None).loss
+              for mbs in cfg_batches(cfg, m.dp_size, m.dp_rank, 4)[2:]]
+    with optimizer.model.gathered():
+        params = {n: (P.shard_spec(p), p.detach().float().clone().numpy()) for c in chunks
+                  for n, p in c.logical_parameters()}
+    return losses, params
+
+
+@pytest.mark.slow
+def test_a_muon_run_resumes_at_another_layout(tmp_path):
+    ref_losses, _, optimizer = train_cfg(mesh_lib.single_process_mesh(), run_cfg(), 4)
+    with optimizer.model.gathered():
+        ref_full = {n: P.shard_spec(p).assemble([p.detach().float()]) for c in optimizer.model.chunks
+                    for n, p in c.logical_parameters()}
+    for rank, (losses, params) in enumerate(run_distributed(_resume_world, 4, str(tmp_path / "ckpt"), timeout_s=600)):
+        torch.testing.assert_close(losses, ref_losses[2:], rtol=1e-5, atol=0)
+        for n, (spec, value) in params.items():
+            assert_tensor_close(torch.from_numpy(value), spec.shard(ref_full[n]), rtol=1e-5, what=f"rank {rank} {n}")
