@@ -61,6 +61,7 @@ import torch
 
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.kernels.adamw import adamw_step as fused_adamw_step
+from megalite.optim.compact_state import CompactState, merged
 from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum, square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.muon import MuonSettings, ShardedMuon, default_hidden_matrix, muon_groups
@@ -191,10 +192,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # once: the step then decays them with one foreach op per group instead of a slice and a mul_ per run
         self._group_views = [[[self._masters[b.index][a:z] for a, z in clip_runs(runs, *self._bounds(b.index))]
                               for runs in self._group_runs] for b in buckets]
-        self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()  # Muon's momentum: exp_avg on its elements
+        # Muon's momentum is exp_avg on its elements; the second moment then exists for AdamW's elements only
+        self.exp_avg, self.exp_avg_sq = state_tensor(), self._second_moment(state_tensor, state_device, pin)
         self.step_count = 0
-        self.muon = ShardedMuon(self, owners=(muon or MuonSettings()).owners) \
-            if any(g.get("use_muon") for g in self.param_groups) else None
+        self.muon = ShardedMuon(self, owners=(muon or MuonSettings()).owners) if self._has_muon() else None
+
+    def _has_muon(self) -> bool:
+        return any(g.get("use_muon") for g in self.param_groups)
+
+    def _second_moment(self, state_tensor, device: torch.device, pin: bool):
+        """Adam's exp_avg_sq: shard-sized, or with Muon groups a CompactState over the AdamW groups' runs."""
+        if not self._has_muon():
+            return state_tensor()
+        adam = [run for g, runs in zip(self.param_groups, self._group_runs) if not g.get("use_muon") for run in runs]
+        return CompactState(merged(adam), device=device, pin=pin)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_group_runs", None) is not None:  # after construction the shard's runs are fixed

@@ -44,12 +44,16 @@ def train(m, *, zero_stage=0, owners=MuonOwners.BALANCED, steps=STEPS, microbatc
         norms.append(result["grad_norm"])
         losses.append(float(comm.all_reduce(total, m.dp_group)))
     opt.wait_for_params()
-    return dict(losses=losses, norms=norms, owners=opt.muon.describe(),
+    adam = sum(x.numel for x in opt.pieces if x.param not in opt.muon.group_of)  # AdamW's elements of the shard
+    one_buffer = opt.memory_report()["optimizer_state_bytes"] == 4 * dp.layout.shard_numel + 4 * adam \
+        + (0 if opt.shares_master else 4 * dp.layout.shard_numel)
+    return dict(losses=losses, norms=norms, owners=opt.muon.describe(), one_buffer=one_buffer,
                 params={n: (P.shard_spec(p), p.detach().float().numpy().copy()) for n, p in model.logical_parameters()})
 
 
 def check(out, ref, what, rtol=1e-5):
     ref_losses, ref_norms, ref_full = ref
+    assert out["one_buffer"], f"{what}: Muon's matrices keep a second moment"
     for a, b in zip(out["losses"], ref_losses):
         assert math.isclose(a, b, rel_tol=rtol), (what, out["losses"], ref_losses)
     for a, b in zip(out["norms"], ref_norms):
