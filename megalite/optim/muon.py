@@ -39,7 +39,7 @@ from megalite.sharding import ShardSpec
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
 NS_EPS = 1e-7
 GROUP_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps", "adjust_lr_fn", "ns_dtype")
-_NOT_HIDDEN = ("embedding", "output_weight", "lm_head", "router", "position")
+_NOT_HIDDEN = ("embedding", "output_weight", "lm_head", "router", "position", "shared_expert_gate")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
+from megalite.plan.muon import stage_muon
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.layout import DTYPE_BYTES, dp_group_name, local_seq_length, recomputed_stage_layers, stage_layers
@@ -74,6 +75,9 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         add_dp_bytes(add, params, cfg)
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
     add(f"{dp_group_name(cfg)}/all_reduce", moe_replica_bytes(model, cfg, stage))  # MoE statistics (and bias load)
+    if cfg.optimizer.optimizer == "muon":  # whole matrices to their owners and back (plan/muon.py)
+        for key, n in stage_muon(model, cfg, stage).comm_bytes.items():
+            add(key, n)
     if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
         grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
         table = model.padded_vocab_size(t) // t * h

@@ -75,14 +75,18 @@ def reference(steps=STEPS, cfg=None, clip=CLIP, **muon_kwargs):
     return losses, norms, full
 
 
-def run_cfg(**kw):
-    """A RunConfig of a tiny MoE Llama (both blocks MoE) under Muon, Newton-Schulz in fp32; `kw`: the layout."""
+def run_cfg(dense=False, **kw):
+    """A RunConfig of a tiny MoE Llama (both blocks MoE; `dense`: plain MLPs) under Muon, Newton-Schulz in fp32;
+    `kw`: the layout."""
     from megalite.config import RunConfig
     settings = dict(micro_batch_size=2, global_batch_size=8, lr=LR, muon_lr=MUON_LR, weight_decay=WEIGHT_DECAY,
                     clip_grad=CLIP, seed=3, adam_eps=EPS, model="moe-tiny", num_layers=2, hidden_size=32,
                     num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, seq_length=SEQ, vocab_size=257,
                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2,
                     optimizer="muon", muon_ns_dtype="fp32", lr_warmup_iters=0, lr_decay_style="constant")
+    if dense:
+        settings = {k: v for k, v in settings.items() if not k.startswith(("moe_", "num_experts"))}
+        settings["model"] = "tiny-llama"
     return RunConfig.build(**{**settings, **kw})
 
 
