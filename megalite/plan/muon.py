@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 from megalite.config.choices import MuonOwners
 from megalite.config.model import GPTConfig
+from megalite.plan.layout import dp_group_name, stage_layers
+from megalite.plan.moe import stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -134,8 +136,6 @@ def layer_blocks(model: GPTConfig, *, moe_layer: bool, local_experts: int) -> tu
 
 def stage_muon(model: GPTConfig, cfg: "RunConfig", stage: int) -> MuonCost:
     """Muon's state, communication and Newton-Schulz work on one rank of `stage` (module docstring)."""
-    from megalite.plan.layout import dp_group_name, stage_layers
-    from megalite.plan.moe import stage_moe_layers
     layers, moe_layers = stage_layers(model, cfg)[stage], stage_moe_layers(model, cfg, stage)
     tp, etp, ep = cfg.parallel.tp, cfg.etp_size if model.moe else cfg.parallel.tp, cfg.parallel.ep
     local = model.moe.num_experts // ep if model.moe else 0
