@@ -78,13 +78,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     if cfg.optimizer.optimizer == "muon":  # whole matrices to their owners and back (plan/muon.py)
         for key, n in stage_muon(model, cfg, stage).comm_bytes.items():
             add(key, n)
-    if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
-        grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-        table = model.padded_vocab_size(t) // t * h
-        if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit
-            add("embedding/all_reduce", -(-table // (cfg.dp * cfg.parallel.cp)) * 4)
-        else:
-            add("embedding/all_reduce", table * grad_bytes)
+    add("embedding/all_reduce", _tied_embedding_bytes(model, cfg, stage))
     if pp > 1:
         chunk = u // (t if sp else 1)
         first, last = stage == 0, stage == pp - 1
@@ -93,6 +87,17 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
         add("pp/recv", chunk * (fwd_recv + fwd_send))
     return out
+
+
+def _tied_embedding_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """The tied embedding's gradient summed over the embedding group (first and last stage, pp > 1)."""
+    pp, t = cfg.parallel.pp, cfg.parallel.tp
+    if not (pp > 1 and model.tie_embeddings and stage in (0, pp - 1)):
+        return 0
+    table = model.padded_vocab_size(t) // t * model.hidden_size
+    if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit
+        return -(-table // (cfg.dp * cfg.parallel.cp)) * 4
+    return table * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
 
 
 def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u: int,
