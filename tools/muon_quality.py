@@ -1,7 +1,7 @@
 """Muon against AdamW on tiny-llama and the default corpus: each at its own best lr of a small sweep,
 several seeds; how many steps AdamW needs to reach Muon's final loss (docs/muon.md).
 
-    python tools/muon_quality.py --steps 150 --lrs 1e-3 3e-3 1e-2 --seeds 1 2 3 --out muon_quality.json
+    python tools/muon_quality.py --steps 150 --lrs 1e-3 3e-3 1e-2 --seeds 1 2 3 --jobs 2 --out muon_quality.json
 
 Each run is `examples/pretrain_gpt.py --model tiny-llama` (one process, this machine's devices) with the
 same data order for both optimizers at a seed. The loss compared is the training loss averaged over a
@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,22 +51,26 @@ def main(argv=None) -> int:
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (each one process)")
     parser.add_argument("--out", type=Path, default=None, help="write every curve and the summary as JSON")
     parser.add_argument("extra", nargs="*", help="more flags for pretrain_gpt.py (after --)")
     args = parser.parse_args(argv)
     curves: dict[str, list[float]] = {}
     best = {}
+
+    def runs(jobs: list[tuple[str, float, int]]) -> None:  # (optimizer, lr, seed), `--jobs` at a time
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for (optimizer, lr, seed), losses in zip(jobs, pool.map(
+                    lambda job: run(*job, args.steps, args.extra), jobs)):
+                curves[f"{optimizer} lr={lr} seed={seed}"] = losses
+                print(f"{optimizer} lr {lr:g} seed {seed}: final loss {windowed(losses, args.window)[-1]:.4f}",
+                      flush=True)
+
+    runs([(optimizer, lr, args.seeds[0]) for optimizer in ("adamw", "muon") for lr in args.lrs])
     for optimizer in ("adamw", "muon"):
-        finals = {}
-        for lr in args.lrs:
-            losses = run(optimizer, lr, args.seeds[0], args.steps, args.extra)
-            curves[f"{optimizer} lr={lr} seed={args.seeds[0]}"] = losses
-            finals[lr] = windowed(losses, args.window)[-1]
-            print(f"{optimizer} lr {lr:g} seed {args.seeds[0]}: final loss {finals[lr]:.4f}", flush=True)
-        best[optimizer] = min(finals, key=finals.get)
-        for seed in args.seeds[1:]:
-            curves[f"{optimizer} lr={best[optimizer]} seed={seed}"] = run(optimizer, best[optimizer], seed, args.steps,
-                                                                          args.extra)
+        best[optimizer] = min(args.lrs, key=lambda lr: windowed(curves[f"{optimizer} lr={lr} seed={args.seeds[0]}"],
+                                                               args.window)[-1])
+    runs([(optimizer, best[optimizer], seed) for optimizer in ("adamw", "muon") for seed in args.seeds[1:]])
     summary = {"best_lr": best, "per_seed": []}
     for seed in args.seeds:
         adamw = windowed(curves[f"adamw lr={best['adamw']} seed={seed}"], args.window)
