@@ -27,6 +27,7 @@ def test_windowed_losses_and_steps_to_reach():
 def test_bench_optimizer_prints_the_step_and_newton_schulz(capsys):
     assert _load("bench_optimizer").main(["--model", "tiny-llama", "--repeats", "1", "--micro-batch-size", "1"]) == 0
     out = capsys.readouterr().out
-    for label in ("forward + backward", "AdamW step", "Muon step (bf16 NS)", "Newton-Schulz alone (bfloat16, 28 "  # 4 x q k v o gate up down
+    # tiny-llama: 4 blocks of q, k, v, proj, gate, up, down
+    for label in ("forward + backward", "AdamW step", "Muon step (bf16 NS)", "Newton-Schulz alone (bfloat16, 28 "
                   "matrices)", "of a one-microbatch AdamW step"):
         assert label in out, out
