@@ -54,6 +54,8 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
         model(ids, ids, reduction="mean").backward()
 
+    print(f"{args.model}, micro batch {args.micro_batch_size}, {mesh.device.type}, torch {torch.__version__}",
+          flush=True)
     rows = [("forward + backward", _ms(forward_backward, args.repeats, mesh.device))]
     for label, muon in (("AdamW step", None), ("Muon step (bf16 NS)", MuonSettings()),
                         ("Muon step (fp32 NS)", MuonSettings(ns_dtype=torch.float32))):
@@ -64,17 +66,18 @@ def main(argv=None) -> int:
         wrapper.set_last_microbatch(True)
         wrapped(ids, ids, reduction="mean").backward()  # a gradient in the wrapper's buffers that every step reuses
         rows.append((label, _ms(optimizer.step, args.repeats, mesh.device)))
+        print(f"  {label:<42} {rows[-1][1]:9.2f} ms", flush=True)
     blocks = [p.detach().narrow(dim, start, size).float().contiguous() for n, p in model.logical_parameters()
               if default_hidden_matrix(n, p) for dim, start, size in matrix_blocks(P.shard_spec(p))]
     for dtype in (torch.bfloat16, torch.float32):
         rows.append((f"Newton-Schulz alone ({str(dtype)[6:]}, {len(blocks)} matrices)",
                      _ms(lambda: [newton_schulz(b, (3.4445, -4.7750, 2.0315), 5, 1e-7, dtype) for b in blocks],
                          args.repeats, mesh.device)))
+    for label, ms in rows[-2:]:
+        print(f"  {label:<42} {ms:9.2f} ms")
     times = dict(rows)
     step = times["forward + backward"] + times["AdamW step"]
-    print(f"{args.model}, micro batch {args.micro_batch_size}, {mesh.device.type}, torch {torch.__version__}")
-    for label, ms in rows:
-        print(f"  {label:<42} {ms:9.2f} ms")
+    print(f"  {'forward + backward':<42} {times['forward + backward']:9.2f} ms")
     for label in ("Muon step (bf16 NS)", "Muon step (fp32 NS)"):
         extra = times[label] - times["AdamW step"]
         print(f"  {label} over AdamW: +{extra:.2f} ms = {100 * extra / step:.1f}% of a one-microbatch AdamW step")
