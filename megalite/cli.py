@@ -52,7 +52,7 @@ def _add_setting(group, spec: Setting) -> None:
         kwargs["nargs"] = "+" if args[-1] is Ellipsis else len(args)
         kind = args[0]
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        kwargs["choices"] = [c.value for c in kind]
+        kwargs["choices"] = [c.value for c in kind] + list(getattr(kind, "synonyms", tuple)())
         kind = str
     elif spec.choices is not None:
         kwargs["choices"] = list(spec.choices)

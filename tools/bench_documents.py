@@ -100,7 +100,7 @@ def _candidates(q, k, v, mask: DocumentMask, lengths: list[int], backward: bool)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--mean", type=float, default=512, help="mean document length")
     parser.add_argument("--heads", type=int, default=16)

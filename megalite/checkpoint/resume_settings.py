@@ -9,7 +9,9 @@ changes silently break the run being continued (as Megatron-LM checks on load):
     the next steps read; refused unless --override-data-order;
   - the learning-rate schedule: --lr, --min-lr, --lr-warmup-iters, --lr-decay-style and
     --train-iters (the decay's length) decide the next steps' learning rates; refused unless
-    --override-opt-param-scheduler.
+    --override-opt-param-scheduler;
+  - the optimizer (--optimizer adamw | muon): the saved state is the other one's (Adam's moments,
+    Muon's momentum); refused unless --override-opt-param-scheduler or --no-load-optim.
 Every other difference is named in one line at start. The learning rates are compared without
 the factor an elastic `--elastic-batch scale` resize applied (ElasticState.lr_factor), and the
 batch and dp, which the resume plan decides and logs itself, are left to it.
@@ -26,6 +28,7 @@ from megalite.errors import ConfigError
 
 DATA_ORDER = ("seed", "data_path", "split", "tokenizer", "seq_length")
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "train_iters")
+OPTIMIZER = ("optimizer",)  # AdamW's moments are not Muon's momentum (and Muon keeps no second moment)
 # where the run reads and writes, how it resumes, and what ResumePlan decides and logs: not compared
 NOT_COMPARED = ("save", "load", "load_step", "no_load_optim", "finetune", "overwrite_checkpoints", "elastic_batch",
                 "elastic_lr_rule", "override_data_order", "override_opt_param_scheduler", "global_batch_size", "dp")
@@ -98,7 +101,10 @@ def check_resumed_settings(cfg: RunConfig, step: int, saved_config: dict, lr_fac
         return []
     ck = cfg.checkpoint
     for names, override, what in ((DATA_ORDER, ck.override_data_order, "the order of the samples read"),
-                                  (SCHEDULE, ck.override_opt_param_scheduler, "the learning-rate schedule")):
+                                  (SCHEDULE, ck.override_opt_param_scheduler, "the learning-rate schedule"),
+                                  (OPTIMIZER, ck.override_opt_param_scheduler or ck.no_load_optim,
+                                   "the optimizer its saved state belongs to (add --no-load-optim to start "
+                                   "the new one's state afresh)")):
         changed = [n for n in names if n in diff]
         if changed and not override:
             flag = "--override-data-order" if names is DATA_ORDER else "--override-opt-param-scheduler"

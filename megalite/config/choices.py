@@ -139,3 +139,35 @@ class MoEDropPolicy(enum.StrEnum):
 class MoEDispatcher(enum.StrEnum):
     ALLTOALL = "alltoall"
     ALLGATHER = "allgather"
+
+
+class OptimizerKind(enum.StrEnum):
+    """--optimizer (Megatron's flag): AdamW on everything, or Muon on the hidden matrices with AdamW on
+    the rest (megalite/optim/muon.py)."""
+
+    ADAMW = "adamw"
+    MUON = "muon"
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.ADAMW if value == "adam" else None  # Megatron's adam: Adam with decoupled weight decay
+
+    @classmethod
+    def synonyms(cls) -> tuple[str, ...]:
+        """Values the flag also takes (Megatron's spellings), read as a member by _missing_."""
+        return ("adam",)
+
+
+class MuonAdjustLR(enum.StrEnum):
+    """--muon-adjust-lr: the factor on Muon's update of an [A, B] matrix (torch.optim.Muon's adjust_lr_fn)."""
+
+    MATCH_RMS_ADAMW = "match_rms_adamw"  # 0.2 * sqrt(max(A, B)): AdamW's update RMS (Moonlight)
+    ORIGINAL = "original"  # sqrt(max(1, A / B)) (Keller Jordan)
+
+
+class MuonOwners(enum.StrEnum):
+    """--muon-owners: which rank orthogonalises which matrix (megalite/plan/muon.py: assign_owners)."""
+
+    BALANCED = "balanced"  # largest first to the least loaded rank
+    ROUND_ROBIN = "round-robin"
+    FIRST = "first"  # all on one rank (tests)

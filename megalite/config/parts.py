@@ -18,7 +18,7 @@ from megalite.config.choices import (
     Precision, Recompute, Schedule, LRDecay, LRWSDDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType,
     GradCompression,
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, Fp8Format, Fp8ScalingRecipe, Fp8Scales,
-    SFTOverlong)
+    SFTOverlong, OptimizerKind, MuonAdjustLR, MuonOwners)
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the largest loss scale the loss's dtype holds
@@ -263,6 +263,24 @@ class OptimizerSettings:
     adam_beta2: float = setting(0.95, "AdamW beta2", minimum=0, below=1)
     adam_eps: float = setting(1e-8, "AdamW epsilon", above=0)
     clip_grad: float = setting(1.0, "global grad-norm clip; 0 disables", minimum=0)
+    # Muon (megalite/optim/muon.py, docs/muon.md): the hidden matrices; AdamW above on everything else
+    optimizer: OptimizerKind = setting(OptimizerKind.ADAMW, "adamw everywhere, or muon on the transformer blocks' "
+                                                            "2-D weights with AdamW on the rest")
+    muon_lr: float | None = setting(None, "--optimizer muon: the Muon group's peak lr (default --lr; the schedule "
+                                          "scales it in proportion)", minimum=0)
+    muon_momentum: float = setting(0.95, "--optimizer muon: momentum (Nesterov)", minimum=0, below=1)
+    muon_nesterov: bool = setting(True, "--optimizer muon: Nesterov momentum (--no-muon-nesterov: plain)")
+    muon_ns_steps: int = setting(5, "--optimizer muon: Newton-Schulz iterations", minimum=1, maximum=99)
+    muon_ns_coefficients: tuple[float, float, float] = setting((3.4445, -4.7750, 2.0315),
+                                                               "--optimizer muon: the quintic's a b c", minimum=-100, maximum=100)
+    muon_adjust_lr: MuonAdjustLR = setting(MuonAdjustLR.MATCH_RMS_ADAMW, "--optimizer muon: update scale of an "
+                                                                          "[A, B] matrix: 0.2*sqrt(max(A, B)) "
+                                                                          "(AdamW's lr carries over) or "
+                                                                          "sqrt(max(1, A/B))")
+    muon_ns_dtype: str = setting("bf16", "--optimizer muon: Newton-Schulz in bf16 (torch's, the recipes') or fp32 "
+                                         "(slower; what the layout tests compare)", choices=("bf16", "fp32"))
+    muon_owners: MuonOwners = setting(MuonOwners.BALANCED, "--optimizer muon: which rank orthogonalises which "
+                                                           "matrix (balanced: the FLOPs spread)")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from megalite.data_parallel.param_buffer import ParamBuffer, ReadGuard
 from megalite.data_parallel.unit_grads import UnitGrads
 from megalite.data_parallel.unit_params import UnitParams
 from megalite.data_parallel.units import Unit, resolve_units, split_tied
+from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
 from megalite.data_parallel.zero3 import Zero3Schedule
 from megalite.mesh import Mesh
 from megalite.tensor_parallel.sequence_parallel import unmarked_norm_problem
@@ -332,6 +333,17 @@ class DataParallel(nn.Module):
                 self.param_buffer.wait(unit)
             return
         self.param_buffer.wait()
+
+    def shard_home(self, index: int) -> tuple:
+        """(the group parameter `index` is sharded over, its number of shards: 1 at ZeRO 0)."""
+        bucket = self.layout.buckets[self.layout.slots[index].bucket]
+        return self.grads.groups[bucket.kind], bucket.shard_count
+
+    def whole_matrices(self, owners: dict[int, MatrixOwner]) -> WholeMatrices:
+        """The exchange that hands each parameter in `owners` whole to its owner rank and its results back
+        (whole_matrices.py; the blueprint's decision 15). Same `owners` on every rank of the stage."""
+        return WholeMatrices(layout=self.layout, params=self.params, groups=self.grads.groups,
+                             shard_ranks=self.grads.shard_ranks, tp_group=self.mesh.tp_group, owners=owners)
 
     def tp_replicated_pieces(self) -> list[tuple[str, torch.Tensor]]:
         """ZeRO-3: (name, this rank's shard piece) of every parameter each tp rank holds whole; the tp

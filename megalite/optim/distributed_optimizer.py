@@ -63,8 +63,10 @@ import torch
 
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.kernels.adamw import adamw_step as fused_adamw_step
+from megalite.optim.compact_state import CompactState, merged
 from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum, square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
+from megalite.optim.muon import MuonSettings, ShardedMuon, default_hidden_matrix, muon_groups
 from megalite.optim.param_groups import as_group_list, check_cover, clip_runs, default_groups, group_runs, same_update
 from megalite.optim.state_dict import full_state_dict, load_full_state_dict
 
@@ -119,6 +121,29 @@ def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
+def _initial_groups(names: list[str], trained: list[torch.Tensor], params, *, weight_decay: float, no_weight_decay,
+                    muon: MuonSettings | None, hidden_matrix) -> list[dict]:
+    """The param groups: the caller's, or the default two; with Muon, its group over the hidden matrices."""
+    groups = default_groups(names, trained, weight_decay, no_weight_decay) if params is None else as_group_list(params)
+    if muon is not None or any(g.get("use_muon") for g in groups):  # Muon on the hidden matrices (optim/muon.py)
+        groups = muon_groups(groups, names, trained, muon or MuonSettings(), hidden_matrix, from_default=params is None)
+    check_cover(groups, names, trained)
+    return groups
+
+
+def _check_arguments(model, clip_grad: float, offload_optimizer: bool) -> None:
+    """The constructor's refusals, before anything is allocated."""
+    if not isinstance(model, DataParallel):  # a bare module has no gradient buffers or shards to update
+        raise TypeError(f"DistributedOptimizer takes the DataParallel wrapper, not a bare "
+                        f"{type(model).__name__}: model = DataParallel(my_model, mesh); "
+                        f"DistributedOptimizer(model, ...)")
+    if clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip_grad}")
+    if offload_optimizer and model.param_buffer.overlap:
+        raise ValueError("overlap_param_gather does not combine with offload_optimizer (the host update "
+                         "must finish before the step returns); drop one of them")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """AdamW over the elements of `model` (a DataParallel wrapper) that this rank updates, shaped as a
     torch.optim.Optimizer: `param_groups`, `state_dict` / `load_state_dict`, `zero_grad`, `step()`.
@@ -134,6 +159,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             and run the update there.
         loss_scaler: a DynamicLossScaler for fp16 (the caller scales the loss with it).
         no_weight_decay: (name, param) -> True to exclude a parameter from weight decay (params=None).
+        muon: MuonSettings: Muon on the hidden matrices (`hidden_matrix(name, param)`, params=None: their own
+            group, first), AdamW on the rest; or mark a group dict {"use_muon": True}. optim/muon.py.
 
     `step()` reads each group's "lr", so a torch.optim.lr_scheduler (or `ScheduledLR`, the
     training loop's own schedule) drives it; `step(lr)` sets every group's lr first (the older form).
@@ -143,23 +170,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, clip_grad: float = 0.0, offload_optimizer: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
-                 no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay):
-        if not isinstance(model, DataParallel):  # a bare module has no gradient buffers or shards to update
-            raise TypeError(f"DistributedOptimizer takes the DataParallel wrapper, not a bare "
-                            f"{type(model).__name__}: model = DataParallel(my_model, mesh); "
-                            f"DistributedOptimizer(model, ...)")
-        if clip_grad < 0:
-            raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {clip_grad}")
-        if offload_optimizer and model.param_buffer.overlap:
-            raise ValueError("overlap_param_gather does not combine with offload_optimizer (the host update "
-                             "must finish before the step returns); drop one of them")
+                 no_weight_decay: Callable[[str, torch.Tensor], bool] = default_no_weight_decay,
+                 muon: MuonSettings | None = None,
+                 hidden_matrix: Callable[[str, torch.Tensor], bool] = default_hidden_matrix):
+        _check_arguments(model, clip_grad, offload_optimizer)
         self.model, self.mesh, self.zero_stage = model, model.mesh, model.zero_stage
         self.clip_grad = clip_grad
         self.loss_scaler, self.offload = loss_scaler, offload_optimizer
         self.params, self.names = model.params, model.names  # buffer order (reverse of model order)
-        groups = default_groups(self.names, self.params, weight_decay, no_weight_decay) if params is None \
-            else as_group_list(params)
-        check_cover(groups, self.names, self.params)
+        groups = _initial_groups(self.names, self.params, params, weight_decay=weight_decay,
+                                 no_weight_decay=no_weight_decay, muon=muon, hidden_matrix=hidden_matrix)
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.pieces = model.owned_pieces()
         self._group_runs = group_runs(self.param_groups, self.params, self.pieces)
@@ -194,15 +214,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # once: the step then decays them with one foreach op per group instead of a slice and a mul_ per run
         self._group_views = [[[self._masters[b.index][a:z] for a, z in clip_runs(runs, *self._bounds(b.index))]
                               for runs in self._group_runs] for b in buckets]
-        self.exp_avg, self.exp_avg_sq = state_tensor(), state_tensor()
+        # Muon's momentum is exp_avg on its elements; the second moment then exists for AdamW's elements only
+        self.exp_avg, self.exp_avg_sq = state_tensor(), self._second_moment(state_tensor, state_device, pin)
         self.step_count = 0
         self.last_step: OptimizerStep | None = None  # what the latest step() did
+        self.muon = ShardedMuon(self, owners=(muon or MuonSettings()).owners) if self._has_muon() else None
+
+    def _has_muon(self) -> bool:
+        return any(g.get("use_muon") for g in self.param_groups)
+
+    def _second_moment(self, state_tensor, device: torch.device, pin: bool):
+        """Adam's exp_avg_sq: shard-sized, or with Muon groups a CompactState over the AdamW groups' runs."""
+        if not self._has_muon():
+            return state_tensor()
+        adam = [run for g, runs in zip(self.param_groups, self._group_runs) if not g.get("use_muon") for run in runs]
+        return CompactState(merged(adam), device=device, pin=pin)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_group_runs", None) is not None:  # after construction the shard's runs are fixed
             raise ValueError("DistributedOptimizer's param groups are fixed when it is built (they decide the "
                              "shard's update runs); pass every group to the constructor")
         super().add_param_group(param_group)
+
+    def group_runs_of(self, group: int) -> list[tuple[int, int]]:
+        """The [start, end) shard runs of param group `group`'s parameters on this rank."""
+        return self._group_runs[group]
 
     def _bounds(self, bucket: int) -> tuple[int, int]:
         b = self.model.layout.buckets[bucket]
@@ -282,7 +318,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if grad.device != self.model.grad_shard.device:
                 torch.cuda.synchronize()
         self.step_count += 1
-        one_pass = same_update(self.param_groups)
+        one_pass = self.muon is None and same_update(self.param_groups)
+        if self.muon is not None:  # every hidden matrix orthogonalised on its owner (collective over the stage)
+            self.muon.prepare(grad, self.exp_avg)
         for bucket in self.model.gather_order:  # the next forward's order: its first gathers land first
             self._update_bucket(bucket, grad, one_pass)
             self.model.publish(bucket, self._masters[bucket])
@@ -303,7 +341,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if one_pass:
             self._adam(master, grad[lo:hi], lo, hi, self.param_groups[0])
             return
-        for group, runs in zip(self.param_groups, self._group_runs):
+        for g, (group, runs) in enumerate(zip(self.param_groups, self._group_runs)):
+            if group.get("use_muon"):
+                self.muon.apply(master, g, lo, hi)
+                continue
             for a, z in clip_runs(runs, lo, hi):
                 self._adam(master[a:z], grad[lo + a:lo + z], lo + a, lo + z, group)
 

@@ -2,6 +2,7 @@
 
     {"state": {name: {"step": tensor, "exp_avg": full tensor, "exp_avg_sq": full tensor,
                       ["master": full fp32 tensor, where the optimizer keeps its own copy]}},
+              (a Muon group's matrix: {"step", "momentum_buffer": full tensor, ["master"]}, as torch.optim.Muon)
      "param_groups": [{"lr", "betas", "eps", "weight_decay", ..., "params": [name, ...]}],
      "loss_scaler": dict | None}
 
@@ -23,6 +24,7 @@ import torch
 from megalite import comm, params as P
 
 KINDS = ("exp_avg", "exp_avg_sq")
+MUON_KEYS = {"exp_avg": "momentum_buffer"}  # where a Muon matrix's state sits in the optimizer, by torch's name
 
 
 def _refuse_experts(optimizer) -> None:
@@ -71,10 +73,14 @@ def full_state_dict(optimizer) -> dict:
     flats = _local_state(optimizer, kinds)
     state, offset = {}, 0
     step = torch.tensor(float(optimizer.step_count))
-    for name, p in zip(optimizer.names, optimizer.params):
+    for index, (name, p) in enumerate(zip(optimizer.names, optimizer.params)):
         entry = {"step": step.clone()}
         for kind in kinds:
-            entry[kind] = _full(flats[kind][offset:offset + p.numel()].view(p.shape), p, optimizer.mesh)
+            full = _full(flats[kind][offset:offset + p.numel()].view(p.shape), p, optimizer.mesh)
+            if not _is_muon(optimizer, index):
+                entry[kind] = full
+            elif kind != "exp_avg_sq":  # Muon keeps one buffer, in exp_avg's place
+                entry[MUON_KEYS.get(kind, kind)] = full
         state[name] = entry
         offset += p.numel()
     name_of = {id(p): n for n, p in zip(optimizer.names, optimizer.params)}
@@ -82,6 +88,10 @@ def full_state_dict(optimizer) -> dict:
               for g in optimizer.param_groups]
     scaler = optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None
     return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+
+
+def _is_muon(optimizer, index: int) -> bool:
+    return optimizer.muon is not None and index in optimizer.muon.group_of
 
 
 def _check_groups(optimizer, groups: list[dict]) -> None:
@@ -105,8 +115,15 @@ def load_full_state_dict(optimizer, state_dict: dict) -> None:
         if name not in state:
             raise KeyError(f"optimizer state dict has no entry for parameter {name!r}")
         spec, local = P.shard_spec(p), slice(piece.local_start, piece.local_end)
+        muon = _is_muon(optimizer, piece.param)
         for kind in KINDS + (("master",) if has_master else ()):
-            values = spec.shard(state[name][kind].float()).reshape(-1)[local].to(optimizer.exp_avg.device)
+            if muon and kind == "exp_avg_sq":  # no second moment
+                continue
+            key = MUON_KEYS.get(kind, kind) if muon else kind
+            if key not in state[name]:
+                raise KeyError(f"optimizer state dict has no {key!r} for parameter {name!r}: saved by another "
+                               f"optimizer (AdamW keeps exp_avg and exp_avg_sq, Muon momentum_buffer)")
+            values = spec.shard(state[name][key].float()).reshape(-1)[local].to(optimizer.exp_avg.device)
             target = optimizer.master_range(piece.shard_start, piece.shard_end) if kind == "master" \
                 else getattr(optimizer, kind)[piece.shard_start:piece.shard_end]
             target.copy_(values)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
+from megalite.plan.muon import stage_muon
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.mla import latent_sequence_parallel_grads, latent_tp_bytes
@@ -80,13 +81,10 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         add_dp_bytes(add, params, cfg)
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
     add(f"{dp_group_name(cfg)}/all_reduce", moe_replica_bytes(model, cfg, stage))  # MoE statistics (and bias load)
-    if pp > 1 and model.tie_embeddings and stage in (0, pp - 1):
-        grad_bytes = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-        table = model.padded_vocab_size(t) // t * h
-        if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit
-            add("embedding/all_reduce", -(-table // (cfg.dp * cfg.parallel.cp)) * 4)
-        else:
-            add("embedding/all_reduce", table * grad_bytes)
+    if cfg.optimizer.optimizer == "muon":  # whole matrices to their owners and back (plan/muon.py)
+        for key, n in stage_muon(model, cfg, stage).comm_bytes.items():
+            add(key, n)
+    add("embedding/all_reduce", _tied_embedding_bytes(model, cfg, stage))
     if pp > 1:
         chunk = u // (t if sp else 1)
         first, last = stage == 0, stage == pp - 1
@@ -103,6 +101,17 @@ def _expert_group(key: str) -> str:
     group, op = key.split("/", 1)
     return {"dp_shard": "edp_shard", "edp_shard": "edp_shard", "dp_replicate": "dp_replicate"}.get(group, "edp") \
         + "/" + op
+
+
+def _tied_embedding_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """The tied embedding's gradient summed over the embedding group (first and last stage, pp > 1)."""
+    pp, t = cfg.parallel.pp, cfg.parallel.tp
+    if not (pp > 1 and model.tie_embeddings and stage in (0, pp - 1)):
+        return 0
+    table = model.padded_vocab_size(t) // t * model.hidden_size
+    if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit
+        return -(-table // (cfg.dp * cfg.parallel.cp)) * 4
+    return table * DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
 
 
 def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u: int,

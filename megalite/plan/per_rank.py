@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
+from megalite.plan.muon import stage_muon
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
@@ -227,6 +228,9 @@ def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[in
         weights += gathered_peak_elements(model, cfg, stage) * DTYPE_BYTES[cfg.precision.precision]
         grads += transient_grad_bytes(model, cfg, stage)
     grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
+    if cfg.optimizer.optimizer == "muon":  # the hidden matrices keep one buffer, not Adam's two (plan/muon.py)
+        saved = stage_muon(model, cfg, stage).state_bytes_saved
+        optimizer, host = (optimizer, host - saved) if cfg.parallel.offload_optimizer else (optimizer - saved, host)
     return weights, grads, optimizer, host
 
 

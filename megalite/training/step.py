@@ -33,6 +33,8 @@ from megalite.config.model import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
+from megalite.optim.muon import MuonSettings
+from megalite.config.choices import OptimizerKind
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
 from megalite.training.metrics import measured_attention_span
@@ -87,9 +89,14 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
     scaler = DynamicLossScaler(initial_scale=prec.initial_loss_scale, growth_interval=prec.loss_scale_window,
                                hysteresis=prec.hysteresis, backoff_factor=prec.loss_scale_backoff) \
         if prec.precision == "fp16" else None
+    muon = MuonSettings(momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps,
+                        ns_coefficients=tuple(opt.muon_ns_coefficients), adjust_lr=opt.muon_adjust_lr,
+                        owners=opt.muon_owners, lr=opt.muon_lr,
+                        ns_dtype=torch.float32 if opt.muon_ns_dtype == "fp32" else torch.bfloat16) \
+        if opt.optimizer == OptimizerKind.MUON else None
     optimizer = DistributedOptimizer(model, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                      weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
-                                     offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler)
+                                     offload_optimizer=cfg.parallel.offload_optimizer, loss_scaler=scaler, muon=muon)
     p = cfg.parallel
     if p.diloco_inner_steps:  # the outer step across replica groups, run by train_step
         optimizer.outer = DiLoCo(optimizer, inner_steps=p.diloco_inner_steps, outer_lr=p.diloco_outer_lr,

@@ -62,8 +62,10 @@ def test_suggest_takes_a_hybrid_s_where_it_predicts_faster():
 
 
 def test_simulated_worlds_check_the_shard_and_replica_groups_of_every_rank():
+    from megalite.layout import Layout
     from megalite.simulate.ranks import check_groups, expected_groups
 
-    assert check_groups(8, 1, 16, 2, dp_shard=4) == [] and check_groups(2, 2, 8, 1, ep=4, etp=1, dp_shard=2) == []
-    groups = expected_groups(2, 1, 4, 1, 1, 2, dp_shard=2)
+    assert check_groups(Layout(tp=8, cp=1, dp=16, pp=2, dp_shard=4)) == []
+    assert check_groups(Layout(tp=2, cp=2, dp=8, pp=1, ep=4, etp=1, dp_shard=2, num_experts=8)) == []
+    groups = expected_groups(Layout(tp=2, cp=1, dp=4, pp=1, ep=1, etp=2, dp_shard=2))
     assert groups["dp_shard"] == [[0, 2], [4, 6], [1, 3], [5, 7]] and groups["dp_replicate"][0] == [0, 4]

@@ -1,0 +1,29 @@
+"""Changing the optimizer on resume (AdamW's moments are not Muon's momentum) is refused in one line unless
+the state is left behind (--no-load-optim) or the change accepted (--override-opt-param-scheduler)."""
+import contextlib
+import io
+
+import pytest
+
+from megalite.training import loop
+
+SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
+
+
+def _main(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = loop.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.slow
+def test_resuming_a_muon_run_with_adamw_is_refused_unless_overridden(tmp_path):
+    run = SMALL + ["--save", str(tmp_path), "--load", str(tmp_path), "--train-iters", "2"]
+    assert _main(run + ["--optimizer", "muon"])[0] == 0
+    code, _, err = _main(run + ["--optimizer", "adamw", "--train-iters", "3"])
+    assert code == 2 and "Traceback" not in err, err
+    assert "--optimizer muon -> adamw changes the optimizer its saved state belongs to" in err, err
+    code, out, err = _main(run + ["--optimizer", "adamw", "--train-iters", "3", "--no-load-optim"])
+    assert code == 0 and "step 3/3" in out, err
