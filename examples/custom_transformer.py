@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.context_parallel import context_parallel_attention, position_ids, split_sequence
 from megalite.data_parallel import DataParallel
-from megalite.mesh import destroy_mesh, init_mesh
+from megalite.distributed.mesh import destroy_mesh, init_mesh
 from megalite.optim import DistributedOptimizer
 from megalite.pipeline import Pipeline, split_layers
 from megalite.tensor_parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding,

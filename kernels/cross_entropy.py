@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 
 from .dispatch import as_rows, check_float_dtype, check_same_device, new_output, next_power_of_2, runnable, tl, \
     triton, use_triton

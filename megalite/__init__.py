@@ -25,7 +25,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "megalite.data_parallel.wrapper": ["DataParallel"],
     "megalite.errors": ["ConfigError", "UsageError"],
     "megalite.layout": ["Layout", "LayoutError"],
-    "megalite.mesh": ["Mesh", "destroy_mesh", "init_mesh"],
+    "megalite.distributed.mesh": ["Mesh", "destroy_mesh", "init_mesh"],
     "megalite.config.model": ["GPTConfig"],
     "megalite.model.gpt": ["GPTModel"],
     "megalite.optim.distributed_optimizer": ["DistributedOptimizer"],

@@ -4,7 +4,7 @@ A package lists its public names per module; each is imported on first use. So
 `import megalite.plan` (pure arithmetic) does not load torch through `megalite/__init__.py`,
 and `import megalite` stays cheap whatever it exports.
 
-    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"megalite.mesh": ["init_mesh", ...]})
+    __getattr__, __dir__, __all__ = lazy_exports(__name__, {"megalite.distributed.mesh": ["init_mesh", ...]})
 """
 from __future__ import annotations
 

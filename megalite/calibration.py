@@ -32,10 +32,10 @@ from datetime import datetime, timezone
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config import Precision, RunConfig
 from megalite.cpu_features import cpu_flags, has_native_bf16
-from megalite.mesh import init_mesh
+from megalite.distributed.mesh import init_mesh
 from megalite.plan.hardware import HardwareProfile
 from megalite.tensor_parallel.random import TensorParallelRNG
 from megalite.testing import run_distributed

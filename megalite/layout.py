@@ -40,7 +40,7 @@ def divisors(n: int) -> list[int]:
 @dataclass(frozen=True)
 class Layout:
     """The parallel sizes of a run (see the module docstring); LayoutError at construction if they
-    break a rule. Rank order (megalite.topology): tp fastest, then cp, dp, pp."""
+    break a rule. Rank order (megalite.distributed.topology): tp fastest, then cp, dp, pp."""
 
     tp: int = 1
     cp: int = 1

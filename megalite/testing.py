@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 
 
 class RankFailed(RuntimeError):
@@ -56,7 +56,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: f
                     env: dict[str, str] | None = None, **kwargs) -> list[Any]:
     """Call `fn(*args, **kwargs)` on `world_size` forked ranks; return the results by rank.
 
-    `fn` typically calls `megalite.mesh.init_mesh(...)` first, which reads the environment
+    `fn` typically calls `megalite.distributed.mesh.init_mesh(...)` first, which reads the environment
     set up here.
     """
     ctx = mp.get_context("fork")

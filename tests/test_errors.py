@@ -2,7 +2,7 @@
 the verdict of a check that failed on one rank only (no rank left waiting in a collective)."""
 import io
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.data import DataFileNotFoundError
 from megalite.errors import USAGE_EXIT_CODE, UsageError, report_usage_error
 from megalite.testing import run_distributed

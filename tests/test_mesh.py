@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.testing import run_distributed
 
 LAYOUTS = [(tp, pp, dp) for tp, pp, dp in itertools.product([1, 2, 3, 4, 8], [1, 2, 4], [1, 2, 3, 4])
@@ -159,7 +159,7 @@ import atexit, sys
 import torch, torch.distributed as dist
 # Registered before init_mesh's teardown, so it runs after it (atexit is last-in first-out).
 atexit.register(lambda: print("process group alive at exit:", dist.is_initialized(), flush=True))
-from megalite.mesh import init_mesh
+from megalite.distributed.mesh import init_mesh
 from megalite.tensor_parallel import ColumnParallelLinear
 mesh = init_mesh(tp=int(sys.argv[1]))
 layer = ColumnParallelLinear(8, 16, gather_output=True)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from megalite import mesh as mesh_module
+from megalite.distributed import mesh as mesh_module
 from megalite.data_parallel import DataParallel
-from megalite.mesh import init_mesh, single_process_mesh
+from megalite.distributed.mesh import init_mesh, single_process_mesh
 from megalite.optim import DistributedOptimizer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megalite.testing import run_distributed
@@ -81,7 +81,7 @@ def test_a_loop_without_zero_grad_is_refused_at_every_zero_stage(zero):
 
 
 def _moe_at_etp1_on(tokens):
-    from megalite.mesh import destroy_mesh
+    from megalite.distributed.mesh import destroy_mesh
     from megalite.training.step import build_model_chunks
 
     import sys

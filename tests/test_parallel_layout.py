@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.commands import main as command_line
 from megalite.config import RunConfig
 from megalite.layout import Layout, LayoutError
-from megalite.mesh import destroy_mesh, init_mesh
+from megalite.distributed.mesh import destroy_mesh, init_mesh
 from megalite.plan.validity import preflight
 from megalite.simulate.ranks import expected_groups
 from megalite.testing import run_distributed

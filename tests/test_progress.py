@@ -46,7 +46,7 @@ def test_conversion_reads_with_a_bar_on_a_terminal(tmp_path, monkeypatch):
     from megalite.checkpoint import write_full_state
     from megalite.config import RunConfig
     from megalite.config.model import GPTConfig
-    from megalite.mesh import single_process_mesh
+    from megalite.distributed.mesh import single_process_mesh
     from megalite.training.step import build_model_chunks
 
     convert = load_convert_tool()

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite import comm, mesh
-from megalite.rendezvous import ROOT, RendezvousTimeout, attempt_namespace
+from megalite.distributed import comm, mesh
+from megalite.distributed.rendezvous import ROOT, RendezvousTimeout, attempt_namespace
 from megalite.testing import free_port, run_distributed
 
 

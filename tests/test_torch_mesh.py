@@ -1,6 +1,6 @@
 """mesh.device_mesh: torch's DeviceMesh over megalite's own groups; DTensor and FSDP2 run on it.
 
-The oracle for each dimension is megalite.comm over the Mesh's group of that name.
+The oracle for each dimension is megalite.distributed.comm over the Mesh's group of that name.
 """
 import pytest
 import torch
@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.testing import run_distributed
 
 

@@ -2,7 +2,7 @@
 
 A hook such as torch.autograd.graph.save_on_cpu (activation offloading), or --simulate's memory
 count, hands backward another Python object for each saved tensor, parameters included. The
-routing (megalite.weight_grad: the data-parallel engine's sink, ZB-H1's deferral) is declared on the
+routing (megalite.parameters.weight_grad: the data-parallel engine's sink, ZB-H1's deferral) is declared on the
 parameter, so each autograd node asks it of the parameter kept on its ctx. Every node that routes
 weight gradients is run here with and without a cloning hook: the sink must receive the same
 gradients, and `.grad` must stay empty.
@@ -10,7 +10,7 @@ gradients, and `.grad` must stay empty.
 import pytest
 import torch
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.fp8.blockwise import blockwise_linear
 from megalite.fp8.grouped import fp8_grouped_mm
 from megalite.fp8.linear import fp8_linear

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
-from megalite import mesh as mesh_mod
+from megalite.distributed import mesh as mesh_mod
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.model import preset
 from megalite.config import RunConfig

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Communication benchmark over megalite.comm: algorithm and bus bandwidth per op and size.
+"""Communication benchmark over megalite.distributed.comm: algorithm and bus bandwidth per op and size.
 
     python tools/bench_comm.py --world-size 4 --tp 2 --group tp            # forks gloo ranks on CPU
     torchrun --nproc_per_node 8 tools/bench_comm.py --tp 8 --group tp      # NCCL on GPUs
     torchrun --nnodes 2 --nproc_per_node 8 ... tools/bench_comm.py --tp 8 --group dp --max-bytes 1G
 
 Conventions are nccl-tests' (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), and also
-megalite.comm.ledger's: `size` is the whole buffer of one rank (all_gather: the gathered output;
+megalite.distributed.comm.ledger's: `size` is the whole buffer of one rank (all_gather: the gathered output;
 reduce_scatter and all_to_all: the full input; send_recv: the bytes sent). algbw = size / time;
 busbw = algbw * factor, factor = 2(n-1)/n for all_reduce, (n-1)/n for all_gather,
 reduce_scatter and all_to_all, 1 for send_recv (each rank sends to the next in the group and
@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from megalite import comm, mesh as mesh_lib
+from megalite.distributed import comm, mesh as mesh_lib
 from megalite.plan import bus_factor
 from megalite.errors import UsageError, reports_usage_errors
 from megalite.cli import OneLineParser
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    # torch 2.13 deprecates the *_tensor collective names megalite.comm calls (still correct)
+    # torch 2.13 deprecates the *_tensor collective names megalite.distributed.comm calls (still correct)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = [op for op in ops if op not in OPS]

@@ -37,8 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import comm  # noqa: E402
-from megalite import mesh as mesh_lib  # noqa: E402
+from megalite.distributed import comm  # noqa: E402
+from megalite.distributed import mesh as mesh_lib  # noqa: E402
 from megalite.config import RunConfig  # noqa: E402
 from megalite.data import EvalSampler, GlobalBatchSampler, build_gpt_datasets, load_microbatches  # noqa: E402
 from megalite.data.tokenizer import load_tokenizer  # noqa: E402

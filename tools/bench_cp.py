@@ -38,9 +38,9 @@ from torch.distributed.tensor.experimental import context_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import comm  # noqa: E402
+from megalite.distributed import comm  # noqa: E402
 from megalite.config import RunConfig  # noqa: E402
-from megalite.mesh import init_mesh  # noqa: E402
+from megalite.distributed.mesh import init_mesh  # noqa: E402
 from megalite.plan import activations  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step  # noqa: E402

@@ -42,8 +42,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import comm  # noqa: E402
-from megalite import mesh as mesh_lib  # noqa: E402
+from megalite.distributed import comm  # noqa: E402
+from megalite.distributed import mesh as mesh_lib  # noqa: E402
 from megalite.model import GPTModel, preset  # noqa: E402
 from megalite.data_parallel import DataParallel  # noqa: E402
 from megalite.optim import DistributedOptimizer  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from megalite.fp8 import Fp8Recipe, gemm
 from megalite.model.fp8_convert import convert_to_fp8
 from megalite.fp8.scaling import quantize
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.model.gpt import GPTModel
 

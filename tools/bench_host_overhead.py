@@ -48,7 +48,7 @@ from megalite.cli import OneLineParser
 from megalite.extras import require
 from megalite.model import preset
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.training import step as step_module
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
 from megalite.model.activation_probe import kernels_without_launch

@@ -34,12 +34,12 @@ from megalite.config.model import GPTConfig
 from megalite.plan.activations import layer_activation_bytes
 from megalite.errors import reports_usage_errors
 from megalite.cli import OneLineParser
-from megalite import comm
+from megalite.distributed import comm
 from megalite.model.recompute import checkpoint_with_rng
-from megalite.layer_groups import LayerGroups
+from megalite.distributed.layer_groups import LayerGroups
 from megalite.model.transformer import TransformerBlock
 from megalite.tensor_parallel.random import TensorParallelRNG
-from megalite.mesh import init_mesh
+from megalite.distributed.mesh import init_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import comm  # noqa: E402
+from megalite.distributed import comm  # noqa: E402
 from megalite.config import RunConfig  # noqa: E402
-from megalite.layer_groups import LayerGroups  # noqa: E402
-from megalite.mesh import init_mesh  # noqa: E402
+from megalite.distributed.layer_groups import LayerGroups  # noqa: E402
+from megalite.distributed.mesh import init_mesh  # noqa: E402
 from megalite.tensor_parallel.mlp import MLP  # noqa: E402
 from megalite.moe.layer import MoELayer  # noqa: E402
 from megalite.plan.moe import dispatch_bytes  # noqa: E402

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.data_parallel import DataParallel
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import GPTModel, preset
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.muon import MuonSettings, default_hidden_matrix, matrix_blocks, newton_schulz

@@ -44,15 +44,15 @@ from torch.distributed.pipelining import PipelineStage
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite import comm  # noqa: E402
-from megalite import mesh as mesh_lib  # noqa: E402
+from megalite.distributed import comm  # noqa: E402
+from megalite.distributed import mesh as mesh_lib  # noqa: E402
 from megalite.model import GPTModel, preset  # noqa: E402
-from megalite import params  # noqa: E402
+from megalite.parameters import params  # noqa: E402
 from megalite.pipeline import PipelineSpec, build_schedule, post_and_wait, run_pipeline, stage_layers  # noqa: E402
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, SEND_KINDS,  # noqa: E402
                                             split_steps)
 from megalite.pipeline.p2p import peer  # noqa: E402
-from megalite.weight_grad import deliver  # noqa: E402
+from megalite.parameters.weight_grad import deliver  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 from megalite.errors import reports_usage_errors  # noqa: E402
 from megalite.cli import OneLineParser  # noqa: E402

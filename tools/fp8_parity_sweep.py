@@ -15,9 +15,9 @@ import argparse
 
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step

@@ -30,7 +30,7 @@ from megalite.errors import UsageError, reports_usage_errors  # noqa: E402
 from megalite.generation import SamplingParams, generate  # noqa: E402
 from megalite.generation.generate import check_prompts  # noqa: E402
 from megalite.generation.load import load_for_generation  # noqa: E402
-from megalite.mesh import destroy_mesh, init_mesh  # noqa: E402
+from megalite.distributed.mesh import destroy_mesh, init_mesh  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

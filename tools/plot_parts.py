@@ -5,7 +5,7 @@
     python tools/plot_parts.py --part cp --out-dir /tmp/pictures        # one
 
 - layout (docs/architecture/layout.md): which ranks form each tp, cp, dp, pp, ep and dp x cp group
-  of a 16-rank world (tp 2, cp 2, dp 2, pp 2, ep 2), from megalite.topology's group lists;
+  of a 16-rank world (tp 2, cp 2, dp 2, pp 2, ep 2), from megalite.distributed.topology's group lists;
 - tp (tensor_parallel.md): which rows or columns of each full weight every tp rank holds at tp 2 (fused
   [Q; K; V] and [gate; up] split block by block), from the parameters' declared ShardSpecs;
 - zero (data_parallel.md): what each dp rank holds of the parameters, gradients and optimizer state
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from megalite import ops, topology
+from megalite import ops
+from megalite.distributed import topology
 from megalite.checkpoint.boxes import shard_boxes
 from megalite.cli import OneLineParser
 from megalite.config import RunConfig
@@ -39,9 +40,9 @@ from megalite.context_parallel.zigzag import chunk_ids
 from megalite.data_parallel.layout import build_layout, build_unit_layout
 from megalite.errors import reports_usage_errors
 from megalite.extras import pyplot
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.moe.router import top_k_deterministic
-from megalite.params import shard_spec
+from megalite.parameters.params import shard_spec
 from megalite.training.step import build_model_chunks
 
 PARTS = ("layout", "tp", "zero", "cp", "moe", "checkpoint")
@@ -291,7 +292,7 @@ BLOCK_NAMES = {"layers.0.attention.qkv.weight": ("Q", "K", "V"), "layers.0.mlp.f
 
 
 def tensor_parallel_specs(tp: int = 2, names=tuple(TP_PANELS)) -> dict:
-    """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.params), at `tp`,
+    """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.parameters.params), at `tp`,
     in model order (`names`: which; None: all)."""
     config = GPTConfig("llama", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                        vocab_size=256, seq_length=8)  # (a vocabulary already a multiple of 128 * tp: no padding)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 Box = tuple[tuple[int, int], ...]
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.checkpoint.boxes import box_shape, box_slices, local_to_full, whole_box
 from megalite.data_parallel.powersgd import first_q
 

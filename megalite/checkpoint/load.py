@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
 from megalite.checkpoint.compression_state import load_compression, plan_compression
@@ -39,7 +40,7 @@ from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
 from megalite.checkpoint.storage import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
                                          NoIntactCheckpointError)
 from megalite.errors import UsageError
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.moe.bookkeeping import expert_biases
 
 # GPTConfig fields that decide which parameters exist (and their shapes). seq_length is left out:

@@ -28,8 +28,8 @@ import threading
 
 import torch
 
-from megalite import comm
-from megalite.mesh import Mesh
+from megalite.distributed import comm
+from megalite.distributed.mesh import Mesh
 
 FAULT_STEP_ENV, FAULT_RANK_ENV, FAULT_SIGNAL_ENV = "MEGALITE_FAULT_AT_STEP", "MEGALITE_FAULT_RANK", "MEGALITE_FAULT_SIGNAL"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.checkpoint import snapshot, storage
 from megalite.checkpoint.write_failure import failure_error, write_status
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 
 FORMAT_VERSION = storage.FORMAT_VERSION  # re-exported: tools import it from here
 CRASH_ENV = "MEGALITE_CHECKPOINT_CRASH_AFTER_BYTES"  # fault injection: rank 0 dies mid-write

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite import params
+from megalite.parameters import params
 from megalite.checkpoint.boxes import (Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative,
                                       whole_box)
 from megalite.checkpoint.compression_state import compression_items
 from megalite.checkpoint.storage import DTYPE_NAMES
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.moe.bookkeeping import expert_biases
 
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")

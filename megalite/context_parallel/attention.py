@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, ops
+from megalite import ops
+from megalite.distributed import comm
 from megalite.context_parallel.checks import CP_COMM_TYPES
 from megalite.context_parallel.ring import ring_attention
 from megalite.context_parallel.ulysses import ulysses_attention

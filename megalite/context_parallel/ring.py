@@ -14,7 +14,7 @@ split (zigzag.py). Each cp rank keeps its queries and passes its keys/values rou
 
 Only K/V travel, with their kv heads (grouped-query attention sends h_kv, not h, heads),
 packed as one [2, b, h_kv, s/cp, d] message per step. Every transfer goes through
-`megalite.comm.batch_isend_irecv` on the cp group, so the ledger counts, per call,
+`megalite.distributed.comm.batch_isend_irecv` on the cp group, so the ledger counts, per call,
 
     forward   send = recv = (cp - 1) * 2 * b * h_kv * (s/cp) * d * itemsize
     backward  send = recv = (cp - 1) * 2 * b * h_kv * (s/cp) * d * itemsize    (K/V again)
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.context_parallel.block_attention import block_backward, block_forward, merge_block
 from megalite.context_parallel.blocks import BlockCall, ring_plan
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, ops
+from megalite import ops
+from megalite.distributed import comm
 from megalite.context_parallel.zigzag import chunk_ids
 
 

@@ -6,7 +6,7 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
 - Gradients accumulate in float32 main-grad buffers laid out by `layout.build_layout`
   (reverse order of use), whatever the parameters' dtype (bf16/fp16 training keeps fp32
   grads). megalite's Column/Row-parallel linears hand their weight gradients straight to
-  the sink attached with `megalite.params.set_grad_destination` (see
+  the sink attached with `megalite.parameters.params.set_grad_destination` (see
   `weight_grad.py`); every other parameter's `.grad` is moved into the
   buffer by a post-accumulate-grad hook and freed.
 - While the last microbatch runs backward, a bucket's reduction starts asynchronously the
@@ -49,7 +49,8 @@ from typing import Sequence
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.data_parallel.layout import BufferLayout, build_layout
 from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.data_parallel.layout import BufferLayout
 
 

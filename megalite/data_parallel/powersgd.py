@@ -53,7 +53,7 @@ from typing import Sequence
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.plan.compression import compresses, effective_rank, matrix_view
 
 # Where a reduced gradient goes: (start, end) of its flattened local tensor -> a flat destination.

@@ -28,7 +28,8 @@ from typing import Sequence
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.data_parallel.grad_buffers import FORGOT_ZERO_GRAD
 from megalite.data_parallel.layout import BufferLayout
 

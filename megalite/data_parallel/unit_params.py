@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.data_parallel.layout import BufferLayout
 from megalite.data_parallel.units import Unit
 from megalite.fp8.param_gather import unit_gathers

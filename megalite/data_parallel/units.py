@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from megalite import params as P
+from megalite.parameters import params as P
 
 
 @dataclass

@@ -22,7 +22,7 @@ then fn, then the same hops backwards with the result's slices (ShardSpec.shard 
 At ZeRO 0 (one shard: every dp rank updates everything) the ZeRO hop is empty and every dp
 replica's owner computes its copy. The routing tables are built once from the layout (pure
 index arithmetic, ``layout.owned_pieces`` of every shard rank), so a step is two all-to-alls
-each way per kind of parameter, through megalite.comm, bytes in the ledger under the groups'
+each way per kind of parameter, through megalite.distributed.comm, bytes in the ledger under the groups'
 names ("dp"/"dp_cp", "edp", "tp").
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Callable
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.data_parallel.layout import BufferLayout, OwnedPiece
 
 

@@ -38,7 +38,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite import comm, errors, params as P
+from megalite import errors
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
 from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
 from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
@@ -48,7 +50,7 @@ from megalite.data_parallel.unit_params import UnitParams
 from megalite.data_parallel.units import Unit, resolve_units, split_tied
 from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
 from megalite.data_parallel.zero3 import Zero3Schedule
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.tensor_parallel.sequence_parallel import unmarked_norm_problem
 
 

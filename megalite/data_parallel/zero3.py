@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.data_parallel.unit_grads import UnitGrads
 from megalite.data_parallel.unit_params import UnitParams
 from megalite.data_parallel.units import Unit

@@ -21,7 +21,7 @@ import torch
 
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import cast, scale_of
-from megalite.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.parameters.weight_grad import bypasses_autograd, route_weight_grads
 
 BLOCK = 128
 

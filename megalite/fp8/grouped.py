@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.fp8 import gemm
 from megalite.kernels import fp8_cast, grouped_gemm
 from megalite.kernels.dispatch import use_triton
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import cast, quantize_2d, reduce_max, scale_of
-from megalite.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.parameters.weight_grad import bypasses_autograd, route_weight_grads
 
 
 def _group_ids(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:

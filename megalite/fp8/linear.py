@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.fp8 import gemm
 from megalite.fp8.blockwise import blockwise_linear
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.fp8.scaling import quantize, quantize_2d
-from megalite.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.parameters.weight_grad import bypasses_autograd, route_weight_grads
 
 
 def _gather_fp8(q: torch.Tensor, inv: torch.Tensor, group):

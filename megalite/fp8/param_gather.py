@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.fp8.scaling import cast, scale_of
 
 FP8 = torch.float8_e4m3fn  # weights are forward operands: e4m3 in both formats

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.kernels import fp8_cast
 from megalite.kernels.dispatch import use_triton
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite import comm, ops
+from megalite import ops
+from megalite.distributed import comm
 from megalite.model.gpt import GPTModel
 
 

@@ -19,7 +19,7 @@ import torch
 from megalite.checkpoint import read_full_state
 from megalite.errors import UsageError
 from megalite.extras import require
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.model.gpt import GPTModel
 from megalite.model.hf import from_hf
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 import megalite.kernels as kernels_package
-from megalite import comm
-from megalite.layer_groups import LayerGroups
-from megalite.mesh import current_mesh, init_mesh
+from megalite.distributed import comm
+from megalite.distributed.layer_groups import LayerGroups
+from megalite.distributed.mesh import current_mesh, init_mesh
 from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.transformer import TransformerBlock

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megalite import params
+from megalite.parameters import params
 from megalite.fp8.recipe import Fp8Recipe
 from megalite.moe.experts import LocalExperts
 from megalite.moe.layer import MoELayer

@@ -34,12 +34,13 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.data_parallel.units import Unit
 from megalite.kernels import DocumentMask
-from megalite.layer_groups import LayerGroups
-from megalite.mesh import Mesh, current_mesh
+from megalite.distributed.layer_groups import LayerGroups
+from megalite.distributed.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.mtp import MTPDepth, MultiTokenPrediction, mtp_losses
@@ -51,7 +52,7 @@ from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_c
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, linear, sequence_parallel_linear
 from megalite.tensor_parallel.mlp import normal_init
 from megalite.tensor_parallel.random import TensorParallelRNG, dropout, dropout_site
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 # Seed-stream offsets of the components (layer i uses _LAYER_STREAM + i).
 _WORD_EMBEDDING_STREAM, _POSITION_STREAM, _OUTPUT_STREAM, _LAYER_STREAM = 0, 1, 2, 1000

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.config.model import GPTConfig
 from megalite.extras import require
 from megalite.model.gpt import GPTModel

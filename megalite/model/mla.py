@@ -26,10 +26,12 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, ops, params
+from megalite import ops
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.config.model import GPTConfig
 from megalite.config.rope_scaling import softmax_scale_factor
-from megalite.layer_groups import LayerGroups
+from megalite.distributed.layer_groups import LayerGroups
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, linear
 from megalite.tensor_parallel.mlp import normal_init

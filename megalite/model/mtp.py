@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config.model import GPTConfig
-from megalite.layer_groups import LayerGroups
+from megalite.distributed.layer_groups import LayerGroups
 from megalite.model.transformer import Norm, TransformerBlock
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear

@@ -14,12 +14,14 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, ops, params
+from megalite import ops
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
 from megalite.context_parallel.zigzag import logical_row_offsets
 from megalite.kernels import DocumentMask
-from megalite.layer_groups import LayerGroups
+from megalite.distributed.layer_groups import LayerGroups
 from megalite.config.model import GPTConfig
 from megalite.model.mla import MultiLatentAttention
 from megalite.model.recompute import checkpoint_with_rng

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import Router, update_expert_bias
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, ops
-from megalite.layer_groups import LayerGroups
+from megalite import ops
+from megalite.distributed import comm
+from megalite.distributed.layer_groups import LayerGroups
 from megalite.moe.config import MoEConfig
 from megalite.tensor_parallel import mappings
 

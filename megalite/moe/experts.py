@@ -20,10 +20,12 @@ import math
 import torch
 from torch import nn
 
-from megalite import comm, ops, params
+from megalite import ops
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.fp8.experts import fp8_experts_forward
 from megalite.moe.expert_gemm import expert_grouped_mm
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 
 class Expert(nn.Module):

@@ -37,12 +37,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatcher import make_dispatcher
 from megalite.moe.experts import LocalExperts
 from megalite.context_parallel.zigzag import position_ids
-from megalite.layer_groups import LayerGroups
+from megalite.distributed.layer_groups import LayerGroups
 from megalite.layout import LayoutError, expert_count_problem
 from megalite.moe.router import Router
 from megalite.tensor_parallel import mappings

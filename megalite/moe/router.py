@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.moe.config import MoEConfig
 from megalite.plan.moe import balanced_routes
 

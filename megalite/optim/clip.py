@@ -37,8 +37,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megalite import comm, params as P
-from megalite.mesh import Mesh
+from megalite.distributed import comm
+from megalite.parameters import params as P
+from megalite.distributed.mesh import Mesh
 
 
 def counts_in_grad_norm(param: torch.Tensor, mesh: Mesh, over_replicas: bool = False, sharded: bool = False,

@@ -50,7 +50,7 @@ eps (the usual case, and what an LR scheduler keeps), else run by run: the same 
 master/exp_avg/exp_avg_sq of the piece of that parameter's *flattened local tensor* this
 rank owns, with its [start, end) range; `load_optimizer_state()` is the inverse. A
 checkpoint engineer maps flat local ranges to full-tensor slices with the parameter's shard spec
-(`megalite.params.shard_spec`).
+(`megalite.parameters.params.shard_spec`).
 """
 from __future__ import annotations
 

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite import comm, errors, params as P
+from megalite import errors
+from megalite.distributed import comm
+from megalite.parameters import params as P
 from megalite.config.choices import MuonAdjustLR, MuonOwners
 from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
 from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
 NS_EPS = 1e-7

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, params as P
+from megalite.distributed import comm
+from megalite.parameters import params as P
 
 KINDS = ("exp_avg", "exp_avg_sq")
 MUON_KEYS = {"exp_avg": "momentum_buffer"}  # where a Muon matrix's state sits in the optimizer, by torch's name

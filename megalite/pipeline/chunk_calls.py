@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from megalite.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.parameters.weight_grad import WeightGradStore, defer_weight_grads
 
 
 class ChunkCalls(Protocol):

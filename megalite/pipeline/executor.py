@@ -25,13 +25,14 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from megalite import comm, params
-from megalite.mesh import Mesh
+from megalite.distributed import comm
+from megalite.parameters import params
+from megalite.distributed.mesh import Mesh
 from megalite.pipeline import p2p
 from megalite.pipeline.chunk_calls import ChunkCalls, ModuleCalls
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
 from megalite.pipeline.schedules import ScheduleName, schedule_name, verified_schedule
-from megalite.host_reads import no_host_reads
+from megalite.distributed.host_reads import no_host_reads
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from megalite import comm
-from megalite.mesh import Mesh
+from megalite.distributed import comm
+from megalite.distributed.mesh import Mesh
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.instructions import COMPUTE_KINDS
 from megalite.pipeline.partition import model_chunk_id

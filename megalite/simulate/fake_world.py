@@ -2,7 +2,7 @@
 collective returns at once, moving nothing) and the meta device (tensors with a shape and no data),
 so a 70B model's rank costs no memory and no FLOPs.
 
-`fake_rank(rank, world_size)` is a context manager: inside it `megalite.mesh.init_mesh(...,
+`fake_rank(rank, world_size)` is a context manager: inside it `megalite.distributed.mesh.init_mesh(...,
 device=META)` builds that rank's groups with the real code (every group of the world, in the real
 order). Nothing of megalite is replaced: the process group is made through `comm` with a
 transport that moves nothing (`NoTransfer`: torch finds no backend for point-to-point transfers of
@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from megalite import comm
-from megalite.mesh import destroy_mesh
+from megalite.distributed import comm
+from megalite.distributed.mesh import destroy_mesh
 
 META = torch.device("meta")
 

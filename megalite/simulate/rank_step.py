@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.data import GlobalBatchSampler, load_microbatches
-from megalite.mesh import Mesh, init_mesh
+from megalite.distributed.mesh import Mesh, init_mesh
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.moe.dispatcher import RouteCounts, use_route_counts
 from megalite.simulate.fake_world import META, fake_rank

@@ -1,6 +1,6 @@
 """Which ranks to simulate, and the group construction checked for every rank of the world.
 
-`check_groups` walks every group `init_mesh` creates (megalite.topology's lists, in creation
+`check_groups` walks every group `init_mesh` creates (megalite.distributed.topology's lists, in creation
 order) and checks, for every global rank, from its coordinates alone (`rank_to_coords`): it is
 in exactly one group of each kind; a tp group is the tp ranks 0..tp-1 of one (cp, dp, pp) place
 in order, a cp ring the cp ranks of one (tp, dp, pp), a dp group the dp ranks of one (tp, cp,
@@ -11,11 +11,11 @@ with these (`compare_mesh`).
 """
 from __future__ import annotations
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.errors import UsageError
 from megalite.layout import Layout
-from megalite.mesh import Mesh
-from megalite.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, dp_replicate_group_ranks,
+from megalite.distributed.mesh import Mesh
+from megalite.distributed.topology import (cp_group_ranks, dp_cp_group_ranks, dp_group_ranks, dp_replicate_group_ranks,
                                dp_shard_group_ranks, embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks,
                                expert_dp_shard_group_ranks, pp_group_ranks, rank_to_coords, rank_to_cp_rank,
                                tp_group_ranks)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.kernels import vocab_parallel_cross_entropy as _sharded_cross_entropy
 from megalite.tensor_parallel.layers import resolve_tp_group
 

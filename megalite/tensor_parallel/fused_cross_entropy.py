@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.kernels.cross_entropy import check_target_range, merge_stats, new_stats, shard_grad, shard_stats
 from megalite.kernels.dispatch import use_triton
 from megalite.tensor_parallel.layers import resolve_tp_group
-from megalite.weight_grad import route_weight_grads
-from megalite.weight_grad import bypasses_autograd, deliver
+from megalite.parameters.weight_grad import route_weight_grads
+from megalite.parameters.weight_grad import bypasses_autograd, deliver
 
 DEFAULT_CHUNK_BYTES = 256 << 20  # one chunk's logits: bounds the transient, big enough for full-speed GEMMs
 

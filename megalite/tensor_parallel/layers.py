@@ -5,7 +5,7 @@ same tensor on every rank), then keeps only this rank's slice. A layer at tp=4 i
 numerically the same layer as at tp=1, and with the default init a `ColumnParallelLinear(i, o)`
 made after `torch.manual_seed(s)` has exactly the weights of `nn.Linear(i, o)` made after it.
 
-`tp_group=None` means the tp group of the mesh made by `megalite.mesh.init_mesh`, or no
+`tp_group=None` means the tp group of the mesh made by `megalite.distributed.mesh.init_mesh`, or no
 parallelism when no mesh exists.
 """
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.errors import ArgumentTypeError, positive_int
 from megalite.fp8.linear import fp8_linear
-from megalite.mesh import current_mesh
+from megalite.distributed.mesh import current_mesh
 from megalite.tensor_parallel import mappings
-from megalite.sharding import ShardSpec, validate_blocks
-from megalite.weight_grad import bypasses_autograd, route_weight_grads
+from megalite.parameters.sharding import ShardSpec, validate_blocks
+from megalite.parameters.weight_grad import bypasses_autograd, route_weight_grads
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -44,7 +45,7 @@ def resolve_tp_group(tp_group, owner: str = "a tensor-parallel layer"):
     mesh = current_mesh()
     if mesh is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("a tensor-parallel layer built before init_mesh() under a multi-rank launch (WORLD_SIZE="
-                           f"{os.environ['WORLD_SIZE']}) would run at tp 1: call megalite.mesh.init_mesh(tp=...) "
+                           f"{os.environ['WORLD_SIZE']}) would run at tp 1: call megalite.distributed.mesh.init_mesh(tp=...) "
                            "before building the model, or pass tp_group= explicitly")
     return mesh.tp_group if mesh is not None else None
 

@@ -18,13 +18,13 @@ backward are conjugate collectives over the tensor-parallel group:
 sum, so backward reduce-scatters; pass `grad_is_partial=False` when every rank already holds
 the full gradient and a plain split suffices.
 
-All go through `megalite.comm`; `group=None` (or a group of one) makes every function the identity.
+All go through `megalite.distributed.comm`; `group=None` (or a group of one) makes every function the identity.
 """
 from __future__ import annotations
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -46,11 +46,12 @@ import fnmatch
 import torch
 from torch import nn
 
-from megalite import comm, params
+from megalite.distributed import comm
+from megalite.parameters import params
 from megalite.errors import ArgumentTypeError
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from megalite import params
+from megalite.parameters import params
 
 
 def mark_sequence_parallel(target: nn.Module | Iterable[torch.Tensor], sequence_parallel: bool = True):

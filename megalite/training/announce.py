@@ -16,7 +16,7 @@ from megalite.config.rampup import BatchRampup
 from megalite.config import RunConfig
 from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe
 from megalite.config.model import GPTConfig
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.plan import estimate, justify
 from megalite.plan.hardware import builtin_for_device
 from megalite.training.launch_checks import machine_notes

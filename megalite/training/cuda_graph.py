@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from megalite.host_reads import HostReadError, no_host_reads
+from megalite.distributed.host_reads import HostReadError, no_host_reads
 from megalite.errors import UsageError
 
 WARMUP_ITERATIONS = 3  # torch's make_graphed_callables warms up 3 times too: autotuning, allocator, lazy init

@@ -43,8 +43,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from megalite import comm, params as P
-from megalite.mesh import Mesh
+from megalite.distributed import comm
+from megalite.parameters import params as P
+from megalite.distributed.mesh import Mesh
 from megalite.training.step_result import StepResult
 
 ON_NONFINITE_CHOICES = ("skip", "stop")

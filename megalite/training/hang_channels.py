@@ -2,7 +2,7 @@
 
 `FileChannel`: files in a directory every rank of a node (or, on a shared file system, of the
 job) can see. `StoreChannel`: a key-value store with torch.distributed's Store API (the job's
-rendezvous TCPStore on a connection of its own, `megalite.comm.side_channel_store()`), which
+rendezvous TCPStore on a connection of its own, `megalite.distributed.comm.side_channel_store()`), which
 reaches every node. Neither uses a collective. Each publishes one JSON state per rank, lets one
 rank claim the summary, and tells the others when the summary exists.
 """
@@ -75,7 +75,7 @@ class StoreChannel:
     anew): the process group's client may itself be blocked in a store wait, and a TCPStore
     client serialises its calls. Keys live under `prefix`; the store must be private to this
     start of the job so a restarted job does not read the last one's states, as
-    `megalite.comm.side_channel_store()` is (a namespace agreed afresh by every attempt).
+    `megalite.distributed.comm.side_channel_store()` is (a namespace agreed afresh by every attempt).
     """
 
     def __init__(self, store, prefix: str = "megalite/hang/"):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.checkpoint import load_checkpoint, maybe_inject_fault
 from megalite.checkpoint.lock import CheckpointLock
 from megalite.checkpoint.preemption import SetupInterrupted, end_with_the_launcher, interrupt_during_setup
@@ -54,7 +54,7 @@ from megalite.data_parallel.wrapper import DataParallel
 from megalite.errors import UsageError, report_usage_error
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
-from megalite.mesh import Mesh, destroy_mesh, init_mesh
+from megalite.distributed.mesh import Mesh, destroy_mesh, init_mesh
 from megalite.config.model import GPTConfig
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.lr_schedule import LRSchedule, ScheduledLR

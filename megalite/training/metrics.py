@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config.model import GPTConfig
 from megalite.plan.params import hardware_flops_per_token
 from megalite.training.metrics_file import drop_torn_tail
@@ -187,7 +187,7 @@ class TimeBreakdown:
         return sum(comm.ledger.seconds.values())
 
     def add_comm_from_ledger(self) -> float:
-        """Add the host-side seconds megalite.comm spent in blocking calls since the last call."""
+        """Add the host-side seconds megalite.distributed.comm spent in blocking calls since the last call."""
         now = self._ledger_seconds()
         delta, self._comm_mark = max(0.0, now - self._comm_mark), now
         self.add("communication", delta)
@@ -378,7 +378,7 @@ def straggler_report(step_times: list[float], hosts: list[str] | None = None, to
 
 
 def gather_step_times(step_time_s: float, group=None) -> tuple[list[float], list[str]]:
-    """All ranks' (step time, hostname) over `group` (default: the world), via megalite.comm."""
+    """All ranks' (step time, hostname) over `group` (default: the world), via megalite.distributed.comm."""
     group = group if group is not None else comm.world_group()
     pairs = comm.all_gather_object((step_time_s, socket.gethostname()), group)
     return [t for t, _ in pairs], [h for _, h in pairs]

@@ -67,9 +67,9 @@ import torch
 from megalite.config.choices import Schedule
 from megalite.errors import UsageError
 from megalite.pipeline import p2p
-from megalite.weight_grad import WeightGradStore, defer_weight_grads
+from megalite.parameters.weight_grad import WeightGradStore, defer_weight_grads
 from megalite.training import cuda_graph
-from megalite.host_reads import HostReadError, no_host_reads
+from megalite.distributed.host_reads import HostReadError, no_host_reads
 
 
 class _ChunkSlot:

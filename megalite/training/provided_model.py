@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from megalite.config import RunConfig
 from megalite.data_parallel.units import Unit
 from megalite.errors import ConfigError, UsageError
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.pipeline.partition import stage_layers
 from megalite.tensor_parallel.random import TensorParallelRNG
 

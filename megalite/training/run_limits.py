@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.checkpoint.elastic import ResumePlan, find_checkpoint
 from megalite.checkpoint.lock import foreign_checkpoints_problem
 from megalite.config import RunConfig
 from megalite.errors import UsageError
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 
 
 def refuse_foreign_checkpoints(cfg: RunConfig, plan: ResumePlan | None) -> None:

@@ -13,13 +13,13 @@ from typing import Callable
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.checkpoint.preemption import PreemptionHandler
 from megalite.checkpoint.save import Checkpointer
 from megalite.cli import to_toml
 from megalite.config import Precision, RunConfig
 from megalite.config.model import GPTConfig
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.plan import recompute_fraction
 from megalite.training.guards import NonFiniteGuard
 from megalite.training.metrics import MetricsWriter, ThroughputMeter, TimeBreakdown, peak_tflops

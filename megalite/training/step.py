@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.model.mtp import mtp_stats
 from megalite.moe import bookkeeping as moe_bookkeeping
 from megalite.context_parallel.zigzag import split_sequence
@@ -28,7 +28,7 @@ from megalite.data_parallel.powersgd import PowerSGDConfig
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.model.fp8_convert import convert_to_fp8
 from megalite.fp8.recipe import recipe_from
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.config.model import GPTConfig
 from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
@@ -39,7 +39,7 @@ from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.partition import stage_layers
 from megalite.training.metrics import measured_attention_span
 from megalite.training.step_result import PipelineTiming, StepResult
-from megalite.host_reads import no_host_reads
+from megalite.distributed.host_reads import no_host_reads
 from megalite.config import RunConfig
 
 

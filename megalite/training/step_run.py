@@ -8,12 +8,12 @@ from __future__ import annotations
 import time
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config import Precision, RunConfig
 from megalite.config.rampup import BatchRampup
 from megalite.data import GlobalBatchSampler, load_microbatches
 from megalite.data_parallel.wrapper import DataParallel
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.lr_schedule import ScheduledLR
 from megalite.pipeline.stages import measured_bubble
@@ -40,7 +40,7 @@ def timed_step(step: int, indices: list[list[int]], *, train_set, model: DataPar
     result = train_step(model, optimizer, microbatches, mesh, cfg, None, guard=services.guard, timer=services.timer,
                         graphs=graphs)
     cp_comm_bytes = comm.ledger.total_bytes(group="cp") - cp_bytes_before
-    services.timer.add_comm_from_ledger()  # host seconds blocked in megalite.comm (all groups)
+    services.timer.add_comm_from_ledger()  # host seconds blocked in megalite.distributed.comm (all groups)
     if mesh.device.type == "cuda":
         torch.cuda.synchronize()
     step_time = time.perf_counter() - start

@@ -5,7 +5,7 @@ is silence. Here the training loop calls `watchdog.progress(step)` at step (or m
 boundaries; when `timeout_s` passes without a call, every rank, independently:
 
 1. writes a report to stderr and to `<report_dir>/hang_rank{R}.txt`: its recent communication
-   ops from `megalite.comm`'s ring buffer with the op it still waits in named first
+   ops from `megalite.distributed.comm`'s ring buffer with the op it still waits in named first
    ("rank 5 waits in all_reduce on group dp (seq 812, shape [4096], started 63.2 s ago)"),
    then the Python stack of every thread;
 2. publishes a one-line machine-readable state through the side channel (by default the file
@@ -39,7 +39,7 @@ import time
 import traceback
 from typing import Any, Callable, TextIO
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.training.hang_channels import FileChannel, write_atomic
 
 HANG_EXIT_CODE = 86
@@ -196,7 +196,7 @@ class HangWatchdog:
             (default: `default_report_dir()`).
         channel: how ranks exchange states and elect the summariser without collectives
             (default: FileChannel(report_dir); a StoreChannel covers every node).
-        rank, world_size: default from torch.distributed (via megalite.comm) or the environment.
+        rank, world_size: default from torch.distributed (via megalite.distributed.comm) or the environment.
         mesh: optional Mesh, to print each rank's (tp, dp, pp) coordinates.
         summary_wait_s: how long ranks wait for each other's states before the summary is
             written without the missing ones (default: min(30, max(2, timeout_s))).

@@ -4,7 +4,7 @@ import pathlib
 
 import torch
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.model import preset
 from megalite.config import RunConfig
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
@@ -64,7 +64,7 @@ def megalite_logits(checkpoint, ids):
     from megalite.checkpoint import load_checkpoint
     from megalite.checkpoint.full_state import resolve_checkpoint_dir
     from megalite.checkpoint.reader import CheckpointReader
-    from megalite.mesh import single_process_mesh
+    from megalite.distributed.mesh import single_process_mesh
     from megalite.config.model import GPTConfig
     from megalite.model.gpt import GPTModel
 

@@ -4,7 +4,7 @@ import math
 import torch
 
 from megalite.checkpoint.boxes import box_slices, flat_range_boxes, shard_boxes
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 
 def test_flat_range_boxes_cover_the_range_in_order():

@@ -63,7 +63,7 @@ def test_bad_input_names_the_fix(tmp_path, capsys):
 
 def test_an_imported_checkpoint_starts_the_optimizer_from_its_weights(tmp_path):
     from megalite.checkpoint import load_checkpoint
-    from megalite.mesh import single_process_mesh
+    from megalite.distributed.mesh import single_process_mesh
     from megalite.config import RunConfig
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
@@ -129,7 +129,7 @@ def test_exported_weights_are_readable_like_the_config(tmp_path):
     from ckpt_helpers import full_params
     from megalite.checkpoint import write_full_state
     from megalite.config import RunConfig
-    from megalite.mesh import single_process_mesh
+    from megalite.distributed.mesh import single_process_mesh
     from megalite.config.model import GPTConfig
     from megalite.training.step import build_model_chunks
 

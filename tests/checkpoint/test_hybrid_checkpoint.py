@@ -8,9 +8,9 @@ flat loads at 2 x 2; each continues like the uninterrupted one-process run.
 import pytest
 import torch
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.testing import run_distributed
 
 from ckpt_helpers import GLOBAL, build, full_params, model_config, train, train_config

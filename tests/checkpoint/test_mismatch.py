@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.checkpoint import (CheckpointMismatchError, CheckpointNotFoundError, Checkpointer, load_checkpoint,
                                  storage)
 from megalite.errors import UsageError
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import run_distributed
 

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from megalite.checkpoint import PreemptionHandler, maybe_inject_fault
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])

@@ -13,10 +13,10 @@ import json
 import pytest
 import torch
 
-from megalite import params as P
-from megalite import mesh
+from megalite.parameters import params as P
+from megalite.distributed import mesh
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.testing import assert_tensor_close, run_distributed
 
 from ckpt_helpers import (GLOBAL, build, full_params, load_convert_tool, megalite_logits, model_config, train,

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.checkpoint import CheckpointCorruptError, Checkpointer, load_checkpoint
 from megalite.errors import UsageError
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.save import CRASH_ENV
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import RankFailed, run_distributed
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 
 from ckpt_helpers import build, full_params, load_convert_tool, model_config, train, train_config
 

@@ -11,9 +11,9 @@ import signal
 
 import pytest
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.checkpoint import CheckpointWriteError, Checkpointer, load_checkpoint, storage
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.testing import RankFailed, run_distributed
 
 from ckpt_helpers import GLOBAL, build, model_config, train, train_config

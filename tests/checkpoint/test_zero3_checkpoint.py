@@ -8,9 +8,10 @@ bit-identical; the ZeRO-3 checkpoint also exports to transformers.
 import pytest
 import torch
 
-from megalite import mesh, params as P
+from megalite.distributed import mesh
+from megalite.parameters import params as P
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.testing import assert_tensor_close, run_distributed
 
 from ckpt_helpers import GLOBAL, build, full_params, load_convert_tool, megalite_logits, model_config, train, \

@@ -11,7 +11,7 @@ contiguous split).
 import pytest
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.context_parallel import (causal_work, gather_sequence, rank_block_counts, ring_attention, ring_plan,
                                        split_sequence, ulysses_attention)
 from megalite.context_parallel import ring as ring_module

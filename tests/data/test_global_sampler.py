@@ -72,7 +72,7 @@ def test_eval_sampling_is_deterministic():
 
 def _rank_reads(cache_dir, prefix, tp, pp):
     """One rank: build the datasets (all ranks at once, one cache) and read two steps."""
-    from megalite import mesh as mesh_lib
+    from megalite.distributed import mesh as mesh_lib
 
     mesh = mesh_lib.init_mesh(tp=tp, pp=pp)
     train, _, _ = build_gpt_datasets([prefix], "9,1,0", seq_length=8, seed=5, tokenizer="byte",

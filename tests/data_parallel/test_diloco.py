@@ -9,9 +9,9 @@
 import pytest
 import torch
 
-from megalite import comm, mesh as mesh_lib
+from megalite.distributed import comm, mesh as mesh_lib
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step

@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import params as P
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.parameters import params as P
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.tensor_parallel.layers import linear
 from megalite.testing import run_distributed

@@ -10,10 +10,11 @@ gathered over all of dp), and the planner's count of them (megalite/plan/communi
 import pytest
 import torch
 
-from megalite import comm, mesh as mesh_lib, params as P, topology
+from megalite.distributed import comm, mesh as mesh_lib, topology
+from megalite.parameters import params as P
 from megalite.config import RunConfig
 from megalite.layout import Layout, LayoutError
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.plan import communication_bytes
 from megalite.testing import assert_tensor_close, run_distributed

@@ -14,7 +14,7 @@ overlap bit for bit (the gathered values are the same; only the timing differs).
 import pytest
 import torch
 
-from megalite import mesh as mesh_lib
+from megalite.distributed import mesh as mesh_lib
 from megalite.data_parallel import DataParallel
 from megalite.model import GPTModel, preset
 from megalite.optim.distributed_optimizer import DistributedOptimizer

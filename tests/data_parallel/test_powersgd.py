@@ -12,8 +12,8 @@ divided out of the residual.
 import torch
 from torch import nn
 
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.data_parallel.grad_buffers import GradBuffers
 from megalite.data_parallel.powersgd import PowerSGDConfig, first_q, orthonormal
 from megalite.plan.compression import compresses, effective_rank, matrix_view, reduction_elements
@@ -187,7 +187,7 @@ def test_compression_refuses_zero3_and_is_off_for_one_replica():
     import pytest
 
     from megalite.data_parallel import DataParallel
-    from megalite.mesh import single_process_mesh
+    from megalite.distributed.mesh import single_process_mesh
 
     with pytest.raises(ValueError, match="zero_stage 0, 1 or 2, not 3"):
         DataParallel(Params(), single_process_mesh("cpu"), zero_stage=3, grad_compression=CONFIG)

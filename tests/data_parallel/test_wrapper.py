@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from megalite import mesh as mesh_lib
+from megalite.distributed import mesh as mesh_lib
 from megalite.data_parallel import DataParallel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.testing import assert_tensor_close, run_distributed

@@ -15,9 +15,10 @@ import contextlib
 import pytest
 import torch
 
-from megalite import comm, mesh as mesh_lib, params as P
+from megalite.distributed import comm, mesh as mesh_lib
+from megalite.parameters import params as P
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.plan import communication_bytes, estimate
 from megalite.testing import assert_tensor_close, gathers_land_at_wait, run_distributed

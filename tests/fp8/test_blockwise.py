@@ -60,7 +60,7 @@ def test_dp2_pp2_train_to_the_blockwise_single_process():
     """Every GEMM whole at dp 2 and pp 2: the single process's losses and weights (1e-5, 2 steps); the
     run differs from fp32, within 2%."""
     from test_fp8_parity import _cfg, _parallel, _reference, _run
-    from megalite.mesh import single_process_mesh
+    from megalite.distributed.mesh import single_process_mesh
     from megalite.testing import run_distributed
 
     ref = _reference("blockwise")

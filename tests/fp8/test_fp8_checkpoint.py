@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "checkpoint"))
 from ckpt_helpers import GLOBAL, build, full_params, model_config, train, train_config  # noqa: E402

@@ -10,7 +10,7 @@ merge of the blocks) and how often it does.
 import pytest
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.fp8 import Fp8Recipe
 from megalite.fp8.experts import fp8_experts_forward
 from megalite.moe.experts import LocalExperts

@@ -17,9 +17,10 @@ compare against it.
 import pytest
 import torch
 
-from megalite import comm, mesh, params as P
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.fp8 import Fp8Recipe

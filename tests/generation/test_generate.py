@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "model"))
 import hf_families as H  # noqa: E402
 
-from megalite import mesh as mesh_lib  # noqa: E402
+from megalite.distributed import mesh as mesh_lib  # noqa: E402
 from megalite.generation import SamplingParams, generate  # noqa: E402
 from megalite.generation.generate import left_padded  # noqa: E402
 from megalite.model.hf import from_hf  # noqa: E402

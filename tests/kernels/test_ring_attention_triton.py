@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_testing import ON_GPU, requires_triton
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.context_parallel import block_attention, gather_sequence, ring_attention, split_sequence
 from megalite.kernels import attention_reference
 from megalite.testing import run_distributed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_testing import requires_triton
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.kernels import vocab_parallel_cross_entropy
 from megalite.testing import run_distributed
 

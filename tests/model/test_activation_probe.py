@@ -19,7 +19,7 @@ S, B, TP, BACKENDS = 128, 2, 2, ("triton", "torch")
 
 
 def _tensor_parallel_world(config):
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh(tp=TP)
     return {(t.name, backend): measure_layer_bytes(config, t, mesh.tp_group, S, B, torch.bfloat16, backend)

@@ -4,8 +4,8 @@ global layer and the draw count only (tensor_parallel/random.py), never on the l
 import pytest
 import torch
 
-from megalite import comm, mesh
-from megalite import params as P
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
 from megalite.model import GPTModel, preset
 from megalite.testing import run_distributed
 

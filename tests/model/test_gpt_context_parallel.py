@@ -12,8 +12,8 @@ two zigzag chunks: hidden dropout under both comm types, attention dropout under
 import pytest
 import torch
 
-from megalite import comm, mesh
-from megalite import params as P
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
 from megalite.context_parallel import split_sequence
 from megalite.model import GPTModel, preset
 from megalite.testing import assert_tensor_close, run_distributed

@@ -5,8 +5,8 @@ a sample that is one document filling the whole sequence; some labels masked (-1
 import pytest
 import torch
 
-from megalite import comm, mesh
-from megalite import params as P
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
 from megalite.model import GPTModel, preset
 from megalite.testing import assert_tensor_close, run_distributed
 

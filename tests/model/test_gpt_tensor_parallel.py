@@ -7,8 +7,8 @@ gradient shard with the reference's full gradients sliced by each parameter's Sh
 import pytest
 import torch
 
-from megalite import params as P
-from megalite import comm, mesh
+from megalite.parameters import params as P
+from megalite.distributed import comm, mesh
 from megalite.model import GPTModel, preset
 from megalite.testing import run_distributed
 

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_families as H  # noqa: E402
 
-from megalite import comm, mesh as mesh_lib, params as P  # noqa: E402
+from megalite.distributed import comm, mesh as mesh_lib  # noqa: E402
+from megalite.parameters import params as P  # noqa: E402
 from megalite.model import GPTModel, preset  # noqa: E402
 from megalite.model.hf import config_from_hf, from_hf, hf_to_full_state, to_hf  # noqa: E402
 from megalite.model.hf_config import hf_config_from  # noqa: E402

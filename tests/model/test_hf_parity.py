@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megalite import comm, mesh  # noqa: E402
+from megalite.distributed import comm, mesh  # noqa: E402
 from megalite.model import from_hf  # noqa: E402
 from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402

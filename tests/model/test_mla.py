@@ -4,10 +4,10 @@ with and without a query latent), and in every tensor-parallel layout against th
 import pytest
 import torch
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.config import RunConfig
-from megalite.layer_groups import LayerGroups
-from megalite.mesh import init_mesh, single_process_mesh
+from megalite.distributed.layer_groups import LayerGroups
+from megalite.distributed.mesh import init_mesh, single_process_mesh
 from megalite.model import preset
 from megalite.model.mla import MultiLatentAttention
 from megalite.model.rope import rope_tables

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.config import RunConfig
-from megalite.mesh import init_mesh, single_process_mesh
+from megalite.distributed.mesh import init_mesh, single_process_mesh
 from megalite.model.gpt import GPTModel
 from megalite.plan.params import stage_params
 from megalite.testing import assert_tensor_close, run_distributed

@@ -3,7 +3,7 @@ with dropout on: the dropout draw counters are restored for the recompute, so ma
 import pytest
 import torch
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.model import GPTModel, preset
 from megalite.testing import run_distributed
 

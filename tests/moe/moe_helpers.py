@@ -1,7 +1,7 @@
 """Shared pieces of the MoE layout tests: a tiny MoE model's configuration, per-step batches, a train loop."""
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 

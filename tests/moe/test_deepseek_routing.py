@@ -7,10 +7,10 @@ test runs (dp 2, ep 2) with group routing against the single process."""
 import pytest
 import torch
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.config import RunConfig
-from megalite.layer_groups import LayerGroups
-from megalite.mesh import init_mesh, single_process_mesh
+from megalite.distributed.layer_groups import LayerGroups
+from megalite.distributed.mesh import init_mesh, single_process_mesh
 from megalite.model import preset
 from megalite.moe.config import MoEConfig
 from megalite.moe.layer import MoELayer

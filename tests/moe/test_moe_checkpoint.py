@@ -10,10 +10,10 @@ parent process loads the checkpoint's weights unchanged.
 import pytest
 import torch
 
-from megalite import mesh
-from megalite import params as P
+from megalite.distributed import mesh
+from megalite.parameters import params as P
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model.gpt import GPTModel
 from megalite.moe.bookkeeping import expert_biases
 from megalite.testing import assert_tensor_close, run_distributed

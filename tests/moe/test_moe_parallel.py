@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from megalite.training.launch_checks import launch_problems
-from megalite import comm, mesh
-from megalite import params as P
-from megalite.mesh import single_process_mesh
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
+from megalite.distributed.mesh import single_process_mesh
 from megalite.plan.communication import communication_bytes
 from megalite.plan.moe import expert_dp_config
 from megalite.plan.params import stage_params

@@ -16,10 +16,10 @@
 """
 import torch
 
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.checkpoint import Checkpointer, load_checkpoint
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.plan.communication import communication_bytes
 from megalite.plan.compression import compression_state_bytes, stage_expert_shapes, stage_param_shapes
 from megalite.plan.moe import moe_replica_bytes

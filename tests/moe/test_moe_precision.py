@@ -21,10 +21,10 @@ after unscaling) or scaled twice makes fp16's router gradient miss fp32's by far
 import pytest
 import torch
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.moe.bookkeeping import expert_biases
 from megalite.testing import assert_tensor_close, run_distributed
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.training.step import train_step
 from moe_helpers import batches, cfg_for, train
 

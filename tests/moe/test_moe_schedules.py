@@ -11,9 +11,9 @@ in a fresh fork) and every parameter after the last step must match the single p
 import pytest
 import torch
 
-from megalite import mesh
-from megalite import params as P
-from megalite.mesh import single_process_mesh
+from megalite.distributed import mesh
+from megalite.parameters import params as P
+from megalite.distributed.mesh import single_process_mesh
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.launch_checks import launch_problems
 from moe_helpers import cfg_for, train

@@ -8,7 +8,7 @@ import torch
 
 from megalite.training.launch_checks import launch_problems
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.model.gpt import GPTModel
 from megalite.moe.config import MoEConfig

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.model import GPTModel, preset
 from megalite.optim.muon import default_hidden_matrix, matrix_blocks
 

@@ -3,11 +3,11 @@ import math
 
 import torch
 
-from megalite import params as P
-from megalite import mesh as mesh_lib
+from megalite.parameters import params as P
+from megalite.distributed import mesh as mesh_lib
 from megalite.optim.clip import (SQUARE_CHUNK, allreduce_sequence_parallel_grads, clip_grad_norm, global_grad_norm,
                                  square_sum)
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 from megalite.testing import run_distributed
 
 H, V, F = 6, 8, 8  # hidden, vocab, ffn

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from megalite import params as P
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.parameters import params as P
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.data_parallel import DataParallel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler

@@ -1,7 +1,7 @@
 """The real GPT at tp=2 (sequence parallel) x pp=2 x dp=2 with ZeRO 1/2 vs torch.optim.AdamW at (1,1,1).
 
 The pipeline is driven by hand (one microbatch at a time through both stages, p2p through
-megalite.comm) so this test depends only on the model, the DP engine and the optimizer:
+megalite.distributed.comm) so this test depends only on the model, the DP engine and the optimizer:
 the tied embedding lives on both stages (declared `tied_across_stages`), its gradient is summed
 over the embedding group before the deferred bucket is reduced, and the global grad norm
 counts it once.
@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from megalite import params as P
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.parameters import params as P
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.model import GPTModel, preset
 from megalite.data_parallel import DataParallel
 from megalite.optim.distributed_optimizer import DistributedOptimizer

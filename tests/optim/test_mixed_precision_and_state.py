@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.testing import run_distributed
 from optim_helpers import GLOBAL_BATCH, SEQ, ToyGPT, portable, sharded_adamw, toy_batch

@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
-from megalite import comm, errors, params as P
-from megalite import mesh as mesh_lib
+from megalite import errors
+from megalite.distributed import comm
+from megalite.parameters import params as P
+from megalite.distributed import mesh as mesh_lib
 from megalite.config.choices import MuonAdjustLR, MuonOwners
 from megalite.data_parallel import DataParallel
 from megalite.model import GPTModel

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from megalite import mesh as mesh_lib, params as P
+from megalite.distributed import mesh as mesh_lib
+from megalite.parameters import params as P
 from megalite.testing import assert_tensor_close, run_distributed
 from muon_helpers import run_cfg, train_cfg
 

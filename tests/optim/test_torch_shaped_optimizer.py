@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from megalite import mesh as mesh_lib
+from megalite.distributed import mesh as mesh_lib
 from megalite.optim import LRSchedule, OptimizerStep, ScheduledLR
 from megalite.testing import run_distributed
 from optim_helpers import GLOBAL_BATCH, ToyGPT, portable, sharded_adamw, toy_batch

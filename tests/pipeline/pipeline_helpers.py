@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from megalite import params as P
+from megalite.parameters import params as P
 from megalite.tensor_parallel.layers import linear
 
 

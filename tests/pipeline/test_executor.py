@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from megalite import mesh as mesh_lib
+from megalite.distributed import mesh as mesh_lib
 from megalite.pipeline import PipelineSpec, run_pipeline, stage_layers, verified_schedule
 from megalite.pipeline.verifier import peak_live_microbatches
 from megalite.testing import run_distributed

@@ -7,9 +7,9 @@ the forked ranks compare their loss and every gradient shard with it.
 import pytest
 import torch
 
-from megalite import params as P
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.parameters import params as P
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.model import GPTModel, preset
 from megalite.pipeline import PipelineSpec, run_pipeline, stage_layers
 from megalite.testing import run_distributed

@@ -44,7 +44,7 @@ def _data():
 
 
 def _check_schedules():
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh(pp=2)
     data, tokens = _data(), MICROBATCHES * MICRO * SEQ

@@ -14,7 +14,7 @@ import pathlib
 
 import torch
 
-from megalite.mesh import init_mesh
+from megalite.distributed.mesh import init_mesh
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.config.model import preset
 from megalite.model.gpt import GPTModel

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config.model import GPTConfig, preset
 from megalite.model.activation_probe import kernels_without_launch, saved_storage_bytes
 from megalite.model.gpt import GPTModel
@@ -118,7 +118,7 @@ def test_zero3_model_states_and_traffic_per_stage():
 def _optimizer_world(zero_stage):
     """One dp rank of 2: megalite's optimizer's own byte report at rest and after a backward."""
     from megalite.data_parallel import DataParallel
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
     from megalite.optim.distributed_optimizer import DistributedOptimizer
 
     mesh = init_mesh()
@@ -218,7 +218,7 @@ def test_partial_full_recompute_bytes_match_what_the_model_keeps():
 
 
 def _tp_recompute_traffic_world(config, recompute_num_layers, batch):
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh(tp=2)
     with kernels_without_launch():
@@ -265,7 +265,7 @@ def test_activation_formula_scales_like_korthikanti():
 
 def _tp_world(configs, batch):
     """On each of 2 tp ranks: params, measured activation bytes and tp bytes of fwd+bwd."""
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh(tp=2)
     results = []
@@ -390,7 +390,7 @@ def test_full_recompute_flops_counted_by_torch(recompute_num_layers):
 def _scalar_collectives_world(settings):
     """Ledger calls of one training step as the loop runs it (with its non-finite guard)."""
     from megalite.config import RunConfig
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
     from megalite.training.guards import NonFiniteGuard
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 

@@ -39,7 +39,7 @@ def test_latent_attention_bytes_match_what_the_block_keeps(q_lora_rank):
 
 
 def _tensor_parallel_world(layouts):
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh(tp=2)
     out = []

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megalite import comm
-from megalite import mesh as mesh_lib
+from megalite.distributed import comm
+from megalite.distributed import mesh as mesh_lib
 from megalite.config.choices import MuonOwners
 from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads, stage_muon
 from megalite.plan.per_rank import estimate

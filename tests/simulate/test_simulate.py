@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.layout import Layout
 from megalite.simulate.fake_world import fake_rank
@@ -176,7 +176,7 @@ C10D_OPS = {"allreduce_": ("all_reduce", 0), "_allgather_base_": ("all_gather", 
 
 
 class _C10dBytes(TorchDispatchMode):
-    """Bytes of the tensors this process hands to torch's c10d ops (below megalite.comm and its ledger),
+    """Bytes of the tensors this process hands to torch's c10d ops (below megalite.distributed.comm and its ledger),
     per op in the ledger's names and convention (an all-gather's output, a reduce-scatter's input)."""
 
     def __init__(self):

@@ -5,7 +5,7 @@ and without sequence parallelism, with the torch statistics and the Triton kerne
 import pytest
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.kernels import HAVE_TRITON
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import vocab_parallel_linear_cross_entropy

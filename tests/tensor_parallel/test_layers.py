@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch import nn
 
-from megalite import params as P
-from megalite import mesh
+from megalite.parameters import params as P
+from megalite.distributed import mesh
 from megalite.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       scatter_to_sequence_parallel_region)
 from megalite.testing import run_distributed
@@ -91,7 +91,7 @@ def _check_layers(tp):
     _close(x_shard.grad, _rows(x_ref.grad, tp, r), "sequence-parallel input grad shard")
     _close(col_sp.weight.grad, _rows(ref_in.weight.grad, tp, r), "SP column weight grad")
     assert P.is_sequence_parallel_grad(row_sp.bias)
-    from megalite import comm
+    from megalite.distributed import comm
     bias_grad = comm.all_reduce(row_sp.bias.grad.clone(), m.tp_group)  # partial per rank under SP
     _close(bias_grad, ref_out.bias.grad, "SP row bias grad after tp all-reduce")
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.tensor_parallel import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                                       reduce_scatter_to_sequence_parallel_region,

@@ -3,11 +3,11 @@ import pytest
 import torch
 from torch import nn
 
-from megalite import params
+from megalite.parameters import params
 from megalite.data_parallel import DataParallel
 from megalite.errors import UsageError
 from megalite.layout import Layout
-from megalite.mesh import Mesh
+from megalite.distributed.mesh import Mesh
 from megalite.tensor_parallel import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
                                       mark_sequence_parallel, unmarked_norm_problem)
 

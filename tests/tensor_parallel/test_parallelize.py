@@ -12,7 +12,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from megalite import comm, mesh as mesh_lib, params as P  # noqa: E402
+from megalite.distributed import comm, mesh as mesh_lib  # noqa: E402
+from megalite.parameters import params as P  # noqa: E402
 from megalite.tensor_parallel.parallelize import Column, match_plan, parallelize  # noqa: E402
 from megalite.tensor_parallel.plans import hf_plan  # noqa: E402
 from megalite.tensor_parallel.sequence_parallel import unmarked_norm_problem  # noqa: E402

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import mesh as mesh_lib, params as P
+from megalite.distributed import mesh as mesh_lib
+from megalite.parameters import params as P
 from megalite.tensor_parallel.parallelize import Column, parallelize
 from megalite.testing import run_distributed
 

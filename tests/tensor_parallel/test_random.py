@@ -3,7 +3,7 @@ layout-free (a rank's mask is its part of the tp=1 mask)."""
 import pytest
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.kernels import attention
 from megalite.tensor_parallel import TensorParallelRNG, dropout
 from megalite.tensor_parallel.random import dropout_site

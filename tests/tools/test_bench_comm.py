@@ -35,7 +35,7 @@ def test_sizes_and_sweep():
 
 
 def _bench_rank():
-    from megalite import comm
+    from megalite.distributed import comm
 
     result = bench_comm.benchmark(list(bench_comm.OPS), [4096], group_name="tp", tp=2, iters=2, warmup=1)
     ledger = {f"{g}/{op}": n for (g, op), n in comm.ledger.bytes.items() if g == "tp"}

@@ -36,7 +36,7 @@ def test_replay_gives_the_known_bubbles():
 
 def _measure(num_microbatches: int, steps: int = 2) -> list[dict]:
     """pp = 2 stages under 1F1B: each step's measured stats (step seconds, replayed bubble fraction)."""
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh(pp=2)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 
 from megalite.config import RunConfig
 from megalite.errors import ConfigError, UsageError
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.training.loop import configure
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
@@ -125,7 +125,7 @@ def test_a_later_step_of_another_shape_is_refused_before_anything_communicates(m
     monkeypatch.setattr(cuda_graph, "capture", lambda fn, pool: (lambda out: (_RerunGraph(fn, out), out))(fn()))
     counted = []
     real_tokens = step_module.GlobalTokens
-    monkeypatch.setattr(step_module, "GlobalTokens", lambda mbs, mesh: counted.append(1) or real_tokens(mbs, mesh))
+    monkeypatch.setattr(step_module, "GlobalTokens", lambda mbs, mesh, **kw: counted.append(1) or real_tokens(mbs, mesh, **kw))
     cfg = RunConfig.build(micro_batch_size=2, global_batch_size=4, lr=1e-3, cuda_graph=True)
     mesh = single_process_mesh("cpu")
     model_cfg = preset("tiny", num_layers=1, hidden_size=32, seq_length=8)

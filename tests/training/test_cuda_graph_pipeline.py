@@ -16,12 +16,12 @@ import contextlib
 
 import torch
 
-from megalite import mesh as mesh_lib
+from megalite.distributed import mesh as mesh_lib
 from megalite.config import RunConfig
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.training import cuda_graph
-from megalite.host_reads import no_host_reads
+from megalite.distributed.host_reads import no_host_reads
 from megalite.errors import UsageError
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from megalite import params as P
-from megalite import mesh
+from megalite.parameters import params as P
+from megalite.distributed import mesh
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.config import RunConfig

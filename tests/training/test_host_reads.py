@@ -9,14 +9,14 @@ skipped; and the check fails when a block's forward reads a value, at pp = 1 and
 import pytest
 import torch
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.transformer import TransformerBlock
 from megalite.testing import RankFailed, run_distributed
-from megalite.host_reads import HostReadError, no_host_reads
+from megalite.distributed.host_reads import HostReadError, no_host_reads
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 SEQ, MICRO, GLOBAL = 8, 2, 8

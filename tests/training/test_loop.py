@@ -133,7 +133,7 @@ def test_save_directory_without_room_for_one_checkpoint_fails_early(tmp_path, mo
 
 def _failing_run(tmp_path, exception):
     """Run the loop with every service on; step 3 raises `exception`. Returns what is left behind."""
-    from megalite import comm
+    from megalite.distributed import comm
     from megalite.training import loop, step_run
 
     real_step, calls = step_run.train_step, []

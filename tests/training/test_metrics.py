@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.config.model import preset
 from megalite.testing import run_distributed
 from megalite.training import metrics as M
@@ -105,7 +105,7 @@ def test_straggler_report_names_the_slowest():
 
 
 def _gather_rank():
-    from megalite.mesh import init_mesh
+    from megalite.distributed.mesh import init_mesh
 
     mesh = init_mesh()
     times, hosts = M.gather_step_times(1.0 + 0.5 * mesh.rank)

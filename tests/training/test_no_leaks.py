@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from megalite import mesh as mesh_lib
+from megalite.distributed import mesh as mesh_lib
 from megalite.model import preset
 from megalite.testing import run_distributed
 from megalite.config import RunConfig

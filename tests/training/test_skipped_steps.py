@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from megalite import mesh
+from megalite.distributed import mesh
 from megalite.cli import parse_args
 from megalite.errors import ConfigError
 from megalite.optim import DynamicLossScaler

@@ -7,9 +7,9 @@ parent process; ranks compare their shards against it.
 import pytest
 import torch
 
-from megalite import params as P
-from megalite import mesh
-from megalite.mesh import single_process_mesh
+from megalite.parameters import params as P
+from megalite.distributed import mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.config import RunConfig
@@ -116,7 +116,7 @@ def _overlap_order():
     model = _model("tiny")
     chunks = build_model_chunks(model, cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
-    from megalite import comm
+    from megalite.distributed import comm
 
     for mbs in _batches(model.vocab_size, 2, m.dp_rank)[:2]:  # step 1 calibrates bucket counts
         comm.ledger.ring.clear()

@@ -13,10 +13,10 @@ after the last step must match it (~1e-5 relative). The last step's bytes per gr
 import pytest
 import torch
 
-from megalite import comm, mesh
-from megalite import params as P
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.plan import communication as C
 from megalite.plan.params import stage_params

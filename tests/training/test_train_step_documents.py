@@ -6,10 +6,10 @@ flags' refusals are one line each."""
 import pytest
 import torch
 
-from megalite import mesh
-from megalite import params as P
+from megalite.distributed import mesh
+from megalite.parameters import params as P
 from megalite.config import RunConfig
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 

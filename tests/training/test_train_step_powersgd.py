@@ -15,13 +15,13 @@
 """
 import torch
 
-from megalite import comm
-from megalite import params as P
-from megalite import mesh as mesh_lib
+from megalite.distributed import comm
+from megalite.parameters import params as P
+from megalite.distributed import mesh as mesh_lib
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.config import RunConfig
 from megalite.data_parallel.powersgd import first_q
-from megalite.mesh import single_process_mesh
+from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.plan.communication import communication_bytes
 from megalite.plan.compression import compression_state_bytes

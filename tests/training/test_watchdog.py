@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from megalite import comm, mesh
+from megalite.distributed import comm, mesh
 from megalite.testing import free_port
 from megalite.training.hang_channels import StoreChannel
 from megalite.training.watchdog import (HANG_EXIT_CODE, HangWatchdog, describe_wait, rank_state,

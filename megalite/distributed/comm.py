@@ -26,8 +26,9 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from megalite import errors, rendezvous
-from megalite.ledger import Ledger, OpRecord  # noqa: F401  (OpRecord: the ring's records, read as comm.OpRecord)
+from megalite import errors
+from megalite.distributed import rendezvous
+from megalite.distributed.ledger import Ledger, OpRecord  # noqa: F401  (OpRecord: the ring's records, read as comm.OpRecord)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch >= 2.10 names the tensor collectives *_single (the *_tensor names warn); older torch lacks them.
@@ -36,7 +37,7 @@ _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 # ---------------------------------------------------------------------------------------------
-# Accounting: bytes per (group, op) and a ring buffer of recent ops (megalite/ledger.py)
+# Accounting: bytes per (group, op) and a ring buffer of recent ops (megalite/distributed/ledger.py)
 # ---------------------------------------------------------------------------------------------
 
 ledger = Ledger()
@@ -52,7 +53,7 @@ def recent_ops() -> list[OpRecord]:
 # ---------------------------------------------------------------------------------------------
 
 _GROUP_NAMES: dict[Any, str] = {}
-_NAMESPACE: str | None = None  # this start of the job's key prefix in the job's store (megalite.rendezvous)
+_NAMESPACE: str | None = None  # this start of the job's key prefix in the job's store (megalite.distributed.rendezvous)
 
 
 def is_initialized() -> bool:
@@ -80,7 +81,7 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: dateti
 
     The store at MASTER_ADDR:MASTER_PORT can outlive a failed attempt (torchrun's agent holds
     it), so the group is built under a prefix the ranks agree on afresh every time
-    (`megalite.rendezvous`): a restarted attempt never reads the dead one's addresses. torch's
+    (`megalite.distributed.rendezvous`): a restarted attempt never reads the dead one's addresses. torch's
     "fake" backend (one simulated rank in this process: collectives return at once and move
     nothing) needs no store. `transport`: what point-to-point transfers go through (default
     torch.distributed's).

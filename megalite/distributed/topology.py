@@ -12,7 +12,7 @@ dp * pp_rank)`: every layout without context parallelism keeps its ranks.
 
 Parameters are replicated across cp (each cp rank holds different tokens of the same
 sequences), so gradients are reduced over the combined data x context group, `dp_cp`.
-`megalite.mesh` builds the process groups from these lists, for sizes a `megalite.layout.Layout`
+`megalite.distributed.mesh` builds the process groups from these lists, for sizes a `megalite.layout.Layout`
 has validated (the rules between the sizes live there, not here).
 """
 from __future__ import annotations

@@ -4,14 +4,14 @@ Column/Row-parallel linears compute their weight (and bias) gradients in their o
 autograd backward. Three destinations, chosen per parameter and per backward:
 
 1. Plain autograd (default): the gradient is returned and lands in `param.grad`.
-2. A gradient sink: a data-parallel wrapper attaches one (`megalite.params.set_grad_destination`)
+2. A gradient sink: a data-parallel wrapper attaches one (`megalite.parameters.params.set_grad_destination`)
    to accumulate straight into its contiguous fp32 main-grad buffer and mark the bucket ready,
    skipping the `param.grad` round trip (Megatron's gradient-accumulation fusion).
 3. Deferred (zero-bubble pipelines, ZB-H1): inside `defer_weight_grads(store, key, params)`
    the backward of those parameters' layers computes only the input gradient (the "B" pass)
    and queues a closure per layer; `store.run(key)` later computes and delivers the weight
    gradients (the "W" pass). The deferral is recorded on the parameters themselves
-   (`megalite.params`), so there is no module-level stack.
+   (`megalite.parameters.params`), so there is no module-level stack.
 
 Contract for other parameters (norms, embeddings): autograd accumulates them into
 `param.grad`; a DP wrapper catches those with `register_post_accumulate_grad_hook`.
@@ -24,7 +24,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from megalite import params as P
+from megalite.parameters import params as P
 
 
 class WeightGradStore:

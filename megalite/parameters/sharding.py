@@ -1,6 +1,6 @@
 """How a parameter's local shard maps onto its full (logical, layout-free) tensor.
 
-Every megalite parameter declares a `ShardSpec` (`megalite.params.shard_spec(param)`). It is
+Every megalite parameter declares a `ShardSpec` (`megalite.parameters.params.shard_spec(param)`). It is
 the single source of truth for:
 - slicing a full master weight into this rank's shard at init (`shard`),
 - checkpoints that load under any layout (`pieces`: local slice <-> full slice pairs),

@@ -1,9 +1,9 @@
 """What megalite's communication did: bytes, calls and seconds per (group name, op), and a ring
 buffer of the most recent ops (what a hang report prints: "rank 5 waits in all_reduce on group dp").
 
-`megalite.comm` keeps the one `Ledger` of this process (`comm.ledger`) and writes every op into it;
+`megalite.distributed.comm` keeps the one `Ledger` of this process (`comm.ledger`) and writes every op into it;
 this module only holds the records. Bytes counted per op are the payload of one rank in nccl-tests
-terms (see megalite/comm.py).
+terms (see megalite/distributed/comm.py).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The sizes and the rules between them are a `megalite.layout.Layout` (validated once, where it is
 built); the rank arithmetic (Megatron order with context parallelism: tp fastest, then cp, dp, pp)
-is pure and lives in `megalite.topology`, re-exported here. `init_mesh` is the only function here
-that touches `torch.distributed`, and it does so through `megalite.comm` (the communication
+is pure and lives in `megalite.distributed.topology`, re-exported here. `init_mesh` is the only function here
+that touches `torch.distributed`, and it does so through `megalite.distributed.comm` (the communication
 choke point).
 """
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from megalite import comm
+from megalite.distributed import comm
 from megalite.layout import Layout
-from megalite.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
+from megalite.distributed.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, model_parallel_group_ranks,
                                pp_group_ranks, rank_to_coords, rank_to_cp_rank, tp_group_ranks, tp_cp_group_ranks,
                                dp_shard_group_ranks, dp_replicate_group_ranks, expert_dp_shard_group_ranks)
-from megalite.torch_mesh import build_device_mesh, build_ep_device_mesh
+from megalite.distributed.torch_mesh import build_device_mesh, build_ep_device_mesh
 
 # ---------------------------------------------------------------------------------------------
 # The frozen mesh
@@ -81,14 +81,14 @@ class Mesh:
 
     @property
     def device_mesh(self):
-        """torch's DeviceMesh over this mesh's groups, dims ("pp", "dp", "cp", "tp") (megalite/torch_mesh.py)."""
+        """torch's DeviceMesh over this mesh's groups, dims ("pp", "dp", "cp", "tp") (megalite/distributed/torch_mesh.py)."""
         if "main" not in self._torch_meshes:
             self._torch_meshes["main"] = build_device_mesh(self)
         return self._torch_meshes["main"]
 
     @property
     def ep_device_mesh(self):
-        """torch's DeviceMesh of the experts' layout, dims ("pp", "edp", "ep", "tp") (megalite/torch_mesh.py)."""
+        """torch's DeviceMesh of the experts' layout, dims ("pp", "edp", "ep", "tp") (megalite/distributed/torch_mesh.py)."""
         if "experts" not in self._torch_meshes:
             self._torch_meshes["experts"] = build_ep_device_mesh(self)
         return self._torch_meshes["experts"]

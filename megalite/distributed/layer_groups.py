@@ -20,7 +20,7 @@ class LayerGroups:
 
     @classmethod
     def of(cls, mesh) -> LayerGroups:
-        """This rank's groups in `mesh` (a megalite.mesh.Mesh); all None without one."""
+        """This rank's groups in `mesh` (a megalite.distributed.mesh.Mesh); all None without one."""
         if mesh is None:
             return cls()
         return cls(tp=mesh.tp_group, cp=mesh.cp_group, ep=mesh.ep_group, moe_tokens=mesh.moe_token_group,

@@ -14,14 +14,14 @@ rank stands in, made locally (no other rank takes part). The rank tensor is mega
 
 The first access is not collective; it is cached on the Mesh. torch's own pieces on it (DTensor,
 FSDP2, torch's context parallel, torchao) use it as they would `init_device_mesh`'s mesh; their
-collectives bypass megalite.comm's ledger.
+collectives bypass megalite.distributed.comm's ledger.
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from megalite import comm
+from megalite.distributed import comm
 
 DIMS = ("pp", "dp", "cp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "tp")

@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from megalite.sharding import ShardSpec
+from megalite.parameters.sharding import ShardSpec
 
 _ATTRIBUTE = "_megalite_info"
 
