@@ -170,8 +170,6 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
 def _diloco_problem(cfg: RunConfig) -> str | None:
     """--diloco-inner-steps: what the outer step over the replica groups does not cover yet."""
     p = cfg.parallel
-    if cfg.checkpoint.save or cfg.checkpoint.load:
-        return "--diloco-inner-steps does not checkpoint its outer state yet: drop --save/--load, or DiLoCo"
     if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
         return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
                 "steps: drop one of them")

@@ -1,0 +1,60 @@
+"""DiLoCo checkpoints carry the outer state and every replica group's own inner state
+(megalite/checkpoint/diloco_state.py): a run saved between outer steps resumes exactly.
+
+2 ranks as 2 replica groups of S = 1, H = 2, outer lr 0.7 with Nesterov momentum 0.9 (so θ_outer and the
+momentum both matter): 5 steps uninterrupted (outer steps after 2 and 4) against 3 steps, a save (one inner
+step past an outer step: the groups' parameters and AdamW moments differ), a fresh build, a load and steps 4
+and 5. The losses (over both groups' tokens) and every parameter of each group equal the uninterrupted run's
+bit for bit. A load that gave group 1 group 0's inner state, or restarted θ_outer from the loaded masters,
+changes step 4's loss.
+"""
+import pytest
+import torch
+
+from megalite import mesh
+from megalite.checkpoint import Checkpointer, load_checkpoint
+from megalite.testing import run_distributed
+
+from ckpt_helpers import GLOBAL, build, model_config, train, train_config
+
+SAVED, STEPS = 3, 5
+QUIET = dict(log=lambda *_: None)
+OUTER = dict(diloco_inner_steps=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
+
+
+def _params(chunks, optimizer):
+    with optimizer.model.gathered():
+        return {n: p.detach().clone() for c in chunks for n, p in c.logical_parameters()}
+
+
+def _world(tmp, zero):
+    m = mesh.init_mesh(dp=2, dp_shard=1, replace=True)
+    cfg = train_config(dp=2, dp_shard=1, zero=zero, **OUTER)
+    chunks, optimizer = build(model_config(), cfg, m)
+    reference = train(chunks, optimizer, m, cfg, range(1, STEPS + 1))
+    reference_params = _params(chunks, optimizer)
+    chunks, optimizer = build(model_config(), cfg, m)
+    first = train(chunks, optimizer, m, cfg, range(1, SAVED + 1))
+    Checkpointer(tmp, m, **QUIET).save(SAVED, chunks, optimizer, consumed_samples=SAVED * GLOBAL,
+                                       model_config=model_config(), train_config=cfg)
+    chunks, optimizer = build(model_config(), cfg, m)
+    assert load_checkpoint(tmp, chunks, optimizer, m, **QUIET).step == SAVED
+    resumed = first + train(chunks, optimizer, m, cfg, range(SAVED + 1, STEPS + 1))
+    return reference, resumed, reference_params, _params(chunks, optimizer)
+
+
+def _check(tmp_path, zero):
+    for reference, resumed, reference_params, params in run_distributed(_world, 2, tmp_path, zero, timeout_s=240):
+        assert resumed == reference, (resumed, reference)
+        for name, value in reference_params.items():
+            assert torch.equal(params[name], value), name
+
+
+def test_diloco_resumes_exactly_between_outer_steps(tmp_path):
+    _check(tmp_path, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_diloco_resumes_exactly_at_every_zero_stage(tmp_path, zero):
+    _check(tmp_path, zero)
