@@ -143,7 +143,7 @@ def layout_problems(cfg: RunConfig) -> list[str]:
 
 def dp_shard_problems(cfg: RunConfig) -> list[str]:
     """--dp-shard S or --num-distributed-optimizer-instances (dp/S), given once, and what hybrid sharding does
-    not compose with (PowerSGD reduces over all of dp; DiLoCo's limits). S's sizes: megalite.layout."""
+    not compose with (DiLoCo's limits). S's sizes: megalite.layout."""
     p = cfg.parallel
     if p.dp_shard is None and p.num_distributed_optimizer_instances is None:
         return [_diloco_problem(cfg)] if p.diloco_inner_steps and _diloco_problem(cfg) else []
@@ -156,14 +156,10 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
     choices = [s for s in range(1, dp + 1) if dp % s == 0]
     if instances is not None and dp % instances:
         return [f"--num-distributed-optimizer-instances {instances} does not divide dp = {dp}; choose it in {choices}"]
-    shard = cfg.dp_shard
     if p.diloco_inner_steps:
         problem = _diloco_problem(cfg)
         if problem:
             return [problem]
-    if shard < dp and p.grad_compression != "none":
-        return [f"--grad-compression {p.grad_compression} with --dp-shard {shard} < dp {dp}: PowerSGD reduces over "
-                f"all of dp x cp; drop one of them"]
     return []
 
 
