@@ -339,6 +339,12 @@ class DataParallel(nn.Module):
         return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()
                 if not P.shard_spec(params[x.param]).is_tp_sharded and not P.is_expert_parallel(params[x.param])]
 
+    def shard_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """ZeRO-3: (name, this rank's shard piece) of every parameter it holds a piece of; under hybrid
+        sharding the ranks of one replica group (`mesh.replicate_group`) hold the same pieces."""
+        shard = self.param_buffer.shard
+        return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()]
+
     @contextlib.contextmanager
     def gathered(self, units: Sequence[int] | None = None):
         """ZeRO-3: hold units (default all) gathered for reads outside a forward, e.g.
