@@ -8,12 +8,17 @@ and 5. The losses (over both groups' tokens) and every parameter of each group e
 bit for bit. A load that gave group 1 group 0's inner state, or restarted θ_outer from the loaded masters,
 changes step 4's loss.
 """
+import contextlib
+import io
+import re
+
 import pytest
 import torch
 
 from megalite import mesh
 from megalite.checkpoint import Checkpointer, load_checkpoint
 from megalite.testing import run_distributed
+from megalite.training.loop import main
 
 from ckpt_helpers import GLOBAL, build, model_config, train, train_config
 
@@ -58,3 +63,28 @@ def test_diloco_resumes_exactly_between_outer_steps(tmp_path):
 @pytest.mark.parametrize("zero", [0, 2, 3])
 def test_diloco_resumes_exactly_at_every_zero_stage(tmp_path, zero):
     _check(tmp_path, zero)
+
+
+def _program(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, dict(re.findall(r"step (\d+)/\d+ \| loss (\S+)", out.getvalue()))
+
+
+@pytest.mark.slow
+def test_the_training_program_resumes_diloco(tmp_path):
+    """--save and --load with --diloco-inner-steps through megalite's loop: steps 4 and 5 after a resume
+    from step 3 log the uninterrupted run's losses."""
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0", "--log-interval", "1",
+            "--zero", "1", "--dp-shard", "1", "--diloco-inner-steps", "2", "--diloco-outer-lr", "0.7",
+            "--diloco-outer-momentum", "0.9", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+            "--lr", "1e-3"]
+    plain = run_distributed(_program, 2, argv + ["--train-iters", "5"], timeout_s=200)
+    saved = run_distributed(_program, 2, argv + ["--train-iters", "3", "--save", str(tmp_path)], timeout_s=200)
+    resumed = run_distributed(_program, 2, argv + ["--train-iters", "5", "--load", str(tmp_path),
+                                                   "--override-opt-param-scheduler"], timeout_s=200)
+    assert [code for code, _ in plain + saved + resumed] == [0] * 6
+    uninterrupted, after = plain[0][1], resumed[0][1]  # rank 0 logs
+    assert sorted(after) == ["4", "5"] and all(after[s] == uninterrupted[s] for s in after), (after, uninterrupted)
