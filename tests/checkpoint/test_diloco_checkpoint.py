@@ -17,6 +17,7 @@ import torch
 
 from megalite import mesh
 from megalite.checkpoint import Checkpointer, load_checkpoint
+from megalite.mesh import single_process_mesh
 from megalite.testing import run_distributed
 from megalite.training.loop import main
 
@@ -88,3 +89,27 @@ def test_the_training_program_resumes_diloco(tmp_path):
     assert [code for code, _ in plain + saved + resumed] == [0] * 6
     uninterrupted, after = plain[0][1], resumed[0][1]  # rank 0 logs
     assert sorted(after) == ["4", "5"] and all(after[s] == uninterrupted[s] for s in after), (after, uninterrupted)
+
+
+def _save_two_groups(tmp):
+    m = mesh.init_mesh(dp=2, dp_shard=1, replace=True)
+    cfg = train_config(dp=2, dp_shard=1, zero=1, **OUTER)
+    chunks, optimizer = build(model_config(), cfg, m)
+    train(chunks, optimizer, m, cfg, range(1, SAVED + 1))
+    Checkpointer(tmp, m, **QUIET).save(SAVED, chunks, optimizer, consumed_samples=SAVED * GLOBAL,
+                                       model_config=model_config(), train_config=cfg)
+    return _params(chunks, optimizer)
+
+
+@pytest.mark.slow
+def test_a_run_without_diloco_loads_replica_group_0(tmp_path):
+    """The layout-free reading of a DiLoCo checkpoint: a one-process run without DiLoCo reads replica group 0's
+    inner state (the plain names) and ignores group 1's and the outer state."""
+    group0, group1 = run_distributed(_save_two_groups, 2, tmp_path, timeout_s=200)
+    assert any(not torch.equal(group0[n], group1[n]) for n in group0)  # saved between outer steps: they differ
+    m, cfg = single_process_mesh("cpu"), train_config(zero=1)
+    chunks, optimizer = build(model_config(), cfg, m)
+    load_checkpoint(tmp_path, chunks, optimizer, m, **QUIET)
+    master = {name: entry["master"] for name, entry in optimizer.optimizer_state()["params"].items()}
+    for name, value in group0.items():
+        assert torch.equal(master[name].view(value.shape), value), name
