@@ -26,6 +26,12 @@ expert's expert-dp when saved apart, dp x cp otherwise):
 - a parameter compressed now but not when saved (or a checkpoint without compression) starts
   with a zero residual; a residual stored for a parameter not compressed now is dropped;
 - the warm-up counter resumes at the checkpoint's step.
+
+Under hybrid sharding (--dp-shard S < dp) the compressor sums over the replica group only, once per
+shard position (grad_buffers.py), so every rank's share is its own and every position has its own Q:
+the shares are numbered by the rank in the whole replica set (dp x cp, or expert-dp), as flat dp
+numbers them (a hybrid checkpoint's shares load 1:1 at the same dp x cp, and a flat one's into hybrid),
+and Q is named "...@shard{s}of{S}" by the rank's shard position (restored at the same S).
 """
 from __future__ import annotations
 
@@ -52,8 +58,22 @@ def _stores(param, mesh, apart: bool) -> bool:
     return apart or P.shard_spec(param).is_tp_sharded or mesh.tp_rank == 0
 
 
-def _q_name(name: str, param, mesh) -> str:
-    return f"{name}@tp{mesh.tp_rank}of{mesh.tp_size}" if P.shard_spec(param).is_tp_sharded else name
+def _q_name(name: str, param, model, index: int) -> str:
+    mesh = model.mesh
+    name = f"{name}@tp{mesh.tp_rank}of{mesh.tp_size}" if P.shard_spec(param).is_tp_sharded else name
+    if not model.grads.compress_replicas:
+        return name
+    shard_group = model.grads.groups[model.compression.kinds[index]]  # the rank's shard group (dp, or expert)
+    return f"{name}@shard{comm.group_rank(shard_group)}of{comm.group_size(shard_group)}"
+
+
+def _replicas(model, index: int):
+    """The group whose ranks' residual shares of parameter `index` are numbered: the compressor's group,
+    or under hybrid sharding every replica (dp x cp, or expert-dp for experts kept apart)."""
+    compressor = model.compression
+    if not model.grads.compress_replicas:
+        return compressor.group_of(index)
+    return model.mesh.expert_dp_group if compressor.kinds[index] == 1 else model.mesh.dp_cp_group
 
 
 def compression_items(optimizer, mesh) -> list[tuple[str, str, tuple, torch.Tensor]]:
@@ -66,23 +86,23 @@ def compression_items(optimizer, mesh) -> list[tuple[str, str, tuple, torch.Tens
         name, param = model.names[index], model.params[index]
         if not _stores(param, mesh, apart=compressor.kinds[index] == 1):
             continue
-        replica = comm.group_rank(compressor.group_of(index))
+        replica = comm.group_rank(_replicas(model, index))
         spec, error = P.shard_spec(param), compressor.error_of(index).view(param.shape)
         for local_box, full_box in local_to_full(spec, whole_box(tuple(param.shape))):
             items.append((ERROR_KIND, f"{name}@replica{replica}", full_box,
                           error[box_slices(local_box)].detach().cpu().clone()))
-        if replica == 0:
+        if comm.group_rank(compressor.group_of(index)) == 0:  # Q: the same on the replicas summed together
             q = compressor.q_of(index)
-            items.append((Q_KIND, _q_name(name, param, mesh), whole_box(tuple(q.shape)), q.detach().cpu().clone()))
+            items.append((Q_KIND, _q_name(name, param, model, index), whole_box(tuple(q.shape)), q.detach().cpu().clone()))
     return items
 
 
-def _sources(reader, compressor, index: int, name: str) -> list[int]:
+def _sources(reader, model, index: int, name: str) -> list[int]:
     """The stored replicas whose shares of `name` this rank's replica sums (see the module docstring)."""
     saved = 0
     while reader.has(ERROR_KIND, f"{name}@replica{saved}"):
         saved += 1
-    group = compressor.group_of(index)
+    group = _replicas(model, index)
     replica = comm.group_rank(group)
     if saved == comm.group_size(group):
         return [replica]
@@ -94,13 +114,13 @@ def _reads(reader, optimizer):
     model, compressor = _compressor(optimizer)
     if compressor is None:
         return []
-    mesh, out = model.mesh, []
+    out = []
     for index in compressor.matrices:
         name, param = model.names[index], model.params[index]
-        for source in _sources(reader, compressor, index, name):
+        for source in _sources(reader, model, index, name):
             for local_box, full_box in local_to_full(P.shard_spec(param), whole_box(tuple(param.shape))):
                 out.append((index, ERROR_KIND, f"{name}@replica{source}", local_box, full_box))
-        q_name, q_box = _q_name(name, param, mesh), whole_box(tuple(compressor.q_of(index).shape))
+        q_name, q_box = _q_name(name, param, model, index), whole_box(tuple(compressor.q_of(index).shape))
         if reader.has(Q_KIND, q_name) and reader.items[(Q_KIND, q_name)][0][0] == q_box:
             out.append((index, Q_KIND, q_name, q_box, q_box))
     return out

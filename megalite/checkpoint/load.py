@@ -35,6 +35,7 @@ from megalite.parameters import params as P
 from megalite.checkpoint import storage
 from megalite.checkpoint.boxes import box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative
 from megalite.checkpoint.compression_state import load_compression, plan_compression
+from megalite.checkpoint.diloco_state import OUTER_KINDS, loading_suffix, outer_of, stored_groups
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.snapshot import OPTIMIZER_KINDS
 from megalite.checkpoint.storage import (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError,
@@ -148,8 +149,11 @@ def _plan(reader: CheckpointReader, chunks, optimizer, load_optimizer: bool, rng
                     reader.check_covered("model", name, full_box)
                     reader.verify_box("model", name, full_box)
     if load_optimizer and optimizer is not None and reader.metadata["has_optimizer"]:
+        suffix, outer = loading_suffix(reader, optimizer), stored_groups(reader) and outer_of(optimizer)
         for name, spec, shape, start, end in _optimizer_targets(optimizer):
             for kind in OPTIMIZER_KINDS:
+                _check_range(reader, kind, name + suffix, spec, shape, start, end)
+            for kind in OUTER_KINDS if outer else ():  # DiLoCo's outer state (diloco_state.py)
                 _check_range(reader, kind, name, spec, shape, start, end)
         plan_compression(reader, optimizer)
     for name, bias in _expert_bias_targets(reader, chunks):
@@ -200,7 +204,7 @@ def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) 
     params = dict(zip(optimizer.names, optimizer.params))
     sharded = _sharded_model(optimizer)
     held = {name: target for name, *_, target in _shard_targets(sharded)} if sharded is not None else {}
-    entries = {}
+    entries, suffix = {}, loading_suffix(reader, optimizer) if from_checkpoint else ""
     for name, spec, shape, start, end in _optimizer_targets(optimizer):
         entry = {"start": start, "end": end}
         if not from_checkpoint:
@@ -209,13 +213,30 @@ def _load_optimizer(reader: CheckpointReader, optimizer, from_checkpoint: bool) 
             entry["exp_avg"], entry["exp_avg_sq"] = torch.zeros(end - start), torch.zeros(end - start)
             entries[name] = entry
             continue
-        for kind in OPTIMIZER_KINDS:
-            entry[kind] = _read_range(reader, kind, name, spec, shape, start, end, torch.float32)
+        for kind in OPTIMIZER_KINDS:  # under DiLoCo this replica group's own (diloco_state.py)
+            entry[kind] = _read_range(reader, kind, name + suffix, spec, shape, start, end, torch.float32)
         entries[name] = entry
     meta = reader.metadata
     optimizer.load_optimizer_state({"step": meta["optimizer_step"] if from_checkpoint else 0,
                                     "loss_scaler": meta["loss_scaler"] if from_checkpoint else None,
                                     "params": entries})
+
+
+@torch.no_grad()
+def _load_outer(reader: CheckpointReader, optimizer, from_checkpoint: bool) -> None:
+    """DiLoCo's outer parameters and momentum (stored, or restarted from the loaded masters) and its step
+    count, so the next outer step comes at the step it would have (diloco_state.py)."""
+    outer = outer_of(optimizer)
+    if outer is None:
+        return
+    entries = None
+    if from_checkpoint and stored_groups(reader):
+        entries = {}
+        for name, spec, shape, start, end in _optimizer_targets(optimizer):
+            entries[name] = {"start": start, "end": end}
+            for kind in OUTER_KINDS:
+                entries[name][kind] = _read_range(reader, kind, name, spec, shape, start, end, torch.float32)
+    outer.load_checkpoint_state(entries, steps=reader.metadata["step"])
 
 
 def _same_layout(meta: dict, mesh: Mesh, chunks) -> bool:
@@ -281,6 +302,7 @@ def _load_everything(reader: CheckpointReader, chunks, optimizer, mesh: Mesh, lo
     _load_expert_biases(reader, chunks)
     if optimizer is not None:
         _load_optimizer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
+        _load_outer(reader, optimizer, from_checkpoint=meta["has_optimizer"] and load_optimizer)
         if meta["has_optimizer"] and load_optimizer:  # gradient compression's residuals and Q
             load_compression(reader, optimizer, meta["step"])
     if rng:

@@ -13,7 +13,9 @@ Kinds of stored tensors, each keyed by (kind, logical name, box of the full tens
 - "rng": this rank's generator states (torch default, CUDA, each chunk's TensorParallelRNG),
   named "rank{r}/...", whole-tensor boxes;
 - "powersgd_error", "powersgd_q": gradient compression's residual shares and Q, with the
-  optimizer state (compression_state.py).
+  optimizer state (compression_state.py);
+- DiLoCo: each replica group's inner state under "{name}@replica{g}", the outer state
+  ("diloco_outer", "diloco_velocity") and the group count ("diloco") (diloco_state.py).
 
 The last pipeline stage's copy of a tied embedding is one logical tensor with the first
 stage's embedding; only the first stage's copy is written, so every element of every full
@@ -29,6 +31,7 @@ from megalite.parameters import params
 from megalite.checkpoint.boxes import (Box, box_numel, box_shape, box_slices, flat_range_boxes, local_to_full, relative,
                                       whole_box)
 from megalite.checkpoint.compression_state import compression_items
+from megalite.checkpoint.diloco_state import OUTER_KINDS, groups_item, outer_of, saving_suffix
 from megalite.checkpoint.storage import DTYPE_NAMES
 from megalite.distributed.mesh import Mesh
 from megalite.moe.bookkeeping import expert_biases
@@ -142,21 +145,35 @@ def sharded_model_items(chunks, model, mesh: Mesh, pin: bool = False) -> list[It
     return items
 
 
+def _first_in_replica_group(param, mesh: Mesh) -> bool:
+    """ZeRO 0 under DiLoCo: whether this rank is the first holder of `param` within its replica group (each
+    group stores its own state; DiLoCo refuses experts, so only the dense rule applies)."""
+    return mesh.dp_rank % mesh.dp_shard_size == 0 and mesh.cp_rank == 0
+
+
 def optimizer_items(chunks, optimizer, mesh: Mesh) -> tuple[list[Item], dict]:
-    """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata."""
+    """Boxes of this rank's owned optimizer state, plus {'step', 'loss_scaler'} for the metadata. Under DiLoCo
+    every replica group stores its own, and group 0 the outer state (diloco_state.py)."""
     state = optimizer.optimizer_state()  # fp32 CPU copies of the owned flat ranges
     extras = {"step": state["step"], "loss_scaler": state["loss_scaler"]}
     specs = optimizer_param_specs(chunks, mesh)
-    if optimizer.zero_stage > 0 and mesh.dp_replicate_rank != 0:  # hybrid sharding: replica group 0 stores
+    suffix = saving_suffix(optimizer, mesh)
+    if optimizer.zero_stage > 0 and suffix is None:  # hybrid sharding: replica group 0 stores
         specs = {}
     if optimizer.zero_stage == 0:  # replicas store nothing (ZeRO: disjoint shards, each stores its own)
-        replicas = {chunk.logical_name(n): first_replica(p, mesh) for chunk in chunks for n, p in chunk.named_parameters()}
+        first = _first_in_replica_group if outer_of(optimizer) is not None else first_replica
+        replicas = {chunk.logical_name(n): first(p, mesh) for chunk in chunks for n, p in chunk.named_parameters()}
         specs = {name: spec for name, spec in specs.items() if replicas[name]}
     items = []
     for name, entry in state["params"].items():
         if name in specs:
-            items += _range_items({kind: entry[kind] for kind in OPTIMIZER_KINDS}, name, specs[name],
-                                  tuple(entry["shape"]), entry["start"], entry["end"])
+            items += _range_items({kind: entry[kind] for kind in OPTIMIZER_KINDS}, name + (suffix or ""),
+                                  specs[name], tuple(entry["shape"]), entry["start"], entry["end"])
+    if outer_of(optimizer) is not None and suffix == "":  # DiLoCo: replica group 0 stores the outer state
+        for name, entry in optimizer.outer.checkpoint_state().items():
+            if name in specs:
+                items += _range_items({kind: entry[kind] for kind in OUTER_KINDS}, name, specs[name],
+                                      tuple(entry["shape"]), entry["start"], entry["end"])
     return items, extras
 
 
@@ -188,7 +205,8 @@ def collect(chunks, optimizer, mesh: Mesh, include_optimizer: bool = True,
     extras = {"step": 0, "loss_scaler": None}
     if include_optimizer and optimizer is not None:
         opt_items, extras = optimizer_items(chunks, optimizer, mesh)
-        items += opt_items + [Item(*item) for item in compression_items(optimizer, mesh)]
+        extra = compression_items(optimizer, mesh) + groups_item(optimizer, mesh)
+        items += opt_items + [Item(*item) for item in extra]
     items += rng_items(chunks, mesh)
     if pin:
         torch.cuda.synchronize()  # the non-blocking device-to-host copies above have landed

@@ -162,7 +162,7 @@ def layout_problems(cfg: RunConfig) -> list[str]:
 
 def dp_shard_problems(cfg: RunConfig) -> list[str]:
     """--dp-shard S or --num-distributed-optimizer-instances (dp/S), given once, and what hybrid sharding does
-    not compose with (PowerSGD reduces over all of dp; DiLoCo's limits). S's sizes: megalite.layout."""
+    not compose with (DiLoCo's limits). S's sizes: megalite.layout."""
     p = cfg.parallel
     if p.dp_shard is None and p.num_distributed_optimizer_instances is None:
         return [_diloco_problem(cfg)] if p.diloco_inner_steps and _diloco_problem(cfg) else []
@@ -175,25 +175,19 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
     choices = [s for s in range(1, dp + 1) if dp % s == 0]
     if instances is not None and dp % instances:
         return [f"--num-distributed-optimizer-instances {instances} does not divide dp = {dp}; choose it in {choices}"]
-    shard = cfg.dp_shard
     if p.diloco_inner_steps:
         problem = _diloco_problem(cfg)
         if problem:
             return [problem]
-    if shard < dp and cfg.optimizer.optimizer == OptimizerKind.MUON:  # its owners gather over the flat dp shards
-        return [f"--optimizer muon with --dp-shard {shard} < dp {dp} is not built yet (Muon's owners gather whole "
+    if cfg.dp_shard < dp and cfg.optimizer.optimizer == OptimizerKind.MUON:  # its owners gather over the flat dp shards
+        return [f"--optimizer muon with --dp-shard {cfg.dp_shard} < dp {dp} is not built yet (Muon's owners gather whole "
                 f"matrices over flat ZeRO shards): drop one of them"]
-    if shard < dp and p.grad_compression != "none":
-        return [f"--grad-compression {p.grad_compression} with --dp-shard {shard} < dp {dp}: PowerSGD reduces over "
-                f"all of dp x cp; drop one of them"]
     return []
 
 
 def _diloco_problem(cfg: RunConfig) -> str | None:
     """--diloco-inner-steps: what the outer step over the replica groups does not cover yet."""
     p = cfg.parallel
-    if cfg.checkpoint.save or cfg.checkpoint.load:
-        return "--diloco-inner-steps does not checkpoint its outer state yet: drop --save/--load, or DiLoCo"
     if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
         return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
                 "steps: drop one of them")

@@ -20,6 +20,8 @@ shard every step: ~H x fewer bytes.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from megalite.distributed import comm
@@ -73,3 +75,41 @@ class DiLoCo:
     def state_dict(self) -> dict:
         return {"steps": self.steps, "outer": [t.clone() for t in self.outer],
                 "velocity": [t.clone() for t in self.velocity]}
+
+    # ------------------------------------------------------------------ checkpoint API (layout-free)
+
+    def _range(self, chunks: list[torch.Tensor], start: int, end: int) -> torch.Tensor:
+        """Shard elements [start, end) (within one bucket's chunk) of per-bucket `chunks` (outer, velocity)."""
+        offsets = [b.shard_offset for b in self.optimizer.model.layout.buckets]
+        bucket = bisect.bisect_right(offsets, start) - 1
+        return chunks[bucket][start - offsets[bucket]:end - offsets[bucket]]
+
+    def checkpoint_state(self) -> dict:
+        """{name: {'start', 'end', 'shape', 'diloco_outer', 'diloco_velocity'}}: θ_outer and the momentum of
+        the flat ranges this rank owns, in model space like `DistributedOptimizer.optimizer_state` (fp32 CPU)."""
+        opt, out = self.optimizer, {}
+        for piece in opt.pieces:
+            p = opt.params[piece.param]
+            out[opt.names[piece.param]] = {
+                "start": piece.local_start, "end": piece.local_end, "shape": tuple(p.shape),
+                "diloco_outer": self._range(self.outer, piece.shard_start, piece.shard_end).cpu().clone(),
+                "diloco_velocity": self._range(self.velocity, piece.shard_start, piece.shard_end).cpu().clone()}
+        return out
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, entries: dict | None, *, steps: int) -> None:
+        """Inverse of `checkpoint_state` (entries cover this rank's owned ranges, read from any layout), with
+        the step count that places the next outer step. entries None (a checkpoint without DiLoCo): the
+        outer parameters restart from the loaded masters with zero momentum."""
+        self.steps = steps
+        if entries is None:
+            for outer, velocity, chunk in zip(self.outer, self.velocity, self.optimizer.master_chunks()):
+                outer.copy_(chunk)
+                velocity.zero_()
+            return
+        opt = self.optimizer
+        for piece in opt.pieces:
+            entry = entries[opt.names[piece.param]]
+            src = slice(piece.local_start - entry["start"], piece.local_end - entry["start"])
+            for kind, chunks in (("diloco_outer", self.outer), ("diloco_velocity", self.velocity)):
+                self._range(chunks, piece.shard_start, piece.shard_end).copy_(entry[kind][src])

@@ -34,6 +34,13 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
   reduce-scatter above with two all-reduces of low-rank factors per replica group (the experts'
   over `expert_group`) and writes the decompressed sums where the plain reduction would have
   (the main grads at zero_stage 0, this rank's shard at 1/2).
+- Compression under hybrid sharding (`replicate_group` and `compression`): only the replicas' sum is
+  compressed, where the bytes cross the far links. `finish_reduction()` first sums every whole
+  accumulated gradient over `replicate_group` through the compressor (in place: each main grad then
+  holds the decompressed sum over the replicas at its shard position), then runs the exact shard-group
+  reduction (all-reduce at zero 0, reduce-scatter at 1/2) as without compression, and no replica
+  all-reduce after it. PowerSGD needs whole matrices to factor, hence the replica sum first: the sum
+  is the same (Σ_shard Σ_replica = Σ_replica Σ_shard), the shard group's reduction stays exact.
 
 How "all of its gradients are final" is known: a parameter may receive several deliveries
 per backward (e.g. a tied weight used through a sink and through autograd). The first step
@@ -107,6 +114,7 @@ class GradBuffers:
         params = _checked_params(params, zero_stage, grad_reduce_dtype)
         # Hybrid sharding: dp_group (and expert_group) is a shard group; its replicas sum there after.
         self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
+        self.compress_replicas = compression is not None and self.replicate_group is not None  # only their sum
         self.params = list(reversed(params))  # reverse order of use: backward fills bucket 0 first
         self.dp_group, self.tp_group, self.embedding_group = dp_group, tp_group, embedding_group
         self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
@@ -133,6 +141,7 @@ class GradBuffers:
         self._owned = self.layout.owned_pieces(self.shard_ranks)
         self._sent_bytes = 0  # on the dp group, this step
         self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
+        self._shard_group_bytes = 0  # compression under hybrid sharding: the shard group's part of this step
         self._expected: list[int] | None = None  # deliveries per param per backward, after calibration
         self._arrived = [0] * len(self.params)
         self._remaining = [0] * len(buckets)
@@ -171,11 +180,13 @@ class GradBuffers:
 
     def _make_compressor(self, config: PowerSGDConfig | None, skip_group, tied: frozenset[int],
                          kinds: list[int]) -> PowerSGD | None:
-        if config is None or all(comm.group_size(g) == 1 for g in self.groups):  # nothing is reduced
+        # hybrid sharding: every kind's replicas across the replica groups are its replicate_group
+        groups = (self.replicate_group,) * 2 if self.compress_replicas else self.groups
+        if config is None or all(comm.group_size(g) == 1 for g in groups):  # nothing is reduced
             return None
         if self.grad_reduce_dtype != torch.float32:
             raise ValueError("PowerSGD reduces its factors in fp32; pass grad_reduce_dtype=torch.float32")
-        return PowerSGD([tuple(p.shape) for p in self.params], config, self.groups, skip_group, self.device,
+        return PowerSGD([tuple(p.shape) for p in self.params], config, groups, skip_group, self.device,
                         separate=tied, kinds=kinds)  # experts (kind 1) over expert_group
 
     @property
@@ -271,11 +282,13 @@ class GradBuffers:
             view.copy_(flat[offset:offset + view.numel()])
             offset += view.numel()
 
-    def _launch(self, bucket: int) -> None:
-        """Start bucket `bucket`'s dp reduction (asynchronously)."""
-        self._launched[bucket] = True
-        self._all_reduce_views(self._sp_params[bucket], self.tp_group)
-        if self.compressing:  # the compressor reduces the whole step in finish_reduction()
+    def _launch(self, bucket: int, after_compression: bool = False) -> None:
+        """Start bucket `bucket`'s dp reduction (asynchronously); after_compression: the shard group's
+        exact reduction of a bucket whose replicas the compressor already summed (hybrid sharding)."""
+        if not after_compression:
+            self._launched[bucket] = True
+            self._all_reduce_views(self._sp_params[bucket], self.tp_group)
+        if self.compressing and not after_compression:  # the compressor reduces the whole step in finish_reduction()
             return
         data = self._bucket_storage(bucket)  # fp32 [bucket numel]
         send = data if self.grad_reduce_dtype == torch.float32 else data.to(self.grad_reduce_dtype)
@@ -327,6 +340,8 @@ class GradBuffers:
         self._stale = True  # reduced: the next step's backward must start from zero_grad()
         self.exposed_seconds = time.perf_counter() - started
         uncompressed = self._plain_bytes() if compressing and self._sent_bytes else self._sent_bytes
+        if compressing and self.compress_replicas:  # the shard group's as sent, the replicas' plain shard
+            uncompressed = self._shard_group_bytes + 4 * self.grad_shard.numel()
         self.last_reduction_bytes, self._sent_bytes = (self._sent_bytes, uncompressed), 0
         if self.compressor is not None:
             self.compressor.end_step()
@@ -338,8 +353,8 @@ class GradBuffers:
         """Hybrid sharding's second stage: as each bucket's shard-group reduction lands, start the
         all-reduce of its result (zero 0: the bucket, else this rank's chunk) over the replicas;
         returns the entries to wait for. Only the 1/S shard crosses the replica links."""
-        if self.replicate_group is None:
-            return pending
+        if self.replicate_group is None or (self.compress_replicas and self.compressor.active):
+            return pending  # (compressed: the compressor summed the replicas before the shard group)
         second = []
         for bucket, handle, send, out in pending:
             handle.wait()
@@ -355,6 +370,9 @@ class GradBuffers:
     def _reduce_compressed(self, grad_scale: float, skip: bool) -> None:
         """The step's dp reduction through the compressor: decompressed sums into the main grads
         (zero_stage 0) or into this rank's shard pieces (1, 2); ZeRO-2 then frees the buckets."""
+        if self.compress_replicas:
+            self._compress_replicas_first(grad_scale, skip)
+            return
         if not skip:
             grads = [self.main_grad(i) for i in range(len(self.params))]
             if self.zero_stage == 0:
@@ -368,6 +386,22 @@ class GradBuffers:
         if self.zero_stage == 2:
             for bucket in range(len(self.layout.buckets)):
                 self._free_bucket(bucket)
+
+    def _compress_replicas_first(self, grad_scale: float, skip: bool) -> None:
+        """Hybrid sharding: the compressed sum over the replicas, in place into every main grad (whole
+        tensors), then each bucket's exact shard-group reduction, waited for by finish_reduction()."""
+        if skip:  # every rank drops this step: nothing is reduced
+            if self.zero_stage == 2:
+                for bucket in range(len(self.layout.buckets)):
+                    self._free_bucket(bucket)
+            return
+        grads = [self.main_grad(i) for i in range(len(self.params))]
+        self.compressor.reduce(grads, [[(0, g.numel(), g.view(-1))] for g in grads], grad_scale)
+        before = self._sent_bytes
+        for bucket in range(len(self.layout.buckets)):
+            self._launch(bucket, after_compression=True)
+        self._shard_group_bytes = self._sent_bytes - before
+        self._sent_bytes += self.compressor.last_sent_bytes
 
     def reduction_pending(self) -> bool:
         """False once finish_reduction() has run and no gradient arrived since (a second call would

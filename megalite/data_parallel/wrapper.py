@@ -16,7 +16,8 @@ parameters and gradients"):
   gathers finish behind the next forward and `ReadGuard` guarantees that nothing reads a
   parameter before its gather completes;
 - gradient compression (`grad_compression`, zero 0-2): PowerSGD (powersgd.py) replaces the
-  gradients' all-reduce / reduce-scatter with two all-reduces of low-rank factors per step.
+  gradients' all-reduce / reduce-scatter with two all-reduces of low-rank factors per step
+  (under hybrid sharding only the replicas' sum: the shard group's reduction stays exact).
 
 It takes any modules: megalite's layers (whose linears hand weight gradients straight to the
 main-grad buffer) or plain torch modules (caught by post-accumulate-grad hooks). `chunks`
@@ -132,9 +133,6 @@ class DataParallel(nn.Module):
         if grad_compression is not None and zero_stage not in (0, 1, 2):
             raise ValueError(f"gradient compression composes with zero_stage 0, 1 or 2, not {zero_stage}: ZeRO-3 "
                              f"never holds a whole accumulated gradient to factor; use zero_stage=2")
-        if grad_compression is not None and mesh.dp_replicate_size > 1:
-            raise ValueError(f"gradient compression does not compose with hybrid sharding (dp_shard "
-                             f"{mesh.dp_shard_size} < dp {mesh.dp_size}) yet: PowerSGD reduces over all of dp x cp")
         if overlap_param_gather and zero_stage in (0, 3):
             raise ValueError("overlap_param_gather needs zero_stage 1 or 2 (at zero 0 nothing is gathered; ZeRO-3 "
                              "gathers each unit right before its forward, never after the step)")
@@ -354,6 +352,12 @@ class DataParallel(nn.Module):
         shard, params = self.param_buffer.shard, self.params
         return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()
                 if not P.shard_spec(params[x.param]).is_tp_sharded and not P.is_expert_parallel(params[x.param])]
+
+    def shard_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """ZeRO-3: (name, this rank's shard piece) of every parameter it holds a piece of; under hybrid
+        sharding the ranks of one replica group (`mesh.replicate_group`) hold the same pieces."""
+        shard = self.param_buffer.shard
+        return [(self.names[x.param], shard[x.shard_start:x.shard_end]) for x in self.owned_pieces()]
 
     @contextlib.contextmanager
     def gathered(self, units: Sequence[int] | None = None):

@@ -12,7 +12,7 @@ from megalite.config.model import GPTConfig
 from megalite.plan import fp8_amax
 from megalite.plan.communication import bus_factor, communication_bytes
 from megalite.plan.compression import compressed_matrices, compression_enabled
-from megalite.plan.layout import DTYPE_BYTES, zero_group_name
+from megalite.plan.layout import DTYPE_BYTES, is_hybrid, zero_group_name
 from megalite.plan.params import stage_params
 from megalite.plan.zero3 import stage_units
 
@@ -87,7 +87,9 @@ def stage_communication(model, cfg, hw, kernels, ranks_per_node, stage: int, att
         elif group == "ep":  # MoE token dispatch: on the critical path like tp's, counted with it
             out["tp"] += timed("ep", op, nbytes, unit)
         elif group == "dp_replicate":  # hybrid sharding: after the shard group's reduction (bucket by bucket;
-            per_op = nbytes if cfg.parallel.zero == 3 else nbytes // buckets  # ZeRO-3: the step's shard at once)
+            per_op = nbytes if cfg.parallel.zero == 3 else nbytes // buckets  # ZeRO-3: the step's shard at once;
+            if compression_enabled(model, cfg):  # PowerSGD compresses only the replicas' sum: P, then Q)
+                per_op = nbytes // 2
             out["dp_replicate"] += timed(group, op, nbytes, per_op)
         elif group in ("dp", "dp_cp", "edp", "dp_shard", "edp_shard"):
             part = "dp_gather" if op == "all_gather" else "dp_reduce"
@@ -115,7 +117,7 @@ def _dp_transfer_bytes(model, cfg, stage: int, op: str, nbytes: int, buckets: in
         units = stage_units(model, cfg, stage)
         dtype = cfg.precision.precision if op == "all_gather" else cfg.precision.grad_reduce_dtype
         return DTYPE_BYTES[dtype] * sum(units) // len(units)
-    if compression_enabled(model, cfg) and op == "all_reduce":
+    if compression_enabled(model, cfg) and op == "all_reduce" and not is_hybrid(cfg):  # (hybrid: dp_replicate's)
         return nbytes // 2
     return nbytes // buckets
 

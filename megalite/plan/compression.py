@@ -10,6 +10,10 @@ n*m. It is compressed when that shrinks it by at least `min_compression`
 uncompressed, in the same all-reduce as the P factors. Each replica group has its own pair of
 all-reduces: the dense parameters' over dp x cp, the experts' over expert-dp when an MoE model
 keeps them apart (ep > 1, or whole experts at etp 1 under tp); a group of one rank sends nothing.
+Under hybrid sharding (--dp-shard S < dp) only the replicas' sum is compressed: every parameter's
+pair of all-reduces runs over the dp/S replica group ('dp_replicate'), replacing its all-reduce of
+the reduced shard, and the shard group's reduction (all-reduce or reduce-scatter) stays as it was
+(megalite/data_parallel/grad_buffers.py).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import math
 from typing import TYPE_CHECKING, Iterable
 
 from megalite.config.model import GPTConfig
-from megalite.plan.layout import stage_layers
+from megalite.plan.layout import is_hybrid, stage_layers
 from megalite.plan.moe import expert_dp_config, experts_apart, stage_moe_layers
 
 if TYPE_CHECKING:
@@ -128,6 +132,8 @@ def compression_groups(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tup
     [] without compression."""
     if str(cfg.parallel.grad_compression) != "powersgd":
         return []
+    if is_hybrid(cfg):  # only the replicas' sum is compressed, every kind over the replica group
+        return [("dp_replicate", stage_param_shapes(model, cfg, stage) + stage_expert_shapes(model, cfg, stage))]
     dense, experts, groups = stage_param_shapes(model, cfg, stage), stage_expert_shapes(model, cfg, stage), []
     if not experts_apart(model, cfg):
         dense = dense + experts
@@ -154,7 +160,7 @@ def replace_dp_grad_bytes(out: dict[str, int], model: GPTConfig, cfg: RunConfig,
     all-gathers are unchanged."""
     p = cfg.parallel
     for group, shapes in compression_groups(model, cfg, stage):
-        out.pop(f"{group}/all_reduce" if p.zero == 0 else f"{group}/reduce_scatter", None)
+        out.pop(f"{group}/all_reduce" if p.zero == 0 or group == "dp_replicate" else f"{group}/reduce_scatter", None)
         sent = REDUCE_BYTES * reduction_elements(shapes, p.powersgd_rank, p.powersgd_min_compression)
         out[f"{group}/all_reduce"] = out.get(f"{group}/all_reduce", 0) + sent
 

@@ -213,7 +213,8 @@ def parameter_checksums(named_params: Iterable[tuple[str, torch.Tensor]],
 
 _KINDS = {"dp": ("data-parallel replicas", "dp"), "tp": ("tensor-parallel ranks", "tp"),
           "dp_cp": ("data- and context-parallel replicas", "dp x cp"),
-          "edp": ("expert-data-parallel replicas", "expert-dp")}
+          "edp": ("expert-data-parallel replicas", "expert-dp"),
+          "dp_replicate": ("the replica groups of --dp-shard", "dp_replicate")}
 
 
 def describe_mismatch(name: str, checksums: list[tuple[int, int]], global_ranks: list[int], step: Any,
@@ -271,7 +272,7 @@ def _tp_replicated(param: torch.Tensor) -> bool:
 
 
 def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh, step: Any = None,
-                   shards: bool = False) -> None:
+                   shards: bool = False, replica_pieces: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
     """--check-replicas-interval: raise ReplicaMismatchError on every rank if replicas differ.
 
     Two kinds of replica must hold bit-identical values: the dp replicas of every parameter,
@@ -281,7 +282,9 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     from `chunk.logical_parameters()` over this rank's chunks.
     `shards=True` (ZeRO-3): `named_params` are this rank's shard pieces of the tp-replicated
     parameters (`DataParallel.tp_replicated_pieces()`); dp ranks hold different pieces, so only
-    the tp ranks (same pieces) are compared.
+    the tp ranks (same pieces) are compared. Under hybrid sharding (--dp-shard S < dp) the replica
+    groups hold the same shards: `replica_pieces` (`DataParallel.shard_pieces()`, every piece of this
+    rank's shard) are compared over `mesh.replicate_group` too.
     Under expert parallelism the experts (which differ across the ep ranks) are compared over the
     expert-data-parallel group instead.
     Collectives: an all-gather of int64 [1 + n, 2] over the dp x cp group (dp*cp > 1) and one over the
@@ -301,6 +304,10 @@ def check_replicas(named_params: Iterable[tuple[str, torch.Tensor]], mesh: Mesh,
     if experts and mesh.expert_dp_size > 1 and not shards:  # experts are replicated over expert-dp (x tp) only
         ranks = comm.group_ranks(mesh.expert_dp_group)
         messages.append(_first_mismatch(experts, mesh.expert_dp_group, ranks, "edp", step, device))
+    replica_pieces = list(replica_pieces)
+    if shards and mesh.replicate_group is not None:  # ZeRO-3 hybrid: the replica groups hold the same shards
+        ranks = comm.group_ranks(mesh.replicate_group)
+        messages.append(_first_mismatch(replica_pieces, mesh.replicate_group, ranks, "dp_replicate", step, device))
     if mesh.tp_size > 1:
         ranks = comm.group_ranks(mesh.tp_group)
         replicated = named_params if shards else [(name, p) for name, p in named_params if _tp_replicated(p)]

@@ -321,7 +321,8 @@ def train_steps(job: Job, start_step: int) -> bool:
         if interval and step % interval == 0:
             job.model.wait_for_params()  # --overlap-param-gather leaves the gathers in flight
             if cfg.parallel.zero == 3:  # no dp replicas: compare the tp ranks' shard pieces
-                check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True)
+                check_replicas(job.model.tp_replicated_pieces(), job.mesh, step, shards=True,
+                               replica_pieces=job.model.shard_pieces())  # hybrid: and the replica groups
             else:
                 check_replicas([(n, p) for c in job.chunks for n, p in c.logical_parameters()], job.mesh, step)
         if step == start_step + 1 and job.provided is None:  # the planner models GPTModel

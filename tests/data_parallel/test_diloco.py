@@ -73,13 +73,16 @@ def test_one_process_with_an_outer_step_of_lr_1_is_plain_training():
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(dp=2, dp_shard=1, diloco_inner_steps=4, save="/tmp/x"), "does not checkpoint its outer state yet"),
     (dict(dp=2, dp_shard=1, diloco_inner_steps=4, pp=2, global_batch=16), "drop --grad-compression, experts, --pp"),
     (dict(dp=2, dp_shard=1, diloco_inner_steps=4, check_replicas_interval=10), "lets differ between outer steps"),
 ])
 def test_what_diloco_does_not_cover_yet_is_one_line(kw, needle):
     problems = _cfg(**kw).validate()
     assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_diloco_saves_and_loads():  # its checkpoints carry the outer state (tests/checkpoint/test_diloco_checkpoint.py)
+    assert _cfg(dp=2, dp_shard=1, diloco_inner_steps=4, save="/tmp/x", load="/tmp/x").validate() == []
 
 
 @pytest.mark.slow

@@ -119,7 +119,6 @@ def test_shard_and_replicate_groups_tile_dp_cp():
     (dict(dp=4, dp_shard=3), "--dp-shard 3 does not divide dp = 4"),
     (dict(dp=4, num_distributed_optimizer_instances=3), "--num-distributed-optimizer-instances 3 does not divide"),
     (dict(dp=4, dp_shard=2, num_distributed_optimizer_instances=2), "say the same thing twice"),
-    (dict(dp=4, dp_shard=2, grad_compression="powersgd"), "PowerSGD reduces over all of dp"),
 ])
 def test_bad_dp_shard_is_one_line(kw, needle):
     problems = _cfg(**kw).validate()
