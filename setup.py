@@ -17,6 +17,8 @@ EXTRAS = {
     "wandb": ["wandb"],  # --wandb-project
     "plot": ["matplotlib"],  # tools/plot_*.py, plan.py --plot
     "parquet": ["pyarrow"],  # preprocess_data.py on .parquet files
+    "sentencepiece": ["sentencepiece"],  # --tokenizer-type SentencePieceTokenizer (a .model file)
+    "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
 }
 EXTRAS["dev"] = sorted({"pytest", *[p for extra in EXTRAS.values() for p in extra]})
 

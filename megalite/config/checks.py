@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
+from megalite.data.tokenizer import tokenizer_spec_problem
+
 if TYPE_CHECKING:
     from megalite.config import DataSettings, RunConfig
 
@@ -166,10 +169,13 @@ def data_problems(data: DataSettings) -> list[str]:
     if len(data.data_path) > 1 and len(data.data_path) % 2:
         return ["--data-path takes one PREFIX, or weight/prefix pairs: W1 PREFIX1 W2 PREFIX2 ..."]
     prefixes = data.data_path if len(data.data_path) == 1 else data.data_path[1::2]
+    try:  # PREFIX, or the Megatron-named PREFIX_text_document beside it
+        prefixes = [resolve_prefix(p) for p in prefixes]
+    except DataError as exc:
+        return [str(exc)]
     missing = [f"{p}.{ext}" for p in prefixes for ext in ("bin", "idx") if not os.path.exists(f"{p}.{ext}")]
     if missing:
         return [f"data files not found: {', '.join(missing[:4])}; build them with tools/preprocess_data.py "
                 f"--input ... --output-prefix PREFIX, or omit --data-path to use the embedded corpus"]
-    if data.tokenizer is not None and not os.path.exists(data.tokenizer):
-        return [f"--tokenizer {data.tokenizer}: no such file; give a tokenizer.json or omit it for byte level"]
-    return []
+    problem = tokenizer_spec_problem(data.tokenizer)
+    return [problem] if problem else []

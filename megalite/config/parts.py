@@ -241,7 +241,8 @@ class DataSettings:
 
     data_path: tuple[str, ...] | None = setting(None, "PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend (default: "
                                                       "the embedded corpus)")
-    tokenizer: str | None = setting(None, "path to a tokenizer.json (default: byte level)")
+    tokenizer: str | None = setting(None, "a tokenizer.json, a tokenizer directory or a SentencePiece .model (default: "
+                                           "byte level; Megatron's --tokenizer-type flags: docs/megatron.md)")
     mock_data: bool = setting(False, "synthetic token ids over the model's vocabulary (deterministic per seed and "
                                      "sample), no corpus: for speed and memory runs of a real-vocabulary model")
     split: str = setting("969,30,1", "train,valid,test weights of the documents")
