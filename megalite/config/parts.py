@@ -305,6 +305,12 @@ class LoggingSettings:
                                                           "(Chrome trace per rank)", metavar=("FIRST", "LAST"),
                                                           minimum=1)
     profile_dir: str = setting("profile", "where --profile-steps writes its traces")
+    memory_snapshot: str | None = setting(None, "on CUDA: record the allocator's history and write each rank's "
+                                                "snapshot into DIR after --memory-snapshot-step, or when the run "
+                                                "ends before it (an out-of-memory error); open it at "
+                                                "pytorch.org/memory_viz", metavar="DIR")
+    memory_snapshot_step: int = setting(2, "with --memory-snapshot: the step after which the snapshot is written",
+                                        minimum=1)
 
 
 @dataclass(frozen=True)
