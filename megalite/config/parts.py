@@ -187,6 +187,9 @@ class TrainingSettings:
     seed: int = setting(1234, "seed of the weights, the data order and dropout", minimum=0, maximum=2**32 - 1)
     eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)", minimum=0)
     eval_iters: int = setting(4, "global batches per evaluation", minimum=0)
+    compile: bool = setting(False, "torch.compile each transformer block in place (torchtitan's --compile; the "
+                                   "parameters and checkpoints unchanged; the first steps pay the compilation; on a "
+                                   "CPU it needs a C compiler): megalite/training/compile.py")
     cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
                                       "replay it (per pipeline chunk at pp > 1; static shapes; tp = cp = ep "
                                       "= 1, zero 0/1, no dropout, recompute, offload or MoE; "

@@ -48,6 +48,7 @@ from megalite.data.sft_dataset import build_sft_datasets
 from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
                            load_tokenizer)
 from megalite.errors import UsageError, report_usage_error
+from megalite.training.compile import compile_blocks
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.mesh import Mesh, destroy_mesh, init_mesh
@@ -210,6 +211,8 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
         + (f", {len(valid_set)} validation" if valid_set is not None else "")
         + (f" (--mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size})" if cfg.data.mock_data else ""))
     chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
+    if t.compile:  # in place: the parameters and their names unchanged (megalite/training/compile.py)
+        log(f"compile: {compile_blocks(chunks)} blocks with torch.compile (the first steps include compilation)")
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer
