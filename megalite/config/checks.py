@@ -35,6 +35,10 @@ def setting_problems(cfg: RunConfig) -> list[str]:
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + _expert_parallel_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg)
+    if t.compile and (p.tp > 1 or p.cp > 1 or p.ep > 1):  # a 2-rank tp run under compile did not finish in 900 s
+        problems.append(f"--compile runs at --tp 1 --cp 1 --ep 1 (the layouts whose blocks hold no collective: "
+                        f"pp and dp); a compiled block with tp/cp/ep collectives inside is not proven equal yet: "
+                        f"drop --compile or use tp = cp = ep = 1")
     if log.profile_steps is not None and not 1 <= log.profile_steps[0] <= log.profile_steps[1] <= t.train_iters:
         first, last = log.profile_steps
         problems.append(f"--profile-steps {first} {last} must satisfy 1 <= FIRST <= LAST <= --train-iters "

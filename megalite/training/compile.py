@@ -4,9 +4,9 @@
 their names alone, so the data-parallel wrapper, the optimizer and the layout-free checkpoint see the same
 tensors as in eager mode. Per block rather than the whole model: the blocks are alike, so one compiled graph
 serves them all (dynamo recompiles only for a new shape), and the pipeline's stage boundaries, the
-recomputation wrapper and megalite's collectives around the blocks stay eager code. Inside a block the
-tensor-parallel regions (megalite.comm's collectives, the ledger) are graph breaks: the maths between them
-is compiled.
+recomputation wrapper and megalite's collectives around the blocks stay eager code. Layouts with a
+collective inside a block (tp, cp, ep) are refused by megalite/config/checks.py: a 2-rank tp run under
+compile did not finish within 900 s on gloo, so they are not proven equal.
 """
 from __future__ import annotations
 
