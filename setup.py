@@ -18,6 +18,8 @@ EXTRAS = {
     "plot": ["matplotlib"],  # tools/plot_*.py, plan.py --plot
     "parquet": ["pyarrow"],  # preprocess_data.py on .parquet files
     "liger": ["liger-kernel"],  # tools/bench_kernels.py's optional Liger-Kernel column
+    "sentencepiece": ["sentencepiece"],  # --tokenizer-type SentencePieceTokenizer (a .model file)
+    "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
 }
 EXTRAS["dev"] = sorted({"pytest", *[p for extra in EXTRAS.values() for p in extra]})
 

@@ -26,6 +26,7 @@ from typing import Any
 from megalite.config import megatron
 from megalite.config import PARTS, RunConfig, Setting, coerce, settings
 from megalite.errors import USAGE_EXIT_CODE, ConfigError, UsageError
+from megalite.data.tokenizer import TokenizerKind, parse_tokenizer_spec
 from megalite.paths import output_file_problem
 
 ACTIONS = ("config", "print_config", "dry_run", "simulate", "simulate_ranks", "simulate_json")  # flags that are not settings
@@ -210,11 +211,16 @@ def parse_args(argv: list[str] | None = None,
     if megatron_only.get("recompute_method") == "uniform":  # every block recomputed (N only sized the groups)
         cfg = cfg.replace(recompute_num_layers=None)
     try:  # --tokenizer-type/--vocab-file/--merge-file: Megatron's tokenizer as a tokenizer.json
-        tokenizer = megatron.tokenizer_from_megatron(megatron_only.get("tokenizer_type"), megatron_only.get("vocab_file"),
-                                                     megatron_only.get("merge_file"), cfg.data.tokenizer)
+        tokenizer = megatron.tokenizer_from_megatron(
+            megatron_only.get("tokenizer_type"), megatron_only.get("vocab_file"), megatron_only.get("merge_file"),
+            cfg.data.tokenizer, vocab_size=cfg.model.vocab_size,
+            tiktoken_pattern=megatron_only.get("tiktoken_pattern") or "v2",
+            tiktoken_num_special_tokens=megatron_only.get("tiktoken_num_special_tokens") or 1000)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if tokenizer is not None:
+    if tokenizer is not None and parse_tokenizer_spec(tokenizer)[0] is TokenizerKind.NULL:  # --vocab-size: its ids
+        cfg = cfg.replace(tokenizer=tokenizer, vocab_size=None)
+    elif tokenizer is not None:
         cfg = cfg.replace(tokenizer=tokenizer)
     problems = cfg.bound_problems()  # on every rank, before anything divides by a degree or allocates
     if problems:

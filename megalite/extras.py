@@ -27,6 +27,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib.pyplot": ("plot", "matplotlib"),
     "pyarrow": ("parquet", "pyarrow"),
     "pyarrow.parquet": ("parquet", "pyarrow"),
+    "sentencepiece": ("sentencepiece", "sentencepiece"),
+    "tiktoken": ("tiktoken", "tiktoken"),
 }
 
 

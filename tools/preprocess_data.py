@@ -3,13 +3,15 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text \
         --output-prefix data/corpus --tokenizer byte --workers 8
-    # -> data/corpus.bin, data/corpus.idx ; train with --data-path data/corpus
+    # -> data/corpus_text_document.bin/.idx (Megatron's names, one pair per --json-keys key);
+    #    train with --data-path data/corpus_text_document (or data/corpus: the one pair beside it is found)
 
 Inputs: plain-text files (one file = one document), directories (walked recursively in sorted
 order), JSON-lines files (.jsonl/.json, one document per line and key) and Parquet files
 (.parquet, one document per row and --json-keys column; pip install 'megalite[parquet]').
-Every document ends with the tokenizer's end-of-document id. With several --json-keys, one pair
-per key is written to {output-prefix}_{key}. --megatron-index writes Megatron-LM's own MMIDIDX
+Every document ends with the tokenizer's end-of-document id; one pair per --json-keys key is written
+to {output-prefix}_{key}_document, as Megatron-LM's tool names it. The tokenizer: --tokenizer (byte,
+a tokenizer.json or directory, a .model) or Megatron's --tokenizer-type flags. --megatron-index writes Megatron-LM's own MMIDIDX
 .idx, so the same pair serves both frameworks. --sft reads SFT records (prompt/completion, or chat
 messages) and writes a per-token loss mask beside the tokens (docs/finetuning.md). A progress bar (rate, ETA) goes to stderr; plain
 lines every 10 s when stderr is not a terminal.
@@ -24,6 +26,7 @@ if not __package__:  # run as a script from a checkout (installed, it is megalit
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megalite.cli import OneLineParser  # noqa: E402
+from megalite.config.megatron import add_tokenizer_type_flags, tokenizer_from_megatron  # noqa: E402
 from megalite.data.preprocess import preprocess_files  # noqa: E402
 from megalite.data.sft_preprocess import preprocess_sft  # noqa: E402
 from megalite.errors import UsageError, report_usage_error, reports_usage_errors  # noqa: E402
@@ -34,10 +37,14 @@ from megalite.paths import output_prefix_problem  # noqa: E402
 def parse_args(argv=None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="text/JSON-lines files or directories")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx per --json-keys key")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to read from JSON lines")
-    parser.add_argument("--tokenizer", "--tokenizer-model", default="byte",
-                        help="'byte' or a path to a HuggingFace tokenizer.json")
+    parser.add_argument("--tokenizer", "--tokenizer-model", default=None,
+                        help="'byte' (the default), a HuggingFace tokenizer.json or directory, a SentencePiece .model "
+                             "(or a spec, megalite/data/tokenizer.py)")
+    add_tokenizer_type_flags(parser)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="NullTokenizer's ids (0..N-1), TikTokenizer's vocabulary")
     parser.add_argument("--append-eod", action="store_true",
                         help="accepted for Megatron compatibility: the end-of-document id is always appended")
     parser.add_argument("--workers", type=int, default=None,
@@ -54,6 +61,17 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def _tokenizer_spec(args) -> str:
+    """--tokenizer, or what Megatron's --tokenizer-type flags name (megalite.config.megatron)."""
+    try:
+        spec = tokenizer_from_megatron(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer,
+                                       vocab_size=args.vocab_size, tiktoken_pattern=args.tiktoken_pattern,
+                                       tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return spec or args.tokenizer or "byte"
+
+
 @reports_usage_errors
 def main(argv=None) -> int:
     """A mistake in the input (a missing file, a malformed line, a bad tokenizer) prints one line, exit 2."""
@@ -64,6 +82,7 @@ def main(argv=None) -> int:
         problem = output_prefix_problem("--output-prefix", args.output_prefix, (".bin", ".idx"))
         if problem:
             raise UsageError(problem)
+        args.tokenizer = _tokenizer_spec(args)
         if args.sft:  # its own mode: records, not documents; one process (the chat template is Python)
             stats = preprocess_sft(args.input, args.output_prefix, args.tokenizer)
             print(f"{stats.documents} SFT samples, {stats.tokens} tokens", file=sys.stderr)
@@ -73,7 +92,8 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
         workers = args.workers or (1 if tokenizer.name == "byte" else max(1, (os.cpu_count() or 2) - 1))
         stats = preprocess_files(args.input, args.output_prefix, tokenizer, tuple(args.json_keys), workers,
-                                 show_progress=not args.no_progress, megatron_index=args.megatron_index)
+                                 show_progress=not args.no_progress, megatron_index=args.megatron_index,
+                                 megatron_names=True)
         if stats.documents == 0:  # every document empty or undecodable: an empty dataset is no dataset
             for prefix in stats.outputs.values():
                 for suffix in (".bin", ".idx"):

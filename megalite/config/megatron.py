@@ -9,7 +9,10 @@ Three tables, read where the parser and the settings are generated (megalite.con
   (`--use-distributed-optimizer` is `--zero 1`: the optimizer state sharded over dp).
 - ALWAYS: a Megatron flag for what megalite always does (`--use-flash-attn`, `--overlap-grad-reduce`):
   accepted, changes nothing.
-- `--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M`: made into one tokenizer.json.
+- `--tokenizer-type`: Megatron's tokenizers as a megalite tokenizer spec (megalite/data/tokenizer.py):
+  GPT2BPETokenizer's --vocab-file/--merge-file made into one tokenizer.json, HuggingFaceTokenizer's
+  --tokenizer-model (a file or a directory), SentencePieceTokenizer's .model, TikTokenizer's JSON
+  (--tiktoken-pattern, --tiktoken-num-special-tokens, --vocab-size), NullTokenizer's --vocab-size.
 - `--num-layers-per-virtual-pipeline-stage N`: converted to virtual stages (layers / pp / N);
   `--recompute-method uniform` recomputes every block (--recompute-num-layers then only sizes Megatron's
   groups), `block` the first --recompute-num-layers (megalite's own meaning).
@@ -29,6 +32,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import argparse
+import enum
 from typing import Any
 
 from megalite.data.tokenizer import bpe_files_to_json  # reads the files; numpy, no torch
@@ -116,7 +120,19 @@ ONLY: dict[str, tuple[float, str]] = {
     "--rotary-percent": (1.0, "megalite's rope rotates every dimension of a head"),
 }
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")  # Null: ids as they are (--vocab-size)
+class TokenizerType(enum.StrEnum):
+    """Megatron's --tokenizer-type values megalite reads (the SentencePiece ones: one reader, eod = eos)."""
+    GPT2BPE = "GPT2BPETokenizer"
+    HUGGINGFACE = "HuggingFaceTokenizer"
+    SENTENCEPIECE = "SentencePieceTokenizer"
+    GPT_SENTENCEPIECE = "GPTSentencePieceTokenizer"
+    LLAMA2 = "Llama2Tokenizer"
+    TIKTOKEN = "TikTokenizer"
+    NULL = "NullTokenizer"
+
+
+TOKENIZER_TYPES = tuple(t.value for t in TokenizerType)
+SENTENCEPIECE_TYPES = (TokenizerType.SENTENCEPIECE, TokenizerType.GPT_SENTENCEPIECE, TokenizerType.LLAMA2)
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -197,7 +213,8 @@ def non_setting_dests() -> set[str]:
     """The parser destinations add_megatron_flags adds (parse_args drops them from its actions)."""
     return ({"megatron_" + flag[2:].replace("-", "_") for flag in (*ALWAYS, *ONLY)}
             | {"num_layers_per_virtual_pipeline_stage", "recompute_method", "tokenizer_type", "vocab_file",
-               "merge_file", "profile", "profile_step_start", "profile_step_end"})
+               "merge_file", "profile", "profile_step_start", "profile_step_end", "tiktoken_pattern",
+               "tiktoken_num_special_tokens"})
 
 
 def add_megatron_flags(parser) -> None:
@@ -220,12 +237,7 @@ def add_megatron_flags(parser) -> None:
                        const=True, default=argparse.SUPPRESS, help="Megatron's spelling of --override-opt-param-scheduler")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None, metavar="N",
                        help="Megatron's spelling of virtual stages: --virtual-stages = num_layers / pp / N")
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                       help="GPT2BPETokenizer (with --vocab-file and --merge-file: made into a tokenizer.json), "
-                            "HuggingFaceTokenizer (with --tokenizer-model FILE, a tokenizer.json) or NullTokenizer "
-                            "(pre-tokenized data or --mock-data; the vocabulary from --vocab-size)")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    add_tokenizer_type_flags(group)
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                        help="with --recompute full: block recomputes the first --recompute-num-layers blocks of each "
                             "chunk (megalite's way); uniform recomputes every block (megalite: one block at a time, "
@@ -243,17 +255,47 @@ def virtual_stages_from(layers_per_stage: int | None, num_layers: int, pp: int) 
     return num_layers // (pp * layers_per_stage)
 
 
+def add_tokenizer_type_flags(group) -> None:
+    """Megatron's tokenizer flags beside --tokenizer-model (training and tools/preprocess_data.py)."""
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                       help="GPT2BPETokenizer (--vocab-file, --merge-file), HuggingFaceTokenizer (--tokenizer-model "
+                            "a tokenizer.json or a directory), SentencePieceTokenizer (--tokenizer-model a .model; "
+                            "pip install 'megalite[sentencepiece]'), TikTokenizer (--tokenizer-model its JSON; "
+                            "pip install 'megalite[tiktoken]'), NullTokenizer (--vocab-size N)")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default="v2", help="TikTokenizer's split pattern")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer's special ids before the ranks (<unk>, <s>, </s>, then fillers)")
+
+
 def tokenizer_from_megatron(tokenizer_type: str | None, vocab_file: str | None, merge_file: str | None,
-                            tokenizer: str | None) -> str | None:
-    """The --tokenizer a Megatron tokenizer choice means (None: leave it as it is); ValueError naming
+                            tokenizer: str | None, *, vocab_size: int | None = None, tiktoken_pattern: str = "v2",
+                            tiktoken_num_special_tokens: int = 1000) -> str | None:
+    """The --tokenizer spec a Megatron tokenizer choice means (None: leave it as it is); ValueError naming
     what is missing. GPT2BPETokenizer's vocab.json + merges.txt become one tokenizer.json
-    (megalite.data.tokenizer.bpe_files_to_json: byte-level BPE, GPT-2's pre-tokenizer)."""
-    if (vocab_file or merge_file) and tokenizer_type not in (None, "GPT2BPETokenizer"):
+    (megalite.data.tokenizer.bpe_files_to_json: byte-level BPE, GPT-2's pre-tokenizer); `vocab_size` is
+    --vocab-size (NullTokenizer's ids, TikTokenizer's cap)."""
+    kind = None if tokenizer_type is None else TokenizerType(tokenizer_type)
+    if (vocab_file or merge_file) and kind not in (None, TokenizerType.GPT2BPE):
         raise ValueError(f"--vocab-file/--merge-file go with --tokenizer-type GPT2BPETokenizer, not {tokenizer_type}")
-    if tokenizer_type == "HuggingFaceTokenizer" and tokenizer is None:
-        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model FILE (a tokenizer.json)")
-    if tokenizer_type == "GPT2BPETokenizer" or vocab_file or merge_file:
+    if kind is TokenizerType.NULL:
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (its ids are 0..N-1, the end of "
+                             "document N)")
+        return f"null:{vocab_size}"
+    if kind is TokenizerType.GPT2BPE or vocab_file or merge_file:
         if not (vocab_file and merge_file):
             raise ValueError("GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file (merges.txt)")
         return bpe_files_to_json(vocab_file, merge_file)
-    return None
+    if kind is None:
+        return None
+    if tokenizer is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (the tokenizer's file"
+                         f"{' or directory' if kind is TokenizerType.HUGGINGFACE else ''})")
+    if kind in SENTENCEPIECE_TYPES:
+        return f"sentencepiece:{tokenizer}"
+    if kind is TokenizerType.TIKTOKEN:
+        return (f"tiktoken:{tiktoken_pattern}:{tiktoken_num_special_tokens}:"
+                f"{'all' if vocab_size is None else vocab_size}:{tokenizer}")
+    return tokenizer

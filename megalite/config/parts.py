@@ -231,6 +231,9 @@ class TrainingSettings:
     seed: int = setting(1234, "seed of the weights, the data order and dropout", minimum=0, maximum=2**32 - 1)
     eval_interval: int = setting(0, "evaluate every N steps (0: only at the end)", minimum=0)
     eval_iters: int = setting(4, "global batches per evaluation", minimum=0)
+    compile: bool = setting(False, "torch.compile each transformer block in place (torchtitan's --compile; the "
+                                   "parameters and checkpoints unchanged; the first steps pay the compilation; on a "
+                                   "CPU it needs a C compiler): megalite/training/compile.py")
     cuda_graph: bool = setting(False, "capture each microbatch's forward and backward once as a CUDA graph and "
                                       "replay it (per pipeline chunk at pp > 1; static shapes; tp = cp = ep "
                                       "= 1, zero 0/1, no dropout, recompute, offload or MoE; "
@@ -314,7 +317,8 @@ class DataSettings:
 
     data_path: tuple[str, ...] | None = setting(None, "PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend (default: "
                                                       "the embedded corpus)")
-    tokenizer: str | None = setting(None, "path to a tokenizer.json (default: byte level)")
+    tokenizer: str | None = setting(None, "a tokenizer.json, a tokenizer directory or a SentencePiece .model (default: "
+                                           "byte level; Megatron's --tokenizer-type flags: docs/megatron.md)")
     mock_data: bool = setting(False, "synthetic token ids over the model's vocabulary (deterministic per seed and "
                                      "sample), no corpus: for speed and memory runs of a real-vocabulary model")
     split: str = setting("969,30,1", "train,valid,test weights of the documents")
@@ -389,6 +393,12 @@ class LoggingSettings:
                                                           "(Chrome trace per rank)", metavar=("FIRST", "LAST"),
                                                           minimum=1)
     profile_dir: str = setting("profile", "where --profile-steps writes its traces")
+    memory_snapshot: str | None = setting(None, "on CUDA: record the allocator's history and write each rank's "
+                                                "snapshot into DIR after --memory-snapshot-step, or when the run "
+                                                "ends before it (an out-of-memory error); open it at "
+                                                "pytorch.org/memory_viz", metavar="DIR")
+    memory_snapshot_step: int = setting(2, "with --memory-snapshot: the step after which the snapshot is written",
+                                        minimum=1)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import functools
+import glob
 import os
 import struct
 import zlib
@@ -68,6 +69,25 @@ def token_dtype_for(vocab_size: int) -> np.dtype:
 
 def dataset_exists(prefix: str) -> bool:
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
+
+
+def megatron_prefix(output_prefix: str, json_key: str) -> str:
+    """Megatron-LM's name for one JSON key's pair: PREFIX_{key}_document (.bin/.idx)."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+def resolve_prefix(prefix: str) -> str:
+    """The pair a --data-path PREFIX names: PREFIX.bin/.idx when they exist, else the one Megatron-named
+    PREFIX_{key}_document pair beside it (what tools/preprocess_data.py writes); DataError when there
+    are several to choose from. Unchanged when neither exists (the reader then says what is missing)."""
+    if dataset_exists(prefix):
+        return prefix
+    found = sorted(path[:-len(".idx")] for path in glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    found = [candidate for candidate in found if dataset_exists(candidate)]
+    if len(found) > 1:
+        raise DataError(f"data path {prefix}: several preprocessed keys beside it ({', '.join(found)}); pass one "
+                        f"of them as the prefix")
+    return found[0] if found else prefix
 
 
 class IndexedDatasetWriter:
@@ -145,6 +165,7 @@ class IndexedDataset:
     """Read-only view of a .bin/.idx pair; documents are numpy views into a memory map."""
 
     def __init__(self, prefix: str):
+        prefix = resolve_prefix(prefix)  # PREFIX, or Megatron's PREFIX_text_document
         self.prefix = prefix
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
         for path in (idx_path, bin_path):

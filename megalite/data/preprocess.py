@@ -24,7 +24,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megalite.data.indexed_dataset import DataError, DataFileNotFoundError, IndexedDatasetWriter, token_dtype_for
+from megalite.data.indexed_dataset import (DataError, DataFileNotFoundError, IndexedDatasetWriter, megatron_prefix,
+                                           token_dtype_for)
 from megalite.data.tokenizer import load_tokenizer
 from megalite.extras import require
 from megalite.progress import ProgressBar
@@ -219,10 +220,12 @@ def _json_record(path: str, line_number: int, line: str, json_keys: tuple[str, .
 def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefix: str, tokenizer,
                          json_keys: tuple[str, ...] = ("text",), workers: int = 1,
                          progress: ProgressBar | None = None,
-                         stats: PreprocessStats | None = None, megatron_index: bool = False) -> PreprocessStats:
+                         stats: PreprocessStats | None = None, megatron_index: bool = False,
+                         megatron_names: bool = False) -> PreprocessStats:
     """Tokenize (key, text, bytes) documents into one .bin/.idx pair per key.
 
-    Output prefix: `output_prefix` for a single key, `{output_prefix}_{key}` for several.
+    Output prefix: `output_prefix` for a single key, `{output_prefix}_{key}` for several; with
+    `megatron_names` Megatron-LM's `{output_prefix}_{key}_document` for every key (what the tool writes).
     `tokenizer` is a tokenizer object or a spec for `load_tokenizer`.
     """
     if isinstance(tokenizer, str) or tokenizer is None:
@@ -231,7 +234,10 @@ def preprocess_documents(documents: Iterable[tuple[str, str, int]], output_prefi
         raise DataError(f"--workers must be >= 1, got {workers}")
     stats = stats or PreprocessStats()
     start = time.perf_counter()
-    prefixes = {key: output_prefix if len(json_keys) == 1 else f"{output_prefix}_{key}" for key in json_keys}
+    if megatron_names:  # Megatron-LM's names, one pair per key
+        prefixes = {key: megatron_prefix(output_prefix, key) for key in json_keys}
+    else:
+        prefixes = {key: output_prefix if len(json_keys) == 1 else f"{output_prefix}_{key}" for key in json_keys}
     writers = {key: IndexedDatasetWriter(prefix, tokenizer.vocab_size, tokenizer.eod, megatron_index=megatron_index)
                for key, prefix in prefixes.items()}
     pool = None
@@ -289,9 +295,11 @@ def _write_batch(writers, keys, lengths, tokens) -> None:
 
 def preprocess_files(inputs: Iterable[str], output_prefix: str, tokenizer=None,
                      json_keys: tuple[str, ...] = ("text",), workers: int = 1,
-                     show_progress: bool = False, megatron_index: bool = False) -> PreprocessStats:
+                     show_progress: bool = False, megatron_index: bool = False,
+                     megatron_names: bool = False) -> PreprocessStats:
     """Files/directories/JSON lines/Parquet -> .bin/.idx (what tools/preprocess_data.py runs);
-    `megatron_index`: the .idx in Megatron-LM's MMIDIDX layout (both frameworks read the pair)."""
+    `megatron_index`: the .idx in Megatron-LM's MMIDIDX layout (both frameworks read the pair);
+    `megatron_names`: PREFIX_{key}_document per key, as Megatron-LM names them."""
     inputs = list(inputs)
     files = list_input_files(inputs)
     if not files:
@@ -300,4 +308,4 @@ def preprocess_files(inputs: Iterable[str], output_prefix: str, tokenizer=None,
     stats = PreprocessStats()
     progress = ProgressBar(sum(_input_bytes(f, tuple(json_keys)) for f in files)) if show_progress else None
     return preprocess_documents(iter_documents(files, tuple(json_keys), stats), output_prefix, tokenizer,
-                                tuple(json_keys), workers, progress, stats, megatron_index)
+                                tuple(json_keys), workers, progress, stats, megatron_index, megatron_names)

@@ -1,6 +1,7 @@
-"""Tokenizers: the built-in byte-level tokenizer and a wrapper for a local HF `tokenizer.json`.
+"""Tokenizers: the built-in byte-level tokenizer, a wrapper for a local HF `tokenizer.json` (or a HF
+directory), and the spec string that names any of megalite's tokenizers (`load_tokenizer`).
 
-Both expose one small interface used by preprocessing and training:
+All expose one small interface used by preprocessing and training:
 
     vocab_size: int         size of the embedding table the model needs
     eod: int                end-of-document id, appended after every document
@@ -10,15 +11,27 @@ Both expose one small interface used by preprocessing and training:
 
 Nothing is ever downloaded: a HF tokenizer is read from a file on disk through the optional
 `tokenizers` package, imported only when such a file is given.
+
+A tokenizer spec (the --tokenizer setting; Megatron's --tokenizer-type flags are turned into one by
+megalite.config.megatron.tokenizer_from_megatron) is one of:
+
+    byte (or None)                     the byte tokenizer
+    PATH/tokenizer.json, or DIRECTORY  HuggingFace (a directory: its tokenizer.json, else its tokenizer.model)
+    PATH.model, sentencepiece:PATH     SentencePiece (megalite.data.megatron_tokenizers)
+    tiktoken:PATTERN:SPECIAL:VOCAB:PATH  Megatron's TikTokenizer (VOCAB an int or "all")
+    null:N                             Megatron's NullTokenizer over N ids
 """
 from __future__ import annotations
 
+import enum
 import hashlib
+import json
 import os
 
 import numpy as np
 
 from megalite.data.indexed_dataset import DataError, DataFileNotFoundError
+from megalite.data.megatron_tokenizers import NullTokenizer, SentencePieceTokenizer, TikTokenizer
 from megalite.errors import one_line
 from megalite.extras import require
 
@@ -55,7 +68,7 @@ class HFTokenizer:
 
     EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos_token: str | None = None):
         if os.path.isdir(path):  # a saved HuggingFace tokenizer directory (Megatron's HuggingFaceTokenizer takes one)
             if not os.path.isfile(os.path.join(path, "tokenizer.json")):
                 raise DataFileNotFoundError(f"tokenizer directory {path!r} holds no tokenizer.json; save the tokenizer "
@@ -74,7 +87,7 @@ class HFTokenizer:
                             f"the tokenizer.json saved with the tokenizer, or 'byte' for the byte tokenizer") from None
         base_vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
         eod = None
-        for token in self.EOD_NAMES:
+        for token in ((eos_token,) if eos_token else ()) + self.EOD_NAMES:  # the directory's own eos first
             token_id = self._tokenizer.token_to_id(token)
             if token_id is not None:
                 eod = token_id
@@ -83,7 +96,7 @@ class HFTokenizer:
         self.eod = base_vocab if eod is None else eod
         self.vocab_size = base_vocab + (1 if eod is None else 0)
         with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+            digest = hashlib.sha256(f.read() + (eos_token or "").encode()).hexdigest()[:16]
         self.name = f"hf-{digest}"
 
     def encode(self, text: str) -> list[int]:
@@ -105,13 +118,86 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-def load_tokenizer(spec: str | None):
-    """None or "byte" -> ByteTokenizer; a path to a HF tokenizer.json -> HFTokenizer."""
+class TokenizerKind(enum.Enum):
+    BYTE = "byte"
+    HF_FILE = "hf-file"
+    HF_DIRECTORY = "hf-directory"
+    SENTENCEPIECE = "sentencepiece"
+    TIKTOKEN = "tiktoken"
+    NULL = "null"
+
+
+def parse_tokenizer_spec(spec: str | None) -> tuple[TokenizerKind, str]:
+    """(kind, the rest of the spec: a path, or N for null, or PATTERN:SPECIAL:VOCAB:PATH for tiktoken)."""
     if spec is None or spec == "byte":
-        return ByteTokenizer()
+        return TokenizerKind.BYTE, ""
     if not isinstance(spec, str):
         raise TypeError(f"tokenizer spec must be None, 'byte' or a path, got {type(spec).__name__}")
-    return HFTokenizer(spec)
+    kind, _, rest = spec.partition(":")
+    if kind in ("null", "sentencepiece", "tiktoken") and rest:
+        return TokenizerKind(kind), rest
+    if os.path.isdir(spec):
+        return TokenizerKind.HF_DIRECTORY, spec
+    if spec.endswith(".model"):
+        return TokenizerKind.SENTENCEPIECE, spec
+    return TokenizerKind.HF_FILE, spec
+
+
+def load_tokenizer(spec: str | None):
+    """The tokenizer a spec names (see the module's docstring); DataError / DataFileNotFoundError (one
+    line) for a spec that names nothing usable, MissingExtraError for a package not installed."""
+    kind, rest = parse_tokenizer_spec(spec)
+    if kind is TokenizerKind.BYTE:
+        return ByteTokenizer()
+    if kind is TokenizerKind.HF_FILE:
+        return HFTokenizer(rest)
+    if kind is TokenizerKind.HF_DIRECTORY:
+        return _directory_tokenizer(rest)
+    if kind is TokenizerKind.SENTENCEPIECE:
+        return SentencePieceTokenizer(rest)
+    if kind is TokenizerKind.NULL:
+        if not rest.isdigit():
+            raise DataError(f"tokenizer {spec!r}: NullTokenizer takes a number of ids (null:N, --vocab-size N)")
+        return NullTokenizer(int(rest))
+    pattern, special, vocab, path = (rest.split(":", 3) + ["", "", ""])[:4]
+    if not special.isdigit() or not (vocab == "all" or vocab.isdigit()) or not path:
+        raise DataError(f"tokenizer {spec!r}: a TikTokenizer spec is tiktoken:PATTERN:SPECIAL:VOCAB:PATH")
+    return TikTokenizer(path, pattern=pattern, num_special_tokens=int(special),
+                        vocab_size=None if vocab == "all" else int(vocab))
+
+
+def _directory_tokenizer(directory: str):
+    """A HuggingFace tokenizer directory (what save_pretrained writes): its tokenizer.json, with the eos
+    token its tokenizer_config.json names as the end of document; else its SentencePiece tokenizer.model."""
+    file = os.path.join(directory, "tokenizer.json")
+    if os.path.isfile(file):
+        return HFTokenizer(file, eos_token=_configured_eos(directory))
+    if os.path.isfile(os.path.join(directory, "tokenizer.model")):
+        return SentencePieceTokenizer(os.path.join(directory, "tokenizer.model"))
+    raise DataFileNotFoundError(f"tokenizer directory {directory!r} holds no tokenizer.json (nor a SentencePiece "
+                                f"tokenizer.model); pass the directory the tokenizer was saved to")
+
+
+def _configured_eos(directory: str) -> str | None:
+    """The eos token tokenizer_config.json names (a string, or {"content": ...}); None without one."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+
+
+def tokenizer_spec_problem(spec: str | None) -> str | None:
+    """A spec whose file is missing, as one line for the config check (None when it names files that exist)."""
+    kind, rest = parse_tokenizer_spec(spec)
+    path = {TokenizerKind.HF_FILE: rest, TokenizerKind.SENTENCEPIECE: rest,
+            TokenizerKind.TIKTOKEN: rest.split(":", 3)[-1]}.get(kind)
+    if path is not None and not os.path.isfile(path):
+        return (f"--tokenizer {path}: no such file; give a tokenizer.json, a tokenizer directory, a SentencePiece "
+                f".model, or omit it for byte level")
+    return None
 
 
 def bpe_files_to_json(vocab_file: str, merge_file: str, cache_dir: str | None = None) -> str:

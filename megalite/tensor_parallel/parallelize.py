@@ -8,7 +8,8 @@ choke point, the ledger) and checkpoints its parameters by their ShardSpecs.
     parallelize(model, mesh, {"*.q_proj": "column", "*.o_proj": "row", "model.embed_tokens": "vocab"})
 
 Styles (a name or a style object; megalite/tensor_parallel/plans.py holds the ready plans for transformers' families):
-- "column" / Column(): nn.Linear -> ColumnParallelLinear, output [..., out/tp] stays split.
+- "column" / Column(): nn.Linear (or transformers' Conv1D, GPT-2's [in, out] layer) -> ColumnParallelLinear,
+  output [..., out/tp] stays split.
   Column(gather_output=True) ("column_gather") gathers it ([..., out]), e.g. a head whose caller wants
   full logits; Column(blocks=(a, b)) splits each fused block apart ([gate; up] in one Linear).
 - "row" / Row(): nn.Linear -> RowParallelLinear, input [..., in/tp], output summed over tp.
@@ -86,6 +87,7 @@ class Experts:
 @dataclasses.dataclass(frozen=True)
 class Heads:
     attributes: tuple[str, ...] = ("num_heads", "num_key_value_heads", "num_attention_heads", "n_heads", "n_kv_heads")
+    """Integer attributes divided by tp (GPT-2's attention also splits its fused output by `split_size`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,20 +170,31 @@ def _load(new: nn.Module, attribute: str, old: torch.Tensor | None, spec: ShardS
     shared[id(old)] = param
 
 
+def _linear_weight(old: nn.Module, style) -> torch.Tensor:
+    """The [out, in] weight of an nn.Linear, or of transformers' Conv1D (GPT-2's layers: y = x @ W + b with
+    W [in, out], so its transpose; a new tensor that keeps requires_grad, never tied)."""
+    if type(old) is nn.Linear:
+        return old.weight
+    if type(old).__name__ == "Conv1D" and old.weight.dim() == 2:
+        return old.weight.detach().t().contiguous().requires_grad_(old.weight.requires_grad)
+    raise ValueError(f"style {style} replaces an nn.Linear, got {type(old).__name__} (transformers' Conv1D is taken "
+                     f"too)")
+
+
 def _linear(old: nn.Module, style, group, shared: dict) -> nn.Module:
-    if type(old) is not nn.Linear:
-        raise ValueError(f"style {style} replaces an nn.Linear, got {type(old).__name__}")
+    weight = _linear_weight(old, style)  # [out, in]
     common = dict(bias=old.bias is not None, tp_group=group, sequence_parallel=style.sequence_parallel,
-                  dtype=old.weight.dtype)
+                  dtype=weight.dtype)
+    out_features, in_features = weight.shape
     with torch.device("meta"):  # shapes and specs only: the weights are the existing ones, sharded
         if isinstance(style, Column):
-            new = PlannedColumn(old.in_features, old.out_features, gather_output=style.gather_output,
+            new = PlannedColumn(in_features, out_features, gather_output=style.gather_output,
                                 fused_blocks=style.blocks, **common)
         else:
-            new = PlannedRow(old.in_features, old.out_features, **common)
+            new = PlannedRow(in_features, out_features, **common)
     if isinstance(style, Row):
         new.sequence_dim = style.sequence_dim
-    _load(new, "weight", old.weight, None, shared)
+    _load(new, "weight", weight, None, shared)
     _load(new, "bias", old.bias, None, shared)
     return new.to(old.weight.device)
 

@@ -117,6 +117,8 @@ def path_problems(cfg: RunConfig) -> list[str]:
         checks.append(output_dir_problem("--wandb-save-dir", lg.wandb_save_dir))
     if lg.profile_steps:
         checks.append(output_dir_problem("--profile-dir", lg.profile_dir))
+    if lg.memory_snapshot:
+        checks.append(output_dir_problem("--memory-snapshot", lg.memory_snapshot))
     if ft.hang_timeout and ft.hang_report_dir:
         checks.append(output_dir_problem("--hang-report-dir", ft.hang_report_dir))
     return list(dict.fromkeys(c for c in checks if c))
@@ -129,6 +131,9 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
     problems = []
     if cfg.training.cuda_graph and not cuda_available:
         problems.append("--cuda-graph needs a CUDA GPU and none is visible here; drop --cuda-graph")
+    if cfg.logging.memory_snapshot and not cuda_available:
+        problems.append("--memory-snapshot records the CUDA allocator's history and no CUDA GPU is visible here; "
+                        "drop --memory-snapshot (on a CPU, --profile-steps records memory events)")
     if kernel_backend == "triton" and not cuda_available:  # the kernels would raise at the first op
         from megalite.kernels.dispatch import HAVE_TRITON, interpreting  # torch: see the module docstring
 

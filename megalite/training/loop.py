@@ -52,6 +52,7 @@ from megalite.data.gpt_dataset import BlendedDataset, GPTDataset
 from megalite.data.mock_dataset import MockDataset
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.errors import UsageError, report_usage_error
+from megalite.training.compile import compile_blocks
 from megalite.training.cuda_graph import StepGraphs
 from megalite.training.pipeline_graphs import PipelineGraphs
 from megalite.distributed.mesh import Mesh, destroy_mesh, init_mesh
@@ -217,6 +218,8 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
         log(f"data: {len(train_set)} training samples of {model_cfg.seq_length} tokens"
             + (f", {len(valid_set)} validation" if valid_set is not None else ""))
     chunks = chunks or build_model_chunks(model_cfg, cfg, mesh)
+    if t.compile:  # in place: the parameters and their names unchanged (megalite/training/compile.py)
+        log(f"compile: {compile_blocks(chunks)} blocks with torch.compile (the first steps include compilation)")
     model = build_data_parallel(chunks, cfg, mesh)
     optimizer = build_optimizer(model, cfg)
     o = cfg.optimizer

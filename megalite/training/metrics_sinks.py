@@ -5,7 +5,9 @@
 
 Every sink receives the same fields the JSON lines file holds (every number of a step record, the
 evaluation's eval_loss and eval_perplexity, an event's numbers under "<event>/"), so a curve read in
-TensorBoard, in W&B or from the file is the same curve. Each backend is an optional extra
+TensorBoard, in W&B or from the file is the same curve. The dashboards group them as torchtitan's do
+(`tag_of`): train/ (loss, lr, grad_norm, batch...), perf/ (throughput, MFU, step time), memory/, comm/
+(bytes moved), moe/ and eval/; the file keeps the flat field names. Each backend is an optional extra
 (megalite.extras): `sink_problems` names a missing one at launch, on every rank, before any process
 group exists (one line, exit 2), so a run never silently writes nothing.
 """
@@ -17,6 +19,26 @@ import urllib.parse
 from typing import Any, Protocol
 
 from megalite.extras import MissingExtraError, require
+
+
+PERF_FIELDS = frozenset({"tokens_per_sec", "tokens_per_sec_per_rank", "samples_per_sec", "step_time_s",
+                         "tflops_per_rank", "mfu", "hfu", "eta_s", "gpu_hours", "pipeline_bubble"})
+
+
+def tag_of(field: str) -> str:
+    """The dashboard tag of a metrics field: eval_loss -> eval/loss, mem_peak_bytes -> memory/peak_bytes,
+    tokens_per_sec -> perf/tokens_per_sec, cp_comm_bytes -> comm/cp_comm_bytes, moe_aux_loss -> moe/aux_loss,
+    anything else of a step -> train/<field>; an event's "<event>/<name>" stays as it is."""
+    if "/" in field:
+        return field
+    for prefix, group in (("eval_", "eval"), ("mem_", "memory"), ("moe_", "moe")):
+        if field.startswith(prefix):
+            return f"{group}/{field[len(prefix):]}"
+    if field in PERF_FIELDS:
+        return f"perf/{field}"
+    if field.endswith("_bytes"):
+        return f"comm/{field}"
+    return f"train/{field}"
 
 
 class MetricsSink(Protocol):
@@ -34,7 +56,7 @@ class TensorBoardSink:
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
-            self._writer.add_scalar(key, value, step)
+            self._writer.add_scalar(tag_of(key), value, step)
 
     def close(self) -> None:
         self._writer.close()
@@ -51,7 +73,7 @@ class WandbSink:
         self._run = wandb.init(project=project, name=name, dir=save_dir, config=run_config, reinit=True)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        self._run.log(dict(values), step=step)
+        self._run.log({tag_of(key): value for key, value in values.items()}, step=step)
 
     def close(self) -> None:
         self._run.finish()

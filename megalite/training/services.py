@@ -64,7 +64,8 @@ def open_services(cfg: RunConfig, model_cfg: GPTConfig, mesh: Mesh, resources: c
     on_exit(resources, lambda clean: writer.close())
     if mesh.rank == 0 and lg.metrics_file:  # the resolved configuration beside the metrics
         Path(lg.metrics_file).with_suffix(".config.toml").write_text(to_toml(cfg, cfg.derived()))
-    profiler = StepProfiler(lg.profile_steps, lg.profile_dir, mesh.rank, mesh.device, log=log)
+    profiler = StepProfiler(lg.profile_steps, lg.profile_dir, mesh.rank, mesh.device, log=log,
+                            memory_snapshot=(lg.memory_snapshot, lg.memory_snapshot_step))
     on_exit(resources, lambda clean: profiler.close())  # stopped inside the profiled window: nothing written
     guard = NonFiniteGuard(mesh, ft.on_nonfinite, loss_scaling=precision == Precision.FP16, log=log,
                            max_skipped=ft.max_skipped_steps)

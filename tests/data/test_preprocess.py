@@ -48,7 +48,8 @@ def test_cli_round_trip_recovers_text(tmp_path, capsys):
     tool.main(["--input", str(corpus), str(tmp_path / "docs.jsonl"), "--output-prefix",
                str(tmp_path / "out" / "w"), "--workers", "3", "--no-progress"])
     for suffix in (".bin", ".idx"):
-        assert (tmp_path / "out" / ("w" + suffix)).read_bytes() == (tmp_path / "out" / ("c" + suffix)).read_bytes()
+        assert ((tmp_path / "out" / ("w_text_document" + suffix)).read_bytes()
+                == (tmp_path / "out" / ("c_text_document" + suffix)).read_bytes())
 
 
 def test_json_keys_and_errors(tmp_path):

@@ -69,8 +69,8 @@ def test_parquet_reads_like_jsonl(tmp_path):
     assert preprocess_data.main(["--input", str(tmp_path / "docs.parquet"), "--output-prefix",
                                  str(tmp_path / "pq"), "--no-progress"]) == 0
     preprocess_files([_jsonl(tmp_path / "docs.jsonl")], str(tmp_path / "js"), "byte")
-    assert (tmp_path / "pq.bin").read_bytes() == (tmp_path / "js.bin").read_bytes()
-    assert (tmp_path / "pq.idx").read_bytes() == (tmp_path / "js.idx").read_bytes()
+    assert (tmp_path / "pq_text_document.bin").read_bytes() == (tmp_path / "js.bin").read_bytes()
+    assert (tmp_path / "pq_text_document.idx").read_bytes() == (tmp_path / "js.idx").read_bytes()
     assert preprocess_data.main(["--input", str(tmp_path / "docs.parquet"), "--json-keys", "body",
                                  "--output-prefix", str(tmp_path / "x"), "--no-progress"]) == 2
 

@@ -6,7 +6,7 @@ import pytest
 
 from megalite.config.model import preset
 from megalite.training import metrics as M
-from megalite.training.metrics_sinks import TensorBoardSink, WandbSink
+from megalite.training.metrics_sinks import TensorBoardSink, WandbSink, tag_of
 
 
 def _write_run(writer: M.MetricsWriter) -> None:
@@ -36,11 +36,12 @@ def test_tensorboard_holds_the_files_fields(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     board = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    expected = _file_fields(tmp_path / "m.jsonl")
+    expected = {tag_of(field): values for field, values in _file_fields(tmp_path / "m.jsonl").items()}
     assert set(board) == set(expected)
     for tag, values in expected.items():
         assert board[tag] == pytest.approx(values, rel=1e-6), tag
-    assert board["loss"] == [4.0, 2.0] and board["eval_loss"] == [1.75]
+    assert board["train/loss"] == [4.0, 2.0] and board["eval/loss"] == [1.75]
+    assert {"perf/tokens_per_sec", "perf/mfu", "train/lr", "train/grad_norm"} <= set(board)
 
 
 def test_wandb_offline_holds_the_files_fields(tmp_path, monkeypatch):
@@ -53,7 +54,7 @@ def test_wandb_offline_holds_the_files_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(sink._run, "log", lambda values, step: (logged.append((dict(values), step)),
                                                                  real_log(values, step=step)))
     _write_run(M.MetricsWriter(str(tmp_path / "m.jsonl"), [sink]))
-    expected = _file_fields(tmp_path / "m.jsonl")
+    expected = {tag_of(field): values for field, values in _file_fields(tmp_path / "m.jsonl").items()}
     seen: dict[str, list[float]] = {}
     for values, _ in logged:
         for key, value in values.items():
@@ -62,3 +63,13 @@ def test_wandb_offline_holds_the_files_fields(tmp_path, monkeypatch):
     for key, values in expected.items():  # pytest >= 9.2's approx takes no dict of lists
         assert seen[key] == pytest.approx(values), key
     assert list((tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")), "no offline run written"
+
+
+def test_dashboard_tags_are_grouped():
+    """torchtitan's habit: train/, perf/, memory/, comm/, moe/, eval/ (issue 49 item 13); the file stays flat."""
+    assert [tag_of(f) for f in ("loss", "lr", "grad_norm", "loss_scale", "mfu", "tokens_per_sec", "step_time_s",
+                                "mem_peak_bytes", "mem_rss_bytes", "grad_reduce_bytes", "moe_aux_loss",
+                                "eval_perplexity", "resize/new_dp")] == [
+        "train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "perf/mfu", "perf/tokens_per_sec",
+        "perf/step_time_s", "memory/peak_bytes", "memory/rss_bytes", "comm/grad_reduce_bytes", "moe/aux_loss",
+        "eval/perplexity", "resize/new_dp"]
