@@ -9,6 +9,7 @@ import json
 import math
 import pathlib
 
+import pytest
 import torch._dynamo  # noqa: F401 - what torch.optim imports on first use, loaded once here
 
 from megalite.testing import run_distributed
@@ -31,6 +32,7 @@ def _example_main(argv):
     return _EXAMPLE.main(argv)
 
 
+@pytest.mark.slow  # 4.5 s: the example at four layouts
 def test_custom_transformer_same_losses_at_every_layout(tmp_path):
     """tp x pp x dp with sequence parallelism and ZeRO-1, tp x cp (ring attention), dp with ZeRO-3 over
     explicit units and dp with ZeRO-2: all print the single process's losses."""

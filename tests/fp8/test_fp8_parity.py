@@ -91,6 +91,7 @@ def tensorwise():
     return _reference("tensorwise")
 
 
+@pytest.mark.slow  # the module's tensorwise reference: 8 s
 def test_fp8_differs_from_fp32_but_trains(tensorwise):
     fp32_losses, _, _ = _run(single_process_mesh("cpu"), _cfg())
     assert tensorwise[0] != fp32_losses  # the GEMMs did run in FP8
@@ -208,7 +209,7 @@ def test_tp2_sequence_parallel_model_gradients_match_on_one_microbatch():
     run_distributed(_grads_of_one_microbatch, 2, (loss.item(), grads))
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", [pytest.param("tensorwise", marks=pytest.mark.slow), "rowwise"])  # 12 s
 def test_tp2_sequence_parallel_whole_steps_match_the_fp8_single_process(recipe):
     """Power-of-two scales (the default): the row-parallel GEMMs' other summation order moves amaxes
     by an ulp, which leaves the scales, and so the casts, unchanged. A single element within an ulp
@@ -218,6 +219,7 @@ def test_tp2_sequence_parallel_whole_steps_match_the_fp8_single_process(recipe):
     run_distributed(_parallel, 2, 2, 1, 1, {"fp8_recipe": recipe, "sequence_parallel": True}, *ref, timeout_s=300)
 
 
+@pytest.mark.slow  # 12 s; tests/fp8/test_fp8_context_parallel.py checks every cast at cp 2 in the quick tier
 def test_cp2_whole_steps_match_the_fp8_single_process():
     """Context parallelism, tensorwise: x's and g's amaxes span cp (tests/fp8/test_fp8_context_parallel.py
     checks every cast of both recipes). Rowwise is not compared over whole steps here: on this data

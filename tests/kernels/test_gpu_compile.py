@@ -55,6 +55,7 @@ def test_representative_kernels_compile_for_sm90(tmp_path):
 NORM_LABELS = ["rms_norm fwd h=4096", "rms_norm bwd h=4096", "layer_norm fwd h=4096", "layer_norm bwd h=4096"]
 
 
+@pytest.mark.slow  # 5 s of compiling
 @pytest.mark.skipif(not HAVE_TRITON or not _has_cuda_backend(), reason="needs triton with its NVIDIA backend")
 def test_norm_statistics_compile_to_correctly_rounded_sqrt_and_division(tmp_path):
     """Compiled `/` and tl.sqrt on fp32 are approximate on NVIDIA GPUs (div.full.f32: 2 ulp;

@@ -90,7 +90,7 @@ def _pipelined(layouts, references):
 
 @pytest.mark.parametrize("world, layouts", [
     (4, [(1, 4, 1, False), (1, 2, 2, False), (2, 2, 1, True)]),
-    (8, [(2, 2, 2, True), (1, 8, 1, False)]),
+    pytest.param(8, [(2, 2, 2, True), (1, 8, 1, False)], marks=pytest.mark.slow),  # 5 s; world 4 stays quick
 ])
 def test_gpt_pipeline_matches_single_process(world, layouts):
     references = {flavour: _reference(flavour) for flavour in ("gpt2", "llama")}

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_loss_head.py"
 
 
+@pytest.mark.slow  # 6 s: the benchmark's whole run
 def test_fused_and_unfused_heads_report_the_same_loss():
     result = subprocess.run([sys.executable, str(TOOL), "--tokens", "64", "--hidden", "16", "--vocab", "300",
                              "--steps", "1", "--chunk-tokens", "10"], capture_output=True, text=True, timeout=300)

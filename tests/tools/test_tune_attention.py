@@ -29,6 +29,7 @@ def tune(monkeypatch):
     return module
 
 
+@pytest.mark.slow  # 3.4 s of interpreted sweeps
 def test_sweep_rejects_a_wrong_tile_and_keeps_the_fastest_correct_one(tune):
     # (16, 32): BLOCK_M not a multiple of BLOCK_N, so the forward's unmasked stage runs past the
     # diagonal and lets queries see future keys: the sweep must call it wrong, not fast.
@@ -42,6 +43,7 @@ def test_sweep_rejects_a_wrong_tile_and_keeps_the_fastest_correct_one(tune):
     assert tiles["dkdv"] in [(16, 16, 1, 1), (16, 32, 1, 1)] and tiles["dq"] in [(16, 16, 1, 1), (32, 16, 1, 1)]
 
 
+@pytest.mark.slow  # 2.7 s of interpreted sweeps
 def test_dispatch_sweep_and_json_tables_round_trip(tune, tmp_path, monkeypatch):
     monkeypatch.setattr(attention_tiles, "MEASURED", dict(attention_tiles.MEASURED))
     monkeypatch.setattr(attention_dispatch, "MEASURED_MS", dict(attention_dispatch.MEASURED_MS))

@@ -101,7 +101,8 @@ LAYOUTS = [
 LLAMA_LAYOUTS = [LAYOUTS[2], LAYOUTS[4], LAYOUTS[6]]
 
 
-@pytest.mark.parametrize("name,layouts", [("tiny", LAYOUTS), ("tiny-llama", LLAMA_LAYOUTS)])
+@pytest.mark.parametrize("name,layouts", [pytest.param("tiny", LAYOUTS, marks=pytest.mark.slow),  # 5 s
+                                          ("tiny-llama", LLAMA_LAYOUTS)])
 def test_training_steps_match_single_process(name, layouts):
     ref_losses, ref_params, ref_eval = _reference(name)
     assert ref_losses[-1] < ref_losses[0]

@@ -13,6 +13,7 @@
   each replica's share arrives sliced like the weights, and tp-sharded matrices restart their Q.
 - fp16: an overflowing step (skipped by the loss scaler) leaves the residuals and Q untouched.
 """
+import pytest
 import torch
 
 from megalite.distributed import comm
@@ -197,6 +198,7 @@ def _reference():
     return _losses(_train(*_build(m, cfg), m, cfg, range(1, 4)))
 
 
+@pytest.mark.slow  # 3.2 s; tests/data_parallel's PowerSGD tests stay quick
 def test_compressed_training_full_rank_layouts_and_resume(tmp_path):
     reference = _reference()
     dp2 = run_distributed(_dp2_world, 2, str(tmp_path / "ckpt"), timeout_s=180)
