@@ -113,8 +113,9 @@ def _saved_model_settings(metadata: dict, given: frozenset[str]) -> dict[str, An
 
 def adopt_checkpoint_model(cfg: RunConfig, given: frozenset[str]) -> tuple[RunConfig, list[str]]:
     """`cfg` whose model is the one --load's checkpoint holds, and the note for rank 0's log; `cfg`
-    unchanged when --load names no checkpoint (yet) or one without a model config. ConfigError (one
-    line) naming each given shape flag that contradicts the checkpoint."""
+    unchanged when --load names no checkpoint (yet) or one without a model config, or when a resume's
+    shape flags contradict it (the resume's settings check reports that, the model first, with every other
+    difference). Under --finetune, ConfigError (one line) naming each shape flag that contradicts it."""
     ck = cfg.checkpoint
     if not ck.load:
         return cfg, []
@@ -130,6 +131,8 @@ def adopt_checkpoint_model(cfg: RunConfig, given: frozenset[str]) -> tuple[RunCo
     except (TypeError, ValueError):  # a user's own model's config (training/provided.py): the load names it
         return cfg, []
     problems = _contradictions(_flags_model(cfg, saved, given), saved, given)
+    if problems and not ck.finetune:  # a resume: the settings check names the other model first, with every
+        return cfg, []                # other refused difference at once (checkpoint/resume_settings.py)
     if problems:
         raise ConfigError(f"--load {ck.load} (step {step}) holds the model its checkpoint was saved from, and "
                           f"{'; '.join(problems)} contradicts it: drop the shape flags (the model comes from the "
