@@ -21,7 +21,8 @@ EXTRAS = {
     "sentencepiece": ["sentencepiece"],  # --tokenizer-type SentencePieceTokenizer (a .model file)
     "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
 }
-EXTRAS["dev"] = sorted({"pytest", *[p for extra in EXTRAS.values() for p in extra]})
+# dev: what the tests use (Liger-Kernel only benchmarks on a GPU: not installed for them)
+EXTRAS["dev"] = sorted({"pytest", *[p for name, extra in EXTRAS.items() if name != "liger" for p in extra]})
 
 setup(
     name="megalite",

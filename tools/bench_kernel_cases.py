@@ -28,6 +28,9 @@ from bench_moe_kernel_cases import moe_cases  # noqa: E402
 # ------------------------------------------------------------------------------------------------
 
 def _liger(name: str):
+    """Liger-Kernel's op `name`, where it can run: its Triton kernels are written for CUDA devices."""
+    if not torch.cuda.is_available():
+        return None
     try:
         from liger_kernel.transformers import functional as liger_functional  # type: ignore
 
