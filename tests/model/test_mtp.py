@@ -117,7 +117,9 @@ def _world(reference, layouts, steps):
     for tp, dp, settings in layouts:
         cfg = _cfg(tp, dp, **settings)
         assert launch_problems(cfg.resolved(2), 2) == []
-        out.append(_train(init_mesh(tp=tp, dp=dp, replace=True), cfg, reference, steps)[0])
+        moe = cfg.gpt_config().moe  # the mesh's expert groups are built for the model's experts
+        mesh = init_mesh(tp=tp, dp=dp, num_experts=moe.num_experts if moe is not None else 0, replace=True)
+        out.append(_train(mesh, cfg, reference, steps)[0])
     return out
 
 

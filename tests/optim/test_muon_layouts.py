@@ -27,12 +27,19 @@ LAYOUTS = {  # name: (mesh sizes, settings)
 POWERSGD = (dict(), dict(dp=4, zero=1, grad_compression="powersgd", powersgd_rank=10_000, powersgd_min_compression=0.0))
 
 
+def _experts(cfg) -> int:
+    """The model's experts, which the mesh's expert groups are built for (0: a dense model)."""
+    moe = cfg.gpt_config().moe
+    return moe.num_experts if moe is not None else 0
+
+
 def _world(names):
     out = {}
     for name in names:
         sizes, settings = LAYOUTS[name] if name in LAYOUTS else POWERSGD
-        m = mesh_lib.init_mesh(**sizes, replace=True)
-        losses, params, _ = train_cfg(m, run_cfg(**settings), STEPS)
+        cfg = run_cfg(**settings)
+        m = mesh_lib.init_mesh(**sizes, num_experts=_experts(cfg), replace=True)
+        losses, params, _ = train_cfg(m, cfg, STEPS)
         out[name] = (losses, {n: (spec, t.numpy()) for n, (spec, t) in params.items()})
     return out
 
@@ -66,14 +73,14 @@ def _resume_world(ckpt_dir):
     from muon_helpers import cfg_batches
     from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
     quiet = dict(log=lambda *_: None)
-    m = mesh_lib.init_mesh(dp=4, ep=2, replace=True)
     cfg = run_cfg(dp=4, ep=2, zero=2)
+    m = mesh_lib.init_mesh(dp=4, ep=2, num_experts=_experts(cfg), replace=True)
     _, _, optimizer = train_cfg(m, cfg, 2)
     chunks = optimizer.model.chunks
     Checkpointer(ckpt_dir, m, **quiet).save(2, list(chunks), optimizer, consumed_samples=16,
                                             model_config=chunks[0].config)
-    m = mesh_lib.init_mesh(tp=2, replace=True)
     cfg = run_cfg(tp=2, dp=2, zero=3, sequence_parallel=True)
+    m = mesh_lib.init_mesh(tp=2, num_experts=_experts(cfg), replace=True)
     chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     load_checkpoint(ckpt_dir, chunks, optimizer, m, **quiet)
