@@ -54,7 +54,7 @@ def _parallel(tp, dp, extra, ref_losses, ref_params):
     pp = extra.pop("pp", 1)
     cfg = _cfg(tp, dp, pp=pp, **extra)
     moe = cfg.gpt_config().moe  # the mesh's expert groups are built for the model's experts
-    m = mesh.init_mesh(tp=tp, dp=dp, pp=pp, num_experts=moe.num_experts if moe is not None else 0)
+    m = mesh.init_mesh(tp=tp, dp=dp, pp=pp, ep=cfg.parallel.ep, num_experts=moe.num_experts if moe is not None else 0)
     losses, chunks = _run(m, cfg)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)  # step 2's loss follows step 1's update
     if extra.get("zero") == 3:  # parameters live as shards between steps: the losses say it
