@@ -1,7 +1,7 @@
 """RunConfig: every setting of a training run, declared once.
 
 A setting is a field of one part (model, parallel, moe, training, optimizer, precision, data,
-checkpoint, logging, fault_tolerance; the parts live in config/parts.py) declared with
+checkpoint, logging, fault_tolerance; the parts live in config/model_parts.py and config/run_parts.py) declared with
 `setting(default, help, ...)`: its name
 (the flag is `--` + the name with dashes, Megatron-LM's spelling), its type (the annotation),
 its default, its choices (an enum declared once in config/choices.py), its help and, for a
@@ -42,9 +42,11 @@ from megalite.config.choices import (  # noqa: F401  (re-exported: the choices b
     MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, SFTOverlong)
 
 
-from megalite.config.parts import (  # noqa: F401  (re-exported: RunConfig's parts and how a setting is declared)
-    setting, ModelSettings, ParallelSettings, MoESettings, TrainingSettings, OptimizerSettings, PrecisionSettings,
-    DataSettings, CheckpointSettings, LoggingSettings, FaultToleranceSettings, PARTS)
+from megalite.config.setting import setting  # noqa: F401  (re-exported: how a setting is declared)
+from megalite.config.model_parts import ModelSettings, ParallelSettings, MoESettings  # noqa: F401  (RunConfig's parts)
+from megalite.config.run_parts import (  # noqa: F401  (re-exported: RunConfig's other parts, and all of them in order)
+    TrainingSettings, OptimizerSettings, PrecisionSettings, DataSettings, CheckpointSettings, LoggingSettings,
+    FaultToleranceSettings, PARTS)
 
 
 # MoEConfig fields a run may change over a checkpoint's experts (the rest are the model's shape)

@@ -20,7 +20,7 @@ Three tables, read where the parser and the settings are generated (megalite.con
   command line is never half-understood.
 
 Settings Megatron's command lines carry that megalite declares under Megatron's own name
-(config/parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
+(config/model_parts.py, config/run_parts.py): --init-method-std, --max-position-embeddings, --lr-warmup-fraction,
 --lr-decay-iters, --untie-embeddings-and-output-weights, --disable-bias-linear,
 --position-embedding-type, --normalization, --swiglu, --group-query-attention, --norm-epsilon,
 --rotary-base, --make-vocab-size-divisible-by, --add-qkv-bias, --qk-layernorm, --kv-channels,
