@@ -12,7 +12,12 @@ each divided by v for a virtual chunk; a full backward BWD costs B + W):
   ping-pong of the activation between two stages) added to every batch: what the formula
   leaves out on this machine.
 - "formula": (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved 1F1B,
-  (p-1)/(3m+p-1) for ZB-H1 at F = B = W (its bubble is (p-1)(F+B-W); Qi et al. 2023).
+  (p-1)/(3m+p-1) for ZB-H1 at F = B = W (its bubble is (p-1)(F+B-W); Qi et al. 2023), and
+  for DualPipeV the published (p-1)(F&B + B - 3W) per rank (DeepSeek-V3 report, Table 2; the
+  DualPipe repository's README; F, B, W per chunk, B a full backward) with F&B = F + B, which
+  at F = B = W is (p-1)/(3m+p-1). That is the clock of DualPipe's F&B pairs run as one unit
+  (the "F&B unit" line replays it: equal); megalite runs each pair's F then B, so an F whose
+  input is ready does not wait for its B's gradient: the sim's (p-1)/(6m+p-1) is half of it.
 
 Part 2, the same GPT stages and data through megalite's executor and through
 torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) on CPU/gloo, the two
@@ -51,21 +56,30 @@ from megalite.parameters import params  # noqa: E402
 from megalite.pipeline import PipelineSpec, build_schedule, post_and_wait, run_pipeline, stage_layers  # noqa: E402
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, SEND_KINDS,  # noqa: E402
                                             split_steps)
-from megalite.pipeline.p2p import peer  # noqa: E402
+from megalite.pipeline.overlap import dualpipev_makespan  # noqa: E402
+from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, peer  # noqa: E402
+from megalite.pipeline.schedules import chunk_placement  # noqa: E402
 from megalite.parameters.weight_grad import deliver  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 from megalite.errors import reports_usage_errors  # noqa: E402
 from megalite.cli import OneLineParser  # noqa: E402
 
-BUBBLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", None), ("zb-h1", 1)]  # None: --virtual-stages
+BUBBLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", None), ("zb-h1", 1),  # None: --virtual-stages
+                ("dualpipev", 2)]
 
 
 def formula(name: str, p: int, m: int, v: int) -> float:
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
-    if name == "zb-h1":
+    if name in ("zb-h1", "dualpipev"):  # DualPipeV: (p-1)(F&B + B - 3W) per rank, F&B = F + B, F = B = W
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (m + p - 1)
+
+
+def dualpipev_unit_bubble(p: int, m: int) -> float:
+    """DualPipeV's bubble with its F&B pairs run as one unit of F + B (pipeline/overlap.py), F = B = W."""
+    cost = {FWD: 0.5, BWD: 1.0, BWD_INPUT: 0.5, BWD_WEIGHT: 0.5}  # per chunk: half a stage's unit
+    return 1 - 3 * m / dualpipev_makespan(p, m, cost, pair_cost=cost[FWD] + cost[BWD])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +94,7 @@ def simulate_bubble(name: str, p: int, m: int, v: int, latency: float = 0.0) -> 
     """
     cost = {FWD: 1 / v, BWD: 2 / v, BWD_INPUT: 1 / v, BWD_WEIGHT: 1 / v}
     steps = [split_steps(ops) for ops in build_schedule(name, p, m, v)]
+    placement = chunk_placement(name)
     position, clock = [0] * p, [0.0] * p
     posted: list[list | None] = [None] * p
     sent, received = {}, {}  # (sender, receiver) -> post times in order
@@ -95,7 +110,7 @@ def simulate_bubble(name: str, p: int, m: int, v: int, latency: float = 0.0) -> 
                     if posted[s] is None:
                         posted[s] = []
                         for op in step:
-                            other = peer(op.kind, p, v, s, op.chunk)[0]
+                            other = peer(op.kind, p, v, s, op.chunk, placement)[0]
                             is_send = op.kind in SEND_KINDS
                             pair = (s, other) if is_send else (other, s)
                             queue = (sent if is_send else received).setdefault(pair, [])
@@ -183,8 +198,8 @@ def _bubble_world(args, cases):
             post_and_wait([op], mesh.pp_group)
     out = {"latency": (time.perf_counter() - start) / (2 * rounds)}
     for name, v in cases:
-        chunks = [SleepChunk(args.op_ms / 1e3 / v, mesh.is_first_stage and c == 0,
-                             mesh.is_last_stage and c == v - 1, shape) for c in range(v)]
+        chunks = [SleepChunk(args.op_ms / 1e3 / v, is_first_chunk(args.pp, mesh.pp_rank, c),
+                             is_last_chunk(args.pp, v, mesh.pp_rank, c, chunk_placement(name)), shape) for c in range(v)]
         best = None
         for _ in range(args.repeats + 1):  # the first run is a warm-up
             comm.barrier(comm.world_group())
@@ -370,7 +385,7 @@ def main() -> None:
     print("# " + " ".join(["python", *sys.argv]))
 
     if not args.skip_bubble:
-        cases = [(name, v if cv is None else cv) for name, cv in BUBBLE_CASES]
+        cases = [(name, v if cv is None else cv) for name, cv in BUBBLE_CASES if name != "dualpipev" or m >= 2 * p]
         measured = run_distributed(_bubble_world, p, args, cases, timeout_s=600)[0]
         latency_ms = 1e3 * measured["latency"]
         print(f"\nbubble fraction, pp={p} m={m} v={v}, equal stage cost (F=B=W={args.op_ms} ms / v); "
@@ -383,6 +398,10 @@ def main() -> None:
             label = f"{name} v={cv}" if cv > 1 else name
             print(f"{label:<16}{f:>8.3f}{sim:>8.3f}{sim_latency:>9.3f}{meas:>10.3f}{100 * (meas - f):>+12.1f}pt"
                   f"{100 * (meas - sim_latency):>+12.1f}pt")
+        if m >= 2 * p:
+            print(f"dualpipev F&B unit: its pairs replayed as one unit of F + B: {dualpipev_unit_bubble(p, m):.3f} "
+                  f"(the published formula's clock); megalite runs F then B: (p-1)/(6m+p-1) = "
+                  f"{(p - 1) / (6 * m + p - 1):.3f}")
 
     if not args.skip_compare:
         results = run_distributed(_compare_world, p, args, v, timeout_s=600)[0]

@@ -40,7 +40,7 @@ from megalite.plan import GB, estimate, estimate_model_states, predict_step_time
 from megalite.errors import ConfigError, UsageError, one_line, reports_usage_errors
 from megalite.plan.hardware import BUILTIN, DEFAULT, load_profile
 from megalite.pipeline.instructions import format_schedule
-from megalite.pipeline.schedules import verified_schedule
+from megalite.pipeline.schedules import chunk_placement, verified_schedule
 from megalite.pipeline.timeline import schedule_timeline, text_timeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
@@ -175,7 +175,8 @@ def print_schedule(cfg: RunConfig) -> None:
     ops = [list(s) for s in verified_schedule(str(cfg.schedule), p.pp, cfg.num_microbatches, p.virtual_stages)]
     print(f"schedule {cfg.schedule}: pp {p.pp}, {cfg.num_microbatches} microbatches, v {p.virtual_stages}")
     print(format_schedule(ops, compute_only=False))
-    print(text_timeline(schedule_timeline(ops, p.pp, p.virtual_stages), p.pp))
+    blocks = schedule_timeline(ops, p.pp, p.virtual_stages, placement=chunk_placement(cfg.schedule))
+    print(text_timeline(blocks, p.pp))
 
 
 def _model_problems(cfg: RunConfig) -> list[str]:

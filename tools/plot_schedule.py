@@ -23,7 +23,7 @@ from megalite.errors import UsageError, report_usage_error, reports_usage_errors
 from megalite.extras import pyplot
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, format_schedule)
-from megalite.pipeline.schedules import SCHEDULES, check_schedule_args, verified_schedule
+from megalite.pipeline.schedules import SCHEDULES, check_schedule_args, chunk_placement, verified_schedule
 from megalite.pipeline.timeline import Block, bubble_of, schedule_timeline, text_timeline
 
 COLOURS = {FWD: "#4C72B0", BWD: "#DD8452", BWD_INPUT: "#C44E52", BWD_WEIGHT: "#55A868"}
@@ -38,7 +38,7 @@ def timeline_for(schedule: str, pp: int, microbatches: int, v: int, backward_cos
     check_schedule_args(schedule, pp, microbatches, v)
     ops = [list(stage) for stage in verified_schedule(schedule, pp, microbatches, v)]
     cost = {FWD: 1.0, BWD: backward_cost, BWD_INPUT: backward_cost / 2, BWD_WEIGHT: backward_cost / 2}
-    return schedule_timeline(ops, pp, v, [cost] * pp)
+    return schedule_timeline(ops, pp, v, [cost] * pp, placement=chunk_placement(schedule))
 
 
 def draw(blocks: list[Block], pp: int, v: int, title: str, out: str) -> list[str]:

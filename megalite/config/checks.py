@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe, OptimizerKind
+from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe, OptimizerKind, Schedule
 from megalite.layout import LayoutError
 from megalite.config.mla import layout_problems as mla_layout_problems
 from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
@@ -55,7 +55,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg) + document_problems(cfg)
-    problems += _latent_attention_problems(cfg)
+    problems += _latent_attention_problems(cfg) + _dualpipev_problems(cfg)
     if t.compile and (p.tp > 1 or p.cp > 1 or p.ep > 1):  # a 2-rank tp run under compile did not finish in 900 s
         problems.append(f"--compile runs at --tp 1 --cp 1 --ep 1 (the layouts whose blocks hold no collective: "
                         f"pp and dp); a compiled block with tp/cp/ep collectives inside is not proven equal yet: "
@@ -273,4 +273,25 @@ def _latent_attention_problems(cfg: RunConfig) -> list[str]:
                       (cfg.training.cuda_graph, "--cuda-graph")):
         if model.mtp_num_layers and bad:
             problems.append(f"--mtp-num-layers runs without {what} (not built yet); drop one of them")
+    return problems
+
+
+def _dualpipev_problems(cfg: RunConfig) -> list[str]:
+    """--pipeline-schedule dualpipev: its V puts the first and the last model chunk on pp rank 0 as two
+    chunks (pipeline/partition.py); what that does not run yet (docs/pipeline.md). Its microbatch and
+    virtual-stage rules are the schedule's own (pipeline.schedules.check_schedule_args)."""
+    if cfg.schedule != Schedule.DUALPIPEV or cfg.parallel.pp == 1:
+        return []
+    try:
+        model = cfg.gpt_config()
+    except ValueError:
+        return []  # RunConfig.validate reports the model's own problem
+    problems = []
+    if model.tie_embeddings:
+        problems.append("--pipeline-schedule dualpipev holds the embedding and the output layer on pp rank 0 as two "
+                        "chunks, which do not share a tied weight yet: add --untie-embeddings-and-output-weights or "
+                        "choose another --pipeline-schedule")
+    if cfg.training.cuda_graph:
+        problems.append("--cuda-graph does not capture dualpipev's in-memory hop between a rank's two chunks yet: "
+                        "drop --cuda-graph or choose another --pipeline-schedule")
     return problems

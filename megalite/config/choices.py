@@ -62,6 +62,7 @@ class Schedule(enum.StrEnum):
     INTERLEAVED = "interleaved"
     GPIPE = "gpipe"
     ZB_H1 = "zb-h1"
+    DUALPIPEV = "dualpipev"  # DeepSeek's V-shaped zero-bubble schedule: two model chunks per rank (v = 2)
 
 
 class LRDecay(enum.StrEnum):

@@ -6,6 +6,10 @@ Per (chunk, microbatch) the executor keeps, only as long as an instruction still
                       at once; its backward root stays with the chunk calls)
   output_grads[c, m]  the received gradient w.r.t. the chunk's output
   input_grads[c, m]   inputs[c, m].grad, kept until it is sent
+Under DualPipeV's V placement rank pp-1 holds two consecutive model chunks (pp-1 and pp): the
+first's output goes to the second as its input in memory (detached, a leaf like a received
+activation), and the second's input gradient goes back as the first's output gradient, with no
+transfer (p2p.is_local_hop).
 Everything is popped by its last consumer, so a microbatch's activations are freed by its
 backward (BWD), or by its weight pass (BWD_WEIGHT) under zero-bubble schedules, whose
 deferred weight-gradient work holds the layer inputs until then. A sent output [s, b, h] is
@@ -31,7 +35,7 @@ from megalite.distributed.mesh import Mesh
 from megalite.pipeline import p2p
 from megalite.pipeline.chunk_calls import ChunkCalls, ModuleCalls
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
-from megalite.pipeline.schedules import ScheduleName, schedule_name, verified_schedule
+from megalite.pipeline.schedules import ScheduleName, chunk_placement, schedule_name, verified_schedule
 from megalite.distributed.host_reads import no_host_reads
 
 
@@ -105,7 +109,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
                  graphs: ChunkCalls | None = None) -> float:
     """Run forward and backward of every microbatch on this rank under `spec.schedule`.
 
-    model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank. A chunk
+    model_chunks: this rank's v chunks, local chunk c = model chunk c*pp + pp_rank (under DualPipeV
+      model chunks pp_rank and 2pp-1-pp_rank: partition.stage_layers with its placement). A chunk
       is called as chunk(x) and, on the last model chunk, chunk(x, labels=..., reduction="sum")
       returning the loss SUM over the microbatch's target tokens.
     microbatches: the same list on every rank, each {"input_ids": [b, s], "labels": [b, s]};
@@ -133,7 +138,8 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
       autograd across the chunk boundary. The step logic is the same; grad_sync's
       before_last_backward is then not called (a replay runs no bucket hooks; every bucket is
       reduced after the step).
-    Returns the sum of the unscaled loss sums on the last stage, 0.0 elsewhere.
+    Returns the sum of the unscaled loss sums on the stage holding the last model chunk (the last
+    stage; stage 0 under DualPipeV), 0.0 elsewhere.
     """
     if len(model_chunks) != spec.virtual_stages:
         raise ValueError(f"got {len(model_chunks)} model chunks but virtual_stages={spec.virtual_stages}; build "
@@ -162,6 +168,7 @@ class _Executor:
         self.calls: ChunkCalls = graphs if graphs is not None else ModuleCalls(chunks)
         self.forward_only, self._loss_scale = forward_only, loss_scale
         self.pp, self.stage, self.v = mesh.pp_size, mesh.pp_rank, spec.virtual_stages
+        self.placement = chunk_placement(spec.schedule)
         self.ops = verified_schedule(spec.schedule, self.pp, spec.num_microbatches, self.v, forward_only)[self.stage]
         self.shape = torch.Size(spec.activation_shape)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -211,7 +218,7 @@ class _Executor:
         transfers, received = [], []
         for op in batch:
             key = (op.chunk, op.microbatch)
-            peer_rank = self.mesh.pp_ranks[p2p.peer(op.kind, self.pp, self.v, self.stage, op.chunk)[0]]
+            peer_rank = self.mesh.pp_ranks[p2p.peer(op.kind, self.pp, self.v, self.stage, op.chunk, self.placement)[0]]
             if op.kind == SEND_ACT:
                 transfers.append(("send", self._checked_output(op.chunk, key).detach().contiguous(), peer_rank))
             elif op.kind == SEND_GRAD:
@@ -252,10 +259,18 @@ class _Executor:
         key = (c, mb)
         if p2p.is_first_chunk(self.pp, self.stage, c):
             self.inputs[key] = self.microbatches[mb]["input_ids"].to(self.mesh.device)
+        elif self._local_hop(RECV_ACT, c):  # the V's turn: the previous local chunk's output, in memory
+            before = (p2p.peer(RECV_ACT, self.pp, self.v, self.stage, c, self.placement)[1], mb)
+            self.inputs[key] = self._checked_output(before[0], before).detach()
+            del self.outputs[before]
+            if self.forward_only:
+                self.live.discard(before)
+            else:
+                self.inputs[key].requires_grad_(True)
         # packed documents: every chunk builds its blocks' mask from the microbatch's position ids
         documents = {"position_ids": self.microbatches[mb]["position_ids"].to(self.mesh.device)} \
             if "position_ids" in self.microbatches[mb] else {}
-        if p2p.is_last_chunk(self.pp, self.v, self.stage, c):
+        if p2p.is_last_chunk(self.pp, self.v, self.stage, c, self.placement):
             labels = self.microbatches[mb]["labels"].to(self.mesh.device)
             loss = self.calls.forward(c, mb, self.inputs[key], labels, **documents)
             self._loss_sum = self._loss_sum + loss.detach().double()
@@ -273,19 +288,27 @@ class _Executor:
         """BWD(c, mb), or ZB-H1's B pass (deferred: the linear layers' weight gradients wait for W):
         from the received output gradient (the loss scale on the last chunk) to the input's, kept to send."""
         key = (c, mb)
-        last = p2p.is_last_chunk(self.pp, self.v, self.stage, c)
+        last = p2p.is_last_chunk(self.pp, self.v, self.stage, c, self.placement)
         input_grad = self.calls.backward(c, mb, self._scale() if last else self.output_grads.pop(key), deferred)
         self.inputs.pop(key)
         if not p2p.is_first_chunk(self.pp, self.stage, c):
             if input_grad is None:
                 raise RuntimeError(f"chunk {c} microbatch {mb}: the input activation got no gradient; the chunk's "
                                    f"output must depend on its input")
-            self.input_grads[key] = input_grad
+            if self._local_hop(SEND_GRAD, c):  # the V's turn: the previous local chunk's output gradient
+                before = p2p.peer(SEND_GRAD, self.pp, self.v, self.stage, c, self.placement)[1]
+                self.output_grads[(before, mb)] = input_grad
+            else:
+                self.input_grads[key] = input_grad
         if not deferred:  # ZB-H1's B: the microbatch stays live until its W
             self.live.discard(key)
 
+    def _local_hop(self, kind: str, chunk: int) -> bool:
+        return p2p.is_local_hop(kind, self.pp, self.v, self.stage, chunk, self.placement)
+
     def loss_sum(self) -> float:
-        return float(self._loss_sum) if p2p.is_last_chunk(self.pp, self.v, self.stage, self.v - 1) else 0.0
+        last = p2p.last_chunk_location(self.pp, self.v, self.placement)
+        return float(self._loss_sum) if self.stage == last[0] else 0.0
 
     def stats(self) -> dict[str, Any]:
         return {"peak_live_microbatches": self.peak_live, "instructions": len(self.ops),

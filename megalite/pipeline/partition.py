@@ -2,10 +2,14 @@
 
 Vocabulary:
 - pp ranks (stages), each holding v *local chunks* (v = virtual stages, v=1 is plain PP).
-- pp*v *model chunks* in model order. Megatron's interleaved assignment: local chunk c on
-  rank r is model chunk c*pp + r, so rank 0 holds model chunks 0, pp, 2pp, ...
+- pp*v *model chunks* in model order, placed on ranks one of two ways (`ChunkPlacement`):
+  INTERLEAVED (Megatron's, every schedule but DualPipeV): local chunk c on rank r is model
+  chunk c*pp + r, so rank 0 holds model chunks 0, pp, 2pp, ...; V (DualPipeV, v = 2): rank r
+  holds model chunks r (local 0) and 2pp-1-r (local 1), so the model runs down the ranks and
+  back up: rank 0 holds the first and the last model chunk, rank pp-1 the two middle ones.
 - The first model chunk (rank 0, chunk 0) also holds the embedding, the last model chunk
-  (rank pp-1, chunk v-1) the final norm and the head; they may be given fewer blocks.
+  (rank pp-1, chunk v-1; under V rank 0, chunk 1) the final norm and the head; they may be
+  given fewer blocks.
 
 Three ways to say how many layers each model chunk gets (layer ids are consecutive in model
 order):
@@ -18,12 +22,31 @@ order):
 """
 from __future__ import annotations
 
+import enum
 from typing import Sequence
 
 
-def model_chunk_id(pp: int, pp_rank: int, chunk: int) -> int:
-    """Model-order index of local chunk `chunk` on rank `pp_rank` (Megatron interleaving)."""
+class ChunkPlacement(enum.Enum):
+    """Which model chunks a pipeline rank holds (see the module docstring); set by the schedule
+    (`schedules.chunk_placement`)."""
+
+    INTERLEAVED = "interleaved"  # local chunk c on rank r: model chunk c*pp + r
+    V = "v"                      # rank r: model chunks r and 2pp-1-r (v = 2)
+
+
+def model_chunk_id(pp: int, pp_rank: int, chunk: int, placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> int:
+    """Model-order index of local chunk `chunk` on rank `pp_rank` under `placement`."""
+    if placement == ChunkPlacement.V:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
     return chunk * pp + pp_rank
+
+
+def chunk_location(pp: int, model_chunk: int,
+                   placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> tuple[int, int]:
+    """(pp rank, local chunk) holding model chunk `model_chunk`: model_chunk_id's inverse."""
+    if placement == ChunkPlacement.V:
+        return (model_chunk, 0) if model_chunk < pp else (2 * pp - 1 - model_chunk, 1)
+    return model_chunk % pp, model_chunk // pp
 
 
 def parse_layout(layout: str | Sequence[int]) -> list[int]:
@@ -103,14 +126,16 @@ def chunk_layer_counts(num_layers: int, pp: int, v: int = 1, first: int | None =
 
 
 def stage_layers(num_layers: int, pp: int, v: int, pp_rank: int, first: int | None = None,
-                 last: int | None = None, layout: str | Sequence[int] | None = None) -> list[range]:
+                 last: int | None = None, layout: str | Sequence[int] | None = None, *,
+                 placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> list[range]:
     """Global layer ids of each local chunk of rank `pp_rank`: one range per chunk (len v).
 
-    Local chunk c is model chunk c*pp + pp_rank (Megatron's interleaved assignment).
+    Local chunk c is model chunk c*pp + pp_rank (Megatron's interleaved assignment), or under
+    the V placement (DualPipeV) model chunks pp_rank and 2pp-1-pp_rank.
     """
     counts = chunk_layer_counts(num_layers, pp, v, first, last, layout)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} outside a pipeline of {pp} stages")
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    ids = [model_chunk_id(pp, pp_rank, c) for c in range(v)]
+    ids = [model_chunk_id(pp, pp_rank, c, placement) for c in range(v)]
     return [range(starts[i], starts[i] + counts[i]) for i in ids]

@@ -13,7 +13,9 @@ stage is inside an op. Both sides then post at T and nobody waits under ideal ti
 between a pair are ordered (T, activation before gradient, model chunk, microbatch) on both
 ends, so the k-th send meets the k-th receive. When no common free time exists before the
 consumer, the receive goes just before the consumer and the send at the sender's next free
-time (a stall, never a wrong match: the verifier re-checks every schedule).
+time (a stall, never a wrong match: the verifier re-checks every schedule). A local hop (the
+V placement's turn on rank pp-1, p2p.is_local_hop) gets no transfer: the consumer only waits
+for its producer on the same stage.
 """
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ import bisect
 
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr,
                                             Schedule)
-from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, peer
+from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, is_local_hop, peer
+from megalite.pipeline.partition import ChunkPlacement
 
 IDEAL_COST = {FWD: 1, BWD: 2, BWD_INPUT: 1, "BWD_WEIGHT": 1}
 
 
-def ideal_timeline(compute: list[list[Instr]], pp: int, v: int) -> list[list[tuple[int, int]]]:
+def ideal_timeline(compute: list[list[Instr]], pp: int, v: int,
+                   placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> list[list[tuple[int, int]]]:
     """(start, end) of every compute op, ASAP in each stage's order with free transfers."""
     finish: dict[tuple[str, int, int, int], int] = {}  # ("F"|"B", stage, chunk, mb) -> end time
     times: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
@@ -39,10 +43,10 @@ def ideal_timeline(compute: list[list[Instr]], pp: int, v: int) -> list[list[tup
                 op = compute[r][len(times[r])]
                 ready = 0
                 if op.kind == FWD and not is_first_chunk(pp, r, op.chunk):
-                    s, c = peer(RECV_ACT, pp, v, r, op.chunk)
+                    s, c = peer(RECV_ACT, pp, v, r, op.chunk, placement)
                     ready = finish.get(("F", s, c, op.microbatch))
-                elif op.kind in (BWD, BWD_INPUT) and not is_last_chunk(pp, v, r, op.chunk):
-                    s, c = peer(RECV_GRAD, pp, v, r, op.chunk)
+                elif op.kind in (BWD, BWD_INPUT) and not is_last_chunk(pp, v, r, op.chunk, placement):
+                    s, c = peer(RECV_GRAD, pp, v, r, op.chunk, placement)
                     ready = finish.get(("B", s, c, op.microbatch))
                 if ready is None:
                     break
@@ -76,8 +80,9 @@ class _Clock:
         return self.ends[bisect.bisect_right(self.ends, low):bisect.bisect_left(self.ends, high)]
 
 
-def place_transfers(compute: list[list[Instr]], pp: int, v: int) -> Schedule:
-    times = ideal_timeline(compute, pp, v)
+def place_transfers(compute: list[list[Instr]], pp: int, v: int,
+                    placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> Schedule:
+    times = ideal_timeline(compute, pp, v, placement)
     clocks = [_Clock(intervals) for intervals in times]
     index = {(r, op.kind, op.chunk, op.microbatch): i for r, ops in enumerate(compute) for i, op in enumerate(ops)}
     batches: list[dict[int, list]] = [dict() for _ in range(pp)]  # stage -> position -> [(key, instr)]
@@ -88,13 +93,15 @@ def place_transfers(compute: list[list[Instr]], pp: int, v: int) -> Schedule:
     for a, ops in enumerate(compute):
         for i, op in enumerate(ops):
             c, mb = op.chunk, op.microbatch
-            if op.kind == FWD and not is_last_chunk(pp, v, a, c):
+            if op.kind == FWD and not is_last_chunk(pp, v, a, c, placement):
                 send, recv, consumer_kinds, order = SEND_ACT, RECV_ACT, (FWD,), 0
             elif op.kind in (BWD, BWD_INPUT) and not is_first_chunk(pp, a, c):
                 send, recv, consumer_kinds, order = SEND_GRAD, RECV_GRAD, (BWD, BWD_INPUT), 1
             else:
                 continue
-            b, peer_chunk = peer(send, pp, v, a, c)
+            if is_local_hop(send, pp, v, a, c, placement):
+                continue
+            b, peer_chunk = peer(send, pp, v, a, c, placement)
             j = next(index[(b, k, peer_chunk, mb)] for k in consumer_kinds if (b, k, peer_chunk, mb) in index)
             produced, consumed = times[a][i][1], times[b][j][0]
             candidates = sorted({produced, consumed} | set(clocks[a].ends_between(produced, consumed))

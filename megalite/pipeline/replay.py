@@ -17,11 +17,13 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from megalite.pipeline.instructions import Schedule
+from megalite.pipeline.partition import ChunkPlacement
 from megalite.pipeline.timeline import bubble_of, schedule_timeline
 
 
-def replay_bubble(schedule: Schedule, pp: int, v: int, durations: Sequence[Mapping[str, float]]) -> float:
+def replay_bubble(schedule: Schedule, pp: int, v: int, durations: Sequence[Mapping[str, float]], *,
+                  placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> float:
     """Idle fraction of the pipeline for `schedule` (a verified one: it cannot deadlock) when stage
     s spends durations[s][kind] seconds per compute instruction of that kind (FWD, BWD, ...).
     The replay itself is timeline.schedule_timeline's (the same blocks tools/plot_schedule.py draws)."""
-    return bubble_of(schedule_timeline(schedule, pp, v, durations), pp)
+    return bubble_of(schedule_timeline(schedule, pp, v, durations, placement=placement), pp)

@@ -13,16 +13,21 @@ Schedules (p = pp, m = microbatches, v = virtual stages; bubble with equal per-o
   interleaved  Megatron's interleaved 1F1B over v chunks per rank  (p-1)/(v*m+p-1)
   zb-h1        1F1B with backward split into B and W (Qi et al. 2023, "Zero Bubble Pipeline
                Parallelism"); W fills 1F1B's bubbles                (p-1)/(3m+p-1) at F=B=W, m>=p
+  dualpipev    DeepSeek's DualPipe cut in half (DeepSeek-V3 report, section 3.2.1; the DualPipe
+               repository's DualPipeV): two chunks per rank in a V (partition.ChunkPlacement.V),
+               B/W split where it fills bubbles; m >= 2p          (p-1)/(3m+p-1) at F=B=W
+               (bubble time (p-1)(F&B + B - 3W) per rank, F&B = F + B here: no F/B overlap)
 """
 from __future__ import annotations
 
 import functools
+from collections import deque
 
 from megalite.config.choices import Schedule as ScheduleName
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, Instr, Schedule)
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk
-from megalite.pipeline.partition import chunk_layer_counts
+from megalite.pipeline.partition import ChunkPlacement, chunk_layer_counts
 from megalite.pipeline.placement import place_transfers
 from megalite.pipeline.verifier import repair_receive_order, verify_schedule
 
@@ -114,6 +119,99 @@ def _zb_h1(pp: int, m: int) -> list[list[Instr]]:
     return stages
 
 
+def _dualpipev(pp: int, m: int) -> list[list[Instr]]:
+    return [_dualpipev_order(pp, m, r).ops for r in range(pp)]
+
+
+class _StageOrder:
+    """A stage's compute list being written: each kind of each chunk takes its next microbatch,
+    and the weight passes of split backwards wait in a queue, run oldest first. `pairs` are the
+    instructions of each F&B pair DualPipe overlaps (run here one after the other)."""
+
+    def __init__(self):
+        self.ops: list[Instr] = []
+        self.next: dict[tuple[str, int], int] = {}
+        self.weights: deque[tuple[int, int]] = deque()
+        self.pairs: list[tuple[Instr, ...]] = []
+
+    def run(self, kind: str, chunk: int) -> None:
+        """FWD; BWD_INPUT (its W queued); or BWD, a whole backward: B, then its W at once, so the input
+        gradient leaves before the weight gradient is computed (one BWD would hold it back by W)."""
+        counter = (FWD if kind == FWD else BWD, chunk)  # the backwards of a chunk share one count
+        mb = self.next.get(counter, 0)
+        self.next[counter] = mb + 1
+        if kind == BWD:
+            self.ops += [Instr(BWD_INPUT, chunk, mb), Instr(BWD_WEIGHT, chunk, mb)]
+            return
+        self.ops.append(Instr(kind, chunk, mb))
+        if kind == BWD_INPUT:
+            self.weights.append((chunk, mb))
+
+    def weight(self) -> None:
+        if self.weights:
+            self.ops.append(Instr(BWD_WEIGHT, *self.weights.popleft()))
+
+    def forward_backward(self, forward_chunk: int, backward_chunk: int, overlapped: bool = True) -> None:
+        """F of one chunk then the whole backward of the other: one F&B pair of DualPipe's when `overlapped`."""
+        self.run(FWD, forward_chunk)
+        self.run(BWD, backward_chunk)
+        if overlapped:
+            self.pairs.append(tuple(self.ops[-3:]))  # (FWD, BWD_INPUT, BWD_WEIGHT)
+
+
+def dualpipev_overlap_pairs(pp: int, m: int) -> list[list[tuple[Instr, ...]]]:
+    """Per rank, DualPipe's F&B pairs: the (FWD, BWD_INPUT, BWD_WEIGHT) instructions of a forward and a
+    whole backward it runs overlapped; megalite's executor runs them one after the other
+    (pipeline/overlap.py replays each as one unit; docs/pipeline.md says what overlapping them would take)."""
+    check_schedule_args(ScheduleName.DUALPIPEV, pp, m, 2)
+    return [_dualpipev_order(pp, m, r).pairs for r in range(pp)]
+
+
+def _dualpipev_order(pp: int, m: int, r: int) -> _StageOrder:
+    """Rank r's compute under DualPipeV; local chunk 0 is model chunk r (the V's way down), local
+    chunk 1 model chunk 2pp-1-r (the way back up). Eight phases, as the DualPipe repository's
+    DualPipeV runs them; its F&B pairs run here one after the other, F first, and its whole
+    backwards as B then their W at once (`_StageOrder.run`: on the executor's blocking transfers
+    a whole BWD would hold a gradient back until its neighbour is mid-instruction, one stall per
+    steady-state step; as B then W the ideal clock's bubble holds):
+
+      1. 2(pp-r-1) x F0                      fill the way down
+      2. r+1 x (F0 F1)                       the V's turn reaches this rank
+      3. pp-r-1 x (B1 W F1)                  the first backwards split, W at once (zero bubble)
+      4. m-2pp+r+1 x (F0 B1 F1 B0)           steady state: both chunks forward and backward
+      5. pp-r-1 x (B1 F1 B0)                 chunk 0's forwards are done
+      6. r+1 x (B1 B0)                       the last r+1 of these 2(r+1) backwards split
+      7. pp-r-1 x (W B0), B0 split           weight passes fill the drain
+      8. r+1 x W                             the weight passes left
+    The F&B pairs are those of phases 4 and 5 (all but rank pp-1's first F0 B1, which DualPipe runs
+    apart to keep its bubble small).
+    """
+    stage = _StageOrder()
+    for _ in range(2 * (pp - r - 1)):
+        stage.run(FWD, 0)
+    for _ in range(r + 1):
+        stage.run(FWD, 0)
+        stage.run(FWD, 1)
+    for _ in range(pp - r - 1):
+        stage.run(BWD_INPUT, 1)
+        stage.weight()
+        stage.run(FWD, 1)
+    for i in range(m - 2 * pp + r + 1):
+        stage.forward_backward(0, 1, overlapped=not (i == 0 and r == pp - 1))
+        stage.forward_backward(1, 0)
+    for _ in range(pp - r - 1):
+        stage.run(BWD, 1)
+        stage.forward_backward(1, 0)
+    for i in range(2 * (r + 1)):
+        stage.run(BWD_INPUT if i >= r + 1 else BWD, 1 - i % 2)
+    for _ in range(pp - r - 1):
+        stage.weight()
+        stage.run(BWD_INPUT, 0)
+    for _ in range(r + 1):
+        stage.weight()
+    return stage
+
+
 # ---------------------------------------------------------------------------------------------
 # Transfers around compute
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +243,12 @@ def schedule_name(name: ScheduleName | str) -> ScheduleName:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose from {[str(s) for s in SCHEDULES]}") from None
 
 
+def chunk_placement(name: ScheduleName | str) -> ChunkPlacement:
+    """Which model chunks each rank holds under schedule `name`: the V for DualPipeV, Megatron's
+    interleaving for every other (partition.ChunkPlacement)."""
+    return ChunkPlacement.V if schedule_name(name) == ScheduleName.DUALPIPEV else ChunkPlacement.INTERLEAVED
+
+
 def check_schedule_args(name: ScheduleName | str, pp: int, num_microbatches: int, v: int = 1) -> None:
     """Raise ValueError naming the fix when `name` cannot run with (pp, microbatches, v)."""
     name = schedule_name(name)
@@ -163,14 +267,30 @@ def check_schedule_args(name: ScheduleName | str, pp: int, num_microbatches: int
             raise ValueError(f"interleaved schedule needs num_microbatches ({num_microbatches}) to be a multiple "
                              f"of pp ({pp}); choose a global batch giving one of "
                              f"{[pp * k for k in range(1, 5)]}... microbatches")
+    if name == ScheduleName.DUALPIPEV:
+        _check_dualpipev_args(pp, num_microbatches, v)
     if name == ScheduleName.GPIPE and v > 1 and num_microbatches % pp != 0:
         raise ValueError(f"gpipe with v={v} virtual stages needs num_microbatches ({num_microbatches}) to be a "
                          f"multiple of pp ({pp}); or set --virtual-stages 1")
 
 
+def _check_dualpipev_args(pp: int, num_microbatches: int, v: int) -> None:
+    if v != 2:
+        raise ValueError(f"schedule 'dualpipev' holds two model chunks per rank (a V), but v={v}; set "
+                         f"--virtual-stages 2")
+    if pp < 2:
+        raise ValueError("schedule 'dualpipev' needs pp >= 2; with pp=1 use '1f1b'")
+    if num_microbatches < 2 * pp:
+        raise ValueError(f"schedule 'dualpipev' needs at least 2*pp = {2 * pp} microbatches, got {num_microbatches}; "
+                         f"raise --global-batch-size or lower --micro-batch-size to give {2 * pp} or more")
+
+
 @functools.lru_cache(maxsize=64)
 def _build(name: ScheduleName, pp: int, m: int, v: int, forward_only: bool) -> tuple[tuple[Instr, ...], ...]:
-    if forward_only:  # evaluation: every forward in the interleaved order, no backward
+    placement = chunk_placement(name)
+    if forward_only and name == ScheduleName.DUALPIPEV:  # evaluation: the training order's forwards
+        compute = [[op for op in ops if op.kind == FWD] for ops in _dualpipev(pp, m)]
+    elif forward_only:  # evaluation: every forward in the interleaved order, no backward
         order = _interleaved_order(pp, m, v, backward=False)
         compute = [[Instr(FWD, c, mb) for c, mb in order] for _ in range(pp)]
     elif name == ScheduleName.GPIPE:
@@ -179,9 +299,12 @@ def _build(name: ScheduleName, pp: int, m: int, v: int, forward_only: bool) -> t
         compute = _one_f_one_b(pp, m)
     elif name == ScheduleName.INTERLEAVED:
         compute = _interleaved(pp, m, v)
-    else:
+    elif name == ScheduleName.ZB_H1:
         compute = _zb_h1(pp, m)
-    return tuple(tuple(ops) for ops in repair_receive_order(place_transfers(compute, pp, v), pp, v))
+    else:
+        compute = _dualpipev(pp, m)
+    placed = place_transfers(compute, pp, v, placement)
+    return tuple(tuple(ops) for ops in repair_receive_order(placed, pp, v, placement))
 
 
 def build_schedule(name: ScheduleName | str, pp: int, num_microbatches: int, v: int = 1, forward_only: bool = False) -> Schedule:
@@ -200,7 +323,7 @@ def verified_schedule(name: ScheduleName | str, pp: int, num_microbatches: int, 
                       forward_only: bool = False) -> tuple[tuple[Instr, ...], ...]:
     """build_schedule + verify_schedule, once per process and configuration."""
     schedule = build_schedule(name, pp, num_microbatches, v, forward_only)
-    verify_schedule(schedule, pp, v, num_microbatches, forward_only)
+    verify_schedule(schedule, pp, v, num_microbatches, forward_only, placement=chunk_placement(name))
     return tuple(tuple(ops) for ops in schedule)
 
 

@@ -2,13 +2,14 @@
 
     stages = split_layers(my_sequential, pp * v)                # or build the pp*v stage modules yourself
     pipe = Pipeline(stages, mesh, loss_fn, num_microbatches=8, activation_shape=(s, mb, h),
-                    schedule="1f1b")                           # "gpipe", "1f1b", "interleaved" (v >= 2), "zb-h1"
+                    schedule="1f1b")                           # "gpipe", "1f1b", "interleaved" (v >= 2), "zb-h1", "dualpipev" (v = 2)
     model = DataParallel(pipe.chunks, mesh, zero_stage=1,      # this rank's chunks own their grads;
                          dp_reduction="sum")                   # the loss is over global tokens: sum over dp
     loss_sum = pipe.step([(inputs, labels), ...], loss_scale=1 / global_tokens, grad_sync=model)
 
 Model chunk i (of pp*v, in model order) runs on pipeline rank i % pp (Megatron's interleaved
-assignment: local chunk c is model chunk c*pp + pp_rank). The first chunk is called with the
+assignment: local chunk c is model chunk c*pp + pp_rank; under "dualpipev" rank r runs model
+chunks r and 2pp-1-r, partition.ChunkPlacement.V). The first chunk is called with the
 microbatch's inputs, every other with the previous chunk's output, which must have
 `activation_shape` and `dtype` (receive buffers are allocated from them, no shape handshake);
 the last chunk's output goes to `loss_fn(output, labels)`, which returns the loss SUM over the
@@ -30,7 +31,7 @@ from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.instructions import COMPUTE_KINDS
 from megalite.pipeline.partition import model_chunk_id
 from megalite.pipeline.replay import replay_bubble
-from megalite.pipeline.schedules import ScheduleName, check_schedule_args, verified_schedule
+from megalite.pipeline.schedules import ScheduleName, check_schedule_args, chunk_placement, verified_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last chunk's output, labels) -> loss sum
 
@@ -91,7 +92,7 @@ class Pipeline:
         if not callable(stages) and len(stages) != pp * v:
             raise ValueError(f"got {len(stages)} stage modules for pp={pp} x virtual_stages={v} = {pp * v} model "
                              f"chunks; pass one per chunk (split_layers(model, {pp * v}) cuts one module)")
-        ids = [model_chunk_id(pp, mesh.pp_rank, c) for c in range(v)]
+        ids = [model_chunk_id(pp, mesh.pp_rank, c, chunk_placement(schedule)) for c in range(v)]
         last = pp * v - 1
         self.chunks = [Stage(stages(i) if callable(stages) else stages[i], loss_fn if i == last else None)
                        for i in ids]
@@ -139,4 +140,5 @@ def measured_bubble(compute_s: dict[str, float], mesh: Mesh, spec: PipelineSpec)
     every = comm.all_gather(mine.to(mesh.device), mesh.pp_group).cpu()  # [pp, kinds], by stage
     durations = [dict(zip(COMPUTE_KINDS, row.tolist())) for row in every]
     schedule = verified_schedule(spec.schedule, mesh.pp_size, spec.num_microbatches, spec.virtual_stages)
-    return replay_bubble(schedule, mesh.pp_size, spec.virtual_stages, durations)
+    return replay_bubble(schedule, mesh.pp_size, spec.virtual_stages, durations,
+                         placement=chunk_placement(spec.schedule))

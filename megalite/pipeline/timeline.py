@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, Schedule)
-from megalite.pipeline.partition import model_chunk_id
+from megalite.pipeline.partition import ChunkPlacement, model_chunk_id
 
 LETTER = {FWD: "F", BWD: "B", BWD_INPUT: "b", BWD_WEIGHT: "w", SEND_ACT: ">a", RECV_ACT: "<a", SEND_GRAD: ">g",
           RECV_GRAD: "<g"}
@@ -49,10 +49,11 @@ def _needs(kind: str, k: int, microbatch: int, last_chunk: int) -> tuple[str, in
     return None  # BWD_WEIGHT follows its own B on the same stage
 
 
-def schedule_timeline(schedule: Schedule, pp: int, v: int,
-                      durations: Sequence[Mapping[str, float]] | None = None) -> list[Block]:
+def schedule_timeline(schedule: Schedule, pp: int, v: int, durations: Sequence[Mapping[str, float]] | None = None,
+                      *, placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> list[Block]:
     """Every instruction of a verified schedule as a Block; `durations[stage][kind]` seconds per compute
-    instruction (default EQUAL on every stage). ValueError if a stage waits on what none produces."""
+    instruction (default EQUAL on every stage); `placement`: the schedule's (schedules.chunk_placement).
+    ValueError if a stage waits on what none produces."""
     durations = durations or [EQUAL] * pp
     last_chunk = pp * v - 1
     done: dict[tuple[str, int, int], float] = {}  # ("F"|"B", model chunk, microbatch) -> end time
@@ -66,7 +67,7 @@ def schedule_timeline(schedule: Schedule, pp: int, v: int,
                     blocks.append(Block(s, op.kind, op.chunk, op.microbatch, clock[s], clock[s]))
                     cursor[s] += 1
                     continue
-                k = model_chunk_id(pp, s, op.chunk)
+                k = model_chunk_id(pp, s, op.chunk, placement)
                 need = _needs(op.kind, k, op.microbatch, last_chunk)
                 if need is not None and need not in done:
                     break

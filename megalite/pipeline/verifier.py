@@ -5,7 +5,9 @@
 1. Local dataflow per stage: every (chunk, microbatch) has one FWD and either one BWD or
    one BWD_INPUT followed by one BWD_WEIGHT; a chunk that is not the first model chunk
    receives its activation before its FWD, one that is not the last sends it after; the
-   mirror image for gradients; nothing else, nothing twice.
+   mirror image for gradients; nothing else, nothing twice. Where the neighbour model chunk
+   is a local chunk of the same stage (DualPipeV's V placement, p2p.is_local_hop) nothing is
+   sent: the FWD needs that chunk's FWD before it, the backward its backward.
 2. Communication, by simulating the executor's blocking semantics with the strictest
    (rendezvous) rule: a maximal run of transfer instructions is one batch, posted at once;
    the stage waits until every op of the batch is matched by the peer's posted op. Messages
@@ -20,20 +22,21 @@ Raises `ScheduleError` (a ValueError) with a message saying which stage waits on
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from megalite.pipeline.instructions import (BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, RECV_GRAD, SEND_ACT,
                                             SEND_GRAD, SEND_KINDS, Instr, Schedule, split_steps)
-from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, peer
-from megalite.pipeline.partition import model_chunk_id
+from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, is_local_hop, peer
+from megalite.pipeline.partition import ChunkPlacement, model_chunk_id
 
 
 class ScheduleError(ValueError):
     pass
 
 
-def _message(instr: Instr, pp: int, stage: int) -> tuple[str, int, int]:
+def _message(instr: Instr, pp: int, stage: int, placement: ChunkPlacement) -> tuple[str, int, int]:
     """What travels: ('act'|'grad', sending model chunk, microbatch); same on both ends."""
-    k = model_chunk_id(pp, stage, instr.chunk)
+    k = model_chunk_id(pp, stage, instr.chunk, placement)
     if instr.kind == SEND_ACT:
         return "act", k, instr.microbatch
     if instr.kind == RECV_ACT:
@@ -48,7 +51,29 @@ def _describe(msg: tuple[str, int, int]) -> str:
     return f"{'activation' if what == 'act' else 'gradient'} of model chunk {k} mb {mb}"
 
 
-def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int, forward_only: bool = False) -> None:
+@dataclass(frozen=True)
+class _Neighbours:
+    """Where (stage, chunk)'s neighbour model chunks are: `before` / `after` say whether the
+    predecessor / successor is reached by a transfer; `local_before` / `local_after` give the
+    local chunk when it sits on the same stage (the V placement's turn), else None."""
+
+    before: bool
+    after: bool
+    local_before: int | None
+    local_after: int | None
+
+
+def _neighbours(pp: int, v: int, stage: int, chunk: int, placement: ChunkPlacement) -> _Neighbours:
+    first, last = is_first_chunk(pp, stage, chunk), is_last_chunk(pp, v, stage, chunk, placement)
+    local_before = peer(RECV_ACT, pp, v, stage, chunk, placement)[1] \
+        if is_local_hop(RECV_ACT, pp, v, stage, chunk, placement) else None
+    local_after = peer(SEND_ACT, pp, v, stage, chunk, placement)[1] \
+        if is_local_hop(SEND_ACT, pp, v, stage, chunk, placement) else None
+    return _Neighbours(not first and local_before is None, not last and local_after is None, local_before, local_after)
+
+
+def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int, forward_only: bool = False,
+                 placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> None:
     seen: dict[tuple[str, int, int], int] = {}
     for i, op in enumerate(ops):
         where = f"stage {stage} instruction #{i} {op}"
@@ -58,50 +83,66 @@ def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int, forward_
         if key in seen:
             raise ScheduleError(f"{where}: duplicate of instruction #{seen[key]}")
         seen[key] = i
-        first, last = is_first_chunk(pp, stage, op.chunk), is_last_chunk(pp, v, stage, op.chunk)
-        c, mb = op.chunk, op.microbatch
-
-        def need(kind: str) -> None:
-            if (kind, c, mb) not in seen:
-                raise ScheduleError(f"{where}: needs {Instr(kind, c, mb)} before it")
-
-        if forward_only and op.kind not in (FWD, SEND_ACT, RECV_ACT):
-            raise ScheduleError(f"{where}: a forward-only schedule runs no backward")
-        if op.kind in (RECV_ACT, SEND_GRAD) and first:
-            raise ScheduleError(f"{where}: the first model chunk has no predecessor to talk to")
-        if op.kind in (SEND_ACT, RECV_GRAD) and last:
-            raise ScheduleError(f"{where}: the last model chunk has no successor to talk to")
-        if op.kind == FWD and not first:
-            need(RECV_ACT)
-        elif op.kind == SEND_ACT:
-            need(FWD)
-            if (BWD, c, mb) in seen or (BWD_INPUT, c, mb) in seen:
-                raise ScheduleError(f"{where}: must come before the backward of (chunk {c}, mb {mb}), "
-                                    f"which releases the output")
-        elif op.kind in (BWD, BWD_INPUT):
-            need(FWD)
-            if not last:
-                need(RECV_GRAD)
-            if (BWD if op.kind == BWD_INPUT else BWD_INPUT, c, mb) in seen:
-                raise ScheduleError(f"{where}: (chunk {c}, mb {mb}) already has a backward")
-        elif op.kind == SEND_GRAD:
-            if (BWD, c, mb) not in seen and (BWD_INPUT, c, mb) not in seen:
-                raise ScheduleError(f"{where}: needs the backward of (chunk {c}, mb {mb}) before it")
-        elif op.kind == BWD_WEIGHT:
-            need(BWD_INPUT)
-        elif op.kind not in (RECV_ACT, RECV_GRAD, FWD):
-            raise ScheduleError(f"{where}: unknown instruction kind")
+        _check_order(op, where, seen, forward_only, _neighbours(pp, v, stage, op.chunk, placement))
     for c in range(v):
+        near = _neighbours(pp, v, stage, c, placement)
         for mb in range(m):
-            first, last = is_first_chunk(pp, stage, c), is_last_chunk(pp, v, stage, c)
             if forward_only:
-                required = [FWD] + ([] if first else [RECV_ACT]) + ([] if last else [SEND_ACT])
+                required = [FWD] + ([RECV_ACT] if near.before else []) + ([SEND_ACT] if near.after else [])
             else:
-                required = [FWD] + ([] if first else [RECV_ACT, SEND_GRAD]) + ([] if last else [SEND_ACT, RECV_GRAD])
+                required = [FWD] + ([RECV_ACT, SEND_GRAD] if near.before else []) \
+                    + ([SEND_ACT, RECV_GRAD] if near.after else [])
                 required += [BWD_INPUT, BWD_WEIGHT] if (BWD_INPUT, c, mb) in seen else [BWD]
             for kind in required:
                 if (kind, c, mb) not in seen:
                     raise ScheduleError(f"stage {stage} never runs {Instr(kind, c, mb)}")
+
+
+def _check_order(op: Instr, where: str, seen: dict, forward_only: bool, near: _Neighbours) -> None:
+    """What must precede `op` on its stage (`seen`: the instructions before it)."""
+    c, mb = op.chunk, op.microbatch
+
+    def need(kind: str, chunk: int = c) -> None:
+        if (kind, chunk, mb) not in seen:
+            raise ScheduleError(f"{where}: needs {Instr(kind, chunk, mb)} before it")
+
+    def backward_of(chunk: int) -> bool:
+        return (BWD, chunk, mb) in seen or (BWD_INPUT, chunk, mb) in seen
+
+    if forward_only and op.kind not in (FWD, SEND_ACT, RECV_ACT):
+        raise ScheduleError(f"{where}: a forward-only schedule runs no backward")
+    if op.kind in (RECV_ACT, SEND_GRAD) and not near.before:
+        raise ScheduleError(f"{where}: " + ("the first model chunk has no predecessor to talk to"
+                                            if near.local_before is None else
+                                            "its predecessor is a local chunk of this stage: nothing is sent"))
+    if op.kind in (SEND_ACT, RECV_GRAD) and not near.after:
+        raise ScheduleError(f"{where}: " + ("the last model chunk has no successor to talk to"
+                                            if near.local_after is None else
+                                            "its successor is a local chunk of this stage: nothing is sent"))
+    if op.kind == FWD and near.before:
+        need(RECV_ACT)
+    elif op.kind == FWD and near.local_before is not None:
+        need(FWD, near.local_before)  # the local hop: the predecessor's output, in memory
+    elif op.kind == SEND_ACT:
+        need(FWD)
+        if backward_of(c):
+            raise ScheduleError(f"{where}: must come before the backward of (chunk {c}, mb {mb}), "
+                                f"which releases the output")
+    elif op.kind in (BWD, BWD_INPUT):
+        need(FWD)
+        if near.after:
+            need(RECV_GRAD)
+        elif near.local_after is not None and not backward_of(near.local_after):
+            raise ScheduleError(f"{where}: needs the backward of (chunk {near.local_after}, mb {mb}) before it")
+        if (BWD if op.kind == BWD_INPUT else BWD_INPUT, c, mb) in seen:
+            raise ScheduleError(f"{where}: (chunk {c}, mb {mb}) already has a backward")
+    elif op.kind == SEND_GRAD:
+        if not backward_of(c):
+            raise ScheduleError(f"{where}: needs the backward of (chunk {c}, mb {mb}) before it")
+    elif op.kind == BWD_WEIGHT:
+        need(BWD_INPUT)
+    elif op.kind not in (RECV_ACT, RECV_GRAD, FWD):
+        raise ScheduleError(f"{where}: unknown instruction kind")
 
 
 class _Simulation:
@@ -111,8 +152,8 @@ class _Simulation:
     (sender, receiver) the messages posted so far on each end.
     """
 
-    def __init__(self, schedule: Schedule, pp: int, v: int):
-        self.pp, self.v = pp, v
+    def __init__(self, schedule: Schedule, pp: int, v: int, placement: ChunkPlacement = ChunkPlacement.INTERLEAVED):
+        self.pp, self.v, self.placement = pp, v, placement
         self.steps = [split_steps(list(ops)) for ops in schedule]
         self.offsets = [self._offsets(stage) for stage in range(pp)]
         self.position = [0] * pp
@@ -135,13 +176,13 @@ class _Simulation:
         return self.offsets[stage][step] + j
 
     def _post_op(self, stage: int, op: Instr) -> None:
-        other = peer(op.kind, self.pp, self.v, stage, op.chunk)[0]
+        other = peer(op.kind, self.pp, self.v, stage, op.chunk, self.placement)[0]
         is_send = op.kind in SEND_KINDS
         pair = (stage, other) if is_send else (other, stage)
         queue = self.sent[pair] if is_send else self.received[pair]
         self.posted[stage].append((pair, len(queue), is_send))
         step = self.steps[stage][self.position[stage]]
-        queue.append((_message(op, self.pp, stage), stage, self._index(stage, self.position[stage], step.index(op))))
+        queue.append((_message(op, self.pp, stage, self.placement), stage, self._index(stage, self.position[stage], step.index(op))))
 
     def _waits(self, stage: int) -> list[tuple[int, tuple[int, int], int, bool]]:
         """Unmatched ops of the posted batch as (peer, pair, k, is_send); raises on order mismatch."""
@@ -209,7 +250,7 @@ class _Simulation:
                     step = self.steps[b][step_index]
                     for j, op in enumerate(step):
                         if op.is_transfer and op.kind not in SEND_KINDS \
-                                and peer(op.kind, self.pp, self.v, b, op.chunk)[0] == a:
+                                and peer(op.kind, self.pp, self.v, b, op.chunk, self.placement)[0] == a:
                             del step[j]
                             if not step:
                                 del self.steps[b][step_index]
@@ -238,22 +279,25 @@ class _Simulation:
         raise ScheduleError("deadlock: " + ". ".join(lines) + f" (wait chain: stage {chain})")
 
 
-def verify_schedule(schedule: Schedule, pp: int, v: int, num_microbatches: int, forward_only: bool = False) -> None:
-    """Raise ScheduleError unless `schedule` is complete, consistent and deadlock-free."""
+def verify_schedule(schedule: Schedule, pp: int, v: int, num_microbatches: int, forward_only: bool = False, *,
+                    placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> None:
+    """Raise ScheduleError unless `schedule` is complete, consistent and deadlock-free (its model
+    chunks placed on the stages by `placement`: `schedules.chunk_placement` of its name)."""
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} stages, expected pp={pp}")
     for stage, ops in enumerate(schedule):
-        _check_local(list(ops), stage, pp, v, num_microbatches, forward_only)
-    _Simulation(schedule, pp, v).run(repair=False)
+        _check_local(list(ops), stage, pp, v, num_microbatches, forward_only, placement)
+    _Simulation(schedule, pp, v, placement).run(repair=False)
 
 
-def repair_receive_order(schedule: Schedule, pp: int, v: int) -> Schedule:
+def repair_receive_order(schedule: Schedule, pp: int, v: int,
+                         placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> Schedule:
     """Post receives early where a send would otherwise wait forever (see _hoist_receive).
 
     Used by the generators after placing every transfer next to its compute instruction;
     the result is still checked by `verify_schedule`.
     """
-    simulation = _Simulation(schedule, pp, v)
+    simulation = _Simulation(schedule, pp, v, placement)
     simulation.run(repair=True)
     return simulation.schedule()
 

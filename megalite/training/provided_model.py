@@ -18,7 +18,9 @@ from megalite.config import RunConfig
 from megalite.data_parallel.units import Unit
 from megalite.errors import ConfigError, UsageError
 from megalite.distributed.mesh import Mesh
+from megalite.pipeline.p2p import is_first_chunk, is_last_chunk
 from megalite.pipeline.partition import stage_layers
+from megalite.pipeline.schedules import chunk_placement
 from megalite.tensor_parallel.random import TensorParallelRNG
 
 ModelProvider = Callable[..., nn.Module]
@@ -162,10 +164,12 @@ class ProvidedModel:
             modules = [self._module(cfg, mesh)]
         else:
             p, gpt = cfg.parallel, cfg.gpt_config()
+            placement = chunk_placement(cfg.schedule)  # DualPipeV: model chunks pp_rank and 2pp-1-pp_rank
             ranges = stage_layers(gpt.num_layers, mesh.pp_size, p.virtual_stages, mesh.pp_rank,
-                                  p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
-            modules = [self._module(cfg, mesh, c == 0 and mesh.pp_rank == 0,
-                                    c == len(ranges) - 1 and mesh.pp_rank == mesh.pp_size - 1, layer_ids)
+                                  p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout,
+                                  placement=placement)
+            modules = [self._module(cfg, mesh, is_first_chunk(mesh.pp_size, mesh.pp_rank, c),
+                                    is_last_chunk(mesh.pp_size, len(ranges), mesh.pp_rank, c, placement), layer_ids)
                        for c, layer_ids in enumerate(ranges)]
         total = sum(p.numel() for m in modules for p in m.parameters())  # this rank's stages
         # the activations crossing a stage boundary are [s, b, hidden_size]: the flags' hidden size at pp > 1

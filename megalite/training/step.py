@@ -36,7 +36,9 @@ from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.muon import MuonSettings
 from megalite.config.choices import OptimizerKind
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
+from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, last_chunk_location
 from megalite.pipeline.partition import stage_layers
+from megalite.pipeline.schedules import chunk_placement
 from megalite.training.metrics import measured_attention_span
 from megalite.training.step_result import PipelineTiming, StepResult
 from megalite.distributed.host_reads import no_host_reads
@@ -44,18 +46,21 @@ from megalite.config import RunConfig
 
 
 def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPTModel]:
-    """This rank's model chunks: local chunk c holds model chunk c*pp + pp_rank (one chunk without interleaving)."""
+    """This rank's model chunks: local chunk c holds model chunk c*pp + pp_rank (one chunk without interleaving;
+    under DualPipeV model chunks pp_rank and 2pp-1-pp_rank)."""
     _check_same_experts(mesh, cfg, model)
+    placement = chunk_placement(cfg.schedule)
     if mesh.pp_size == 1:
         ranges = [range(model.num_layers)]
     else:
         p = cfg.parallel
         ranges = stage_layers(model.num_layers, mesh.pp_size, p.virtual_stages, mesh.pp_rank,
-                              p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout)
+                              p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout,
+                              placement=placement)
     chunks = []
     for c, layer_ids in enumerate(ranges):
-        first = mesh.pp_rank == 0 and c == 0
-        last = mesh.pp_rank == mesh.pp_size - 1 and c == len(ranges) - 1
+        first = is_first_chunk(mesh.pp_size, mesh.pp_rank, c)
+        last = is_last_chunk(mesh.pp_size, len(ranges), mesh.pp_rank, c, placement)
         chunks.append(GPTModel(model, mesh, layer_ids=layer_ids, pre_process=first, post_process=last,
                                sequence_parallel=cfg.parallel.sequence_parallel, recompute=cfg.parallel.recompute,
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
@@ -192,9 +197,12 @@ def global_target_tokens(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh
     return GlobalTokens(microbatches, mesh).value()
 
 
-def _global_loss(loss_sum: float, tokens: float, mesh: Mesh) -> float:
-    """The step's mean loss over every target token, the same on every rank (one scalar all-reduce)."""
-    mine = loss_sum if (mesh.is_last_stage and mesh.tp_rank == 0) else 0.0
+def _global_loss(loss_sum: float, tokens: float, mesh: Mesh, cfg: RunConfig) -> float:
+    """The step's mean loss over every target token, the same on every rank (one scalar all-reduce). The
+    loss sums are the stage's holding the last model chunk (the last stage; stage 0 under DualPipeV)."""
+    loss_stage = last_chunk_location(mesh.pp_size, cfg.parallel.virtual_stages if mesh.pp_size > 1 else 1,
+                                     chunk_placement(cfg.schedule))[0]
+    mine = loss_sum if (mesh.pp_rank == loss_stage and mesh.tp_rank == 0) else 0.0
     total = torch.tensor([mine], dtype=torch.float64, device=mesh.device)
     comm.all_reduce(total, comm.world_group())
     return float(total.item()) / max(tokens, 1.0)
@@ -285,7 +293,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
         token_count = outer.after_step(token_count)  # the loss below: over every replica group's tokens
     compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
     exposed = model.exposed_comm_seconds()
-    return StepResult(loss=_global_loss(loss_sum, token_count, mesh), grad_norm=update.grad_norm,
+    return StepResult(loss=_global_loss(loss_sum, token_count, mesh, cfg), grad_norm=update.grad_norm,
                       skipped=update.skipped, loss_scale=update.loss_scale, tokens=token_count,
                       loss_finite=loss_finite, lr=optimizer.param_groups[0]["lr"], exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],
@@ -341,4 +349,4 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
     else:
         spec = pipeline_spec(chunks[0].config, cfg, len(microbatches), seq_length)
         loss_sum = run_pipeline(spec, chunks, microbatches, mesh, forward_only=True)
-    return _global_loss(loss_sum, tokens, mesh)
+    return _global_loss(loss_sum, tokens, mesh, cfg)

@@ -1,7 +1,8 @@
 import pytest
 
 from megalite.pipeline.instructions import FWD, Instr, split_steps
-from megalite.pipeline.schedules import SCHEDULES, _interleaved, _with_transfers, build_schedule, check_schedule_args
+from megalite.pipeline.schedules import (SCHEDULES, _interleaved, _with_transfers, build_schedule, check_schedule_args,
+                                         chunk_placement)
 from megalite.pipeline.verifier import ScheduleError, peak_live_microbatches, verify_schedule
 
 KINDS = {"F": "FWD", "B": "BWD", "b": "BWD_INPUT", "w": "BWD_WEIGHT",
@@ -37,16 +38,18 @@ def test_every_schedule_verifies_over_the_grid():
                             build_schedule(name, pp, m, v)
                         continue
                     schedule = build_schedule(name, pp, m, v)
-                    verify_schedule(schedule, pp, v, m)
+                    verify_schedule(schedule, pp, v, m, placement=chunk_placement(name))
                     if name in ("1f1b", "interleaved"):  # the evaluation schedule depends on (pp, m, v) only
                         verify_schedule(build_schedule(name, pp, m, v, forward_only=True), pp, v, m, forward_only=True)
                     checked[name] += 1
                     computes = sum(op.kind == FWD for ops in schedule for op in ops)
                     assert computes == pp * v * m
     # The domains: gpipe everywhere at v=1 and at v>1 (pp>1) when pp | m; 1f1b / zb-h1 at v=1;
-    # interleaved at v>=2, pp>=2, pp | m.
+    # interleaved at v>=2, pp>=2, pp | m; dualpipev at v=2, pp>=2, m >= 2pp.
     multiples = sum(m % pp == 0 for pp in range(2, 9) for m in range(1, 17))
-    assert checked == {"gpipe": 128 + 3 * multiples, "1f1b": 128, "zb-h1": 128, "interleaved": 3 * multiples}
+    v_shaped = sum(m >= 2 * pp for pp in range(2, 9) for m in range(1, 17))
+    assert checked == {"gpipe": 128 + 3 * multiples, "1f1b": 128, "zb-h1": 128, "interleaved": 3 * multiples,
+                       "dualpipev": v_shaped}
 
 
 @pytest.mark.parametrize("pp, m", [(4, 8), (4, 3), (8, 16), (2, 1)])
