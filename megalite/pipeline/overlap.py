@@ -18,7 +18,7 @@ from typing import Mapping
 
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, Instr
 from megalite.pipeline.partition import ChunkPlacement, model_chunk_id
-from megalite.pipeline.schedules import _dualpipev, dualpipev_overlap_pairs
+from megalite.pipeline.schedules import dualpipev_compute, dualpipev_overlap_pairs
 
 
 def _units(ops: list[Instr], pairs: list[tuple[Instr, ...]]) -> list[tuple[Instr, ...]]:
@@ -54,7 +54,7 @@ def dualpipev_makespan(pp: int, m: int, cost: Mapping[str, float], pair_cost: fl
     """Seconds of one DualPipeV step with `cost[kind]` seconds per chunk instruction (FWD, BWD, BWD_INPUT,
     BWD_WEIGHT; transfers free) and each F&B pair taking `pair_cost` as one unit (None: its two
     instructions one after the other, as megalite's executor runs them)."""
-    compute = _dualpipev(pp, m)
+    compute = [dualpipev_compute(pp, m, r) for r in range(pp)]
     pairs = dualpipev_overlap_pairs(pp, m) if pair_cost is not None else [[]] * pp
     units = [_units(ops, pairs[r]) for r, ops in enumerate(compute)]
     done: dict[tuple[str, int, int], float] = {}

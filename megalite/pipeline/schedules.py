@@ -123,6 +123,13 @@ def _dualpipev(pp: int, m: int) -> list[list[Instr]]:
     return [_dualpipev_order(pp, m, r).ops for r in range(pp)]
 
 
+def dualpipev_compute(pp: int, m: int, r: int) -> list[Instr]:
+    """Rank r's compute instructions under DualPipeV, in the order build_schedule runs them (without
+    placing transfers): the planner counts the activations a stage holds on it."""
+    check_schedule_args(ScheduleName.DUALPIPEV, pp, m, 2)
+    return _dualpipev_order(pp, m, r).ops
+
+
 class _StageOrder:
     """A stage's compute list being written: each kind of each chunk takes its next microbatch,
     and the weight passes of split backwards wait in a queue, run oldest first. `pairs` are the

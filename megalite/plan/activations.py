@@ -4,7 +4,9 @@ Counted storage by storage in the manner of Korthikanti et al. 2022 ("Reducing A
 Recomputation in Large Transformer Models") for megalite's blocks and kernels, and checked
 against the real model on CPU (tests/training/test_estimate.py), times the microbatches in
 flight on the stage (1F1B: pp - stage; interleaved: Megatron's warmup + 1 chunks, of which only
-chunk 0's hold the first stage's embedding; GPipe: all; ZB-H1: counted on the schedule).
+chunk 0's hold the first stage's embedding; GPipe: all; ZB-H1: counted on the schedule; DualPipeV:
+counted on the schedule, 2pp + 1 chunk-microbatches on every stage, the embedding's and the
+head's both on stage 0).
 
 Which attention implementation runs (kernels/attention_dispatch.py) changes what its core keeps:
 the Triton kernels write their output where the out-projection reads it, SDPA's output is copied
@@ -23,9 +25,9 @@ from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
-from megalite.pipeline.schedules import build_schedule, interleaved_compute
+from megalite.pipeline.schedules import build_schedule, dualpipev_compute, interleaved_compute
 from megalite.plan.mla import latent_layer_bytes
-from megalite.plan.layout import DTYPE_BYTES, local_seq_length, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import DTYPE_BYTES, head_stage, local_seq_length, recomputed_stage_layers, stage_layers
 from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
 
 if TYPE_CHECKING:
@@ -215,11 +217,27 @@ def _zero_bubble_peak(pp: int, m: int, stage: int) -> int:
     return peak
 
 
+@lru_cache(maxsize=1024)
+def dualpipev_peak(pp: int, m: int, stage: int) -> tuple[int, int, int]:
+    """DualPipeV on `stage`, counted on its compute order: (chunk-microbatches live at the peak, of
+    them local chunk 0's, local chunk 1's). A microbatch's activations live from its FWD to its W (the
+    linear layers' inputs wait for the weight pass, as ZB-H1's). Every stage peaks at 2pp + 1: the
+    DualPipe report's PP + 1 for its PP = 2pp stages."""
+    live, peak, at_peak = [0, 0], 0, (0, 0)
+    for op in dualpipev_compute(pp, m, stage):
+        live[op.chunk] += (op.kind == FWD) - (op.kind == BWD_WEIGHT)
+        if sum(live) > peak:
+            peak, at_peak = sum(live), tuple(live)
+    return peak, *at_peak
+
+
 def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     """Microbatches (model chunks for interleaving) whose activations a stage holds at its peak."""
     m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
     if cfg.schedule == Schedule.GPIPE:
         return m * v
+    if cfg.schedule == Schedule.DUALPIPEV and pp > 1:              # counted on the schedule itself
+        return dualpipev_peak(pp, m, stage)[0]
     if cfg.schedule == Schedule.ZB_H1:                           # counted on the schedule itself
         return _zero_bubble_peak(pp, m, stage)
     if v == 1:                                                      # 1f1b: warmup + 1
@@ -240,6 +258,8 @@ def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
         return min(inflight, m)
     if cfg.schedule == Schedule.GPIPE:
         return m
+    if cfg.schedule == Schedule.DUALPIPEV:  # the embedding is chunk 0's on stage 0
+        return dualpipev_peak(pp, m, stage)[1]
     return sum(1 for k in range(inflight) if (k // pp) % v == 0)
 
 
@@ -250,6 +270,8 @@ def head_inflight_microbatches(cfg: RunConfig) -> int:
     m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
     if cfg.schedule == Schedule.GPIPE:
         return m
+    if cfg.schedule == Schedule.DUALPIPEV and pp > 1:  # the head is chunk 1's on stage 0
+        return dualpipev_peak(pp, m, 0)[2]
     if cfg.schedule != Schedule.INTERLEAVED or v == 1:
         return 1
     return _interleaved_head_at_peak(pp, m, v)
@@ -308,6 +330,6 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
     head_inflight = head_inflight_microbatches(cfg)
     if stage == 0:
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
-    if stage == pp - 1:
+    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV
         total += head_inflight * head_activation_bytes(model, cfg)
     return total

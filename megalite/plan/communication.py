@@ -25,8 +25,8 @@ from megalite.plan.muon import stage_muon
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.mla import latent_sequence_parallel_grads, latent_tp_bytes
-from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, is_hybrid, local_seq_length, recomputed_stage_layers,
-                                  stage_layers, zero_group_name, zero_shard_ranks)
+from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, head_stage, is_hybrid, is_v_shaped, local_seq_length,
+                                  recomputed_stage_layers, stage_layers, zero_group_name, zero_shard_ranks)
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
                                moe_tensor_parallel_bytes, stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
@@ -90,6 +90,8 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         first, last = stage == 0, stage == pp - 1
         fwd_send = m * (v - 1 if last else v)
         fwd_recv = m * (v - 1 if first else v)
+        if is_v_shaped(cfg):  # DualPipeV: stage 0 starts and ends the V, stage pp-1 turns it in memory
+            fwd_send = fwd_recv = m * (v - 1 if first or last else v)
         add("pp/send", chunk * (fwd_send + fwd_recv))   # activations forward, grads back
         add("pp/recv", chunk * (fwd_recv + fwd_send))
     return out
@@ -149,7 +151,7 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
     if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
         add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
         add("tp/all_gather", m * u if sp else 0)
-    if stage == pp - 1:
+    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV
         if sp:
             add("tp/all_gather", 2 * m * u)                         # output-layer input, fwd + bwd
             add("tp/reduce_scatter", m * u)                         # and its gradient
@@ -172,7 +174,7 @@ def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -
     n = 2 * norm * layers + (h * (layers + mlps) if model.add_bias else 0)  # attention and MLP output biases
     if model.mla is not None:  # the latent norms and the replicated down-projections
         n += latent_sequence_parallel_grads(model, layers)
-    if stage == cfg.parallel.pp - 1:
+    if stage == head_stage(cfg):
         n += norm
     if stage == 0 and model.flavour == "gpt2":
         n += model.seq_length * h

@@ -21,7 +21,7 @@ import math
 from typing import TYPE_CHECKING, Iterable
 
 from megalite.config.model import GPTConfig
-from megalite.plan.layout import is_hybrid, stage_layers
+from megalite.plan.layout import head_stage, is_hybrid, stage_layers
 from megalite.plan.moe import expert_dp_config, experts_apart, stage_moe_layers
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def stage_param_shapes(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tup
         shapes.append(vocab_shard)
         if model.flavour == "gpt2":
             shapes.append((model.seq_length, h))
-    if stage == pp - 1:
+    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV
         shapes += [(h,), (h,)] if model.flavour == "gpt2" else [(h,)]
         if not model.tie_embeddings or pp > 1:  # the output layer, or the last stage's tied copy
             shapes.append(vocab_shard)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from megalite.config.model import GPTConfig
 from megalite.plan.activations import output_kept_once, planned_attention
 from megalite.plan.hardware import HardwareProfile
-from megalite.plan.layout import stage_layers
+from megalite.plan.layout import head_stage, stage_layers
 from megalite.plan.params import stage_params
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def stage_launches(model: GPTConfig, cfg: RunConfig, stage: int, attention: str 
     `attention`: the implementation the blocks run (`activations.planned_attention`)."""
     block = block_launches(model, output_kept_once(cfg, planned_attention(model, attention)))
     layers = stage_layers(model, cfg)[stage]
-    share = 1.0 if cfg.parallel.pp == 1 else 0.5 * ((stage == 0) + (stage == cfg.parallel.pp - 1))
+    share = 1.0 if cfg.parallel.pp == 1 else 0.5 * ((stage == 0) + (stage == head_stage(cfg)))
     return Launches(round(layers * block.forward + share * MICROBATCH_LAUNCHES[0]),
                     round(layers * block.backward + share * MICROBATCH_LAUNCHES[1]))
 

@@ -2,13 +2,15 @@
 
 Pure arithmetic on a GPTConfig and a RunConfig (megalite.config), from
 megalite.pipeline.partition: local chunk c of stage r is model chunk c*pp + r (Megatron's
-interleaved assignment).
+interleaved assignment), or under DualPipeV model chunks r and 2pp-1-r (its V: stage 0 holds the
+embedding and the head, `head_stage`).
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import chunk_layer_counts
 
@@ -19,11 +21,21 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GB = 1e9
 
 
+def is_v_shaped(cfg: RunConfig) -> bool:
+    """DualPipeV: each stage holds model chunks r and 2pp-1-r (pipeline/partition.py's V placement)."""
+    return cfg.schedule == Schedule.DUALPIPEV and cfg.parallel.pp > 1
+
+
+def head_stage(cfg: RunConfig) -> int:
+    """The stage holding the last model chunk (final norm, output layer, loss): pp-1, or 0 under DualPipeV."""
+    return 0 if is_v_shaped(cfg) else cfg.parallel.pp - 1
+
+
 def stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
     """Blocks held by each pipeline stage (all its chunks)."""
     p = cfg.parallel
     return list(_stage_layers(model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
-                              p.decoder_last_stage_layers, p.pipeline_layout, None))
+                              p.decoder_last_stage_layers, p.pipeline_layout, None, is_v_shaped(cfg)))
 
 
 def recomputed_stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
@@ -33,18 +45,22 @@ def recomputed_stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
     if p.recompute != "full":
         return [0] * p.pp
     return list(_stage_layers(model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
-                              p.decoder_last_stage_layers, p.pipeline_layout, p.recompute_num_layers))
+                              p.decoder_last_stage_layers, p.pipeline_layout, p.recompute_num_layers,
+                              is_v_shaped(cfg)))
 
 
 @lru_cache(maxsize=4096)
 def _stage_layers(num_layers: int, pp: int, v: int, first: int | None, last: int | None, layout: str | None,
-                  per_chunk_cap: int | None) -> tuple[int, ...]:
-    """Blocks of each stage: the sum over its chunks (model chunks r, r + pp, r + 2pp, ...), each
-    counted up to `per_chunk_cap` (None: all). Cached: the planner's search asks for the same split
-    for every candidate of one (pp, v), and at pp 128 the sum is 256 chunks per stage."""
+                  per_chunk_cap: int | None, v_shaped: bool = False) -> tuple[int, ...]:
+    """Blocks of each stage: the sum over its chunks (model chunks r, r + pp, r + 2pp, ...; under
+    DualPipeV's V r and 2pp-1-r), each counted up to `per_chunk_cap` (None: all). Cached: the planner's
+    search asks for the same split for every candidate of one (pp, v), and at pp 128 the sum is 256
+    chunks per stage."""
     counts = chunk_layer_counts(num_layers, pp, v, first, last, layout)
     if per_chunk_cap is not None:
         counts = [min(per_chunk_cap, c) for c in counts]
+    if v_shaped:
+        return tuple(counts[r] + counts[2 * pp - 1 - r] for r in range(pp))
     return tuple(sum(counts[r::pp]) for r in range(pp))
 
 

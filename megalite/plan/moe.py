@@ -24,7 +24,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
-from megalite.pipeline.partition import stage_layers as partition_stage_layers
+from megalite.pipeline.partition import ChunkPlacement, stage_layers as partition_stage_layers
+from megalite.pipeline.schedules import chunk_placement
 from megalite.plan.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -39,14 +40,15 @@ def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: b
         return 0
     return _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
                        p.decoder_last_stage_layers, p.pipeline_layout, stage,
-                       p.recompute_num_layers if recomputed else None)
+                       p.recompute_num_layers if recomputed else None, chunk_placement(cfg.schedule))
 
 
 @lru_cache(maxsize=8192)
 def _moe_layers(moe, num_layers: int, pp: int, v: int, first: int | None, last: int | None, layout: str | None,
-                stage: int, per_chunk_cap: int | None) -> int:
+                stage: int, per_chunk_cap: int | None, placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> int:
     """stage_moe_layers' count, cached: the planner's search asks it for every stage of every candidate."""
-    ranges = [range(num_layers)] if pp == 1 else partition_stage_layers(num_layers, pp, v, stage, first, last, layout)
+    ranges = [range(num_layers)] if pp == 1 else partition_stage_layers(num_layers, pp, v, stage, first, last, layout,
+                                                                        placement=placement)
     if per_chunk_cap is not None:
         ranges = [r[:per_chunk_cap] for r in ranges]
     return sum(moe.is_moe_layer(i) for r in ranges for i in r)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig, attention_span
-from megalite.plan.layout import stage_layers
+from megalite.plan.layout import head_stage, stage_layers
 from megalite.plan.moe import dense_change_per_layer, expert_params_per_layer, stage_moe_layers
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     final_norm = 2 * h if model.flavour == "gpt2" else h
     if stage == 0:
         n += vocab_shard + (model.seq_length * h if model.flavour == "gpt2" else 0)
-    if stage == pp - 1:
+    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV
         n += final_norm + mtp_params(model, cfg)
         # untied: an output layer; tied with pp > 1: the last stage keeps its own copy of the
         # word embedding, kept in sync by an all-reduce of its gradient over the embedding group

@@ -66,7 +66,7 @@ from megalite.plan.compression import compression_enabled
 from megalite.plan.hardware import HardwareProfile, load_profile
 from megalite.plan.launches import (block_launches, host_seconds, optimizer_launches, queued_seconds, stage_launches,
                                     uses_cuda_graph)
-from megalite.plan.layout import DTYPE_BYTES, recomputed_stage_layers, stage_layers, zero_shard_ranks
+from megalite.plan.layout import DTYPE_BYTES, head_stage, recomputed_stage_layers, stage_layers, zero_shard_ranks
 from megalite.plan.params import layer_params, stage_params
 from megalite.plan.per_rank import bubble_fraction
 
@@ -239,7 +239,7 @@ def stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = Non
     device += rerun * block.forward
     backward += rerun * block.forward
     host = (layers + 0.5 * rerun) * hw.block_overhead_us * 1e-6    # a forward is about half a block's launches
-    for present, part in ((stage == 0, embedding_pass), (stage == cfg.parallel.pp - 1, head_pass)):
+    for present, part in ((stage == 0, embedding_pass), (stage == head_stage(cfg), head_pass)):
         if present:
             p = part(model, cfg, hw, kernels) if part is head_pass else part(model, cfg, hw)
             device, backward = device + p.forward + p.backward, backward + p.backward
@@ -311,7 +311,7 @@ def step_time_lower_bound(model: GPTConfig, cfg: RunConfig, hardware: str | Hard
     the slowest stage's is at least the last stage's."""
     hw = load_profile(hardware)
     per_node = min(cfg.world_size, ranks_per_node or hw.devices_per_node or cfg.world_size)
-    busy, comm, _, _ = _stage_time(model, cfg, hw, kernels, per_node, cfg.parallel.pp - 1,
+    busy, comm, _, _ = _stage_time(model, cfg, hw, kernels, per_node, head_stage(cfg),
                                    block_pass(model, cfg, hw, kernels))
     return busy + comm["tp"] + comm["cp"] + comm["pp"]
 

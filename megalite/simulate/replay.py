@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 from megalite.config import RunConfig
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
-from megalite.pipeline.schedules import build_schedule
+from megalite.pipeline.partition import chunk_location, model_chunk_id
+from megalite.pipeline.schedules import build_schedule, chunk_placement
+from megalite.plan.layout import is_v_shaped
 from megalite.plan.hardware import load_profile
 from megalite.training.advice import BUBBLE_LIMIT, EXPOSED_DP_LIMIT, bubble_advice, exposed_dp_advice
 from megalite.plan.comm_time import stage_communication
@@ -72,7 +74,8 @@ def _stage_costs(cfg: RunConfig, hw, per_node: int) -> list[tuple[float, float, 
         comm = stage_communication(model, cfg, hw, MEGALITE, per_node, stage, attention * slowdown)
         inline = (comm["tp"] + comm["cp"]) / m  # exposed in each microbatch, split like its compute
         share = forward / max(forward + backward, 1e-30)
-        sends = 2 * m * v - (m if stage in (0, cfg.parallel.pp - 1) else 0)
+        ends = stage in (0, cfg.parallel.pp - 1)  # DualPipeV: both ends of the V lose a send each way
+        sends = 2 * m * v - ((2 * m if is_v_shaped(cfg) else m) if ends else 0)
         per_send = comm["pp"] / max(sends, 1)
         out.append(((forward * slowdown + inline * share) / v, (backward * slowdown + inline * (1 - share)) / v,
                     per_send))
@@ -82,6 +85,7 @@ def _stage_costs(cfg: RunConfig, hw, per_node: int) -> list[tuple[float, float, 
 def _makespan(cfg: RunConfig, costs) -> tuple[float, list[float]]:
     """Run every stage's instruction list; (makespan, busy seconds per stage)."""
     pp, v, m = cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.num_microbatches
+    placement = chunk_placement(cfg.schedule)
     schedule = [[op for op in ops if op.kind in (FWD, BWD, BWD_INPUT, BWD_WEIGHT)]
                 for ops in build_schedule(str(cfg.schedule), pp, m, v)]
     done: dict[tuple[str, int, int], float] = {}  # (pass, virtual stage, microbatch) -> finish time
@@ -92,7 +96,7 @@ def _makespan(cfg: RunConfig, costs) -> tuple[float, list[float]]:
         for s in range(pp):
             while position[s] < len(schedule[s]):
                 op = schedule[s][position[s]]
-                k = op.chunk * pp + s  # the virtual stage
+                k = model_chunk_id(pp, s, op.chunk, placement)  # the virtual stage
                 forward = op.kind == FWD
                 if forward:
                     needed = ("F", k - 1, op.microbatch) if k > 0 else None
@@ -103,8 +107,9 @@ def _makespan(cfg: RunConfig, costs) -> tuple[float, list[float]]:
                 if needed is not None and needed not in done:
                     break
                 arrival = 0.0 if needed is None else done[needed]
-                if needed is not None and needed[1] != k:  # from another stage: one transfer
-                    arrival += costs[needed[1] % pp][2]
+                sender = chunk_location(pp, needed[1], placement)[0] if needed is not None else s
+                if sender != s:  # from another stage: one transfer (DualPipeV's turn stays on its stage)
+                    arrival += costs[sender][2]
                 cost = costs[s][0] if forward else costs[s][1] * (0.5 if op.kind != BWD else 1.0)
                 start = max(free[s], arrival)
                 free[s] = start + cost

@@ -386,3 +386,19 @@ def test_deepseek_shaped_rank_moves_and_keeps_what_the_planner_counts(sequence_p
     for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
         assert getattr(measured, term) == planned[term], term
     assert abs(measured.activation_peak_bytes / planned["activation_peak_bytes"] - 1) < 0.03
+
+
+@pytest.mark.parametrize("sizes", [dict(pp=2, global_batch_size=4), pytest.param(
+    dict(tp=2, pp=2, dp=2, zero=1, sequence_parallel=True, global_batch_size=8), marks=pytest.mark.slow)])
+def test_dualpipev_world_matches_the_planner(sizes):
+    """DualPipeV's V: stage 0 holds the embedding and the head and 2pp + 1 chunk-microbatches at its peak
+    like every stage, stage pp-1 turns the V in memory (no send between its chunks): the planner's
+    terms are the real step's (and at tp 2, SP, ZeRO 1)."""
+    cfg = layout(virtual_stages=2, pipeline_schedule="dualpipev", untie_embeddings_and_output_weights=True, **sizes)
+    report = simulate(cfg, "all", print_fn=lambda *a: None)
+    for entry in report["ranks"]:
+        m, p = entry["measured"], entry["planned"]
+        assert m["comm_bytes"] == p["comm_bytes"], entry["rank"]
+        for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert m[term] == p[term], (entry["rank"], term)
+        assert abs(m["activation_peak_bytes"] / p["activation_peak_bytes"] - 1) < 0.03, entry["rank"]
