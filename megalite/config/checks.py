@@ -278,7 +278,7 @@ def _latent_attention_problems(cfg: RunConfig) -> list[str]:
 
 def _dualpipev_problems(cfg: RunConfig) -> list[str]:
     """--pipeline-schedule dualpipev: its V puts the first and the last model chunk on pp rank 0 as two
-    chunks (pipeline/partition.py); what that does not run yet (docs/pipeline.md). Its microbatch and
+    chunks (pipeline/partition.py); what that does not run yet (docs/architecture/pipeline.md). Its microbatch and
     virtual-stage rules are the schedule's own (pipeline.schedules.check_schedule_args)."""
     if cfg.schedule != Schedule.DUALPIPEV or cfg.parallel.pp == 1:
         return []

@@ -4,7 +4,7 @@ DualPipe (DeepSeek-V3 report, section 3.2.1) runs the forward of one chunk and t
 other as one overlapped unit ("F&B"): the two computations share the device while each one's
 communication (the MoE all-to-alls, the pipeline transfers) hides behind the other's compute.
 `schedules.dualpipev_overlap_pairs` names those pairs; megalite's executor runs each pair's two
-instructions one after the other (docs/pipeline.md: what overlapping them would take).
+instructions one after the other (docs/architecture/pipeline.md: what overlapping them would take).
 
 This replay is the published schedule's clock: a pair starts when its stage is free and both of
 its instructions' inputs are ready, and takes `pair_cost` seconds. With F = B = W per chunk and

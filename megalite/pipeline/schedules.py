@@ -169,7 +169,7 @@ class _StageOrder:
 def dualpipev_overlap_pairs(pp: int, m: int) -> list[list[tuple[Instr, ...]]]:
     """Per rank, DualPipe's F&B pairs: the (FWD, BWD_INPUT, BWD_WEIGHT) instructions of a forward and a
     whole backward it runs overlapped; megalite's executor runs them one after the other
-    (pipeline/overlap.py replays each as one unit; docs/pipeline.md says what overlapping them would take)."""
+    (pipeline/overlap.py replays each as one unit; docs/architecture/pipeline.md says what overlapping them would take)."""
     check_schedule_args(ScheduleName.DUALPIPEV, pp, m, 2)
     return [_dualpipev_order(pp, m, r).pairs for r in range(pp)]
 

@@ -175,7 +175,7 @@ def bubble_fraction(cfg: RunConfig) -> float:
     """Idle fraction of a step: (p-1)/(v*m + p-1) for 1F1B/interleaved/GPipe, (p-1)/(3m + p-1)
     for ZB-H1 (its F, B and W passes each fill a third of a 1F1B slot), (p-1)/(6m + p-1) for
     DualPipeV as megalite runs it (each rank idles one chunk's F per stage after the first:
-    docs/pipeline.md)."""
+    docs/architecture/pipeline.md)."""
     p, m = cfg.parallel.pp, cfg.num_microbatches
     slots = {Schedule.ZB_H1: 3 * m, Schedule.DUALPIPEV: 6 * m}.get(cfg.schedule, cfg.parallel.virtual_stages * m)
     return (p - 1) / (slots + p - 1)
