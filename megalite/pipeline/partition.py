@@ -134,6 +134,8 @@ def stage_layers(num_layers: int, pp: int, v: int, pp_rank: int, first: int | No
     the V placement (DualPipeV) model chunks pp_rank and 2pp-1-pp_rank.
     """
     counts = chunk_layer_counts(num_layers, pp, v, first, last, layout)
+    if placement == ChunkPlacement.V and v != 2:
+        raise ValueError(f"the V placement (dualpipev) holds two model chunks per rank, not v={v}; set --virtual-stages 2")
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} outside a pipeline of {pp} stages")
     starts = [sum(counts[:i]) for i in range(len(counts))]

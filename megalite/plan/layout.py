@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
-from megalite.pipeline.partition import chunk_layer_counts
+from megalite.pipeline.partition import ChunkPlacement, chunk_layer_counts
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -22,8 +22,15 @@ GB = 1e9
 
 
 def is_v_shaped(cfg: RunConfig) -> bool:
-    """DualPipeV: each stage holds model chunks r and 2pp-1-r (pipeline/partition.py's V placement)."""
-    return cfg.schedule == Schedule.DUALPIPEV and cfg.parallel.pp > 1
+    """DualPipeV: each stage holds model chunks r and 2pp-1-r (pipeline/partition.py's V placement). Another
+    number of chunks per rank is the schedule's own refusal (schedules.check_schedule_args), counted here as
+    Megatron's placement until then."""
+    return cfg.schedule == Schedule.DUALPIPEV and cfg.parallel.pp > 1 and cfg.parallel.virtual_stages == 2
+
+
+def chunk_placement_of(cfg: RunConfig) -> ChunkPlacement:
+    """The placement the planner counts a run's chunks with (`is_v_shaped`)."""
+    return ChunkPlacement.V if is_v_shaped(cfg) else ChunkPlacement.INTERLEAVED
 
 
 def head_stage(cfg: RunConfig) -> int:

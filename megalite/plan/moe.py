@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import ChunkPlacement, stage_layers as partition_stage_layers
-from megalite.pipeline.schedules import chunk_placement
-from megalite.plan.layout import DTYPE_BYTES
+from megalite.plan.layout import DTYPE_BYTES, chunk_placement_of
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -40,7 +39,7 @@ def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: b
         return 0
     return _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
                        p.decoder_last_stage_layers, p.pipeline_layout, stage,
-                       p.recompute_num_layers if recomputed else None, chunk_placement(cfg.schedule))
+                       p.recompute_num_layers if recomputed else None, chunk_placement_of(cfg))
 
 
 @lru_cache(maxsize=8192)

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
-from megalite.plan.layout import DTYPE_BYTES, head_stage, is_hybrid, stage_layers, zero_group_name, zero_shard_ranks
+from megalite.plan.layout import (DTYPE_BYTES, chunk_placement_of, head_stage, is_hybrid, stage_layers, zero_group_name,
+                                  zero_shard_ranks)
 from megalite.plan.moe import dense_change_per_layer, expert_dp_config, expert_params_per_layer, stage_moe_layers
 from megalite.plan.params import layer_params
 from megalite.pipeline.partition import stage_layers as partition_stage_layers
-from megalite.pipeline.schedules import chunk_placement
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -80,7 +80,7 @@ def _stage_layer_ids(model: GPTConfig, cfg: RunConfig, stage: int) -> list[int]:
         return list(range(model.num_layers))
     ranges = partition_stage_layers(model.num_layers, p.pp, p.virtual_stages, stage, p.decoder_first_stage_layers,
                                     p.decoder_last_stage_layers, p.pipeline_layout,
-                                    placement=chunk_placement(cfg.schedule))
+                                    placement=chunk_placement_of(cfg))
     return [i for r in ranges for i in r]
 
 

@@ -31,6 +31,8 @@ def test_v_placement_holds_chunks_r_and_2pp_minus_1_minus_r():
     assert stage_layers(8, 2, 2, 1, placement=V) == [range(2, 4), range(4, 6)]
     assert stage_layers(8, 2, 2, 0, layout="1,3,3,1", placement=V) == [range(0, 1), range(7, 8)]
     assert stage_layers(8, 2, 2, 1, first=1, last=1, placement=V) == [range(1, 4), range(4, 7)]
+    with pytest.raises(ValueError, match="set --virtual-stages 2"):
+        stage_layers(8, 2, 1, 0, placement=V)
 
 
 def test_dualpipev_verifies_over_the_grid():

@@ -93,3 +93,31 @@ def test_dualpipev_training_matches_single_process(tp, pp, dp, extra):
                               timeout_s=240)
     # every logical parameter compared on the rank holding it: blocks on every rank, embedding and head on 0
     assert all(n > 0 for n in checked)
+
+
+def _main_capturing(argv):
+    import contextlib
+    import io
+
+    from megalite.training.loop import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--virtual-stages", "2", "--untie-embeddings-and-output-weights", "--global-batch-size", "6",
+      "--micro-batch-size", "2"], "schedule 'dualpipev' needs at least 2*pp = 4 microbatches, got 3"),
+    pytest.param(["--untie-embeddings-and-output-weights", "--global-batch-size", "8", "--micro-batch-size", "2"],
+                 "set --virtual-stages 2", marks=pytest.mark.slow),
+    pytest.param(["--virtual-stages", "2", "--global-batch-size", "8", "--micro-batch-size", "2"],
+                 "add --untie-embeddings-and-output-weights", marks=pytest.mark.slow),
+])
+def test_bad_dualpipev_settings_stop_every_rank_in_one_line(argv, needle):
+    results = run_distributed(_main_capturing, 2, ["--pp", "2", "--pipeline-schedule", "dualpipev", *argv],
+                              timeout_s=60)
+    assert all(code == 2 for code, _ in results)
+    assert results[0][1].count("\n") == 1 and needle in results[0][1], results[0][1]
+    assert results[1][1] == ""
