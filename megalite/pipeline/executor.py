@@ -35,6 +35,7 @@ from megalite.distributed.mesh import Mesh
 from megalite.pipeline import p2p
 from megalite.pipeline.chunk_calls import ChunkCalls, ModuleCalls
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD, RECV_ACT, SEND_ACT, SEND_GRAD, Instr, split_steps
+from megalite.pipeline.partition import ChunkPlacement
 from megalite.pipeline.schedules import ScheduleName, chunk_placement, schedule_name, verified_schedule
 from megalite.distributed.host_reads import no_host_reads
 
@@ -148,6 +149,9 @@ def run_pipeline(spec: PipelineSpec, model_chunks: list[torch.nn.Module], microb
         raise ValueError(f"got {len(microbatches)} microbatches but num_microbatches={spec.num_microbatches}")
     if forward_only and graphs is not None:
         raise ValueError("graphs replay training steps (forward and backward); evaluate without them")
+    if graphs is not None and chunk_placement(spec.schedule) != ChunkPlacement.INTERLEAVED:
+        raise ValueError("captured chunk graphs do not hold DualPipeV's in-memory hop between a rank's chunks yet; "
+                         "run it eagerly (graphs=None) or choose another schedule")
     executor = _Executor(spec, model_chunks, microbatches, mesh, loss_scale, forward_only, graphs)
     with no_host_reads() if check_host_reads else contextlib.nullcontext():
         executor.run(grad_sync)

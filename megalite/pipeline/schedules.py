@@ -15,8 +15,9 @@ Schedules (p = pp, m = microbatches, v = virtual stages; bubble with equal per-o
                Parallelism"); W fills 1F1B's bubbles                (p-1)/(3m+p-1) at F=B=W, m>=p
   dualpipev    DeepSeek's DualPipe cut in half (DeepSeek-V3 report, section 3.2.1; the DualPipe
                repository's DualPipeV): two chunks per rank in a V (partition.ChunkPlacement.V),
-               B/W split where it fills bubbles; m >= 2p          (p-1)/(3m+p-1) at F=B=W
-               (bubble time (p-1)(F&B + B - 3W) per rank, F&B = F + B here: no F/B overlap)
+               B/W split where it fills bubbles; m >= 2p          (p-1)/(6m+p-1) at F=B=W
+               (the published (p-1)(F&B + B - 3W) per rank is the clock of its F&B pairs run as
+               one unit, (p-1)/(3m+p-1) at F&B = F + B: pipeline/overlap.py; here F runs before B)
 """
 from __future__ import annotations
 

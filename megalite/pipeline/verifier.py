@@ -75,6 +75,7 @@ def _neighbours(pp: int, v: int, stage: int, chunk: int, placement: ChunkPlaceme
 def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int, forward_only: bool = False,
                  placement: ChunkPlacement = ChunkPlacement.INTERLEAVED) -> None:
     seen: dict[tuple[str, int, int], int] = {}
+    neighbours = [_neighbours(pp, v, stage, c, placement) for c in range(v)]
     for i, op in enumerate(ops):
         where = f"stage {stage} instruction #{i} {op}"
         if not (0 <= op.chunk < v and 0 <= op.microbatch < m):
@@ -83,9 +84,8 @@ def _check_local(ops: list[Instr], stage: int, pp: int, v: int, m: int, forward_
         if key in seen:
             raise ScheduleError(f"{where}: duplicate of instruction #{seen[key]}")
         seen[key] = i
-        _check_order(op, where, seen, forward_only, _neighbours(pp, v, stage, op.chunk, placement))
-    for c in range(v):
-        near = _neighbours(pp, v, stage, c, placement)
+        _check_order(op, where, seen, forward_only, neighbours[op.chunk])
+    for c, near in enumerate(neighbours):
         for mb in range(m):
             if forward_only:
                 required = [FWD] + ([RECV_ACT] if near.before else []) + ([SEND_ACT] if near.after else [])

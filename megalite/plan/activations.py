@@ -27,7 +27,8 @@ from megalite.plan import fp8
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
 from megalite.pipeline.schedules import build_schedule, dualpipev_compute, interleaved_compute
 from megalite.plan.mla import latent_layer_bytes
-from megalite.plan.layout import DTYPE_BYTES, head_stage, local_seq_length, recomputed_stage_layers, stage_layers
+from megalite.plan.layout import (DTYPE_BYTES, head_stage, is_v_shaped, local_seq_length, recomputed_stage_layers,
+                                  stage_layers)
 from megalite.plan.moe import routing_activation_bytes, stage_moe_layers
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ def inflight_microbatches(cfg: RunConfig, stage: int) -> int:
     m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
     if cfg.schedule == Schedule.GPIPE:
         return m * v
-    if cfg.schedule == Schedule.DUALPIPEV and pp > 1:              # counted on the schedule itself
+    if is_v_shaped(cfg):                                          # DualPipeV: counted on the schedule itself
         return dualpipev_peak(pp, m, stage)[0]
     if cfg.schedule == Schedule.ZB_H1:                           # counted on the schedule itself
         return _zero_bubble_peak(pp, m, stage)
@@ -258,7 +259,7 @@ def embedding_inflight_microbatches(cfg: RunConfig, stage: int) -> int:
         return min(inflight, m)
     if cfg.schedule == Schedule.GPIPE:
         return m
-    if cfg.schedule == Schedule.DUALPIPEV:  # the embedding is chunk 0's on stage 0
+    if is_v_shaped(cfg):  # DualPipeV: the embedding is chunk 0's on stage 0
         return dualpipev_peak(pp, m, stage)[1]
     return sum(1 for k in range(inflight) if (k // pp) % v == 0)
 
@@ -270,7 +271,7 @@ def head_inflight_microbatches(cfg: RunConfig) -> int:
     m, pp, v = cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.virtual_stages
     if cfg.schedule == Schedule.GPIPE:
         return m
-    if cfg.schedule == Schedule.DUALPIPEV and pp > 1:  # the head is chunk 1's on stage 0
+    if is_v_shaped(cfg):  # DualPipeV: the head is chunk 1's on stage 0
         return dualpipev_peak(pp, m, 0)[2]
     if cfg.schedule != Schedule.INTERLEAVED or v == 1:
         return 1

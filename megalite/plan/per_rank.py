@@ -47,7 +47,7 @@ from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes
-from megalite.plan.layout import DTYPE_BYTES, GB, recompute_fraction, stage_layers, zero_shard_ranks
+from megalite.plan.layout import DTYPE_BYTES, GB, is_v_shaped, recompute_fraction, stage_layers, zero_shard_ranks
 from megalite.plan.moe import expert_dp_config, stage_expert_params
 from megalite.plan.params import hardware_flops_per_token, mean_document_length, stage_params
 from megalite.plan.zero3 import gathered_peak_elements, transient_grad_bytes
@@ -177,7 +177,7 @@ def bubble_fraction(cfg: RunConfig) -> float:
     DualPipeV as megalite runs it (each rank idles one chunk's F per stage after the first:
     docs/architecture/pipeline.md)."""
     p, m = cfg.parallel.pp, cfg.num_microbatches
-    slots = {Schedule.ZB_H1: 3 * m, Schedule.DUALPIPEV: 6 * m}.get(cfg.schedule, cfg.parallel.virtual_stages * m)
+    slots = 6 * m if is_v_shaped(cfg) else 3 * m if cfg.schedule == Schedule.ZB_H1 else cfg.parallel.virtual_stages * m
     return (p - 1) / (slots + p - 1)
 
 
