@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalite.config.model import GPTConfig
 from megalite.errors import UsageError
+from megalite.parameters import params
 
 
 class MegatronCheckpointError(UsageError):
@@ -183,7 +186,6 @@ def _to_megalite(name: str, t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
 def _check_complete(full: dict, config: GPTConfig, unknown: list[str], where: Path) -> dict:
     """`full` against the megalite model's own logical tensors: every one present with its shape, none left over."""
     from megalite.model.gpt import GPTModel  # the model package sits above checkpoint/: imported where needed
-    from megalite.parameters import params
 
     if unknown:
         raise MegatronCheckpointError(f"{where}: {unknown[0]} is not a tensor of the GPT megalite builds from its "
@@ -262,9 +264,6 @@ def _read_legacy(directory: Path, vocab_size: int | None):
 
 
 def _read_torch_dist(directory: Path, vocab_size: int | None):
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     common = directory / "common.pt"
     if not common.is_file():
         raise MegatronCheckpointError(f"{directory}: a torch_dist checkpoint without common.pt (its args)")

@@ -10,6 +10,7 @@ same logits at tp 2. Where megatron-core is installed, its own GPTModel's state 
 imported and megalite's logits equal megatron-core's forward.
 """
 import argparse
+import importlib.util
 import json
 
 import pytest
@@ -154,6 +155,8 @@ def test_a_megatron_checkpoint_imports_with_the_same_tensors_and_logits(tmp_path
     assert set(imported) == set(full)
     for name, tensor in full.items():
         assert torch.equal(imported[name], tensor), name
+    if fmt == "torch_dist":
+        return  # the same tensors as the legacy import's: one world loading them at tp 2 is enough
     for ours, theirs in run_distributed(_logits_at_tp2, 2, imported, full, timeout_s=60):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
@@ -231,8 +234,10 @@ def _megatron_core_gpt():
     return state, ids, logits
 
 
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                    reason="megatron-core is not installed (not a megalite extra: `pip install megatron-core` beside "
+                           "torch runs this oracle; docs/megatron.md)")
 def test_megatron_cores_own_gpt_imports_with_its_logits(tmp_path):
-    pytest.importorskip("megatron.core")
     state, ids, logits = run_distributed(_megatron_core_gpt_in_a_rank, 1, timeout_s=300)[0]
     directory = tmp_path / "megatron" / "iter_0000003" / "mp_rank_00"
     directory.mkdir(parents=True)
