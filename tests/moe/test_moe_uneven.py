@@ -66,16 +66,16 @@ SETTINGS = dict(num_layers=1, seq_length=32, moe_expert_capacity_factor=0.75, mo
                 moe_aux_loss_coeff=1e-1, moe_z_loss_coeff=1e-2)
 
 
-def _ids():
-    return torch.randint(0, 257, (2, TOKENS + 1), generator=torch.Generator().manual_seed(5))
+def _ids(tokens):
+    return torch.randint(0, 257, (2, tokens + 1), generator=torch.Generator().manual_seed(5))
 
 
-def _loss_and_grads(m, cfg):
-    """The model's summed loss on 21 tokens, {logical name: this rank's gradient} (summed where each tp rank's
+def _loss_and_grads(m, cfg, tokens):
+    """The model's summed loss on `tokens` tokens, {logical name: this rank's gradient} (summed where each tp rank's
     tokens gave part of it: the router and, at etp 1, the experts) and the routes its capacity dropped."""
     torch.manual_seed(3)
     model = build_model_chunks(cfg.gpt_config(), cfg, m)[0]
-    ids = _ids()
+    ids = _ids(tokens)
     loss = model(ids[:, :-1], ids[:, 1:], reduction="sum")
     loss.backward()
     grads = {}
@@ -89,12 +89,12 @@ def _loss_and_grads(m, cfg):
     return loss.detach(), grads, int(model.layers[0].mlp.stats["dropped"])
 
 
-def _tiny_at_tp2(reference):
+def _tiny_at_tp2(reference, tokens):
     cfg = cfg_for(tp=2, **SETTINGS)
     m = mesh.init_mesh(layout=cfg.layout())
     ref_loss, ref_grads, _ = reference
     try:
-        loss, grads, dropped = _loss_and_grads(m, cfg)
+        loss, grads, dropped = _loss_and_grads(m, cfg, tokens)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
         for name, (spec, grad) in grads.items():
             torch.testing.assert_close(grad, spec.shard(ref_grads[name]), rtol=1e-5, atol=1e-6, msg=name)
@@ -103,12 +103,13 @@ def _tiny_at_tp2(reference):
         destroy_mesh()
 
 
-def test_tiny_moe_at_etp1_on_21_tokens_equals_the_single_process():
+@pytest.mark.parametrize("tokens", [TOKENS, 1])  # 1: tp rank 1 routes no row at all
+def test_tiny_moe_at_etp1_on_a_token_count_tp_does_not_divide_equals_the_single_process(tokens):
     cfg = cfg_for(**SETTINGS)
-    loss, grads, dropped = _loss_and_grads(single_process_mesh("cpu"), cfg)
+    loss, grads, dropped = _loss_and_grads(single_process_mesh("cpu"), cfg, tokens)
     reference = (loss, {name: spec.assemble([grad]) for name, (spec, grad) in grads.items()}, dropped)
-    assert dropped > 0  # the capacity bites: the drops are decided over both tp ranks' rows together
-    for names, rank_dropped in run_distributed(_tiny_at_tp2, 2, reference, timeout_s=120):
+    assert dropped > 0 or tokens == 1  # the capacity bites: the drops are decided over both tp ranks' rows together
+    for names, rank_dropped in run_distributed(_tiny_at_tp2, 2, reference, tokens, timeout_s=120):
         assert names == sorted(grads) and rank_dropped == dropped
 
 
