@@ -13,7 +13,8 @@ files: the full tensors are assembled from its layout-free boxes, every file rea
 Nothing is downloaded: `--hf` is a local directory.
 
 torch's formats (megalite/checkpoint/torch_formats.py): `--to dcp | safetensors --load CKPT --output OUT`,
-`--from dcp --load DCP_DIR --output CKPT`.
+`--from dcp --load DCP_DIR --output CKPT`. Megatron-core's (megalite/checkpoint/megatron.py, docs/megatron.md):
+`--from megatron --load MEGATRON_SAVE_DIR --output CKPT [--vocab-size N]`, the legacy per-rank files or torch_dist.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
 from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem
 from megalite.checkpoint import torch_formats as tf
+from megalite.checkpoint.megatron import read_megatron
 from megalite.progress import ProgressBar
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,21 +151,39 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0, pro
     return path
 
 
+def import_megatron(load: str | Path, output: str | Path, *, vocab_size: int | None = None) -> Path:
+    """Publish a megalite checkpoint (weights only, step 0) of a Megatron-core GPT checkpoint; returns its path."""
+    config, full, info = read_megatron(load, vocab_size=vocab_size)
+    path = write_full_state(output, config, full, step=0, extra={"imported_from": str(load), "megatron": {
+        "format": info.format, "iteration": info.iteration, "tp": info.tp, "pp": info.pp}})
+    print(f"imported Megatron {info.format} iteration {info.iteration} (saved at tp={info.tp} pp={info.pp}; "
+          f"{config.flavour}, {config.num_params() / 1e6:.2f}M params) to {path}")
+    return path
+
+
 def torch_formats_main(argv: list[str]) -> int:
     """--to dcp | safetensors, --from dcp (megalite/checkpoint/torch_formats.py)."""
     parser = OneLineParser(prog="convert_checkpoint.py", description="megalite checkpoint <-> torch formats")
     way = parser.add_mutually_exclusive_group(required=True)
     way.add_argument("--to", choices=["dcp", "safetensors"], help="megalite checkpoint -> this format")
-    way.add_argument("--from", dest="source", choices=["dcp"], help="this format -> megalite checkpoint")
+    way.add_argument("--from", dest="source", choices=["dcp", "megatron"], help="this format -> megalite checkpoint "
+                     "(megatron: a Megatron-core GPT checkpoint, legacy per-rank files or torch_dist)")
     parser.add_argument("--load", required=True, help="the checkpoint (--to) or the DCP directory (--from)")
     parser.add_argument("--step", type=int, default=None, help="--to: this step instead of the latest")
     parser.add_argument("--output", required=True, help="DCP directory, .safetensors file, or checkpoint directory")
+    parser.add_argument("--vocab-size", type=int, default=None, help="--from megatron: keep the embedding's first "
+                        "N rows (default: Megatron's padded vocabulary, every row)")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     bar = None if args.no_progress else ProgressBar(None, unit="MB", count_name="tensors", label="reading")
     try:
         if args.source == "dcp":
             path = tf.import_dcp(args.load, args.output)
+        elif args.source == "megatron":
+            problem = output_dir_problem("--output", args.output)
+            if problem:
+                raise UsageError(problem)
+            path = import_megatron(args.load, args.output, vocab_size=args.vocab_size)
         elif args.to == "dcp":
             path = tf.export_dcp(args.load, args.output, step=args.step, progress=bar)
         else:
@@ -183,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "torch.distributed.checkpoint or one .safetensors file\n"
                                   "  --from dcp --load DCP_DIR --output CHECKPOINT                      "
                                   "torch.distributed.checkpoint -> megalite\n"
+                                  "  --from megatron --load MEGATRON_DIR --output CHECKPOINT [--vocab-size N]  "
+                                  "Megatron-core (legacy or torch_dist) -> megalite\n"
                                   "(`convert_checkpoint.py --to dcp --help` lists their flags)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--to" in argv or "--from" in argv:  # torch's formats (DCP, safetensors) rather than transformers'

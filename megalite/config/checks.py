@@ -151,18 +151,14 @@ def _compression_problems(cfg: RunConfig) -> list[str]:
 
 def layout_problems(cfg: RunConfig) -> list[str]:
     """The parallel sizes against each other (megalite.layout: one rule, one message, wherever a layout is
-    met) and, for whole experts under tp, the sequence against tp x cp."""
+    met). Whole experts under tp (etp 1) take any sequence length: without SP the tp ranks route
+    split_sizes(s, tp) rows each (megalite/distributed/uneven.py); SP's own rule is plan/validity.py's."""
     try:
-        layout = cfg.layout()
+        cfg.layout()
     except LayoutError as exc:
         return [str(exc)]
     except ValueError:
         return []  # the model cannot be built: reported by validate() itself
-    model = cfg.gpt_config()
-    if layout.experts_whole and model.seq_length % (layout.tp * layout.cp):
-        return [f"--etp 1 under --tp {layout.tp} splits each rank's s/cp tokens of a sequence over tp: --seq-length "
-                f"{model.seq_length} must be divisible by tp*cp = {layout.tp * layout.cp}; change --seq-length or use "
-                f"--etp {layout.tp}"]
     return []
 
 

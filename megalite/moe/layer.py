@@ -13,7 +13,8 @@ etp = tp (experts_whole False): experts split over tp like the dense MLP.
 
 etp = 1 (experts_whole, tp > 1): whole experts on every tp rank, and each tp rank routes only
 its own 1/tp of the tokens: under SP its [s/tp, b, h] shard as it is; without SP its slice of the
-replicated sequence (split on entry, the output all-gathered on exit). No tp collective touches
+replicated sequence (split on entry, the output all-gathered on exit; any length s: where tp does not
+divide it the first s % tp ranks take one row more, megalite/distributed/uneven.py). No tp collective touches
 the experts' activations; the tp ranks' replicas of an expert saw different tokens, so their
 gradients reduce over expert-dp x tp (the mesh's expert_dp_group) and the router's over tp. The
 router's per-microbatch statistics are over the token group (groups.moe_tokens: tp x cp).
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from megalite.distributed import comm
+from megalite.distributed.uneven import split_sizes
 from megalite.parameters import params
 from megalite.moe.config import MoEConfig
 from megalite.moe.dispatcher import make_dispatcher
@@ -146,49 +148,53 @@ class MoELayer(nn.Module):
         return out * torch.sigmoid(torch.nn.functional.linear(full, self.shared_expert_gate))  # [s, b, 1]
 
     def _forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """etp = 1: this tp rank routes and runs its own [s/tp, b, h] tokens through whole experts."""
+        """etp = 1: this tp rank routes and runs its own tokens through whole experts: under SP its [s/tp, b, h]
+        shard as it is; else its rows of the replicated [s, b, h], split_sizes(s, tp) of them (an uneven split
+        where tp does not divide s: 21 tokens over tp 2 are 11 and 10 rows)."""
         tp = self.tp_group
-        if not self.sequence_parallel and x.shape[0] % comm.group_size(tp):
-            raise ValueError(f"an MoE layer at etp 1 under tp {comm.group_size(tp)} gives each tp rank 1/"
-                             f"{comm.group_size(tp)} of the sequence, and {x.shape[0]} tokens do not split evenly: "
-                             f"pad the sequence to a multiple of {comm.group_size(tp)} tokens, or build the mesh "
-                             f"with etp=tp (init_mesh(..., etp={comm.group_size(tp)}))")
-        mine = x if self.sequence_parallel else mappings.scatter_to_sequence_parallel_region(x, tp)  # [s/tp, b, h]
-        out, routing = self._experts(mine, None, self.token_group)  # [s/(cp tp), b, h]
-        if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my slice of its output
+        rows = None if self.sequence_parallel else split_sizes(x.shape[0], comm.group_size(tp))
+        mine = x if self.sequence_parallel else mappings.scatter_to_sequence_parallel_region(x, tp, sizes=rows)
+        tp_rows = rows or [mine.shape[0]] * comm.group_size(tp)  # every tp rank's rows of this cp rank's sequence
+        out, routing = self._experts(mine, None, self.token_group, tp_rows=tp_rows)  # [rows, b, h]
+        if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my rows of its output
             full = mappings.gather_from_sequence_parallel_region(x, tp, grad_is_partial=False) \
                 if self.sequence_parallel else x
-            out = out + mappings.scatter_to_sequence_parallel_region(self._shared(full), tp)
+            out = out + mappings.scatter_to_sequence_parallel_region(self._shared(full), tp, sizes=rows)
         out = self._attach_losses(out, routing)
-        if not self.sequence_parallel:  # the block's output is replicated over tp: every rank's slice, gathered
-            out = mappings.gather_from_sequence_parallel_region(out, tp, grad_is_partial=False)  # [s, b, h]
-        return out.to(x.dtype)
+        if not self.sequence_parallel:  # the block's output is replicated over tp: every rank's rows, gathered
+            out = mappings.gather_from_sequence_parallel_region(out, tp, grad_is_partial=False, sizes=rows)
+        return out.to(x.dtype)  # [s, b, h] (SP: [s/tp, b, h])
 
-    def _experts(self, x: torch.Tensor, etp_group, capacity_group):
+    def _experts(self, x: torch.Tensor, etp_group, capacity_group, *, tp_rows: list[int] | None = None):
         """Route x [s', b, h], run the routes through the experts, combine: ([s', b, h], its Routing).
 
         etp_group: the group the experts are split over (None: whole experts); capacity_group: the
-        ranks whose tokens, taken together, an expert's capacity is counted over (None: this rank's)."""
+        ranks whose tokens, taken together, an expert's capacity is counted over (None: this rank's);
+        tp_rows: at etp 1, the rows of this cp rank's sequence each tp rank routes (they may differ by one)."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        order = self._token_order(s, b, x.device) if self.moe.capacity_factor is not None else None
-        routing = self.router(tokens, b, self.token_group, capacity_group, order)
+        token_counts = None  # the tokens of each rank of token_group (tp fastest, then cp), where they differ
+        if tp_rows is not None and len(set(tp_rows)) > 1:
+            token_counts = [rows * b for _ in range(comm.group_size(self.cp_group)) for rows in tp_rows]
+        order = self._token_order(s, b, x.device, tp_rows) if self.moe.capacity_factor is not None else None
+        routing = self.router(tokens, b, self.token_group, capacity_group, order, token_counts=token_counts)
         expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, etp_group)  # experts: tp inside
         expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
         expert_output = self.experts(expert_input, group_sizes)  # [R_local, h], partial over etp_group
         expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, etp_group)
         return self.dispatcher.combine(expert_output, routing.weights, state).view(s, b, h), routing
 
-    def _token_order(self, rows: int, b: int, device) -> torch.Tensor | None:
+    def _token_order(self, rows: int, b: int, device, tp_rows: list[int] | None) -> torch.Tensor | None:
         """[rows*b] int64: the index of each of this rank's tokens (x's rows [rows, b] flattened) in the
-        single process's [s, b] flattening, pos*b + j; None at cp = 1, where the ranks' order is that."""
+        single process's [s, b] flattening, pos*b + j; None at cp = 1, where the ranks' order is that.
+        tp_rows: at etp 1, each tp rank's rows of this cp rank's tokens (mine a contiguous slice of them)."""
         cp = comm.group_size(self.cp_group)
         if cp == 1:
             return None
-        tp = comm.group_size(self.tp_group) if self.experts_whole else 1
-        positions = position_ids(rows * tp * cp, comm.group_rank(self.cp_group), cp, device=device)  # [s/cp]
-        if self.experts_whole:  # my tp rank's contiguous slice of this cp rank's tokens
-            first = comm.group_rank(self.tp_group) * rows
+        cp_rows = sum(tp_rows) if tp_rows is not None else rows  # this cp rank's rows of the sequence
+        positions = position_ids(cp_rows * cp, comm.group_rank(self.cp_group), cp, device=device)  # [s/cp]
+        if tp_rows is not None:  # my tp rank's contiguous slice of this cp rank's tokens
+            first = sum(tp_rows[:comm.group_rank(self.tp_group)])
             positions = positions[first:first + rows]
         return (positions.view(rows, 1) * b + torch.arange(b, device=device).view(1, b)).reshape(-1)
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.distributed import comm
+from megalite.distributed import comm, uneven
 from megalite.moe.config import MoEConfig
 from megalite.plan.moe import balanced_routes
 
@@ -86,32 +86,34 @@ def balanced_expert_ids(num_tokens: int, k: int, num_experts: int, ep: int, ep_r
 
 
 def load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
-                        token_group=None) -> torch.Tensor:
+                        token_group=None, group_tokens: int | None = None) -> torch.Tensor:
     """E / (T^2 k) * sum_e (sum_t scores[t, e]) * routes_e; scores [T, E], expert_ids [T, k].
 
     1.0 when the load and the probability mass are both uniform. With a `token_group` the tokens
-    are split over its ranks: this rank's share (see the module docstring)."""
+    are split over its ranks: this rank's share (see the module docstring); group_tokens: T, the
+    tokens of the whole group, where the ranks' shares differ (None: this rank's times the ranks)."""
     tokens, k = expert_ids.shape
     routes = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(scores.dtype)  # [E]
-    tokens *= _summed(routes, token_group)
+    tokens = _summed(routes, token_group, tokens, group_tokens)
     return (scores.sum(0) * routes).sum() * (num_experts / (tokens * tokens * k))
 
 
-def _summed(counts: torch.Tensor, token_group) -> int:
-    """Sum `counts` over the ranks sharing the sequences (in place); returns how many ranks there are."""
+def _summed(counts: torch.Tensor, token_group, mine: int, group_total: int | None) -> int:
+    """Sum `counts` over the ranks sharing the sequences (in place); returns the group's total of a count
+    of which this rank holds `mine` (group_total where the ranks' shares differ; else mine per rank)."""
     comm.all_reduce(counts, token_group)
-    return comm.group_size(token_group)
+    return group_total if group_total is not None else mine * comm.group_size(token_group)
 
 
 def sequence_load_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
-                                 num_sequences: int, token_group=None) -> torch.Tensor:
+                                 num_sequences: int, token_group=None, group_tokens: int | None = None) -> torch.Tensor:
     """The load-balancing loss of each sequence, averaged. Tokens are [s, b] flattened (t = i*b + j):
-    sequence j is every b-th token from j."""
+    sequence j is every b-th token from j. group_tokens: as load_balancing_loss's."""
     tokens, k = expert_ids.shape
     s = tokens // num_sequences
     per_sequence_scores = scores.view(s, num_sequences, num_experts).sum(0)  # [b, E]
     one_hot = F.one_hot(expert_ids.view(s, num_sequences, k), num_experts).sum((0, 2)).to(scores.dtype)  # [b, E]
-    s *= _summed(one_hot, token_group)
+    s = _summed(one_hot, token_group, s, None if group_tokens is None else group_tokens // num_sequences)
     return (per_sequence_scores * one_hot).sum() * (num_experts / (s * s * k)) / num_sequences
 
 
@@ -154,14 +156,17 @@ class Router(nn.Module):
             self.expert_bias = None
 
     def forward(self, tokens: torch.Tensor, num_sequences: int, token_group=None, capacity_group=None,
-                token_order: torch.Tensor | None = None) -> Routing:
+                token_order: torch.Tensor | None = None, *, token_counts: list[int] | None = None) -> Routing:
         """tokens [T, h]; num_sequences b (tokens are [s, b] flattened); token_group: the ranks holding the
         other tokens of these sequences (cp; tp x cp when each tp rank routes its own, etp = 1);
         capacity_group: the ranks whose tokens (this rank's slice of dim 0 in rank order) together make
         the set an expert's capacity is counted over (None: this rank's tokens); token_order [T] int64:
         each token's index in the single process's [s, b] flattening, where the group's rank order is
-        not that order (cp's zigzag chunks; None: it is)."""
+        not that order (cp's zigzag chunks; None: it is); token_counts: the tokens each rank of token_group
+        holds (group rank order) where they differ (an uneven split at etp 1; capacity_group is then the
+        token group); None: T on every rank."""
         moe, k = self.moe, self.moe.topk
+        group_tokens = None if token_counts is None else sum(token_counts)  # the whole group's T
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E] fp32
         if moe.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
@@ -191,31 +196,35 @@ class Router(nn.Module):
             self.step_tokens_per_expert += tokens_per_expert.to(self.step_tokens_per_expert.dtype)
         aux = None
         if moe.load_balancing_type == "aux_loss":
-            aux = load_balancing_loss(balance_scores, expert_ids, moe.num_experts, token_group)
+            aux = load_balancing_loss(balance_scores, expert_ids, moe.num_experts, token_group, group_tokens)
         elif moe.load_balancing_type == "seq_aux_loss":
             aux = sequence_load_balancing_loss(balance_scores, expert_ids, moe.num_experts, num_sequences,
-                                               token_group)
+                                               token_group, group_tokens)
         z_loss = None
         if moe.z_loss_coeff > 0:  # this rank's share of the mean over the whole sequences
-            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (tokens.shape[0] * comm.group_size(token_group))
+            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / (
+                group_tokens or tokens.shape[0] * comm.group_size(token_group))
         dropped = torch.zeros((), dtype=torch.int64, device=tokens.device)
         if moe.capacity_factor is not None:
-            keep = _capacity_keep(expert_ids, weights, moe, capacity_group, token_order)
+            keep = _capacity_keep(expert_ids, weights, moe, capacity_group, token_order, token_counts)
             dropped = (~keep).sum()
             expert_ids = torch.where(keep, expert_ids, torch.full_like(expert_ids, -1))
         return Routing(expert_ids, weights, tokens_per_expert, dropped, aux, z_loss)
 
 
 def _capacity_keep(expert_ids: torch.Tensor, weights: torch.Tensor, moe: MoEConfig, capacity_group,
-                   token_order: torch.Tensor | None = None) -> torch.Tensor:
+                   token_order: torch.Tensor | None = None, token_counts: list[int] | None = None) -> torch.Tensor:
     """[T, k] bool: the routes kept, capacity counted over the tokens of `capacity_group` together (this
     rank's slice of the gathered choices: every rank decides alike, as one rank routing them all would,
-    in that rank's token order: `token_order`, gathered too, when rank order is not it)."""
+    in that rank's token order: `token_order`, gathered too, when rank order is not it). token_counts:
+    each rank's T where they differ (the gathers and the slice uneven)."""
     n = comm.group_size(capacity_group)
-    if n > 1:  # [T, k] -> [n*T, k]: small (k ids and weights per token), no gradient
-        expert_ids = comm.all_gather(expert_ids.contiguous(), capacity_group)
-        weights = comm.all_gather(weights.detach().contiguous(), capacity_group)
-        token_order = None if token_order is None else comm.all_gather(token_order.contiguous(), capacity_group)
+    if n > 1:  # [T, k] -> [n*T, k] (or [sum(token_counts), k]): small (k ids and weights per token), no gradient
+        gather = comm.all_gather if token_counts is None else (
+            lambda t, group: uneven.all_gather(t, group, token_counts))
+        expert_ids = gather(expert_ids.contiguous(), capacity_group)
+        weights = gather(weights.detach().contiguous(), capacity_group)
+        token_order = None if token_order is None else gather(token_order.contiguous(), capacity_group)
     capacity = math.ceil(moe.capacity_factor * expert_ids.shape[0] * moe.topk / moe.num_experts)
     if token_order is None:
         keep = capacity_keep_mask(expert_ids, weights, moe.num_experts, capacity, moe.token_drop_policy)
@@ -224,7 +233,10 @@ def _capacity_keep(expert_ids: torch.Tensor, weights: torch.Tensor, moe: MoEConf
         keep = torch.empty_like(expert_ids, dtype=torch.bool)
         keep[order] = capacity_keep_mask(expert_ids[order], weights[order], moe.num_experts, capacity,
                                          moe.token_drop_policy)
-    return keep.chunk(n)[comm.group_rank(capacity_group)] if n > 1 else keep
+    if n == 1:
+        return keep
+    mine = comm.group_rank(capacity_group)
+    return keep.chunk(n)[mine] if token_counts is None else keep.split(token_counts)[mine]
 
 
 @torch.no_grad()

@@ -19,7 +19,19 @@ training dtype, T = s/cp * b tokens of a microbatch, h the hidden size:
   output (plan/fp8.forward_buffer_bytes); the grouped experts' weight cast for the input gradient,
   in torch: stacked weights, an fp32 copy and two FP8 copies (plan/fp8.expert_weight_cast_bytes).
 
-The larger of these is the stage's buffer term: the blocks run one at a time.
+- the last stage's head in backward (not with --fused-linear-cross-entropy), at the larger of two moments:
+  the cross entropy's backward writes the logits' gradient [T, V/tp] beside the logits it kept (counted
+  in the activations): a*T*V/tp; then the output layer's backward, the logits freed (the gradient takes
+  their place), makes its weight gradient [V/tp, h] in the training dtype, before it is added into the
+  fp32 main gradient, beside the gradient of its input, [T, h] (under sequence parallelism the input
+  re-gathered, [T, h], and the input gradient's reduce-scattered shard, [T/tp, h]): a*(V/tp)*h +
+  a*T*h*(1 + r'), r' = 1/tp with SP, else 0. At llama-405b's last stage (tp 8, vocabulary 128,256 padded
+  to 129,024, s 8192) the second, 528.5 + 268.4 MB, is above a block's 536.9 MB: --simulate found it
+  (docs/simulate.md, "Differences it names"); with a small hidden size the first is the larger.
+
+The larger of these is the stage's buffer term: the blocks and the head run one at a time. Beside it,
+always live and no parameter: Llama's RoPE tables, fp32 cos and sin [seq_length, d_rope] in each model
+chunk a rank holds (`model_buffer_bytes`; 8.4 MB at llama-405b).
 """
 from __future__ import annotations
 
@@ -53,10 +65,39 @@ def expert_gemm_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     return 2 * DTYPE_BYTES[cfg.precision.precision] * widest
 
 
+def head_backward_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """The last stage's head in backward: the logits' gradient beside the logits, or the output layer's
+    weight gradient and its input's (module docstring)."""
+    p = cfg.parallel
+    if p.fused_linear_cross_entropy:  # the fused kernel's chunks: not this shape (not measured here)
+        return 0
+    a, vocab_shard = DTYPE_BYTES[cfg.precision.precision], model.padded_vocab_size(p.tp) // p.tp
+    tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size
+    logits_grad = a * tokens * vocab_shard  # [T, V/tp]
+    weight_grad = a * vocab_shard * model.hidden_size  # [V/tp, h]
+    if p.sequence_parallel and p.tp > 1:  # the re-gathered input [T, h] and the gradient's shard [T/tp, h]
+        return max(logits_grad, weight_grad + a * tokens * model.hidden_size * (p.tp + 1) // p.tp)
+    return max(logits_grad, weight_grad + a * tokens * model.hidden_size)  # the input's gradient [T, h]
+
+
+def model_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """The model's non-parameter buffers on a rank: each chunk's RoPE cos and sin tables (llama flavour)."""
+    if model.flavour != "llama":
+        return 0
+    return 2 * 4 * model.seq_length * model.rope_head_dim * cfg.parallel.virtual_stages
+
+
 def buffer_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """Transient bytes live at the peak of a rank of pipeline stage `stage` (module docstring)."""
+    """Bytes live at the peak of a rank of pipeline stage `stage` beside the model states and the saved
+    activations: the larger transient working set and the model's buffers (module docstring)."""
+    return _transient_bytes(model, cfg, stage) + model_buffer_bytes(model, cfg)
+
+
+def _transient_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     dense = block_output_bytes(model, cfg)
     dense = max(dense, fp8.forward_buffer_bytes(model, cfg, dense))  # FP8: the MLP-out linear's working set
+    if stage == cfg.parallel.pp - 1:  # the output layer's backward
+        dense = max(dense, head_backward_bytes(model, cfg))
     if model.moe is None or not stage_moe_layers(model, cfg, stage):
         return dense
     return max(dense, expert_gemm_buffer_bytes(model, cfg), fp8.expert_weight_cast_bytes(model, cfg))

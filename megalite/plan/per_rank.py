@@ -44,7 +44,7 @@ from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
 from megalite.plan.activations import activation_bytes, inflight_microbatches
-from megalite.plan.buffers import buffer_bytes
+from megalite.plan.buffers import buffer_bytes, model_buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
 from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, is_v_shaped, recompute_fraction, stage_layers, zero_shard_ranks
@@ -86,11 +86,19 @@ class Estimate:
     """total_bytes of every pipeline stage (the estimate reports the largest)."""
     buffer_bytes: int = 0
     """Transient tensors live at the peak beside the other four terms (plan/buffers.py)."""
+    setup_bytes: int = 0
+    """The data-parallel wrapper's set-up (`setup_bytes`): a peak before the first step."""
+
+    @property
+    def step_bytes(self) -> int:
+        """The step's peak: the five terms together."""
+        return (self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+                + self.buffer_bytes)
 
     @property
     def total_bytes(self) -> int:
-        return (self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
-                + self.buffer_bytes)
+        """The rank's peak: the step's, or the set-up's where that is larger (ZeRO 1 over many dp ranks)."""
+        return max(self.step_bytes, self.setup_bytes)
 
     def fits(self, gpu_memory: float, headroom: float = 0.1) -> bool:
         """True when total_bytes fits in (1 - headroom) of gpu_memory bytes (the rest: CUDA
@@ -106,7 +114,10 @@ class Estimate:
         """A readable per-rank table in GB (1e9 bytes)."""
         rows = [("parameters", self.param_bytes), ("gradients", self.grad_bytes),
                 ("optimizer state", self.optimizer_state_bytes), ("activations", self.activation_bytes),
-                ("buffers", self.buffer_bytes), ("total", self.total_bytes)]
+                ("buffers", self.buffer_bytes)]
+        if self.setup_bytes > self.step_bytes:  # the set-up's peak is the rank's
+            rows += [("step peak", self.step_bytes), ("set-up peak", self.setup_bytes)]
+        rows.append(("total", self.total_bytes))
         lines = [f"per rank (pipeline stage {self.stage}, {self.layers_on_stage} layers, "
                  f"{self.inflight_microbatches} of {self.num_microbatches} microbatches in flight):"]
         lines += [f"  {name:<16} {n / GB:10.3f} GB" for name, n in rows]
@@ -205,15 +216,26 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
         flops_per_step=model.flops_per_token(seq, documents) * tokens,
         hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage],
-        buffer_bytes=buffer_bytes(model, cfg, worst))
+        buffer_bytes=buffer_bytes(model, cfg, worst), setup_bytes=setup_bytes(model, cfg, weights, grads))
 
 
 def stage_total_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
     """Device bytes of one rank of `stage` at its peak: model states, saved activations and transient
-    buffers (the estimate's total_bytes is the largest of these over the stages)."""
+    buffers, or the set-up's where larger (the estimate's total_bytes is the largest of these over the stages)."""
     weights, grads, optimizer, _ = stage_model_states(model, cfg, stage)
-    return (weights + grads + optimizer + activation_bytes(model, cfg, stage, attention)
+    step = (weights + grads + optimizer + activation_bytes(model, cfg, stage, attention)
             + buffer_bytes(model, cfg, stage))
+    return max(step, setup_bytes(model, cfg, weights, grads))
+
+
+def setup_bytes(model: GPTConfig, cfg: RunConfig, weights: int, grads: int) -> int:
+    """The data-parallel wrapper's set-up peak at ZeRO 0 and 1: it allocates the fp32 gradient storage
+    (`grads`), then one contiguous parameter buffer into which it copies the module's own parameters,
+    so both copies of the parameters live beside the gradients: 2 * weights + grads (measured by
+    --simulate: llama-405b's last stage at ZeRO 1, dp 128, where the optimizer's shard is small).
+    ZeRO 2 then holds the gradient shard only and ZeRO 3 shards as it builds: never the peak (0). The
+    model's buffers (RoPE tables, plan/buffers.model_buffer_bytes) are there too."""
+    return 2 * weights + grads + model_buffer_bytes(model, cfg) if cfg.parallel.zero < 2 else 0
 
 
 def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[int, int, int, int]:

@@ -6,7 +6,8 @@ included), saved activations for the attention implementation the simulated bloc
 meta device, the Triton kernels' autograd functions with their launches skipped: "triton", what a
 GPU keeps; without the context-parallel ring's transient buffers, which the planner's activation
 term holds but autograd does not), the planner's peak (the four terms and its transient buffers,
-plan/buffers.py), and the step's communication bytes summed by group name.
+plan/buffers.py; or the data-parallel wrapper's set-up, plan/per_rank.setup_bytes, where larger),
+and the step's communication bytes summed by group name.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from megalite.config import RunConfig
 from megalite.plan.activations import activation_bytes, context_parallel_buffer_bytes
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import communication_bytes, step_scalar_collectives
-from megalite.plan.per_rank import stage_model_states
+from megalite.plan.per_rank import setup_bytes, stage_model_states
 
 SIMULATED_ATTENTION = "triton"  # rank_step runs the blocks under activation_probe.kernels_without_launch
 
@@ -38,7 +39,8 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> d
     buffers = buffer_bytes(model, cfg, stage)  # one block's working tensors at the peak (plan/buffers.py)
     return {"param_bytes": weights, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
             "activation_peak_bytes": activations - transient,
-            "peak_bytes": weights + grads + optimizer + activations + buffers,
+            "peak_bytes": max(weights + grads + optimizer + activations + buffers,
+                              setup_bytes(model, cfg, weights, grads)),
             "comm_bytes": dict(by_group)}
 
 

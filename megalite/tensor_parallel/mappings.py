@@ -18,13 +18,16 @@ backward are conjugate collectives over the tensor-parallel group:
 sum, so backward reduce-scatters; pass `grad_is_partial=False` when every rank already holds
 the full gradient and a plain split suffices.
 
+scatter_to_ and gather_from_sequence_parallel_region also take `sizes=`: an uneven split of dim 0
+(rank i's slice sizes[i] rows), for a token count the group does not divide (megalite/distributed/uneven.py).
+
 All go through `megalite.distributed.comm`; `group=None` (or a group of one) makes every function the identity.
 """
 from __future__ import annotations
 
 import torch
 
-from megalite.distributed import comm
+from megalite.distributed import comm, uneven
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -82,26 +85,32 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, 0)
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _split(x, group, 0) if sizes is None else uneven.split(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_gather(grad, ctx.group, dim=0), None
+        if ctx.sizes is None:
+            return comm.all_gather(grad, ctx.group, dim=0), None, None
+        return uneven.all_gather(grad.contiguous(), ctx.group, ctx.sizes), None, None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, grad_is_partial):
-        ctx.group, ctx.grad_is_partial = group, grad_is_partial
-        return comm.all_gather(x, group, dim=0)
+    def forward(ctx, x, group, grad_is_partial, sizes):
+        ctx.group, ctx.grad_is_partial, ctx.sizes = group, grad_is_partial, sizes
+        return comm.all_gather(x, group, dim=0) if sizes is None else uneven.all_gather(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.sizes is not None:
+            if ctx.grad_is_partial:
+                return uneven.reduce_scatter(grad, ctx.group, ctx.sizes), None, None, None
+            return uneven.split(grad, ctx.group, ctx.sizes), None, None, None
         if ctx.grad_is_partial:
-            return comm.reduce_scatter(grad, ctx.group, dim=0), None, None
-        return _split(grad, ctx.group, 0), None, None
+            return comm.reduce_scatter(grad, ctx.group, dim=0), None, None, None
+        return _split(grad, ctx.group, 0), None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -135,17 +144,19 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _GatherFromTensorParallelRegion.apply(x, group) if comm.group_size(group) > 1 else x
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Forward: [s, ...] -> [s/tp, ...] (this rank's slice). Backward: all-gather dim 0."""
-    return _ScatterToSequenceParallelRegion.apply(x, group) if comm.group_size(group) > 1 else x
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, *, sizes: list[int] | None = None) -> torch.Tensor:
+    """Forward: [s, ...] -> [s/tp, ...] (this rank's slice). Backward: all-gather dim 0.
+    sizes: an uneven split, rank i's slice sizes[i] rows (megalite.distributed.uneven.split_sizes)."""
+    return _ScatterToSequenceParallelRegion.apply(x, group, sizes) if comm.group_size(group) > 1 else x
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group, grad_is_partial: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, grad_is_partial: bool = True, *,
+                                         sizes: list[int] | None = None) -> torch.Tensor:
     """Forward: [s/tp, ...] -> [s, ...] (all-gather). Backward: reduce-scatter dim 0
-    (or a plain split when `grad_is_partial=False`)."""
+    (or a plain split when `grad_is_partial=False`). sizes: an uneven split, rank i's slice sizes[i] rows."""
     if comm.group_size(group) == 1:
         return x
-    return _GatherFromSequenceParallelRegion.apply(x, group, grad_is_partial)
+    return _GatherFromSequenceParallelRegion.apply(x, group, grad_is_partial, sizes)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -112,10 +112,18 @@ def test_expert_bias_moves_toward_the_mean_load():
     (dict(ep=2, dp=2), "the model has none"),
     (dict(num_experts=4, tp=2, etp=3), "--etp 3 must be 1 (whole experts on every tp rank) or --tp 2"),
     (dict(num_experts=4, tp=4, etp=2), "choose --etp 1 or --etp 4"),
-    (dict(num_experts=4, tp=2, seq_length=15), "--seq-length 15 must be divisible by tp*cp = 2"),
 ])
 def test_bad_moe_settings_are_refused_with_the_fix(settings, message):
     cfg = RunConfig.build(**settings)
     world = settings.get("dp", 1) * settings.get("tp", 1)
     problems = launch_problems(cfg.resolved(world), world)
     assert any(message in p for p in problems), problems
+
+
+def test_whole_experts_under_tp_take_a_sequence_tp_does_not_divide():
+    # etp 1 without SP: the tp ranks route 8 and 7 of 15 rows (tests/moe/test_moe_uneven.py); SP splits the
+    # whole sequence and keeps its own rule
+    assert launch_problems(RunConfig.build(num_experts=4, tp=2, seq_length=15).resolved(2), 2) == []
+    problems = launch_problems(RunConfig.build(num_experts=4, tp=2, seq_length=15, sequence_parallel=True)
+                               .resolved(2), 2)
+    assert any("seq_length=15 is not divisible by tp=2" in p for p in problems), problems

@@ -36,8 +36,10 @@ def test_model_layout_json_and_text(capsys):
     code, out = run(capsys, *argv, "--json")
     result = json.loads(out)
     assert code == 0 and result["errors"] == [] and result["fits"] is True
-    # the four terms and one block's transient buffers (plan/buffers.py: the MLP output and its reduce-scatter)
-    assert result["buffer_bytes"] == 2 * 4096 * 4096 * (1 + 1 / 2) and "buffers" in run(capsys, *argv)[1]
+    # the four terms and one block's transient buffers (plan/buffers.py: the MLP output and its reduce-scatter),
+    # and the RoPE tables (fp32 cos and sin [4096, 128])
+    assert result["buffer_bytes"] == 2 * 4096 * 4096 * (1 + 1 / 2) + 2 * 4 * 4096 * 128
+    assert "buffers" in run(capsys, *argv)[1]
     assert result["total_bytes"] == sum(result[k] for k in KEYS[:4]) + result["buffer_bytes"]
     assert result["config"]["parallel"]["sequence_parallel"] and result["num_microbatches"] == 32
     code, text = run(capsys, *argv)
