@@ -216,9 +216,12 @@ def document_problems(cfg: RunConfig) -> list[str]:
                 "documents from its restarting position ids"]
     packed = data.reset_attention_mask or data.sft  # SFT samples carry their restarting position ids
     model = cfg.model
-    if (packed or model.window_size is not None) and (model.multi_latent_attention or model.mtp_num_layers):
-        return ["packed documents and --window-size run with the fused-QKV attention and no MTP so far: drop "
-                "--multi-latent-attention / --mtp-num-layers, or the documents"]
+    masked = packed or model.window_size is not None
+    if masked and model.mtp_num_layers:
+        return ["packed documents and --window-size run without MTP so far: drop --mtp-num-layers, or the documents"]
+    if masked and model.multi_latent_attention and cfg.parallel.cp > 1:
+        return ["packed documents and --window-size run with --multi-latent-attention at --cp 1 so far: drop --cp, "
+                "--multi-latent-attention or the documents"]
     if not data.reset_attention_mask:
         return []
     unsupported = [name for name, on in (("--cuda-graph", cfg.training.cuda_graph),

@@ -186,7 +186,7 @@ class TransformerBlock(nn.Module):
                 rng: TensorParallelRNG, documents: DocumentMask | None = None) -> torch.Tensor:
         qkv = self.attention.qkv(self.input_norm(x))
         qkv = qkv if isinstance(qkv, tuple) else (qkv,)  # latent attention's core takes three tensors
-        masked = (documents,) if documents is not None else ()  # packed documents (not with latent attention)
+        masked = (documents,) if documents is not None else ()  # packed documents and/or a window
         if self.recompute_core and self.training:  # (as tensors, which the checkpoint keeps visibly)
             core = checkpoint_with_rng(self.attention.core, rng, *qkv, rope, rng, *masked)
         else:

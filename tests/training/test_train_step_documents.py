@@ -101,7 +101,11 @@ def test_packed_training_at_cp2_matches_single_process(comm_type):
     (dict(reset_attention_mask=True), "pass --reset-position-ids and --reset-attention-mask together"),
     (dict(reset_attention_mask=True, reset_position_ids=True, cuda_graph=True),
      "--reset-attention-mask does not run with --cuda-graph yet"),
-    (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents")])
+    (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents"),
+    (dict(reset_attention_mask=True, reset_position_ids=True, mtp_num_layers=1),
+     "packed documents and --window-size run without MTP so far"),
+    (dict(window_size=8, multi_latent_attention=True, cp=2),
+     "packed documents and --window-size run with --multi-latent-attention at --cp 1 so far")])
 def test_document_flags_refusals(flags, message):
     problems = RunConfig.build(**flags).validate()
     assert [p for p in problems if message in p] and all("\n" not in p for p in problems), problems
