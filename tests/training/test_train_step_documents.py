@@ -88,13 +88,19 @@ def _single_process_reference():
     return losses, {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
 
 
-# the ring in the quick tier; Ulysses (the local attention takes the whole sequence's mask) in the slow
-@pytest.mark.parametrize("comm_type", ["p2p", pytest.param("a2a", marks=pytest.mark.slow)])
-def test_packed_training_at_cp2_matches_single_process(comm_type):
+# the ring in the quick tier; Ulysses (the local attention takes the whole sequence's mask) and cp composed
+# with (tp 2, SP), (pp 2) and (dp 2, ZeRO 1) in the slow one
+@pytest.mark.parametrize("tp, dp, extra", [
+    (1, 1, {"cp": 2}),
+    pytest.param(1, 1, {"cp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
+    pytest.param(2, 1, {"cp": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
+    pytest.param(1, 1, {"cp": 2, "pp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
+    pytest.param(1, 2, {"cp": 2, "zero": 1}, marks=pytest.mark.slow)])
+def test_packed_training_with_context_parallelism_matches_single_process(tp, dp, extra):
     """Documents crossing the cp chunk edges (chunks of 4 tokens): lengths 1, 15, 5, 3, 7, 8."""
     losses, params = _single_process_reference()
-    extra = {"cp": 2, "cp_comm_type": comm_type}
-    assert run_distributed(_parallel, 2, 1, 1, extra, losses, params) == [STEPS] * 2
+    world = tp * dp * extra["cp"] * extra.get("pp", 1)
+    assert run_distributed(_parallel, world, tp, dp, extra, losses, params) == [STEPS] * world
 
 
 @pytest.mark.parametrize("flags, message", [
