@@ -19,10 +19,11 @@ PyTorch code below, which holds the fp32 scores of one tile of at most 1024 quer
 block at a time (a block of a long sequence is itself [s/cp, s/cp]).
 
 Packed documents and windows (`BlockMask`): a query row sees the keys at global positions
-key_start[row] <= j <= its own. The mask is built per tile from the block's global positions,
-never as a dense [s, s] tensor; blocks with a mask run the PyTorch code on every device (the
-Triton block kernels take no mask yet). A row that sees no key of a block gets lse = -inf and
-out = 0, which the merge drops.
+key_start[row] <= j <= its own. On the Triton path a causal call (a rank's own chunks) takes the
+mask in its own rows (`BlockMask.local`: the varlen kernels); a masked full block runs the PyTorch
+code on every device (the kernels' documents are causal). The PyTorch code masks each tile from
+the block's global positions, never a dense [s, s] tensor. A row that sees no key of a block gets
+lse = -inf and out = 0, which the merge drops.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.kernels import attention_backward_with_lse, attention_forward_with_lse
+from megalite.kernels import DocumentMask, attention_backward_with_lse, attention_forward_with_lse
 from megalite.kernels.dispatch import use_triton
 
 
@@ -56,6 +57,16 @@ class BlockMask:
         queries, seen = self.query_positions[rows], self.key_positions[keys]
         keep = (seen[None, None, :] <= queries[None, :, None]) & (seen[None, None, :] >= self.key_start[:, rows, None])
         return keep[:, None, None]
+
+    def local(self) -> DocumentMask:
+        """The mask of a causal square call (its rows are its keys: a rank's own chunks, increasing) in the
+        call's own rows, for the varlen kernels: key_start[i] the first local key at or after the global
+        one, query_end[j] the first row whose key_start passes j. (position_ids: each row's distance
+        from its first key; the kernels read only the two tables.)"""
+        key_start = torch.searchsorted(self.key_positions, self.key_start.contiguous())  # [b, s] local
+        rows = torch.arange(key_start.shape[1], device=key_start.device).expand_as(key_start).contiguous()
+        query_end = torch.searchsorted(key_start, rows, right=True)  # key_start is monotone in the row
+        return DocumentMask(key_start.to(torch.int32), query_end.to(torch.int32), rows - key_start)
 
 
 _ROWS = 1024  # query rows per tile of the PyTorch path: its fp32 scores are [b, h, rows, sk], never [sq, sk]
@@ -124,20 +135,27 @@ def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _on_kernels(q: torch.Tensor, causal: bool, mask: BlockMask | None) -> bool:
+    """The Triton kernels take a block without a mask, or a causal one with it (varlen); a masked
+    full block runs the PyTorch code."""
+    return (mask is None or causal) and use_triton(q)
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float, mask: BlockMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over this block of keys: (out in q.dtype, lse fp32 [b, h, sq], natural log).
-    mask: packed documents / a window on this block (PyTorch code on every device)."""
-    if mask is None and use_triton(q):
-        return attention_forward_with_lse(q, k, v, causal, softmax_scale)
+    mask: packed documents / a window on this block."""
+    if _on_kernels(q, causal, mask):
+        return attention_forward_with_lse(q, k, v, causal, softmax_scale, mask.local() if mask else None)
     return _torch_forward(q, k, v, causal, softmax_scale, mask)
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float, mask: BlockMask | None = None):
     """(dq, dk, dv) of this block, given the row's final out, dout and lse (inputs' dtypes)."""
-    if mask is None and use_triton(q):
-        return attention_backward_with_lse(q, k, v, out, dout, lse, causal, softmax_scale)
+    if _on_kernels(q, causal, mask):
+        return attention_backward_with_lse(q, k, v, out, dout, lse, causal, softmax_scale,
+                                           mask.local() if mask else None)
     return _torch_backward(q, k, v, out, dout, lse, causal, softmax_scale, mask)
 
 

@@ -22,8 +22,9 @@ packed as one [2, b, h_kv, s/cp, d] message per step. Every transfer goes throug
 
 (b, h_kv: this rank's batch and kv heads; s/cp its local tokens). The per-block attention is
 block_attention.py's: Triton flash attention on CUDA, PyTorch elsewhere. Packed documents and
-windows (documents.py) skip the blocks that share no document and mask the rest; the transfers
-stay the same (every rank's K/V still visits every rank).
+windows (documents.py) skip the blocks that share no document and mask the rest (on CUDA the
+causal calls on the varlen kernels, masked full blocks in PyTorch); the transfers stay the same
+(every rank's K/V still visits every rank).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from megalite.context_parallel import gather_sequence, rank_block_counts, ring_a
     ulysses_attention
 from megalite.context_parallel.blocks import FULL, SKIP, ring_plan, ring_source
 from megalite.context_parallel.zigzag import chunk_ids
-from megalite.context_parallel.documents import chunk_visibility
+from megalite.context_parallel.documents import RingDocuments, chunk_visibility
 from megalite.kernels import DocumentMask
 from megalite.kernels.attention_documents import attention_documents_reference
 from megalite.testing import run_distributed
@@ -157,3 +157,21 @@ def test_documents_that_never_cross_a_chunk_edge_skip_every_full_block():
     for rank in range(cp):
         assert rank_block_counts(rank, cp, visible=visible)[FULL] == 0
         assert [len(calls) for calls in ring_plan(rank, cp, visible=visible)] == [2, 0]  # two diagonal squares
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_causal_calls_local_tables_are_the_dense_masks(window):
+    """BlockMask.local (what the varlen kernels read for a rank's own chunks): key_start and query_end in
+    the call's rows equal the first and one past the last visible pair of the dense block mask."""
+    cp, s = 2, 4 * CHUNK
+    mask = DocumentMask.from_position_ids(_positions(cp, True), window)
+    for rank in range(cp):
+        documents = RingDocuments(mask, rank, cp, "zigzag")
+        rows = slice(0, 2 * CHUNK)
+        block = documents.block_mask(rows, rows, rank)
+        keep = block.keep(rows, rows)[:, 0, 0]  # [b, s/cp, s/cp]
+        local = block.local()
+        index = torch.arange(2 * CHUNK)
+        first_key = torch.where(keep, index[None, None, :], s).amin(2)
+        last_row = torch.where(keep, index[None, :, None], -1).amax(1)
+        assert torch.equal(local.key_start.long(), first_key) and torch.equal(local.query_end.long(), last_row + 1)
