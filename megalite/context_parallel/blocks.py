@@ -63,7 +63,8 @@ def _kind(q_chunk: int, kv_chunk: int, visible: Visible | None) -> str:
     return SKIP if kind == FULL and visible is not None and not visible(q_chunk, kv_chunk) else kind
 
 
-def step_calls(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], visible: Visible | None = None) -> list[BlockCall]:
+def step_calls(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], *,
+               visible: Visible | None = None) -> list[BlockCall]:
     """The attention calls that cover every non-skipped block of local queries vs held K/V.
 
     A step with diagonal blocks is a rank's own K/V (each chunk lives on one rank): one causal
@@ -103,13 +104,16 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def ring_plan(cp_rank: int, cp: int, layout: str = "zigzag", visible: Visible | None = None) -> list[list[BlockCall]]:
+def ring_plan(cp_rank: int, cp: int, layout: str = "zigzag", *,
+              visible: Visible | None = None) -> list[list[BlockCall]]:
     """The calls `cp_rank` makes at each of the cp ring steps (what ring attention executes)."""
     mine = chunk_ids(cp_rank, cp, layout)
-    return [step_calls(mine, chunk_ids(ring_source(cp_rank, step, cp), cp, layout), visible) for step in range(cp)]
+    return [step_calls(mine, chunk_ids(ring_source(cp_rank, step, cp), cp, layout), visible=visible)
+            for step in range(cp)]
 
 
-def rank_block_counts(cp_rank: int, cp: int, layout: str = "zigzag", visible: Visible | None = None) -> dict[str, int]:
+def rank_block_counts(cp_rank: int, cp: int, layout: str = "zigzag", *,
+                      visible: Visible | None = None) -> dict[str, int]:
     """{full, diagonal, skip: blocks} over every (own query chunk, K/V chunk) pair of the ring."""
     counts = {FULL: 0, DIAGONAL: 0, SKIP: 0}
     for step in range(cp):

@@ -62,7 +62,7 @@ class RingDocuments:
     """One rank's view of the whole sequence's mask for ring attention: its queries' global positions
     and key_start [b, s/cp], the blocks worth computing, and each call's BlockMask."""
 
-    def __init__(self, documents: DocumentMask, cp_rank: int, cp: int, layout: str):
+    def __init__(self, documents: DocumentMask, cp_rank: int, cp: int, *, layout: str = "zigzag"):
         seq_len = documents.key_start.shape[1]
         self.cp, self.layout, self.seq_len = cp, layout, seq_len
         self.query_positions = position_ids(seq_len, cp_rank, cp, layout, device=documents.key_start.device)
@@ -75,10 +75,10 @@ class RingDocuments:
         return BlockMask(self.query_positions[rows], keys[cols], self.key_start[:, rows])
 
 
-def local_documents(documents: DocumentMask | None, cp_rank: int, cp: int,
+def local_documents(documents: DocumentMask | None, cp_rank: int, cp: int, *,
                     layout: str = "zigzag") -> RingDocuments | None:
     """The ring's view of `documents` (None stays None)."""
-    return RingDocuments(documents, cp_rank, cp, layout) if documents is not None else None
+    return RingDocuments(documents, cp_rank, cp, layout=layout) if documents is not None else None
 
 
 def check_whole_sequence(documents: DocumentMask, local_tokens: int, cp: int) -> None:

@@ -65,8 +65,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp_group, layout: str, softmax_scale: float, documents: DocumentMask | None):
         cp, me, ranks = comm.group_size(cp_group), comm.group_rank(cp_group), comm.group_ranks(cp_group)
-        mine = local_documents(documents, me, cp, layout)  # None without documents or a window
-        plan, chunk = ring_plan(me, cp, layout, mine.visible if mine else None), q.shape[2] // 2
+        mine = local_documents(documents, me, cp, layout=layout)  # None without documents or a window
+        plan, chunk = ring_plan(me, cp, layout, visible=mine.visible if mine else None), q.shape[2] // 2
         kv = torch.stack([k, v])  # [2, b, h_kv, s/cp, d]: one message per step
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -91,7 +91,7 @@ class RingAttention(torch.autograd.Function):
         group, scale = ctx.cp_group, ctx.softmax_scale
         cp, me, ranks = comm.group_size(group), comm.group_rank(group), comm.group_ranks(group)
         mine = ctx.documents
-        plan, chunk = ring_plan(me, cp, ctx.layout, mine.visible if mine else None), q.shape[2] // 2
+        plan, chunk = ring_plan(me, cp, ctx.layout, visible=mine.visible if mine else None), q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = None  # the dK/dV accumulator of the K/V held next, coming from the previous rank

@@ -166,7 +166,7 @@ def test_a_causal_calls_local_tables_are_the_dense_masks(window):
     cp, s = 2, 4 * CHUNK
     mask = DocumentMask.from_position_ids(_positions(cp, True), window)
     for rank in range(cp):
-        documents = RingDocuments(mask, rank, cp, "zigzag")
+        documents = RingDocuments(mask, rank, cp)
         rows = slice(0, 2 * CHUNK)
         block = documents.block_mask(rows, rows, rank)
         keep = block.keep(rows, rows)[:, 0, 0]  # [b, s/cp, s/cp]
