@@ -105,11 +105,12 @@ def _rank(name, expected):
             for comm_type in ("p2p", "a2a") for case in expected}
 
 
-# RoPE with documents, and with a window over them (quick); a window alone, and the learned position
-# table (slow tier: the same code but the embedding)
+# RoPE with documents against the documents run one by one (quick); windows (with and without documents:
+# quick at the attention level, tests/context_parallel/test_ring_documents.py) and the learned position
+# table in the slow tier
 @pytest.mark.parametrize("name,cases", [
-    ("tiny-llama", ("documents", "documents+window")),
-    pytest.param("tiny-llama", ("window",), marks=pytest.mark.slow),
+    ("tiny-llama", ("documents",)),
+    pytest.param("tiny-llama", ("window", "documents+window"), marks=pytest.mark.slow),
     pytest.param("tiny", tuple(CASES), marks=pytest.mark.slow)])
 def test_documents_and_windows_at_cp2_equal_the_single_process(name, cases):
     expected = _expected(name, cases)

@@ -88,10 +88,10 @@ def _single_process_reference():
     return losses, {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
 
 
-# the ring in the quick tier; Ulysses (the local attention takes the whole sequence's mask) and cp composed
-# with (tp 2, SP), (pp 2) and (dp 2, ZeRO 1) in the slow one
+# slow, as the other layouts' (the quick tier has tests/model/test_gpt_documents_cp.py): the ring, Ulysses,
+# and cp composed with (tp 2, SP), (pp 2) and (dp 2, ZeRO 1)
 @pytest.mark.parametrize("tp, dp, extra", [
-    (1, 1, {"cp": 2}),
+    pytest.param(1, 1, {"cp": 2}, marks=pytest.mark.slow),
     pytest.param(1, 1, {"cp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
     pytest.param(2, 1, {"cp": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
     pytest.param(1, 1, {"cp": 2, "pp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
