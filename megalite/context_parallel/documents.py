@@ -11,14 +11,19 @@ reads it per block:
   zigzag.py) hold at least one visible pair, from the documents' lengths (read to the host once
   per microbatch and kept on the mask, as the single-process PyTorch path does). A block wholly
   outside every shared document (or beyond the window) is skipped: no kernel runs for it.
-- `ring_block_mask`: the `BlockMask` of one ring call, the global positions of its query rows and
-  keys and the rows' key_start; the block's attention masks each tile with it.
+- `RingDocuments.call`: what one ring call computes. A rank's own chunks (the causal call) run
+  whole with their `BlockMask` (the global positions of the rows and keys and the rows' key_start;
+  the block's attention masks each tile with it, or the varlen kernels take it in the call's rows);
+  a full call is cropped to the box of its visible pairs (host arithmetic on key_start, read once
+  per microbatch), and runs without a mask when the box is wholly visible.
 
 The zigzag split stays exact (every visible pair is computed once, on the rank holding its query);
 it balances the causal work, not the masked work, which packed documents make uneven (Megatron's
 THD split, which balances the documents themselves, is not built).
 """
 from __future__ import annotations
+
+import torch
 
 from megalite.context_parallel.block_attention import BlockMask
 from megalite.context_parallel.blocks import Visible
@@ -68,6 +73,39 @@ class RingDocuments:
         self.query_positions = position_ids(seq_len, cp_rank, cp, layout, device=documents.key_start.device)
         self.key_start = documents.key_start.index_select(1, self.query_positions).long()  # [b, s/cp]
         self.visible = chunk_visibility(documents, cp)
+        self._host_key_start = self.key_start.cpu()  # read once per microbatch, as the lengths are: the crops
+        self._crops: dict[tuple[int, ...], tuple[slice, slice, bool] | None] = {}  # forward's, reused by backward
+
+    def call(self, rows: slice, cols: slice, source_rank: int, causal: bool):
+        """(rows, cols, mask or None) that one ring call computes, or None when it sees nothing. A causal
+        call (a rank's own chunks) runs whole with its mask; a full call is cropped to the rows and keys
+        that hold a visible pair, without a mask when every row of the crop sees every key of it (the
+        plain kernels then run it: one document crossing the chunk edge, no window)."""
+        if causal:
+            return rows, cols, self.block_mask(rows, cols, source_rank)
+        key = (rows.start, rows.stop, cols.start, cols.stop, source_rank)
+        if key not in self._crops:
+            self._crops[key] = self._crop(rows, cols, source_rank)
+        crop = self._crops[key]
+        if crop is None:
+            return None
+        rows, cols, masked = crop
+        return rows, cols, self.block_mask(rows, cols, source_rank) if masked else None
+
+    def _crop(self, rows: slice, cols: slice, source_rank: int) -> tuple[slice, slice, bool] | None:
+        """The box of a full call's visible pairs (host tensors): (rows, cols, whether it needs the mask)."""
+        keys = position_ids(self.seq_len, source_rank, self.cp, self.layout)[cols]  # increasing
+        queries = self.query_positions.cpu()[rows]
+        first = torch.searchsorted(keys, self._host_key_start[:, rows].contiguous())  # [b, r]: first key seen
+        stop = torch.searchsorted(keys, queries, right=True).expand_as(first)  # one past the last key <= row
+        seen = first < stop
+        if not bool(seen.any()):
+            return None
+        seeing_rows = seen.any(0).nonzero().flatten()
+        r0, r1 = int(seeing_rows[0]), int(seeing_rows[-1]) + 1
+        k0, k1 = int(first[seen].min()), int(stop[seen].max())
+        whole = bool(((first[:, r0:r1] == k0) & (stop[:, r0:r1] == k1)).all())
+        return slice(rows.start + r0, rows.start + r1), slice(cols.start + k0, cols.start + k1), not whole
 
     def block_mask(self, rows: slice, cols: slice, source_rank: int) -> BlockMask:
         """The mask of this rank's query rows `rows` against the K/V rows `cols` of `source_rank`."""

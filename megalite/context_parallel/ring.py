@@ -35,7 +35,7 @@ import torch
 from megalite.distributed import comm
 from megalite.context_parallel.block_attention import block_backward, block_forward, merge_block
 from megalite.context_parallel.blocks import BlockCall, ring_plan, ring_source
-from megalite.context_parallel.documents import check_whole_sequence, local_documents
+from megalite.context_parallel.documents import RingDocuments, check_whole_sequence, local_documents
 from megalite.kernels import DocumentMask
 
 
@@ -59,6 +59,16 @@ def _rows(call: BlockCall, chunk: int) -> tuple[slice, slice]:
     return slice(call.q_start * chunk, call.q_stop * chunk), slice(call.kv_start * chunk, call.kv_stop * chunk)
 
 
+def _computed(calls: list[BlockCall], chunk: int, mine: RingDocuments | None, source: int):
+    """(rows, cols, causal, mask or None) of each call as computed: without documents the call's rows,
+    with them what RingDocuments.call keeps of it (documents.py; a call that sees nothing is dropped)."""
+    for call in calls:
+        rows, cols = _rows(call, chunk)
+        kept = (rows, cols, None) if mine is None else mine.call(rows, cols, source, call.causal)
+        if kept is not None:
+            yield kept[0], kept[1], call.causal, kept[2]
+
+
 class RingAttention(torch.autograd.Function):
     """q [b, h, s/cp, d], k, v [b, h_kv, s/cp, d] (this rank's zigzag chunks) -> out [b, h, s/cp, d]."""
 
@@ -72,11 +82,10 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for step, calls in enumerate(plan):
             pending = _shift_forward(kv, cp_group, ranks, me) if step < cp - 1 else None
-            for call in calls:  # overlaps the transfer just posted
-                rows, cols = _rows(call, chunk)
-                mask = mine.block_mask(rows, cols, ring_source(me, step, cp)) if mine else None
+            for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
+                # overlaps the transfer just posted
                 block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                     call.causal, softmax_scale, mask)
+                                                     causal, softmax_scale, mask)
                 merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = _arrived(pending)
@@ -98,12 +107,10 @@ class RingAttention(torch.autograd.Function):
         for step, calls in enumerate(plan):
             kv_pending = _shift_forward(kv, group, ranks, me) if step < cp - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the held K/V
-            for call in calls:
-                rows, cols = _rows(call, chunk)
-                mask = mine.block_mask(rows, cols, ring_source(me, step, cp)) if mine else None
+            for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
                 dq_block, dk_block, dv_block = block_backward(
                     q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], dout[:, :, rows],
-                    lse[:, :, rows], call.causal, scale, mask)
+                    lse[:, :, rows], causal, scale, mask)
                 dq[:, :, rows] += dq_block
                 dkv[0][:, :, cols] += dk_block
                 dkv[1][:, :, cols] += dv_block

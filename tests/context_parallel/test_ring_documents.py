@@ -175,3 +175,18 @@ def test_a_causal_calls_local_tables_are_the_dense_masks(window):
         first_key = torch.where(keep, index[None, None, :], s).amin(2)
         last_row = torch.where(keep, index[None, :, None], -1).amax(1)
         assert torch.equal(local.key_start.long(), first_key) and torch.equal(local.query_end.long(), last_row + 1)
+
+
+@pytest.mark.parametrize("window, expected", [
+    (None, (slice(4, 8), slice(5, 8), False)),  # rows of chunk 3 all see keys 9..11 of the crossing document
+    (2, (slice(4, 5), slice(7, 8), False)),     # only token 12 sees key 11
+    (3, (slice(4, 6), slice(6, 8), True)),      # tokens 12, 13 see keys 10..11 and 11: a mask inside the box
+])
+def test_a_full_call_is_cropped_to_its_visible_pairs(window, expected):
+    """cp 2, documents [0, 1) [1, 6) [6, 9) [9, 16): rank 0 (chunks 0 and 3) against rank 1's K/V (chunks 1
+    and 2): the full call of chunk 3's rows over both K/V chunks keeps the box of the pairs it sees."""
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS[2][0]])[None]
+    documents = RingDocuments(DocumentMask.from_position_ids(positions, window), 0, 2)
+    rows, cols, mask = documents.call(slice(4, 8), slice(0, 8), 1, causal=False)
+    assert (rows, cols, mask is not None) == expected
+    assert documents.call(slice(0, 4), slice(0, 8), 1, causal=False) is None  # chunk 0 sees none of them

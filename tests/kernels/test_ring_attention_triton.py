@@ -4,7 +4,8 @@ The other ring tests run the PyTorch block path; this one forks two gloo ranks t
 this directory's MEGALITE_KERNEL_BACKEND=triton (and TRITON_INTERPRET=1), so every block of
 the ring goes through `attention_forward_with_lse` / `attention_backward_with_lse`. With packed
 documents (and a window) a rank's own chunks (the causal calls) run the varlen kernels with the
-mask in their own rows; the masked full blocks run the PyTorch block code.
+mask in their own rows, full blocks cropped to a wholly visible box the plain kernels, and the
+other masked full blocks the PyTorch block code.
 """
 import pytest
 import torch
@@ -81,7 +82,8 @@ def _ring_documents_on_triton_blocks(window):
 @pytest.mark.parametrize("window", [3, None])
 def test_ring_attention_with_documents_on_the_varlen_kernels(window):
     for errors, calls in run_distributed(_ring_documents_on_triton_blocks, 2, window):
-        assert calls and all(masked for _, masked in calls), calls  # the causal calls, with their mask
+        assert any(masked for _, masked in calls), calls  # the causal calls, with their mask (cropped full
+        # blocks that every row of the crop sees whole run without one)
         assert [name for name, _ in calls].count("attention_forward_with_lse") == \
             [name for name, _ in calls].count("attention_backward_with_lse")
         assert max(errors) < 2e-5, errors
