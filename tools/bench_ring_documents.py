@@ -1,6 +1,7 @@
 """Ring attention over packed documents at cp ranks (forked gloo ranks on this machine): forward +
-backward per rank with the documents' mask against plain causal attention, and the ring's blocks
-computed of the causal ones (issue 45). Not a test: it asserts no time.
+backward per rank with the documents' mask against plain causal attention, the ring's blocks
+computed of the causal ones, and the score area its calls compute (full calls cropped to their
+visible pairs) of the causal area (issue 45). Not a test: it asserts no time.
 
     python tools/bench_ring_documents.py --seq 4096 --mean 256 --heads 4 --head-dim 32   # CPU, cp 2
 
@@ -20,8 +21,8 @@ import torch
 
 from bench_documents import document_lengths
 from megalite.context_parallel import ring_attention, split_sequence
-from megalite.context_parallel.blocks import FULL, DIAGONAL, rank_block_counts
-from megalite.context_parallel.documents import chunk_visibility
+from megalite.context_parallel.blocks import DIAGONAL, FULL, causal_work, rank_block_counts, ring_plan, ring_source
+from megalite.context_parallel.documents import RingDocuments, chunk_visibility
 from megalite.distributed import mesh
 from megalite.kernels import DocumentMask
 from megalite.testing import run_distributed
@@ -46,7 +47,24 @@ def _rank(args) -> dict:
     counts = rank_block_counts(m.cp_rank, m.cp_size, visible=chunk_visibility(mask, m.cp_size))
     plain = rank_block_counts(m.cp_rank, m.cp_size)
     result["blocks"] = (counts[FULL] + counts[DIAGONAL], plain[FULL] + plain[DIAGONAL])
+    result["area"] = _computed_area(mask, m.cp_rank, m.cp_size) / causal_work(plain)
     return result
+
+
+def _computed_area(mask: DocumentMask, cp_rank: int, cp: int) -> float:
+    """Score elements the ring's calls compute with documents (cropped full calls; a causal call
+    counts half), in chunk x chunk units, as ring.py runs them."""
+    documents = RingDocuments(mask, cp_rank, cp)
+    chunk, area = mask.key_start.shape[1] // (2 * cp), 0.0
+    for step, calls in enumerate(ring_plan(cp_rank, cp, visible=documents.visible)):
+        for call in calls:
+            rows, cols = slice(call.q_start * chunk, call.q_stop * chunk), slice(call.kv_start * chunk,
+                                                                                   call.kv_stop * chunk)
+            kept = documents.call(rows, cols, ring_source(cp_rank, step, cp), call.causal)
+            if kept is not None:
+                size = (kept[0].stop - kept[0].start) * (kept[1].stop - kept[1].start) / chunk ** 2
+                area += size / 2 if call.causal else size
+    return area
 
 
 def main(argv=None) -> int:
@@ -65,7 +83,7 @@ def main(argv=None) -> int:
     for rank, result in enumerate(run_distributed(_rank, args.cp, args, timeout_s=3600)):
         computed, causal = result["blocks"]
         print(f"  cp rank {rank}: documents {result['documents']:9.1f} ms, causal {result['causal']:9.1f} ms; "
-              f"blocks computed {computed} of {causal}")
+              f"blocks computed {computed} of {causal}, score area {result['area']:.3f} of causal")
     return 0
 
 
