@@ -22,7 +22,7 @@ WINDOW = 5
 
 
 def _config(name, window=None):
-    return preset(name, num_layers=2, seq_length=S, window_size=window)
+    return preset(name, num_layers=1, seq_length=S, window_size=window)
 
 
 def _batch(vocab, documents=True):

@@ -16,7 +16,7 @@ MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8
 
 
 def _config(window):
-    return preset("tiny-llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+    return preset("tiny-llama", num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                   seq_length=S, mla=MLA, window_size=window)
 
 
