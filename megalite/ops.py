@@ -11,7 +11,7 @@ import torch
 
 from megalite import kernels
 from megalite.config.choices import Precision
-from megalite.kernels import attention_dispatch, attention_tiles
+from megalite.kernels import attention_dispatch, attention_documents, attention_tiles
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,10 +80,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
                              dropout_offset=dropout_offset, documents=documents)
 
 
-def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                     documents: kernels.DocumentMask | None = None) -> torch.Tensor:
     """Causal attention whose values are narrower than its queries and keys (multi-head latent attention):
     q, k [b, h, s, d_qk], v [b, h, s, d_v] -> [b, h, s, d_v]. megalite's Triton kernel takes one head dim
-    of at most 128 for q, k and v, so this is torch's SDPA on every device (docs/deepseek.md)."""
+    of at most 128 for q, k and v, so this is torch's SDPA on every device (docs/deepseek.md).
+    documents: packed documents and/or a window: one SDPA call per document (the documents' lengths
+    read to the host once per microbatch, kernels/attention_documents.py)."""
+    if documents is not None:
+        return attention_documents.attention_documents_reference(q, k, v, documents, softmax_scale)
     return attention_dispatch.sdpa(q, k, v, True, softmax_scale, native_gqa=False)
 
 

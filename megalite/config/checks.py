@@ -204,10 +204,7 @@ def _diloco_problem(cfg: RunConfig) -> str | None:
 def document_problems(cfg: RunConfig) -> list[str]:
     """--reset-position-ids / --reset-attention-mask: the documents travel as restarting position ids, so
     the two go together; the layouts that do not carry them yet are refused."""
-    data, p = cfg.data, cfg.parallel
-    if cfg.model.window_size is not None and p.cp > 1:
-        return ["--window-size under --cp > 1 is not supported yet (ring and Ulysses attention see whole "
-                "chunks); drop one of them"]
+    data = cfg.data
     if data.eod_mask_loss and data.mock_data:
         return ["--eod-mask-loss needs documents: --mock-data has no end-of-document token; drop one of them"]
     if data.reset_position_ids != data.reset_attention_mask:
@@ -215,14 +212,15 @@ def document_problems(cfg: RunConfig) -> list[str]:
                 "documents from its restarting position ids"]
     packed = data.reset_attention_mask or data.sft  # SFT samples carry their restarting position ids
     model = cfg.model
-    if (packed or model.window_size is not None) and (model.multi_latent_attention or model.mtp_num_layers):
-        return ["packed documents and --window-size run with the fused-QKV attention and no MTP so far: drop "
-                "--multi-latent-attention / --mtp-num-layers, or the documents"]
-    if data.sft and p.cp > 1:
-        return ["--sft packs samples as documents, which --cp > 1 does not carry yet: drop --cp or --sft"]
+    masked = packed or model.window_size is not None
+    if masked and model.mtp_num_layers:
+        return ["packed documents and --window-size run without MTP so far: drop --mtp-num-layers, or the documents"]
+    if masked and model.multi_latent_attention and cfg.parallel.cp > 1:
+        return ["packed documents and --window-size run with --multi-latent-attention at --cp 1 so far: drop --cp, "
+                "--multi-latent-attention or the documents"]
     if not data.reset_attention_mask:
         return []
-    unsupported = [name for name, on in (("--cp > 1", p.cp > 1), ("--cuda-graph", cfg.training.cuda_graph),
+    unsupported = [name for name, on in (("--cuda-graph", cfg.training.cuda_graph),
                                          ("--mock-data (no end-of-document token)", data.mock_data)) if on]
     if unsupported:
         return [f"--reset-attention-mask does not run with {', '.join(unsupported)} yet; drop one or the other"]

@@ -12,9 +12,14 @@ per step). `step_calls` turns the blocks of one step into as few attention calls
 each over contiguous local chunks, so the per-block kernel runs on long rows.
 `rank_block_counts` counts the blocks a rank computes over the whole ring: equal on every
 rank under the zigzag split, which is the point of it.
+
+With packed documents (or a sliding window) a full block whose queries share no document (or
+window) with its keys is skipped too: `visible(q_chunk, kv_chunk)` (context_parallel/documents.py)
+says which full blocks hold a visible pair. A diagonal block always does (each token sees itself).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from megalite.context_parallel.zigzag import chunk_ids
@@ -50,19 +55,32 @@ class BlockCall:
         return area / 2 if self.causal else float(area)
 
 
-def step_calls(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...]) -> list[BlockCall]:
+Visible = Callable[[int, int], bool]  # (query chunk, K/V chunk) -> does any query see any key of it
+
+
+def _kind(q_chunk: int, kv_chunk: int, visible: Visible | None) -> str:
+    kind = block_kind(q_chunk, kv_chunk)
+    return SKIP if kind == FULL and visible is not None and not visible(q_chunk, kv_chunk) else kind
+
+
+def step_calls(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], *,
+               visible: Visible | None = None) -> list[BlockCall]:
     """The attention calls that cover every non-skipped block of local queries vs held K/V.
 
     A step with diagonal blocks is a rank's own K/V (each chunk lives on one rank): one causal
-    call over all its chunks, exact because positions increase along the local sequence.
+    call over all its chunks, exact because positions increase along the local sequence (one
+    causal call per diagonal block when a full block between them is skipped).
     Otherwise every computed block is full: query chunks that see the same contiguous run of
-    K/V chunks share one non-causal call.
+    K/V chunks share one non-causal call. visible: which full blocks packed documents keep.
     """
-    kinds = [[block_kind(a, b) for b in kv_chunks] for a in q_chunks]
+    kinds = [[_kind(a, b, visible) for b in kv_chunks] for a in q_chunks]
     if any(DIAGONAL in row for row in kinds):
         if tuple(q_chunks) != tuple(kv_chunks) or list(q_chunks) != sorted(q_chunks):
             raise ValueError(f"diagonal blocks between query chunks {q_chunks} and K/V chunks {kv_chunks}: "
                              "only a rank's own, increasing chunks can share a diagonal")
+        n = len(q_chunks)
+        if any(kinds[i][j] == SKIP for i in range(n) for j in range(i)):  # a skipped block below the diagonal
+            return [BlockCall(i, i + 1, i, i + 1, causal=True) for i in range(n)]
         return [BlockCall(0, len(q_chunks), 0, len(kv_chunks), causal=True)]
     calls: list[BlockCall] = []
     for qi, row in enumerate(kinds):
@@ -86,19 +104,22 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def ring_plan(cp_rank: int, cp: int, layout: str = "zigzag") -> list[list[BlockCall]]:
+def ring_plan(cp_rank: int, cp: int, layout: str = "zigzag", *,
+              visible: Visible | None = None) -> list[list[BlockCall]]:
     """The calls `cp_rank` makes at each of the cp ring steps (what ring attention executes)."""
     mine = chunk_ids(cp_rank, cp, layout)
-    return [step_calls(mine, chunk_ids(ring_source(cp_rank, step, cp), cp, layout)) for step in range(cp)]
+    return [step_calls(mine, chunk_ids(ring_source(cp_rank, step, cp), cp, layout), visible=visible)
+            for step in range(cp)]
 
 
-def rank_block_counts(cp_rank: int, cp: int, layout: str = "zigzag") -> dict[str, int]:
+def rank_block_counts(cp_rank: int, cp: int, layout: str = "zigzag", *,
+                      visible: Visible | None = None) -> dict[str, int]:
     """{full, diagonal, skip: blocks} over every (own query chunk, K/V chunk) pair of the ring."""
     counts = {FULL: 0, DIAGONAL: 0, SKIP: 0}
     for step in range(cp):
         for kv_chunk in chunk_ids(ring_source(cp_rank, step, cp), cp, layout):
             for q_chunk in chunk_ids(cp_rank, cp, layout):
-                counts[block_kind(q_chunk, kv_chunk)] += 1
+                counts[_kind(q_chunk, kv_chunk, visible)] += 1
     return counts
 
 

@@ -21,7 +21,10 @@ packed as one [2, b, h_kv, s/cp, d] message per step. Every transfer goes throug
                           +  cp      * 2 * b * h_kv * (s/cp) * d * 4           (fp32 dK/dV)
 
 (b, h_kv: this rank's batch and kv heads; s/cp its local tokens). The per-block attention is
-block_attention.py's: Triton flash attention on CUDA, PyTorch elsewhere.
+block_attention.py's: Triton flash attention on CUDA, PyTorch elsewhere. Packed documents and
+windows (documents.py) skip the blocks that share no document and mask the rest (on CUDA the
+causal calls on the varlen kernels, masked full blocks in PyTorch); the transfers stay the same
+(every rank's K/V still visits every rank).
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ import torch
 
 from megalite.distributed import comm
 from megalite.context_parallel.block_attention import block_backward, block_forward, merge_block
-from megalite.context_parallel.blocks import BlockCall, ring_plan
+from megalite.context_parallel.blocks import BlockCall, ring_plan, ring_source
+from megalite.context_parallel.documents import RingDocuments, check_whole_sequence, local_documents
+from megalite.kernels import DocumentMask
 
 
 def _shift_forward(tensor: torch.Tensor, group, ranks: list[int], me: int):
@@ -54,28 +59,39 @@ def _rows(call: BlockCall, chunk: int) -> tuple[slice, slice]:
     return slice(call.q_start * chunk, call.q_stop * chunk), slice(call.kv_start * chunk, call.kv_stop * chunk)
 
 
+def _computed(calls: list[BlockCall], chunk: int, mine: RingDocuments | None, source: int):
+    """(rows, cols, causal, mask or None) of each call as computed: without documents the call's rows,
+    with them what RingDocuments.call keeps of it (documents.py; a call that sees nothing is dropped)."""
+    for call in calls:
+        rows, cols = _rows(call, chunk)
+        kept = (rows, cols, None) if mine is None else mine.call(rows, cols, source, call.causal)
+        if kept is not None:
+            yield kept[0], kept[1], call.causal, kept[2]
+
+
 class RingAttention(torch.autograd.Function):
     """q [b, h, s/cp, d], k, v [b, h_kv, s/cp, d] (this rank's zigzag chunks) -> out [b, h, s/cp, d]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp_group, layout: str, softmax_scale: float):
+    def forward(ctx, q, k, v, cp_group, layout: str, softmax_scale: float, documents: DocumentMask | None):
         cp, me, ranks = comm.group_size(cp_group), comm.group_rank(cp_group), comm.group_ranks(cp_group)
-        plan, chunk = ring_plan(me, cp, layout), q.shape[2] // 2
+        mine = local_documents(documents, me, cp, layout=layout)  # None without documents or a window
+        plan, chunk = ring_plan(me, cp, layout, visible=mine.visible if mine else None), q.shape[2] // 2
         kv = torch.stack([k, v])  # [2, b, h_kv, s/cp, d]: one message per step
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for step, calls in enumerate(plan):
             pending = _shift_forward(kv, cp_group, ranks, me) if step < cp - 1 else None
-            for call in calls:  # overlaps the transfer just posted
-                rows, cols = _rows(call, chunk)
+            for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
+                # overlaps the transfer just posted
                 block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                     call.causal, softmax_scale)
+                                                     causal, softmax_scale, mask)
                 merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = _arrived(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.layout, ctx.softmax_scale = cp_group, layout, softmax_scale
+        ctx.cp_group, ctx.layout, ctx.softmax_scale, ctx.documents = cp_group, layout, softmax_scale, mine
         return out
 
     @staticmethod
@@ -83,18 +99,18 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.cp_group, ctx.softmax_scale
         cp, me, ranks = comm.group_size(group), comm.group_rank(group), comm.group_ranks(group)
-        plan, chunk = ring_plan(me, cp, ctx.layout), q.shape[2] // 2
+        mine = ctx.documents
+        plan, chunk = ring_plan(me, cp, ctx.layout, visible=mine.visible if mine else None), q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = None  # the dK/dV accumulator of the K/V held next, coming from the previous rank
         for step, calls in enumerate(plan):
             kv_pending = _shift_forward(kv, group, ranks, me) if step < cp - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the held K/V
-            for call in calls:
-                rows, cols = _rows(call, chunk)
+            for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
                 dq_block, dk_block, dv_block = block_backward(
                     q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], dout[:, :, rows],
-                    lse[:, :, rows], call.causal, scale)
+                    lse[:, :, rows], causal, scale, mask)
                 dq[:, :, rows] += dq_block
                 dkv[0][:, :, cols] += dk_block
                 dkv[1][:, :, cols] += dv_block
@@ -106,17 +122,20 @@ class RingAttention(torch.autograd.Function):
                 kv = _arrived(kv_pending)
         if dkv_pending is not None:
             dkv = _arrived(dkv_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
-                   softmax_scale: float | None = None, layout: str = "zigzag") -> torch.Tensor:
+                   softmax_scale: float | None = None, layout: str = "zigzag", *,
+                   documents: DocumentMask | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence split across `cp_group`.
 
     q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks of the sequence
     (zigzag.split_sequence order), h % h_kv == 0. Returns this rank's rows of softmax(q k^T
     * scale + causal mask) v over all s keys, [b, h, s/cp, d] in q's dtype; differentiable.
     With `cp_group` None (one rank) it is plain causal attention.
+    documents: the whole sequence's packed documents and/or window ([b, s] mask, global
+    positions; context_parallel/documents.py): blocks outside them are skipped, the rest masked.
     """
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[2] != q.shape[2]:
         raise ValueError(f"ring_attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not "
@@ -126,5 +145,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
     if q.shape[2] % 2:
         raise ValueError(f"ring_attention: the local sequence ({q.shape[2]} tokens) must be two equal chunks "
                          "(zigzag.split_sequence); make the sequence length a multiple of 2*cp")
+    if documents is not None:
+        check_whole_sequence(documents, q.shape[2], comm.group_size(cp_group))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return RingAttention.apply(q, k, v, cp_group, layout, float(scale))
+    return RingAttention.apply(q, k, v, cp_group, layout, float(scale), documents)

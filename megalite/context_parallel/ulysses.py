@@ -9,7 +9,7 @@ ordinary causal attention runs on whole sequences, and one all-to-all puts the o
 
 q, k and v travel in one all-to-all (their head groups packed side by side). The tokens arrive
 rank by rank, each rank's two zigzag chunks; they are put in sequence order before attention
-and back after. Heads (and kv heads) per rank must divide by cp (checks.py says what to change).
+and back after. Packed documents and windows: the whole sequence's mask goes to that attention. Heads (and kv heads) per rank must divide by cp (checks.py says what to change).
 
 Bytes in the ledger per call (comm's convention for all_to_all: the input, own piece included),
 with b, h, h_kv this rank's batch and heads and s/cp its tokens:
@@ -23,7 +23,9 @@ import torch
 
 from megalite import ops
 from megalite.distributed import comm
+from megalite.context_parallel.documents import check_whole_sequence
 from megalite.context_parallel.zigzag import chunk_ids
+from megalite.kernels import DocumentMask
 
 
 class _AllToAll(torch.autograd.Function):
@@ -68,7 +70,8 @@ def _sequence_to_rank_order(x: torch.Tensor, cp: int, to_ranks: torch.Tensor) ->
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, dropout_p: float = 0.0,
-                      dropout_seed: int = 0, head_start: int = 0, layout: str = "zigzag") -> torch.Tensor:
+                      dropout_seed: int = 0, head_start: int = 0, layout: str = "zigzag", *,
+                      documents: DocumentMask | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence split across `cp_group`, by head-sharding all-to-alls.
 
     q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks (zigzag.split_sequence
@@ -77,6 +80,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     after the all-to-all this rank holds heads [cp_rank*h/cp, (cp_rank+1)*h/cp) of q's heads over
     the whole sequence in order, so its part of the logical Philox mask (q's heads start at
     global head `head_start`) is at those heads' counters, the same as without cp.
+    documents: the whole sequence's packed documents and/or window ([b, s] mask in global
+    positions): the local attention runs on whole sequences, so it takes the mask as it is.
     """
     cp = comm.group_size(cp_group)
     b, h, s_local, d = q.shape
@@ -87,6 +92,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     if s_local % 2:
         raise ValueError(f"ulysses_attention: the local sequence ({s_local} tokens) must be two equal chunks "
                          "(zigzag.split_sequence); make the sequence length a multiple of 2*cp")
+    if documents is not None:
+        check_whole_sequence(documents, s_local, cp)
     to_sequence, to_ranks = _chunk_order(cp, layout)
     c = s_local // 2
     # [b, heads, s/cp, d] -> [cp, b, heads/cp, 2, c, d]: piece r carries head group r to rank r
@@ -97,7 +104,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     s_full = q_full.shape[2]
     first_head = head_start + comm.group_rank(cp_group) * (h // cp)
     out = ops.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                       dropout_offset=first_head * b * s_full * s_full)  # [b, h/cp, s, d]
+                       dropout_offset=first_head * b * s_full * s_full, documents=documents)  # [b, h/cp, s, d]
     pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d]
     returned = _AllToAll.apply(pieces, cp_group)  # piece r: head group r, my tokens
     return returned.transpose(0, 1).reshape(b, h, s_local, d)

@@ -18,6 +18,7 @@ forward(x, labels=None, reduction="mean"):
   at each document's first token. The document mask is built from them once per forward and
   handed to every block (no token attends to another document); RoPE and the learned position
   table read them. Without them: one causal sequence, positions 0..s-1 (docs/documents.md).
+  Under context parallelism they are the whole sequence's [b, s * cp] (not split).
 
 Context parallelism (the mesh's cp group, cp > 1): each cp rank is handed its zigzag chunks
 of the ids and labels (`context_parallel.split_sequence`, [b, s] -> [b, s/cp]) and s above is
@@ -36,7 +37,7 @@ from torch import nn
 
 from megalite.distributed import comm
 from megalite.parameters import params
-from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
+from megalite.context_parallel.zigzag import logical_row_offsets, position_ids, split_sequence
 from megalite.data_parallel.units import Unit
 from megalite.kernels import DocumentMask
 from megalite.distributed.layer_groups import LayerGroups
@@ -87,9 +88,6 @@ class GPTModel(nn.Module):
         on_meta = device is not None and torch.device(device).type == "meta"
         self._real_device = (mesh.device if mesh is not None else None) if on_meta else device
         config.check_tensor_parallel(tp_size)
-        if config.window_size is not None and self.cp_size > 1:
-            raise ValueError("a sliding window (window_size) under context parallelism is not supported yet; "
-                             "run it at cp=1")
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
         if sequence_parallel and config.seq_length % tp_size != 0:
@@ -299,11 +297,11 @@ class GPTModel(nn.Module):
                                  f"seq_length={self.config.seq_length}")
             s, input_ids = x.shape[1], x
             self._check_position_ids(position_ids, x.shape[0], s)
-            x = self.embed(x, position_ids)
+            x = self.embed(x, self._local_positions(position_ids))
         else:
             s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
             self._check_position_ids(position_ids, x.shape[1], s)
-        rope = self._rope(s, position_ids)
+        rope = self._rope(s, self._local_positions(position_ids))
         documents = self._document_mask(position_ids, x.shape[1], s, x.device)  # once per microbatch
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
         masked = (documents,) if documents is not None else ()  # a block is called as before without a mask
@@ -337,22 +335,30 @@ class GPTModel(nn.Module):
 
     def _document_mask(self, position_ids: torch.Tensor | None, batch: int, s: int, device) -> DocumentMask | None:
         """The attention mask every block shares: packed documents and/or the sliding window; None
-        for plain causal attention (a window as long as the sequence is no window)."""
-        window = self.config.window_size
-        window = window if window is not None and window < s else None
+        for plain causal attention (a window as long as the sequence is no window). Under cp the
+        whole sequence's (s * cp tokens, global positions): ring and Ulysses read it so."""
+        window, whole = self.config.window_size, s * self.cp_size
+        window = window if window is not None and window < whole else None
         if position_ids is not None:
             return DocumentMask.from_position_ids(position_ids, window)
-        return DocumentMask.sliding_window(batch, s, window, device) if window is not None else None
+        return DocumentMask.sliding_window(batch, whole, window, device) if window is not None else None
+
+    def _local_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole sequence's position ids [b, s * cp] -> this cp rank's zigzag chunks [b, s] (RoPE and
+        the learned table read them; the mask reads the whole sequence's)."""
+        if position_ids is None or self.cp_size == 1:
+            return position_ids
+        return split_sequence(position_ids, self.cp_rank, self.cp_size, dim=1)
 
     def _check_position_ids(self, position_ids: torch.Tensor | None, batch: int, s: int) -> None:
-        """Shapes only (a value check would read the device): the data side checks the restarts."""
+        """Shapes only (a value check would read the device): the data side checks the restarts.
+        Under cp they are the whole sequence's [b, s * cp], not this rank's chunks."""
         if position_ids is None:
             return
-        if self.cp_size > 1:
-            raise ValueError("position_ids (packed documents) under context parallelism are not supported yet; "
-                             "run them at cp=1")
-        if tuple(position_ids.shape) != (batch, s):
-            raise ValueError(f"position_ids have shape {tuple(position_ids.shape)}; the microbatch is [{batch}, {s}]")
+        if tuple(position_ids.shape) != (batch, s * self.cp_size):
+            whole = " (the whole sequence's, under context parallelism)" if self.cp_size > 1 else ""
+            raise ValueError(f"position_ids have shape {tuple(position_ids.shape)}; the microbatch is "
+                             f"[{batch}, {s * self.cp_size}]{whole}")
 
     # --- layout-free names and full tensors ---------------------------------------------------
 

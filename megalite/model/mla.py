@@ -2,7 +2,7 @@
 shared by the heads, d_qk != d_v. The shapes and names: megalite/config/mla.py.
 
 It is a block's attention like model/transformer.py's `Attention`: `qkv(x)` (the projections, a tuple),
-`core(q, kv, k_pe, rope, rng)` (what selective recompute re-runs) and `proj` (the row-parallel output).
+`core(q, kv, k_pe, rope, rng[, documents])` (what selective recompute re-runs) and `proj` (the row-parallel output).
 
 Under tp the heads split: the up-projections W_qb, W_kvb (and W_q without a query latent) are
 column-parallel over the heads, the output projection row-parallel; the down-projections W_qa, W_kva
@@ -32,6 +32,7 @@ from megalite.parameters import params
 from megalite.config.model import GPTConfig
 from megalite.config.rope_scaling import softmax_scale_factor
 from megalite.distributed.layer_groups import LayerGroups
+from megalite.kernels import DocumentMask
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, linear
 from megalite.tensor_parallel.mlp import normal_init
@@ -117,9 +118,10 @@ class MultiLatentAttention(nn.Module):
                 k_pe.reshape(s, b, 1, mla.qk_pos_emb_head_dim))
 
     def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
-             rope: tuple[torch.Tensor, torch.Tensor] | None, rng: TensorParallelRNG) -> torch.Tensor:
+             rope: tuple[torch.Tensor, torch.Tensor] | None, rng: TensorParallelRNG,
+             documents: DocumentMask | None = None) -> torch.Tensor:
         """qkv()'s (q, kv, k_pe) -> [s, b, n/tp * d_v]: RoPE on the position channels, the heads' keys,
-        attention."""
+        attention. documents: the microbatch's packed documents and/or window (GPTModel builds it), or None."""
         mla, heads = self.mla, self.local_heads
         s, b = q.shape[:2]
         q_nope, q_pe = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], dim=-1)
@@ -130,5 +132,5 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [s, b, n/tp, d_qk]
         k = torch.cat([k_nope, k_pe.expand(s, b, heads, mla.qk_pos_emb_head_dim)], dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
-        out = ops.latent_attention(q, k, v, self.softmax_scale)  # [b, n/tp, s, d_v]
+        out = ops.latent_attention(q, k, v, self.softmax_scale, documents)  # [b, n/tp, s, d_v]
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * mla.v_head_dim)

@@ -126,7 +126,8 @@ class Attention(nn.Module):
         seed = rng.tensor_parallel.draw(dropout_site(self.layer_number, 0)) if p > 0.0 else 0
         head_start = self.tp_rank * hq  # this rank's heads of the logical [nq, b, s, s] probabilities
         if comm.group_size(self.cp_group) > 1:  # the other cp ranks hold the rest of the sequence
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, seed, head_start)
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, p, seed, head_start,
+                                             documents=documents)  # the whole sequence's mask
         else:
             out = ops.attention(q, k, v, dropout_p=p, dropout_seed=seed,
                                dropout_offset=head_start * b * s * s, documents=documents)  # [b, hq, s, d]
@@ -185,7 +186,7 @@ class TransformerBlock(nn.Module):
                 rng: TensorParallelRNG, documents: DocumentMask | None = None) -> torch.Tensor:
         qkv = self.attention.qkv(self.input_norm(x))
         qkv = qkv if isinstance(qkv, tuple) else (qkv,)  # latent attention's core takes three tensors
-        masked = (documents,) if documents is not None else ()  # packed documents (not with latent attention)
+        masked = (documents,) if documents is not None else ()  # packed documents and/or a window
         if self.recompute_core and self.training:  # (as tensors, which the checkpoint keeps visibly)
             core = checkpoint_with_rng(self.attention.core, rng, *qkv, rope, rng, *masked)
         else:

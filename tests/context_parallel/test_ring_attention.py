@@ -42,13 +42,13 @@ def _instrument(log: list, chunk: int):
     def work(q, k, causal):
         return q.shape[2] * k.shape[2] / chunk ** 2 / (2 if causal else 1)
 
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, mask=None):
         log.append(("forward", work(q, k, causal)))
-        return originals[0](q, k, v, causal, scale)
+        return originals[0](q, k, v, causal, scale, mask)
 
-    def backward(q, k, v, out, dout, lse, causal, scale):
+    def backward(q, k, v, out, dout, lse, causal, scale, mask=None):
         log.append(("backward", work(q, k, causal)))
-        return originals[1](q, k, v, out, dout, lse, causal, scale)
+        return originals[1](q, k, v, out, dout, lse, causal, scale, mask)
 
     def post(transfers, group):
         log.append(("post", 0))

@@ -1,6 +1,6 @@
 """Training steps on packed documents (microbatches with restarting position_ids, as
---reset-position-ids --reset-attention-mask make them) at (dp 2), (tp 2, SP), (pp 2), ZeRO 3 and MoE
-(ep 2) equal the single
+--reset-position-ids --reset-attention-mask make them) at (dp 2), (tp 2, SP), (pp 2), ZeRO 3, MoE
+(ep 2), (cp 2 ring) and (cp 2 Ulysses) equal the single
 process: every step's loss and every parameter after the last step (float32, 1e-5 relative). The
 flags' refusals are one line each."""
 import pytest
@@ -51,10 +51,11 @@ def _run(m, cfg, documents=True):
 
 def _parallel(tp, dp, extra, ref_losses, ref_params):
     extra = dict(extra)
-    pp = extra.pop("pp", 1)
-    cfg = _cfg(tp, dp, pp=pp, **extra)
+    pp, cp = extra.pop("pp", 1), extra.pop("cp", 1)
+    cfg = _cfg(tp, dp, pp=pp, cp=cp, **extra)
     moe = cfg.gpt_config().moe  # the mesh's expert groups are built for the model's experts
-    m = mesh.init_mesh(tp=tp, dp=dp, pp=pp, ep=cfg.parallel.ep, num_experts=moe.num_experts if moe is not None else 0)
+    m = mesh.init_mesh(tp=tp, dp=dp, pp=pp, cp=cp, ep=cfg.parallel.ep,
+                       num_experts=moe.num_experts if moe is not None else 0)
     losses, chunks = _run(m, cfg)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)  # step 2's loss follows step 1's update
     if extra.get("zero") == 3:  # parameters live as shards between steps: the losses say it
@@ -82,11 +83,35 @@ def test_packed_training_matches_single_process(model):
         assert run_distributed(_parallel, world, tp, dp, extra, losses, params) == [STEPS] * world
 
 
+def _single_process_reference():
+    losses, chunks = _run(single_process_mesh("cpu"), _cfg(1, 1))
+    return losses, {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
+
+
+# slow, as the other layouts' (the quick tier has tests/model/test_gpt_documents_cp.py): the ring, Ulysses,
+# and cp composed with (tp 2, SP), (pp 2) and (dp 2, ZeRO 1)
+@pytest.mark.parametrize("tp, dp, extra", [
+    pytest.param(1, 1, {"cp": 2}, marks=pytest.mark.slow),
+    pytest.param(1, 1, {"cp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
+    pytest.param(2, 1, {"cp": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
+    pytest.param(1, 1, {"cp": 2, "pp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
+    pytest.param(1, 2, {"cp": 2, "zero": 1}, marks=pytest.mark.slow)])
+def test_packed_training_with_context_parallelism_matches_single_process(tp, dp, extra):
+    """Documents crossing the cp chunk edges (chunks of 4 tokens): lengths 1, 15, 5, 3, 7, 8."""
+    losses, params = _single_process_reference()
+    world = tp * dp * extra["cp"] * extra.get("pp", 1)
+    assert run_distributed(_parallel, world, tp, dp, extra, losses, params) == [STEPS] * world
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(reset_attention_mask=True), "pass --reset-position-ids and --reset-attention-mask together"),
-    (dict(reset_attention_mask=True, reset_position_ids=True, cp=2),
-     "--reset-attention-mask does not run with --cp > 1 yet"),
-    (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents")])
+    (dict(reset_attention_mask=True, reset_position_ids=True, cuda_graph=True),
+     "--reset-attention-mask does not run with --cuda-graph yet"),
+    (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents"),
+    (dict(reset_attention_mask=True, reset_position_ids=True, mtp_num_layers=1),
+     "packed documents and --window-size run without MTP so far"),
+    (dict(window_size=8, multi_latent_attention=True, cp=2),
+     "packed documents and --window-size run with --multi-latent-attention at --cp 1 so far")])
 def test_document_flags_refusals(flags, message):
     problems = RunConfig.build(**flags).validate()
     assert [p for p in problems if message in p] and all("\n" not in p for p in problems), problems

@@ -1,0 +1,119 @@
+"""Packed documents and sliding windows under context parallelism: a GPT at (cp 2 ring) and (cp 2
+Ulysses) equals the single process, logits, loss sum and every gradient, float32, 1e-5.
+
+Each cp rank is handed its zigzag chunks of the ids and labels and the WHOLE sequence's position
+ids (as the training step hands them). Packed documents are compared with the documents run one by
+one (tests/model/test_gpt_documents.py's oracle): lengths 1 and odd, documents crossing the chunk
+edges (chunks of 4 tokens), a sample that is one document; some labels masked. A window of 5, alone
+and over the documents, is compared with the same model at cp 1.
+"""
+import pytest
+import torch
+
+from megalite.distributed import comm, mesh
+from megalite.parameters import params as P
+from megalite.context_parallel import gather_sequence, split_sequence
+from megalite.model import GPTModel, preset
+from megalite.testing import assert_tensor_close, run_distributed
+
+B, S = 2, 16
+DOCUMENTS = ([1, 5, 3, 7], [16])  # per sample; at cp 2 the chunks are [0, 4), [4, 8), [8, 12), [12, 16)
+WINDOW = 5
+
+
+def _config(name, window=None):
+    return preset(name, num_layers=1, seq_length=S, window_size=window)
+
+
+def _batch(vocab, documents=True):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (B, S), generator=gen)
+    labels = torch.randint(0, vocab, (B, S), generator=gen)
+    labels[0, 2] = labels[1, 13] = -100  # masked targets on both cp ranks
+    if not documents:
+        return ids, labels, None
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
+    return ids, labels, positions
+
+
+def _grads(model):
+    return {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
+
+
+def _one_by_one(name):
+    """Each document alone at cp 1: logits [b, s, V], the summed loss, every gradient."""
+    cfg = _config(name)
+    model = GPTModel(cfg, seed=5)
+    ids, labels, _ = _batch(cfg.vocab_size)
+    logits, loss = torch.zeros(B, S, cfg.padded_vocab_size(1)), torch.zeros(())
+    for b, lengths in enumerate(DOCUMENTS):
+        start = 0
+        for n in lengths:
+            rows = slice(start, start + n)
+            logits[b, rows] = model(ids[b:b + 1, rows]).detach()[0]
+            document_loss = model(ids[b:b + 1, rows], labels[b:b + 1, rows], reduction="sum")
+            document_loss.backward()
+            loss += document_loss.detach()
+            start += n
+    return logits, loss, _grads(model)
+
+
+def _single_process(name, window, documents):
+    """The packed batch at cp 1 with the window."""
+    cfg = _config(name, window)
+    model = GPTModel(cfg, seed=5)
+    ids, labels, positions = _batch(cfg.vocab_size, documents)
+    logits = model(ids, position_ids=positions).detach()
+    loss = model(ids, labels, reduction="sum", position_ids=positions)
+    loss.backward()
+    return logits, loss.detach(), _grads(model)
+
+
+CASES = {"documents": (None, True), "window": (WINDOW, False), "documents+window": (WINDOW, True)}
+
+
+def _expected(name, cases):
+    return {case: (_one_by_one(name) if case == "documents" else _single_process(name, *CASES[case]))
+            for case in cases}
+
+
+def _context_parallel(m, name, comm_type, case, expected):
+    """The cp run against `expected` (logits, loss sum, every gradient); returns the gradients checked."""
+    window, documents = CASES[case]
+    cfg = _config(name, window)
+    model = GPTModel(cfg, m, seed=5, cp_comm_type=comm_type)
+    ids, labels, positions = _batch(cfg.vocab_size, documents)
+    ids, labels = (split_sequence(t, m.cp_rank, m.cp_size) for t in (ids, labels))
+    ref_logits, ref_loss, ref_grads = expected
+    logits = model(ids, position_ids=positions).detach()  # [b, s/cp, V]
+    pieces = comm.all_gather(logits.unsqueeze(0).contiguous(), m.cp_group, dim=0).unbind(0)
+    torch.testing.assert_close(gather_sequence(list(pieces), dim=1)[..., :cfg.vocab_size],
+                               ref_logits[..., :cfg.vocab_size], rtol=1e-5, atol=1e-5)
+    loss = model(ids, labels, reduction="sum", position_ids=positions)
+    loss.backward()
+    total = comm.all_reduce(loss.detach().clone(), m.cp_group)  # each rank: the sum over its chunks
+    torch.testing.assert_close(total, ref_loss, rtol=1e-5, atol=0)
+    for name_, p in model.logical_parameters():  # replicated over cp: each rank holds its tokens' part
+        assert_tensor_close(comm.all_reduce(p.grad.clone(), m.cp_group), P.shard_spec(p).shard(ref_grads[name_]),
+                            rtol=1e-5, what=f"{comm_type} {case} {name_}")
+    return len(ref_grads)
+
+
+def _rank(name, expected):
+    m = mesh.init_mesh(cp=2)
+    return {(comm_type, case): _context_parallel(m, name, comm_type, case, expected[case])
+            for comm_type in ("p2p", "a2a") for case in expected}
+
+
+# RoPE with documents against the documents run one by one (quick); windows (with and without documents:
+# quick at the attention level, tests/context_parallel/test_ring_documents.py) and the learned position
+# table in the slow tier
+@pytest.mark.parametrize("name,cases", [
+    ("tiny-llama", ("documents",)),
+    pytest.param("tiny-llama", ("window", "documents+window"), marks=pytest.mark.slow),
+    pytest.param("tiny", tuple(CASES), marks=pytest.mark.slow)])
+def test_documents_and_windows_at_cp2_equal_the_single_process(name, cases):
+    expected = _expected(name, cases)
+    results = run_distributed(_rank, 2, name, expected)
+    checked = len(expected[cases[0]][2])
+    assert results == [{(t, c): checked for t in ("p2p", "a2a") for c in cases}] * 2
