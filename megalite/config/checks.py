@@ -265,12 +265,10 @@ def _latent_attention_problems(cfg: RunConfig) -> list[str]:
         return []  # RunConfig.validate reports the model's own problem
     problems = mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)
     p = cfg.parallel
-    if model.mtp_num_layers and p.pp > 1:
-        problems.append(f"--mtp-num-layers {model.mtp_num_layers} needs the embedding and the output layer on one "
-                        f"stage; the last of --pp {p.pp} stages has no embedding (MTP under pp is not built): drop "
-                        f"--pp or --mtp-num-layers")
-    for bad, what in ((p.cp > 1, f"--cp {p.cp}"), (p.zero == 3, "--zero 3"),
-                      (cfg.training.cuda_graph, "--cuda-graph")):
+    if model.mtp_num_layers and p.pp > 1 and model.flavour == "gpt2":
+        problems.append(f"--mtp-num-layers under --pp {p.pp} copies the word embedding to the last stage, not the "
+                        f"learned position table of the gpt2 flavour: use a RoPE (llama-flavour) model or --pp 1")
+    for bad, what in ((p.cp > 1, f"--cp {p.cp}"), (cfg.training.cuda_graph, "--cuda-graph")):
         if model.mtp_num_layers and bad:
             problems.append(f"--mtp-num-layers runs without {what} (not built yet); drop one of them")
     return problems

@@ -16,14 +16,15 @@ count, the main loss's normaliser (decision 4).
 The MTP terms join the loss's gradient without changing its value (Megatron's MTPLossAutoScaler):
 the forward returns main + (mtp - mtp.detach()), so the step's reported loss stays the language
 model's and each depth's loss is reported on its own (`MultiTokenPrediction.step_sums`).
-Built on the stage that holds the embedding and the head: at pp 1 (pp > 1 and cp > 1 are refused,
-config/checks.py).
+Built on the last pipeline stage, which at pp > 1 holds its own copy of the word embedding, tied to
+stage 0's (GPTModel.mtp_on_last_stage); cp > 1 is refused (config/checks.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from megalite.data_parallel.units import Unit
 from megalite.distributed import comm
 from megalite.config.model import GPTConfig
 from megalite.distributed.layer_groups import LayerGroups
@@ -103,6 +104,33 @@ def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: tor
         hidden = depth(hidden, embedded, rope, model.rng)
         losses.append(model.head_losses(depth.final_norm(hidden), rolled(labels, k, fill=-100)).sum())
     return losses
+
+
+def mtp_units(mtp: MultiTokenPrediction, build) -> list[Unit]:
+    """ZeRO-3's units of the depths: each depth, and an MoE depth's experts (a unit of their own over the
+    expert-data-parallel group). build(k) -> depth k rebuilt from its seeded stream (a meta-built model
+    materialises one unit at a time).
+
+    The depths branch off the last block's output beside the head, so they are not links of ZeRO-3's
+    chain of entries (each entry's backward starts when the next one's input gradient is complete: the
+    head's would wait for the depths'). Their units are therefore started by a read (no module), which
+    makes the head's entry, running when they are first read, borrow them: gathered again at the start
+    of the backward with the head and reduced at its end (data_parallel/zero3.py)."""
+    units = []
+    for k, depth in enumerate(mtp.depths, start=1):
+        experts = depth.block.mlp.experts if depth.block.is_moe else None
+        expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+        units.append(Unit(f"mtp.depths.{k - 1}", [p for p in depth.parameters() if id(p) not in expert_ids], (),
+                          lambda k=k: _depth_tensors(build(k), experts=False)))
+        if experts is not None:
+            units.append(Unit(f"mtp.depths.{k - 1}.experts", list(experts.parameters()), (),
+                              lambda k=k: _depth_tensors(build(k), experts=True), kind=1))
+    return units
+
+
+def _depth_tensors(depth: MTPDepth, *, experts: bool) -> list[torch.Tensor]:
+    expert_ids = {id(p) for p in depth.block.mlp.experts.parameters()} if depth.block.is_moe else set()
+    return [p.detach() for p in depth.parameters() if (id(p) in expert_ids) == experts]
 
 
 def mtp_stats(chunks, token_count: float, mesh) -> dict[str, float]:
