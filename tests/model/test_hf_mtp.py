@@ -2,6 +2,7 @@
 num_hidden_layers) map to megalite's depths and back (megalite/model/hf_deepseek.py), and the imported depths
 give the per-depth losses of transformers' own MTP module (`MtpModel`, built beside a small DeepSeek-V3 with
 random weights; no download), run the report's way: depth k on the T-k positions that have both tokens."""
+import importlib.util
 import os
 import sys
 
@@ -122,3 +123,22 @@ def test_mtp_weights_round_trip_and_without_them_no_depths():
     for name, tensor in hf.state_dict().items():
         assert torch.equal(exported.state_dict()[name], tensor), name
     assert from_hf(hf).config.mtp_num_layers == 0  # transformers' model alone: no MTP weights, no depths
+
+
+def test_convert_checkpoint_carries_the_mtp_layers(tmp_path):
+    """tools/convert_checkpoint.py import then export: the MTP layers of the files come back as they were."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint_47m", path)
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    hf, _, state = _with_mtp(1)
+    hf.save_pretrained(tmp_path / "hf")  # its config counts the layer; its model file lacks it, as V3's does not
+    safetensors.save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "hf" / "mtp.safetensors"))
+    assert convert.main(["import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt")]) == 0
+    assert convert.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")]) == 0
+    exported = safetensors.load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
+    assert torch.equal(exported[f"model.layers.{hf.config.num_hidden_layers}.embed_tokens.weight"],
+                       hf.state_dict()["model.embed_tokens.weight"])
