@@ -141,7 +141,7 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0, pro
     _check_hf_config(hf_dir)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     weights = _read_hf_weights(hf_dir, progress)
-    config = with_mtp_as_present(config_from_hf(hf_config), weights)  # DeepSeek-V3's MTP layers, when the files hold them
+    config = with_mtp_as_present(config_from_hf(hf_config), weights)  # DeepSeek-V3's MTP layers, if the files hold them
     full = hf_to_full_state(weights, config)
     ids = {"bos": getattr(hf_config, "bos_token_id", None), "eos": getattr(hf_config, "eos_token_id", None)}
     path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir),

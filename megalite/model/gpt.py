@@ -331,7 +331,7 @@ class GPTModel(nn.Module):
             if input_ids is None:
                 raise ValueError("MTP on a last pipeline stage embeds the tokens ahead: pass input_ids=[b, s] (the "
                                  "microbatch's ids) with the labels")
-            depth_losses = mtp_losses(self, x, input_ids, labels, rope)
+            depth_losses = mtp_losses(self, x, input_ids, labels, rope, position_ids=position_ids, documents=documents)
             if self.training and torch.is_grad_enabled():
                 self.mtp.record(depth_losses)
             term = self.mtp.loss_term(depth_losses)

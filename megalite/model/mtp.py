@@ -51,14 +51,15 @@ class MTPDepth(nn.Module):
                                       moe_dispatcher=moe_dispatcher, dtype=dtype, device=device)
         self.final_norm = Norm(config, sequence_parallel, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, rng) -> torch.Tensor:
-        """hidden, embedded [s', b, h] (s' = s/tp under SP) -> this depth's hidden state, the same shape."""
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, rng, documents=None) -> torch.Tensor:
+        """hidden, embedded [s', b, h] (s' = s/tp under SP) -> this depth's hidden state, the same shape;
+        documents: the model's blocks' attention mask (packed documents), None for plain causal attention."""
         combined = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)  # [s', b, 2h]
         x = self.eh_proj(combined)  # [s, b, h/tp]
         x = mappings.gather_from_tensor_parallel_region(x, self.tp_group)  # [s, b, h], every rank alike
         if self.sequence_parallel:
             x = mappings.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-        return self.block(x, rope, rng)
+        return self.block(x, rope, rng, documents)
 
 
 def rolled(t: torch.Tensor, k: int, fill: int | None = None) -> torch.Tensor:
@@ -95,14 +96,23 @@ class MultiTokenPrediction(nn.Module):
         return sums
 
 
-def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope) -> list:
+def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope, *,
+               position_ids: torch.Tensor | None = None, documents=None) -> list:
     """Each depth's summed cross entropy over this rank's targets: hidden [s', b, h] the last block's output,
-    input_ids and labels [b, s]. `model`: the GPTModel (its embedding, head and cross entropy)."""
+    input_ids and labels [b, s]. `model`: the GPTModel (its embedding, head and cross entropy).
+
+    Packed documents (position_ids [b, s] restarting at 0, `documents` the blocks' mask): the depths attend
+    within documents as the blocks do, and depth k's target at position i is kept only where token i+k is
+    in i's document (its position is i's plus k): Emb(t_{i+k}) never comes from the next document. The
+    target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss masks the same ones)."""
     losses = []
     for k, depth in enumerate(model.mtp.depths, start=1):
-        embedded = model.embed(rolled(input_ids, k))  # Emb(t_{i+k}) [s', b, h]
-        hidden = depth(hidden, embedded, rope, model.rng)
-        losses.append(model.head_losses(depth.final_norm(hidden), rolled(labels, k, fill=-100)).sum())
+        embedded = model.embed(rolled(input_ids, k), position_ids)  # Emb(t_{i+k}) [s', b, h]
+        hidden = depth(hidden, embedded, rope, model.rng, documents)
+        targets = rolled(labels, k, fill=-100)  # [b, s]: labels[:, i + k] = t_{i+k+1}
+        if position_ids is not None:
+            targets = targets.masked_fill(rolled(position_ids, k) != position_ids + k, -100)
+        losses.append(model.head_losses(depth.final_norm(hidden), targets).sum())
     return losses
 
 

@@ -70,7 +70,8 @@ def _transformers_depth_losses(hf, mtp, ids, labels):
 
 # megalite's depth k <-> transformers' MTP layer k: the pieces around the block and two of the block's weights
 _COMPARED = {"eh_proj.weight": "eh_proj.weight", "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
-             "final_norm.weight": "post_norm.weight", "block.attention.proj.weight": "mtp_block.self_attn.o_proj.weight",
+             "final_norm.weight": "post_norm.weight",
+             "block.attention.proj.weight": "mtp_block.self_attn.o_proj.weight",
              "block.mlp.router.weight": "mtp_block.mlp.gate.weight"}
 
 

@@ -84,6 +84,37 @@ def test_mtp_equals_the_reports_formulation():
     assert ours["mtp.depths.1.eh_proj.weight"].abs().sum() > 0  # the deepest depth was trained
 
 
+def test_mtp_on_packed_documents_equals_each_document_alone():
+    """--reset-attention-mask: the depths attend within documents and no depth reads a token of the next
+    document, so three packed documents give the losses (main and per depth) and every gradient of the three
+    run one by one, each with its labels (the last one of a document still predicting the next's first token,
+    as the main loss does)."""
+    cfg = RunConfig.build(model="tiny-llama", num_layers=2, hidden_size=64, ffn_hidden_size=96, seq_length=SEQ,
+                          mtp_num_layers=2, mtp_loss_scaling_factor=0.3, vocab_size=VOCAB)  # latent attention
+    # takes no documents yet; MTP does
+    model = GPTModel(cfg.gpt_config(), single_process_mesh("cpu")).train()
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(8))
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    bounds = [(0, 5), (5, 11), (11, SEQ)]
+    position_ids = torch.cat([torch.arange(b - a) for a, b in bounds]).unsqueeze(0)
+
+    def run(pieces):
+        model.zero_grad()
+        loss = sum(model(ids[:, a:b], labels[:, a:b], reduction="sum", **extra) for a, b, extra in pieces)
+        loss.backward()
+        return loss.detach(), model.mtp.take_step_sums(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                           if p.grad is not None}
+    packed = run([(0, SEQ, {"position_ids": position_ids})])
+    alone = run([(a, b, {}) for a, b in bounds])
+    assert packed[0].item() == pytest.approx(alone[0].item(), rel=1e-6)
+    assert packed[1] == pytest.approx(alone[1], rel=1e-5)
+    assert packed[2].keys() == alone[2].keys()
+    for name, grad in packed[2].items():
+        assert_tensor_close(grad, alone[2][name], rtol=1e-5, what=name)
+    assert run([(0, SEQ, {})])[1] != pytest.approx(alone[1], rel=1e-3)  # the documents matter to the depths
+
+
 def _batches(dp, dp_rank, steps=2, micro=2):  # two steps: the second runs on the first's update
     out = []
     for step in range(steps):
@@ -163,6 +194,8 @@ def test_mtp_layouts_equal_the_single_process(layouts, steps, world):
     (dict(pp=2, model="tiny", num_layers=2, moe_layer_freq=None, moe_aux_loss_coeff=None),
      "not the learned position table"),
     (dict(cp=2), "--mtp-num-layers runs without --cp 2"),
+    (dict(model="tiny-llama", moe_layer_freq=None, moe_aux_loss_coeff=None, window_size=8),
+     "--window-size with --mtp-num-layers"),
 ])
 def test_mtp_layouts_not_built_are_refused_in_one_line(settings, message):
     cfg = _cfg(**settings)
