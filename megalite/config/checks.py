@@ -270,7 +270,6 @@ def _latent_attention_problems(cfg: RunConfig) -> list[str]:
     if model.mtp_num_layers and p.pp > 1 and model.flavour == "gpt2":
         problems.append(f"--mtp-num-layers under --pp {p.pp} copies the word embedding to the last stage, not the "
                         f"learned position table of the gpt2 flavour: use a RoPE (llama-flavour) model or --pp 1")
-    for bad, what in ((p.cp > 1, f"--cp {p.cp}"), (cfg.training.cuda_graph, "--cuda-graph")):
-        if model.mtp_num_layers and bad:
-            problems.append(f"--mtp-num-layers runs without {what} (not built yet); drop one of them")
+    if model.mtp_num_layers and cfg.training.cuda_graph:
+        problems.append("--mtp-num-layers runs without --cuda-graph (not built yet); drop one of them")
     return problems

@@ -17,13 +17,15 @@ The MTP terms join the loss's gradient without changing its value (Megatron's MT
 the forward returns main + (mtp - mtp.detach()), so the step's reported loss stays the language
 model's and each depth's loss is reported on its own (`MultiTokenPrediction.step_sums`).
 Built on the last pipeline stage, which at pp > 1 holds its own copy of the word embedding, tied to
-stage 0's (GPTModel.mtp_on_last_stage); cp > 1 is refused (config/checks.py).
+stage 0's (GPTModel.mtp_on_last_stage). Under cp the rolled ids and labels come from the whole sequences
+(`mtp_losses`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from megalite.context_parallel.zigzag import gather_sequence, split_sequence
 from megalite.data_parallel.units import Unit
 from megalite.distributed import comm
 from megalite.config.model import GPTConfig
@@ -104,16 +106,34 @@ def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: tor
     Packed documents (position_ids [b, s] restarting at 0, `documents` the blocks' mask): the depths attend
     within documents as the blocks do, and depth k's target at position i is kept only where token i+k is
     in i's document (its position is i's plus k): Emb(t_{i+k}) never comes from the next document. The
-    target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss masks the same ones)."""
+    target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss masks the same ones).
+
+    Context parallelism: this rank holds its zigzag chunks of the ids and labels, so the tokens k ahead of
+    its last positions live on other ranks; the whole sequences are gathered once ([b, s] integers over the
+    cp group), rolled, and this rank's chunks cut again."""
+    cp, cp_rank = model.cp_size, model.cp_rank
+    whole_ids, whole_labels = (_whole_sequence(t, model.groups.cp, cp) for t in (input_ids, labels))
     losses = []
     for k, depth in enumerate(model.mtp.depths, start=1):
-        embedded = model.embed(rolled(input_ids, k), position_ids)  # Emb(t_{i+k}) [s', b, h]
+        ids_ahead = _my_chunks(rolled(whole_ids, k), cp_rank, cp)  # t_{i+k} [b, s/cp]
+        embedded = model.embed(ids_ahead, position_ids)  # Emb(t_{i+k}) [s', b, h]
         hidden = depth(hidden, embedded, rope, model.rng, documents)
-        targets = rolled(labels, k, fill=-100)  # [b, s]: labels[:, i + k] = t_{i+k+1}
+        targets = _my_chunks(rolled(whole_labels, k, fill=-100), cp_rank, cp)  # labels[:, i + k] = t_{i+k+1}
         if position_ids is not None:
             targets = targets.masked_fill(rolled(position_ids, k) != position_ids + k, -100)
         losses.append(model.head_losses(depth.final_norm(hidden), targets).sum())
     return losses
+
+
+def _whole_sequence(chunks: torch.Tensor, cp_group, cp: int) -> torch.Tensor:
+    """[b, s/cp] this cp rank's zigzag chunks -> [b, s] the whole sequences (the tensor itself at cp 1)."""
+    if cp == 1:
+        return chunks
+    return gather_sequence(list(comm.all_gather(chunks, cp_group, dim=1).chunk(cp, dim=1)), dim=1)
+
+
+def _my_chunks(whole: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    return whole if cp == 1 else split_sequence(whole, cp_rank, cp, dim=1)
 
 
 def mtp_units(mtp: MultiTokenPrediction, build) -> list[Unit]:
