@@ -103,6 +103,7 @@ class GPTModel(nn.Module):
         # DeepSeek's MTP on a last stage that is not the first: it embeds the tokens ahead itself, so the
         # stage keeps a copy of the word embedding (tied to stage 0's) and reads the microbatch's ids
         self.mtp_on_last_stage = post_process and not pre_process and config.mtp_num_layers > 0
+        self.holds_word_embeddings = pre_process or self.mtp_on_last_stage
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
         self.rng = TensorParallelRNG(seed)  # the same on every rank: masks are layout-free
@@ -121,7 +122,7 @@ class GPTModel(nn.Module):
         """Embeddings, blocks, final norm and head of this chunk, each from its own seeded stream
         (on the meta device: shapes only; ZeRO-3 materialises them unit by unit)."""
         with torch.device("meta") if on_meta else contextlib.nullcontext():  # meta: no init work either
-            if self.pre_process or self.mtp_on_last_stage:  # MTP's Emb(t_{i+k}): the last stage's copy
+            if self.holds_word_embeddings:  # the first stage's, or MTP's copy for Emb(t_{i+k}) on the last
                 self.word_embeddings = self._build_word_embeddings(device)
                 if self.config.flavour == "gpt2" and self.pre_process:
                     # Under SP each rank adds only its sequence slice of the table: partial gradients.
@@ -135,7 +136,7 @@ class GPTModel(nn.Module):
             self.mtp = self._build_mtp(device) if self.post_process and self.config.mtp_num_layers else None
             if self.post_process:
                 self.final_norm = Norm(self.config, self.sequence_parallel, self._dtype, device)
-                if self.config.tie_embeddings and hasattr(self, "word_embeddings"):
+                if self.config.tie_embeddings and self.holds_word_embeddings:
                     self.output_weight = None  # the head reads word_embeddings.weight
                 else:
                     weight, spec = self._build_output_weight(device)
@@ -144,7 +145,7 @@ class GPTModel(nn.Module):
             # The first stage's embedding and the last stage's copy (the tied head, or MTP's embedding,
             # which a tied head then reads too) are one logical tensor: their gradients are summed over
             # the embedding group, and counted once in norms.
-            if hasattr(self, "word_embeddings"):
+            if self.holds_word_embeddings:
                 params.declare(self.word_embeddings.weight, tied_across_stages=True)
             if self.post_process and self.output_weight is not None and self.config.tie_embeddings:
                 params.declare(self.output_weight, tied_across_stages=True)
@@ -197,7 +198,7 @@ class GPTModel(nn.Module):
         Each can materialise its tensors from its seeded stream on the real device, so a model
         built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
         device, units = self._real_device, []
-        if hasattr(self, "word_embeddings"):  # the first stage's, or MTP's copy on the last stage
+        if self.holds_word_embeddings:  # the first stage's, or MTP's copy on the last stage
             positions = self.config.flavour == "gpt2" and self.pre_process
             tables = [self.word_embeddings.weight] + ([self.position_embeddings] if positions else [])
             units.append(Unit("embedding", tables, (), lambda: [self._build_word_embeddings(device).weight.detach()]
