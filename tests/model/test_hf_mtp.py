@@ -25,14 +25,16 @@ def _with_mtp(depths: int):
     tensors under the checkpoint's names."""
     hf = H.hf_model("deepseek-v3")
     hf.config.num_nextn_predict_layers = depths
-    torch.manual_seed(5)
     mtp = modeling_layers.MtpModel(hf, depths).float().eval()
     gen = torch.Generator().manual_seed(6)
-    with torch.no_grad():
+    with torch.no_grad():  # every tensor of the depths drawn here (a constructed MtpModel leaves some as allocated)
         for name, tensor in mtp.state_dict().items():
-            if "norm" in name or name.endswith("e_score_correction_bias"):  # norms near 1, biases that reorder
-                tensor.copy_(1.0 + 0.1 * torch.randn(tensor.shape, generator=gen) if "norm" in name
-                             else 0.05 * torch.randn(tensor.shape, generator=gen))
+            if not name.startswith("layers."):
+                continue  # the main model's embedding and head
+            if name.endswith("norm.weight"):  # norms near 1
+                tensor.copy_(1.0 + 0.1 * torch.randn(tensor.shape, generator=gen))
+            else:  # weights, and a correction bias that reorders the experts
+                tensor.copy_(0.05 * torch.randn(tensor.shape, generator=gen))
     mtp.tie_with_main_model(hf)
     n = hf.config.num_hidden_layers
     state = {}
