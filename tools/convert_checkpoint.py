@@ -31,7 +31,7 @@ from megalite.cli import OneLineParser
 from megalite.errors import UsageError, one_line, reports_usage_errors
 from megalite.extras import require
 from megalite.config.model import GPTConfig
-from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state
+from megalite.model.hf import config_from_hf, full_state_to_hf, hf_to_full_state, with_mtp_as_present
 from megalite.model.hf_config import hf_config_from, special_token_ids
 from megalite.paths import output_dir_problem
 from megalite.checkpoint import torch_formats as tf
@@ -142,8 +142,9 @@ def import_from_hf(hf_dir: str | Path, output: str | Path, *, step: int = 0, pro
     hf_dir = Path(hf_dir)
     _check_hf_config(hf_dir)
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    config = config_from_hf(hf_config)
-    full = hf_to_full_state(_read_hf_weights(hf_dir, progress), config)
+    weights = _read_hf_weights(hf_dir, progress)
+    config = with_mtp_as_present(config_from_hf(hf_config), weights)  # DeepSeek-V3's MTP layers, if the files hold them
+    full = hf_to_full_state(weights, config)
     ids = {"bos": getattr(hf_config, "bos_token_id", None), "eos": getattr(hf_config, "eos_token_id", None)}
     path = write_full_state(output, config, full, step=step, extra={"imported_from": str(hf_dir),
                                                                     "special_token_ids": ids})  # kept by export

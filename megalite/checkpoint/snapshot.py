@@ -17,9 +17,10 @@ Kinds of stored tensors, each keyed by (kind, logical name, box of the full tens
 - DiLoCo: each replica group's inner state under "{name}@replica{g}", the outer state
   ("diloco_outer", "diloco_velocity") and the group count ("diloco") (diloco_state.py).
 
-The last pipeline stage's copy of a tied embedding is one logical tensor with the first
-stage's embedding; only the first stage's copy is written, so every element of every full
-tensor is stored exactly once and a reader can check coverage by counting elements.
+The last pipeline stage's copy of a tied embedding (or of the embedding MTP reads there) is one
+logical tensor with the first stage's embedding; only the first stage's copy is written, so every
+element of every full tensor is stored exactly once and a reader can check coverage by counting
+elements.
 """
 from __future__ import annotations
 
@@ -59,7 +60,10 @@ def _cpu_copy(view: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 def is_tied_copy(chunk, local_name: str) -> bool:
-    """The last stage's copy of a tied embedding (stored once, by the first stage)."""
+    """The last stage's copy of the word embedding (stored once, by the first stage): a tied head, or the
+    embedding DeepSeek's MTP reads on a last stage that is not the first."""
+    if local_name == "word_embeddings.weight":
+        return getattr(chunk, "mtp_on_last_stage", False)
     return local_name == "output_weight" and chunk.config.tie_embeddings
 
 

@@ -213,8 +213,11 @@ def document_problems(cfg: RunConfig) -> list[str]:
     packed = data.reset_attention_mask or data.sft  # SFT samples carry their restarting position ids
     model = cfg.model
     masked = packed or model.window_size is not None
-    if masked and model.mtp_num_layers:
-        return ["packed documents and --window-size run without MTP so far: drop --mtp-num-layers, or the documents"]
+    if model.window_size is not None and model.mtp_num_layers:
+        return ["--window-size with --mtp-num-layers is not built yet (packed documents are): drop one of them"]
+    if masked and model.mtp_num_layers and cfg.parallel.cp > 1:
+        return ["packed documents with --mtp-num-layers run at --cp 1 so far: drop --cp, --mtp-num-layers or the "
+                "documents"]
     if masked and model.multi_latent_attention and cfg.parallel.cp > 1:
         return ["packed documents and --window-size run with --multi-latent-attention at --cp 1 so far: drop --cp, "
                 "--multi-latent-attention or the documents"]
@@ -225,7 +228,6 @@ def document_problems(cfg: RunConfig) -> list[str]:
     if unsupported:
         return [f"--reset-attention-mask does not run with {', '.join(unsupported)} yet; drop one or the other"]
     return []
-
 
 
 def data_problems(data: DataSettings) -> list[str]:
@@ -259,14 +261,11 @@ def _latent_attention_problems(cfg: RunConfig) -> list[str]:
         return []  # RunConfig.validate reports the model's own problem
     problems = mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)
     p = cfg.parallel
-    if model.mtp_num_layers and p.pp > 1:
-        problems.append(f"--mtp-num-layers {model.mtp_num_layers} needs the embedding and the output layer on one "
-                        f"stage; the last of --pp {p.pp} stages has no embedding (MTP under pp is not built): drop "
-                        f"--pp or --mtp-num-layers")
-    for bad, what in ((p.cp > 1, f"--cp {p.cp}"), (p.zero == 3, "--zero 3"),
-                      (cfg.training.cuda_graph, "--cuda-graph")):
-        if model.mtp_num_layers and bad:
-            problems.append(f"--mtp-num-layers runs without {what} (not built yet); drop one of them")
+    if model.mtp_num_layers and p.pp > 1 and model.flavour == "gpt2":
+        problems.append(f"--mtp-num-layers under --pp {p.pp} copies the word embedding to the last stage, not the "
+                        f"learned position table of the gpt2 flavour: use a RoPE (llama-flavour) model or --pp 1")
+    if model.mtp_num_layers and cfg.training.cuda_graph:
+        problems.append("--mtp-num-layers runs without --cuda-graph (not built yet); drop one of them")
     return problems
 
 
@@ -285,6 +284,10 @@ def _dualpipev_problems(cfg: RunConfig) -> list[str]:
         problems.append("--pipeline-schedule dualpipev holds the embedding and the output layer on pp rank 0 as two "
                         "chunks, which do not share a tied weight yet: add --untie-embeddings-and-output-weights or "
                         "choose another --pipeline-schedule")
+    if model.mtp_num_layers:
+        problems.append("--mtp-num-layers under dualpipev would keep the word embedding and MTP's copy of it on pp "
+                        "rank 0 as two chunks, which is not built yet: choose another --pipeline-schedule or drop "
+                        "--mtp-num-layers")
     if cfg.training.cuda_graph:
         problems.append("--cuda-graph does not capture dualpipev's in-memory hop between a rank's two chunks yet: "
                         "drop --cuda-graph or choose another --pipeline-schedule")

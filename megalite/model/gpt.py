@@ -44,7 +44,7 @@ from megalite.distributed.layer_groups import LayerGroups
 from megalite.distributed.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
 from megalite.model.recompute import checkpoint_with_rng
-from megalite.model.mtp import MTPDepth, MultiTokenPrediction, mtp_losses
+from megalite.model.mtp import MTPDepth, MultiTokenPrediction, mtp_losses, mtp_units
 from megalite.model.rope import rope_tables
 from megalite.model.transformer import Norm, TransformerBlock
 from megalite.tensor_parallel import mappings
@@ -98,6 +98,10 @@ class GPTModel(nn.Module):
             raise ValueError(f"recompute_num_layers={recompute_num_layers} needs recompute='full' and a value >= 1")
         self.recompute_num_layers = recompute_num_layers  # full recompute of this chunk's first N blocks only
         self.pre_process, self.post_process = pre_process, post_process
+        # DeepSeek's MTP on a last stage that is not the first: it embeds the tokens ahead itself, so the
+        # stage keeps a copy of the word embedding (tied to stage 0's) and reads the microbatch's ids
+        self.mtp_on_last_stage = post_process and not pre_process and config.mtp_num_layers > 0
+        self.holds_word_embeddings = pre_process or self.mtp_on_last_stage
         self.layer_ids = layer_ids if layer_ids is not None else range(config.num_layers)
         self.padded_vocab_size = config.padded_vocab_size(tp_size)
         self.rng = TensorParallelRNG(seed)  # the same on every rank: masks are layout-free
@@ -116,9 +120,9 @@ class GPTModel(nn.Module):
         """Embeddings, blocks, final norm and head of this chunk, each from its own seeded stream
         (on the meta device: shapes only; ZeRO-3 materialises them unit by unit)."""
         with torch.device("meta") if on_meta else contextlib.nullcontext():  # meta: no init work either
-            if self.pre_process:
+            if self.holds_word_embeddings:  # the first stage's, or MTP's copy for Emb(t_{i+k}) on the last
                 self.word_embeddings = self._build_word_embeddings(device)
-                if self.config.flavour == "gpt2":
+                if self.config.flavour == "gpt2" and self.pre_process:
                     # Under SP each rank adds only its sequence slice of the table: partial gradients.
                     self.position_embeddings = params.declare(nn.Parameter(self._build_position_table(device)),
                                                               sequence_parallel_grad=self.sequence_parallel)
@@ -130,17 +134,18 @@ class GPTModel(nn.Module):
             self.mtp = self._build_mtp(device) if self.post_process and self.config.mtp_num_layers else None
             if self.post_process:
                 self.final_norm = Norm(self.config, self.sequence_parallel, self._dtype, device)
-                if self.config.tie_embeddings and self.pre_process:
+                if self.config.tie_embeddings and self.holds_word_embeddings:
                     self.output_weight = None  # the head reads word_embeddings.weight
                 else:
                     weight, spec = self._build_output_weight(device)
                     self.output_weight = params.declare(nn.Parameter(weight), shard_spec=spec)
-        if self.config.tie_embeddings and pp_size > 1:
-            # The first stage's embedding and the last stage's head copy are one logical tensor:
-            # their gradients are summed over the embedding group, and counted once in norms.
-            if self.pre_process:
+        if (self.config.tie_embeddings or self.config.mtp_num_layers) and pp_size > 1:
+            # The first stage's embedding and the last stage's copy (the tied head, or MTP's embedding,
+            # which a tied head then reads too) are one logical tensor: their gradients are summed over
+            # the embedding group, and counted once in norms.
+            if self.holds_word_embeddings:
                 params.declare(self.word_embeddings.weight, tied_across_stages=True)
-            if self.post_process and self.output_weight is not None:
+            if self.post_process and self.output_weight is not None and self.config.tie_embeddings:
                 params.declare(self.output_weight, tied_across_stages=True)
 
     def _build_word_embeddings(self, device) -> VocabParallelEmbedding:
@@ -164,14 +169,14 @@ class GPTModel(nn.Module):
 
     def _build_mtp(self, device) -> MultiTokenPrediction:
         """DeepSeek's MTP depths, each from the seed stream after the model's blocks (model/mtp.py)."""
-        depths = []
-        for k in range(1, self.config.mtp_num_layers + 1):
-            layer_id = self.config.num_layers + k - 1
-            with seeded(self._seed, _LAYER_STREAM + layer_id):
-                depths.append(MTPDepth(self.config, self.groups, sequence_parallel=self.sequence_parallel,
-                                       layer_number=layer_id, moe_dispatcher=self._moe_dispatcher, dtype=self._dtype,
-                                       device=device))
+        depths = [self._build_mtp_depth(k, device) for k in range(1, self.config.mtp_num_layers + 1)]
         return MultiTokenPrediction(depths, self.config.mtp_loss_scaling_factor)
+
+    def _build_mtp_depth(self, k: int, device) -> MTPDepth:
+        layer_id = self.config.num_layers + k - 1
+        with seeded(self._seed, _LAYER_STREAM + layer_id):
+            return MTPDepth(self.config, self.groups, sequence_parallel=self.sequence_parallel, layer_number=layer_id,
+                            moe_dispatcher=self._moe_dispatcher, dtype=self._dtype, device=device)
 
     def _build_output_weight(self, device) -> tuple[torch.Tensor, ShardSpec]:
         """Untied head, or the last stage's copy of a tied embedding (same stream: same values)."""
@@ -191,10 +196,11 @@ class GPTModel(nn.Module):
         Each can materialise its tensors from its seeded stream on the real device, so a model
         built on the meta device never exists in full on any rank (`data_parallel/units.py`)."""
         device, units = self._real_device, []
-        if self.pre_process:
-            tables = [self.word_embeddings.weight] + ([self.position_embeddings] if self.config.flavour == "gpt2" else [])
+        if self.holds_word_embeddings:  # the first stage's, or MTP's copy on the last stage
+            positions = self.config.flavour == "gpt2" and self.pre_process
+            tables = [self.word_embeddings.weight] + ([self.position_embeddings] if positions else [])
             units.append(Unit("embedding", tables, (), lambda: [self._build_word_embeddings(device).weight.detach()]
-                              + ([self._build_position_table(device)] if self.config.flavour == "gpt2" else [])))
+                              + ([self._build_position_table(device)] if positions else [])))
         for index, block in enumerate(self.layers):
             layer_id = self.layer_ids[index]
             experts = block.mlp.experts if block.is_moe else None  # a unit of their own, sharded over expert-dp
@@ -209,6 +215,8 @@ class GPTModel(nn.Module):
             units.append(Unit("head", head, (self.final_norm,), lambda: [
                 p.detach() for p in Norm(self.config, self.sequence_parallel, self._dtype, device).parameters()]
                 + ([self._build_output_weight(device)[0]] if self.output_weight is not None else [])))
+        if self.mtp is not None:  # after the head, as the forward runs them
+            units += mtp_units(self.mtp, lambda k: self._build_mtp_depth(k, device))
         return units
 
     def _block_tensors(self, layer_id: int, device, experts: bool) -> list[torch.Tensor]:
@@ -288,7 +296,9 @@ class GPTModel(nn.Module):
     # --- forward ----------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, reduction: str = "mean",
-                position_ids: torch.Tensor | None = None):
+                position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
+        """input_ids [b, s]: the microbatch's token ids, which MTP on a last stage that is not the first reads
+        (the pipeline hands them to it); the first stage takes them as x."""
         if self.pre_process:
             if x.dim() != 2:
                 raise ValueError(f"the first stage takes input ids [b, s], got shape {tuple(x.shape)}")
@@ -317,7 +327,10 @@ class GPTModel(nn.Module):
         losses = self.head_losses(self.final_norm(x), labels)  # [s, b]
         extra = 0.0  # DeepSeek's MTP: its losses' gradient joins the loss's, the value stays the model's
         if self.mtp is not None and reduction != "none":
-            depth_losses = mtp_losses(self, x, input_ids, labels, rope)
+            if input_ids is None:
+                raise ValueError("MTP on a last pipeline stage embeds the tokens ahead: pass input_ids=[b, s] (the "
+                                 "microbatch's ids) with the labels")
+            depth_losses = mtp_losses(self, x, input_ids, labels, rope, position_ids=position_ids, documents=documents)
             if self.training and torch.is_grad_enabled():
                 self.mtp.record(depth_losses)
             term = self.mtp.loss_term(depth_losses)

@@ -21,7 +21,8 @@ from megalite.parameters import params
 from megalite.config.model import GPTConfig
 from megalite.extras import require
 from megalite.model.gpt import GPTModel
-from megalite.model.hf_deepseek import deepseek_rows, expert_bias_names, load_expert_biases
+from megalite.model.hf_deepseek import (block_prefixes, deepseek_rows, expert_bias_names, load_expert_biases,
+                                        mtp_shared_copies)
 from megalite.model.hf_config import config_from_hf, hf_config_from  # noqa: F401 - the configs' one place
 
 
@@ -87,13 +88,14 @@ def _shared_expert_rows(config: GPTConfig, p: str, q: str) -> list:
 def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Mixtral's experts (either HF layout) -> megalite's per-expert logical tensors."""
     out = {}
-    for i in (i for i in range(config.num_layers) if config.moe.is_moe_layer(i)):
-        p = f"model.layers.{i}."
+    for layer_id, p, block in block_prefixes(config):  # the model's blocks, then DeepSeek-V3's MTP depths'
+        if not config.is_moe_block(layer_id):
+            continue
         stacked = p + "mlp.experts.gate_up_proj" in hf_state
         if p + "block_sparse_moe.gate.weight" in hf_state:  # transformers < 5 names the router here
             hf_state[p + "mlp.gate.weight"] = hf_state[p + "block_sparse_moe.gate.weight"]
         for e in range(config.moe.num_experts):
-            q = f"layers.{i}.mlp.experts.{e}."
+            q = f"{block}mlp.experts.{e}."
             qwen = f"{p}mlp.experts.{e}."  # Qwen-MoE's files: one gate/up/down Linear per expert
             if stacked:
                 out[q + "fc1_weight"] = hf_state[p + "mlp.experts.gate_up_proj"][e]
@@ -111,11 +113,12 @@ def _experts_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> di
 def _experts_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """megalite's per-expert tensors -> Mixtral's stacked experts (transformers >= 5 layout)."""
     out = {}
-    for i in (i for i in range(config.num_layers) if config.moe.is_moe_layer(i)):
-        q = f"layers.{i}.mlp.experts."
+    for layer_id, p, q in block_prefixes(config):
+        if not config.is_moe_block(layer_id):
+            continue
         experts = range(config.moe.num_experts)
-        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack([full[f"{q}{e}.fc1_weight"] for e in experts])
-        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([full[f"{q}{e}.fc2_weight"] for e in experts])
+        out[f"{p}mlp.experts.gate_up_proj"] = torch.stack([full[f"{q}mlp.experts.{e}.fc1_weight"] for e in experts])
+        out[f"{p}mlp.experts.down_proj"] = torch.stack([full[f"{q}mlp.experts.{e}.fc2_weight"] for e in experts])
     return out
 
 
@@ -149,14 +152,34 @@ def full_state_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
             out.update(zip(hf_names, full[name].split(list(how[1]))))
     if config.tie_embeddings:  # HF keeps the tied head under its own name
         out["lm_head.weight"] = full["word_embeddings.weight"]
+    out.update((hf_name, full[name]) for hf_name, name in mtp_shared_copies(config))  # DeepSeek-V3's MTP layers
     return out
 
 
-def from_hf(hf_model, mesh=None, **model_kwargs):
-    """The megalite GPTModel equal to `hf_model`, with this rank's slices of its weights."""
-    config = config_from_hf(hf_model.config)
+def with_mtp_as_present(config: GPTConfig, hf_state: dict[str, torch.Tensor]) -> GPTConfig:
+    """`config` without MTP depths when the HF state holds none (transformers' DeepSeek-V3 model and the
+    files it saves keep num_nextn_predict_layers but not the layers)."""
+    if config.mtp_num_layers and f"model.layers.{config.num_layers}.eh_proj.weight" not in hf_state:
+        return config.replace(mtp_num_layers=0)
+    return config
+
+
+def is_mtp_name(hf_name: str, config: GPTConfig) -> bool:
+    """A checkpoint tensor of DeepSeek-V3's MTP layers (`model.layers.{L}.*`, L >= num_hidden_layers), which
+    transformers' model does not hold."""
+    parts = hf_name.split(".")
+    return hf_name.startswith("model.layers.") and int(parts[2]) >= config.num_layers
+
+
+def from_hf(hf_model, mesh=None, *, mtp_state: dict[str, torch.Tensor] | None = None, **model_kwargs):
+    """The megalite GPTModel equal to `hf_model`, with this rank's slices of its weights.
+
+    mtp_state: DeepSeek-V3's MTP tensors as its checkpoint files hold them (`model.layers.{L}.*` for L >=
+    num_hidden_layers; `hf_mtp_state` writes them), which transformers' model does not load. Given, the
+    model has the config's num_nextn_predict_layers depths; without it none, as transformers' model."""
+    hf_state = {k: v.detach().to(torch.float32) for k, v in {**hf_model.state_dict(), **(mtp_state or {})}.items()}
+    config = with_mtp_as_present(config_from_hf(hf_model.config), hf_state)
     model = GPTModel(config, mesh, **model_kwargs)
-    hf_state = {k: v.detach().to(torch.float32) for k, v in hf_model.state_dict().items()}
     full = hf_to_full_state(hf_state, config)
     model.load_full_state_dict(full)
     load_expert_biases(model, full)  # DeepSeek-V3's correction bias: a buffer
@@ -192,10 +215,17 @@ def to_hf(model: GPTModel, *, bos_token_id: int | None = None, eos_token_id: int
     config = model.config
     hf_config = hf_config_from(config, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).float()
-    state = full_state_to_hf(full_state_of(model), config)
+    state = {k: v for k, v in full_state_to_hf(full_state_of(model), config).items() if not is_mtp_name(k, config)}
     missing, unexpected = hf_model.load_state_dict(state, strict=False)
     missing = [name for name in missing if not (config.tie_embeddings and name == "lm_head.weight")]
     if missing or unexpected:
         raise KeyError(f"to_hf: names do not match transformers' {type(hf_model).__name__}: missing {missing[:4]}, "
                        f"unexpected {unexpected[:4]}")
     return hf_model.eval()
+
+
+def hf_mtp_state(model: GPTModel) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's MTP tensors of `model` (whole on this rank) under its checkpoint's names: what `to_hf`'s
+    transformers model cannot hold, and `from_hf(..., mtp_state=)` reads back."""
+    config = model.config
+    return {k: v for k, v in full_state_to_hf(full_state_of(model), config).items() if is_mtp_name(k, config)}

@@ -9,8 +9,13 @@ softmax over all experts, the k largest probabilities times the scaling factor (
 
 Refused in one line: what either family has that megalite would approximate (biases on the
 attention, V3 without interleaved RoPE or with unnormalised weights, a non-SiLU MLP).
-Multi-token prediction weights (V3's `model.layers.{L}.*` beyond the last block) are not read:
-megalite builds no MTP module yet, and transformers' model drops them too.
+
+Multi-token prediction (V3's `num_nextn_predict_layers` D): a checkpoint holds depth k (0-based) as
+the extra layer L = num_hidden_layers + k, `model.layers.{L}.` followed by `enorm`, `hnorm`, `eh_proj`
+(megalite's M_k [h, 2h], the normed embedding's columns first), `shared_head.norm` (the depth's final
+norm), a whole decoder layer (always with experts) under its usual names, and copies of the shared
+`embed_tokens` and `shared_head.head` (written on export, not read: the main model's are the ones).
+megalite's depth k is `mtp.depths.{k}.` with its block under `block.`.
 """
 from __future__ import annotations
 
@@ -67,7 +72,9 @@ def deepseek_config(hf, family: str, theta: float, scaling: dict | None) -> GPTC
                      vocab_size=hf.vocab_size, seq_length=hf.max_position_embeddings, norm_eps=hf.rms_norm_eps,
                      rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(hf.tie_word_embeddings),
                      add_bias=False, attention_dropout=float(getattr(hf, "attention_dropout", 0.0)), mla=mla,
-                     moe=_experts(hf, family) if getattr(hf, "n_routed_experts", None) else None)
+                     moe=_experts(hf, family) if getattr(hf, "n_routed_experts", None) else None,
+                     mtp_num_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) if family == "deepseek_v3"
+                     else 0)
 
 
 def family_of(config: GPTConfig) -> str:
@@ -120,7 +127,7 @@ def deepseek_keywords(config: GPTConfig) -> dict:
               routed_scaling_factor=moe.topk_scaling_factor or 1.0, first_k_dense_replace=dense,
               n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1)
     if family_of(config) == "deepseek_v3":
-        kw.update(norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=0)
+        kw.update(norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=config.mtp_num_layers)
     else:
         kw.update(topk_method="group_limited_greedy" if moe.num_groups else "greedy", mlp_bias=False)
     return kw
@@ -145,19 +152,39 @@ def deepseek_rows(config: GPTConfig) -> list[tuple[tuple[str, ...], str, object]
     else:
         attention += [("q_a_proj.weight", "q_down"), ("q_a_layernorm.weight", "q_norm.weight"),
                       ("q_b_proj.weight", "q_up.weight")]
-    for i in range(config.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
+    for layer_id, p, q in block_prefixes(config):
         rows += [((p + "input_layernorm.weight",), q + "input_norm.weight", "copy"),
                  ((p + "post_attention_layernorm.weight",), q + "post_attention_norm.weight", "copy")]
         rows += [((p + "self_attn." + hf_name,), q + "attention." + name, "copy") for hf_name, name in attention]
-        if config.moe is None or not config.moe.is_moe_layer(i):
+        if not config.is_moe_block(layer_id):
             rows += _swiglu_rows(p + "mlp.", q + "mlp.", config.ffn_hidden_size)
             continue
         rows.append(((p + "mlp.gate.weight",), q + "mlp.router.weight", "copy"))
         if config.moe.shared_expert_intermediate_size:
             rows += _swiglu_rows(p + "mlp.shared_experts.", q + "mlp.shared_expert.",
                                  config.moe.shared_expert_intermediate_size)
+    for k in range(config.mtp_num_layers):  # each depth's own pieces around its block
+        p, q = f"model.layers.{config.num_layers + k}.", f"mtp.depths.{k}."
+        rows += [((p + hf_name,), q + name, "copy") for hf_name, name in (
+            ("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+            ("shared_head.norm.weight", "final_norm.weight"))]
     return rows
+
+
+def block_prefixes(config: GPTConfig) -> list[tuple[int, str, str]]:
+    """(layer id, HF prefix, megalite prefix) of every transformer block: the model's, then MTP's depths
+    (HF's extra layers num_hidden_layers + k)."""
+    return ([(i, f"model.layers.{i}.", f"layers.{i}.") for i in range(config.num_layers)]
+            + [(config.num_layers + k, f"model.layers.{config.num_layers + k}.", f"mtp.depths.{k}.block.")
+               for k in range(config.mtp_num_layers)])
+
+
+def mtp_shared_copies(config: GPTConfig) -> list[tuple[str, str]]:
+    """(HF name, megalite logical name) of the embedding and head copies a checkpoint keeps in each MTP layer."""
+    head = "word_embeddings.weight" if config.tie_embeddings else "output_weight"
+    return [name for k in range(config.mtp_num_layers) for name in (
+        (f"model.layers.{config.num_layers + k}.embed_tokens.weight", "word_embeddings.weight"),
+        (f"model.layers.{config.num_layers + k}.shared_head.head.weight", head))]
 
 
 def expert_bias_names(config: GPTConfig) -> list[tuple[str, str]]:
@@ -166,8 +193,8 @@ def expert_bias_names(config: GPTConfig) -> list[tuple[str, str]]:
     moe = config.moe
     if moe is None or not moe.enable_expert_bias:
         return []
-    return [(f"model.layers.{i}.mlp.gate.e_score_correction_bias", f"layers.{i}.mlp.router.expert_bias")
-            for i in range(config.num_layers) if moe.is_moe_layer(i)]
+    return [(f"{p}mlp.gate.e_score_correction_bias", f"{q}mlp.router.expert_bias")
+            for layer_id, p, q in block_prefixes(config) if config.is_moe_block(layer_id)]
 
 
 @torch.no_grad()

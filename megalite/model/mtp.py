@@ -16,14 +16,17 @@ count, the main loss's normaliser (decision 4).
 The MTP terms join the loss's gradient without changing its value (Megatron's MTPLossAutoScaler):
 the forward returns main + (mtp - mtp.detach()), so the step's reported loss stays the language
 model's and each depth's loss is reported on its own (`MultiTokenPrediction.step_sums`).
-Built on the stage that holds the embedding and the head: at pp 1 (pp > 1 and cp > 1 are refused,
-config/checks.py).
+Built on the last pipeline stage, which at pp > 1 holds its own copy of the word embedding, tied to
+stage 0's (GPTModel.mtp_on_last_stage). Under cp the rolled ids and labels come from the whole sequences
+(`mtp_losses`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from megalite.context_parallel.zigzag import gather_sequence, split_sequence
+from megalite.data_parallel.units import Unit
 from megalite.distributed import comm
 from megalite.config.model import GPTConfig
 from megalite.distributed.layer_groups import LayerGroups
@@ -50,14 +53,15 @@ class MTPDepth(nn.Module):
                                       moe_dispatcher=moe_dispatcher, dtype=dtype, device=device)
         self.final_norm = Norm(config, sequence_parallel, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, rng) -> torch.Tensor:
-        """hidden, embedded [s', b, h] (s' = s/tp under SP) -> this depth's hidden state, the same shape."""
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, rng, documents=None) -> torch.Tensor:
+        """hidden, embedded [s', b, h] (s' = s/tp under SP) -> this depth's hidden state, the same shape;
+        documents: the model's blocks' attention mask (packed documents), None for plain causal attention."""
         combined = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)  # [s', b, 2h]
         x = self.eh_proj(combined)  # [s, b, h/tp]
         x = mappings.gather_from_tensor_parallel_region(x, self.tp_group)  # [s, b, h], every rank alike
         if self.sequence_parallel:
             x = mappings.scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/tp, b, h]
-        return self.block(x, rope, rng)
+        return self.block(x, rope, rng, documents)
 
 
 def rolled(t: torch.Tensor, k: int, fill: int | None = None) -> torch.Tensor:
@@ -94,15 +98,69 @@ class MultiTokenPrediction(nn.Module):
         return sums
 
 
-def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope) -> list:
+def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, rope, *,
+               position_ids: torch.Tensor | None = None, documents=None) -> list:
     """Each depth's summed cross entropy over this rank's targets: hidden [s', b, h] the last block's output,
-    input_ids and labels [b, s]. `model`: the GPTModel (its embedding, head and cross entropy)."""
+    input_ids and labels [b, s]. `model`: the GPTModel (its embedding, head and cross entropy).
+
+    Packed documents (position_ids [b, s] restarting at 0, `documents` the blocks' mask): the depths attend
+    within documents as the blocks do, and depth k's target at position i is kept only where token i+k is
+    in i's document (its position is i's plus k): Emb(t_{i+k}) never comes from the next document. The
+    target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss masks the same ones).
+
+    Context parallelism: this rank holds its zigzag chunks of the ids and labels, so the tokens k ahead of
+    its last positions live on other ranks; the whole sequences are gathered once ([b, s] integers over the
+    cp group), rolled, and this rank's chunks cut again."""
+    cp, cp_rank = model.cp_size, model.cp_rank
+    whole_ids, whole_labels = (_whole_sequence(t, model.groups.cp, cp) for t in (input_ids, labels))
     losses = []
     for k, depth in enumerate(model.mtp.depths, start=1):
-        embedded = model.embed(rolled(input_ids, k))  # Emb(t_{i+k}) [s', b, h]
-        hidden = depth(hidden, embedded, rope, model.rng)
-        losses.append(model.head_losses(depth.final_norm(hidden), rolled(labels, k, fill=-100)).sum())
+        ids_ahead = _my_chunks(rolled(whole_ids, k), cp_rank, cp)  # t_{i+k} [b, s/cp]
+        embedded = model.embed(ids_ahead, position_ids)  # Emb(t_{i+k}) [s', b, h]
+        hidden = depth(hidden, embedded, rope, model.rng, documents)
+        targets = _my_chunks(rolled(whole_labels, k, fill=-100), cp_rank, cp)  # labels[:, i + k] = t_{i+k+1}
+        if position_ids is not None:
+            targets = targets.masked_fill(rolled(position_ids, k) != position_ids + k, -100)
+        losses.append(model.head_losses(depth.final_norm(hidden), targets).sum())
     return losses
+
+
+def _whole_sequence(chunks: torch.Tensor, cp_group, cp: int) -> torch.Tensor:
+    """[b, s/cp] this cp rank's zigzag chunks -> [b, s] the whole sequences (the tensor itself at cp 1)."""
+    if cp == 1:
+        return chunks
+    return gather_sequence(list(comm.all_gather(chunks, cp_group, dim=1).chunk(cp, dim=1)), dim=1)
+
+
+def _my_chunks(whole: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    return whole if cp == 1 else split_sequence(whole, cp_rank, cp, dim=1)
+
+
+def mtp_units(mtp: MultiTokenPrediction, build) -> list[Unit]:
+    """ZeRO-3's units of the depths: each depth, and an MoE depth's experts (a unit of their own over the
+    expert-data-parallel group). build(k) -> depth k rebuilt from its seeded stream (a meta-built model
+    materialises one unit at a time).
+
+    The depths branch off the last block's output beside the head, so they are not links of ZeRO-3's
+    chain of entries (each entry's backward starts when the next one's input gradient is complete: the
+    head's would wait for the depths'). Their units are therefore started by a read (no module), which
+    makes the head's entry, running when they are first read, borrow them: gathered again at the start
+    of the backward with the head and reduced at its end (data_parallel/zero3.py)."""
+    units = []
+    for k, depth in enumerate(mtp.depths, start=1):
+        experts = depth.block.mlp.experts if depth.block.is_moe else None
+        expert_ids = {id(p) for p in experts.parameters()} if experts is not None else set()
+        units.append(Unit(f"mtp.depths.{k - 1}", [p for p in depth.parameters() if id(p) not in expert_ids], (),
+                          lambda k=k: _depth_tensors(build(k), experts=False)))
+        if experts is not None:
+            units.append(Unit(f"mtp.depths.{k - 1}.experts", list(experts.parameters()), (),
+                              lambda k=k: _depth_tensors(build(k), experts=True), kind=1))
+    return units
+
+
+def _depth_tensors(depth: MTPDepth, *, experts: bool) -> list[torch.Tensor]:
+    expert_ids = {id(p) for p in depth.block.mlp.experts.parameters()} if depth.block.is_moe else set()
+    return [p.detach() for p in depth.parameters() if (id(p) in expert_ids) == experts]
 
 
 def mtp_stats(chunks, token_count: float, mesh) -> dict[str, float]:

@@ -5,7 +5,9 @@ The executor (executor.py) runs one step logic for both; only these three calls 
     out = calls.forward(c, m, x, labels)      # x: [s, b, h] activation or ids [b, s] (first chunk);
                                               # out: [s, b, h], or the loss sum (a scalar) when labels
                                               # are given (the last model chunk); packed documents add
-                                              # position_ids=[b, s] for every chunk
+                                              # position_ids=[b, s] for every chunk, and a last chunk
+                                              # that is not the first and reads the tokens (MTP) gets
+                                              # input_ids=[b, s]
     grad_in = calls.backward(c, m, grad, deferred)
                                               # grad: the output's gradient [s, b, h], or the loss
                                               # scale on the last chunk; grad_in = d/dx [s, b, h]
@@ -31,8 +33,8 @@ class ChunkCalls(Protocol):
 
     runs_bucket_hooks: bool  # False for replayed graphs: no bucket is launched from a backward hook
 
-    def forward(self, chunk: int, microbatch: int, x: torch.Tensor,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+    def forward(self, chunk: int, microbatch: int, x: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def backward(self, chunk: int, microbatch: int, grad: torch.Tensor | float,
                  deferred: bool = False) -> torch.Tensor | None: ...
@@ -76,11 +78,12 @@ class ModuleCalls:
         # (c, m) -> (input, root, slot): root is the loss sum (slot None) or an _OutputRoot fed through slot
         self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list | None]] = {}
 
-    def forward(self, chunk: int, microbatch: int, x: torch.Tensor,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, chunk: int, microbatch: int, x: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         documents = {"position_ids": position_ids} if position_ids is not None else {}  # packed documents
         if labels is not None:
-            out = self.chunks[chunk](x, labels=labels, reduction="sum", **documents)
+            tokens = {"input_ids": input_ids} if input_ids is not None else {}  # MTP on the last stage
+            out = self.chunks[chunk](x, labels=labels, reduction="sum", **documents, **tokens)
             if torch.is_grad_enabled():
                 self.pending[(chunk, microbatch)] = (x, out, None)
             return out

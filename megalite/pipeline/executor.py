@@ -173,6 +173,8 @@ class _Executor:
         self.forward_only, self._loss_scale = forward_only, loss_scale
         self.pp, self.stage, self.v = mesh.pp_size, mesh.pp_rank, spec.virtual_stages
         self.placement = chunk_placement(spec.schedule)
+        # a last chunk that embeds the tokens ahead (DeepSeek's MTP) is handed the microbatch's ids too
+        self.last_reads_ids = bool(getattr(chunks[-1], "mtp_on_last_stage", False))
         self.ops = verified_schedule(spec.schedule, self.pp, spec.num_microbatches, self.v, forward_only)[self.stage]
         self.shape = torch.Size(spec.activation_shape)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -276,6 +278,8 @@ class _Executor:
             if "position_ids" in self.microbatches[mb] else {}
         if p2p.is_last_chunk(self.pp, self.v, self.stage, c, self.placement):
             labels = self.microbatches[mb]["labels"].to(self.mesh.device)
+            if self.last_reads_ids and not p2p.is_first_chunk(self.pp, self.stage, c):
+                documents["input_ids"] = self.microbatches[mb]["input_ids"].to(self.mesh.device)
             loss = self.calls.forward(c, mb, self.inputs[key], labels, **documents)
             self._loss_sum = self._loss_sum + loss.detach().double()
             if self.forward_only:

@@ -106,9 +106,10 @@ def _expert_group(key: str) -> str:
 
 
 def _tied_embedding_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """The tied embedding's gradient summed over the embedding group (first and last stage, pp > 1)."""
+    """The tied embedding's gradient summed over the embedding group (first and last stage, pp > 1; MTP's
+    copy of the embedding on the last stage is tied the same way)."""
     pp, t = cfg.parallel.pp, cfg.parallel.tp
-    if not (pp > 1 and model.tie_embeddings and stage in (0, pp - 1)):
+    if not (pp > 1 and (model.tie_embeddings or model.mtp_num_layers) and stage in (0, pp - 1)):
         return 0
     table = model.padded_vocab_size(t) // t * model.hidden_size
     if cfg.parallel.zero == 3:  # ZeRO-3 sums the fp32 gradient SHARD of the tied unit

@@ -55,6 +55,8 @@ def stage_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
         # word embedding, kept in sync by an all-reduce of its gradient over the embedding group
         if not model.tie_embeddings or pp > 1:
             n += vocab_shard
+        if model.mtp_num_layers and pp > 1 and not model.tie_embeddings:  # MTP's copy of the word embedding
+            n += vocab_shard
     return n
 
 
