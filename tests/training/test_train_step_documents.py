@@ -108,8 +108,9 @@ def test_packed_training_with_context_parallelism_matches_single_process(tp, dp,
     (dict(reset_attention_mask=True, reset_position_ids=True, cuda_graph=True),
      "--reset-attention-mask does not run with --cuda-graph yet"),
     (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents"),
-    (dict(reset_attention_mask=True, reset_position_ids=True, mtp_num_layers=1),
-     "packed documents and --window-size run without MTP so far"),
+    (dict(reset_attention_mask=True, reset_position_ids=True, mtp_num_layers=1, cp=2),
+     "packed documents with --mtp-num-layers run at --cp 1 so far"),
+    (dict(window_size=8, mtp_num_layers=1), "--window-size with --mtp-num-layers is not built yet"),
     (dict(window_size=8, multi_latent_attention=True, cp=2),
      "packed documents and --window-size run with --multi-latent-attention at --cp 1 so far")])
 def test_document_flags_refusals(flags, message):
