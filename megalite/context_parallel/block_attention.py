@@ -10,11 +10,13 @@ done here across ranks.) The backward of one block needs only the row's final `o
 p = exp(scale q k^T - lse) is the block's slice of the row's probabilities and
 delta = rowsum(dout * out) the row's, so every block's gradients are exact on their own.
 
-Shapes: q [b, h, sq, d], k and v [b, h_kv, sk, d] (h % h_kv == 0: query head i reads kv head
-i // (h / h_kv)), out [b, h, sq, d], lse fp32 [b, h, sq]. Causal blocks are square diagonals.
+Shapes: q and k [b, h(_kv), s, d_qk], v [b, h_kv, sk, d_v] (h % h_kv == 0: query head i reads kv head
+i // (h / h_kv)), out [b, h, sq, d_v], lse fp32 [b, h, sq]. Causal blocks are square diagonals. The
+scores take d_qk, the output d_v: multi-head latent attention has d_qk > d_v (DeepSeek: 192 / 128).
 
 On CUDA (per MEGALITE_KERNEL_BACKEND) the Triton flash-attention kernels run
-(`megalite.kernels.attention_forward_with_lse` / `attention_backward_with_lse`); elsewhere the
+(`megalite.kernels.attention_forward_with_lse` / `attention_backward_with_lse`) where d_qk = d_v (their
+one head dim); elsewhere, and for d_qk != d_v, the
 PyTorch code below, which holds the fp32 scores of one tile of at most 1024 query rows of one
 block at a time (a block of a long sequence is itself [s/cp, s/cp]).
 """
@@ -55,7 +57,8 @@ def _row_tiles(sq: int, sk: int, causal: bool):
 
 
 def _torch_forward(q, k, v, causal: bool, softmax_scale: float):
-    b, h, sq, d = q.shape
+    b, h, sq, _ = q.shape
+    d = v.shape[-1]  # the output takes the values' head dim
     out = torch.empty(b, h, sq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     for rows, keys in _row_tiles(sq, k.shape[2], causal):
@@ -69,7 +72,7 @@ def _torch_forward(q, k, v, causal: bool, softmax_scale: float):
 
 
 def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float):
-    b, h, sq, d = q.shape
+    b, h, sq, d = q.shape  # d: d_qk (dq's; dv keeps v's d_v)
     kv_heads = k.shape[1]
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -92,7 +95,7 @@ def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float)
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over this block of keys: (out in q.dtype, lse fp32 [b, h, sq], natural log)."""
-    if use_triton(q):
+    if use_triton(q) and q.shape[-1] == v.shape[-1]:
         return attention_forward_with_lse(q, k, v, causal, softmax_scale)
     return _torch_forward(q, k, v, causal, softmax_scale)
 
@@ -100,7 +103,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float):
     """(dq, dk, dv) of this block, given the row's final out, dout and lse (inputs' dtypes)."""
-    if use_triton(q):
+    if use_triton(q) and q.shape[-1] == v.shape[-1]:
         return attention_backward_with_lse(q, k, v, out, dout, lse, causal, softmax_scale)
     return _torch_backward(q, k, v, out, dout, lse, causal, softmax_scale)
 

@@ -49,6 +49,13 @@ def latent_layer_bytes(model: GPTConfig, *, a: int, tokens: int, batch: int, seq
     return total + core_output                                         # the out-projection's input copy
 
 
+def attention_head_dims(model: GPTConfig) -> tuple[int, int]:
+    """(d_qk, d_v): a head's query/key channels and value channels (equal without latent attention)."""
+    if model.mla is None:
+        return model.head_dim, model.head_dim
+    return model.mla.qk_dim, model.mla.v_head_dim
+
+
 def _latent_widths(model: GPTConfig) -> tuple[int, int]:
     """(channels of the column-parallel up-projections' inputs: the query latent (or x) and the key/value
     latent, the RoPE key's channels)."""
