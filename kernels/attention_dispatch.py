@@ -121,6 +121,19 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softma
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
 
 
+def memory_efficient_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                          softmax_scale: float) -> torch.Tensor:
+    """torch's memory-efficient SDPA kernel by name: q, k [b, h, s, d_qk], v [b, h, s, d_v] -> [b, h, s, d_v].
+
+    It keeps q, k, v, its output and an fp32 log-sum-exp [b, h, s] for backward, never the scores. This is
+    the kernel CUDA's SDPA runs for d_qk != d_v (torch's order is flash, memory-efficient, math, cuDNN, and
+    flash takes one head dim); it has a meta implementation, which --simulate's data-less tensors run
+    where the dispatcher, given no device kernels, would fall back to the math path's [b, h, s, s] scores."""
+    out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                     scale=softmax_scale)
+    return out
+
+
 def repeat_kv_heads(t: torch.Tensor, group: int) -> torch.Tensor:
     """[b, h_kv, s, d] -> [b, h_kv * group, s, d], each kv head repeated for its group's query heads
     (= repeat_interleave(group, dim=1), which on CUDA reads its output size back to the host)."""

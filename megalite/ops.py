@@ -84,11 +84,14 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
                      documents: kernels.DocumentMask | None = None) -> torch.Tensor:
     """Causal attention whose values are narrower than its queries and keys (multi-head latent attention):
     q, k [b, h, s, d_qk], v [b, h, s, d_v] -> [b, h, s, d_v]. megalite's Triton kernel takes one head dim
-    of at most 128 for q, k and v, so this is torch's SDPA on every device (docs/deepseek.md).
+    of at most 128 for q, k and v, so this is torch's SDPA on every device (docs/deepseek.md). On the meta
+    device (--simulate) the kernel CUDA's SDPA chooses for d_qk != d_v, by name: the memory-efficient one.
     documents: packed documents and/or a window: one SDPA call per document (the documents' lengths
     read to the host once per microbatch, kernels/attention_documents.py)."""
     if documents is not None:
         return attention_documents.attention_documents_reference(q, k, v, documents, softmax_scale)
+    if q.is_meta:
+        return attention_dispatch.memory_efficient_sdpa(q, k, v, True, softmax_scale)
     return attention_dispatch.sdpa(q, k, v, True, softmax_scale, native_gqa=False)
 
 

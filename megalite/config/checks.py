@@ -259,7 +259,7 @@ def _latent_attention_problems(cfg: RunConfig) -> list[str]:
         model = cfg.gpt_config()
     except ValueError:
         return []  # RunConfig.validate reports the model's own problem
-    problems = mla_layout_problems(model.mla, cfg.parallel.cp, model.attention_dropout)
+    problems = mla_layout_problems(model.mla, model.attention_dropout)
     p = cfg.parallel
     if model.mtp_num_layers and p.pp > 1 and model.flavour == "gpt2":
         problems.append(f"--mtp-num-layers under --pp {p.pp} copies the word embedding to the last stage, not the "

@@ -91,15 +91,9 @@ def latent_attention(model, model_settings):
     return model.replace(mla=MLAConfig(**{**base, **given}))
 
 
-def layout_problems(mla: MLAConfig | None, cp: int, attention_dropout: float) -> list[str]:
+def layout_problems(mla: MLAConfig | None, attention_dropout: float) -> list[str]:
     """What megalite's latent attention does not run yet, each naming the fix."""
-    if mla is None:
+    if mla is None or attention_dropout == 0:
         return []
-    out = []
-    if cp > 1:
-        out.append(f"--multi-latent-attention runs at --cp 1 (context parallelism with d_qk != d_v is not built); "
-                   f"drop --cp {cp}")
-    if attention_dropout > 0:
-        out.append("--multi-latent-attention runs without attention dropout (torch's SDPA masks are not "
-                   "reproducible across layouts); set --attention-dropout 0")
-    return out
+    return ["--multi-latent-attention runs without attention dropout (torch's SDPA masks are not "
+            "reproducible across layouts); set --attention-dropout 0"]

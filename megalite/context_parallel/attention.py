@@ -13,10 +13,13 @@ from megalite.kernels import DocumentMask
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, comm_type: str = "p2p",
                                dropout_p: float = 0.0, dropout_seed: int = 0, head_start: int = 0, *,
-                               documents: DocumentMask | None = None) -> torch.Tensor:
+                               documents: DocumentMask | None = None,
+                               softmax_scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's zigzag chunks over the sequence split across `cp_group`.
 
-    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. comm_type "p2p": ring
+    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d] -> [b, h, s/cp, d]. Multi-head latent attention
+    passes q, k [b, h, s/cp, d_qk], v [b, h, s/cp, d_v] and its `softmax_scale` (None: 1/sqrt(d)),
+    and gets [b, h, s/cp, d_v]. comm_type "p2p": ring
     attention (K/V blocks round the ring); "a2a": Ulysses (all-to-all to a head split and back).
     Dropout (Ulysses only): the Philox mask of `dropout_seed` over the logical [heads, b, s, s]
     probabilities, of which q's heads start at global head `head_start`.
@@ -26,6 +29,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     DocumentMask.from_position_ids of every token's position id; context_parallel/documents.py).
     """
     if comm.group_size(cp_group) == 1:
+        if q.shape[-1] != v.shape[-1] or softmax_scale is not None:
+            return ops.latent_attention(q, k, v, softmax_scale or q.shape[-1] ** -0.5, documents)
         b, _, s, _ = q.shape
         return ops.attention(q, k, v, dropout_p=dropout_p, dropout_seed=dropout_seed,
                              dropout_offset=head_start * b * s * s, documents=documents)
@@ -33,8 +38,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if dropout_p > 0.0:
             raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention; set "
                              "attention_dropout=0 or use --cp-comm-type a2a")
-        return ring_attention(q, k, v, cp_group, documents=documents)
+        return ring_attention(q, k, v, cp_group, softmax_scale, documents=documents)
     if comm_type == "a2a":
         return ulysses_attention(q, k, v, cp_group, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                 head_start=head_start, documents=documents)
+                                 head_start=head_start, documents=documents, softmax_scale=softmax_scale)
     raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {CP_COMM_TYPES}")

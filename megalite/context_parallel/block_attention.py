@@ -10,11 +10,13 @@ done here across ranks.) The backward of one block needs only the row's final `o
 p = exp(scale q k^T - lse) is the block's slice of the row's probabilities and
 delta = rowsum(dout * out) the row's, so every block's gradients are exact on their own.
 
-Shapes: q [b, h, sq, d], k and v [b, h_kv, sk, d] (h % h_kv == 0: query head i reads kv head
-i // (h / h_kv)), out [b, h, sq, d], lse fp32 [b, h, sq]. Causal blocks are square diagonals.
+Shapes: q and k [b, h(_kv), s, d_qk], v [b, h_kv, sk, d_v] (h % h_kv == 0: query head i reads kv head
+i // (h / h_kv)), out [b, h, sq, d_v], lse fp32 [b, h, sq]. Causal blocks are square diagonals. The
+scores take d_qk, the output d_v: multi-head latent attention has d_qk > d_v (DeepSeek: 192 / 128).
 
 On CUDA (per MEGALITE_KERNEL_BACKEND) the Triton flash-attention kernels run
-(`megalite.kernels.attention_forward_with_lse` / `attention_backward_with_lse`); elsewhere the
+(`megalite.kernels.attention_forward_with_lse` / `attention_backward_with_lse`) where d_qk = d_v (their
+one head dim); elsewhere, and for d_qk != d_v, the
 PyTorch code below, which holds the fp32 scores of one tile of at most 1024 query rows of one
 block at a time (a block of a long sequence is itself [s/cp, s/cp]).
 
@@ -100,7 +102,8 @@ def _keep(mask: BlockMask | None, rows: slice, keys: slice) -> torch.Tensor | No
 
 
 def _torch_forward(q, k, v, causal: bool, softmax_scale: float, mask: BlockMask | None = None):
-    b, h, sq, d = q.shape
+    b, h, sq, _ = q.shape
+    d = v.shape[-1]  # the output takes the values' head dim
     out = torch.empty(b, h, sq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     for rows, keys in _row_tiles(sq, k.shape[2], causal):
@@ -115,7 +118,7 @@ def _torch_forward(q, k, v, causal: bool, softmax_scale: float, mask: BlockMask 
 
 
 def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float, mask: BlockMask | None = None):
-    b, h, sq, d = q.shape
+    b, h, sq, d = q.shape  # d: d_qk (dq's; dv keeps v's d_v)
     kv_heads = k.shape[1]
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -135,17 +138,17 @@ def _torch_backward(q, k, v, out, dout, lse, causal: bool, softmax_scale: float,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _on_kernels(q: torch.Tensor, causal: bool, mask: BlockMask | None) -> bool:
-    """The Triton kernels take a block without a mask, or a causal one with it (varlen); a masked
-    full block runs the PyTorch code."""
-    return (mask is None or causal) and use_triton(q)
+def _on_kernels(q: torch.Tensor, v: torch.Tensor, causal: bool, mask: BlockMask | None) -> bool:
+    """The Triton kernels take one head dim for q, k and v, and a block without a mask or a causal one
+    with it (varlen); a masked full block, or values narrower than the keys, run the PyTorch code."""
+    return (mask is None or causal) and q.shape[-1] == v.shape[-1] and use_triton(q)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float, mask: BlockMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over this block of keys: (out in q.dtype, lse fp32 [b, h, sq], natural log).
     mask: packed documents / a window on this block."""
-    if _on_kernels(q, causal, mask):
+    if _on_kernels(q, v, causal, mask):
         return attention_forward_with_lse(q, k, v, causal, softmax_scale, mask.local() if mask else None)
     return _torch_forward(q, k, v, causal, softmax_scale, mask)
 
@@ -153,7 +156,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, causal: bool, softmax_scale: float, mask: BlockMask | None = None):
     """(dq, dk, dv) of this block, given the row's final out, dout and lse (inputs' dtypes)."""
-    if _on_kernels(q, causal, mask):
+    if _on_kernels(q, v, causal, mask):
         return attention_backward_with_lse(q, k, v, out, dout, lse, causal, softmax_scale,
                                            mask.local() if mask else None)
     return _torch_backward(q, k, v, out, dout, lse, causal, softmax_scale, mask)

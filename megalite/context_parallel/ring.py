@@ -13,18 +13,20 @@ split (zigzag.py). Each cp rank keeps its queries and passes its keys/values rou
         every rank its own.
 
 Only K/V travel, with their kv heads (grouped-query attention sends h_kv, not h, heads),
-packed as one [2, b, h_kv, s/cp, d] message per step. Every transfer goes through
-`megalite.distributed.comm.batch_isend_irecv` on the cp group, so the ledger counts, per call,
+packed side by side as one [b, h_kv, s/cp, d_qk + d_v] message per step (d_qk: the keys' head dim,
+d_v: the values'; multi-head latent attention has d_qk > d_v, and the output, its running accumulator
+and dq/dv take their own). Every transfer goes through `megalite.distributed.comm.batch_isend_irecv`
+on the cp group, so the ledger counts, per call, with D = d_qk + d_v (2d for ordinary attention),
 
-    forward   send = recv = (cp - 1) * 2 * b * h_kv * (s/cp) * d * itemsize
-    backward  send = recv = (cp - 1) * 2 * b * h_kv * (s/cp) * d * itemsize    (K/V again)
-                          +  cp      * 2 * b * h_kv * (s/cp) * d * 4           (fp32 dK/dV)
+    forward   send = recv = (cp - 1) * b * h_kv * (s/cp) * D * itemsize
+    backward  send = recv = (cp - 1) * b * h_kv * (s/cp) * D * itemsize    (K/V again)
+                          +  cp      * b * h_kv * (s/cp) * D * 4           (fp32 dK/dV)
 
 (b, h_kv: this rank's batch and kv heads; s/cp its local tokens). The per-block attention is
-block_attention.py's: Triton flash attention on CUDA, PyTorch elsewhere. Packed documents and
-windows (documents.py) skip the blocks that share no document and mask the rest (on CUDA the
-causal calls on the varlen kernels, masked full blocks in PyTorch); the transfers stay the same
-(every rank's K/V still visits every rank).
+block_attention.py's: Triton flash attention on CUDA (d_qk = d_v), PyTorch elsewhere. Packed
+documents and windows (documents.py) skip the blocks that share no document and mask the rest (on
+CUDA the causal calls on the varlen kernels, masked full blocks in PyTorch); the transfers stay the
+same (every rank's K/V still visits every rank).
 """
 from __future__ import annotations
 
@@ -69,22 +71,29 @@ def _computed(calls: list[BlockCall], chunk: int, mine: RingDocuments | None, so
             yield kept[0], kept[1], call.causal, kept[2]
 
 
+def _split(kv: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, h_kv, s/cp, d_qk + d_v] -> views (k [..., d_qk], v [..., d_v]) of one ring message."""
+    return kv[..., :key_dim], kv[..., key_dim:]
+
+
 class RingAttention(torch.autograd.Function):
-    """q [b, h, s/cp, d], k, v [b, h_kv, s/cp, d] (this rank's zigzag chunks) -> out [b, h, s/cp, d]."""
+    """q [b, h, s/cp, d_qk], k [b, h_kv, s/cp, d_qk], v [b, h_kv, s/cp, d_v] (this rank's zigzag chunks)
+    -> out [b, h, s/cp, d_v]."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp_group, layout: str, softmax_scale: float, documents: DocumentMask | None):
         cp, me, ranks = comm.group_size(cp_group), comm.group_rank(cp_group), comm.group_ranks(cp_group)
         mine = local_documents(documents, me, cp, layout=layout)  # None without documents or a window
         plan, chunk = ring_plan(me, cp, layout, visible=mine.visible if mine else None), q.shape[2] // 2
-        kv = torch.stack([k, v])  # [2, b, h_kv, s/cp, d]: one message per step
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.cat([k, v], dim=-1)  # [b, h_kv, s/cp, d_qk + d_v]: one message per step
+        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)  # [b, h, s/cp, d_v]
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for step, calls in enumerate(plan):
             pending = _shift_forward(kv, cp_group, ranks, me) if step < cp - 1 else None
+            held_k, held_v = _split(kv, q.shape[-1])
             for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
                 # overlaps the transfer just posted
-                block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                block_out, block_lse = block_forward(q[:, :, rows], held_k[:, :, cols], held_v[:, :, cols],
                                                      causal, softmax_scale, mask)
                 merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending is not None:
@@ -102,18 +111,19 @@ class RingAttention(torch.autograd.Function):
         mine = ctx.documents
         plan, chunk = ring_plan(me, cp, ctx.layout, visible=mine.visible if mine else None), q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1)
         dkv_pending = None  # the dK/dV accumulator of the K/V held next, coming from the previous rank
         for step, calls in enumerate(plan):
             kv_pending = _shift_forward(kv, group, ranks, me) if step < cp - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the held K/V
+            (held_k, held_v), (dk, dv) = _split(kv, q.shape[-1]), _split(dkv, q.shape[-1])
             for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
                 dq_block, dk_block, dv_block = block_backward(
-                    q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], dout[:, :, rows],
+                    q[:, :, rows], held_k[:, :, cols], held_v[:, :, cols], out[:, :, rows], dout[:, :, rows],
                     lse[:, :, rows], causal, scale, mask)
                 dq[:, :, rows] += dq_block
-                dkv[0][:, :, cols] += dk_block
-                dkv[1][:, :, cols] += dv_block
+                dk[:, :, cols] += dk_block
+                dv[:, :, cols] += dv_block
             if dkv_pending is not None:
                 dkv += _arrived(dkv_pending)  # what earlier ranks added to the same K/V
             if cp > 1:  # on to the rank that holds this K/V next; after the last step, to its owner
@@ -122,7 +132,8 @@ class RingAttention(torch.autograd.Function):
                 kv = _arrived(kv_pending)
         if dkv_pending is not None:
             dkv = _arrived(dkv_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = _split(dkv, q.shape[-1])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
@@ -130,16 +141,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
                    documents: DocumentMask | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence split across `cp_group`.
 
-    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks of the sequence
+    q and k [b, h(_kv), s/cp, d_qk], v [b, h_kv, s/cp, d_v]: this rank's two chunks of the sequence
     (zigzag.split_sequence order), h % h_kv == 0. Returns this rank's rows of softmax(q k^T
-    * scale + causal mask) v over all s keys, [b, h, s/cp, d] in q's dtype; differentiable.
-    With `cp_group` None (one rank) it is plain causal attention.
+    * scale + causal mask) v over all s keys, [b, h, s/cp, d_v] in q's dtype; differentiable.
+    softmax_scale None: 1/sqrt(d_qk). With `cp_group` None (one rank) it is plain causal attention.
     documents: the whole sequence's packed documents and/or window ([b, s] mask, global
     positions; context_parallel/documents.py): blocks outside them are skipped, the rest masked.
     """
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[2] != q.shape[2]:
+    if (q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[2] != q.shape[2]
+            or k.shape[3] != q.shape[3]):
         raise ValueError(f"ring_attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not "
-                         "fit q [b, h, s/cp, d], k = v [b, h_kv, s/cp, d]")
+                         "fit q [b, h, s/cp, d_qk], k [b, h_kv, s/cp, d_qk], v [b, h_kv, s/cp, d_v]")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     if q.shape[2] % 2:

@@ -7,12 +7,16 @@ ordinary causal attention runs on whole sequences, and one all-to-all puts the o
     q, k, v [b, h(_kv), s/cp, d]  --all-to-all-->  [b, h(_kv)/cp, s, d]  --attention-->
     out [b, h/cp, s, d]           --all-to-all-->  [b, h, s/cp, d]
 
-q, k and v travel in one all-to-all (their head groups packed side by side). The tokens arrive
-rank by rank, each rank's two zigzag chunks; they are put in sequence order before attention
-and back after. Packed documents and windows: the whole sequence's mask goes to that attention. Heads (and kv heads) per rank must divide by cp (checks.py says what to change).
+q, k and v travel in one all-to-all (each rank's piece: its head groups of q, k and v, flattened
+and packed side by side, so the values may be narrower than the queries and keys: multi-head latent
+attention's d_v < d_qk). The tokens arrive rank by rank, each rank's two zigzag chunks; they are put
+in sequence order before attention and back after. Packed documents and windows: the whole sequence's
+mask goes to that attention. Heads (and kv heads) per rank must divide by cp (checks.py says what to
+change).
 
 Bytes in the ledger per call (comm's convention for all_to_all: the input, own piece included),
-with b, h, h_kv this rank's batch and heads and s/cp its tokens:
+with b, h, h_kv this rank's batch and heads, s/cp its tokens and d = d_qk = d_v (else each tensor
+with its own head dim):
 
     forward   (h + 2 h_kv) * b * (s/cp) * d * itemsize  +  h * b * (s/cp) * d * itemsize
     backward  the same two, in the other order (an all-to-all's gradient is an all-to-all)
@@ -53,6 +57,19 @@ def _chunk_order(cp: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.argsort(to_ranks), to_ranks
 
 
+def _to_head_groups(tensors: tuple[torch.Tensor, ...], cp: int) -> torch.Tensor:
+    """q, k, v [b, heads, s/cp, d_t] -> [cp, b, n]: piece r holds head group r of each, flattened, side by side."""
+    return torch.cat([t.reshape(t.shape[0], cp, -1).transpose(0, 1) for t in tensors], dim=2)
+
+
+def _from_head_groups(received: torch.Tensor, like: tuple[torch.Tensor, ...], cp: int) -> list[torch.Tensor]:
+    """[cp, b, n] (source rank r: its tokens of my head group) -> per tensor of `like` [cp, b, heads/cp, 2, c, d_t]."""
+    sizes = [t.shape[1] // cp * t.shape[2] * t.shape[3] for t in like]
+    pieces = received.split(sizes, dim=2)
+    return [piece.reshape(cp, t.shape[0], t.shape[1] // cp, 2, t.shape[2] // 2, t.shape[3])
+            for piece, t in zip(pieces, like)]
+
+
 def _heads_to_sequence_order(received: torch.Tensor, to_sequence: torch.Tensor) -> torch.Tensor:
     """[cp, b, H, 2, c, d] (source rank, its two chunks) -> [b, H, 2 cp c, d] in sequence order."""
     cp, b, heads, _, c, d = received.shape
@@ -71,12 +88,13 @@ def _sequence_to_rank_order(x: torch.Tensor, cp: int, to_ranks: torch.Tensor) ->
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, dropout_p: float = 0.0,
                       dropout_seed: int = 0, head_start: int = 0, layout: str = "zigzag", *,
-                      documents: DocumentMask | None = None) -> torch.Tensor:
+                      documents: DocumentMask | None = None, softmax_scale: float | None = None) -> torch.Tensor:
     """Causal attention over the whole sequence split across `cp_group`, by head-sharding all-to-alls.
 
-    q [b, h, s/cp, d], k and v [b, h_kv, s/cp, d]: this rank's two chunks (zigzag.split_sequence
-    order). Returns this rank's rows [b, h, s/cp, d]; differentiable. The attention itself is
-    `megalite.ops.attention` (Triton flash attention on CUDA), dropout included:
+    q and k [b, h(_kv), s/cp, d_qk], v [b, h_kv, s/cp, d_v]: this rank's two chunks (zigzag.split_sequence
+    order). Returns this rank's rows [b, h, s/cp, d_v]; differentiable. The attention itself is
+    `megalite.ops.attention` (Triton flash attention on CUDA), dropout included; with d_qk != d_v or a
+    `softmax_scale` (multi-head latent attention, no dropout) `megalite.ops.latent_attention`. Dropout:
     after the all-to-all this rank holds heads [cp_rank*h/cp, (cp_rank+1)*h/cp) of q's heads over
     the whole sequence in order, so its part of the logical Philox mask (q's heads start at
     global head `head_start`) is at those heads' counters, the same as without cp.
@@ -84,8 +102,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     positions): the local attention runs on whole sequences, so it takes the mask as it is.
     """
     cp = comm.group_size(cp_group)
-    b, h, s_local, d = q.shape
-    h_kv = k.shape[1]
+    b, h, s_local, _ = q.shape
+    h_kv, d_v = k.shape[1], v.shape[-1]
     if h % cp or h_kv % cp:
         raise ValueError(f"ulysses_attention: this rank's {h} query heads and {h_kv} kv heads must both divide by "
                          f"cp={cp}; choose a cp that divides both, or use ring attention (--cp-comm-type p2p)")
@@ -95,16 +113,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     if documents is not None:
         check_whole_sequence(documents, s_local, cp)
     to_sequence, to_ranks = _chunk_order(cp, layout)
-    c = s_local // 2
-    # [b, heads, s/cp, d] -> [cp, b, heads/cp, 2, c, d]: piece r carries head group r to rank r
-    by_head_group = [t.reshape(b, cp, t.shape[1] // cp, 2, c, d).transpose(0, 1) for t in (q, k, v)]
-    received = _AllToAll.apply(torch.cat(by_head_group, dim=2), cp_group)  # [cp, b, (h + 2 h_kv)/cp, 2, c, d]
-    full = _heads_to_sequence_order(received, to_sequence)  # [b, (h + 2 h_kv)/cp, s, d]
-    q_full, k_full, v_full = full.split([h // cp, h_kv // cp, h_kv // cp], dim=1)
+    # [b, heads, s/cp, d_t] -> [cp, b, n]: piece r carries head group r of q, k and v to rank r
+    received = _AllToAll.apply(_to_head_groups((q, k, v), cp), cp_group)
+    q_full, k_full, v_full = (_heads_to_sequence_order(t, to_sequence)  # [b, heads/cp, s, d_t]
+                              for t in _from_head_groups(received, (q, k, v), cp))
     s_full = q_full.shape[2]
-    first_head = head_start + comm.group_rank(cp_group) * (h // cp)
-    out = ops.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                       dropout_offset=first_head * b * s_full * s_full, documents=documents)  # [b, h/cp, s, d]
-    pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d]
+    if q.shape[-1] != d_v or softmax_scale is not None:  # latent attention: no dropout (refused before)
+        out = ops.latent_attention(q_full, k_full, v_full, softmax_scale or q.shape[-1] ** -0.5, documents)
+    else:
+        first_head = head_start + comm.group_rank(cp_group) * (h // cp)
+        out = ops.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                            dropout_offset=first_head * b * s_full * s_full, documents=documents)  # [b, h/cp, s, d_v]
+    pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d_v]
     returned = _AllToAll.apply(pieces, cp_group)  # piece r: head group r, my tokens
-    return returned.transpose(0, 1).reshape(b, h, s_local, d)
+    return returned.transpose(0, 1).reshape(b, h, s_local, d_v)

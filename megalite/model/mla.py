@@ -31,6 +31,8 @@ from megalite.distributed import comm
 from megalite.parameters import params
 from megalite.config.model import GPTConfig
 from megalite.config.rope_scaling import softmax_scale_factor
+from megalite.context_parallel.attention import context_parallel_attention
+from megalite.context_parallel.checks import check_attention
 from megalite.distributed.layer_groups import LayerGroups
 from megalite.kernels import DocumentMask
 from megalite.tensor_parallel import mappings
@@ -66,17 +68,20 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiLatentAttention(nn.Module):
-    """groups.tp: the heads split; groups.cp must be one rank (refused in config/checks.py otherwise);
-    layer_number: the block's global index. Parameters: q_down [r_q, h], q_norm [r_q], q_up [n/tp * d_qk, r_q]
+    """groups.tp: the heads split; groups.cp: the sequence's other ranks (ring attention, cp_comm_type
+    "p2p", or Ulysses, "a2a", with d_qk != d_v: megalite/context_parallel/); layer_number: the block's global
+    index. Parameters: q_down [r_q, h], q_norm [r_q], q_up [n/tp * d_qk, r_q]
     (or q_up [n/tp * d_qk, h] without a query latent), kv_down [r_kv + d_rope, h], kv_norm [r_kv],
     kv_up [n/tp * (d_nope + d_v), r_kv], proj [h, n/tp * d_v]."""
 
-    def __init__(self, config: GPTConfig, groups: LayerGroups, *, sequence_parallel: bool, layer_number: int = 0,
-                 dtype=None, device=None):
+    def __init__(self, config: GPTConfig, groups: LayerGroups, *, sequence_parallel: bool, cp_comm_type: str = "p2p",
+                 layer_number: int = 0, dtype=None, device=None):
         super().__init__()
         mla, h, n = config.mla, config.hidden_size, config.num_attention_heads
         tp_group = groups.tp
         self.mla, self.layer_number, self.tp_group = mla, layer_number, tp_group
+        self.cp_group, self.cp_comm_type = groups.cp, cp_comm_type
+        check_attention(comm.group_size(groups.cp), cp_comm_type, n, n, comm.group_size(tp_group))
         self.sequence_parallel = sequence_parallel
         self.local_heads = n // comm.group_size(tp_group)
         self.softmax_scale = softmax_scale_factor(config.rope_scaling) / math.sqrt(mla.qk_dim)
@@ -132,5 +137,9 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [s, b, n/tp, d_qk]
         k = torch.cat([k_nope, k_pe.expand(s, b, heads, mla.qk_pos_emb_head_dim)], dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
-        out = ops.latent_attention(q, k, v, self.softmax_scale, documents)  # [b, n/tp, s, d_v]
+        if comm.group_size(self.cp_group) > 1:  # s = s/cp: this rank's zigzag chunks, RoPE at their positions
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, documents=documents,
+                                             softmax_scale=self.softmax_scale)  # [b, n/tp, s/cp, d_v]
+        else:
+            out = ops.latent_attention(q, k, v, self.softmax_scale, documents)  # [b, n/tp, s, d_v]
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * mla.v_head_dim)

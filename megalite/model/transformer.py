@@ -155,7 +155,8 @@ class TransformerBlock(nn.Module):
         self.input_norm = Norm(config, sequence_parallel, dtype, device)
         if config.mla is not None:  # DeepSeek's latent attention: the same qkv / core / proj steps
             self.attention = MultiLatentAttention(config, groups, sequence_parallel=sequence_parallel,
-                                                  layer_number=layer_number, dtype=dtype, device=device)
+                                                  cp_comm_type=cp_comm_type, layer_number=layer_number, dtype=dtype,
+                                                  device=device)
         else:
             self.attention = Attention(config, groups, sequence_parallel=sequence_parallel,
                                        cp_comm_type=cp_comm_type, layer_number=layer_number, dtype=dtype,

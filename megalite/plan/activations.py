@@ -308,9 +308,27 @@ def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
     return routing_activation_bytes(model, cfg) + fp8.expert_saved_change(model, cfg) - dense
 
 
-def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
+def recomputed_block_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
+    """What the block being recomputed keeps while its backward runs (0 without full recompute on the stage):
+    a block run without recompute, an MoE block's routing buffers in place of the dense MLP's when the stage
+    has one (the largest block it recomputes). torch's checkpoint holds these through its own saved-tensor
+    hooks, live only during that block's backward."""
+    if not recomputed_stage_layers(model, cfg)[stage]:
+        return 0
+    whole = layer_activation_bytes(model, cfg, recompute="none", attention=attention)
+    if stage_moe_layers(model, cfg, stage):
+        whole += max(0, moe_activation_change(model, cfg))
+    return whole
+
+
+def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None, *,
+                     recomputing: bool = True) -> int:
     """Peak saved-activation bytes of one rank of pipeline stage `stage` (`attention`: which
-    implementation runs, see `planned_attention`)."""
+    implementation runs, see `planned_attention`). recomputing False: without the block full recompute
+    re-runs (what autograd's saved-tensor hook sees: torch's checkpoint keeps it through its own hooks).
+    On the last stage that block and the loss head of its microbatch are never live together (the
+    microbatch's backward frees the head before it reaches the blocks); the head's other in-flight
+    microbatches are, except under interleaving, where they are all counted beside it."""
     v, pp = cfg.parallel.virtual_stages, cfg.parallel.pp
     layers = stage_layers(model, cfg)[stage]
     recomputed = recomputed_stage_layers(model, cfg)[stage]  # full recompute: all, or N per chunk
@@ -325,12 +343,12 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
         total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v
     else:
         total = inflight * per_layer * layers // v
-    if recomputed:
-        total += kept_whole  # the block being recomputed
     total += inflight * rope_table_bytes(model, cfg) + context_parallel_buffer_bytes(model, cfg)
-    head_inflight = head_inflight_microbatches(cfg)
     if stage == 0:
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
-    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV
-        total += head_inflight * head_activation_bytes(model, cfg)
-    return total
+    block = recomputed_block_bytes(model, cfg, stage, attention) if recomputing else 0
+    if stage != head_stage(cfg):  # the last stage; stage 0 under DualPipeV
+        return total + block
+    heads, head = head_inflight_microbatches(cfg), head_activation_bytes(model, cfg)
+    beside = heads if cfg.schedule == Schedule.INTERLEAVED and v > 1 else heads - 1
+    return total + max(heads * head, beside * head + block)

@@ -24,7 +24,7 @@ from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
-from megalite.plan.mla import latent_sequence_parallel_grads, latent_tp_bytes
+from megalite.plan.mla import attention_head_dims, latent_sequence_parallel_grads, latent_tp_bytes
 from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, head_stage, is_hybrid, is_v_shaped, local_seq_length,
                                   recomputed_stage_layers, stage_layers, zero_group_name, zero_shard_ranks)
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
@@ -186,25 +186,27 @@ def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -
 def context_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
     """The cp group's traffic per step on one rank of `stage`: attention's, per layer and microbatch.
 
-    With b, d, h, h_kv this tp rank's batch, head dim and heads, s/cp its tokens, a the activation
-    bytes, and F forward passes of a layer's attention (1, 2 under selective recompute, 2 for the
-    blocks full recompute re-runs), B = 1 backward:
-      ring (p2p), U = 2*b*h_kv*(s/cp)*d: send = recv = F*(cp-1)*U*a + B*((cp-1)*U*a + cp*U*4)
+    With b, h, h_kv this tp rank's batch and heads, d_qk and d_v a head's query/key and value channels
+    (both d, except under latent attention), s/cp its tokens, a the activation bytes, and F forward passes
+    of a layer's attention (1, 2 under selective recompute, 2 for the blocks full recompute re-runs),
+    B = 1 backward:
+      ring (p2p), U = b*h_kv*(s/cp)*(d_qk + d_v): send = recv = F*(cp-1)*U*a + B*((cp-1)*U*a + cp*U*4)
         (K/V go cp-1 hops; in backward K/V again and the fp32 dK/dV cp hops, home included);
-      Ulysses (a2a): all_to_all = (F + B) * ((h + 2h_kv) + h) * b*(s/cp)*d*a (inputs there, output back).
+      Ulysses (a2a): all_to_all = (F + B) * ((h + h_kv)*d_qk + (h_kv + h)*d_v) * b*(s/cp)*a (q, k, v there,
+        the output back).
     """
     p = cfg.parallel
     if p.cp == 1:
         return {}
     a, t, m, cp = DTYPE_BYTES[cfg.precision.precision], p.tp, cfg.num_microbatches, p.cp
-    s, b, d = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.head_dim
+    s, b, (d_qk, d_v) = local_seq_length(model, cfg), cfg.training.micro_batch_size, attention_head_dims(model)
     h, h_kv = model.num_attention_heads // t, model.num_query_groups // t
     layers = stage_layers(model, cfg)[stage]
     rerun = layers if p.recompute == "selective" else recomputed_stage_layers(model, cfg)[stage]
     forwards, backwards = m * (layers + rerun), m * layers
     if p.cp_comm_type == "a2a":
-        return {"cp/all_to_all": (forwards + backwards) * (2 * h + 2 * h_kv) * b * s * d * a}
-    unit = 2 * b * h_kv * s * d
+        return {"cp/all_to_all": (forwards + backwards) * ((h + h_kv) * d_qk + (h_kv + h) * d_v) * b * s * a}
+    unit = b * h_kv * s * (d_qk + d_v)
     hops = forwards * (cp - 1) * unit * a + backwards * ((cp - 1) * unit * a + cp * unit * 4)
     return {"cp/send": hops, "cp/recv": hops}
 

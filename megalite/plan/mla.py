@@ -13,9 +13,9 @@ sequence parallelism (else 1), n = heads, r_q / r_kv the latent widths, d_qk = d
     the up-projection's input a*sb*r_kv/sp;
   attention: q and k as the core assembles them (RoPE part rotated and joined) 2*a*sb*n*d_qk/t, the
     key/value up-projection's output (v is a view of it) a*sb*n*(d_nope + d_v)/t, SDPA's output
-    a*sb*n*d_v/t and fp32 log-sum-exp 4*b*n*s/t, and the output projection's input a*sb*n*d_v/t (a copy
-    of the output where the kernel writes [b, n, s, d_v]; torch's CPU kernel writes q's layout, so a
-    CPU run keeps it once: an upper bound there, as for the fused block's SDPA path).
+    a*sb*n*d_v/t and fp32 log-sum-exp 4*b*n*s/t. The output projection's input is a view of SDPA's output,
+    not a copy: the fused kernels write it [b, s, n, d_v] (CUDA's memory-efficient kernel, which SDPA runs for
+    d_qk != d_v, and torch's CPU kernel both), so [s, b, n*d_v] merges only the last two dims.
   Selective recompute re-runs the core: it keeps the core's inputs instead of what the core saves:
     the two up-projections' outputs a*sb*n*(d_qk + d_nope + d_v)/t and the storage of the RoPE key
     (without SP a view of the key/value down-projection's output a*sb*(r_kv + d_rope); under SP its
@@ -45,8 +45,15 @@ def latent_layer_bytes(model: GPTConfig, *, a: int, tokens: int, batch: int, seq
         return total + up_outputs + rope_key + core_output
     total += a * tokens * n * mla.qk_dim // t * 2                      # q and k as the core joins them
     total += a * tokens * n * (mla.qk_head_dim + mla.v_head_dim) // t  # the key/value up-projection's output
-    total += core_output + 4 * batch * n * seq // t                    # SDPA's output and log-sum-exp
-    return total + core_output                                         # the out-projection's input copy
+    return total + core_output + 4 * batch * n * seq // t              # SDPA's output (the out-projection's
+    #                                                                    input, a view) and log-sum-exp
+
+
+def attention_head_dims(model: GPTConfig) -> tuple[int, int]:
+    """(d_qk, d_v): a head's query/key channels and value channels (equal without latent attention)."""
+    if model.mla is None:
+        return model.head_dim, model.head_dim
+    return model.mla.qk_dim, model.mla.v_head_dim
 
 
 def _latent_widths(model: GPTConfig) -> tuple[int, int]:

@@ -5,9 +5,11 @@ model states (`stage_model_states`: ZeRO-3's gathered units and transient unit g
 included), saved activations for the attention implementation the simulated blocks run (on the
 meta device, the Triton kernels' autograd functions with their launches skipped: "triton", what a
 GPU keeps; without the context-parallel ring's transient buffers, which the planner's activation
-term holds but autograd does not), the planner's peak (the four terms and its transient buffers,
-plan/buffers.py; or the data-parallel wrapper's set-up, plan/per_rank.setup_bytes, where larger),
-and the step's communication bytes summed by group name.
+term holds but autograd does not, and without the block full recompute is re-running, whose saved
+tensors torch's checkpoint keeps through its own hooks, which the tracker's hook does not see), the
+planner's peak (the four terms and its transient buffers, plan/buffers.py; or the data-parallel
+wrapper's set-up, plan/per_rank.setup_bytes, where larger), and the step's communication bytes summed
+by group name.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> d
     model = cfg.gpt_config()
     weights, grads, optimizer, _host = stage_model_states(model, cfg, stage)
     activations = activation_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION)
-    # the ring's / all-to-all's transient buffers (cp > 1) are in the planner's activation term, but
-    # they are not kept for backward: the peak holds them, the saved-activation figure does not
-    transient = context_parallel_buffer_bytes(model, cfg)
+    # the ring's / all-to-all's transient buffers (cp > 1) and the block full recompute re-runs are in the
+    # planner's activation term, but autograd's hook does not see them kept (the first is not saved, the
+    # second is saved through the checkpoint's own hooks): the peak holds them, the saved-activation figure not
+    saved = activation_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION, recomputing=False)
+    saved -= context_parallel_buffer_bytes(model, cfg)
     by_group: dict[str, int] = collections.defaultdict(int)
     for key, n in communication_bytes(model, cfg, stage).items():
         by_group[key.split("/")[0]] += n
@@ -38,7 +42,7 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> d
         by_group[group] += nbytes
     buffers = buffer_bytes(model, cfg, stage)  # one block's working tensors at the peak (plan/buffers.py)
     return {"param_bytes": weights, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
-            "activation_peak_bytes": activations - transient,
+            "activation_peak_bytes": saved,
             "peak_bytes": max(weights + grads + optimizer + activations + buffers,
                               setup_bytes(model, cfg, weights, grads)),
             "comm_bytes": dict(by_group)}

@@ -19,6 +19,8 @@ from megalite.config import RunConfig
 from megalite.data import load_tokenizer
 from megalite.errors import UsageError, report_usage_error
 from megalite.simulate.planned import planned_terms
+from megalite.plan.ep_nodes import describe as describe_ep_nodes, ep_node_traffic
+from megalite.plan.hardware import load_profile
 from megalite.plan.links import describe as describe_links, link_uses
 from megalite.simulate.ranks import check_groups, compare_mesh, expected_groups, parse_ranks
 from megalite.simulate.rank_step import simulate_rank
@@ -100,6 +102,10 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     uses = link_uses(cfg.gpt_config(), cfg)  # per group of stage 0: bytes, link, seconds, exposed (plan/links.py)
     print_fn(f"per link, a rank of stage 0 (the planner's seconds; bytes as simulated above):\n{describe_links(uses)}")
     report["links"] = [u.as_dict() for u in uses]
+    per_node = min(cfg.world_size, load_profile(None).devices_per_node or cfg.world_size)
+    traffic = ep_node_traffic(cfg.gpt_config(), cfg, 0, per_node)  # the ep rows crossing nodes (plan/ep_nodes.py)
+    if traffic is not None and traffic.nodes > 1:
+        print_fn(f"    {describe_ep_nodes(traffic)}")
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1))
     return report

@@ -87,13 +87,11 @@ def test_yarn_frequencies_and_magnitude_equal_transformers():
 
 @pytest.mark.parametrize("settings, message", [
     (dict(kv_lora_rank=512), "--kv-lora-rank 512 is larger than --hidden-size 64"),
-    (dict(cp=2), "--multi-latent-attention runs at --cp 1"),
     (dict(attention_dropout=0.1), "set --attention-dropout 0"),
 ])
 def test_bad_latent_attention_settings_are_refused_in_one_line(settings, message):
     cfg = _cfg(**settings)
-    world = settings.get("cp", 1)
-    problems = launch_problems(cfg.resolved(world), world)
+    problems = launch_problems(cfg.resolved(1), 1)
     assert any(message in p for p in problems), problems
     assert "add --multi-latent-attention" in RunConfig.build(model="tiny-llama", kv_lora_rank=8).validate()[0]
 

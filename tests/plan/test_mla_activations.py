@@ -1,8 +1,8 @@
 """The planner's activation bytes of a block with multi-head latent attention (megalite/plan/mla.py)
 against what megalite's MLA block keeps on CPU (saved-tensor hooks, per layer: a 2-block model minus a
-1-block one), fp32 and bf16, with and without a query latent, no recompute and full recompute.
-The planner counts the output projection's input as a copy of SDPA's output (CUDA's kernels write
-[b, n, s, d_v]); torch's CPU kernel writes q's layout, so the CPU block keeps exactly that copy less."""
+1-block one), fp32 and bf16, with and without a query latent, no recompute and full recompute, to the
+byte; and on the meta device (what --simulate runs: CUDA's memory-efficient SDPA kernel, by name), where
+the kernel keeps two int64 scalars (its dropout seed and offset) beside."""
 import pytest
 import torch
 
@@ -10,16 +10,18 @@ from megalite.config.model import GPTConfig
 from megalite.model.activation_probe import kernels_without_launch
 from megalite.model.gpt import GPTModel
 from megalite.plan import activations as A
+from megalite.simulate.memory import MemoryTracker
 from megalite.testing import run_distributed
 from test_estimate import run, saved_tensor_bytes
 
 MLA = dict(q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=24)
 BATCH, SEQ, HEADS = 8, 16, 4
+META_SEQ = 32  # the memory-efficient kernel's log-sum-exp rows are a multiple of 32
 
 
-def _config(layers: int, q_lora_rank) -> GPTConfig:
+def _config(layers: int, q_lora_rank, seq: int = SEQ) -> GPTConfig:
     return GPTConfig(flavour="llama", num_layers=layers, hidden_size=64, num_attention_heads=HEADS, vocab_size=60,
-                     seq_length=SEQ, mla={**MLA, "q_lora_rank": q_lora_rank})
+                     seq_length=seq, mla={**MLA, "q_lora_rank": q_lora_rank})
 
 
 @pytest.mark.parametrize("q_lora_rank", [48, pytest.param(None, marks=pytest.mark.slow)])
@@ -34,8 +36,7 @@ def test_latent_attention_bytes_match_what_the_block_keeps(q_lora_rank):
                     kept.append(saved_tensor_bytes(model, BATCH, SEQ)[0])
                 layout = run(micro_batch_size=BATCH, recompute=recompute, precision=precision)
                 planned = A.layer_activation_bytes(_config(2, q_lora_rank), layout, attention="sdpa")
-                cpu_layout_copy = 0 if recompute == "full" else dtype.itemsize * BATCH * SEQ * HEADS * MLA["v_head_dim"]
-                assert kept[1] - kept[0] == planned - cpu_layout_copy, (recompute, precision)
+                assert kept[1] - kept[0] == planned, (recompute, precision)
 
 
 def _tensor_parallel_world(layouts):
@@ -63,4 +64,30 @@ def test_latent_attention_bytes_under_tp_and_sp():
     for sequence_parallel, kept in zip(layouts, ranks[0]):
         layout = run(tp=2, sequence_parallel=sequence_parallel, micro_batch_size=BATCH)
         planned = A.layer_activation_bytes(_config(2, 48), layout, attention="sdpa")
-        assert kept == planned - 4 * BATCH * SEQ * HEADS * MLA["v_head_dim"] // 2, sequence_parallel
+        assert kept == planned, sequence_parallel
+
+
+def _meta_kept_per_layer(batch: int, dtype: torch.dtype) -> int:
+    """Saved bytes of one MLA block on the meta device, as --simulate runs it (a 2-block model minus a 1-block one)."""
+    kept = []
+    for layers in (1, 2):
+        tracker = MemoryTracker()
+        with kernels_without_launch(), torch.device("meta"), tracker.active():
+            torch.manual_seed(0)
+            model = GPTModel(_config(layers, 48, META_SEQ), dtype=dtype).train()
+            tracker.exclude_from_activations(list(model.parameters()) + list(model.buffers()))
+            ids = torch.zeros(batch, META_SEQ, dtype=torch.long)
+            model(ids, ids)
+            kept.append(tracker.saved.live)
+    return kept[1] - kept[0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_latent_attention_bytes_on_the_meta_device(batch):
+    """On the meta device latent attention runs CUDA's choice for d_qk != d_v (the memory-efficient kernel,
+    ops.latent_attention), never the math path's [b, n, s, s] scores: what it keeps is the planner's count and
+    the kernel's two int64 scalars (its dropout seed and offset; on CUDA host tensors). The kernel pads its
+    log-sum-exp to a multiple of 32 rows, so the sequence here is one."""
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        planned = A.layer_activation_bytes(_config(2, 48, META_SEQ), run(micro_batch_size=batch, precision=precision))
+        assert _meta_kept_per_layer(batch, dtype) == planned + 2 * 8, precision
