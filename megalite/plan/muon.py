@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 from megalite.config.choices import MuonOwners
 from megalite.config.model import GPTConfig
-from megalite.plan.layout import dp_group_name, stage_layers
+from megalite.plan.layout import is_hybrid, stage_layers, zero_group_name, zero_shard_ranks
 from megalite.plan.moe import stage_moe_layers
 
 if TYPE_CHECKING:
@@ -178,15 +178,15 @@ def stage_muon(model: GPTConfig, cfg: "RunConfig", stage: int) -> MuonCost:
         experts += expert_blocks * count
     m, m_e = sum(r * c for r, c in dense) // tp, sum(r * c for r, c in experts) // etp
     zero = cfg.parallel.zero
-    shards = cfg.dp * cfg.parallel.cp if zero else 1
-    expert_shards = (cfg.dp * cfg.parallel.cp // ep * (tp // etp)) if zero else 1
+    shards = zero_shard_ranks(cfg) if zero else 1  # S x cp: one replica group's (hybrid sharding)
+    expert_shards = (zero_shard_ranks(cfg) // ep * (tp // etp)) if zero else 1
     wire = 4 if cfg.optimizer.muon_ns_dtype == "fp32" else 2
     comm = {}
     apart = ep > 1 or etp < tp  # experts in a replica group of their own, else sharded with the dense ones
     if shards > 1:
-        comm[f"{dp_group_name(cfg)}/all_to_all"] = 2 * wire * -(-(m + (0 if apart else m_e)) // shards)
+        comm[f"{zero_group_name(cfg)}/all_to_all"] = 2 * wire * -(-(m + (0 if apart else m_e)) // shards)
     if m_e and expert_shards > 1 and apart:
-        comm["edp/all_to_all"] = 2 * wire * -(-m_e // expert_shards)
+        comm[("edp_shard" if is_hybrid(cfg) else "edp") + "/all_to_all"] = 2 * wire * -(-m_e // expert_shards)
     if tp > 1:
         comm["tp/all_to_all"] = 2 * wire * (-(-m // shards) + (-(-m_e // expert_shards) if etp == tp else 0))
     steps = cfg.optimizer.muon_ns_steps
