@@ -208,7 +208,7 @@ class ShardedMuon:
         ranks = [[c for c, _, _ in choices] for choices in self.candidates]
         homes = [[h for _, _, h in choices] for choices in self.candidates]
         expert = [P.is_expert_parallel(model.params[i]) for i in self.matrices]
-        return assign_in_two_passes(self.costs, ranks, expert, policy=policy, sizes=self.sizes, homes=homes)
+        return assign_in_two_passes(self.costs, ranks, expert=expert, policy=policy, sizes=self.sizes, homes=homes)
 
     def _apply_runs(self, pieces, rule: str) -> list[tuple[int, int, float]]:
         """(shard start, shard end, r) of this rank's pieces of a group's matrices."""

@@ -91,8 +91,8 @@ def assign_owners(costs: Sequence[float], candidates: Sequence[Sequence[tuple[Ha
     return chosen
 
 
-def assign_in_two_passes(costs: Sequence[float], candidates: Sequence[Sequence[tuple[Hashable, ...]]],
-                         expert: Sequence[bool], *, policy: MuonOwners = MuonOwners.BALANCED,
+def assign_in_two_passes(costs: Sequence[float], candidates: Sequence[Sequence[tuple[Hashable, ...]]], *,
+                         expert: Sequence[bool], policy: MuonOwners = MuonOwners.BALANCED,
                          sizes: Sequence[float], homes: Sequence[Sequence[tuple[Hashable, ...]]]) -> list[int]:
     """`assign_owners` for the dense matrices, then for the experts starting from the dense loads (FLOPs
     and home elements). In two passes because ranks of other ep ranks hold other experts: a joint pass

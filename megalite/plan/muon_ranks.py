@@ -103,17 +103,18 @@ class RankShare:
     """The ledger's group name of each kind's ZeRO hop (kinds with one shard: none)."""
 
 
-def _shard_group(cfg: RunConfig, rank: int, expert: bool) -> list[int]:
+def _shard_group(cfg: RunConfig, rank: int, *, expert: bool) -> list[int]:
     """The group the rank's ZeRO shards of a kind lie over (its own rank alone at ZeRO 0)."""
     p = cfg.parallel
     if not p.zero:
         return [rank]
-    groups = _all_shard_groups(p.tp, p.pp, cfg.dp, p.cp, p.ep, cfg.etp_size, cfg.dp_shard, expert)
+    groups = _all_shard_groups(p.tp, p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.etp_size, dp_shard=cfg.dp_shard,
+                               expert=expert)
     return next(g for g in groups if rank in g)
 
 
 @functools.lru_cache(maxsize=16)
-def _all_shard_groups(tp: int, pp: int, dp: int, cp: int, ep: int, etp: int, dp_shard: int,
+def _all_shard_groups(tp: int, pp: int, *, dp: int, cp: int, ep: int, etp: int, dp_shard: int,
                       expert: bool) -> tuple[list[int], ...]:
     """Every ZeRO shard group of the world (the mesh's lists), once per layout."""
     if expert:
@@ -121,7 +122,7 @@ def _all_shard_groups(tp: int, pp: int, dp: int, cp: int, ep: int, etp: int, dp_
     return tuple(topology.dp_shard_group_ranks(tp, pp, dp, cp, dp_shard))
 
 
-def _candidates(tp: int, rank: int, split: bool, members: list[int]) -> list[tuple]:
+def _candidates(tp: int, rank: int, *, split: bool, members: list[int]) -> list[tuple]:
     """megalite/optim/muon.py's `_candidates` for `rank`, its shard group of the matrix's kind `members`
     (`split`: the matrix is split over tp): (FLOP ranks, (zero member, tp owner), home) per choice."""
     tp_rank, base = rank % tp, rank - rank % tp
@@ -138,18 +139,18 @@ def _candidates(tp: int, rank: int, split: bool, members: list[int]) -> list[tup
     return out
 
 
-def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, viewpoint: int) -> dict[int, RankShare]:
+def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, *, viewpoint: int) -> dict[int, RankShare]:
     """The assignment as global rank `viewpoint` of `stage` computes it, and what it gives every rank it
     names (every rank of the stage agrees on it: the candidates are global ranks; ZeRO 0: the viewpoint's
     tp group, other dp replicas alike): a rank owns a matrix in the ZeRO hop where it is one of the chosen
     home's ranks, and runs Newton-Schulz on it where it is one of the chosen FLOP ranks."""
     matrices = stage_matrices(model, cfg, stage)
     apart = experts_apart(model, cfg)
-    groups = {kind: _shard_group(cfg, viewpoint, kind) for kind in ((False, True) if apart else (False,))}
+    groups = {kind: _shard_group(cfg, viewpoint, expert=kind) for kind in ((False, True) if apart else (False,))}
     base = _first_rank(cfg, stage)  # every stage's ranks are base + [0, tp cp dp): one assignment per shape
-    picked = _assignment(cfg.parallel.tp, viewpoint - base, tuple(matrices), cfg.optimizer.muon_ns_steps,
-                         {k: tuple(r - base for r in g) for k, g in groups.items()}.get(False),
-                         tuple(r - base for r in groups[True]) if apart else None)
+    picked = _assignment(cfg.parallel.tp, viewpoint - base, matrices=tuple(matrices), steps=cfg.optimizer.muon_ns_steps,
+                         dense=tuple(r - base for r in groups[False]),
+                         experts=tuple(r - base for r in groups[True]) if apart else None)
     zero: dict[int, dict[bool, int]] = {}
     zero_split: dict[int, int] = {}
     full_split: dict[int, int] = {}
@@ -174,7 +175,7 @@ def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, viewpoint: int) -
 
 
 @functools.lru_cache(maxsize=64)
-def _assignment(tp: int, viewpoint: int, matrices: tuple[Matrix, ...], steps: int, dense: tuple[int, ...],
+def _assignment(tp: int, viewpoint: int, *, matrices: tuple[Matrix, ...], steps: int, dense: tuple[int, ...],
                 experts: tuple[int, ...] | None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(FLOP ranks, home) each matrix is given by `assign_in_two_passes` over the candidates of the
     `viewpoint` rank with shard groups `dense` and `experts` (None: with the dense ones), in ranks from
@@ -185,17 +186,18 @@ def _assignment(tp: int, viewpoint: int, matrices: tuple[Matrix, ...], steps: in
     for m in matrices:
         kind = (m.expert and experts is not None, m.split)
         if kind not in lists:
-            lists[kind] = _candidates(tp, viewpoint, m.split, list(experts if kind[0] else dense))
+            lists[kind] = _candidates(tp, viewpoint, split=m.split, members=list(experts if kind[0] else dense))
         candidates.append(lists[kind])
-    chosen = assign_in_two_passes([m.cost(steps) for m in matrices], [[c[0] for c in choices] for choices in candidates],
-                                  [m.expert for m in matrices], sizes=[m.local for m in matrices],
+    chosen = assign_in_two_passes([m.cost(steps) for m in matrices],
+                                  [[c[0] for c in choices] for choices in candidates],
+                                  expert=[m.expert for m in matrices], sizes=[m.local for m in matrices],
                                   homes=[[c[2] for c in choices] for choices in candidates])
     return [(choices[c][0], choices[c][2]) for choices, c in zip(candidates, chosen)]
 
 
-def rank_share(model: GPTConfig, cfg: RunConfig, stage: int, rank: int) -> RankShare:
+def rank_share(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int) -> RankShare:
     """What the assignment gives global `rank` of `stage`."""
-    return stage_shares(model, cfg, stage, rank)[rank]
+    return stage_shares(model, cfg, stage, viewpoint=rank)[rank]
 
 
 def wire_bytes(cfg: RunConfig) -> int:
@@ -216,7 +218,7 @@ def muon_rank_comm(cfg: RunConfig, share: RankShare) -> dict[str, int]:
     return out
 
 
-def muon_step_bytes(cfg: RunConfig, share: RankShare, shard_elements: int) -> int:
+def muon_step_bytes(cfg: RunConfig, share: RankShare, *, shard_elements: int) -> int:
     """The exchange's peak working set on a rank, beyond the parameters, gradients and optimizer state:
     the Nesterov input (shard-sized), the owned tp-local tensors, what each all-to-all sends and receives,
     and on the owner the assembled matrix, its result and Newton-Schulz's working set
@@ -239,29 +241,29 @@ def muon_step_bytes(cfg: RunConfig, share: RankShare, shard_elements: int) -> in
     return w * max(phases)
 
 
-def _shard_elements(model: GPTConfig, cfg: RunConfig, stage: int, rank: int) -> int:
+def _shard_elements(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int) -> int:
     """A rank's shard: the stage's dense elements over its shard group, its experts over theirs."""
     experts = stage_expert_params(model, cfg, stage)
     apart = experts_apart(model, cfg)
     dense = stage_params(model, cfg, stage) - (experts if apart else 0)
-    out = -(-dense // len(_shard_group(cfg, rank, False)))
-    return out + (-(-experts // len(_shard_group(cfg, rank, True))) if apart else 0)
+    out = -(-dense // len(_shard_group(cfg, rank, expert=False)))
+    return out + (-(-experts // len(_shard_group(cfg, rank, expert=True))) if apart else 0)
 
 
 def _first_rank(cfg: RunConfig, stage: int) -> int:
     return topology.coords_to_rank(0, 0, stage, cfg.parallel.tp, cfg.dp, 0, cfg.parallel.cp)
 
 
-def muon_rank_terms(model: GPTConfig, cfg: RunConfig, stage: int, rank: int | None = None) -> tuple[dict, int]:
+def muon_rank_terms(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int | None = None) -> tuple[dict, int]:
     """(the exchange's all-to-all bytes by ledger key, the optimizer step's working set in bytes) of global
     `rank` of `stage`; rank None: the stage's busiest rank's working set, the bytes of the stage's first rank.
     ({}, 0) without Muon."""
     if cfg.optimizer.optimizer != "muon":
         return {}, 0
     viewpoint = _first_rank(cfg, stage) if rank is None else rank
-    shares = stage_shares(model, cfg, stage, viewpoint)
-    shard = _shard_elements(model, cfg, stage, viewpoint)
+    shares = stage_shares(model, cfg, stage, viewpoint=viewpoint)
+    shard = _shard_elements(model, cfg, stage, rank=viewpoint)
     mine = shares[viewpoint]
-    working = (muon_step_bytes(cfg, mine, shard) if rank is not None
-               else max(muon_step_bytes(cfg, share, shard) for share in shares.values()))
+    working = (muon_step_bytes(cfg, mine, shard_elements=shard) if rank is not None
+               else max(muon_step_bytes(cfg, share, shard_elements=shard) for share in shares.values()))
     return muon_rank_comm(cfg, mine), working

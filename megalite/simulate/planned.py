@@ -34,7 +34,7 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None, *, r
     # they are not kept for backward: the peak holds them, the saved-activation figure does not
     transient = context_parallel_buffer_bytes(model, cfg)
     by_group: dict[str, int] = collections.defaultdict(int)
-    muon_comm, muon_step = muon_rank_terms(model, cfg, stage, rank)
+    muon_comm, muon_step = muon_rank_terms(model, cfg, stage, rank=rank)
     if rank is not None and muon_comm:  # the rank's own exchange bytes for the stage's mean
         comm = collections.Counter(communication_bytes(model, cfg, stage))
         comm.subtract(stage_muon(model, cfg, stage).comm_bytes)

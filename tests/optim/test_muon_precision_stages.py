@@ -26,9 +26,10 @@ def _run(settings):
     cfg = run_cfg(**settings)
     m = mesh_lib.init_mesh(layout=cfg.layout(world_size=cfg.world_size), replace=True)
     losses, params, optimizer = train_cfg(m, cfg, STEPS)
-    masters_match = optimizer.master is None or all(torch.equal(optimizer.master[x.shard_start:x.shard_end].to(optimizer.params[x.param].dtype),
-                                    optimizer.params[x.param].detach().reshape(-1)[x.local_start:x.local_end])
-                        for x in optimizer.pieces)
+    master, published = optimizer.master, optimizer.params
+    masters_match = master is None or all(
+        torch.equal(master[x.shard_start:x.shard_end].to(published[x.param].dtype),
+                    published[x.param].detach().reshape(-1)[x.local_start:x.local_end]) for x in optimizer.pieces)
     return losses, {n: (spec, t.numpy()) for n, (spec, t) in params.items()}, masters_match, \
         str(optimizer.params[0].dtype), str(getattr(optimizer.master, "dtype", None))
 

@@ -89,5 +89,5 @@ def test_planned_exchange_bytes_are_the_ledgers(layout):
     for key, n in planned.items():
         assert sum(rank.get(key, 0) for rank in per_rank) == 2 * n, (key, per_rank, planned)
     for rank, ledger in enumerate(per_rank):  # each rank's own: its owned matrices (plan/muon_ranks.py)
-        mine = muon_rank_terms(cfg.gpt_config(), cfg, 0, rank)[0]
+        mine = muon_rank_terms(cfg.gpt_config(), cfg, 0, rank=rank)[0]
         assert ledger.get("tp/all_to_all") == mine.get("tp/all_to_all"), (rank, ledger, mine)

@@ -46,7 +46,7 @@ def test_each_muon_rank_sends_and_holds_what_the_planner_counts_for_it():
     entries = _check(cfg, "4,5", dp_slack=0.03, exact_state=False)
     assert len({e["measured"]["comm_bytes"]["tp"] for e in entries}) > 1  # the ranks differ
     mean = stage_muon(cfg.gpt_config(), cfg, 1).comm_bytes["tp/all_to_all"]  # so the stage's mean would not do
-    assert mean not in [muon_rank_terms(cfg.gpt_config(), cfg, 1, rank)[0]["tp/all_to_all"] for rank in (4, 5)]
+    assert mean not in [muon_rank_terms(cfg.gpt_config(), cfg, 1, rank=rank)[0]["tp/all_to_all"] for rank in (4, 5)]
 
 
 @pytest.mark.slow
