@@ -2,10 +2,13 @@
 process (the same seed and data; Newton-Schulz in fp32).
 
 bf16 (quick, dp 2 at ZeRO 1): the per-microbatch forward and backward are the single process's own (the same
-microbatches, the same shapes); only the order the fp32 gradient buffer sums them in could differ, a float32
-rounding that could flip a bf16 rounding of a parameter published from its master. Measured: none does here,
-the run equals the single process bit for bit; held to 1e-6 (losses, every parameter as a tensor), and each
-rank's published bf16 parameter is exactly its fp32 master rounded.
+microbatches, the same shapes); what differs is the order fp32 sums are taken in (the gradient buffer over
+the microbatches and dp, and the CPU kernels' blocking, which follows the thread count), a float32 rounding
+that flips the bf16 rounding of a few parameters published from their masters: each flip one bf16 step of
+that element (2^-8 = 3.9e-3 of it). Measured, both sides on one thread: losses equal, the parameters within
+7.3e-5 as tensors (the reference on two threads: equal bit for bit). Held to losses within 1e-6 and every
+parameter within 1e-3 as a tensor (a shard orthogonalised alone is off by O(1): tests/optim/test_muon.py),
+and each rank's published bf16 parameter is exactly its fp32 master rounded.
 Virtual stages (slow, pp 2 x vp 2 x dp 2, interleaved 1F1B): losses and every parameter to 1e-5.
 """
 import math
@@ -50,10 +53,15 @@ def _compare(reference, run, *, loss_rtol, param_rtol, what):
 
 
 def test_muon_with_bf16_parameters_and_fp32_masters():
-    reference = _single(BF16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (megalite.testing): the result does not depend on earlier tests
+    try:
+        reference = _single(BF16)
+    finally:
+        torch.set_num_threads(threads)
     for rank, run in enumerate(run_distributed(_run, 2, dict(BF16, dp=2, zero=1), timeout_s=600)):
         assert run[2:] == (True, "torch.bfloat16", "torch.float32"), (rank, run[2:])
-        _compare(reference, run, loss_rtol=1e-6, param_rtol=1e-6, what=f"bf16 rank {rank}")
+        _compare(reference, run, loss_rtol=1e-6, param_rtol=1e-3, what=f"bf16 rank {rank}")
 
 
 @pytest.mark.slow
