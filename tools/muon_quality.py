@@ -76,11 +76,12 @@ def main(argv=None) -> int:
         adamw = windowed(curves[f"adamw lr={best['adamw']} seed={seed}"], args.window)
         muon = windowed(curves[f"muon lr={best['muon']} seed={seed}"], args.window)
         needed = steps_to_reach(adamw, muon[-1])
+        muon_needs = steps_to_reach(muon, adamw[-1])  # the other way round, inside the same schedule
         summary["per_seed"].append({"seed": seed, "adamw_final": adamw[-1], "muon_final": muon[-1],
-                                    "adamw_steps_to_muon_final": needed})
+                                    "adamw_steps_to_muon_final": needed, "muon_steps_to_adamw_final": muon_needs})
         print(f"seed {seed}: AdamW (lr {best['adamw']:g}) {adamw[-1]:.4f}, Muon (lr {best['muon']:g}) {muon[-1]:.4f}; "
-              f"AdamW reaches Muon's final loss at step {needed if needed else f'> {args.steps}'} of {args.steps}",
-              flush=True)
+              f"AdamW reaches Muon's final loss at step {needed if needed else f'> {args.steps}'} of {args.steps}; "
+              f"Muon reaches AdamW's at step {muon_needs if muon_needs else f'> {args.steps}'}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "summary": summary,
                                         "curves": curves}, indent=1))

@@ -181,9 +181,6 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
         problem = _diloco_problem(cfg)
         if problem:
             return [problem]
-    if cfg.dp_shard < dp and cfg.optimizer.optimizer == OptimizerKind.MUON:  # its owners gather over the flat dp shards
-        return [f"--optimizer muon with --dp-shard {cfg.dp_shard} < dp {dp} is not built yet (Muon's owners gather whole "
-                f"matrices over flat ZeRO shards): drop one of them"]
     return []
 
 
@@ -193,8 +190,6 @@ def _diloco_problem(cfg: RunConfig) -> str | None:
     if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
         return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
                 "steps: drop one of them")
-    if cfg.optimizer.optimizer == OptimizerKind.MUON:
-        return "--diloco-inner-steps runs AdamW as its inner optimizer so far: drop --optimizer muon or DiLoCo"
     if p.grad_compression != "none" or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
         return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
                 "far: drop --grad-compression, experts, --pp and --offload-optimizer")

@@ -139,13 +139,15 @@ class WholeMatrices:
         for i in self.whole_here:
             spec = P.shard_spec(self.params[i])
             if self.owners[i].tp_rank is not None:  # [local...] from every tp rank -> the full tensor
-                full = spec.assemble(parts[i])
+                full = spec.assemble(parts.pop(i))  # the received buffer is freed with its last view
             elif spec.dim is not None:  # one shard of one: only padding (if any) to drop
                 full = spec.assemble([local[i].view(spec.local_shape())])
             else:
                 full = local[i].view(spec.full_shape)
             results[i] = fn(i, full).to(values.dtype)
-        local = self._tp_scatter(results, local)
+            del full
+        local = None  # the tp-local inputs are spent: freed before the results travel back
+        local = self._tp_scatter(results, values)
         out = torch.zeros_like(values)
         for hop, group in zip(self.hops, self.groups):
             hop.scatter(local, out, group)
@@ -167,21 +169,26 @@ class WholeMatrices:
                 offset += n
         return parts
 
-    def _tp_scatter(self, results: dict[int, torch.Tensor], local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The tp hop backwards: every zero-owned parameter's tp-local slice of its result."""
+    def _tp_scatter(self, results: dict[int, torch.Tensor], like: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The tp hop backwards: every zero-owned parameter's tp-local slice of its result. Consumes
+        `results` (each full result is freed once its slices are cut)."""
         out = {}
         for i in self.zero_owned:
             if self.owners[i].tp_rank is None:
-                spec = P.shard_spec(self.params[i])
-                out[i] = (spec.shard(results[i]) if spec.dim is not None else results[i]).reshape(-1)
+                spec, full = P.shard_spec(self.params[i]), results.pop(i)
+                out[i] = (spec.shard(full) if spec.dim is not None else full).reshape(-1)
         if not self.tp_split:
             return out
         mine = [i for i in self.tp_split if self.owners[i].tp_rank == self.tp_rank]
-        outgoing = [[replace(P.shard_spec(self.params[i]), tp_rank=t).shard(results[i]).reshape(-1) for i in mine]
-                    for t in range(self.tp_size)]
+        outgoing = [[] for _ in range(self.tp_size)]
+        for i in mine:
+            full = results.pop(i)
+            for t in range(self.tp_size):
+                outgoing[t].append(replace(P.shard_spec(self.params[i]), tp_rank=t).shard(full).reshape(-1))
+            full = None
         incoming = [sum(self.params[i].numel() for i in self.tp_split if self.owners[i].tp_rank == t)
                     for t in range(self.tp_size)]
-        received = _exchange(outgoing, incoming, self.tp_group, next(iter(local.values())))
+        received = _exchange(outgoing, incoming, self.tp_group, like)
         offset = 0
         for t in range(self.tp_size):
             for i in self.tp_split:

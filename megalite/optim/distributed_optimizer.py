@@ -324,6 +324,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self.model.gather_order:  # the next forward's order: its first gathers land first
             self._update_bucket(bucket, grad, one_pass)
             self.model.publish(bucket, self._masters[bucket])
+        if self.muon is not None:
+            self.muon.release()
         self.model.published()
         if self.offload and self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # pinned master chunks are read by async H2D copies

@@ -35,7 +35,7 @@ from megalite.distributed import comm
 from megalite.parameters import params as P
 from megalite.config.choices import MuonAdjustLR, MuonOwners
 from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
-from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads
+from megalite.plan.muon import assign_in_two_passes, describe_owners, ns_flops
 from megalite.parameters.sharding import ShardSpec
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
@@ -187,6 +187,7 @@ class ShardedMuon:
                                    optimizer.param_groups[self.group_of[i]]["ns_steps"])
                           for b in matrix_blocks(P.shard_spec(params[i]))) for i in self.matrices]
         self.candidates = [_candidates(model, i) for i in self.matrices]
+        self.sizes = [params[i].numel() for i in self.matrices]  # what a zero home receives per rank
         self.chosen = self._assign(model, owners)
         self.owners = {i: choices[c][1] for i, choices, c in zip(self.matrices, self.candidates, self.chosen)}
         self.exchange = exchange or model.whole_matrices(self.owners)
@@ -204,16 +205,10 @@ class ShardedMuon:
         """Owners of the dense matrices, then of the experts starting from the dense load. In two passes
         because ranks of other ep ranks hold other experts: a joint pass would let their experts move the
         dense owners apart (every rank of the stage must agree on those)."""
-        ranks = [[c for c, _ in choices] for choices in self.candidates]
+        ranks = [[c for c, _, _ in choices] for choices in self.candidates]
+        homes = [[h for _, _, h in choices] for choices in self.candidates]
         expert = [P.is_expert_parallel(model.params[i]) for i in self.matrices]
-        chosen, start = [0] * len(self.matrices), None
-        for experts in (False, True):
-            part = [k for k in range(len(self.matrices)) if expert[k] == experts]
-            picked = assign_owners([self.costs[k] for k in part], [ranks[k] for k in part], policy=policy, start=start)
-            for k, c in zip(part, picked):
-                chosen[k] = c
-            start = owner_loads([self.costs[k] for k in part], [ranks[k] for k in part], picked)
-        return chosen
+        return assign_in_two_passes(self.costs, ranks, expert=expert, policy=policy, sizes=self.sizes, homes=homes)
 
     def _apply_runs(self, pieces, rule: str) -> list[tuple[int, int, float]]:
         """(shard start, shard end, r) of this rank's pieces of a group's matrices."""
@@ -228,7 +223,7 @@ class ShardedMuon:
     def describe(self) -> str:
         """The owner assignment: one line per matrix, then the NS GFLOP per rank."""
         names = [self.optimizer.names[i] for i in self.matrices]
-        return describe_owners(names, self.costs, [[c for c, _ in choices] for choices in self.candidates],
+        return describe_owners(names, self.costs, [[c for c, _, _ in choices] for choices in self.candidates],
                                self.chosen)
 
     def prepare(self, grad: torch.Tensor, momentum: torch.Tensor) -> None:
@@ -250,6 +245,11 @@ class ShardedMuon:
 
         self.update = self.exchange.apply(values.to(device), orthogonalised).to(grad.device)
 
+    def release(self) -> None:
+        """Frees this step's O once every bucket is updated (it would otherwise live through the next
+        forward and backward: the planner counts it only inside the optimizer step)."""
+        self.update = None
+
     def apply(self, master: torch.Tensor, g: int, lo: int, hi: int) -> None:
         """master[a - lo: z - lo] -= lr r O for group g's runs inside the bucket chunk [lo, hi) (weight decay
         is the caller's, before this, as in torch)."""
@@ -265,8 +265,10 @@ def _block_shape(spec: ShardSpec, block: tuple[int, int, int]) -> tuple[int, int
     return (size, spec.full_shape[1]) if dim == 0 else (spec.full_shape[0], size)
 
 
-def _candidates(model, index: int) -> list[tuple[tuple[int, ...], MatrixOwner]]:
-    """Where parameter `index` may be assembled: (the global ranks that would compute it, its owner) per choice.
+def _candidates(model, index: int) -> list[tuple[tuple[int, ...], MatrixOwner, tuple[int, ...]]]:
+    """Where parameter `index` may be assembled: (the global ranks that would compute it, its owner, the
+    global ranks its ZeRO hop lands on: its home) per choice (plan/muon.py's `stage_candidates` is the
+    same arithmetic over the layout, for the planner).
 
     Ranks are global, so a rank's load counts once whatever kind of parameter puts it there. Members of
     a shard group that leaves tp out share this rank's tp rank, and a tp group is consecutive global
@@ -279,10 +281,11 @@ def _candidates(model, index: int) -> list[tuple[tuple[int, ...], MatrixOwner]]:
     split = P.shard_spec(model.params[index]).is_tp_sharded
     out = []
     for d, member in enumerate(members):
-        if split:  # assembled on one tp rank of the member's tp group
-            out += [((member - tp_rank + t,), MatrixOwner(d, t)) for t in range(tp_size)]
+        tp_ranks = tuple(member - tp_rank + t for t in range(tp_size))  # the member's tp group
+        if split:  # assembled on one tp rank of the member's tp group; every tp rank's member is a home
+            out += [((member - tp_rank + t,), MatrixOwner(d, t), tp_ranks) for t in range(tp_size)]
         elif spans_tp or tp_size == 1:  # the shard group already holds every copy: one rank
-            out.append(((member,), MatrixOwner(d, None)))
+            out.append(((member,), MatrixOwner(d, None), (member,)))
         else:  # whole on every tp rank: each tp rank's member computes its copy
-            out.append((tuple(member - tp_rank + t for t in range(tp_size)), MatrixOwner(d, None)))
+            out.append((tp_ranks, MatrixOwner(d, None), tp_ranks))
     return out

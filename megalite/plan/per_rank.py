@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from megalite.config.choices import Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
+from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes, model_buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
@@ -88,12 +89,16 @@ class Estimate:
     """Transient tensors live at the peak beside the other four terms (plan/buffers.py)."""
     setup_bytes: int = 0
     """The data-parallel wrapper's set-up (`setup_bytes`): a peak before the first step."""
+    optimizer_step_bytes: int = 0
+    """The optimizer step's working set beside the model states, the activations freed: Muon's whole
+    matrices on the busiest owner (plan/muon_ranks.py); 0 under AdamW."""
 
     @property
     def step_bytes(self) -> int:
-        """The step's peak: the five terms together."""
-        return (self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
-                + self.buffer_bytes)
+        """The step's peak: the model states beside the larger of (activations + buffers) and the
+        optimizer step's working set."""
+        return (self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+                + max(self.activation_bytes + self.buffer_bytes, self.optimizer_step_bytes))
 
     @property
     def total_bytes(self) -> int:
@@ -216,15 +221,16 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
         flops_per_step=model.flops_per_token(seq, documents) * tokens,
         hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage],
-        buffer_bytes=buffer_bytes(model, cfg, worst), setup_bytes=setup_bytes(model, cfg, weights, grads))
+        buffer_bytes=buffer_bytes(model, cfg, worst), setup_bytes=setup_bytes(model, cfg, weights, grads),
+        optimizer_step_bytes=muon_rank_terms(model, cfg, worst)[1])
 
 
 def stage_total_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
     """Device bytes of one rank of `stage` at its peak: model states, saved activations and transient
     buffers, or the set-up's where larger (the estimate's total_bytes is the largest of these over the stages)."""
     weights, grads, optimizer, _ = stage_model_states(model, cfg, stage)
-    step = (weights + grads + optimizer + activation_bytes(model, cfg, stage, attention)
-            + buffer_bytes(model, cfg, stage))
+    step = weights + grads + optimizer + max(activation_bytes(model, cfg, stage, attention)
+                                             + buffer_bytes(model, cfg, stage), muon_rank_terms(model, cfg, stage)[1])
     return max(step, setup_bytes(model, cfg, weights, grads))
 
 

@@ -19,14 +19,17 @@ from megalite.config import RunConfig
 from megalite.plan.activations import activation_bytes, context_parallel_buffer_bytes
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import communication_bytes, step_scalar_collectives
+from megalite.plan.muon import stage_muon
+from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.per_rank import setup_bytes, stage_model_states
 
 SIMULATED_ATTENTION = "triton"  # rank_step runs the blocks under activation_probe.kernels_without_launch
 
 
-def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> dict:
+def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None, *, rank: int | None = None) -> dict:
     """{param_bytes, grad_bytes, optimizer_state_bytes, activation_peak_bytes, peak_bytes,
-    comm_bytes: {group: bytes}} the planner counts for a rank of pipeline stage `stage`."""
+    comm_bytes: {group: bytes}} the planner counts for a rank of pipeline stage `stage` (`rank`: which
+    global rank, where Muon's owners make the ranks of a stage differ: plan/muon_ranks.py)."""
     model = cfg.gpt_config()
     weights, grads, optimizer, _host = stage_model_states(model, cfg, stage)
     activations = activation_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION)
@@ -36,14 +39,22 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None) -> d
     saved = activation_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION, recomputing=False)
     saved -= context_parallel_buffer_bytes(model, cfg)
     by_group: dict[str, int] = collections.defaultdict(int)
-    for key, n in communication_bytes(model, cfg, stage).items():
+    muon_comm, muon_step = muon_rank_terms(model, cfg, stage, rank=rank)
+    if rank is not None and muon_comm:  # the rank's own exchange bytes for the stage's mean
+        comm = collections.Counter(communication_bytes(model, cfg, stage))
+        comm.subtract(stage_muon(model, cfg, stage).comm_bytes)
+        comm.update(muon_comm)
+    else:
+        comm = communication_bytes(model, cfg, stage)
+    for key, n in comm.items():
         by_group[key.split("/")[0]] += n
     for group, nbytes in scalar_collective_bytes(cfg).items():
         by_group[group] += nbytes
     buffers = buffer_bytes(model, cfg, stage)  # one block's working tensors at the peak (plan/buffers.py)
     return {"param_bytes": weights, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
             "activation_peak_bytes": saved,
-            "peak_bytes": max(weights + grads + optimizer + activations + buffers,
+            # the optimizer step's working set (Muon's exchange) comes after the activations are freed
+            "peak_bytes": max(weights + grads + optimizer + max(activations + buffers, muon_step),
                               setup_bytes(model, cfg, weights, grads)),
             "comm_bytes": dict(by_group)}
 

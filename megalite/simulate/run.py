@@ -84,7 +84,7 @@ def simulate(cfg: RunConfig, ranks_spec: str = "representatives", json_path: str
     entries = []
     for rank in ranks:
         measured = simulate_rank(cfg, rank, check_mesh=lambda mesh: compare_mesh(mesh, expected))
-        planned = planned_terms(cfg, measured.coords["pp"])
+        planned = planned_terms(cfg, measured.coords["pp"], rank=measured.rank)
         entry = {"rank": rank, "coords": measured.coords, "measured": measured.terms(), "planned": planned,
                  "seconds": measured.seconds}
         entry["differences"] = differences(entry["measured"], planned)

@@ -10,6 +10,7 @@ from megalite.distributed import comm
 from megalite.distributed import mesh as mesh_lib
 from megalite.config.choices import MuonOwners
 from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads, stage_muon
+from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.per_rank import estimate
 from megalite.testing import run_distributed
 
@@ -36,6 +37,18 @@ def test_balanced_owners_spread_the_work_and_are_deterministic():
     assert 0 not in assign_owners(costs, ranks, start=start)
     text = describe_owners([f"m{i}" for i in range(len(costs))], costs, ranks, chosen)
     assert text.splitlines()[0].startswith("m0: rank ") and text.splitlines()[-1].startswith("load: ")
+
+
+def test_balanced_owners_spread_the_zero_homes():
+    """Equal FLOP loads tie: the choice whose home holds the fewest elements wins, so the largest matrices
+    land on different ZeRO members (two members x two tp ranks; before, member 0 took both large ones)."""
+    grid = [((t + 2 * d,), (2 * d, 2 * d + 1)) for d in range(2) for t in range(2)]  # (FLOP rank, its member's tp ranks)
+    costs, sizes = [8.0, 8.0, 1.0, 1.0], [100, 100, 10, 10]
+    ranks, homes = [[g[0] for g in grid]] * 4, [[g[1] for g in grid]] * 4
+    chosen = assign_owners(costs, ranks, sizes=sizes, homes=homes)
+    assert [grid[c][1] for c in chosen[:2]] == [(0, 1), (2, 3)], chosen
+    assert owner_loads(sizes, homes, chosen) == {0: 110, 1: 110, 2: 110, 3: 110}
+    assert assign_owners(costs, ranks)[:2] == [0, 1]  # without homes: both on member 0
 
 
 @pytest.mark.slow
@@ -75,3 +88,6 @@ def test_planned_exchange_bytes_are_the_ledgers(layout):
     assert planned
     for key, n in planned.items():
         assert sum(rank.get(key, 0) for rank in per_rank) == 2 * n, (key, per_rank, planned)
+    for rank, ledger in enumerate(per_rank):  # each rank's own: its owned matrices (plan/muon_ranks.py)
+        mine = muon_rank_terms(cfg.gpt_config(), cfg, 0, rank=rank)[0]
+        assert ledger.get("tp/all_to_all") == mine.get("tp/all_to_all"), (rank, ledger, mine)
