@@ -4,6 +4,7 @@
   its own line (an optional package such as triton, a probe of the device in a torch-free module);
   type-hint-only imports sit under `if TYPE_CHECKING:` and are not counted;
 - no function over 60 lines outside the Triton kernels (kernels/);
+- no file over 400 lines in megalite/ and kernels/ (a longer one holds two ideas: split it by idea);
 - the FP8 and pipeline-schedule choices compared as enums, never as their strings.
 
 All read the files' syntax trees; nothing of what they check is imported.
@@ -17,6 +18,7 @@ from megalite.config.choices import Fp8Format, Fp8Scales, Fp8ScalingRecipe, Sche
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 400
 
 
 def _sources(*folders: str, kernels: bool = False) -> list[Path]:
@@ -72,6 +74,12 @@ def test_no_function_is_over_60_lines_outside_the_kernels():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} has {lines} lines")
     assert not long, f"split these functions (at most {MAX_FUNCTION_LINES} lines):\n" + "\n".join(long)
+
+
+def test_no_file_is_over_400_lines_in_the_package():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in _sources("megalite") + _sources("kernels", kernels=True)
+            if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not long, f"split these files by idea (at most {MAX_FILE_LINES} lines):\n" + "\n".join(long)
 
 
 def _string_compares(tree: ast.AST, words: set[str]):
