@@ -5,16 +5,45 @@ a run names (data, --load). Called by RunConfig.validate.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe, OptimizerKind
-from megalite.layout import LayoutError
+from megalite.config.model import GPTConfig
+from megalite.config.model_parts import ModelSettings, ParallelSettings
+from megalite.config.run_parts import (CheckpointSettings, DataSettings, FaultToleranceSettings, LoggingSettings,
+                                       OptimizerSettings, PrecisionSettings, TrainingSettings)
+from megalite.layout import Layout, LayoutError
 from megalite.config.mla import layout_problems as mla_layout_problems
 from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
 from megalite.data.tokenizer import tokenizer_spec_problem
 
-if TYPE_CHECKING:
-    from megalite.config import DataSettings, RunConfig
+
+class RunConfig(Protocol):
+    """What these checks read of a run's configuration: its parts and what it derives from them.
+    `megalite.config.RunConfig` is one; naming only this keeps the checks below the package that calls them."""
+
+    model: ModelSettings
+    parallel: ParallelSettings
+    training: TrainingSettings
+    optimizer: OptimizerSettings
+    precision: PrecisionSettings
+    data: DataSettings
+    checkpoint: CheckpointSettings
+    logging: LoggingSettings
+    fault_tolerance: FaultToleranceSettings
+
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def dp_shard(self) -> int: ...
+
+    @property
+    def lr_schedule_iters(self) -> tuple[int, int]: ...
+
+    def layout(self) -> Layout: ...
+
+    def gpt_config(self) -> GPTConfig: ...
 
 
 def _wsd_problems(cfg: RunConfig) -> list[str]:
@@ -231,7 +260,6 @@ def document_problems(cfg: RunConfig) -> list[str]:
     if unsupported:
         return [f"--reset-attention-mask does not run with {', '.join(unsupported)} yet; drop one or the other"]
     return []
-
 
 
 def data_problems(data: DataSettings) -> list[str]:
