@@ -34,6 +34,7 @@ import math
 import torch
 from torch import nn
 
+from megalite.config.choices import Recompute
 from megalite.distributed import comm
 from megalite.parameters import params
 from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
@@ -90,13 +91,13 @@ class GPTModel(nn.Module):
         if config.window_size is not None and self.cp_size > 1:
             raise ValueError("a sliding window (window_size) under context parallelism is not supported yet; "
                              "run it at cp=1")
-        if recompute not in ("none", "selective", "full"):
+        if recompute not in tuple(Recompute):
             raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
         if sequence_parallel and config.seq_length % tp_size != 0:
             raise ValueError(f"sequence parallelism needs seq_length={config.seq_length} divisible by tp={tp_size}")
         self.config, self.sequence_parallel, self.recompute = config, sequence_parallel, recompute
         self.fused_linear_cross_entropy = fused_linear_cross_entropy  # loss without holding the logits
-        if recompute_num_layers is not None and (recompute != "full" or recompute_num_layers < 1):
+        if recompute_num_layers is not None and (recompute != Recompute.FULL or recompute_num_layers < 1):
             raise ValueError(f"recompute_num_layers={recompute_num_layers} needs recompute='full' and a value >= 1")
         self.recompute_num_layers = recompute_num_layers  # full recompute of this chunk's first N blocks only
         self.pre_process, self.post_process = pre_process, post_process
@@ -127,7 +128,7 @@ class GPTModel(nn.Module):
             self.layers = nn.ModuleList()
             for i in self.layer_ids:
                 block = self._build_block(i, device)
-                block.recompute_core = self.recompute == "selective"
+                block.recompute_core = self.recompute == Recompute.SELECTIVE
                 self.layers.append(block)
             self.mtp = self._build_mtp(device) if self.post_process and self.config.mtp_num_layers else None
             if self.post_process:
@@ -308,7 +309,7 @@ class GPTModel(nn.Module):
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
         masked = (documents,) if documents is not None else ()  # a block is called as before without a mask
         for index, block in enumerate(self.layers):
-            if self.recompute == "full" and self.training and index < recomputed:
+            if self.recompute == Recompute.FULL and self.training and index < recomputed:
                 x = checkpoint_with_rng(block, self.rng, x, rope, self.rng, *masked)
             else:
                 x = block(x, rope, self.rng, *masked)

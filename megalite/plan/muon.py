@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Sequence
 
-from megalite.config.choices import MuonOwners
+from megalite.config.choices import MuonOwners, Precision
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import dp_group_name, stage_layers
 from megalite.plan.moe import stage_moe_layers
@@ -150,7 +150,7 @@ def stage_muon(model: GPTConfig, cfg: "RunConfig", stage: int) -> MuonCost:
     zero = cfg.parallel.zero
     shards = cfg.dp * cfg.parallel.cp if zero else 1
     expert_shards = (cfg.dp * cfg.parallel.cp // ep * (tp // etp)) if zero else 1
-    wire = 4 if cfg.optimizer.muon_ns_dtype == "fp32" else 2
+    wire = 4 if cfg.optimizer.muon_ns_dtype == Precision.FP32 else 2
     comm = {}
     apart = ep > 1 or etp < tp  # experts in a replica group of their own, else sharded with the dense ones
     if shards > 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megalite.config.choices import Precision
 from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.data import GlobalBatchSampler, load_microbatches
@@ -117,7 +118,7 @@ def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker,
     comm.ledger.reset()
     if cfg.parallel.zero == 3:  # full unit gradients live only during their backward: the peak is sampled
         tracker.sample = model.grads.grad_bytes
-    guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == "fp16",
+    guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == Precision.FP16,
                            log=lambda *args, **kwargs: None)
     train_step(model, optimizer, microbatches, mesh, cfg, cfg.optimizer.lr, guard=guard)
     by_group: dict[str, int] = collections.defaultdict(int)
