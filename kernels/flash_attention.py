@@ -99,6 +99,19 @@ def _forward_steps(acc, row_sum, row_max, q, k_base, v_base, k_stride_s, v_strid
     return acc, row_sum, row_max
 
 
+@triton.jit
+def _key_block_bounds(start_m, seq_len, kv_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(unmasked_end, end_n) for query block `start_m`: keys [0, unmasked_end) need no mask (before the
+    diagonal, inside kv_len); [unmasked_end, end_n) are masked; none after end_n is seen."""
+    if CAUSAL:  # kv_len == seq_len
+        unmasked_end = start_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0, so this is a block boundary
+        end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len)
+    else:
+        unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
+        end_n = kv_len
+    return unmasked_end, end_n
+
+
 @triton.jit(do_not_specialize=["n_batch", "dropout_seed", "dropout_offset", "drop_threshold"])
 def _attention_forward_kernel(Q, K, V, O, LSE, KEY_START, q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h,
                               k_stride_s, v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
@@ -131,12 +144,7 @@ def _attention_forward_kernel(Q, K, V, O, LSE, KEY_START, q_stride_b, q_stride_h
     # Stage 2: the blocks that cross the diagonal or the end of the sequence, masked.
     # Documents (VARLEN, causal): the key blocks before `begin` belong to no row's document (skipped),
     # [begin, inner) cross some row's first key (masked).
-    if CAUSAL:  # kv_len == seq_len
-        unmasked_end = start_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0, so this is a block boundary
-        end_n = tl.minimum((start_m + 1) * BLOCK_M, seq_len)
-    else:
-        unmasked_end = (kv_len // BLOCK_N) * BLOCK_N
-        end_n = kv_len
+    unmasked_end, end_n = _key_block_bounds(start_m, seq_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     begin = 0
     row_key_start = offs_m  # unused without documents
     if VARLEN:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megalite import kernels
-from megalite.config.choices import Precision
+from megalite.config.choices import CPCommType, Precision
 from megalite.kernels import attention_dispatch, attention_documents, attention_tiles
 
 
@@ -129,7 +129,7 @@ def attention_implementation(head_dim: int, num_heads: int, num_query_groups: in
     backend = kernels.backend_name()
     if device.type != "cuda":
         return "triton" if backend == "triton" else "reference"
-    if cp > 1 and cp_comm_type == "p2p":
+    if cp > 1 and cp_comm_type == CPCommType.P2P:
         return "triton"
     torch_dtype = Precision(dtype).torch_dtype
     arch = attention_tiles.cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
@@ -149,7 +149,7 @@ def describe_attention(head_dim: int, num_heads: int, num_query_groups: int, seq
         if backend == "triton":
             return "attention: megalite Triton kernels in Triton's CPU interpreter (MEGALITE_KERNEL_BACKEND=triton)"
         return "attention: PyTorch reference (no GPU)"
-    if cp > 1 and cp_comm_type == "p2p":
+    if cp > 1 and cp_comm_type == CPCommType.P2P:
         return f"attention: megalite Triton kernels (ring attention over cp={cp} merges their log-sum-exp)"
     torch_dtype = Precision(dtype).torch_dtype
     arch = attention_tiles.cuda_arch(device.index if device.index is not None else torch.cuda.current_device())

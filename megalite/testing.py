@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -38,6 +39,7 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, conn, env):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    _compile_in_process()
     try:
         result = fn(*args, **kwargs)
         # Pickled here, by value: tensors sent as shared-memory handles vanish when the rank exits.
@@ -50,6 +52,16 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, conn, env):
         except Exception:
             pass
         conn.close()
+
+
+def _compile_in_process() -> None:
+    """A forked rank compiles inductor's kernels itself. Where the parent compiled before forking, inductor's
+    compile pool (a ThreadPoolExecutor, cached) came along without its threads: a job the rank hands it never
+    runs, and the rank waits for it, idle, for as long as one lets it (a pp 2 --compile world sat 6+ minutes).
+    Only where inductor is loaded already: importing it costs seconds."""
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.compile_threads = 1
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0,

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megalite.config.choices import ElasticBatch
 from megalite.checkpoint import storage
 from megalite.checkpoint.reader import CheckpointReader
 from megalite.checkpoint.storage import CheckpointCorruptError
@@ -335,7 +336,7 @@ def _batch_problem(step: int, rule: str, batch: int, micro: int, dp: int, per_re
     if dps:
         worlds = [d * per_replica for d in dps[:6]]
         fixes.append(f"a world of {_either(worlds)} rank{'s' if worlds[-1] > 1 else ''}")
-    if rule == "keep":
+    if rule == ElasticBatch.KEEP:
         fixes.append("--elastic-batch scale (the batch follows dp)")
     else:
         fixes.append("--global-batch-size a multiple of micro * dp")

@@ -5,23 +5,53 @@ a run names (data, --load). Called by RunConfig.validate.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from megalite.config.choices import Fp8Scales, Fp8ScalingRecipe, OptimizerKind, Schedule
-from megalite.layout import LayoutError
+from megalite.config.choices import (Fp8Scales, Fp8ScalingRecipe, GradCompression, LRDecay, OptimizerKind, Precision,
+                                     Recompute, Schedule)
+from megalite.config.model import GPTConfig
+from megalite.config.model_parts import ModelSettings, ParallelSettings
+from megalite.config.run_parts import (CheckpointSettings, DataSettings, FaultToleranceSettings, LoggingSettings,
+                                       OptimizerSettings, PrecisionSettings, TrainingSettings)
+from megalite.layout import Layout, LayoutError
 from megalite.config.mla import layout_problems as mla_layout_problems
 from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
 from megalite.data.tokenizer import tokenizer_spec_problem
 
-if TYPE_CHECKING:
-    from megalite.config import DataSettings, RunConfig
+
+class RunConfig(Protocol):
+    """What these checks read of a run's configuration: its parts and what it derives from them.
+    `megalite.config.RunConfig` is one; naming only this keeps the checks below the package that calls them."""
+
+    model: ModelSettings
+    parallel: ParallelSettings
+    training: TrainingSettings
+    optimizer: OptimizerSettings
+    precision: PrecisionSettings
+    data: DataSettings
+    checkpoint: CheckpointSettings
+    logging: LoggingSettings
+    fault_tolerance: FaultToleranceSettings
+
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def dp_shard(self) -> int: ...
+
+    @property
+    def lr_schedule_iters(self) -> tuple[int, int]: ...
+
+    def layout(self) -> Layout: ...
+
+    def gpt_config(self) -> GPTConfig: ...
 
 
 def _wsd_problems(cfg: RunConfig) -> list[str]:
     """--lr-decay-style WSD anneals over its last --lr-wsd-decay-iters steps: they must be given and fit
     after the warm-up (Megatron's rule)."""
     o = cfg.optimizer
-    if o.lr_decay_style != "WSD":
+    if o.lr_decay_style != LRDecay.WSD:
         return (["--lr-wsd-decay-iters and --lr-wsd-decay-style go with --lr-decay-style WSD: add it, or drop them"]
                 if o.lr_wsd_decay_iters is not None else [])
     warmup, decay = cfg.lr_schedule_iters
@@ -44,10 +74,10 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     if p.zero == 3 and p.overlap_param_gather:
         problems.append("--overlap-param-gather is for --zero 1/2 (their all-gather after the step); ZeRO-3 gathers "
                         "each unit right before it runs, overlapped by --zero3-prefetch: drop --overlap-param-gather")
-    if cfg.precision.grad_reduce_dtype == "fp16":
+    if cfg.precision.grad_reduce_dtype == Precision.FP16:
         problems.append("--grad-reduce-dtype fp16 is modelled by tools/plan.py only; training reduces in fp32 or "
                         "bf16")
-    if p.recompute_num_layers is not None and p.recompute != "full":
+    if p.recompute_num_layers is not None and p.recompute != Recompute.FULL:
         problems.append(f"--recompute-num-layers {p.recompute_num_layers} needs --recompute full "
                         f"(it says how many blocks of each model chunk full recompute covers)")
     if p.overlap_param_gather and p.zero != 3 and (p.zero == 0 or p.offload_optimizer):
@@ -85,7 +115,7 @@ def fp8_problems(cfg: RunConfig) -> list[str]:
                                        ("--fp8-param-gather", prec.fp8_param_gather)) if on]
         return [f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --fp8-format e4m3|hybrid"] if given else []
     problems = []
-    if prec.precision == "fp16":
+    if prec.precision == Precision.FP16:
         problems.append("--fp8-format with --fp16: FP8 training keeps bf16 (or fp32) outside its GEMMs; use --bf16")
     if prec.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE and (p.tp > 1 or p.cp > 1):
         problems.append(f"--fp8-recipe blockwise with --tp {p.tp} --cp {p.cp}: built for --tp 1 --cp 1 so far (a tile "
@@ -114,13 +144,13 @@ def cuda_graph_problems(cfg: RunConfig) -> list[str]:
         reasons.append(f"--zero {p.zero} allocates and frees gradient or parameter storage inside the step (use 0 or 1)")
     if m.hidden_dropout > 0 or m.attention_dropout > 0:
         reasons.append("dropout draws its seeds on the host per call: a replay would repeat the captured masks")
-    if p.recompute != "none":
+    if p.recompute != Recompute.NONE:
         reasons.append(f"--recompute {p.recompute} re-runs forward inside backward with host-held RNG state")
     if p.offload_optimizer:
         reasons.append("--offload-optimizer moves state between host and GPU inside the step")
     if p.overlap_param_gather:
         reasons.append("--overlap-param-gather waits for its gathers in forward hooks that a replay does not run")
-    if p.grad_compression != "none":
+    if p.grad_compression != GradCompression.NONE:
         reasons.append("--grad-compression reduces in host-driven phases")
     return [f"--cuda-graph cannot capture this run: {r}; drop --cuda-graph or change that" for r in reasons]
 
@@ -135,14 +165,14 @@ def _has_experts(cfg: RunConfig) -> bool:
 def _compression_problems(cfg: RunConfig) -> list[str]:
     """--grad-compression powersgd: what it does not combine with."""
     p = cfg.parallel
-    if p.grad_compression != "powersgd":
+    if p.grad_compression != GradCompression.POWERSGD:
         return []
     problems = []
     if p.zero == 3:
         problems.append("--grad-compression powersgd composes with --zero 0, 1 or 2 only: ZeRO-3 reduce-scatters "
                         "each unit's gradient every microbatch, so no rank ever holds a whole accumulated gradient "
                         "to factor; use --zero 2 (or --grad-compression none)")
-    if cfg.precision.grad_reduce_dtype != "fp32":
+    if cfg.precision.grad_reduce_dtype != Precision.FP32:
         problems.append(f"--grad-compression powersgd sends its factors in fp32; drop --grad-reduce-dtype "
                         f"{cfg.precision.grad_reduce_dtype} (the factors are already {p.powersgd_rank}*(n+m) "
                         f"elements per n x m matrix)")
@@ -190,7 +220,7 @@ def _diloco_problem(cfg: RunConfig) -> str | None:
     if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
         return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
                 "steps: drop one of them")
-    if p.grad_compression != "none" or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
+    if p.grad_compression != GradCompression.NONE or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
         return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
                 "far: drop --grad-compression, experts, --pp and --offload-optimizer")
     return None

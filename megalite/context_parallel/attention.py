@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.choices import CPCommType
 from megalite import ops
 from megalite.distributed import comm
 from megalite.context_parallel.checks import CP_COMM_TYPES
@@ -34,12 +35,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         b, _, s, _ = q.shape
         return ops.attention(q, k, v, dropout_p=dropout_p, dropout_seed=dropout_seed,
                              dropout_offset=head_start * b * s * s, documents=documents)
-    if comm_type == "p2p":
+    if comm_type == CPCommType.P2P:
         if dropout_p > 0.0:
             raise ValueError(f"attention dropout {dropout_p} is not supported by ring attention; set "
                              "attention_dropout=0 or use --cp-comm-type a2a")
         return ring_attention(q, k, v, cp_group, softmax_scale, documents=documents)
-    if comm_type == "a2a":
+    if comm_type == CPCommType.A2A:
         return ulysses_attention(q, k, v, cp_group, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                  head_start=head_start, documents=documents, softmax_scale=softmax_scale)
     raise ValueError(f"--cp-comm-type {comm_type!r} is not one of {CP_COMM_TYPES}")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-CP_COMM_TYPES = ("p2p", "a2a")  # ring attention (K/V blocks round the ring) | Ulysses (all-to-all)
+from megalite.config.choices import CPCommType
+
+CP_COMM_TYPES = tuple(str(c) for c in CPCommType)  # p2p: ring attention (K/V blocks round the ring) | a2a: Ulysses (all-to-all)
 
 
 def _divisors(n: int) -> list[int]:
@@ -41,11 +43,11 @@ def attention_problems(cp: int, comm_type: str, num_attention_heads: int, num_qu
         return [f"--cp-comm-type {comm_type!r} is not one of {CP_COMM_TYPES} (p2p: ring attention; a2a: Ulysses "
                 f"all-to-all)"]
     problems = []
-    if comm_type == "a2a":
+    if comm_type == CPCommType.A2A:
         problem = ulysses_head_problem(num_attention_heads, num_query_groups, tp, cp)
         if problem is not None:
             problems.append(problem)
-    if comm_type == "p2p" and attention_dropout > 0.0:
+    if comm_type == CPCommType.P2P and attention_dropout > 0.0:
         problems.append(f"attention_dropout={attention_dropout} is not supported by ring attention (each rank "
                         f"sees one block of every softmax row); set attention_dropout=0 or use --cp-comm-type a2a")
     return problems

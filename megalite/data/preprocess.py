@@ -196,15 +196,23 @@ def _input_bytes(path: str, json_keys: tuple[str, ...]) -> int:
                for c in range(meta.num_columns) if meta.row_group(g).column(c).path_in_schema in names)
 
 
-def _json_record(path: str, line_number: int, line: str, json_keys: tuple[str, ...]) -> list[tuple[str, str]]:
+def json_object(path: str, line_number: int, line: str, *, shape: str) -> dict:
+    """The JSON object on line `line_number` of `path` (JSON-lines input: pretraining text, SFT records);
+    a DataError naming the line when it is no JSON, or JSON but no object. shape: what an object holds,
+    for the message (e.g. '{"text": "..."}')."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}:{line_number}: not valid JSON ({exc}); JSON-lines input needs one object per "
-                        f"line") from None
+                        f"line, e.g. {shape}") from None
     if not isinstance(record, dict):
         raise DataError(f"{path}:{line_number}: a JSON {type(record).__name__}, not an object; JSON-lines input "
-                        f"needs one object per line, e.g. {{\"text\": \"...\"}}")
+                        f"needs one object per line, e.g. {shape}")
+    return record
+
+
+def _json_record(path: str, line_number: int, line: str, json_keys: tuple[str, ...]) -> list[tuple[str, str]]:
+    record = json_object(path, line_number, line, shape='{"text": "..."}')
     texts = []
     for key in json_keys:
         if key not in record:

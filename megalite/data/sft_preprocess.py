@@ -21,7 +21,6 @@ mask 0 into label -100 at the position before it.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from megalite.data.indexed_dataset import DataError, IndexedDatasetWriter
-from megalite.data.preprocess import PreprocessStats, list_input_files
+from megalite.data.preprocess import PreprocessStats, json_object, list_input_files
 from megalite.data.tokenizer import load_tokenizer
 from megalite.extras import require
 
@@ -40,21 +39,16 @@ def mask_prefix(prefix: str) -> str:
     return prefix + MASK_SUFFIX
 
 
+SFT_SHAPE = '{"prompt": ..., "completion": ...} or {"messages": [...]}'  # one SFT record, for messages
+
+
 def _records(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, record) of each non-empty line; DataError naming a line that is no JSON object."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{number}: not valid JSON ({exc}); SFT input is one JSON object per "
-                                f"line") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: a JSON {type(record).__name__}, not an object with "
-                                f"\"prompt\"/\"completion\" or \"messages\"")
-            yield number, record
+            yield number, json_object(path, number, line, shape=SFT_SHAPE)
 
 
 class ChatTemplate:

@@ -22,9 +22,7 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
 - Parameters declared `tied_across_stages` (the tied embedding on the first and the last
   pipeline stage) sit in a bucket of their own that launches only in `finish_reduction()`,
   right after their gradients are summed over `embedding_group`.
-- ZeRO-2 (`zero_stage=2`): a bucket's full-size gradient storage exists only from the first
-  gradient it receives in a step until its reduce-scatter has finished; afterwards only the
-  1/dp shard remains.
+- Where the gradients live (the buffer, ZeRO-2's per-bucket storage, the shard): grad_storage.py.
 - Expert parallelism (`expert_group`): experts' weights (declared `expert_parallel`) are replicated
   only over the expert-data-parallel group, so they sit in buckets of their own that reduce (and,
   under ZeRO, shard) over that group; every other bucket reduces over dp as before.
@@ -42,11 +40,7 @@ this pipeline stage); `DataParallel` (wrapper.py) builds it:
   all-reduce after it. PowerSGD needs whole matrices to factor, hence the replica sum first: the sum
   is the same (Σ_shard Σ_replica = Σ_replica Σ_shard), the shard group's reduction stays exact.
 
-How "all of its gradients are final" is known: a parameter may receive several deliveries
-per backward (e.g. a tied weight used through a sink and through autograd). The first step
-with a synchronised backward counts the deliveries per parameter and launches its
-reductions only in `finish_reduction()`; later steps launch a bucket as soon as its count
-is reached. A delivery to a bucket whose reduction already started is an error.
+How "all of its gradients are final" is known: bucket_readiness.py (a first step counts the deliveries).
 """
 from __future__ import annotations
 
@@ -58,6 +52,8 @@ import torch
 
 from megalite.distributed import comm
 from megalite.parameters import params as P
+from megalite.data_parallel.bucket_readiness import BucketReadiness
+from megalite.data_parallel.grad_storage import GradStorage
 from megalite.data_parallel.layout import BufferLayout, build_layout
 from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
 
@@ -132,9 +128,11 @@ class GradBuffers:
         self.layout: BufferLayout = build_layout([p.numel() for p in self.params], bucket_size, self.shard_count,
                                                  deferred, kinds, (expert_size if zero_stage > 0 else 1,))
         self._deferred_buckets = {self.layout.slots[i].bucket for i in deferred}
+        self.readiness = BucketReadiness(self.layout, self._deferred_buckets)
         buckets = self.layout.buckets
 
-        self._allocate_storage()
+        self.storage = GradStorage(self.params, self.layout, zero_stage=zero_stage, device=self.device)
+        self.grad_shard = self.storage.grad_shard  # this rank's reduced gradients (zero 0: the whole buffer)
 
         self._sp_params = [[i for i in b.params if P.is_sequence_parallel_grad(self.params[i])] for b in buckets]
         self.compressor = self._make_compressor(compression, skip_group, deferred, kinds)
@@ -142,10 +140,6 @@ class GradBuffers:
         self._sent_bytes = 0  # on the dp group, this step
         self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
         self._shard_group_bytes = 0  # compression under hybrid sharding: the shard group's part of this step
-        self._expected: list[int] | None = None  # deliveries per param per backward, after calibration
-        self._arrived = [0] * len(self.params)
-        self._remaining = [0] * len(buckets)
-        self._launched = [False] * len(buckets)
         self._pending: list[tuple[int, object, torch.Tensor | None, torch.Tensor | None]] = []
         self._sync = [True] * len(self.params)  # per parameter: is this backward its last of the step?
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -156,27 +150,6 @@ class GradBuffers:
         for index, p in enumerate(self.params):
             P.set_grad_destination(p, self._make_sink(index), P.main_grad(p))
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
-
-    def _allocate_storage(self) -> None:
-        """The fp32 gradient storage, each parameter's main_grad view into it, and grad_shard."""
-        # Full-size fp32 storage per bucket; views of one contiguous buffer unless ZeRO-2 frees them.
-        if self.zero_stage == 2:
-            self._grad_buffer = None
-            self._bucket_grads: list[torch.Tensor | None] = [None] * len(self.layout.buckets)
-        else:
-            self._grad_buffer = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.device)
-            self._bucket_grads = [self._grad_buffer[b.start:b.end] for b in self.layout.buckets]
-            for p, slot in zip(self.params, self.layout.slots):
-                P.set_main_grad(p, self._grad_buffer[slot.start:slot.end].view(p.shape))
-        # The views gradients are added into, made once (zero 0/1: the buffer never moves); a
-        # delivery then costs one add_, not a slice and a view as well. ZeRO-2 re-makes them per step.
-        self._main_grads: list[torch.Tensor] | None = \
-            None if self.zero_stage == 2 else [P.main_grad(p) for p in self.params]
-        # This rank's reduced gradients: the whole buffer at zero_stage 0, its 1/dp shard otherwise.
-        if self.zero_stage == 0:
-            self.grad_shard = self._grad_buffer
-        else:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
 
     def _make_compressor(self, config: PowerSGDConfig | None, skip_group, tied: frozenset[int],
                          kinds: list[int]) -> PowerSGD | None:
@@ -209,42 +182,25 @@ class GradBuffers:
             self._accumulate(index, grad)
         return hook
 
-    def _bucket_storage(self, bucket: int) -> torch.Tensor:
-        storage = self._bucket_grads[bucket]
-        if storage is None:  # ZeRO-2: allocated at the bucket's first gradient of the step
-            b = self.layout.buckets[bucket]
-            storage = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
-            self._bucket_grads[bucket] = storage
-            for i in b.params:
-                slot = self.layout.slots[i]
-                P.set_main_grad(self.params[i], storage[slot.start - b.start:slot.end - b.start].view(self.params[i].shape))
-        return storage
-
     def main_grad(self, param_index: int) -> torch.Tensor:
         """The fp32 gradient buffer of `self.params[param_index]` (allocating it under ZeRO-2)."""
-        slot = self.layout.slots[param_index]
-        b = self.layout.buckets[slot.bucket]
-        storage = self._bucket_storage(slot.bucket)
-        return storage[slot.start - b.start:slot.end - b.start].view(self.params[param_index].shape)
+        return self.storage.main_grad(param_index)
 
     def _accumulate(self, index: int, grad: torch.Tensor) -> None:
         if self._stale:
             raise RuntimeError(FORGOT_ZERO_GRAD)
         bucket = self.layout.slots[index].bucket
-        if self._launched[bucket]:
+        if self.readiness.launched[bucket]:
             raise RuntimeError(
                 f"parameter {index} (shape {tuple(self.params[index].shape)}) received a gradient after its "
                 f"bucket's dp reduction started; it is used more often in this backward than in the first "
                 f"(calibration) step; keep the graph the same every step or call finish_reduction() per step")
-        (self._main_grads[index] if self._main_grads is not None else self.main_grad(index)).add_(grad)
+        self.storage.add(index, grad)
         self._finished = False
         if not self._sync[index]:
             return
-        self._arrived[index] += 1
-        if self._expected is not None:
-            self._remaining[bucket] -= 1
-            if self._remaining[bucket] == 0 and bucket not in self._deferred_buckets:
-                self._launch(bucket)
+        if self.readiness.deliver(index):
+            self._launch(bucket)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -286,11 +242,11 @@ class GradBuffers:
         """Start bucket `bucket`'s dp reduction (asynchronously); after_compression: the shard group's
         exact reduction of a bucket whose replicas the compressor already summed (hybrid sharding)."""
         if not after_compression:
-            self._launched[bucket] = True
+            self.readiness.launched[bucket] = True
             self._all_reduce_views(self._sp_params[bucket], self.tp_group)
         if self.compressing and not after_compression:  # the compressor reduces the whole step in finish_reduction()
             return
-        data = self._bucket_storage(bucket)  # fp32 [bucket numel]
+        data = self.storage.bucket(bucket)  # fp32 [bucket numel]
         send = data if self.grad_reduce_dtype == torch.float32 else data.to(self.grad_reduce_dtype)
         b = self.layout.buckets[bucket]
         group = self.groups[b.kind]  # dp, or the expert-data-parallel group for experts
@@ -322,19 +278,19 @@ class GradBuffers:
                 comm.all_reduce(self.main_grad(index), self.embedding_group)
         compressing = self.compressing
         for bucket in range(len(self.layout.buckets)):
-            if not self._launched[bucket]:
+            if not self.readiness.launched[bucket]:
                 self._launch(bucket)
         if compressing:
             self._reduce_compressed(grad_scale, skip)
         for bucket, handle, send, out in self._across_replicas(self._pending):
             handle.wait()
             b = self.layout.buckets[bucket]
-            if self.zero_stage == 0 and send is not self._bucket_grads[bucket]:
-                self._bucket_grads[bucket].copy_(send)  # bf16 all-reduce result back into fp32
+            if self.zero_stage == 0 and send is not self.storage.buckets[bucket]:
+                self.storage.buckets[bucket].copy_(send)  # bf16 all-reduce result back into fp32
             elif self.zero_stage > 0 and out.dtype != torch.float32:
                 self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel].copy_(out)
             if self.zero_stage == 2:
-                self._free_bucket(bucket)
+                self.storage.free(bucket)
         self._pending.clear()
         self._finished = True
         self._stale = True  # reduced: the next step's backward must start from zero_grad()
@@ -345,9 +301,7 @@ class GradBuffers:
         self.last_reduction_bytes, self._sent_bytes = (self._sent_bytes, uncompressed), 0
         if self.compressor is not None:
             self.compressor.end_step()
-        if self._expected is None and any(self._arrived):  # a step that synchronised no backward teaches nothing
-            self._expected = list(self._arrived)
-        self._reset_counters()
+        self.readiness.end_step()
 
     def _across_replicas(self, pending: list) -> list:
         """Hybrid sharding's second stage: as each bucket's shard-group reduction lands, start the
@@ -384,16 +338,14 @@ class GradBuffers:
             self.compressor.reduce(grads, outputs, grad_scale)
             self._sent_bytes += self.compressor.last_sent_bytes
         if self.zero_stage == 2:
-            for bucket in range(len(self.layout.buckets)):
-                self._free_bucket(bucket)
+            self.storage.free_all()
 
     def _compress_replicas_first(self, grad_scale: float, skip: bool) -> None:
         """Hybrid sharding: the compressed sum over the replicas, in place into every main grad (whole
         tensors), then each bucket's exact shard-group reduction, waited for by finish_reduction()."""
         if skip:  # every rank drops this step: nothing is reduced
             if self.zero_stage == 2:
-                for bucket in range(len(self.layout.buckets)):
-                    self._free_bucket(bucket)
+                self.storage.free_all()
             return
         grads = [self.main_grad(i) for i in range(len(self.params))]
         self.compressor.reduce(grads, [[(0, g.numel(), g.view(-1))] for g in grads], grad_scale)
@@ -408,43 +360,23 @@ class GradBuffers:
         reduce the same gradients twice)."""
         return not self._finished
 
-    def _free_bucket(self, bucket: int) -> None:
-        self._bucket_grads[bucket] = None
-        for i in self.layout.buckets[bucket].params:
-            P.set_main_grad(self.params[i], None)
-
-    def _reset_counters(self) -> None:
-        self._arrived = [0] * len(self.params)
-        self._launched = [False] * len(self.layout.buckets)
-        expected = self._expected or [0] * len(self.params)
-        self._remaining = [sum(expected[i] for i in b.params) for b in self.layout.buckets]
-
     def zero_grad(self) -> None:
         """Clear every gradient before the next step's first microbatch."""
         if self._pending:
             raise RuntimeError("zero_grad() while dp reductions are in flight; call finish_reduction() first")
-        if self.zero_stage == 2:
-            for bucket in range(len(self.layout.buckets)):
-                self._free_bucket(bucket)
-        else:
-            self._grad_buffer.zero_()
-        if self.zero_stage > 0:
-            self.grad_shard.zero_()
+        self.storage.zero()
         for p in self.params:
             p.grad = None
         self._finished = False
         self._stale = False
-        self._reset_counters()
+        self.readiness.new_step()
 
     # ------------------------------------------------------------------ metrics
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds right now (full buffers + shard + PowerSGD's
         residual share and Q)."""
-        total = sum(t.numel() * t.element_size() for t in self._bucket_grads if t is not None)
-        if self.zero_stage > 0:
-            total += self.grad_shard.numel() * self.grad_shard.element_size()
-        return total + (self.compressor.state_bytes() if self.compressor is not None else 0)
+        return self.storage.bytes() + (self.compressor.state_bytes() if self.compressor is not None else 0)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (hooks and sinks); the buffers stay readable."""

@@ -39,7 +39,6 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from megalite import errors
 from megalite.distributed import comm
 from megalite.parameters import params as P
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
@@ -50,9 +49,9 @@ from megalite.data_parallel.unit_grads import UnitGrads
 from megalite.data_parallel.unit_params import UnitParams
 from megalite.data_parallel.units import Unit, resolve_units, split_tied
 from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
+from megalite.data_parallel.wrapper_checks import check_arguments
 from megalite.data_parallel.zero3 import Zero3Schedule
 from megalite.distributed.mesh import Mesh
-from megalite.tensor_parallel.sequence_parallel import unmarked_norm_problem
 
 
 def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter]]:
@@ -66,15 +65,6 @@ def named_parameters_of(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Param
             prefix = f"chunk{c}." if len(chunks) > 1 else ""
             named += [(prefix + n, p) for n, p in chunk.named_parameters()]
     return named
-
-
-def _refuse_unmarked_norms(chunks: Sequence[nn.Module], mesh: Mesh) -> None:
-    """A norm among sequence-parallel layers must declare whether it sees a sequence shard, or its
-    gradient is silently 1/tp partial (tensor_parallel/norms.py, sequence_parallel.py). Same answer
-    on every rank, before any collective."""
-    problem = unmarked_norm_problem(chunks, mesh.tp_size)
-    if problem is not None:
-        raise errors.UsageError(f"DataParallel: {problem}")
 
 
 class DataParallel(nn.Module):
@@ -121,23 +111,11 @@ class DataParallel(nn.Module):
         # gradients reduce within the shard group only and a step's tokens are the group's
         self.replicas_apart = replicas_apart
         self.data_group = mesh.zero_group if replicas_apart else mesh.dp_cp_group
-        if fp8_param_gather and zero_stage != 3:
-            raise ValueError(f"fp8_param_gather is ZeRO-3's parameter all-gather in FP8; zero_stage is {zero_stage}")
-        self._fp8_param_gather = fp8_param_gather
-        if dp_reduction not in ("mean", "sum"):
-            raise ValueError(f"dp_reduction must be 'mean' (the model returns a per-rank mean loss, as with torch "
-                             f"DDP) or 'sum' (the loss is divided by the global token count), got {dp_reduction!r}")
-        self.dp_reduction = dp_reduction
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-        if grad_compression is not None and zero_stage not in (0, 1, 2):
-            raise ValueError(f"gradient compression composes with zero_stage 0, 1 or 2, not {zero_stage}: ZeRO-3 "
-                             f"never holds a whole accumulated gradient to factor; use zero_stage=2")
-        if overlap_param_gather and zero_stage in (0, 3):
-            raise ValueError("overlap_param_gather needs zero_stage 1 or 2 (at zero 0 nothing is gathered; ZeRO-3 "
-                             "gathers each unit right before its forward, never after the step)")
         self.chunks = nn.ModuleList([chunks] if isinstance(chunks, nn.Module) else list(chunks))
-        _refuse_unmarked_norms(self.chunks, mesh)
+        check_arguments(self.chunks, mesh, zero_stage=zero_stage, dp_reduction=dp_reduction,
+                        grad_compression=grad_compression, overlap_param_gather=overlap_param_gather,
+                        fp8_param_gather=fp8_param_gather)
+        self._fp8_param_gather, self.dp_reduction = fp8_param_gather, dp_reduction
         self.mesh, self.zero_stage = mesh, zero_stage
         self.schedule: Zero3Schedule | None = None
         self.units: list[Unit] = []  # ZeRO-3's units (one bucket each)

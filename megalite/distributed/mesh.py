@@ -8,17 +8,15 @@ choke point).
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megalite.distributed import comm
+from megalite.distributed import comm, exit_teardown
 from megalite.layout import Layout
 from megalite.distributed.topology import (coords_to_rank, cp_group_ranks, dp_cp_group_ranks, dp_group_ranks,  # noqa: F401
                                embedding_group_ranks, ep_group_ranks, expert_dp_group_ranks, model_parallel_group_ranks,
@@ -325,7 +323,7 @@ def _mesh_of_world(rank: int, layout: Layout, device: torch.device, backend: str
     """init_mesh for a world of several processes: the process group (unless one exists) and the groups."""
     global _CURRENT_MESH
     if not comm.is_initialized():
-        _register_exit_teardown()
+        exit_teardown.register(destroy_mesh, _current_backend)
         comm.init_process_group(backend, rank, layout.world, datetime.timedelta(seconds=timeout_s),
                                 device=device if device.type == "cuda" else None)
     tp, pp, dp, cp = layout.tp, layout.pp, layout.dp, layout.cp
@@ -361,52 +359,11 @@ def _refuse_another_layout(layout: Layout, rank: int, replace: bool) -> None:
 def destroy_mesh() -> None:
     """Forget the current mesh and tear down the process group (tests, end of training).
 
-    Optional: `init_mesh` registers it to run at interpreter exit (see `_teardown_at_exit`)."""
+    Optional: `init_mesh` registers it to run at interpreter exit (distributed/exit_teardown.py)."""
     global _CURRENT_MESH
     _CURRENT_MESH = None
     comm.destroy_process_group()
 
 
-_EXIT_TEARDOWN = {"registered": False, "crashed": False}
-
-
-def _register_exit_teardown() -> None:
-    """Tear the process group down at interpreter exit if the script never called destroy_mesh().
-
-    Why: a gloo process group still alive when Python finalizes is destroyed during the
-    interpreter's teardown; its worker threads can still hold finished work objects whose
-    tensors drop Python references, which then needs the GIL of an interpreter that is going
-    away, and the process aborts ("terminate called without an active exception", SIGABRT),
-    so torchrun reports a finished job as failed. Destroying the group in an `atexit` handler
-    does the same work while the interpreter is still whole. Registered once per process,
-    before the group exists, so it runs after any handler the user registers later (LIFO).
-    """
-    if _EXIT_TEARDOWN["registered"]:
-        return
-    _EXIT_TEARDOWN["registered"] = True
-    previous_hook = sys.excepthook
-
-    def note_crash(kind, value, tb):  # an uncaught exception: the script exits 1 after atexit
-        _EXIT_TEARDOWN["crashed"] = True
-        previous_hook(kind, value, tb)
-
-    sys.excepthook = note_crash
-    atexit.register(_teardown_at_exit)
-
-
 def _current_backend() -> str | None:
     return _CURRENT_MESH.backend if _CURRENT_MESH is not None else None
-
-
-def _teardown_at_exit() -> None:
-    """The atexit handler. A crash keeps its non-zero exit code (Python sets it, not this);
-    after a crash under NCCL the teardown is skipped, since destroying NCCL communicators can
-    wait for peers that will never come, while gloo's teardown is local."""
-    if not comm.is_initialized():
-        return
-    if _EXIT_TEARDOWN["crashed"] and _current_backend() == "nccl":
-        return
-    try:
-        destroy_mesh()
-    except Exception as exc:  # noqa: BLE001 - never turn a clean exit into a traceback
-        print(f"megalite: tearing down the process group at exit failed: {exc}", file=sys.stderr, flush=True)

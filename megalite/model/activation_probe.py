@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import megalite.kernels as kernels_package
+from megalite.config.choices import Recompute
 from megalite.distributed import comm
 from megalite.distributed.layer_groups import LayerGroups
 from megalite.distributed.mesh import current_mesh, init_mesh
@@ -59,9 +60,9 @@ def korthikanti_layer_bytes(technique: Technique, s: int, b: int, h: int, heads:
     """Bytes per layer by Korthikanti et al. Eqs. 1-6 (t = tp; a = heads)."""
     t = t if technique.tensor_parallel else 1
     attention_scores = 5 * heads * s / h  # the 5as^2b term, in units of sbh
-    if technique.recompute == "full":
+    if technique.recompute == Recompute.FULL:
         per_sbh = 2.0                                               # Eq. 6: the layer input
-    elif technique.recompute == "selective":
+    elif technique.recompute == Recompute.SELECTIVE:
         per_sbh = 34 / t if technique.sequence_parallel else 10 + 24 / t   # Eq. 5 / Table 2
     elif technique.sequence_parallel:
         per_sbh = (34 + attention_scores) / t                       # Eq. 4
@@ -162,12 +163,12 @@ def measure_layer_bytes(config: GPTConfig, technique: Technique, tp_group=None, 
                                  sequence_parallel=technique.sequence_parallel, dtype=dtype, layer_number=0).train()
         rows = seq // tp if technique.sequence_parallel else seq
         x = torch.randn(rows, batch, config.hidden_size, dtype=dtype, requires_grad=True)  # [s(/tp), b, h]
-    block.recompute_core = technique.recompute == "selective"
+    block.recompute_core = technique.recompute == Recompute.SELECTIVE
     rng = TensorParallelRNG(seed=1234)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
 
     def forward():
-        if technique.recompute == "full":
+        if technique.recompute == Recompute.FULL:
             return checkpoint_with_rng(block, rng, x, None, rng)
         return block(x, None, rng)
 

@@ -35,14 +35,15 @@ import math
 import torch
 from torch import nn
 
+from megalite.config.choices import Recompute
 from megalite.distributed import comm
 from megalite.parameters import params
-from megalite.context_parallel.zigzag import logical_row_offsets, position_ids, split_sequence
+from megalite.context_parallel.zigzag import logical_row_offsets, position_ids
 from megalite.data_parallel.units import Unit
-from megalite.kernels import DocumentMask
 from megalite.distributed.layer_groups import LayerGroups
 from megalite.distributed.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
+from megalite.model.documents import check_position_ids, document_mask, local_positions
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.mtp import MTPDepth, MultiTokenPrediction, mtp_losses, mtp_units
 from megalite.model.rope import rope_tables
@@ -88,13 +89,13 @@ class GPTModel(nn.Module):
         on_meta = device is not None and torch.device(device).type == "meta"
         self._real_device = (mesh.device if mesh is not None else None) if on_meta else device
         config.check_tensor_parallel(tp_size)
-        if recompute not in ("none", "selective", "full"):
+        if recompute not in tuple(Recompute):
             raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
         if sequence_parallel and config.seq_length % tp_size != 0:
             raise ValueError(f"sequence parallelism needs seq_length={config.seq_length} divisible by tp={tp_size}")
         self.config, self.sequence_parallel, self.recompute = config, sequence_parallel, recompute
         self.fused_linear_cross_entropy = fused_linear_cross_entropy  # loss without holding the logits
-        if recompute_num_layers is not None and (recompute != "full" or recompute_num_layers < 1):
+        if recompute_num_layers is not None and (recompute != Recompute.FULL or recompute_num_layers < 1):
             raise ValueError(f"recompute_num_layers={recompute_num_layers} needs recompute='full' and a value >= 1")
         self.recompute_num_layers = recompute_num_layers  # full recompute of this chunk's first N blocks only
         self.pre_process, self.post_process = pre_process, post_process
@@ -129,7 +130,7 @@ class GPTModel(nn.Module):
             self.layers = nn.ModuleList()
             for i in self.layer_ids:
                 block = self._build_block(i, device)
-                block.recompute_core = self.recompute == "selective"
+                block.recompute_core = self.recompute == Recompute.SELECTIVE
                 self.layers.append(block)
             self.mtp = self._build_mtp(device) if self.post_process and self.config.mtp_num_layers else None
             if self.post_process:
@@ -306,17 +307,18 @@ class GPTModel(nn.Module):
                 raise ValueError(f"sequence length {x.shape[1] * self.cp_size} exceeds "
                                  f"seq_length={self.config.seq_length}")
             s, input_ids = x.shape[1], x
-            self._check_position_ids(position_ids, x.shape[0], s)
-            x = self.embed(x, self._local_positions(position_ids))
+            check_position_ids(position_ids, x.shape[0], s, self.cp_size)
+            x = self.embed(x, local_positions(position_ids, self.cp_rank, self.cp_size))
         else:
             s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
-            self._check_position_ids(position_ids, x.shape[1], s)
-        rope = self._rope(s, self._local_positions(position_ids))
-        documents = self._document_mask(position_ids, x.shape[1], s, x.device)  # once per microbatch
+            check_position_ids(position_ids, x.shape[1], s, self.cp_size)
+        rope = self._rope(s, local_positions(position_ids, self.cp_rank, self.cp_size))
+        # once per microbatch, in whole-sequence positions (ring attention and Ulysses read it so)
+        documents = document_mask(self.config.window_size, position_ids, x.shape[1], s * self.cp_size, x.device)
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
         masked = (documents,) if documents is not None else ()  # a block is called as before without a mask
         for index, block in enumerate(self.layers):
-            if self.recompute == "full" and self.training and index < recomputed:
+            if self.recompute == Recompute.FULL and self.training and index < recomputed:
                 x = checkpoint_with_rng(block, self.rng, x, rope, self.rng, *masked)
             else:
                 x = block(x, rope, self.rng, *masked)
@@ -345,33 +347,6 @@ class GPTModel(nn.Module):
         if reduction == "none":
             return losses.transpose(0, 1)
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
-
-    def _document_mask(self, position_ids: torch.Tensor | None, batch: int, s: int, device) -> DocumentMask | None:
-        """The attention mask every block shares: packed documents and/or the sliding window; None
-        for plain causal attention (a window as long as the sequence is no window). Under cp the
-        whole sequence's (s * cp tokens, global positions): ring and Ulysses read it so."""
-        window, whole = self.config.window_size, s * self.cp_size
-        window = window if window is not None and window < whole else None
-        if position_ids is not None:
-            return DocumentMask.from_position_ids(position_ids, window)
-        return DocumentMask.sliding_window(batch, whole, window, device) if window is not None else None
-
-    def _local_positions(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """The whole sequence's position ids [b, s * cp] -> this cp rank's zigzag chunks [b, s] (RoPE and
-        the learned table read them; the mask reads the whole sequence's)."""
-        if position_ids is None or self.cp_size == 1:
-            return position_ids
-        return split_sequence(position_ids, self.cp_rank, self.cp_size, dim=1)
-
-    def _check_position_ids(self, position_ids: torch.Tensor | None, batch: int, s: int) -> None:
-        """Shapes only (a value check would read the device): the data side checks the restarts.
-        Under cp they are the whole sequence's [b, s * cp], not this rank's chunks."""
-        if position_ids is None:
-            return
-        if tuple(position_ids.shape) != (batch, s * self.cp_size):
-            whole = " (the whole sequence's, under context parallelism)" if self.cp_size > 1 else ""
-            raise ValueError(f"position_ids have shape {tuple(position_ids.shape)}; the microbatch is "
-                             f"[{batch}, {s * self.cp_size}]{whole}")
 
     # --- layout-free names and full tensors ---------------------------------------------------
 

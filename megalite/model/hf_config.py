@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.choices import MoEScoreFunction
 from megalite.config.model import GPTConfig
 from megalite.config.rope_scaling import rope_type
 from megalite.data.tokenizer import load_tokenizer
@@ -162,7 +163,7 @@ def _unexpressible(config: GPTConfig, family: str) -> list[str]:
     moe = config.moe
     if moe is not None:
         problems += [what for what, bad in (
-            ("--moe-layer-freq > 1", moe.layer_freq != 1), ("sigmoid scores", moe.score_function != "softmax"),
+            ("--moe-layer-freq > 1", moe.layer_freq != 1), ("sigmoid scores", moe.score_function != MoEScoreFunction.SOFTMAX),
             ("--moe-router-pre-softmax without q/k norms (Qwen2-MoE is not built)",
              moe.pre_softmax and family == "mixtral"),
             ("a shared expert without its gate (only Qwen2-MoE has one, gated)",

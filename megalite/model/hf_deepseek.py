@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.choices import MoEScoreFunction
 from megalite.config.mla import MLAConfig
 from megalite.config.model import GPTConfig
 from megalite.moe.config import MoEConfig
@@ -79,7 +80,7 @@ def deepseek_config(hf, family: str, theta: float, scaling: dict | None) -> GPTC
 
 def family_of(config: GPTConfig) -> str:
     """deepseek_v3 for sigmoid scores (or no experts), deepseek_v2 for softmax ones."""
-    return "deepseek_v2" if config.moe is not None and config.moe.score_function == "softmax" else "deepseek_v3"
+    return "deepseek_v2" if config.moe is not None and config.moe.score_function == MoEScoreFunction.SOFTMAX else "deepseek_v3"
 
 
 def unexpressible(config: GPTConfig) -> list[str]:

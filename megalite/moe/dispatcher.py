@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.choices import MoEDispatcher
 from megalite import ops
 from megalite.distributed import comm
 from megalite.distributed.layer_groups import LayerGroups
@@ -154,8 +155,8 @@ def use_route_counts(modules, route_counts: RouteCounts) -> None:
 
 def make_dispatcher(kind: str, moe: MoEConfig, groups: LayerGroups):
     """The dispatcher `kind` (--moe-token-dispatcher-type) for a layer of config `moe` over `groups`."""
-    if kind == "alltoall":
+    if kind == MoEDispatcher.ALLTOALL:
         return AllToAllDispatcher(moe, groups)
-    if kind == "allgather":
+    if kind == MoEDispatcher.ALLGATHER:
         return AllGatherDispatcher(moe, groups)
     raise ValueError(f"--moe-token-dispatcher-type must be alltoall or allgather, got {kind!r}")

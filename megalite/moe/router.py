@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.config.choices import MoEDropPolicy, MoELoadBalancing, MoEScoreFunction
 from megalite.distributed import comm, uneven
 from megalite.moe.config import MoEConfig
 from megalite.plan.moe import balanced_routes
@@ -125,7 +126,7 @@ def capacity_keep_mask(expert_ids: torch.Tensor, weights: torch.Tensor, num_expe
     Ties keep the earlier (token, slot), so the choice is deterministic."""
     flat_ids = expert_ids.reshape(-1)  # route r = t*k + slot
     order = torch.arange(flat_ids.numel(), device=flat_ids.device)
-    if policy == "probs":  # highest weight first, token order among equals
+    if policy == MoEDropPolicy.PROBS:  # highest weight first, token order among equals
         order = torch.sort(weights.detach().reshape(-1), descending=True, stable=True).indices
     order = order[torch.sort(flat_ids[order], stable=True).indices]  # grouped by expert, policy order inside
     counts = torch.bincount(flat_ids, minlength=num_experts)
@@ -168,12 +169,12 @@ class Router(nn.Module):
         moe, k = self.moe, self.moe.topk
         group_tokens = None if token_counts is None else sum(token_counts)  # the whole group's T
         logits = F.linear(tokens.float(), self.weight.float())  # [T, E] fp32
-        if moe.score_function == "sigmoid":
+        if moe.score_function == MoEScoreFunction.SIGMOID:
             scores = torch.sigmoid(logits)
         else:
             scores = torch.softmax(logits, dim=-1)
         selection = scores if self.expert_bias is None else scores.detach() + self.expert_bias
-        if self.expert_bias is None and moe.score_function == "softmax":
+        if self.expert_bias is None and moe.score_function == MoEScoreFunction.SOFTMAX:
             selection = logits.detach()  # the same order as the probabilities, and exact ties stay ties
         if moe.num_groups is not None:  # DeepSeek's group-limited routing: the groups first
             selection = group_limited_selection(selection.detach(), moe)
@@ -181,7 +182,7 @@ class Router(nn.Module):
         if moe.force_load_balancing:  # benchmarking / testing: the planner's balanced routes, whatever the scores
             expert_ids = balanced_expert_ids(tokens.shape[0], k, moe.num_experts, self.ep_size, self.ep_rank,
                                              tokens.device)
-        if moe.score_function == "sigmoid":
+        if moe.score_function == MoEScoreFunction.SIGMOID:
             weights = scores.gather(1, expert_ids)
             weights = weights / weights.sum(-1, keepdim=True) if k > 1 else weights
             balance_scores = scores / scores.sum(-1, keepdim=True)
@@ -195,9 +196,9 @@ class Router(nn.Module):
         if self.expert_bias is not None and self.training and torch._C._current_graph_task_id() == -1:  # not recompute
             self.step_tokens_per_expert += tokens_per_expert.to(self.step_tokens_per_expert.dtype)
         aux = None
-        if moe.load_balancing_type == "aux_loss":
+        if moe.load_balancing_type == MoELoadBalancing.AUX_LOSS:
             aux = load_balancing_loss(balance_scores, expert_ids, moe.num_experts, token_group, group_tokens)
-        elif moe.load_balancing_type == "seq_aux_loss":
+        elif moe.load_balancing_type == MoELoadBalancing.SEQ_AUX_LOSS:
             aux = sequence_load_balancing_loss(balance_scores, expert_ids, moe.num_experts, num_sequences,
                                                token_group, group_tokens)
         z_loss = None

@@ -46,11 +46,9 @@ the rule. The update runs over a whole bucket chunk at once when the groups shar
 eps (the usual case, and what an LR scheduler keeps), else run by run: the same numbers.
 
 `state_dict()` / `load_state_dict()` are torch's, with whole tensors keyed by logical name
-(optim/state_dict.py). Checkpointing (layout-free, no gather): `optimizer_state()` returns, per parameter name, the fp32
-master/exp_avg/exp_avg_sq of the piece of that parameter's *flattened local tensor* this
-rank owns, with its [start, end) range; `load_optimizer_state()` is the inverse. A
-checkpoint engineer maps flat local ranges to full-tensor slices with the parameter's shard spec
-(`megalite.parameters.params.shard_spec`).
+(optim/state_dict.py); `optimizer_state()` / `load_optimizer_state()` are the checkpoint's, this rank's
+pieces of each parameter's flattened local tensor, no gather (optim/rank_state.py). The AdamW
+arithmetic itself is optim/adamw.py.
 """
 from __future__ import annotations
 
@@ -62,12 +60,13 @@ from typing import Callable
 import torch
 
 from megalite.data_parallel.wrapper import DataParallel
-from megalite.kernels.adamw import adamw_step as fused_adamw_step
+from megalite.optim.adamw import adamw_update
 from megalite.optim.compact_state import CompactState, merged
 from megalite.optim.clip import clip_coefficient, counts_in_grad_norm, reduce_square_sum, square_sum
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.muon import MuonSettings, ShardedMuon, default_hidden_matrix, muon_groups
 from megalite.optim.param_groups import as_group_list, check_cover, clip_runs, default_groups, group_runs, same_update
+from megalite.optim.rank_state import load_rank_state, rank_state
 from megalite.optim.state_dict import full_state_dict, load_full_state_dict
 
 
@@ -101,24 +100,6 @@ def _runs(pieces, flags) -> list[tuple[int, int]]:
         else:
             runs.append([piece.shard_start, piece.shard_end])
     return [(a, b) for a, b in runs]
-
-
-def adamw_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 *, lr: float, beta1: float, beta2: float, eps: float, step: int) -> None:
-    """One AdamW update of flat fp32 tensors in place (weight decay applied by the caller).
-
-    Same operation order as torch.optim.AdamW's single-tensor path, so float32 results agree.
-    On CUDA it runs megalite.kernels.adamw_step (fused, same math) instead.
-    """
-    if master.is_cuda:  # one fused Triton pass on GPUs; the torch ops below are the same math
-        fused_adamw_step(master, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, 0.0, step)
-        return
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
 def _initial_groups(names: list[str], trained: list[torch.Tensor], params, *, weight_decay: float, no_weight_decay,
@@ -380,55 +361,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoint API (layout-free)
 
     def optimizer_state(self) -> dict:
-        """This rank's optimizer state in model space, independent of dp/bucket layout.
-
-        Returns {'step': int, 'loss_scaler': dict | None, 'params': {name: {
-            'start', 'end': the range of the flattened local parameter tensor this rank owns,
-            'numel', 'shape': of the local tensor (its tp shard),
-            'master', 'exp_avg', 'exp_avg_sq': fp32 CPU tensors of length end - start}}}.
-        Parameters of which this rank owns nothing are absent; over the dp group the ranges
-        of one parameter tile [0, numel) exactly once (once per rank at zero_stage 0).
-        """
-        params = {}
-        for piece in self.pieces:
-            p = self.params[piece.param]
-            sl = slice(piece.shard_start, piece.shard_end)
-            params[self.names[piece.param]] = {
-                "start": piece.local_start, "end": piece.local_end, "numel": p.numel(), "shape": tuple(p.shape),
-                "master": self.master_range(sl.start, sl.stop).detach().cpu().clone(),
-                "exp_avg": self.exp_avg[sl].detach().cpu().clone(),
-                "exp_avg_sq": self.exp_avg_sq[sl].detach().cpu().clone(),
-            }
-        return {"step": self.step_count, "params": params,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+        """This rank's optimizer state in model space (optim/rank_state.py)."""
+        return rank_state(self)
 
     def owned_ranges(self) -> dict[str, tuple[int, int]]:
         """{name: (start, end)} of each parameter's flattened local tensor this rank owns."""
         return {self.names[x.param]: (x.local_start, x.local_end) for x in self.pieces}
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Inverse of `optimizer_state`; then the parameters are set from the loaded master weights.
-
-        Each entry's [start, end) must cover this rank's owned range of that parameter (an
-        entry covering the whole local tensor, start=0, end=numel, always works), so a
-        checkpoint written under another dp size or zero stage loads here.
-        """
-        for piece in self.pieces:
-            name = self.names[piece.param]
-            if name not in state["params"]:
-                raise KeyError(f"optimizer state has no entry for parameter {name!r}")
-            entry = state["params"][name]
-            if entry["start"] > piece.local_start or entry["end"] < piece.local_end:
-                raise ValueError(f"optimizer state for {name!r} covers [{entry['start']}, {entry['end']}) but this "
-                                 f"rank owns [{piece.local_start}, {piece.local_end}); provide the whole local tensor")
-            src = slice(piece.local_start - entry["start"], piece.local_end - entry["start"])
-            dst = slice(piece.shard_start, piece.shard_end)
-            self.master_range(dst.start, dst.stop).copy_(entry["master"][src])
-            for key, tensor in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                tensor[dst].copy_(entry[key][src])
-        self.step_count = int(state["step"])
-        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        """Inverse of `optimizer_state` (optim/rank_state.py); then the parameters are set from the
+        loaded master weights."""
+        load_rank_state(self, state)
         self.publish_params()
 
     # ------------------------------------------------------------------ metrics

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.config.choices import LRDecay
+
 
 # WSD's anneal: the share of (lr - min_lr) left at `ratio` of the anneal (1 at its start, 0 at its end)
 WSD_ANNEALS = {
@@ -30,9 +32,9 @@ class LRSchedule:
     wsd_style: str = "exponential"  # WSD's anneal: "exponential" | "linear" | "cosine" | "minus_sqrt"
 
     def __post_init__(self):
-        if self.style not in ("cosine", "linear", "constant", "WSD"):
+        if self.style not in tuple(LRDecay):
             raise ValueError(f"lr decay style must be cosine, linear, constant or WSD, got {self.style!r}")
-        if self.style == "WSD" and self.wsd_style not in WSD_ANNEALS:
+        if self.style == LRDecay.WSD and self.wsd_style not in WSD_ANNEALS:
             raise ValueError(f"WSD's decay style must be one of {sorted(WSD_ANNEALS)}, got {self.wsd_style!r}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
@@ -42,9 +44,9 @@ class LRSchedule:
         consumed, under --rampup-batch-size) lies between its neighbours; the warm-up stops at lr."""
         if self.warmup_iters > 0 and step < self.warmup_iters:
             return self.lr * min(step + 1, self.warmup_iters) / self.warmup_iters
-        if self.style == "constant":
+        if self.style == LRDecay.CONSTANT:
             return self.lr
-        if self.style == "WSD":  # stable at the peak, then the last wsd_decay_iters steps anneal
+        if self.style == LRDecay.WSD:  # stable at the peak, then the last wsd_decay_iters steps anneal
             anneal = max(1, self.wsd_decay_iters)
             start = self.decay_iters - anneal
             if step < start:
@@ -53,7 +55,7 @@ class LRSchedule:
             return self.min_lr + (self.lr - self.min_lr) * WSD_ANNEALS[self.wsd_style](ratio)
         span = max(1, self.decay_iters - self.warmup_iters)
         progress = min(1.0, (step - self.warmup_iters) / span)
-        if self.style == "linear":
+        if self.style == LRDecay.LINEAR:
             factor = 1.0 - progress
         else:
             factor = 0.5 * (1.0 + math.cos(math.pi * progress))

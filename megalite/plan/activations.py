@@ -21,7 +21,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.config.choices import Schedule
+from megalite.config.choices import CPCommType, Recompute, Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.pipeline.instructions import BWD, BWD_INPUT, BWD_WEIGHT, FWD
@@ -47,7 +47,7 @@ def _attention_inputs_bytes(model: GPTConfig, a: int, sb: int, t: int, recompute
     same bytes as the QKV output, and the rotated q and k are consumed by that copy."""
     d, nq, nkv = model.head_dim, model.num_attention_heads // t, model.num_query_groups // t
     qkv_storage = a * sb * (nq + 2 * nkv) * d
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         return qkv_storage                                      # only the checkpoint's input survives
     total = qkv_storage                                         # flash kernel: views of it, no repeat
     if model.flavour == "llama" and not ulysses:
@@ -82,7 +82,7 @@ def _repeats_kv_heads(model: GPTConfig, cfg: RunConfig, attention: str) -> bool:
     """SDPA with repeated heads keeps the repeated k, v; the CPU reference is that SDPA except with
     attention dropout (its own flash-style function, no repeat); ring attention runs Triton's blocks."""
     grouped = model.num_query_groups < model.num_attention_heads
-    ring = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "p2p"
+    ring = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == CPCommType.P2P
     sdpa = attention == "sdpa" or (attention == "reference" and model.attention_dropout == 0.0)
     return grouped and sdpa and not ring
 
@@ -119,9 +119,9 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     t = cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
     s, b, h = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.hidden_size
-    ulysses = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == "a2a"
+    ulysses = cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type == CPCommType.A2A
     f, nq = model.ffn_hidden_size, model.num_attention_heads
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return a * s * b * h // sp
     if model.mla is not None:  # DeepSeek's latent attention (plan/mla.py); its FP8 terms are not counted
         return latent_layer_bytes(model, a=a, tokens=s * b, batch=b, seq=s, t=t, sp=sp, recompute=recompute)
@@ -129,7 +129,7 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
     total += _attention_inputs_bytes(model, a, s * b, t, recompute, ulysses)
     total += a * s * b * nq * model.head_dim // t                       # out-proj input [s, b, nq*d/t]
-    if recompute == "none":                                             # fp32 logsumexp [b, nq/t, s]
+    if recompute == Recompute.NONE:                                             # fp32 logsumexp [b, nq/t, s]
         total += 4 * b * nq * s // t
         if not output_kept_once(cfg, attention):                        # its own [b, nq/t, s, d] output
             total += a * s * b * nq * model.head_dim // t
@@ -139,7 +139,7 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
         total += 2 * a * s * b * f // t
     else:
         total += 3 * a * s * b * f // t
-    if ulysses and recompute == "none":
+    if ulysses and recompute == Recompute.NONE:
         total += 2 * 8 * 2 * cfg.parallel.cp                            # int64 chunk orders of its two reorderings
     # FP8 tensorwise keeps the linears' inputs in 1 byte (plan/fp8.py)
     total += fp8.attention_saved_change(model, cfg, recompute, output_kept_once(cfg, attention))
@@ -199,7 +199,7 @@ def context_parallel_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     a, t = DTYPE_BYTES[cfg.precision.precision], p.tp
     s, b, d = local_seq_length(model, cfg), cfg.training.micro_batch_size, model.head_dim
     h, h_kv = model.num_attention_heads // t, model.num_query_groups // t
-    if p.cp_comm_type == "a2a":
+    if p.cp_comm_type == CPCommType.A2A:
         return 2 * (h + 2 * h_kv) * b * s * d * a + 2 * h * b * s * d * a
     unit = 2 * b * h_kv * s * d
     block = a * b * h * s * d + 4 * b * h * s                           # one block's output and lse
@@ -336,10 +336,10 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
     per_layer = layer_activation_bytes(model, cfg, attention=attention)
     kept_whole = layer_activation_bytes(model, cfg, recompute="none", attention=attention)
     moe_layers = stage_moe_layers(model, cfg, stage)
-    if moe_layers and cfg.parallel.recompute != "full":  # routing buffers instead of the dense MLP's
+    if moe_layers and cfg.parallel.recompute != Recompute.FULL:  # routing buffers instead of the dense MLP's
         per_layer += moe_layers * moe_activation_change(model, cfg) // max(layers, 1)
     # with v chunks, each in-flight chunk-microbatch holds layers / v blocks
-    if cfg.parallel.recompute == "full":
+    if cfg.parallel.recompute == Recompute.FULL:
         total = inflight * (per_layer * recomputed + kept_whole * (layers - recomputed)) // v
     else:
         total = inflight * per_layer * layers // v

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import CPCommType, OptimizerKind, Recompute
 from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
 from megalite.plan import fp8, fp8_amax
@@ -81,7 +82,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         add_dp_bytes(add, params, cfg)
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
     add(f"{dp_group_name(cfg)}/all_reduce", moe_replica_bytes(model, cfg, stage))  # MoE statistics (and bias load)
-    if cfg.optimizer.optimizer == "muon":  # whole matrices to their owners and back (plan/muon.py)
+    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # whole matrices to their owners and back (plan/muon.py)
         for key, n in stage_muon(model, cfg, stage).comm_bytes.items():
             add(key, n)
     add("embedding/all_reduce", _tied_embedding_bytes(model, cfg, stage))
@@ -202,9 +203,9 @@ def context_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict
     s, b, (d_qk, d_v) = local_seq_length(model, cfg), cfg.training.micro_batch_size, attention_head_dims(model)
     h, h_kv = model.num_attention_heads // t, model.num_query_groups // t
     layers = stage_layers(model, cfg)[stage]
-    rerun = layers if p.recompute == "selective" else recomputed_stage_layers(model, cfg)[stage]
+    rerun = layers if p.recompute == Recompute.SELECTIVE else recomputed_stage_layers(model, cfg)[stage]
     forwards, backwards = m * (layers + rerun), m * layers
-    if p.cp_comm_type == "a2a":
+    if p.cp_comm_type == CPCommType.A2A:
         return {"cp/all_to_all": (forwards + backwards) * ((h + h_kv) * d_qk + (h_kv + h) * d_v) * b * s * a}
     unit = b * h_kv * s * (d_qk + d_v)
     hops = forwards * (cp - 1) * unit * a + backwards * ((cp - 1) * unit * a + cp * unit * 4)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Iterable
 
+from megalite.config.choices import GradCompression
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import head_stage, is_hybrid, stage_layers
 from megalite.plan.moe import expert_dp_config, experts_apart, stage_moe_layers
@@ -130,7 +131,7 @@ def compression_groups(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tup
     `stage`: the dense parameters over dp x cp, experts kept apart (ep > 1, or etp 1 under tp)
     over expert-dp ("edp"; otherwise with the dense ones); a group of one rank reduces nothing.
     [] without compression."""
-    if str(cfg.parallel.grad_compression) != "powersgd":
+    if cfg.parallel.grad_compression != GradCompression.POWERSGD:
         return []
     if is_hybrid(cfg):  # only the replicas' sum is compressed, every kind over the replica group
         return [("dp_replicate", stage_param_shapes(model, cfg, stage) + stage_expert_shapes(model, cfg, stage))]
@@ -147,7 +148,7 @@ def compression_groups(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tup
 def compression_enabled(model: GPTConfig, cfg: RunConfig) -> bool:
     """PowerSGD replaces the gradient reduction: asked for, and more than one replica of some
     parameter (dp x cp, or the experts' expert-dp)."""
-    if str(cfg.parallel.grad_compression) != "powersgd":
+    if cfg.parallel.grad_compression != GradCompression.POWERSGD:
         return False
     return cfg.dp * cfg.parallel.cp > 1 or (experts_apart(model, cfg) and expert_dp_config(cfg).dp > 1)
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import MoEDispatcher
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES
 from megalite.plan.moe import routed_tokens, stage_moe_layers
@@ -75,7 +76,7 @@ def ep_node_traffic(model: GPTConfig, cfg: RunConfig, stage: int, ranks_per_node
     """The ep all-to-all's token rows per step on a rank of `stage`, and the share crossing nodes (None
     without expert parallelism or MoE blocks on the stage, or under the all-gather dispatcher)."""
     layers, ep = stage_moe_layers(model, cfg, stage), cfg.parallel.ep
-    if not layers or ep == 1 or cfg.parallel.moe_token_dispatcher_type != "alltoall":
+    if not layers or ep == 1 or cfg.parallel.moe_token_dispatcher_type != MoEDispatcher.ALLTOALL:
         return None
     nodes = ep_nodes(cfg, ranks_per_node)
     m, a, h, k = cfg.num_microbatches, DTYPE_BYTES[cfg.precision.precision], model.hidden_size, model.moe.topk

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.config.choices import Fp8ScalingRecipe
+from megalite.config.choices import Fp8ScalingRecipe, Recompute
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import DTYPE_BYTES, local_seq_length, stage_layers
 from megalite.plan.moe import routed_tokens, stage_moe_layers
@@ -89,7 +89,7 @@ def attention_saved_change(model: GPTConfig, cfg: RunConfig, recompute: str, kep
     sp = t if cfg.parallel.sequence_parallel else 1
     sbh = local_seq_length(model, cfg) * cfg.training.micro_batch_size * model.hidden_size
     out_input = sbh // model.hidden_size * model.num_attention_heads * model.head_dim // t
-    out_change = out_input if (kept_once and recompute == "none") else -(a - 1) * out_input
+    out_change = out_input if (kept_once and recompute == Recompute.NONE) else -(a - 1) * out_input
     return -(a - 1) * sbh // sp + out_change + 2 * 4
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megalite.errors import UsageError
+from megalite.plan.json_fields import field_problem
 
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -252,44 +253,13 @@ class HardwareProfile:
         if missing:
             raise HardwareProfileError(f"{where}: missing field(s) {missing}")
         for name, value in data.items():
-            problem = _scalar_problem(name, _FIELD_TYPES.get(name), value)
+            problem = field_problem(name, _FIELD_TYPES.get(name), value)
             if problem:
                 raise HardwareProfileError(f"{where}: {problem}")
         try:
             return cls(**data)
         except (TypeError, ValueError) as exc:  # a table of the wrong shape or with text where numbers belong
             raise HardwareProfileError(f"{where}: {exc}") from None
-
-
-def _scalar_problem(name: str, kind: str | None, value) -> str | None:
-    """'memory_bandwidth_gbs takes a number, got "fast"' for a JSON value of the wrong type, or None.
-    kind: the field's annotation as written (`float`, `int | None`, ...); tables are checked as they are read."""
-    if kind is None:
-        return None
-    optional = kind.endswith("| None")
-    base = kind.removesuffix("| None").strip()
-    if value is None:
-        return None if optional else f"{name} takes {_WORDS.get(base, base)}, got null"
-    if base == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        return f"{name} takes a number, got {value!r}"
-    if base == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        return f"{name} takes an integer, got {value!r}"
-    if base in ("bool", "str") and not isinstance(value, {"bool": bool, "str": str}[base]):
-        return f"{name} takes {_WORDS[base]}, got {value!r}"
-    if base.startswith("tuple[tuple[") and base.endswith("], ...]"):  # a table: rows of typed columns
-        columns = base[len("tuple[tuple["):-len("], ...]")].split(", ")
-        rows = value if isinstance(value, list) else [None]
-        if any(not isinstance(row, list) or len(row) != len(columns)
-               or any(_scalar_problem(name, column, cell) for column, cell in zip(columns, row)) for row in rows):
-            return f"{name} takes a list of rows [{', '.join(columns)}], got {value!r}"
-        return None
-    if base.startswith("dict[str, float]") and not (isinstance(value, dict) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())):
-        return f"{name} takes an object of numbers (e.g. {{\"bf16\": 312.0}}), got {value!r}"
-    return None
-
-
-_WORDS = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
 
 
 _FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(HardwareProfile)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import CPCommType
 from megalite.config.model import GPTConfig, attention_span
 from megalite.plan.hardware import HardwareProfile
 from megalite.plan.layout import DTYPE_BYTES
@@ -68,7 +69,7 @@ def attention_implementation(model: GPTConfig, cfg: RunConfig, hw: HardwareProfi
     profile's table, and torch's SDPA (repeated kv heads) where it has none, as the dispatch answers a
     key nobody measured. Its activation bytes and layout copies depend on it (activations.py)."""
     dropout = model.attention_dropout > 0
-    if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", "p2p") == "p2p":
+    if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", CPCommType.P2P) == CPCommType.P2P:
         return "triton"
     table = _rows(hw, model.head_dim, cfg.precision.precision, True)
     grouped = model.num_query_groups < model.num_attention_heads
@@ -126,7 +127,7 @@ def attention_products(model: GPTConfig, cfg: RunConfig, hw: HardwareProfile, at
     # packed documents and a window: the share of the causal work flash still does (it skips the rest)
     kept = attention_span(s, mean_document_length(cfg), model.window_size) / s if attention == "flash" else 1.0
     causal *= kept
-    if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", "p2p") == "p2p":
+    if getattr(cfg.parallel, "cp", 1) > 1 and getattr(cfg.parallel, "cp_comm_type", CPCommType.P2P) == CPCommType.P2P:
         backend = "triton"                                           # ring attention merges Triton's blocks
     if attention == "flash":
         measured = attention_seconds(hw, d, precision, True, s, heads * local, 1,

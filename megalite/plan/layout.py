@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.config.choices import Schedule
+from megalite.config.choices import Recompute, Schedule
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import ChunkPlacement, chunk_layer_counts
 
@@ -49,7 +49,7 @@ def recomputed_stage_layers(model: GPTConfig, cfg: RunConfig) -> list[int]:
     """Blocks of each stage that full recompute re-runs: all of them, or the first
     recompute_num_layers of each of its chunks; none without full recompute."""
     p = cfg.parallel
-    if p.recompute != "full":
+    if p.recompute != Recompute.FULL:
         return [0] * p.pp
     return list(_stage_layers(model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
                               p.decoder_last_stage_layers, p.pipeline_layout, p.recompute_num_layers,

@@ -24,6 +24,7 @@ Full recompute keeps the block input only (plan/activations.py).
 """
 from __future__ import annotations
 
+from megalite.config.choices import Recompute
 from megalite.config.model import GPTConfig
 
 
@@ -40,7 +41,7 @@ def latent_layer_bytes(model: GPTConfig, *, a: int, tokens: int, batch: int, seq
     total += 2 * a * rows * mla.kv_lora_rank + 4 * rows
     up_outputs = a * tokens * n * (mla.qk_dim + mla.qk_head_dim + mla.v_head_dim) // t
     core_output = a * tokens * n * mla.v_head_dim // t
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         rope_key = a * tokens * (mla.qk_pos_emb_head_dim if sp > 1 else mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
         return total + up_outputs + rope_key + core_output
     total += a * tokens * n * mla.qk_dim // t * 2                      # q and k as the core joins them

@@ -23,6 +23,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import MoEDispatcher, Recompute
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import ChunkPlacement, stage_layers as partition_stage_layers
 from megalite.plan.layout import DTYPE_BYTES, chunk_placement_of
@@ -35,7 +36,7 @@ def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: b
     """MoE blocks held by pipeline stage `stage` (every chunk of it); recomputed: only those full
     recompute re-runs (the first recompute_num_layers of each chunk, or all; none without it)."""
     p = cfg.parallel
-    if model.moe is None or (recomputed and p.recompute != "full"):
+    if model.moe is None or (recomputed and p.recompute != Recompute.FULL):
         return 0
     return _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
                        p.decoder_last_stage_layers, p.pipeline_layout, stage,
@@ -126,7 +127,7 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
     a, m, k, h = DTYPE_BYTES[cfg.precision.precision], cfg.num_microbatches, model.moe.topk, model.hidden_size
     tokens = routed_tokens(model, cfg)
     forwards = m * (layers + stage_moe_layers(model, cfg, stage, recomputed=True))  # full recompute dispatches again
-    if cfg.parallel.moe_token_dispatcher_type == "allgather":
+    if cfg.parallel.moe_token_dispatcher_type == MoEDispatcher.ALLGATHER:
         gathered = ep * tokens
         return {"ep/all_gather": forwards * gathered * (h * a + k * 8 + k * a) + m * layers * gathered * h * a,
                 "ep/reduce_scatter": forwards * gathered * h * a + m * layers * gathered * (h + k) * a}

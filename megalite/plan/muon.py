@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Sequence
 
-from megalite.config.choices import MuonOwners
+from megalite.config.choices import MuonOwners, Precision
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import is_hybrid, stage_layers, zero_group_name, zero_shard_ranks
 from megalite.plan.moe import stage_moe_layers
@@ -180,7 +180,7 @@ def stage_muon(model: GPTConfig, cfg: "RunConfig", stage: int) -> MuonCost:
     zero = cfg.parallel.zero
     shards = zero_shard_ranks(cfg) if zero else 1  # S x cp: one replica group's (hybrid sharding)
     expert_shards = (zero_shard_ranks(cfg) // ep * (tp // etp)) if zero else 1
-    wire = 4 if cfg.optimizer.muon_ns_dtype == "fp32" else 2
+    wire = 4 if cfg.optimizer.muon_ns_dtype == Precision.FP32 else 2
     comm = {}
     apart = ep > 1 or etp < tp  # experts in a replica group of their own, else sharded with the dense ones
     if shards > 1:

@@ -22,6 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import OptimizerKind, Precision
 from megalite.config.model import GPTConfig
 from megalite.distributed import topology
 from megalite.plan.layout import is_hybrid, zero_group_name
@@ -202,7 +203,7 @@ def rank_share(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int) -> Ra
 
 def wire_bytes(cfg: RunConfig) -> int:
     """Bytes of an element on the exchange's wire (and of Newton-Schulz's working set)."""
-    return 4 if cfg.optimizer.muon_ns_dtype == "fp32" else 2
+    return 4 if cfg.optimizer.muon_ns_dtype == Precision.FP32 else 2
 
 
 def muon_rank_comm(cfg: RunConfig, share: RankShare) -> dict[str, int]:
@@ -258,7 +259,7 @@ def muon_rank_terms(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int |
     """(the exchange's all-to-all bytes by ledger key, the optimizer step's working set in bytes) of global
     `rank` of `stage`; rank None: the stage's busiest rank's working set, the bytes of the stage's first rank.
     ({}, 0) without Muon."""
-    if cfg.optimizer.optimizer != "muon":
+    if cfg.optimizer.optimizer != OptimizerKind.MUON:
         return {}, 0
     viewpoint = _first_rank(cfg, stage) if rank is None else rank
     shares = stage_shares(model, cfg, stage, viewpoint=viewpoint)

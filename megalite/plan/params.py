@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Recompute
 from megalite.config.model import GPTConfig, attention_span
 from megalite.plan.layout import head_stage, stage_layers
 from megalite.plan.moe import dense_change_per_layer, expert_params_per_layer, stage_moe_layers
@@ -81,8 +82,8 @@ def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int |
         span = attention_span(s, mean_document_length, model.window_size)
     flops = model.flops_per_token(s, span=span)
     attention_forward = 4.0 * model.num_layers * model.hidden_size * span
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         flops += attention_forward
-    elif recompute == "full":
+    elif recompute == Recompute.FULL:
         flops += recompute_fraction * (2.0 * model.num_params(include_embedding=False) + attention_forward)
     return flops

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from megalite.config.choices import Schedule
+from megalite.config.choices import OptimizerKind, Precision, Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
@@ -163,11 +163,11 @@ def model_state_bytes(params: int, cfg: RunConfig, convention: str = "megalite")
     z, shard = cfg.parallel.zero, math.ceil(params / zero_shard_ranks(cfg))  # dp x cp, or S x cp (hybrid)
     if convention == "zero-paper":
         g = DTYPE_BYTES[cfg.precision.grad_reduce_dtype]
-        optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == "fp32" else 12)
+        optimizer = (shard if z >= 1 else params) * (8 if cfg.precision.precision == Precision.FP32 else 12)
         grads = (shard if z >= 2 else params) * g
     else:
         # fp32 parameters (ZeRO-3: the fp32 shard, in every precision) are the master, unless offloaded
-        own_master = (cfg.precision.precision == "fp32" or z == 3) and not cfg.parallel.offload_optimizer
+        own_master = (cfg.precision.precision == Precision.FP32 or z == 3) and not cfg.parallel.offload_optimizer
         optimizer = (shard if z >= 1 else params) * (8 if own_master else 12)
         grads = 4 * shard if z == 3 else 4 * params + (4 * shard if z >= 1 else 0)
         if z == 3:
@@ -258,7 +258,7 @@ def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[in
         weights += gathered_peak_elements(model, cfg, stage) * DTYPE_BYTES[cfg.precision.precision]
         grads += transient_grad_bytes(model, cfg, stage)
     grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
-    if cfg.optimizer.optimizer == "muon":  # the hidden matrices keep one buffer, not Adam's two (plan/muon.py)
+    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the hidden matrices keep one buffer, not Adam's two (plan/muon.py)
         saved = stage_muon(model, cfg, stage).state_bytes_saved
         optimizer, host = (optimizer, host - saved) if cfg.parallel.offload_optimizer else (optimizer - saved, host)
     return weights, grads, optimizer, host

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.config.choices import CPCommType, Recompute
 from megalite.config import CPCommType, Recompute, RunConfig
 from megalite.config.model import GPTConfig
 from megalite.plan.per_rank import Estimate, estimate
@@ -63,7 +64,7 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
         where = "NVLink" if par.tp <= gpus_per_node else "across nodes"
         bits.append(f"tp={par.tp} on {where} ({parts['tp'] / parts['total']:.0%} of the step)")
     if par.cp > 1:
-        method = "ring attention" if par.cp_comm_type == "p2p" else "Ulysses all-to-all"
+        method = "ring attention" if par.cp_comm_type == CPCommType.P2P else "Ulysses all-to-all"
         bits.append(f"cp={par.cp} ({method}) splits each sequence: activations /{par.cp} "
                     f"({parts['cp'] / parts['total']:.0%} of the step exposed)")
     if par.ep > 1:
@@ -84,7 +85,7 @@ def _reason(model: GPTConfig, cfg: RunConfig, est: Estimate, parts: dict, gpu_me
             over = (f"dp_shard={cfg.dp_shard}" + (" x cp" if par.cp > 1 else "")
                     + f", replicated x{cfg.dp // cfg.dp_shard}")
         bits.append(f"ZeRO-{par.zero} shards {sharded} over {over}" + _why_not_earlier(model, cfg, gpu_memory, "zero3"))
-    if par.recompute != "none":
+    if par.recompute != Recompute.NONE:
         bits.append(f"{par.recompute} recompute (+{est.hardware_flops_per_step / est.flops_per_step - 1:.0%} FLOPs)")
     if par.offload_optimizer:
         bits.append("optimizer offloaded to host" + _why_not_earlier(model, cfg, gpu_memory, "offload"))

@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import OptimizerKind, Precision, Recompute
 from megalite.config.model import GPTConfig
 from megalite.plan.muon import ns_seconds, stage_muon
 from megalite.plan import fp8, kernel_rates as rates
@@ -233,7 +234,7 @@ def stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = Non
     rerun = recomputed_stage_layers(model, cfg)[stage]
     device = layers * (block.forward + block.backward)
     backward = layers * block.backward
-    if cfg.parallel.recompute == "selective":
+    if cfg.parallel.recompute == Recompute.SELECTIVE:
         device += layers * block.attention_forward
         backward += layers * block.attention_forward
     device += rerun * block.forward
@@ -249,7 +250,7 @@ def stage_compute(model, cfg, hw, kernels, stage: int, block: _Pass | None = Non
     attention = rates.attention_implementation(model, cfg, hw, kernels.attention_backend)
     in_place = output_kept_once(cfg, attention)
     counted = stage_launches(model, cfg, stage, attention)
-    selective = (3 if in_place else 4) * layers if cfg.parallel.recompute == "selective" else 0  # RoPE q, k;
+    selective = (3 if in_place else 4) * layers if cfg.parallel.recompute == Recompute.SELECTIVE else 0  # RoPE q, k;
     rerun_launches = rerun * block_launches(model, in_place).forward + selective     # attention; its copy
     host_passes = (1, 0) if uses_cuda_graph(cfg) else (counted.forward, counted.backward + rerun_launches)
     return device, tuple(host_seconds(hw, n) for n in host_passes), backward, layers * block.attention_forward
@@ -272,14 +273,14 @@ def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, 
     if cfg.parallel.offload_optimizer:  # grads down, params up over PCIe (~25 GB/s), CPU Adam (~1e9 params/s)
         offload, update = shard * 6 / 25e9 + shard / 1e9, 0.0
     elif measured:
-        clip = 8 if cfg.optimizer.clip_grad > 0 or cfg.precision.precision == "fp16" else 0
+        clip = 8 if cfg.optimizer.clip_grad > 0 or cfg.precision.precision == Precision.FP16 else 0
         decay = 8 if cfg.optimizer.weight_decay != 0 else 0
         update = rates.memory_seconds(hw, "adamw", 28 * shard, transcendental=True)[0]
         update += hw.memory_seconds(shard * (12 + clip + decay + 4 + a))
     else:
         update = hw.elementwise_seconds(shard * (28 + 4 + a))
     gpu = update + hw.memory_seconds(4 * params)
-    if cfg.optimizer.optimizer == "muon":  # the busiest owner's Newton-Schulz GEMMs (plan/muon.py)
+    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the busiest owner's Newton-Schulz GEMMs (plan/muon.py)
         gpu += ns_seconds(hw, stage_muon(model, cfg, stage).ns_flops_busiest, cfg.optimizer.muon_ns_dtype)
     if not hw.launch_host_us:
         return gpu + hw.step_overhead_us * 1e-6, offload

@@ -7,6 +7,13 @@ and `peak` their maximum: what torch.cuda.max_memory_allocated would say, less t
 rounding. Alongside, autograd's saved-tensor hook counts the storages kept for backward (not
 parameters) while they live: `saved_peak` is the activation peak the planner estimates.
 
+A view allocates nothing, so a view op's outputs are never counted: their storage is counted where
+it was made, or, where the tracker never saw it made, not at all. That is memory made below the
+dispatcher: gloo's staging buffer for a reduce-scatter, handed back as split views when the work is
+waited for (a GPU's NCCL has none). A tensor made from Python data (`torch.tensor`) shows as
+`lift_fresh`, a view op that is counted; on the meta device not even that: it is counted at its first
+op (an in-place collective, say).
+
 A meta tensor has no value, so a read into Python (`.item()`, `.tolist()`) is answered here:
 scalars read as 0 and truth values as True ("finite", "no overflow"), the answers of a healthy
 step, so the step takes the path a real one takes (the optimizer updates; nothing is skipped);
@@ -27,17 +34,22 @@ _EMPTY = (_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strid
 
 
 class _Counter:
-    """Bytes of distinct live storages, with their running maximum."""
+    """Bytes of distinct live storages, with their running maximum; storages of at most `ignore_up_to`
+    bytes count as 0."""
 
-    def __init__(self):
+    def __init__(self, ignore_up_to: int = 0):
         self.sizes = WeakIdKeyDictionary()  # storage -> bytes counted for it
         self.live = 0
         self.peak = 0
+        self.ignore_up_to = ignore_up_to
+
+    def _counted(self, nbytes: int) -> int:
+        return nbytes if nbytes > self.ignore_up_to else 0
 
     def add(self, storage) -> None:
         if storage in self.sizes:
             return
-        n = storage.nbytes()
+        n = self._counted(storage.nbytes())
         self.sizes[storage] = n
         self.live += n
         self.peak = max(self.peak, self.live)
@@ -51,6 +63,7 @@ class _Counter:
         old = self.sizes.get(storage)
         if old is None:
             return
+        new_bytes = self._counted(new_bytes)
         self.sizes[storage] = new_bytes
         # the finalizer subtracts the size at creation: keep the difference on the running count
         self.live += new_bytes - old
@@ -81,12 +94,16 @@ def _finite_values(func, out) -> None:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """Counts storages while active; `reset_peak()` starts a new maximum from what is live now."""
+    """Counts storages while active; `reset_peak()` starts a new maximum from what is live now.
 
-    def __init__(self, zero_fill: bool = False):
+    zero_fill: real tensors: every uninitialised allocation filled with zeros (module docstring).
+    ignore_up_to: storages of at most this many bytes are left out of `all` (the simulation's grounding
+    against the CPU allocator, where every Python number an op takes is an 8-byte host tensor)."""
+
+    def __init__(self, zero_fill: bool = False, *, ignore_up_to: int = 0):
         super().__init__()
-        self.zero_fill = zero_fill  # real tensors: every uninitialised allocation filled with zeros
-        self.all = _Counter()
+        self.zero_fill = zero_fill
+        self.all = _Counter(ignore_up_to)
         self.saved = _Counter()
         self._exclude = WeakIdKeyDictionary()  # storages never counted as activations (parameters)
         self.sample = None  # a function of no arguments sampled after every op (its maximum: sampled_peak)
@@ -106,9 +123,10 @@ class MemoryTracker(TorchDispatchMode):
             out = func(*args, **kwargs)
         if self.zero_fill:
             _finite_values(func, out)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.all.add(t.untyped_storage())
+        if not func.is_view or func is _aten.lift_fresh.default:  # see the module docstring on views
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.all.add(t.untyped_storage())
         if self.sample is not None:
             self.sampled_peak = max(self.sampled_peak, self.sample())
         return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megalite.config.choices import Precision
 from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.data import GlobalBatchSampler, load_microbatches
@@ -117,7 +118,7 @@ def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker,
     comm.ledger.reset()
     if cfg.parallel.zero == 3:  # full unit gradients live only during their backward: the peak is sampled
         tracker.sample = model.grads.grad_bytes
-    guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == "fp16",
+    guard = NonFiniteGuard(mesh, cfg.fault_tolerance.on_nonfinite, loss_scaling=cfg.precision.precision == Precision.FP16,
                            log=lambda *args, **kwargs: None)
     train_step(model, optimizer, microbatches, mesh, cfg, cfg.optimizer.lr, guard=guard)
     by_group: dict[str, int] = collections.defaultdict(int)
@@ -131,12 +132,13 @@ def set_up_and_step(cfg: RunConfig, mesh: Mesh, tracker: MemoryTracker,
                     comm_bytes=dict(by_group), comm_ops=comm.ledger.snapshot())
 
 
-def real_rank(cfg: RunConfig) -> Measured:
+def real_rank(cfg: RunConfig, tracker: MemoryTracker | None = None) -> Measured:
     """This process's rank of a real (torchrun / gloo) world, measured like a simulated one: the
     simulation's grounding (tests/simulate). The same kernels as the simulation (Triton's autograd
     functions, launches skipped), every uninitialised tensor filled with zeros so the step's values
-    are finite (a garbage NaN would make the optimizer skip, which changes what is sent)."""
-    tracker = MemoryTracker(zero_fill=True)
+    are finite (a garbage NaN would make the optimizer skip, which changes what is sent).
+    tracker: the instrument (default `MemoryTracker(zero_fill=True)`; a given one should zero-fill too)."""
+    tracker = tracker if tracker is not None else MemoryTracker(zero_fill=True)
     with kernels_without_launch(), tracker.active():
         mesh = build_mesh(cfg)
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config.choices import Precision, Recompute
 from megalite.config import RunConfig
 from megalite.config.model import GPTConfig
 from megalite.plan.hardware import DEFAULT, builtin_for_device, load_profile
@@ -72,7 +73,7 @@ def _speed_change(cfg: RunConfig, parts: dict) -> str:
         flagged.append((parts["bubble"], f"the pipeline bubble is {parts['bubble'] / total:.0%} of the step: {more} "
                                          f"(or more microbatches)"))
     if parts["dp"] > EXPOSED_DP_LIMIT * total:
-        fixes = ["--grad-reduce-dtype bf16"] if str(cfg.precision.grad_reduce_dtype) == "fp32" else []
+        fixes = ["--grad-reduce-dtype bf16"] if cfg.precision.grad_reduce_dtype == Precision.FP32 else []
         if p.zero in (1, 2) and not p.overlap_param_gather:
             fixes.append("--overlap-param-gather")
         fixes.append("a larger --micro-batch-size")
@@ -109,9 +110,9 @@ def _activation_changes(cfg: RunConfig) -> list[tuple[str, dict]]:
     changes = []
     if p.tp > 1 and not p.sequence_parallel:
         changes.append(("--sequence-parallel", dict(sequence_parallel=True)))
-    if p.recompute == "none":
+    if p.recompute == Recompute.NONE:
         changes.append(("--recompute selective", dict(recompute="selective")))
-    if p.recompute != "full":
+    if p.recompute != Recompute.FULL:
         changes.append(("--recompute full", dict(recompute="full")))
     if mb > 1:  # the global batch stays: twice the microbatches
         changes.append((f"--micro-batch-size {mb // 2}", dict(micro_batch_size=mb // 2)))

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from megalite.config.choices import OnNonFinite
 from megalite.distributed import comm
 from megalite.parameters import params as P
 from megalite.distributed.mesh import Mesh
@@ -88,7 +89,7 @@ class NonFiniteEvent:
         what = " and ".join(x for x, bad in (("loss", self.bad_loss), ("gradients", self.bad_grads)) if bad)
         update = "the optimizer update WAS applied (gradients were finite)" if self.update_applied \
             else "the optimizer update was skipped on every rank"
-        action = "stopping (--on-nonfinite stop)" if self.action == "stop" else "training on (--on-nonfinite skip)"
+        action = "stopping (--on-nonfinite stop)" if self.action == OnNonFinite.STOP else "training on (--on-nonfinite skip)"
         samples = "; ".join(f"dp rank {r}: {idx}" for r, idx in sorted(self.sample_indices.items()))
         return (f"step {self.step}: non-finite {what} (loss {self.loss}, grad norm {self.grad_norm}); {update}; "
                 f"{action}. Global sample indices of this step: {samples}")
@@ -148,7 +149,7 @@ class NonFiniteGuard:
                                sample_indices=dict(enumerate(gathered)), action=self.policy)
         self.events.append(event)
         self.log(f"megalite: {event.describe()}")
-        if self.policy == "stop":
+        if self.policy == OnNonFinite.STOP:
             raise NonFiniteError(event.describe())
         return event
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import Precision
 from megalite.config.rampup import microbatch_counts
 from megalite.cpu_features import cpu_flags as read_cpu_flags, has_native_bf16
 from megalite.paths import output_dir_problem, output_file_problem
@@ -143,7 +144,7 @@ def machine_problems(cfg: RunConfig, cuda_available: bool, kernel_backend: str) 
         elif not interpreting():
             problems.append("MEGALITE_KERNEL_BACKEND=triton without a GPU needs Triton's CPU interpreter: set "
                             "TRITON_INTERPRET=1 (slow: for checking kernels), or MEGALITE_KERNEL_BACKEND=auto")
-    if cfg.precision.precision == "bf16" and not cuda_available and kernel_backend == "triton":
+    if cfg.precision.precision == Precision.BF16 and not cuda_available and kernel_backend == "triton":
         problems.append("MEGALITE_KERNEL_BACKEND=triton on a CPU runs Triton's interpreter, which has no bf16 "
                         "matrix multiply; use --precision fp16 or fp32, or MEGALITE_KERNEL_BACKEND=auto")
     if cfg.precision.fp8_format is not None:
@@ -170,7 +171,7 @@ def _fp8_machine_problems(cuda_available: bool, kernel_backend: str) -> list[str
 def machine_notes(cfg: RunConfig, cuda_available: bool, cpu_flags: set[str] | None = None) -> list[str]:
     """What this machine will do slowly, said once at start (not refused): bf16 on a CPU without native
     bf16 arithmetic (avx512_bf16 / amx_bf16) runs emulated, several times slower than fp32."""
-    if cuda_available or cfg.precision.precision != "bf16":
+    if cuda_available or cfg.precision.precision != Precision.BF16:
         return []
     flags = cpu_flags if cpu_flags is not None else read_cpu_flags()
     if flags is None or has_native_bf16(flags):

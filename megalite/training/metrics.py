@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from megalite.config.choices import Recompute
 from megalite.distributed import comm
 from megalite.config.model import GPTConfig
 from megalite.plan.params import hardware_flops_per_token
@@ -142,7 +143,7 @@ class ThroughputMeter:
         )
         if self.peak_flops:
             record["mfu"] = model_flops * tokens_per_sec / (self.world_size * self.peak_flops)
-            if self.recompute != "none":
+            if self.recompute != Recompute.NONE:
                 record["hfu"] = hardware_flops * tokens_per_sec / (self.world_size * self.peak_flops)
         if self.total_steps is not None:
             remaining = max(0, self.total_steps - step)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megalite.config.choices import Recompute
 from megalite.config import RunConfig
 from megalite.data_parallel.units import Unit
 from megalite.errors import ConfigError, UsageError
@@ -130,7 +131,7 @@ def provided_problems(cfg: RunConfig) -> list[str]:
     """What the loop cannot yet do for a provided model, one line each naming the fix."""
     p, t = cfg.parallel, cfg.training
     problems = []
-    if p.recompute == "selective":
+    if p.recompute == Recompute.SELECTIVE:
         problems.append("--recompute selective needs megalite's attention; use --recompute full with a "
                         "model_provider")
     if t.cuda_graph:
@@ -191,7 +192,7 @@ class ProvidedModel:
                              f"(it would see zigzag chunks of each sequence as if whole); use --cp 1, or handle them "
                              f"(megalite.context_parallel) and set module.context_parallel = True")
         module = module.to(device=mesh.device, dtype=cfg.precision.precision.torch_dtype)
-        if cfg.parallel.recompute == "full":
+        if cfg.parallel.recompute == Recompute.FULL:
             for _, block in _blocks(module)[:cfg.parallel.recompute_num_layers]:
                 _recompute(block)
         return module

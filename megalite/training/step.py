@@ -34,7 +34,7 @@ from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.muon import MuonSettings
-from megalite.config.choices import OptimizerKind
+from megalite.config.choices import GradCompression, OptimizerKind, Precision
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, last_chunk_location
 from megalite.pipeline.partition import stage_layers
@@ -77,7 +77,7 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
     it materialises the meta-built chunks one unit at a time."""
     p = cfg.parallel
     compression = PowerSGDConfig(p.powersgd_rank, p.powersgd_warmup_steps, p.powersgd_min_compression,
-                                 seed=cfg.training.seed) if p.grad_compression == "powersgd" else None
+                                 seed=cfg.training.seed) if p.grad_compression == GradCompression.POWERSGD else None
     return DataParallel(chunks, mesh, zero_stage=p.zero, bucket_size=p.ddp_bucket_size,
                         grad_reduce_dtype=cfg.precision.grad_reduce_dtype.torch_dtype,
                         overlap_param_gather=p.overlap_param_gather, prefetch=p.zero3_prefetch,
@@ -93,11 +93,11 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
     prec, opt = cfg.precision, cfg.optimizer
     scaler = DynamicLossScaler(initial_scale=prec.initial_loss_scale, growth_interval=prec.loss_scale_window,
                                hysteresis=prec.hysteresis, backoff_factor=prec.loss_scale_backoff) \
-        if prec.precision == "fp16" else None
+        if prec.precision == Precision.FP16 else None
     muon = MuonSettings(momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps,
                         ns_coefficients=tuple(opt.muon_ns_coefficients), adjust_lr=opt.muon_adjust_lr,
                         owners=opt.muon_owners, lr=opt.muon_lr,
-                        ns_dtype=torch.float32 if opt.muon_ns_dtype == "fp32" else torch.bfloat16) \
+                        ns_dtype=torch.float32 if opt.muon_ns_dtype == Precision.FP32 else torch.bfloat16) \
         if opt.optimizer == OptimizerKind.MUON else None
     optimizer = DistributedOptimizer(model, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                      weight_decay=opt.weight_decay, clip_grad=opt.clip_grad,
