@@ -286,6 +286,16 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     return work if async_op else tensor
 
 
+def broadcast_from_member(tensor: torch.Tensor, member: int, group) -> torch.Tensor:
+    """Broadcast `tensor` in place from the rank at position `member` of `group`; works on a group built
+    outside torch's registry (the replica link, megalite/fault_tolerance/replica_link.py)."""
+    if _trivial(group):
+        return tensor
+    _run("broadcast", group, tensor, tensor.numel() * tensor.element_size(),
+         lambda: dist.broadcast(tensor, group=group, group_src=member), False)
+    return tensor
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
     """Split `input` along dim 0 into n pieces, send piece i to rank i, receive into `output`."""
     if _trivial(group):

@@ -1,0 +1,182 @@
+"""One replica group of a fault-tolerant run: train, agree every step, survive the others' deaths, heal.
+
+Each replica group is its own process (dp-shard S = 1 within a group: its ZeRO shard is the whole
+model) with megalite's own model, DataParallel wrapper and DistributedOptimizer on a one-process
+mesh. Nothing static spans the groups: they meet only in the run's store (the quorum, quorum.py) and
+on the replica link rebuilt per quorum (replica_link.py). One step:
+
+    1. quorum (k, r)       the live groups (the previous quorum's, within the timeout) + restarted ones
+    2. rebuild, heal       a new link when the members changed; restarted groups receive the live state
+    3. local gradient      forward + backward of this group's samples of step k, the loss summed
+                           (reduction "sum", no scaling): computed once, kept for a retry
+    4. reduction           all-reduce over the link of the gradient and of (loss sum, target tokens)
+    5. outcome (k, r)      ok when every member's reduction completed; else round r + 1 from 1. with
+                           the survivors (the dead group's samples of step k are dropped)
+    6. update              gradient / surviving tokens, clip, AdamW (the optimizer's own step)
+
+So the step's gradient is the mean over the target tokens of the samples that survived, exactly what
+a one-process run on those samples computes (reference.py); every group writes a record of each step
+(members, dropped groups, heal, seconds, a fingerprint of its parameters) to <log_dir>/group<g>.jsonl.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megalite.distributed.mesh import single_process_mesh
+from megalite.fault_tolerance.quorum import Decision, Excluded, Quorum
+from megalite.fault_tolerance.replica_link import ReplicaLink, heal
+from megalite.fault_tolerance.settings import FaultTolerantRun
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
+
+
+@dataclass
+class StepRecord:
+    """What one group writes after each step (one JSON line)."""
+
+    step: int
+    group: int
+    loss: float
+    members: list[int]
+    dropped: list[int]  # replica groups whose samples of this step were not in its gradient
+    rounds: int  # 1 + the retries after a member was lost
+    healed: bool  # this group received the live state before this step
+    heal_s: float
+    retry_s: float  # from the first failed reduction to the start of the one that succeeded
+    step_s: float
+    fingerprint: str  # sha256 of the fp32 master bytes after the update
+    time: float = field(default_factory=time.time)
+
+
+def build_stack(run: FaultTolerantRun):
+    """megalite's model, wrapper and optimizer on a one-process mesh: (DataParallel, DistributedOptimizer)."""
+    cfg = run.run_config()
+    mesh = single_process_mesh("cpu")
+    model = build_data_parallel(build_model_chunks(run.model(), cfg, mesh), cfg, mesh)
+    return model, build_optimizer(model, cfg)
+
+
+def local_gradient(model, optimizer, microbatches) -> torch.Tensor:
+    """Forward and backward of `microbatches`, the losses summed unscaled; returns float64 [loss sum,
+    target tokens]; the summed gradient is in `model.grad_shard`."""
+    optimizer.zero_grad()
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(microbatches):
+        model.set_last_microbatch(i == len(microbatches) - 1)
+        loss = model(mb["input_ids"], mb["labels"], reduction="sum")
+        loss.backward()
+        loss_sum += loss.detach().double()
+    model.finish_grad_sync(fill_param_grads=False)  # one process: nothing to reduce, the buffers are final
+    tokens = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)
+    return torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)])
+
+
+def update(model, optimizer, totals: torch.Tensor, lr: float) -> float:
+    """The summed gradient in `model.grad_shard` / the target tokens, then the optimizer's step (clip,
+    AdamW, publish); returns the step's mean loss."""
+    loss_sum, tokens = float(totals[0]), float(totals[1])
+    model.grad_shard.div_(max(tokens, 1.0))
+    optimizer.step(lr=lr)
+    return loss_sum / max(tokens, 1.0)
+
+
+def fingerprint(optimizer) -> str:
+    digest = hashlib.sha256()
+    for chunk in optimizer.master_chunks():
+        digest.update(chunk.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+FAULT_MOMENTS = ("forward", "reduction", "mid-reduction", "update")
+
+
+class ReplicaGroup:
+    """This process's replica group (module docstring); `run()` trains to the last step."""
+
+    def __init__(self, run: FaultTolerantRun, group: int, *, joining: bool, fault=None):
+        """fault: None, or a callable (step, moment) called at the moments of FAULT_MOMENTS (the drills'
+        seam: it SIGKILLs this process at the planned one)."""
+        self.run_settings, self.group, self.healthy = run, group, not joining
+        self.fault = fault or (lambda step, moment: None)
+        store = dist.TCPStore(run.store_host, run.store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=max(run.join_timeout_s, run.timeout_s)))
+        self.model, self.optimizer = build_stack(run)
+        self.quorum = Quorum(store, group=group, num_groups=run.groups, min_groups=run.min_groups,
+                             timeout_s=run.timeout_s, join_timeout_s=run.join_timeout_s)
+        self.link = ReplicaLink(store, group=group, timeout_s=run.timeout_s)
+        self.log = Path(run.log_dir) / f"group{group}.jsonl"
+
+    def run(self) -> None:
+        r = self.run_settings
+        decision = self._join() if not self.healthy else self.quorum.agree(0, 0, range(r.groups), r.start_timeout_s)
+        while True:
+            try:
+                record = self._step(decision)
+            except Excluded:
+                decision = self._join()
+                continue
+            with open(self.log, "a") as out:
+                out.write(json.dumps(asdict(record)) + "\n")
+            if decision.step + 1 >= r.steps:
+                return
+            try:
+                decision = self.quorum.agree(decision.step + 1, 0, decision.members)
+            except Excluded:
+                decision = self._join()
+
+    def _join(self) -> Decision:
+        self.healthy = False
+        return self.quorum.join(self.run_settings.join_timeout_s)
+
+    def _step(self, decision: Decision) -> StepRecord:
+        started, failed_at, heal_s, healed = time.monotonic(), None, 0.0, False
+        totals = None  # this group's [loss sum, tokens]; its summed gradient kept in `local`
+        while True:
+            attempt_start = time.monotonic()
+            reduced = None
+            try:
+                if self.link.needs_rebuild(decision):
+                    self.link.rebuild(decision)
+                if decision.joiners:
+                    heal_s += self._heal(decision)
+                    healed = healed or self.group in decision.joiners
+                if totals is None:
+                    self.fault(decision.step, "forward")
+                    totals = local_gradient(self.model, self.optimizer,
+                                            self.run_settings.microbatches_of(decision.step, [self.group]))
+                    local = self.model.grad_shard.clone()
+                    time.sleep(self.run_settings.step_pause_s)
+                self.model.grad_shard.copy_(local)
+                self.fault(decision.step, "reduction")
+                reduced = self.link.all_reduce(totals.clone())
+                self.fault(decision.step, "mid-reduction")  # the tokens reduced, the gradient not yet
+                self.link.all_reduce(self.model.grad_shard)
+            except RuntimeError:  # a member lost: gloo's closed connection or timeout, a store timeout
+                reduced = None
+            if self.quorum.outcome(decision, reduced is not None):
+                break
+            failed_at = failed_at if failed_at is not None else attempt_start
+            if not self.healthy:
+                raise Excluded(f"replica group {self.group} lost its heal at step {decision.step}")
+            decision = self.quorum.agree(decision.step, decision.round + 1, decision.members)
+        self.fault(decision.step, "update")  # the others apply this step with this group's samples
+        retry_s = attempt_start - failed_at if failed_at is not None else 0.0
+        loss = update(self.model, self.optimizer, reduced, self.run_settings.lr)
+        return StepRecord(step=decision.step, group=self.group, loss=loss, members=list(decision.members),
+                          dropped=[g for g in range(self.run_settings.groups) if g not in decision.members],
+                          rounds=decision.round + 1, healed=healed, heal_s=heal_s, retry_s=retry_s,
+                          step_s=time.monotonic() - started, fingerprint=fingerprint(self.optimizer))
+
+    def _heal(self, decision: Decision) -> float:
+        started = time.monotonic()
+        heal(self.link, self.optimizer, decision)
+        self.healthy = True
+        return time.monotonic() - started
