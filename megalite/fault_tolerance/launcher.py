@@ -9,6 +9,7 @@ peer at the next step boundary. A group ends in one line when it cannot heal or 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megalite.fault_tolerance.quorum import QuorumLost
+from megalite.fault_tolerance.quorum import QuorumLost, RunFinished
 from megalite.fault_tolerance.replica_group import ReplicaGroup, build_stack
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
 from megalite.testing import free_port
@@ -39,11 +40,14 @@ class PlannedFault:
 
 def _group_main(run: FaultTolerantRun, group: int, joining: bool, fault) -> None:
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, for a group that seems stuck
     try:
         ReplicaGroup(run, group, joining=joining, fault=fault).run()
     except QuorumLost as lost:
         print(f"megalite: {lost}", file=sys.stderr, flush=True)  # one line, no traceback
         sys.exit(1)
+    except RunFinished as finished:
+        print(f"megalite: {finished}", file=sys.stderr, flush=True)
 
 
 class Launcher:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.distributed.mesh import single_process_mesh
-from megalite.fault_tolerance.quorum import Decision, Excluded, Quorum
+from megalite.fault_tolerance.quorum import Decision, Excluded, Quorum, beat_key
 from megalite.fault_tolerance.replica_link import ReplicaLink, heal
 from megalite.fault_tolerance.settings import FaultTolerantRun
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
@@ -95,6 +96,25 @@ def fingerprint(optimizer) -> str:
     return digest.hexdigest()[:16]
 
 
+class Heartbeat:
+    """A daemon thread adding 1 to this group's beat counter every `period_s`, on its own store
+    connection: the quorum waits for a slow group whose counter moves and not for a dead one."""
+
+    def __init__(self, run: FaultTolerantRun, group: int, incarnation: str):
+        self.store = dist.TCPStore(run.store_host, run.store_port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=run.timeout_s))
+        self.key, self.period_s = beat_key(group, incarnation), run.dead_after_s / 5
+        threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{group}").start()
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.store.add(self.key, 1)
+            except RuntimeError:
+                return  # the run's store is gone: the run is over
+            time.sleep(self.period_s)
+
+
 FAULT_MOMENTS = ("forward", "reduction", "mid-reduction", "update")
 
 
@@ -108,9 +128,11 @@ class ReplicaGroup:
         self.fault = fault or (lambda step, moment: None)
         store = dist.TCPStore(run.store_host, run.store_port, is_master=False,
                               timeout=datetime.timedelta(seconds=max(run.join_timeout_s, run.timeout_s)))
-        self.model, self.optimizer = build_stack(run)
         self.quorum = Quorum(store, group=group, num_groups=run.groups, min_groups=run.min_groups,
-                             timeout_s=run.timeout_s, join_timeout_s=run.join_timeout_s)
+                             timeout_s=run.timeout_s, join_timeout_s=run.join_timeout_s,
+                             dead_after_s=run.dead_after_s)
+        self.heartbeat = Heartbeat(run, group, self.quorum.incarnation)  # before the (slow) build
+        self.model, self.optimizer = build_stack(run)
         self.link = ReplicaLink(store, group=group, timeout_s=run.timeout_s)
         self.log = Path(run.log_dir) / f"group{group}.jsonl"
 
@@ -119,13 +141,14 @@ class ReplicaGroup:
         decision = self._join() if not self.healthy else self.quorum.agree(0, 0, range(r.groups), r.start_timeout_s)
         while True:
             try:
-                record = self._step(decision)
+                record, decision = self._step(decision)  # the decision it ended with (a retry's, maybe)
             except Excluded:
                 decision = self._join()
                 continue
             with open(self.log, "a") as out:
                 out.write(json.dumps(asdict(record)) + "\n")
             if decision.step + 1 >= r.steps:
+                self.quorum.finish()
                 return
             try:
                 decision = self.quorum.agree(decision.step + 1, 0, decision.members)
@@ -136,7 +159,7 @@ class ReplicaGroup:
         self.healthy = False
         return self.quorum.join(self.run_settings.join_timeout_s)
 
-    def _step(self, decision: Decision) -> StepRecord:
+    def _step(self, decision: Decision) -> tuple[StepRecord, Decision]:
         started, failed_at, heal_s, healed = time.monotonic(), None, 0.0, False
         totals = None  # this group's [loss sum, tokens]; its summed gradient kept in `local`
         while True:
@@ -161,6 +184,8 @@ class ReplicaGroup:
                 self.link.all_reduce(self.model.grad_shard)
             except RuntimeError:  # a member lost: gloo's closed connection or timeout, a store timeout
                 reduced = None
+            if reduced is None:
+                self.link.close()  # outside the except: its traceback no longer holds the group
             if self.quorum.outcome(decision, reduced is not None):
                 break
             failed_at = failed_at if failed_at is not None else attempt_start
@@ -173,7 +198,7 @@ class ReplicaGroup:
         return StepRecord(step=decision.step, group=self.group, loss=loss, members=list(decision.members),
                           dropped=[g for g in range(self.run_settings.groups) if g not in decision.members],
                           rounds=decision.round + 1, healed=healed, heal_s=heal_s, retry_s=retry_s,
-                          step_s=time.monotonic() - started, fingerprint=fingerprint(self.optimizer))
+                          step_s=time.monotonic() - started, fingerprint=fingerprint(self.optimizer)), decision
 
     def _heal(self, decision: Decision) -> float:
         started = time.monotonic()

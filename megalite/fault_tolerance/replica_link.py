@@ -19,6 +19,7 @@ point-to-point send, since the links run in parallel.
 from __future__ import annotations
 
 import datetime
+import gc
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,14 @@ class ReplicaLink:
                                                        len(decision.members),
                                                        datetime.timedelta(seconds=self.timeout_s))
         self.members = decision.members
+
+    def close(self) -> None:
+        """Drop this member's end after a failed collective. The group's destructor closes its connections,
+        so a peer still blocked in a collective of it (a ring's all-reduce can complete on one member and
+        fail on another, which then never joins the next one) fails at once instead of at the timeout.
+        (ProcessGroupGloo's abort() and shutdown() leave the connections open: measured.)"""
+        self.process_group, self.members = None, ()
+        gc.collect()  # any cycle still holding the group (a traceback's frames)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` in place over the members (raises RuntimeError when one is lost)."""

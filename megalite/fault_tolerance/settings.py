@@ -29,7 +29,8 @@ class FaultTolerantRun:
     store_host: str = "127.0.0.1"
     store_port: int = 0
     min_groups: int = 1  # a quorum with fewer live groups ends the run in one line
-    timeout_s: float = 5.0  # quorum waits and cross-group collectives
+    timeout_s: float = 30.0  # the longest wait for a live but slow group (quorum, collectives)
+    dead_after_s: float = 1.0  # a group whose heartbeat is silent this long is dead: not waited for
     join_timeout_s: float = 60.0  # a restarted group waiting to be admitted
     start_timeout_s: float = 60.0  # the first quorum: every group building its model
     micro_batch_size: int = 2
@@ -84,5 +85,5 @@ def check_run(run: FaultTolerantRun) -> None:
     if run.zero not in (0, 1):
         raise UsageError(f"--zero {run.zero}: in-place recovery covers ZeRO 0 and 1 (a group heals from "
                          f"whole-group state); choose --zero 0 or 1")
-    if run.timeout_s <= 0 or run.steps < 1:
-        raise UsageError("--ft-timeout-s must be > 0 and --train-iters >= 1")
+    if run.timeout_s <= 0 or run.dead_after_s <= 0 or run.steps < 1:
+        raise UsageError("--ft-timeout-s and --ft-dead-after-s must be > 0 and --train-iters >= 1")

@@ -6,12 +6,13 @@ group admitted by the next quorum with a healer named; a quorum below the minimu
 """
 import datetime
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
 
 from megalite.errors import UsageError
-from megalite.fault_tolerance.quorum import Excluded, Quorum, QuorumLost
+from megalite.fault_tolerance.quorum import PREFIX, Excluded, Quorum, QuorumLost, beat_key
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
 from megalite.testing import free_port
 
@@ -59,6 +60,22 @@ def test_an_absent_group_is_dropped_after_the_timeout_and_refused_when_late(stor
         groups[2].agree(4, 0, range(3))
 
 
+def test_a_slow_group_that_beats_is_waited_for_and_a_silent_one_is_not(store):
+    groups = [_quorum(store, g, timeout_s=10, dead_after_s=0.3) for g in range(3)]
+    for q in groups:
+        q.known = {g: other.incarnation for g, other in enumerate(groups)}  # the last decision's members
+    store.add(beat_key(2, groups[2].incarnation), 1)  # group 2 was alive once, then went silent (SIGKILL)
+
+    def slow_group_1():
+        for _ in range(10):  # 1 s of beats before it arrives: three times dead_after_s
+            store.add(beat_key(1, groups[1].incarnation), 1)
+            time.sleep(0.1)
+        return groups[1].agree(5, 0, range(3))
+    started = time.monotonic()
+    decisions = _together([lambda: groups[0].agree(5, 0, range(3)), slow_group_1])
+    assert {d.members for d in decisions} == {(0, 1)} and time.monotonic() - started < 5
+
+
 def test_a_member_that_never_reports_makes_every_survivor_retry(store):
     groups = [_quorum(store, g, timeout_s=10) for g in range(3)]
     decision = _together([lambda q=q: q.agree(0, 0, range(3)) for q in groups])[0]
@@ -72,8 +89,12 @@ def test_a_member_that_never_reports_makes_every_survivor_retry(store):
 
 def test_a_restarted_group_is_admitted_by_the_next_quorum_with_a_healer(store):
     groups = [_quorum(store, g, join_timeout_s=10) for g in range(3)]
-    live = [lambda q=q: q.agree(7, 0, (0, 1)) for q in groups[:2]]
-    *decisions, admitted = _together(live + [lambda: groups[2].join(10)])
+    def agree_once_group_2_asked(q):
+        while not store.check([PREFIX + "join/2"]):  # the live groups reach step 7 after the request
+            time.sleep(0.01)
+        return q.agree(7, 0, (0, 1))
+    *decisions, admitted = _together([lambda q=q: agree_once_group_2_asked(q) for q in groups[:2]] +
+                                     [lambda: groups[2].join(10)])
     assert admitted == decisions[0] == decisions[1]
     assert admitted.members == (0, 1, 2) and admitted.joiners == (2,) and admitted.healer == 0 and admitted.step == 7
 
