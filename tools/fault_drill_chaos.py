@@ -7,8 +7,8 @@ Recovery without a restart (megalite/fault_tolerance/, docs/fault_tolerance.md):
 train a tiny GPT, each its own process; the drill SIGKILLs one group at a time and restarts it, and
 the run goes on: the survivors finish the step without it, the restarted group heals from a live peer
 at a step boundary. The plan comes from --seed: which step, which group, and the moment — inside the
-forward, before the cross-group reduction, between its two all-reduces (the tokens reduced, the
-gradient not), after the step's outcome before the update (the seam ReplicaGroup calls at each), or
+forward, before the cross-group reduction, with the all-reduce in flight, after the step's outcome
+before the update (the seam ReplicaGroup calls at each), or
 `random`: a SIGKILL from outside at a random delay into the step (the quorum, a heal, anywhere). With
 dp-shard S = 1 per group a replica group is one rank, so "a random rank" and "a random group" are the
 same victim here.

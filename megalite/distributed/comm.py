@@ -201,6 +201,9 @@ class _TrackedWork:
     def __init__(self, work, record: OpRecord | None):
         self._work, self._record = work, record
 
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()

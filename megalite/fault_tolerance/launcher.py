@@ -40,7 +40,9 @@ class PlannedFault:
 
 def _group_main(run: FaultTolerantRun, group: int, joining: bool, fault) -> None:
     torch.set_num_threads(1)
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack, for a group that seems stuck
+    # `kill -USR1 <pid>`: every thread's stack, for a group that seems stuck (the process's own stderr:
+    # a test's captured sys.stderr has no file descriptor)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__)
     try:
         ReplicaGroup(run, group, joining=joining, fault=fault).run()
     except QuorumLost as lost:

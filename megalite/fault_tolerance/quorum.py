@@ -1,6 +1,6 @@
 """Which replica groups take part in a step, agreed every step through a key-value store.
 
-Decision 16 (ARCHITECTURE.md): replica groups fail alone. Before each step the live groups agree on
+The blueprint's decision 16: replica groups fail alone. Before each step the live groups agree on
 the step's members; after its reduction they agree on its outcome. The store (torch's TCPStore, held
 by whoever launches the groups: it must outlive any one of them) is the arbiter, so two groups can
 never see two different quorums for one step:
@@ -207,6 +207,10 @@ class Quorum:
     def finish(self) -> None:
         """A member trained the last step: restarted groups still waiting to join stop waiting."""
         self.store.set(self._key("finished"), "1")
+
+    def failed_already(self, decision: Decision) -> bool:
+        """Whether another member already settled `decision`'s outcome (it does so at once on a failure)."""
+        return self.store.check([self._key("q", decision.key, "outcome")])
 
     def outcome(self, decision: Decision, ok: bool) -> bool:
         """Report this member's reduction; True when every member of `decision` reported ok within timeout_s."""

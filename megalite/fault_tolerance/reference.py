@@ -4,8 +4,8 @@ A fault-tolerant run's records (replica_group.py, one JSON line per group and st
 members. The reference trains the same model in one process on exactly the samples of those members
 at each step (settings.py addresses every sample by id), through the same gradient and update code:
 the step's gradient is the mean over the surviving samples' target tokens. Each member's gradient is
-computed on its own and the members' are summed in order, as the run's all-reduce sums them: with one
-or two members (a + b is b + a) the reference is the run bit for bit; with three, gloo's ring adds
+computed on its own and the members' are summed in float64 in order, as the run's all-reduce sums them,
+then rounded to fp32: with one or two members (a + b is b + a) the reference is the run bit for bit; with three, gloo's ring adds
 each chunk in its own order, so the losses agree to rounding.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _reference_steps(run: FaultTolerantRun, members: dict[int, tuple[int, ...]])
         grad, totals = None, None
         for group in members[step]:
             mine = local_gradient(model, optimizer, run.microbatches_of(step, [group]))
-            grad = model.grad_shard.clone() if grad is None else grad.add_(model.grad_shard)
+            grad = model.grad_shard.double() if grad is None else grad.add_(model.grad_shard.double())
             totals = mine if totals is None else totals + mine
         model.grad_shard.copy_(grad)
         out.append((update(model, optimizer, totals, run.lr), fingerprint(optimizer)))

@@ -9,7 +9,7 @@ on the replica link rebuilt per quorum (replica_link.py). One step:
     2. rebuild, heal       a new link when the members changed; restarted groups receive the live state
     3. local gradient      forward + backward of this group's samples of step k, the loss summed
                            (reduction "sum", no scaling): computed once, kept for a retry
-    4. reduction           all-reduce over the link of the gradient and of (loss sum, target tokens)
+    4. reduction           one float64 all-reduce over the link of [gradient, loss sum, target tokens]
     5. outcome (k, r)      ok when every member's reduction completed; else round r + 1 from 1. with
                            the survivors (the dead group's samples of step k are dropped)
     6. update              gradient / surviving tokens, clip, AdamW (the optimizer's own step)
@@ -161,7 +161,7 @@ class ReplicaGroup:
 
     def _step(self, decision: Decision) -> tuple[StepRecord, Decision]:
         started, failed_at, heal_s, healed = time.monotonic(), None, 0.0, False
-        totals = None  # this group's [loss sum, tokens]; its summed gradient kept in `local`
+        packed = None  # float64 [this group's summed gradient, loss sum, target tokens]: kept for a retry
         while True:
             attempt_start = time.monotonic()
             reduced = None
@@ -171,21 +171,23 @@ class ReplicaGroup:
                 if decision.joiners:
                     heal_s += self._heal(decision)
                     healed = healed or self.group in decision.joiners
-                if totals is None:
+                if packed is None:
                     self.fault(decision.step, "forward")
                     totals = local_gradient(self.model, self.optimizer,
                                             self.run_settings.microbatches_of(decision.step, [self.group]))
-                    local = self.model.grad_shard.clone()
+                    packed = torch.cat([self.model.grad_shard.double(), totals])
                     time.sleep(self.run_settings.step_pause_s)
-                self.model.grad_shard.copy_(local)
                 self.fault(decision.step, "reduction")
-                reduced = self.link.all_reduce(totals.clone())
-                self.fault(decision.step, "mid-reduction")  # the tokens reduced, the gradient not yet
-                self.link.all_reduce(self.model.grad_shard)
+                # ONE collective per attempt: with two, a ring can complete the first on one member and
+                # fail it on another, which then never joins the second (the first waits out the timeout)
+                reduced = packed.clone()
+                work = self.link.all_reduce(reduced, async_op=True)
+                self.fault(decision.step, "mid-reduction")  # dies with the all-reduce in flight
+                self._wait_or_give_up(work, decision)
             except RuntimeError:  # a member lost: gloo's closed connection or timeout, a store timeout
                 reduced = None
             if reduced is None:
-                self.link.close()  # outside the except: its traceback no longer holds the group
+                self.link.close()
             if self.quorum.outcome(decision, reduced is not None):
                 break
             failed_at = failed_at if failed_at is not None else attempt_start
@@ -194,11 +196,24 @@ class ReplicaGroup:
             decision = self.quorum.agree(decision.step, decision.round + 1, decision.members)
         self.fault(decision.step, "update")  # the others apply this step with this group's samples
         retry_s = attempt_start - failed_at if failed_at is not None else 0.0
-        loss = update(self.model, self.optimizer, reduced, self.run_settings.lr)
+        self.model.grad_shard.copy_(reduced[:-2])  # the members' float64 sum, rounded once to fp32
+        loss = update(self.model, self.optimizer, reduced[-2:], self.run_settings.lr)
         return StepRecord(step=decision.step, group=self.group, loss=loss, members=list(decision.members),
                           dropped=[g for g in range(self.run_settings.groups) if g not in decision.members],
                           rounds=decision.round + 1, healed=healed, heal_s=heal_s, retry_s=retry_s,
                           step_s=time.monotonic() - started, fingerprint=fingerprint(self.optimizer)), decision
+
+    def _wait_or_give_up(self, work, decision: Decision) -> None:
+        """Wait for the all-reduce; give it up (RuntimeError) once another member settled the step's outcome
+        (a member settles it only on a failure before all reported): in a ring, a member whose neighbour
+        failed and left would otherwise wait for that neighbour until the link's timeout."""
+        pause = 0.0005
+        while not work.is_completed():
+            if self.quorum.failed_already(decision):
+                raise RuntimeError(f"step {decision.step}: another member's reduction failed")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+        work.wait()  # raises a failed collective's error
 
     def _heal(self, decision: Decision) -> float:
         started = time.monotonic()

@@ -19,7 +19,6 @@ point-to-point send, since the links run in parallel.
 from __future__ import annotations
 
 import datetime
-import gc
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ class ReplicaLink:
     def __init__(self, store, *, group: int, timeout_s: float):
         self.store, self.group, self.timeout_s = store, group, timeout_s
         self.process_group = None  # None: alone (or not built yet); comm treats it as a group of one
+        self.retired: list = []  # groups of failed attempts (see close)
         self.members: tuple[int, ...] = ()
 
     def needs_rebuild(self, decision: Decision) -> bool:
@@ -41,7 +41,7 @@ class ReplicaLink:
 
     def rebuild(self, decision: Decision) -> None:
         """Every member of `decision` calls this; it returns once all of them have connected (or raises)."""
-        self.process_group, self.members = None, ()
+        self.close()
         if len(decision.members) > 1:
             store = dist.PrefixStore(f"{PREFIX}pg/{decision.key}/", self.store)
             self.process_group = dist.ProcessGroupGloo(store, decision.members.index(self.group),
@@ -50,17 +50,18 @@ class ReplicaLink:
         self.members = decision.members
 
     def close(self) -> None:
-        """Drop this member's end after a failed collective. The group's destructor closes its connections,
-        so a peer still blocked in a collective of it (a ring's all-reduce can complete on one member and
-        fail on another, which then never joins the next one) fails at once instead of at the timeout.
-        (ProcessGroupGloo's abort() and shutdown() leave the connections open: measured.)"""
+        """Drop this member's end after a failed collective. The group is kept alive, not destroyed: a
+        ProcessGroupGloo destroyed after a failed collective can abort the process (seen under the
+        drills), so failed groups are retired and live until the process ends."""
+        if self.process_group is not None:
+            self.retired.append(self.process_group)
         self.process_group, self.members = None, ()
-        gc.collect()  # any cycle still holding the group (a traceback's frames)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` in place over the members (raises RuntimeError when one is lost)."""
-        comm.all_reduce(tensor, self.process_group)
-        return tensor
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """Sum `tensor` in place over the members (raises RuntimeError when one is lost); with async_op
+        a handle to wait on (its wait raises)."""
+        work = comm.all_reduce(tensor, self.process_group, async_op=async_op)
+        return work if async_op else tensor
 
     def broadcast_from(self, tensors: list[torch.Tensor], source_group: int) -> None:
         member = self.members.index(source_group)
@@ -78,10 +79,17 @@ def heal_tensors(optimizer) -> list[torch.Tensor]:
 
 
 def heal(link: ReplicaLink, optimizer, decision: Decision) -> float:
-    """Run the decision's heal on this member (healer, joiner or bystander); returns the bytes received."""
-    step_count = torch.tensor([float(optimizer.step_count)], dtype=torch.float64)
-    tensors = heal_tensors(optimizer) + [step_count]
-    link.broadcast_from(tensors, decision.healer)
-    optimizer.step_count = int(step_count.item())
+    """Run the decision's heal on this member (healer, joiner or bystander); returns the bytes moved. One
+    float64 broadcast of everything (fp32 values survive the round trip exactly): one collective, so a
+    member lost in it fails every member's heal alike."""
+    tensors = heal_tensors(optimizer)
+    flat = torch.cat([t.reshape(-1).double() for t in tensors] +
+                     [torch.tensor([float(optimizer.step_count)], dtype=torch.float64)])
+    link.broadcast_from([flat], decision.healer)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    optimizer.step_count = int(flat[-1].item())
     optimizer.publish_params()  # the parameters from the received masters (their own bytes at fp32)
-    return float(sum(t.numel() * t.element_size() for t in tensors))
+    return float(flat.numel() * flat.element_size())
