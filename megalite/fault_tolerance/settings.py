@@ -78,10 +78,10 @@ class FaultTolerantRun:
 def check_run(run: FaultTolerantRun) -> None:
     """Refuse, in one line each, what this recovery cannot do (before any group starts)."""
     if run.groups < 1:
-        raise UsageError(f"--ft-groups {run.groups}: need at least 1 replica group")
+        raise UsageError(f"--groups {run.groups}: need at least 1 replica group")
     if not 1 <= run.min_groups <= run.groups:
         raise UsageError(f"--ft-min-groups {run.min_groups} must be in [1, {run.groups}] (the replica groups "
-                         f"of the run); choose --ft-min-groups between 1 and --ft-groups")
+                         f"of the run); choose --ft-min-groups between 1 and --groups")
     if run.zero not in (0, 1):
         raise UsageError(f"--zero {run.zero}: in-place recovery covers ZeRO 0 and 1 (a group heals from "
                          f"whole-group state); choose --zero 0 or 1")

@@ -27,6 +27,7 @@ def _drill(tmp_path, *, groups, steps, faults, restart_delay_s=1.5, restart=True
     return run, launcher, exits
 
 
+@pytest.mark.slow  # ~10 s of wall time (a restart delay, steps of stand-in compute); the quorum's quick tests stay
 def test_two_groups_one_killed_mid_reduction_equal_the_reference_bit_for_bit(tmp_path):
     run, launcher, exits = _drill(tmp_path, groups=2, steps=12, faults={1: [(1, "mid-reduction")]})
     verdict = verify(run, launcher.records())

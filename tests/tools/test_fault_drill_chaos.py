@@ -32,7 +32,7 @@ def test_a_minimum_quorum_out_of_range_is_one_line(capsys):
     assert fault_drill.main(["--chaos", "--groups", "2", "--ft-min-groups", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["megalite: --ft-min-groups 3 must be in [1, 2] (the replica groups of the run); choose "
-                   "--ft-min-groups between 1 and --ft-groups"]
+                   "--ft-min-groups between 1 and --groups"]
 
 
 @pytest.mark.slow
