@@ -4,6 +4,7 @@
     python tools/fault_drill.py --faults 6 --nproc 4 --seed 7 -- --tp 2 --zero 1
     python tools/fault_drill.py --master-port 29700              # torchrun's static rendezvous instead
     python tools/fault_drill.py --shrink --faults 1              # every fault loses ranks for good (2 -> 1)
+    python tools/fault_drill.py --chaos --seed 7                 # no restart: replica groups killed, healed in place
 
 What it does:
 1. runs the job uninterrupted (examples/pretrain_gpt.py under torchrun, --save/--load,
@@ -54,6 +55,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
+from fault_drill_chaos import chaos_main  # noqa: E402
 from fault_drill_plan import (MOMENTS, SCRIPT, Fault, compare_curves, job_flags, largest_difference,  # noqa: E402
                               plan_faults, read_losses, read_resizes, shrink_worlds, steps_lost)
 
@@ -376,6 +378,9 @@ def parse_args(argv):
 
 @reports_usage_errors
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--chaos" in argv:  # recovery without a restart (tools/fault_drill_chaos.py)
+        return chaos_main([a for a in argv if a != "--chaos"])
     args = parse_args(argv)
     check_job(args)  # before anything is made or launched
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="megalite-fault-drill-")  # made only by a drill that runs

@@ -201,6 +201,9 @@ class _TrackedWork:
     def __init__(self, work, record: OpRecord | None):
         self._work, self._record = work, record
 
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
@@ -284,6 +287,16 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     work = _run("broadcast", group, tensor, tensor.numel() * tensor.element_size(),
                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
     return work if async_op else tensor
+
+
+def broadcast_from_member(tensor: torch.Tensor, member: int, group) -> torch.Tensor:
+    """Broadcast `tensor` in place from the rank at position `member` of `group`; works on a group built
+    outside torch's registry (the replica link, megalite/fault_tolerance/replica_link.py)."""
+    if _trivial(group):
+        return tensor
+    _run("broadcast", group, tensor, tensor.numel() * tensor.element_size(),
+         lambda: dist.broadcast(tensor, group=group, group_src=member), False)
+    return tensor
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:

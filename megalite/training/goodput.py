@@ -12,8 +12,9 @@ are named by cause:
               at the previous run's mean step time, move from productive to lost)
     save      training blocked by checkpoint saves
     eval      validation passes
-    heal      in-place recovery: a replica group receiving the live state from a peer (issue 48;
-              not produced until recovery without a restart exists)
+    heal      in-place recovery (megalite/fault_tolerance/): the survivors' step retried without a dead
+              replica group and the live state sent to a restarted one (the chaos drill's ledger,
+              tools/fault_drill_chaos.py; the training loop does not run in-place recovery yet)
 
 What is left (wall - productive - lost) is "other": logging, guards, the first step's set-up. With
 --save, rank 0 keeps the ledger in DIR/goodput.json (written atomically at every logged step), which
