@@ -188,6 +188,7 @@ def _launch(world: int, crashing_rank: int) -> list[tuple[int, str]]:
     return [(p.wait(timeout=120), p.stdout.read()) for p in procs]
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_script_without_destroy_mesh_exits_zero_and_a_crash_exits_nonzero():
     """init_mesh registers the process group's teardown for interpreter exit: without it gloo's
     group is destroyed during finalization, which can abort (SIGABRT) a finished job."""

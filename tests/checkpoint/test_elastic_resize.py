@@ -209,6 +209,7 @@ MOE_ARGV = ["--model", "moe-tiny", "--num-layers", "2", "--hidden-size", "32", "
             "--train-iters", str(MOE_ITERS), "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "2"]
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_moe_run_resized_from_ep2_to_ep1_continues_the_uninterrupted_curve(tmp_path):
     ref = tmp_path / "ref"
     _launch(4, MOE_ARGV + ["--save", str(ref), "--save-interval", "1", "--metrics-file", str(tmp_path / "ref.jsonl")])

@@ -58,6 +58,7 @@ def _world(directory, reference):
     return True
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_moe_checkpoint_saved_at_one_layout_loads_at_others(reference, tmp_path):
     assert all(run_distributed(_world, 4, str(tmp_path), reference, timeout_s=300))
     m = single_process_mesh("cpu")

@@ -14,6 +14,7 @@
   uninterrupted losses: each dense replica reads its own share, an expert's 2 stored shares
   arrive summed on replica 0 (zero elsewhere).
 """
+import pytest
 import torch
 
 from megalite.distributed import comm
@@ -111,6 +112,7 @@ def _world(ckpt_dir):
     return out
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_moe_powersgd_expert_group(tmp_path):
     _, _, results = train(single_process_mesh("cpu"), cfg_for(), steps=range(4))
     reference = [(r.loss, r.grad_norm) for r in results]

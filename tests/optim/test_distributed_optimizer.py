@@ -149,6 +149,7 @@ def reference():
     return _reference()
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_zero_stages_at_dp4_match_adamw(reference):
     per_rank = run_distributed(_dp4_world, 4)
     for rank, runs in enumerate(per_rank):

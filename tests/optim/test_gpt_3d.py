@@ -8,6 +8,7 @@ counts it once.
 """
 import math
 
+import pytest
 import torch
 
 from megalite.parameters import params as P
@@ -111,6 +112,7 @@ def _world(zero_stages):
     return out
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_gpt_tp2_pp2_dp2_zero_matches_adamw():
     ref_losses, ref_norms, ref_full = _reference()
     assert ref_norms[0] > CLIP, "the test must exercise clipping"

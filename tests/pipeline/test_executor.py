@@ -6,6 +6,7 @@ computes the one-process oracle itself, so only error summaries travel back.
 import gc
 import weakref
 
+import pytest
 import torch
 
 from megalite.distributed import mesh as mesh_lib
@@ -167,6 +168,7 @@ def _zero_bubble_with_optimizer_world():
     return live, opt.master_range(0, 1).requires_grad, model.grad_shard.requires_grad
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_zero_bubble_weight_passes_build_no_graph():
     # The W pass runs deferred weight-gradient closures outside the autograd engine; with grad
     # mode on they built graphs back to the saved activations, the grad buffer and through it

@@ -26,6 +26,7 @@ def _load_tool(monkeypatch):
     return tool
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_sweep_times_candidates_marks_a_wrong_one_and_prints_paste_lines(monkeypatch, capsys, tmp_path):
     tool = _load_tool(monkeypatch)
     monkeypatch.setattr(tool, "SMOKE_NORM_SHAPES", [(12, 40)])

@@ -44,6 +44,7 @@ def test_tensorboard_holds_the_files_fields(tmp_path):
     assert {"perf/tokens_per_sec", "perf/mfu", "train/lr", "train/grad_norm"} <= set(board)
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_wandb_offline_holds_the_files_fields(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from megalite.distributed import comm, mesh
@@ -43,6 +44,7 @@ def _rank(rank, port, report_dir):
     os._exit(0)  # never reached: the watchdog ends every rank
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_skipped_collective_is_reported_by_every_rank_and_summarised(tmp_path, capfd):
     ctx, port = mp.get_context("fork"), free_port()
     started = time.monotonic()
@@ -196,6 +198,7 @@ class _DictStore:
             return int(self.data[key])
 
 
+@pytest.mark.slow  # the quick tier keeps a smaller proof of the same feature
 def test_store_channel_and_a_silent_rank_0_another_rank_summarises(tmp_path, monkeypatch):
     now = time.perf_counter()
     monkeypatch.setattr(comm, "recent_ops", lambda: [comm.OpRecord(4, "broadcast", "dp", (2,), "int64", 16, now)])
