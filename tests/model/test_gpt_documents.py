@@ -2,6 +2,9 @@
 documents run one by one as sequences of their own, logits and every gradient, float32, 1e-5; at
 (1, 1, 1) in-process and at (tp 2, SP) over two forked ranks. Documents of 1 token, odd lengths, and
 a sample that is one document filling the whole sequence; some labels masked (-100)."""
+import os
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +12,9 @@ from megalite.distributed import comm, mesh
 from megalite.parameters import params as P
 from megalite.model import GPTModel, preset
 from megalite.testing import assert_tensor_close, run_distributed
+
+sys.path.insert(0, os.path.dirname(__file__))
+from packed_documents import documents_batch, one_by_one  # noqa: E402
 
 B, S = 2, 16
 DOCUMENTS = ([1, 5, 3, 7], [16])  # per sample; 16: the whole sequence
@@ -19,31 +25,14 @@ def _config(name):
 
 
 def _batch(vocab):
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, vocab, (B, S), generator=gen)
-    labels = torch.randint(0, vocab, (B, S), generator=gen)
-    labels[0, 2] = labels[1, 9] = -100  # a loss mask: the sum skips them, the mean does not count them
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
-    return ids, labels, positions
+    return documents_batch(vocab, DOCUMENTS, S)
 
 
 def _one_by_one(name):
     """Each document alone through a tp=1 model: its logits, the summed loss, every gradient."""
     cfg = _config(name)
     model = GPTModel(cfg, seed=5)
-    ids, labels, _ = _batch(cfg.vocab_size)
-    logits, loss = torch.zeros(B, S, cfg.padded_vocab_size(1)), torch.zeros(())
-    for b, lengths in enumerate(DOCUMENTS):
-        start = 0
-        for n in lengths:
-            rows = slice(start, start + n)
-            logits[b, rows] = model(ids[b:b + 1, rows]).detach()[0]
-            document_loss = model(ids[b:b + 1, rows], labels[b:b + 1, rows], reduction="sum")
-            document_loss.backward()
-            loss += document_loss.detach()
-            start += n
-    grads = {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
-    return logits, loss, grads
+    return one_by_one(model, DOCUMENTS, S, cfg.vocab_size, cfg.padded_vocab_size(1))
 
 
 def _packed(name, tp, sequence_parallel, expected):

@@ -7,6 +7,9 @@ one (tests/model/test_gpt_documents.py's oracle): lengths 1 and odd, documents c
 edges (chunks of 4 tokens), a sample that is one document; some labels masked. A window of 5, alone
 and over the documents, is compared with the same model at cp 1.
 """
+import os
+import sys
+
 import pytest
 import torch
 
@@ -15,6 +18,9 @@ from megalite.parameters import params as P
 from megalite.context_parallel import gather_sequence, split_sequence
 from megalite.model import GPTModel, preset
 from megalite.testing import assert_tensor_close, run_distributed
+
+sys.path.insert(0, os.path.dirname(__file__))
+from packed_documents import documents_batch, one_by_one  # noqa: E402
 
 B, S = 2, 16
 DOCUMENTS = ([1, 5, 3, 7], [16])  # per sample; at cp 2 the chunks are [0, 4), [4, 8), [8, 12), [12, 16)
@@ -25,15 +31,12 @@ def _config(name, window=None):
     return preset(name, num_layers=1, seq_length=S, window_size=window)
 
 
+MASKED = ((0, 2), (1, 13))  # masked targets on both cp ranks
+
+
 def _batch(vocab, documents=True):
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, vocab, (B, S), generator=gen)
-    labels = torch.randint(0, vocab, (B, S), generator=gen)
-    labels[0, 2] = labels[1, 13] = -100  # masked targets on both cp ranks
-    if not documents:
-        return ids, labels, None
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in DOCUMENTS])
-    return ids, labels, positions
+    ids, labels, positions = documents_batch(vocab, DOCUMENTS, S, masked=MASKED)
+    return ids, labels, (positions if documents else None)
 
 
 def _grads(model):
@@ -44,18 +47,7 @@ def _one_by_one(name):
     """Each document alone at cp 1: logits [b, s, V], the summed loss, every gradient."""
     cfg = _config(name)
     model = GPTModel(cfg, seed=5)
-    ids, labels, _ = _batch(cfg.vocab_size)
-    logits, loss = torch.zeros(B, S, cfg.padded_vocab_size(1)), torch.zeros(())
-    for b, lengths in enumerate(DOCUMENTS):
-        start = 0
-        for n in lengths:
-            rows = slice(start, start + n)
-            logits[b, rows] = model(ids[b:b + 1, rows]).detach()[0]
-            document_loss = model(ids[b:b + 1, rows], labels[b:b + 1, rows], reduction="sum")
-            document_loss.backward()
-            loss += document_loss.detach()
-            start += n
-    return logits, loss, _grads(model)
+    return one_by_one(model, DOCUMENTS, S, cfg.vocab_size, cfg.padded_vocab_size(1), masked=MASKED)
 
 
 def _single_process(name, window, documents):
