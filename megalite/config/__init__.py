@@ -32,7 +32,7 @@ from typing import Any
 from megalite.config.mla import latent_attention
 from megalite.config.model import GPTConfig, preset
 from megalite.layout import Layout
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.pipeline.partition import chunk_layer_counts
 from megalite.config import megatron
 from megalite.config.bounds import NO_BOUNDS, Bounds, bound_problems

@@ -5,7 +5,7 @@ Flavours:
 - "llama": RMSNorm, SwiGLU MLP, rotary positions (rotate-half), grouped-query attention,
            no biases, untied output layer.
 
-Either flavour may replace its MLPs by mixtures of experts (`moe`, a `megalite.moe.config.MoEConfig`):
+Either flavour may replace its MLPs by mixtures of experts (`moe`, a `megalite.config.moe.MoEConfig`):
 SwiGLU experts for llama, GeLU experts for gpt2 (experts carry no biases).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megalite.config.mla import MLAConfig
 from megalite.config.rope_scaling import check_rope_scaling
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 
 
 def attention_span(seq_length: float, mean_document_length: float | None = None, window: int | None = None) -> float:

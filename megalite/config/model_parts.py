@@ -159,7 +159,7 @@ class ParallelSettings:
 
 @dataclass(frozen=True)
 class MoESettings:
-    """mixture of experts (Megatron's flags; unset: the --model preset's, else megalite.moe.config.MoEConfig's default)"""
+    """mixture of experts (Megatron's flags; unset: the --model preset's, else megalite.config.moe.MoEConfig's default)"""
 
     num_experts: int | None = setting(None, "routed experts per MoE layer (turns the model's MLPs into mixtures of "
                                             "experts)", minimum=1)

@@ -21,7 +21,7 @@ from megalite.config.rope_scaling import rope_type
 from megalite.data.tokenizer import load_tokenizer
 from megalite.extras import require
 from megalite.model import hf_deepseek
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", *hf_deepseek.FAMILIES)
 _ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -24,7 +24,7 @@ import torch
 from megalite.config.choices import MoEScoreFunction
 from megalite.config.mla import MLAConfig
 from megalite.config.model import GPTConfig
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
 

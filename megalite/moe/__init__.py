@@ -5,7 +5,6 @@
 - experts.py     this rank's experts (SwiGLU or GeLU), grouped GEMMs over [E_local, K, N] weights
 - layer.py       MoELayer: the block's MLP made of the three (+ an optional shared expert)
 - bookkeeping.py what a train step does with MoE layers (loss scale, expert-bias update, metrics)
-- config.py      MoEConfig (pure Python: the planner and RunConfig import it without torch)
 
-Kept import-light: `megalite.moe.config` must not pull in torch.
+MoEConfig, the experts' settings, is pure Python and lives with the other settings (config/moe.py).
 """

@@ -28,7 +28,7 @@ from megalite.config.choices import MoEDispatcher
 from megalite import ops
 from megalite.distributed import comm
 from megalite.distributed.layer_groups import LayerGroups
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.tensor_parallel import mappings
 
 

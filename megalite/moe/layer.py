@@ -41,7 +41,7 @@ from torch import nn
 from megalite.distributed import comm
 from megalite.distributed.uneven import split_sizes
 from megalite.parameters import params
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.moe.dispatcher import make_dispatcher
 from megalite.moe.experts import LocalExperts
 from megalite.context_parallel.zigzag import position_ids

@@ -40,7 +40,7 @@ from torch import nn
 
 from megalite.config.choices import MoEDropPolicy, MoELoadBalancing, MoEScoreFunction
 from megalite.distributed import comm, uneven
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.plan.moe import balanced_routes
 
 

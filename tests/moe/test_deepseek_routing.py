@@ -12,7 +12,7 @@ from megalite.config import RunConfig
 from megalite.distributed.layer_groups import LayerGroups
 from megalite.distributed.mesh import init_mesh, single_process_mesh
 from megalite.model import preset
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import Router
 from megalite.testing import assert_tensor_close, run_distributed

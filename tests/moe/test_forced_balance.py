@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite.config import RunConfig
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.moe.router import Router, balanced_expert_ids
 from megalite.plan.moe import balanced_routes
 

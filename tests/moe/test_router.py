@@ -11,7 +11,7 @@ from megalite.config import RunConfig
 from megalite.distributed.mesh import single_process_mesh
 from megalite.model import preset
 from megalite.model.gpt import GPTModel
-from megalite.moe.config import MoEConfig
+from megalite.config.moe import MoEConfig
 from megalite.moe.router import Router, capacity_keep_mask, top_k_deterministic, update_expert_bias
 from megalite.moe.bookkeeping import moe_stats
 
