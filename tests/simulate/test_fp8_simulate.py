@@ -57,3 +57,14 @@ def test_the_amax_all_reduces_are_counted_by_group():
     blocks = TINY["num_layers"]
     assert fp8["tp/all_reduce"] - plain.get("tp/all_reduce", 0) == 4 * 14 * blocks
     assert fp8["cp/all_reduce"] - plain.get("cp/all_reduce", 0) == 4 * 8 * blocks
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the planner's FP8 terms take the fused-QKV block's linears, not MLA's "
+                                       "(docs/deepseek.md, FP8): tp bytes and saved activations differ")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_latent_attention_in_fp8_is_not_yet_the_planners(recipe):
+    settings = dict(model="deepseek-tiny", tp=2, sequence_parallel=True, micro_batch_size=2)
+    measured, planned, residual = _residual(_cfg(settings, fp8_format="hybrid", fp8_recipe=recipe), 1)
+    assert measured.comm_bytes == planned["comm_bytes"], recipe
+    assert residual == _residual(_cfg(settings), 1)[2], recipe
