@@ -123,8 +123,9 @@ def layer_activation_bytes(model: GPTConfig, cfg: RunConfig, recompute: str | No
     f, nq = model.ffn_hidden_size, model.num_attention_heads
     if recompute == Recompute.FULL:
         return a * s * b * h // sp
-    if model.mla is not None:  # DeepSeek's latent attention (plan/mla.py); its FP8 terms are not counted
-        return latent_layer_bytes(model, a=a, tokens=s * b, batch=b, seq=s, t=t, sp=sp, recompute=recompute)
+    if model.mla is not None:  # DeepSeek's latent attention (plan/mla.py); SDPA keeps its output once
+        return (latent_layer_bytes(model, a=a, tokens=s * b, batch=b, seq=s, t=t, sp=sp, recompute=recompute)
+                + fp8.attention_saved_change(model, cfg, recompute, True) + fp8.mlp_saved_change(model, cfg))
     total = 2 * _norm_bytes(model, a, s * b // sp, h)
     total += 2 * a * s * b * h // sp                                    # QKV and MLP-in linear inputs
     total += _attention_inputs_bytes(model, a, s * b, t, recompute, ulysses)

@@ -147,8 +147,10 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
         add(key, n)
     if model.mla is not None:  # DeepSeek's latent attention moves its latents, not x (plan/mla.py)
         per_token = DTYPE_BYTES[cfg.precision.precision] * s * b
+        a = DTYPE_BYTES[cfg.precision.precision]
         for key, n in latent_tp_bytes(model, u=u, per_token=per_token, microbatches=m, layers=layers, rerun=rerun,
-                                      sequence_parallel=sp).items():
+                                      sequence_parallel=sp,
+                                      gather=lambda nbytes: fp8.sp_input_gather_bytes(cfg, nbytes, a, s * b)).items():
             add(key, n)
     if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
         add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)

@@ -88,9 +88,23 @@ def attention_saved_change(model: GPTConfig, cfg: RunConfig, recompute: str, kep
     a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
     sbh = local_seq_length(model, cfg) * cfg.training.micro_batch_size * model.hidden_size
-    out_input = sbh // model.hidden_size * model.num_attention_heads * model.head_dim // t
+    tokens = sbh // model.hidden_size
+    out_input = tokens * model.num_attention_heads * (model.head_dim if model.mla is None else model.mla.v_head_dim) // t
     out_change = out_input if (kept_once and recompute == Recompute.NONE) else -(a - 1) * out_input
-    return -(a - 1) * sbh // sp + out_change + 2 * 4
+    if model.mla is None:
+        return -(a - 1) * sbh // sp + out_change + 2 * 4
+    return _latent_inputs_change(model, a, tokens, sp) + out_change + 3 * 4
+
+
+def _latent_inputs_change(model: GPTConfig, a: int, tokens: int, sp: int) -> int:
+    """MLA's two up-projections keep their inputs [s/sp, b, r] (the normed latents, which nothing else
+    keeps) in 1 byte instead of a; without a query latent q_up reads the norm output x, which the plain
+    key/value down-projection keeps anyway, so its FP8 copy is kept beside it."""
+    mla = model.mla
+    change = -(a - 1) * tokens * mla.kv_lora_rank // sp
+    if mla.q_lora_rank is None:
+        return change + tokens * model.hidden_size // sp
+    return change - (a - 1) * tokens * mla.q_lora_rank // sp
 
 
 def mlp_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
@@ -108,7 +122,7 @@ def expert_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
     """Bytes an MoE block's grouped FP8 experts keep beyond plan/moe's routing count, per microbatch:
     each of the two grouped GEMMs keeps its rows' group ids (int64 [R], R = the rows this rank's experts
     receive) and, tensorwise, its input as x_q^T in 1 byte instead of a ([R, h] into fc1, [R, f_e/etp]
-    into fc2) with the [E] per-expert scales. Blockwise runs the experts through the FP8 linear one
+    into fc2) with the [E] per-expert scales, and a shared expert's two linear inputs in 1 byte. Blockwise runs the experts through the FP8 linear one
     after another (views of the rows: nothing more)."""
     if not enabled(cfg) or cfg.precision.fp8_recipe == Fp8ScalingRecipe.BLOCKWISE:
         return 0
@@ -118,6 +132,10 @@ def expert_saved_change(model: GPTConfig, cfg: RunConfig) -> int:
     if _saves_fp8_inputs(cfg):
         n += -(a - 1) * rows * (model.hidden_size + moe.expert_ffn(model.ffn_hidden_size) // cfg.etp_size)
         n += 2 * 4 * experts
+        if moe.shared_expert_intermediate_size:  # its two linears (no SP): inputs [T, h], [T, f_s/tp] in 1 byte
+            tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size
+            n += -(a - 1) * tokens * (model.hidden_size + moe.shared_expert_intermediate_size // cfg.parallel.tp)
+            n += 2 * 4
     return n
 
 

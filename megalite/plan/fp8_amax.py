@@ -53,12 +53,18 @@ class _Tally:
 
 
 def _linears(model: GPTConfig, cfg: RunConfig, mlp: bool) -> list[tuple[str, int, int, bool]]:
-    """(kind, N, K, sequence parallel) of one block's FP8 linears on a tp rank: attention's QKV and
-    output, and with `mlp` the dense MLP's two; an MoE block's shared expert (non-SP) when it has one."""
+    """(kind, N, K, sequence parallel) of one block's FP8 linears on a tp rank: attention's QKV (MLA's two
+    up-projections) and output, and with `mlp` the dense MLP's two; an MoE block's shared expert (non-SP) when it has one."""
     t, h, d, sp = cfg.parallel.tp, model.hidden_size, model.head_dim, cfg.parallel.sequence_parallel
     gated = model.flavour != "gpt2"
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d // t
-    out = [("column", qkv, h, sp), ("row", h, model.num_attention_heads * d // t, sp)]
+    if model.mla is not None:  # latent attention: two column-parallel up-projections (the down-projections stay plain)
+        mla, n = model.mla, model.num_attention_heads
+        out = [("column", n * mla.qk_dim // t, mla.q_lora_rank or h, sp),
+               ("column", n * (mla.qk_head_dim + mla.v_head_dim) // t, mla.kv_lora_rank, sp),
+               ("row", h, n * mla.v_head_dim // t, sp)]
+    else:
+        qkv = (model.num_attention_heads + 2 * model.num_query_groups) * d // t
+        out = [("column", qkv, h, sp), ("row", h, model.num_attention_heads * d // t, sp)]
     if mlp:
         f = model.ffn_hidden_size
         out += [("column", (2 if gated else 1) * f // t, h, sp), ("row", h, f // t, sp)]

@@ -57,3 +57,17 @@ def test_the_amax_all_reduces_are_counted_by_group():
     blocks = TINY["num_layers"]
     assert fp8["tp/all_reduce"] - plain.get("tp/all_reduce", 0) == 4 * 14 * blocks
     assert fp8["cp/all_reduce"] - plain.get("cp/all_reduce", 0) == 4 * 8 * blocks
+
+
+
+@pytest.mark.slow  # 4 simulations of 2 ranks' steps: ~8 s
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("sp", [True, False], ids=["SP", "no SP"])
+def test_latent_attention_in_fp8_sends_and_keeps_what_the_planner_counts(recipe, sp):
+    """deepseek-tiny's dense block and MoE block (a shared expert) at tp 2: MLA's two up-projections'
+    amaxes and, under SP, their latents' FP8 gathers (plan/mla.py, plan/fp8_amax.py); tensorwise keeps
+    their inputs and the shared expert's in 1 byte (plan/fp8.py)."""
+    settings = dict(model="deepseek-tiny", num_layers=2, tp=2, sequence_parallel=sp, micro_batch_size=2)
+    measured, planned, residual = _residual(_cfg(settings, fp8_format="hybrid", fp8_recipe=recipe), 1)
+    assert measured.comm_bytes == planned["comm_bytes"], recipe
+    assert residual == _residual(_cfg(settings), 1)[2], recipe
