@@ -123,7 +123,9 @@ def _experts_to_hf(full: dict[str, torch.Tensor], config: GPTConfig) -> dict[str
 
 
 def hf_to_full_state(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """HF state dict -> megalite logical full tensors."""
+    """HF state dict -> megalite logical full tensors (a config's MTP depths only where the state holds
+    them: transformers' DeepSeek-V3 model keeps num_nextn_predict_layers but not the layers)."""
+    config = with_mtp_as_present(config, hf_state)
     out: dict[str, torch.Tensor] = _experts_from_hf(dict(hf_state), config) if config.moe is not None else {}
     if config.moe is not None:  # transformers < 5 names the router block_sparse_moe.gate
         hf_state = {k.replace(".block_sparse_moe.gate.", ".mlp.gate."): v for k, v in hf_state.items()}

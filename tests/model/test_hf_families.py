@@ -21,7 +21,7 @@ import hf_families as H  # noqa: E402
 from megalite.distributed import comm, mesh as mesh_lib  # noqa: E402
 from megalite.parameters import params as P  # noqa: E402
 from megalite.model import GPTModel, preset  # noqa: E402
-from megalite.model.hf import config_from_hf, from_hf, hf_to_full_state, to_hf  # noqa: E402
+from megalite.model.hf import config_from_hf, from_hf, hf_to_full_state, to_hf, with_mtp_as_present  # noqa: E402
 from megalite.model.hf_config import hf_config_from  # noqa: E402
 from megalite.pipeline import PipelineSpec, run_pipeline, stage_layers  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
@@ -51,7 +51,7 @@ def test_the_checks_can_fail():
                            ("qwen2-moe", "no shared expert gate"), ("deepseek-v3", "no groups"),
                            ("deepseek-v3", "no correction bias"), ("deepseek-v2", "no scaling factor")):
         hf, logits, _, _ = H.reference(family)
-        config = config_from_hf(hf.config)
+        config = with_mtp_as_present(config_from_hf(hf.config), hf.state_dict())  # transformers' model: no MTP
         if change == "renormalised top-k":
             config = config.replace(moe=config.moe.replace(pre_softmax=False))
         elif change == "no shared expert gate":
@@ -154,7 +154,7 @@ def test_export_writes_the_tokenizers_bos_and_eos(tmp_path):
 
 def _stage_models(hf, mesh):
     """This rank's pipeline stage of the transformers model: from_hf with the stage's layers."""
-    config = config_from_hf(hf.config)
+    config = with_mtp_as_present(config_from_hf(hf.config), hf.state_dict())  # as from_hf builds it
     (layer_ids,) = stage_layers(config.num_layers, mesh.pp_size, 1, mesh.pp_rank)
     return config, from_hf(hf, mesh, layer_ids=layer_ids, pre_process=mesh.is_first_stage,
                            post_process=mesh.is_last_stage)
@@ -212,8 +212,9 @@ def test_every_family_at_tp2_pp2_equals_transformers_logits_loss_and_gradients()
     references = {family: H.reference(family, with_grads=True) for family in H.FAMILIES}
     reports = run_distributed(_all_families_tp2_pp2, 4, references, timeout_s=600)
     for family in H.FAMILIES:  # every logical parameter was compared on one of the two stages
-        names = {n for n, _ in GPTModel(config_from_hf(references[family][0].config), device="meta")
-                 .logical_parameters()}
+        hf = references[family][0]
+        config = with_mtp_as_present(config_from_hf(hf.config), hf.state_dict())
+        names = {n for n, _ in GPTModel(config, device="meta").logical_parameters()}
         assert set().union(*(report[family] for report in reports)) == names, family
 
 
@@ -312,5 +313,6 @@ def test_deepseek_v3_at_tp2_pp2_ep2_equals_transformers():
     grads = {name: p.grad.detach().clone() for name, p in hf.named_parameters()}
     reports = run_distributed(_deepseek_tp2_pp2_ep2, 8, hf, ids, logits.detach(), loss.detach(), grads,
                               timeout_s=600)
-    names = {n for n, _ in GPTModel(config_from_hf(hf.config), device="meta").logical_parameters()}
+    config = with_mtp_as_present(config_from_hf(hf.config), hf.state_dict())
+    names = {n for n, _ in GPTModel(config, device="meta").logical_parameters()}
     assert set().union(*reports) == names
