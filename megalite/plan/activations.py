@@ -347,9 +347,19 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
     total += inflight * rope_table_bytes(model, cfg) + context_parallel_buffer_bytes(model, cfg)
     if stage == 0:
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
-    block = recomputed_block_bytes(model, cfg, stage, attention) if recomputing else 0
     if stage != head_stage(cfg):  # the last stage; stage 0 under DualPipeV
-        return total + block
+        return total + (recomputed_block_bytes(model, cfg, stage, attention) if recomputing else 0)
+    heads = head_inflight_microbatches(cfg) * head_activation_bytes(model, cfg)
+    return total + heads + (recompute_beside_heads(model, cfg, stage, attention) if recomputing else 0)
+
+
+def recompute_beside_heads(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
+    """On the head's stage: what the block full recompute re-runs adds to the peak beyond the loss heads'
+    in-flight microbatches (activation_bytes: max(heads * head, beside * head + block) - heads * head).
+    Not live while the output layer runs its backward (plan/buffers.py counts that moment)."""
+    block = recomputed_block_bytes(model, cfg, stage, attention)
+    if not block:
+        return 0
     heads, head = head_inflight_microbatches(cfg), head_activation_bytes(model, cfg)
-    beside = heads if cfg.schedule == Schedule.INTERLEAVED and v > 1 else heads - 1
-    return total + max(heads * head, beside * head + block)
+    beside = heads if cfg.schedule == Schedule.INTERLEAVED and cfg.parallel.virtual_stages > 1 else heads - 1
+    return max(0, beside * head + block - heads * head)

@@ -28,6 +28,9 @@ training dtype, T = s/cp * b tokens of a microbatch, h the hidden size:
   a*T*h*(1 + r'), r' = 1/tp with SP, else 0. At llama-405b's last stage (tp 8, vocabulary 128,256 padded
   to 129,024, s 8192) the second, 528.5 + 268.4 MB, is above a block's 536.9 MB: --simulate found it
   (docs/simulate.md, "Differences it names"); with a small hidden size the first is the larger.
+  Under full recompute the block being re-run (counted in the activations on the head's stage) is not
+  live while the output layer runs its backward, so this term counts only what exceeds it
+  (activations.recompute_beside_heads): DeepSeek-V3's last stage peaks recomputing its MoE block.
 
 The larger of these is the stage's buffer term: the blocks and the head run one at a time. Beside it,
 always live and no parameter: Llama's RoPE tables, fp32 cos and sin [seq_length, d_rope] in each model
@@ -39,7 +42,8 @@ from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
-from megalite.plan.layout import DTYPE_BYTES, local_seq_length
+from megalite.plan.activations import recompute_beside_heads
+from megalite.plan.layout import DTYPE_BYTES, head_stage, local_seq_length
 from megalite.plan.moe import stage_moe_layers
 
 if TYPE_CHECKING:
@@ -87,17 +91,17 @@ def model_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     return 2 * 4 * model.seq_length * model.rope_head_dim * cfg.parallel.virtual_stages
 
 
-def buffer_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+def buffer_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None = None) -> int:
     """Bytes live at the peak of a rank of pipeline stage `stage` beside the model states and the saved
     activations: the larger transient working set and the model's buffers (module docstring)."""
-    return _transient_bytes(model, cfg, stage) + model_buffer_bytes(model, cfg)
+    return _transient_bytes(model, cfg, stage, attention) + model_buffer_bytes(model, cfg)
 
 
-def _transient_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+def _transient_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: str | None) -> int:
     dense = block_output_bytes(model, cfg)
     dense = max(dense, fp8.forward_buffer_bytes(model, cfg, dense))  # FP8: the MLP-out linear's working set
-    if stage == cfg.parallel.pp - 1:  # the output layer's backward
-        dense = max(dense, head_backward_bytes(model, cfg))
+    if stage == head_stage(cfg):  # the output layer's backward, when no recomputed block is live beside it
+        dense = max(dense, head_backward_bytes(model, cfg) - recompute_beside_heads(model, cfg, stage, attention))
     if model.moe is None or not stage_moe_layers(model, cfg, stage):
         return dense
     return max(dense, expert_gemm_buffer_bytes(model, cfg), fp8.expert_weight_cast_bytes(model, cfg))

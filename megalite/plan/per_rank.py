@@ -221,7 +221,7 @@ def estimate(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> 
         flops_per_step=model.flops_per_token(seq, documents) * tokens,
         hardware_flops_per_step=hardware_flops, hardware_flops_per_rank=hardware_flops / cfg.world_size,
         tokens_per_step=tokens, host_bytes=host, stage_totals=[n for n, _ in per_stage],
-        buffer_bytes=buffer_bytes(model, cfg, worst), setup_bytes=setup_bytes(model, cfg, weights, grads),
+        buffer_bytes=buffer_bytes(model, cfg, worst, attention), setup_bytes=setup_bytes(model, cfg, weights, grads),
         optimizer_step_bytes=muon_rank_terms(model, cfg, worst)[1])
 
 
@@ -229,8 +229,8 @@ def stage_total_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: s
     """Device bytes of one rank of `stage` at its peak: model states, saved activations and transient
     buffers, or the set-up's where larger (the estimate's total_bytes is the largest of these over the stages)."""
     weights, grads, optimizer, _ = stage_model_states(model, cfg, stage)
-    step = weights + grads + optimizer + max(activation_bytes(model, cfg, stage, attention)
-                                             + buffer_bytes(model, cfg, stage), muon_rank_terms(model, cfg, stage)[1])
+    working = activation_bytes(model, cfg, stage, attention) + buffer_bytes(model, cfg, stage, attention)
+    step = weights + grads + optimizer + max(working, muon_rank_terms(model, cfg, stage)[1])
     return max(step, setup_bytes(model, cfg, weights, grads))
 
 

@@ -50,7 +50,7 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None, *, r
         by_group[key.split("/")[0]] += n
     for group, nbytes in scalar_collective_bytes(cfg).items():
         by_group[group] += nbytes
-    buffers = buffer_bytes(model, cfg, stage)  # one block's working tensors at the peak (plan/buffers.py)
+    buffers = buffer_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION)  # one block's working tensors at the peak (plan/buffers.py)
     return {"param_bytes": weights, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
             "activation_peak_bytes": saved,
             # the optimizer step's working set (Muon's exchange) comes after the activations are freed
