@@ -1,7 +1,9 @@
 """Start, kill and restart the replica groups of a fault-tolerant run on this machine (tests and drills).
 
-The launcher hosts the run's store (it outlives every group, as a job's rendezvous service would),
-starts each replica group as a forked process (forked after one warm-up build, so a restarted group
+The launcher hosts the run's store (it outlives every group, as a job's rendezvous service would) in a
+process of its own, forked before any group: a TCPStore server's thread resolves each connecting
+peer's name (getnameinfo, under glibc's resolver lock), and a group forked while that thread held the
+lock would wait on it forever in its own first connect. The launcher then starts each replica group as a forked process (forked after one warm-up build, so a restarted group
 is up in about 0.1 s plus its wait to be admitted, not the seconds of a cold import), and supervises: a group that died (SIGKILL, here
 planned or random) is restarted after `restart_delay_s` as a joining group, which heals from a live
 peer at the next step boundary. A group ends in one line when it cannot heal or the quorum is lost.
@@ -38,6 +40,14 @@ class PlannedFault:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _serve_store(host: str, port: int, ready) -> None:
+    """The run's store server, alone in its process until the launcher ends it."""
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)  # noqa: F841 - serves while alive
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
 def _group_main(run: FaultTolerantRun, group: int, joining: bool, fault) -> None:
     torch.set_num_threads(1)
     # `kill -USR1 <pid>`: every thread's stack, for a group that seems stuck (the process's own stderr:
@@ -58,7 +68,12 @@ class Launcher:
     def __init__(self, run: FaultTolerantRun, *, restart_delay_s: float = 0.5):
         check_run(run)
         port = run.store_port or free_port()
-        self.store = dist.TCPStore(run.store_host, port, is_master=True, wait_for_workers=False)
+        ready = mp.get_context("fork").Event()
+        self.store_server = mp.get_context("fork").Process(target=_serve_store, args=(run.store_host, port, ready),
+                                                           daemon=True)
+        self.store_server.start()
+        if not ready.wait(60):
+            raise RuntimeError(f"the run's store did not start on {run.store_host}:{port} within 60 s")
         self.run = dataclasses.replace(run, store_port=port)
         Path(run.log_dir).mkdir(parents=True, exist_ok=True)
         self.restart_delay_s = restart_delay_s
@@ -99,10 +114,12 @@ class Launcher:
                     self.start(g, joining=True, fault=pending[g].pop(0) if pending[g] else None)
             if all(p.exitcode is not None and (p.exitcode != -signal.SIGKILL or not restart)
                    for p in self.processes.values()):
+                self.store_server.kill()
                 return {g: p.exitcode for g, p in self.processes.items()}
             time.sleep(0.02)
         for g in self.processes:
             self.kill(g)
+        self.store_server.kill()
         raise TimeoutError(f"the run did not finish within {timeout_s:g} s")
 
     def records(self) -> list[dict]:
