@@ -7,14 +7,18 @@ recipes at ep 2 (dp 2).
 What runs in FP8 there (megalite/model/fp8_convert.py): MLA's column-parallel up-projections and its
 row-parallel output projection, the dense block's MLP, the shared expert and the routed experts. The
 replicated down-projections stay in the training dtype (docs/deepseek.md says why)."""
+import os
+import sys
+
 import pytest
 import torch
 
-from megalite.parameters import params as P
 from megalite.config import RunConfig
 from megalite.distributed.mesh import init_mesh, single_process_mesh
-from megalite.testing import assert_tensor_close, run_distributed
-from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+from megalite.testing import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
+from mla_training import train_two_steps  # noqa: E402
 
 
 def _cfg(tp=1, fp8="tensorwise", **kw):
@@ -27,30 +31,12 @@ def _cfg(tp=1, fp8="tensorwise", **kw):
     return RunConfig.build(tp=tp, **{**settings, **kw})
 
 
-def _batches(steps=2):
-    out = []
-    for step in range(steps):
-        ids = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(50 + step))
-        out.append([{"input_ids": i[:, :-1], "labels": i[:, 1:]} for i in ids.split(2)])
-    return out
-
-
 def _train(m, cfg, reference=None):
     """Two steps: (losses, grad norms, the FP8 modules' names, the final full parameters at one process;
     else each one compared with `reference`'s slice for this rank)."""
-    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
+    losses, norms, chunks, final = train_two_steps(m, cfg, reference)
     fp8_modules = sorted(n for c in chunks for n, mod in c.named_modules() if getattr(mod, "fp8", None) is not None)
-    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
-    results = [train_step(optimizer.model, optimizer, batch, m, cfg, lr=1e-3) for batch in _batches()]
-    final = {}
-    with optimizer.model.gathered():
-        for name, p in (item for c in chunks for item in c.logical_parameters()):
-            if reference is None:
-                final[name] = P.shard_spec(p).assemble([p.detach()])
-            else:
-                assert_tensor_close(p, P.shard_spec(p).shard(reference[name]), rtol=1e-5,
-                                    what=f"{cfg.parallel} {name}")
-    return [r.loss for r in results], [r.grad_norm for r in results], fp8_modules, final
+    return losses, norms, fp8_modules, final
 
 
 def _layout(reference, settings, recipe):

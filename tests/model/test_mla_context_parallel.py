@@ -2,14 +2,18 @@
 with d_qk 24 = 16 + 8 RoPE channels and d_v 16, group-limited routing with the expert bias, a shared
 expert, a dense first block) trained two steps at cp 2 with ring attention and with Ulysses, and in the
 slow tier at (tp 2, cp 2) with SP, equals the single process: losses, grad norms and every parameter."""
+import os
+import sys
+
 import pytest
 import torch
 
-from megalite.parameters import params as P
 from megalite.config import RunConfig
 from megalite.distributed.mesh import init_mesh, single_process_mesh
-from megalite.testing import assert_tensor_close, run_distributed
-from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+from megalite.testing import run_distributed
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mla_training import train_two_steps  # noqa: E402
 
 def _cfg(tp=1, cp=1, **kw):
     """adam_eps 1e-6: some gradients of this tiny model are ~1e-8, where Adam's default 1e-8 makes an element's
@@ -21,29 +25,11 @@ def _cfg(tp=1, cp=1, **kw):
     return RunConfig.build(tp=tp, cp=cp, **{**settings, **kw})
 
 
-def _batches(steps=2):
-    out = []
-    for step in range(steps):
-        ids = torch.randint(0, 257, (4, 17), generator=torch.Generator().manual_seed(50 + step))
-        out.append([{"input_ids": i[:, :-1], "labels": i[:, 1:]} for i in ids.split(2)])
-    return out
-
-
 def _train(m, cfg, reference=None):
     """Two steps: (losses, grad norms, the final full parameters at one process; else each one compared
     with `reference`'s slice for this rank)."""
-    chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
-    optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
-    results = [train_step(optimizer.model, optimizer, batch, m, cfg, lr=1e-3) for batch in _batches()]
-    final = {}
-    with optimizer.model.gathered():
-        for name, p in (item for c in chunks for item in c.logical_parameters()):
-            if reference is None:
-                final[name] = P.shard_spec(p).assemble([p.detach()])
-            else:
-                assert_tensor_close(p, P.shard_spec(p).shard(reference[name]), rtol=1e-5,
-                                    what=f"{cfg.parallel} {name}")
-    return [r.loss for r in results], [r.grad_norm for r in results], final
+    losses, norms, _, final = train_two_steps(m, cfg, reference)
+    return losses, norms, final
 
 
 def _layouts_world(reference, layouts):
