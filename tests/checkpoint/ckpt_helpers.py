@@ -1,5 +1,7 @@
 """Shared pieces of the checkpoint tests: a tiny model, per-step global batches, a train loop."""
+import contextlib
 import importlib.util
+import io
 import pathlib
 
 import torch
@@ -7,6 +9,7 @@ import torch
 from megalite.parameters import params as P
 from megalite.model import preset
 from megalite.config import RunConfig
+from megalite.training import loop
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
 
 MICRO, GLOBAL, SEQ = 2, 8, 16
@@ -73,3 +76,16 @@ def megalite_logits(checkpoint, ids):
     load_checkpoint(checkpoint, [model], None, single_process_mesh("cpu"), log=lambda *_: None)
     with torch.no_grad():
         return model(ids)[..., :config.vocab_size]
+
+
+# The training program's arguments for a one-block model, a one-sample batch and a step per log line.
+SMALL_RUN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+             "--micro-batch-size", "1", "--global-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
+
+
+def run_in_process(argv):
+    """(exit code, stdout, stderr) of the training program in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = loop.main(argv)
+    return code, out.getvalue(), err.getvalue()

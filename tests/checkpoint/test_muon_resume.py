@@ -1,21 +1,11 @@
 """Changing the optimizer on resume (AdamW's moments are not Muon's momentum) is refused in one line unless
 the state is left behind (--no-load-optim) or the change accepted (--override-opt-param-scheduler)."""
-import contextlib
-import io
 
 import pytest
 
-from megalite.training import loop
+from ckpt_helpers import SMALL_RUN, run_in_process
 
-SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
-
-
-def _main(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = loop.main(argv)
-    return code, out.getvalue(), err.getvalue()
+SMALL, _main = SMALL_RUN, run_in_process
 
 
 @pytest.mark.slow

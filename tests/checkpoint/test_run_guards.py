@@ -1,7 +1,5 @@
 """What keeps a run's checkpoints and answers its own (issue 40), on one in-process rank:
 the --save lock, SIGINT and a signal during set-up, and a resume's settings against its checkpoint's."""
-import contextlib
-import io
 import json
 import os
 import signal
@@ -14,18 +12,11 @@ import pytest
 
 from megalite.training import loop
 
+from ckpt_helpers import SMALL_RUN, run_in_process
+
 LOCK_NAME = "megalite.lock"  # megalite.checkpoint.lock's
 
-SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
-
-
-def _main(argv):
-    """(exit code, stdout, stderr) of the training program in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = loop.main(argv)
-    return code, out.getvalue(), err.getvalue()
+SMALL, _main = SMALL_RUN, run_in_process
 
 
 def _dead_pid() -> int:

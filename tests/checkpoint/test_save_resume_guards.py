@@ -2,9 +2,7 @@
 a --save directory holding another run's checkpoints is refused unless loaded or overwritten on
 purpose; a checkpoint of another model is named before the schedule; the settings notice names the
 step that loads."""
-import contextlib
 import dataclasses
-import io
 import json
 
 import pytest
@@ -13,17 +11,9 @@ from megalite.checkpoint.lock import foreign_checkpoints_problem
 from megalite.checkpoint.resume_settings import check_resumed_settings
 from megalite.cli import parse_args
 from megalite.errors import ConfigError
-from megalite.training import loop
+from ckpt_helpers import SMALL_RUN, run_in_process
 
-SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--micro-batch-size", "1", "--global-batch-size", "1", "--eval-iters", "0", "--log-interval", "1"]
-
-
-def _main(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = loop.main(argv)
-    return code, out.getvalue(), err.getvalue()
+SMALL, _main = SMALL_RUN, run_in_process
 
 
 def _published(root, *steps, latest=None):
