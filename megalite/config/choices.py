@@ -114,6 +114,13 @@ class CPCommType(enum.StrEnum):
     A2A = "a2a"  # Ulysses: all-to-all from a sequence split to a head split and back
 
 
+class CPSplit(enum.StrEnum):
+    """Which tokens each context-parallel rank holds (megalite.context_parallel.document_split)."""
+
+    ZIGZAG = "zigzag"  # chunks r and 2cp-1-r of the sequence: balances one causal sequence
+    DOCUMENTS = "documents"  # chunks r and 2cp-1-r of every packed document: balances the masked work
+
+
 class GradCompression(enum.StrEnum):
     """How the data-parallel gradient reduction travels (megalite.data_parallel.powersgd)."""
 

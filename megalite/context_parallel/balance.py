@@ -7,15 +7,18 @@ work is the sum over the queries it holds; its share is that over the whole sequ
 
 - The zigzag split (zigzag.py, what ring attention runs) gives rank r chunks r and 2cp-1-r of the
   *sequence*: exact for one causal sequence, uneven once documents restart the positions.
-- The per-document split (Megatron's THD split for cp) gives rank r chunks r and 2cp-1-r of *every
-  document*: each document is balanced on its own, so without a window every rank does exactly
-  1/cp of the work. It needs every length to be a multiple of 2cp (`padded_lengths`). It is only
-  measured here: ring attention and the training step do not run it (docs/documents.md).
+- The per-document split (Megatron's THD split for cp, `--cp-split documents`) gives rank r chunks r
+  and 2cp-1-r of *every document*: each document is balanced on its own, so without a window every
+  rank does exactly 1/cp of the work when every length is a multiple of 2cp. The positions are the
+  training path's own (`document_split.split_order`: the documents' ends past their 2cp equal chunks
+  dealt as one zigzag sequence), so what is measured here is what ring attention runs
+  (tests/context_parallel/test_document_split.py counts the pairs its calls compute).
 """
 from __future__ import annotations
 
 import torch
 
+from megalite.context_parallel.document_split import rank_positions, split_order
 from megalite.context_parallel.zigzag import check_sequence_length, position_ids
 
 
@@ -33,19 +36,12 @@ def padded_lengths(lengths: list[int], multiple: int) -> list[int]:
 
 
 def document_split_positions(lengths: list[int], cp_rank: int, cp: int) -> torch.Tensor:
-    """Global token positions rank `cp_rank` holds under the per-document split: chunks cp_rank and
-    2cp-1-cp_rank of every document, in sequence order ([sum(lengths) / cp] int64)."""
-    uneven = [n for n in lengths if n % (2 * cp)]
-    if uneven:
-        raise ValueError(f"the per-document split at cp={cp} needs every document length to be a "
-                         f"multiple of {2 * cp}, got {uneven[:4]} (pad them: padded_lengths)")
-    held, start = [], 0
-    for n in lengths:
-        chunk = n // (2 * cp)
-        for index in (cp_rank, 2 * cp - 1 - cp_rank):
-            held.append(torch.arange(start + index * chunk, start + (index + 1) * chunk))
-        start += n
-    return torch.cat(held)
+    """Global token positions rank `cp_rank` holds under the per-document split the training path runs
+    (document_split.split_order of the sample's position ids), in sequence order ([sum(lengths) / cp]
+    int64): chunks cp_rank and 2cp-1-cp_rank of every document, and its share of the documents' ends."""
+    token_work(lengths)  # the lengths' check
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, s], restarting at each document
+    return rank_positions(split_order(positions, cp), cp_rank, cp)[0]
 
 
 def _shares(work: torch.Tensor, held: list[torch.Tensor]) -> list[float]:

@@ -37,7 +37,9 @@ import torch
 from megalite.distributed import comm
 from megalite.context_parallel.block_attention import block_backward, block_forward, merge_block
 from megalite.context_parallel.blocks import BlockCall, ring_plan, ring_source
+from megalite.context_parallel.document_split import SplitDocumentMask
 from megalite.context_parallel.documents import RingDocuments, check_whole_sequence, local_documents
+from megalite.context_parallel.split_calls import RingSplit
 from megalite.kernels import DocumentMask
 
 
@@ -61,14 +63,28 @@ def _rows(call: BlockCall, chunk: int) -> tuple[slice, slice]:
     return slice(call.q_start * chunk, call.q_stop * chunk), slice(call.kv_start * chunk, call.kv_stop * chunk)
 
 
+_ALL = slice(None)  # a call over every sample of the microbatch
+
+
 def _computed(calls: list[BlockCall], chunk: int, mine: RingDocuments | None, source: int):
-    """(rows, cols, causal, mask or None) of each call as computed: without documents the call's rows,
-    with them what RingDocuments.call keeps of it (documents.py; a call that sees nothing is dropped)."""
+    """(samples, rows, cols, causal, mask or None) of each call as computed: without documents the call's
+    rows, with them what RingDocuments.call keeps of it (documents.py; a call that sees nothing is dropped)."""
     for call in calls:
         rows, cols = _rows(call, chunk)
         kept = (rows, cols, None) if mine is None else mine.call(rows, cols, source, call.causal)
         if kept is not None:
-            yield kept[0], kept[1], call.causal, kept[2]
+            yield _ALL, kept[0], kept[1], call.causal, kept[2]
+
+
+def _schedule(documents: DocumentMask | None, me: int, cp: int, layout: str, chunk: int) -> list[list]:
+    """Each ring step's calls, (samples, rows, cols, causal, mask or None): the zigzag plan (blocks.py),
+    cropped by the documents (documents.py), or under the per-document split its documents' boxes
+    (split_calls.py). Built once in the forward; the backward runs the same calls."""
+    if isinstance(documents, SplitDocumentMask):
+        return RingSplit(documents, me, cp).schedule()
+    mine = local_documents(documents, me, cp, layout=layout)  # None without documents or a window
+    plan = ring_plan(me, cp, layout, visible=mine.visible if mine else None)
+    return [list(_computed(calls, chunk, mine, ring_source(me, step, cp))) for step, calls in enumerate(plan)]
 
 
 def _split(kv: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,24 +99,22 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp_group, layout: str, softmax_scale: float, documents: DocumentMask | None):
         cp, me, ranks = comm.group_size(cp_group), comm.group_rank(cp_group), comm.group_ranks(cp_group)
-        mine = local_documents(documents, me, cp, layout=layout)  # None without documents or a window
-        plan, chunk = ring_plan(me, cp, layout, visible=mine.visible if mine else None), q.shape[2] // 2
+        schedule = _schedule(documents, me, cp, layout, q.shape[2] // 2)
         kv = torch.cat([k, v], dim=-1)  # [b, h_kv, s/cp, d_qk + d_v]: one message per step
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)  # [b, h, s/cp, d_v]
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        for step, calls in enumerate(plan):
+        for step, calls in enumerate(schedule):
             pending = _shift_forward(kv, cp_group, ranks, me) if step < cp - 1 else None
             held_k, held_v = _split(kv, q.shape[-1])
-            for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
-                # overlaps the transfer just posted
-                block_out, block_lse = block_forward(q[:, :, rows], held_k[:, :, cols], held_v[:, :, cols],
-                                                     causal, softmax_scale, mask)
-                merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            for samples, rows, cols, causal, mask in calls:  # overlaps the transfer just posted
+                block_out, block_lse = block_forward(q[samples, :, rows], held_k[samples, :, cols],
+                                                     held_v[samples, :, cols], causal, softmax_scale, mask)
+                merge_block(out[samples, :, rows], lse[samples, :, rows], block_out, block_lse)
             if pending is not None:
                 kv = _arrived(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.layout, ctx.softmax_scale, ctx.documents = cp_group, layout, softmax_scale, mine
+        ctx.cp_group, ctx.softmax_scale, ctx.schedule = cp_group, softmax_scale, schedule
         return out
 
     @staticmethod
@@ -108,22 +122,20 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.cp_group, ctx.softmax_scale
         cp, me, ranks = comm.group_size(group), comm.group_rank(group), comm.group_ranks(group)
-        mine = ctx.documents
-        plan, chunk = ring_plan(me, cp, ctx.layout, visible=mine.visible if mine else None), q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         dkv_pending = None  # the dK/dV accumulator of the K/V held next, coming from the previous rank
-        for step, calls in enumerate(plan):
+        for step, calls in enumerate(ctx.schedule):
             kv_pending = _shift_forward(kv, group, ranks, me) if step < cp - 1 else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the held K/V
             (held_k, held_v), (dk, dv) = _split(kv, q.shape[-1]), _split(dkv, q.shape[-1])
-            for rows, cols, causal, mask in _computed(calls, chunk, mine, ring_source(me, step, cp)):
+            for samples, rows, cols, causal, mask in calls:
                 dq_block, dk_block, dv_block = block_backward(
-                    q[:, :, rows], held_k[:, :, cols], held_v[:, :, cols], out[:, :, rows], dout[:, :, rows],
-                    lse[:, :, rows], causal, scale, mask)
-                dq[:, :, rows] += dq_block
-                dk[:, :, cols] += dk_block
-                dv[:, :, cols] += dv_block
+                    q[samples, :, rows], held_k[samples, :, cols], held_v[samples, :, cols], out[samples, :, rows],
+                    dout[samples, :, rows], lse[samples, :, rows], causal, scale, mask)
+                dq[samples, :, rows] += dq_block
+                dk[samples, :, cols] += dk_block
+                dv[samples, :, cols] += dv_block
             if dkv_pending is not None:
                 dkv += _arrived(dkv_pending)  # what earlier ranks added to the same K/V
             if cp > 1:  # on to the rank that holds this K/V next; after the last step, to its owner

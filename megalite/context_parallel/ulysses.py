@@ -27,6 +27,7 @@ import torch
 
 from megalite import ops
 from megalite.distributed import comm
+from megalite.context_parallel.document_split import SplitDocumentMask
 from megalite.context_parallel.documents import check_whole_sequence
 from megalite.context_parallel.zigzag import chunk_ids
 from megalite.kernels import DocumentMask
@@ -55,6 +56,21 @@ def _chunk_order(cp: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     sequence order, so that sequence_chunks = rank_chunks[to_sequence], rank_chunks = sequence_chunks[to_ranks]."""
     to_ranks = torch.tensor([c for r in range(cp) for c in chunk_ids(r, cp, layout)])
     return torch.argsort(to_ranks), to_ranks
+
+
+def _rank_major(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk maps of the per-document split: the ranks' tokens stay rank-major (reordered per sample
+    by `_tokens_in_order`)."""
+    return torch.arange(2 * cp), torch.arange(2 * cp)
+
+
+def _tokens_in_order(x: torch.Tensor, order: torch.Tensor | None, back: bool = False) -> torch.Tensor:
+    """[b, H, s, d] with the ranks' tokens rank-major (position order[:, i] at i) -> sequence order; back:
+    the inverse. The identity without the per-document split (order None)."""
+    if order is None:
+        return x
+    index = order.to(x.device)[:, None, :, None].expand_as(x)
+    return x.gather(2, index) if back else torch.empty_like(x).scatter(2, index, x)
 
 
 def _to_head_groups(tensors: tuple[torch.Tensor, ...], cp: int) -> torch.Tensor:
@@ -112,10 +128,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
                          "(zigzag.split_sequence); make the sequence length a multiple of 2*cp")
     if documents is not None:
         check_whole_sequence(documents, s_local, cp)
-    to_sequence, to_ranks = _chunk_order(cp, layout)
+    split = documents.order if isinstance(documents, SplitDocumentMask) else None  # per-document split
+    to_sequence, to_ranks = _chunk_order(cp, layout) if split is None else _rank_major(cp)
     # [b, heads, s/cp, d_t] -> [cp, b, n]: piece r carries head group r of q, k and v to rank r
     received = _AllToAll.apply(_to_head_groups((q, k, v), cp), cp_group)
-    q_full, k_full, v_full = (_heads_to_sequence_order(t, to_sequence)  # [b, heads/cp, s, d_t]
+    q_full, k_full, v_full = (_tokens_in_order(_heads_to_sequence_order(t, to_sequence), split)  # [b, heads/cp, s, d_t]
                               for t in _from_head_groups(received, (q, k, v), cp))
     s_full = q_full.shape[2]
     if q.shape[-1] != d_v or softmax_scale is not None:  # latent attention: no dropout (refused before)
@@ -124,6 +141,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
         first_head = head_start + comm.group_rank(cp_group) * (h // cp)
         out = ops.attention(q_full, k_full, v_full, dropout_p=dropout_p, dropout_seed=dropout_seed,
                             dropout_offset=first_head * b * s_full * s_full, documents=documents)  # [b, h/cp, s, d_v]
-    pieces = _sequence_to_rank_order(out, cp, to_ranks)  # [cp, b, h/cp, s/cp, d_v]
+    pieces = _sequence_to_rank_order(_tokens_in_order(out, split, back=True), cp, to_ranks)  # [cp, b, h/cp, s/cp, d_v]
     returned = _AllToAll.apply(pieces, cp_group)  # piece r: head group r, my tokens
     return returned.transpose(0, 1).reshape(b, h, s_local, d_v)

@@ -21,6 +21,7 @@ import torch
 from megalite.distributed import comm
 from megalite.model.mtp import mtp_stats
 from megalite.moe import bookkeeping as moe_bookkeeping
+from megalite.context_parallel.document_split import local_tokens, split_order
 from megalite.context_parallel.zigzag import split_sequence
 from megalite.data_parallel.diloco import DiLoCo
 from megalite.data.documents import check_position_ids
@@ -34,7 +35,7 @@ from megalite.model.gpt import GPTModel
 from megalite.optim.distributed_optimizer import DistributedOptimizer
 from megalite.optim.loss_scaler import DynamicLossScaler
 from megalite.optim.muon import MuonSettings
-from megalite.config.choices import GradCompression, OptimizerKind, Precision
+from megalite.config.choices import CPSplit, GradCompression, OptimizerKind, Precision
 from megalite.pipeline.executor import PipelineSpec, run_pipeline
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk, last_chunk_location
 from megalite.pipeline.partition import stage_layers
@@ -117,13 +118,28 @@ def activation_shape(model: GPTConfig, cfg: RunConfig, seq_length: int) -> tuple
     return (s, cfg.training.micro_batch_size, model.hidden_size)
 
 
-def context_parallel_chunks(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh) -> list[dict[str, torch.Tensor]]:
-    """This cp rank's part of every microbatch: its two zigzag chunks of the ids and labels,
-    [b, s] -> [b, s/cp] (context_parallel.zigzag). The microbatches themselves at cp = 1."""
+def context_parallel_chunks(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh,
+                            split: CPSplit = CPSplit.ZIGZAG) -> list[dict[str, torch.Tensor]]:
+    """This cp rank's part of every microbatch: its tokens of the ids and labels, [b, s] -> [b, s/cp]:
+    its two zigzag chunks (context_parallel.zigzag), or under --cp-split documents, for a microbatch
+    with position ids, its chunks of every document (context_parallel.document_split, the order the
+    model derives from the same position ids). The position ids stay whole. The microbatches at cp = 1."""
     if mesh.cp_size == 1:
         return microbatches
-    return [{key: split_sequence(value, mesh.cp_rank, mesh.cp_size, dim=1) if key in ("input_ids", "labels")
-             else value for key, value in mb.items()} for mb in microbatches]
+    chunks = []
+    for mb in microbatches:
+        split_documents = split == CPSplit.DOCUMENTS and "position_ids" in mb
+        order = split_order(mb["position_ids"], mesh.cp_size) if split_documents else None
+        chunks.append({key: _rank_tokens(value, order, mesh) if key in ("input_ids", "labels") else value
+                       for key, value in mb.items()})
+    return chunks
+
+
+def _rank_tokens(tensor: torch.Tensor, order: torch.Tensor | None, mesh: Mesh) -> torch.Tensor:
+    """[b, s] -> this cp rank's [b, s/cp]: its zigzag chunks, or its tokens of the per-document `order`."""
+    if order is None:
+        return split_sequence(tensor, mesh.cp_rank, mesh.cp_size, dim=1)
+    return local_tokens(tensor, order, mesh.cp_rank, mesh.cp_size)
 
 
 def _check_same_experts(mesh: Mesh, cfg: RunConfig, model: GPTConfig) -> None:
@@ -263,7 +279,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     check_documents(microbatches)
     span = measured_attention_span(microbatches, model.chunks[0].config.window_size)  # the MFU's attention work
     seq_length = microbatches[0]["input_ids"].shape[1]  # the whole sequence; this cp rank holds s/cp of it
-    microbatches = context_parallel_chunks(microbatches, mesh)
+    microbatches = context_parallel_chunks(microbatches, mesh, cfg.parallel.cp_split)
     if graphs is not None:  # a shape the graphs cannot replay: refused before the token count's all-reduce
         graphs.check_shapes(microbatches)
     # in flight while the first forward runs; under DiLoCo one replica group's tokens
@@ -338,7 +354,7 @@ def evaluate(chunks: list[GPTModel], microbatches: list[dict[str, torch.Tensor]]
     """
     _check_same_cp(mesh, cfg)
     seq_length = microbatches[0]["input_ids"].shape[1]
-    microbatches = context_parallel_chunks(microbatches, mesh)
+    microbatches = context_parallel_chunks(microbatches, mesh, cfg.parallel.cp_split)
     tokens = global_target_tokens(microbatches, mesh)  # counted where the loader put them (CPU): no GPU sync
     microbatches = _to_device(microbatches, mesh.device)
     for chunk in chunks:

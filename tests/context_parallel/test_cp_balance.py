@@ -44,6 +44,11 @@ def test_document_split_balances_causal_documents(cp):
     assert zigzag_shares([sum(lengths)], cp) == pytest.approx([1 / cp] * cp, abs=1e-12)  # one causal sequence
 
 
-def test_document_split_refuses_unpadded_lengths():
-    with pytest.raises(ValueError, match="multiple of 4.*padded_lengths"):
+def test_document_split_takes_any_lengths_of_a_sequence_that_2cp_divides():
+    """Lengths that are not multiples of 2cp split too (their ends dealt as one zigzag sequence, so not
+    exactly even); a sequence that 2cp does not divide is refused as the zigzag split refuses it."""
+    shares = document_split_shares([5, 7], 2)
+    assert sum(shares) == pytest.approx(1.0) and imbalance(shares) < imbalance(zigzag_shares([5, 7], 2))
+    assert [len(document_split_positions([5, 7], r, 2)) for r in range(2)] == [6, 6]
+    with pytest.raises(ValueError, match="not divisible by 2\\*cp = 4"):
         document_split_positions([4, 6], 0, 2)
