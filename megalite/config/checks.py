@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from megalite.config.choices import (Fp8Scales, Fp8ScalingRecipe, GradCompression, LRDecay, OptimizerKind, Precision,
-                                     Recompute, Schedule)
+from megalite.config.choices import (CPSplit, Fp8Scales, Fp8ScalingRecipe, GradCompression, LRDecay, OptimizerKind,
+                                     Precision, Recompute, Schedule)
 from megalite.config.model import GPTConfig
 from megalite.config.model_parts import ModelSettings, ParallelSettings
 from megalite.config.run_parts import (CheckpointSettings, DataSettings, FaultToleranceSettings, LoggingSettings,
@@ -86,6 +86,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg) + document_problems(cfg)
     problems += _latent_attention_problems(cfg) + _dualpipev_problems(cfg)
+    problems += cp_split_problems(cfg)
     if t.compile and (p.tp > 1 or p.cp > 1 or p.ep > 1):  # a 2-rank tp run under compile did not finish in 900 s
         problems.append(f"--compile runs at --tp 1 --cp 1 --ep 1 (the layouts whose blocks hold no collective: "
                         f"pp and dp); a compiled block with tp/cp/ep collectives inside is not proven equal yet: "
@@ -317,3 +318,30 @@ def _dualpipev_problems(cfg: RunConfig) -> list[str]:
         problems.append("--cuda-graph does not capture dualpipev's in-memory hop between a rank's two chunks yet: "
                         "drop --cuda-graph or choose another --pipeline-schedule")
     return problems
+
+
+def cp_split_problems(cfg: RunConfig) -> list[str]:
+    """--cp-split documents (context_parallel/document_split.py): what the per-document split cannot
+    express yet, or where it is not the better split."""
+    if cfg.parallel.cp_split != CPSplit.DOCUMENTS:
+        return []
+    if not (cfg.data.reset_attention_mask or cfg.data.sft):
+        return ["--cp-split documents splits packed documents: add --reset-attention-mask (or --sft), or use "
+                "--cp-split zigzag"]
+    try:
+        model = cfg.gpt_config()
+    except ValueError:
+        return []  # RunConfig.validate reports the model's own problem
+    if model.window_size is not None:
+        return ["--cp-split documents with --window-size balances the work worse than the zigzag split (measured: "
+                "docs/documents.md): use --cp-split zigzag"]
+    if cfg.parallel.cp == 1:
+        return []
+    unbuilt = [name for name, on in (("--hidden-dropout/--attention-dropout",
+                                      model.hidden_dropout > 0 or model.attention_dropout > 0),
+                                     ("MoE", model.moe is not None), ("--mtp-num-layers", model.mtp_num_layers > 0),
+                                     ("--multi-latent-attention", model.mla is not None)) if on]
+    if unbuilt:
+        return [f"--cp-split documents does not run with {', '.join(unbuilt)} yet (they read the zigzag split's "
+                f"token order): use --cp-split zigzag or drop them"]
+    return []

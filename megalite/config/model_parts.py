@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from megalite.config.model import PRESETS
 from megalite.config.setting import setting
 from megalite.config.choices import (
-    Recompute, Schedule, CPCommType, GradCompression, MoEScoreFunction, MoELoadBalancing, MoEDropPolicy,
+    Recompute, Schedule, CPCommType, CPSplit, GradCompression, MoEScoreFunction, MoELoadBalancing, MoEDropPolicy,
     MoEDispatcher)
 
 
@@ -94,6 +94,10 @@ class ParallelSettings:
     cp_comm_type: CPCommType = setting(CPCommType.P2P, "context-parallel attention: p2p (ring attention, K/V "
                                                        "round the cp ring) or a2a (Ulysses all-to-all; heads/tp "
                                                        "must divide by cp)")
+    cp_split: CPSplit = setting(CPSplit.ZIGZAG, "which tokens each cp rank holds: zigzag (chunks r and 2cp-1-r of "
+                                                "the sequence: even for one causal sequence) or documents (chunks r "
+                                                "and 2cp-1-r of every packed document, Megatron's THD split: even "
+                                                "masked work under --reset-attention-mask or --sft; no window)")
     ep: int = setting(1, "expert-parallel size: the experts of each MoE layer are sharded over ep ranks of the "
                          "dp x cp group (ep divides dp*cp); expert gradients reduce over the dp*cp/ep ranks "
                          "holding the same experts", minimum=1, synonyms=("--expert-model-parallel-size",))

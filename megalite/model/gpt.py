@@ -43,7 +43,7 @@ from megalite.data_parallel.units import Unit
 from megalite.distributed.layer_groups import LayerGroups
 from megalite.distributed.mesh import Mesh, current_mesh
 from megalite.config.model import GPTConfig
-from megalite.model.documents import check_position_ids, document_mask, local_positions
+from megalite.model.documents import check_cp_split, check_position_ids, document_mask, local_positions
 from megalite.model.recompute import checkpoint_with_rng
 from megalite.model.mtp import MTPDepth, MultiTokenPrediction, mtp_losses, mtp_units
 from megalite.model.rope import rope_tables
@@ -73,13 +73,15 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True, sequence_parallel: bool = False,
                  recompute: str = "none", seed: int = 1234, dtype: torch.dtype | None = None, device=None,
                  fused_linear_cross_entropy: bool = False, recompute_num_layers: int | None = None,
-                 cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall"):
+                 cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall", cp_split: str = "zigzag"):
         super().__init__()
         mesh = mesh or current_mesh()
         self.groups = LayerGroups.of(mesh)  # what the blocks talk over (their MoE layers: ep, moe_tokens too)
         self._moe_dispatcher = moe_dispatcher
+        self.cp_split = cp_split  # which tokens each cp rank holds of packed documents (document_split.py)
         # cp: this rank holds s/cp tokens of each sequence
         self.cp_size, self.cp_rank = comm.group_size(self.groups.cp), comm.group_rank(self.groups.cp)
+        check_cp_split(config, cp_split, self.cp_size)
         tp_size = comm.group_size(self.groups.tp)
         tp_rank = comm.group_rank(self.groups.tp)
         pp_size = mesh.pp_size if mesh is not None else 1
@@ -306,15 +308,18 @@ class GPTModel(nn.Module):
             if x.shape[1] * self.cp_size > self.config.seq_length:
                 raise ValueError(f"sequence length {x.shape[1] * self.cp_size} exceeds "
                                  f"seq_length={self.config.seq_length}")
-            s, input_ids = x.shape[1], x
-            check_position_ids(position_ids, x.shape[0], s, self.cp_size)
-            x = self.embed(x, local_positions(position_ids, self.cp_rank, self.cp_size))
+            s, input_ids, batch = x.shape[1], x, x.shape[0]
+            check_position_ids(position_ids, batch, s, self.cp_size)
         else:
-            s = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1)
-            check_position_ids(position_ids, x.shape[1], s, self.cp_size)
-        rope = self._rope(s, local_positions(position_ids, self.cp_rank, self.cp_size))
+            s, batch = x.shape[0] * (comm.group_size(self.groups.tp) if self.sequence_parallel else 1), x.shape[1]
+            check_position_ids(position_ids, batch, s, self.cp_size)
         # once per microbatch, in whole-sequence positions (ring attention and Ulysses read it so)
-        documents = document_mask(self.config.window_size, position_ids, x.shape[1], s * self.cp_size, x.device)
+        documents = document_mask(self.config.window_size, position_ids, batch, s * self.cp_size, x.device,
+                                  cp_size=self.cp_size, cp_split=self.cp_split)
+        local = local_positions(position_ids, self.cp_rank, self.cp_size, documents)  # this rank's tokens' [b, s]
+        if self.pre_process:
+            x = self.embed(x, local)
+        rope = self._rope(s, local)
         recomputed = len(self.layers) if self.recompute_num_layers is None else self.recompute_num_layers
         masked = (documents,) if documents is not None else ()  # a block is called as before without a mask
         for index, block in enumerate(self.layers):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megalite.config.choices import Recompute
+from megalite.config.choices import CPSplit, Recompute
 from megalite.config import RunConfig
 from megalite.data_parallel.units import Unit
 from megalite.errors import ConfigError, UsageError
@@ -191,6 +191,9 @@ class ProvidedModel:
             raise UsageError(f"--cp {mesh.cp_size}: {type(module).__name__} does not declare context_parallel = True "
                              f"(it would see zigzag chunks of each sequence as if whole); use --cp 1, or handle them "
                              f"(megalite.context_parallel) and set module.context_parallel = True")
+        if mesh.cp_size > 1 and cfg.parallel.cp_split == CPSplit.DOCUMENTS:
+            raise UsageError("--cp-split documents is for megalite's own model: a provided model builds its own "
+                             "document mask, which ring attention reads as the zigzag split; use --cp-split zigzag")
         module = module.to(device=mesh.device, dtype=cfg.precision.precision.torch_dtype)
         if cfg.parallel.recompute == Recompute.FULL:
             for _, block in _blocks(module)[:cfg.parallel.recompute_num_layers]:

@@ -67,6 +67,7 @@ def build_model_chunks(model: GPTConfig, cfg: RunConfig, mesh: Mesh) -> list[GPT
                                seed=cfg.training.seed, fused_linear_cross_entropy=cfg.parallel.fused_linear_cross_entropy,
                                recompute_num_layers=cfg.parallel.recompute_num_layers,
                                dtype=cfg.precision.precision.torch_dtype, cp_comm_type=str(cfg.parallel.cp_comm_type),
+                               cp_split=str(cfg.parallel.cp_split),
                                moe_dispatcher=str(cfg.parallel.moe_token_dispatcher_type),
                                device="meta" if cfg.parallel.zero == 3 else None))  # ZeRO-3: built unit by unit
         convert_to_fp8(chunks[-1], recipe_from(cfg), mesh.cp_group)  # --fp8-format: the blocks' linears in FP8
