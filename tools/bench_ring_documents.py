@@ -1,12 +1,13 @@
 """Ring attention over packed documents at cp ranks (forked gloo ranks on this machine): forward +
-backward per rank with the documents' mask against plain causal attention, the ring's blocks
-computed of the causal ones, and the score area its calls compute (full calls cropped to their
-visible pairs) of the causal area (issue 45). Not a test: it asserts no time.
+backward per rank with the documents' mask under the zigzag split and under the per-document split
+(--cp-split documents) against plain causal attention, the ring's blocks computed of the causal
+ones, and the score area its calls compute (full calls cropped to their visible pairs) of the causal
+area, under both splits (issue 45). Not a test: it asserts no time.
 
     python tools/bench_ring_documents.py --seq 4096 --mean 256 --heads 4 --head-dim 32   # CPU, cp 2
 
 Documents as tools/bench_documents.py draws them (exponential lengths of --mean, seeded). Each rank
-runs `context_parallel.ring_attention` on its zigzag chunks, fp32, one thread per rank; the figures
+runs `context_parallel.ring_attention` on its zigzag chunks (or its tokens of the per-document split), fp32, one thread per rank; the figures
 are the median milliseconds of --repeats runs after a warm-up, the two alternating, per rank. On CUDA the blocks without a mask run the
 Triton kernels and the masked ones the PyTorch block code; here (gloo, CPU) every block is PyTorch.
 """
@@ -22,7 +23,9 @@ import torch
 from bench_documents import document_lengths
 from megalite.context_parallel import ring_attention, split_sequence
 from megalite.context_parallel.blocks import DIAGONAL, FULL, causal_work, rank_block_counts, ring_plan, ring_source
+from megalite.context_parallel.document_split import SplitDocumentMask, local_tokens, split_documents
 from megalite.context_parallel.documents import RingDocuments, chunk_visibility
+from megalite.context_parallel.split_calls import RingSplit
 from megalite.distributed import mesh
 from megalite.kernels import DocumentMask
 from megalite.testing import run_distributed
@@ -35,10 +38,11 @@ def _rank(args) -> dict:
     q, k, v = (torch.randn(1, args.heads, args.seq, args.head_dim, generator=gen) for _ in range(3))
     positions = torch.cat([torch.arange(n) for n in document_lengths(args.seq, args.mean, args.seed)])[None]
     mask = DocumentMask.from_position_ids(positions)
-    times: dict[str, list[float]] = {"documents": [], "causal": []}
-    for repeat in range(args.repeats + 1):  # the two alternate (a loaded machine slows both alike); 0: warm-up
-        for name, documents in (("documents", mask), ("causal", None)):
-            local = [split_sequence(t, m.cp_rank, m.cp_size, dim=2).requires_grad_(True) for t in (q, k, v)]
+    split = split_documents(mask, m.cp_size)
+    times: dict[str, list[float]] = {"documents": [], "split": [], "causal": []}
+    for repeat in range(args.repeats + 1):  # the three alternate (a loaded machine slows all alike); 0: warm-up
+        for name, documents in (("documents", mask), ("split", split), ("causal", None)):
+            local = [_local(t, documents, m).requires_grad_(True) for t in (q, k, v)]
             start = time.perf_counter()
             ring_attention(*local, m.cp_group, documents=documents).sum().backward()
             if repeat:
@@ -48,7 +52,26 @@ def _rank(args) -> dict:
     plain = rank_block_counts(m.cp_rank, m.cp_size)
     result["blocks"] = (counts[FULL] + counts[DIAGONAL], plain[FULL] + plain[DIAGONAL])
     result["area"] = _computed_area(mask, m.cp_rank, m.cp_size) / causal_work(plain)
+    result["split area"] = _split_area(split, m.cp_rank, m.cp_size) / causal_work(plain)
     return result
+
+
+def _local(t: torch.Tensor, documents, m) -> torch.Tensor:
+    """[1, h, s, d] -> this rank's tokens [1, h, s/cp, d]: its zigzag chunks, or its tokens of the split."""
+    if isinstance(documents, SplitDocumentMask):
+        return local_tokens(t.transpose(1, 2), documents.order, m.cp_rank, m.cp_size).transpose(1, 2).contiguous()
+    return split_sequence(t, m.cp_rank, m.cp_size, dim=2)
+
+
+def _split_area(split: SplitDocumentMask, cp_rank: int, cp: int) -> float:
+    """Score elements the ring's calls compute under the per-document split (split_calls.py: each
+    document's boxes; a causal call counts half), in chunk x chunk units."""
+    chunk, area = split.key_start.shape[1] // (2 * cp), 0.0
+    for calls in RingSplit(split, cp_rank, cp).schedule():
+        for _, rows, cols, causal, _ in calls:
+            size = (rows.stop - rows.start) * (cols.stop - cols.start) / chunk ** 2
+            area += size / 2 if causal else size
+    return area
 
 
 def _computed_area(mask: DocumentMask, cp_rank: int, cp: int) -> float:
@@ -82,8 +105,9 @@ def main(argv=None) -> int:
           f"x d {args.head_dim}, fp32, cp {args.cp} (gloo, CPU)")
     for rank, result in enumerate(run_distributed(_rank, args.cp, args, timeout_s=3600)):
         computed, causal = result["blocks"]
-        print(f"  cp rank {rank}: documents {result['documents']:9.1f} ms, causal {result['causal']:9.1f} ms; "
-              f"blocks computed {computed} of {causal}, score area {result['area']:.3f} of causal")
+        print(f"  cp rank {rank}: documents {result['documents']:9.1f} ms (zigzag), {result['split']:9.1f} ms (split), "
+              f"causal {result['causal']:9.1f} ms; zigzag blocks computed {computed} of {causal}, score area "
+              f"{result['area']:.3f} (zigzag), {result['split area']:.3f} (split) of causal")
     return 0
 
 

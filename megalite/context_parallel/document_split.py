@@ -87,6 +87,13 @@ def split_documents(documents: DocumentMask, cp: int) -> SplitDocumentMask:
     return SplitDocumentMask(**fields, order=split_order(documents.position_ids, cp), cp=cp)
 
 
+def check_split(documents: SplitDocumentMask, cp: int) -> None:
+    """The mask's split must be over the cp group's ranks (ValueError naming the fix)."""
+    if documents.cp != cp:
+        raise ValueError(f"the document mask is split over {documents.cp} cp ranks, the cp group has {cp}; "
+                         f"split it with split_documents(mask, {cp})")
+
+
 def rank_positions(order: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
     """[b, s/cp]: the global positions rank `cp_rank` holds (increasing)."""
     local = order.shape[1] // cp

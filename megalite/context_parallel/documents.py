@@ -19,7 +19,8 @@ reads it per block:
 
 The zigzag split stays exact (every visible pair is computed once, on the rank holding its query);
 it balances the causal work, not the masked work, which packed documents make uneven (Megatron's
-THD split, which balances the documents themselves, is measured by balance.py, not run).
+THD split, which balances the documents themselves, is measured by balance.py and runs with
+--cp-split documents: document_split.py, split_calls.py).
 """
 from __future__ import annotations
 

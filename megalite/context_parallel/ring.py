@@ -25,8 +25,9 @@ on the cp group, so the ledger counts, per call, with D = d_qk + d_v (2d for ord
 (b, h_kv: this rank's batch and kv heads; s/cp its local tokens). The per-block attention is
 block_attention.py's: Triton flash attention on CUDA (d_qk = d_v), PyTorch elsewhere. Packed
 documents and windows (documents.py) skip the blocks that share no document and mask the rest (on
-CUDA the causal calls on the varlen kernels, masked full blocks in PyTorch); the transfers stay the
-same (every rank's K/V still visits every rank).
+CUDA the causal calls on the varlen kernels, masked full blocks in PyTorch); under the per-document
+split (--cp-split documents, a SplitDocumentMask) each step computes every document's box of visible
+pairs instead (split_calls.py). The transfers stay the same (every rank's K/V still visits every rank).
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
     """Causal attention of this rank's queries over the whole sequence split across `cp_group`.
 
     q and k [b, h(_kv), s/cp, d_qk], v [b, h_kv, s/cp, d_v]: this rank's two chunks of the sequence
-    (zigzag.split_sequence order), h % h_kv == 0. Returns this rank's rows of softmax(q k^T
+    (zigzag.split_sequence order), or with a SplitDocumentMask `documents` its tokens of the per-document
+    split (document_split.local_tokens order), h % h_kv == 0. Returns this rank's rows of softmax(q k^T
     * scale + causal mask) v over all s keys, [b, h, s/cp, d_v] in q's dtype; differentiable.
     softmax_scale None: 1/sqrt(d_qk). With `cp_group` None (one rank) it is plain causal attention.
     documents: the whole sequence's packed documents and/or window ([b, s] mask, global

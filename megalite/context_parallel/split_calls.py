@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megalite.context_parallel.block_attention import BlockMask
-from megalite.context_parallel.document_split import SplitDocumentMask, rank_positions
+from megalite.context_parallel.document_split import SplitDocumentMask, check_split, rank_positions
 
 Call = tuple[slice, slice, slice, bool, BlockMask | None]  # (samples, rows, cols, causal, mask or None)
 
@@ -32,9 +32,7 @@ class RingSplit:
     """One rank's view of a SplitDocumentMask for ring attention: the calls of each held K/V."""
 
     def __init__(self, documents: SplitDocumentMask, cp_rank: int, cp: int):
-        if documents.cp != cp:
-            raise ValueError(f"the document mask is split over {documents.cp} ranks, the cp group has {cp}; "
-                             f"split it with split_documents(mask, {cp})")
+        check_split(documents, cp)
         self.cp_rank, self.cp, self.window = cp_rank, cp, documents.window
         self.order = documents.order  # [b, s] on the device
         self.query_positions = rank_positions(self.order, cp_rank, cp)  # [b, s/cp]

@@ -27,7 +27,7 @@ import torch
 
 from megalite import ops
 from megalite.distributed import comm
-from megalite.context_parallel.document_split import SplitDocumentMask
+from megalite.context_parallel.document_split import SplitDocumentMask, check_split
 from megalite.context_parallel.documents import check_whole_sequence
 from megalite.context_parallel.zigzag import chunk_ids
 from megalite.kernels import DocumentMask
@@ -108,7 +108,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     """Causal attention over the whole sequence split across `cp_group`, by head-sharding all-to-alls.
 
     q and k [b, h(_kv), s/cp, d_qk], v [b, h_kv, s/cp, d_v]: this rank's two chunks (zigzag.split_sequence
-    order). Returns this rank's rows [b, h, s/cp, d_v]; differentiable. The attention itself is
+    order), or with a SplitDocumentMask its tokens of the per-document split (document_split.local_tokens). Returns this rank's rows [b, h, s/cp, d_v]; differentiable. The attention itself is
     `megalite.ops.attention` (Triton flash attention on CUDA), dropout included; with d_qk != d_v or a
     `softmax_scale` (multi-head latent attention, no dropout) `megalite.ops.latent_attention`. Dropout:
     after the all-to-all this rank holds heads [cp_rank*h/cp, (cp_rank+1)*h/cp) of q's heads over
@@ -129,6 +129,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     if documents is not None:
         check_whole_sequence(documents, s_local, cp)
     split = documents.order if isinstance(documents, SplitDocumentMask) else None  # per-document split
+    if split is not None:
+        check_split(documents, cp)
     to_sequence, to_ranks = _chunk_order(cp, layout) if split is None else _rank_major(cp)
     # [b, heads, s/cp, d_t] -> [cp, b, n]: piece r carries head group r of q, k and v to rank r
     received = _AllToAll.apply(_to_head_groups((q, k, v), cp), cp_group)

@@ -21,8 +21,9 @@ forward(x, labels=None, reduction="mean"):
   Under context parallelism they are the whole sequence's [b, s * cp] (not split).
 
 Context parallelism (the mesh's cp group, cp > 1): each cp rank is handed its zigzag chunks
-of the ids and labels (`context_parallel.split_sequence`, [b, s] -> [b, s/cp]) and s above is
-s/cp. Positions (learned table or RoPE) are the tokens' global ones; attention is ring
+of the ids and labels (`context_parallel.split_sequence`, [b, s] -> [b, s/cp]), or with
+cp_split="documents" and position ids its chunks of every document (`document_split.local_tokens`
+by `split_order(position_ids, cp)`), and s above is s/cp. Positions (learned table or RoPE) are the tokens' global ones; attention is ring
 (cp_comm_type "p2p") or Ulysses ("a2a") over the cp group. reduction="sum" is this rank's
 tokens' sum: the caller divides the sum over cp ranks by their total target tokens (a local
 "mean" would weigh ranks wrongly and is refused).

@@ -155,3 +155,10 @@ def test_the_ring_computes_the_work_balance_py_predicts_for_the_training_steps_p
         assert measured == pytest.approx(document_split_shares(lengths, cp, window=window), abs=1e-12)
         if window is None and all(n % (2 * cp) == 0 for n in lengths):
             assert measured == pytest.approx([1 / cp] * cp)
+
+
+def test_a_mask_split_for_another_cp_is_refused():
+    mask = split_documents(DocumentMask.from_position_ids(_positions(DOCUMENTS[2])), 2)
+    with pytest.raises(ValueError, match="split over 2 cp ranks, the cp group has 4; split it with "
+                                         "split_documents\\(mask, 4\\)"):
+        RingSplit(mask, 0, 4)
