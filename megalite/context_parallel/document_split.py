@@ -27,6 +27,8 @@ attention (split_calls.py) and Ulysses read; the training step hands each rank i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -79,6 +81,14 @@ class SplitDocumentMask(DocumentMask):
 
     order: torch.Tensor | None = None
     cp: int = 1
+    _memo: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def memo(self, key, build: Callable[[], Any]) -> Any:
+        """build() once per mask (so once per microbatch, for every layer): the ring's calls, built from
+        host reads of the order and key_start, are the same in every layer."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
 
 def split_documents(documents: DocumentMask, cp: int) -> SplitDocumentMask:

@@ -3,6 +3,8 @@ single process: every step's loss (1e-5 relative) and every parameter after the 
 (cp 2 ring), (cp 2 Ulysses) and (tp 2, SP, cp 2) (slow tier). The data are
 tests/training/test_train_step_documents.py's (lengths 1, 15, 5, 3, 7, 8 and a whole-sequence
 document at cp 2's chunks of 4 tokens). The flag's refusals are one line each."""
+import contextlib
+import io
 import os
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from megalite.config import RunConfig
 from megalite.testing import run_distributed
+from megalite.training.loop import main
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_train_step_documents import STEPS, _parallel, _single_process_reference  # noqa: E402
@@ -38,3 +41,16 @@ def test_packed_training_under_the_document_split_matches_single_process(tp, ext
 def test_document_split_refusals(flags, message):
     problems = RunConfig.build(cp_split="documents", **flags).validate()
     assert [p for p in problems if message in p] and all("\n" not in p for p in problems), problems
+
+
+def _main_err(argv) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def test_the_training_program_refuses_the_split_without_documents_in_one_line():
+    code, err = run_distributed(_main_err, 1, ["--cp-split", "documents", "--mock-data", "--train-iters", "1"],
+                                timeout_s=120)[0]
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--cp-split documents splits packed" in err, err
