@@ -1,6 +1,6 @@
 """Training on packed documents under the per-document cp split (--cp-split documents) equals the
 single process: every step's loss (1e-5 relative) and every parameter after the last step, at
-(cp 2 ring), (cp 2 Ulysses) and (tp 2, SP, cp 2) (slow tier). The data are
+(cp 2 ring), (cp 2 Ulysses), (tp 2, SP, cp 2) and (pp 2, cp 2) (slow tier). The data are
 tests/training/test_train_step_documents.py's (lengths 1, 15, 5, 3, 7, 8 and a whole-sequence
 document at cp 2's chunks of 4 tokens). The flag's refusals are one line each."""
 import contextlib
@@ -25,10 +25,11 @@ DOCUMENTS = {"reset_position_ids": True, "reset_attention_mask": True}
 @pytest.mark.parametrize("tp, extra", [
     pytest.param(1, {"cp": 2}, marks=pytest.mark.slow),
     pytest.param(1, {"cp": 2, "cp_comm_type": "a2a"}, marks=pytest.mark.slow),
-    pytest.param(2, {"cp": 2, "sequence_parallel": True}, marks=pytest.mark.slow)])
+    pytest.param(2, {"cp": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
+    pytest.param(1, {"cp": 2, "pp": 2}, marks=pytest.mark.slow)])  # each stage derives the split itself
 def test_packed_training_under_the_document_split_matches_single_process(tp, extra):
     losses, params = _single_process_reference()
-    world = tp * extra["cp"]
+    world = tp * extra["cp"] * extra.get("pp", 1)
     assert run_distributed(_parallel, world, tp, 1, {**extra, "cp_split": "documents"}, losses, params) == [STEPS] * world
 
 
