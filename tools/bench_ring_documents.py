@@ -7,7 +7,8 @@ area, under both splits (issue 45). Not a test: it asserts no time.
     python tools/bench_ring_documents.py --seq 4096 --mean 256 --heads 4 --head-dim 32   # CPU, cp 2
 
 Documents as tools/bench_documents.py draws them (exponential lengths of --mean, seeded). Each rank
-runs `context_parallel.ring_attention` on its zigzag chunks (or its tokens of the per-document split), fp32, one thread per rank; the figures
+runs `context_parallel.ring_attention` on its zigzag chunks (or its tokens of the per-document
+split), fp32, one thread per rank; the figures
 are the median milliseconds of --repeats runs after a warm-up, the two alternating, per rank. On CUDA the blocks without a mask run the
 Triton kernels and the masked ones the PyTorch block code; here (gloo, CPU) every block is PyTorch.
 """
@@ -59,7 +60,8 @@ def _rank(args) -> dict:
 def _local(t: torch.Tensor, documents, m) -> torch.Tensor:
     """[1, h, s, d] -> this rank's tokens [1, h, s/cp, d]: its zigzag chunks, or its tokens of the split."""
     if isinstance(documents, SplitDocumentMask):
-        return local_tokens(t.transpose(1, 2), documents.order, m.cp_rank, m.cp_size).transpose(1, 2).contiguous()
+        mine = local_tokens(t.transpose(1, 2), documents.order, cp_rank=m.cp_rank, cp=m.cp_size)  # [1, s/cp, h, d]
+        return mine.transpose(1, 2).contiguous()
     return split_sequence(t, m.cp_rank, m.cp_size, dim=2)
 
 
@@ -67,7 +69,7 @@ def _split_area(split: SplitDocumentMask, cp_rank: int, cp: int) -> float:
     """Score elements the ring's calls compute under the per-document split (split_calls.py: each
     document's boxes; a causal call counts half), in chunk x chunk units."""
     chunk, area = split.key_start.shape[1] // (2 * cp), 0.0
-    for calls in RingSplit(split, cp_rank, cp).schedule():
+    for calls in RingSplit(split, cp_rank=cp_rank, cp=cp).schedule():
         for _, rows, cols, causal, _ in calls:
             size = (rows.stop - rows.start) * (cols.stop - cols.start) / chunk ** 2
             area += size / 2 if causal else size

@@ -38,8 +38,8 @@ from megalite.config import megatron
 from megalite.config.bounds import NO_BOUNDS, Bounds, bound_problems
 from megalite.config.checks import data_problems, setting_problems
 from megalite.config.choices import (  # noqa: F401  (re-exported: the choices belong to the settings)
-    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, CPSplit, GradCompression,
-    MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, SFTOverlong)
+    Precision, Recompute, Schedule, LRDecay, ElasticBatch, ElasticLRRule, OnNonFinite, CPCommType, CPSplit,
+    GradCompression, MoEScoreFunction, MoELoadBalancing, MoEDropPolicy, MoEDispatcher, SFTOverlong)
 
 
 from megalite.config.setting import setting  # noqa: F401  (re-exported: how a setting is declared)

@@ -41,7 +41,7 @@ def document_split_positions(lengths: list[int], cp_rank: int, cp: int) -> torch
     int64): chunks cp_rank and 2cp-1-cp_rank of every document, and its share of the documents' ends."""
     token_work(lengths)  # the lengths' check
     positions = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, s], restarting at each document
-    return rank_positions(split_order(positions, cp), cp_rank, cp)[0]
+    return rank_positions(split_order(positions, cp), cp_rank=cp_rank, cp=cp)[0]
 
 
 def _shares(work: torch.Tensor, held: list[torch.Tensor]) -> list[float]:

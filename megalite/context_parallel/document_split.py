@@ -104,15 +104,15 @@ def check_split(documents: SplitDocumentMask, cp: int) -> None:
                          f"split it with split_documents(mask, {cp})")
 
 
-def rank_positions(order: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+def rank_positions(order: torch.Tensor, *, cp_rank: int, cp: int) -> torch.Tensor:
     """[b, s/cp]: the global positions rank `cp_rank` holds (increasing)."""
     local = order.shape[1] // cp
     return order[:, cp_rank * local:(cp_rank + 1) * local]
 
 
-def local_tokens(tensor: torch.Tensor, order: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+def local_tokens(tensor: torch.Tensor, order: torch.Tensor, *, cp_rank: int, cp: int) -> torch.Tensor:
     """This rank's tokens of a whole-sequence tensor [b, s, ...] (ids, labels, position ids) -> [b, s/cp, ...]."""
-    index = rank_positions(order, cp_rank, cp).to(tensor.device)
+    index = rank_positions(order, cp_rank=cp_rank, cp=cp).to(tensor.device)
     index = index.view(*index.shape, *([1] * (tensor.dim() - 2))).expand(*index.shape, *tensor.shape[2:])
     return tensor.gather(1, index)
 

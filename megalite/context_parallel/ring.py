@@ -82,7 +82,7 @@ def _schedule(documents: DocumentMask | None, me: int, cp: int, layout: str, chu
     cropped by the documents (documents.py), or under the per-document split its documents' boxes
     (split_calls.py), built once per microbatch. The backward runs the forward's calls."""
     if isinstance(documents, SplitDocumentMask):  # the same calls in every layer: built once per microbatch
-        return documents.memo(("ring", me, cp), lambda: RingSplit(documents, me, cp).schedule())
+        return documents.memo(("ring", me, cp), lambda: RingSplit(documents, cp_rank=me, cp=cp).schedule())
     mine = local_documents(documents, me, cp, layout=layout)  # None without documents or a window
     plan = ring_plan(me, cp, layout, visible=mine.visible if mine else None)
     return [list(_computed(calls, chunk, mine, ring_source(me, step, cp))) for step, calls in enumerate(plan)]

@@ -31,11 +31,11 @@ Call = tuple[slice, slice, slice, bool, BlockMask | None]  # (samples, rows, col
 class RingSplit:
     """One rank's view of a SplitDocumentMask for ring attention: the calls of each held K/V."""
 
-    def __init__(self, documents: SplitDocumentMask, cp_rank: int, cp: int):
+    def __init__(self, documents: SplitDocumentMask, *, cp_rank: int, cp: int):
         check_split(documents, cp)
-        self.cp_rank, self.cp, self.window = cp_rank, cp, documents.window
+        self.cp_rank, self.cp = cp_rank, cp
         self.order = documents.order  # [b, s] on the device
-        self.query_positions = rank_positions(self.order, cp_rank, cp)  # [b, s/cp]
+        self.query_positions = rank_positions(self.order, cp_rank=cp_rank, cp=cp)  # [b, s/cp]
         self.key_start = documents.key_start.long().gather(1, self.query_positions)  # [b, s/cp]
         self._host_order = self.order.cpu()
         self._host_key_start = self.key_start.cpu()
@@ -53,7 +53,7 @@ class RingSplit:
                 rows = slice(*torch.searchsorted(queries, bounds).tolist())
                 cols = slice(*torch.searchsorted(keys, bounds).tolist())
                 if rows.start < rows.stop and cols.start < cols.stop:
-                    call = self._call(sample, rows, cols, source_rank, start)
+                    call = self._call(sample, rows, cols=cols, source_rank=source_rank, document_start=start)
                     if call is not None:
                         calls.append(call)
                 start += length
@@ -65,21 +65,22 @@ class RingSplit:
 
     def _positions(self, sample: int, rank: int) -> torch.Tensor:
         """[s/cp] host int64: the global positions `rank` holds of `sample`, increasing."""
-        return rank_positions(self._host_order[sample:sample + 1], rank, self.cp)[0]
+        return rank_positions(self._host_order[sample:sample + 1], cp_rank=rank, cp=self.cp)[0]
 
-    def _call(self, sample: int, rows: slice, cols: slice, source_rank: int, document_start: int) -> Call | None:
+    def _call(self, sample: int, rows: slice, *, cols: slice, source_rank: int, document_start: int) -> Call | None:
         """One document's call: its query run `rows` against its key run `cols` (local indices)."""
         samples = slice(sample, sample + 1)
         if source_rank == self.cp_rank:  # its run against itself: causal; masked only where a window cuts it
-            windowed = bool((self._host_key_start[sample, rows] > document_start).any())
-            return samples, rows, cols, True, self.block_mask(sample, rows, cols, source_rank) if windowed else None
-        box = self._crop(sample, rows, cols, source_rank)
-        if box is None:
-            return None
-        rows, cols, masked = box
-        return samples, rows, cols, False, self.block_mask(sample, rows, cols, source_rank) if masked else None
+            causal, masked = True, bool((self._host_key_start[sample, rows] > document_start).any())
+        else:
+            box = self._crop(sample, rows, cols=cols, source_rank=source_rank)
+            if box is None:
+                return None
+            (rows, cols, masked), causal = box, False
+        mask = self.block_mask(sample, rows, cols=cols, source_rank=source_rank) if masked else None
+        return samples, rows, cols, causal, mask
 
-    def _crop(self, sample: int, rows: slice, cols: slice, source_rank: int) -> tuple[slice, slice, bool] | None:
+    def _crop(self, sample: int, rows: slice, *, cols: slice, source_rank: int) -> tuple[slice, slice, bool] | None:
         """The box of the visible pairs between a document's rows and keys (host tensors): (rows, cols,
         whether the box needs its mask), or None when no row sees a key."""
         keys = self._positions(sample, source_rank)[cols]  # increasing
@@ -95,7 +96,7 @@ class RingSplit:
         whole = bool(((first[r0:r1] == k0) & (stop[r0:r1] == k1)).all())
         return slice(rows.start + r0, rows.start + r1), slice(cols.start + k0, cols.start + k1), not whole
 
-    def block_mask(self, sample: int, rows: slice, cols: slice, source_rank: int) -> BlockMask:
+    def block_mask(self, sample: int, rows: slice, *, cols: slice, source_rank: int) -> BlockMask:
         """The mask of this rank's rows `rows` of `sample` against `source_rank`'s K/V `cols`, global positions."""
-        keys = rank_positions(self.order[sample:sample + 1], source_rank, self.cp)[0]
+        keys = rank_positions(self.order[sample:sample + 1], cp_rank=source_rank, cp=self.cp)[0]
         return BlockMask(self.query_positions[sample, rows], keys[cols], self.key_start[sample:sample + 1, rows])

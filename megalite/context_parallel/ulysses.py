@@ -64,7 +64,7 @@ def _rank_major(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(2 * cp), torch.arange(2 * cp)
 
 
-def _tokens_in_order(x: torch.Tensor, order: torch.Tensor | None, back: bool = False) -> torch.Tensor:
+def _tokens_in_order(x: torch.Tensor, order: torch.Tensor | None, *, back: bool = False) -> torch.Tensor:
     """[b, H, s, d] with the ranks' tokens rank-major (position order[:, i] at i) -> sequence order; back:
     the inverse. The identity without the per-document split (order None)."""
     if order is None:
@@ -108,7 +108,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     """Causal attention over the whole sequence split across `cp_group`, by head-sharding all-to-alls.
 
     q and k [b, h(_kv), s/cp, d_qk], v [b, h_kv, s/cp, d_v]: this rank's two chunks (zigzag.split_sequence
-    order), or with a SplitDocumentMask its tokens of the per-document split (document_split.local_tokens). Returns this rank's rows [b, h, s/cp, d_v]; differentiable. The attention itself is
+    order), or with a SplitDocumentMask its tokens of the per-document split (document_split.local_tokens).
+    Returns this rank's rows [b, h, s/cp, d_v]; differentiable. The attention itself is
     `megalite.ops.attention` (Triton flash attention on CUDA), dropout included; with d_qk != d_v or a
     `softmax_scale` (multi-head latent attention, no dropout) `megalite.ops.latent_attention`. Dropout:
     after the all-to-all this rank holds heads [cp_rank*h/cp, (cp_rank+1)*h/cp) of q's heads over

@@ -29,14 +29,14 @@ def document_mask(window: int | None, position_ids: torch.Tensor | None, batch: 
     return DocumentMask.sliding_window(batch, whole, window, device) if window is not None else None
 
 
-def local_positions(position_ids: torch.Tensor | None, cp_rank: int, cp_size: int,
+def local_positions(position_ids: torch.Tensor | None, cp_rank: int, cp_size: int, *,
                     documents: DocumentMask | None = None) -> torch.Tensor | None:
     """The whole sequence's position ids [b, s * cp] -> this cp rank's tokens' [b, s]: its zigzag chunks,
     or under the per-document split (a SplitDocumentMask) its chunks of every document."""
     if position_ids is None or cp_size == 1:
         return position_ids
     if isinstance(documents, SplitDocumentMask):
-        return local_tokens(position_ids, documents.order, cp_rank, cp_size)
+        return local_tokens(position_ids, documents.order, cp_rank=cp_rank, cp=cp_size)
     return split_sequence(position_ids, cp_rank, cp_size, dim=1)
 
 

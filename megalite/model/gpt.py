@@ -23,7 +23,8 @@ forward(x, labels=None, reduction="mean"):
 Context parallelism (the mesh's cp group, cp > 1): each cp rank is handed its zigzag chunks
 of the ids and labels (`context_parallel.split_sequence`, [b, s] -> [b, s/cp]), or with
 cp_split="documents" and position ids its chunks of every document (`document_split.local_tokens`
-by `split_order(position_ids, cp)`), and s above is s/cp. Positions (learned table or RoPE) are the tokens' global ones; attention is ring
+by `split_order(position_ids, cp)`), and s above is s/cp. Positions (learned table or RoPE) are
+the tokens' global ones; attention is ring
 (cp_comm_type "p2p") or Ulysses ("a2a") over the cp group. reduction="sum" is this rank's
 tokens' sum: the caller divides the sum over cp ranks by their total target tokens (a local
 "mean" would weigh ranks wrongly and is refused).
@@ -317,7 +318,7 @@ class GPTModel(nn.Module):
         # once per microbatch, in whole-sequence positions (ring attention and Ulysses read it so)
         documents = document_mask(self.config.window_size, position_ids, batch, s * self.cp_size, x.device,
                                   cp_size=self.cp_size, cp_split=self.cp_split)
-        local = local_positions(position_ids, self.cp_rank, self.cp_size, documents)  # this rank's tokens' [b, s]
+        local = local_positions(position_ids, self.cp_rank, self.cp_size, documents=documents)  # [b, s]: my tokens'
         if self.pre_process:
             x = self.embed(x, local)
         rope = self._rope(s, local)

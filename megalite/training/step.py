@@ -140,7 +140,7 @@ def _rank_tokens(tensor: torch.Tensor, order: torch.Tensor | None, mesh: Mesh) -
     """[b, s] -> this cp rank's [b, s/cp]: its zigzag chunks, or its tokens of the per-document `order`."""
     if order is None:
         return split_sequence(tensor, mesh.cp_rank, mesh.cp_size, dim=1)
-    return local_tokens(tensor, order, mesh.cp_rank, mesh.cp_size)
+    return local_tokens(tensor, order, cp_rank=mesh.cp_rank, cp=mesh.cp_size)
 
 
 def _check_same_experts(mesh: Mesh, cfg: RunConfig, model: GPTConfig) -> None:

@@ -49,7 +49,7 @@ def _reference(cp, mask):
 
 def _on_rank(t: torch.Tensor, order, m) -> torch.Tensor:
     """[b, h, s, d] -> this rank's tokens [b, h, s/cp, d] under the split."""
-    return local_tokens(t.transpose(1, 2), order, m.cp_rank, m.cp_size).transpose(1, 2)
+    return local_tokens(t.transpose(1, 2), order, cp_rank=m.cp_rank, cp=m.cp_size).transpose(1, 2)
 
 
 def _run(attention, m, mask):
@@ -97,7 +97,7 @@ def test_the_split_rule(cp):
     order, ranks = split_order(positions, cp), split_ranks(positions, cp)
     s = positions.shape[1]
     for rank in range(cp):
-        held = rank_positions(order, rank, cp)
+        held = rank_positions(order, cp_rank=rank, cp=cp)
         assert held.shape[1] == s // cp and bool((held.diff(dim=1) > 0).all())
         assert bool((ranks.gather(1, held) == rank).all())
     if cp == 2:  # sample 2, documents [8, 4, 4]: chunks of 2, 1, 1 tokens
@@ -105,7 +105,7 @@ def test_the_split_rule(cp):
         # sample 0, documents [1, 5, 3, 7]: chunks of 0, 1, 0, 1 tokens, ends 0 | 5 | 6 7 8 | 15 dealt in 4 pairs
         assert ranks[0].tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 0, 0]
     ids = torch.arange(positions.numel()).view_as(positions)
-    shards = [local_tokens(ids, order, rank, cp) for rank in range(cp)]
+    shards = [local_tokens(ids, order, cp_rank=rank, cp=cp) for rank in range(cp)]
     assert torch.equal(gather_tokens(shards, order), ids)
 
 
@@ -146,10 +146,11 @@ def test_the_ring_computes_the_work_balance_py_predicts_for_the_training_steps_p
         work = token_work(lengths, window=window)
         measured = []
         for rank in range(cp):
-            microbatch = {"input_ids": torch.arange(s)[None], "labels": torch.arange(s)[None], "position_ids": positions}
+            ids = torch.arange(s)[None]
+            microbatch = {"input_ids": ids, "labels": ids, "position_ids": positions}
             held = _training_positions(microbatch, rank, cp)
             assert torch.equal(held, document_split_positions(lengths, rank, cp))
-            pairs = _computed_pairs(RingSplit(mask, rank, cp))
+            pairs = _computed_pairs(RingSplit(mask, cp_rank=rank, cp=cp))
             assert pairs == int(work[held].sum())
             measured.append(pairs / float(work.sum()))
         assert measured == pytest.approx(document_split_shares(lengths, cp, window=window), abs=1e-12)
@@ -161,4 +162,4 @@ def test_a_mask_split_for_another_cp_is_refused():
     mask = split_documents(DocumentMask.from_position_ids(_positions(DOCUMENTS[2])), 2)
     with pytest.raises(ValueError, match="split over 2 cp ranks, the cp group has 4; split it with "
                                          "split_documents\\(mask, 4\\)"):
-        RingSplit(mask, 0, 4)
+        RingSplit(mask, cp_rank=0, cp=4)

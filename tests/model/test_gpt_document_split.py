@@ -38,7 +38,7 @@ def _rank(name, comm_types, expected):
     cfg = preset(name, num_layers=1, seq_length=S)
     ids, labels, positions = documents_batch(cfg.vocab_size, DOCUMENTS, S, masked=MASKED)
     order = split_order(positions, m.cp_size)
-    ids, labels = (local_tokens(t, order, m.cp_rank, m.cp_size) for t in (ids, labels))
+    ids, labels = (local_tokens(t, order, cp_rank=m.cp_rank, cp=m.cp_size) for t in (ids, labels))
     ref_logits, ref_loss, ref_grads = expected
     checked = {}
     for comm_type in comm_types:

@@ -30,7 +30,8 @@ DOCUMENTS = {"reset_position_ids": True, "reset_attention_mask": True}
 def test_packed_training_under_the_document_split_matches_single_process(tp, extra):
     losses, params = _single_process_reference()
     world = tp * extra["cp"] * extra.get("pp", 1)
-    assert run_distributed(_parallel, world, tp, 1, {**extra, "cp_split": "documents"}, losses, params) == [STEPS] * world
+    settings = {**extra, "cp_split": "documents"}
+    assert run_distributed(_parallel, world, tp, 1, settings, losses, params) == [STEPS] * world
 
 
 @pytest.mark.parametrize("flags, message", [
