@@ -11,6 +11,7 @@ from megalite.context_parallel.zigzag import split_sequence
 from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.distributed.mesh import init_mesh, single_process_mesh
+from megalite.kernels import DocumentMask
 from megalite.model.gpt import GPTModel
 from megalite.plan.params import stage_params
 from megalite.testing import assert_tensor_close, run_distributed
@@ -32,8 +33,10 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _reference(model: GPTModel, ids, labels):
-    """(loss the report trains on, the language model's loss, [each depth's summed cross entropy]), all / T."""
+def _reference(model: GPTModel, ids, labels, window=None):
+    """(loss the report trains on, the language model's loss, [each depth's summed cross entropy]), all / T.
+    window: every block, the depths' included, attends over its own sequence's last `window` positions
+    (Mistral's window, proven against transformers in test_sliding_window.py)."""
     config, (b, t) = model.config, ids.shape
     eps, weight = config.norm_eps, model.word_embeddings.weight[:VOCAB]
     head = model.head_weight()[:VOCAB]
@@ -46,24 +49,30 @@ def _reference(model: GPTModel, ids, labels):
         logits = _rms(hidden, norm.weight, eps) @ head.t()
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.t().reshape(-1), ignore_index=-100, reduction="sum")
 
+    def masked(n):  # the window over n positions, or plain causal attention
+        return (DocumentMask.sliding_window(b, n, window),) if window is not None and window < n else ()
+
     hidden = embed(ids)
     for block in model.layers:
-        hidden = block(hidden, (rope[0][:t], rope[1][:t]), model.rng)
+        hidden = block(hidden, (rope[0][:t], rope[1][:t]), model.rng, *masked(t))
     main = cross_entropy(hidden, model.final_norm, labels)
     depths = []
     for k, depth in enumerate(model.mtp.depths, start=1):
         n = t - k  # positions i with t_{i+k} and t_{i+k+1}
         combined = torch.cat([_rms(embed(ids[:, k:]), depth.enorm.weight, eps),
                               _rms(hidden[:n], depth.hnorm.weight, eps)], dim=-1)
-        hidden = depth.block(combined @ depth.eh_proj.weight.t(), (rope[0][:n], rope[1][:n]), model.rng)
+        hidden = depth.block(combined @ depth.eh_proj.weight.t(), (rope[0][:n], rope[1][:n]), model.rng, *masked(n))
         depths.append(cross_entropy(hidden, depth.final_norm, labels[:, k:]))  # target t_{i+k+1} = labels[i+k]
     count = (labels != -100).sum()
     lam, d = config.mtp_loss_scaling_factor, config.mtp_num_layers
     return (main + lam / d * sum(depths)) / count, main / count, [x / count for x in depths]
 
 
-def test_mtp_equals_the_reports_formulation():
-    config = _cfg().gpt_config()
+@pytest.mark.parametrize("window", [None, 5])
+def test_mtp_equals_the_reports_formulation(window):
+    """window 5: a sliding window over the blocks and the depths (DeepSeek's latent attention here); depth
+    k's position i sees positions i-4..i of its own input, as the report's T-k positions under the window."""
+    config = _cfg(window_size=window).gpt_config()
     model = GPTModel(config, single_process_mesh("cpu")).train()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
     labels = torch.roll(ids, -1, 1)
@@ -74,7 +83,7 @@ def test_mtp_equals_the_reports_formulation():
     loss.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    objective, main, depths = _reference(model, ids, labels)
+    objective, main, depths = _reference(model, ids, labels, window)
     objective.backward()
     torch.testing.assert_close(loss, main, rtol=1e-6, atol=0)  # the reported loss is the language model's
     torch.testing.assert_close(torch.tensor(got_depths, dtype=torch.float64), torch.stack(depths).detach().double(),
@@ -196,8 +205,6 @@ def test_mtp_layouts_equal_the_single_process(layouts, steps, world):
     (dict(pp=2, model="tiny", num_layers=2, moe_layer_freq=None, moe_aux_loss_coeff=None),
      "not the learned position table"),
     (dict(cuda_graph=True), "--mtp-num-layers runs without --cuda-graph"),
-    (dict(model="tiny-llama", moe_layer_freq=None, moe_aux_loss_coeff=None, window_size=8),
-     "--window-size with --mtp-num-layers"),
 ])
 def test_mtp_layouts_not_built_are_refused_in_one_line(settings, message):
     cfg = _cfg(**settings)
