@@ -109,16 +109,21 @@ def test_packed_training_with_context_parallelism_matches_single_process(tp, dp,
     assert run_distributed(_parallel, world, tp, dp, extra, losses, params) == [STEPS] * world
 
 
-@pytest.mark.slow  # ~10 s: two 2-rank worlds of a DeepSeek-shaped model
-@pytest.mark.parametrize("cp_comm_type", ["p2p", "a2a"])
-def test_packed_deepseek_training_with_context_parallelism_matches_single_process(cp_comm_type):
-    """Latent attention and MTP on packed documents under a window at cp 2 (quick at the model level:
+@pytest.mark.slow  # ~3-9 s each: a DeepSeek-shaped model in 2- and 4-rank worlds
+@pytest.mark.parametrize("tp, extra", [(1, {"cp": 2}), (1, {"cp": 2, "cp_comm_type": "a2a"}),
+                                       (2, {"cp": 2, "sequence_parallel": True}),
+                                       (1, {"cp": 2, "pp": 2, "cp_comm_type": "a2a"})],
+                         ids=["cp2-ring", "cp2-ulysses", "tp2-sp-cp2", "pp2-cp2-ulysses"])
+def test_packed_deepseek_training_with_context_parallelism_matches_single_process(tp, extra):
+    """Latent attention and MTP on packed documents under a window at cp 2, with tp 2 + SP, and with pp 2
+    (MTP on the last stage with its copy of the embedding; quick at the model level:
     tests/model/test_deepseek_documents_cp.py): the losses and every parameter after two steps."""
     losses, chunks = _run(single_process_mesh("cpu"), _cfg(1, 1, **DEEPSEEK))
     params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
-    extra = {"cp": 2, "cp_comm_type": cp_comm_type, **DEEPSEEK}
-    assert _cfg(1, 1, **extra).validate() == []  # refused until this test proved it
-    assert run_distributed(_parallel, 2, 1, 1, extra, losses, params) == [STEPS] * 2
+    extra = {**extra, **DEEPSEEK}
+    assert _cfg(tp, 1, **extra).validate() == []  # refused until this test proved it
+    world = tp * extra["cp"] * extra.get("pp", 1)
+    assert run_distributed(_parallel, world, tp, 1, extra, losses, params) == [STEPS] * world
 
 
 @pytest.mark.parametrize("flags, message", [
