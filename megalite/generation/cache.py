@@ -13,6 +13,10 @@ Tensor parallelism falls out of the layers: each rank caches its own kv heads [b
 and the head's logits shards are gathered over tp (comm.all_gather), so every rank sees the same
 logits and draws the same token. Pipeline parallelism is not supported (tools/generate.py refuses it).
 
+A sliding window (`window_size`, Mistral's) limits each query to its last window_size slots: a row's
+real tokens are contiguous (padding sits only at its left end), so slots and positions differ by a
+constant within a row.
+
 Rows of a batch may be left-padded: `valid` [b, s] marks the real tokens and `positions` [b, s] gives
 each real token its position in its own row (transformers' cumsum of the attention mask). A slot that
 holds padding is never attended to; a padding query attends to itself only (no row of scores is all
@@ -104,9 +108,11 @@ def forward_step(model: GPTModel, ids: torch.Tensor, positions: torch.Tensor, va
     if end > cache.capacity:
         raise ValueError(f"the KV cache holds {cache.capacity} positions; {end} asked")
     cache.valid[:, start:end] = valid
-    slots = torch.arange(end, device=ids.device)
-    causal = slots[None, :] <= (start + torch.arange(s, device=ids.device))[:, None]  # [s, L]
-    own = slots[None, :] == (start + torch.arange(s, device=ids.device))[:, None]  # a padding query's one key
+    slots, queries = torch.arange(end, device=ids.device), start + torch.arange(s, device=ids.device)
+    causal = slots[None, :] <= queries[:, None]  # [s, L]
+    if model.config.window_size is not None:  # a sliding window: a query sees its last window_size slots,
+        causal &= slots[None, :] > queries[:, None] - model.config.window_size  # a row's tokens being contiguous
+    own = slots[None, :] == queries[:, None]  # a padding query's one key
     allowed = ((causal[None] & cache.valid[:, None, :end]) | own[None]).unsqueeze(1)  # [b, 1, s, L]
     rope = None
     if model.config.flavour == "llama":
