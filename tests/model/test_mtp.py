@@ -308,3 +308,46 @@ def test_mtp_under_context_parallelism_equals_the_single_process(cp_comm_type):
     torch.testing.assert_close(depths, expected[1], rtol=1e-5, atol=0)
     for name, grad in expected[2].items():
         assert_tensor_close(grads[name], grad, rtol=1e-5, what=name)
+
+
+def _flops_added(config, depths_params: int, scores_width: int) -> float:
+    """What the depths add to the MFU's FLOPs per token: 6 x (their parameters a token passes through + one
+    more output layer each) and each depth's attention."""
+    d = config.mtp_num_layers
+    return 6 * (depths_params + d * config.vocab_size * config.hidden_size) + 6 * d * scores_width * SEQ
+
+
+def test_mtp_flops_count_each_depths_block_and_output_layer():
+    """The MFU's model FLOPs count each depth's block, M_k and its pass through the output layer; an MoE
+    depth its topk experts only (DeepSeek-shaped: the depth's block has experts, as the last block)."""
+    moe = _cfg(mtp_num_layers=1).gpt_config()
+    assert moe.is_moe_block(moe.num_layers)
+    inactive = moe.moe_mlp_params(active=False) - moe.moe_mlp_params(active=True)
+    extra = moe.num_params(include_embedding=False) - moe.replace(mtp_num_layers=0).num_params(include_embedding=False)
+    scores = moe.num_attention_heads * (moe.mla.qk_dim + moe.mla.v_head_dim)
+    added = _flops_added(moe, extra - inactive, scores)
+    assert moe.flops_per_token() - moe.replace(mtp_num_layers=0).flops_per_token() == pytest.approx(added)
+
+
+@pytest.mark.slow  # ~2-7 s: torch's FLOP counter over two forward + backward passes
+def test_mtp_flops_counted_by_torch():
+    """torch's FlopCounterMode over a forward + backward sees exactly 6 x (the depths' matrices + D x the
+    padded head) more per token; the count adds 6 x (their parameters, norms included by the 6N convention,
+    + D x the true vocabulary's head) and the depths' attention (12 h s each; megalite's attention core runs
+    outside torch's counted ops)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def counted(depths):
+        cfg = RunConfig.build(**_DENSE, num_layers=2, hidden_size=64, seq_length=SEQ, mtp_num_layers=depths)
+        model = GPTModel(cfg.gpt_config(), single_process_mesh("cpu")).train()
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        with FlopCounterMode(display=False) as counter:
+            model(ids, ids).backward()
+        return counter.get_total_flops(), model
+
+    (base, _), (total, model) = counted(0), counted(2)
+    config, tokens = model.config, 2 * SEQ
+    matrices = sum(p.numel() for p in model.mtp.parameters() if p.dim() == 2)
+    assert total - base == 6 * (matrices + 2 * config.padded_vocab_size(1) * config.hidden_size) * tokens
+    added = _flops_added(config, sum(p.numel() for p in model.mtp.parameters()), 2 * config.hidden_size)
+    assert config.flops_per_token() - config.replace(mtp_num_layers=0).flops_per_token() == pytest.approx(added)
