@@ -217,10 +217,13 @@ class GPTConfig:
             moe_blocks = self.moe_layer_count() + sum(self.is_moe_block(self.num_layers + k)
                                                       for k in range(self.mtp_num_layers))
             n_matmul -= moe_blocks * (self.moe_mlp_params(False) - self.moe_mlp_params(True))
-        scores_width = 2 * self.hidden_size  # q.k and p.v channels per token over all heads (d * heads = h)
+        return 6.0 * n_matmul + 6.0 * (self.num_layers + self.mtp_num_layers) * self.scores_width() * s
+
+    def scores_width(self) -> int:
+        """The q.k and p.v channels per token over all heads: 2h (d * heads = h), n (d_qk + d_v) under MLA."""
         if self.mla is not None:
-            scores_width = self.num_attention_heads * (self.mla.qk_dim + self.mla.v_head_dim)
-        return 6.0 * n_matmul + 6.0 * (self.num_layers + self.mtp_num_layers) * scores_width * s
+            return self.num_attention_heads * (self.mla.qk_dim + self.mla.v_head_dim)
+        return 2 * self.hidden_size
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError, naming valid choices, when the model cannot be split tp ways."""
