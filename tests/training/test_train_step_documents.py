@@ -1,8 +1,9 @@
 """Training steps on packed documents (microbatches with restarting position_ids, as
 --reset-position-ids --reset-attention-mask make them) at (dp 2), (tp 2, SP), (pp 2), ZeRO 3, MoE
 (ep 2), (cp 2 ring) and (cp 2 Ulysses) equal the single
-process: every step's loss and every parameter after the last step (float32, 1e-5 relative). The
-flags' refusals are one line each."""
+process: every step's loss and every parameter after the last step (float32, 1e-5 relative), and a
+DeepSeek-shaped model (latent attention, MoE, MTP) under a window at the cp layouts. The flags'
+refusals are one line each."""
 import pytest
 import torch
 
