@@ -236,17 +236,6 @@ def document_problems(cfg: RunConfig) -> list[str]:
     if data.reset_position_ids != data.reset_attention_mask:
         return ["pass --reset-position-ids and --reset-attention-mask together: megalite reads each sample's "
                 "documents from its restarting position ids"]
-    packed = data.reset_attention_mask or data.sft  # SFT samples carry their restarting position ids
-    model = cfg.model
-    masked = packed or model.window_size is not None
-    if model.window_size is not None and model.mtp_num_layers:
-        return ["--window-size with --mtp-num-layers is not built yet (packed documents are): drop one of them"]
-    if masked and model.mtp_num_layers and cfg.parallel.cp > 1:
-        return ["packed documents with --mtp-num-layers run at --cp 1 so far: drop --cp, --mtp-num-layers or the "
-                "documents"]
-    if masked and model.multi_latent_attention and cfg.parallel.cp > 1:
-        return ["packed documents and --window-size run with --multi-latent-attention at --cp 1 so far: drop --cp, "
-                "--multi-latent-attention or the documents"]
     if not data.reset_attention_mask:
         return []
     unsupported = [name for name, on in (("--cuda-graph", cfg.training.cuda_graph),

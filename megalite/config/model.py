@@ -207,16 +207,23 @@ class GPTConfig:
         """Training FLOPs per token: 6N (dense matmuls, forward + backward) + 12*L*h*s (attention), s the
         attention span over packed documents of `mean_document_length` and the window (`attention_span`),
         or `span` as measured on a step's documents. With experts N counts the topk experts a token passes
-        through, not all of them."""
+        through, not all of them. DeepSeek's MTP depths (on every token) each add a block, M_k and one more
+        pass through the shared output layer."""
         s = span if span is not None else attention_span(seq_length or self.seq_length, mean_document_length,
                                                           self.window_size)
-        n_matmul = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size  # + lm head
+        heads = 1 + self.mtp_num_layers  # the output layer: the model's, then each depth's
+        n_matmul = self.num_params(include_embedding=False) + heads * self.vocab_size * self.hidden_size
         if self.moe is not None:
-            n_matmul -= self.moe_layer_count() * (self.moe_mlp_params(False) - self.moe_mlp_params(True))
-        scores_width = 2 * self.hidden_size  # q.k and p.v channels per token over all heads (d * heads = h)
+            moe_blocks = self.moe_layer_count() + sum(self.is_moe_block(self.num_layers + k)
+                                                      for k in range(self.mtp_num_layers))
+            n_matmul -= moe_blocks * (self.moe_mlp_params(False) - self.moe_mlp_params(True))
+        return 6.0 * n_matmul + 6.0 * (self.num_layers + self.mtp_num_layers) * self.scores_width() * s
+
+    def scores_width(self) -> int:
+        """The q.k and p.v channels per token over all heads: 2h (d * heads = h), n (d_qk + d_v) under MLA."""
         if self.mla is not None:
-            scores_width = self.num_attention_heads * (self.mla.qk_dim + self.mla.v_head_dim)
-        return 6.0 * n_matmul + 6.0 * self.num_layers * scores_width * s
+            return self.num_attention_heads * (self.mla.qk_dim + self.mla.v_head_dim)
+        return 2 * self.hidden_size
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ValueError, naming valid choices, when the model cannot be split tp ways."""

@@ -55,13 +55,19 @@ def _rope(hf) -> tuple[float, dict | None]:
 
 
 def _sliding_window(hf, family: str) -> int | None:
-    """Mistral's and Mixtral's window (every layer; None when it covers the context). Qwen's windows
-    apply to some layers only (max_window_layers): refused."""
+    """Mistral's and Mixtral's window (every layer; None when it covers the context). Qwen's windows apply
+    to the layers from max_window_layers on (transformers' layer_types): none when no layer slides, the
+    window when every layer does (Qwen2, Qwen3); a window on some layers only is refused."""
     window = getattr(hf, "sliding_window", None)
     used = getattr(hf, "use_sliding_window", True)  # Qwen keeps a window size it does not use
     if not (used and window and window < hf.max_position_embeddings):
         return None
     if family in ("mistral", "mixtral"):
+        return int(window)
+    sliding = [kind == "sliding_attention" for kind in (getattr(hf, "layer_types", None) or ())]
+    if sliding and not any(sliding):
+        return None  # every layer below max_window_layers: transformers applies no window
+    if sliding and all(sliding) and family in ("qwen2", "qwen3"):
         return int(window)
     raise ValueError(f"{family} sliding_window={window} < max_position_embeddings={hf.max_position_embeddings} "
                      f"is not supported (a window on some layers only); set use_sliding_window=False")
@@ -158,7 +164,7 @@ def _unexpressible(config: GPTConfig, family: str) -> list[str]:
         problems.append("MLP biases")
     if family != "llama" and config.rope_scaling:
         problems.append(f"rope_scaling {config.rope_scaling}")
-    if family not in ("mistral", "mixtral") and config.window_size is not None:
+    if family not in ("mistral", "mixtral", "qwen2", "qwen3") and config.window_size is not None:
         problems.append(f"a sliding window (window_size={config.window_size})")
     moe = config.moe
     if moe is not None:
@@ -187,6 +193,8 @@ def _decoder_keywords(config: GPTConfig, family: str) -> dict:
         kw["mlp_bias"] = config.mlp_bias
     if family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         kw.update(use_sliding_window=False, sliding_window=None)
+        if config.window_size is not None:  # Qwen2 and Qwen3: every layer slides (from layer 0 on)
+            kw.update(use_sliding_window=True, sliding_window=config.window_size, max_window_layers=0)
     if family == "mistral":
         kw["sliding_window"] = config.window_size
     if family == "mixtral":

@@ -122,12 +122,12 @@ class MultiLatentAttention(nn.Module):
         return (q.view(s, b, heads, mla.qk_dim), kv.view(s, b, heads, mla.qk_head_dim + mla.v_head_dim),
                 k_pe.reshape(s, b, 1, mla.qk_pos_emb_head_dim))
 
-    def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
-             rope: tuple[torch.Tensor, torch.Tensor] | None, rng: TensorParallelRNG,
-             documents: DocumentMask | None = None) -> torch.Tensor:
-        """qkv()'s (q, kv, k_pe) -> [s, b, n/tp * d_v]: RoPE on the position channels, the heads' keys,
-        attention. documents: the microbatch's packed documents and/or window (GPTModel builds it), or None."""
-        mla, heads = self.mla, self.local_heads
+    def heads(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
+              rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv()'s (q, kv, k_pe) -> each head's q, k [s, b, n/tp, d_qk] (RoPE on the position channels, the
+        shared RoPE key joined to every head's key) and v [s, b, n/tp, d_v]; rope: [s, d] or [s, b, d] tables
+        (the generation cache's keys and values too: megalite/generation/cache.py)."""
+        mla = self.mla
         s, b = q.shape[:2]
         q_nope, q_pe = q.split([mla.qk_head_dim, mla.qk_pos_emb_head_dim], dim=-1)
         k_nope, v = kv.split([mla.qk_head_dim, mla.v_head_dim], dim=-1)
@@ -135,11 +135,19 @@ class MultiLatentAttention(nn.Module):
         if rope is not None:
             q_pe, k_pe = ops.rope(q_pe, *rope), ops.rope(k_pe, *rope)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [s, b, n/tp, d_qk]
-        k = torch.cat([k_nope, k_pe.expand(s, b, heads, mla.qk_pos_emb_head_dim)], dim=-1)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [s, b, heads, d] -> [b, heads, s, d]
+        k = torch.cat([k_nope, k_pe.expand(s, b, self.local_heads, mla.qk_pos_emb_head_dim)], dim=-1)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
+             rope: tuple[torch.Tensor, torch.Tensor] | None, rng: TensorParallelRNG,
+             documents: DocumentMask | None = None) -> torch.Tensor:
+        """qkv()'s (q, kv, k_pe) -> [s, b, n/tp * d_v]: RoPE on the position channels, the heads' keys,
+        attention. documents: the microbatch's packed documents and/or window (GPTModel builds it), or None."""
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in self.heads(q, kv, k_pe, rope))  # -> [b, heads, s, d]
         if comm.group_size(self.cp_group) > 1:  # s = s/cp: this rank's zigzag chunks, RoPE at their positions
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, documents=documents,
                                              softmax_scale=self.softmax_scale)  # [b, n/tp, s/cp, d_v]
         else:
             out = ops.latent_attention(q, k, v, self.softmax_scale, documents)  # [b, n/tp, s, d_v]
-        return out.permute(2, 0, 1, 3).reshape(s, b, heads * mla.v_head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.mla.v_head_dim)

@@ -30,6 +30,7 @@ from megalite.data_parallel.units import Unit
 from megalite.distributed import comm
 from megalite.config.model import GPTConfig
 from megalite.distributed.layer_groups import LayerGroups
+from megalite.model.documents import local_positions
 from megalite.model.transformer import Norm, TransformerBlock
 from megalite.tensor_parallel import mappings
 from megalite.tensor_parallel.layers import ColumnParallelLinear
@@ -103,25 +104,28 @@ def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: tor
     """Each depth's summed cross entropy over this rank's targets: hidden [s', b, h] the last block's output,
     input_ids and labels [b, s]. `model`: the GPTModel (its embedding, head and cross entropy).
 
-    Packed documents (position_ids [b, s] restarting at 0, `documents` the blocks' mask): the depths attend
-    within documents as the blocks do, and depth k's target at position i is kept only where token i+k is
-    in i's document (its position is i's plus k): Emb(t_{i+k}) never comes from the next document. The
-    target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss masks the same ones).
+    Packed documents (position_ids [b, s] restarting at 0, `documents` the blocks' mask, a window's too):
+    the depths attend within documents (and the window) as the blocks do, and depth k's target at position i
+    is kept only where token i+k is in i's document (its position is i's plus k): Emb(t_{i+k}) never comes
+    from the next document. The target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss
+    masks the same ones).
 
     Context parallelism: this rank holds its zigzag chunks of the ids and labels, so the tokens k ahead of
     its last positions live on other ranks; the whole sequences are gathered once ([b, s] integers over the
-    cp group), rolled, and this rank's chunks cut again."""
+    cp group), rolled, and this rank's chunks cut again. The position ids are the whole sequence's already
+    (GPTModel.forward), so the document test runs on the whole sequence before the cut."""
     cp, cp_rank = model.cp_size, model.cp_rank
     whole_ids, whole_labels = (_whole_sequence(t, model.groups.cp, cp) for t in (input_ids, labels))
+    my_positions = local_positions(position_ids, cp_rank, cp)  # position_ids are the whole sequence's [b, s]
     losses = []
     for k, depth in enumerate(model.mtp.depths, start=1):
         ids_ahead = _my_chunks(rolled(whole_ids, k), cp_rank, cp)  # t_{i+k} [b, s/cp]
-        embedded = model.embed(ids_ahead, position_ids)  # Emb(t_{i+k}) [s', b, h]
+        embedded = model.embed(ids_ahead, my_positions)  # Emb(t_{i+k}) [s', b, h], at token i's position
         hidden = depth(hidden, embedded, rope, model.rng, documents)
-        targets = _my_chunks(rolled(whole_labels, k, fill=-100), cp_rank, cp)  # labels[:, i + k] = t_{i+k+1}
-        if position_ids is not None:
+        targets = rolled(whole_labels, k, fill=-100)  # [b, s]: labels[:, i + k] = t_{i+k+1}
+        if position_ids is not None:  # on the whole sequence: token i+k may lie in another rank's chunk
             targets = targets.masked_fill(rolled(position_ids, k) != position_ids + k, -100)
-        losses.append(model.head_losses(depth.final_norm(hidden), targets).sum())
+        losses.append(model.head_losses(depth.final_norm(hidden), _my_chunks(targets, cp_rank, cp)).sum())
     return losses
 
 

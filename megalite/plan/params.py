@@ -73,17 +73,21 @@ def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int |
     """FLOPs executed per token including recomputation (HFU's numerator).
 
     Model FLOPs are 6N + 12*L*h*s; selective recompute re-runs the attention core forward
-    (4*L*h*s); full recompute re-runs every block's forward GEMMs (2*N_blocks + 4*L*h*s; torch's
-    non-reentrant checkpoint stops right after the last one, skipping only the MLP output's tp
-    reduction), or that `recompute_fraction` of the blocks (--recompute-num-layers).
+    (4*L*h*s; latent attention's 2*L*n*(d_qk + d_v)*s); full recompute re-runs every block's forward
+    GEMMs (2*N_blocks + 4*L*h*s, N_blocks with a token's topk experts; torch's non-reentrant checkpoint
+    stops right after the last one, skipping only the MLP output's tp reduction), or that
+    `recompute_fraction` of the blocks (--recompute-num-layers). MTP's depths are not recomputed.
     """
     s = seq_length or model.seq_length
     if span is None:  # documents and window: keys per query (measured on a step's documents when given)
         span = attention_span(s, mean_document_length, model.window_size)
     flops = model.flops_per_token(s, span=span)
-    attention_forward = 4.0 * model.num_layers * model.hidden_size * span
+    attention_forward = 2.0 * model.num_layers * model.scores_width() * span  # 4 L h s without MLA
     if recompute == Recompute.SELECTIVE:
         flops += attention_forward
-    elif recompute == Recompute.FULL:
-        flops += recompute_fraction * (2.0 * model.num_params(include_embedding=False) + attention_forward)
+    elif recompute == Recompute.FULL:  # the blocks re-run (MTP's depths are not recomputed), topk experts each
+        blocks = model.replace(mtp_num_layers=0).num_params(include_embedding=False)
+        if model.moe is not None:
+            blocks -= model.moe_layer_count() * (model.moe_mlp_params(False) - model.moe_mlp_params(True))
+        flops += recompute_fraction * (2.0 * blocks + attention_forward)
     return flops

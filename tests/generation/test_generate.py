@@ -1,7 +1,8 @@
 """Greedy generation over the KV cache equals transformers' `generate`, token for token.
 
 Llama (3.x: llama3 rope scaling, tied embeddings), Qwen3 (q/k norms, head_dim apart from hidden /
-heads) and Mixtral (experts), each built from a small config (tests/model/hf_families.py, nothing
+heads), Mixtral (experts), DeepSeek-V3 and V2 (latent attention: each head's key and value cached, d_qk
+!= d_v, YaRN's softmax scale; group-limited routing) and Mistral with a sliding window, each built from a small config (tests/model/hf_families.py, nothing
 downloaded, matrices scaled so that the continuation varies) and imported with from_hf; two prompts of
 different lengths in one batch (left padding), at tp 1 and at tp 2 in a 2-rank gloo world. The check
 can fail: a padded slot attended to changes the tokens (test_the_check_can_fail_...).
@@ -23,7 +24,9 @@ from megalite.generation.generate import left_padded  # noqa: E402
 from megalite.model.hf import from_hf  # noqa: E402
 from megalite.testing import run_distributed  # noqa: E402
 
-FAMILIES = ("llama3", "qwen3", "mixtral")
+FAMILIES = ("llama3", "qwen3", "mixtral", "deepseek-v3", "deepseek-v2")
+QUICK_TP1 = ("llama3", "qwen3", "mixtral")  # DeepSeek's in the quick tier at tp 2
+QUICK_TP2 = ("qwen3", "deepseek-v3")  # one 2-rank world of fused and one of latent attention
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [250, 1, 64]]
 NEW = 12
 
@@ -48,7 +51,8 @@ def transformers_tokens(hf, prompts, new=NEW):
     return out[:, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in QUICK_TP1 else pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_greedy_equals_transformers_generate_at_tp1(family):
     hf = hf_model(family)
     expected = transformers_tokens(hf, PROMPTS)
@@ -68,11 +72,30 @@ def _tp2(family):
     return tokens, transformers_tokens(hf, PROMPTS), [list(r) for r in zip(*streamed)]
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen3" else pytest.mark.slow)
-                                    for f in FAMILIES])  # one 2-rank world in the quick tier
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in QUICK_TP2 else pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_greedy_equals_transformers_generate_at_tp2(family):
     for tokens, expected, streamed in run_distributed(_tp2, 2, family):
         assert tokens == expected == streamed
+
+
+def test_greedy_with_a_sliding_window_equals_transformers_generate():
+    """Mistral's window of 4 over prompts of 7 and 3 tokens and 12 new ones: the prefill's queries and every
+    decoded token lose keys; without the window the tokens differ (the check can fail)."""
+    config = transformers.MistralConfig(**H._COMMON, sliding_window=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() >= 2:
+                param.mul_(8.0)
+    expected = transformers_tokens(hf, PROMPTS)
+    model = from_hf(hf)
+    assert model.config.window_size == 4
+    assert generate(model, PROMPTS, max_new_tokens=NEW) == expected
+    assert generate(model, PROMPTS[1:], max_new_tokens=NEW) == expected[1:]
+    model.config.window_size = None
+    assert generate(model, PROMPTS, max_new_tokens=NEW) != expected
 
 
 def test_the_check_can_fail_when_padding_is_attended_to():

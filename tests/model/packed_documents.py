@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from megalite.context_parallel.zigzag import gather_sequence, split_sequence
+from megalite.distributed import comm
 from megalite.parameters import params as P
 
 
@@ -36,3 +38,27 @@ def one_by_one(model, documents: tuple[list[int], ...], seq: int, vocab: int, pa
             loss += document_loss.detach()
             start += n
     return logits, loss, {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
+
+
+def packed_run(model, ids, labels, positions):
+    """The whole batch through `model` (tp 1) at its cp size, as the training step hands it: each cp rank
+    its zigzag chunks of ids [b, s] and labels, and the whole sequence's position ids (or None). Returns
+    (logits [b, s, V_pad], the loss sum, each MTP depth's summed loss [D] (float64, empty without MTP),
+    every parameter's gradient by logical name), each over the whole sequence: under cp the logits
+    gathered, the sums and the gradients (each rank holds its tokens' part) summed over the cp ranks."""
+    cp, rank = model.cp_size, model.cp_rank
+    if cp > 1:
+        ids, labels = (split_sequence(t, rank, cp) for t in (ids, labels))
+    logits = model(ids, position_ids=positions).detach()  # [b, s/cp, V_pad]
+    loss = model(ids, labels, reduction="sum", position_ids=positions)
+    loss.backward()
+    depths = torch.tensor(model.mtp.take_step_sums() if model.mtp is not None else [], dtype=torch.float64)
+    grads = {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
+    loss = loss.detach()
+    if cp > 1:
+        group = model.groups.cp
+        pieces = comm.all_gather(logits.unsqueeze(0).contiguous(), group, dim=0).unbind(0)
+        logits = gather_sequence(list(pieces), dim=1)
+        loss, depths = (comm.all_reduce(t.clone(), group) for t in (loss, depths))
+        grads = {n: comm.all_reduce(g.clone(), group) for n, g in grads.items()}
+    return logits, loss, depths, grads

@@ -13,14 +13,12 @@ import sys
 import pytest
 import torch
 
-from megalite.distributed import comm, mesh
-from megalite.parameters import params as P
-from megalite.context_parallel import gather_sequence, split_sequence
+from megalite.distributed import mesh
 from megalite.model import GPTModel, preset
 from megalite.testing import assert_tensor_close, run_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
-from packed_documents import documents_batch, one_by_one  # noqa: E402
+from packed_documents import documents_batch, one_by_one, packed_run  # noqa: E402
 
 B, S = 2, 16
 DOCUMENTS = ([1, 5, 3, 7], [16])  # per sample; at cp 2 the chunks are [0, 4), [4, 8), [8, 12), [12, 16)
@@ -39,10 +37,6 @@ def _batch(vocab, documents=True):
     return ids, labels, (positions if documents else None)
 
 
-def _grads(model):
-    return {n: P.shard_spec(p).assemble([p.grad]) for n, p in model.logical_parameters()}
-
-
 def _one_by_one(name):
     """Each document alone at cp 1: logits [b, s, V], the summed loss, every gradient."""
     cfg = _config(name)
@@ -53,12 +47,8 @@ def _one_by_one(name):
 def _single_process(name, window, documents):
     """The packed batch at cp 1 with the window."""
     cfg = _config(name, window)
-    model = GPTModel(cfg, seed=5)
-    ids, labels, positions = _batch(cfg.vocab_size, documents)
-    logits = model(ids, position_ids=positions).detach()
-    loss = model(ids, labels, reduction="sum", position_ids=positions)
-    loss.backward()
-    return logits, loss.detach(), _grads(model)
+    logits, loss, _, grads = packed_run(GPTModel(cfg, seed=5), *_batch(cfg.vocab_size, documents))
+    return logits, loss, grads
 
 
 CASES = {"documents": (None, True), "window": (WINDOW, False), "documents+window": (WINDOW, True)}
@@ -74,20 +64,12 @@ def _context_parallel(m, name, comm_type, case, expected):
     window, documents = CASES[case]
     cfg = _config(name, window)
     model = GPTModel(cfg, m, seed=5, cp_comm_type=comm_type)
-    ids, labels, positions = _batch(cfg.vocab_size, documents)
-    ids, labels = (split_sequence(t, m.cp_rank, m.cp_size) for t in (ids, labels))
+    logits, loss, _, grads = packed_run(model, *_batch(cfg.vocab_size, documents))  # the whole sequence's
     ref_logits, ref_loss, ref_grads = expected
-    logits = model(ids, position_ids=positions).detach()  # [b, s/cp, V]
-    pieces = comm.all_gather(logits.unsqueeze(0).contiguous(), m.cp_group, dim=0).unbind(0)
-    torch.testing.assert_close(gather_sequence(list(pieces), dim=1)[..., :cfg.vocab_size],
-                               ref_logits[..., :cfg.vocab_size], rtol=1e-5, atol=1e-5)
-    loss = model(ids, labels, reduction="sum", position_ids=positions)
-    loss.backward()
-    total = comm.all_reduce(loss.detach().clone(), m.cp_group)  # each rank: the sum over its chunks
-    torch.testing.assert_close(total, ref_loss, rtol=1e-5, atol=0)
-    for name_, p in model.logical_parameters():  # replicated over cp: each rank holds its tokens' part
-        assert_tensor_close(comm.all_reduce(p.grad.clone(), m.cp_group), P.shard_spec(p).shard(ref_grads[name_]),
-                            rtol=1e-5, what=f"{comm_type} {case} {name_}")
+    torch.testing.assert_close(logits[..., :cfg.vocab_size], ref_logits[..., :cfg.vocab_size], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for name_, grad in grads.items():  # summed over cp: each rank held its tokens' part
+        assert_tensor_close(grad, ref_grads[name_], rtol=1e-5, what=f"{comm_type} {case} {name_}")
     return len(ref_grads)
 
 

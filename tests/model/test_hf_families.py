@@ -96,7 +96,10 @@ def test_unsupported_families_and_options_are_refused_by_name():
     assert "rope_interleave=False" in _refusal(transformers.DeepseekV3Config(**small, rope_interleave=False))
     assert config_from_hf(transformers.MistralConfig(**small, sliding_window=128)).window_size == 128  # converted
     assert config_from_hf(transformers.MistralConfig(**small, sliding_window=256)).seq_length == 256  # covers all
-    assert "sliding_window=64" in _refusal(transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=64))
+    assert "sliding_window=64" in _refusal(transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=64,
+                                                                    max_window_layers=1))  # layer 1 only slides
+    assert config_from_hf(transformers.Qwen2Config(**small, use_sliding_window=True, sliding_window=64)  # no layer
+                          ).window_size is None  # slides below max_window_layers (28): transformers applies none
     assert "'linear' is not supported" in _refusal(transformers.LlamaConfig(
         **small, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
     assert "decoder_sparse_step=2" in _refusal(transformers.Qwen3MoeConfig(**small, decoder_sparse_step=2))

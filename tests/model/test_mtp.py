@@ -11,6 +11,7 @@ from megalite.context_parallel.zigzag import split_sequence
 from megalite.distributed import comm
 from megalite.config import RunConfig
 from megalite.distributed.mesh import init_mesh, single_process_mesh
+from megalite.kernels import DocumentMask
 from megalite.model.gpt import GPTModel
 from megalite.plan.params import stage_params
 from megalite.testing import assert_tensor_close, run_distributed
@@ -32,8 +33,10 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _reference(model: GPTModel, ids, labels):
-    """(loss the report trains on, the language model's loss, [each depth's summed cross entropy]), all / T."""
+def _reference(model: GPTModel, ids, labels, window=None):
+    """(loss the report trains on, the language model's loss, [each depth's summed cross entropy]), all / T.
+    window: every block, the depths' included, attends over its own sequence's last `window` positions
+    (Mistral's window, proven against transformers in test_sliding_window.py)."""
     config, (b, t) = model.config, ids.shape
     eps, weight = config.norm_eps, model.word_embeddings.weight[:VOCAB]
     head = model.head_weight()[:VOCAB]
@@ -46,24 +49,30 @@ def _reference(model: GPTModel, ids, labels):
         logits = _rms(hidden, norm.weight, eps) @ head.t()
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.t().reshape(-1), ignore_index=-100, reduction="sum")
 
+    def masked(n):  # the window over n positions, or plain causal attention
+        return (DocumentMask.sliding_window(b, n, window),) if window is not None and window < n else ()
+
     hidden = embed(ids)
     for block in model.layers:
-        hidden = block(hidden, (rope[0][:t], rope[1][:t]), model.rng)
+        hidden = block(hidden, (rope[0][:t], rope[1][:t]), model.rng, *masked(t))
     main = cross_entropy(hidden, model.final_norm, labels)
     depths = []
     for k, depth in enumerate(model.mtp.depths, start=1):
         n = t - k  # positions i with t_{i+k} and t_{i+k+1}
         combined = torch.cat([_rms(embed(ids[:, k:]), depth.enorm.weight, eps),
                               _rms(hidden[:n], depth.hnorm.weight, eps)], dim=-1)
-        hidden = depth.block(combined @ depth.eh_proj.weight.t(), (rope[0][:n], rope[1][:n]), model.rng)
+        hidden = depth.block(combined @ depth.eh_proj.weight.t(), (rope[0][:n], rope[1][:n]), model.rng, *masked(n))
         depths.append(cross_entropy(hidden, depth.final_norm, labels[:, k:]))  # target t_{i+k+1} = labels[i+k]
     count = (labels != -100).sum()
     lam, d = config.mtp_loss_scaling_factor, config.mtp_num_layers
     return (main + lam / d * sum(depths)) / count, main / count, [x / count for x in depths]
 
 
-def test_mtp_equals_the_reports_formulation():
-    config = _cfg().gpt_config()
+@pytest.mark.parametrize("window", [None, 5])
+def test_mtp_equals_the_reports_formulation(window):
+    """window 5: a sliding window over the blocks and the depths (DeepSeek's latent attention here); depth
+    k's position i sees positions i-4..i of its own input, as the report's T-k positions under the window."""
+    config = _cfg(window_size=window).gpt_config()
     model = GPTModel(config, single_process_mesh("cpu")).train()
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
     labels = torch.roll(ids, -1, 1)
@@ -74,7 +83,7 @@ def test_mtp_equals_the_reports_formulation():
     loss.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    objective, main, depths = _reference(model, ids, labels)
+    objective, main, depths = _reference(model, ids, labels, window)
     objective.backward()
     torch.testing.assert_close(loss, main, rtol=1e-6, atol=0)  # the reported loss is the language model's
     torch.testing.assert_close(torch.tensor(got_depths, dtype=torch.float64), torch.stack(depths).detach().double(),
@@ -196,8 +205,6 @@ def test_mtp_layouts_equal_the_single_process(layouts, steps, world):
     (dict(pp=2, model="tiny", num_layers=2, moe_layer_freq=None, moe_aux_loss_coeff=None),
      "not the learned position table"),
     (dict(cuda_graph=True), "--mtp-num-layers runs without --cuda-graph"),
-    (dict(model="tiny-llama", moe_layer_freq=None, moe_aux_loss_coeff=None, window_size=8),
-     "--window-size with --mtp-num-layers"),
 ])
 def test_mtp_layouts_not_built_are_refused_in_one_line(settings, message):
     cfg = _cfg(**settings)
@@ -301,3 +308,46 @@ def test_mtp_under_context_parallelism_equals_the_single_process(cp_comm_type):
     torch.testing.assert_close(depths, expected[1], rtol=1e-5, atol=0)
     for name, grad in expected[2].items():
         assert_tensor_close(grads[name], grad, rtol=1e-5, what=name)
+
+
+def _flops_added(config, depths_params: int, scores_width: int) -> float:
+    """What the depths add to the MFU's FLOPs per token: 6 x (their parameters a token passes through + one
+    more output layer each) and each depth's attention."""
+    d = config.mtp_num_layers
+    return 6 * (depths_params + d * config.vocab_size * config.hidden_size) + 6 * d * scores_width * SEQ
+
+
+def test_mtp_flops_count_each_depths_block_and_output_layer():
+    """The MFU's model FLOPs count each depth's block, M_k and its pass through the output layer; an MoE
+    depth its topk experts only (DeepSeek-shaped: the depth's block has experts, as the last block)."""
+    moe = _cfg(mtp_num_layers=1).gpt_config()
+    assert moe.is_moe_block(moe.num_layers)
+    inactive = moe.moe_mlp_params(active=False) - moe.moe_mlp_params(active=True)
+    extra = moe.num_params(include_embedding=False) - moe.replace(mtp_num_layers=0).num_params(include_embedding=False)
+    scores = moe.num_attention_heads * (moe.mla.qk_dim + moe.mla.v_head_dim)
+    added = _flops_added(moe, extra - inactive, scores)
+    assert moe.flops_per_token() - moe.replace(mtp_num_layers=0).flops_per_token() == pytest.approx(added)
+
+
+@pytest.mark.slow  # ~2-7 s: torch's FLOP counter over two forward + backward passes
+def test_mtp_flops_counted_by_torch():
+    """torch's FlopCounterMode over a forward + backward sees exactly 6 x (the depths' matrices + D x the
+    padded head) more per token; the count adds 6 x (their parameters, norms included by the 6N convention,
+    + D x the true vocabulary's head) and the depths' attention (12 h s each; megalite's attention core runs
+    outside torch's counted ops)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def counted(depths):
+        cfg = RunConfig.build(**_DENSE, num_layers=2, hidden_size=64, seq_length=SEQ, mtp_num_layers=depths)
+        model = GPTModel(cfg.gpt_config(), single_process_mesh("cpu")).train()
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        with FlopCounterMode(display=False) as counter:
+            model(ids, ids).backward()
+        return counter.get_total_flops(), model
+
+    (base, _), (total, model) = counted(0), counted(2)
+    config, tokens = model.config, 2 * SEQ
+    matrices = sum(p.numel() for p in model.mtp.parameters() if p.dim() == 2)
+    assert total - base == 6 * (matrices + 2 * config.padded_vocab_size(1) * config.hidden_size) * tokens
+    added = _flops_added(config, sum(p.numel() for p in model.mtp.parameters()), 2 * config.hidden_size)
+    assert config.flops_per_token() - config.replace(mtp_num_layers=0).flops_per_token() == pytest.approx(added)

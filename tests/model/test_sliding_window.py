@@ -1,5 +1,6 @@
 """Sliding-window attention (--window-size; Mistral's sliding_window): an imported Mistral with a window
-shorter than the sequence equals transformers' logits and loss; the window composes with packed
+shorter than the sequence equals transformers' logits and loss, as do Qwen2 and Qwen3 with every layer
+windowed; the window composes with packed
 documents (each document alone, windowed); the planner's and the meter's attention span count it."""
 import os
 import sys
@@ -46,6 +47,38 @@ def test_mistral_with_a_window_equals_transformers():
     assert type(back) is transformers.MistralForCausalLM and back.config.sliding_window == WINDOW
     for name, tensor in hf.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def _qwen(family, max_window_layers):
+    """Qwen2 or Qwen3 with use_sliding_window: transformers slides the layers from max_window_layers on."""
+    config_class = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
+    extra = {} if family == "qwen2" else dict(head_dim=12)
+    torch.manual_seed(0)
+    config = config_class(**H._COMMON, **extra, tie_word_embeddings=False, use_sliding_window=True,
+                          sliding_window=WINDOW, max_window_layers=max_window_layers)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_qwen_with_every_layer_windowed_equals_transformers(family):
+    """Every layer slides (max_window_layers 0): the window imports, equals transformers' logits, and
+    exports back; no layer sliding (max_window_layers = the layers): no window; some layers: one line."""
+    hf = _qwen(family, 0)
+    ids = H.inputs()
+    with torch.no_grad():
+        model = from_hf(hf).eval()
+        assert model.config.window_size == WINDOW
+        torch.testing.assert_close(model(ids)[..., :H.VOCAB], hf(ids).logits, rtol=1e-4, atol=1e-4)
+        unwindowed = GPTModel(model.config.replace(window_size=None)).eval()
+        unwindowed.load_state_dict(model.state_dict())
+        assert not torch.allclose(unwindowed(ids)[..., :H.VOCAB], hf(ids).logits, atol=1e-2)  # the window matters
+    back = to_hf(model)
+    assert back.config.layer_types == ["sliding_attention"] * H._COMMON["num_hidden_layers"]
+    assert back.config.sliding_window == WINDOW
+    assert from_hf(_qwen(family, H._COMMON["num_hidden_layers"])).config.window_size is None
+    with pytest.raises(ValueError, match="a window on some layers only"):
+        from_hf(_qwen(family, 1))
 
 
 def test_window_within_packed_documents_equals_each_document_alone():

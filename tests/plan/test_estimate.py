@@ -386,6 +386,21 @@ def test_full_recompute_flops_counted_by_torch(recompute_num_layers):
     assert estimated == pytest.approx(2 * (gemm_weights + other_params) * tokens + attention)
 
 
+def test_recompute_flops_of_latent_attention_experts_and_mtp():
+    """Selective recompute re-runs latent attention's core at its own widths, n (d_qk + d_v) channels per
+    token, not 2h; full recompute re-runs each block with its topk experts, not all of them, and not the
+    MTP depths (GPTModel recomputes its blocks only)."""
+    model = preset("deepseek-tiny", mtp_num_layers=1)
+    s, base = model.seq_length, model.flops_per_token()
+    width = model.num_attention_heads * (model.mla.qk_dim + model.mla.v_head_dim)
+    assert width != 2 * model.hidden_size
+    attention = 2 * model.num_layers * width * s
+    assert PARAMS.hardware_flops_per_token(model, "selective") - base == pytest.approx(attention)
+    inactive = model.moe_mlp_params(active=False) - model.moe_mlp_params(active=True)
+    blocks = model.replace(mtp_num_layers=0).num_params(include_embedding=False) - model.moe_layer_count() * inactive
+    assert PARAMS.hardware_flops_per_token(model, "full") - base == pytest.approx(2 * blocks + attention)
+
+
 def _scalar_collectives_world(settings):
     """Ledger calls of one training step as the loop runs it (with its non-finite guard)."""
     from megalite.config import RunConfig

@@ -1,8 +1,9 @@
 """Training steps on packed documents (microbatches with restarting position_ids, as
 --reset-position-ids --reset-attention-mask make them) at (dp 2), (tp 2, SP), (pp 2), ZeRO 3, MoE
 (ep 2), (cp 2 ring) and (cp 2 Ulysses) equal the single
-process: every step's loss and every parameter after the last step (float32, 1e-5 relative). The
-flags' refusals are one line each."""
+process: every step's loss and every parameter after the last step (float32, 1e-5 relative), and a
+DeepSeek-shaped model (latent attention, MoE, MTP) under a window at the cp layouts. The flags'
+refusals are one line each."""
 import pytest
 import torch
 
@@ -32,10 +33,16 @@ def _batches(vocab, dp, dp_rank):
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2)
 
 
+# DeepSeek's pieces: latent attention (d_qk 24 != d_v 16), an MoE block with group-limited routing, two MTP
+# depths, and a window of 6 over the documents
+DEEPSEEK = dict(model="deepseek-tiny", hidden_size=64, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+                qk_pos_emb_head_dim=8, v_head_dim=16, mtp_num_layers=2, window_size=6)
+
+
 def _cfg(tp, dp, **kw):
+    settings = dict(model="tiny-llama", num_layers=2, seq_length=SEQ)
     return RunConfig.build(tp=tp, dp=dp, micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=1e-3, seed=3,
-                           adam_eps=1e-6, reset_position_ids=True, reset_attention_mask=True, model="tiny-llama",
-                           num_layers=2, seq_length=SEQ, **kw)
+                           adam_eps=1e-6, reset_position_ids=True, reset_attention_mask=True, **{**settings, **kw})
 
 
 def _run(m, cfg, documents=True):
@@ -103,16 +110,28 @@ def test_packed_training_with_context_parallelism_matches_single_process(tp, dp,
     assert run_distributed(_parallel, world, tp, dp, extra, losses, params) == [STEPS] * world
 
 
+@pytest.mark.slow  # ~3-9 s each: a DeepSeek-shaped model in 2- and 4-rank worlds
+@pytest.mark.parametrize("tp, extra", [(1, {"cp": 2}), (1, {"cp": 2, "cp_comm_type": "a2a"}),
+                                       (2, {"cp": 2, "sequence_parallel": True}),
+                                       (1, {"cp": 2, "pp": 2, "cp_comm_type": "a2a"})],
+                         ids=["cp2-ring", "cp2-ulysses", "tp2-sp-cp2", "pp2-cp2-ulysses"])
+def test_packed_deepseek_training_with_context_parallelism_matches_single_process(tp, extra):
+    """Latent attention and MTP on packed documents under a window at cp 2, with tp 2 + SP, and with pp 2
+    (MTP on the last stage with its copy of the embedding; quick at the model level:
+    tests/model/test_deepseek_documents_cp.py): the losses and every parameter after two steps."""
+    losses, chunks = _run(single_process_mesh("cpu"), _cfg(1, 1, **DEEPSEEK))
+    params = {n: P.shard_spec(p).assemble([p.detach()]) for n, p in chunks[0].logical_parameters()}
+    extra = {**extra, **DEEPSEEK}
+    assert _cfg(tp, 1, **extra).validate() == []  # refused until this test proved it
+    world = tp * extra["cp"] * extra.get("pp", 1)
+    assert run_distributed(_parallel, world, tp, 1, extra, losses, params) == [STEPS] * world
+
+
 @pytest.mark.parametrize("flags, message", [
     (dict(reset_attention_mask=True), "pass --reset-position-ids and --reset-attention-mask together"),
     (dict(reset_attention_mask=True, reset_position_ids=True, cuda_graph=True),
      "--reset-attention-mask does not run with --cuda-graph yet"),
-    (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents"),
-    (dict(reset_attention_mask=True, reset_position_ids=True, mtp_num_layers=1, cp=2),
-     "packed documents with --mtp-num-layers run at --cp 1 so far"),
-    (dict(window_size=8, mtp_num_layers=1), "--window-size with --mtp-num-layers is not built yet"),
-    (dict(window_size=8, multi_latent_attention=True, cp=2),
-     "packed documents and --window-size run with --multi-latent-attention at --cp 1 so far")])
+    (dict(eod_mask_loss=True, mock_data=True), "--eod-mask-loss needs documents")])
 def test_document_flags_refusals(flags, message):
     problems = RunConfig.build(**flags).validate()
     assert [p for p in problems if message in p] and all("\n" not in p for p in problems), problems
