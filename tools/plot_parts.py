@@ -18,41 +18,33 @@
 - checkpoint (checkpoints.md): one weight's optimizer state saved at (tp 2, dp 2, ZeRO 1) as boxes of the
   full tensor (megalite.checkpoint.boxes), and the boxes readers at other layouts need.
 
-PNG or SVG by the suffix (--format); needs matplotlib (pip install 'megalite[plot]').
+The tp, zero and checkpoint pictures (what each rank holds of the model's state) are drawn in
+tools/plot_parts_state.py. PNG or SVG by the suffix (--format); needs matplotlib (pip install 'megalite[plot]').
 """
 from __future__ import annotations
 
-import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from megalite import ops
-from megalite.distributed import topology
-from megalite.checkpoint.boxes import shard_boxes
-from megalite.cli import OneLineParser
-from megalite.config import RunConfig
-from megalite.config.model import GPTConfig
-from megalite.context_parallel.blocks import DIAGONAL, FULL, block_kind, causal_work, rank_block_counts, ring_source
-from megalite.context_parallel.zigzag import chunk_ids
-from megalite.data_parallel.layout import build_layout, build_unit_layout
-from megalite.errors import reports_usage_errors
-from megalite.extras import pyplot
-from megalite.distributed.mesh import single_process_mesh
-from megalite.moe.router import top_k_deterministic
-from megalite.parameters.params import shard_spec
-from megalite.training.step import build_model_chunks
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file is loaded
+from plot_parts_state import (RANK_COLOURS, colour, draw_checkpoint, draw_tensor_parallel, draw_zero,  # noqa: E402
+                              optimizer_boxes, tensor_parallel_specs, zero_layouts)  # noqa: F401  (the tests reach these here)
+
+from megalite import ops  # noqa: E402
+from megalite.distributed import topology  # noqa: E402
+from megalite.cli import OneLineParser  # noqa: E402
+from megalite.context_parallel.blocks import (DIAGONAL, FULL, block_kind, causal_work, rank_block_counts,  # noqa: E402
+                                              ring_source)
+from megalite.context_parallel.zigzag import chunk_ids  # noqa: E402
+from megalite.errors import reports_usage_errors  # noqa: E402
+from megalite.extras import pyplot  # noqa: E402
+from megalite.moe.router import top_k_deterministic  # noqa: E402
 
 PARTS = ("layout", "tp", "zero", "cp", "moe", "checkpoint")
 FILES = {"layout": "layout_groups", "tp": "tp_shards", "zero": "zero_stages", "cp": "cp_zigzag", "moe": "moe_dispatch",
          "checkpoint": "checkpoint_boxes"}
-RANK_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
-
-
-def _colour(i: int) -> str:
-    return RANK_COLOURS[i % len(RANK_COLOURS)]
 
 
 # ------------------------------------------------------------------------------------------ layout
@@ -71,7 +63,7 @@ def draw_layout(out: str, tp: int = 2, cp: int = 2, dp: int = 2, pp: int = 2, ep
         group_of = {rank: g for g, members in enumerate(lists) for rank in members}
         for rank, g in group_of.items():
             stage, column = divmod(rank, per_stage)
-            ax.add_patch(plt.Rectangle((column, stage), 0.94, 0.9, color=_colour(g)))
+            ax.add_patch(plt.Rectangle((column, stage), 0.94, 0.9, color=colour(g)))
             ax.text(column + 0.47, stage + 0.45, str(rank), ha="center", va="center", color="white", fontsize=9)
         shown = " ".join(str(m).replace(" ", "") for m in lists[:4]) + (" ..." if len(lists) > 4 else "")
         title = f"{name}: {len(lists)} groups of {len(lists[0])}"
@@ -95,62 +87,6 @@ def draw_layout(out: str, tp: int = 2, cp: int = 2, dp: int = 2, pp: int = 2, ep
     return titles
 
 
-# ------------------------------------------------------------------------------------------ ZeRO
-
-def zero_layouts(dp: int = 4):
-    """(buckets' layout for ZeRO 0-2, units' layout for ZeRO 3) of a small GPT's parameters, laid out as
-    the wrapper lays them (reverse order of use; ZeRO-3: the model's own units)."""
-    config = GPTConfig("llama", num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=128, seq_length=8)
-    chunk = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))[0]
-    numels = [p.numel() for p in reversed(list(chunk.parameters()))]
-    buckets = build_layout(numels, bucket_size=sum(numels) // 3, shard_count=dp)
-    units = build_unit_layout([[p.numel() for p in unit.params] for unit in chunk.zero3_units()], dp)
-    return buckets, units
-
-
-def draw_zero(out: str, dp: int = 4) -> list[str]:
-    """One panel per ZeRO stage: per dp rank, the parameters / gradients / optimizer state it keeps
-    across the flat buffer (dark: kept; pale: not kept; bucket or unit edges as lines)."""
-    plt = pyplot("tools/plot_parts.py")
-    buckets, units = zero_layouts(dp)
-    rows = ("parameters", "gradients", "optimizer state")
-    kept = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}
-    fig, axes = plt.subplots(4, 1, figsize=(10, 7.2))
-    titles = []
-    for stage, ax in enumerate(axes):
-        layout = units if stage == 3 else buckets
-        for r in range(dp):
-            for i, (row, sharded) in enumerate(zip(rows, kept[stage])):
-                y = r * 4 + i
-                ax.barh(y, layout.numel, left=0, height=0.8, color=_colour(i), alpha=0.15 if sharded else 0.9)
-                for bucket in layout.buckets if sharded else ():
-                    start, end = bucket.owned(r)
-                    ax.barh(y, end - start, left=start, height=0.8, color=_colour(i))
-        for bucket in layout.buckets:
-            ax.axvline(bucket.start, color="black", linewidth=0.6)
-        shard = sum(b.chunk_numel for b in layout.buckets)
-        held = [shard if s else layout.numel for s in kept[stage]]
-        what = "units" if stage == 3 else "buckets"
-        owner = "each all-reduced whole" if stage == 0 else "rank r owns chunk r of each"
-        title = (f"ZeRO {stage}: each rank keeps {held[0]} / {held[1]} / {held[2]} of {layout.numel} elements "
-                 f"(parameters / gradients / optimizer state; {len(layout.buckets)} {what}, {owner})")
-        titles.append(f"ZeRO {stage}")
-        ax.set_title(title, fontsize=8)
-        ax.set_yticks([r * 4 + 1 for r in range(dp)], [f"dp rank {r}" for r in range(dp)], fontsize=7)
-        ax.set_ylim(dp * 4 - 0.5, -0.6)
-        ax.set_xlim(0, layout.numel)
-        ax.tick_params(axis="x", labelsize=7)
-    from matplotlib.patches import Patch  # matplotlib is the optional [plot] extra: after pyplot()'s check
-    axes[-1].set_xlabel("position in the flat buffer (elements; ZeRO 0-2: parameters in reverse order of use, ZeRO 3: "
-                        "its units in forward order)", fontsize=8)
-    fig.legend(handles=[Patch(color=_colour(i), label=row) for i, row in enumerate(rows)], loc="lower center",
-               ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return titles
-
-
 # ------------------------------------------------------------------------------------------ context parallel
 
 def draw_context_parallel(out: str, cp: int = 4) -> list[str]:
@@ -163,7 +99,7 @@ def draw_context_parallel(out: str, cp: int = 4) -> list[str]:
     grid = fig.add_gridspec(2, 2, height_ratios=(1, 5), width_ratios=(3, 2))
     seq, blocks, work = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[:, 1])
     for c in range(chunks):
-        seq.add_patch(plt.Rectangle((c, 0), 0.95, 1, color=_colour(owner[c])))
+        seq.add_patch(plt.Rectangle((c, 0), 0.95, 1, color=colour(owner[c])))
         seq.text(c + 0.47, 0.5, f"chunk {c}\nrank {owner[c]}", ha="center", va="center", color="white", fontsize=7)
     seq.set_xlim(0, chunks)
     seq.set_ylim(0, 1)
@@ -177,8 +113,8 @@ def draw_context_parallel(out: str, cp: int = 4) -> list[str]:
                     kind = block_kind(q, kv)
                     if kind == FULL or kind == DIAGONAL:
                         corner = [(kv, q), (kv + 1, q + 1), (kv, q + 1)] if kind == DIAGONAL else None
-                        patch = plt.Polygon(corner, color=_colour(r)) if corner else \
-                            plt.Rectangle((kv, q), 0.96, 0.96, color=_colour(r))
+                        patch = plt.Polygon(corner, color=colour(r)) if corner else \
+                            plt.Rectangle((kv, q), 0.96, 0.96, color=colour(r))
                         blocks.add_patch(patch)
                         blocks.text(kv + 0.3 if corner else kv + 0.48, q + (0.72 if corner else 0.5), f"s{step}",
                                     ha="center", va="center", color="white", fontsize=7)
@@ -193,7 +129,7 @@ def draw_context_parallel(out: str, cp: int = 4) -> list[str]:
     for offset, layout in ((-0.2, "zigzag"), (0.2, "contiguous")):
         loads = [causal_work(rank_block_counts(r, cp, layout)) for r in range(cp)]
         work.bar([r + offset for r in range(cp)], loads, width=0.38, label=layout,
-                 color=[_colour(r) for r in range(cp)], alpha=1.0 if layout == "zigzag" else 0.35)
+                 color=[colour(r) for r in range(cp)], alpha=1.0 if layout == "zigzag" else 0.35)
     work.set_xticks(range(cp), [f"rank {r}" for r in range(cp)], fontsize=7)
     work.set_ylabel("attention work (chunk x chunk blocks, a diagonal 1/2)", fontsize=8)
     work.legend(fontsize=8, frameon=False)
@@ -238,7 +174,7 @@ def draw_moe(out: str, ep: int = 2, experts: int = 4, tokens: int = 6, topk: int
             for e in range(experts):
                 chosen = e in ids[t].tolist()
                 axes[0].add_patch(plt.Rectangle((r * (experts + 1.5) + e, t * 0.3), 0.9, 0.26,
-                                                color=_colour(e) if chosen else "#eeeeee"))
+                                                color=colour(e) if chosen else "#eeeeee"))
         left = r * (experts + 1.5)
         axes[0].text(left + experts / 2, -0.45, f"ep rank {r}'s tokens", ha="center", fontsize=7)
         for e in range(experts):
@@ -274,129 +210,10 @@ def _rows(ax, rank: int, rows: list[tuple[str, int]], width: int) -> None:
     from matplotlib.patches import Rectangle  # matplotlib is the optional [plot] extra: after pyplot()'s check
 
     for i, (label, expert) in enumerate(rows):
-        ax.add_patch(Rectangle((i, rank), 0.94, 0.8, color=_colour(expert)))
+        ax.add_patch(Rectangle((i, rank), 0.94, 0.8, color=colour(expert)))
         ax.text(i + 0.47, rank + 0.4, label, ha="center", va="center", color="white", fontsize=5.5)
     ax.text(-0.3, rank + 0.4, f"rank {rank}", ha="right", va="center", fontsize=7)
     ax.set_xlim(-2.2, max(width, len(rows), ax.get_xlim()[1]))
-
-
-# ------------------------------------------------------------------------------------------ tensor parallel
-
-TP_PANELS = {"word_embeddings.weight": "embedding: vocabulary rows split", "layers.0.input_norm.weight":
-             "norm weight: whole on every rank", "layers.0.attention.qkv.weight": "qkv: column-parallel, [Q; K; V] "
-             "each split", "layers.0.attention.proj.weight": "proj: row-parallel (input columns split)",
-             "layers.0.mlp.fc1.weight": "fc1: column-parallel, [gate; up] each split",
-             "layers.0.mlp.fc2.weight": "fc2: row-parallel (input columns split)",
-             "output_weight": "output layer: vocabulary rows split"}
-BLOCK_NAMES = {"layers.0.attention.qkv.weight": ("Q", "K", "V"), "layers.0.mlp.fc1.weight": ("gate", "up")}
-
-
-def tensor_parallel_specs(tp: int = 2, names=tuple(TP_PANELS)) -> dict:
-    """{name: [ShardSpec of each tp rank]} of a small llama's declared parameters (megalite.parameters.params), at `tp`,
-    in model order (`names`: which; None: all)."""
-    config = GPTConfig("llama", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                       vocab_size=256, seq_length=8)  # (a vocabulary already a multiple of 128 * tp: no padding)
-    chunk = build_model_chunks(config, RunConfig.build(micro_batch_size=1), single_process_mesh("cpu"))[0]
-    params = dict(chunk.named_parameters())
-    return {name: [replace(shard_spec(params[name]), tp_size=tp, tp_rank=r) for r in range(tp)]
-            for name in (names or params)}
-
-
-def draw_tensor_parallel(out: str, tp: int = 2) -> list[str]:
-    """Each weight of a block (and the embedding, output layer) as its full tensor, every part coloured by
-    the tp rank holding it (its ShardSpec's pieces), fused blocks outlined."""
-    plt = pyplot("tools/plot_parts.py")
-    specs = tensor_parallel_specs(tp)
-    fig, axes = plt.subplots(1, len(specs), figsize=(12, 3.6))
-    titles = []
-    for ax, (name, ranks) in zip(axes, specs.items()):
-        rows, cols = ranks[0].full_shape if len(ranks[0].full_shape) == 2 else (1, ranks[0].full_shape[0])
-        dim = ranks[0].dim if len(ranks[0].full_shape) == 2 else (None if ranks[0].dim is None else 1)
-        if dim is None:
-            ax.add_patch(plt.Rectangle((0, 0), cols, rows, facecolor="#bbbbbb", hatch="//", edgecolor="white"))
-        for r, spec in enumerate(ranks if dim is not None else ()):
-            for _, start, length in spec.pieces():
-                box = (0, start, cols, length) if dim == 0 else (start, 0, length, rows)
-                ax.add_patch(plt.Rectangle(box[:2], box[2], box[3], color=_colour(r)))
-        start = 0
-        for block, label in zip(ranks[0].blocks or (), BLOCK_NAMES.get(name, ())):
-            ax.add_patch(plt.Rectangle((0, start), cols, block, fill=False, edgecolor="black", linewidth=1.2))
-            ax.text(cols / 2, start + block / 2, label, ha="center", va="center", color="white", fontsize=9)
-            start += block
-        ax.set_xlim(0, cols)
-        ax.set_ylim(rows, 0)
-        ax.set_xlabel(f"[{', '.join(map(str, ranks[0].full_shape))}]", fontsize=7)
-        ax.set_xticks([])
-        ax.set_yticks([])
-        titles.append(TP_PANELS[name])
-        ax.set_title(titles[-1].replace(": ", ":\n").replace(", [", ",\n["), fontsize=7)
-    from matplotlib.patches import Patch  # matplotlib is the optional [plot] extra: after pyplot()'s check
-    fig.legend(handles=[Patch(color=_colour(r), label=f"tp rank {r}") for r in range(tp)]
-               + [Patch(facecolor="#bbbbbb", hatch="//", label="every tp rank")], loc="lower center", ncol=tp + 1,
-               fontsize=8, frameon=False)
-    fig.suptitle(f"the full (layout-free) tensors at tp {tp}, each part coloured by the rank holding it", fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return titles
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
-
-CKPT_PARAM = "layers.0.attention.qkv.weight"
-
-
-def optimizer_boxes(tp: int, dp: int, name: str = CKPT_PARAM) -> dict[tuple[int, int], list]:
-    """{(tp rank, dp rank): the full-tensor boxes of `name` whose optimizer state that rank holds} at ZeRO 1:
-    the wrapper's buckets over the tp shard's parameters (reverse order of use; one parameter each, as a large
-    model's are), each rank's owned flat range
-    of the parameter cut into boxes (megalite.checkpoint.boxes.shard_boxes)."""
-    specs = tensor_parallel_specs(tp, names=None)
-    names = list(reversed(list(specs)))
-    out = {}
-    for t in range(tp):
-        local = [specs[n][t].local_shape() for n in names]
-        # buckets of one parameter each (as for every parameter above --ddp-bucket-size): ZeRO splits it over dp
-        layout = build_layout([math.prod(shape) for shape in local], 1, dp)
-        for r in range(dp):
-            pieces = [p for p in layout.owned_pieces(r) if p.param == names.index(name)]
-            out[t, r] = [full for p in pieces for _, full in shard_boxes(specs[name][t], local[names.index(name)],
-                                                                         p.local_start, p.local_end)]
-    return out
-
-
-def draw_checkpoint(out: str) -> list[str]:
-    """The optimizer state of one weight saved at (tp 2, dp 2, ZeRO 1) as boxes of its full tensor, each
-    coloured by its writer, and the boxes readers at (tp 1, dp 3) and (tp 2, dp 1) need, outlined."""
-    plt = pyplot("tools/plot_parts.py")
-    saved = optimizer_boxes(2, 2)
-    shape = tensor_parallel_specs(1, names=(CKPT_PARAM,))[CKPT_PARAM][0].full_shape
-    fig, axes = plt.subplots(1, 3, figsize=(10, 4.2))
-    titles = [f"saved at tp 2, dp 2, ZeRO 1: {sum(map(len, saved.values()))} boxes, one colour per writer",
-              "read at tp 1, dp 3: each reader's boxes (outlined)", "read at tp 2, dp 1: each reader's boxes"]
-    for ax, title, readers in zip(axes, titles, (None, optimizer_boxes(1, 3), optimizer_boxes(2, 1))):
-        for (t, r), boxes in saved.items():
-            for (rows, cols) in boxes:
-                ax.add_patch(plt.Rectangle((cols[0], rows[0]), cols[1] - cols[0], rows[1] - rows[0],
-                                           color=_colour(t + 2 * r), alpha=1.0 if readers is None else 0.35))
-        for i, ((t, r), boxes) in enumerate((readers or {}).items()):
-            for (rows, cols) in boxes:
-                ax.add_patch(plt.Rectangle((cols[0], rows[0]), cols[1] - cols[0], rows[1] - rows[0], fill=False,
-                                           edgecolor="black", linewidth=1.4, linestyle=("-", "--", ":")[i % 3]))
-                ax.text((cols[0] + cols[1]) / 2, (rows[0] + rows[1]) / 2, f"t{t}d{r}", ha="center", va="center",
-                        fontsize=6)
-        ax.set_xlim(0, shape[1])
-        ax.set_ylim(shape[0], 0)
-        ax.set_title(title.replace(": ", ":\n"), fontsize=8)
-        ax.set_xlabel(f"qkv weight [{shape[0]}, {shape[1]}]: columns", fontsize=7)
-        ax.tick_params(labelsize=6)
-    from matplotlib.patches import Patch  # matplotlib is the optional [plot] extra: after pyplot()'s check
-    fig.legend(handles=[Patch(color=_colour(t + 2 * r), label=f"written by tp {t}, dp {r}") for t in range(2)
-                        for r in range(2)], loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return titles
 
 
 DRAW = {"layout": draw_layout, "tp": draw_tensor_parallel, "checkpoint": draw_checkpoint, "zero": draw_zero,

@@ -296,10 +296,9 @@ def _interleaved_head_at_peak(pp: int, m: int, v: int) -> int:
 
 def moe_activation_change(model: GPTConfig, cfg: RunConfig) -> int:
     """An MoE block's routing buffers minus the dense MLP activations it does not keep: the MLP's
-    intermediates and its fc1 input (the norm output, a*sbh/sp): the router runs on an fp32 copy and the
-    experts on permuted copies (at etp 1 without SP on this rank's split copy), all counted in
-    `routing_activation_bytes`, so the norm output itself is not saved (a shared expert's input is
-    counted there too)."""
+    intermediates and its fc1 input (the norm output, a*sbh/sp): the experts run on permuted copies and
+    the router on an fp32 copy (in fp32 on the tokens themselves: `moe.router_input_bytes`), all counted
+    in `routing_activation_bytes` (a shared expert's input too)."""
     a, t = DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp
     sp = t if cfg.parallel.sequence_parallel else 1
     tokens = local_seq_length(model, cfg) * cfg.training.micro_batch_size

@@ -13,6 +13,10 @@ training dtype, T = s/cp * b tokens of a microbatch, h the hidden size:
   weights [E/ep, K, N] as a temporary and writes their weight gradient [E/ep, K, N] before
   handing each expert its slice: 2*a*(E/ep)*h*max(mlp_in, f_e)/etp for the widest GEMM (fc1:
   h x mlp_in, mlp_in = 2 f_e for SwiGLU). At Mixtral 8x7B, ep 1, etp 1, that is 3.76 GB.
+  Or its forward's combine (moe/dispatcher.py), whichever is larger: with the all-to-all at ep > 1 the
+  experts' output rows [R, h] (R = T' k routes, T' the tokens routed here) and their source-major copy,
+  both still referenced while the rows sent back are unpermuted into [T', h]: a*(2 R h + T' h); at
+  DeepSeek-V3's layout (ep 64, k 8, T' 4,096) 998 MB, where the GEMM's is 470 MB.
 
 - FP8 (--fp8-format): tensorwise keeps the MLP-out linear's input only as FP8, but the input lives
   beside the output until the MLP returns; and its forward GEMM holds the FP8 operands beside the
@@ -40,11 +44,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megalite.config.choices import MoEDispatcher
 from megalite.config.model import GPTConfig
 from megalite.plan import fp8
 from megalite.plan.activations import recompute_beside_heads
 from megalite.plan.layout import DTYPE_BYTES, head_stage, local_seq_length
-from megalite.plan.moe import stage_moe_layers
+from megalite.plan.moe import routed_tokens, stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -67,6 +72,15 @@ def expert_gemm_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     mlp_in = ffn if model.flavour == "gpt2" else 2 * ffn
     widest = moe.num_experts // cfg.parallel.ep * h * max(mlp_in, ffn) // cfg.etp_size
     return 2 * DTYPE_BYTES[cfg.precision.precision] * widest
+
+
+def combine_buffer_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """An MoE block's combine: the unpermute's output [T', h] and, with the all-to-all at ep > 1, the experts'
+    output rows and their source-major copy [R, h] each (module docstring)."""
+    a, h = DTYPE_BYTES[cfg.precision.precision], model.hidden_size
+    mine = routed_tokens(model, cfg)
+    exchanged = cfg.parallel.ep > 1 and cfg.parallel.moe_token_dispatcher_type == MoEDispatcher.ALLTOALL
+    return a * h * (mine + (2 * mine * model.moe.topk if exchanged else 0))
 
 
 def head_backward_bytes(model: GPTConfig, cfg: RunConfig) -> int:
@@ -104,4 +118,5 @@ def _transient_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
         dense = max(dense, head_backward_bytes(model, cfg) - recompute_beside_heads(model, cfg, stage, attention))
     if model.moe is None or not stage_moe_layers(model, cfg, stage):
         return dense
-    return max(dense, expert_gemm_buffer_bytes(model, cfg), fp8.expert_weight_cast_bytes(model, cfg))
+    return max(dense, expert_gemm_buffer_bytes(model, cfg), combine_buffer_bytes(model, cfg),
+               fp8.expert_weight_cast_bytes(model, cfg))

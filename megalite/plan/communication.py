@@ -135,11 +135,13 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
     if sp:
         # fwd: all-gather before QKV and MLP-in, reduce-scatter after out-proj and MLP-out;
         # bwd: the transposes, plus QKV and MLP-in re-gather the input shard they kept
-        # (FP8: the QKV / MLP-in input gathers, fwd + re-gather, go in FP8: plan/fp8.py)
+        # (FP8: the QKV / MLP-in input gathers, fwd + re-gather, go in FP8: plan/fp8.py); a re-run block
+        # gathers its inputs forward once more
         a, tokens = DTYPE_BYTES[cfg.precision.precision], s * b
-        inputs = fp8.sp_input_gather_bytes(cfg, u, a, tokens)
-        add("tp/all_gather", m * (layers * (u + inputs) + rerun * inputs // 2 + mlps * (u + inputs)
-                                  + mlp_rerun * inputs // 2))
+        forward, regather = fp8.sp_input_gathers(cfg, u, a, tokens)
+        inputs = forward + regather
+        add("tp/all_gather", m * (layers * (u + inputs) + rerun * forward + mlps * (u + inputs)
+                                  + mlp_rerun * forward))
         add("tp/reduce_scatter", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)
     else:
         add("tp/all_reduce", m * (2 * layers + rerun + 2 * mlps + mlp_rerun_reductions) * u)  # Megatron's 4 per layer
@@ -150,7 +152,7 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
         a = DTYPE_BYTES[cfg.precision.precision]
         for key, n in latent_tp_bytes(model, u=u, per_token=per_token, microbatches=m, layers=layers, rerun=rerun,
                                       sequence_parallel=sp,
-                                      gather=lambda nbytes: fp8.sp_input_gather_bytes(cfg, nbytes, a, s * b)).items():
+                                      gathers=lambda nbytes: fp8.sp_input_gathers(cfg, nbytes, a, s * b)).items():
             add(key, n)
     if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
         add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)

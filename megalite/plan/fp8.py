@@ -60,14 +60,17 @@ def cast_bytes(linears, a: int) -> tuple[int, int]:
     return forward, backward
 
 
-def sp_input_gather_bytes(cfg: RunConfig, u: int, a: int, tokens: int) -> int:
-    """Bytes of one SP linear's input all-gathers (forward + the weight gradient's re-gather) for
-    one [s, b, h] activation of u bytes in the training dtype (a per element; `tokens` = s*b)."""
+def sp_input_gathers(cfg: RunConfig, u: int, a: int, tokens: int) -> tuple[int, int]:
+    """(forward, backward) bytes of one SP linear's input all-gathers for one [s, b, h] activation of u bytes
+    in the training dtype (a per element; `tokens` = s*b): the forward gather, and the weight gradient's
+    re-gather in backward. Full recompute re-runs only the forward one (tensorwise: FP8 both ways; rowwise:
+    FP8 and the per-token fp32 scales forward, the training dtype again for the weight gradient, whose
+    scales run along the tokens, across the shards)."""
     if not enabled(cfg):
-        return 2 * u
-    if cfg.precision.fp8_recipe == Fp8ScalingRecipe.ROWWISE:  # FP8 + fp32 scales forward, the training dtype again
-        return u // a + 4 * tokens + u
-    return 2 * (u // a)
+        return u, u
+    if cfg.precision.fp8_recipe == Fp8ScalingRecipe.ROWWISE:
+        return u // a + 4 * tokens, u
+    return u // a, u // a
 
 
 def _saves_fp8_inputs(cfg: RunConfig) -> bool:

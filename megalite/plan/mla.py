@@ -65,23 +65,25 @@ def _latent_widths(model: GPTConfig) -> tuple[int, int]:
 
 
 def latent_tp_bytes(model: GPTConfig, *, u: int, per_token: int, microbatches: int, layers: int, rerun: int,
-                    sequence_parallel: bool, gather=lambda nbytes: 2 * nbytes) -> dict[str, int]:
+                    sequence_parallel: bool, gathers=lambda nbytes: (nbytes, nbytes)) -> dict[str, int]:
     """The change of one stage's tp bytes per step when its `layers` blocks have latent attention instead of
     a fused QKV (plan/communication.py counts the fused block). u: an [s, b, h] activation's bytes;
     per_token: a * s * b (bytes of one channel over the microbatch's tokens); rerun: blocks full recompute
     re-runs. The up-projections' inputs replace x where the fused QKV gathered or reduced it:
     without SP their gradients are all-reduced in backward (the latents' and the RoPE key's) instead of
     x's; under SP the latents are gathered (forward, and again in backward for the two up-projections),
-    their gradients reduce-scattered, the RoPE key gathered once (not kept). gather(n): the bytes of one SP
-    linear's input gathers (forward and re-gather) for an input of n bytes in the training dtype (FP8
-    sends fewer: plan/fp8.py's sp_input_gather_bytes); each up-projection gathers its own latent."""
+    their gradients reduce-scattered, the RoPE key gathered once (not kept). gathers(n): the bytes of one SP
+    linear's input gathers (forward, re-gather) for an input of n bytes in the training dtype (FP8 sends
+    fewer: plan/fp8.py's sp_input_gathers); each up-projection gathers its own latent, and a re-run block
+    its latents forward only."""
     up, rope = _latent_widths(model)
     if not sequence_parallel:
         return {"tp/all_reduce": microbatches * layers * ((up + rope) * per_token - u)}
     mla = model.mla
-    ups = sum(gather(w * per_token) for w in (mla.q_lora_rank or model.hidden_size, mla.kv_lora_rank))
-    per_layer = ups + rope * per_token - gather(u)
-    per_rerun = ups // 2 + rope * per_token - gather(u) // 2
+    ups = [gathers(w * per_token) for w in (mla.q_lora_rank or model.hidden_size, mla.kv_lora_rank)]
+    x_forward, x_regather = gathers(u)  # the fused QKV's input gathers, which the latents' replace
+    per_layer = sum(f + r for f, r in ups) + rope * per_token - x_forward - x_regather
+    per_rerun = sum(f for f, _ in ups) + rope * per_token - x_forward
     return {"tp/all_gather": microbatches * (layers * per_layer + rerun * per_rerun),
             "tp/reduce_scatter": microbatches * layers * ((up + rope) * per_token - u)}
 

@@ -14,16 +14,16 @@ whole sequence (under SP the block gathers it), at etp = 1 each tp rank its own 
   + 8*E bytes on the "ep" group (comm.ledger counts an all-to-all's input, rows to itself
   included); all-gather dispatcher: tokens, routes and weights gathered, the output reduce-scattered;
 - tp traffic of the block (instead of the dense MLP's), as layer.py runs it: see moe_tensor_parallel_bytes;
-- routing buffers kept for backward, per block and microbatch: the permuted and received routes
-  2*a*T*k*h, the experts' inputs and outputs a*T*k*(h + mlp_in/tp + f_e/tp), the fp32 scores
-  8*T*E (logits and probabilities): replacing the dense MLP's activations.
+- routing buffers kept for backward, per block and microbatch: the experts' input rows and the rows
+  combined 2*a*T*k*h, the experts' intermediates a*T*k*(mlp_in + f_e)/etp, the router's input, its fp32
+  probabilities and the route indices (routing_activation_bytes): replacing the dense MLP's activations.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from megalite.config.choices import MoEDispatcher, Recompute
+from megalite.config.choices import Fp8ScalingRecipe, MoEDispatcher, Recompute
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import ChunkPlacement, stage_layers as partition_stage_layers
 from megalite.plan.layout import DTYPE_BYTES, chunk_placement_of
@@ -137,18 +137,49 @@ def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, in
 
 
 def routing_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
-    """Bytes an MoE block keeps for backward beyond the attention part, per microbatch (one rank)."""
+    """Bytes an MoE block keeps for backward beyond the attention part, per microbatch (one rank), as
+    moe/layer.py, router.py and dispatcher.py keep them. T tokens of the microbatch, T' = T/tp of them
+    routed here at etp 1, R = T' k routes (dropless, balanced: as many received as sent):
+
+    - the experts' rows: their input [R, h] (the permuted or received copy), the rows the unpermute
+      combines [R, h], fc1's output the activation keeps and fc2's input: a R (2h + (mlp_in + f_e)/etp);
+    - the route indices (int64 [R]): the permutation's and the unpermute's, and with the all-to-all at
+      ep > 1 the received rows' expert order and its inverse; the experts' group sizes [E/ep]; the
+      routing weights [T', k] in the training dtype;
+    - the router: its input (router_input_bytes), its probabilities [T', E] fp32 and chosen experts
+      [T', k] int64 (the weights' normalisation and the balancing losses keep a few [T']-sized more);
+    - a shared expert: its input [T, h] and its MLP's intermediates."""
     moe, a, t, etp = model.moe, DTYPE_BYTES[cfg.precision.precision], cfg.parallel.tp, cfg.etp_size
     tokens = model.seq_length // cfg.parallel.cp * cfg.training.micro_batch_size
     mine = routed_tokens(model, cfg)  # routed on this rank (T/tp at etp = 1)
     routes, f = mine * moe.topk, moe.expert_ffn(model.ffn_hidden_size)
     mlp_in = f if model.flavour == "gpt2" else 2 * f
-    total = 2 * a * routes * model.hidden_size + a * routes * (model.hidden_size + mlp_in // etp + f // etp)
-    total += 8 * mine * moe.num_experts
+    total = a * routes * (2 * model.hidden_size + mlp_in // etp + f // etp)
+    exchanged = cfg.parallel.ep > 1 and cfg.parallel.moe_token_dispatcher_type == MoEDispatcher.ALLTOALL
+    total += 8 * routes * (4 if exchanged else 2) + 8 * (moe.num_experts // cfg.parallel.ep) + a * routes
+    total += router_input_bytes(model, cfg) + 4 * mine * moe.num_experts + 8 * routes
     if moe.shared_expert_intermediate_size:
         s_f = moe.shared_expert_intermediate_size
         total += a * tokens * (model.hidden_size + (2 if model.flavour == "gpt2" else 3) * s_f // t)
     return total
+
+
+def router_input_bytes(model: GPTConfig, cfg: RunConfig) -> int:
+    """What the router's linear keeps of its input, F.linear(tokens.float(), weight.float()): under a training
+    dtype narrower than fp32, fp32 copies of the T' tokens [T', h] and of its weight [E, h]; in fp32 the
+    tokens themselves, whose storage is the whole [T, h] the block routes from (the norm output or, under
+    SP, its gather: at etp 1 without SP this rank's rows are a view of it), except the rank's own shard
+    under SP at etp 1 ([T', h]). That whole [T, h] is a shared expert's input too, counted there (unless
+    tensorwise FP8 keeps that input in 1 byte)."""
+    moe, h, p = model.moe, model.hidden_size, cfg.parallel
+    mine = routed_tokens(model, cfg)
+    if DTYPE_BYTES[cfg.precision.precision] != 4:
+        return 4 * (mine * h + moe.num_experts * h)
+    if p.sequence_parallel and cfg.etp_size == 1 and p.tp > 1:
+        return 4 * mine * h
+    shared_keeps_it = moe.shared_expert_intermediate_size and not (
+        cfg.precision.fp8_format is not None and cfg.precision.fp8_recipe == Fp8ScalingRecipe.TENSORWISE)
+    return 0 if shared_keeps_it else 4 * model.seq_length // p.cp * cfg.training.micro_batch_size * h
 
 
 def _capacity_gather_bytes(moe, cp: int, tokens: int) -> int:

@@ -71,3 +71,15 @@ def test_latent_attention_in_fp8_sends_and_keeps_what_the_planner_counts(recipe,
     measured, planned, residual = _residual(_cfg(settings, fp8_format="hybrid", fp8_recipe=recipe), 1)
     assert measured.comm_bytes == planned["comm_bytes"], recipe
     assert residual == _residual(_cfg(settings), 1)[2], recipe
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", pytest.param("deepseek-tiny", marks=pytest.mark.slow)])
+def test_full_recompute_regathers_only_the_forward_fp8_input(model):
+    """Under SP a block full recompute re-runs gathers its linears' inputs forward once more, not the weight
+    gradient's re-gather: rowwise sends FP8 and per-token scales forward and the training dtype in backward,
+    so the re-run's bytes are the forward's (plan/fp8.sp_input_gathers; the planner once counted half of
+    both, 15,872 bytes a step too many on tiny-llama's tp group, 19,200 on deepseek-tiny's latents)."""
+    shape = TINY if model == "tiny-llama" else dict(model=model, num_layers=2, micro_batch_size=2)
+    cfg = _cfg(dict(shape, tp=2, sequence_parallel=True, recompute="full"), fp8_format="hybrid", fp8_recipe="rowwise")
+    measured = simulate_rank(cfg, 1)
+    assert measured.comm_bytes == planned_terms(cfg, 0)["comm_bytes"]

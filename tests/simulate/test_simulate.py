@@ -405,13 +405,11 @@ def test_the_simulator_replaces_nothing_of_megalite():
     assert replaced == ["memory.py: torch.UntypedStorage.resize_", "memory.py: torch.UntypedStorage.resize_"], replaced
 
 
-# Without SP the planner counts 57,675 bytes (4%) more saved activations than the simulated rank keeps (under SP
-# 24,908, 2%). The MLA blocks are exact on the meta device and on CPU at tp 1 and 2 (tests/plan/
-# test_mla_activations.py); until latent attention ran the memory-efficient kernel on meta, the math path's
-# [b, n/tp, s, s] scores hid this. The rest is in the MoE blocks at tp 2 (32,768 = a*s*b*h more without SP:
-# the routed split copy at etp 1, suspected a view of the norm output there), not yet traced.
-@pytest.mark.parametrize("sequence_parallel", [True, pytest.param(False, marks=[pytest.mark.slow, pytest.mark.xfail(
-    strict=True, reason="the planner's MoE routing buffers at tp 2 without SP: 4% over the simulated rank")])])
+# Without SP the planner counted 57,675 bytes (4%) more saved activations than the simulated rank kept (under SP
+# 24,908, 2%): per MoE block a third [R, h] of routed rows (R = T' k) where the router keeps its input, which in fp32
+# at etp 1 without SP is a view of the norm output a shared expert keeps anyway (plan/moe.router_input_bytes). Now
+# x1.0030 and x1.0036: the rest are the router's [T']-sized normalisation and balancing-loss tensors.
+@pytest.mark.parametrize("sequence_parallel", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_deepseek_shaped_rank_moves_and_keeps_what_the_planner_counts(sequence_parallel):
     """Latent attention moves its latents over tp, not x (plan/mla.py): the tp bytes are the planner's to
     the byte, with and without SP; group-limited routing, shared experts and a dense first block beside it."""
@@ -421,7 +419,7 @@ def test_deepseek_shaped_rank_moves_and_keeps_what_the_planner_counts(sequence_p
     assert measured.comm_bytes == planned["comm_bytes"] and measured.comm_bytes["tp"] > 0
     for term in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
         assert getattr(measured, term) == planned[term], term
-    assert abs(measured.activation_peak_bytes / planned["activation_peak_bytes"] - 1) < 0.03
+    assert abs(measured.activation_peak_bytes / planned["activation_peak_bytes"] - 1) < 0.01
 
 
 @pytest.mark.parametrize("sizes", [dict(pp=2, global_batch_size=4), pytest.param(
