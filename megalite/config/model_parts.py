@@ -155,6 +155,10 @@ class ParallelSettings:
     diloco_outer_lr: float = setting(0.7, "DiLoCo: the outer SGD's learning rate (1 with no momentum: the groups' "
                                           "mean)", minimum=0)
     diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer SGD's Nesterov momentum", minimum=0, below=1)
+    diloco_fragments: int = setting(1, "streaming DiLoCo: F fragments of contiguous layers, each synced every H "
+                                       "steps at staggered steps (one every H/F), so a sync carries ~1/F of the "
+                                       "parameters; F divides H (1: every parameter at once)", metavar="F",
+                                    minimum=1)
 
 
 @dataclass(frozen=True)
