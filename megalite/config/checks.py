@@ -216,14 +216,17 @@ def _diloco_problem(cfg: RunConfig) -> str | None:
     """--diloco-inner-steps: what the outer step over the replica groups does not cover yet."""
     p = cfg.parallel
     if not p.diloco_inner_steps:
-        return (f"--diloco-fragments {p.diloco_fragments} streams DiLoCo's outer steps: give --diloco-inner-steps H "
-                f"too" if p.diloco_fragments > 1 else None)
+        given = [f for f, on in (("--diloco-fragments", p.diloco_fragments > 1),
+                                 ("--diloco-reduce-dtype", p.diloco_reduce_dtype != Precision.FP32)) if on]
+        return f"{given[0]} sets up DiLoCo's outer steps: give --diloco-inner-steps H too" if given else None
     if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
         return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
                 "steps: drop one of them")
     if p.grad_compression != GradCompression.NONE or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
         return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
                 "far: drop --grad-compression, experts, --pp and --offload-optimizer")
+    if p.diloco_reduce_dtype == Precision.FP16:
+        return "--diloco-reduce-dtype fp16 would overflow on large pseudo-gradients: choose fp32 or bf16"
     try:
         num_layers = cfg.gpt_config().num_layers
     except ValueError:

@@ -22,6 +22,9 @@ Streaming (`--diloco-fragments F`): the parameters split into F fragments of con
 (megalite/config/diloco.py: the rule and the schedule); every H/F steps one fragment, in turn, takes
 the outer step above on its own elements (its own θ_outer and momentum), so a sync all-reduces ~1/F
 of the shard and the total per H steps is unchanged. F = 1 is the plain DiLoCo above.
+
+`--diloco-reduce-dtype bf16`: each group all-reduces its own pseudo-gradient θ_outer - θ in bf16 instead
+(half the bytes), and avg = θ_outer - mean Δ.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ class DiLoCo:
     """The outer optimizer of one rank's shard (see the module docstring); `optimizer.outer` holds it and
     `train_step` calls `after_step` once per step."""
 
-    def __init__(self, optimizer, *, inner_steps: int, outer_lr: float, outer_momentum: float, fragments: int = 1):
+    def __init__(self, optimizer, *, inner_steps: int, outer_lr: float, outer_momentum: float, fragments: int = 1,
+                 reduce_dtype: torch.dtype = torch.float32):
         if inner_steps < 1 or fragments < 1 or inner_steps % fragments:
             raise ValueError(f"DiLoCo needs inner_steps >= 1 divided by fragments >= 1, got {inner_steps} and "
                              f"{fragments}")
@@ -46,7 +50,7 @@ class DiLoCo:
                              "every step")
         self.optimizer, self.mesh = optimizer, optimizer.model.mesh
         self.inner_steps, self.outer_lr, self.momentum = inner_steps, outer_lr, outer_momentum
-        self.fragments = fragments
+        self.fragments, self.reduce_dtype = fragments, reduce_dtype
         self.group = self.mesh.replicate_group  # None with one replica group
         self.groups = self.mesh.dp_replicate_size
         num_layers = optimizer.model.chunks[0].config.num_layers
@@ -71,18 +75,22 @@ class DiLoCo:
         return float(total.item())
 
     def average_over_groups(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean over the replica groups of `values` ([n] fp32, in place): the only traffic across them,
-        one all-reduce over dp_replicate (the call a fault-tolerant replica link replaces)."""
+        """The fp32 mean over the replica groups of `values` ([n], fp32 or bf16; summed in place): the only
+        traffic across them, one all-reduce over dp_replicate (the call a fault-tolerant replica link replaces)."""
         if values.numel():  # (a shard position holding none of the fragment: so in every replica group)
             comm.all_reduce(values, self.group)
-        return values.div_(self.groups)
+        return values.float().div_(self.groups)  # (fp32: in place, no copy)
 
     def _outer_step(self, fragment: int) -> None:
         lr, mu, ranges = self.outer_lr, self.momentum, self.ranges[fragment]
         masters = self.optimizer.master_chunks()
-        average = self.average_over_groups(_take(masters, ranges))  # [fragment's owned numel] fp32
-        outer, velocity = _take(self.outer, ranges), _take(self.velocity, ranges)
-        delta = outer - average  # the pseudo-gradient
+        outer, velocity = _take(self.outer, ranges), _take(self.velocity, ranges)  # [fragment's owned numel] fp32
+        if self.reduce_dtype == torch.float32:  # the parameters' mean, then Δ from it
+            average = self.average_over_groups(_take(masters, ranges))
+            delta = outer - average  # the pseudo-gradient
+        else:  # each group's pseudo-gradient in bf16 (small values: its rounding is relative), their mean
+            delta = self.average_over_groups((outer - _take(masters, ranges)).to(self.reduce_dtype))
+            average = outer - delta
         velocity.mul_(mu).add_(delta)
         new = average.add_(delta, alpha=1 - lr).add_(velocity, alpha=-lr * mu)
         for chunks, values in ((masters, new), (self.outer, new), (self.velocity, velocity)):

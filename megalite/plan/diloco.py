@@ -6,6 +6,7 @@ Under --diloco-inner-steps H the replica groups do not all-reduce the reduced sh
 all-reduces its fp32 masters of that fragment over 'dp_replicate' (4 bytes per owned element: the
 fragment's parameters on this tp rank / S x cp at ZeRO 1-3, all of them at ZeRO 0), and at ZeRO 1/2
 the shard group gathers the published parameters again ('dp_shard/all_gather', in the parameter dtype).
+With --diloco-reduce-dtype bf16 the groups all-reduce their pseudo-gradients in bf16 instead: 2 bytes.
 Memory: θ_outer and the momentum, 8 bytes per owned element (`outer_state_bytes`, in the optimizer state).
 Every step also adds one float64 token count over 'dp_replicate' and, at ZeRO 1-3, the gradient norm's
 world all-reduce carries one float32 slot per replica group (each group clips by its own norm):
@@ -62,7 +63,7 @@ def outer_step_bytes(model: GPTConfig, cfg: RunConfig, step: int) -> dict[str, i
         return {}
     params, out = fragment_params(model, cfg)[fragment], {}
     if cfg.dp // cfg.dp_shard > 1:
-        out["dp_replicate/all_reduce"] = 4 * _owned(cfg, params)
+        out["dp_replicate/all_reduce"] = DTYPE_BYTES[p.diloco_reduce_dtype] * _owned(cfg, params)
     if p.zero in (1, 2) and zero_shard_ranks(cfg) > 1:  # the outer step's parameters published in the shard group
         out[f"{zero_group_name(cfg)}/all_gather"] = params * DTYPE_BYTES[cfg.precision.precision]
     return out

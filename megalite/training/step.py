@@ -106,7 +106,8 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
     p = cfg.parallel
     if p.diloco_inner_steps:  # the outer step across replica groups, run by train_step
         optimizer.outer = DiLoCo(optimizer, inner_steps=p.diloco_inner_steps, outer_lr=p.diloco_outer_lr,
-                                 outer_momentum=p.diloco_outer_momentum, fragments=p.diloco_fragments)
+                                 outer_momentum=p.diloco_outer_momentum, fragments=p.diloco_fragments,
+                                 reduce_dtype=p.diloco_reduce_dtype.torch_dtype)
     return optimizer
 
 

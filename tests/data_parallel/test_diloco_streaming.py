@@ -15,6 +15,8 @@ fragment 1 after 4 and 8) takes a Nesterov outer step θ = θ_outer - lr (Δ + �
 - The replica link's bytes at every step (the comm ledger) equal the planner's step by step: 4 bytes per
   element of the fragment due, plus the step's 8-byte token count; over H steps F = 2 sends what F = 1
   sends, and its peak is the larger fragment's.
+- The pseudo-gradients all-reduced in bf16 (--diloco-reduce-dtype bf16): the reference rounds each group's
+  θ_outer - θ to bf16 and sums them in bf16; half the bytes.
 - Bad settings: one line each.
 """
 import pytest
@@ -45,9 +47,10 @@ def _cfg(dp=1, global_batch=GLOBAL, **kw):
                            clip_grad=0.5, seed=3, adam_eps=1e-6, **kw)
 
 
-def _outer(outer, fragments):
+def _outer(outer, fragments, reduce="fp32"):
     lr, mu = outer
-    return dict(diloco_inner_steps=H, diloco_outer_lr=lr, diloco_outer_momentum=mu, diloco_fragments=fragments)
+    return dict(diloco_inner_steps=H, diloco_outer_lr=lr, diloco_outer_momentum=mu, diloco_fragments=fragments,
+                diloco_reduce_dtype=reduce)
 
 
 def _batches(step, part, parts):
@@ -65,8 +68,10 @@ def _fragment(name, fragments):
     return 0 if name.startswith(("word_embeddings", "position_embeddings")) else fragments - 1
 
 
-def _reference(outer, fragments, steps=STEPS):
-    """Every step's parameters of the two groups, by the plain-tensor outer steps of the module docstring."""
+def _reference(outer, fragments, reduce="fp32", steps=STEPS):
+    """Every step's parameters of the two groups, by the plain-tensor outer steps of the module docstring
+    (reduce bf16: Δ is the mean of the groups' own pseudo-gradients θ_outer - θ, each rounded to bf16 and
+    summed in bf16)."""
     (lr, mu), m, cfg = outer, single_process_mesh("cpu"), _cfg(global_batch=GLOBAL // 2)
     runs = []
     for _ in range(2):
@@ -81,6 +86,8 @@ def _reference(outer, fragments, steps=STEPS):
         for name in [n for n in theta if _fragment(n, fragments) == DUE[fragments].get(step)]:
             a, b = runs[0][1][name], runs[1][1][name]
             delta = theta[name] - (a.detach() + b.detach()) / 2
+            if reduce == "bf16":
+                delta = ((theta[name] - a.detach()).bfloat16() + (theta[name] - b.detach()).bfloat16()).float() / 2
             momentum[name] = mu * momentum[name] + delta
             theta[name] = theta[name] - lr * (delta + mu * momentum[name])
             with torch.no_grad():  # fp32, one process: the parameter is the optimizer's master
@@ -116,11 +123,11 @@ def _world(zero, dp_shard, cases, steps=STEPS):
 
 def _check(results, references, rtol=1e-5):
     for group, runs in results:
-        for (outer, fragments), (history, _, _) in runs.items():
+        for case, (history, _, _) in runs.items():
             for step, params in enumerate(history, start=1):
                 for name, value in params.items():
-                    assert_tensor_close(value, references[outer, fragments][step - 1][group][name], rtol=rtol,
-                                        what=f"{outer} F {fragments} step {step} group {group} {name}")
+                    assert_tensor_close(value, references[case][step - 1][group][name], rtol=rtol,
+                                        what=f"{case} step {step} group {group} {name}")
 
 
 def _check_fragments_after_their_syncs(results, fragments):
@@ -136,7 +143,7 @@ def _check_fragments_after_their_syncs(results, fragments):
 def test_two_groups_average_each_fragment_right_after_its_sync():
     """Quick tier: F = 2, lr 1, no momentum, the first sync of each fragment (steps 2 and 4)."""
     results = run_distributed(_world, 2, 1, 1, [(MEAN, 2)], H, timeout_s=240)
-    _check(results, {(MEAN, 2): _reference(MEAN, 2, H)})
+    _check(results, {(MEAN, 2): _reference(MEAN, 2, steps=H)})
     _check_fragments_after_their_syncs(results, 2)
     fragments = [4 * n for n in fragment_params(_model(), _cfg(dp=2, dp_shard=1, **_outer(MEAN, 2)))]
     for _, runs in results:
@@ -146,8 +153,9 @@ def test_two_groups_average_each_fragment_right_after_its_sync():
 
 @pytest.mark.slow
 def test_two_groups_take_each_fragments_outer_step_as_the_plain_tensor_reference():
-    """Two periods of H, each fragment's momentum across its syncs, and F = 1 beside F = 2."""
-    cases = [(MEAN, 2), (NESTEROV, 2), (NESTEROV, 1)]
+    """Two periods of H, each fragment's momentum across its syncs, F = 1 beside F = 2, and the pseudo-gradients
+    all-reduced in bf16 (--diloco-reduce-dtype bf16: 2 bytes per element, the planner's)."""
+    cases = [(MEAN, 2), (NESTEROV, 2), (NESTEROV, 1), (NESTEROV, 2, "bf16")]
     results = run_distributed(_world, 2, 1, 1, cases, timeout_s=300)
     _check(results, {case: _reference(*case) for case in cases})
     _check_fragments_after_their_syncs(results, 2)
@@ -159,6 +167,7 @@ def test_two_groups_take_each_fragments_outer_step_as_the_plain_tensor_reference
         assert [n - 8 for n in streamed] == [fragments[DUE[2][s]] if s in DUE[2] else 0 for s in range(1, STEPS + 1)]
         assert sum(streamed[:H]) == sum(plain[:H]) and sum(streamed) == sum(plain)  # the same total per H steps
         assert max(streamed) - 8 == max(fragments) < max(plain) - 8 == sum(fragments)
+        assert [2 * (n - 8) for n in runs[NESTEROV, 2, "bf16"][1]] == [n - 8 for n in streamed]  # half the bytes
 
 
 @pytest.mark.slow
@@ -178,6 +187,8 @@ def test_streaming_under_zero_3_and_hybrid_sharding(zero, dp_shard, world):
     (dict(diloco_inner_steps=4, diloco_fragments=3), "--diloco-fragments 3 does not divide --diloco-inner-steps 4"),
     (dict(diloco_inner_steps=8, diloco_fragments=8), "more fragments than the model's 4 layers"),
     (dict(diloco_fragments=2), "give --diloco-inner-steps H too"),
+    (dict(diloco_reduce_dtype="bf16"), "--diloco-reduce-dtype sets up DiLoCo's outer steps"),
+    (dict(diloco_inner_steps=4, diloco_reduce_dtype="fp16"), "choose fp32 or bf16"),
 ])
 def test_bad_fragments_are_one_line(kw, needle):
     problems = RunConfig.build(dp=2, dp_shard=1, micro_batch_size=2, global_batch_size=GLOBAL, num_layers=4,
