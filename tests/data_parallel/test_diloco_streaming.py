@@ -171,9 +171,9 @@ def test_two_groups_take_each_fragments_outer_step_as_the_plain_tensor_reference
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero, dp_shard, world", [(3, 1, 2), (1, 2, 4), (3, 2, 4)])
-def test_streaming_under_zero_3_and_hybrid_sharding(zero, dp_shard, world):
-    """ZeRO-3, and 2 replica groups of S = 2 (dp 4) at ZeRO 1 and 3: each group's ranks hold 1/S of every
+@pytest.mark.parametrize("zero, dp_shard, world", [(0, 1, 2), (2, 1, 2), (3, 1, 2), (1, 2, 4), (3, 2, 4)])
+def test_streaming_at_every_zero_stage_and_under_hybrid_sharding(zero, dp_shard, world):
+    """ZeRO 0, 2 and 3, and 2 replica groups of S = 2 (dp 4) at ZeRO 1 and 3: each group's ranks hold 1/S of every
     fragment; the parameters equal the reference and the replica link's bytes the planner's (padding aside)."""
     cases = [(NESTEROV, 2)]
     results = run_distributed(_world, world, zero, dp_shard, cases, timeout_s=300)
