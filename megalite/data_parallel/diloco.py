@@ -71,15 +71,19 @@ class DiLoCo:
         if self.group is None:
             return group_tokens
         total = torch.tensor([group_tokens], dtype=torch.float64, device=self.mesh.device)
-        comm.all_reduce(total, self.group)
-        return float(total.item())
+        return float(self.sum_over_groups(total).item())
+
+    def sum_over_groups(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the replica groups, in place: DiLoCo's only traffic across them (the outer
+        step's and the step's token count), one all-reduce over dp_replicate; the call a fault-tolerant
+        replica link replaces."""
+        if values.numel():  # (a shard position holding none of a fragment: so in every replica group)
+            comm.all_reduce(values, self.group)
+        return values
 
     def average_over_groups(self, values: torch.Tensor) -> torch.Tensor:
-        """The fp32 mean over the replica groups of `values` ([n], fp32 or bf16; summed in place): the only
-        traffic across them, one all-reduce over dp_replicate (the call a fault-tolerant replica link replaces)."""
-        if values.numel():  # (a shard position holding none of the fragment: so in every replica group)
-            comm.all_reduce(values, self.group)
-        return values.float().div_(self.groups)  # (fp32: in place, no copy)
+        """The fp32 mean over the replica groups of `values` ([n], fp32 or bf16; summed in place)."""
+        return self.sum_over_groups(values).float().div_(self.groups)  # (fp32: in place, no copy)
 
     def _outer_step(self, fragment: int) -> None:
         lr, mu, ranges = self.outer_lr, self.momentum, self.ranges[fragment]

@@ -8,9 +8,10 @@ and 5. The losses (over both groups' tokens) and every parameter of each group e
 bit for bit. A load that gave group 1 group 0's inner state, or restarted θ_outer from the loaded masters,
 changes step 4's loss.
 
-Streaming (--diloco-fragments 2 at H = 4: fragment 0 syncs after steps 2 and 6, fragment 1 after step 4),
-saved after step 3, mid-way between fragment 0's sync and fragment 1's: steps 4-6, which run both fragments'
-outer steps from their own stored θ_outer and momentum, equal the uninterrupted run's bit for bit.
+Streaming (--diloco-fragments 2), saved after step 3, between fragment 0's sync and fragment 1's: at H = 2
+(fragment 0 after odd steps, fragment 1 after even ones; quick) steps 4 and 5, and at H = 4 (fragment 0 after
+steps 2 and 6, fragment 1 after 4; slow) steps 4-6, which run both fragments' outer steps from their own stored
+θ_outer and momentum, equal the uninterrupted run's bit for bit.
 """
 import contextlib
 import io
@@ -31,6 +32,7 @@ SAVED, STEPS = 3, 5
 QUIET = dict(log=lambda *_: None)
 OUTER = dict(diloco_inner_steps=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
 STREAMING = dict(OUTER, diloco_inner_steps=4, diloco_fragments=2)
+STREAMING_EVERY_STEP = dict(OUTER, diloco_inner_steps=2, diloco_fragments=2)  # fragment 0 after odd steps, 1 after even
 
 
 def _params(chunks, optimizer):
@@ -73,12 +75,13 @@ def test_diloco_resumes_exactly_at_every_zero_stage(tmp_path, zero):
 
 
 def test_streaming_diloco_resumes_exactly_between_two_fragments_syncs(tmp_path):
-    _check(tmp_path, 1, STREAMING, 6)
+    _check(tmp_path, 1, STREAMING_EVERY_STEP)  # saved after fragment 0's sync, fragment 1's due next
 
 
 @pytest.mark.slow
-def test_streaming_diloco_resumes_exactly_at_zero_3(tmp_path):
-    _check(tmp_path, 3, STREAMING, 6)
+@pytest.mark.parametrize("zero", [1, 3])
+def test_streaming_diloco_resumes_exactly_two_steps_from_either_sync(tmp_path, zero):
+    _check(tmp_path, zero, STREAMING, 6)
 
 
 def _program(argv):

@@ -5,12 +5,12 @@ The reference is two one-process runs, one per replica group, each on its group'
 group of the distributed run trains on alone, as in tests/data_parallel/test_diloco.py); after each step the
 fragment due then (this file's own tables: fragment p of a 4-layer model at F = 2 holds layers 2p, 2p + 1, the
 embeddings with fragment 0, the final norm with the last; at H = 4 fragment 0 syncs after steps 2 and 6,
-fragment 1 after 4 and 8) takes a Nesterov outer step θ = θ_outer - lr (Δ + μ m), m = μ m + Δ,
+fragment 1 after 4 and 8; at H = 2 one after every step, in turn) takes a Nesterov outer step θ = θ_outer - lr (Δ + μ m), m = μ m + Δ,
 Δ = θ_outer - mean of the two groups, on that fragment's parameters alone, written into both runs.
 
 - Two replica groups (dp 2 as 2 x S = 1), F = 2: at outer lr 1 and no momentum every parameter after every
   step equals the reference (right after its sync a fragment is the mean of the groups, and the two groups
-  hold it bit for bit equal while the other fragment still differs); at lr 0.7, μ 0.9 (each fragment's own
+  hold it bit for bit equal while the other fragment still differs; quick at H = 2); at lr 0.7, μ 0.9 (each fragment's own
   momentum, kept across its syncs) too; 1e-5 relative.
 - The replica link's bytes at every step (the comm ledger) equal the planner's step by step: 4 bytes per
   element of the fragment due, plus the step's 8-byte token count; over H steps F = 2 sends what F = 1
@@ -34,7 +34,8 @@ from megalite.training.step import build_data_parallel, build_model_chunks, buil
 
 H, STEPS, GLOBAL, SEQ = 4, 8, 8, 8
 FRAGMENT_OF_LAYER = {1: (0, 0, 0, 0), 2: (0, 0, 1, 1)}  # F -> the fragment of layers 0-3
-DUE = {1: {4: 0, 8: 0}, 2: {2: 0, 4: 1, 6: 0, 8: 1}}  # F -> {step: fragment synced after it}
+DUE = {(4, 1): {4: 0, 8: 0}, (4, 2): {2: 0, 4: 1, 6: 0, 8: 1},  # (H, F) -> {step: fragment synced after it}
+       (2, 2): {1: 0, 2: 1, 3: 0, 4: 1}}
 MEAN, NESTEROV = (1.0, 0.0), (0.7, 0.9)
 
 
@@ -47,9 +48,9 @@ def _cfg(dp=1, global_batch=GLOBAL, **kw):
                            clip_grad=0.5, seed=3, adam_eps=1e-6, **kw)
 
 
-def _outer(outer, fragments, reduce="fp32"):
+def _outer(outer, fragments, reduce="fp32", inner_steps=H):
     lr, mu = outer
-    return dict(diloco_inner_steps=H, diloco_outer_lr=lr, diloco_outer_momentum=mu, diloco_fragments=fragments,
+    return dict(diloco_inner_steps=inner_steps, diloco_outer_lr=lr, diloco_outer_momentum=mu, diloco_fragments=fragments,
                 diloco_reduce_dtype=reduce)
 
 
@@ -68,7 +69,7 @@ def _fragment(name, fragments):
     return 0 if name.startswith(("word_embeddings", "position_embeddings")) else fragments - 1
 
 
-def _reference(outer, fragments, reduce="fp32", steps=STEPS):
+def _reference(outer, fragments, reduce="fp32", inner_steps=H, steps=STEPS):
     """Every step's parameters of the two groups, by the plain-tensor outer steps of the module docstring
     (reduce bf16: Δ is the mean of the groups' own pseudo-gradients θ_outer - θ, each rounded to bf16 and
     summed in bf16)."""
@@ -83,7 +84,7 @@ def _reference(outer, fragments, reduce="fp32", steps=STEPS):
     for step in range(1, steps + 1):
         for part, (optimizer, _) in enumerate(runs):
             train_step(optimizer.model, optimizer, _batches(step, part, 2), m, cfg, lr=1e-3)
-        for name in [n for n in theta if _fragment(n, fragments) == DUE[fragments].get(step)]:
+        for name in [n for n in theta if _fragment(n, fragments) == DUE[inner_steps, fragments].get(step)]:
             a, b = runs[0][1][name], runs[1][1][name]
             delta = theta[name] - (a.detach() + b.detach()) / 2
             if reduce == "bf16":
@@ -130,41 +131,43 @@ def _check(results, references, rtol=1e-5):
                                         what=f"{case} step {step} group {group} {name}")
 
 
-def _check_fragments_after_their_syncs(results, fragments):
+def _check_fragments_after_their_syncs(results, case):
     """Right after its sync a fragment is the same in both groups, bit for bit; the other still differs."""
     (_, first), (_, second) = results[0], results[-1]
-    a, b = first[MEAN, fragments][0], second[MEAN, fragments][0]
-    for step, fragment in [(s, f) for s, f in DUE[fragments].items() if s <= len(a)]:
+    (_, fragments, _, inner_steps), a, b = case, first[case][0], second[case][0]
+    for step, fragment in [(s, f) for s, f in DUE[inner_steps, fragments].items() if s <= len(a)]:
         for name in a[step - 1]:
             same = torch.equal(a[step - 1][name], b[step - 1][name])
             assert same == (_fragment(name, fragments) == fragment), (step, name)
 
 
 def test_two_groups_average_each_fragment_right_after_its_sync():
-    """Quick tier: F = 2, lr 1, no momentum, the first sync of each fragment (steps 2 and 4)."""
-    results = run_distributed(_world, 2, 1, 1, [(MEAN, 2)], H, timeout_s=240)
-    _check(results, {(MEAN, 2): _reference(MEAN, 2, steps=H)})
-    _check_fragments_after_their_syncs(results, 2)
-    fragments = [4 * n for n in fragment_params(_model(), _cfg(dp=2, dp_shard=1, **_outer(MEAN, 2)))]
+    """Quick tier: H = 2, F = 2 (a fragment every step), lr 1, no momentum, each fragment's first sync."""
+    case = (MEAN, 2, "fp32", 2)
+    results = run_distributed(_world, 2, 1, 1, [case], 2, timeout_s=240)
+    _check(results, {case: _reference(*case, steps=2)})
+    _check_fragments_after_their_syncs(results, case)
+    fragments = [4 * n for n in fragment_params(_model(), _cfg(dp=2, dp_shard=1, **_outer(*case)))]
     for _, runs in results:
-        _, sent, planned = runs[MEAN, 2]
-        assert sent == planned and [n - 8 for n in sent] == [0, fragments[0], 0, fragments[1]], (sent, planned)
+        _, sent, planned = runs[case]
+        assert sent == planned and [n - 8 for n in sent] == fragments, (sent, planned)
 
 
 @pytest.mark.slow
 def test_two_groups_take_each_fragments_outer_step_as_the_plain_tensor_reference():
     """Two periods of H, each fragment's momentum across its syncs, F = 1 beside F = 2, and the pseudo-gradients
     all-reduced in bf16 (--diloco-reduce-dtype bf16: 2 bytes per element, the planner's)."""
-    cases = [(MEAN, 2), (NESTEROV, 2), (NESTEROV, 1), (NESTEROV, 2, "bf16")]
+    cases = [(MEAN, 2, "fp32", H), (NESTEROV, 2), (NESTEROV, 1), (NESTEROV, 2, "bf16")]
     results = run_distributed(_world, 2, 1, 1, cases, timeout_s=300)
     _check(results, {case: _reference(*case) for case in cases})
-    _check_fragments_after_their_syncs(results, 2)
+    _check_fragments_after_their_syncs(results, (MEAN, 2, "fp32", H))
     fragments = [4 * n for n in fragment_params(_model(), _cfg(dp=2, dp_shard=1, **_outer(MEAN, 2)))]
     for _, runs in results:
         streamed, plain = runs[NESTEROV, 2][1], runs[NESTEROV, 1][1]
         for case, (_, sent, planned) in runs.items():
             assert sent == planned, (case, sent, planned)  # every step, to the byte
-        assert [n - 8 for n in streamed] == [fragments[DUE[2][s]] if s in DUE[2] else 0 for s in range(1, STEPS + 1)]
+        due = DUE[H, 2]
+        assert [n - 8 for n in streamed] == [fragments[due[s]] if s in due else 0 for s in range(1, STEPS + 1)]
         assert sum(streamed[:H]) == sum(plain[:H]) and sum(streamed) == sum(plain)  # the same total per H steps
         assert max(streamed) - 8 == max(fragments) < max(plain) - 8 == sum(fragments)
         assert [2 * (n - 8) for n in runs[NESTEROV, 2, "bf16"][1]] == [n - 8 for n in streamed]  # half the bytes
