@@ -15,6 +15,7 @@ from megalite.config.run_parts import (CheckpointSettings, DataSettings, FaultTo
                                        OptimizerSettings, PrecisionSettings, TrainingSettings)
 from megalite.layout import Layout, LayoutError
 from megalite.config.mla import layout_problems as mla_layout_problems
+from megalite.config.diloco import fragment_problem
 from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
 from megalite.data.tokenizer import tokenizer_spec_problem
 
@@ -198,7 +199,7 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
     not compose with (DiLoCo's limits). S's sizes: megalite.layout."""
     p = cfg.parallel
     if p.dp_shard is None and p.num_distributed_optimizer_instances is None:
-        return [_diloco_problem(cfg)] if p.diloco_inner_steps and _diloco_problem(cfg) else []
+        return [_diloco_problem(cfg)] if _diloco_problem(cfg) else []
     if p.dp_shard is not None and p.num_distributed_optimizer_instances is not None:
         return [f"--dp-shard {p.dp_shard} and --num-distributed-optimizer-instances "
                 f"{p.num_distributed_optimizer_instances} say the same thing twice (instances = dp/S); give one"]
@@ -208,23 +209,30 @@ def dp_shard_problems(cfg: RunConfig) -> list[str]:
     choices = [s for s in range(1, dp + 1) if dp % s == 0]
     if instances is not None and dp % instances:
         return [f"--num-distributed-optimizer-instances {instances} does not divide dp = {dp}; choose it in {choices}"]
-    if p.diloco_inner_steps:
-        problem = _diloco_problem(cfg)
-        if problem:
-            return [problem]
-    return []
+    problem = _diloco_problem(cfg)
+    return [problem] if problem else []
 
 
 def _diloco_problem(cfg: RunConfig) -> str | None:
     """--diloco-inner-steps: what the outer step over the replica groups does not cover yet."""
     p = cfg.parallel
+    if not p.diloco_inner_steps:
+        given = [f for f, on in (("--diloco-fragments", p.diloco_fragments > 1),
+                                 ("--diloco-reduce-dtype", p.diloco_reduce_dtype != Precision.FP32)) if on]
+        return f"{given[0]} sets up DiLoCo's outer steps: give --diloco-inner-steps H too" if given else None
     if cfg.fault_tolerance.check_replicas_interval:  # the groups' weights differ between outer steps, by design
         return ("--check-replicas-interval compares the replica groups, which DiLoCo lets differ between outer "
                 "steps: drop one of them")
     if p.grad_compression != GradCompression.NONE or p.ep > 1 or p.pp > 1 or p.offload_optimizer or _has_experts(cfg):
         return ("--diloco-inner-steps runs dense models with tp, cp and --dp-shard replica groups at ZeRO 0-3 so "
                 "far: drop --grad-compression, experts, --pp and --offload-optimizer")
-    return None
+    if p.diloco_reduce_dtype == Precision.FP16:
+        return "--diloco-reduce-dtype fp16 would overflow on large pseudo-gradients: choose fp32 or bf16"
+    try:
+        num_layers = cfg.gpt_config().num_layers
+    except ValueError:
+        return None  # the model cannot be built: reported by validate() itself
+    return fragment_problem(inner_steps=p.diloco_inner_steps, fragments=p.diloco_fragments, num_layers=num_layers)
 
 
 def document_problems(cfg: RunConfig) -> list[str]:

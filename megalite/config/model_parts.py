@@ -18,7 +18,7 @@ from megalite.config.model import PRESETS
 from megalite.config.setting import setting
 from megalite.config.choices import (
     Recompute, Schedule, CPCommType, CPSplit, GradCompression, MoEScoreFunction, MoELoadBalancing, MoEDropPolicy,
-    MoEDispatcher)
+    MoEDispatcher, Precision)
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,13 @@ class ParallelSettings:
     diloco_outer_lr: float = setting(0.7, "DiLoCo: the outer SGD's learning rate (1 with no momentum: the groups' "
                                           "mean)", minimum=0)
     diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer SGD's Nesterov momentum", minimum=0, below=1)
+    diloco_fragments: int = setting(1, "streaming DiLoCo: F fragments of contiguous layers, each synced every H "
+                                       "steps at staggered steps (one every H/F), so a sync carries ~1/F of the "
+                                       "parameters; F divides H (1: every parameter at once)", metavar="F",
+                                    minimum=1)
+    diloco_reduce_dtype: Precision = setting(Precision.FP32, "DiLoCo: the dtype its outer all-reduce crosses the "
+                                                             "replica links in: fp32 averages the parameters, bf16 "
+                                                             "the pseudo-gradients (θ_outer - θ, half the bytes)")
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,14 @@ class GradBuffers:
             None: every parameter reduces over dp_group.
         replicate_group: hybrid sharding: the ranks holding the same shard of dp_group's (and
             expert_group's) buckets; each reduced shard (zero 0: bucket) is then all-reduced over it.
+        bucket_tags: one int per parameter (in `params`' order): parameters with different tags never
+            share a bucket (streaming DiLoCo's fragments).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dp_group, *, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  grad_reduce_dtype: torch.dtype = torch.float32, zero_stage: int = 0, tp_group=None,
                  embedding_group=None, compression: PowerSGDConfig | None = None, skip_group=None,
-                 expert_group=None, replicate_group=None):
+                 expert_group=None, replicate_group=None, bucket_tags: Sequence[int] | None = None):
         params = _checked_params(params, zero_stage, grad_reduce_dtype)
         # Hybrid sharding: dp_group (and expert_group) is a shard group; its replicas sum there after.
         self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
@@ -126,7 +128,8 @@ class GradBuffers:
         self.groups = (dp_group, expert_group)  # by kind
         self.shard_ranks = (self.shard_rank, expert_rank if zero_stage > 0 else 0)  # by kind
         self.layout: BufferLayout = build_layout([p.numel() for p in self.params], bucket_size, self.shard_count,
-                                                 deferred, kinds, (expert_size if zero_stage > 0 else 1,))
+                                                 deferred, kinds, (expert_size if zero_stage > 0 else 1,),
+                                                 list(reversed(bucket_tags)) if bucket_tags else None)
         self._deferred_buckets = {self.layout.slots[i].bucket for i in deferred}
         self.readiness = BucketReadiness(self.layout, self._deferred_buckets)
         buckets = self.layout.buckets

@@ -126,15 +126,18 @@ class BufferLayout:
 
 def build_layout(numels: list[int], bucket_size: int, shard_count: int,
                  alone: frozenset[int] = frozenset(), kinds: list[int] | None = None,
-                 kind_shard_counts: tuple[int, ...] = ()) -> BufferLayout:
+                 kind_shard_counts: tuple[int, ...] = (), tags: list[int] | None = None) -> BufferLayout:
     """Lay out parameters of the given sizes (in this order) into padded buckets.
 
     `alone`: indices of parameters that must sit in a bucket of their own (e.g. the tied
     embedding under pipeline parallelism, whose reduction must wait for the embedding
     all-reduce). `kinds`: each parameter's replica group (default all 0); a bucket never mixes
     kinds, and kind j > 0 is cut into `kind_shard_counts[j - 1]` chunks (kind 0: `shard_count`).
+    `tags`: neighbours with different tags never share a bucket (streaming DiLoCo's fragments, synced
+    and published apart: data_parallel/diloco.py).
     """
     kinds = kinds or [0] * len(numels)
+    tags = tags or [0] * len(numels)
     counts = (shard_count,) + tuple(kind_shard_counts)
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size}")
@@ -144,7 +147,7 @@ def build_layout(numels: list[int], bucket_size: int, shard_count: int,
     current: list[int] = []
     current_numel = 0
     for index, numel in enumerate(numels):
-        if current and kinds[index] != kinds[current[-1]]:  # a bucket holds one kind of parameter
+        if current and (kinds[index], tags[index]) != (kinds[current[-1]], tags[current[-1]]):  # one kind, one tag
             groups.append(current)
             current, current_numel = [], 0
         if index in alone:

@@ -41,6 +41,7 @@ from torch import nn
 
 from megalite.distributed import comm
 from megalite.parameters import params as P
+from megalite.data_parallel.diloco import fragment_tags
 from megalite.data_parallel.grad_buffers import DEFAULT_BUCKET_SIZE, GradBuffers
 from megalite.data_parallel.layout import OwnedPiece, build_unit_layout
 from megalite.data_parallel.powersgd import PowerSGD, PowerSGDConfig
@@ -105,7 +106,7 @@ class DataParallel(nn.Module):
                  overlap_param_gather: bool = False, units: Sequence[nn.Module | Unit] | None = None,
                  prefetch: int = 1, reshard_after_forward: bool = True, keep_gathered_in_step: bool = False,
                  grad_compression: PowerSGDConfig | None = None, dp_reduction: str = "mean",
-                 fp8_param_gather: bool = False, replicas_apart: bool = False):
+                 fp8_param_gather: bool = False, replicas_apart: bool = False, diloco_fragments: int = 1):
         super().__init__()
         # DiLoCo (data_parallel/diloco.py): each replica group trains on its own between outer steps, so
         # gradients reduce within the shard group only and a step's tokens are the group's
@@ -129,7 +130,8 @@ class DataParallel(nn.Module):
                                  embedding_group=mesh.embedding_group if mesh.pp_size > 1 else None,
                                  compression=grad_compression, skip_group=comm.world_group(),
                                  expert_group=mesh.expert_zero_group if mesh.expert_replicas_apart else None,
-                                 replicate_group=None if replicas_apart else mesh.replicate_group)
+                                 replicate_group=None if replicas_apart else mesh.replicate_group,
+                                 bucket_tags=fragment_tags(named, self.chunks, diloco_fragments))
         name_of = {id(p): n for n, p in named}
         self.params = self.grads.params  # buffer order (reverse of model order)
         self.names = [name_of[id(p)] for p in self.params]

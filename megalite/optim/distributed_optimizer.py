@@ -379,4 +379,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Per-rank bytes: parameters and gradient storage held now (the wrapper's), optimizer state."""
         state = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq) if t is not None)
+        outer = getattr(self, "outer", None)  # DiLoCo's θ_outer and momentum (data_parallel/diloco.py)
+        state += outer.nbytes() if outer is not None else 0
         return {**self.model.memory_report(), "optimizer_state_bytes": state}

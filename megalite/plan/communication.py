@@ -25,6 +25,7 @@ from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
+from megalite.plan.diloco import grad_norm_slots, is_diloco, replace_replica_bytes
 from megalite.plan.mla import attention_head_dims, latent_sequence_parallel_grads, latent_tp_bytes
 from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, head_stage, is_hybrid, is_v_shaped, local_seq_length,
                                   recomputed_stage_layers, stage_layers, zero_group_name, zero_shard_ranks)
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
-def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forward_rerun: bool = False
-                        ) -> dict[str, int]:
-    """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage`.
+def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forward_rerun: bool = False, *,
+                        step: int | None = None) -> dict[str, int]:
+    """'group/op' -> bytes per optimizer step on one rank of pipeline stage `stage` (DiLoCo's differ by step,
+    plan/diloco.py: those of 1-based step `step`, or the mean per step when None).
 
     whole_forward_rerun: full recompute re-runs each block's whole forward, the MLP output's
     reduction included (a reentrant checkpoint, as Megatron-LM's own; megalite's stops earlier).
@@ -59,7 +61,6 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     else:  # an MoE capacity factor under cp still gathers the microbatch's choices over cp
         for key, n in moe_tensor_parallel_bytes(model, cfg, stage, whole_forward_rerun).items():
             add(key, n)
-
     for key, n in context_parallel_bytes(model, cfg, stage).items():
         add(key, n)
     for group, (_, n) in fp8_amax.amax_all_reduces(model, cfg, stage).items():  # FP8's scales (plan/fp8_amax.py)
@@ -81,6 +82,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     else:
         add_dp_bytes(add, params, cfg)
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
+    replace_replica_bytes(out, model, cfg, step)  # DiLoCo: its outer steps instead of the replica all-reduce
     add(f"{dp_group_name(cfg)}/all_reduce", moe_replica_bytes(model, cfg, stage))  # MoE statistics (and bias load)
     if cfg.optimizer.optimizer == OptimizerKind.MUON:  # whole matrices to their owners and back (plan/muon.py)
         for key, n in stage_muon(model, cfg, stage).comm_bytes.items():
@@ -253,7 +255,8 @@ def add_replica_bytes(add, params: int, cfg: RunConfig) -> None:
 
 def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     """Ledger group -> (ranks in it, count) of the one-element all-reduces every step waits for on
-    one rank: the step's target-token count (over dp x cp), the finiteness check of the loss and
+    one rank: the step's target-token count (over dp x cp; under DiLoCo over each replica group's
+    shard group, then summed over 'dp_replicate'), the finiteness check of the loss and
     the mean loss (the world), and the gradient norm (the model-parallel group tp x pp, or the
     world when ZeRO shards the gradients over dp x cp or the experts differ over ep > 1:
     optim/clip.reduce_square_sum). Groups of one rank issue none."""
@@ -264,7 +267,11 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
         if ranks > 1:
             out[group] = (ranks, out.get(group, (ranks, 0))[1] + count)
 
-    add(dp_group_name(cfg), dp * cp, 1)
+    if is_diloco(cfg):  # each replica group counts its own tokens, then the groups' counts are summed
+        add(zero_group_name(cfg), cfg.dp_shard * cp, 1)
+        add("dp_replicate", dp // cfg.dp_shard, 1)
+    else:
+        add(dp_group_name(cfg), dp * cp, 1)
     add("world", world, 2)
     if (cfg.parallel.zero and dp * cp > 1) or cfg.parallel.ep > 1:
         add("world", world, 1)

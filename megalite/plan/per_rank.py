@@ -47,6 +47,7 @@ from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes, model_buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
+from megalite.plan.diloco import outer_state_bytes
 from megalite.plan.compression import compression_state_bytes
 from megalite.plan.layout import DTYPE_BYTES, GB, is_v_shaped, recompute_fraction, stage_layers, zero_shard_ranks
 from megalite.plan.moe import expert_dp_config, stage_expert_params
@@ -258,6 +259,7 @@ def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[in
         weights += gathered_peak_elements(model, cfg, stage) * DTYPE_BYTES[cfg.precision.precision]
         grads += transient_grad_bytes(model, cfg, stage)
     grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
+    optimizer += outer_state_bytes(model, cfg)  # DiLoCo's θ_outer and momentum (plan/diloco.py)
     if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the hidden matrices keep one buffer, not Adam's two (plan/muon.py)
         saved = stage_muon(model, cfg, stage).state_bytes_saved
         optimizer, host = (optimizer, host - saved) if cfg.parallel.offload_optimizer else (optimizer - saved, host)

@@ -19,6 +19,7 @@ from megalite.config import RunConfig
 from megalite.plan.activations import activation_bytes, context_parallel_buffer_bytes
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import communication_bytes, step_scalar_collectives
+from megalite.plan.diloco import grad_norm_slots
 from megalite.plan.muon import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.per_rank import setup_bytes, stage_model_states
@@ -41,11 +42,11 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None, *, r
     by_group: dict[str, int] = collections.defaultdict(int)
     muon_comm, muon_step = muon_rank_terms(model, cfg, stage, rank=rank)
     if rank is not None and muon_comm:  # the rank's own exchange bytes for the stage's mean
-        comm = collections.Counter(communication_bytes(model, cfg, stage))
+        comm = collections.Counter(communication_bytes(model, cfg, stage, step=1))
         comm.subtract(stage_muon(model, cfg, stage).comm_bytes)
         comm.update(muon_comm)
     else:
-        comm = communication_bytes(model, cfg, stage)
+        comm = communication_bytes(model, cfg, stage, step=1)  # the simulated step is the run's first (DiLoCo)
     for key, n in comm.items():
         by_group[key.split("/")[0]] += n
     for group, nbytes in scalar_collective_bytes(cfg).items():
@@ -66,7 +67,7 @@ def scalar_collective_bytes(cfg: RunConfig) -> dict[str, int]:
     out = {}
     for group, (_, count) in step_scalar_collectives(cfg).items():
         if group == "world":  # finiteness flag (4) + mean loss (8), and the gradient norm (4) under ZeRO
-            out[group] = 4 + 8 + 4 * (count - 2)
+            out[group] = 4 + 8 + 4 * (count - 2) * grad_norm_slots(cfg)  # (DiLoCo: a slot per replica group)
         elif group == "mp":
             out[group] = 4 * count
         else:  # the token count over dp x cp

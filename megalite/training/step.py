@@ -87,7 +87,8 @@ def build_data_parallel(chunks: list[GPTModel], cfg: RunConfig, mesh: Mesh) -> D
                         keep_gathered_in_step=p.zero3_keep_gathered_in_step,
                         grad_compression=compression, dp_reduction="sum",  # the loss: / global tokens
                         fp8_param_gather=cfg.precision.fp8_param_gather,
-                        replicas_apart=p.diloco_inner_steps > 0)  # DiLoCo: no replica all-reduce per step
+                        replicas_apart=p.diloco_inner_steps > 0,  # DiLoCo: no replica all-reduce per step
+                        diloco_fragments=p.diloco_fragments if p.diloco_inner_steps else 1)
 
 
 def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer:
@@ -107,7 +108,8 @@ def build_optimizer(model: DataParallel, cfg: RunConfig) -> DistributedOptimizer
     p = cfg.parallel
     if p.diloco_inner_steps:  # the outer step across replica groups, run by train_step
         optimizer.outer = DiLoCo(optimizer, inner_steps=p.diloco_inner_steps, outer_lr=p.diloco_outer_lr,
-                                 outer_momentum=p.diloco_outer_momentum)
+                                 outer_momentum=p.diloco_outer_momentum, fragments=p.diloco_fragments,
+                                 reduce_dtype=p.diloco_reduce_dtype.torch_dtype)
     return optimizer
 
 

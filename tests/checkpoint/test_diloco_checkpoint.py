@@ -7,6 +7,11 @@ step past an outer step: the groups' parameters and AdamW moments differ), a fre
 and 5. The losses (over both groups' tokens) and every parameter of each group equal the uninterrupted run's
 bit for bit. A load that gave group 1 group 0's inner state, or restarted θ_outer from the loaded masters,
 changes step 4's loss.
+
+Streaming (--diloco-fragments 2), saved after step 3, between fragment 0's sync and fragment 1's: at H = 2
+(fragment 0 after odd steps, fragment 1 after even ones; quick) steps 4 and 5, and at H = 4 (fragment 0 after
+steps 2 and 6, fragment 1 after 4; slow) steps 4-6, which run both fragments' outer steps from their own stored
+θ_outer and momentum, equal the uninterrupted run's bit for bit.
 """
 import contextlib
 import io
@@ -26,6 +31,8 @@ from ckpt_helpers import GLOBAL, build, model_config, train, train_config
 SAVED, STEPS = 3, 5
 QUIET = dict(log=lambda *_: None)
 OUTER = dict(diloco_inner_steps=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
+STREAMING = dict(OUTER, diloco_inner_steps=4, diloco_fragments=2)
+STREAMING_EVERY_STEP = dict(OUTER, diloco_inner_steps=2, diloco_fragments=2)  # fragment 0 after odd steps, 1 after even
 
 
 def _params(chunks, optimizer):
@@ -33,11 +40,11 @@ def _params(chunks, optimizer):
         return {n: p.detach().clone() for c in chunks for n, p in c.logical_parameters()}
 
 
-def _world(tmp, zero):
+def _world(tmp, zero, outer=OUTER, steps=STEPS):
     m = mesh.init_mesh(dp=2, dp_shard=1, replace=True)
-    cfg = train_config(dp=2, dp_shard=1, zero=zero, **OUTER)
+    cfg = train_config(dp=2, dp_shard=1, zero=zero, **outer)
     chunks, optimizer = build(model_config(), cfg, m)
-    reference = train(chunks, optimizer, m, cfg, range(1, STEPS + 1))
+    reference = train(chunks, optimizer, m, cfg, range(1, steps + 1))
     reference_params = _params(chunks, optimizer)
     chunks, optimizer = build(model_config(), cfg, m)
     first = train(chunks, optimizer, m, cfg, range(1, SAVED + 1))
@@ -45,12 +52,13 @@ def _world(tmp, zero):
                                        model_config=model_config(), train_config=cfg)
     chunks, optimizer = build(model_config(), cfg, m)
     assert load_checkpoint(tmp, chunks, optimizer, m, **QUIET).step == SAVED
-    resumed = first + train(chunks, optimizer, m, cfg, range(SAVED + 1, STEPS + 1))
+    resumed = first + train(chunks, optimizer, m, cfg, range(SAVED + 1, steps + 1))
     return reference, resumed, reference_params, _params(chunks, optimizer)
 
 
-def _check(tmp_path, zero):
-    for reference, resumed, reference_params, params in run_distributed(_world, 2, tmp_path, zero, timeout_s=240):
+def _check(tmp_path, zero, outer=OUTER, steps=STEPS):
+    for reference, resumed, reference_params, params in run_distributed(_world, 2, tmp_path, zero, outer, steps,
+                                                                        timeout_s=240):
         assert resumed == reference, (resumed, reference)
         for name, value in reference_params.items():
             assert torch.equal(params[name], value), name
@@ -64,6 +72,16 @@ def test_diloco_resumes_exactly_between_outer_steps(tmp_path):
 @pytest.mark.parametrize("zero", [0, 2, 3])
 def test_diloco_resumes_exactly_at_every_zero_stage(tmp_path, zero):
     _check(tmp_path, zero)
+
+
+def test_streaming_diloco_resumes_exactly_between_two_fragments_syncs(tmp_path):
+    _check(tmp_path, 1, STREAMING_EVERY_STEP)  # saved after fragment 0's sync, fragment 1's due next
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_streaming_diloco_resumes_exactly_two_steps_from_either_sync(tmp_path, zero):
+    _check(tmp_path, zero, STREAMING, 6)
 
 
 def _program(argv):
