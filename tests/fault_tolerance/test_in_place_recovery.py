@@ -69,6 +69,22 @@ def test_three_groups_lose_one_at_a_time_and_the_losses_equal_the_reference(tmp_
     assert verdict.max_loss_rel_diff <= 1e-5  # the parity tolerance (measured ~5e-8 here)
 
 
+@pytest.mark.slow  # ~15 s: 4 ranks, two restarts
+def test_groups_of_two_ranks_lose_a_rank_and_equal_the_reference_bit_for_bit(tmp_path):
+    """Each group its own world of 2 ranks (ZeRO 1 over them), one link per shard position: rank 1 of group
+    1 killed with the all-reduce in flight, later rank 0 of group 0 (the healer until then) in its forward.
+    The killed rank's sibling leaves on its own (its collective inside the group fails: exit 3, no hang), the
+    group restarts whole and heals position by position; every rank equals the 2-rank reference bit for bit."""
+    faults = {0: [(14, "forward", 0)], 1: [(2, "mid-reduction", 1)]}
+    run, launcher, exits = _drill(tmp_path, groups=2, steps=24, faults=faults, ranks_per_group=2)
+    verdict = verify(run, launcher.records())
+    assert exits == {0: 0, 1: 0} and [g for _, g in launcher.kills] == [1, 0]
+    assert launcher.left == [(1, 0, 3), (0, 1, 3)]  # each killed rank's sibling left on its own
+    assert verdict.steps == 24 and verdict.dropped[2] == (1,) and verdict.dropped[14] == (0,)
+    assert [g for _, g in verdict.heals] == [1, 0] and {r["rank"] for r in launcher.records()} == {0, 1}
+    assert verdict.members_agree and verdict.losses_bitwise and verdict.params_bitwise
+
+
 @pytest.mark.slow
 def test_a_quorum_below_the_minimum_ends_every_group_in_one_line(tmp_path, capfd):
     run, launcher, exits = _drill(tmp_path, groups=2, steps=8, faults={1: [(2, "reduction")]}, restart_delay_s=0,
