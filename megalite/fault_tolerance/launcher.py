@@ -3,10 +3,15 @@
 The launcher hosts the run's store (it outlives every group, as a job's rendezvous service would) in a
 process of its own, forked before any group: a TCPStore server's thread resolves each connecting
 peer's name (getnameinfo, under glibc's resolver lock), and a group forked while that thread held the
-lock would wait on it forever in its own first connect. The launcher then starts each replica group as a forked process (forked after one warm-up build, so a restarted group
-is up in about 0.1 s plus its wait to be admitted, not the seconds of a cold import), and supervises: a group that died (SIGKILL, here
-planned or random) is restarted after `restart_delay_s` as a joining group, which heals from a live
-peer at the next step boundary. A group ends in one line when it cannot heal or the quorum is lost.
+lock would wait on it forever in its own first connect. The launcher then starts each replica group's
+W ranks as forked processes, a world of their own whose rank 0 serves its store (forked after one warm-up
+build, so a restarted group is up in about 0.1 s plus its wait to be admitted, not the seconds of a cold
+import), and supervises: when a rank of a group died (SIGKILL, here planned or random), its other ranks
+leave on their own (their collectives inside the group fail; one still there after the run's timeout is
+killed and recorded in `left`), and the group is restarted whole after `restart_delay_s` as a joining
+group, which heals from a live peer at the next step boundary. A group ends in one line when it cannot
+heal or the quorum is lost. `target` runs something else as each rank (trainer_groups.py: the training
+program).
 """
 from __future__ import annotations
 
@@ -21,12 +26,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megalite.fault_tolerance.group_stack import GroupBroken, build_stack
 from megalite.fault_tolerance.quorum import QuorumLost, RunFinished
 from megalite.fault_tolerance.replica_group import ReplicaGroup
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
+from megalite.fault_tolerance.store import serve
 from megalite.testing import free_port
 
 
@@ -39,14 +44,6 @@ class PlannedFault:
     def __call__(self, step: int, moment: str) -> None:
         if (step, moment) == (self.step, self.moment):
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _serve_store(host: str, port: int, ready) -> None:
-    """The run's store server, alone in its process until the launcher ends it."""
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)  # noqa: F841 - serves while alive
-    ready.set()
-    while True:
-        time.sleep(3600)
 
 
 def _group_main(run: FaultTolerantRun, group: int, position: int, joining: bool, fault, env: dict) -> None:
@@ -67,7 +64,7 @@ def _group_main(run: FaultTolerantRun, group: int, position: int, joining: bool,
     except GroupBroken as broken:  # a sibling is gone: leave at once (tearing down a broken world can abort)
         print(f"megalite: {broken}", file=sys.stderr, flush=True)
         sys.stderr.flush()
-        os._exit(3)
+        os._exit(1)
 
 
 def _exit_code(processes: list) -> int | None:
@@ -83,11 +80,14 @@ def _exit_code(processes: list) -> int | None:
 class Launcher:
     """The replica groups of `run` as processes of this machine (module docstring)."""
 
-    def __init__(self, run: FaultTolerantRun, *, restart_delay_s: float = 0.5):
+    def __init__(self, run: FaultTolerantRun, *, restart_delay_s: float = 0.5, target=None):
+        """target(run, group, position, joining, fault, env): what each rank runs (default: ReplicaGroup's own
+        training; `TrainerGroups`: the training program)."""
         check_run(run)
+        self.target = target or _group_main
         port = run.store_port or free_port()
         ready = mp.get_context("fork").Event()
-        self.store_server = mp.get_context("fork").Process(target=_serve_store, args=(run.store_host, port, ready),
+        self.store_server = mp.get_context("fork").Process(target=serve, args=(run.store_host, port, ready),
                                                            daemon=True)
         self.store_server.start()
         if not ready.wait(60):
@@ -95,8 +95,8 @@ class Launcher:
         self.run = dataclasses.replace(run, store_port=port)
         Path(run.log_dir).mkdir(parents=True, exist_ok=True)
         self.restart_delay_s = restart_delay_s
-        # warm: the forked groups start with megalite's lazy modules imported (~0.1 s); one process's stack
-        build_stack(dataclasses.replace(self.run, ranks_per_group=1))
+        if target is None:  # warm: the forked groups start with megalite's lazy modules imported (~0.1 s)
+            build_stack(dataclasses.replace(self.run, ranks_per_group=1))
         self.processes: dict[int, list[mp.Process]] = {}  # group -> its ranks' processes (this start)
         self.starts: dict[int, int] = {}
         self.kills: list[tuple[float, int]] = []  # (time, group) of every death seen
@@ -113,7 +113,7 @@ class Launcher:
                                              LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR=self.run.store_host,
                                              MASTER_PORT=str(port))
             mine = fault if fault is not None and getattr(fault, "rank", 0) == s else None
-            procs.append(mp.get_context("fork").Process(target=_group_main, args=(self.run, group, s, joining, mine, env),
+            procs.append(mp.get_context("fork").Process(target=self.target, args=(self.run, group, s, joining, mine, env),
                                                         daemon=True))
             procs[-1].start()
         self.processes[group] = procs

@@ -22,6 +22,9 @@ The outcome round closes the window where one survivor's all-reduce completed an
         decision). The decision names a healer (the lowest member that was not joining) that sends it
         the live state at that step boundary.
 
+A replica group of W ranks runs agree/join/finish on its rank 0 only; each of its ranks reports its own
+outcome (its position's link), and a group is dead when any of its ranks' heartbeats stands still.
+
 Only the store API (set, get, check, wait, compare_set) is used; nothing here imports torch.
 """
 from __future__ import annotations

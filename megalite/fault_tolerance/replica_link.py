@@ -3,7 +3,8 @@
 A gloo process group with a dead member hangs or fails every later collective, and torch cannot take
 a member out of one. So the cross-group group is never the static one: each quorum whose members
 differ from the last (or a retry of a step) builds a new ProcessGroupGloo over a fresh prefix of the
-run's store (`<prefix>pg/<step>/<round>/`), ranks numbered by the members' order, with a timeout, so
+run's store (`<prefix>pg/<step>/<round>/<position>/`: one link per rank position s of the groups, over
+rank s of every member), ranks numbered by the members' order, with a timeout, so
 a peer that dies mid-collective costs the survivors an error (a closed connection: at once) or the
 timeout, never a hang. Only the survivors take part in the rebuild; the dead group's addresses are
 never read (they live under an older prefix).
@@ -11,7 +12,7 @@ never read (they live under an older prefix).
 The heal (a restarted group joining at a step boundary) is a broadcast from the decision's healer of
 everything a group's state is made of at that boundary: the fp32 master chunks and Adam's moments of
 this rank's shard (the same positions hold the same elements in every group), and the optimizer's
-step count; the data position is the decision's step. Bytes are copied exactly, so the healed group's
+step count; the data position is the decision's step (the training program sends its sampler's). Bytes are copied exactly, so the healed group's
 parameters equal the healer's bit for bit. Every member receives it (gloo's broadcast to the group:
 the healthy ones receive what they hold); with a few groups that costs no more time than a
 point-to-point send, since the links run in parallel.
