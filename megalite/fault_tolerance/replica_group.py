@@ -190,6 +190,10 @@ class ReplicaGroup:
             pause = min(2 * pause, 0.005)
         work.wait()  # raises a failed collective's error
 
+    def _heal_wait(self, work, decision: Decision) -> None:
+        self.fault(decision.step, "mid-heal")  # dies with the heal's broadcast in flight (not a chaos moment)
+        self._wait_or_give_up(work, decision, "heal")
+
     def _heal(self, decision: Decision) -> tuple[bool, float]:
         """The decision's heal at this position, then its outcome over every rank of every member; on
         success the parameters are published from the (received) masters inside the group."""
@@ -197,7 +201,7 @@ class ReplicaGroup:
         try:
             if self.link.needs_rebuild(decision):
                 self.link.rebuild(decision)
-            heal(self.link, self.optimizer, decision, lambda work: self._wait_or_give_up(work, decision, "heal"))
+            heal(self.link, self.optimizer, decision, lambda work: self._heal_wait(work, decision))
         except RuntimeError:
             self.link.close()
             ok = False

@@ -7,12 +7,14 @@ group admitted by the next quorum with a healer named; a quorum below the minimu
 import datetime
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from megalite.errors import UsageError
 from megalite.fault_tolerance.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, beat_key
+from megalite.fault_tolerance.replica_group import ReplicaGroup
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
 from megalite.testing import free_port
 
@@ -106,6 +108,34 @@ def test_a_group_of_two_ranks_is_ok_only_when_both_ranks_reported_and_a_silent_r
     calls += [lambda g=g, p=p: beating(beat_key(g, f"start{g}", p)) for g, p in ((0, 0), (0, 1), (1, 0))]
     assert _together(calls)[:3] == [False, False, False] and time.monotonic() - started < 5
     assert store.get(PREFIX + "q/3/0/reduction/outcome") == b"retry"
+
+
+class _NeverDone:
+    """An in-flight collective whose peer abandoned it: it never completes."""
+
+    def is_completed(self):
+        return False
+
+
+def test_a_heal_in_flight_is_given_up_once_its_own_outcome_is_settled_not_the_reductions(store):
+    """The heal's broadcast is polled like the reduction's all-reduce: a member that failed its heal settles
+    the heal's outcome, and a member still waiting gives its broadcast up at once (not after the link's
+    timeout); a settled reduction outcome (another phase) does not end a heal."""
+    waiting, failed = _quorum(store, 0, groups=2), _quorum(store, 1, groups=2)
+    member = SimpleNamespace(quorum=waiting)
+    decision = Decision(6, 0, (0, 1), (1,))
+    failed.outcome(decision, False)  # the reduction's outcome: not the heal's
+    started = time.monotonic()
+
+    def heal_wait():
+        try:
+            ReplicaGroup._wait_or_give_up(member, _NeverDone(), decision, "heal")
+        except RuntimeError as error:
+            return error, time.monotonic() - started
+    result = _together([heal_wait, lambda: (time.sleep(0.3), failed.outcome(decision, False, phase="heal"))])
+    error, seconds = result[0]
+    assert "another member's heal failed" in str(error) and 0.3 <= seconds < 2
+    assert store.get(PREFIX + "q/6/0/heal/outcome") == b"retry"
 
 
 def test_a_restarted_group_is_admitted_by_the_next_quorum_with_a_healer(store):
