@@ -170,10 +170,7 @@ class ReplicaTraining:
         if self.decision.step != step:  # (a restarted group's first step: decided, and healed, in start)
             self.healed, self.heal_s, self.retry_s = False, 0.0, 0.0
             started = time.monotonic()
-            try:
-                self.decision = self._decided(lambda: self.quorum.agree(step, 0, self.decision.members))
-            except Excluded as late:  # dropped while alive (slower than --ft-timeout-s): leave, rejoin restarted
-                raise GroupBroken(f"{late}; it ends and heals when restarted") from None
+            self._agree(step, 0, self.decision.members)
             self.quorum_s = time.monotonic() - started  # waiting for the others: a dead group's silence too
         while self.decision.joiners and self.group not in self.decision.joiners:
             if self._heal():
@@ -188,7 +185,13 @@ class ReplicaTraining:
         """The step's next round without the groups lost in this one (restarted ones wait for the next step)."""
         self._inside(lambda: comm.barrier(comm.world_group()) if self.ranks > 1 else None)  # this group whole?
         d = self.decision
-        self.decision = self._decided(lambda: self.quorum.agree(d.step, d.round + 1, d.members, admit=False))
+        self._agree(d.step, d.round + 1, d.members, admit=False)
+
+    def _agree(self, step: int, round: int, expected, admit: bool = True) -> None:
+        try:
+            self.decision = self._decided(lambda: self.quorum.agree(step, round, expected, admit=admit))
+        except Excluded as late:  # dropped while alive (slower than --ft-timeout-s): leave, rejoin restarted
+            raise GroupBroken(f"{late}; it ends and heals when restarted") from None
 
     # -- the link ---------------------------------------------------------------------------------
 
