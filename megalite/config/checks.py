@@ -15,9 +15,9 @@ from megalite.config.run_parts import (CheckpointSettings, DataSettings, FaultTo
                                        OptimizerSettings, PrecisionSettings, TrainingSettings)
 from megalite.layout import Layout, LayoutError
 from megalite.config.mla import layout_problems as mla_layout_problems
-from megalite.config.replica_groups import replica_group_problems
 from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
 from megalite.data.tokenizer import tokenizer_spec_problem
+from megalite.config.replica_groups import replica_group_problems
 
 
 class RunConfig(Protocol):
@@ -85,8 +85,9 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
+    problems += replica_group_problems(cfg)  # --ft-replica-groups
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg) + document_problems(cfg)
-    problems += _latent_attention_problems(cfg) + _dualpipev_problems(cfg) + replica_group_problems(cfg)
+    problems += _latent_attention_problems(cfg) + _dualpipev_problems(cfg)
     if t.compile and (p.tp > 1 or p.cp > 1 or p.ep > 1):  # a 2-rank tp run under compile did not finish in 900 s
         problems.append(f"--compile runs at --tp 1 --cp 1 --ep 1 (the layouts whose blocks hold no collective: "
                         f"pp and dp); a compiled block with tp/cp/ep collectives inside is not proven equal yet: "
