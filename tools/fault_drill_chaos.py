@@ -98,7 +98,7 @@ class RandomKills:
                 self.pending.remove(f)
             elif done == f.step - 1:
                 self.armed.setdefault(f.index, time.monotonic() + f.delay_s)
-                if time.monotonic() >= self.armed[f.index] and launcher.processes[f.group].is_alive():
+                if time.monotonic() >= self.armed[f.index] and launcher.alive(f.group):
                     (self.marks / f"fired{f.index}").write_text(str(time.time()))
                     launcher.kill(f.group)
                     self.pending.remove(f)

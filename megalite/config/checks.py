@@ -18,6 +18,7 @@ from megalite.config.mla import layout_problems as mla_layout_problems
 from megalite.config.diloco import fragment_problem
 from megalite.data.indexed_dataset import DataError, resolve_prefix  # numpy, no torch
 from megalite.data.tokenizer import tokenizer_spec_problem
+from megalite.config.replica_groups import replica_group_problems
 
 
 class RunConfig(Protocol):
@@ -85,6 +86,7 @@ def setting_problems(cfg: RunConfig) -> list[str]:
         problems.append("--overlap-param-gather needs --zero 1 or 2 and no --offload-optimizer (at zero 0 nothing is "
                         "gathered; offloaded updates finish inside the step)")
     problems += _compression_problems(cfg) + layout_problems(cfg) + dp_shard_problems(cfg)
+    problems += replica_group_problems(cfg)  # --ft-replica-groups
     problems += cuda_graph_problems(cfg) + fp8_problems(cfg) + _wsd_problems(cfg) + document_problems(cfg)
     problems += _latent_attention_problems(cfg) + _dualpipev_problems(cfg)
     problems += cp_split_problems(cfg)

@@ -218,6 +218,19 @@ class FaultToleranceSettings:
                                          "must not end as if it had; 0: never", minimum=0)
     check_replicas_interval: int = setting(0, "every K steps compare parameter checksums across replicas and stop "
                                               "(exit code 4) naming the first that differs; 0: off", minimum=0)
+    # recovery without a restart (docs/fault_tolerance.md): this job is one replica group of N
+    ft_replica_groups: int = setting(0, "recovery without a restart: this job is one of N replica groups (each its "
+                                        "own torchrun job and world) that agree a quorum every step through "
+                                        "--ft-store, train on without a group that died and heal it from a live one "
+                                        "when it restarts (0: off)", minimum=0)
+    ft_group_id: int = setting(0, "this job's replica group, in [0, --ft-replica-groups)", minimum=0)
+    ft_store: str | None = setting(None, "HOST:PORT of the run's key-value store (a TCPStore that outlives every "
+                                         "group: tools/ft_store.py serves one)", metavar="HOST:PORT")
+    ft_min_groups: int = setting(1, "fewer live replica groups than this (after --ft-join-timeout-s of waiting for "
+                                    "restarted ones) ends the run in one line", minimum=1)
+    ft_timeout_s: float = setting(30.0, "the longest wait for a live but slow replica group (quorum, link)", above=0)
+    ft_dead_after_s: float = setting(1.0, "a replica group whose heartbeat is silent this long is dead", above=0)
+    ft_join_timeout_s: float = setting(60.0, "a restarted replica group waiting to be admitted", above=0)
 
 
 PARTS: dict[str, type] = {

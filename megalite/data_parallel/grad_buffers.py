@@ -144,6 +144,7 @@ class GradBuffers:
         self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
         self._shard_group_bytes = 0  # compression under hybrid sharding: the shard group's part of this step
         self._pending: list[tuple[int, object, torch.Tensor | None, torch.Tensor | None]] = []
+        self.replica_link = None  # --ft-replica-groups: the replicas' sum over the link (fault_tolerance/training.py)
         self._sync = [True] * len(self.params)  # per parameter: is this backward its last of the step?
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.exposed_seconds = 0.0  # host time of the last finish_reduction(): communication not hidden by backward
@@ -295,6 +296,8 @@ class GradBuffers:
             if self.zero_stage == 2:
                 self.storage.free(bucket)
         self._pending.clear()
+        if self.replica_link is not None:  # across the live replica groups (each its own world), in one collective
+            self.replica_link.reduce(self.grad_shard)
         self._finished = True
         self._stale = True  # reduced: the next step's backward must start from zero_grad()
         self.exposed_seconds = time.perf_counter() - started

@@ -289,14 +289,15 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
     return work if async_op else tensor
 
 
-def broadcast_from_member(tensor: torch.Tensor, member: int, group) -> torch.Tensor:
+def broadcast_from_member(tensor: torch.Tensor, member: int, group, async_op: bool = False):
     """Broadcast `tensor` in place from the rank at position `member` of `group`; works on a group built
-    outside torch's registry (the replica link, megalite/fault_tolerance/replica_link.py)."""
+    outside torch's registry (the replica link, megalite/fault_tolerance/replica_link.py). Returns the
+    tensor (or a handle if async_op)."""
     if _trivial(group):
-        return tensor
-    _run("broadcast", group, tensor, tensor.numel() * tensor.element_size(),
-         lambda: dist.broadcast(tensor, group=group, group_src=member), False)
-    return tensor
+        return _DONE if async_op else tensor
+    work = _run("broadcast", group, tensor, tensor.numel() * tensor.element_size(),
+                lambda: dist.broadcast(tensor, group=group, group_src=member, async_op=async_op), async_op)
+    return work if async_op else tensor
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:

@@ -22,6 +22,9 @@ The outcome round closes the window where one survivor's all-reduce completed an
         decision). The decision names a healer (the lowest member that was not joining) that sends it
         the live state at that step boundary.
 
+A replica group of W ranks runs agree/join/finish on its rank 0 only; each of its ranks reports its own
+outcome (its position's link), and a group is dead when any of its ranks' heartbeats stands still.
+
 Only the store API (set, get, check, wait, compare_set) is used; nothing here imports torch.
 """
 from __future__ import annotations
@@ -83,13 +86,17 @@ class Quorum:
     restarted groups, then ends the run (QuorumLost)."""
 
     def __init__(self, store, *, group: int, num_groups: int, min_groups: int, timeout_s: float,
-                 join_timeout_s: float = 60.0, dead_after_s: float = 1.0):
+                 join_timeout_s: float = 60.0, dead_after_s: float = 1.0, positions: int = 1, position: int = 0,
+                 incarnation: str | None = None):
+        """positions: the ranks of every replica group (W); position: this rank's (its link and report). Only
+        position 0 runs agree/join/finish; every position reports outcomes. incarnation: this start of the
+        group, the same on its W ranks (fresh when None)."""
         if not 1 <= min_groups <= num_groups:
             raise ValueError(f"min_groups must be in [1, {num_groups}], got {min_groups}")
         self.store, self.group, self.num_groups = store, group, num_groups
         self.min_groups, self.timeout_s, self.join_timeout_s = min_groups, timeout_s, join_timeout_s
-        self.dead_after_s = dead_after_s
-        self.incarnation = uuid.uuid4().hex  # this process's id: its heartbeat key, its join request
+        self.dead_after_s, self.positions, self.position = dead_after_s, positions, position
+        self.incarnation = incarnation or uuid.uuid4().hex  # this start's id: its heartbeats, its join request
         self.known: dict[int, str] = {}  # the last decision's members -> their incarnations
         self.dead: set[str] = set()  # incarnations found silent: the next wait does not wait for them again
 
@@ -107,48 +114,60 @@ class Quorum:
             pause = min(2 * pause, 0.02)
         return True
 
-    def _wait_for_groups(self, keys: dict[int, str], cap_s: float, done_key: str | None = None,
+    def _wait_for_groups(self, keys: dict[tuple[int, int], str], cap_s: float, done_key: str | None = None,
                          arrived=lambda: ()) -> bool:
-        """Poll until every group's key exists (or is in `arrived()`), or `done_key` does (True); False as
-        soon as every group still missing is dead — the heartbeat of the incarnation the last decision
-        named has not moved for dead_after_s (a restarted process beats under another key) — or after
-        cap_s. A slow group whose heartbeat moves is waited for (up to cap_s); one not known yet too."""
+        """Poll until every (group, position)'s key exists (its group in `arrived()` counts), or `done_key`
+        does (True); False as soon as every group still missing is dead — the heartbeat of one of its
+        ranks (of the incarnation the last decision named) has not moved for dead_after_s: a group lives
+        or dies whole, and a restarted process beats under another key — or after cap_s. A slow group
+        whose ranks' heartbeats all move is waited for (up to cap_s); one not known yet too."""
         start = time.monotonic()
-        last: dict[int, tuple[int, float]] = {}  # group -> (beat seen, when it last moved)
+        last: dict[tuple[int, int], tuple[int, float]] = {}  # (group, position) -> (beat seen, when it moved)
         pause = 0.0005
         while True:
             if done_key is not None and self.store.check([done_key]):
                 return True
-            missing = [g for g, key in keys.items() if not self.store.check([key]) and g not in arrived()]
+            missing = sorted({g for (g, _), key in keys.items() if g not in arrived() and not self.store.check([key])})
             if not missing:
                 return True
             now = time.monotonic()
-            for g in missing:
-                beat = self.store.add(beat_key(g, self.known[g]), 0) if g in self.known else 0
-                if g not in last or last[g][0] != beat:
-                    last[g] = (beat, now)
-            dead = [g for g in missing if self.known.get(g) in self.dead or
-                    (last[g][0] > 0 and now - last[g][1] > self.dead_after_s)]
+            dead = [g for g in missing if self._silent(g, last, now)]
             if len(dead) == len(missing) or now - start > cap_s:
                 self.dead.update(self.known[g] for g in dead if g in self.known)
                 return False
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
 
-    def agree(self, step: int, round: int, expected: Sequence[int], wait_s: float | None = None) -> Decision:
+    def _silent(self, group: int, last: dict, now: float) -> bool:
+        """Whether a rank of `group` (its known incarnation) has a heartbeat that stood still for dead_after_s."""
+        if group not in self.known:
+            return False
+        if self.known[group] in self.dead:
+            return True
+        silent = False
+        for p in range(self.positions):
+            beat = self.store.add(beat_key(group, self.known[group], p), 0)
+            if (group, p) not in last or last[group, p][0] != beat:
+                last[group, p] = (beat, now)
+            silent = silent or (beat > 0 and now - last[group, p][1] > self.dead_after_s)
+        return silent
+
+    def agree(self, step: int, round: int, expected: Sequence[int], wait_s: float | None = None, *,
+              admit: bool = True) -> Decision:
         """This step's members: the groups of `expected` (the previous quorum) present within timeout_s
         (or `wait_s`: the first step waits for every group to build), this group, and the restarted
-        groups waiting to join."""
+        groups waiting to join (not with admit=False: the training program's retry of a step half done,
+        which a restarted group joins at the next step's boundary)."""
         here = lambda g: self._key("q", step, round, "here", g)  # noqa: E731
         self.store.set(here(self.group), self.incarnation)
-        self._wait_for_groups({g: here(g) for g in expected}, self.timeout_s if wait_s is None else wait_s,
+        self._wait_for_groups({(g, 0): here(g) for g in expected}, self.timeout_s if wait_s is None else wait_s,
                               arrived=lambda: [g for g, _ in self._waiting_joiners()])
-        present, joiners = self._live(here)
+        present, joiners = self._live(here, admit)
         deadline, pause = time.monotonic() + self.join_timeout_s, 0.005
         while len(present) + len(joiners) < self.min_groups and time.monotonic() < deadline:
             time.sleep(pause)  # below the minimum: wait for restarted groups to ask to join
             pause = min(2 * pause, 0.1)
-            present, joiners = self._live(here)
+            present, joiners = self._live(here, admit)
         incarnations = {**{g: request.split(":")[1] for g, request in joiners},
                         **{g: self.store.get(here(g)).decode() for g in present}}
         members = tuple(sorted(incarnations))
@@ -164,10 +183,10 @@ class Quorum:
         self._check_size(decided)
         return decided
 
-    def _live(self, here) -> tuple[list[int], list[tuple[int, str]]]:
+    def _live(self, here, admit: bool = True) -> tuple[list[int], list[tuple[int, str]]]:
         """(groups present at this round, (group, incarnation) of the restarted ones asking to join)."""
         present = [g for g in range(self.num_groups) if self.store.check([here(g)])]
-        return present, [(g, nonce) for g, nonce in self._waiting_joiners() if g not in present]
+        return present, [(g, nonce) for g, nonce in self._waiting_joiners() if g not in present and admit]
 
     def _waiting_joiners(self) -> list[tuple[int, str]]:
         out = []
@@ -208,22 +227,24 @@ class Quorum:
         """A member trained the last step: restarted groups still waiting to join stop waiting."""
         self.store.set(self._key("finished"), "1")
 
-    def failed_already(self, decision: Decision) -> bool:
+    def failed_already(self, decision: Decision, phase: str = "reduction") -> bool:
         """Whether another member already settled `decision`'s outcome (it does so at once on a failure)."""
-        return self.store.check([self._key("q", decision.key, "outcome")])
+        return self.store.check([self._key("q", decision.key, phase, "outcome")])
 
-    def outcome(self, decision: Decision, ok: bool) -> bool:
-        """Report this member's reduction; True when every member of `decision` reported ok within timeout_s."""
-        final = self._key("q", decision.key, "outcome")
-        self.store.set(self._key("q", decision.key, "report", self.group), "ok" if ok else "failed")
+    def outcome(self, decision: Decision, ok: bool, phase: str = "reduction") -> bool:
+        """Report this rank's link collective of `phase` ("heal" or "reduction"); True when every rank of
+        every member of `decision` reported ok within timeout_s."""
+        final = self._key("q", decision.key, phase, "outcome")
+        self.store.set(self._key("q", decision.key, phase, "report", self.group, self.position), "ok" if ok else "failed")
         if ok:
-            ok = self._all_reported_ok(decision, final)
+            ok = self._all_reported_ok(decision, final, phase)
         return self.store.compare_set(final, "", "ok" if ok else "retry") == b"ok"
 
-    def _all_reported_ok(self, decision: Decision, final: str) -> bool:
-        """Every member reported ok (or the outcome is already decided: compare_set then returns it);
-        False when a member died before reporting, or its report is missing after timeout_s."""
-        reports = {g: self._key("q", decision.key, "report", g) for g in decision.members}
+    def _all_reported_ok(self, decision: Decision, final: str, phase: str) -> bool:
+        """Every rank of every member reported ok (or the outcome is already decided: compare_set then
+        returns it); False when a member died before reporting, or a report is missing after timeout_s."""
+        reports = {(g, p): self._key("q", decision.key, phase, "report", g, p)
+                   for g in decision.members for p in range(self.positions)}
         if not self._wait_for_groups(reports, self.timeout_s, done_key=final):
             return False
         if self.store.check([final]):
@@ -231,7 +252,7 @@ class Quorum:
         return all(v == b"ok" for v in self.store.multi_get(list(reports.values())))
 
 
-def beat_key(group: int, incarnation: str) -> str:
-    """The counter a replica group's process (`incarnation`) adds 1 to from its heartbeat thread
-    (replica_group.Heartbeat) every dead_after_s / 5 seconds: a SIGKILLed process's stops moving."""
-    return f"{PREFIX}beat/{group}/{incarnation}"
+def beat_key(group: int, incarnation: str, position: int = 0) -> str:
+    """The counter rank `position` of a replica group's start `incarnation` adds 1 to from its heartbeat
+    thread (group_stack.Heartbeat) every dead_after_s / 5 seconds: a SIGKILLed process's stops moving."""
+    return f"{PREFIX}beat/{group}/{incarnation}/{position}"

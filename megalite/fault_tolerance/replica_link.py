@@ -3,7 +3,8 @@
 A gloo process group with a dead member hangs or fails every later collective, and torch cannot take
 a member out of one. So the cross-group group is never the static one: each quorum whose members
 differ from the last (or a retry of a step) builds a new ProcessGroupGloo over a fresh prefix of the
-run's store (`<prefix>pg/<step>/<round>/`), ranks numbered by the members' order, with a timeout, so
+run's store (`<prefix>pg/<step>/<round>/<position>/`: one link per rank position s of the groups, over
+rank s of every member), ranks numbered by the members' order, with a timeout, so
 a peer that dies mid-collective costs the survivors an error (a closed connection: at once) or the
 timeout, never a hang. Only the survivors take part in the rebuild; the dead group's addresses are
 never read (they live under an older prefix).
@@ -11,7 +12,7 @@ never read (they live under an older prefix).
 The heal (a restarted group joining at a step boundary) is a broadcast from the decision's healer of
 everything a group's state is made of at that boundary: the fp32 master chunks and Adam's moments of
 this rank's shard (the same positions hold the same elements in every group), and the optimizer's
-step count; the data position is the decision's step. Bytes are copied exactly, so the healed group's
+step count; the data position is the decision's step (the training program sends its sampler's). Bytes are copied exactly, so the healed group's
 parameters equal the healer's bit for bit. Every member receives it (gloo's broadcast to the group:
 the healthy ones receive what they hold); with a few groups that costs no more time than a
 point-to-point send, since the links run in parallel.
@@ -28,26 +29,30 @@ from megalite.fault_tolerance.quorum import PREFIX, Decision
 
 
 class ReplicaLink:
-    """This replica group's end of the cross-group communicator (module docstring)."""
+    """This rank's end of the cross-group communicator of its shard position (module docstring)."""
 
-    def __init__(self, store, *, group: int, timeout_s: float):
-        self.store, self.group, self.timeout_s = store, group, timeout_s
+    def __init__(self, store, *, group: int, timeout_s: float, position: int = 0):
+        self.store, self.group, self.timeout_s, self.position = store, group, timeout_s, position
         self.process_group = None  # None: alone (or not built yet); comm treats it as a group of one
         self.retired: list = []  # groups of failed attempts (see close)
         self.members: tuple[int, ...] = ()
+        self.built_for: str | None = None  # the key of the decision the group was built for
 
     def needs_rebuild(self, decision: Decision) -> bool:
-        return decision.round > 0 or decision.members != self.members
+        """A retry (round > 0) or other members need a new group, once per decision (the heal and the
+        reduction of one attempt share it)."""
+        return decision.key != self.built_for and (decision.round > 0 or decision.members != self.members)
 
     def rebuild(self, decision: Decision) -> None:
-        """Every member of `decision` calls this; it returns once all of them have connected (or raises)."""
+        """Rank `position` of every member of `decision` calls this; it returns once all of them have
+        connected (or raises)."""
         self.close()
         if len(decision.members) > 1:
-            store = dist.PrefixStore(f"{PREFIX}pg/{decision.key}/", self.store)
+            store = dist.PrefixStore(f"{PREFIX}pg/{decision.key}/{self.position}/", self.store)
             self.process_group = dist.ProcessGroupGloo(store, decision.members.index(self.group),
                                                        len(decision.members),
                                                        datetime.timedelta(seconds=self.timeout_s))
-        self.members = decision.members
+        self.members, self.built_for = decision.members, decision.key
 
     def close(self) -> None:
         """Drop this member's end after a failed collective. The group is kept alive, not destroyed: a
@@ -55,7 +60,7 @@ class ReplicaLink:
         drills), so failed groups are retired and live until the process ends."""
         if self.process_group is not None:
             self.retired.append(self.process_group)
-        self.process_group, self.members = None, ()
+        self.process_group, self.members, self.built_for = None, (), None
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Sum `tensor` in place over the members (raises RuntimeError when one is lost); with async_op
@@ -63,10 +68,10 @@ class ReplicaLink:
         work = comm.all_reduce(tensor, self.process_group, async_op=async_op)
         return work if async_op else tensor
 
-    def broadcast_from(self, tensors: list[torch.Tensor], source_group: int) -> None:
-        member = self.members.index(source_group)
-        for tensor in tensors:
-            comm.broadcast_from_member(tensor, member, self.process_group)
+    def broadcast_from(self, tensor: torch.Tensor, source_group: int):
+        """Start broadcasting `tensor` from member `source_group`; a handle to wait on (its wait raises)."""
+        return comm.broadcast_from_member(tensor, self.members.index(source_group), self.process_group,
+                                          async_op=True)
 
 
 def heal_tensors(optimizer) -> list[torch.Tensor]:
@@ -78,18 +83,21 @@ def heal_tensors(optimizer) -> list[torch.Tensor]:
     return [*optimizer.master_chunks(), optimizer.exp_avg, optimizer.exp_avg_sq]
 
 
-def heal(link: ReplicaLink, optimizer, decision: Decision) -> float:
-    """Run the decision's heal on this member (healer, joiner or bystander); returns the bytes moved. One
-    float64 broadcast of everything (fp32 values survive the round trip exactly): one collective, so a
-    member lost in it fails every member's heal alike."""
+def heal(link: ReplicaLink, optimizer, decision: Decision, wait, extra: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """Run the decision's heal on this rank (of the healer, a joiner or a bystander) at its position: its
+    shard maps one to one onto the healer's rank of the same position. One float64 broadcast of everything
+    (fp32 values survive the round trip exactly) and of `extra` (the training program's data position):
+    one collective, so a member lost in it fails every member's heal alike. `wait(handle)` waits for it,
+    giving up (RuntimeError) once another member settled the heal's outcome. The state is written only
+    after the broadcast completed; the caller publishes the parameters once every rank of every member
+    healed (its outcome). Returns the healer's `extra`."""
     tensors = heal_tensors(optimizer)
     flat = torch.cat([t.reshape(-1).double() for t in tensors] +
-                     [torch.tensor([float(optimizer.step_count)], dtype=torch.float64)])
-    link.broadcast_from([flat], decision.healer)
+                     [torch.tensor([float(optimizer.step_count), *extra], dtype=torch.float64)])
+    wait(link.broadcast_from(flat, decision.healer))
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
-    optimizer.step_count = int(flat[-1].item())
-    optimizer.publish_params()  # the parameters from the received masters (their own bytes at fp32)
-    return float(flat.numel() * flat.element_size())
+    optimizer.step_count = int(flat[offset].item())
+    return tuple(flat[offset + 1:].tolist())

@@ -46,8 +46,7 @@ from megalite.config import RunConfig, SFTOverlong
 from megalite.config.rampup import BatchRampup
 from megalite.data.sft_dataset import build_sft_datasets
 from megalite.data.documents import DocumentFields
-from megalite.data import (EvalSampler, GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_microbatches,
-                           load_tokenizer)
+from megalite.data import GlobalBatchSampler, build_gpt_datasets, build_mock_datasets, load_tokenizer
 from megalite.data.gpt_dataset import BlendedDataset, GPTDataset
 from megalite.data.mock_dataset import MockDataset
 from megalite.data_parallel.wrapper import DataParallel
@@ -70,11 +69,12 @@ from megalite.training.advice import Advisor
 from megalite.training.announce import announce, attention_run
 from megalite.training.dry_run import dry_run_report
 from megalite.training.provided_model import ProvidedModel, default_loss
-from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, evaluate
+from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
 from megalite.training.step_result import StepResult
 from megalite.training.run_limits import exit_reason, refuse_foreign_checkpoints
 from megalite.training.services import Services, on_exit, open_services
-from megalite.training.step_run import advance_lr, lr_position, step_record, timed_step
+from megalite.training.step_run import advance_lr, lr_position, run_evaluation, step_record, timed_step
+from megalite.fault_tolerance.training import REPLICA_ENDS, ReplicaTraining, continue_at, end_in_one_line, sampler_place
 
 
 def log(*parts, rank0_only: bool = True) -> None:
@@ -178,6 +178,7 @@ class Job:
     advisor: Advisor = field(default_factory=lambda: Advisor(print_fn=log))  # advice once, when it applies
     provided: ProvidedModel | None = None  # a user's model in place of GPTModel
     goodput: GoodputLedger = field(default_factory=lambda: GoodputLedger(None, write=False))  # training/goodput.py
+    replicas: ReplicaTraining | None = None  # --ft-replica-groups: this job is one replica group (fault_tolerance/)
 
 
 def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provided=None) -> Job:
@@ -208,8 +209,8 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
             truncate=d.sft_overlong == SFTOverlong.TRUNCATE) if d.sft else build_gpt_datasets(
             path, d.split, model_cfg.seq_length, t.seed, tokenizer, documents=documents), comm.world_group())
     ramp = BatchRampup.of(cfg)  # --rampup-batch-size: each step's batch from the samples consumed before it
-    sampler = GlobalBatchSampler(len(train_set), cfg.global_batch_size, t.micro_batch_size, mesh.dp_rank,
-                                 mesh.dp_size, seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)
+    sampler = GlobalBatchSampler(len(train_set), *sampler_place(cfg, mesh),  # --ft-replica-groups: the group's share
+                                 seed=t.seed, batch_size_at=ramp.batch_size_at if ramp else None)
     if cfg.data.mock_data:  # an unbounded stream (2^40 indices): what the run reads, not the index space
         log(f"data: --mock-data: synthetic ids over the vocabulary of {model_cfg.vocab_size}, samples of "
             f"{model_cfg.seq_length} tokens ({t.train_iters * cfg.global_batch_size} read by --train-iters "
@@ -228,6 +229,7 @@ def build_job(cfg: RunConfig, tokenizer, resources: contextlib.ExitStack, provid
     job = Job(cfg=cfg, model_cfg=model_cfg, mesh=mesh, train_set=train_set, valid_set=valid_set, sampler=sampler,
               chunks=chunks, model=model, optimizer=optimizer, lr_at=lr_at, scheduler=ScheduledLR(optimizer, lr_at),
               services=open_services(cfg, model_cfg, mesh, resources, log=log), provided=provided)
+    job.replicas = ReplicaTraining.of(cfg, model=model, optimizer=optimizer, sampler=sampler, log=log)
     if t.cuda_graph:
         job.graphs = StepGraphs(model) if mesh.pp_size == 1 else PipelineGraphs(model, mesh)
     return job
@@ -256,15 +258,18 @@ def train(cfg: RunConfig, tokenizer=None, resume_plan: ResumePlan | None = None,
             start_step = resume(job)
         job.services.preemption.install()  # from here a signal saves at the next step boundary
         try:
+            start_step = continue_at(job, start_step)  # --ft-replica-groups: a restarted group heals, no load
             stopped = train_steps(job, start_step)
         except (NonFiniteError, ReplicaMismatchError) as exc:  # raised on every rank together
             print(f"megalite (rank {job.mesh.rank}): {exc}", file=sys.stderr, flush=True)
             return NONFINITE_EXIT_CODE if isinstance(exc, NonFiniteError) else REPLICA_MISMATCH_EXIT_CODE
+        except REPLICA_ENDS as exc:  # the quorum lost, this group broken, the run over before it rejoined
+            return end_in_one_line(exc, job.mesh.rank)
         if not stopped and start_step < cfg.training.train_iters:
             save(job, cfg.training.train_iters)
             every = cfg.training.eval_interval
             if not (every and cfg.training.train_iters % every == 0):  # else just evaluated
-                run_evaluation(job, cfg.training.train_iters)
+                run_evaluation(job, cfg.training.train_iters, log)
         return 0
 
 
@@ -314,6 +319,8 @@ def train_steps(job: Job, start_step: int) -> bool:
     cfg, started = job.cfg, time.monotonic()  # --exit-duration-in-mins counts from here
     for step, indices in zip(range(start_step + 1, cfg.training.train_iters + 1), job.sampler):
         maybe_inject_fault(step, job.mesh.rank)  # MEGALITE_FAULT_AT_STEP: restart tests only
+        if job.replicas is not None:  # the step's quorum of replica groups (and a heal)
+            job.replicas.begin_step(step)
         result, cp_comm_bytes, step_time = timed_step(step, indices, train_set=job.train_set, model=job.model,
                                                       optimizer=job.optimizer, mesh=job.mesh, cfg=cfg,
                                                       services=job.services, graphs=job.graphs)
@@ -336,7 +343,7 @@ def train_steps(job: Job, start_step: int) -> bool:
             times, hosts = gather_step_times(step_time)
             log(straggler_report(times, hosts).describe())
         if cfg.training.eval_interval and step % cfg.training.eval_interval == 0:
-            run_evaluation(job, step)
+            run_evaluation(job, step, log)
         if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
             save(job, step)
         if job.services.watchdog:
@@ -348,6 +355,8 @@ def train_steps(job: Job, start_step: int) -> bool:
             log(f"megalite: {reason}: stopped after step {step}"
                 + (f", saved; resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else " (no --save)"))
             return True
+    if job.replicas is not None:
+        job.replicas.finish()
     return False
 
 
@@ -358,7 +367,7 @@ def _record(job: Job, step: int, step_time: float, result: StepResult, cp_comm_b
         return
     record = {**step_record(step, step_time, result, cp_comm_bytes, cfg=cfg, mesh=job.mesh, sampler=job.sampler,
                             services=job.services, optimizer_memory=job.optimizer.memory_report()),
-              **job.goodput.fields()}
+              **job.goodput.fields(), **(job.replicas.fields() if job.replicas is not None else {})}
     job.services.writer.write(record)
     log(progress_line(record) + job.goodput.describe() + (" (skipped: non-finite gradients)" if result.skipped else ""))
     job.goodput.persist()
@@ -378,22 +387,6 @@ def save(job: Job, step: int) -> None:
                                    extra={ELASTIC_STATE_KEY: (job.resume_plan or ResumePlan.fresh(job.cfg)).state.to_dict()})
     job.last_saved = step
     job.goodput.add_lost("save", time.perf_counter() - started)  # training blocked (async: the snapshot)
-
-
-def run_evaluation(job: Job, step: int) -> None:
-    t = job.cfg.training
-    if job.valid_set is None or t.eval_iters == 0:
-        return
-    batches = EvalSampler(len(job.valid_set), t.eval_iters, job.cfg.global_batch_size, t.micro_batch_size,
-                          job.mesh.dp_rank, job.mesh.dp_size)
-    microbatches = [mb for indices in batches for mb in load_microbatches(job.valid_set, indices)]
-    if not microbatches:
-        return
-    started = time.perf_counter()
-    loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
-    job.goodput.add_lost("eval", time.perf_counter() - started)
-    log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
-    job.services.writer.write_eval(step, loss)
 
 
 if __name__ == "__main__":  # python -m megalite.training.loop: a training run (--simulate is megalite.commands')

@@ -219,12 +219,34 @@ def global_target_tokens(microbatches: list[dict[str, torch.Tensor]], mesh: Mesh
 def _global_loss(loss_sum: float, tokens: float, mesh: Mesh, cfg: RunConfig) -> float:
     """The step's mean loss over every target token, the same on every rank (one scalar all-reduce). The
     loss sums are the stage's holding the last model chunk (the last stage; stage 0 under DualPipeV)."""
+    return _world_loss_sum(loss_sum, mesh, cfg) / max(tokens, 1.0)
+
+
+def _world_loss_sum(loss_sum: float, mesh: Mesh, cfg: RunConfig) -> float:
+    """The summed loss of every rank's microbatches (this world's), the same on every rank."""
     loss_stage = last_chunk_location(mesh.pp_size, cfg.parallel.virtual_stages if mesh.pp_size > 1 else 1,
                                      chunk_placement(cfg.schedule))[0]
     mine = loss_sum if (mesh.pp_rank == loss_stage and mesh.tp_rank == 0) else 0.0
     total = torch.tensor([mine], dtype=torch.float64, device=mesh.device)
     comm.all_reduce(total, comm.world_group())
-    return float(total.item()) / max(tokens, 1.0)
+    return float(total.item())
+
+
+def _share_with_replicas(model: DataParallel, loss_sum: float, tokens: GlobalTokens, mesh: Mesh, cfg: RunConfig):
+    """--ft-replica-groups: the replica link (megalite/fault_tolerance/training.py), given the group's (loss sum,
+    target tokens) to carry with its gradient across the live groups; None without."""
+    link = getattr(model.grads, "replica_link", None)
+    if link is not None:
+        link.totals = (_world_loss_sum(loss_sum, mesh, cfg), tokens.value())
+    return link
+
+
+def _step_loss(link, loss_sum: float, tokens: float, mesh: Mesh, cfg: RunConfig) -> tuple[float, float]:
+    """The step's (mean loss, target tokens): this world's, or (a replica link) the surviving samples' of the
+    live replica groups."""
+    if link is None:
+        return _global_loss(loss_sum, tokens, mesh, cfg), tokens
+    return link.surviving[0] / max(link.surviving[1], 1.0), link.surviving[1]
 
 
 @contextlib.contextmanager
@@ -262,7 +284,7 @@ def _forward_backward(model: DataParallel, microbatches, mesh: Mesh, cfg: RunCon
 def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatches: list[dict[str, torch.Tensor]],
                mesh: Mesh, cfg: RunConfig, lr: float | None, guard=None, timer=None, *,
                check_host_reads: bool = False, graphs=None) -> StepResult:
-    """Forward and backward of every microbatch, dp reduction, clipping, optimizer step.
+    """Forward and backward of every microbatch, dp reduction, clipping, optimizer step; returns a StepResult.
 
     microbatches: this dp rank's, whole sequences {"input_ids", "labels"} [b, s]; under context
     parallelism each cp rank keeps its zigzag chunks of them (`context_parallel_chunks`).
@@ -276,7 +298,6 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     graphs: a `training.cuda_graph.StepGraphs` (--cuda-graph, pp = 1) or, at pp > 1, a
     `training.pipeline_graphs.PipelineGraphs`: the microbatches' forward and backward are replayed
     CUDA graphs (captured at the first step).
-    Returns the step's StepResult (training/step_result.py).
     """
     _check_same_cp(mesh, cfg)
     check_documents(microbatches)
@@ -299,6 +320,7 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
                                            phase, check_host_reads, graphs)
     loss_sum = float(loss_sum)  # one host sync per step
     loss_finite = guard.loss_is_finite(loss_sum) if guard is not None else True  # one scalar all-reduce
+    link = _share_with_replicas(model, loss_sum, tokens, mesh, cfg)  # --ft-replica-groups (else None)
     with phase("optimizer"):
         optimizer.step(lr=lr, skip=not loss_finite)
         update = optimizer.last_step
@@ -310,9 +332,9 @@ def train_step(model: DataParallel, optimizer: DistributedOptimizer, microbatche
     outer = getattr(optimizer, "outer", None)  # DiLoCo: the outer step every H steps (data_parallel/diloco.py)
     if outer is not None:
         token_count = outer.after_step(token_count)  # the loss below: over every replica group's tokens
-    compression = model.compression_stats()  # --grad-compression: grad_reduce_bytes, grad_compression_ratio
-    exposed = model.exposed_comm_seconds()
-    return StepResult(loss=_global_loss(loss_sum, token_count, mesh, cfg), grad_norm=update.grad_norm,
+    compression, exposed = model.compression_stats(), model.exposed_comm_seconds()  # compression: --grad-compression's
+    loss, token_count = _step_loss(link, loss_sum, token_count, mesh, cfg)
+    return StepResult(loss=loss, grad_norm=update.grad_norm,
                       skipped=update.skipped, loss_scale=update.loss_scale, tokens=token_count,
                       loss_finite=loss_finite, lr=optimizer.param_groups[0]["lr"], exposed_dp_comm_s=sum(exposed.values()) + tokens.wait_seconds,
                       exposed_grad_reduce_s=exposed["grad_reduce"], exposed_param_gather_s=exposed["param_gather"],

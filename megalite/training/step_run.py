@@ -11,7 +11,7 @@ import torch
 from megalite.distributed import comm
 from megalite.config import Precision, RunConfig
 from megalite.config.rampup import BatchRampup
-from megalite.data import GlobalBatchSampler, load_microbatches
+from megalite.data import EvalSampler, GlobalBatchSampler, load_microbatches
 from megalite.data_parallel.wrapper import DataParallel
 from megalite.distributed.mesh import Mesh
 from megalite.optim.distributed_optimizer import DistributedOptimizer
@@ -19,7 +19,7 @@ from megalite.optim.lr_schedule import ScheduledLR
 from megalite.pipeline.stages import measured_bubble
 from megalite.training.metrics import memory_stats
 from megalite.training.services import Services
-from megalite.training.step import train_step
+from megalite.training.step import evaluate, train_step
 from megalite.training.step_result import StepResult
 
 
@@ -97,3 +97,21 @@ def step_record(step: int, step_time: float, result: StepResult, cp_comm_bytes: 
     if result.pipeline is not None:  # the schedule's idle share with this step's measured op times (plot_metrics)
         record["pipeline_bubble"] = measured_bubble(result.pipeline.compute_s, mesh, result.pipeline.spec)
     return record
+
+
+def run_evaluation(job, step: int, log=print) -> None:
+    """Evaluate on --eval-iters validation batches (nothing without a validation set) and log the loss; `job`:
+    the loop's Job."""
+    t = job.cfg.training
+    if job.valid_set is None or t.eval_iters == 0:
+        return
+    batches = EvalSampler(len(job.valid_set), t.eval_iters, job.cfg.global_batch_size, t.micro_batch_size,
+                          job.mesh.dp_rank, job.mesh.dp_size)
+    microbatches = [mb for indices in batches for mb in load_microbatches(job.valid_set, indices)]
+    if not microbatches:
+        return
+    started = time.perf_counter()
+    loss = evaluate(list(job.model.chunks), microbatches, job.mesh, job.cfg)
+    job.goodput.add_lost("eval", time.perf_counter() - started)
+    log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
+    job.services.writer.write_eval(step, loss)

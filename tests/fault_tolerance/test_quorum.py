@@ -7,12 +7,14 @@ group admitted by the next quorum with a healer named; a quorum below the minimu
 import datetime
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from megalite.errors import UsageError
-from megalite.fault_tolerance.quorum import PREFIX, Excluded, Quorum, QuorumLost, beat_key
+from megalite.fault_tolerance.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, beat_key
+from megalite.fault_tolerance.replica_group import ReplicaGroup
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
 from megalite.testing import free_port
 
@@ -85,6 +87,55 @@ def test_a_member_that_never_reports_makes_every_survivor_retry(store):
         [False, False]
     again = _together([lambda q=q: q.agree(0, 1, decision.members) for q in groups[:2]])
     assert {d.members for d in again} == {(0, 1)} and again[0].round == 1
+
+
+def test_a_group_of_two_ranks_is_ok_only_when_both_ranks_reported_and_a_silent_rank_kills_it(store):
+    """W = 2: every rank reports its own link's reduction; group 1's rank 1 was killed (its heartbeat stands
+    still), so group 1 is dead as a whole and the step retries for every rank, its rank 0 included."""
+    ranks = {(g, p): _quorum(store, g, groups=2, timeout_s=10, dead_after_s=0.3, positions=2, position=p,
+                             incarnation=f"start{g}") for g in range(2) for p in range(2)}
+    for q in ranks.values():
+        q.known = {0: "start0", 1: "start1"}
+    store.add(beat_key(1, "start1", 1), 1)  # group 1's rank 1 beat once, then died
+    decision = Decision(3, 0, (0, 1), ())
+
+    def beating(key):  # the live ranks' heartbeats, while the outcome is waited for
+        for _ in range(7):
+            store.add(key, 1)
+            time.sleep(0.1)
+    started = time.monotonic()
+    calls = [lambda q=q: q.outcome(decision, True) for (g, p), q in ranks.items() if (g, p) != (1, 1)]
+    calls += [lambda g=g, p=p: beating(beat_key(g, f"start{g}", p)) for g, p in ((0, 0), (0, 1), (1, 0))]
+    assert _together(calls)[:3] == [False, False, False] and time.monotonic() - started < 5
+    assert store.get(PREFIX + "q/3/0/reduction/outcome") == b"retry"
+
+
+class _NeverDone:
+    """An in-flight collective whose peer abandoned it: it never completes."""
+
+    def is_completed(self):
+        return False
+
+
+def test_a_heal_in_flight_is_given_up_once_its_own_outcome_is_settled_not_the_reductions(store):
+    """The heal's broadcast is polled like the reduction's all-reduce: a member that failed its heal settles
+    the heal's outcome, and a member still waiting gives its broadcast up at once (not after the link's
+    timeout); a settled reduction outcome (another phase) does not end a heal."""
+    waiting, failed = _quorum(store, 0, groups=2), _quorum(store, 1, groups=2)
+    member = SimpleNamespace(quorum=waiting)
+    decision = Decision(6, 0, (0, 1), (1,))
+    failed.outcome(decision, False)  # the reduction's outcome: not the heal's
+    started = time.monotonic()
+
+    def heal_wait():
+        try:
+            ReplicaGroup._wait_or_give_up(member, _NeverDone(), decision, "heal")
+        except RuntimeError as error:
+            return error, time.monotonic() - started
+    result = _together([heal_wait, lambda: (time.sleep(0.3), failed.outcome(decision, False, phase="heal"))])
+    error, seconds = result[0]
+    assert "another member's heal failed" in str(error) and 0.3 <= seconds < 2
+    assert store.get(PREFIX + "q/6/0/heal/outcome") == b"retry"
 
 
 def test_a_restarted_group_is_admitted_by_the_next_quorum_with_a_healer(store):
