@@ -43,6 +43,15 @@ if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
+NOT_HIDDEN = ("embedding", "output_weight", "lm_head", "router", "position", "shared_expert_gate")
+
+
+def is_hidden_matrix(name: str, ndim: int) -> bool:
+    """Muon's share by default: 2-D weights that are not an embedding, the output layer or a router (the one
+    rule: optim/muon.py's `default_hidden_matrix` and the planner's parameter list both ask it)."""
+    return ndim == 2 and not any(word in name for word in NOT_HIDDEN)
+
+
 def ns_flops(rows: int, cols: int, steps: int) -> int:
     """FLOPs of `steps` Newton-Schulz iterations on a [rows, cols] matrix (module docstring)."""
     m, n = min(rows, cols), max(rows, cols)
