@@ -26,9 +26,9 @@ from megalite.config.choices import OptimizerKind, Precision
 from megalite.config.model import GPTConfig
 from megalite.plan.layout import is_hybrid, zero_group_name
 from megalite.plan.moe import experts_apart
-from megalite.plan.muon import assign_in_two_passes, is_hidden_matrix, ns_flops
+from megalite.plan.muon import assign_in_two_passes, ns_flops
 from megalite.plan.muon_shards import shard_counts, shard_group, stage_first_rank
-from megalite.plan.param_list import stage_param_list
+from megalite.plan.param_list import PlannedParam, stage_param_list
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -60,10 +60,9 @@ class Matrix:
         return max(2 * min(r, c) * max(r, c) + 2 * min(r, c) ** 2 for r, c in self.blocks)
 
 
-def stage_matrices(model: GPTConfig, cfg: RunConfig, stage: int) -> list[Matrix]:
-    """The stage's Muon parameters in the optimizer's order (the wrapper's buffer order: plan/param_list.py)."""
-    return [Matrix(p.matrices(), p.split, p.expert, cfg.parallel.tp) for p in stage_param_list(model, cfg, stage)
-            if is_hidden_matrix(p.name, len(p.full_shape))]
+def stage_matrices(cfg: RunConfig, params: list[PlannedParam]) -> list[Matrix]:
+    """The Muon parameters of a stage's list (plan/param_list.py) in the optimizer's order (the buffer's)."""
+    return [Matrix(p.matrices(), p.split, p.expert, cfg.parallel.tp) for p in params if p.hidden]
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,8 @@ def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, *, viewpoint: int
     names (every rank of the stage agrees on it: the candidates are global ranks; ZeRO 0: the viewpoint's
     tp group, other dp replicas alike): a rank owns a matrix in the ZeRO hop where it is one of the chosen
     home's ranks, and runs Newton-Schulz on it where it is one of the chosen FLOP ranks."""
-    matrices = stage_matrices(model, cfg, stage)
+    params = stage_param_list(model, cfg, stage)
+    matrices = stage_matrices(cfg, params)
     apart = experts_apart(model, cfg)
     groups = {kind: shard_group(cfg, viewpoint, expert=kind) for kind in ((False, True) if apart else (False,))}
     base = stage_first_rank(cfg, stage)  # every stage's ranks are base + [0, tp cp dp): one assignment per shape
@@ -126,12 +126,9 @@ def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, *, viewpoint: int
             full_split[r] = full_split.get(r, 0) + (m.full if m.split else 0)
     hops = {kind: ("edp_shard" if is_hybrid(cfg) else "edp") if kind else zero_group_name(cfg)
             for kind, group in groups.items() if len(group) > 1}
-    out = {}
-    for r in set(zero) | set(whole) | {viewpoint}:
-        counts = shard_counts(model, cfg, stage, rank=r)
-        out[r] = RankShare(zero.get(r, {False: 0, True: 0}), zero_split.get(r, 0), full_split.get(r, 0),
-                           tuple(whole.get(r, ())), counts.muon, hops, counts.total)
-    return out
+    counts = shard_counts(model, cfg, stage, ranks=set(zero) | set(whole) | {viewpoint}, params=params)
+    return {r: RankShare(zero.get(r, {False: 0, True: 0}), zero_split.get(r, 0), full_split.get(r, 0),
+                         tuple(whole.get(r, ())), c.muon, hops, c.total) for r, c in counts.items()}
 
 
 @functools.lru_cache(maxsize=64)

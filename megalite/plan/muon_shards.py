@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from megalite.config.model import GPTConfig
 from megalite.data_parallel.layout import BufferLayout, build_layout
 from megalite.distributed import topology
 from megalite.plan.moe import experts_apart
-from megalite.plan.muon import is_hidden_matrix
 from megalite.plan.param_list import PlannedParam, stage_param_list
 
 if TYPE_CHECKING:
@@ -38,6 +37,22 @@ def shard_group(cfg: RunConfig, rank: int, *, expert: bool) -> list[int]:
     return next(g for g in groups if rank in g)
 
 
+def shard_place(cfg: RunConfig, rank: int, *, expert: bool) -> tuple[int, int]:
+    """(the rank's index in its ZeRO shard group of a kind, the group's size); (0, 1) at ZeRO 0."""
+    p = cfg.parallel
+    if not p.zero:
+        return 0, 1
+    return _shard_places(p.tp, p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.etp_size, dp_shard=cfg.dp_shard,
+                         expert=expert)[rank]
+
+
+@functools.lru_cache(maxsize=16)
+def _shard_places(tp: int, pp: int, *, dp: int, cp: int, ep: int, etp: int, dp_shard: int,
+                  expert: bool) -> dict[int, tuple[int, int]]:
+    groups = _all_shard_groups(tp, pp, dp=dp, cp=cp, ep=ep, etp=etp, dp_shard=dp_shard, expert=expert)
+    return {r: (i, len(g)) for g in groups for i, r in enumerate(g)}
+
+
 @functools.lru_cache(maxsize=16)
 def _all_shard_groups(tp: int, pp: int, *, dp: int, cp: int, ep: int, etp: int, dp_shard: int,
                       expert: bool) -> tuple[list[int], ...]:
@@ -47,20 +62,19 @@ def _all_shard_groups(tp: int, pp: int, *, dp: int, cp: int, ep: int, etp: int, 
     return tuple(topology.dp_shard_group_ranks(tp, pp, dp, cp, dp_shard))
 
 
-def stage_layout(model: GPTConfig, cfg: RunConfig, stage: int, *,
-                 rank: int) -> tuple[list[PlannedParam], BufferLayout, tuple[tuple[int, ...], ...]]:
-    """The stage's parameters in buffer order, their layout as grad_buffers.GradBuffers builds it on `rank`
+def stage_layout(model: GPTConfig, cfg: RunConfig, stage: int, *, params: list[PlannedParam] | None = None
+                 ) -> tuple[list[PlannedParam], BufferLayout, tuple[tuple[int, ...], ...]]:
+    """The stage's parameters in buffer order, their layout as grad_buffers.GradBuffers builds it
     (ZeRO 0-2: kind 1 the experts when they have a replica group of their own, the tied embedding in a
     bucket of its own at pp > 1, each kind cut into its shard group's size, 1 at ZeRO 0), and the Muon
-    elements of each shard index's chunks by kind."""
-    params = stage_param_list(model, cfg, stage)
-    apart, zero = experts_apart(model, cfg), cfg.parallel.zero
-    counts = (len(shard_group(cfg, rank, expert=False)) if zero else 1,
-              len(shard_group(cfg, rank, expert=True)) if zero and apart else 1)
+    elements of each shard index's chunks by kind. `params`: the stage's list, where the caller has it."""
+    params = params if params is not None else stage_param_list(model, cfg, stage)
+    apart, first = experts_apart(model, cfg), stage_first_rank(cfg, stage)
+    counts = (shard_place(cfg, first, expert=False)[1], shard_place(cfg, first, expert=True)[1] if apart else 1)
     alone = tuple(i for i, p in enumerate(params) if p.tied) if cfg.parallel.pp > 1 else ()
     layout, muon = _layout(tuple(p.numel for p in params), cfg.parallel.ddp_bucket_size, counts, alone,
                            tuple(int(apart and p.expert) for p in params),
-                           tuple(is_hidden_matrix(p.name, len(p.full_shape)) for p in params))
+                           tuple(p.hidden for p in params))
     return params, layout, muon
 
 
@@ -91,25 +105,30 @@ class ShardCounts:
     """False at ZeRO 3, where these are the stage's mean (the units' layout is not rebuilt)."""
 
 
-def shard_counts(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int) -> ShardCounts:
-    """The Muon elements and the size of global `rank`'s shard of `stage` (module docstring)."""
+def shard_counts(model: GPTConfig, cfg: RunConfig, stage: int, *, ranks: Iterable[int],
+                 params: list[PlannedParam] | None = None) -> dict[int, ShardCounts]:
+    """The Muon elements and the size of the shard of each global rank of `stage` in `ranks` (module
+    docstring); `params`: the stage's list, where the caller has it."""
+    params = params if params is not None else stage_param_list(model, cfg, stage)
     if cfg.parallel.zero == 3:
-        return _mean_counts(model, cfg, stage, rank=rank)
-    _, layout, muon = stage_layout(model, cfg, stage, rank=rank)
-    zero, apart = cfg.parallel.zero, experts_apart(model, cfg)
-    dense = shard_group(cfg, rank, expert=False).index(rank) if zero else 0
-    expert = shard_group(cfg, rank, expert=True).index(rank) if zero and apart else 0
-    return ShardCounts({False: muon[0][dense], True: muon[1][expert]}, layout.shard_numel, True)
+        mean = _mean_counts(params, cfg, apart=experts_apart(model, cfg), rank=stage_first_rank(cfg, stage))
+        return {rank: mean for rank in ranks}
+    _, layout, muon = stage_layout(model, cfg, stage, params=params)
+    apart, out, total = experts_apart(model, cfg), {}, layout.shard_numel
+    for rank in ranks:
+        dense, expert = shard_place(cfg, rank, expert=False)[0], shard_place(cfg, rank, expert=True)[0] if apart else 0
+        out[rank] = ShardCounts({False: muon[0][dense], True: muon[1][expert]}, total, True)
+    return out
 
 
-def _mean_counts(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int) -> ShardCounts:
-    """ZeRO 3: the stage's Muon and all elements over each kind's shard group, rounded up."""
-    params, apart = stage_param_list(model, cfg, stage), experts_apart(model, cfg)
+def _mean_counts(params: list[PlannedParam], cfg: RunConfig, *, apart: bool, rank: int) -> ShardCounts:
+    """ZeRO 3: the stage's Muon and all elements over each kind's shard group, rounded up (the same on
+    every rank of the stage)."""
     muon, total = {False: 0, True: 0}, 0
     for kind in (False, True):
         mine = [p for p in params if (apart and p.expert) == kind]
-        shards = len(shard_group(cfg, rank, expert=kind))
-        muon[kind] = -(-sum(p.numel for p in mine if is_hidden_matrix(p.name, len(p.full_shape))) // shards)
+        shards = shard_place(cfg, rank, expert=kind)[1]
+        muon[kind] = -(-sum(p.numel for p in mine if p.hidden) // shards)
         total += -(-sum(p.numel for p in mine) // shards)
     return ShardCounts(muon, total, False)
 
@@ -118,7 +137,7 @@ def muon_state_saved(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int 
     """Bytes of AdamW's second moment that global `rank`'s Muon elements do not keep (one fp32 each); rank
     None: the stage's first rank's."""
     rank = stage_first_rank(cfg, stage) if rank is None else rank
-    return 4 * sum(shard_counts(model, cfg, stage, rank=rank).muon.values())
+    return 4 * sum(shard_counts(model, cfg, stage, ranks=(rank,))[rank].muon.values())
 
 
 def stage_first_rank(cfg: RunConfig, stage: int) -> int:

@@ -13,14 +13,16 @@ Pure arithmetic, no torch.
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megalite.config.model import GPTConfig
 from megalite.pipeline.p2p import is_first_chunk, is_last_chunk
 from megalite.pipeline.partition import stage_layers as partition_stage_layers
 from megalite.plan.layout import chunk_placement_of
+from megalite.plan.muon import is_hidden_matrix
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -41,6 +43,14 @@ class PlannedParam:
     expert: bool = False
     tied: bool = False
     """Tied across pipeline stages (the embedding's two copies): a bucket of its own at pp > 1."""
+    numel: int = field(init=False)
+    """Elements one rank holds (its tp shard)."""
+    hidden: bool = field(init=False)
+    """Muon's by default (plan/muon.py's `is_hidden_matrix`), else AdamW's."""
+
+    def __post_init__(self):  # derived once: the planner reads them for every rank of every layout it tries
+        object.__setattr__(self, "numel", math.prod(self.local_shape))
+        object.__setattr__(self, "hidden", is_hidden_matrix(self.name, len(self.full_shape)))
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -50,9 +60,6 @@ class PlannedParam:
         shape[self.dim] = sum(b // self.ranks for b in self.blocks or (self.padded or self.full_shape[self.dim],))
         return tuple(shape)
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.local_shape)
 
     @property
     def split(self) -> bool:
@@ -65,6 +72,20 @@ class PlannedParam:
         if self.dim is not None and self.blocks is not None:
             return tuple((b, cols) if self.dim == 0 else (rows, b) for b in self.blocks)
         return ((rows, cols),)
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The parallel degrees a stage's parameters depend on."""
+
+    tp: int
+    etp: int
+    ep: int
+    pp: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Degrees:
+        return cls(cfg.parallel.tp, cfg.etp_size, cfg.parallel.ep, cfg.parallel.pp)
 
 
 def _column(name: str, rows: int, cols: int, tp: int, *, bias: bool, blocks: tuple[int, ...] | None = None,
@@ -111,37 +132,37 @@ def _attention(name: str, model: GPTConfig, tp: int) -> list[PlannedParam]:
     return out + _row(f"{name}.proj", h, nq * mla.v_head_dim, tp, bias=False)
 
 
-def _moe(name: str, model: GPTConfig, cfg: RunConfig) -> list[PlannedParam]:
+def _moe(name: str, model: GPTConfig, sizes: Degrees) -> list[PlannedParam]:
     """MoELayer: its shared expert's gate (its own parameter), the router, the local experts (global ids,
     split over etp), the shared expert."""
-    moe, h, ep = model.moe, model.hidden_size, cfg.parallel.ep
+    moe, h, ep = model.moe, model.hidden_size, sizes.ep
     out = [PlannedParam(f"{name}.shared_expert_gate", (1, h))] if moe.shared_expert_gate else []
     out.append(PlannedParam(f"{name}.router.weight", (moe.num_experts, h)))
-    ffn, gated, etp = moe.expert_ffn(model.ffn_hidden_size), model.flavour != "gpt2", cfg.etp_size
+    ffn, gated, etp = moe.expert_ffn(model.ffn_hidden_size), model.flavour != "gpt2", sizes.etp
     local = moe.num_experts // ep
     for e in range(local):  # the experts of ep rank 0: every ep rank's have the same shapes
         out += [PlannedParam(f"{name}.experts.{e}.fc1_weight", (2 * ffn if gated else ffn, h), 0, etp,
                              (ffn, ffn) if gated else None, expert=True),
                 PlannedParam(f"{name}.experts.{e}.fc2_weight", (h, ffn), 1, etp, expert=True)]
     if moe.shared_expert_intermediate_size:
-        out += _mlp(f"{name}.shared_expert", model, moe.shared_expert_intermediate_size, cfg.parallel.tp, bias=False)
+        out += _mlp(f"{name}.shared_expert", model, moe.shared_expert_intermediate_size, sizes.tp, bias=False)
     return out
 
 
-def _block(name: str, model: GPTConfig, cfg: RunConfig, layer_id: int) -> list[PlannedParam]:
-    tp = cfg.parallel.tp
+def _block(name: str, model: GPTConfig, sizes: Degrees, layer_id: int) -> list[PlannedParam]:
+    tp = sizes.tp
     out = _norm(f"{name}.input_norm", model) + _attention(f"{name}.attention", model, tp)
     out += _norm(f"{name}.post_attention_norm", model)
     if model.is_moe_block(layer_id):
-        return out + _moe(f"{name}.mlp", model, cfg)
+        return out + _moe(f"{name}.mlp", model, sizes)
     return out + _mlp(f"{name}.mlp", model, model.ffn_hidden_size, tp, bias=model.mlp_bias)
 
 
-def chunk_params(model: GPTConfig, cfg: RunConfig, layer_ids: range | list[int], *, pre: bool,
+def chunk_params(model: GPTConfig, sizes: Degrees, layer_ids: range | list[int], *, pre: bool,
                  post: bool) -> list[PlannedParam]:
     """One model chunk's parameters in `GPTModel.logical_parameters` order (pre: it embeds the input ids;
     post: it holds the head)."""
-    h, tp, pp = model.hidden_size, cfg.parallel.tp, cfg.parallel.pp
+    h, tp, pp = model.hidden_size, sizes.tp, sizes.pp
     holds_words = pre or (post and model.mtp_num_layers > 0)  # MTP's copy of the embedding on the last stage
     vocab = PlannedParam("word_embeddings.weight", (model.vocab_size, h), 0, tp, padded=model.padded_vocab_size(tp),
                          tied=(model.tie_embeddings or model.mtp_num_layers > 0) and pp > 1)
@@ -152,27 +173,43 @@ def chunk_params(model: GPTConfig, cfg: RunConfig, layer_ids: range | list[int],
                                 tied=model.tie_embeddings and pp > 1))
     out += [vocab] if holds_words else []
     for layer_id in layer_ids:
-        out += _block(f"layers.{layer_id}", model, cfg, layer_id)
+        out += _block(f"layers.{layer_id}", model, sizes, layer_id)
     if post:
         for k in range(model.mtp_num_layers):
             name = f"mtp.depths.{k}"
             out += _norm(f"{name}.enorm", model) + _norm(f"{name}.hnorm", model)
             out += _column(f"{name}.eh_proj", h, 2 * h, tp, bias=False)
-            out += _block(f"{name}.block", model, cfg, model.num_layers + k) + _norm(f"{name}.final_norm", model)
+            out += _block(f"{name}.block", model, sizes, model.num_layers + k) + _norm(f"{name}.final_norm", model)
         out += _norm("final_norm", model)
     return out
 
 
-def stage_param_list(model: GPTConfig, cfg: RunConfig, stage: int) -> list[PlannedParam]:
+def stage_param_list(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[PlannedParam, ...]:
     """The parameters of a rank of `stage` in the wrapper's buffer order: every chunk's in model order,
     reversed (backward fills the buffer from its start)."""
     p = cfg.parallel
-    placement = chunk_placement_of(cfg)
-    ranges = [range(model.num_layers)] if p.pp == 1 else partition_stage_layers(
-        model.num_layers, p.pp, p.virtual_stages, stage, p.decoder_first_stage_layers, p.decoder_last_stage_layers,
-        p.pipeline_layout, placement=placement)
+    return _stage_param_list(_ByValue(repr(model), model), Degrees.of(cfg), p.virtual_stages,
+                             p.decoder_first_stage_layers, p.decoder_last_stage_layers, p.pipeline_layout,
+                             chunk_placement_of(cfg), stage)
+
+
+@dataclass(frozen=True)
+class _ByValue:
+    """A GPTConfig (a mutable dataclass, unhashable) as a cache key: compared and hashed by its repr."""
+
+    text: str
+    model: GPTConfig = field(compare=False, hash=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_param_list(key: _ByValue, sizes: Degrees, v: int, first: int | None, last: int | None,
+                      layout: str | None, placement, stage: int) -> tuple[PlannedParam, ...]:
+    """`stage_param_list`, remembered: --suggest asks for every stage of many layouts, most of them alike."""
+    model, pp = key.model, sizes.pp
+    ranges = [range(model.num_layers)] if pp == 1 else partition_stage_layers(model.num_layers, pp, v, stage, first,
+                                                                                last, layout, placement=placement)
     out = []
     for c, layer_ids in enumerate(ranges):
-        out += chunk_params(model, cfg, layer_ids, pre=is_first_chunk(p.pp, stage, c),
-                            post=is_last_chunk(p.pp, len(ranges), stage, c, placement))
-    return out[::-1]
+        out += chunk_params(model, sizes, layer_ids, pre=is_first_chunk(pp, stage, c),
+                            post=is_last_chunk(pp, len(ranges), stage, c, placement))
+    return tuple(out[::-1])

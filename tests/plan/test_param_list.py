@@ -5,7 +5,7 @@ import pytest
 from megalite.config import RunConfig
 from megalite.model.gpt import GPTModel
 from megalite.parameters import params as P
-from megalite.plan.param_list import chunk_params, stage_param_list
+from megalite.plan.param_list import Degrees, chunk_params, stage_param_list
 from megalite.plan.params import stage_params
 
 
@@ -31,7 +31,7 @@ def test_the_planned_parameters_are_the_models(model, settings):
     config = cfg.gpt_config()
     real = _fields_of_real(GPTModel(config, None, device="meta"))
     planned = [(q.name, q.full_shape, q.dim, q.blocks, q.padded, q.expert, q.local_shape)
-               for q in chunk_params(config, cfg, range(config.num_layers), pre=True, post=True)]
+               for q in chunk_params(config, Degrees.of(cfg), range(config.num_layers), pre=True, post=True)]
     assert planned == real
 
 
