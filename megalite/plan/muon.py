@@ -26,7 +26,8 @@ w the wire bytes of an element (2 in bf16 NS, 4 in fp32):
                       `assign_owners` over the stage's tp x S grid (experts over their own grid)
 
 The byte counts are the mean over the ranks (a rank's share depends on where the bucket chunks cut the
-matrices and on the owners); megalite.distributed.comm's ledger counts an all-to-all's whole input, self-part included.
+matrices and on the owners: plan/muon_ranks.py and plan/muon_shards.py count each rank's own, which
+--simulate compares); megalite.distributed.comm's ledger counts an all-to-all's whole input, self-part included.
 Pure arithmetic, no torch.
 """
 from __future__ import annotations
