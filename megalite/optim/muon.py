@@ -35,13 +35,12 @@ from megalite.distributed import comm
 from megalite.parameters import params as P
 from megalite.config.choices import MuonAdjustLR, MuonOwners
 from megalite.data_parallel.whole_matrices import MatrixOwner, WholeMatrices
-from megalite.plan.muon import assign_in_two_passes, describe_owners, ns_flops
+from megalite.plan.muon import assign_in_two_passes, describe_owners, is_hidden_matrix, ns_flops
 from megalite.parameters.sharding import ShardSpec
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's defaults)
 NS_EPS = 1e-7
 GROUP_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps", "adjust_lr_fn", "ns_dtype")
-_NOT_HIDDEN = ("embedding", "output_weight", "lm_head", "router", "position", "shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class MuonSettings:
 
 def default_hidden_matrix(name: str, param: torch.Tensor) -> bool:
     """Muon's share: 2-D weights that are not an embedding, the output layer or a router."""
-    return param.dim() == 2 and not any(word in name for word in _NOT_HIDDEN)
+    return is_hidden_matrix(name, param.dim())
 
 
 def muon_groups(groups: list[dict], names: list[str], params: list[torch.Tensor], settings: MuonSettings,

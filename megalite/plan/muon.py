@@ -26,7 +26,8 @@ w the wire bytes of an element (2 in bf16 NS, 4 in fp32):
                       `assign_owners` over the stage's tp x S grid (experts over their own grid)
 
 The byte counts are the mean over the ranks (a rank's share depends on where the bucket chunks cut the
-matrices and on the owners); megalite.distributed.comm's ledger counts an all-to-all's whole input, self-part included.
+matrices and on the owners: plan/muon_ranks.py and plan/muon_shards.py count each rank's own, which
+--simulate compares); megalite.distributed.comm's ledger counts an all-to-all's whole input, self-part included.
 Pure arithmetic, no torch.
 """
 from __future__ import annotations
@@ -41,6 +42,15 @@ from megalite.plan.moe import stage_moe_layers
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
+
+
+NOT_HIDDEN = ("embedding", "output_weight", "lm_head", "router", "position", "shared_expert_gate")
+
+
+def is_hidden_matrix(name: str, ndim: int) -> bool:
+    """Muon's share by default: 2-D weights that are not an embedding, the output layer or a router (the one
+    rule: optim/muon.py's `default_hidden_matrix` and the planner's parameter list both ask it)."""
+    return ndim == 2 and not any(word in name for word in NOT_HIDDEN)
 
 
 def ns_flops(rows: int, cols: int, steps: int) -> int:

@@ -13,8 +13,8 @@ megalite/optim/muon.py builds them from its process groups, and counts, for one 
     whole    the matrices it runs Newton-Schulz on, in the optimizer's order (parameter index)
 
 and from those the step's all-to-all bytes and the exchange's peak working set (`muon_step_bytes`).
-The one estimate: a rank's own shard holds the stage's Muon elements evenly (M/S; where the bucket chunks
-cut decides the rest, within 1.5% of the state at llama-70b's tp 8 x dp 16). Pure arithmetic, no torch.
+A rank's own shard's Muon elements (what its ZeRO hop sends first) and its shard's size are its bucket
+chunks' (plan/muon_shards.py; the stage's mean at ZeRO 3). Pure arithmetic, no torch.
 """
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import OptimizerKind, Precision
 from megalite.config.model import GPTConfig
-from megalite.distributed import topology
 from megalite.plan.layout import is_hybrid, zero_group_name
-from megalite.plan.moe import experts_apart, stage_expert_params
+from megalite.plan.moe import experts_apart
 from megalite.plan.muon import assign_in_two_passes, ns_flops
-from megalite.plan.params import stage_params
-from megalite.plan.zero3 import _stage_layer_ids
+from megalite.plan.muon_shards import shard_counts, shard_group, stage_first_rank
+from megalite.plan.param_list import PlannedParam, stage_param_list
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -61,32 +60,9 @@ class Matrix:
         return max(2 * min(r, c) * max(r, c) + 2 * min(r, c) ** 2 for r, c in self.blocks)
 
 
-def stage_matrices(model: GPTConfig, cfg: RunConfig, stage: int) -> list[Matrix]:
-    """The stage's Muon parameters in the optimizer's order (the wrapper's: reverse order of use)."""
-    tp, gated = cfg.parallel.tp, model.flavour != "gpt2"
-    h, d = model.hidden_size, model.head_dim
-    etp = cfg.etp_size if model.moe else tp
-
-    def mlp(ffn: int, *, expert: bool) -> list[Matrix]:  # fc2, then fc1 (its gate and up halves)
-        split = (etp if expert else tp) > 1
-        return [Matrix(((h, ffn),), split, expert, tp),
-                Matrix(((ffn, h),) * (2 if gated else 1), split, expert, tp)]
-
-    attention = [Matrix(((h, model.num_attention_heads * d),), tp > 1, False, tp),  # proj, then the fused qkv
-                 Matrix(((model.num_attention_heads * d, h), (model.num_query_groups * d, h),
-                         (model.num_query_groups * d, h)), tp > 1, False, tp)]
-    out = []
-    for layer in reversed(_stage_layer_ids(model, cfg, stage)):
-        if model.moe is None or not model.moe.is_moe_layer(layer):
-            out += mlp(model.ffn_hidden_size, expert=False) + attention
-            continue
-        moe = model.moe
-        for _ in range(moe.num_experts // cfg.parallel.ep):
-            out += mlp(moe.expert_ffn(model.ffn_hidden_size), expert=True)
-        if moe.shared_expert_intermediate_size:
-            out += mlp(moe.shared_expert_intermediate_size, expert=False)
-        out += attention
-    return out
+def stage_matrices(cfg: RunConfig, params: list[PlannedParam]) -> list[Matrix]:
+    """The Muon parameters of a stage's list (plan/param_list.py) in the optimizer's order (the buffer's)."""
+    return [Matrix(p.matrices(), p.split, p.expert, cfg.parallel.tp) for p in params if p.hidden]
 
 
 @dataclass(frozen=True)
@@ -99,28 +75,11 @@ class RankShare:
     full_split: int
     whole: tuple[Matrix, ...]
     shard_muon: dict[bool, int]
-    """Muon elements of this rank's shard by kind (the stage's mean)."""
+    """Muon elements of this rank's shard by kind (its bucket chunks': plan/muon_shards.py)."""
     hops: dict[bool, str]
     """The ledger's group name of each kind's ZeRO hop (kinds with one shard: none)."""
-
-
-def _shard_group(cfg: RunConfig, rank: int, *, expert: bool) -> list[int]:
-    """The group the rank's ZeRO shards of a kind lie over (its own rank alone at ZeRO 0)."""
-    p = cfg.parallel
-    if not p.zero:
-        return [rank]
-    groups = _all_shard_groups(p.tp, p.pp, dp=cfg.dp, cp=p.cp, ep=p.ep, etp=cfg.etp_size, dp_shard=cfg.dp_shard,
-                               expert=expert)
-    return next(g for g in groups if rank in g)
-
-
-@functools.lru_cache(maxsize=16)
-def _all_shard_groups(tp: int, pp: int, *, dp: int, cp: int, ep: int, etp: int, dp_shard: int,
-                      expert: bool) -> tuple[list[int], ...]:
-    """Every ZeRO shard group of the world (the mesh's lists), once per layout."""
-    if expert:
-        return tuple(topology.expert_dp_shard_group_ranks(tp, pp, dp, cp, ep, etp, dp_shard))
-    return tuple(topology.dp_shard_group_ranks(tp, pp, dp, cp, dp_shard))
+    shard_total: int
+    """Every element of this rank's shard (a shard-sized tensor's)."""
 
 
 def _candidates(tp: int, rank: int, *, split: bool, members: list[int]) -> list[tuple]:
@@ -145,10 +104,11 @@ def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, *, viewpoint: int
     names (every rank of the stage agrees on it: the candidates are global ranks; ZeRO 0: the viewpoint's
     tp group, other dp replicas alike): a rank owns a matrix in the ZeRO hop where it is one of the chosen
     home's ranks, and runs Newton-Schulz on it where it is one of the chosen FLOP ranks."""
-    matrices = stage_matrices(model, cfg, stage)
+    params = stage_param_list(model, cfg, stage)
+    matrices = stage_matrices(cfg, params)
     apart = experts_apart(model, cfg)
-    groups = {kind: _shard_group(cfg, viewpoint, expert=kind) for kind in ((False, True) if apart else (False,))}
-    base = _first_rank(cfg, stage)  # every stage's ranks are base + [0, tp cp dp): one assignment per shape
+    groups = {kind: shard_group(cfg, viewpoint, expert=kind) for kind in ((False, True) if apart else (False,))}
+    base = stage_first_rank(cfg, stage)  # every stage's ranks are base + [0, tp cp dp): one assignment per shape
     picked = _assignment(cfg.parallel.tp, viewpoint - base, matrices=tuple(matrices), steps=cfg.optimizer.muon_ns_steps,
                          dense=tuple(r - base for r in groups[False]),
                          experts=tuple(r - base for r in groups[True]) if apart else None)
@@ -164,15 +124,11 @@ def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, *, viewpoint: int
         for r in ranks:
             whole.setdefault(r, []).append(m)
             full_split[r] = full_split.get(r, 0) + (m.full if m.split else 0)
-    shard_muon, hops = {True: 0}, {}
-    for kind, group in groups.items():
-        elements = sum(m.local for m in matrices if (m.expert and apart) == kind)
-        shard_muon[kind] = -(-elements // len(group))
-        if len(group) > 1:
-            hops[kind] = ("edp_shard" if is_hybrid(cfg) else "edp") if kind else zero_group_name(cfg)
-    stage_ranks = set(zero) | set(whole) | {viewpoint}
+    hops = {kind: ("edp_shard" if is_hybrid(cfg) else "edp") if kind else zero_group_name(cfg)
+            for kind, group in groups.items() if len(group) > 1}
+    counts = shard_counts(model, cfg, stage, ranks=set(zero) | set(whole) | {viewpoint}, params=params)
     return {r: RankShare(zero.get(r, {False: 0, True: 0}), zero_split.get(r, 0), full_split.get(r, 0),
-                         tuple(whole.get(r, ())), shard_muon, hops) for r in stage_ranks}
+                         tuple(whole.get(r, ())), c.muon, hops, c.total) for r, c in counts.items()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,13 +175,13 @@ def muon_rank_comm(cfg: RunConfig, share: RankShare) -> dict[str, int]:
     return out
 
 
-def muon_step_bytes(cfg: RunConfig, share: RankShare, *, shard_elements: int) -> int:
+def muon_step_bytes(cfg: RunConfig, share: RankShare) -> int:
     """The exchange's peak working set on a rank, beyond the parameters, gradients and optimizer state:
     the Nesterov input (shard-sized), the owned tp-local tensors, what each all-to-all sends and receives,
     and on the owner the assembled matrix, its result and Newton-Schulz's working set
-    (WholeMatrices.apply's phases, in order). `shard_elements`: the rank's shard (all its elements)."""
+    (WholeMatrices.apply's phases, in order)."""
     w = wire_bytes(cfg)
-    values, held = shard_elements, sum(share.zero_owned.values())
+    values, held = share.shard_total, sum(share.zero_owned.values())
     phases = [values + held + max((share.shard_muon[k] + share.zero_owned[k] for k in share.hops), default=0)]
     phases.append(values + held + share.zero_split + share.full_split)  # tp gather
     received, done = share.full_split, 0
@@ -242,29 +198,15 @@ def muon_step_bytes(cfg: RunConfig, share: RankShare, *, shard_elements: int) ->
     return w * max(phases)
 
 
-def _shard_elements(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int) -> int:
-    """A rank's shard: the stage's dense elements over its shard group, its experts over theirs."""
-    experts = stage_expert_params(model, cfg, stage)
-    apart = experts_apart(model, cfg)
-    dense = stage_params(model, cfg, stage) - (experts if apart else 0)
-    out = -(-dense // len(_shard_group(cfg, rank, expert=False)))
-    return out + (-(-experts // len(_shard_group(cfg, rank, expert=True))) if apart else 0)
-
-
-def _first_rank(cfg: RunConfig, stage: int) -> int:
-    return topology.coords_to_rank(0, 0, stage, cfg.parallel.tp, cfg.dp, 0, cfg.parallel.cp)
-
-
 def muon_rank_terms(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int | None = None) -> tuple[dict, int]:
     """(the exchange's all-to-all bytes by ledger key, the optimizer step's working set in bytes) of global
     `rank` of `stage`; rank None: the stage's busiest rank's working set, the bytes of the stage's first rank.
     ({}, 0) without Muon."""
     if cfg.optimizer.optimizer != OptimizerKind.MUON:
         return {}, 0
-    viewpoint = _first_rank(cfg, stage) if rank is None else rank
+    viewpoint = stage_first_rank(cfg, stage) if rank is None else rank
     shares = stage_shares(model, cfg, stage, viewpoint=viewpoint)
-    shard = _shard_elements(model, cfg, stage, rank=viewpoint)
     mine = shares[viewpoint]
-    working = (muon_step_bytes(cfg, mine, shard_elements=shard) if rank is not None
-               else max(muon_step_bytes(cfg, share, shard_elements=shard) for share in shares.values()))
+    working = (muon_step_bytes(cfg, mine) if rank is not None
+               else max(muon_step_bytes(cfg, share) for share in shares.values()))
     return muon_rank_comm(cfg, mine), working

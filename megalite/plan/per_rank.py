@@ -44,6 +44,7 @@ from megalite.config.choices import OptimizerKind, Precision, Schedule
 from megalite.config.model import GPTConfig
 from megalite.plan.muon import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
+from megalite.plan.muon_shards import muon_state_saved
 from megalite.plan.activations import activation_bytes, inflight_microbatches
 from megalite.plan.buffers import buffer_bytes, model_buffer_bytes
 from megalite.plan.communication import add_dp_bytes, communication_bytes
@@ -245,10 +246,12 @@ def setup_bytes(model: GPTConfig, cfg: RunConfig, weights: int, grads: int) -> i
     return 2 * weights + grads + model_buffer_bytes(model, cfg) if cfg.parallel.zero < 2 else 0
 
 
-def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[int, int, int, int]:
+def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int, *,
+                       rank: int | None = None) -> tuple[int, int, int, int]:
     """`model_state_bytes` of a stage's parameters, with ZeRO-3's gathered units and transient
     unit gradients (and only then: dp = 1 shards nothing, but the units are still gathered), and
-    gradient compression's state."""
+    gradient compression's state. With Muon the state is global `rank`'s own (its shard's Muon
+    elements: plan/muon_shards.py; None: the stage's first rank's)."""
     experts = stage_expert_params(model, cfg, stage)  # sharded by ZeRO over expert-dp, not dp x cp
     weights, grads, optimizer, host = model_state_bytes(stage_params(model, cfg, stage) - experts, cfg)
     if experts:
@@ -261,7 +264,8 @@ def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[in
     grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
     optimizer += outer_state_bytes(model, cfg)  # DiLoCo's θ_outer and momentum (plan/diloco.py)
     if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the hidden matrices keep one buffer, not Adam's two (plan/muon.py)
-        saved = stage_muon(model, cfg, stage).state_bytes_saved
+        saved = (stage_muon(model, cfg, stage).state_bytes_saved if cfg.parallel.zero == 3  # ZeRO 3: the mean
+                 else muon_state_saved(model, cfg, stage, rank=rank))
         optimizer, host = (optimizer, host - saved) if cfg.parallel.offload_optimizer else (optimizer - saved, host)
     return weights, grads, optimizer, host
 

@@ -32,7 +32,7 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None, *, r
     comm_bytes: {group: bytes}} the planner counts for a rank of pipeline stage `stage` (`rank`: which
     global rank, where Muon's owners make the ranks of a stage differ: plan/muon_ranks.py)."""
     model = cfg.gpt_config()
-    weights, grads, optimizer, _host = stage_model_states(model, cfg, stage)
+    weights, grads, optimizer, _host = stage_model_states(model, cfg, stage, rank=rank)
     activations = activation_bytes(model, cfg, stage, attention or SIMULATED_ATTENTION)
     # the ring's / all-to-all's transient buffers (cp > 1) and the block full recompute re-runs are in the
     # planner's activation term, but autograd's hook does not see them kept (the first is not saved, the

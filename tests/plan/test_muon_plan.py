@@ -11,7 +11,7 @@ from megalite.distributed import mesh as mesh_lib
 from megalite.config.choices import MuonOwners
 from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads, stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
-from megalite.plan.per_rank import estimate
+from megalite.plan.per_rank import estimate, stage_model_states
 from megalite.testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))
@@ -75,19 +75,23 @@ def _ledger_world(layout):
     mbs = cfg_batches(cfg, m.dp_size, m.dp_rank, 1)[0]
     comm.ledger.reset()
     train_step(optimizer.model, optimizer, mbs, m, cfg, None)
-    return {f"{g}/{op}": n for (g, op), n in comm.ledger.bytes.items() if op == "all_to_all"}
+    exchange = {f"{g}/{op}": n for (g, op), n in comm.ledger.bytes.items() if op == "all_to_all"}
+    return exchange, optimizer.memory_report()["optimizer_state_bytes"]
 
 
 @pytest.mark.parametrize("layout", [(dict(tp=2), dict(tp=2, zero=1)), (dict(dp=2), dict(dp=2, zero=1))],
                          ids=["tp2", "dp2"])
 def test_planned_exchange_bytes_are_the_ledgers(layout):
-    """The exchange's all-to-all bytes summed over the ranks are ranks x the planner's (its mean per rank)."""
+    """The exchange's all-to-all bytes summed over the ranks are ranks x the planner's stage mean; each rank's
+    bytes (its owned matrices, its shard's Muon pieces) and optimizer state (its bucket chunks' Muon and AdamW
+    elements) are the planner's for that rank (plan/muon_ranks.py, plan/muon_shards.py)."""
     per_rank = run_distributed(_ledger_world, 2, layout)
     cfg = run_cfg(**layout[1])
-    planned = stage_muon(cfg.gpt_config(), cfg, 0).comm_bytes
+    model = cfg.gpt_config()
+    planned = stage_muon(model, cfg, 0).comm_bytes
     assert planned
     for key, n in planned.items():
-        assert sum(rank.get(key, 0) for rank in per_rank) == 2 * n, (key, per_rank, planned)
-    for rank, ledger in enumerate(per_rank):  # each rank's own: its owned matrices (plan/muon_ranks.py)
-        mine = muon_rank_terms(cfg.gpt_config(), cfg, 0, rank=rank)[0]
-        assert ledger.get("tp/all_to_all") == mine.get("tp/all_to_all"), (rank, ledger, mine)
+        assert sum(ledger.get(key, 0) for ledger, _ in per_rank) == 2 * n, (key, per_rank, planned)
+    for rank, (ledger, state) in enumerate(per_rank):
+        assert ledger == muon_rank_terms(model, cfg, 0, rank=rank)[0], rank
+        assert state == stage_model_states(model, cfg, 0, rank=rank)[2], rank
