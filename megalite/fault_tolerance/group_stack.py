@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megalite.distributed import comm
 from megalite.distributed.mesh import init_mesh, single_process_mesh
-from megalite.fault_tolerance.quorum import beat_key
+from megalite.fault_tolerance.quorum import Decision, Excluded, QuorumLost, RunFinished, beat_key
 from megalite.fault_tolerance.settings import FaultTolerantRun
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer
 
@@ -37,6 +37,28 @@ def within_group(fn, *, group: int, position: int):
         raise GroupBroken(f"replica group {group} rank {position}: a collective inside the group failed "
                           f"({first[:160]}); a group lives or dies whole, so this rank exits and the group is "
                           f"restarted") from None
+
+
+_RAISED = {"Excluded": Excluded, "QuorumLost": QuorumLost, "RunFinished": RunFinished}
+
+
+def decided_in_group(agree, *, ranks: int, group: int, position: int) -> Decision:
+    """`agree()` run by the group's rank 0; its decision (or its Excluded, QuorumLost, RunFinished)
+    handed to every rank of the group in one collective inside it (GroupBroken if rank 0 is gone)."""
+    if ranks == 1:
+        return agree()
+    verdict = None
+    if position == 0:
+        try:
+            verdict = ("decision", agree().to_json())
+        except (Excluded, QuorumLost, RunFinished) as raised:
+            verdict = (type(raised).__name__, str(raised))
+    gathered = within_group(lambda: comm.all_gather_object(verdict, comm.world_group()), group=group,
+                            position=position)
+    kind, payload = gathered[0]
+    if kind != "decision":
+        raise _RAISED[kind](payload)
+    return Decision.from_json(payload)
 
 
 @dataclass

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from megalite.distributed import comm
-from megalite.fault_tolerance.group_stack import (GroupBroken, Heartbeat, StepRecord, build_stack, fingerprint,
-                                                  local_gradient, update, within_group)
-from megalite.fault_tolerance.quorum import Decision, Excluded, Quorum, QuorumLost, RunFinished
+from megalite.fault_tolerance.group_stack import (GroupBroken, Heartbeat, StepRecord, build_stack, decided_in_group,
+                                                  fingerprint, local_gradient, update, within_group)
+from megalite.fault_tolerance.quorum import Decision, Excluded, Quorum
 from megalite.fault_tolerance.replica_link import ReplicaLink, heal
 from megalite.fault_tolerance.settings import FaultTolerantRun
 
@@ -49,7 +49,6 @@ __all__ = ["FAULT_MOMENTS", "GroupBroken", "ReplicaGroup", "StepRecord", "build_
 FAULT_MOMENTS = ("forward", "reduction", "mid-reduction", "update")
 
 
-_RAISED = {"Excluded": Excluded, "QuorumLost": QuorumLost, "RunFinished": RunFinished}
 
 
 class ReplicaGroup:
@@ -102,20 +101,7 @@ class ReplicaGroup:
         return self._decided(lambda: self.quorum.join(self.run_settings.join_timeout_s))
 
     def _decided(self, agree) -> Decision:
-        """`agree()` run by the group's rank 0; its decision (or its Excluded, QuorumLost, RunFinished)
-        handed to every rank of the group in one collective inside it (GroupBroken if rank 0 is gone)."""
-        if self.run_settings.ranks_per_group == 1:
-            return agree()
-        verdict = None
-        if self.position == 0:
-            try:
-                verdict = ("decision", agree().to_json())
-            except (Excluded, QuorumLost, RunFinished) as raised:
-                verdict = (type(raised).__name__, str(raised))
-        kind, payload = self._inside(lambda: comm.all_gather_object(verdict, comm.world_group())[0])
-        if kind != "decision":
-            raise _RAISED[kind](payload)
-        return Decision.from_json(payload)
+        return decided_in_group(agree, ranks=self.run_settings.ranks_per_group, group=self.group, position=self.position)
 
     def _inside(self, fn):
         return within_group(fn, group=self.group, position=self.position)

@@ -35,12 +35,11 @@ import torch.distributed as dist
 
 from megalite.distributed import comm
 from megalite.errors import UsageError
-from megalite.fault_tolerance.group_stack import GroupBroken, Heartbeat, within_group
+from megalite.fault_tolerance.group_stack import GroupBroken, Heartbeat, decided_in_group, within_group
 from megalite.fault_tolerance.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, RunFinished, beat_key
 from megalite.fault_tolerance.replica_link import ReplicaLink, heal
 from megalite.training.step_run import lr_position
 
-_RAISED = {"Excluded": Excluded, "QuorumLost": QuorumLost, "RunFinished": RunFinished}
 REPLICA_ENDS = (QuorumLost, GroupBroken, RunFinished)  # the one-line ends of a replica group (end_in_one_line)
 
 
@@ -123,20 +122,7 @@ class ReplicaTraining:
     # -- the quorum -------------------------------------------------------------------------------
 
     def _decided(self, agree) -> Decision:
-        """`agree()` run by the group's rank 0; its decision (or its Excluded, QuorumLost, RunFinished)
-        handed to every rank of the group in one collective inside it (GroupBroken if rank 0 is gone)."""
-        if self.ranks == 1:
-            return agree()
-        verdict = None
-        if self.position == 0:
-            try:
-                verdict = ("decision", agree().to_json())
-            except (Excluded, QuorumLost, RunFinished) as raised:
-                verdict = (type(raised).__name__, str(raised))
-        kind, payload = self._inside(lambda: comm.all_gather_object(verdict, comm.world_group())[0])
-        if kind != "decision":
-            raise _RAISED[kind](payload)
-        return Decision.from_json(payload)
+        return decided_in_group(agree, ranks=self.ranks, group=self.group, position=self.position)
 
     def _inside(self, fn):
         return within_group(fn, group=self.group, position=self.position)
