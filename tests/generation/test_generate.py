@@ -31,15 +31,19 @@ PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [250, 1, 64]]
 NEW = 12
 
 
-def hf_model(family):
-    """hf_families' model with its matrices x8: random weights at their init scale repeat one token, and a
-    check over a constant continuation would prove little."""
-    hf = H.hf_model(family)
+def sharpened(hf):
+    """`hf` with its matrices x8: random weights at their init scale repeat one token, and a check over a
+    constant continuation would prove little."""
     with torch.no_grad():
         for param in hf.parameters():
             if param.dim() >= 2:
                 param.mul_(8.0)
     return hf
+
+
+def hf_model(family):
+    """hf_families' model, sharpened."""
+    return sharpened(H.hf_model(family))
 
 
 def transformers_tokens(hf, prompts, new=NEW):
@@ -84,11 +88,7 @@ def test_greedy_with_a_sliding_window_equals_transformers_generate():
     decoded token lose keys; without the window the tokens differ (the check can fail)."""
     config = transformers.MistralConfig(**H._COMMON, sliding_window=4, tie_word_embeddings=False)
     torch.manual_seed(0)
-    hf = transformers.MistralForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for param in hf.parameters():
-            if param.dim() >= 2:
-                param.mul_(8.0)
+    hf = sharpened(transformers.MistralForCausalLM(config).float().eval())
     expected = transformers_tokens(hf, PROMPTS)
     model = from_hf(hf)
     assert model.config.window_size == 4
@@ -125,11 +125,7 @@ def test_gpt2_positions_start_at_each_rows_first_token():
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=301, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=None, bos_token_id=None)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for param in hf.parameters():
-            if param.dim() >= 2:
-                param.mul_(8.0)
+    hf = sharpened(transformers.GPT2LMHeadModel(config).eval())
     expected = transformers_tokens(hf, PROMPTS)
     model = from_hf(hf)
     assert generate(model, PROMPTS, max_new_tokens=NEW) == expected
