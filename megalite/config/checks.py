@@ -326,10 +326,10 @@ def cp_split_problems(cfg: RunConfig) -> list[str]:
                 "docs/documents.md): use --cp-split zigzag"]
     if cfg.parallel.cp == 1:
         return []
+    capacity = model.moe is not None and model.moe.capacity_factor is not None
     unbuilt = [name for name, on in (("--hidden-dropout/--attention-dropout",
                                       model.hidden_dropout > 0 or model.attention_dropout > 0),
-                                     ("MoE", model.moe is not None), ("--mtp-num-layers", model.mtp_num_layers > 0),
-                                     ("--multi-latent-attention", model.mla is not None)) if on]
+                                     ("--moe-expert-capacity-factor", capacity)) if on]
     if unbuilt:
         return [f"--cp-split documents does not run with {', '.join(unbuilt)} yet (they read the zigzag split's "
                 f"token order): use --cp-split zigzag or drop them"]
