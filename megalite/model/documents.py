@@ -53,13 +53,9 @@ def check_position_ids(position_ids: torch.Tensor | None, batch: int, s: int, cp
 
 def check_cp_split(config, cp_split: str, cp_size: int) -> None:
     """What the per-document cp split cannot run yet (config.checks.cp_split_problems says it for the
-    command line): the parts that read the zigzag split's token order. Dropout's random stream follows
-    each token's logical position in the zigzag order; an MoE capacity decides its drops in the single
-    process's token order, which the MoE layer derives from the zigzag split (docs/documents.md)."""
+    command line): dropout, whose random stream follows each token's logical offset in the zigzag order
+    (docs/documents.md)."""
     if CPSplit(cp_split) != CPSplit.DOCUMENTS or cp_size == 1:
         return
-    capacity = config.moe is not None and config.moe.capacity_factor is not None
-    unbuilt = [name for name, on in (("dropout", config.hidden_dropout > 0 or config.attention_dropout > 0),
-                                     ("an MoE capacity factor", capacity)) if on]
-    if unbuilt:
-        raise ValueError(f"cp_split='documents' does not run with {', '.join(unbuilt)} yet; use cp_split='zigzag'")
+    if config.hidden_dropout > 0 or config.attention_dropout > 0:
+        raise ValueError("cp_split='documents' does not run with dropout yet; use cp_split='zigzag'")

@@ -37,8 +37,6 @@ def test_packed_training_under_the_document_split_matches_single_process(tp, ext
 @pytest.mark.parametrize("flags, message", [
     ({}, "--cp-split documents splits packed documents: add --reset-attention-mask (or --sft)"),
     ({**DOCUMENTS, "window_size": 8}, "--cp-split documents with --window-size balances the work worse"),
-    ({**DOCUMENTS, "cp": 2, "num_experts": 4, "moe_expert_capacity_factor": 1.0},
-     "--cp-split documents does not run with --moe-expert-capacity-factor yet"),
     ({**DOCUMENTS, "cp": 2, "attention_dropout": 0.1},
      "--cp-split documents does not run with --hidden-dropout/--attention-dropout yet")])
 def test_document_split_refusals(flags, message):
@@ -50,7 +48,7 @@ MLA = {"model": "tiny-llama", "multi_latent_attention": True, "kv_lora_rank": 32
        "qk_pos_emb_head_dim": 8, "v_head_dim": 16}
 
 
-@pytest.mark.parametrize("flags", [{"num_experts": 4}, {"mtp_num_layers": 1}, MLA])
+@pytest.mark.parametrize("flags", [{"num_experts": 4, "moe_expert_capacity_factor": 1.0}, {"mtp_num_layers": 1}, MLA])
 def test_the_split_runs_moe_mtp_and_latent_attention(flags):
     cfg = RunConfig.build(cp_split="documents", cp=2, **DOCUMENTS, **flags)
     cfg.gpt_config()  # a model that builds, so the split's check ran
