@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.context_parallel.document_split import SplitDocumentMask, gather_tokens, local_tokens
 from megalite.context_parallel.zigzag import gather_sequence, split_sequence
 from megalite.data_parallel.units import Unit
 from megalite.distributed import comm
@@ -110,34 +111,43 @@ def mtp_losses(model, hidden: torch.Tensor, input_ids: torch.Tensor, labels: tor
     from the next document. The target itself, t_{i+k+1}, follows the main loss's labels (eod_mask_loss
     masks the same ones).
 
-    Context parallelism: this rank holds its zigzag chunks of the ids and labels, so the tokens k ahead of
-    its last positions live on other ranks; the whole sequences are gathered once ([b, s] integers over the
-    cp group), rolled, and this rank's chunks cut again. The position ids are the whole sequence's already
-    (GPTModel.forward), so the document test runs on the whole sequence before the cut."""
+    Context parallelism: this rank holds its zigzag chunks of the ids and labels (or, under the per-document
+    split, its tokens of every document in the split's order: `documents` is then a SplitDocumentMask), so
+    the tokens k ahead of its positions live on other ranks; the whole sequences are gathered once ([b, s]
+    integers over the cp group), rolled, and this rank's tokens cut again by the same split. The position ids
+    are the whole sequence's already (GPTModel.forward), so the document test runs on the whole sequence
+    before the cut."""
     cp, cp_rank = model.cp_size, model.cp_rank
-    whole_ids, whole_labels = (_whole_sequence(t, model.groups.cp, cp) for t in (input_ids, labels))
-    my_positions = local_positions(position_ids, cp_rank, cp)  # position_ids are the whole sequence's [b, s]
+    order = documents.order if isinstance(documents, SplitDocumentMask) else None  # None: the zigzag split
+    whole_ids, whole_labels = (_whole_sequence(t, model.groups.cp, cp, order) for t in (input_ids, labels))
+    my_positions = local_positions(position_ids, cp_rank, cp, documents=documents)  # whole [b, s] -> mine
     losses = []
     for k, depth in enumerate(model.mtp.depths, start=1):
-        ids_ahead = _my_chunks(rolled(whole_ids, k), cp_rank, cp)  # t_{i+k} [b, s/cp]
+        ids_ahead = _my_chunks(rolled(whole_ids, k), cp_rank, cp, order)  # t_{i+k} [b, s/cp]
         embedded = model.embed(ids_ahead, my_positions)  # Emb(t_{i+k}) [s', b, h], at token i's position
         hidden = depth(hidden, embedded, rope, model.rng, documents)
         targets = rolled(whole_labels, k, fill=-100)  # [b, s]: labels[:, i + k] = t_{i+k+1}
         if position_ids is not None:  # on the whole sequence: token i+k may lie in another rank's chunk
             targets = targets.masked_fill(rolled(position_ids, k) != position_ids + k, -100)
-        losses.append(model.head_losses(depth.final_norm(hidden), _my_chunks(targets, cp_rank, cp)).sum())
+        losses.append(model.head_losses(depth.final_norm(hidden), _my_chunks(targets, cp_rank, cp, order)).sum())
     return losses
 
 
-def _whole_sequence(chunks: torch.Tensor, cp_group, cp: int) -> torch.Tensor:
-    """[b, s/cp] this cp rank's zigzag chunks -> [b, s] the whole sequences (the tensor itself at cp 1)."""
+def _whole_sequence(chunks: torch.Tensor, cp_group, cp: int, order: torch.Tensor | None) -> torch.Tensor:
+    """[b, s/cp] this cp rank's tokens -> [b, s] the whole sequences (the tensor itself at cp 1): its zigzag
+    chunks, or with the per-document split's order [b, s] its tokens of every document."""
     if cp == 1:
         return chunks
-    return gather_sequence(list(comm.all_gather(chunks, cp_group, dim=1).chunk(cp, dim=1)), dim=1)
+    shards = list(comm.all_gather(chunks, cp_group, dim=1).chunk(cp, dim=1))  # by cp rank
+    return gather_sequence(shards, dim=1) if order is None else gather_tokens(shards, order)
 
 
-def _my_chunks(whole: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
-    return whole if cp == 1 else split_sequence(whole, cp_rank, cp, dim=1)
+def _my_chunks(whole: torch.Tensor, cp_rank: int, cp: int, order: torch.Tensor | None) -> torch.Tensor:
+    """The inverse of _whole_sequence: [b, s] -> this rank's [b, s/cp] under the same split."""
+    if cp == 1:
+        return whole
+    return split_sequence(whole, cp_rank, cp, dim=1) if order is None else local_tokens(whole, order,
+                                                                                          cp_rank=cp_rank, cp=cp)
 
 
 def mtp_units(mtp: MultiTokenPrediction, build) -> list[Unit]:

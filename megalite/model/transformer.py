@@ -19,6 +19,7 @@ from megalite.distributed import comm
 from megalite.parameters import params
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.checks import check_attention
+from megalite.context_parallel.document_split import SplitDocumentMask
 from megalite.context_parallel.zigzag import logical_row_offsets
 from megalite.kernels import DocumentMask
 from megalite.distributed.layer_groups import LayerGroups
@@ -194,7 +195,8 @@ class TransformerBlock(nn.Module):
             core = self.attention.core(*qkv, rope, rng, *masked)
         proj = self.attention.proj
         x = self._bias_dropout_add(proj.bias, proj(core, add_bias=False), x, rng, 1)
-        if self.is_moe:  # experts carry no biases
-            return self._bias_dropout_add(None, self.mlp(self.post_attention_norm(x)), x, rng, 2)
+        if self.is_moe:  # experts carry no biases; a capacity reads the per-document cp split's token order
+            split_order = documents.order if isinstance(documents, SplitDocumentMask) else None
+            return self._bias_dropout_add(None, self.mlp(self.post_attention_norm(x), split_order), x, rng, 2)
         return self._bias_dropout_add(self.mlp.fc2.bias, self.mlp(self.post_attention_norm(x), add_bias=False), x,
                                       rng, 2)

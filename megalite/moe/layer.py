@@ -127,12 +127,15 @@ class MoELayer(nn.Module):
         self.stats = {"forwards": 0, "aux_loss": 0.0, "z_loss": 0.0, "dropped": 0, "routes": 0,
                       "tokens_per_expert": None}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split_order: torch.Tensor | None = None) -> torch.Tensor:
+        """x [s', b, h] -> the same shape. split_order [b, s * cp]: under the per-document cp split
+        (context_parallel/document_split.py) which global positions each cp rank holds, read by a capacity
+        factor's token order; None: the zigzag split (or cp 1)."""
         if self.experts_whole:
-            return self._forward_own_tokens(x)
+            return self._forward_own_tokens(x, split_order)
         full = mappings.gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False) \
             if self.sequence_parallel else x  # [s, b, h]: every tp rank sees (and routes) the same tokens
-        out, routing = self._experts(full, self.tp_group, self.cp_group)  # [s/cp, b, h]
+        out, routing = self._experts(full, self.tp_group, self.cp_group, split_order=split_order)  # [s/cp, b, h]
         if self.shared_expert is not None:
             out = out + self._shared(full)
         out = self._attach_losses(out, routing)
@@ -147,7 +150,7 @@ class MoELayer(nn.Module):
             return out
         return out * torch.sigmoid(torch.nn.functional.linear(full, self.shared_expert_gate))  # [s, b, 1]
 
-    def _forward_own_tokens(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_own_tokens(self, x: torch.Tensor, split_order: torch.Tensor | None) -> torch.Tensor:
         """etp = 1: this tp rank routes and runs its own tokens through whole experts: under SP its [s/tp, b, h]
         shard as it is; else its rows of the replicated [s, b, h], split_sizes(s, tp) of them (an uneven split
         where tp does not divide s: 21 tokens over tp 2 are 11 and 10 rows)."""
@@ -155,7 +158,8 @@ class MoELayer(nn.Module):
         rows = None if self.sequence_parallel else split_sizes(x.shape[0], comm.group_size(tp))
         mine = x if self.sequence_parallel else mappings.scatter_to_sequence_parallel_region(x, tp, sizes=rows)
         tp_rows = rows or [mine.shape[0]] * comm.group_size(tp)  # every tp rank's rows of this cp rank's sequence
-        out, routing = self._experts(mine, None, self.token_group, tp_rows=tp_rows)  # [rows, b, h]
+        out, routing = self._experts(mine, None, self.token_group, tp_rows=tp_rows,
+                                     split_order=split_order)  # [rows, b, h]
         if self.shared_expert is not None:  # a dense tp MLP on the whole sequence, then my rows of its output
             full = mappings.gather_from_sequence_parallel_region(x, tp, grad_is_partial=False) \
                 if self.sequence_parallel else x
@@ -165,7 +169,8 @@ class MoELayer(nn.Module):
             out = mappings.gather_from_sequence_parallel_region(out, tp, grad_is_partial=False, sizes=rows)
         return out.to(x.dtype)  # [s, b, h] (SP: [s/tp, b, h])
 
-    def _experts(self, x: torch.Tensor, etp_group, capacity_group, *, tp_rows: list[int] | None = None):
+    def _experts(self, x: torch.Tensor, etp_group, capacity_group, *, tp_rows: list[int] | None = None,
+                 split_order: torch.Tensor | None = None):
         """Route x [s', b, h], run the routes through the experts, combine: ([s', b, h], its Routing).
 
         etp_group: the group the experts are split over (None: whole experts); capacity_group: the
@@ -176,7 +181,8 @@ class MoELayer(nn.Module):
         token_counts = None  # the tokens of each rank of token_group (tp fastest, then cp), where they differ
         if tp_rows is not None and len(set(tp_rows)) > 1:
             token_counts = [rows * b for _ in range(comm.group_size(self.cp_group)) for rows in tp_rows]
-        order = self._token_order(s, b, x.device, tp_rows) if self.moe.capacity_factor is not None else None
+        order = self._token_order(s, b, x.device, tp_rows=tp_rows, split_order=split_order) \
+            if self.moe.capacity_factor is not None else None
         routing = self.router(tokens, b, self.token_group, capacity_group, order, token_counts=token_counts)
         expert_tokens = mappings.copy_to_tensor_parallel_region(tokens, etp_group)  # experts: tp inside
         expert_input, group_sizes, state = self.dispatcher.dispatch(expert_tokens, routing.expert_ids)
@@ -184,19 +190,24 @@ class MoELayer(nn.Module):
         expert_output = mappings.reduce_from_tensor_parallel_region(expert_output, etp_group)
         return self.dispatcher.combine(expert_output, routing.weights, state).view(s, b, h), routing
 
-    def _token_order(self, rows: int, b: int, device, tp_rows: list[int] | None) -> torch.Tensor | None:
+    def _token_order(self, rows: int, b: int, device, *, tp_rows: list[int] | None,
+                     split_order: torch.Tensor | None) -> torch.Tensor | None:
         """[rows*b] int64: the index of each of this rank's tokens (x's rows [rows, b] flattened) in the
         single process's [s, b] flattening, pos*b + j; None at cp = 1, where the ranks' order is that.
-        tp_rows: at etp 1, each tp rank's rows of this cp rank's tokens (mine a contiguous slice of them)."""
-        cp = comm.group_size(self.cp_group)
+        tp_rows: at etp 1, each tp rank's rows of this cp rank's tokens (mine a contiguous slice of them);
+        split_order [b, s]: the per-document split's (each sample's own positions), None: zigzag's."""
+        cp, cp_rank = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
         if cp == 1:
             return None
         cp_rows = sum(tp_rows) if tp_rows is not None else rows  # this cp rank's rows of the sequence
-        positions = position_ids(cp_rows * cp, comm.group_rank(self.cp_group), cp, device=device)  # [s/cp]
+        if split_order is None:  # [s/cp, 1]: the zigzag chunks, the same in every sample
+            positions = position_ids(cp_rows * cp, cp_rank, cp, device=device).view(cp_rows, 1)
+        else:  # [s/cp, b]: sample j's tokens on this rank
+            positions = split_order[:, cp_rank * cp_rows:(cp_rank + 1) * cp_rows].t().to(device)
         if tp_rows is not None:  # my tp rank's contiguous slice of this cp rank's tokens
             first = sum(tp_rows[:comm.group_rank(self.tp_group)])
             positions = positions[first:first + rows]
-        return (positions.view(rows, 1) * b + torch.arange(b, device=device).view(1, b)).reshape(-1)
+        return (positions * b + torch.arange(b, device=device).view(1, b)).reshape(-1)
 
     def _attach_losses(self, out: torch.Tensor, routing) -> torch.Tensor:
         moe, terms = self.moe, []

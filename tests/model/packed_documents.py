@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.context_parallel.document_split import gather_tokens, local_tokens, split_order
 from megalite.context_parallel.zigzag import gather_sequence, split_sequence
 from megalite.distributed import comm
 from megalite.parameters import params as P
@@ -42,12 +43,16 @@ def one_by_one(model, documents: tuple[list[int], ...], seq: int, vocab: int, pa
 
 def packed_run(model, ids, labels, positions):
     """The whole batch through `model` (tp 1) at its cp size, as the training step hands it: each cp rank
-    its zigzag chunks of ids [b, s] and labels, and the whole sequence's position ids (or None). Returns
+    its zigzag chunks of ids [b, s] and labels (under cp_split "documents" its tokens of the per-document
+    split, `local_tokens`), and the whole sequence's position ids (or None). Returns
     (logits [b, s, V_pad], the loss sum, each MTP depth's summed loss [D] (float64, empty without MTP),
     every parameter's gradient by logical name), each over the whole sequence: under cp the logits
     gathered, the sums and the gradients (each rank holds its tokens' part) summed over the cp ranks."""
     cp, rank = model.cp_size, model.cp_rank
-    if cp > 1:
+    order = split_order(positions, cp) if cp > 1 and model.cp_split == "documents" else None
+    if order is not None:
+        ids, labels = (local_tokens(t, order, cp_rank=rank, cp=cp) for t in (ids, labels))
+    elif cp > 1:
         ids, labels = (split_sequence(t, rank, cp) for t in (ids, labels))
     logits = model(ids, position_ids=positions).detach()  # [b, s/cp, V_pad]
     loss = model(ids, labels, reduction="sum", position_ids=positions)
@@ -58,7 +63,7 @@ def packed_run(model, ids, labels, positions):
     if cp > 1:
         group = model.groups.cp
         pieces = comm.all_gather(logits.unsqueeze(0).contiguous(), group, dim=0).unbind(0)
-        logits = gather_sequence(list(pieces), dim=1)
+        logits = gather_sequence(list(pieces), dim=1) if order is None else gather_tokens(list(pieces), order)
         loss, depths = (comm.all_reduce(t.clone(), group) for t in (loss, depths))
         grads = {n: comm.all_reduce(g.clone(), group) for n, g in grads.items()}
     return logits, loss, depths, grads
