@@ -46,13 +46,14 @@ class _DictStore:
             time.sleep(0.001)
 
 
-def _attempt(store, world_size, ranks=None, timeout_s=10.0):
-    """Run the handshake on threads (one per rank); return {rank: namespace or the exception}."""
-    out = {}
+def _attempt(store, world_size, ranks=None, timeout_s=10.0, timeout_of=None):
+    """Run the handshake on threads (one per rank); return {rank: namespace or the exception}.
+    `timeout_of` maps a rank to its own timeout (default `timeout_s`)."""
+    out, timeout_of = {}, timeout_of or {}
 
     def run(rank):
         try:
-            out[rank] = attempt_namespace(store, rank, world_size, timeout_s)
+            out[rank] = attempt_namespace(store, rank, world_size, timeout_of.get(rank, timeout_s))
         except RendezvousTimeout as exc:
             out[rank] = exc
 
@@ -82,7 +83,8 @@ def test_a_rank_that_never_comes_is_named():
     assert isinstance(out[1], RendezvousTimeout) and "rank 1: rank 0 did not answer" in str(out[1])
     store = _DictStore()
     store.set(f"{ROOT}hello/2", "nonce-of-a-dead-process")  # rank 2 came in an earlier attempt only
-    out = _attempt(store, 3, ranks=[0, 1], timeout_s=0.5)
+    # rank 1 waits longer than rank 0: its welcome must not race rank 0's answer on a loaded machine
+    out = _attempt(store, 3, ranks=[0, 1], timeout_s=0.5, timeout_of={1: 30.0})
     assert isinstance(out[0], RendezvousTimeout) and "ranks [2] did not join" in str(out[0])
     assert isinstance(out[1], str)  # rank 1 was welcomed; rank 0 waits for rank 2 only
 
