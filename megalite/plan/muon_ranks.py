@@ -1,6 +1,6 @@
 """Muon rank by rank: what the owner assignment gives each rank of a stage to receive, send and hold.
 
-plan/muon.py counts Muon's state and FLOPs per stage. The whole-matrix exchange is not even over the
+plan/muon_stage.py counts Muon's state, mean bytes and FLOPs per stage. The whole-matrix exchange is not even over the
 ranks: a matrix is gathered whole on the one rank that owns it (megalite/data_parallel/whole_matrices.py),
 so a rank's all-to-all bytes and the optimizer step's working memory depend on which matrices it owns.
 This module runs the optimizer's own assignment (`assign_in_two_passes`, the same pure function) over the

@@ -9,7 +9,7 @@ Mixtral at tp 2, ep 8, dp 32; the full commands and their figures are in docs/mu
 import pytest
 
 from megalite.config import RunConfig
-from megalite.plan.muon import stage_muon
+from megalite.plan.muon_stage import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.simulate.run import simulate
 
@@ -61,3 +61,29 @@ def test_muon_at_scale_cut_to_fewer_layers(settings):
     cfg = _cfg(precision="bf16", **settings)
     last = cfg.world_size - 1
     _check(cfg, f"0,{cfg.parallel.tp * 5},{last}")
+
+
+def test_deepseek_tiny_mla_moe_with_muon():
+    """Latent attention (its replicated down-projections skip the tp hop) and MoE at (tp 2, dp 2, ep 2),
+    ZeRO 1: two ranks of different tp and dp ranks hold and send what the planner counts for them."""
+    cfg = _cfg(model="deepseek-tiny", tp=2, dp=2, ep=2, zero=1, global_batch_size=4)
+    entries = _check(cfg, "0,3")
+    assert all(e["measured"]["comm_bytes"].get("tp") and e["measured"]["comm_bytes"].get("edp") for e in entries)
+
+
+@pytest.mark.slow
+def test_deepseek_tiny_mtp_depth_adds_what_the_planner_counts_for_muon():
+    """With an MTP depth the planner misses some of the depth's own traffic and activations under AdamW as
+    well (docs/muon.md): Muon's part is compared, its optimizer state and every group's bytes minus AdamW's."""
+    settings = dict(model="deepseek-tiny", mtp_num_layers=1, tp=2, dp=2, ep=2, zero=1, global_batch_size=4)
+    reports = {opt: simulate(_cfg(**settings, optimizer=opt), "0,3", print_fn=lambda *a: None)["ranks"]
+               for opt in ("adamw", "muon")}
+    for adamw, muon in zip(reports["adamw"], reports["muon"]):
+        for side in ("measured", "planned"):
+            assert muon[side]["optimizer_state_bytes"] < adamw[side]["optimizer_state_bytes"]
+        delta = {side: {g: muon[side]["comm_bytes"].get(g, 0) - adamw[side]["comm_bytes"].get(g, 0)
+                        for g in muon[side]["comm_bytes"]} for side in ("measured", "planned")}
+        assert delta["measured"] == delta["planned"] and delta["measured"]["tp"] > 0, muon["rank"]
+        saved = {side: adamw[side]["optimizer_state_bytes"] - muon[side]["optimizer_state_bytes"]
+                 for side in ("measured", "planned")}
+        assert saved["measured"] == saved["planned"], muon["rank"]
