@@ -20,8 +20,10 @@ SEQ = 16
 
 
 def _cfg(**layout) -> RunConfig:
-    return RunConfig.build(model="deepseek-tiny", mtp_num_layers=1, seq_length=SEQ, micro_batch_size=2,
-                           global_batch_size=4, optimizer="muon", muon_ns_dtype="fp32", seed=3,
+    """deepseek-tiny cut to a dense block and an MoE block, with one MTP depth (an MoE block too)."""
+    return RunConfig.build(model="deepseek-tiny", num_layers=2, moe_layer_freq=[0, 1], mtp_num_layers=1,
+                           seq_length=SEQ, micro_batch_size=2, global_batch_size=4, optimizer="muon",
+                           muon_ns_dtype="fp32", seed=3,
                            lr_warmup_iters=0, lr_decay_style="constant", **layout)
 
 
@@ -52,7 +54,8 @@ def test_deepseek_tiny_muon_flops_and_bytes_are_the_optimizers(layout):
     """MLA, MoE (a shared expert, routed experts) and an MTP depth: the planner's Muon matrices are the
     optimizer's, its NS FLOPs (total and the busiest owner's) and the exchange's bytes (ranks x the mean)
     equal the real run's. The plain-block count it replaced was off here: at tp 2 it counted q, k, v and
-    proj of standard attention (1.557 GFLOP, tp bytes 380,928 at tp 2 x dp 2 x ep 2) where the run does MLA's."""
+    proj of standard attention (for the whole deepseek-tiny at tp 2 x dp 2 x ep 2: 1.557 GFLOP and tp bytes
+    380,928 where the run does 1.123 GFLOP and sends 294,912) and left the MTP depth out."""
     per_rank = run_distributed(_world, 2, layout)
     cfg = _cfg(**layout)
     model = cfg.gpt_config()
