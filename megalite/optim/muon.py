@@ -266,7 +266,7 @@ def _block_shape(spec: ShardSpec, block: tuple[int, int, int]) -> tuple[int, int
 
 def _candidates(model, index: int) -> list[tuple[tuple[int, ...], MatrixOwner, tuple[int, ...]]]:
     """Where parameter `index` may be assembled: (the global ranks that would compute it, its owner, the
-    global ranks its ZeRO hop lands on: its home) per choice (plan/muon.py's `stage_candidates` is the
+    global ranks its ZeRO hop lands on: its home) per choice (plan/muon_ranks.py's `_candidates` is the
     same arithmetic over the layout, for the planner).
 
     Ranks are global, so a rank's load counts once whatever kind of parameter puts it there. Members of

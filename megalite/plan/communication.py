@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import CPCommType, OptimizerKind, Recompute
 from megalite.config.model import GPTConfig
-from megalite.plan.muon import stage_muon
+from megalite.plan.muon_stage import stage_muon
 from megalite.plan import fp8, fp8_amax
 from megalite.plan.compression import replace_dp_grad_bytes
 from megalite.plan.diloco import grad_norm_slots, is_diloco, replace_replica_bytes
@@ -84,7 +84,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
         replace_dp_grad_bytes(out, model, cfg, stage)  # --grad-compression powersgd: P, Q and the leftovers instead
     replace_replica_bytes(out, model, cfg, step)  # DiLoCo: its outer steps instead of the replica all-reduce
     add(f"{dp_group_name(cfg)}/all_reduce", moe_replica_bytes(model, cfg, stage))  # MoE statistics (and bias load)
-    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # whole matrices to their owners and back (plan/muon.py)
+    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # whole matrices to their owners and back (plan/muon_stage.py)
         for key, n in stage_muon(model, cfg, stage).comm_bytes.items():
             add(key, n)
     add("embedding/all_reduce", _tied_embedding_bytes(model, cfg, stage))

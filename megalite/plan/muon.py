@@ -14,34 +14,15 @@ with m = min(A, B), n = max(A, B), X is [m, n] and each of the `steps` iteration
 
 so 4 m^2 n + 2 m^3 per iteration (`ns_flops`).
 
-What Muon adds to a rank of a pipeline stage (`stage_muon`), with M its tp-local hidden-matrix elements
-(M_e of them experts), S the dense shard count (dp x cp at ZeRO >= 1, else 1), S_e the experts' (expert-dp),
-w the wire bytes of an element (2 in bf16 NS, 4 in fp32):
-
-    optimizer state   4 M / S + 4 M_e / S_e fewer bytes than AdamW (one buffer, the momentum, not two)
-    dp/all_to_all     2 w M / S  (its pieces to their owners, the owners' slices back; S > 1)
-    edp/all_to_all    2 w M_e / S_e
-    tp/all_to_all     2 w (M / S + M_e / S_e)  (the owners' tp hop; tp > 1)
-    NS FLOPs          every logical matrix once on its owner; the busiest rank's share under
-                      `assign_owners` over the stage's tp x S grid (experts over their own grid)
-
-The byte counts are the mean over the ranks (a rank's share depends on where the bucket chunks cut the
-matrices and on the owners: plan/muon_ranks.py and plan/muon_shards.py count each rank's own, which
---simulate compares); megalite.distributed.comm's ledger counts an all-to-all's whole input, self-part included.
+What Muon adds to a rank of a pipeline stage (state, the exchange's bytes, the FLOPs over the owners)
+is plan/muon_stage.py's `stage_muon`; each rank's own share, plan/muon_ranks.py's.
 Pure arithmetic, no torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Hashable, Sequence
 
-from megalite.config.choices import MuonOwners, Precision
-from megalite.config.model import GPTConfig
-from megalite.plan.layout import is_hybrid, stage_layers, zero_group_name, zero_shard_ranks
-from megalite.plan.moe import stage_moe_layers
-
-if TYPE_CHECKING:
-    from megalite.config import RunConfig
+from megalite.config.choices import MuonOwners
 
 
 NOT_HIDDEN = ("embedding", "output_weight", "lm_head", "router", "position", "shared_expert_gate")
@@ -138,80 +119,6 @@ def describe_owners(names: Sequence[str], costs: Sequence[float],
     load = owner_loads(costs, candidates, chosen)
     lines.append("load: " + ", ".join(f"rank {r} {load[r] / 1e9:.3f}" for r in sorted(load, key=str)) + " GFLOP")
     return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class MuonCost:
-    """What Muon adds to one rank of a pipeline stage (module docstring)."""
-
-    dense_elements: int
-    """M: tp-local elements of the stage's dense hidden matrices."""
-    expert_elements: int
-    """M_e: tp-local elements of this rank's experts."""
-    state_bytes_saved: int
-    comm_bytes: dict[str, int]
-    ns_flops_total: int
-    """Every logical matrix of the stage (this ep rank's experts) once."""
-    ns_flops_busiest: float
-    """The busiest owner's share under the balanced assignment."""
-
-
-def layer_blocks(model: GPTConfig, *, moe_layer: bool, local_experts: int) -> tuple[list, list]:
-    """([rows, cols] of a block's dense logical matrices, [rows, cols] of its local experts' matrices)."""
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
-    gated = model.flavour != "gpt2"
-    dense = [(model.num_attention_heads * d, h), (model.num_query_groups * d, h), (model.num_query_groups * d, h),
-             (h, model.num_attention_heads * d)]
-
-    def mlp(ffn: int) -> list:
-        return [(ffn, h)] * (2 if gated else 1) + [(h, ffn)]
-
-    if not moe_layer:
-        return dense + mlp(f), []
-    moe = model.moe
-    if moe.shared_expert_intermediate_size:
-        dense += mlp(moe.shared_expert_intermediate_size)
-    return dense, mlp(moe.expert_ffn(f)) * local_experts
-
-
-def stage_muon(model: GPTConfig, cfg: "RunConfig", stage: int) -> MuonCost:
-    """Muon's state, communication and Newton-Schulz work on one rank of `stage` (module docstring)."""
-    layers, moe_layers = stage_layers(model, cfg)[stage], stage_moe_layers(model, cfg, stage)
-    tp, etp, ep = cfg.parallel.tp, cfg.etp_size if model.moe else cfg.parallel.tp, cfg.parallel.ep
-    local = model.moe.num_experts // ep if model.moe else 0
-    dense, experts = [], []
-    for moe_layer, count in ((False, layers - moe_layers), (True, moe_layers)):
-        if not count:
-            continue
-        blocks, expert_blocks = layer_blocks(model, moe_layer=moe_layer, local_experts=local)
-        dense += blocks * count
-        experts += expert_blocks * count
-    m, m_e = sum(r * c for r, c in dense) // tp, sum(r * c for r, c in experts) // etp
-    zero = cfg.parallel.zero
-    shards = zero_shard_ranks(cfg) if zero else 1  # S x cp: one replica group's (hybrid sharding)
-    expert_shards = (zero_shard_ranks(cfg) // ep * (tp // etp)) if zero else 1
-    wire = 4 if cfg.optimizer.muon_ns_dtype == Precision.FP32 else 2
-    comm = {}
-    apart = ep > 1 or etp < tp  # experts in a replica group of their own, else sharded with the dense ones
-    if shards > 1:
-        comm[f"{zero_group_name(cfg)}/all_to_all"] = 2 * wire * -(-(m + (0 if apart else m_e)) // shards)
-    if m_e and expert_shards > 1 and apart:
-        comm[("edp_shard" if is_hybrid(cfg) else "edp") + "/all_to_all"] = 2 * wire * -(-m_e // expert_shards)
-    if tp > 1:
-        comm["tp/all_to_all"] = 2 * wire * (-(-m // shards) + (-(-m_e // expert_shards) if etp == tp else 0))
-    steps = cfg.optimizer.muon_ns_steps
-    costs = [ns_flops(r, c, steps) for r, c in dense]
-    expert_costs = [ns_flops(r, c, steps) for r, c in experts]
-    grid = [[(t, d)] for d in range(shards) for t in range(tp)]
-    chosen = assign_owners(costs, [grid] * len(costs))
-    load = owner_loads(costs, [grid] * len(costs), chosen)
-    expert_grid = [[(t, d)] for d in range(expert_shards) for t in range(etp)]
-    picked = assign_owners(expert_costs, [expert_grid] * len(expert_costs), start=load)
-    load = owner_loads(expert_costs, [expert_grid] * len(expert_costs), picked) if experts else {}
-    for key, value in owner_loads(costs, [grid] * len(costs), chosen).items():
-        load[key] = load.get(key, 0.0) + value
-    return MuonCost(m, m_e, 4 * (-(-m // shards) + -(-m_e // expert_shards)), comm,
-                    sum(costs) + sum(expert_costs), max(load.values(), default=0.0))
 
 
 def ns_seconds(hw, flops: float, ns_dtype: str = "bf16") -> float:

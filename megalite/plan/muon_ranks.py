@@ -1,6 +1,6 @@
 """Muon rank by rank: what the owner assignment gives each rank of a stage to receive, send and hold.
 
-plan/muon.py counts Muon's state and FLOPs per stage. The whole-matrix exchange is not even over the
+plan/muon_stage.py counts Muon's state, mean bytes and FLOPs per stage. The whole-matrix exchange is not even over the
 ranks: a matrix is gathered whole on the one rank that owns it (megalite/data_parallel/whole_matrices.py),
 so a rank's all-to-all bytes and the optimizer step's working memory depend on which matrices it owns.
 This module runs the optimizer's own assignment (`assign_in_two_passes`, the same pure function) over the
@@ -14,7 +14,9 @@ megalite/optim/muon.py builds them from its process groups, and counts, for one 
 
 and from those the step's all-to-all bytes and the exchange's peak working set (`muon_step_bytes`).
 A rank's own shard's Muon elements (what its ZeRO hop sends first) and its shard's size are its bucket
-chunks' (plan/muon_shards.py; the stage's mean at ZeRO 3). Pure arithmetic, no torch.
+chunks' (plan/muon_shards.py; at ZeRO 3 its units' chunks). The matrices are taken in the wrapper's order
+(plan/param_list.py's `wrapper_order`: the buffer's, or ZeRO 3's units'), as the optimizer's assignment breaks
+ties by it. Pure arithmetic, no torch.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from megalite.plan.layout import is_hybrid, zero_group_name
 from megalite.plan.moe import experts_apart
 from megalite.plan.muon import assign_in_two_passes, ns_flops
 from megalite.plan.muon_shards import shard_counts, shard_group, stage_first_rank
-from megalite.plan.param_list import PlannedParam, stage_param_list
+from megalite.plan.param_list import PlannedParam, wrapper_order
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -61,7 +63,8 @@ class Matrix:
 
 
 def stage_matrices(cfg: RunConfig, params: list[PlannedParam]) -> list[Matrix]:
-    """The Muon parameters of a stage's list (plan/param_list.py) in the optimizer's order (the buffer's)."""
+    """The Muon parameters of a stage's list (plan/param_list.py) in the optimizer's order (the wrapper's:
+    `wrapper_order`)."""
     return [Matrix(p.matrices(), p.split, p.expert, cfg.parallel.tp) for p in params if p.hidden]
 
 
@@ -104,7 +107,7 @@ def stage_shares(model: GPTConfig, cfg: RunConfig, stage: int, *, viewpoint: int
     names (every rank of the stage agrees on it: the candidates are global ranks; ZeRO 0: the viewpoint's
     tp group, other dp replicas alike): a rank owns a matrix in the ZeRO hop where it is one of the chosen
     home's ranks, and runs Newton-Schulz on it where it is one of the chosen FLOP ranks."""
-    params = stage_param_list(model, cfg, stage)
+    params = wrapper_order(model, cfg, stage)
     matrices = stage_matrices(cfg, params)
     apart = experts_apart(model, cfg)
     groups = {kind: shard_group(cfg, viewpoint, expert=kind) for kind in ((False, True) if apart else (False,))}

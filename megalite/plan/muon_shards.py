@@ -8,8 +8,9 @@ out with the wrapper's own function (`build_layout`, over plan/param_list.py's l
 order, kinds and tied buckets as grad_buffers.GradBuffers) and reads each rank's chunks
 (`BufferLayout.owned_pieces`), so each rank's counts are its own, not the stage's mean (M/S).
 
-ZeRO 3 lays the units out instead (`build_unit_layout`): there the mean is kept (`ShardCounts.exact`
-False). Pure arithmetic, no torch.
+ZeRO 3 lays the units out instead, one bucket each (`build_unit_layout`, over plan/param_list.py's
+`stage_unit_params`: GPTModel.zero3_units' members, order and kinds, the tied embedding split off at pp > 1):
+a rank updates chunk i of every unit, so its counts are read the same way. Pure arithmetic, no torch.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
 from megalite.config.model import GPTConfig
-from megalite.data_parallel.layout import BufferLayout, build_layout
+from megalite.data_parallel.layout import BufferLayout, build_layout, build_unit_layout
 from megalite.distributed import topology
 from megalite.plan.moe import experts_apart
-from megalite.plan.param_list import PlannedParam, stage_param_list
+from megalite.plan.param_list import PlannedParam, stage_param_list, stage_unit_params
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
@@ -84,13 +85,26 @@ def _layout(numels: tuple[int, ...], bucket_size: int, counts: tuple[int, int], 
     """`build_layout`, and muon[kind][i]: the Muon elements shard index i of that kind owns; remembered, since
     the stages of a model mostly repeat one shape (--suggest asks for every stage of many layouts)."""
     layout = build_layout(list(numels), bucket_size, counts[0], frozenset(alone), list(kinds), (counts[1],))
+    return layout, _muon_by_shard(layout, counts, hidden)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_layout(units: tuple[tuple[int, ...], ...], counts: tuple[int, int], kinds: tuple[int, ...],
+                 hidden: tuple[bool, ...]) -> tuple[BufferLayout, tuple[tuple[int, ...], ...]]:
+    """ZeRO 3's `build_unit_layout` (units' sizes, each unit's kind), and muon[kind][i] as `_layout`'s."""
+    layout = build_unit_layout([list(u) for u in units], counts[0], list(kinds), (counts[1],))
+    return layout, _muon_by_shard(layout, counts, hidden)
+
+
+def _muon_by_shard(layout: BufferLayout, counts: tuple[int, int], hidden: tuple[bool, ...]) -> tuple[tuple[int, ...], ...]:
+    """muon[kind][i]: the Muon elements (`hidden[param]`) of the chunks shard index i of that kind owns."""
     muon = [[0] * counts[0], [0] * counts[1]]
     for i in range(max(counts)):
         for piece in layout.owned_pieces((min(i, counts[0] - 1), min(i, counts[1] - 1))):
             kind = layout.buckets[layout.slots[piece.param].bucket].kind
             if hidden[piece.param] and i < counts[kind]:
                 muon[kind][i] += piece.numel
-    return layout, (tuple(muon[0]), tuple(muon[1]))
+    return tuple(muon[0]), tuple(muon[1])
 
 
 @dataclass(frozen=True)
@@ -101,36 +115,34 @@ class ShardCounts:
     """Muon's, by kind (True: experts in a replica group of their own)."""
     total: int
     """Every element of the shard, the buckets' padding included (a shard-sized tensor's)."""
-    exact: bool
-    """False at ZeRO 3, where these are the stage's mean (the units' layout is not rebuilt)."""
 
 
 def shard_counts(model: GPTConfig, cfg: RunConfig, stage: int, *, ranks: Iterable[int],
                  params: list[PlannedParam] | None = None) -> dict[int, ShardCounts]:
     """The Muon elements and the size of the shard of each global rank of `stage` in `ranks` (module
-    docstring); `params`: the stage's list, where the caller has it."""
-    params = params if params is not None else stage_param_list(model, cfg, stage)
-    if cfg.parallel.zero == 3:
-        mean = _mean_counts(params, cfg, apart=experts_apart(model, cfg), rank=stage_first_rank(cfg, stage))
-        return {rank: mean for rank in ranks}
+    docstring); `params`: the stage's list, where the caller has it (ZeRO 0-2)."""
+    apart, out = experts_apart(model, cfg), {}
+    if cfg.parallel.zero == 3:  # expert units shard over expert-dp whether or not they have replicas apart
+        layout, muon = _stage_unit_layout(model, cfg, stage)
+        for rank in ranks:
+            dense, expert = shard_place(cfg, rank, expert=False)[0], shard_place(cfg, rank, expert=True)[0]
+            mine = {False: muon[0][dense], True: muon[1][expert]}
+            out[rank] = ShardCounts(mine if apart else {False: mine[False] + mine[True], True: 0}, layout.shard_numel)
+        return out
     _, layout, muon = stage_layout(model, cfg, stage, params=params)
-    apart, out, total = experts_apart(model, cfg), {}, layout.shard_numel
     for rank in ranks:
         dense, expert = shard_place(cfg, rank, expert=False)[0], shard_place(cfg, rank, expert=True)[0] if apart else 0
-        out[rank] = ShardCounts({False: muon[0][dense], True: muon[1][expert]}, total, True)
+        out[rank] = ShardCounts({False: muon[0][dense], True: muon[1][expert]}, layout.shard_numel)
     return out
 
 
-def _mean_counts(params: list[PlannedParam], cfg: RunConfig, *, apart: bool, rank: int) -> ShardCounts:
-    """ZeRO 3: the stage's Muon and all elements over each kind's shard group, rounded up (the same on
-    every rank of the stage)."""
-    muon, total = {False: 0, True: 0}, 0
-    for kind in (False, True):
-        mine = [p for p in params if (apart and p.expert) == kind]
-        shards = shard_place(cfg, rank, expert=kind)[1]
-        muon[kind] = -(-sum(p.numel for p in mine if p.hidden) // shards)
-        total += -(-sum(p.numel for p in mine) // shards)
-    return ShardCounts(muon, total, False)
+def _stage_unit_layout(model: GPTConfig, cfg: RunConfig, stage: int
+                       ) -> tuple[BufferLayout, tuple[tuple[int, ...], ...]]:
+    """ZeRO 3: the stage's units laid out as the wrapper lays them (`_unit_layout`)."""
+    units, first = stage_unit_params(model, cfg, stage), stage_first_rank(cfg, stage)
+    counts = (shard_place(cfg, first, expert=False)[1], shard_place(cfg, first, expert=True)[1])
+    return _unit_layout(tuple(tuple(p.numel for p in params) for params, _ in units), counts,
+                        tuple(kind for _, kind in units), tuple(p.hidden for params, _ in units for p in params))
 
 
 def muon_state_saved(model: GPTConfig, cfg: RunConfig, stage: int, *, rank: int | None = None) -> int:

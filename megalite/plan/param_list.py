@@ -158,29 +158,62 @@ def _block(name: str, model: GPTConfig, sizes: Degrees, layer_id: int) -> list[P
     return out + _mlp(f"{name}.mlp", model, model.ffn_hidden_size, tp, bias=model.mlp_bias)
 
 
-def chunk_params(model: GPTConfig, sizes: Degrees, layer_ids: range | list[int], *, pre: bool,
-                 post: bool) -> list[PlannedParam]:
-    """One model chunk's parameters in `GPTModel.logical_parameters` order (pre: it embeds the input ids;
-    post: it holds the head)."""
+def _tables(model: GPTConfig, sizes: Degrees, *, pre: bool, post: bool) -> tuple[list, list, list]:
+    """(GPT-2's position table, the output layer, the word table) a chunk holds, each a list of 0 or 1."""
     h, tp, pp = model.hidden_size, sizes.tp, sizes.pp
     holds_words = pre or (post and model.mtp_num_layers > 0)  # MTP's copy of the embedding on the last stage
     vocab = PlannedParam("word_embeddings.weight", (model.vocab_size, h), 0, tp, padded=model.padded_vocab_size(tp),
                          tied=(model.tie_embeddings or model.mtp_num_layers > 0) and pp > 1)
-    out = [PlannedParam("position_embeddings", (model.seq_length, h))] if model.flavour == "gpt2" and pre else []
-    if post and not (model.tie_embeddings and holds_words):  # own parameters first: the output layer
+    positions = [PlannedParam("position_embeddings", (model.seq_length, h))] if model.flavour == "gpt2" and pre else []
+    output = []
+    if post and not (model.tie_embeddings and holds_words):
         name = "word_embeddings.weight" if model.tie_embeddings else "output_weight"
-        out.append(PlannedParam(name, vocab.full_shape, 0, tp, padded=vocab.padded,
-                                tied=model.tie_embeddings and pp > 1))
-    out += [vocab] if holds_words else []
+        output.append(PlannedParam(name, vocab.full_shape, 0, tp, padded=vocab.padded,
+                                   tied=model.tie_embeddings and pp > 1))
+    return positions, output, [vocab] if holds_words else []
+
+
+def _depth(model: GPTConfig, sizes: Degrees, k: int) -> list[PlannedParam]:
+    """MTP depth k's parameters in model order."""
+    name, h = f"mtp.depths.{k}", model.hidden_size
+    out = _norm(f"{name}.enorm", model) + _norm(f"{name}.hnorm", model)
+    out += _column(f"{name}.eh_proj", h, 2 * h, sizes.tp, bias=False)
+    return out + _block(f"{name}.block", model, sizes, model.num_layers + k) + _norm(f"{name}.final_norm", model)
+
+
+def chunk_params(model: GPTConfig, sizes: Degrees, layer_ids: range | list[int], *, pre: bool,
+                 post: bool) -> list[PlannedParam]:
+    """One model chunk's parameters in `GPTModel.logical_parameters` order (pre: it embeds the input ids;
+    post: it holds the head)."""
+    positions, output, words = _tables(model, sizes, pre=pre, post=post)
+    out = positions + output + words  # own parameters first: the output layer
     for layer_id in layer_ids:
         out += _block(f"layers.{layer_id}", model, sizes, layer_id)
     if post:
         for k in range(model.mtp_num_layers):
-            name = f"mtp.depths.{k}"
-            out += _norm(f"{name}.enorm", model) + _norm(f"{name}.hnorm", model)
-            out += _column(f"{name}.eh_proj", h, 2 * h, tp, bias=False)
-            out += _block(f"{name}.block", model, sizes, model.num_layers + k) + _norm(f"{name}.final_norm", model)
+            out += _depth(model, sizes, k)
         out += _norm("final_norm", model)
+    return out
+
+
+def chunk_units(model: GPTConfig, sizes: Degrees, layer_ids: range | list[int], *, pre: bool,
+                post: bool) -> list[tuple[list[PlannedParam], int]]:
+    """ZeRO-3's units of one chunk as `GPTModel.zero3_units` lists them, (parameters, kind: 1 the experts):
+    the embedding, each block (an MoE block's experts after it), the final norm with the output layer,
+    each MTP depth (its experts after it)."""
+    positions, output, words = _tables(model, sizes, pre=pre, post=post)
+    out = [(words + positions, 0)] if words else []
+
+    def split(params: list[PlannedParam]) -> list[tuple[list[PlannedParam], int]]:
+        experts = [p for p in params if p.expert]
+        return [([p for p in params if not p.expert], 0)] + ([(experts, 1)] if experts else [])
+
+    for layer_id in layer_ids:
+        out += split(_block(f"layers.{layer_id}", model, sizes, layer_id))
+    if post:
+        out.append((_norm("final_norm", model) + output, 0))
+        for k in range(model.mtp_num_layers):
+            out += split(_depth(model, sizes, k))
     return out
 
 
@@ -213,3 +246,34 @@ def _stage_param_list(key: _ByValue, sizes: Degrees, v: int, first: int | None, 
         out += chunk_params(model, sizes, layer_ids, pre=is_first_chunk(pp, stage, c),
                             post=is_last_chunk(pp, len(ranges), stage, c, placement))
     return tuple(out[::-1])
+
+
+def stage_unit_params(model: GPTConfig, cfg: RunConfig, stage: int) -> list[tuple[list[PlannedParam], int]]:
+    """ZeRO-3's units of a rank of `stage` in the wrapper's order (data_parallel/units.py: every chunk's in
+    forward order; at pp > 1 a parameter tied across stages leaves its unit for one of its own, after it)."""
+    p = cfg.parallel
+    ranges = [range(model.num_layers)] if p.pp == 1 else partition_stage_layers(
+        model.num_layers, p.pp, p.virtual_stages, stage, p.decoder_first_stage_layers, p.decoder_last_stage_layers,
+        p.pipeline_layout, placement=chunk_placement_of(cfg))
+    units = []
+    for c, layer_ids in enumerate(ranges):
+        units += chunk_units(model, Degrees.of(cfg), layer_ids, pre=is_first_chunk(p.pp, stage, c),
+                             post=is_last_chunk(p.pp, len(ranges), stage, c, chunk_placement_of(cfg)))
+    if p.pp == 1:
+        return units
+    out = []
+    for params, kind in units:
+        tied = [q for q in params if q.tied]
+        if not tied or len(params) == 1:
+            out.append((params, kind))
+            continue
+        out += [([q for q in params if not q.tied], kind)] + [([q], 0) for q in tied]
+    return out
+
+
+def wrapper_order(model: GPTConfig, cfg: RunConfig, stage: int) -> tuple[PlannedParam, ...]:
+    """The stage's parameters in the order the wrapper (and so the optimizer, whose owner assignment breaks
+    ties by it) holds them: the buffer's at ZeRO 0-2, the units' one after another at ZeRO 3."""
+    if cfg.parallel.zero == 3:
+        return tuple(p for params, _ in stage_unit_params(model, cfg, stage) for p in params)
+    return stage_param_list(model, cfg, stage)

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import OptimizerKind, Precision, Schedule
 from megalite.config.model import GPTConfig
-from megalite.plan.muon import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.muon_shards import muon_state_saved
 from megalite.plan.activations import activation_bytes, inflight_microbatches
@@ -263,9 +262,8 @@ def stage_model_states(model: GPTConfig, cfg: RunConfig, stage: int, *,
         grads += transient_grad_bytes(model, cfg, stage)
     grads += compression_state_bytes(model, cfg, stage)  # --grad-compression powersgd: residuals and Q
     optimizer += outer_state_bytes(model, cfg)  # DiLoCo's θ_outer and momentum (plan/diloco.py)
-    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the hidden matrices keep one buffer, not Adam's two (plan/muon.py)
-        saved = (stage_muon(model, cfg, stage).state_bytes_saved if cfg.parallel.zero == 3  # ZeRO 3: the mean
-                 else muon_state_saved(model, cfg, stage, rank=rank))
+    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the hidden matrices keep one buffer, not Adam's two (plan/muon_stage.py)
+        saved = muon_state_saved(model, cfg, stage, rank=rank)
         optimizer, host = (optimizer, host - saved) if cfg.parallel.offload_optimizer else (optimizer - saved, host)
     return weights, grads, optimizer, host
 

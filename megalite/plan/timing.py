@@ -58,7 +58,8 @@ from typing import TYPE_CHECKING
 
 from megalite.config.choices import OptimizerKind, Precision, Recompute
 from megalite.config.model import GPTConfig
-from megalite.plan.muon import ns_seconds, stage_muon
+from megalite.plan.muon import ns_seconds
+from megalite.plan.muon_stage import stage_muon
 from megalite.plan import fp8, kernel_rates as rates
 from megalite.plan.activations import output_kept_once
 from megalite.plan.comm_time import stage_communication, step_tokens
@@ -280,7 +281,7 @@ def _optimizer_seconds(model, cfg, hw, params: int, stage: int) -> tuple[float, 
     else:
         update = hw.elementwise_seconds(shard * (28 + 4 + a))
     gpu = update + hw.memory_seconds(4 * params)
-    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the busiest owner's Newton-Schulz GEMMs (plan/muon.py)
+    if cfg.optimizer.optimizer == OptimizerKind.MUON:  # the busiest owner's Newton-Schulz GEMMs (plan/muon_stage.py)
         gpu += ns_seconds(hw, stage_muon(model, cfg, stage).ns_flops_busiest, cfg.optimizer.muon_ns_dtype)
     if not hw.launch_host_us:
         return gpu + hw.step_overhead_us * 1e-6, offload

@@ -20,7 +20,7 @@ from megalite.plan.activations import activation_bytes, context_parallel_buffer_
 from megalite.plan.buffers import buffer_bytes
 from megalite.plan.communication import communication_bytes, step_scalar_collectives
 from megalite.plan.diloco import grad_norm_slots
-from megalite.plan.muon import stage_muon
+from megalite.plan.muon_stage import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.per_rank import setup_bytes, stage_model_states
 

@@ -9,7 +9,8 @@ import pytest
 from megalite.distributed import comm
 from megalite.distributed import mesh as mesh_lib
 from megalite.config.choices import MuonOwners
-from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads, stage_muon
+from megalite.plan.muon import assign_owners, describe_owners, ns_flops, owner_loads
+from megalite.plan.muon_stage import stage_muon
 from megalite.plan.muon_ranks import muon_rank_terms
 from megalite.plan.per_rank import estimate, stage_model_states
 from megalite.testing import run_distributed

@@ -5,7 +5,7 @@ import pytest
 from megalite.config import RunConfig
 from megalite.model.gpt import GPTModel
 from megalite.parameters import params as P
-from megalite.plan.param_list import Degrees, chunk_params, stage_param_list
+from megalite.plan.param_list import Degrees, chunk_params, chunk_units, stage_param_list
 from megalite.plan.params import stage_params
 
 
@@ -27,12 +27,20 @@ def _fields_of_real(model: GPTModel) -> list[tuple]:
                            moe_ffn_hidden_size=32, num_experts=4, moe_router_topk=2)),  # q/k norms
 ])
 def test_the_planned_parameters_are_the_models(model, settings):
+    """Every parameter's fields in model order, and ZeRO-3's units (GPTModel.zero3_units)."""
     cfg = RunConfig.build(model=model, **settings)
     config = cfg.gpt_config()
-    real = _fields_of_real(GPTModel(config, None, device="meta"))
+    real_model = GPTModel(config, None, device="meta")
+    real = _fields_of_real(real_model)
     planned = [(q.name, q.full_shape, q.dim, q.blocks, q.padded, q.expert, q.local_shape)
                for q in chunk_params(config, Degrees.of(cfg), range(config.num_layers), pre=True, post=True)]
     assert planned == real
+    names = {id(p): name for name, p in real_model.logical_parameters()}
+    real_units = [([names[id(p)] for p in unit.params], unit.kind) for unit in real_model.zero3_units()]
+    planned_units = [([q.name for q in params], kind)
+                     for params, kind in chunk_units(config, Degrees.of(cfg), range(config.num_layers), pre=True,
+                                                     post=True)]
+    assert planned_units == real_units  # ZeRO-3's units: members, their order and kind
 
 
 @pytest.mark.parametrize("settings", [
