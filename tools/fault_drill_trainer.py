@@ -73,8 +73,9 @@ def plan_trainer_chaos(seed: int, *, groups: int, kills: int, checkpoints: bool)
     """`kills` kills, victims, moments (each once before any repeats) and delays drawn from `seed`."""
     rng = random.Random(seed)
     moments = MOMENTS + (("checkpoint",) if checkpoints else ())
-    drawn = [moments[i % len(moments)] for i in range(kills)]
-    rng.shuffle(drawn)
+    order = list(moments)
+    rng.shuffle(order)  # (then cycled: a short drill draws any of them)
+    drawn = [order[i % len(order)] for i in range(kills)]
     return [TrainerKill(i, rng.randrange(groups), m, rng.randint(1, 4)) for i, m in enumerate(drawn)]
 
 
