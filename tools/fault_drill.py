@@ -5,6 +5,7 @@
     python tools/fault_drill.py --master-port 29700              # torchrun's static rendezvous instead
     python tools/fault_drill.py --shrink --faults 1              # every fault loses ranks for good (2 -> 1)
     python tools/fault_drill.py --chaos --seed 7                 # no restart: replica groups killed, healed in place
+    python tools/fault_drill.py --chaos --target trainer         # the same, the groups the real training program
 
 What it does:
 1. runs the job uninterrupted (examples/pretrain_gpt.py under torchrun, --save/--load,

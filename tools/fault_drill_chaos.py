@@ -23,6 +23,7 @@ same samples (megalite/fault_tolerance/reference.py). Exit code 0 only then.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import random
 import signal
@@ -38,6 +39,13 @@ from megalite.fault_tolerance.reference import Verdict, verify
 from megalite.fault_tolerance.replica_group import FAULT_MOMENTS
 from megalite.fault_tolerance.settings import FaultTolerantRun
 from megalite.training.goodput import GoodputLedger
+
+from fault_drill_trainer import trainer_chaos  # noqa: E402 - tools/, on the path as fault_drill.py puts it
+
+class ChaosTarget(enum.Enum):
+    RUNTIME = "runtime"  # megalite/fault_tolerance/'s replica groups (replica_group.py), stand-in compute
+    TRAINER = "trainer"  # the training program (tools/fault_drill_trainer.py)
+
 
 MOMENTS = FAULT_MOMENTS + ("random",)
 SPACING = 8  # steps between two kills
@@ -149,12 +157,19 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="picks steps, victims, moments and delays")
     p.add_argument("--groups", type=int, default=3, help="replica groups (default 3)")
     p.add_argument("--kills", type=int, default=6)
-    p.add_argument("--train-iters", type=int, default=60)
+    p.add_argument("--target", type=ChaosTarget, default=ChaosTarget.RUNTIME, choices=list(ChaosTarget),
+                   metavar="{runtime,trainer}", help="runtime: the replica-group runtime (default); trainer: "
+                   "examples/pretrain_gpt.py's training program (tools/fault_drill_trainer.py)")
+    p.add_argument("--train-iters", type=int, default=None, help="default 60 (runtime), 150 x (kills + 1) "
+                   "(trainer: a restarted training program builds for ~30-100 of its tiny steps)")
+    p.add_argument("--save-interval", type=int, default=0, help="trainer: each group saves every N steps to its "
+                   "own directory, and a kill's moment can be a checkpoint write (0: no saves)")
     p.add_argument("--step-pause-s", type=float, default=0.15, help="stand-in compute per step (seconds)")
     p.add_argument("--ft-timeout-s", type=float, default=30.0, help="longest wait for a live but slow group")
     p.add_argument("--ft-dead-after-s", type=float, default=1.0, help="heartbeat silence that declares a group dead")
     p.add_argument("--ft-min-groups", type=int, default=1)
-    p.add_argument("--restart-delay-s", type=float, default=1.5, help="a killed group is relaunched after this")
+    p.add_argument("--restart-delay-s", type=float, default=None, help="a killed group is relaunched after this "
+                   "(default 1.5 s; trainer: 0.2 s, its own build takes ~1 s more)")
     p.add_argument("--workdir", default=None, help="records and marks (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the whole drill may take")
     return p.parse_args(argv)
@@ -163,6 +178,12 @@ def parse_args(argv):
 @reports_usage_errors
 def chaos_main(argv=None) -> int:
     args = parse_args(argv)
+    if args.target is ChaosTarget.TRAINER:
+        args.train_iters = args.train_iters or 150 * (args.kills + 1)  # a restart's build: ~30-100 tiny steps
+        args.restart_delay_s = 0.2 if args.restart_delay_s is None else args.restart_delay_s
+        return trainer_chaos(args)
+    args.train_iters = args.train_iters or 60
+    args.restart_delay_s = 1.5 if args.restart_delay_s is None else args.restart_delay_s
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megalite-chaos-"))
     run = FaultTolerantRun(groups=args.groups, steps=args.train_iters, log_dir=str(workdir),
                            timeout_s=args.ft_timeout_s, dead_after_s=args.ft_dead_after_s, min_groups=args.ft_min_groups, step_pause_s=args.step_pause_s)

@@ -3,7 +3,8 @@ in one line each before any process group exists.
 
 Each replica group is its own job and world, healed from a live one by copying its ZeRO shards, Adam's
 moments and step count rank for rank, and the data position is the step's: so the groups must hold
-the same layout and an AdamW state it can copy (ZeRO 0 or 1, no loss scaler, no Muon), the batch must
+the same layout and an AdamW state it can copy (ZeRO 0, 1 or 3: each rank's shard of the masters and moments;
+ZeRO 2 is not proven, so refused; no loss scaler, no Muon), the batch must
 not ramp, and the replicas are the groups themselves (no --dp-shard, DiLoCo or PowerSGD replicas inside
 one). Pure Python: no torch.
 """
@@ -29,7 +30,7 @@ def replica_group_problems(cfg) -> list[str]:
         return [f"--ft-replica-groups needs --ft-store HOST:PORT, the run's store that outlives every group "
                 f"(python -m megalite.fault_tolerance.store serves one), not {ft.ft_store!r}"]
     cannot = [name for name, refused in (
-        (f"--zero {p.zero}", p.zero not in (0, 1)),
+        (f"--zero {p.zero}", p.zero == 2),
         ("--dp-shard / --num-distributed-optimizer-instances",
          p.dp_shard is not None or p.num_distributed_optimizer_instances is not None),
         ("--diloco-inner-steps", bool(p.diloco_inner_steps)),
@@ -39,6 +40,6 @@ def replica_group_problems(cfg) -> list[str]:
         ("--rampup-batch-size", cfg.training.rampup_batch_size is not None),
         ("--offload-optimizer", p.offload_optimizer)) if refused]
     if cannot:
-        return [f"--ft-replica-groups heals ZeRO 0/1 AdamW state (fp32 or bf16) of groups whose replicas are the "
+        return [f"--ft-replica-groups heals ZeRO 0/1/3 AdamW state (fp32 or bf16) of groups whose replicas are the "
                 f"groups themselves, at a fixed batch; it cannot run {cannot[0]}: drop it"]
     return []

@@ -48,6 +48,7 @@ class UnitGrads:
         self.device = self.params[0].device
         # hybrid sharding: the ranks holding this rank's shard of every unit (dense and expert alike)
         self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
+        self.replica_link = None  # --ft-replica-groups: the replicas' sum over the link (fault_tolerance/training.py)
         self.shard_rank = comm.group_rank(dp_group)
         self.groups = groups or (dp_group,)  # by unit kind: dense units over dp x cp, expert units over expert-dp
         self.shard_ranks = tuple(comm.group_rank(g) for g in self.groups)
@@ -154,6 +155,8 @@ class UnitGrads:
         for unit in self.tied_units:
             b = self.layout.buckets[unit]
             comm.all_reduce(self.grad_shard[b.shard_offset:b.shard_offset + b.chunk_numel], self.embedding_group)
+        if self.replica_link is not None:  # --ft-replica-groups: the shard summed over the live groups, one collective
+            self.replica_link.reduce(self.grad_shard)
         self.exposed_seconds = time.perf_counter() - started
         self._finished = True
         self._stale = True  # the next step's backward must start from zero_grad() (grad_buffers.py)

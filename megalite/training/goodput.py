@@ -13,8 +13,9 @@ are named by cause:
     save      training blocked by checkpoint saves
     eval      validation passes
     heal      in-place recovery (megalite/fault_tolerance/): the survivors' step retried without a dead
-              replica group and the live state sent to a restarted one (the chaos drill's ledger,
-              tools/fault_drill_chaos.py; the training loop does not run in-place recovery yet)
+              replica group and the live state sent to a restarted one (the chaos drills' ledgers,
+              tools/fault_drill_chaos.py and tools/fault_drill_trainer.py; the training loop's own ledger
+              does not name them yet: its records carry ft_heal_s and ft_retry_s)
 
 What is left (wall - productive - lost) is "other": logging, guards, the first step's set-up. With
 --save, rank 0 keeps the ledger in DIR/goodput.json (written atomically at every logged step), which
