@@ -86,7 +86,7 @@ def hardware_flops_per_token(model: GPTConfig, recompute: str, seq_length: int |
     if recompute == Recompute.SELECTIVE:
         flops += attention_forward
     elif recompute == Recompute.FULL:  # the blocks re-run (MTP's depths are not recomputed), topk experts each
-        blocks = model.replace(mtp_num_layers=0).num_params(include_embedding=False)
+        blocks = (model.replace(mtp_num_layers=0) if model.mtp_num_layers else model).num_params(include_embedding=False)
         if model.moe is not None:
             blocks -= model.moe_layer_count() * (model.moe_mlp_params(False) - model.moe_mlp_params(True))
         flops += recompute_fraction * (2.0 * blocks + attention_forward)

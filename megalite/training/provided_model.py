@@ -40,6 +40,7 @@ class ProvidedModelConfig:
     hidden_size: int = 0  # unknown: no attention term in the FLOP counts
     moe: None = None  # no megalite experts (MoE flags are refused)
     window_size: None = None  # no megalite attention (no attention FLOPs counted)
+    mtp_num_layers: int = 0  # no multi-token prediction depths
     vocab_size: int = 0  # the flags' (--mock-data draws ids below it); the module's own may be larger
 
     def num_params(self, include_embedding: bool = True) -> int:
@@ -48,6 +49,10 @@ class ProvidedModelConfig:
     def flops_per_token(self, seq_length: int | None = None, mean_document_length: float | None = None, *,
                         span: float | None = None) -> float:
         return 6.0 * self.total_params
+
+    def scores_width(self) -> int:
+        """The q.k and p.v channels per token (GPTConfig's): 0 while the hidden size is unknown."""
+        return 2 * self.hidden_size
 
     def describe(self) -> str:
         return (f"model: {self.flavour.split(':', 1)[1]} from the model provider, {self.num_layers} blocks, "
