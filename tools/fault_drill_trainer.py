@@ -41,11 +41,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megalite.errors import UsageError
 from megalite.fault_tolerance.launcher import Launcher
-from megalite.fault_tolerance.replica_link import ReplicaLink
+from megalite.replicas.replica_link import ReplicaLink
 from megalite.fault_tolerance.settings import FaultTolerantRun
 from megalite.fault_tolerance.trainer_groups import TrainerGroups
 from megalite.fault_tolerance.trainer_reference import members_by_step, reference_losses
-from megalite.fault_tolerance.training import ReplicaTraining
+from megalite.replicas.trainer import ReplicaTraining
 from megalite.training import loop  # noqa: F401 - imported once here: every forked group starts warm
 from megalite.training.goodput import GoodputLedger
 

@@ -1,4 +1,4 @@
-"""--ft-replica-groups: what recovery without a restart (megalite/fault_tolerance/training.py) can run, refused
+"""--ft-replica-groups: what recovery without a restart (megalite/replicas/trainer.py) can run, refused
 in one line each before any process group exists.
 
 Each replica group is its own job and world, healed from a live one by copying its ZeRO shards, Adam's

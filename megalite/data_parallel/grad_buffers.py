@@ -144,7 +144,7 @@ class GradBuffers:
         self.last_reduction_bytes = (0, 0)  # (sent, sent uncompressed) by the last finish_reduction()
         self._shard_group_bytes = 0  # compression under hybrid sharding: the shard group's part of this step
         self._pending: list[tuple[int, object, torch.Tensor | None, torch.Tensor | None]] = []
-        self.replica_link = None  # --ft-replica-groups: the replicas' sum over the link (fault_tolerance/training.py)
+        self.replica_link = None  # --ft-replica-groups: the replicas' sum over the link (replicas/trainer.py)
         self._sync = [True] * len(self.params)  # per parameter: is this backward its last of the step?
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.exposed_seconds = 0.0  # host time of the last finish_reduction(): communication not hidden by backward

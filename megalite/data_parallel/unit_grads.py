@@ -48,7 +48,7 @@ class UnitGrads:
         self.device = self.params[0].device
         # hybrid sharding: the ranks holding this rank's shard of every unit (dense and expert alike)
         self.replicate_group = replicate_group if comm.group_size(replicate_group) > 1 else None
-        self.replica_link = None  # --ft-replica-groups: the replicas' sum over the link (fault_tolerance/training.py)
+        self.replica_link = None  # --ft-replica-groups: the replicas' sum over the link (replicas/trainer.py)
         self.shard_rank = comm.group_rank(dp_group)
         self.groups = groups or (dp_group,)  # by unit kind: dense units over dp x cp, expert units over expert-dp
         self.shard_ranks = tuple(comm.group_rank(g) for g in self.groups)

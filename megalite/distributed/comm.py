@@ -291,7 +291,7 @@ def broadcast(tensor: torch.Tensor, src: int, group, async_op: bool = False):
 
 def broadcast_from_member(tensor: torch.Tensor, member: int, group, async_op: bool = False):
     """Broadcast `tensor` in place from the rank at position `member` of `group`; works on a group built
-    outside torch's registry (the replica link, megalite/fault_tolerance/replica_link.py). Returns the
+    outside torch's registry (the replica link, megalite/replicas/replica_link.py). Returns the
     tensor (or a handle if async_op)."""
     if _trivial(group):
         return _DONE if async_op else tensor

@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-from megalite.fault_tolerance.group_stack import GroupBroken, build_stack
-from megalite.fault_tolerance.quorum import QuorumLost, RunFinished
+from megalite.fault_tolerance.group_stack import build_stack
 from megalite.fault_tolerance.replica_group import ReplicaGroup
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
 from megalite.fault_tolerance.store import serve
+from megalite.replicas.membership import GroupBroken
+from megalite.replicas.quorum import QuorumLost, RunFinished
 from megalite.testing import free_port
 
 

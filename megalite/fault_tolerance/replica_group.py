@@ -38,11 +38,12 @@ import torch
 import torch.distributed as dist
 
 from megalite.distributed import comm
-from megalite.fault_tolerance.group_stack import (GroupBroken, Heartbeat, StepRecord, build_stack, decided_in_group,
-                                                  fingerprint, local_gradient, update, within_group)
-from megalite.fault_tolerance.quorum import Decision, Excluded, Quorum
-from megalite.fault_tolerance.replica_link import ReplicaLink, heal
+from megalite.fault_tolerance.group_stack import (StepRecord, build_stack, fingerprint, heartbeat_of, local_gradient,
+                                                  update)
 from megalite.fault_tolerance.settings import FaultTolerantRun
+from megalite.replicas.membership import GroupBroken, decided_in_group, within_group
+from megalite.replicas.quorum import Decision, Excluded, Quorum
+from megalite.replicas.replica_link import ReplicaLink, heal
 
 __all__ = ["FAULT_MOMENTS", "GroupBroken", "ReplicaGroup", "StepRecord", "build_stack"]
 
@@ -63,11 +64,11 @@ class ReplicaGroup:
                               timeout=datetime.timedelta(seconds=max(run.join_timeout_s, run.timeout_s)))
         incarnation = uuid.uuid4().hex
         if run.ranks_per_group == 1:  # one process: beat from before the (slow) build, as a slow group's proof
-            self.heartbeat = Heartbeat.of(run, group, incarnation)
+            self.heartbeat = heartbeat_of(run, group, incarnation)
         self.model, self.optimizer = build_stack(run)
         if run.ranks_per_group > 1:  # the group's start is named once, by its rank 0, for all its ranks
             incarnation = comm.all_gather_object(incarnation, comm.world_group())[0]
-            self.heartbeat = Heartbeat.of(run, group, incarnation, position)
+            self.heartbeat = heartbeat_of(run, group, incarnation, position)
         self.quorum = Quorum(store, group=group, num_groups=run.groups, min_groups=run.min_groups,
                              timeout_s=run.timeout_s, join_timeout_s=run.join_timeout_s,
                              dead_after_s=run.dead_after_s, positions=run.ranks_per_group, position=position,

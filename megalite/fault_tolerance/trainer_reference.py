@@ -1,7 +1,7 @@
 """The deterministic reference of a fault-tolerant run of the training program: one process, the same samples
 dropped.
 
-The replica groups' metrics records (training.py's `fields`: each step's members) say which groups'
+The replica groups' metrics records (replicas/trainer.py's `fields`: each step's members) say which groups'
 samples every step used. The reference trains the same model (the same flags, seed and schedule, one
 process) through the loop's own `train_step`, at each step on exactly the microbatches those members read
 (each group's share of the run's batch, `sampler_place`), so its loss is the mean over the samples that

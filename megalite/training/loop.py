@@ -73,8 +73,8 @@ from megalite.training.step import build_data_parallel, build_model_chunks, buil
 from megalite.training.step_result import StepResult
 from megalite.training.run_limits import exit_reason, refuse_foreign_checkpoints
 from megalite.training.services import Services, on_exit, open_services
-from megalite.training.step_run import advance_lr, lr_position, run_evaluation, step_record, timed_step
-from megalite.fault_tolerance.training import REPLICA_ENDS, ReplicaTraining, continue_at, end_in_one_line, sampler_place
+from megalite.training.step_run import advance_lr, continue_at, lr_position, run_evaluation, step_record, timed_step
+from megalite.replicas.trainer import REPLICA_ENDS, ReplicaTraining, end_in_one_line, sampler_place
 
 
 def log(*parts, rank0_only: bool = True) -> None:

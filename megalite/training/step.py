@@ -233,7 +233,7 @@ def _world_loss_sum(loss_sum: float, mesh: Mesh, cfg: RunConfig) -> float:
 
 
 def _share_with_replicas(model: DataParallel, loss_sum: float, tokens: GlobalTokens, mesh: Mesh, cfg: RunConfig):
-    """--ft-replica-groups: the replica link (megalite/fault_tolerance/training.py), given the group's (loss sum,
+    """--ft-replica-groups: the replica link (megalite/replicas/trainer.py), given the group's (loss sum,
     target tokens) to carry with its gradient across the live groups; None without."""
     link = getattr(model.grads, "replica_link", None)
     if link is not None:

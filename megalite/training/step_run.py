@@ -115,3 +115,14 @@ def run_evaluation(job, step: int, log=print) -> None:
     job.goodput.add_lost("eval", time.perf_counter() - started)
     log(f"validation at step {step}: loss {loss:.4f} | perplexity {torch.tensor(loss).exp().item():.2f}")
     job.services.writer.write_eval(step, loss)
+
+
+def continue_at(job, start_step: int) -> int:
+    """The step the loop continues after: `start_step`, or (--ft-replica-groups) the live groups' step
+    boundary a restarted group was admitted and healed at, the learning rate moved there."""
+    if job.replicas is None:
+        return start_step
+    step = job.replicas.start(start_step)
+    if step != start_step:
+        job.scheduler.jump_to(lr_position(job.cfg, job.sampler, step))
+    return step

@@ -1,4 +1,4 @@
-"""The per-step quorum (megalite/fault_tolerance/quorum.py) on a real TCPStore, its members as threads.
+"""The per-step quorum (megalite/replicas/quorum.py) on a real TCPStore, its members as threads.
 
 Each case is what a replica group sees: everyone present; a group absent past the timeout (dropped,
 and refused if it arrives late); an outcome some member did not report (retry for all); a restarted
@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megalite.errors import UsageError
-from megalite.fault_tolerance.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, beat_key
+from megalite.replicas.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, beat_key
 from megalite.fault_tolerance.replica_group import ReplicaGroup
 from megalite.fault_tolerance.settings import FaultTolerantRun, check_run
 from megalite.testing import free_port

@@ -1,4 +1,4 @@
-"""Recovery without a restart in the training program (megalite/fault_tolerance/training.py): two replica groups
+"""Recovery without a restart in the training program (megalite/replicas/trainer.py): two replica groups
 of the real GPT (each its own world, one process here), one SIGKILLed at the start of a step and restarted.
 
 Training never stops (every step has a record), the survivor trains the killed group's steps on its own

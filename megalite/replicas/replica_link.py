@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.distributed import comm
-from megalite.fault_tolerance.quorum import PREFIX, Decision
+from megalite.replicas.quorum import PREFIX, Decision
 
 
 class ReplicaLink:

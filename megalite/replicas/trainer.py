@@ -35,10 +35,9 @@ import torch.distributed as dist
 
 from megalite.distributed import comm
 from megalite.errors import UsageError
-from megalite.fault_tolerance.group_stack import GroupBroken, Heartbeat, decided_in_group, within_group
-from megalite.fault_tolerance.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, RunFinished, beat_key
-from megalite.fault_tolerance.replica_link import ReplicaLink, heal
-from megalite.training.step_run import lr_position
+from megalite.replicas.membership import GroupBroken, Heartbeat, decided_in_group, within_group
+from megalite.replicas.quorum import PREFIX, Decision, Excluded, Quorum, QuorumLost, RunFinished, beat_key
+from megalite.replicas.replica_link import ReplicaLink, heal
 
 REPLICA_ENDS = (QuorumLost, GroupBroken, RunFinished)  # the one-line ends of a replica group (end_in_one_line)
 
@@ -61,17 +60,6 @@ def sampler_place(cfg, mesh) -> tuple[int, int, int, int]:
         return batch, micro, mesh.dp_rank, mesh.dp_size
     groups = ft.ft_replica_groups
     return groups * batch, micro, ft.ft_group_id * mesh.dp_size + mesh.dp_rank, groups * mesh.dp_size
-
-
-def continue_at(job, start_step: int) -> int:
-    """The step the loop continues after: `start_step`, or (--ft-replica-groups) the live groups' step
-    boundary a restarted group was admitted and healed at, the learning rate moved there."""
-    if job.replicas is None:
-        return start_step
-    step = job.replicas.start(start_step)
-    if step != start_step:
-        job.scheduler.jump_to(lr_position(job.cfg, job.sampler, step))
-    return step
 
 
 def end_in_one_line(exc: Exception, rank: int) -> int:

@@ -254,5 +254,5 @@ class Quorum:
 
 def beat_key(group: int, incarnation: str, position: int = 0) -> str:
     """The counter rank `position` of a replica group's start `incarnation` adds 1 to from its heartbeat
-    thread (group_stack.Heartbeat) every dead_after_s / 5 seconds: a SIGKILLed process's stops moving."""
+    thread (membership.Heartbeat) every dead_after_s / 5 seconds: a SIGKILLed process's stops moving."""
     return f"{PREFIX}beat/{group}/{incarnation}/{position}"
