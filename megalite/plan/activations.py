@@ -178,9 +178,9 @@ def mtp_activation_bytes(model: GPTConfig, cfg: RunConfig, attention: str | None
     """Kept by the MTP depths per microbatch, on the head's stage, live while its loss head is (never
     recomputed): each depth's embedding of the ids k ahead (embedding_activation_bytes), its enorm (the
     new embedding) and hnorm (whose input, the previous hidden state, the final norm or the previous depth
-    already keeps: its statistics only), M_k's input [s', b, 2h] (the sequence shard under SP), a whole
-    block (an MoE one's routing buffers instead of the dense MLP's) and a loss head through its own final
-    norm (head_activation_bytes)."""
+    already keeps: its statistics only), M_k's input [s', b, 2h] (the sequence shard under SP; and under SP
+    M_k's gathered [s, b, h] output, whose view the block keeps), a whole block (an MoE one's routing
+    buffers instead of the dense MLP's) and a loss head through its own final norm (head_activation_bytes)."""
     depths = model.mtp_num_layers
     if not depths:
         return 0
@@ -189,7 +189,10 @@ def mtp_activation_bytes(model: GPTConfig, cfg: RunConfig, attention: str | None
     rows //= cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     norms = 2 * _norm_bytes(model, a, rows, h) - a * rows * h  # enorm, hnorm (its input kept already)
     eh_input = 2 * a * rows * h                                 # M_k's input [s', b, 2h]
-    n = depths * (embedding_activation_bytes(model, cfg) + norms + eh_input + head_activation_bytes(model, cfg)
+    # under SP the block's first norm keeps its [s/tp, b, h] input as a view of M_k's gathered [s, b, h] output
+    # (the sequence split of a contiguous tensor is a view): the whole storage, (tp - 1) shards more
+    whole = a * local_seq_length(model, cfg) * cfg.training.micro_batch_size * h - a * rows * h
+    n = depths * (embedding_activation_bytes(model, cfg) + norms + eh_input + whole + head_activation_bytes(model, cfg)
                   + layer_activation_bytes(model, cfg, recompute="none", attention=attention))
     moe_depths = sum(model.is_moe_block(model.num_layers + k) for k in range(depths))
     return n + moe_depths * moe_activation_change(model, cfg)
