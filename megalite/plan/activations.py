@@ -176,8 +176,8 @@ def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
 
 def mtp_activation_bytes(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> int:
     """Kept by the MTP depths per microbatch, on the head's stage, live while its loss head is (never
-    recomputed): each depth's embedding of the ids k ahead (embedding_activation_bytes), its enorm (the
-    new embedding) and hnorm (whose input, the previous hidden state, the final norm or the previous depth
+    recomputed): each depth's embedding of the ids k ahead (embedding_activation_bytes, less the ids at
+    tp > 1), its enorm (the new embedding) and hnorm (whose input, the previous hidden state, the final norm or the previous depth
     already keeps: its statistics only), M_k's input [s', b, 2h] (the sequence shard under SP; and under SP
     M_k's gathered [s, b, h] output, whose view the block keeps), a whole block (an MoE one's routing
     buffers instead of the dense MLP's) and a loss head through its own final norm (head_activation_bytes)."""
@@ -185,14 +185,16 @@ def mtp_activation_bytes(model: GPTConfig, cfg: RunConfig, attention: str | None
     if not depths:
         return 0
     a, h = DTYPE_BYTES[cfg.precision.precision], model.hidden_size
-    rows = local_seq_length(model, cfg) * cfg.training.micro_batch_size
-    rows //= cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    rows_all = local_seq_length(model, cfg) * cfg.training.micro_batch_size  # s * b (s/cp under cp)
+    rows = rows_all // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
     norms = 2 * _norm_bytes(model, a, rows, h) - a * rows * h  # enorm, hnorm (its input kept already)
     eh_input = 2 * a * rows * h                                 # M_k's input [s', b, 2h]
     # under SP the block's first norm keeps its [s/tp, b, h] input as a view of M_k's gathered [s, b, h] output
     # (the sequence split of a contiguous tensor is a view): the whole storage, (tp - 1) shards more
-    whole = a * local_seq_length(model, cfg) * cfg.training.micro_batch_size * h - a * rows * h
-    n = depths * (embedding_activation_bytes(model, cfg) + norms + eh_input + whole + head_activation_bytes(model, cfg)
+    whole = a * rows_all * h - a * rows * h
+    # the embedding of the rolled ids: at tp > 1 its lookup keeps the local ids and the mask, not the ids
+    embedded = embedding_activation_bytes(model, cfg) - (8 * rows_all if cfg.parallel.tp > 1 else 0)
+    n = depths * (embedded + norms + eh_input + whole + head_activation_bytes(model, cfg)
                   + layer_activation_bytes(model, cfg, recompute="none", attention=attention))
     moe_depths = sum(model.is_moe_block(model.num_layers + k) for k in range(depths))
     return n + moe_depths * moe_activation_change(model, cfg)
