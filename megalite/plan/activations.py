@@ -174,6 +174,32 @@ def head_activation_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     return n
 
 
+def mtp_activation_bytes(model: GPTConfig, cfg: RunConfig, attention: str | None = None) -> int:
+    """Kept by the MTP depths per microbatch, on the head's stage, live while its loss head is (never
+    recomputed): each depth's embedding of the ids k ahead (embedding_activation_bytes, less the ids at
+    tp > 1), its enorm (the new embedding) and hnorm (whose input, the previous hidden state, the final norm or the previous depth
+    already keeps: its statistics only), M_k's input [s', b, 2h] (the sequence shard under SP; and under SP
+    M_k's gathered [s, b, h] output, whose view the block keeps), a whole block (an MoE one's routing
+    buffers instead of the dense MLP's) and a loss head through its own final norm (head_activation_bytes)."""
+    depths = model.mtp_num_layers
+    if not depths:
+        return 0
+    a, h = DTYPE_BYTES[cfg.precision.precision], model.hidden_size
+    rows_all = local_seq_length(model, cfg) * cfg.training.micro_batch_size  # s * b (s/cp under cp)
+    rows = rows_all // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    norms = 2 * _norm_bytes(model, a, rows, h) - a * rows * h  # enorm, hnorm (its input kept already)
+    eh_input = 2 * a * rows * h                                 # M_k's input [s', b, 2h]
+    # under SP the block's first norm keeps its [s/tp, b, h] input as a view of M_k's gathered [s, b, h] output
+    # (the sequence split of a contiguous tensor is a view): the whole storage, (tp - 1) shards more
+    whole = a * rows_all * h - a * rows * h
+    # the embedding of the rolled ids: at tp > 1 its lookup keeps the local ids and the mask, not the ids
+    embedded = embedding_activation_bytes(model, cfg) - (8 * rows_all if cfg.parallel.tp > 1 else 0)
+    n = depths * (embedded + norms + eh_input + whole + head_activation_bytes(model, cfg)
+                  + layer_activation_bytes(model, cfg, recompute="none", attention=attention))
+    moe_depths = sum(model.is_moe_block(model.num_layers + k) for k in range(depths))
+    return n + moe_depths * moe_activation_change(model, cfg)
+
+
 def rope_table_bytes(model: GPTConfig, cfg: RunConfig) -> int:
     """Llama under context parallelism: the fp32 cos and sin rows [s/cp, d] gathered at this
     rank's global positions, kept by the RoPE of every block of a chunk (views of the tables,
@@ -348,7 +374,8 @@ def activation_bytes(model: GPTConfig, cfg: RunConfig, stage: int, attention: st
         total += embedding_inflight_microbatches(cfg, stage) * embedding_activation_bytes(model, cfg)
     if stage != head_stage(cfg):  # the last stage; stage 0 under DualPipeV
         return total + (recomputed_block_bytes(model, cfg, stage, attention) if recomputing else 0)
-    heads = head_inflight_microbatches(cfg) * head_activation_bytes(model, cfg)
+    head = head_activation_bytes(model, cfg) + mtp_activation_bytes(model, cfg, attention)  # MTP's live beside it
+    heads = head_inflight_microbatches(cfg) * head
     return total + heads + (recompute_beside_heads(model, cfg, stage, attention) if recomputing else 0)
 
 
@@ -359,6 +386,7 @@ def recompute_beside_heads(model: GPTConfig, cfg: RunConfig, stage: int, attenti
     block = recomputed_block_bytes(model, cfg, stage, attention)
     if not block:
         return 0
-    heads, head = head_inflight_microbatches(cfg), head_activation_bytes(model, cfg)
+    heads = head_inflight_microbatches(cfg)
+    head = head_activation_bytes(model, cfg) + mtp_activation_bytes(model, cfg, attention)
     beside = heads if cfg.schedule == Schedule.INTERLEAVED and cfg.parallel.virtual_stages > 1 else heads - 1
     return max(0, beside * head + block - heads * head)

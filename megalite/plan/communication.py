@@ -30,7 +30,7 @@ from megalite.plan.mla import attention_head_dims, latent_sequence_parallel_grad
 from megalite.plan.layout import (DTYPE_BYTES, dp_group_name, head_stage, is_hybrid, is_v_shaped, local_seq_length,
                                   recomputed_stage_layers, stage_layers, zero_group_name, zero_shard_ranks)
 from megalite.plan.moe import (dispatch_bytes, expert_dp_config, experts_apart, moe_replica_bytes,
-                               moe_tensor_parallel_bytes, stage_expert_params, stage_moe_layers)
+                               moe_tensor_parallel_bytes, mtp_depths, stage_expert_params, stage_moe_layers)
 from megalite.plan.params import stage_params
 from megalite.plan.zero3 import add_zero3_dp_bytes, add_zero3_expert_bytes
 
@@ -69,7 +69,7 @@ def communication_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whole_forw
     for key, n in dispatch_bytes(model, cfg, stage).items():  # MoE token dispatch over ep
         add(key, n)
     if experts_apart(model, cfg):  # experts reduce over their own replicas (ZeRO-3: their own units)
-        experts = stage_expert_params(model, cfg, stage)
+        experts = stage_expert_params(model, cfg, stage, with_mtp=True)  # the MTP depths' experts reduce there too
         params -= experts
         edp, to_edp = expert_dp_config(cfg), lambda key, n: add(_expert_group(key), n)  # noqa: E731
         if cfg.parallel.zero == 3:
@@ -125,13 +125,14 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
     """The tp group's bytes of one stage per step (see communication_bytes); u: one [s, b, h] activation."""
     t, m, pp, sp = cfg.parallel.tp, cfg.num_microbatches, cfg.parallel.pp, cfg.parallel.sequence_parallel
     s, b = local_seq_length(model, cfg), cfg.training.micro_batch_size
-    layers = stage_layers(model, cfg)[stage]
+    depths = mtp_depths(model, cfg, stage)  # each MTP depth runs a block (never recomputed) and the head
+    layers = stage_layers(model, cfg)[stage] + depths
     # Full recompute re-runs a block's forward until its last saved tensor is packed (torch's
     # non-reentrant checkpoint stops there, after the MLP output GEMM): both input gathers
     # and the attention output's reduction again, not the MLP output's reduction.
     rerun = recomputed_stage_layers(model, cfg)[stage]
     # an MoE block's MLP part runs collectives of its own (plan/moe.py); attention is every block's
-    mlps = layers - stage_moe_layers(model, cfg, stage)
+    mlps = layers - stage_moe_layers(model, cfg, stage, with_mtp=True)
     mlp_rerun = rerun - stage_moe_layers(model, cfg, stage, recomputed=True)
     mlp_rerun_reductions = mlp_rerun if whole_forward_rerun else 0
     if sp:
@@ -156,16 +157,24 @@ def _tensor_parallel_bytes(add, model: GPTConfig, cfg: RunConfig, stage: int, u:
                                       sequence_parallel=sp,
                                       gathers=lambda nbytes: fp8.sp_input_gathers(cfg, nbytes, a, s * b)).items():
             add(key, n)
-    if stage == 0:  # vocab-parallel embedding: fwd reduce (-scatter); bwd its transpose under SP
-        add("tp/reduce_scatter" if sp else "tp/all_reduce", m * u)
-        add("tp/all_gather", m * u if sp else 0)
-    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV
+    # the vocab-parallel embedding: fwd reduce (-scatter), bwd its transpose under SP; once on stage 0 and
+    # once per MTP depth (Emb(t_{i+k}))
+    embeddings = m * ((stage == 0) + depths)
+    add("tp/reduce_scatter" if sp else "tp/all_reduce", embeddings * u)
+    add("tp/all_gather", embeddings * u if sp else 0)
+    if stage == head_stage(cfg):  # the last stage; stage 0 under DualPipeV; the head once more per MTP depth
+        heads = m * (1 + depths)
         if sp:
-            add("tp/all_gather", 2 * m * u)                         # output-layer input, fwd + bwd
-            add("tp/reduce_scatter", m * u)                         # and its gradient
+            add("tp/all_gather", 2 * heads * u)                     # output-layer input, fwd + bwd
+            add("tp/reduce_scatter", heads * u)                     # and its gradient
         else:
-            add("tp/all_reduce", m * u)                             # grad of the copied input
-        add("tp/all_reduce", m * (2 * t + 1) * 4 * s * b)           # CE: per-rank max, sum-exp; target
+            add("tp/all_reduce", heads * u)                         # grad of the copied input
+        add("tp/all_reduce", heads * (2 * t + 1) * 4 * s * b)       # CE: per-rank max, sum-exp; target
+        # M_k (column-parallel, [2h] -> [h/tp], its output gathered over h): without SP fwd that gather (u), bwd
+        # the [2h] input's gradient summed (2u); under SP also its [2h] input gathered fwd and again in bwd (4u),
+        # the output's sequence split transposed in bwd (u), the input's gradient reduce-scattered (2u)
+        add("tp/all_gather", m * depths * (6 if sp else 1) * u)
+        add("tp/reduce_scatter" if sp else "tp/all_reduce", m * depths * 2 * u)
     add("tp/all_reduce", sequence_parallel_grad_bytes(model, cfg, stage))
 
 
@@ -177,9 +186,10 @@ def sequence_parallel_grad_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -
         return 0
     h = model.hidden_size
     norm = 2 * h if model.flavour == "gpt2" else h
-    layers = stage_layers(model, cfg)[stage]
-    mlps = layers - stage_moe_layers(model, cfg, stage)  # an MoE block's MLP has no row bias
-    n = 2 * norm * layers + (h * (layers + mlps) if model.add_bias else 0)  # attention and MLP output biases
+    depths = mtp_depths(model, cfg, stage)  # each MTP depth: a block and its enorm, hnorm and final norm
+    layers = stage_layers(model, cfg)[stage] + depths
+    mlps = layers - stage_moe_layers(model, cfg, stage, with_mtp=True)  # an MoE block's MLP has no row bias
+    n = 2 * norm * layers + (h * (layers + mlps) if model.add_bias else 0) + 3 * norm * depths
     if model.mla is not None:  # the latent norms and the replicated down-projections
         n += latent_sequence_parallel_grads(model, layers)
     if stage == head_stage(cfg):
@@ -259,7 +269,8 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
     shard group, then summed over 'dp_replicate'), the finiteness check of the loss and
     the mean loss (the world), and the gradient norm (the model-parallel group tp x pp, or the
     world when ZeRO shards the gradients over dp x cp or the experts differ over ep > 1:
-    optim/clip.reduce_square_sum). Groups of one rank issue none."""
+    optim/clip.reduce_square_sum); with MTP depths, their D losses in one more (the world:
+    model/mtp.mtp_stats). Groups of one rank issue none."""
     tp, pp, cp, dp, world = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp, cfg.dp, cfg.world_size
     out: dict[str, tuple[int, int]] = {}
 
@@ -272,7 +283,7 @@ def step_scalar_collectives(cfg: RunConfig) -> dict[str, tuple[int, int]]:
         add("dp_replicate", dp // cfg.dp_shard, 1)
     else:
         add(dp_group_name(cfg), dp * cp, 1)
-    add("world", world, 2)
+    add("world", world, 2 + (cfg.gpt_config().mtp_num_layers > 0))
     if (cfg.parallel.zero and dp * cp > 1) or cfg.parallel.ep > 1:
         add("world", world, 1)
     else:

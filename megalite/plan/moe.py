@@ -26,21 +26,34 @@ from typing import TYPE_CHECKING
 from megalite.config.choices import Fp8ScalingRecipe, MoEDispatcher, Recompute
 from megalite.config.model import GPTConfig
 from megalite.pipeline.partition import ChunkPlacement, stage_layers as partition_stage_layers
-from megalite.plan.layout import DTYPE_BYTES, chunk_placement_of
+from megalite.plan.layout import DTYPE_BYTES, chunk_placement_of, head_stage
 
 if TYPE_CHECKING:
     from megalite.config import RunConfig
 
 
-def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: bool = False) -> int:
+def stage_moe_layers(model: GPTConfig, cfg: RunConfig, stage: int, recomputed: bool = False, *,
+                     with_mtp: bool = False) -> int:
     """MoE blocks held by pipeline stage `stage` (every chunk of it); recomputed: only those full
-    recompute re-runs (the first recompute_num_layers of each chunk, or all; none without it)."""
+    recompute re-runs (the first recompute_num_layers of each chunk, or all; none without it).
+    with_mtp: the head stage's MTP depths with experts too (never recomputed), for what a block moves."""
     p = cfg.parallel
     if model.moe is None or (recomputed and p.recompute != Recompute.FULL):
         return 0
-    return _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
-                       p.decoder_last_stage_layers, p.pipeline_layout, stage,
-                       p.recompute_num_layers if recomputed else None, chunk_placement_of(cfg))
+    depths = mtp_moe_depths(model, cfg, stage) if with_mtp and not recomputed else 0
+    return depths + _moe_layers(model.moe, model.num_layers, p.pp, p.virtual_stages, p.decoder_first_stage_layers,
+                                p.decoder_last_stage_layers, p.pipeline_layout, stage,
+                                p.recompute_num_layers if recomputed else None, chunk_placement_of(cfg))
+
+
+def mtp_depths(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """MTP depths run by a rank of `stage`: all of them on the head stage, none elsewhere."""
+    return model.mtp_num_layers if stage == head_stage(cfg) else 0
+
+
+def mtp_moe_depths(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
+    """The MTP depths of `stage` whose block has experts (depth k is block num_layers + k)."""
+    return sum(model.is_moe_block(model.num_layers + k) for k in range(mtp_depths(model, cfg, stage)))
 
 
 @lru_cache(maxsize=8192)
@@ -87,9 +100,10 @@ def dense_change_per_layer(model: GPTConfig, cfg: RunConfig) -> int:
     return moe.num_experts * model.hidden_size + shared - _mlp_params(model, model.ffn_hidden_size, tp, model.mlp_bias)
 
 
-def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
-    """Expert parameters of one rank of stage `stage` (sharded over ep, replicated over expert-dp)."""
-    layers = stage_moe_layers(model, cfg, stage)
+def stage_expert_params(model: GPTConfig, cfg: RunConfig, stage: int, *, with_mtp: bool = False) -> int:
+    """Expert parameters of one rank of stage `stage` (sharded over ep, replicated over expert-dp;
+    with_mtp: the MTP depths' experts too)."""
+    layers = stage_moe_layers(model, cfg, stage, with_mtp=with_mtp)
     return layers * expert_params_per_layer(model, cfg) if layers else 0
 
 
@@ -121,7 +135,7 @@ def balanced_routes(routes: int, num_experts: int, ep: int, source: int, dest: i
 
 def dispatch_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> dict[str, int]:
     """'ep/op' -> bytes per step on one rank of stage `stage` (dropless: every route travels)."""
-    layers, ep = stage_moe_layers(model, cfg, stage), cfg.parallel.ep
+    layers, ep = stage_moe_layers(model, cfg, stage, with_mtp=True), cfg.parallel.ep
     if not layers or ep == 1:
         return {}
     a, m, k, h = DTYPE_BYTES[cfg.precision.precision], cfg.num_microbatches, model.moe.topk, model.hidden_size
@@ -210,7 +224,7 @@ def moe_tensor_parallel_bytes(model: GPTConfig, cfg: RunConfig, stage: int, whol
     again) and its input's gradient (u); under SP at etp 1 also the sequence gathered (F u) and its
     output's scatter gradient (u); at etp 1 without SP its output's scatter gradient (u).
     """
-    layers, p = stage_moe_layers(model, cfg, stage), cfg.parallel
+    layers, p = stage_moe_layers(model, cfg, stage, with_mtp=True), cfg.parallel
     if not layers or (p.tp == 1 and (p.cp == 1 or model.moe.capacity_factor is None)):
         return {}
     moe, t, m, sp = model.moe, p.tp, cfg.num_microbatches, p.sequence_parallel
@@ -254,7 +268,7 @@ def moe_replica_bytes(model: GPTConfig, cfg: RunConfig, stage: int) -> int:
     'dp_cp') for the MoE blocks' bookkeeping, per block: the step's statistics (moe/bookkeeping.moe_stats:
     E loads, aux and z losses, drops and forwards, E+4 float64) and, with an expert bias, its load
     (E fp32, router.update_expert_bias). 0 without replicas or MoE blocks on the stage."""
-    layers = stage_moe_layers(model, cfg, stage)
+    layers = stage_moe_layers(model, cfg, stage, with_mtp=True)
     if not layers or cfg.dp * cfg.parallel.cp == 1:
         return 0
     e = model.moe.num_experts

@@ -62,12 +62,13 @@ def planned_terms(cfg: RunConfig, stage: int, attention: str | None = None, *, r
 
 def scalar_collective_bytes(cfg: RunConfig) -> dict[str, int]:
     """The one-element all-reduces of a step by group (`step_scalar_collectives` counts them), in
-    their dtypes: the target-token count and the mean loss in float64 (8 bytes), the loss's
+    their dtypes: the target-token count, the mean loss and each MTP depth's loss in float64 (8 bytes), the loss's
     finiteness flag and the gradient norm's square in float32 (4)."""
-    out = {}
+    out, depths = {}, cfg.gpt_config().mtp_num_layers
     for group, (_, count) in step_scalar_collectives(cfg).items():
-        if group == "world":  # finiteness flag (4) + mean loss (8), and the gradient norm (4) under ZeRO
-            out[group] = 4 + 8 + 4 * (count - 2) * grad_norm_slots(cfg)  # (DiLoCo: a slot per replica group)
+        if group == "world":  # finiteness flag (4) + mean loss (8), the MTP depths' losses (8 D, one all-reduce),
+            # and the gradient norm (4) under ZeRO (DiLoCo: a slot per replica group)
+            out[group] = 4 + 8 + 8 * depths + 4 * (count - 2 - (depths > 0)) * grad_norm_slots(cfg)
         elif group == "mp":
             out[group] = 4 * count
         else:  # the token count over dp x cp

@@ -42,3 +42,24 @@ def test_tiny_deepseek_under_full_recompute_keeps_what_the_planner_counts(rank):
 @pytest.mark.parametrize("rank", [0, 1088, 2047])  # stage 0 (3 dense + 1 MoE), stage 8, the last stage
 def test_deepseek_v3_at_its_layout_keeps_and_moves_what_the_planner_counts(rank):
     _check(_config(**V3), rank)
+
+
+@pytest.mark.parametrize("settings", [dict(optimizer="adam"),
+                                      pytest.param(dict(optimizer="muon", sequence_parallel=True, rank=3),
+                                                   marks=pytest.mark.slow)])
+def test_tiny_deepseek_with_an_mtp_depth_keeps_and_moves_what_the_planner_counts(settings):
+    """tp 2 x dp 2 x ep 2 with one MTP depth (an MoE block, latent attention): the depth's block, its M_k, its
+    pass through the embedding and the shared head move the planner's tp bytes, its experts reduce over edp (not
+    dp), its MoE block dispatches over ep, its losses are one more world all-reduce; it keeps what the planner
+    counts (plan/activations.mtp_activation_bytes). Before the depth was counted: dp x0.77, tp x1.61, saved
+    activations x1.47, world 24 bytes against 16."""
+    settings = dict(settings)
+    rank = settings.pop("rank", 0)
+    cfg = _config(model="deepseek-tiny", tp=2, dp=2, ep=2, mtp_num_layers=1, micro_batch_size=1,
+                  global_batch_size=4, **settings)
+    measured = simulate_rank(cfg, rank)
+    planned = planned_terms(cfg, measured.coords["pp"], rank=rank)
+    assert measured.comm_bytes == planned["comm_bytes"]
+    for term in TERMS:
+        ratio = getattr(measured, term) / planned[term]
+        assert abs(ratio - 1) < 0.03, (term, getattr(measured, term), planned[term])
