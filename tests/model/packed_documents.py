@@ -8,6 +8,7 @@ from megalite.context_parallel.document_split import gather_tokens, local_tokens
 from megalite.context_parallel.zigzag import gather_sequence, split_sequence
 from megalite.distributed import comm
 from megalite.parameters import params as P
+from megalite.testing import assert_tensor_close
 
 
 def documents_batch(vocab: int, documents: tuple[list[int], ...], seq: int, *,
@@ -67,3 +68,17 @@ def packed_run(model, ids, labels, positions):
         loss, depths = (comm.all_reduce(t.clone(), group) for t in (loss, depths))
         grads = {n: comm.all_reduce(g.clone(), group) for n, g in grads.items()}
     return logits, loss, depths, grads
+
+
+def assert_same_mtp_run(run, expected, *, vocab: int, what: str) -> int:
+    """`run` and `expected`, each (logits, loss, MTP depth losses, {param: grad}), equal to float32 rounding
+    (logits over the real vocabulary); returns the number of gradients compared."""
+    logits, loss, depths, grads = run
+    ref_logits, ref_loss, ref_depths, ref_grads = expected
+    torch.testing.assert_close(logits[..., :vocab], ref_logits[..., :vocab], rtol=1e-5, atol=1e-5, msg=what)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=what)
+    torch.testing.assert_close(depths, ref_depths, rtol=1e-5, atol=0, msg=what)
+    assert grads.keys() == ref_grads.keys(), what
+    for param, grad in ref_grads.items():
+        assert_tensor_close(grads[param], grad, rtol=1e-5, what=f"{what} {param}")
+    return len(grads)

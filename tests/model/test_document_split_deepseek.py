@@ -21,14 +21,13 @@ import os
 import sys
 
 import pytest
-import torch
 
 from megalite.distributed import mesh
 from megalite.model import GPTModel, preset
-from megalite.testing import assert_tensor_close, run_distributed
+from megalite.testing import run_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
-from packed_documents import documents_batch, packed_run  # noqa: E402
+from packed_documents import assert_same_mtp_run, documents_batch, packed_run  # noqa: E402
 
 S = 16
 DOCUMENTS = ([1, 5, 3, 7], [2, 11, 3], [16])
@@ -59,16 +58,8 @@ def _rank(cases, expected):
     checked = {}
     for name, comm_type in cases:
         model, cfg = _model(name, m, comm_type, split="documents")
-        logits, loss, depths, grads = _run(model, cfg)
-        ref_logits, ref_loss, ref_depths, ref_grads = expected[name]
-        what, v = f"{name} {comm_type}", cfg.vocab_size
-        torch.testing.assert_close(logits[..., :v], ref_logits[..., :v], rtol=1e-5, atol=1e-5, msg=what)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=what)
-        torch.testing.assert_close(depths, ref_depths, rtol=1e-5, atol=0, msg=what)
-        assert grads.keys() == ref_grads.keys(), what
-        for param, grad in ref_grads.items():
-            assert_tensor_close(grads[param], grad, rtol=1e-5, what=f"{what} {param}")
-        checked[(name, comm_type)] = len(grads)
+        checked[(name, comm_type)] = assert_same_mtp_run(_run(model, cfg), expected[name], vocab=cfg.vocab_size,
+                                                         what=f"{name} {comm_type}")
     return checked
 
 
