@@ -25,6 +25,13 @@ def train_two_steps(m, cfg, reference=None):
     chunks = build_model_chunks(cfg.gpt_config(), cfg, m)
     optimizer = build_optimizer(build_data_parallel(chunks, cfg, m), cfg)
     results = [train_step(optimizer.model, optimizer, batch, m, cfg, lr=1e-3) for batch in batches()]
+    final = final_parameters(optimizer, chunks, cfg, reference)
+    return [r.loss for r in results], [r.grad_norm for r in results], chunks, final
+
+
+def final_parameters(optimizer, chunks, cfg, reference=None) -> dict:
+    """Without `reference` (one process): every full parameter by name; else each rank's parameter compared
+    with `reference`'s slice for this rank (1e-5) and {} returned."""
     final = {}
     with optimizer.model.gathered():
         for name, p in (item for c in chunks for item in c.logical_parameters()):
@@ -33,4 +40,4 @@ def train_two_steps(m, cfg, reference=None):
             else:
                 assert_tensor_close(p, P.shard_spec(p).shard(reference[name]), rtol=1e-5,
                                     what=f"{cfg.parallel} {name}")
-    return [r.loss for r in results], [r.grad_norm for r in results], chunks, final
+    return final

@@ -1,10 +1,12 @@
 """Multi-head latent attention (megalite/model/mla.py) against transformers' DeepseekV3Attention and
 DeepseekV2Attention built from small configs (YaRN RoPE with mscale, interleaved RoPE pairs, d_qk != d_v,
 with and without a query latent), and in every tensor-parallel layout against the single process."""
+import os
+import sys
+
 import pytest
 import torch
 
-from megalite.parameters import params as P
 from megalite.config import RunConfig
 from megalite.distributed.layer_groups import LayerGroups
 from megalite.distributed.mesh import init_mesh, single_process_mesh
@@ -16,6 +18,9 @@ from megalite.tensor_parallel.random import TensorParallelRNG
 from megalite.testing import assert_tensor_close, run_distributed
 from megalite.training.launch_checks import launch_problems
 from megalite.training.step import build_data_parallel, build_model_chunks, build_optimizer, train_step
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mla_training import final_parameters  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,14 +125,7 @@ def _train(m, cfg, reference=None):
     assert sum(p.numel() for p in optimizer.model.params) == stage_params(cfg.gpt_config(), cfg, m.pp_rank)
     results = [train_step(optimizer.model, optimizer, batch, m, cfg, lr=1e-3) for batch in _batches(m.dp_size,
                                                                                                       m.dp_rank)]
-    final = {}
-    with optimizer.model.gathered():
-        for name, p in (item for c in chunks for item in c.logical_parameters()):
-            if reference is None:
-                final[name] = P.shard_spec(p).assemble([p.detach()])
-            else:
-                assert_tensor_close(p, P.shard_spec(p).shard(reference[name]), rtol=1e-5, what=f"{cfg.parallel} {name}")
-    return [r.loss for r in results], [r.grad_norm for r in results], final
+    return [r.loss for r in results], [r.grad_norm for r in results], final_parameters(optimizer, chunks, cfg, reference)
 
 
 QUICK = [((2, 1, 1), dict(sequence_parallel=True, recompute="selective"))]
